@@ -1,0 +1,56 @@
+# kvplane developer targets. `make help` lists them.
+SHELL := /bin/bash
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PROTO_SRC := protos
+PROTO_OUT := protos/python
+
+.PHONY: help setup dev protos protos-check lint test test-slow run bench wheel-check clean
+
+help:
+	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
+
+setup: ## Install system packages (etcd, buf) and the Python environment
+	./deploy/scripts/setup.sh
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+dev: $(BIN)/python ## Python environment with the project editable and dev tools
+	$(BIN)/pip install -q -e '.[dev]'
+
+protos: ## Regenerate the Python API from protos/
+	rm -f $(PROTO_OUT)/kvplane/v1/*_pb2*.py $(PROTO_OUT)/kvplane/v1/*_pb2*.pyi
+	PATH=$(abspath $(BIN)):$$PATH $(BIN)/python -m grpc_tools.protoc -I $(PROTO_SRC) \
+	  --python_out=$(PROTO_OUT) --grpc_python_out=$(PROTO_OUT) \
+	  --mypy_out=$(PROTO_OUT) --mypy_grpc_out=$(PROTO_OUT) \
+	  $(PROTO_SRC)/kvplane/v1/*.proto
+
+protos-check: protos ## Fail if the generated code is not current
+	git diff --exit-code -- $(PROTO_OUT) || (echo "generated code is stale: run make protos" && exit 1)
+
+lint: ## ruff, mypy (strict) and buf lint
+	$(BIN)/ruff check services connector bench tests
+	$(BIN)/ruff format --check services connector bench tests
+	$(BIN)/mypy
+	cd $(PROTO_SRC) && ../node_modules/.bin/buf lint
+
+test: ## The default test suite (real etcd, real gRPC, real NIXL)
+	$(BIN)/pytest -q
+
+test-slow: ## Slow suites: real vLLM end to end
+	$(BIN)/pytest -q -m slow
+
+run: ## Start etcd, the services, the gateway and two sim-engines; demo; Ctrl-C stops
+	$(BIN)/kvplane dev-stack
+
+bench: ## Benchmarks; regenerates the README's Performance section
+	$(BIN)/python -m kvplane.bench.all
+
+wheel-check: ## Build the wheel and import it from a fresh venv
+	./deploy/scripts/wheel_check.sh
+
+clean:
+	rm -rf build dist *.egg-info .mypy_cache .ruff_cache
