@@ -1,0 +1,242 @@
+"""Cache handles: a decode engine's retained blocks for one conversation.
+
+A handle has two parts. `VllmHandle` carries every key of the engine's
+`kv_transfer_params` losslessly, so the dict that reaches the prefill engine
+is exactly the one the decode engine emitted. `CacheHandle` adds what the
+control plane needs: owner, holder, wall-clock expiry, size and digests.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from kvplane.connector.digests import TokenDigests
+
+# Keys vLLM's NixlConnector puts in a handle (PROTOCOL.md). Everything else
+# in the dict is carried in `extra` and passed through untouched.
+VLLM_HANDLE_KEYS = frozenset(
+    {
+        "do_remote_decode",
+        "do_remote_prefill",
+        "remote_engine_id",
+        "remote_request_id",
+        "remote_block_ids",
+        "remote_num_tokens",
+        "remote_host",
+        "remote_port",
+        "tp_size",
+        "dcp_size",
+        "pp_size",
+        "remote_blocks_expiry_time",
+        "remote_registration_generation",
+        "transfer_mode",
+    }
+)
+
+# Our own keys inside kv_transfer_params. The router writes them on the way
+# to the engines; the engine's connector reads them back at finish.
+KEY_TENANT = "kvplane_tenant"
+KEY_CONVERSATION = "kvplane_conversation"
+KEY_HANDLE_ID = "kvplane_handle_id"
+KEY_DIGESTS = "kvplane_digests"
+KVPLANE_KEYS = frozenset({KEY_TENANT, KEY_CONVERSATION, KEY_HANDLE_ID, KEY_DIGESTS})
+
+
+class HandleFormatError(ValueError):
+    """kv_transfer_params that are not a usable handle."""
+
+
+class HandleState(enum.Enum):
+    RETAINED = "retained"
+    CHECKED_OUT = "checked_out"
+    RELEASED = "released"
+
+
+class ReleaseReason(enum.Enum):
+    """Why a handle left `retained` without being checked out."""
+
+    REQUESTED = "requested"
+    SUPERSEDED = "superseded"
+    MAX_AGE = "max_age"
+    NODE_BUDGET = "node_budget"
+    TENANT_BUDGET = "tenant_budget"
+    LOW_VALUE = "low_value"
+    CONVERSATION_ENDED = "conversation_ended"
+    HOLDER_DOWN = "holder_down"
+    DRAIN = "drain"
+    FREED_BY_ENGINE = "freed_by_engine"
+
+
+@dataclass(frozen=True, slots=True)
+class VllmHandle:
+    """The engine's handle keys. Optional keys stay `None` when absent."""
+
+    remote_engine_id: str
+    remote_request_id: str
+    remote_block_ids: tuple[tuple[int, ...], ...]
+    remote_num_tokens: int
+    remote_host: str
+    remote_port: int
+    tp_size: int = 1
+    dcp_size: int | None = None
+    pp_size: int | None = None
+    # D's perf_counter deadline, in D's clock. Never compare it with wall time.
+    remote_blocks_expiry_time: float | None = None
+    remote_registration_generation: int | None = None
+    transfer_mode: str = ""
+    # Other keys the engine sent, passed through untouched.
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in the first KV-cache group (all groups cover the same tokens)."""
+        return len(self.remote_block_ids[0]) if self.remote_block_ids else 0
+
+    @classmethod
+    def from_kv_transfer_params(cls, params: Mapping[str, Any]) -> VllmHandle:
+        """Parse a decode engine's finish-time `kv_transfer_params`."""
+        try:
+            groups = params["remote_block_ids"]
+            if not isinstance(groups, list) or not all(isinstance(g, list) for g in groups):
+                raise HandleFormatError("remote_block_ids must be a list of lists of ints")
+            block_ids = tuple(tuple(_int(b, "remote_block_ids") for b in g) for g in groups)
+            expiry = params.get("remote_blocks_expiry_time")
+            if expiry is not None:
+                if not isinstance(expiry, int | float) or isinstance(expiry, bool) or not math.isfinite(expiry):
+                    raise HandleFormatError("remote_blocks_expiry_time must be a finite number or null")
+                expiry = float(expiry)
+            extra = {
+                k: v for k, v in params.items() if k not in VLLM_HANDLE_KEYS and k not in KVPLANE_KEYS
+            }
+            return cls(
+                remote_engine_id=_str(params["remote_engine_id"], "remote_engine_id"),
+                remote_request_id=_str(params["remote_request_id"], "remote_request_id"),
+                remote_block_ids=block_ids,
+                remote_num_tokens=_int(params["remote_num_tokens"], "remote_num_tokens"),
+                remote_host=_str(params["remote_host"], "remote_host"),
+                remote_port=_int(params["remote_port"], "remote_port"),
+                tp_size=_int(params.get("tp_size", 1), "tp_size"),
+                dcp_size=_opt_int(params.get("dcp_size"), "dcp_size"),
+                pp_size=_opt_int(params.get("pp_size"), "pp_size"),
+                remote_blocks_expiry_time=expiry,
+                remote_registration_generation=_opt_int(
+                    params.get("remote_registration_generation"), "remote_registration_generation"
+                ),
+                transfer_mode=_str(params.get("transfer_mode") or "", "transfer_mode"),
+                extra=extra,
+            )
+        except KeyError as exc:
+            raise HandleFormatError(f"kv_transfer_params lacks {exc.args[0]!r}") from None
+
+    def to_kv_transfer_params(self) -> dict[str, Any]:
+        """The engine's dict, as it was emitted (without do_remote_* flags)."""
+        out: dict[str, Any] = dict(self.extra)
+        out.update(
+            remote_engine_id=self.remote_engine_id,
+            remote_request_id=self.remote_request_id,
+            remote_block_ids=[list(g) for g in self.remote_block_ids],
+            remote_num_tokens=self.remote_num_tokens,
+            remote_host=self.remote_host,
+            remote_port=self.remote_port,
+            tp_size=self.tp_size,
+            remote_blocks_expiry_time=self.remote_blocks_expiry_time,
+        )
+        if self.dcp_size is not None:
+            out["dcp_size"] = self.dcp_size
+        if self.pp_size is not None:
+            out["pp_size"] = self.pp_size
+        if self.remote_registration_generation is not None:
+            out["remote_registration_generation"] = self.remote_registration_generation
+        if self.transfer_mode:
+            out["transfer_mode"] = self.transfer_mode
+        return out
+
+    def extra_json(self) -> str:
+        return json.dumps(dict(self.extra), sort_keys=True, separators=(",", ":")) if self.extra else ""
+
+
+def _str(value: Any, name: str) -> str:
+    if not isinstance(value, str):
+        raise HandleFormatError(f"{name} must be a string")
+    return value
+
+
+def _int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise HandleFormatError(f"{name} must be an integer")
+    return value
+
+
+def _opt_int(value: Any, name: str) -> int | None:
+    return None if value is None else _int(value, name)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheHandle:
+    """A published handle: the engine's keys plus ownership, life and size."""
+
+    handle_id: str
+    tenant: str
+    conversation: str
+    holder_node_id: str
+    holder_incarnation: str
+    vllm: VllmHandle
+    wall_expiry_unix_ms: int
+    retained_bytes: int = 0
+    digests: TokenDigests | None = None
+    published_unix_ms: int = 0
+    model: str = ""
+
+    @property
+    def num_tokens(self) -> int:
+        return self.vllm.remote_num_tokens
+
+    def life_left_ms(self, now_unix_ms: int) -> int:
+        return self.wall_expiry_unix_ms - now_unix_ms
+
+    def with_id(self, handle_id: str) -> CacheHandle:
+        return replace(self, handle_id=handle_id)
+
+    def prefill_kv_transfer_params(self) -> dict[str, Any]:
+        """The P leg's dict for a pull: the engine's handle, flags for P."""
+        out = self.vllm.to_kv_transfer_params()
+        out["do_remote_decode"] = True
+        out["do_remote_prefill"] = False
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """A check-out in flight, recorded with a short lease."""
+
+    claim_id: str
+    handle: CacheHandle
+    route_id: str
+    claimed_unix_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class PendingRelease:
+    """A release command waiting for its node to acknowledge it."""
+
+    command_id: str
+    handle: CacheHandle
+    reason: ReleaseReason
+    decided_unix_ms: int
+
+
+def fresh_prefill_params() -> dict[str, Any]:
+    """Turn-1 P-leg params: "my KV will be read after I finish"."""
+    return {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
