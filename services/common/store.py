@@ -150,7 +150,19 @@ class Store:
             return
         self._channel = grpc.aio.insecure_channel(
             _target(self.settings.endpoints),
-            options=[("grpc.lb_policy_name", "pick_first"), ("grpc.max_receive_message_length", 64 << 20)],
+            options=[
+                ("grpc.lb_policy_name", "pick_first"),
+                ("grpc.max_receive_message_length", 64 << 20),
+                # Reconnect within a second or two of etcd coming back, not
+                # after gRPC's default backoff of up to two minutes.
+                ("grpc.initial_reconnect_backoff_ms", 200),
+                ("grpc.min_reconnect_backoff_ms", 200),
+                ("grpc.max_reconnect_backoff_ms", 1000),
+                # Notice a silently dead connection (etcd allows pings every 5 s).
+                ("grpc.keepalive_time_ms", 5000),
+                ("grpc.keepalive_timeout_ms", 2000),
+                ("grpc.keepalive_permit_without_calls", 1),
+            ],
         )
         self._kv = rpc.KVStub(self._channel)
         self._lease = rpc.LeaseStub(self._channel)
@@ -687,7 +699,8 @@ class Store:
         ]
 
     async def watch_prefix(self, prefix: bytes, start_revision: int) -> AsyncIterator[list[WatchEvent]]:
-        """Batches of changes under `prefix` from `start_revision` on.
+        """Batches of changes under `prefix` from `start_revision` on; an empty
+        batch means the stream is live with nothing new.
 
         Ends by raising StoreUnavailable when the stream breaks, or
         `Compacted` when `start_revision` is no longer available; callers
@@ -712,8 +725,8 @@ class Store:
                     raise Compacted(int(resp.compact_revision))
                 if resp.canceled:
                     raise StoreUnavailable(f"etcd canceled the watch: {resp.cancel_reason}")
-                if not resp.events:
-                    continue
+                # An empty batch (the watch's creation, a progress notice)
+                # still tells the caller that the stream is live.
                 batch = [
                     WatchEvent(
                         revision=int(ev.kv.mod_revision),
