@@ -1,0 +1,105 @@
+"""The `kvplane` command."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from kvplane.services.common.process import Installer, ServiceProcess
+from kvplane.services.common.settings import KvplaneSettings
+from kvplane.services.common.telemetry import configure_logging
+
+log = logging.getLogger("kvplane")
+
+# Each service module exposes `install(ctx)`; `serve all` installs them all.
+SERVICES = {
+    "metadata": "kvplane.services.metadata.app",
+    "routing": "kvplane.services.routing.app",
+    "eviction": "kvplane.services.eviction.app",
+}
+
+
+def installers(names: Sequence[str]) -> list[Installer]:
+    out = []
+    for name in names:
+        module = importlib.import_module(SERVICES[name])
+        out.append(module.install)
+    return out
+
+
+def available_services() -> list[str]:
+    found = []
+    for name, module in SERVICES.items():
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError:
+            continue
+        found.append(name)
+    return found
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if args.listen:
+        out.setdefault("grpc", {})["listen"] = args.listen
+    if args.etcd:
+        out.setdefault("etcd", {})["endpoints"] = [e.strip() for e in args.etcd.split(",") if e.strip()]
+    if args.metrics_port is not None:
+        out.setdefault("telemetry", {})["metrics_port"] = args.metrics_port
+    if args.otlp_endpoint is not None:
+        out.setdefault("telemetry", {})["otlp_endpoint"] = args.otlp_endpoint
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvplane", description="KV-cache reuse control plane for disaggregated vLLM")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run kvplane services")
+    serve.add_argument("service", choices=[*SERVICES, "all"])
+    serve.add_argument("--config", help="YAML settings file (also KVPLANE_CONFIG)")
+    serve.add_argument("--listen", help="gRPC listen address, host:port")
+    serve.add_argument("--etcd", help="comma-separated etcd endpoints, host:port")
+    serve.add_argument("--metrics-port", type=int, help="Prometheus port; 0 disables")
+    serve.add_argument("--otlp-endpoint", help="OTLP/gRPC trace collector, host:port")
+    for name, target in EXTRA_COMMANDS.items():
+        sub.add_parser(name, help=f"see `kvplane {name} --help`", add_help=False).set_defaults(extra=target)
+    return parser
+
+
+# Commands implemented elsewhere, which parse their own arguments.
+EXTRA_COMMANDS: dict[str, str] = {
+    "sim-engine": "kvplane.bench.simengine.cli:main",
+    "gateway": "kvplane.services.gateway.cli:main",
+    "dev-stack": "kvplane.services.devstack:main",
+    "bench": "kvplane.bench.live:main",
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in EXTRA_COMMANDS:
+        module_name, func = EXTRA_COMMANDS[argv[0]].split(":")
+        entry: Any = getattr(importlib.import_module(module_name), func)
+        return int(entry(argv[1:]) or 0)
+    args = build_parser().parse_args(argv)
+    settings = KvplaneSettings.load(args.config, _overrides(args))
+    configure_logging(settings.telemetry.log_level, settings.telemetry.json_logs)
+    names = available_services() if args.service == "all" else [args.service]
+    log.info("starting", extra={"services": names, "settings": settings.masked_json()})
+    asyncio.run(_serve(settings, names))
+    return 0
+
+
+async def _serve(settings: KvplaneSettings, names: Sequence[str]) -> None:
+    # grpc.aio objects bind to the running loop, so build the process inside it.
+    process = ServiceProcess(settings, installers(names))
+    await process.run_until_signalled()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

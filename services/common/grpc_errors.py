@@ -1,0 +1,95 @@
+"""The one place where kvplane's errors become gRPC status codes.
+
+Servicer methods are wrapped with `rpc_method`: it authenticates the caller,
+maps each exception type to a canonical code with a human message, and turns
+anything unexpected into INTERNAL (never UNKNOWN).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from kvplane.services.common.errors import (
+    HandleNotRetained,
+    InvalidArgument,
+    KvplaneError,
+    NodeNotRegistered,
+    NotFound,
+    NotLeader,
+    PermissionDenied,
+    StoreUnavailable,
+    Unauthenticated,
+)
+
+log = logging.getLogger(__name__)
+
+STATUS_BY_ERROR: tuple[tuple[type[KvplaneError], grpc.StatusCode], ...] = (
+    (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
+    (NotFound, grpc.StatusCode.NOT_FOUND),
+    (HandleNotRetained, grpc.StatusCode.FAILED_PRECONDITION),
+    (NodeNotRegistered, grpc.StatusCode.FAILED_PRECONDITION),
+    (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
+    (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
+    (StoreUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (NotLeader, grpc.StatusCode.UNAVAILABLE),
+)
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    for error_type, code in STATUS_BY_ERROR:
+        if isinstance(exc, error_type):
+            return code, str(exc)
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}"
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def rpc_method(fn: F) -> F:
+    """Maps errors raised by a unary or server-streaming servicer method."""
+    if inspect.isasyncgenfunction(fn):
+
+        @functools.wraps(fn)
+        async def stream(self: Any, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            try:
+                async for item in fn(self, request, context):
+                    yield item
+            except KvplaneError as exc:
+                code, message = status_for(exc)
+                await context.abort(code, message)
+            except Exception as exc:
+                if _is_abort(exc):
+                    raise
+                log.exception("unexpected error in %s", fn.__name__)
+                await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
+
+        return stream  # type: ignore[return-value]
+
+    @functools.wraps(fn)
+    async def unary(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await fn(self, request, context)
+        except KvplaneError as exc:
+            code, message = status_for(exc)
+            await context.abort(code, message)
+        except Exception as exc:
+            if _is_abort(exc):
+                raise
+            log.exception("unexpected error in %s", fn.__name__)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
+
+    return unary  # type: ignore[return-value]
+
+
+def _is_abort(exc: BaseException) -> bool:
+    # context.abort raises an internal exception type; let it through.
+    return type(exc).__name__ == "AbortError" or isinstance(exc, grpc.aio.AbortError)
+
+
+AsyncUnary = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]]

@@ -1,0 +1,106 @@
+"""What one kvplane process is made of, and how it starts and stops.
+
+A process has one settings object, one telemetry, one etcd store, one
+watch-fed cluster view and one gRPC server. Each service contributes an
+`install(ctx)` that registers its servicers on the server and returns its
+background components; `kvplane serve all` installs every service into one
+process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvplane.services.common.cluster_view import ClusterView
+from kvplane.services.common.server import GrpcServer, MetricsServer
+from kvplane.services.common.settings import KvplaneSettings
+from kvplane.services.common.store import Store
+from kvplane.services.common.telemetry import Telemetry
+
+log = logging.getLogger(__name__)
+
+
+class Component(Protocol):
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+@dataclass
+class ProcessContext:
+    settings: KvplaneSettings
+    telemetry: Telemetry
+    store: Store
+    server: GrpcServer
+    _view: ClusterView | None = field(default=None)
+
+    @property
+    def view(self) -> ClusterView:
+        """The process's cluster view, created on first use and shared."""
+        if self._view is None:
+            self._view = ClusterView(self.store)
+        return self._view
+
+
+Installer = Callable[[ProcessContext], Sequence[Component]]
+
+
+class ServiceProcess:
+    """Runs installed services until stopped; usable in tests and the CLI."""
+
+    def __init__(self, settings: KvplaneSettings, installers: Sequence[Installer], telemetry: Telemetry | None = None) -> None:
+        self.settings = settings
+        self.telemetry = telemetry or Telemetry.create(
+            "kvplane",
+            otlp_endpoint=settings.telemetry.otlp_endpoint,
+            sample_ratio=settings.telemetry.sample_ratio,
+        )
+        self.store = Store(settings.etcd.store_settings(), self.telemetry)
+        self.server = GrpcServer(settings.grpc.listen, self.telemetry, settings.auth.authenticator())
+        self.ctx = ProcessContext(settings, self.telemetry, self.store, self.server)
+        self.components: list[Component] = []
+        for install in installers:
+            self.components.extend(install(self.ctx))
+        self.metrics: MetricsServer | None = None
+        self.grpc_port = 0
+        self.metrics_port = 0
+
+    async def start(self) -> None:
+        await self.store.connect()
+        if self.ctx._view is not None:
+            self.ctx._view.start()
+        for component in self.components:
+            await component.start()
+        self.grpc_port = await self.server.start()
+        if self.settings.telemetry.metrics_port >= 0 and self.settings.telemetry.metrics_port != 0:
+            self.metrics = MetricsServer(self.telemetry, self.settings.telemetry.metrics_host, self.settings.telemetry.metrics_port)
+            self.metrics_port = self.metrics.start()
+
+    async def stop(self) -> None:
+        await self.server.stop(self.settings.grpc.grace_s)
+        for component in reversed(self.components):
+            with contextlib.suppress(Exception):
+                await component.stop()
+        if self.ctx._view is not None:
+            await self.ctx._view.stop()
+        if self.metrics is not None:
+            self.metrics.stop()
+        await self.store.close()
+        self.telemetry.shutdown()
+
+    async def run_until_signalled(self) -> None:
+        await self.start()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        log.info("serving", extra={"grpc_port": self.grpc_port, "metrics_port": self.metrics_port})
+        await stop.wait()
+        log.info("stopping")
+        await self.stop()

@@ -1,0 +1,129 @@
+"""One typed settings object for every kvplane process.
+
+Sources, lowest to highest precedence: defaults, a YAML file (--config or
+KVPLANE_CONFIG), environment variables (KVPLANE_<SECTION>__<FIELD>, e.g.
+KVPLANE_ETCD__ENDPOINTS='["10.0.0.1:2379"]'), then command-line flags.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from kvplane.services.common.auth import (
+    Authenticator,
+    HeaderAuthenticator,
+    Principal,
+    PrincipalKind,
+    TokenAuthenticator,
+)
+from kvplane.services.common.store import StoreSettings
+
+
+class EtcdSection(BaseModel):
+    endpoints: list[str] = Field(default_factory=lambda: ["127.0.0.1:2379"])
+    prefix: str = "/kvplane/v1/"
+    request_timeout_s: float = 2.0
+    claim_ttl_s: int = 30
+    settle_timeout_s: float = 10.0
+
+    def store_settings(self, **overrides: Any) -> StoreSettings:
+        values = dict(
+            endpoints=tuple(self.endpoints),
+            prefix=self.prefix,
+            request_timeout_s=self.request_timeout_s,
+            claim_ttl_s=self.claim_ttl_s,
+            settle_timeout_s=self.settle_timeout_s,
+        )
+        values.update(overrides)
+        return StoreSettings(**values)
+
+
+class TelemetrySection(BaseModel):
+    otlp_endpoint: str = ""
+    sample_ratio: float = Field(1.0, ge=0.0, le=1.0)
+    metrics_host: str = "127.0.0.1"
+    # 0 disables the Prometheus endpoint.
+    metrics_port: int = 9464
+    log_level: str = "info"
+    json_logs: bool = True
+
+
+class TokenEntry(BaseModel):
+    token: SecretStr
+    kind: Literal["tenant", "node", "operator"] = "tenant"
+    name: str
+    tenant: str = ""
+
+
+class AuthSection(BaseModel):
+    # "header": trust x-kvplane-tenant/x-kvplane-role (development, or behind
+    # a mesh proxy that sets them); "token": bearer tokens below.
+    mode: Literal["header", "token"] = "header"
+    tokens: list[TokenEntry] = Field(default_factory=list)
+
+    def authenticator(self) -> Authenticator:
+        if self.mode == "header":
+            return HeaderAuthenticator()
+        principals = {
+            entry.token.get_secret_value(): Principal(
+                PrincipalKind(entry.kind), entry.name, entry.tenant if entry.kind == "tenant" else ""
+            )
+            for entry in self.tokens
+        }
+        return TokenAuthenticator(principals)
+
+
+class GrpcSection(BaseModel):
+    listen: str = "127.0.0.1:50051"
+    grace_s: float = 5.0
+
+
+class MetadataSection(BaseModel):
+    default_lease_ttl_s: int = Field(10, ge=2, le=300)
+    # How often the node reaper sweeps for handles of vanished nodes, seconds.
+    reaper_interval_s: float = 5.0
+
+
+class KvplaneSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="KVPLANE_", env_nested_delimiter="__", extra="forbid")
+
+    grpc: GrpcSection = Field(default_factory=GrpcSection)
+    etcd: EtcdSection = Field(default_factory=EtcdSection)
+    telemetry: TelemetrySection = Field(default_factory=TelemetrySection)
+    auth: AuthSection = Field(default_factory=AuthSection)
+    metadata: MetadataSection = Field(default_factory=MetadataSection)
+
+    @classmethod
+    def load(cls, config_file: str | None = None, overrides: dict[str, Any] | None = None) -> KvplaneSettings:
+        """Defaults < file < environment < `overrides` (from flags)."""
+        path = config_file or os.environ.get("KVPLANE_CONFIG")
+        file_values: dict[str, Any] = {}
+        if path:
+            loaded = yaml.safe_load(Path(path).read_text())
+            if not isinstance(loaded, dict):
+                raise ValueError(f"{path}: expected a mapping at the top level")
+            file_values = loaded
+        env_values = cls().model_dump(exclude_unset=True)
+        merged = _merge(_merge(file_values, env_values), overrides or {})
+        return cls.model_validate(merged)
+
+    def masked_json(self) -> str:
+        """The effective settings with secrets masked, for the start-up log."""
+        return json.dumps(self.model_dump(mode="json"), sort_keys=True)
+
+
+def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out

@@ -1,0 +1,100 @@
+"""The values retention policies judge: a snapshot in, releases out.
+
+Plain frozen dataclasses with no dependency on etcd, gRPC or the clock, so
+the discrete-event simulator can build them directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from kvplane.services.common.handles import ReleaseReason
+
+
+@dataclass(frozen=True, slots=True)
+class HandleInfo:
+    """One retained handle as a policy sees it. Times are Unix milliseconds."""
+
+    tenant: str
+    conversation: str
+    handle_id: str
+    node_id: str
+    retained_bytes: int
+    num_tokens: int
+    published_unix_ms: int
+    wall_expiry_unix_ms: int
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.tenant, self.conversation)
+
+    def age_s(self, now_unix_ms: int) -> float:
+        return max(0, now_unix_ms - self.published_unix_ms) / 1000.0
+
+    def life_left_s(self, now_unix_ms: int) -> float:
+        return max(0, self.wall_expiry_unix_ms - now_unix_ms) / 1000.0
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInfo:
+    """A holder node. `kv_capacity_bytes` is 0 when the node did not say."""
+
+    node_id: str
+    kv_capacity_bytes: int = 0
+
+
+def _frozen_nodes(nodes: Mapping[str, NodeInfo]) -> Mapping[str, NodeInfo]:
+    return MappingProxyType(dict(nodes))
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """Everything a policy may look at, taken at `now_unix_ms`."""
+
+    now_unix_ms: int
+    handles: tuple[HandleInfo, ...]
+    nodes: Mapping[str, NodeInfo] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "nodes", _frozen_nodes(self.nodes))
+
+    def without(self, released: Mapping[tuple[str, str], object]) -> Snapshot:
+        """The snapshot less the handles already chosen for release."""
+        return Snapshot(self.now_unix_ms, tuple(h for h in self.handles if h.key not in released), self.nodes)
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """A decision to release one handle, and why.
+
+    `reason` becomes the metric label and span attribute; `detail` is the
+    human half of the log line ("node d1 at 9.1 GB over 8.0 GB high mark").
+    """
+
+    tenant: str
+    conversation: str
+    handle_id: str
+    node_id: str
+    reason: ReleaseReason
+    policy: str
+    detail: str = ""
+    retained_bytes: int = 0
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.tenant, self.conversation)
+
+    @classmethod
+    def of(cls, handle: HandleInfo, reason: ReleaseReason, policy: str, detail: str = "") -> Release:
+        return cls(
+            handle.tenant,
+            handle.conversation,
+            handle.handle_id,
+            handle.node_id,
+            reason,
+            policy,
+            detail,
+            handle.retained_bytes,
+        )

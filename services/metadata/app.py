@@ -1,0 +1,26 @@
+"""Installs the metadata service into a kvplane process."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvplane.services.common.process import Component, ProcessContext
+from kvplane.services.metadata.service import SERVICE_NAME, MetadataService, NodeReaper
+from kvplane.v1 import metadata_pb2_grpc
+
+
+class _Reaper:
+    def __init__(self, reaper: NodeReaper) -> None:
+        self.reaper = reaper
+
+    async def start(self) -> None:
+        self.reaper.start()
+
+    async def stop(self) -> None:
+        await self.reaper.stop()
+
+
+def install(ctx: ProcessContext) -> Sequence[Component]:
+    servicer = MetadataService(ctx.store, ctx.settings.metadata, ctx.telemetry)
+    ctx.server.add(SERVICE_NAME, metadata_pb2_grpc.add_MetadataServiceServicer_to_server, servicer)
+    return [_Reaper(NodeReaper(ctx.store, ctx.view, ctx.settings.metadata.reaper_interval_s))]

@@ -1,0 +1,56 @@
+"""Routing decisions and the reasons behind them."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from kvplane.services.common.nodes import Node
+
+
+class Decision(enum.Enum):
+    """Pull the retained KV, or recompute it, and why. Mirrors routing.proto's Decision."""
+
+    PULL = "pull"
+    RECOMPUTE_NO_HANDLE = "recompute_no_handle"
+    RECOMPUTE_BELOW_THRESHOLD = "recompute_below_threshold"
+    RECOMPUTE_EXPIRING = "recompute_expiring"
+    RECOMPUTE_HOLDER_DOWN = "recompute_holder_down"
+    RECOMPUTE_PREFIX_MISMATCH = "recompute_prefix_mismatch"
+    RECOMPUTE_COST = "recompute_cost"
+    # Set by the service, never by the policy: the check-out lost a race, or
+    # etcd could not be reached to make it.
+    RECOMPUTE_CONTENDED = "recompute_contended"
+
+    @property
+    def pulls(self) -> bool:
+        return self is Decision.PULL
+
+
+@dataclass(frozen=True, slots=True)
+class PullVerdict:
+    """Pull or recompute, with the estimates that led there (ms, tokens)."""
+
+    decision: Decision
+    reason: str
+    reusable_tokens: int = 0
+    transfer_ms: float = 0.0
+    recompute_ms: float = 0.0
+    life_left_ms: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RoutePlan:
+    """The policy's answer for one turn."""
+
+    prefill: Node
+    decode: Node
+    verdict: PullVerdict
+
+    @property
+    def decision(self) -> Decision:
+        return self.verdict.decision
+
+
+class NoEligibleNodes(Exception):
+    """No prefill or decode node passes the filters: the turn cannot be routed."""

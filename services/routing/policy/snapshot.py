@@ -1,0 +1,81 @@
+"""The immutable inputs of one routing decision.
+
+Everything the policy looks at arrives here as plain frozen values: the
+service builds a snapshot from its watch-fed cluster view, and the simulator
+builds one from its own model of the cluster. Time is `now_unix_ms`, never a
+clock read.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvplane.services.common.handles import CacheHandle
+from kvplane.services.common.nodes import Fingerprint, Node, NodeLoad
+
+
+class Leg(enum.Enum):
+    """Which half of a disaggregated turn a node is being chosen for."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass(frozen=True, slots=True)
+class NodeState:
+    """A live node and its latest load report (None until it reports)."""
+
+    node: Node
+    load: NodeLoad | None = None
+
+    @property
+    def node_id(self) -> str:
+        return self.node.node_id
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """The new turn's prompt, as far as the caller described it.
+
+    `token_ids` (when sent) or `block_digests` (the chained digest after each
+    whole block, taken with `digest_block_size`) let the policy prove that the
+    prompt continues a handle. With neither, only the length is known.
+    """
+
+    tokens: int
+    token_ids: Sequence[int] = ()
+    block_digests: Sequence[int] = ()
+    digest_block_size: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RouteSnapshot:
+    """One turn's routing inputs. `nodes` holds only registered (lease-live) nodes."""
+
+    model: str
+    conversation: str
+    prompt: Prompt
+    nodes: tuple[NodeState, ...]
+    now_unix_ms: int
+    # The conversation's retained handle, if the view has one.
+    handle: CacheHandle | None = None
+    # The prefill node that served the conversation's previous turn, if known;
+    # its local prefix cache may still hold the history.
+    last_prefill_node_id: str = ""
+    # (prefill node id, holder engine id) pairs that have completed a NIXL
+    # handshake before; a first contact pays the handshake.
+    contacted: frozenset[tuple[str, str]] = field(default_factory=frozenset)
+
+
+@dataclass(frozen=True, slots=True)
+class LegContext:
+    """What a filter or scorer may consult besides the node it judges."""
+
+    snapshot: RouteSnapshot
+    leg: Leg
+    # The handle's holder, when it is registered with the handle's incarnation.
+    holder: Node | None = None
+    # The fingerprint the leg's nodes must share (None: any).
+    fingerprint: Fingerprint | None = None
