@@ -7,12 +7,14 @@ etcd fsyncs every write, and a shared disk can stall that for seconds.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from types import TracebackType
 
@@ -28,14 +30,16 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def _wait_port(host: str, port: int, deadline: float, proc: subprocess.Popen[bytes], log: Path) -> None:
+def _wait_healthy(url: str, deadline: float, proc: subprocess.Popen[bytes], log: Path) -> None:
+    """Until etcd's /health says it has a leader and serves requests."""
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"etcd exited with {proc.returncode}: {log.read_text()[-2000:]}")
-        with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.2):
-            return
-        time.sleep(0.05)  # polling a port until its deadline
-    raise TimeoutError(f"etcd did not listen on {host}:{port}: {log.read_text()[-2000:]}")
+        with contextlib.suppress(OSError, ValueError), urllib.request.urlopen(url + "/health", timeout=1) as resp:
+            if json.loads(resp.read()).get("health") == "true":
+                return
+        time.sleep(0.05)  # polling until the deadline
+    raise TimeoutError(f"etcd at {url} did not become healthy: {log.read_text()[-2000:]}")
 
 
 class LocalEtcd:
@@ -79,7 +83,7 @@ class LocalEtcd:
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(args, stdout=log, stderr=log, start_new_session=True)
         log.close()
-        _wait_port(self.host, self.client_port, time.monotonic() + timeout_s, self.proc, self.log_path)
+        _wait_healthy(client, time.monotonic() + timeout_s, self.proc, self.log_path)
 
     def _supports_no_fsync(self) -> bool:
         out = subprocess.run([self.binary, "--help"], capture_output=True, text=True, check=False)

@@ -30,7 +30,6 @@ class EtcdSection(BaseModel):
     endpoints: list[str] = Field(default_factory=lambda: ["127.0.0.1:2379"])
     prefix: str = "/kvplane/v1/"
     request_timeout_s: float = 2.0
-    claim_ttl_s: int = 30
     settle_timeout_s: float = 10.0
 
     def store_settings(self, **overrides: Any) -> StoreSettings:
@@ -38,7 +37,6 @@ class EtcdSection(BaseModel):
             endpoints=tuple(self.endpoints),
             prefix=self.prefix,
             request_timeout_s=self.request_timeout_s,
-            claim_ttl_s=self.claim_ttl_s,
             settle_timeout_s=self.settle_timeout_s,
         )
         values.update(overrides)

@@ -59,7 +59,6 @@ class StoreSettings:
     endpoints: tuple[str, ...] = ("127.0.0.1:2379",)
     prefix: str = "/kvplane/v1/"
     request_timeout_s: float = 2.0
-    claim_ttl_s: int = 30
     # How long an ambiguous write is re-sent before giving up, in seconds.
     settle_timeout_s: float = 10.0
 
@@ -214,11 +213,12 @@ class Store:
     # -- leases -------------------------------------------------------------
 
     async def grant_lease(self, ttl_s: int) -> int:
+        request = rpc.LeaseGrantRequest(TTL=ttl_s)
         try:
-            resp = await self._rpc("lease_grant", self._lease.LeaseGrant, rpc.LeaseGrantRequest(TTL=ttl_s))
+            resp = await self._rpc("lease_grant", self._lease.LeaseGrant, request)
         except _Ambiguous as exc:
-            # An orphan lease from a lost reply expires on its own.
-            raise StoreUnavailable(f"etcd lease grant: {exc.cause.details()}") from exc
+            # Safe to re-send: an orphan lease from a lost reply expires on its own.
+            resp = await self._resend(exc, lambda: self._rpc("lease_grant", self._lease.LeaseGrant, request))
         return int(resp.ID)
 
     async def refresh_lease(self, lease_id: int) -> int:
@@ -249,9 +249,9 @@ class Store:
         except _Ambiguous as exc:
             raise StoreUnavailable(f"etcd lease revoke: {exc.cause.details()}") from exc
 
-    async def _lease_for_expiry(self, expiry_unix_ms: int) -> int:
-        """A lease that ends within a second after `expiry_unix_ms`."""
-        second = -(-expiry_unix_ms // 1000)
+    async def _lease_for_expiry(self, expiry_unix_ms: int, granularity_s: int = 1) -> int:
+        """A lease that ends within `granularity_s` after `expiry_unix_ms`."""
+        second = -(-expiry_unix_ms // (1000 * granularity_s)) * granularity_s
         async with self._lease_lock:
             now_s = time.time()
             for stale in [s for s in self._leases_by_second if s < now_s]:
@@ -503,8 +503,8 @@ class Store:
 
         One transaction: the handle key's mod_revision still equals the one
         read (or `expected`, from a watch-fed cache, which saves the read);
-        then delete the handle and its index, and write a claim with a short
-        lease. NotFound if there is no handle; HandleNotRetained if another
+        then delete the handle and its index, and write a claim under the
+        handle's own lease. NotFound if there is no handle; HandleNotRetained if another
         caller won, or if `handle_id` names another handle.
         """
         record = expected or await self.get_handle_record(tenant, conversation)
@@ -516,7 +516,9 @@ class Store:
         claim_id = claim_id or uuid.uuid4().hex
         claim = Claim(claim_id, handle, route_id, now_ms())
         claim_key = self.keys.claim(tenant, conversation, claim_id)
-        claim_lease = await self._lease_for_expiry(now_ms() + self.settings.claim_ttl_s * 1000)
+        # The claim shares the handle's lease: it lives no longer than the
+        # blocks could, and the check-out needs no lease grant of its own.
+        claim_lease = record.lease
         key = self.keys.handle(tenant, conversation)
         compare = [_cmp_mod(key, record.mod_revision)]
         ops = [
