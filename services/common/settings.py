@@ -89,6 +89,21 @@ class MetadataSection(BaseModel):
     reaper_interval_s: float = 5.0
 
 
+class RoutingSection(BaseModel):
+    # Routing policy YAML (services/routing/policy/config.py); empty: the packaged default.
+    policy_file: str = ""
+    # Longest a Route waits on the check-out transaction before recomputing, seconds.
+    checkout_timeout_s: float = Field(1.0, gt=0)
+    # D's decoder_kv_blocks_ttl: how long a handle published by ReportTurn lives, seconds.
+    decode_kv_ttl_s: float = Field(480.0, gt=0)
+    # Subtracted from that life to give the handle's wall-clock expiry, seconds.
+    expiry_margin_s: float = Field(5.0, ge=0)
+    # Conversations whose last prefill node is remembered (best effort, per replica).
+    max_tracked_conversations: int = Field(100_000, ge=0)
+    # Routes remembered for ReportTurn (per replica).
+    max_tracked_routes: int = Field(100_000, ge=0)
+
+
 class KvplaneSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVPLANE_", env_nested_delimiter="__", extra="forbid")
 
@@ -97,6 +112,7 @@ class KvplaneSettings(BaseSettings):
     telemetry: TelemetrySection = Field(default_factory=TelemetrySection)
     auth: AuthSection = Field(default_factory=AuthSection)
     metadata: MetadataSection = Field(default_factory=MetadataSection)
+    routing: RoutingSection = Field(default_factory=RoutingSection)
 
     @classmethod
     def load(cls, config_file: str | None = None, overrides: dict[str, Any] | None = None) -> KvplaneSettings:
