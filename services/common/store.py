@@ -102,6 +102,16 @@ class NodeRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class ElectionRecord:
+    """Who leads an election, under which lease, read at `revision`."""
+
+    candidate: str
+    lease: int
+    mod_revision: int
+    revision: int
+
+
+@dataclass(frozen=True, slots=True)
 class WatchEvent:
     """One change under a watched prefix."""
 
@@ -651,21 +661,20 @@ class Store:
         start = page_token if page_token.startswith(prefix) else prefix
         end = prefix_range_end(prefix)
         out: list[CacheHandle] = []
-        while len(out) < page_size:
-            resp = await self._read("list_handles", rpc.RangeRequest(key=start, range_end=end, limit=page_size + 1))
+        while True:
+            resp = await self._read("list_handles", rpc.RangeRequest(key=start, range_end=end, limit=page_size))
             kvs = list(resp.kvs)
-            for kv in kvs[:page_size]:
-                handle = _handle(kv.value)
-                if not node_id or handle.holder_node_id == node_id:
-                    out.append(handle)
-                    if len(out) == page_size:
-                        break
+            for i, kv in enumerate(kvs):
                 start = bytes(kv.key) + b"\0"
-            if len(kvs) <= page_size:
+                handle = _handle(kv.value)
+                if node_id and handle.holder_node_id != node_id:
+                    continue
+                out.append(handle)
+                if len(out) == page_size:
+                    more = bool(resp.more) or i < len(kvs) - 1
+                    return out, start if more else b""
+            if not resp.more:
                 return out, b""
-            if len(out) == page_size:
-                break
-        return out, start
 
     # -- release commands -----------------------------------------------------
 
@@ -688,6 +697,34 @@ class Store:
         await self._write(
             "ack_release", [], [rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=self.keys.release(node_id, command_id)))]
         )
+
+    # -- leader election -------------------------------------------------------
+
+    async def campaign(self, name: str, candidate: str, lease: int) -> ElectionRecord:
+        """Tries to make `candidate` the leader of `name`.
+
+        One txn puts `candidate` on the election key, bound to `lease`, only
+        if the key does not exist; either way it returns the leader after the
+        attempt, so the caller won if the record names its own lease. The key
+        vanishes with the lease, which is what lets a standby take over.
+        """
+        key = self.keys.election(name)
+        read = rpc.RequestOp(request_range=rpc.RangeRequest(key=key))
+        # Re-sending after an unseen success finds our own record: still a win.
+        resp = await self._write("campaign", [_cmp_create(key, 0)], [_put(key, candidate.encode(), lease), read], [read])
+        kvs = resp.responses[-1].response_range.kvs
+        if not kvs:
+            raise StoreUnavailable(f"election {name!r}: leader key vanished during the campaign")
+        kv = kvs[0]
+        return ElectionRecord(kv.value.decode(), int(kv.lease), int(kv.mod_revision), int(resp.header.revision))
+
+    async def election_leader(self, name: str) -> ElectionRecord | None:
+        """The current leader of `name`, if any."""
+        resp = await self._read("election_leader", rpc.RangeRequest(key=self.keys.election(name)))
+        if not resp.kvs:
+            return None
+        kv = resp.kvs[0]
+        return ElectionRecord(kv.value.decode(), int(kv.lease), int(kv.mod_revision), int(resp.header.revision))
 
     # -- watches --------------------------------------------------------------
 

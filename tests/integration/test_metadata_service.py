@@ -1,0 +1,278 @@
+"""The metadata service over real gRPC and a real etcd."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from kvplane.services.common import convert
+from kvplane.services.common.local_etcd import LocalEtcd
+from kvplane.services.common.process import ServiceProcess
+from kvplane.services.common.telemetry import Telemetry
+from kvplane.services.metadata.app import install
+from kvplane.v1 import handle_pb2, metadata_pb2, metadata_pb2_grpc
+from tests.conftest import NODE_HEADERS, make_node, settings_for, tenant_headers
+from tests.support.factories import make_handle
+from tests.support.polling import eventually
+
+HOSTILE_CONVERSATIONS = ["a/b", "..", "../../nodes/d0", "\x00", "x\x00y", "会话🙂", "c" * 256, "a%2Fb", "a b"]
+
+
+async def _register(stub: metadata_pb2_grpc.MetadataServiceStub, node_id: str = "d0"):  # type: ignore[no-untyped-def]
+    node = make_node(node_id)
+    await stub.RegisterNode(
+        metadata_pb2.RegisterNodeRequest(node=convert.node_to_pb(node), lease_ttl_s=30), metadata=NODE_HEADERS
+    )
+    return node
+
+
+async def _publish(stub: metadata_pb2_grpc.MetadataServiceStub, handle) -> str:  # type: ignore[no-untyped-def]
+    resp = await stub.PublishHandles(
+        metadata_pb2.PublishHandlesRequest(handles=[convert.handle_to_pb(handle)]), metadata=NODE_HEADERS
+    )
+    return resp.results[0].handle_id
+
+
+async def test_publish_get_checkout_over_grpc_is_single_use(metadata_channel: grpc.aio.Channel) -> None:
+    stub = metadata_pb2_grpc.MetadataServiceStub(metadata_channel)
+    node = await _register(stub)
+    handle_id = await _publish(stub, make_handle(node))
+    got = await stub.GetHandle(metadata_pb2.GetHandleRequest(conversation="conv-1"), metadata=tenant_headers("acme"))
+    assert got.handle.handle_id == handle_id and got.state == handle_pb2.HANDLE_STATE_RETAINED
+
+    async def checkout() -> grpc.StatusCode:
+        try:
+            await stub.CheckOutHandle(
+                metadata_pb2.CheckOutHandleRequest(conversation="conv-1"), metadata=tenant_headers("acme")
+            )
+            return grpc.StatusCode.OK
+        except grpc.aio.AioRpcError as exc:
+            return exc.code()
+
+    codes = await asyncio.gather(*[checkout() for _ in range(20)])
+    assert codes.count(grpc.StatusCode.OK) == 1
+    assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND}
+
+
+async def test_release_of_a_checked_out_handle_is_refused(metadata_channel: grpc.aio.Channel) -> None:
+    stub = metadata_pb2_grpc.MetadataServiceStub(metadata_channel)
+    node = await _register(stub)
+    handle_id = await _publish(stub, make_handle(node))
+    await stub.CheckOutHandle(metadata_pb2.CheckOutHandleRequest(conversation="conv-1"), metadata=tenant_headers("acme"))
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.ReleaseHandle(
+            metadata_pb2.ReleaseHandleRequest(conversation="conv-1", handle_id=handle_id),
+            metadata=tenant_headers("acme"),
+        )
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_tenant_comes_from_credentials_not_the_body(metadata_channel: grpc.aio.Channel) -> None:
+    stub = metadata_pb2_grpc.MetadataServiceStub(metadata_channel)
+    node = await _register(stub)
+    await _publish(stub, make_handle(node, tenant="acme", conversation="shared-id"))
+    # Tenant B names tenant A in the body: refused.
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.CheckOutHandle(
+            metadata_pb2.CheckOutHandleRequest(tenant="acme", conversation="shared-id"), metadata=tenant_headers("bravo")
+        )
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    # Tenant B with the same conversation id sees nothing.
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.CheckOutHandle(metadata_pb2.CheckOutHandleRequest(conversation="shared-id"), metadata=tenant_headers("bravo"))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_hostile_conversation_ids_stay_in_their_own_key(metadata_channel: grpc.aio.Channel) -> None:
+    stub = metadata_pb2_grpc.MetadataServiceStub(metadata_channel)
+    node = await _register(stub)
+    ids = {}
+    for conv in HOSTILE_CONVERSATIONS:
+        ids[conv] = await _publish(stub, make_handle(node, conversation=conv))
+    for conv in HOSTILE_CONVERSATIONS:
+        got = await stub.GetHandle(metadata_pb2.GetHandleRequest(conversation=conv), metadata=tenant_headers("acme"))
+        assert got.handle.handle_id == ids[conv]
+        assert got.handle.conversation == conv
+    # The node record was not overwritten through "../../nodes/d0".
+    nodes = await stub.ListNodes(metadata_pb2.ListNodesRequest())
+    assert [n.node.node_id for n in nodes.nodes] == ["d0"]
+    listed = await stub.ListHandles(metadata_pb2.ListHandlesRequest(tenant="acme", page_size=4))
+    seen = [h.conversation for h in listed.handles]
+    while listed.next_page_token:
+        listed = await stub.ListHandles(
+            metadata_pb2.ListHandlesRequest(tenant="acme", page_size=4, page_token=listed.next_page_token)
+        )
+        seen += [h.conversation for h in listed.handles]
+    assert sorted(seen) == sorted(HOSTILE_CONVERSATIONS)
+
+
+INVALID = [
+    ("conversation", metadata_pb2.GetHandleRequest(conversation="")),
+    ("conversation", metadata_pb2.GetHandleRequest(conversation="x" * 513)),
+    ("page_size", metadata_pb2.ListHandlesRequest(page_size=5000)),
+    ("page_token", metadata_pb2.ListHandlesRequest(page_token="zz")),
+]
+
+
+@pytest.mark.parametrize(("field", "request_"), INVALID)
+async def test_invalid_reads_name_the_field(metadata_channel: grpc.aio.Channel, field: str, request_: object) -> None:
+    stub = metadata_pb2_grpc.MetadataServiceStub(metadata_channel)
+    method = stub.GetHandle if isinstance(request_, metadata_pb2.GetHandleRequest) else stub.ListHandles
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await method(request_, metadata=tenant_headers("acme"))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in (err.value.details() or "")
+
+
+def _bad_handle_cases():  # type: ignore[no-untyped-def]
+    node = make_node()
+    good = convert.handle_to_pb(make_handle(node))
+    cases = []
+    for field, mutate in [
+        ("handles[0].tenant", lambda h: setattr(h, "tenant", "")),
+        ("handles[0].conversation", lambda h: setattr(h, "conversation", "x" * 600)),
+        ("handles[0].holder_node_id", lambda h: setattr(h, "holder_node_id", "")),
+        ("handles[0].vllm.remote_port", lambda h: setattr(h.vllm, "remote_port", 0)),
+        ("handles[0].vllm.remote_host", lambda h: setattr(h.vllm, "remote_host", "[::1]")),
+        ("handles[0].vllm.remote_block_ids", lambda h: h.vllm.ClearField("remote_block_ids")),
+        ("handles[0].vllm.remote_num_tokens", lambda h: setattr(h.vllm, "remote_num_tokens", 0)),
+        ("handles[0].wall_expiry_unix_ms", lambda h: setattr(h, "wall_expiry_unix_ms", 0)),
+        ("handles[0].digests.values", lambda h: h.digests.values.append(1)),
+        ("handles[0].vllm.extra_json", lambda h: setattr(h.vllm, "extra_json", "[1]")),
+    ]:
+        pb = handle_pb2.CacheHandle()
+        pb.CopyFrom(good)
+        mutate(pb)
+        cases.append((field, pb))
+    return cases
+
+
+@pytest.mark.parametrize(("field", "handle"), _bad_handle_cases())
+async def test_invalid_handles_name_the_field(metadata_channel: grpc.aio.Channel, field: str, handle: handle_pb2.CacheHandle) -> None:
+    stub = metadata_pb2_grpc.MetadataServiceStub(metadata_channel)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.PublishHandles(metadata_pb2.PublishHandlesRequest(handles=[handle]), metadata=NODE_HEADERS)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in (err.value.details() or "")
+
+
+@pytest.mark.parametrize(
+    ("field", "mutate"),
+    [
+        ("node.node_id", lambda n: setattr(n, "node_id", "")),
+        ("node.role", lambda n: setattr(n, "role", 0)),
+        ("node.http_url", lambda n: setattr(n, "http_url", "http://fd00::1:80")),
+        ("node.side_channel_port", lambda n: setattr(n, "side_channel_port", 70000)),
+        ("node.block_size", lambda n: setattr(n, "block_size", 0)),
+    ],
+)
+async def test_invalid_nodes_name_the_field(metadata_channel: grpc.aio.Channel, field: str, mutate) -> None:  # type: ignore[no-untyped-def]
+    stub = metadata_pb2_grpc.MetadataServiceStub(metadata_channel)
+    pb = convert.node_to_pb(make_node())
+    mutate(pb)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.RegisterNode(metadata_pb2.RegisterNodeRequest(node=pb), metadata=NODE_HEADERS)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in (err.value.details() or "")
+
+
+async def test_tenants_cannot_register_nodes_or_publish(metadata_channel: grpc.aio.Channel) -> None:
+    stub = metadata_pb2_grpc.MetadataServiceStub(metadata_channel)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.RegisterNode(
+            metadata_pb2.RegisterNodeRequest(node=convert.node_to_pb(make_node())), metadata=tenant_headers("acme")
+        )
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+async def test_restarting_the_service_loses_nothing(etcd: LocalEtcd, prefix: str) -> None:
+    settings = settings_for(etcd, prefix)
+    first = ServiceProcess(settings, [install], Telemetry.disabled())
+    await first.start()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{first.grpc_port}") as ch:
+        stub = metadata_pb2_grpc.MetadataServiceStub(ch)
+        node = await _register(stub)
+        ids = [await _publish(stub, make_handle(node, conversation=f"c{i}")) for i in range(10)]
+    await first.stop()
+
+    second = ServiceProcess(settings, [install], Telemetry.disabled())
+    await second.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{second.grpc_port}") as ch:
+            stub = metadata_pb2_grpc.MetadataServiceStub(ch)
+            for i, handle_id in enumerate(ids):
+                got = await stub.GetHandle(metadata_pb2.GetHandleRequest(conversation=f"c{i}"), metadata=tenant_headers("acme"))
+                assert got.handle.handle_id == handle_id
+            nodes = await stub.ListNodes(metadata_pb2.ListNodesRequest())
+            assert [n.node.incarnation for n in nodes.nodes] == [node.incarnation]
+    finally:
+        await second.stop()
+
+
+async def test_reaper_purges_handles_when_the_node_lease_expires(metadata_channel: grpc.aio.Channel) -> None:
+    stub = metadata_pb2_grpc.MetadataServiceStub(metadata_channel)
+    node = make_node()
+    await stub.RegisterNode(
+        metadata_pb2.RegisterNodeRequest(node=convert.node_to_pb(node), lease_ttl_s=2), metadata=NODE_HEADERS
+    )
+    for i in range(3):
+        await _publish(stub, make_handle(node, conversation=f"c{i}"))
+
+    async def all_gone() -> bool:
+        listed = await stub.ListHandles(metadata_pb2.ListHandlesRequest())
+        nodes = await stub.ListNodes(metadata_pb2.ListNodesRequest())
+        return not listed.handles and not nodes.nodes
+
+    await eventually(all_gone, timeout_s=15, what="node and handles purged")
+
+
+async def test_serve_all_health_reflection_metrics_and_checkout_trace(etcd: LocalEtcd, prefix: str) -> None:
+    from kvplane.services.cli import available_services, installers
+
+    exporter = InMemorySpanExporter()
+    telemetry = Telemetry.create("kvplane-test", exporter=exporter)
+    process = ServiceProcess(settings_for(etcd, prefix), installers(available_services()), telemetry)
+    await process.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{process.grpc_port}") as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+            for service in ["", "kvplane.v1.MetadataService"]:
+                resp = await health.Check(health_pb2.HealthCheckRequest(service=service))
+                assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+            reflect = reflection_pb2_grpc.ServerReflectionStub(ch)
+            names: list[str] = []
+            async for resp in reflect.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])):
+                names = [s.name for s in resp.list_services_response.service]
+            assert "kvplane.v1.MetadataService" in names
+            assert "grpc.health.v1.Health" in names
+
+            stub = metadata_pb2_grpc.MetadataServiceStub(ch)
+            node = await _register(stub)
+            await _publish(stub, make_handle(node))
+            exporter.clear()
+            await stub.CheckOutHandle(metadata_pb2.CheckOutHandleRequest(conversation="conv-1"), metadata=tenant_headers("acme"))
+
+        def checkout_trace() -> bool:
+            spans = exporter.get_finished_spans()
+            rpc = [s for s in spans if s.name.endswith("CheckOutHandle")]
+            txn = [s for s in spans if s.name == "etcd.check_out"]
+            return bool(rpc and txn and txn[0].parent is not None and txn[0].parent.span_id == rpc[0].context.span_id)
+
+        deadline = time.monotonic() + 10
+        while not checkout_trace() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)  # spans are exported by a batch processor
+        assert checkout_trace()
+
+        body = urllib.request.urlopen(f"http://127.0.0.1:{process.metrics_port}/metrics", timeout=5).read().decode()
+        assert "# TYPE kvplane_etcd_request_seconds histogram" in body
+        assert 'kvplane_handle_transitions_total{reason="",transition="checked_out"} 1.0' in body
+    finally:
+        await process.stop()
