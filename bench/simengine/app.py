@@ -1,0 +1,74 @@
+"""Runs one sim-engine: the engine, its side channel and its HTTP server."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+
+from aiohttp import web
+from kvplane.bench.simengine.engine import SimEngine
+from kvplane.bench.simengine.engine_hooks import EngineObserver
+from kvplane.bench.simengine.openai_api import build_app
+from kvplane.bench.simengine.settings import SimEngineSettings
+from kvplane.bench.simengine.side_channel import format_host
+
+log = logging.getLogger(__name__)
+
+
+class SimEngineServer:
+    """An engine plus its HTTP front; start() and stop() bracket its life."""
+
+    def __init__(self, settings: SimEngineSettings, observer: EngineObserver | None = None) -> None:
+        self.settings = settings
+        self.engine = SimEngine(settings, observer)
+        self._runner: web.AppRunner | None = None
+        self._site: web.TCPSite | None = None
+
+    @property
+    def http_port(self) -> int:
+        server = self._site._server if self._site is not None else None  # aiohttp exposes no public getter
+        if isinstance(server, asyncio.Server) and server.sockets:
+            return int(server.sockets[0].getsockname()[1])
+        return self.settings.http_port
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{format_host(self.settings.http_host)}:{self.http_port}"
+
+    async def start(self) -> None:
+        await self.engine.start()
+        try:
+            # Cancel a handler when its client disconnects: that aborts the request and frees its blocks.
+            self._runner = web.AppRunner(build_app(self.engine), handler_cancellation=True, access_log=None)
+            await self._runner.setup()
+            self._site = web.TCPSite(self._runner, self.settings.http_host, self.settings.http_port)
+            await self._site.start()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+            self._site = None
+        await self.engine.stop()
+
+
+async def serve(settings: SimEngineSettings, observer: EngineObserver | None = None) -> None:
+    """Run a sim-engine until cancelled. The `kvplane sim-engine` command calls this."""
+    server = SimEngineServer(settings, observer)
+    await server.start()
+    e = server.engine
+    print(f"kvplane sim-engine settings:\n{settings.describe()}", file=sys.stderr, flush=True)
+    print(
+        f"kvplane sim-engine ready: role={settings.role} engine_id={e.engine_id} "
+        f"incarnation={e.incarnation} http={server.http_url} "
+        f"side_channel={format_host(settings.side_channel_host)}:{e.side_channel_port}",
+        flush=True,
+    )
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await server.stop()

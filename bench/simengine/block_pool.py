@@ -1,0 +1,177 @@
+"""The simulated KV cache: a DRAM block pool with a prefix cache and leases.
+
+One contiguous numpy array holds every block, so NIXL registers it once and
+block ``b`` lives at ``base + b * bytes_per_block``. Bookkeeping follows
+vLLM's shape: blocks are reference counted; a freed whole block keeps its
+content and its hash (a prefix-cache entry) until it is evicted for reuse;
+a freed partial or unhashed block is poisoned at once.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import numpy as np
+from kvplane.bench.simengine.block_content import ContentModel, Words, block_hashes
+
+
+class KvCacheFullError(Exception):
+    """Not enough free blocks for a request."""
+
+
+class BlockPool:
+    """Blocks, reference counts, prefix cache and lease trailers. Event-loop thread only."""
+
+    def __init__(self, num_blocks: int, bytes_per_block: int, block_size: int, root: int) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.bytes_per_block = bytes_per_block
+        self.root = root
+        self.content = ContentModel(bytes_per_block)
+        self.array: Words = np.zeros((num_blocks, self.content.words), dtype=np.uint64)
+        for b in range(num_blocks):
+            self.content.poison(self.array[b])
+        self._refs = [0] * num_blocks
+        self._hash: list[int | None] = [None] * num_blocks
+        self._cached: dict[int, int] = {}
+        # Free blocks without a cache entry, reused first.
+        self._free_plain: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        # Free blocks that still back a prefix-cache entry, least recently freed first.
+        self._free_cached: OrderedDict[int, None] = OrderedDict()
+        self._lease: list[int] = [0] * num_blocks
+
+    # -- accounting -------------------------------------------------------
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free_plain) + len(self._free_cached)
+
+    @property
+    def base_address(self) -> int:
+        return int(self.array.ctypes.data)
+
+    def block(self, block_id: int) -> Words:
+        view: Words = self.array[block_id]
+        return view
+
+    def refcount(self, block_id: int) -> int:
+        return self._refs[block_id]
+
+    # -- prefix cache -----------------------------------------------------
+
+    def match_prefix(self, full_hashes: Sequence[int]) -> list[int]:
+        """Longest run of cached blocks for these whole-block hashes; takes no reference."""
+        out: list[int] = []
+        for h in full_hashes:
+            b = self._cached.get(h)
+            if b is None:
+                break
+            out.append(b)
+        return out
+
+    def acquire(self, block_ids: Sequence[int]) -> None:
+        for b in block_ids:
+            if self._refs[b] == 0:
+                self._free_cached.pop(b, None)
+                self._free_plain.pop(b, None)
+            self._refs[b] += 1
+
+    def allocate(self, n: int) -> list[int]:
+        if n > self.free_blocks:
+            raise KvCacheFullError(f"need {n} blocks, {self.free_blocks} free of {self.num_blocks}")
+        out: list[int] = []
+        for _ in range(n):
+            if self._free_plain:
+                b, _ = self._free_plain.popitem(last=False)
+            else:
+                b, _ = self._free_cached.popitem(last=False)
+                self._evict(b)
+            self._refs[b] = 1
+            out.append(b)
+        return out
+
+    def _evict(self, b: int) -> None:
+        h = self._hash[b]
+        if h is not None and self._cached.get(h) == b:
+            del self._cached[h]
+        self._hash[b] = None
+        self._lease[b] = 0
+        self.content.poison(self.array[b])
+
+    def release(self, block_ids: Sequence[int]) -> None:
+        for b in block_ids:
+            if self._refs[b] <= 0:
+                raise RuntimeError(f"block {b} released more often than acquired")
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                if self._hash[b] is not None and self._lease[b] == 0:
+                    self._free_cached[b] = None
+                else:
+                    # Unhashed (partial) blocks can never be matched again:
+                    # poison them now, so a stale read of them fails loudly.
+                    self._evict(b)
+                    self._free_plain[b] = None
+
+    # -- content ----------------------------------------------------------
+
+    def write_tokens(
+        self, block_ids: Sequence[int], tokens: Sequence[int], num_tokens: int, first_block: int = 0
+    ) -> None:
+        """Write the content of blocks[first_block:] for tokens[:num_tokens]; cache whole blocks.
+
+        Blocks before ``first_block`` were matched from the prefix cache and
+        are shared, so they are never written.
+        """
+        hashes = block_hashes(tokens, self.block_size, self.root, num_tokens)
+        if len(hashes) > len(block_ids):
+            raise ValueError(f"{num_tokens} tokens need {len(hashes)} blocks, have {len(block_ids)}")
+        for i in range(first_block, len(hashes)):
+            b = block_ids[i]
+            blk = self.array[b]
+            self.content.write_payload(blk, hashes[i], i)
+            self.content.clear_trailer(blk)
+            self._lease[b] = 0
+            full = (i + 1) * self.block_size <= num_tokens
+            old = self._hash[b]
+            if old is not None and self._cached.get(old) == b:
+                del self._cached[old]
+            self._hash[b] = None
+            if full and hashes[i] not in self._cached:
+                self._cached[hashes[i]] = b
+                self._hash[b] = hashes[i]
+
+    # -- leases -----------------------------------------------------------
+
+    def lease(self, block_ids: Sequence[int], stamp: int) -> list[int]:
+        """Stamp blocks for a remote reader; returns the block list actually leased.
+
+        A block already leased to another handle (two conversations sharing a
+        cached prefix) is copied to a fresh block first, so each block carries
+        at most one stamp and freeing one handle never voids another. The
+        caller's reference moves to the copy.
+        """
+        copies = sum(1 for b in block_ids if self._lease[b] not in (0, stamp))
+        if copies > self.free_blocks:
+            raise KvCacheFullError(
+                f"need {copies} blocks to copy shared leased blocks, {self.free_blocks} free"
+            )
+        out: list[int] = []
+        for b in block_ids:
+            if self._lease[b] not in (0, stamp):
+                (c,) = self.allocate(1)
+                self.array[c] = self.array[b]
+                self.release([b])
+                b = c
+            self._lease[b] = stamp
+            self.content.set_trailer(self.array[b], stamp)
+            out.append(b)
+        return out
+
+    def unlease(self, block_ids: Sequence[int], stamp: int) -> None:
+        for b in block_ids:
+            if self._lease[b] == stamp:
+                self._lease[b] = 0
+                self.content.clear_trailer(self.array[b])

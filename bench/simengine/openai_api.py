@@ -1,0 +1,373 @@
+"""The part of vLLM's OpenAI HTTP API that P/D serving uses.
+
+``kv_transfer_params`` comes back at the top level of a non-streaming
+response, and at the top level of the streaming chunk that carries
+``finish_reason`` (a later usage-only chunk carries none). Every SSE event
+is written as soon as its token exists.
+
+Besides the OpenAI routes, ``GET /sim/state`` and ``POST /sim/release_early``
+expose the engine's load and retained handles for tests and tooling.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+from kvplane.bench.simengine import toy_tokenizer
+from kvplane.bench.simengine.block_pool import KvCacheFullError
+from kvplane.bench.simengine.engine import FinishInfo, GenerationRequest, SimEngine, TokenEvent
+from kvplane.bench.simengine.toy_tokenizer import PromptError
+
+ENGINE_KEY: web.AppKey[SimEngine] = web.AppKey("engine", SimEngine)
+
+
+class RequestError(Exception):
+    """A request the API rejects, with its HTTP status."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.param = param
+
+
+def _error(message: str, status: int, param: str | None = None) -> web.Response:
+    kind = {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}.get(status, "Error")
+    return web.json_response(
+        {"error": {"message": message, "type": kind, "param": param, "code": status}}, status=status
+    )
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    """What both endpoints share once the body is understood."""
+
+    chat: bool
+    request: GenerationRequest
+    stream: bool
+    include_usage: bool
+    return_token_ids: bool
+
+
+def _bool(body: Mapping[str, Any], key: str, default: bool = False) -> bool:
+    v = body.get(key, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise RequestError(f"{key} must be a boolean", param=key)
+    return v
+
+
+def _prompt_ids(engine: SimEngine, prompt: Any) -> list[int]:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return toy_tokenizer.encode(prompt)
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
+        vocab = engine.settings.vocab_size
+        if any(not 0 <= t < vocab for t in prompt):
+            raise RequestError(f"token ids must be within [0, {vocab})", param="prompt")
+        return list(prompt)
+    raise RequestError(
+        "prompt must be a string or a non-empty list of token ids (batches are not supported)", param="prompt"
+    )
+
+
+def parse_request(engine: SimEngine, body: Any, chat: bool) -> ParsedRequest:
+    s = engine.settings
+    if not isinstance(body, dict):
+        raise RequestError("the body must be a JSON object")
+    model = body.get("model")
+    if model is not None and model != s.model:
+        raise RequestError(f"The model `{model}` does not exist.", status=404, param="model")
+    if body.get("n", 1) != 1:
+        raise RequestError("only n=1 is supported", param="n")
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            raise RequestError("messages must be a list", param="messages")
+        try:
+            ids = toy_tokenizer.encode(toy_tokenizer.render_chat(messages))
+        except PromptError as e:
+            raise RequestError(str(e), param="messages") from e
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    else:
+        ids = _prompt_ids(engine, body.get("prompt"))
+        max_tokens = body.get("max_tokens")
+    if max_tokens is None:
+        max_tokens = s.default_max_tokens
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise RequestError("max_tokens must be a positive integer", param="max_tokens")
+    if len(ids) + max_tokens > s.max_model_len:
+        raise RequestError(
+            f"This model's maximum context length is {s.max_model_len} tokens. However, you requested "
+            f"{len(ids) + max_tokens} tokens ({len(ids)} in the messages, {max_tokens} in the completion).",
+            param="max_tokens",
+        )
+    kvp = body.get("kv_transfer_params")
+    if kvp is not None and not isinstance(kvp, dict):
+        raise RequestError("kv_transfer_params must be an object", param="kv_transfer_params")
+    stream = _bool(body, "stream")
+    opts = body.get("stream_options") or {}
+    if not isinstance(opts, dict):
+        raise RequestError("stream_options must be an object", param="stream_options")
+    prefix = "chatcmpl" if chat else "cmpl"
+    return ParsedRequest(
+        chat=chat,
+        request=GenerationRequest(
+            request_id=f"{prefix}-{uuid.uuid4().hex}",
+            prompt_token_ids=tuple(ids),
+            max_tokens=max_tokens,
+            ignore_eos=_bool(body, "ignore_eos"),
+            kv_transfer_params=kvp,
+        ),
+        stream=stream,
+        include_usage=stream and _bool(opts, "include_usage"),
+        return_token_ids=_bool(body, "return_token_ids"),
+    )
+
+
+def _usage(prompt_tokens: int, completion_tokens: int, cached: int | None) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": None if cached is None else {"cached_tokens": cached},
+    }
+
+
+class _Responder:
+    """Builds response bodies and chunks for one request."""
+
+    def __init__(self, engine: SimEngine, p: ParsedRequest) -> None:
+        self.p = p
+        self.model = engine.settings.model
+        self.created = int(time.time())
+        self.id = p.request.request_id
+
+    def chunk(self, ev: TokenEvent, first: bool) -> dict[str, Any]:
+        text = toy_tokenizer.decode([ev.token_id])
+        fin = ev.finish
+        choice: dict[str, Any]
+        if self.p.chat:
+            delta: dict[str, Any] = {"content": text}
+            if first:
+                delta = {"role": "assistant", "content": text}
+            choice = {
+                "index": 0,
+                "delta": delta,
+                "logprobs": None,
+                "finish_reason": fin.finish_reason if fin else None,
+            }
+        else:
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": fin.finish_reason if fin else None,
+                "stop_reason": None,
+            }
+        if self.p.return_token_ids:
+            choice["token_ids"] = [ev.token_id]
+            if first and not self.p.chat:
+                choice["prompt_token_ids"] = list(self.p.request.prompt_token_ids)
+        out: dict[str, Any] = {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.p.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        }
+        if first and self.p.chat and self.p.return_token_ids:
+            out["prompt_token_ids"] = list(self.p.request.prompt_token_ids)
+        if fin is not None:
+            out["kv_transfer_params"] = fin.kv_transfer_params
+        return out
+
+    def usage_chunk(self, fin: FinishInfo) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.p.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [],
+            "usage": _usage(
+                len(self.p.request.prompt_token_ids), len(fin.output_token_ids), fin.cached_tokens
+            ),
+        }
+
+    def full(self, fin: FinishInfo) -> dict[str, Any]:
+        text = toy_tokenizer.decode(fin.output_token_ids)
+        prompt_ids = list(self.p.request.prompt_token_ids)
+        choice: dict[str, Any]
+        if self.p.chat:
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text, "tool_calls": []},
+                "logprobs": None,
+                "finish_reason": fin.finish_reason,
+                "stop_reason": None,
+            }
+        else:
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": fin.finish_reason,
+                "stop_reason": None,
+            }
+        if self.p.return_token_ids:
+            choice["token_ids"] = list(fin.output_token_ids)
+            if not self.p.chat:
+                choice["prompt_token_ids"] = prompt_ids
+        out: dict[str, Any] = {
+            "id": self.id,
+            "object": "chat.completion" if self.p.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": _usage(len(prompt_ids), len(fin.output_token_ids), fin.cached_tokens),
+            "kv_transfer_params": fin.kv_transfer_params,
+        }
+        if self.p.chat and self.p.return_token_ids:
+            out["prompt_token_ids"] = prompt_ids
+        return out
+
+
+async def _completion(request: web.Request, chat: bool) -> web.StreamResponse:
+    engine = request.app[ENGINE_KEY]
+    try:
+        body = await request.json()
+    except ValueError:
+        return _error("the body is not valid JSON", 400)
+    try:
+        p = parse_request(engine, body, chat)
+    except RequestError as e:
+        return _error(str(e), e.status, e.param)
+    r = _Responder(engine, p)
+    gen: AsyncIterator[TokenEvent] = engine.generate(p.request)
+    if not p.stream:
+        fin: FinishInfo | None = None
+        try:
+            async with contextlib.aclosing(gen):  # type: ignore[type-var]
+                async for ev in gen:
+                    fin = ev.finish or fin
+        except KvCacheFullError as e:
+            return _error(f"KV cache full: {e}", 503)
+        assert fin is not None, "a finished generation always carries FinishInfo"
+        return web.json_response(r.full(fin))
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    first = True
+    last: FinishInfo | None = None
+    try:
+        async with contextlib.aclosing(gen):  # type: ignore[type-var]
+            async for ev in gen:
+                await resp.write(b"data: " + json.dumps(r.chunk(ev, first)).encode() + b"\n\n")
+                first = False
+                last = ev.finish or last
+    except KvCacheFullError as e:
+        err = {"error": {"message": f"KV cache full: {e}", "type": "ServiceUnavailableError", "code": 503}}
+        await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
+    except ConnectionResetError:
+        return resp  # the client went away; closing the generator aborted the request
+    if last is not None and p.include_usage:
+        await resp.write(b"data: " + json.dumps(r.usage_chunk(last)).encode() + b"\n\n")
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _completion(request, chat=False)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _completion(request, chat=True)
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.Response(status=200)
+
+
+async def models(request: web.Request) -> web.Response:
+    s = request.app[ENGINE_KEY].settings
+    return web.json_response(
+        {
+            "object": "list",
+            "data": [
+                {
+                    "id": s.model,
+                    "object": "model",
+                    "created": int(time.time()),
+                    "owned_by": "kvplane-sim",
+                    "root": s.model,
+                    "parent": None,
+                    "max_model_len": s.max_model_len,
+                }
+            ],
+        }
+    )
+
+
+async def metrics(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    return web.Response(
+        body=engine.metrics.render(engine.load()),
+        headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
+    )
+
+
+async def sim_state(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    s = engine.settings
+    return web.json_response(
+        {
+            "engine_id": engine.engine_id,
+            "incarnation": engine.incarnation,
+            "role": s.role,
+            "model": s.model,
+            "side_channel_host": s.side_channel_host,
+            "side_channel_port": engine.side_channel_port,
+            "block_size": s.block_size,
+            "bytes_per_block": s.bytes_per_block,
+            "load": dataclasses.asdict(engine.load()),
+            "retained": engine.retained(),
+        }
+    )
+
+
+async def sim_release_early(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    try:
+        body = await request.json()
+    except ValueError:
+        return _error("the body is not valid JSON", 400)
+    rid = body.get("request_id") if isinstance(body, dict) else None
+    if not isinstance(rid, str):
+        return _error("request_id must be a string", 400, "request_id")
+    return web.json_response({"released": engine.release_early(rid)})
+
+
+def build_app(engine: SimEngine) -> web.Application:
+    app = web.Application(client_max_size=64 << 20)
+    app[ENGINE_KEY] = engine
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/sim/state", sim_state)
+    app.router.add_post("/sim/release_early", sim_release_early)
+    return app

@@ -1,0 +1,136 @@
+"""Settings of one simulated engine, from flags."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from kvplane.bench.simengine.side_channel import normalize_host
+from kvplane.bench.simengine.timing_model import TimingModel
+
+Role = Literal["prefill", "decode", "both"]
+ROLES: tuple[Role, ...] = ("prefill", "decode", "both")
+
+
+@dataclass(frozen=True)
+class SimEngineSettings:
+    """Everything one sim-engine process needs. Times in seconds, sizes in bytes or tokens."""
+
+    role: Role = "both"
+    # vLLM's engine id, as it appears in remote_engine_id. Empty: a fresh one per start.
+    engine_id: str = ""
+    model: str = "kvplane-sim"
+    http_host: str = "127.0.0.1"
+    http_port: int = 8100
+    side_channel_host: str = "127.0.0.1"
+    # 0 picks a free port (the start-up line and /sim/state report it).
+    side_channel_port: int = 5600
+    block_size: int = 16
+    num_blocks: int = 4096
+    bytes_per_block: int = 16384
+    # How long D keeps a finished turn's blocks (vLLM's decoder_kv_blocks_ttl).
+    decoder_kv_blocks_ttl: float = 480.0
+    # How long P keeps blocks for D's read before freeing them anyway.
+    prefill_lease_s: float = 30.0
+    kv_recompute_threshold: int = 64
+    # P declines a pull this close to D's expiry (vLLM's 5 s gate).
+    expiry_guard_s: float = 5.0
+    bidirectional: bool = True
+    timing: TimingModel = field(default_factory=TimingModel)
+    seed: int = 0
+    eos_probability: float = 0.0
+    vocab_size: int = 151_936
+    max_model_len: int = 32_768
+    default_max_tokens: int = 16
+    handshake_timeout_s: float = 5.0
+    transfer_timeout_s: float = 10.0
+    # How long a request waits for free KV blocks before failing with 503.
+    kv_wait_timeout_s: float = 30.0
+    # Address of kvplane's control plane; the node agent uses it.
+    control_plane: str = ""
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}")
+        for name in ("block_size", "num_blocks", "vocab_size", "max_model_len", "default_max_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+        if self.kv_recompute_threshold < 0 or self.expiry_guard_s < 0:
+            raise ValueError("kv_recompute_threshold and expiry_guard_s must be non-negative")
+        if self.decoder_kv_blocks_ttl <= 0 or self.prefill_lease_s <= 0:
+            raise ValueError("decoder_kv_blocks_ttl and prefill_lease_s must be positive")
+        if not 0 <= self.http_port < 65536 or not 0 <= self.side_channel_port < 65536:
+            raise ValueError("ports must be within 0..65535")
+        object.__setattr__(self, "side_channel_host", normalize_host(self.side_channel_host))
+        object.__setattr__(self, "http_host", normalize_host(self.http_host))
+
+    def resolved_engine_id(self) -> str:
+        return self.engine_id or f"sim-{self.role}-{uuid.uuid4().hex[:12]}"
+
+    def describe(self) -> str:
+        """One line per setting, for the start-up log (nothing here is secret)."""
+        lines = []
+        for f in dataclasses.fields(self):
+            lines.append(f"  {f.name} = {getattr(self, f.name)!r}")
+        return "\n".join(lines)
+
+
+def build_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """Flags of `kvplane sim-engine`; pass a subparser to add them to it."""
+    p = parser or argparse.ArgumentParser(
+        prog="kvplane sim-engine", description="Simulated vLLM engine with real NIXL"
+    )
+    d = SimEngineSettings()
+    t = d.timing
+    p.add_argument("--role", choices=ROLES, default=d.role)
+    p.add_argument("--engine-id", default=d.engine_id, help="default: a fresh id per start")
+    p.add_argument("--model", default=d.model)
+    p.add_argument("--host", dest="http_host", default=d.http_host)
+    p.add_argument("--port", dest="http_port", type=int, default=d.http_port)
+    p.add_argument("--side-channel-host", default=d.side_channel_host)
+    p.add_argument("--side-channel-port", type=int, default=d.side_channel_port)
+    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per block")
+    p.add_argument("--num-blocks", type=int, default=d.num_blocks)
+    p.add_argument("--bytes-per-block", type=int, default=d.bytes_per_block)
+    p.add_argument("--decoder-kv-blocks-ttl", type=float, default=d.decoder_kv_blocks_ttl)
+    p.add_argument("--prefill-lease-s", type=float, default=d.prefill_lease_s)
+    p.add_argument("--kv-recompute-threshold", type=int, default=d.kv_recompute_threshold)
+    p.add_argument("--expiry-guard-s", type=float, default=d.expiry_guard_s)
+    p.add_argument("--bidirectional", action=argparse.BooleanOptionalAction, default=d.bidirectional)
+    p.add_argument("--prefill-base-s", type=float, default=t.prefill_base_s)
+    p.add_argument("--prefill-per-token-s", type=float, default=t.prefill_per_token_s)
+    p.add_argument("--prefill-per-token-sq-s", type=float, default=t.prefill_per_token_sq_s)
+    p.add_argument("--decode-step-s", type=float, default=t.decode_step_s)
+    p.add_argument("--decode-step-per-running-s", type=float, default=t.decode_step_per_running_s)
+    p.add_argument("--speedup", type=float, default=t.speedup, help="divide all modelled times by this")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--eos-probability", type=float, default=d.eos_probability)
+    p.add_argument("--vocab-size", type=int, default=d.vocab_size)
+    p.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    p.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens)
+    p.add_argument("--handshake-timeout-s", type=float, default=d.handshake_timeout_s)
+    p.add_argument("--transfer-timeout-s", type=float, default=d.transfer_timeout_s)
+    p.add_argument("--kv-wait-timeout-s", type=float, default=d.kv_wait_timeout_s)
+    p.add_argument("--control-plane", default=d.control_plane)
+    return p
+
+
+def settings_from_args(ns: argparse.Namespace) -> SimEngineSettings:
+    timing = TimingModel(
+        prefill_base_s=ns.prefill_base_s,
+        prefill_per_token_s=ns.prefill_per_token_s,
+        prefill_per_token_sq_s=ns.prefill_per_token_sq_s,
+        decode_step_s=ns.decode_step_s,
+        decode_step_per_running_s=ns.decode_step_per_running_s,
+        speedup=ns.speedup,
+    )
+    names = {f.name for f in dataclasses.fields(SimEngineSettings)} - {"timing"}
+    return SimEngineSettings(timing=timing, **{n: getattr(ns, n) for n in names})
+
+
+def parse_settings(argv: Sequence[str] | None = None) -> SimEngineSettings:
+    return settings_from_args(build_arg_parser().parse_args(argv))

@@ -1,0 +1,161 @@
+"""Starts sim-engine processes on free loopback ports and talks to them over HTTP."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# Fast enough for tests, slow enough that decode steps are real sleeps.
+FAST = ["--speedup", "50", "--block-size", "16", "--num-blocks", "512", "--bytes-per-block", "4096"]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.05) -> Any:
+    """Poll until predicate() is truthy; fail with ``what`` at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(interval_s)
+
+
+@dataclass
+class Engine:
+    """A running sim-engine process."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    port: int
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def post(self, path: str, body: dict[str, Any], timeout: float = 30) -> dict[str, Any]:
+        req = urllib.request.Request(
+            self.url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            out: dict[str, Any] = json.loads(r.read())
+            return out
+
+    def get(self, path: str) -> bytes:
+        with urllib.request.urlopen(self.url + path, timeout=10) as r:
+            data: bytes = r.read()
+            return data
+
+    def state(self) -> dict[str, Any]:
+        out: dict[str, Any] = json.loads(self.get("/sim/state"))
+        return out
+
+    def retained_ids(self) -> set[str]:
+        return {r["request_id"] for r in self.state()["retained"]}
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of the samples of ``name`` whose labels include ``labels``."""
+        total = 0.0
+        for line in self.get("/metrics").decode().splitlines():
+            if line.startswith("#") or not line.startswith(name):
+                continue
+            series, _, value = line.rpartition(" ")
+            metric_name, _, rest = series.partition("{")
+            if metric_name != name:
+                continue
+            if all(f'{k}="{v}"' in rest for k, v in labels.items()):
+                total += float(value)
+        return total
+
+    def stream(self, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+        """POST with stream=true; the parsed SSE data events, [DONE] excluded."""
+        req = urllib.request.Request(
+            self.url + path,
+            data=json.dumps(dict(body, stream=True)).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        events: list[dict[str, Any]] = []
+        with urllib.request.urlopen(req, timeout=30) as r:
+            for raw in r:
+                line = raw.decode().strip()
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    break
+                events.append(json.loads(line[6:]))
+        return events
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def start_engine(name: str, log_dir: Path, *flags: str) -> Engine:
+    port = free_port()
+    log_path = log_dir / f"{name}.log"
+    with open(log_path, "wb") as logf:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvplane.bench.simengine", "--port", str(port), *FAST, *flags],
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        )
+    return Engine(name=name, proc=proc, port=port, log_path=log_path)
+
+
+def wait_healthy(engine: Engine, timeout_s: float = 60) -> None:
+    def healthy() -> bool:
+        if engine.proc.poll() is not None:
+            raise AssertionError(f"{engine.name} exited with {engine.proc.returncode}:\n{engine.log()}")
+        try:
+            with urllib.request.urlopen(engine.url + "/health", timeout=2) as r:
+                return bool(r.status == 200)
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return False
+
+    wait_for(healthy, timeout_s, f"{engine.name} to become healthy", interval_s=0.1)
+
+
+def stop_engine(engine: Engine) -> None:
+    if engine.proc.poll() is None:
+        engine.proc.send_signal(signal.SIGTERM)
+        try:
+            engine.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            engine.proc.kill()
+            engine.proc.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def engines(log_dir: Path, specs: dict[str, list[str]]) -> Iterator[dict[str, Engine]]:
+    """Start all engines in parallel; stop every one of them on exit, even after a failure."""
+    started: dict[str, Engine] = {}
+    try:
+        for name, flags in specs.items():
+            started[name] = start_engine(name, log_dir, *flags)
+        for e in started.values():
+            wait_healthy(e)
+        yield started
+    finally:
+        for e in started.values():
+            stop_engine(e)

@@ -1,0 +1,397 @@
+"""Sim-engines as real processes, pulling KV over real NIXL: vLLM's P/D semantics, turn by turn.
+
+Engines: P1 (expiry guard 5 s, threshold 64), P2 (a second prefill engine, also the
+single-engine reference), D1 (TTL 60 s, side channel on [::1]) and D2 (TTL 4 s, so its
+handles are always inside P1's 5 s expiry gate).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from simengine_harness import Engine, engines, free_port, wait_for
+
+MODEL = "kvplane-sim"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Engine]]:
+    log_dir: Path = tmp_path_factory.mktemp("simengine")
+    specs = {
+        "P1": [
+            "--role",
+            "prefill",
+            "--engine-id",
+            "p1",
+            "--side-channel-port",
+            str(free_port()),
+            "--expiry-guard-s",
+            "5",
+            "--kv-recompute-threshold",
+            "64",
+        ],
+        "P2": ["--role", "prefill", "--engine-id", "p2", "--side-channel-port", str(free_port())],
+        "D1": [
+            "--role",
+            "decode",
+            "--engine-id",
+            "d1",
+            "--side-channel-host",
+            "[::1]",
+            "--side-channel-port",
+            str(free_port("::1")),
+            "--decoder-kv-blocks-ttl",
+            "60",
+        ],
+        "D2": [
+            "--role",
+            "decode",
+            "--engine-id",
+            "d2",
+            "--side-channel-port",
+            str(free_port()),
+            "--decoder-kv-blocks-ttl",
+            "4",
+        ],
+    }
+    with engines(log_dir, specs) as started:
+        yield started
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    rnd = random.Random(seed)
+    return [rnd.randrange(300, 30000) for _ in range(n)]
+
+
+def p_leg(p: Engine, prompt: list[int], d_handle: dict[str, Any] | None = None) -> dict[str, Any]:
+    kvp: dict[str, Any] = {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
+    if d_handle is not None:
+        kvp = dict(d_handle, do_remote_decode=True, do_remote_prefill=False)
+    return p.post(
+        "/v1/completions",
+        {
+            "model": MODEL,
+            "prompt": prompt,
+            "max_tokens": 1,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "kv_transfer_params": kvp,
+        },
+    )
+
+
+def d_leg(d: Engine, prompt: list[int], p_params: dict[str, Any], max_tokens: int) -> dict[str, Any]:
+    return d.post(
+        "/v1/completions",
+        {
+            "model": MODEL,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "kv_transfer_params": p_params,
+        },
+    )
+
+
+def reference(r: Engine, prompt: list[int], max_tokens: int) -> list[int]:
+    out = r.post(
+        "/v1/completions",
+        {
+            "model": MODEL,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        },
+    )
+    assert out["kv_transfer_params"] is None
+    ids: list[int] = out["choices"][0]["token_ids"]
+    return ids
+
+
+def sources(e: Engine) -> dict[str, float]:
+    return {
+        s: e.metric("vllm:prompt_tokens_by_source_total", source=s)
+        for s in ("local_cache_hit", "external_kv_transfer", "local_compute")
+    }
+
+
+def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before[k] for k in after}
+
+
+def loads(e: Engine, outcome: str) -> float:
+    return e.metric("kvplane_sim_kv_loads_total", outcome=outcome)
+
+
+def first_turn(p: Engine, d: Engine, prompt: list[int], max_tokens: int) -> tuple[list[int], dict[str, Any]]:
+    pr = p_leg(p, prompt)
+    p_params = pr["kv_transfer_params"]
+    dr = d_leg(d, prompt, p_params, max_tokens)
+    out: list[int] = dr["choices"][0]["token_ids"]
+    handle: dict[str, Any] = dr["kv_transfer_params"]
+    assert handle is not None and handle["do_remote_decode"] is True
+    return out, handle
+
+
+def test_three_turns_pull_from_d_and_match_a_single_engine(cluster: dict[str, Engine]) -> None:
+    p, d, ref = cluster["P1"], cluster["D1"], cluster["P2"]
+    prompt = tokens(1, 200)
+    handle: dict[str, Any] | None = None
+    for turn in (1, 2, 3):
+        p_src, p_pulls = sources(p), loads(p, "pulled")
+        pr = p_leg(p, prompt, handle)
+        p_params = pr["kv_transfer_params"]
+        assert p_params["do_remote_prefill"] is True and p_params["do_remote_decode"] is False
+        assert p_params["remote_engine_id"] == "p1" and p_params["remote_num_tokens"] == len(prompt)
+        assert len(p_params["remote_block_ids"][0]) == (len(prompt) + 15) // 16
+        p_delta = delta(sources(p), p_src)
+        assert sum(p_delta.values()) == len(prompt)
+        if handle is not None:
+            # P pulled exactly D's tokens beyond its own prefix cache.
+            assert loads(p, "pulled") - p_pulls == 1
+            assert p_delta["external_kv_transfer"] == handle["remote_num_tokens"] - p_delta["local_cache_hit"]
+            assert p_delta["external_kv_transfer"] >= 64
+            prev = handle["remote_request_id"]
+            wait_for(lambda prev=prev: prev not in d.retained_ids(), 10, "D to free the read handle")
+
+        d_src = sources(d)
+        dr = d_leg(d, prompt, p_params, max_tokens=100)
+        out = dr["choices"][0]["token_ids"]
+        d_delta = delta(sources(d), d_src)
+        assert d_delta["local_compute"] == 0, "D must get every prompt token from its cache or from P"
+        assert d_delta["external_kv_transfer"] > 0
+        assert out == reference(ref, prompt, 100), f"turn {turn}: disaggregated output differs"
+        assert pr["choices"][0]["token_ids"] == out[:1]
+        rid = p_params["remote_request_id"]
+        wait_for(lambda rid=rid: rid not in p.retained_ids(), 10, "P to free its lease after D's read")
+
+        handle = dr["kv_transfer_params"]
+        assert handle["do_remote_decode"] is True and handle["do_remote_prefill"] is False
+        assert handle["remote_engine_id"] == "d1" and handle["remote_host"] == "[::1]"
+        assert handle["remote_num_tokens"] == len(prompt) + len(out) - 1
+        assert isinstance(handle["remote_blocks_expiry_time"], float)
+        assert handle["remote_request_id"] in d.retained_ids()
+        prompt = prompt + out + tokens(100 + turn, 40)
+
+
+def test_second_read_of_a_handle_is_detected_and_recomputed(cluster: dict[str, Engine]) -> None:
+    p1, p2, d = cluster["P1"], cluster["P2"], cluster["D1"]
+    prompt = tokens(2, 200)
+    out, handle = first_turn(p1, d, prompt, 100)
+    prompt2 = prompt + out + tokens(200, 40)
+    assert p_leg(p1, prompt2, handle)["choices"][0]["token_ids"]
+    rid = handle["remote_request_id"]
+    wait_for(lambda: rid not in d.retained_ids(), 10, "D to free the handle after the first read")
+
+    before = p2.metric("kvplane_sim_kv_verify_failures_total", reason="not_leased")
+    unmatched = d.metric("kvplane_sim_notifications_unmatched_total", kind="after_read")
+    pr = p_leg(p2, prompt2, handle)  # a second turn replaying the consumed handle
+    assert p2.metric("kvplane_sim_kv_verify_failures_total", reason="not_leased") == before + 1
+    assert pr["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, "the stale KV must not be used"
+    assert pr["choices"][0]["token_ids"] == reference(p1, prompt2, 1)
+    wait_for(
+        lambda: d.metric("kvplane_sim_notifications_unmatched_total", kind="after_read") == unmatched + 1,
+        10,
+        "D to see the second read's notification",
+    )
+
+
+def test_handle_expires_after_decoder_ttl_and_stale_read_is_detected(cluster: dict[str, Engine]) -> None:
+    p, d = cluster["P1"], cluster["D2"]
+    expired = d.metric("vllm:nixl_num_kv_expired_reqs_total")
+    prompt = tokens(3, 200)
+    out, handle = first_turn(p, d, prompt, 100)
+    rid = handle["remote_request_id"]
+    assert rid in d.retained_ids()
+    wait_for(lambda: rid not in d.retained_ids(), 15, "D's TTL to free the handle")
+    assert d.metric("vllm:nixl_num_kv_expired_reqs_total") == expired + 1
+    assert d.metric("kvplane_sim_retained_frees_total", kind="decode_handle", reason="ttl") >= 1
+
+    # Without the expiry time the gate is off, so P reads the freed blocks: verification must catch it.
+    stale = {k: v for k, v in handle.items() if k != "remote_blocks_expiry_time"}
+    before = p.metric("kvplane_sim_kv_verify_failures_total", reason="not_leased")
+    prompt2 = prompt + out + tokens(300, 40)
+    pr = p_leg(p, prompt2, stale)
+    assert p.metric("kvplane_sim_kv_verify_failures_total", reason="not_leased") == before + 1
+    assert pr["choices"][0]["token_ids"] == reference(cluster["P2"], prompt2, 1)
+
+
+def test_p_declines_a_pull_within_the_expiry_guard(cluster: dict[str, Engine]) -> None:
+    p, d = cluster["P1"], cluster["D2"]  # D2's TTL (4 s) is inside P1's 5 s guard from the start
+    prompt = tokens(4, 200)
+    out, handle = first_turn(p, d, prompt, 100)
+    declined, src = loads(p, "declined_expiry"), sources(p)
+    read_frees = d.metric("kvplane_sim_retained_frees_total", kind="decode_handle", reason="read")
+    prompt2 = prompt + out + tokens(400, 40)
+    pr = p_leg(p, prompt2, handle)
+    assert loads(p, "declined_expiry") == declined + 1
+    assert delta(sources(p), src)["external_kv_transfer"] == 0
+    assert pr["choices"][0]["token_ids"] == reference(cluster["P2"], prompt2, 1)
+    # P's notification frees D's blocks before the TTL would.
+    wait_for(
+        lambda: (
+            d.metric("kvplane_sim_retained_frees_total", kind="decode_handle", reason="read")
+            == read_frees + 1
+        ),
+        3,
+        "D to free the declined handle on P's notification",
+    )
+
+
+def test_missing_tail_under_threshold_is_recomputed(cluster: dict[str, Engine]) -> None:
+    p, d = cluster["P1"], cluster["D1"]
+    prompt = tokens(5, 200)
+    # D holds 200 + 20 - 1 = 219 tokens; P's cache has 192: missing 27 < 64.
+    out, handle = first_turn(p, d, prompt, 20)
+    assert handle["remote_num_tokens"] == 219
+    threshold, src = loads(p, "recompute_threshold"), sources(p)
+    prompt2 = prompt + out + tokens(500, 40)
+    p_leg(p, prompt2, handle)
+    assert loads(p, "recompute_threshold") == threshold + 1
+    got = delta(sources(p), src)
+    assert got["external_kv_transfer"] == 0 and got["local_cache_hit"] == 192
+    rid = handle["remote_request_id"]
+    wait_for(lambda: rid not in d.retained_ids(), 10, "D to free the handle on P's notification")
+
+
+def test_wrong_prefix_is_detected_and_never_used(cluster: dict[str, Engine]) -> None:
+    p, d = cluster["P1"], cluster["D1"]
+    prompt = tokens(6, 200)
+    out, handle = first_turn(p, d, prompt, 100)
+    edited = list(out)
+    edited[50] += 1  # position 250: past P's cached 192 tokens, inside D's 299
+    prompt2 = prompt + edited + tokens(600, 40)
+    before = p.metric("kvplane_sim_kv_verify_failures_total", reason="wrong_prefix")
+    pr = p_leg(p, prompt2, handle)
+    assert p.metric("kvplane_sim_kv_verify_failures_total", reason="wrong_prefix") == before + 1
+    assert pr["usage"]["prompt_tokens_details"]["cached_tokens"] == 192
+    assert pr["choices"][0]["token_ids"] == reference(cluster["P2"], prompt2, 1)
+
+
+def test_streaming_finish_chunk_carries_kv_transfer_params(cluster: dict[str, Engine]) -> None:
+    p, d = cluster["P1"], cluster["D1"]
+    prompt = tokens(7, 150)
+    p_params = p_leg(p, prompt)["kv_transfer_params"]
+    events = d.stream(
+        "/v1/completions",
+        {
+            "model": MODEL,
+            "prompt": prompt,
+            "max_tokens": 12,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "stream_options": {"include_usage": True},
+            "kv_transfer_params": p_params,
+        },
+    )
+    token_events = [e for e in events if e["choices"]]
+    assert len(token_events) == 12
+    finish = [e for e in token_events if e["choices"][0]["finish_reason"] is not None]
+    assert len(finish) == 1 and finish[0] is token_events[-1]
+    kvp = finish[0]["kv_transfer_params"]
+    assert kvp["do_remote_decode"] is True and kvp["remote_num_tokens"] == 150 + 12 - 1
+    assert all(e.get("kv_transfer_params") is None for e in events if e is not finish[0])
+    assert events[-1]["usage"]["completion_tokens"] == 12
+    streamed = [t for e in token_events for t in e["choices"][0]["token_ids"]]
+    assert streamed == reference(cluster["P2"], prompt, 12)
+
+
+def test_chat_turns_stream_and_pull_verified_blocks(cluster: dict[str, Engine]) -> None:
+    p, d = cluster["P1"], cluster["D1"]
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "tell me a long story " * 12},
+    ]
+    body = {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": 1,
+        "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False},
+    }
+    p_params = p.post("/v1/chat/completions", body)["kv_transfer_params"]
+    events = d.stream(
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": messages,
+            "max_tokens": 120,
+            "ignore_eos": True,
+            "kv_transfer_params": p_params,
+        },
+    )
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events if e["choices"])
+    handle = events[-1]["kv_transfer_params"]
+    assert events[-1]["choices"][0]["finish_reason"] == "length" and handle["do_remote_decode"] is True
+
+    # The client resends the history as text; the byte tokenizer keeps D's prefix intact.
+    messages2 = [*messages, {"role": "assistant", "content": text}, {"role": "user", "content": "and then?"}]
+    pulled = loads(p, "pulled")
+    fails = p.metric("kvplane_sim_kv_verify_failures_total")
+    p.post(
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": messages2,
+            "max_tokens": 1,
+            "kv_transfer_params": dict(handle, do_remote_prefill=False),
+        },
+    )
+    assert loads(p, "pulled") == pulled + 1
+    assert p.metric("kvplane_sim_kv_verify_failures_total") == fails
+
+
+def test_abort_frees_blocks_and_returns_no_handle(cluster: dict[str, Engine]) -> None:
+    p, d = cluster["P1"], cluster["D1"]
+    prompt = tokens(8, 150)
+    p_params = p_leg(p, prompt)["kv_transfer_params"]
+    for rid in d.retained_ids():  # start from an empty pool, through the node agent's seam
+        assert d.post("/sim/release_early", {"request_id": rid})["released"] is True
+    free_before = d.state()["load"]["free_kv_blocks"]
+    assert free_before == d.state()["load"]["total_kv_blocks"]
+    aborts = d.metric("vllm:request_success_total", finished_reason="abort")
+    conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=10)
+    conn.request(
+        "POST",
+        "/v1/completions",
+        body=json.dumps(
+            {
+                "model": MODEL,
+                "prompt": prompt,
+                "max_tokens": 20000,
+                "ignore_eos": True,
+                "stream": True,
+                "kv_transfer_params": p_params,
+            }
+        ),
+        headers={"Content-Type": "application/json"},
+    )
+    resp = conn.getresponse()
+    seen = 0
+    request_id = None
+    while seen < 3:
+        line = resp.readline().decode().strip()
+        if line.startswith("data: "):
+            request_id = json.loads(line[6:])["id"]
+            seen += 1
+    assert d.state()["load"]["running_requests"] == 1
+    conn.close()
+    wait_for(lambda: d.state()["load"]["running_requests"] == 0, 10, "D to abort the request")
+    assert d.metric("vllm:request_success_total", finished_reason="abort") == aborts + 1
+    assert request_id not in d.retained_ids()
+    wait_for(lambda: d.state()["load"]["free_kv_blocks"] == free_before, 10, "D to free the aborted blocks")
