@@ -105,6 +105,9 @@ class NodeAgentSettings:
     stop_flush_s: float = 1.0
     # Whether stop() deregisters the node (its handles are then purged at once).
     deregister_on_stop: bool = True
+    # Bearer token for the control plane; empty: identify by headers only (development, or a
+    # mesh that authenticates the pod and sets the headers itself).
+    auth_token: str = ""
 
     def __post_init__(self) -> None:
         if not self.metadata_target:
@@ -184,6 +187,11 @@ class NodeAgent:
         self._wake: asyncio.Event | None = None
         self._stopping: asyncio.Event | None = None
         self._started = threading.Event()
+        # Sent with every call: the control plane authorizes node calls by it.
+        metadata = [("x-kvplane-role", "node"), ("x-kvplane-node", node.node_id)]
+        if settings.auth_token:
+            metadata.append(("authorization", f"Bearer {settings.auth_token}"))
+        self._call_metadata: tuple[tuple[str, str], ...] = tuple(metadata)
         self._seen: collections.OrderedDict[str, bool] = collections.OrderedDict()
         # Counters; written on the agent thread (and under _lock for the queue ones).
         self._registered = False
@@ -370,6 +378,7 @@ class NodeAgent:
                     node_id=self._node_template.node_id, incarnation=self._incarnation
                 ),
                 timeout=self._settings.rpc_timeout_s,
+                metadata=self._call_metadata,
             )
 
     def _note_error(self, what: str, err: grpc.aio.AioRpcError) -> None:
@@ -400,6 +409,7 @@ class NodeAgent:
                 node=convert.node_to_pb(node), lease_ttl_s=self._settings.lease_ttl_s
             ),
             timeout=self._settings.rpc_timeout_s,
+            metadata=self._call_metadata,
         )
         self._lease_id = resp.lease_id
         self._granted_ttl_s = resp.lease_ttl_s or self._settings.lease_ttl_s
@@ -440,6 +450,7 @@ class NodeAgent:
                         lease_id=self._lease_id,
                     ),
                     timeout=self._settings.rpc_timeout_s,
+                    metadata=self._call_metadata,
                 )
                 backoff.reset()
             except grpc.aio.AioRpcError as err:
@@ -466,6 +477,7 @@ class NodeAgent:
                     await self._meta.ReportLoad(
                         metadata_pb2.ReportLoadRequest(load=convert.load_to_pb(load)),
                         timeout=self._settings.rpc_timeout_s,
+                        metadata=self._call_metadata,
                     )
                     self._load_reports += 1
                 except grpc.aio.AioRpcError as err:
@@ -524,7 +536,9 @@ class NodeAgent:
             )
             handles.append(convert.handle_to_pb(handle))
         await self._meta.PublishHandles(
-            metadata_pb2.PublishHandlesRequest(handles=handles), timeout=self._settings.rpc_timeout_s
+            metadata_pb2.PublishHandlesRequest(handles=handles),
+            timeout=self._settings.rpc_timeout_s,
+            metadata=self._call_metadata,
         )
         self._published += len(batch)
 
@@ -536,6 +550,7 @@ class NodeAgent:
                 remote_request_ids=[item.remote_request_id for item in batch],
             ),
             timeout=self._settings.rpc_timeout_s,
+            metadata=self._call_metadata,
         )
         self._released_reported += len(batch)
 
@@ -570,7 +585,7 @@ class NodeAgent:
             while (msg := await acks.get()) is not None:
                 yield msg
 
-        call = self._evict.Commands(outgoing())
+        call = self._evict.Commands(outgoing(), metadata=self._call_metadata)
         self._streams_opened += 1
         received = False
         try:

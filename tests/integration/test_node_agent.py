@@ -1,0 +1,294 @@
+"""The node agent against the real metadata service and etcd, and a real gRPC eviction stream."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+
+import grpc
+import pytest
+
+from kvplane.connector.node_agent import NodeAgent, NodeAgentSettings
+from kvplane.services.common.local_etcd import free_port
+from kvplane.services.common.nodes import Node, NodeLoad
+from kvplane.services.common.process import ServiceProcess
+from kvplane.v1 import eviction_pb2, eviction_pb2_grpc, metadata_pb2, metadata_pb2_grpc
+from tests.conftest import make_node
+from tests.support.factories import make_handle
+from tests.support.polling import eventually
+
+
+class Recorder:
+    """Thread-safe record of what the agent's callbacks were given."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.released: list[str] = []
+        self.drains = 0
+
+    def on_release(self, remote_request_id: str) -> None:
+        with self._lock:
+            self.released.append(remote_request_id)
+
+    def on_drain(self) -> None:
+        with self._lock:
+            self.drains += 1
+
+
+def fast_settings(target: str, **overrides: object) -> NodeAgentSettings:
+    values: dict[str, object] = {
+        "metadata_target": target,
+        "lease_ttl_s": 3,
+        "load_interval_s": 0.1,
+        "backoff_initial_s": 0.02,
+        "backoff_max_s": 0.3,
+        "rpc_timeout_s": 1.0,
+    }
+    values.update(overrides)
+    return NodeAgentSettings(**values)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def agents() -> Iterator[list[NodeAgent]]:
+    started: list[NodeAgent] = []
+    yield started
+    for agent in started:
+        agent.stop(timeout_s=5.0)
+
+
+@pytest.fixture
+def start_agent(agents: list[NodeAgent]) -> Callable[..., tuple[NodeAgent, Recorder]]:
+    def start(
+        settings: NodeAgentSettings, node: Node, load: NodeLoad | None = None
+    ) -> tuple[NodeAgent, Recorder]:
+        recorder = Recorder()
+        agent = NodeAgent(
+            settings,
+            node,
+            lambda: (
+                load or NodeLoad(node.node_id, "", running_requests=3, free_kv_blocks=7, total_kv_blocks=9)
+            ),
+            recorder.on_release,
+            on_drain=recorder.on_drain,
+        )
+        agent.start()
+        agents.append(agent)
+        return agent, recorder
+
+    return start
+
+
+async def list_nodes(channel: grpc.aio.Channel) -> list[metadata_pb2.NodeStatus]:
+    response = await metadata_pb2_grpc.MetadataServiceStub(channel).ListNodes(metadata_pb2.ListNodesRequest())
+    return list(response.nodes)
+
+
+async def get_handle(channel: grpc.aio.Channel, conversation: str) -> metadata_pb2.GetHandleResponse | None:
+    try:
+        result: metadata_pb2.GetHandleResponse = await metadata_pb2_grpc.MetadataServiceStub(
+            channel
+        ).GetHandle(metadata_pb2.GetHandleRequest(tenant="acme", conversation=conversation))
+        return result
+    except grpc.aio.AioRpcError as err:
+        if err.code() == grpc.StatusCode.NOT_FOUND:
+            return None
+        raise
+
+
+def target_of(process: ServiceProcess) -> str:
+    return f"127.0.0.1:{process.grpc_port}"
+
+
+async def test_agent_registers_under_a_new_incarnation_and_reports_load(
+    metadata_process: ServiceProcess,
+    metadata_channel: grpc.aio.Channel,
+    start_agent: Callable[..., tuple[NodeAgent, Recorder]],
+) -> None:
+    agent, _ = start_agent(fast_settings(target_of(metadata_process)), make_node("d-load", incarnation=""))
+
+    async def registered_with_load() -> metadata_pb2.NodeStatus | None:
+        for status in await list_nodes(metadata_channel):
+            if status.node.node_id == "d-load" and status.load.running_requests == 3:
+                return status
+        return None
+
+    status = await eventually(registered_with_load, what="node registered with its load")
+    assert status.node.incarnation == agent.incarnation != ""
+    assert (status.load.free_kv_blocks, status.load.total_kv_blocks) == (7, 9)
+    assert status.load.incarnation == agent.incarnation
+
+
+async def test_published_handle_is_stored_then_removed_when_released(
+    metadata_process: ServiceProcess,
+    metadata_channel: grpc.aio.Channel,
+    start_agent: Callable[..., tuple[NodeAgent, Recorder]],
+) -> None:
+    node = make_node("d-pub", incarnation="")
+    agent, _ = start_agent(fast_settings(target_of(metadata_process)), node)
+    # The agent stamps holder node and incarnation; the caller need not know them.
+    handle = dataclasses.replace(
+        make_handle(node, conversation="conv-pub", request_id="cmpl-pub-1"), handle_id="h-pub-1"
+    )
+    agent.publish(handle)
+
+    stored = await eventually(lambda: get_handle(metadata_channel, "conv-pub"), what="handle published")
+    assert stored.handle.handle_id == handle.handle_id
+    assert stored.handle.holder_node_id == "d-pub"
+    assert stored.handle.holder_incarnation == agent.incarnation
+    assert stored.handle.vllm.remote_request_id == "cmpl-pub-1"
+
+    agent.report_released("cmpl-pub-1")
+
+    async def gone() -> bool:
+        return await get_handle(metadata_channel, "conv-pub") is None
+
+    await eventually(gone, what="handle removed after ReportReleased")
+    assert agent.stats().published == 1 and agent.stats().released_reported == 1
+
+
+async def test_restart_registers_a_new_incarnation(
+    metadata_process: ServiceProcess,
+    metadata_channel: grpc.aio.Channel,
+    start_agent: Callable[..., tuple[NodeAgent, Recorder]],
+) -> None:
+    agent, _ = start_agent(fast_settings(target_of(metadata_process)), make_node("d-restart", incarnation=""))
+    await eventually(lambda: asyncio.sleep(0, agent.stats().registered), what="first registration")
+    first = agent.incarnation
+    agent.stop()
+    agent.start()
+    second = agent.incarnation
+    assert second != first
+
+    async def shows_second() -> bool:
+        return any(s.node.incarnation == second for s in await list_nodes(metadata_channel))
+
+    await eventually(shows_second, what="new incarnation registered")
+
+
+async def test_agent_registers_again_when_its_lease_is_gone(
+    metadata_process: ServiceProcess,
+    metadata_channel: grpc.aio.Channel,
+    start_agent: Callable[..., tuple[NodeAgent, Recorder]],
+) -> None:
+    agent, _ = start_agent(fast_settings(target_of(metadata_process)), make_node("d-lease", incarnation=""))
+    await eventually(lambda: asyncio.sleep(0, agent.stats().registered), what="first registration")
+    # An operator removes the node: its lease is revoked, and KeepAlive answers NOT_FOUND.
+    await metadata_pb2_grpc.MetadataServiceStub(metadata_channel).DeregisterNode(
+        metadata_pb2.DeregisterNodeRequest(node_id="d-lease", incarnation=agent.incarnation)
+    )
+
+    async def back() -> bool:
+        present = any(s.node.node_id == "d-lease" for s in await list_nodes(metadata_channel))
+        return present and agent.stats().registrations >= 2
+
+    await eventually(back, timeout_s=15.0, what="re-registration after lease loss")
+
+
+async def test_unreachable_control_plane_never_blocks_and_drops_oldest(
+    start_agent: Callable[..., tuple[NodeAgent, Recorder]],
+) -> None:
+    node = make_node("d-offline", incarnation="")
+    agent, _ = start_agent(fast_settings(f"127.0.0.1:{free_port()}", queue_max=3), node)
+    t0 = time.perf_counter()
+    for i in range(5):
+        agent.publish(make_handle(node, conversation=f"c{i}", request_id=f"r{i}"))
+    agent.report_released("r0")
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 0.05
+    stats = agent.stats()
+    assert (stats.queued, stats.dropped, stats.registered) == (3, 3, False)
+    handles, releases = agent.pending()
+    assert [h.conversation for h in handles] == ["c3", "c4"] and releases == ["r0"]
+    t0 = time.perf_counter()
+    agent.stop(timeout_s=5.0)
+    assert time.perf_counter() - t0 < 3.0
+
+
+# ---------------------------------------------------------------------------- eviction commands
+
+
+class ScriptedCoordinator(eviction_pb2_grpc.EvictionServiceServicer):
+    """A coordinator whose every stream replays the same commands, then ends the stream."""
+
+    def __init__(self, commands: list[eviction_pb2.CommandsResponse]) -> None:
+        self.commands = commands
+        self.hellos: list[eviction_pb2.NodeHello] = []
+        self.acks: list[eviction_pb2.CommandAck] = []
+
+    async def Commands(  # noqa: N802 - gRPC method name
+        self, request_iterator: AsyncIterator[eviction_pb2.CommandsRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[eviction_pb2.CommandsResponse]:
+        first = await request_iterator.__anext__()
+        self.hellos.append(first.hello)
+        for command in self.commands:
+            yield command
+        wanted = len(self.acks) + len(self.commands)
+        async for message in request_iterator:
+            self.acks.append(message.ack)
+            if len(self.acks) >= wanted:
+                return
+
+
+@pytest.fixture
+async def coordinator() -> AsyncIterator[tuple[ScriptedCoordinator, str]]:
+    servicer = ScriptedCoordinator(
+        [
+            eviction_pb2.CommandsResponse(
+                command_id="cmd-1",
+                release=eviction_pb2.ReleaseCommand(tenant="acme", remote_request_id="r-1"),
+            ),
+            eviction_pb2.CommandsResponse(
+                command_id="cmd-1",
+                release=eviction_pb2.ReleaseCommand(tenant="acme", remote_request_id="r-1"),
+            ),
+            eviction_pb2.CommandsResponse(command_id="cmd-2", drain=eviction_pb2.DrainCommand()),
+        ]
+    )
+    server = grpc.aio.server()
+    eviction_pb2_grpc.add_EvictionServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield servicer, f"127.0.0.1:{port}"
+    finally:
+        await server.stop(0)
+
+
+async def test_release_commands_are_applied_once_and_every_command_is_acked(
+    metadata_process: ServiceProcess,
+    coordinator: tuple[ScriptedCoordinator, str],
+    start_agent: Callable[..., tuple[NodeAgent, Recorder]],
+) -> None:
+    servicer, eviction_target = coordinator
+    agent, recorder = start_agent(
+        fast_settings(target_of(metadata_process), eviction_target=eviction_target),
+        make_node("d-cmd", incarnation=""),
+    )
+    # Each stream replays cmd-1 twice and cmd-2 once; wait for two streams' worth of acks.
+    await eventually(lambda: asyncio.sleep(0, len(servicer.acks) >= 6), what="acks from two streams")
+    assert recorder.released == ["r-1"]
+    assert recorder.drains == 1
+    assert all(ack.ok for ack in servicer.acks)
+    assert [ack.command_id for ack in servicer.acks[:3]] == ["cmd-1", "cmd-1", "cmd-2"]
+    assert servicer.hellos[0].node_id == "d-cmd" and servicer.hellos[0].incarnation == agent.incarnation
+    stats = agent.stats()
+    assert stats.commands_applied == 2 and stats.commands_duplicate >= 4
+    assert stats.command_streams_opened >= 2
+
+
+async def test_missing_eviction_service_does_not_stop_publishing(
+    metadata_process: ServiceProcess,
+    metadata_channel: grpc.aio.Channel,
+    start_agent: Callable[..., tuple[NodeAgent, Recorder]],
+) -> None:
+    # The metadata process serves no EvictionService: the stream fails with UNIMPLEMENTED.
+    node = make_node("d-noevict", incarnation="")
+    agent, _ = start_agent(fast_settings(target_of(metadata_process)), node)
+    await eventually(
+        lambda: asyncio.sleep(0, agent.stats().command_streams_opened >= 2), what="stream retries"
+    )
+    agent.publish(make_handle(node, conversation="conv-noevict", request_id="r-ne"))
+    await eventually(lambda: get_handle(metadata_channel, "conv-noevict"), what="handle published")
