@@ -360,7 +360,9 @@ class NodeAgent:
         finally:
             for task in tasks:
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            # A call cancelled mid-flight may surface as an RpcError the loops retry; they also
+            # check the stop flag, so a bounded wait is enough.
+            await asyncio.wait(tasks, timeout=1.0)
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._shutdown_flush(), timeout=s.stop_flush_s)
             await meta_channel.close(grace=None)
@@ -391,6 +393,9 @@ class NodeAgent:
         self._registered = False
         self._session_ready.clear()
         self._reregister.set()
+
+    def _is_stopping(self) -> bool:
+        return self._stopping is not None and self._stopping.is_set()
 
     async def _sleep_or_stop(self, delay_s: float) -> None:
         stopping = self._stopping
@@ -427,7 +432,7 @@ class NodeAgent:
 
     async def _session_loop(self) -> None:
         backoff = _Backoff(self._settings.backoff_initial_s, self._settings.backoff_max_s)
-        while True:
+        while not self._is_stopping():
             if not self._session_ready.is_set():
                 try:
                     await self._register()
@@ -461,7 +466,7 @@ class NodeAgent:
     # ------------------------------------------------------------------ load
 
     async def _load_loop(self) -> None:
-        while True:
+        while not self._is_stopping():
             await self._session_ready.wait()
             try:
                 load = dataclasses.replace(
@@ -489,7 +494,7 @@ class NodeAgent:
     async def _queue_loop(self) -> None:
         assert self._wake is not None
         backoff = _Backoff(self._settings.backoff_initial_s, self._settings.backoff_max_s)
-        while True:
+        while not self._is_stopping():
             self._wake.clear()
             await self._session_ready.wait()
             try:
@@ -558,7 +563,7 @@ class NodeAgent:
 
     async def _commands_loop(self) -> None:
         backoff = _Backoff(self._settings.backoff_initial_s, self._settings.backoff_max_s)
-        while True:
+        while not self._is_stopping():
             await self._session_ready.wait()
             try:
                 received = await self._run_command_stream()
