@@ -19,9 +19,11 @@ log = logging.getLogger(__name__)
 class SimEngineServer:
     """An engine plus its HTTP front; start() and stop() bracket its life."""
 
-    def __init__(self, settings: SimEngineSettings, observer: EngineObserver | None = None) -> None:
+    def __init__(
+        self, settings: SimEngineSettings, observer: EngineObserver | None = None, incarnation: str = ""
+    ) -> None:
         self.settings = settings
-        self.engine = SimEngine(settings, observer)
+        self.engine = SimEngine(settings, observer, incarnation)
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
 
@@ -56,9 +58,11 @@ class SimEngineServer:
         await self.engine.stop()
 
 
-async def serve(settings: SimEngineSettings, observer: EngineObserver | None = None) -> None:
+async def serve(
+    settings: SimEngineSettings, observer: EngineObserver | None = None, incarnation: str = ""
+) -> None:
     """Run a sim-engine until cancelled. The `kvplane sim-engine` command calls this."""
-    server = SimEngineServer(settings, observer)
+    server = SimEngineServer(settings, observer, incarnation)
     await server.start()
     e = server.engine
     print(f"kvplane sim-engine settings:\n{settings.describe()}", file=sys.stderr, flush=True)

@@ -127,10 +127,13 @@ class _Peer:
 class SimEngine:
     """One simulated engine. All methods run on one event loop."""
 
-    def __init__(self, settings: SimEngineSettings, observer: EngineObserver | None = None) -> None:
+    def __init__(
+        self, settings: SimEngineSettings, observer: EngineObserver | None = None, incarnation: str = ""
+    ) -> None:
         self.settings = settings
         self.engine_id = settings.resolved_engine_id()
-        self.incarnation = uuid.uuid4().hex
+        # Pass the node agent's incarnation so the registered node and the lease stamps agree.
+        self.incarnation = incarnation or uuid.uuid4().hex
         self.observer: EngineObserver = observer or NullObserver()
         self.pool = BlockPool(
             settings.num_blocks, settings.bytes_per_block, settings.block_size, root_hash(settings.model)
@@ -142,6 +145,9 @@ class SimEngine:
         )
         self._transport: NixlTransport | None = None
         self._retained: dict[str, _Retained] = {}
+        self._retained_bytes = 0
+        self._draining = False
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._recently_freed: OrderedDict[str, str] = OrderedDict()
         self._peers: dict[tuple[str, int], _Peer] = {}
         self._peer_locks: dict[tuple[str, int], asyncio.Lock] = {}
@@ -155,6 +161,7 @@ class SimEngine:
     # -- lifecycle --------------------------------------------------------
 
     async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
         self._transport = NixlTransport(f"{self.engine_id}:{self.incarnation[:12]}", self.pool)
         await self.side_channel.start()
         self._tasks = [
@@ -207,15 +214,37 @@ class SimEngine:
             running_requests=self._running,
             free_kv_blocks=self.pool.free_blocks,
             total_kv_blocks=self.pool.num_blocks,
-            retained_bytes=sum(r.nbytes for r in self._retained.values()),
+            retained_bytes=self._retained_bytes,
             retained_handles=len(self._retained),
         )
 
     def release_early(self, request_id: str) -> bool:
-        if request_id not in self._retained:
-            return False
-        self._free(request_id, "early")
-        return True
+        held = request_id in self._retained
+        self._on_loop(self._release_if_held, request_id)
+        return held
+
+    def drain(self) -> None:
+        self._draining = True
+        self._on_loop(self._release_all)
+
+    def _on_loop(self, fn: Any, *args: Any) -> None:
+        """Run fn now when on the engine's loop, else schedule it there (the agent has its own thread)."""
+        try:
+            current = asyncio.get_running_loop()
+        except RuntimeError:
+            current = None
+        if current is self._loop or self._loop is None:
+            fn(*args)
+        else:
+            self._loop.call_soon_threadsafe(fn, *args)
+
+    def _release_if_held(self, request_id: str) -> None:
+        if request_id in self._retained:
+            self._free(request_id, "early")
+
+    def _release_all(self) -> None:
+        for request_id in list(self._retained):
+            self._free(request_id, "drain")
 
     def retained(self) -> list[dict[str, Any]]:
         now = time.perf_counter()
@@ -247,7 +276,16 @@ class SimEngine:
             retain = "decode_handle" if s.bidirectional else None
         elif kvp.get("do_remote_decode"):
             leg, retain = "prefill", "prefill_lease"
-        remote = parse_remote(kvp) if leg != "local" else None
+        remote = None
+        if leg != "local":
+            if leg == "prefill":
+                # The control plane's prefix check may clip D's handle first, as in the vLLM connector.
+                kvp = dict(kvp)
+                try:
+                    self.observer.check_pull(kvp, req.prompt_token_ids)
+                except Exception:
+                    log.exception("observer failed in check_pull")
+            remote = parse_remote(kvp)
 
         t_arrival = time.perf_counter()
         blocks: list[int] = []
@@ -356,6 +394,8 @@ class SimEngine:
         params: dict[str, Any] | None = None
         leased: list[int] | None = None
         stamp = lease_stamp(self.engine_id, self.incarnation, req.request_id)
+        if retain == "decode_handle" and self._draining:
+            retain = None  # a draining engine keeps nothing for later turns
         if retain is not None and blocks:
             try:
                 leased = self.pool.lease(blocks, stamp)
@@ -369,6 +409,7 @@ class SimEngine:
                 req.request_id, retain, blocks, num_kv, stamp, expiry, len(blocks) * s.bytes_per_block
             )
             self._retained[req.request_id] = r
+            self._retained_bytes += r.nbytes
             params = holder_params(
                 as_decode_handle=retain == "decode_handle",
                 engine_id=self.engine_id,
@@ -382,7 +423,9 @@ class SimEngine:
             )
             if retain == "decode_handle":
                 try:
-                    self.observer.on_handle_retained(params, all_tokens, r.nbytes)
+                    self.observer.on_handle_retained(
+                        params, all_tokens, r.nbytes, req.kv_transfer_params or {}
+                    )
                 except Exception:
                     log.exception("observer failed in on_handle_retained")
         elif blocks:
@@ -515,6 +558,7 @@ class SimEngine:
 
     def _free(self, request_id: str, reason: str) -> None:
         r = self._retained.pop(request_id)
+        self._retained_bytes -= r.nbytes
         self.pool.unlease(r.block_ids, r.stamp)
         self.pool.release(r.block_ids)
         self._recently_freed[request_id] = reason

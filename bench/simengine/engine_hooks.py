@@ -1,15 +1,23 @@
 """The seam between a sim-engine and kvplane's node agent.
 
-The engine calls an ``EngineObserver`` (the node agent's side) when it
-retains or frees a decode handle, and the agent calls the engine back
-through ``EngineControl`` to release a handle early or to read its load:
-the same events and commands the vLLM connector exchanges with the agent.
+The engine calls an ``EngineObserver`` at the same points where kvplane's
+vLLM connector hooks into vLLM, and the node agent drives the engine back
+through ``EngineControl``:
 
-Who calls what: the observer methods run on the engine's event-loop thread,
-inside the request path or the reaper, so they must not block; an agent
-enqueues and does its gRPC work on its own thread or task. ``EngineControl``
-methods are cheap, non-blocking and must be called on the engine's event
-loop (from another thread, use ``loop.call_soon_threadsafe``).
+| vLLM connector hook                          | sim-engine                         |
+|----------------------------------------------|------------------------------------|
+| ``get_num_new_matched_tokens`` (P)           | ``EngineObserver.check_pull``      |
+| ``request_finished`` with a retained handle  | ``EngineObserver.on_handle_retained`` |
+| ``update_connector_output.finished_sending`` | ``EngineObserver.on_blocks_freed`` |
+| ``build_connector_meta`` early release       | ``EngineControl.release_early``    |
+| drain                                        | ``EngineControl.drain``            |
+| load snapshot                                | ``EngineControl.load``             |
+
+Who calls what: observer methods run on the engine's event-loop thread, in
+the request path or the reaper, so they must not block; an agent enqueues
+and does its network work on its own thread. ``EngineControl`` methods are
+cheap and safe to call from any thread (the node agent calls them from its
+own).
 """
 
 from __future__ import annotations
@@ -38,26 +46,49 @@ class EngineLoad:
 
 
 class EngineObserver(Protocol):
-    """Receives the engine's retention events. Must not block."""
+    """Receives the engine's KV events. Event-loop thread; must not block."""
+
+    def check_pull(self, kv_transfer_params: dict[str, Any], prompt_token_ids: Sequence[int]) -> None:
+        """P, before it sizes a pull from D's handle: may clip the params in place.
+
+        ``kvplane.connector.prefix_check.check_pull`` does exactly this: it
+        cuts ``remote_block_ids``/``remote_num_tokens`` to the verified prefix,
+        or sets ``remote_num_tokens`` to 0 (P then pulls nothing and still
+        notifies D, which frees the spent handle).
+        """
 
     def on_handle_retained(
-        self, kv_transfer_params: Mapping[str, Any], all_token_ids: Sequence[int], retained_bytes: int
+        self,
+        kv_transfer_params: dict[str, Any],
+        all_token_ids: Sequence[int],
+        retained_bytes: int,
+        request_kv_transfer_params: Mapping[str, Any],
     ) -> None:
-        """D kept a finished turn's blocks; ``kv_transfer_params`` is the handle it returned.
+        """D kept a finished turn's blocks; ``kv_transfer_params`` is the handle it will return.
 
-        ``all_token_ids`` is prompt + output; the blocks hold KV for all but
-        the last of them (``remote_num_tokens``).
+        Keys added to ``kv_transfer_params`` here go out with it (the vLLM
+        connector adds its handle id and token digests the same way).
+        ``all_token_ids`` is prompt + output; the blocks hold KV for the first
+        ``remote_num_tokens`` of them. ``request_kv_transfer_params`` is what
+        the request came with (kvplane's tenant and conversation keys).
         """
 
     def on_blocks_freed(self, request_id: str) -> None:
-        """A handle's blocks were freed: read by P, expired, released early or aborted."""
+        """A retained handle's blocks were freed: read by P, expired, or released early."""
 
 
 class EngineControl(Protocol):
-    """Commands the node agent may send to the engine."""
+    """Commands the node agent may send to the engine. Thread-safe."""
+
+    @property
+    def incarnation(self) -> str:
+        """New at every engine start; part of every lease stamp."""
 
     def release_early(self, request_id: str) -> bool:
-        """Free a retained handle now; False if it is no longer held."""
+        """Free a retained handle now; False if it was not held when called."""
+
+    def drain(self) -> None:
+        """Free every retained handle and keep no new ones."""
 
     def load(self) -> EngineLoad:
         """The current load."""
@@ -66,8 +97,15 @@ class EngineControl(Protocol):
 class NullObserver:
     """Observer used when no control plane is attached."""
 
+    def check_pull(self, kv_transfer_params: dict[str, Any], prompt_token_ids: Sequence[int]) -> None:
+        return None
+
     def on_handle_retained(
-        self, kv_transfer_params: Mapping[str, Any], all_token_ids: Sequence[int], retained_bytes: int
+        self,
+        kv_transfer_params: dict[str, Any],
+        all_token_ids: Sequence[int],
+        retained_bytes: int,
+        request_kv_transfer_params: Mapping[str, Any],
     ) -> None:
         return None
 
