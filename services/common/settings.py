@@ -24,6 +24,7 @@ from kvplane.services.common.auth import (
     TokenAuthenticator,
 )
 from kvplane.services.common.store import StoreSettings
+from kvplane.services.eviction.config import EvictionSection
 
 
 class EtcdSection(BaseModel):
@@ -112,6 +113,7 @@ class KvplaneSettings(BaseSettings):
     telemetry: TelemetrySection = Field(default_factory=TelemetrySection)
     auth: AuthSection = Field(default_factory=AuthSection)
     metadata: MetadataSection = Field(default_factory=MetadataSection)
+    eviction: EvictionSection = Field(default_factory=EvictionSection)
     routing: RoutingSection = Field(default_factory=RoutingSection)
 
     @classmethod

@@ -1,0 +1,297 @@
+"""The eviction coordinator: elected leader, policy loop, dead nodes, sessions.
+
+Every replica watches the cluster (a warm standby) and learns inter-turn
+gaps from handle publishes. Only the leader acts:
+
+- evaluates the retention pipeline over the cluster view and releases what
+  it decides, each through a fenced transaction (`Releaser`);
+- purges the handles of nodes whose lease went, or that came back as a new
+  incarnation, through the per-node index, and sweeps for orphans;
+- drains nodes marked draining;
+- serves node command streams (`sessions`).
+
+A new leader needs nothing from its predecessor: the handles, the nodes and
+the release outbox are all in etcd, and the view is caught up to the
+revision read at the start of the term before anything is decided.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import uuid
+from collections.abc import Coroutine
+from typing import Any
+
+from kvplane.services.common.cluster_view import ClusterView, HandleChange, NodeChange
+from kvplane.services.common.errors import StoreUnavailable
+from kvplane.services.common.handles import ReleaseReason
+from kvplane.services.common.store import Store, now_ms
+from kvplane.services.common.telemetry import Telemetry
+from kvplane.services.eviction.config import EvictionSection
+from kvplane.services.eviction.election import LeaderElection, Term
+from kvplane.services.eviction.metrics import EvictionMetrics
+from kvplane.services.eviction.policy import (
+    HandleInfo,
+    NodeInfo,
+    Release,
+    RetentionPipeline,
+    Snapshot,
+    TurnTracker,
+)
+from kvplane.services.eviction.releaser import Releaser
+from kvplane.services.eviction.sessions import NodeSession, SessionRegistry
+
+log = logging.getLogger(__name__)
+
+# Shortest pause between two evaluations, seconds: bursts of publishes are
+# judged together rather than one evaluation per publish.
+_MIN_EVALUATE_GAP_S = 0.05
+# How long a new leader waits for its view to reach the term's start revision.
+_CATCH_UP_TIMEOUT_S = 5.0
+
+
+def default_replica_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+class EvictionCoordinator:
+    """One replica of the coordinator; a Component (start/stop) of a process."""
+
+    def __init__(
+        self,
+        store: Store,
+        view: ClusterView,
+        settings: EvictionSection,
+        telemetry: Telemetry,
+        *,
+        pipeline: RetentionPipeline | None = None,
+    ) -> None:
+        self.store = store
+        self.view = view
+        self.settings = settings
+        self.telemetry = telemetry
+        self.replica_id = settings.replica_id or default_replica_id()
+        self.election = LeaderElection(store, settings.election_name, self.replica_id, settings.lease_ttl_s)
+        self.metrics = EvictionMetrics.create(telemetry.registry)
+        self.sessions = SessionRegistry(store, self.metrics)
+        self.pipeline = pipeline or settings.pipeline()
+        self.tracker = TurnTracker(self.pipeline.values.gaps, horizon_s=settings.gap_horizon_s)
+        self.releaser = Releaser(store, view, self.metrics, telemetry, settings.release_concurrency)
+        self.term: Term | None = None
+        self.evaluations = 0
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._term_tasks: set[asyncio.Task[Any]] = set()
+        view.on_handle_change(self._on_handle_change)
+        view.on_node_change(self._on_node_change)
+
+    # -- lifecycle ----------------------------------------------------------------
+
+    @property
+    def is_leader(self) -> bool:
+        return self.term is not None and self.term.active
+
+    async def start(self) -> None:
+        self.view.start()
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="eviction-coordinator")
+
+    async def stop(self) -> None:
+        """Stops acting and hands leadership over at once (revokes the lease)."""
+        # Taken first: cancelling the loop ends the term and forgets it.
+        term = self.term
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        self._end_term()
+        await self.election.stop(term)
+
+    async def _run(self) -> None:
+        while True:
+            term = await self.election.campaign()
+            try:
+                await self._lead(term)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("eviction leader failed; resigning")
+                await self.election.resign(term)
+            finally:
+                self._end_term()
+
+    async def _lead(self, term: Term) -> None:
+        await self._catch_up()
+        if term.lost.is_set():
+            return
+        self.term = term
+        self.metrics.leader.set(1)
+        log.info("eviction leader: acting", extra={"replica": self.replica_id})
+        self._spawn(self._policy_loop(term))
+        self._spawn(self._sweep_loop(term))
+        for record in list(self.view.nodes.values()):
+            if record.node.draining:
+                self._drain(record.node.node_id, record.node.incarnation)
+        await term.lost.wait()
+        log.warning("eviction leader: leadership lost; stopped acting", extra={"replica": self.replica_id})
+
+    def _end_term(self) -> None:
+        if self.term is not None:
+            self.term.lost.set()
+        self.term = None
+        self.metrics.leader.set(0)
+        for task in list(self._term_tasks):
+            task.cancel()
+        self.sessions.close_all("leadership lost")
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.create_task(coro)
+        self._term_tasks.add(task)
+        task.add_done_callback(self._term_tasks.discard)
+
+    async def _catch_up(self) -> None:
+        """Waits until the view has seen everything etcd held when the term began."""
+        try:
+            revision = await self.store.revision()
+        except StoreUnavailable:
+            return
+        if not await self.view.wait_for(lambda: self.view.ready.is_set() and self.view.revision >= revision, _CATCH_UP_TIMEOUT_S):
+            log.warning("eviction leader: view not caught up to revision %d; acting on it anyway", revision)
+
+    # -- the policy loop -------------------------------------------------------------
+
+    async def _policy_loop(self, term: Term) -> None:
+        interval = self.settings.evaluate_interval_s
+        while term.active:
+            self._wake.clear()
+            try:
+                await self.evaluate_once(term)
+            except StoreUnavailable as exc:
+                log.warning("eviction round failed: %s", exc)
+            except Exception:
+                log.exception("eviction round failed")
+            await asyncio.sleep(_MIN_EVALUATE_GAP_S)  # let a burst of changes settle
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), interval)
+
+    def snapshot(self, now_unix_ms: int) -> tuple[Snapshot, list[Release]]:
+        """The policy snapshot of the view, and releases for draining nodes."""
+        self.releaser.prune()
+        nodes = {
+            node_id: NodeInfo(node_id, record.node.kv_capacity_bytes) for node_id, record in self.view.nodes.items()
+        }
+        draining = {
+            (r.node.node_id, r.node.incarnation) for r in self.view.nodes.values() if r.node.draining
+        }
+        handles: list[HandleInfo] = []
+        drains: list[Release] = []
+        for key, record in self.view.handles.items():
+            h = record.handle
+            if self.releaser.recent.get(key) == h.handle_id:
+                continue
+            info = HandleInfo(
+                h.tenant,
+                h.conversation,
+                h.handle_id,
+                h.holder_node_id,
+                h.retained_bytes,
+                h.num_tokens,
+                h.published_unix_ms,
+                h.wall_expiry_unix_ms,
+            )
+            if (h.holder_node_id, h.holder_incarnation) in draining:
+                drains.append(Release.of(info, ReleaseReason.DRAIN, "drain", f"node {h.holder_node_id} is draining"))
+            else:
+                handles.append(info)
+        return Snapshot(now_unix_ms, tuple(handles), nodes), drains
+
+    async def evaluate_once(self, term: Term) -> int:
+        """One round: judge the view, release what was decided. Returns releases made."""
+        now = now_ms()
+        self.tracker.expire(now)
+        snapshot, releases = self.snapshot(now)
+        releases += self.pipeline.evaluate(snapshot)
+        self.evaluations += 1
+        if not releases:
+            return 0
+        outcome = await self.releaser.apply(releases, term)
+        return outcome.released
+
+    # -- inputs from the view ------------------------------------------------------------
+
+    def _on_handle_change(self, change: HandleChange) -> None:
+        current = change.current
+        if current is not None and (change.previous is None or change.previous.handle_id != current.handle.handle_id):
+            # Standbys learn too, so a new leader starts with warm statistics.
+            self.tracker.on_publish(current.handle.tenant, current.handle.conversation, current.handle.published_unix_ms)
+        if self.term is not None:
+            self._wake.set()
+
+    def _on_node_change(self, change: NodeChange) -> None:
+        if self.term is None:
+            return
+        previous, current = change.previous, change.current
+        if current is None:
+            if previous is not None:
+                # The node's lease is gone: its blocks died with it.
+                self._spawn(self._purge(change.node_id, previous.incarnation))
+            return
+        if previous is not None and previous.incarnation != current.node.incarnation:
+            # A restart: the old incarnation's handles must never be served.
+            self._spawn(self._purge(change.node_id, previous.incarnation))
+            session = self.sessions.get(change.node_id)
+            if session is not None and session.incarnation != current.node.incarnation:
+                self.sessions.discard(session, "node restarted with a new incarnation")
+        if current.node.draining and not (previous is not None and previous.draining):
+            self._drain(change.node_id, current.node.incarnation)
+
+    def _drain(self, node_id: str, incarnation: str) -> None:
+        session = self.sessions.get(node_id)
+        if session is not None and session.incarnation == incarnation:
+            session.offer_drain()
+        self._wake.set()  # the next round releases the node's handles
+
+    # -- dead nodes ------------------------------------------------------------------------
+
+    async def _purge(self, node_id: str, incarnation: str) -> None:
+        try:
+            removed = await self.store.purge_node(node_id, incarnation, ReleaseReason.HOLDER_DOWN)
+        except StoreUnavailable as exc:
+            log.warning("purge of node %s failed (the sweep retries): %s", node_id, exc)
+            return
+        if removed:
+            self.metrics.purged_handles.inc(removed)
+            log.info(
+                "purged handles of a dead node",
+                extra={"node": node_id, "incarnation": incarnation, "handles": removed, "reason": "holder_down"},
+            )
+
+    async def sweep_orphans(self) -> None:
+        for node_id, incarnation in await self.store.orphaned_nodes():
+            await self._purge(node_id, incarnation)
+
+    async def _sweep_loop(self, term: Term) -> None:
+        while term.active:
+            try:
+                await self.sweep_orphans()
+            except StoreUnavailable as exc:
+                log.warning("orphan sweep failed: %s", exc)
+            await asyncio.sleep(self.settings.orphan_sweep_interval_s)  # periodic sweep
+
+    # -- sessions ----------------------------------------------------------------------------
+
+    def open_session(self, node_id: str, incarnation: str) -> NodeSession:
+        session = self.sessions.open(node_id, incarnation)
+        record = self.view.nodes.get(node_id)
+        if record is not None and record.node.draining and record.node.incarnation == incarnation:
+            session.offer_drain()
+        return session
+
+    async def pending_commands(self) -> int:
+        _, entries = await self.store.read_prefix(self.store.keys.releases_prefix())
+        return len(entries)

@@ -1,0 +1,103 @@
+"""kvplane.v1.EvictionService: the node command channel and status.
+
+Only the leader serves command streams; a standby answers UNAVAILABLE so the
+node agent retries, and finds the leader among the replicas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from kvplane.services.common import validation
+from kvplane.services.common.auth import PrincipalKind
+from kvplane.services.common.errors import InvalidArgument, NotLeader, StoreUnavailable
+from kvplane.services.common.grpc_errors import rpc_method
+from kvplane.services.common.server import caller
+from kvplane.services.eviction.coordinator import EvictionCoordinator
+from kvplane.services.eviction.sessions import NodeSession, SessionClosed
+from kvplane.v1 import eviction_pb2, eviction_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = eviction_pb2.DESCRIPTOR.services_by_name["EvictionService"].full_name
+_INTERNAL = (PrincipalKind.NODE, PrincipalKind.OPERATOR)
+
+
+class EvictionService(eviction_pb2_grpc.EvictionServiceServicer):
+    def __init__(self, coordinator: EvictionCoordinator) -> None:
+        self.coordinator = coordinator
+
+    @rpc_method
+    async def Commands(
+        self, request_iterator: AsyncIterator[eviction_pb2.CommandsRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[eviction_pb2.CommandsResponse]:
+        caller(self, context).require(*_INTERNAL)
+        term = self.coordinator.term
+        if term is None or not term.active:
+            raise NotLeader(f"replica {self.coordinator.replica_id} is a standby; leader is {self.coordinator.election.leader_id!r}")
+        hello = await _hello(request_iterator)
+        session = self.coordinator.open_session(hello.node_id, hello.incarnation)
+        log.info("node connected", extra={"node": hello.node_id, "incarnation": hello.incarnation})
+        reader = asyncio.create_task(self._read_acks(request_iterator, session), name=f"acks-{hello.node_id}")
+        try:
+            while True:
+                try:
+                    command = await session.next_command()
+                except SessionClosed:
+                    break
+                yield command
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+            self.coordinator.sessions.discard(session, session.close_reason or "stream ended")
+            log.info(
+                "node disconnected",
+                extra={"node": hello.node_id, "reason": session.close_reason, "acked": session.acked},
+            )
+        if self.coordinator.term is not term:
+            raise NotLeader("leadership moved to another replica; reconnect")
+
+    async def _read_acks(self, requests: AsyncIterator[eviction_pb2.CommandsRequest], session: NodeSession) -> None:
+        try:
+            async for request in requests:
+                if request.WhichOneof("message") == "ack":
+                    await session.acknowledge(request.ack)
+            reason = "node closed the stream"
+        except (grpc.aio.AioRpcError, grpc.RpcError, StoreUnavailable) as exc:
+            reason = f"stream broke: {exc}"
+        self.coordinator.sessions.discard(session, reason)
+
+    @rpc_method
+    async def GetStatus(
+        self, request: eviction_pb2.GetStatusRequest, context: grpc.aio.ServicerContext
+    ) -> eviction_pb2.GetStatusResponse:
+        caller(self, context).require(*_INTERNAL)
+        leader = self.coordinator.is_leader
+        leader_id = self.coordinator.replica_id
+        if not leader:
+            record = await self.coordinator.store.election_leader(self.coordinator.settings.election_name)
+            leader_id = record.candidate if record is not None else ""
+        return eviction_pb2.GetStatusResponse(
+            leader=leader,
+            leader_id=leader_id,
+            connected_nodes=len(self.coordinator.sessions),
+            pending_commands=await self.coordinator.pending_commands(),
+        )
+
+
+async def _hello(requests: AsyncIterator[eviction_pb2.CommandsRequest]) -> eviction_pb2.NodeHello:
+    try:
+        first = await anext(aiter(requests))
+    except StopAsyncIteration:
+        raise InvalidArgument("hello", "the stream ended before the hello") from None
+    if first.WhichOneof("message") != "hello":
+        raise InvalidArgument("hello", "the first message must be a hello")
+    validation.ident(first.hello.node_id, "hello.node_id")
+    validation.ident(first.hello.incarnation, "hello.incarnation")
+    return first.hello

@@ -1,0 +1,212 @@
+"""Open node command streams on the leader, and the outbox each one follows.
+
+The outbox is etcd itself: `releases/{node}/{command id}` entries, written
+by the same transaction that removed the handle. A session replays every
+entry for its node when it opens (oldest first), then follows a watch on the
+node's prefix from the revision of that read, so commands written while the
+node was away, or while another replica led, are all delivered. An entry is
+deleted only when the node acknowledges it, so a command is never lost; and
+nodes apply each command id at most once, so a replay is never applied twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+
+from kvplane.services.common import convert
+from kvplane.services.common.errors import StoreUnavailable
+from kvplane.services.common.handles import PendingRelease
+from kvplane.services.common.store import Compacted, Store, now_ms
+from kvplane.services.eviction.metrics import EvictionMetrics
+from kvplane.v1 import eviction_pb2, handle_pb2
+
+log = logging.getLogger(__name__)
+
+_RELEASE = "release"
+_DRAIN = "drain"
+
+
+@dataclass(frozen=True, slots=True)
+class _Sent:
+    kind: str
+    decided_unix_ms: int
+
+
+class SessionClosed(Exception):
+    """The session ended: the node went away, reconnected elsewhere, or the term ended."""
+
+
+class NodeSession:
+    """One node's command stream: what was offered, what awaits an ack."""
+
+    def __init__(self, node_id: str, incarnation: str, store: Store, metrics: EvictionMetrics) -> None:
+        self.node_id = node_id
+        self.incarnation = incarnation
+        self.store = store
+        self.metrics = metrics
+        self.opened = time.monotonic()
+        self.acked = 0
+        self.close_reason = ""
+        self._queue: asyncio.Queue[eviction_pb2.CommandsResponse | None] = asyncio.Queue()
+        self._offered: set[str] = set()
+        self._unacked: dict[str, _Sent] = {}
+        self._follower: asyncio.Task[None] | None = None
+
+    @property
+    def closed(self) -> bool:
+        return bool(self.close_reason)
+
+    @property
+    def unacked(self) -> int:
+        return len(self._unacked)
+
+    def offer_release(self, pending: PendingRelease) -> bool:
+        """Queues a release for sending unless it is another incarnation's or already offered."""
+        if self.closed or pending.handle.holder_incarnation != self.incarnation:
+            # Another incarnation's blocks are gone with it; the dead-node
+            # purge deletes such entries.
+            return False
+        if pending.command_id in self._offered:
+            return False
+        self._offered.add(pending.command_id)
+        h = pending.handle
+        command = eviction_pb2.CommandsResponse(
+            command_id=pending.command_id,
+            release=eviction_pb2.ReleaseCommand(
+                tenant=h.tenant,
+                conversation=h.conversation,
+                handle_id=h.handle_id,
+                remote_request_id=h.vllm.remote_request_id,
+                reason=convert.reason_to_pb(pending.reason),
+            ),
+        )
+        self._unacked[pending.command_id] = _Sent(_RELEASE, pending.decided_unix_ms)
+        self._queue.put_nowait(command)
+        return True
+
+    def offer_drain(self) -> bool:
+        # One drain per incarnation: its id is stable, so a node that already
+        # drained acknowledges a replay without acting twice.
+        command_id = f"drain-{self.incarnation}"
+        if self.closed or command_id in self._offered:
+            return False
+        self._offered.add(command_id)
+        self._unacked[command_id] = _Sent(_DRAIN, now_ms())
+        self._queue.put_nowait(eviction_pb2.CommandsResponse(command_id=command_id, drain=eviction_pb2.DrainCommand()))
+        return True
+
+    async def next_command(self) -> eviction_pb2.CommandsResponse:
+        """The next command to send; raises SessionClosed when the session ends."""
+        item = await self._queue.get()
+        if item is None:
+            raise SessionClosed(self.close_reason)
+        self.metrics.commands_sent.labels(item.WhichOneof("command") or "").inc()
+        return item
+
+    async def acknowledge(self, ack: eviction_pb2.CommandAck) -> None:
+        sent = self._unacked.pop(ack.command_id, None)
+        if sent is None:
+            return  # a duplicate ack, or one for a command of an earlier stream
+        outcome = "ok" if ack.ok else "error"
+        self.metrics.commands_acked.labels(sent.kind, outcome).inc()
+        if not ack.ok:
+            # The node could not apply it (e.g. the engine had already freed
+            # the blocks). Re-sending would fail the same way, and the handle
+            # is already unroutable, so the command is done either way.
+            log.warning(
+                "node failed a command",
+                extra={"node": self.node_id, "command_id": ack.command_id, "kind": sent.kind, "error": ack.error},
+            )
+        if sent.kind == _RELEASE:
+            try:
+                await self.store.ack_release(self.node_id, ack.command_id)
+            except StoreUnavailable as exc:
+                # The entry stays and is replayed on the next connect; the
+                # node acknowledges it again without applying it twice.
+                log.warning("could not delete acknowledged release %s: %s", ack.command_id, exc)
+                return
+            self.metrics.delivery_seconds.observe(max(0, now_ms() - sent.decided_unix_ms) / 1000.0)
+        self._offered.discard(ack.command_id)
+        self.acked += 1
+
+    def close(self, reason: str) -> None:
+        if not self.closed:
+            self.close_reason = reason
+            self._queue.put_nowait(None)
+        if self._follower is not None:
+            self._follower.cancel()
+
+    def follow_outbox(self) -> None:
+        if self._follower is None:
+            self._follower = asyncio.create_task(self._follow(), name=f"outbox-{self.node_id}")
+
+    async def _follow(self) -> None:
+        prefix = self.store.keys.releases_prefix(self.node_id)
+        delay = 0.1
+        while not self.closed:
+            try:
+                revision, entries = await self.store.read_prefix(prefix)
+                for entry in sorted(entries, key=lambda e: e.mod_revision):
+                    self.offer_release(_pending(entry.value))
+                async for batch in self.store.watch_prefix(prefix, revision + 1):
+                    delay = 0.1
+                    for event in batch:
+                        if not event.deleted:
+                            self.offer_release(_pending(event.value))
+            except Compacted:
+                continue  # re-read: the replay covers whatever was missed
+            except StoreUnavailable as exc:
+                log.warning("outbox of node %s: %s", self.node_id, exc)
+                await asyncio.sleep(delay)  # back off while etcd is unreachable
+                delay = min(delay * 2, 2.0)
+
+
+def _pending(value: bytes) -> PendingRelease:
+    return convert.pending_from_pb(handle_pb2.PendingRelease.FromString(value))
+
+
+class SessionRegistry:
+    """The leader's open sessions, at most one per node."""
+
+    def __init__(self, store: Store, metrics: EvictionMetrics) -> None:
+        self.store = store
+        self.metrics = metrics
+        self._sessions: dict[str, NodeSession] = {}
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def get(self, node_id: str) -> NodeSession | None:
+        return self._sessions.get(node_id)
+
+    def open(self, node_id: str, incarnation: str) -> NodeSession:
+        """A new session; a node's older stream is closed (it reconnected)."""
+        old = self._sessions.pop(node_id, None)
+        if old is not None:
+            old.close("replaced by a newer stream from the same node")
+        session = NodeSession(node_id, incarnation, self.store, self.metrics)
+        self._sessions[node_id] = session
+        self.metrics.connected_nodes.set(len(self._sessions))
+        session.follow_outbox()
+        return session
+
+    def discard(self, session: NodeSession, reason: str) -> None:
+        session.close(reason)
+        if self._sessions.get(session.node_id) is session:
+            del self._sessions[session.node_id]
+        self.metrics.connected_nodes.set(len(self._sessions))
+
+    def close_all(self, reason: str) -> None:
+        for session in list(self._sessions.values()):
+            self.discard(session, reason)
+
+    async def wait_closed(self) -> None:
+        """Lets cancelled followers finish (for orderly shutdown)."""
+        for session in list(self._sessions.values()):
+            if session._follower is not None:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await session._follower

@@ -1,0 +1,212 @@
+"""The eviction command channel against real etcd and real gRPC streams."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+
+from kvplane.services.common.handles import ReleaseReason
+from kvplane.services.common.local_etcd import LocalEtcd
+from kvplane.services.common.process import ServiceProcess
+from kvplane.services.common.store import Store
+from kvplane.v1 import eviction_pb2, eviction_pb2_grpc, handle_pb2
+from tests.conftest import NODE_HEADERS, make_node
+from tests.support.eviction_nodes import CommandNode, coordinator_of, start_replica, target_of
+from tests.support.factories import make_handle
+from tests.support.polling import eventually
+
+NO_POLICY = {"policies": []}
+
+
+@pytest.fixture
+async def replica(etcd: LocalEtcd, prefix: str) -> AsyncIterator[ServiceProcess]:
+    process = await start_replica(etcd, prefix, policy=NO_POLICY)
+    try:
+        await eventually(_leads(process), what="the replica to lead")
+        yield process
+    finally:
+        await process.stop()
+
+
+def _leads(process: ServiceProcess):  # type: ignore[no-untyped-def]
+    async def probe() -> bool:
+        return coordinator_of(process).is_leader
+
+    return probe
+
+
+async def _publish(store: Store, node, count: int, tenant: str = "acme") -> list[str]:  # type: ignore[no-untyped-def]
+    conversations = []
+    for i in range(count):
+        conversation = f"conv-{i}-{uuid.uuid4().hex[:6]}"
+        await store.publish_handle(make_handle(node, tenant, conversation))
+        conversations.append(conversation)
+    return conversations
+
+
+async def test_end_conversation_release_reaches_the_node_within_a_second(store: Store, replica: ServiceProcess) -> None:
+    node = make_node("d0")
+    await store.register_node(node, 30)
+    [conversation] = await _publish(store, node, 1)
+    agent = CommandNode(node.node_id, node.incarnation, [target_of(replica)])
+    agent.start()
+    try:
+        await eventually(lambda: _true(agent.connected), what="the node's stream")
+        started = time.monotonic()
+        pending = await store.release("acme", conversation, ReleaseReason.CONVERSATION_ENDED)
+        await eventually(lambda: _true(pending.command_id in agent.applied), timeout_s=1.0, interval_s=0.01,
+                         what="the release command at the node")
+        elapsed = time.monotonic() - started
+        assert elapsed < 1.0
+        applied = agent.applied[pending.command_id]
+        assert applied.conversation == conversation
+        assert applied.remote_request_id == pending.handle.vllm.remote_request_id
+        assert applied.reason == handle_pb2.RELEASE_REASON_CONVERSATION_ENDED
+        # The ack deletes the outbox entry.
+        await eventually(lambda: _empty(store.pending_releases(node.node_id)), what="the outbox to empty")
+    finally:
+        await agent.stop()
+
+
+async def test_a_standby_answers_unavailable_and_reports_the_leader(
+    etcd: LocalEtcd, prefix: str, replica: ServiceProcess
+) -> None:
+    standby = await start_replica(etcd, prefix, policy=NO_POLICY)
+    try:
+        async with grpc.aio.insecure_channel(target_of(standby)) as channel:
+            stub = eviction_pb2_grpc.EvictionServiceStub(channel)
+            hello = eviction_pb2.CommandsRequest(hello=eviction_pb2.NodeHello(node_id="d0", incarnation="i0"))
+            call = stub.Commands(iter([hello]), metadata=NODE_HEADERS)
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                async for _ in call:
+                    pass
+            assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+            status = await stub.GetStatus(eviction_pb2.GetStatusRequest(), metadata=NODE_HEADERS)
+            assert not status.leader
+            assert status.leader_id == coordinator_of(replica).replica_id
+        async with grpc.aio.insecure_channel(target_of(replica)) as channel:
+            status = await eviction_pb2_grpc.EvictionServiceStub(channel).GetStatus(
+                eviction_pb2.GetStatusRequest(), metadata=NODE_HEADERS
+            )
+            assert status.leader
+    finally:
+        await standby.stop()
+
+
+async def test_a_node_that_reconnects_converges_with_one_that_never_left(store: Store, replica: ServiceProcess) -> None:
+    steady_node, flaky_node = make_node("steady"), make_node("flaky")
+    for n in (steady_node, flaky_node):
+        await store.register_node(n, 30)
+    steady_convs = await _publish(store, steady_node, 12)
+    flaky_convs = await _publish(store, flaky_node, 12)
+    target = [target_of(replica)]
+    steady = CommandNode(steady_node.node_id, steady_node.incarnation, target)
+    # The flaky node applies what it receives but loses its acks the first time.
+    flaky = CommandNode(flaky_node.node_id, flaky_node.incarnation, target, ack=False)
+    steady.start()
+    flaky.start()
+    try:
+        await eventually(lambda: _true(steady.connected and flaky.connected), what="both streams")
+        for convs in (steady_convs[:4], flaky_convs[:4]):
+            for c in convs:
+                await store.release("acme", c, ReleaseReason.CONVERSATION_ENDED)
+        await eventually(lambda: _true(len(flaky.applied) == 4 and len(steady.applied) == 4), what="first releases")
+        await flaky.disconnect()
+        # Released while the flaky node is away.
+        for convs in (steady_convs[4:8], flaky_convs[4:8]):
+            for c in convs:
+                await store.release("acme", c, ReleaseReason.CONVERSATION_ENDED)
+        flaky.ack = True
+        flaky.start()
+        await eventually(lambda: _true(flaky.connected), what="the reconnect")
+        for convs in (steady_convs[8:], flaky_convs[8:]):
+            for c in convs:
+                await store.release("acme", c, ReleaseReason.CONVERSATION_ENDED)
+
+        def suffixes(agent: CommandNode) -> list[str]:
+            return sorted(c.split("-", 2)[1] for _, c in agent.released_conversations())
+
+        await eventually(lambda: _true(len(flaky.applied) == 12 and len(steady.applied) == 12), what="all releases")
+        await eventually(lambda: _empty(store.pending_releases(flaky_node.node_id)), what="flaky outbox empty")
+        await eventually(lambda: _empty(store.pending_releases(steady_node.node_id)), what="steady outbox empty")
+        # Same state: every conversation released exactly once on each node.
+        assert suffixes(flaky) == suffixes(steady)
+        assert set(flaky.released_handles.values()) == {1}
+        assert set(steady.released_handles.values()) == {1}
+        # The unacknowledged first four were sent again after the reconnect,
+        # and not applied twice.
+        assert len(flaky.received) > len(flaky.applied)
+    finally:
+        await steady.stop()
+        await flaky.stop()
+
+
+async def test_a_draining_node_gets_a_drain_command_and_loses_its_handles(
+    store: Store, replica: ServiceProcess
+) -> None:
+    node = make_node("d0")
+    await store.register_node(node, 30)
+    convs = await _publish(store, node, 5)
+    agent = CommandNode(node.node_id, node.incarnation, [target_of(replica)])
+    agent.start()
+    try:
+        await eventually(lambda: _true(agent.connected), what="the node's stream")
+        await store.set_draining(node.node_id)
+        await eventually(lambda: _true(len(agent.drains) == 1), what="the drain command")
+        await eventually(lambda: _true(len(agent.applied) == 5), what="every handle released")
+        assert {c for _, c in agent.released_conversations()} == set(convs)
+        assert {a.reason for a in agent.applied.values()} == {handle_pb2.RELEASE_REASON_DRAIN}
+        for c in convs:
+            assert await store.get_handle_record("acme", c) is None
+    finally:
+        await agent.stop()
+
+
+async def test_a_dead_nodes_handles_are_purged_when_its_lease_goes(store: Store, replica: ServiceProcess) -> None:
+    node = make_node("d0")
+    lease = await store.register_node(node, 30)
+    convs = await _publish(store, node, 3)
+    await store.revoke_lease(lease)
+    for c in convs:
+        await eventually(lambda c=c: _none(store.get_handle_record("acme", c)), what="the purge")  # type: ignore[misc]
+    assert await store.orphaned_nodes() == set()
+
+
+async def test_orphans_left_while_no_leader_ran_are_swept_by_the_next_leader(
+    etcd: LocalEtcd, prefix: str, store: Store
+) -> None:
+    node = make_node("d0")
+    lease = await store.register_node(node, 30)
+    convs = await _publish(store, node, 3)
+    await store.revoke_lease(lease)
+    assert await store.orphaned_nodes() == {(node.node_id, node.incarnation)}
+    process = await start_replica(etcd, prefix, policy=NO_POLICY)
+    try:
+        await eventually(_orphans_gone(store), what="the orphan sweep")
+        for c in convs:
+            assert await store.get_handle_record("acme", c) is None
+    finally:
+        await process.stop()
+
+
+def _orphans_gone(store: Store):  # type: ignore[no-untyped-def]
+    async def probe() -> bool:
+        return await store.orphaned_nodes() == set()
+
+    return probe
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+async def _empty(awaitable) -> bool:  # type: ignore[no-untyped-def]
+    return not await awaitable
+
+
+async def _none(awaitable) -> bool:  # type: ignore[no-untyped-def]
+    return await awaitable is None
