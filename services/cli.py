@@ -57,7 +57,9 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvplane", description="KV-cache reuse control plane for disaggregated vLLM")
+    parser = argparse.ArgumentParser(
+        prog="kvplane", description="KV-cache reuse control plane for disaggregated vLLM"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run kvplane services")
     serve.add_argument("service", choices=[*SERVICES, "all"])

@@ -7,7 +7,6 @@ from collections.abc import AsyncIterator, Iterator
 
 import grpc
 import pytest
-
 from kvplane.services.common.local_etcd import LocalEtcd, free_port
 from kvplane.services.common.nodes import Fingerprint, Node, NodeRole
 from kvplane.services.common.process import ServiceProcess
@@ -81,8 +80,15 @@ def tenant_headers(tenant: str) -> tuple[tuple[str, str], ...]:
     return (("x-kvplane-tenant", tenant),)
 
 
-def make_node(node_id: str = "d0", *, role: NodeRole = NodeRole.DECODE, incarnation: str | None = None,
-              model: str = "tiny", host: str = "127.0.0.1", port: int = 8000) -> Node:
+def make_node(
+    node_id: str = "d0",
+    *,
+    role: NodeRole = NodeRole.DECODE,
+    incarnation: str | None = None,
+    model: str = "tiny",
+    host: str = "127.0.0.1",
+    port: int = 8000,
+) -> Node:
     url_host = f"[{host}]" if ":" in host else host
     return Node(
         node_id=node_id,

@@ -155,8 +155,8 @@ class ClusterView:
         handles: dict[ConversationKey, HandleRecord] = {}
         for ev in events:
             if ev.key.startswith(self._nodes_prefix):
-                record = _node_record(ev)
-                nodes[record.node.node_id] = record
+                node_record = _node_record(ev)
+                nodes[node_record.node.node_id] = node_record
             elif ev.key.startswith(self._loads_prefix):
                 load = convert.load_from_pb(node_pb2.NodeLoad.FromString(ev.value))
                 loads[load.node_id] = load
@@ -188,9 +188,9 @@ class ClusterView:
                 self.handles.pop(conv, None)
                 self._emit_handle(HandleChange(conv, None, previous.handle if previous else None))
             else:
-                record = _handle_record(ev)
-                self.handles[conv] = record
-                self._emit_handle(HandleChange(conv, record, previous.handle if previous else None))
+                handle_record = _handle_record(ev)
+                self.handles[conv] = handle_record
+                self._emit_handle(HandleChange(conv, handle_record, previous.handle if previous else None))
         elif key.startswith(self._nodes_prefix):
             node_id = _unescape_last(key)
             previous_node = self.nodes.get(node_id)
@@ -199,9 +199,9 @@ class ClusterView:
                 self.loads.pop(node_id, None)
                 change = NodeChange(node_id, None, previous_node.node if previous_node else None)
             else:
-                record = _node_record(ev)
-                self.nodes[record.node.node_id] = record
-                change = NodeChange(node_id, record, previous_node.node if previous_node else None)
+                node_record = _node_record(ev)
+                self.nodes[node_record.node.node_id] = node_record
+                change = NodeChange(node_id, node_record, previous_node.node if previous_node else None)
             for listener in self._node_listeners:
                 listener(change)
         elif key.startswith(self._loads_prefix):

@@ -10,11 +10,10 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 import grpc
-
 from kvplane.services.common.errors import (
     HandleNotRetained,
     InvalidArgument,
@@ -26,6 +25,7 @@ from kvplane.services.common.errors import (
     StoreUnavailable,
     Unauthenticated,
 )
+from kvplane.services.common.server import Context
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def rpc_method(fn: F) -> F:
     if inspect.isasyncgenfunction(fn):
 
         @functools.wraps(fn)
-        async def stream(self: Any, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async def stream(self: Any, request: Any, context: Context) -> AsyncIterator[Any]:
             try:
                 async for item in fn(self, request, context):
                     yield item
@@ -72,7 +72,7 @@ def rpc_method(fn: F) -> F:
         return stream  # type: ignore[return-value]
 
     @functools.wraps(fn)
-    async def unary(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def unary(self: Any, request: Any, context: Context) -> Any:
         try:
             return await fn(self, request, context)
         except KvplaneError as exc:
@@ -90,6 +90,3 @@ def rpc_method(fn: F) -> F:
 def _is_abort(exc: BaseException) -> bool:
     # context.abort raises an internal exception type; let it through.
     return type(exc).__name__ == "AbortError" or isinstance(exc, grpc.aio.AbortError)
-
-
-AsyncUnary = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]]

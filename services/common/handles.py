@@ -107,12 +107,14 @@ class VllmHandle:
             block_ids = tuple(tuple(_int(b, "remote_block_ids") for b in g) for g in groups)
             expiry = params.get("remote_blocks_expiry_time")
             if expiry is not None:
-                if not isinstance(expiry, int | float) or isinstance(expiry, bool) or not math.isfinite(expiry):
+                if (
+                    not isinstance(expiry, int | float)
+                    or isinstance(expiry, bool)
+                    or not math.isfinite(expiry)
+                ):
                     raise HandleFormatError("remote_blocks_expiry_time must be a finite number or null")
                 expiry = float(expiry)
-            extra = {
-                k: v for k, v in params.items() if k not in VLLM_HANDLE_KEYS and k not in KVPLANE_KEYS
-            }
+            extra = {k: v for k, v in params.items() if k not in VLLM_HANDLE_KEYS and k not in KVPLANE_KEYS}
             return cls(
                 remote_engine_id=_str(params["remote_engine_id"], "remote_engine_id"),
                 remote_request_id=_str(params["remote_request_id"], "remote_request_id"),

@@ -35,7 +35,10 @@ def _wait_healthy(url: str, deadline: float, proc: subprocess.Popen[bytes], log:
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"etcd exited with {proc.returncode}: {log.read_text()[-2000:]}")
-        with contextlib.suppress(OSError, ValueError), urllib.request.urlopen(url + "/health", timeout=1) as resp:
+        with (
+            contextlib.suppress(OSError, ValueError),
+            urllib.request.urlopen(url + "/health", timeout=1) as resp,
+        ):
             if json.loads(resp.read()).get("health") == "true":
                 return
         time.sleep(0.05)  # polling until the deadline
@@ -46,7 +49,9 @@ class LocalEtcd:
     """Starts, stops and restarts one etcd process on free loopback ports."""
 
     def __init__(self, host: str = "127.0.0.1", binary: str | None = None) -> None:
-        found = binary or shutil.which("etcd") or ("/usr/bin/etcd" if os.path.exists("/usr/bin/etcd") else None)
+        found = (
+            binary or shutil.which("etcd") or ("/usr/bin/etcd" if os.path.exists("/usr/bin/etcd") else None)
+        )
         if not found:
             raise EtcdNotFound("etcd is not installed (Debian: apt-get install etcd-server)")
         self.binary = found
@@ -69,15 +74,24 @@ class LocalEtcd:
         peer = f"http://{host}:{self.peer_port}"
         args = [
             self.binary,
-            "--name", "kvplane-dev",
-            "--data-dir", str(self.data_dir / "data"),
-            "--listen-client-urls", client,
-            "--advertise-client-urls", client,
-            "--listen-peer-urls", peer,
-            "--initial-advertise-peer-urls", peer,
-            "--initial-cluster", f"kvplane-dev={peer}",
-            "--logger", "zap",
-            "--log-outputs", "stderr",
+            "--name",
+            "kvplane-dev",
+            "--data-dir",
+            str(self.data_dir / "data"),
+            "--listen-client-urls",
+            client,
+            "--advertise-client-urls",
+            client,
+            "--listen-peer-urls",
+            peer,
+            "--initial-advertise-peer-urls",
+            peer,
+            "--initial-cluster",
+            f"kvplane-dev={peer}",
+            "--logger",
+            "zap",
+            "--log-outputs",
+            "stderr",
             "--unsafe-no-fsync" if self._supports_no_fsync() else "--snapshot-count=100000",
         ]
         log = self.log_path.open("ab")

@@ -54,7 +54,9 @@ Installer = Callable[[ProcessContext], Sequence[Component]]
 class ServiceProcess:
     """Runs installed services until stopped; usable in tests and the CLI."""
 
-    def __init__(self, settings: KvplaneSettings, installers: Sequence[Installer], telemetry: Telemetry | None = None) -> None:
+    def __init__(
+        self, settings: KvplaneSettings, installers: Sequence[Installer], telemetry: Telemetry | None = None
+    ) -> None:
         self.settings = settings
         self.telemetry = telemetry or Telemetry.create(
             "kvplane",
@@ -79,7 +81,9 @@ class ServiceProcess:
             await component.start()
         self.grpc_port = await self.server.start()
         if self.settings.telemetry.metrics_port >= 0 and self.settings.telemetry.metrics_port != 0:
-            self.metrics = MetricsServer(self.telemetry, self.settings.telemetry.metrics_host, self.settings.telemetry.metrics_port)
+            self.metrics = MetricsServer(
+                self.telemetry, self.settings.telemetry.metrics_host, self.settings.telemetry.metrics_port
+            )
             self.metrics_port = self.metrics.start()
 
     async def stop(self) -> None:

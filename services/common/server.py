@@ -18,15 +18,15 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
+from kvplane.services.common.auth import Authenticator, Principal, metadata_dict
+from kvplane.services.common.telemetry import Telemetry
 from opentelemetry.instrumentation.grpc import aio_server_interceptor
 from prometheus_client import start_http_server
 
-from kvplane.services.common.auth import Authenticator, Principal, metadata_dict
-from kvplane.services.common.telemetry import Telemetry
-
 log = logging.getLogger(__name__)
 
-_AUTH_KEY = "kvplane-authenticator"
+# The context type of every servicer method.
+Context = grpc.aio.ServicerContext[Any, Any]
 
 
 class GrpcServer:
@@ -37,7 +37,7 @@ class GrpcServer:
         self.telemetry = telemetry
         self.authenticator = authenticator
         self.server = grpc.aio.server(
-            interceptors=[aio_server_interceptor(tracer_provider=telemetry.tracer_provider)],
+            interceptors=[aio_server_interceptor(tracer_provider=telemetry.tracer_provider)],  # type: ignore[no-untyped-call]
             options=[("grpc.so_reuseport", 0)],
         )
         self.health = HealthServicer()
@@ -60,7 +60,9 @@ class GrpcServer:
         for name in self._services:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
-        log.info("grpc listening", extra={"listen": self.listen, "port": self.port, "services": self._services})
+        log.info(
+            "grpc listening", extra={"listen": self.listen, "port": self.port, "services": self._services}
+        )
         return self.port
 
     async def stop(self, grace_s: float) -> None:
@@ -69,10 +71,11 @@ class GrpcServer:
         await self.server.stop(grace_s)
 
 
-def caller(servicer: Any, context: grpc.aio.ServicerContext) -> Principal:
+def caller(servicer: Any, context: Context) -> Principal:
     """The authenticated principal of the current call (raises Unauthenticated)."""
     authenticator: Authenticator = servicer.authenticator
-    return authenticator.authenticate(metadata_dict(context.invocation_metadata()), context.peer() or "")
+    pairs = [(str(k), v) for k, v in context.invocation_metadata() or ()]
+    return authenticator.authenticate(metadata_dict(pairs), context.peer() or "")
 
 
 class MetricsServer:

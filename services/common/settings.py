@@ -13,9 +13,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
-
 from kvplane.services.common.auth import (
     Authenticator,
     HeaderAuthenticator,
@@ -25,6 +22,8 @@ from kvplane.services.common.auth import (
 )
 from kvplane.services.common.store import StoreSettings
 from kvplane.services.eviction.config import EvictionSection
+from pydantic import BaseModel, Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 class EtcdSection(BaseModel):
@@ -33,15 +32,13 @@ class EtcdSection(BaseModel):
     request_timeout_s: float = 2.0
     settle_timeout_s: float = 10.0
 
-    def store_settings(self, **overrides: Any) -> StoreSettings:
-        values = dict(
+    def store_settings(self) -> StoreSettings:
+        return StoreSettings(
             endpoints=tuple(self.endpoints),
             prefix=self.prefix,
             request_timeout_s=self.request_timeout_s,
             settle_timeout_s=self.settle_timeout_s,
         )
-        values.update(overrides)
-        return StoreSettings(**values)
 
 
 class TelemetrySection(BaseModel):

@@ -24,7 +24,6 @@ from typing import Any
 
 import grpc
 from aetcd import rpc
-
 from kvplane.services.common import convert
 from kvplane.services.common.errors import (
     HandleNotRetained,
@@ -47,7 +46,9 @@ from kvplane.v1 import handle_pb2, node_pb2
 log = logging.getLogger(__name__)
 
 # gRPC codes after which a write may or may not have been applied.
-_AMBIGUOUS = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
+_AMBIGUOUS = frozenset(
+    {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED}
+)
 
 
 def now_ms() -> int:
@@ -189,12 +190,12 @@ class Store:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def _rpc(self, op: str, method: Any, request: Any, timeout: float | None = None, **attrs: Any) -> Any:
+    async def _rpc(self, op: str, method: Any, request: Any, **attrs: Any) -> Any:
         if self._channel is None:
             await self.connect()
         with self.telemetry.etcd_span(op, **attrs):
             try:
-                return await method(request, timeout=timeout or self.settings.request_timeout_s)
+                return await method(request, timeout=self.settings.request_timeout_s)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() in _AMBIGUOUS:
                     raise _Ambiguous(op, exc) from exc
@@ -217,7 +218,9 @@ class Store:
 
     async def revision(self) -> int:
         """The store's current revision (a cheap read)."""
-        resp = await self._read("revision", rpc.RangeRequest(key=self.keys.prefix.encode(), limit=1, keys_only=True))
+        resp = await self._read(
+            "revision", rpc.RangeRequest(key=self.keys.prefix.encode(), limit=1, keys_only=True)
+        )
         return int(resp.header.revision)
 
     # -- leases -------------------------------------------------------------
@@ -287,7 +290,9 @@ class Store:
         node = replace(node, registered_unix_ms=now_ms(), draining=False)
         put = rpc.RequestOp(
             request_put=rpc.PutRequest(
-                key=self.keys.node(node.node_id), value=convert.node_to_pb(node).SerializeToString(), lease=lease
+                key=self.keys.node(node.node_id),
+                value=convert.node_to_pb(node).SerializeToString(),
+                lease=lease,
             )
         )
         try:
@@ -341,10 +346,14 @@ class Store:
             node = replace(record.node, draining=draining)
             put = rpc.RequestOp(
                 request_put=rpc.PutRequest(
-                    key=self.keys.node(node_id), value=convert.node_to_pb(node).SerializeToString(), lease=record.lease
+                    key=self.keys.node(node_id),
+                    value=convert.node_to_pb(node).SerializeToString(),
+                    lease=record.lease,
                 )
             )
-            resp = await self._write("drain_node", [_cmp_mod(self.keys.node(node_id), record.mod_revision)], [put])
+            resp = await self._write(
+                "drain_node", [_cmp_mod(self.keys.node(node_id), record.mod_revision)], [put]
+            )
             if resp.succeeded:
                 return node
         raise StoreUnavailable(f"node {node_id!r} kept changing while being drained")
@@ -362,17 +371,19 @@ class Store:
         loads_prefix = self.keys.loads_prefix()
         ops = [
             rpc.RequestOp(request_range=rpc.RangeRequest(key=prefix, range_end=prefix_range_end(prefix))),
-            rpc.RequestOp(request_range=rpc.RangeRequest(key=loads_prefix, range_end=prefix_range_end(loads_prefix))),
+            rpc.RequestOp(
+                request_range=rpc.RangeRequest(key=loads_prefix, range_end=prefix_range_end(loads_prefix))
+            ),
         ]
         try:
             resp = await self._txn("list_nodes", [], ops)
         except _Ambiguous as exc:
             raise StoreUnavailable(f"etcd list_nodes: {exc.cause.details()}") from exc
-        loads = {}
+        loads: dict[str, NodeLoad] = {}
         for kv in resp.responses[1].response_range.kvs:
-            load = convert.load_from_pb(node_pb2.NodeLoad.FromString(kv.value))
-            loads[load.node_id] = load
-        out = []
+            reported = convert.load_from_pb(node_pb2.NodeLoad.FromString(kv.value))
+            loads[reported.node_id] = reported
+        out: list[tuple[NodeRecord, NodeLoad | None]] = []
         for kv in resp.responses[0].response_range.kvs:
             node = convert.node_from_pb(node_pb2.Node.FromString(kv.value))
             load = loads.get(node.node_id)
@@ -423,7 +434,9 @@ class Store:
         if not handle.published_unix_ms:
             handle = replace(handle, published_unix_ms=now_ms())
         key = self.keys.handle(handle.tenant, handle.conversation)
-        index = self.keys.by_node(handle.holder_node_id, handle.holder_incarnation, handle.vllm.remote_request_id)
+        index = self.keys.by_node(
+            handle.holder_node_id, handle.holder_incarnation, handle.vllm.remote_request_id
+        )
         value = convert.handle_to_pb(handle).SerializeToString()
         for _ in range(16):
             node_key = self.keys.node(handle.holder_node_id)
@@ -441,7 +454,8 @@ class Store:
             node = node_pb2.Node.FromString(node_kvs[0].value)
             if node.incarnation != handle.holder_incarnation:
                 raise NodeNotRegistered(
-                    f"holder {handle.holder_node_id!r} incarnation {handle.holder_incarnation!r} is not registered"
+                    f"holder {handle.holder_node_id!r} incarnation {handle.holder_incarnation!r} "
+                    "is not registered"
                 )
             lease = await self._lease_for_expiry(handle.wall_expiry_unix_ms)
             compare = [_cmp_mod(node_key, node_kvs[0].mod_revision)]
@@ -466,7 +480,7 @@ class Store:
             try:
                 resp = await self._txn("publish", compare, ops, conversation=handle.conversation)
             except _Ambiguous as exc:
-                resp = await self._resend(exc, lambda c=compare, o=ops: self._txn("publish", c, o))  # type: ignore[misc]
+                resp = await self._resend(exc, lambda c=compare, o=ops: self._txn("publish", c, o))
                 if not resp.succeeded:
                     # Re-sent after an unseen success: the handle is ours if its id is.
                     again = await self.get_handle_record(handle.tenant, handle.conversation)
@@ -535,7 +549,9 @@ class Store:
             rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key)),
             rpc.RequestOp(
                 request_delete_range=rpc.DeleteRangeRequest(
-                    key=self.keys.by_node(handle.holder_node_id, handle.holder_incarnation, handle.vllm.remote_request_id)
+                    key=self.keys.by_node(
+                        handle.holder_node_id, handle.holder_incarnation, handle.vllm.remote_request_id
+                    )
                 )
             ),
             _put(claim_key, convert.claim_to_pb(claim).SerializeToString(), claim_lease),
@@ -575,7 +591,10 @@ class Store:
         pending = PendingRelease(uuid.uuid4().hex, record.handle, reason, now_ms())
         key = self.keys.handle(tenant, conversation)
         compare = [_cmp_mod(key, record.mod_revision)]
-        ops = [rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key)), *self._release_ops(pending, record.lease)]
+        ops = [
+            rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key)),
+            *self._release_ops(pending, record.lease),
+        ]
         try:
             resp = await self._txn("release", compare, ops, conversation=conversation, reason=reason.value)
             won = bool(resp.succeeded)
@@ -627,7 +646,9 @@ class Store:
         through the per-node index. No command is queued: a dead holder's
         blocks are gone, and a new incarnation never had them."""
         prefix = self.keys.by_node_prefix(node_id, incarnation)
-        resp = await self._read("purge_scan", rpc.RangeRequest(key=prefix, range_end=prefix_range_end(prefix)))
+        resp = await self._read(
+            "purge_scan", rpc.RangeRequest(key=prefix, range_end=prefix_range_end(prefix))
+        )
         removed = 0
         for kv in resp.kvs:
             if await self._drop_indexed(kv):
@@ -635,11 +656,17 @@ class Store:
                 self._count("released", reason.value)
         # Commands queued for a dead incarnation can never be applied.
         releases = self.keys.releases_prefix(node_id)
-        pending = await self._read("purge_releases", rpc.RangeRequest(key=releases, range_end=prefix_range_end(releases)))
+        pending = await self._read(
+            "purge_releases", rpc.RangeRequest(key=releases, range_end=prefix_range_end(releases))
+        )
         for kv in pending.kvs:
             release = convert.pending_from_pb(handle_pb2.PendingRelease.FromString(kv.value))
             if incarnation is None or release.handle.holder_incarnation == incarnation:
-                await self._write("purge_release", [], [rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=kv.key))])
+                await self._write(
+                    "purge_release",
+                    [],
+                    [rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=kv.key))],
+                )
         return removed
 
     async def orphaned_nodes(self) -> set[tuple[str, str]]:
@@ -662,7 +689,9 @@ class Store:
         end = prefix_range_end(prefix)
         out: list[CacheHandle] = []
         while True:
-            resp = await self._read("list_handles", rpc.RangeRequest(key=start, range_end=end, limit=page_size))
+            resp = await self._read(
+                "list_handles", rpc.RangeRequest(key=start, range_end=end, limit=page_size)
+            )
             kvs = list(resp.kvs)
             for i, kv in enumerate(kvs):
                 start = bytes(kv.key) + b"\0"
@@ -684,7 +713,9 @@ class Store:
         resp = await self._read(
             "pending_releases",
             rpc.RangeRequest(
-                key=prefix, range_end=prefix_range_end(prefix), sort_target=rpc.RangeRequest.MOD,
+                key=prefix,
+                range_end=prefix_range_end(prefix),
+                sort_target=rpc.RangeRequest.MOD,
                 sort_order=rpc.RangeRequest.ASCEND,
             ),
         )
@@ -695,7 +726,13 @@ class Store:
 
     async def ack_release(self, node_id: str, command_id: str) -> None:
         await self._write(
-            "ack_release", [], [rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=self.keys.release(node_id, command_id)))]
+            "ack_release",
+            [],
+            [
+                rpc.RequestOp(
+                    request_delete_range=rpc.DeleteRangeRequest(key=self.keys.release(node_id, command_id))
+                )
+            ],
         )
 
     # -- leader election -------------------------------------------------------
@@ -711,12 +748,16 @@ class Store:
         key = self.keys.election(name)
         read = rpc.RequestOp(request_range=rpc.RangeRequest(key=key))
         # Re-sending after an unseen success finds our own record: still a win.
-        resp = await self._write("campaign", [_cmp_create(key, 0)], [_put(key, candidate.encode(), lease), read], [read])
+        resp = await self._write(
+            "campaign", [_cmp_create(key, 0)], [_put(key, candidate.encode(), lease), read], [read]
+        )
         kvs = resp.responses[-1].response_range.kvs
         if not kvs:
             raise StoreUnavailable(f"election {name!r}: leader key vanished during the campaign")
         kv = kvs[0]
-        return ElectionRecord(kv.value.decode(), int(kv.lease), int(kv.mod_revision), int(resp.header.revision))
+        return ElectionRecord(
+            kv.value.decode(), int(kv.lease), int(kv.mod_revision), int(resp.header.revision)
+        )
 
     async def election_leader(self, name: str) -> ElectionRecord | None:
         """The current leader of `name`, if any."""
@@ -724,13 +765,17 @@ class Store:
         if not resp.kvs:
             return None
         kv = resp.kvs[0]
-        return ElectionRecord(kv.value.decode(), int(kv.lease), int(kv.mod_revision), int(resp.header.revision))
+        return ElectionRecord(
+            kv.value.decode(), int(kv.lease), int(kv.mod_revision), int(resp.header.revision)
+        )
 
     # -- watches --------------------------------------------------------------
 
     async def read_prefix(self, prefix: bytes) -> tuple[int, list[WatchEvent]]:
         """Every key under `prefix` as put events, and the revision of the read."""
-        resp = await self._read("read_prefix", rpc.RangeRequest(key=prefix, range_end=prefix_range_end(prefix)))
+        resp = await self._read(
+            "read_prefix", rpc.RangeRequest(key=prefix, range_end=prefix_range_end(prefix))
+        )
         revision = int(resp.header.revision)
         return revision, [
             WatchEvent(revision, bytes(kv.key), bytes(kv.value), False, int(kv.mod_revision), int(kv.lease))
@@ -749,7 +794,10 @@ class Store:
             await self.connect()
         create = rpc.WatchRequest(
             create_request=rpc.WatchCreateRequest(
-                key=prefix, range_end=prefix_range_end(prefix), start_revision=start_revision, prev_kv=True,
+                key=prefix,
+                range_end=prefix_range_end(prefix),
+                start_revision=start_revision,
+                prev_kv=True,
                 progress_notify=True,
             )
         )
@@ -786,7 +834,9 @@ class Store:
 
     # -- internals ------------------------------------------------------------
 
-    async def _write(self, op: str, compare: list[Any], success: list[Any], failure: list[Any] | None = None) -> Any:
+    async def _write(
+        self, op: str, compare: list[Any], success: list[Any], failure: list[Any] | None = None
+    ) -> Any:
         """A write whose ops are idempotent: an ambiguous outcome is re-sent."""
         try:
             return await self._txn(op, compare, success, failure)
@@ -816,7 +866,9 @@ class Store:
         deadline = time.monotonic() + self.settings.settle_timeout_s
         while True:
             try:
-                resp = await self._rpc("read_back", self._kv.Range, rpc.RangeRequest(key=key, count_only=True))
+                resp = await self._rpc(
+                    "read_back", self._kv.Range, rpc.RangeRequest(key=key, count_only=True)
+                )
                 return int(resp.count) > 0
             except _Ambiguous as exc:
                 if time.monotonic() > deadline:

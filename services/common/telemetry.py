@@ -50,7 +50,10 @@ class Telemetry:
                 buckets=_LATENCY_BUCKETS,
             ),
             etcd_errors=Counter(
-                "kvplane_etcd_errors_total", "etcd requests that failed, by operation", ["op"], registry=registry
+                "kvplane_etcd_errors_total",
+                "etcd requests that failed, by operation",
+                ["op"],
+                registry=registry,
             ),
             handle_transitions=Counter(
                 "kvplane_handle_transitions_total",
@@ -79,7 +82,9 @@ class Telemetry:
         if otlp_endpoint:
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
-            provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=otlp_endpoint, insecure=True)))
+            provider.add_span_processor(
+                BatchSpanProcessor(OTLPSpanExporter(endpoint=otlp_endpoint, insecure=True))
+            )
         if exporter is not None:
             provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=100))
         return cls(provider, registry or CollectorRegistry(), service)
@@ -136,7 +141,11 @@ class JsonLogFormatter(logging.Formatter):
 
 def configure_logging(level: str = "info", json_logs: bool = True) -> None:
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonLogFormatter() if json_logs else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(
+        JsonLogFormatter()
+        if json_logs
+        else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    )
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -12,8 +12,6 @@ import json
 import logging
 from collections.abc import AsyncIterator
 
-import grpc
-
 from kvplane.connector.digests import DigestFormatError, checkpoints
 from kvplane.services.common import convert, validation
 from kvplane.services.common.auth import Principal, PrincipalKind
@@ -22,7 +20,7 @@ from kvplane.services.common.errors import InvalidArgument, NotFound, StoreUnava
 from kvplane.services.common.grpc_errors import rpc_method
 from kvplane.services.common.handles import CacheHandle, HandleFormatError, ReleaseReason
 from kvplane.services.common.nodes import Node
-from kvplane.services.common.server import caller
+from kvplane.services.common.server import Context, caller
 from kvplane.services.common.settings import MetadataSection
 from kvplane.services.common.store import Compacted, Store, WatchEvent
 from kvplane.services.common.telemetry import Telemetry
@@ -42,14 +40,14 @@ class MetadataService(metadata_pb2_grpc.MetadataServiceServicer):
         self.settings = settings
         self.telemetry = telemetry
 
-    def _caller(self, context: grpc.aio.ServicerContext) -> Principal:
+    def _caller(self, context: Context) -> Principal:
         return caller(self, context)
 
     # -- nodes ------------------------------------------------------------------
 
     @rpc_method
     async def RegisterNode(
-        self, request: metadata_pb2.RegisterNodeRequest, context: grpc.aio.ServicerContext
+        self, request: metadata_pb2.RegisterNodeRequest, context: Context
     ) -> metadata_pb2.RegisterNodeResponse:
         self._caller(context).require(*_INTERNAL)
         node = _valid_node(request.node)
@@ -61,7 +59,7 @@ class MetadataService(metadata_pb2_grpc.MetadataServiceServicer):
 
     @rpc_method
     async def KeepAlive(
-        self, request: metadata_pb2.KeepAliveRequest, context: grpc.aio.ServicerContext
+        self, request: metadata_pb2.KeepAliveRequest, context: Context
     ) -> metadata_pb2.KeepAliveResponse:
         self._caller(context).require(*_INTERNAL)
         validation.ident(request.node_id, "node_id")
@@ -71,7 +69,7 @@ class MetadataService(metadata_pb2_grpc.MetadataServiceServicer):
 
     @rpc_method
     async def ReportLoad(
-        self, request: metadata_pb2.ReportLoadRequest, context: grpc.aio.ServicerContext
+        self, request: metadata_pb2.ReportLoadRequest, context: Context
     ) -> metadata_pb2.ReportLoadResponse:
         self._caller(context).require(*_INTERNAL)
         validation.ident(request.load.node_id, "load.node_id")
@@ -81,7 +79,7 @@ class MetadataService(metadata_pb2_grpc.MetadataServiceServicer):
 
     @rpc_method
     async def DrainNode(
-        self, request: metadata_pb2.DrainNodeRequest, context: grpc.aio.ServicerContext
+        self, request: metadata_pb2.DrainNodeRequest, context: Context
     ) -> metadata_pb2.DrainNodeResponse:
         self._caller(context).require(*_INTERNAL)
         await self.store.set_draining(validation.ident(request.node_id, "node_id"))
@@ -89,7 +87,7 @@ class MetadataService(metadata_pb2_grpc.MetadataServiceServicer):
 
     @rpc_method
     async def DeregisterNode(
-        self, request: metadata_pb2.DeregisterNodeRequest, context: grpc.aio.ServicerContext
+        self, request: metadata_pb2.DeregisterNodeRequest, context: Context
     ) -> metadata_pb2.DeregisterNodeResponse:
         self._caller(context).require(*_INTERNAL)
         await self.store.deregister_node(
@@ -99,7 +97,7 @@ class MetadataService(metadata_pb2_grpc.MetadataServiceServicer):
 
     @rpc_method
     async def ListNodes(
-        self, request: metadata_pb2.ListNodesRequest, context: grpc.aio.ServicerContext
+        self, request: metadata_pb2.ListNodesRequest, context: Context
     ) -> metadata_pb2.ListNodesResponse:
         self._caller(context)
         _, nodes = await self.store.list_nodes()
@@ -116,7 +114,7 @@ class MetadataService(metadata_pb2_grpc.MetadataServiceServicer):
 
     @rpc_method
     async def PublishHandles(
-        self, request: metadata_pb2.PublishHandlesRequest, context: grpc.aio.ServicerContext
+        self, request: metadata_pb2.PublishHandlesRequest, context: Context
     ) -> metadata_pb2.PublishHandlesResponse:
         principal = self._caller(context)
         principal.require(*_INTERNAL)
@@ -135,20 +133,24 @@ class MetadataService(metadata_pb2_grpc.MetadataServiceServicer):
 
     @rpc_method
     async def ReportReleased(
-        self, request: metadata_pb2.ReportReleasedRequest, context: grpc.aio.ServicerContext
+        self, request: metadata_pb2.ReportReleasedRequest, context: Context
     ) -> metadata_pb2.ReportReleasedResponse:
         self._caller(context).require(*_INTERNAL)
         validation.ident(request.node_id, "node_id")
         validation.ident(request.incarnation, "incarnation")
-        validation.count(len(request.remote_request_ids), "remote_request_ids", 1, validation.MAX_RELEASE_REPORT)
+        validation.count(
+            len(request.remote_request_ids), "remote_request_ids", 1, validation.MAX_RELEASE_REPORT
+        )
         for i, rid in enumerate(request.remote_request_ids):
             validation.ident(rid, f"remote_request_ids[{i}]")
-        removed = await self.store.release_freed(request.node_id, request.incarnation, request.remote_request_ids)
+        removed = await self.store.release_freed(
+            request.node_id, request.incarnation, request.remote_request_ids
+        )
         return metadata_pb2.ReportReleasedResponse(removed=removed)
 
     @rpc_method
     async def GetHandle(
-        self, request: metadata_pb2.GetHandleRequest, context: grpc.aio.ServicerContext
+        self, request: metadata_pb2.GetHandleRequest, context: Context
     ) -> metadata_pb2.GetHandleResponse:
         tenant = self._caller(context).acts_for(request.tenant)
         conversation = validation.conversation(request.conversation)
@@ -161,7 +163,7 @@ class MetadataService(metadata_pb2_grpc.MetadataServiceServicer):
 
     @rpc_method
     async def CheckOutHandle(
-        self, request: metadata_pb2.CheckOutHandleRequest, context: grpc.aio.ServicerContext
+        self, request: metadata_pb2.CheckOutHandleRequest, context: Context
     ) -> metadata_pb2.CheckOutHandleResponse:
         tenant = self._caller(context).acts_for(request.tenant)
         conversation = validation.conversation(request.conversation)
@@ -176,7 +178,7 @@ class MetadataService(metadata_pb2_grpc.MetadataServiceServicer):
 
     @rpc_method
     async def ReleaseHandle(
-        self, request: metadata_pb2.ReleaseHandleRequest, context: grpc.aio.ServicerContext
+        self, request: metadata_pb2.ReleaseHandleRequest, context: Context
     ) -> metadata_pb2.ReleaseHandleResponse:
         tenant = self._caller(context).acts_for(request.tenant)
         conversation = validation.conversation(request.conversation)
@@ -193,7 +195,7 @@ class MetadataService(metadata_pb2_grpc.MetadataServiceServicer):
 
     @rpc_method
     async def ListHandles(
-        self, request: metadata_pb2.ListHandlesRequest, context: grpc.aio.ServicerContext
+        self, request: metadata_pb2.ListHandlesRequest, context: Context
     ) -> metadata_pb2.ListHandlesResponse:
         principal = self._caller(context)
         tenant = principal.acts_for(request.tenant) if (request.tenant or principal.tenant) else ""
@@ -210,7 +212,7 @@ class MetadataService(metadata_pb2_grpc.MetadataServiceServicer):
 
     @rpc_method
     async def Watch(
-        self, request: metadata_pb2.WatchRequest, context: grpc.aio.ServicerContext
+        self, request: metadata_pb2.WatchRequest, context: Context
     ) -> AsyncIterator[metadata_pb2.WatchResponse]:
         self._caller(context).require(*_INTERNAL)
         kinds = set(request.kinds) or {
@@ -297,7 +299,9 @@ def _valid_handle(pb: handle_pb2.CacheHandle, field: str) -> CacheHandle:
     validation.in_range(v.remote_port, f"{field}.vllm.remote_port", 1, 65535)
     validation.count(len(v.remote_block_ids), f"{field}.vllm.remote_block_ids", 1, validation.MAX_GROUPS)
     for i, group in enumerate(v.remote_block_ids):
-        validation.count(len(group.block_ids), f"{field}.vllm.remote_block_ids[{i}]", 1, validation.MAX_BLOCKS_PER_GROUP)
+        validation.count(
+            len(group.block_ids), f"{field}.vllm.remote_block_ids[{i}]", 1, validation.MAX_BLOCKS_PER_GROUP
+        )
     if v.remote_num_tokens <= 0:
         raise InvalidArgument(f"{field}.vllm.remote_num_tokens", "must be positive")
     if pb.wall_expiry_unix_ms <= 0:

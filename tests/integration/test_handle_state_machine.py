@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-
 from kvplane.services.common.errors import HandleNotRetained, NotFound
 from kvplane.services.common.handles import HandleState, ReleaseReason
 from kvplane.services.common.local_etcd import LocalEtcd
 from kvplane.services.common.nodes import Node
 from kvplane.services.common.store import Store, StoreSettings
+
 from tests.conftest import make_node
 from tests.support.factories import make_handle
 
@@ -33,7 +33,9 @@ NODES = ["d0", "d1"]
 class Model:
     """What must be true: per conversation, the retained handle id, if any."""
 
-    retained: dict[str, tuple[str, str, str]] = field(default_factory=dict)  # conv -> (handle id, node, request id)
+    retained: dict[str, tuple[str, str, str]] = field(
+        default_factory=dict
+    )  # conv -> (handle id, node, request id)
     checked_out: set[str] = field(default_factory=set)  # handle ids ever checked out
     released: set[str] = field(default_factory=set)
 
@@ -66,7 +68,11 @@ class HandleLifecycle(RuleBasedStateMachine):
     @rule(conv=st.sampled_from(CONVERSATIONS), node_id=st.sampled_from(NODES))
     def publish(self, conv: str, node_id: str) -> None:
         request_id = f"req-{uuid.uuid4().hex[:8]}"
-        outcome = self.run(self.store.publish_handle(make_handle(self.nodes[node_id], conversation=conv, request_id=request_id)))
+        outcome = self.run(
+            self.store.publish_handle(
+                make_handle(self.nodes[node_id], conversation=conv, request_id=request_id)
+            )
+        )
         old = self.model.retained.get(conv)
         if old is None:
             assert outcome.superseded is None
@@ -94,6 +100,7 @@ class HandleLifecycle(RuleBasedStateMachine):
         record = self.run(self.store.get_handle_record("acme", conv))
         if record is None:
             return
+
         async def race() -> list[object]:
             return await asyncio.gather(
                 self.store.check_out("acme", conv, expected=record),
@@ -148,7 +155,8 @@ class HandleLifecycle(RuleBasedStateMachine):
         same_lease = [
             other
             for other in list(self.model.retained)
-            if (r := self.run(self.store.get_handle_record("acme", other))) is not None and r.lease == record.lease
+            if (r := self.run(self.store.get_handle_record("acme", other))) is not None
+            and r.lease == record.lease
         ]
         self.run(self.store.revoke_lease(record.lease))
         self.store._leases_by_second.clear()
@@ -176,7 +184,9 @@ class HandleLifecycle(RuleBasedStateMachine):
                 assert view is not None and view.state is HandleState.RETAINED
                 assert view.handle.handle_id == expected[0]
                 assert view.handle.holder_incarnation == self.nodes[expected[1]].incarnation
-        assert not (self.model.checked_out & self.model.released), "a handle was both checked out and released"
+        assert not (self.model.checked_out & self.model.released), (
+            "a handle was both checked out and released"
+        )
 
 
 def test_handle_state_machine(etcd: LocalEtcd) -> None:

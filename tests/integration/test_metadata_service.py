@@ -3,21 +3,20 @@
 from __future__ import annotations
 
 import asyncio
-import time
 import urllib.request
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
 from kvplane.services.common import convert
 from kvplane.services.common.local_etcd import LocalEtcd
 from kvplane.services.common.process import ServiceProcess
 from kvplane.services.common.telemetry import Telemetry
 from kvplane.services.metadata.app import install
 from kvplane.v1 import handle_pb2, metadata_pb2, metadata_pb2_grpc
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
 from tests.conftest import NODE_HEADERS, make_node, settings_for, tenant_headers
 from tests.support.factories import make_handle
 from tests.support.polling import eventually
@@ -44,7 +43,9 @@ async def test_publish_get_checkout_over_grpc_is_single_use(metadata_channel: gr
     stub = metadata_pb2_grpc.MetadataServiceStub(metadata_channel)
     node = await _register(stub)
     handle_id = await _publish(stub, make_handle(node))
-    got = await stub.GetHandle(metadata_pb2.GetHandleRequest(conversation="conv-1"), metadata=tenant_headers("acme"))
+    got = await stub.GetHandle(
+        metadata_pb2.GetHandleRequest(conversation="conv-1"), metadata=tenant_headers("acme")
+    )
     assert got.handle.handle_id == handle_id and got.state == handle_pb2.HANDLE_STATE_RETAINED
 
     async def checkout() -> grpc.StatusCode:
@@ -65,7 +66,9 @@ async def test_release_of_a_checked_out_handle_is_refused(metadata_channel: grpc
     stub = metadata_pb2_grpc.MetadataServiceStub(metadata_channel)
     node = await _register(stub)
     handle_id = await _publish(stub, make_handle(node))
-    await stub.CheckOutHandle(metadata_pb2.CheckOutHandleRequest(conversation="conv-1"), metadata=tenant_headers("acme"))
+    await stub.CheckOutHandle(
+        metadata_pb2.CheckOutHandleRequest(conversation="conv-1"), metadata=tenant_headers("acme")
+    )
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stub.ReleaseHandle(
             metadata_pb2.ReleaseHandleRequest(conversation="conv-1", handle_id=handle_id),
@@ -81,12 +84,15 @@ async def test_tenant_comes_from_credentials_not_the_body(metadata_channel: grpc
     # Tenant B names tenant A in the body: refused.
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stub.CheckOutHandle(
-            metadata_pb2.CheckOutHandleRequest(tenant="acme", conversation="shared-id"), metadata=tenant_headers("bravo")
+            metadata_pb2.CheckOutHandleRequest(tenant="acme", conversation="shared-id"),
+            metadata=tenant_headers("bravo"),
         )
     assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
     # Tenant B with the same conversation id sees nothing.
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        await stub.CheckOutHandle(metadata_pb2.CheckOutHandleRequest(conversation="shared-id"), metadata=tenant_headers("bravo"))
+        await stub.CheckOutHandle(
+            metadata_pb2.CheckOutHandleRequest(conversation="shared-id"), metadata=tenant_headers("bravo")
+        )
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
 
 
@@ -97,7 +103,9 @@ async def test_hostile_conversation_ids_stay_in_their_own_key(metadata_channel: 
     for conv in HOSTILE_CONVERSATIONS:
         ids[conv] = await _publish(stub, make_handle(node, conversation=conv))
     for conv in HOSTILE_CONVERSATIONS:
-        got = await stub.GetHandle(metadata_pb2.GetHandleRequest(conversation=conv), metadata=tenant_headers("acme"))
+        got = await stub.GetHandle(
+            metadata_pb2.GetHandleRequest(conversation=conv), metadata=tenant_headers("acme")
+        )
         assert got.handle.handle_id == ids[conv]
         assert got.handle.conversation == conv
     # The node record was not overwritten through "../../nodes/d0".
@@ -122,7 +130,9 @@ INVALID = [
 
 
 @pytest.mark.parametrize(("field", "request_"), INVALID)
-async def test_invalid_reads_name_the_field(metadata_channel: grpc.aio.Channel, field: str, request_: object) -> None:
+async def test_invalid_reads_name_the_field(
+    metadata_channel: grpc.aio.Channel, field: str, request_: object
+) -> None:
     stub = metadata_pb2_grpc.MetadataServiceStub(metadata_channel)
     method = stub.GetHandle if isinstance(request_, metadata_pb2.GetHandleRequest) else stub.ListHandles
     with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -155,7 +165,9 @@ def _bad_handle_cases():  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize(("field", "handle"), _bad_handle_cases())
-async def test_invalid_handles_name_the_field(metadata_channel: grpc.aio.Channel, field: str, handle: handle_pb2.CacheHandle) -> None:
+async def test_invalid_handles_name_the_field(
+    metadata_channel: grpc.aio.Channel, field: str, handle: handle_pb2.CacheHandle
+) -> None:
     stub = metadata_pb2_grpc.MetadataServiceStub(metadata_channel)
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stub.PublishHandles(metadata_pb2.PublishHandlesRequest(handles=[handle]), metadata=NODE_HEADERS)
@@ -187,7 +199,8 @@ async def test_tenants_cannot_register_nodes_or_publish(metadata_channel: grpc.a
     stub = metadata_pb2_grpc.MetadataServiceStub(metadata_channel)
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stub.RegisterNode(
-            metadata_pb2.RegisterNodeRequest(node=convert.node_to_pb(make_node())), metadata=tenant_headers("acme")
+            metadata_pb2.RegisterNodeRequest(node=convert.node_to_pb(make_node())),
+            metadata=tenant_headers("acme"),
         )
     assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
 
@@ -208,7 +221,9 @@ async def test_restarting_the_service_loses_nothing(etcd: LocalEtcd, prefix: str
         async with grpc.aio.insecure_channel(f"127.0.0.1:{second.grpc_port}") as ch:
             stub = metadata_pb2_grpc.MetadataServiceStub(ch)
             for i, handle_id in enumerate(ids):
-                got = await stub.GetHandle(metadata_pb2.GetHandleRequest(conversation=f"c{i}"), metadata=tenant_headers("acme"))
+                got = await stub.GetHandle(
+                    metadata_pb2.GetHandleRequest(conversation=f"c{i}"), metadata=tenant_headers("acme")
+                )
                 assert got.handle.handle_id == handle_id
             nodes = await stub.ListNodes(metadata_pb2.ListNodesRequest())
             assert [n.node.incarnation for n in nodes.nodes] == [node.incarnation]
@@ -249,7 +264,9 @@ async def test_serve_all_health_reflection_metrics_and_checkout_trace(etcd: Loca
 
             reflect = reflection_pb2_grpc.ServerReflectionStub(ch)
             names: list[str] = []
-            async for resp in reflect.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])):
+            async for resp in reflect.ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+            ):
                 names = [s.name for s in resp.list_services_response.service]
             assert "kvplane.v1.MetadataService" in names
             assert "grpc.health.v1.Health" in names
@@ -258,20 +275,25 @@ async def test_serve_all_health_reflection_metrics_and_checkout_trace(etcd: Loca
             node = await _register(stub)
             await _publish(stub, make_handle(node))
             exporter.clear()
-            await stub.CheckOutHandle(metadata_pb2.CheckOutHandleRequest(conversation="conv-1"), metadata=tenant_headers("acme"))
+            await stub.CheckOutHandle(
+                metadata_pb2.CheckOutHandleRequest(conversation="conv-1"), metadata=tenant_headers("acme")
+            )
 
         def checkout_trace() -> bool:
             spans = exporter.get_finished_spans()
             rpc = [s for s in spans if s.name.endswith("CheckOutHandle")]
             txn = [s for s in spans if s.name == "etcd.check_out"]
-            return bool(rpc and txn and txn[0].parent is not None and txn[0].parent.span_id == rpc[0].context.span_id)
+            return bool(
+                rpc and txn and txn[0].parent is not None and txn[0].parent.span_id == rpc[0].context.span_id
+            )
 
-        deadline = time.monotonic() + 10
-        while not checkout_trace() and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)  # spans are exported by a batch processor
-        assert checkout_trace()
+        async def traced() -> bool:
+            return checkout_trace()
 
-        body = urllib.request.urlopen(f"http://127.0.0.1:{process.metrics_port}/metrics", timeout=5).read().decode()
+        await eventually(traced, timeout_s=10, what="check-out trace exported")
+
+        url = f"http://127.0.0.1:{process.metrics_port}/metrics"
+        body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
         assert "# TYPE kvplane_etcd_request_seconds histogram" in body
         assert 'kvplane_handle_transitions_total{reason="",transition="checked_out"} 1.0' in body
     finally:

@@ -7,11 +7,11 @@ import os
 import signal
 
 import pytest
-
 from kvplane.services.common.errors import HandleNotRetained, NodeNotRegistered, NotFound
 from kvplane.services.common.handles import HandleState, ReleaseReason
 from kvplane.services.common.local_etcd import LocalEtcd
 from kvplane.services.common.store import Store, StoreSettings
+
 from tests.conftest import make_node
 from tests.support.factories import make_handle
 from tests.support.polling import eventually
@@ -112,7 +112,10 @@ async def test_handle_disappears_when_its_lease_expires(store: Store) -> None:
         return await store.get_handle("acme", "conv-1") is None
 
     await eventually(gone, timeout_s=10, what="handle lease expiry")
-    assert await store.release_freed(node.node_id, node.incarnation, [make_handle(node).vllm.remote_request_id]) == 0
+    assert (
+        await store.release_freed(node.node_id, node.incarnation, [make_handle(node).vllm.remote_request_id])
+        == 0
+    )
 
 
 async def test_node_and_all_its_handles_go_when_its_lease_expires(store: Store) -> None:
@@ -157,7 +160,9 @@ async def test_ambiguous_checkout_is_resolved_by_reading_the_claim_back(etcd: Lo
     record = await setup.get_handle_record("acme", "conv-1")
     assert record is not None
     # Warm the claim lease cache so the frozen phase only sees the txn.
-    flaky = Store(StoreSettings(endpoints=(etcd.endpoint,), prefix=prefix, request_timeout_s=0.3, settle_timeout_s=20))
+    flaky = Store(
+        StoreSettings(endpoints=(etcd.endpoint,), prefix=prefix, request_timeout_s=0.3, settle_timeout_s=20)
+    )
     await flaky.connect()
     await flaky.revision()
     assert etcd.proc is not None

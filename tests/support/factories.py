@@ -11,7 +11,9 @@ from kvplane.services.common.handles import CacheHandle, VllmHandle
 from kvplane.services.common.nodes import Node
 
 
-def vllm_params(node: Node, request_id: str | None = None, num_tokens: int = 256, expiry: float | None = 1234.5) -> dict[str, object]:
+def vllm_params(
+    node: Node, request_id: str | None = None, num_tokens: int = 256, expiry: float | None = 1234.5
+) -> dict[str, object]:
     blocks = max(1, num_tokens // node.block_size)
     return {
         "do_remote_decode": True,

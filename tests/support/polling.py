@@ -11,7 +11,11 @@ T = TypeVar("T")
 
 
 async def eventually(
-    probe: Callable[[], Awaitable[T]], *, timeout_s: float = 10.0, interval_s: float = 0.05, what: str = "condition"
+    probe: Callable[[], Awaitable[T]],
+    *,
+    timeout_s: float = 10.0,
+    interval_s: float = 0.05,
+    what: str = "condition",
 ) -> T:
     """Awaits `probe()` until it returns a truthy value; fails after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
@@ -25,4 +29,6 @@ async def eventually(
         except Exception as exc:  # the probe may fail until the condition holds
             last_error = exc
         await asyncio.sleep(interval_s)  # poll interval
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}; last={last!r} error={last_error!r}")
+    raise AssertionError(
+        f"timed out after {timeout_s}s waiting for {what}; last={last!r} error={last_error!r}"
+    )
