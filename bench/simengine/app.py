@@ -61,9 +61,25 @@ class SimEngineServer:
 async def serve(
     settings: SimEngineSettings, observer: EngineObserver | None = None, incarnation: str = ""
 ) -> None:
-    """Run a sim-engine until cancelled. The `kvplane sim-engine` command calls this."""
+    """Run a sim-engine until cancelled. The `kvplane sim-engine` command calls this.
+
+    With ``settings.control_plane`` (and no observer given) the engine gets
+    kvplane's connector behaviour and registers through the node agent.
+    """
+    from kvplane.bench.simengine.agent_link import ConnectorObserver, start_node_agent
+
+    link: ConnectorObserver | None = None
+    if observer is None and (settings.kvplane_connector or settings.control_plane):
+        observer = link = ConnectorObserver(settings)
     server = SimEngineServer(settings, observer, incarnation)
     await server.start()
+    agent = None
+    if settings.control_plane:
+        try:
+            agent = start_node_agent(server.engine, server.http_url, link)
+        except BaseException:
+            await server.stop()
+            raise
     e = server.engine
     print(f"kvplane sim-engine settings:\n{settings.describe()}", file=sys.stderr, flush=True)
     print(
@@ -75,4 +91,7 @@ async def serve(
     try:
         await asyncio.Event().wait()
     finally:
+        if agent is not None:
+            # stop() joins the agent's thread after a short flush: keep the loop free meanwhile.
+            await asyncio.to_thread(agent.stop)
         await server.stop()

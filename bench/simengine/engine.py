@@ -218,6 +218,10 @@ class SimEngine:
             retained_handles=len(self._retained),
         )
 
+    def adopt_incarnation(self, incarnation: str) -> None:
+        """Take the node agent's incarnation; call before the engine serves traffic."""
+        self.incarnation = incarnation
+
     def release_early(self, request_id: str) -> bool:
         held = request_id in self._retained
         self._on_loop(self._release_if_held, request_id)

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvplane.bench.simengine.side_channel import format_host, normalize_host
+from kvplane.bench.simengine.side_channel import normalize_host
 
 # kvplane's own key: the holder's incarnation, so a reader can tell a
 # restarted engine that kept its engine id. Unknown keys pass through vLLM.
@@ -86,7 +86,8 @@ def holder_params(
         "remote_block_ids": [list(block_ids)],
         "remote_engine_id": engine_id,
         "remote_request_id": request_id,
-        "remote_host": format_host(host),
+        # Unbracketed, as vLLM emits its configured host; readers accept both forms.
+        "remote_host": normalize_host(host),
         "remote_port": port,
         "remote_num_tokens": num_tokens,
         "tp_size": 1,

@@ -50,8 +50,19 @@ class SimEngineSettings:
     transfer_timeout_s: float = 10.0
     # How long a request waits for free KV blocks before failing with 503.
     kv_wait_timeout_s: float = 30.0
-    # Address of kvplane's control plane; the node agent uses it.
+    # host:port of kvplane's metadata service; set, the engine registers through the node agent.
     control_plane: str = ""
+    # Node id registered with the control plane; empty: the engine id.
+    node_id: str = ""
+    # Behave like vLLM with kvplane's connector module: digests on D's handles, prefix check on P.
+    # Implied by control_plane; off, the engine is a plain vLLM NixlConnector.
+    kvplane_connector: bool = False
+    # With the connector: refuse (recompute) a pull whose handle carries no digests.
+    require_digests: bool = True
+    # Subtracted from D's deadline when a handle's wall-clock expiry is published (seconds).
+    expiry_margin_s: float = 1.0
+    # Seconds between load reports to the control plane.
+    load_interval_s: float = 0.5
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -115,7 +126,12 @@ def build_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.
     p.add_argument("--handshake-timeout-s", type=float, default=d.handshake_timeout_s)
     p.add_argument("--transfer-timeout-s", type=float, default=d.transfer_timeout_s)
     p.add_argument("--kv-wait-timeout-s", type=float, default=d.kv_wait_timeout_s)
-    p.add_argument("--control-plane", default=d.control_plane)
+    p.add_argument("--control-plane", default=d.control_plane, help="metadata service host:port")
+    p.add_argument("--node-id", default=d.node_id)
+    p.add_argument("--kvplane-connector", action=argparse.BooleanOptionalAction, default=d.kvplane_connector)
+    p.add_argument("--require-digests", action=argparse.BooleanOptionalAction, default=d.require_digests)
+    p.add_argument("--expiry-margin-s", type=float, default=d.expiry_margin_s)
+    p.add_argument("--load-interval-s", type=float, default=d.load_interval_s)
     return p
 
 

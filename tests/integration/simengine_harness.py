@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+MODEL = "kvplane-sim"
 # Fast enough for tests, slow enough that decode steps are real sleeps.
 FAST = ["--speedup", "50", "--block-size", "16", "--num-blocks", "512", "--bytes-per-block", "4096"]
 
@@ -159,3 +161,80 @@ def engines(log_dir: Path, specs: dict[str, list[str]]) -> Iterator[dict[str, En
     finally:
         for e in started.values():
             stop_engine(e)
+
+
+# -- the legs of a turn, as kvplane's gateway drives them --------------------
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    rnd = random.Random(seed)
+    return [rnd.randrange(300, 30000) for _ in range(n)]
+
+
+def p_leg(p: Engine, prompt: list[int], d_handle: dict[str, Any] | None = None) -> dict[str, Any]:
+    kvp: dict[str, Any] = {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
+    if d_handle is not None:
+        kvp = dict(d_handle, do_remote_decode=True, do_remote_prefill=False)
+    return p.post(
+        "/v1/completions",
+        {
+            "model": MODEL,
+            "prompt": prompt,
+            "max_tokens": 1,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "kv_transfer_params": kvp,
+        },
+    )
+
+
+def d_leg(d: Engine, prompt: list[int], p_params: dict[str, Any], max_tokens: int) -> dict[str, Any]:
+    return d.post(
+        "/v1/completions",
+        {
+            "model": MODEL,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "kv_transfer_params": p_params,
+        },
+    )
+
+
+def reference(r: Engine, prompt: list[int], max_tokens: int) -> list[int]:
+    out = r.post(
+        "/v1/completions",
+        {
+            "model": MODEL,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        },
+    )
+    assert out["kv_transfer_params"] is None
+    ids: list[int] = out["choices"][0]["token_ids"]
+    return ids
+
+
+def sources(e: Engine) -> dict[str, float]:
+    return {
+        s: e.metric("vllm:prompt_tokens_by_source_total", source=s)
+        for s in ("local_cache_hit", "external_kv_transfer", "local_compute")
+    }
+
+
+def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before[k] for k in after}
+
+
+def loads(e: Engine, outcome: str) -> float:
+    return e.metric("kvplane_sim_kv_loads_total", outcome=outcome)

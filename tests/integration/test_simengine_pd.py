@@ -9,15 +9,25 @@ from __future__ import annotations
 
 import http.client
 import json
-import random
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from simengine_harness import Engine, engines, free_port, wait_for
-
-MODEL = "kvplane-sim"
+from simengine_harness import (
+    MODEL,
+    Engine,
+    d_leg,
+    delta,
+    engines,
+    free_port,
+    loads,
+    p_leg,
+    reference,
+    sources,
+    tokens,
+    wait_for,
+)
 
 
 @pytest.fixture(scope="module")
@@ -64,80 +74,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Engi
         yield started
 
 
-def tokens(seed: int, n: int) -> list[int]:
-    rnd = random.Random(seed)
-    return [rnd.randrange(300, 30000) for _ in range(n)]
-
-
-def p_leg(p: Engine, prompt: list[int], d_handle: dict[str, Any] | None = None) -> dict[str, Any]:
-    kvp: dict[str, Any] = {
-        "do_remote_decode": True,
-        "do_remote_prefill": False,
-        "remote_engine_id": None,
-        "remote_block_ids": None,
-        "remote_host": None,
-        "remote_port": None,
-    }
-    if d_handle is not None:
-        kvp = dict(d_handle, do_remote_decode=True, do_remote_prefill=False)
-    return p.post(
-        "/v1/completions",
-        {
-            "model": MODEL,
-            "prompt": prompt,
-            "max_tokens": 1,
-            "ignore_eos": True,
-            "return_token_ids": True,
-            "kv_transfer_params": kvp,
-        },
-    )
-
-
-def d_leg(d: Engine, prompt: list[int], p_params: dict[str, Any], max_tokens: int) -> dict[str, Any]:
-    return d.post(
-        "/v1/completions",
-        {
-            "model": MODEL,
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "ignore_eos": True,
-            "return_token_ids": True,
-            "kv_transfer_params": p_params,
-        },
-    )
-
-
-def reference(r: Engine, prompt: list[int], max_tokens: int) -> list[int]:
-    out = r.post(
-        "/v1/completions",
-        {
-            "model": MODEL,
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "ignore_eos": True,
-            "return_token_ids": True,
-        },
-    )
-    assert out["kv_transfer_params"] is None
-    ids: list[int] = out["choices"][0]["token_ids"]
-    return ids
-
-
-def sources(e: Engine) -> dict[str, float]:
-    return {
-        s: e.metric("vllm:prompt_tokens_by_source_total", source=s)
-        for s in ("local_cache_hit", "external_kv_transfer", "local_compute")
-    }
-
-
-def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
-    return {k: after[k] - before[k] for k in after}
-
-
-def loads(e: Engine, outcome: str) -> float:
-    return e.metric("kvplane_sim_kv_loads_total", outcome=outcome)
-
-
 def first_turn(p: Engine, d: Engine, prompt: list[int], max_tokens: int) -> tuple[list[int], dict[str, Any]]:
     pr = p_leg(p, prompt)
     p_params = pr["kv_transfer_params"]
@@ -182,7 +118,7 @@ def test_three_turns_pull_from_d_and_match_a_single_engine(cluster: dict[str, En
 
         handle = dr["kv_transfer_params"]
         assert handle["do_remote_decode"] is True and handle["do_remote_prefill"] is False
-        assert handle["remote_engine_id"] == "d1" and handle["remote_host"] == "[::1]"
+        assert handle["remote_engine_id"] == "d1" and handle["remote_host"] == "::1"
         assert handle["remote_num_tokens"] == len(prompt) + len(out) - 1
         assert isinstance(handle["remote_blocks_expiry_time"], float)
         assert handle["remote_request_id"] in d.retained_ids()

@@ -94,7 +94,7 @@ def test_holder_params_round_trip_through_parse_remote() -> None:
         expiry_time=123.5,
     )
     assert d["do_remote_decode"] is True and d["do_remote_prefill"] is False
-    assert d["remote_host"] == "[::1]" and d["remote_blocks_expiry_time"] == 123.5
+    assert d["remote_host"] == "::1" and d["remote_blocks_expiry_time"] == 123.5
     r = parse_remote(d)
     assert r is not None
     assert (r.engine_id, r.request_id, r.port, r.num_tokens, r.expiry_time, r.incarnation) == (

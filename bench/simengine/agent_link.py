@@ -1,0 +1,170 @@
+"""A sim-engine on kvplane's control plane, wired the way the vLLM connector is.
+
+``ConnectorObserver`` does in the simulator what ``kvplane.connector.vllm_nixl``
+does inside vLLM, with the same helpers:
+
+- P side: ``check_pull`` verifies D's handle against the prompt with
+  ``kvplane.connector.prefix_check`` and clips it before the pull is sized;
+- D side: a retained handle gets kvplane's handle id, token digests and tail
+  digest; when the request carries kvplane's tenant and conversation keys it
+  is published through the node agent, and reported released when freed.
+
+``start_node_agent`` registers the engine as a node (same incarnation as the
+engine's lease stamps), reports its load, and applies release and drain
+commands through the engine's thread-safe ``EngineControl``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kvplane.bench.simengine.engine import SimEngine
+from kvplane.bench.simengine.engine_hooks import EngineLoad
+from kvplane.bench.simengine.settings import SimEngineSettings
+from kvplane.bench.simengine.side_channel import format_host
+from kvplane.connector import digests as token_digests
+from kvplane.connector import prefix_check
+from kvplane.connector.node_agent import NodeAgent, NodeAgentSettings
+from kvplane.services.common.handles import (
+    KEY_CONVERSATION,
+    KEY_DIGESTS,
+    KEY_HANDLE_ID,
+    KEY_TENANT,
+    CacheHandle,
+    HandleFormatError,
+    VllmHandle,
+)
+from kvplane.services.common.nodes import Fingerprint, Node, NodeLoad, NodeRole
+
+log = logging.getLogger(__name__)
+
+_ROLES = {"prefill": NodeRole.PREFILL, "decode": NodeRole.DECODE, "both": NodeRole.BOTH}
+
+
+class ConnectorObserver:
+    """EngineObserver with kvplane's connector behaviour. Event-loop thread only."""
+
+    def __init__(self, settings: SimEngineSettings, agent: NodeAgent | None = None) -> None:
+        self._settings = settings
+        self.agent = agent
+        # request id -> handle id of published handles still held
+        self._held: dict[str, str] = {}
+        self.pull_checks: dict[str, int] = {}
+
+    def check_pull(self, kv_transfer_params: dict[str, Any], prompt_token_ids: Sequence[int]) -> None:
+        check = prefix_check.check_pull(
+            kv_transfer_params, prompt_token_ids, require_digests=self._settings.require_digests
+        )
+        self.pull_checks[check.outcome.value] = self.pull_checks.get(check.outcome.value, 0) + 1
+
+    def on_handle_retained(
+        self,
+        kv_transfer_params: dict[str, Any],
+        all_token_ids: Sequence[int],
+        retained_bytes: int,
+        request_kv_transfer_params: Mapping[str, Any],
+    ) -> None:
+        s = self._settings
+        params = kv_transfer_params
+        handle_id = request_kv_transfer_params.get(KEY_HANDLE_ID) or uuid.uuid4().hex
+        retained = list(all_token_ids[: int(params["remote_num_tokens"])])
+        digests = token_digests.digest_tokens(retained, s.block_size)
+        params[KEY_HANDLE_ID] = handle_id
+        params[KEY_DIGESTS] = token_digests.encode(digests)
+        params[prefix_check.KEY_TAIL_DIGEST] = prefix_check.tail_digest(retained, s.block_size)
+        tenant = request_kv_transfer_params.get(KEY_TENANT)
+        conversation = request_kv_transfer_params.get(KEY_CONVERSATION)
+        if not (isinstance(tenant, str) and tenant and isinstance(conversation, str) and conversation):
+            return  # not routed by kvplane: nothing to publish
+        wire = {k: v for k, v in params.items() if k not in ("do_remote_decode", "do_remote_prefill")}
+        try:
+            vllm_handle = VllmHandle.from_kv_transfer_params(wire)
+        except HandleFormatError as e:
+            log.warning("not publishing %s: %s", params.get("remote_request_id"), e)
+            return
+        now = time.time()
+        expiry = params.get("remote_blocks_expiry_time")
+        life_s = float(expiry) - time.perf_counter() if expiry is not None else 0.0
+        handle = CacheHandle(
+            handle_id=str(handle_id),
+            tenant=tenant,
+            conversation=conversation,
+            holder_node_id="",  # the agent stamps its node and incarnation
+            holder_incarnation="",
+            vllm=vllm_handle,
+            wall_expiry_unix_ms=int((now + life_s - s.expiry_margin_s) * 1000),
+            retained_bytes=retained_bytes,
+            digests=digests,
+            published_unix_ms=int(now * 1000),
+            model=s.model,
+        )
+        self._held[vllm_handle.remote_request_id] = str(handle_id)
+        if self.agent is not None:
+            self.agent.publish(handle)
+
+    def on_blocks_freed(self, request_id: str) -> None:
+        if self._held.pop(request_id, None) is not None and self.agent is not None:
+            self.agent.report_released(request_id)
+
+
+def node_for(engine: SimEngine, http_url: str) -> Node:
+    """The engine as a kvplane node (the agent fills in the incarnation)."""
+    s = engine.settings
+    return Node(
+        node_id=s.node_id or engine.engine_id,
+        incarnation="",
+        role=_ROLES[s.role],
+        engine_id=engine.engine_id,
+        http_url=http_url,
+        side_channel_host=s.side_channel_host,
+        side_channel_port=engine.side_channel_port,
+        # Blocks move only between sim-engines of one model and one block geometry.
+        fingerprint=Fingerprint(s.model, "sim", f"sim-{s.block_size}tok-{s.bytes_per_block}B"),
+        block_size=s.block_size,
+        kv_capacity_bytes=s.num_blocks * s.bytes_per_block,
+        kv_bytes_per_token=s.bytes_per_block // s.block_size,
+    )
+
+
+def node_load(load: EngineLoad) -> NodeLoad:
+    return NodeLoad(
+        node_id="",
+        incarnation="",
+        queued_requests=load.queued_requests,
+        queued_prefill_tokens=load.queued_prefill_tokens,
+        running_requests=load.running_requests,
+        free_kv_blocks=load.free_kv_blocks,
+        total_kv_blocks=load.total_kv_blocks,
+        retained_bytes=load.retained_bytes,
+    )
+
+
+def start_node_agent(engine: SimEngine, http_url: str, observer: ConnectorObserver | None) -> NodeAgent:
+    """Register a started engine with the control plane at ``settings.control_plane``."""
+    s = engine.settings
+
+    def on_release(request_id: str) -> None:
+        if not engine.release_early(request_id):
+            log.info("release command for %s: no longer held", request_id)
+
+    agent = NodeAgent(
+        NodeAgentSettings(metadata_target=s.control_plane, load_interval_s=s.load_interval_s),
+        node_for(engine, http_url),
+        lambda: node_load(engine.load()),
+        on_release,
+        on_drain=engine.drain,
+    )
+    agent.start()
+    # Lease stamps and the registered node must name the same incarnation.
+    engine.adopt_incarnation(agent.incarnation)
+    if observer is not None:
+        observer.agent = agent
+    return agent
+
+
+def endpoint(host: str, port: int) -> str:
+    return f"http://{format_host(host)}:{port}"
