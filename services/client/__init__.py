@@ -1,0 +1,20 @@
+"""kvplane.client: what an upstream gateway needs to route turns through kvplane."""
+
+from kvplane.client.routing_client import (
+    Endpoint,
+    RouteResult,
+    RoutingClient,
+    RoutingUnavailable,
+)
+from kvplane.client.vllm_requests import MissingPrefillParams, decode_body, leg_url, prefill_body
+
+__all__ = [
+    "Endpoint",
+    "MissingPrefillParams",
+    "RouteResult",
+    "RoutingClient",
+    "RoutingUnavailable",
+    "decode_body",
+    "leg_url",
+    "prefill_body",
+]

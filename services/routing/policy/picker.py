@@ -6,7 +6,7 @@ given turn, yet spread across equal nodes for different conversations.
 
 from __future__ import annotations
 
-import zlib
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
@@ -26,6 +26,9 @@ class MaxScorePicker:
         def key(item: tuple[NodeState, float]) -> tuple[float, int, str]:
             state, score = item
             node_id = state.node.node_id
-            return (-score, zlib.crc32(salt + b"\0" + node_id.encode("utf-8", "surrogatepass")), node_id)
+            # A keyed hash, not a CRC: a CRC's order of equal-length ids would not
+            # depend on the conversation at all.
+            spread = hashlib.blake2b(salt + b"\0" + node_id.encode("utf-8", "surrogatepass"), digest_size=8)
+            return (-score, int.from_bytes(spread.digest(), "little"), node_id)
 
         return [state for state, _ in sorted(scored, key=key)]

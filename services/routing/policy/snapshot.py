@@ -9,7 +9,7 @@ clock read.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 
 from kvplane.services.common.handles import CacheHandle
@@ -65,8 +65,9 @@ class RouteSnapshot:
     # its local prefix cache may still hold the history.
     last_prefill_node_id: str = ""
     # (prefill node id, holder engine id) pairs that have completed a NIXL
-    # handshake before; a first contact pays the handshake.
-    contacted: frozenset[tuple[str, str]] = field(default_factory=frozenset)
+    # handshake before; a first contact pays the handshake. Only membership
+    # is asked, so the service can pass its bounded record without copying.
+    contacted: Container[tuple[str, str]] = field(default_factory=frozenset)
 
 
 @dataclass(frozen=True, slots=True)

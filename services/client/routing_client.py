@@ -1,0 +1,223 @@
+"""An async client of the routing service for gateways.
+
+- Every call has a deadline (`timeout_s`, or the caller's own).
+- UNAVAILABLE is retried on the next replica, round-robin, until the
+  attempts or the deadline run out; any other status is final.
+- Each channel carries OpenTelemetry's client interceptor, so the caller's
+  current span becomes the parent of the Route span (W3C traceparent).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import grpc
+from kvplane.v1 import routing_pb2, routing_pb2_grpc
+from opentelemetry.instrumentation.grpc import aio_client_interceptors
+from opentelemetry.trace import TracerProvider
+
+_T = TypeVar("_T")
+
+DECISION_NAMES = {
+    value: name.removeprefix("DECISION_").lower() for name, value in routing_pb2.Decision.items()
+}
+
+
+class RoutingUnavailable(Exception):
+    """No routing replica answered within the attempts and the deadline."""
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    node_id: str
+    http_url: str
+    incarnation: str
+
+
+@dataclass(frozen=True, slots=True)
+class RouteResult:
+    """A routing decision, ready for `vllm_requests`."""
+
+    route_id: str
+    # "pull", "recompute_no_handle", ... (routing.proto's Decision, lower case).
+    decision: str
+    reason: str
+    prefill: Endpoint
+    decode: Endpoint
+    prefill_params: dict[str, Any]
+    expected_reused_tokens: int
+    response: routing_pb2.RouteResponse = field(repr=False)
+
+    @property
+    def pulls(self) -> bool:
+        return self.decision == "pull"
+
+    @classmethod
+    def from_pb(cls, pb: routing_pb2.RouteResponse) -> RouteResult:
+        return cls(
+            route_id=pb.route_id,
+            decision=DECISION_NAMES.get(pb.decision, "unspecified"),
+            reason=pb.reason,
+            prefill=Endpoint(pb.prefill.node_id, pb.prefill.http_url, pb.prefill.incarnation),
+            decode=Endpoint(pb.decode.node_id, pb.decode.http_url, pb.decode.incarnation),
+            prefill_params=json.loads(pb.prefill_kv_transfer_params_json or "{}"),
+            expected_reused_tokens=pb.expected_reused_tokens,
+            response=pb,
+        )
+
+
+class RoutingClient:
+    """Calls any of several routing replicas; use as an async context manager."""
+
+    def __init__(
+        self,
+        targets: Sequence[str],
+        *,
+        metadata: Sequence[tuple[str, str]] = (),
+        timeout_s: float = 1.0,
+        attempts: int = 3,
+        tracer_provider: TracerProvider | None = None,
+        channel_options: Sequence[tuple[str, Any]] = (),
+    ) -> None:
+        if not targets:
+            raise ValueError("at least one routing target is required")
+        if attempts < 1:
+            raise ValueError("attempts must be at least 1")
+        self.targets = tuple(targets)
+        self.metadata = tuple(metadata)
+        self.timeout_s = timeout_s
+        self.attempts = attempts
+        options = [
+            # Reconnect quickly to a replica that comes back.
+            ("grpc.initial_reconnect_backoff_ms", 200),
+            ("grpc.max_reconnect_backoff_ms", 2000),
+            *channel_options,
+        ]
+        self._channels = [
+            grpc.aio.insecure_channel(
+                target,
+                options=options,
+                interceptors=aio_client_interceptors(tracer_provider=tracer_provider),  # type: ignore[no-untyped-call]
+            )
+            for target in self.targets
+        ]
+        self._stubs = [routing_pb2_grpc.RoutingServiceStub(c) for c in self._channels]
+        self._next = itertools.count()
+
+    async def close(self) -> None:
+        for channel in self._channels:
+            await channel.close()
+
+    async def __aenter__(self) -> RoutingClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _call(
+        self,
+        invoke: Callable[[routing_pb2_grpc.RoutingServiceStub, float], Awaitable[_T]],
+        timeout_s: float | None,
+    ) -> _T:
+        deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.timeout_s)
+        start = next(self._next)
+        last: grpc.aio.AioRpcError | None = None
+        for attempt in range(self.attempts):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            stub = self._stubs[(start + attempt) % len(self._stubs)]
+            try:
+                return await invoke(stub, left)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                last = exc
+        detail = f"{last.code().name}: {last.details()}" if last is not None else "deadline exceeded"
+        raise RoutingUnavailable(f"no routing replica answered ({detail})")
+
+    async def route(
+        self,
+        conversation: str,
+        model: str,
+        *,
+        prompt_tokens: int = 0,
+        prompt_token_ids: Sequence[int] = (),
+        prompt_block_digests: Sequence[int] = (),
+        prompt_digest_block_size: int = 0,
+        request_id: str = "",
+        tenant: str = "",
+        timeout_s: float | None = None,
+    ) -> RouteResult:
+        request = routing_pb2.RouteRequest(
+            conversation=conversation,
+            model=model,
+            prompt_tokens=prompt_tokens,
+            prompt_token_ids=prompt_token_ids,
+            prompt_block_digests=prompt_block_digests,
+            prompt_digest_block_size=prompt_digest_block_size,
+            request_id=request_id,
+            tenant=tenant,
+        )
+        response = await self._call(
+            lambda stub, left: stub.Route(request, timeout=left, metadata=self.metadata), timeout_s
+        )
+        return RouteResult.from_pb(response)
+
+    async def report_turn(
+        self,
+        route: RouteResult | None,
+        conversation: str,
+        *,
+        success: bool,
+        decode_kv_transfer_params: dict[str, Any] | None = None,
+        ttft_ms: float = 0.0,
+        prompt_tokens: int = 0,
+        pulled_tokens: int = 0,
+        transfer_ms: float = 0.0,
+        prefill_ms: float = 0.0,
+        retained_token_ids: Sequence[int] = (),
+        error: str = "",
+        model: str = "",
+        tenant: str = "",
+        timeout_s: float | None = None,
+    ) -> str:
+        """Reports a finished turn; returns the id of the handle published for the next turn."""
+        request = routing_pb2.ReportTurnRequest(
+            route_id=route.route_id if route is not None else "",
+            conversation=conversation,
+            success=success,
+            decode_kv_transfer_params_json=(
+                json.dumps(decode_kv_transfer_params, separators=(",", ":"))
+                if decode_kv_transfer_params
+                else ""
+            ),
+            ttft_ms=ttft_ms,
+            prompt_tokens=prompt_tokens,
+            pulled_tokens=pulled_tokens,
+            transfer_ms=transfer_ms,
+            prefill_ms=prefill_ms,
+            retained_token_ids=retained_token_ids,
+            error=error,
+            tenant=tenant,
+            model=model,
+        )
+        response = await self._call(
+            lambda stub, left: stub.ReportTurn(request, timeout=left, metadata=self.metadata), timeout_s
+        )
+        return str(response.handle_id)
+
+    async def end_conversation(
+        self, conversation: str, *, tenant: str = "", timeout_s: float | None = None
+    ) -> bool:
+        """Releases the conversation's retained KV now; True if a handle was released."""
+        request = routing_pb2.EndConversationRequest(conversation=conversation, tenant=tenant)
+        response = await self._call(
+            lambda stub, left: stub.EndConversation(request, timeout=left, metadata=self.metadata), timeout_s
+        )
+        return bool(response.released)

@@ -1,0 +1,59 @@
+"""The two vLLM request bodies of a routed turn.
+
+1. P leg: the client's request made non-streaming with one output token,
+   carrying the route's prefill kv_transfer_params exactly.
+2. D leg: the client's request as sent, carrying the kv_transfer_params P
+   returned, plus kvplane's tenant and conversation keys so that D's
+   connector can publish the handle it retains.
+
+Client-supplied kv_transfer_params are always replaced: an engine trusts
+whatever it is given, so only the router may name blocks.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+from kvplane.client.routing_client import RouteResult
+from kvplane.services.common.handles import KEY_CONVERSATION, KEY_TENANT
+
+_ROUTING_KEYS = (KEY_TENANT, KEY_CONVERSATION)
+
+
+class MissingPrefillParams(ValueError):
+    """P's response carried no kv_transfer_params: D cannot pull from it."""
+
+
+def prefill_body(client_body: Mapping[str, Any], route: RouteResult) -> dict[str, Any]:
+    """The body for P (`/v1/completions` or `/v1/chat/completions`)."""
+    body = copy.deepcopy(dict(client_body))
+    body["stream"] = False
+    body.pop("stream_options", None)
+    body["max_tokens"] = 1
+    if "max_completion_tokens" in body:
+        body["max_completion_tokens"] = 1
+    body["kv_transfer_params"] = copy.deepcopy(route.prefill_params)
+    return body
+
+
+def decode_body(
+    client_body: Mapping[str, Any], route: RouteResult, prefill_response: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The body for D, from the client's request and P's (non-streaming) response."""
+    returned = prefill_response.get("kv_transfer_params")
+    if not isinstance(returned, Mapping):
+        raise MissingPrefillParams("the prefill response has no kv_transfer_params")
+    params = copy.deepcopy(dict(returned))
+    for key in _ROUTING_KEYS:
+        if key in route.prefill_params:
+            params[key] = route.prefill_params[key]
+    body = copy.deepcopy(dict(client_body))
+    body["kv_transfer_params"] = params
+    return body
+
+
+def leg_url(endpoint_url: str, path: str = "/v1/completions") -> str:
+    """An endpoint's base URL joined with an API path."""
+    return endpoint_url.rstrip("/") + "/" + path.lstrip("/")

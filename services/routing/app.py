@@ -1,0 +1,44 @@
+"""Installs the routing service into a kvplane process (`kvplane serve routing`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+
+from kvplane.services.common.cluster_view import ClusterView
+from kvplane.services.common.process import Component, ProcessContext
+from kvplane.services.routing.service import SERVICE_NAME, RoutingService
+from kvplane.v1 import routing_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+# How long start-up waits for the view's first snapshot before serving anyway.
+_VIEW_READY_WAIT_S = 5.0
+
+
+class _ViewReady:
+    """Holds start-up until the cluster view has loaded, so the first Routes see nodes.
+
+    If etcd is down the service starts regardless: Route answers UNAVAILABLE
+    until nodes are known, and callers retry another replica.
+    """
+
+    def __init__(self, view: ClusterView) -> None:
+        self.view = view
+
+    async def start(self) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.view.ready.wait(), _VIEW_READY_WAIT_S)
+        if not self.view.ready.is_set():
+            log.warning("routing starts before the cluster view loaded")
+
+    async def stop(self) -> None:
+        return None
+
+
+def install(ctx: ProcessContext) -> Sequence[Component]:
+    servicer = RoutingService(ctx.store, ctx.view, ctx.settings.routing, ctx.telemetry)
+    ctx.server.add(SERVICE_NAME, routing_pb2_grpc.add_RoutingServiceServicer_to_server, servicer)
+    return [_ViewReady(ctx.view)]

@@ -1,0 +1,66 @@
+"""The routing service's Prometheus metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LIFE_BUCKETS = (1, 2.5, 5, 10, 20, 30, 60, 120, 240, 480, 960)
+_ROUTE_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
+
+
+@dataclass
+class RoutingMetrics:
+    routes: Counter
+    tokens: Counter
+    life_left_at_checkout: Histogram
+    route_seconds: Histogram
+    reports: Counter
+    recompute_ms_per_token: Gauge
+    transfer_bytes_per_ms: Gauge
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry) -> RoutingMetrics:
+        return cls(
+            routes=Counter(
+                "kvplane_routes_total",
+                "Routed turns by decision (pull, recompute) and reason code",
+                ["decision", "reason"],
+                registry=registry,
+            ),
+            tokens=Counter(
+                "kvplane_route_tokens_total",
+                "Prompt tokens of routed turns expected to be reused (pulled) or recomputed",
+                ["kind"],
+                registry=registry,
+            ),
+            life_left_at_checkout=Histogram(
+                "kvplane_handle_life_left_at_checkout_seconds",
+                "Wall-clock life a handle had left when it was checked out",
+                registry=registry,
+                buckets=_LIFE_BUCKETS,
+            ),
+            route_seconds=Histogram(
+                "kvplane_route_seconds",
+                "Time to answer Route, including the check-out transaction",
+                registry=registry,
+                buckets=_ROUTE_BUCKETS,
+            ),
+            reports=Counter(
+                "kvplane_turn_reports_total",
+                "ReportTurn calls by outcome (success, failure) and whether a handle was published",
+                ["outcome", "published"],
+                registry=registry,
+            ),
+            recompute_ms_per_token=Gauge(
+                "kvplane_cost_recompute_ms_per_token",
+                "Current estimate of prefill time per prompt token, in ms",
+                registry=registry,
+            ),
+            transfer_bytes_per_ms=Gauge(
+                "kvplane_cost_transfer_bytes_per_ms",
+                "Current estimate of KV pull bandwidth, in bytes per ms",
+                registry=registry,
+            ),
+        )

@@ -1,0 +1,438 @@
+"""The routing service: a decision for every turn, and a handle checked out at most once.
+
+The hot path (Route) reads only the watch-fed cluster view; the check-out
+transaction is its one etcd round trip, and only when the policy decides to
+pull. Every etcd fault degrades to a recompute from the cached view: Route
+fails only when no node that could serve the turn is known.
+
+Protobuf stops at this boundary: requests become a policy snapshot of
+domain values, and the plan becomes a response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, replace
+from typing import Any
+
+import grpc
+from kvplane.connector import digests as token_digests
+from kvplane.services.common import convert, validation
+from kvplane.services.common.auth import Principal
+from kvplane.services.common.cluster_view import ClusterView
+from kvplane.services.common.errors import (
+    HandleNotRetained,
+    InvalidArgument,
+    NodeNotRegistered,
+    NotFound,
+    PermissionDenied,
+    StoreUnavailable,
+)
+from kvplane.services.common.grpc_errors import rpc_method
+from kvplane.services.common.handles import (
+    KEY_CONVERSATION,
+    KEY_DIGESTS,
+    KEY_HANDLE_ID,
+    KEY_TENANT,
+    CacheHandle,
+    HandleFormatError,
+    ReleaseReason,
+    VllmHandle,
+    fresh_prefill_params,
+)
+from kvplane.services.common.nodes import Node
+from kvplane.services.common.server import caller
+from kvplane.services.common.settings import RoutingSection
+from kvplane.services.common.store import HandleRecord, Store
+from kvplane.services.common.telemetry import Telemetry
+from kvplane.services.routing.bounded_map import BoundedMap
+from kvplane.services.routing.endpoints import AddressError, bare_host, http_base_url
+from kvplane.services.routing.metrics import RoutingMetrics
+from kvplane.services.routing.policy import (
+    CostModel,
+    Decision,
+    NodeState,
+    Prompt,
+    RoutePlan,
+    RouteSnapshot,
+    RoutingPolicy,
+    TurnObservation,
+    load_policy,
+)
+from kvplane.services.routing.policy.decision import NoEligibleNodes
+from kvplane.v1 import routing_pb2, routing_pb2_grpc
+from opentelemetry import trace
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = routing_pb2.DESCRIPTOR.services_by_name["RoutingService"].full_name
+
+MAX_MODEL = 256
+MAX_PROMPT_IDS = 1 << 20
+MAX_ERROR = 1024
+
+DECISION_TO_PB: dict[Decision, routing_pb2.Decision.ValueType] = {
+    Decision.PULL: routing_pb2.DECISION_PULL,
+    Decision.RECOMPUTE_NO_HANDLE: routing_pb2.DECISION_RECOMPUTE_NO_HANDLE,
+    Decision.RECOMPUTE_BELOW_THRESHOLD: routing_pb2.DECISION_RECOMPUTE_BELOW_THRESHOLD,
+    Decision.RECOMPUTE_EXPIRING: routing_pb2.DECISION_RECOMPUTE_EXPIRING,
+    Decision.RECOMPUTE_HOLDER_DOWN: routing_pb2.DECISION_RECOMPUTE_HOLDER_DOWN,
+    Decision.RECOMPUTE_PREFIX_MISMATCH: routing_pb2.DECISION_RECOMPUTE_PREFIX_MISMATCH,
+    Decision.RECOMPUTE_COST: routing_pb2.DECISION_RECOMPUTE_COST,
+    Decision.RECOMPUTE_CONTENDED: routing_pb2.DECISION_RECOMPUTE_CONTENDED,
+}
+
+
+class NoRoute(StoreUnavailable):
+    """No node that could serve the turn is known (UNAVAILABLE: another replica,
+    or a later try once nodes register, may succeed)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRecord:
+    """What ReportTurn needs to know about a route this replica made."""
+
+    tenant: str
+    conversation: str
+    prefill_node_id: str
+    decode_node_id: str
+    holder_engine_id: str
+    kv_bytes_per_token: int
+    decision: Decision
+
+
+@dataclass(frozen=True, slots=True)
+class RouteOutcome:
+    """The full result of one Route, before it becomes protobuf."""
+
+    route_id: str
+    plan: RoutePlan
+    decision: Decision
+    reason: str
+    prefill_params: dict[str, Any]
+    reused_tokens: int
+    handle: CacheHandle | None
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
+    """Implements kvplane.v1.RoutingService over a cluster view and the etcd store."""
+
+    authenticator: Any  # set by GrpcServer.add
+
+    def __init__(
+        self,
+        store: Store,
+        view: ClusterView,
+        settings: RoutingSection,
+        telemetry: Telemetry,
+        policy: RoutingPolicy | None = None,
+    ) -> None:
+        self.store = store
+        self.view = view
+        self.settings = settings
+        self.telemetry = telemetry
+        self.policy = policy or RoutingPolicy(load_policy(settings.policy_file or None))
+        # Replaced, never mutated: a Route reads one consistent model.
+        self.costs: CostModel = self.policy.config.cost_model
+        self.metrics = RoutingMetrics.create(telemetry.registry)
+        self._publish_cost_gauges()
+        self._last_prefill: BoundedMap[tuple[str, str], str] = BoundedMap(settings.max_tracked_conversations)
+        self._routes: BoundedMap[str, RouteRecord] = BoundedMap(settings.max_tracked_routes)
+        self._contacted: BoundedMap[tuple[str, str], None] = BoundedMap(settings.max_tracked_conversations)
+
+    def _caller(self, context: grpc.aio.ServicerContext) -> Principal:
+        return caller(self, context)
+
+    # -- Route ------------------------------------------------------------------
+
+    @rpc_method
+    async def Route(
+        self, request: routing_pb2.RouteRequest, context: grpc.aio.ServicerContext
+    ) -> routing_pb2.RouteResponse:
+        start = time.perf_counter()
+        tenant = self._caller(context).acts_for(request.tenant)
+        conversation = validation.conversation(request.conversation)
+        model = validation.text(request.model, "model", max_bytes=MAX_MODEL)
+        validation.ident(request.request_id, "request_id", required=False)
+        prompt = _prompt(request)
+        outcome = await self.route(tenant, conversation, model, prompt)
+        span = trace.get_current_span()
+        if span.is_recording():
+            span.set_attributes(
+                {
+                    "kvplane.route_id": outcome.route_id,
+                    "kvplane.request_id": request.request_id,
+                    "kvplane.decision": outcome.decision.value,
+                    "kvplane.reason": outcome.reason,
+                    "kvplane.reused_tokens": outcome.reused_tokens,
+                    "kvplane.prefill_node": outcome.plan.prefill.node_id,
+                    "kvplane.decode_node": outcome.plan.decode.node_id,
+                }
+            )
+        response = routing_pb2.RouteResponse(
+            route_id=outcome.route_id,
+            decision=DECISION_TO_PB[outcome.decision],
+            reason=outcome.reason,
+            prefill=_endpoint(outcome.plan.prefill),
+            decode=_endpoint(outcome.plan.decode),
+            prefill_kv_transfer_params_json=json.dumps(outcome.prefill_params, separators=(",", ":")),
+            expected_reused_tokens=outcome.reused_tokens,
+        )
+        if outcome.handle is not None:
+            response.handle.CopyFrom(convert.handle_to_pb(outcome.handle))
+        self.metrics.route_seconds.observe(time.perf_counter() - start)
+        return response
+
+    async def route(self, tenant: str, conversation: str, model: str, prompt: Prompt) -> RouteOutcome:
+        """Decides one turn and, for a pull, checks the handle out. No protobuf here."""
+        now = _now_ms()
+        record = self.view.handle(tenant, conversation)
+        snapshot = RouteSnapshot(
+            model=model,
+            conversation=conversation,
+            prompt=prompt,
+            nodes=self._node_states(),
+            now_unix_ms=now,
+            handle=record.handle if record is not None else None,
+            last_prefill_node_id=self._last_prefill.get((tenant, conversation)) or "",
+            contacted=self._contacted,
+        )
+        try:
+            plan = self.policy.route(snapshot, self.costs)
+        except NoEligibleNodes as exc:
+            raise NoRoute(str(exc)) from None
+        route_id = uuid.uuid4().hex
+        decision, reason = plan.decision, plan.verdict.reason
+        handle: CacheHandle | None = None
+        if decision is Decision.PULL and record is not None:
+            handle, reason = await self._check_out(tenant, conversation, route_id, record, now)
+            if handle is None:
+                decision = Decision.RECOMPUTE_CONTENDED
+        params = self._prefill_params(tenant, conversation, handle)
+        reused = plan.verdict.reusable_tokens if handle is not None else 0
+        self._last_prefill.put((tenant, conversation), plan.prefill.node_id)
+        holder_engine = snapshot.handle.vllm.remote_engine_id if snapshot.handle is not None else ""
+        if handle is not None:
+            self._contacted.put((plan.prefill.node_id, holder_engine), None)
+        self._routes.put(
+            route_id,
+            RouteRecord(
+                tenant,
+                conversation,
+                plan.prefill.node_id,
+                plan.decode.node_id,
+                holder_engine,
+                plan.decode.kv_bytes_per_token,
+                decision,
+            ),
+        )
+        self.metrics.routes.labels("pull" if decision is Decision.PULL else "recompute", decision.value).inc()
+        self.metrics.tokens.labels("reused").inc(reused)
+        self.metrics.tokens.labels("recomputed").inc(max(0, prompt.tokens - reused))
+        return RouteOutcome(route_id, plan, decision, reason, params, reused, handle)
+
+    def _node_states(self) -> tuple[NodeState, ...]:
+        view = self.view
+        return tuple(NodeState(r.node, view.load(r.node)) for r in view.nodes.values())
+
+    async def _check_out(
+        self, tenant: str, conversation: str, route_id: str, record: HandleRecord, now: int
+    ) -> tuple[CacheHandle | None, str]:
+        """The checked-out handle, or None with the reason it could not be."""
+        if not self.view.healthy:
+            # A stale view may still hold a handle that is gone; without etcd the
+            # check-out cannot be made, so this turn recomputes.
+            return None, "etcd unreachable: recomputing from the cached view"
+        try:
+            checked = await asyncio.wait_for(
+                self.store.check_out(tenant, conversation, route_id=route_id, expected=record),
+                self.settings.checkout_timeout_s,
+            )
+        except (HandleNotRetained, NotFound):
+            return None, "another turn of the conversation took the handle"
+        except (StoreUnavailable, TimeoutError) as exc:
+            # A timed-out check-out may still apply: then nobody reads the blocks
+            # and D frees them at its TTL. Never a double read.
+            log.warning("check-out failed, recomputing: %s", exc)
+            return None, "etcd unreachable: recomputing"
+        life_left_s = checked.handle.life_left_ms(now) / 1000
+        self.metrics.life_left_at_checkout.observe(max(0.0, life_left_s))
+        return checked.handle, f"checked out handle {checked.handle.handle_id}"
+
+    def _prefill_params(self, tenant: str, conversation: str, handle: CacheHandle | None) -> dict[str, Any]:
+        """The P leg's kv_transfer_params: every vLLM key of the handle untouched,
+        plus our keys so that the engines' connectors can check and publish."""
+        if handle is None:
+            params = fresh_prefill_params()
+        else:
+            params = handle.prefill_kv_transfer_params()
+            if handle.digests is not None:
+                params[KEY_DIGESTS] = token_digests.encode(handle.digests)
+        params[KEY_TENANT] = tenant
+        params[KEY_CONVERSATION] = conversation
+        return params
+
+    # -- ReportTurn ---------------------------------------------------------------
+
+    @rpc_method
+    async def ReportTurn(
+        self, request: routing_pb2.ReportTurnRequest, context: grpc.aio.ServicerContext
+    ) -> routing_pb2.ReportTurnResponse:
+        tenant = self._caller(context).acts_for(request.tenant)
+        conversation = validation.conversation(request.conversation)
+        validation.ident(request.route_id, "route_id", required=False)
+        validation.text(request.error, "error", max_bytes=MAX_ERROR, required=False)
+        if len(request.retained_token_ids) > MAX_PROMPT_IDS:
+            raise InvalidArgument("retained_token_ids", f"has more than {MAX_PROMPT_IDS} ids")
+        route = self._routes.pop(request.route_id) if request.route_id else None
+        if route is not None and (route.tenant, route.conversation) != (tenant, conversation):
+            route = None  # a route id of another conversation teaches nothing here
+        self._learn(request, route)
+        handle_id = ""
+        if request.success and request.decode_kv_transfer_params_json:
+            handle_id = await self._publish(tenant, conversation, request)
+        self.metrics.reports.labels(
+            "success" if request.success else "failure", str(bool(handle_id)).lower()
+        ).inc()
+        return routing_pb2.ReportTurnResponse(handle_id=handle_id)
+
+    def _learn(self, request: routing_pb2.ReportTurnRequest, route: RouteRecord | None) -> None:
+        observation = TurnObservation(
+            prompt_tokens=request.prompt_tokens,
+            pulled_tokens=request.pulled_tokens,
+            transfer_ms=max(0.0, request.transfer_ms),
+            prefill_ms=max(0.0, request.prefill_ms),
+            ttft_ms=max(0.0, request.ttft_ms),
+            kv_bytes_per_token=route.kv_bytes_per_token if route is not None else 0,
+            success=request.success,
+        )
+        self.costs = self.costs.observe(observation)
+        self._publish_cost_gauges()
+
+    def _publish_cost_gauges(self) -> None:
+        self.metrics.recompute_ms_per_token.set(self.costs.recompute_ms_per_token)
+        self.metrics.transfer_bytes_per_ms.set(self.costs.transfer_bytes_per_ms)
+
+    async def _publish(self, tenant: str, conversation: str, request: routing_pb2.ReportTurnRequest) -> str:
+        """Publishes D's new handle unless the engine's connector already did."""
+        handle = self._handle_from_report(tenant, conversation, request)
+        current = self.view.handle(tenant, conversation)
+        if current is not None and current.handle.handle_id == handle.handle_id:
+            return handle.handle_id  # the connector's own publish got there first
+        outcome = await self.store.publish_handle(handle)
+        return outcome.handle.handle_id
+
+    def _handle_from_report(
+        self, tenant: str, conversation: str, request: routing_pb2.ReportTurnRequest
+    ) -> CacheHandle:
+        field = "decode_kv_transfer_params_json"
+        try:
+            params = json.loads(request.decode_kv_transfer_params_json)
+        except ValueError:
+            raise InvalidArgument(field, "is not JSON") from None
+        if not isinstance(params, dict):
+            raise InvalidArgument(field, "must be a JSON object")
+        # The engine's connector echoes the tenant it was given; a mismatch means
+        # the caller is reporting someone else's turn.
+        for key, mine in ((KEY_TENANT, tenant), (KEY_CONVERSATION, conversation)):
+            if key in params and params[key] != mine:
+                raise PermissionDenied(f"{field}: {key} does not match the caller's turn")
+        try:
+            vllm = VllmHandle.from_kv_transfer_params(params)
+        except HandleFormatError as exc:
+            raise InvalidArgument(field, str(exc)) from None
+        if not vllm.remote_block_ids or not vllm.remote_block_ids[0] or vllm.remote_num_tokens <= 0:
+            raise InvalidArgument(field, "retains no blocks")
+        # Stored bare (metadata validation); vLLM brackets IPv6 itself.
+        vllm = _with_host(vllm, bare_host(vllm.remote_host))
+        holder = self._holder_for_engine(vllm.remote_engine_id)
+        digests = None
+        encoded = params.get(KEY_DIGESTS)
+        if isinstance(encoded, str) and encoded:
+            try:
+                digests = token_digests.decode(encoded)
+            except token_digests.DigestFormatError as exc:
+                raise InvalidArgument(f"{field}.{KEY_DIGESTS}", str(exc)) from None
+        elif request.retained_token_ids:
+            retained = request.retained_token_ids[: vllm.remote_num_tokens]
+            digests = token_digests.digest_tokens(retained, holder.block_size)
+        handle_id = params.get(KEY_HANDLE_ID)
+        now = _now_ms()
+        life_ms = int((self.settings.decode_kv_ttl_s - self.settings.expiry_margin_s) * 1000)
+        return CacheHandle(
+            handle_id=handle_id if isinstance(handle_id, str) and handle_id else uuid.uuid4().hex,
+            tenant=tenant,
+            conversation=conversation,
+            holder_node_id=holder.node_id,
+            holder_incarnation=holder.incarnation,
+            vllm=vllm,
+            wall_expiry_unix_ms=now + life_ms,
+            retained_bytes=vllm.num_blocks * holder.block_size * holder.kv_bytes_per_token,
+            digests=digests,
+            published_unix_ms=now,
+            model=request.model or holder.fingerprint.model,
+        )
+
+    def _holder_for_engine(self, engine_id: str) -> Node:
+        for record in self.view.nodes.values():
+            if record.node.engine_id == engine_id:
+                return record.node
+        raise NodeNotRegistered(f"no registered node has engine id {engine_id!r}")
+
+    # -- EndConversation ------------------------------------------------------------
+
+    @rpc_method
+    async def EndConversation(
+        self, request: routing_pb2.EndConversationRequest, context: grpc.aio.ServicerContext
+    ) -> routing_pb2.EndConversationResponse:
+        tenant = self._caller(context).acts_for(request.tenant)
+        conversation = validation.conversation(request.conversation)
+        self._last_prefill.pop((tenant, conversation))
+        try:
+            await self.store.release(
+                tenant,
+                conversation,
+                ReleaseReason.CONVERSATION_ENDED,
+                expected=self.view.handle(tenant, conversation),
+            )
+        except (NotFound, HandleNotRetained):
+            return routing_pb2.EndConversationResponse(released=False)
+        return routing_pb2.EndConversationResponse(released=True)
+
+
+def _prompt(request: routing_pb2.RouteRequest) -> Prompt:
+    ids = request.prompt_token_ids
+    if len(ids) > MAX_PROMPT_IDS:
+        raise InvalidArgument("prompt_token_ids", f"has more than {MAX_PROMPT_IDS} ids")
+    tokens = request.prompt_tokens
+    if ids:
+        if tokens and tokens != len(ids):
+            raise InvalidArgument("prompt_tokens", f"is {tokens} but prompt_token_ids has {len(ids)}")
+        tokens = len(ids)
+    if tokens <= 0:
+        raise InvalidArgument("prompt_tokens", "must be positive (or send prompt_token_ids)")
+    digests = request.prompt_block_digests
+    if digests and request.prompt_digest_block_size <= 0:
+        raise InvalidArgument("prompt_digest_block_size", "is required with prompt_block_digests")
+    return Prompt(tokens, ids, digests, request.prompt_digest_block_size)
+
+
+def _endpoint(node: Node) -> routing_pb2.Endpoint:
+    try:
+        url = http_base_url(node.http_url)
+    except AddressError as exc:
+        # Registration validates URLs, so this is a node written around the service.
+        raise NoRoute(f"node {node.node_id}: {exc}") from None
+    return routing_pb2.Endpoint(node_id=node.node_id, http_url=url, incarnation=node.incarnation)
+
+
+def _with_host(vllm: VllmHandle, host: str) -> VllmHandle:
+    return vllm if host == vllm.remote_host else replace(vllm, remote_host=host)

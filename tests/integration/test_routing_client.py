@@ -1,0 +1,108 @@
+"""kvplane.client against real routing replicas: failover, deadlines, trace propagation, metrics."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+from kvplane.client import RoutingClient, RoutingUnavailable
+from kvplane.services.common.local_etcd import LocalEtcd, free_port
+from kvplane.services.common.nodes import NodeRole
+from kvplane.services.common.store import Store, StoreSettings
+from kvplane.services.common.telemetry import Telemetry
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from tests.support.routing_cluster import HISTORY_TOKENS, MODEL, RoutingCluster, decode_params, node, tokens
+
+
+@pytest.fixture
+async def cluster(etcd: LocalEtcd, prefix: str) -> AsyncIterator[RoutingCluster]:
+    store = Store(StoreSettings(endpoints=(etcd.endpoint,), prefix=prefix))
+    await store.connect()
+    c = RoutingCluster(etcd, prefix, store)
+    try:
+        await c.register(node("p0", NodeRole.PREFILL))
+        await c.register(node("d0", NodeRole.DECODE))
+        yield c
+    finally:
+        await c.stop()
+        await store.close()
+
+
+async def test_unavailable_replica_is_skipped_for_the_next(cluster: RoutingCluster) -> None:
+    await cluster.add_replica()
+    await cluster.wait_nodes()
+    dead = f"127.0.0.1:{free_port()}"
+    async with RoutingClient(
+        [dead, cluster.target(0)], metadata=(("x-kvplane-tenant", "acme"),), timeout_s=5.0, attempts=2
+    ) as client:
+        for _ in range(3):
+            result = await client.route("c", MODEL, prompt_tokens=10)
+            assert result.decision == "recompute_no_handle"
+
+
+async def test_all_replicas_down_fails_within_the_deadline(cluster: RoutingCluster) -> None:
+    targets = [f"127.0.0.1:{free_port()}" for _ in range(2)]
+    async with RoutingClient(targets, timeout_s=0.5, attempts=5) as client:
+        started = time.monotonic()
+        with pytest.raises(RoutingUnavailable):
+            await client.route("c", MODEL, prompt_tokens=10)
+        assert time.monotonic() - started < 2.0
+
+
+async def test_route_span_joins_the_gateways_trace_and_names_the_reason(cluster: RoutingCluster) -> None:
+    server_spans = InMemorySpanExporter()
+    await cluster.add_replica(telemetry=Telemetry.create("routing", exporter=server_spans))
+    await cluster.wait_nodes()
+    client_spans = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(client_spans))
+    async with cluster.client("acme", tracer_provider=provider) as client:
+        with provider.get_tracer("gateway").start_as_current_span("turn") as turn:
+            await client.route("traced", MODEL, prompt_tokens=10)
+        trace_id = turn.get_span_context().trace_id
+    telemetry = cluster.replicas[0].telemetry
+    deadline = time.monotonic() + 10
+    route_spans = []
+    while time.monotonic() < deadline and not route_spans:
+        telemetry.tracer_provider.force_flush()
+        route_spans = [s for s in server_spans.get_finished_spans() if s.name.endswith("/Route")]
+    assert route_spans, [s.name for s in server_spans.get_finished_spans()]
+    span = route_spans[0]
+    assert span.context.trace_id == trace_id
+    assert span.attributes is not None
+    assert span.attributes["kvplane.decision"] == "recompute_no_handle"
+    assert span.attributes["kvplane.reason"]
+
+
+async def test_metrics_count_routes_by_decision_and_reason_and_tokens(cluster: RoutingCluster) -> None:
+    replica = await cluster.add_replica()
+    await cluster.wait_nodes()
+    registry = replica.telemetry.registry
+    history = tokens(HISTORY_TOKENS)
+    async with cluster.client("acme") as client:
+        await client.route("m1", MODEL, prompt_token_ids=history[:-1])
+        handle_id = await client.report_turn(
+            None,
+            "m1",
+            success=True,
+            decode_kv_transfer_params=decode_params(cluster.nodes["d0"], history),
+            prompt_tokens=HISTORY_TOKENS,
+            prefill_ms=150.0,
+        )
+        await cluster.wait_handle("acme", "m1", handle_id)
+        await client.route("m1", MODEL, prompt_token_ids=[*history, 1])
+
+    def value(name: str, **labels: str) -> float:
+        return registry.get_sample_value(name, labels) or 0.0
+
+    assert value("kvplane_routes_total", decision="pull", reason="pull") == 1
+    assert value("kvplane_routes_total", decision="recompute", reason="recompute_no_handle") == 1
+    assert value("kvplane_route_tokens_total", kind="reused") == HISTORY_TOKENS
+    assert value("kvplane_route_tokens_total", kind="recomputed") == HISTORY_TOKENS - 1 + 1
+    assert value("kvplane_handle_life_left_at_checkout_seconds_count") == 1
+    assert value("kvplane_turn_reports_total", outcome="success", published="true") == 1
+    assert value("kvplane_cost_recompute_ms_per_token") != 0.032

@@ -1,0 +1,362 @@
+"""The routing service against a real etcd and real gRPC servers (issue 3's acceptance)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator
+from urllib.parse import urlsplit
+
+import grpc
+import pytest
+from kvplane.client import RoutingClient, decode_body, prefill_body
+from kvplane.services.common.handles import (
+    KEY_CONVERSATION,
+    KEY_DIGESTS,
+    KEY_HANDLE_ID,
+    KEY_TENANT,
+    fresh_prefill_params,
+)
+from kvplane.services.common.local_etcd import LocalEtcd
+from kvplane.services.common.nodes import NodeRole
+from kvplane.services.common.store import Store, StoreSettings
+from kvplane.services.routing.endpoints import side_channel_url
+
+from tests.support.routing_cluster import (
+    HISTORY_TOKENS,
+    MODEL,
+    RoutingCluster,
+    decode_params,
+    handle_for,
+    node,
+    tokens,
+)
+
+
+@pytest.fixture
+async def cluster(etcd: LocalEtcd, prefix: str) -> AsyncIterator[RoutingCluster]:
+    store = Store(StoreSettings(endpoints=(etcd.endpoint,), prefix=prefix))
+    await store.connect()
+    c = RoutingCluster(etcd, prefix, store)
+    try:
+        await c.register(node("p0", NodeRole.PREFILL))
+        await c.register(node("d0", NodeRole.DECODE))
+        await c.add_replica()
+        await c.wait_nodes()
+        yield c
+    finally:
+        await c.stop()
+        await store.close()
+
+
+@pytest.fixture
+async def client(cluster: RoutingCluster) -> AsyncIterator[RoutingClient]:
+    async with cluster.client("acme") as c:
+        yield c
+
+
+def conv() -> str:
+    return f"conv-{uuid.uuid4().hex[:8]}"
+
+
+async def test_first_turn_gets_fresh_params_with_the_exact_vllm_keys(client: RoutingClient) -> None:
+    result = await client.route(conv(), MODEL, prompt_token_ids=tokens(300))
+    assert result.decision == "recompute_no_handle"
+    expected = fresh_prefill_params()
+    vllm_part = {k: v for k, v in result.prefill_params.items() if not k.startswith("kvplane_")}
+    assert vllm_part == expected
+    assert result.prefill_params[KEY_TENANT] == "acme"
+    assert result.prefill.node_id == "p0" and result.decode.node_id == "d0"
+    assert result.expected_reused_tokens == 0
+    assert result.route_id
+
+
+async def test_second_turn_pulls_with_every_handle_key_passed_through(
+    cluster: RoutingCluster, client: RoutingClient
+) -> None:
+    c = conv()
+    history = tokens(HISTORY_TOKENS)
+    first = await client.route(c, MODEL, prompt_token_ids=history[:-50])
+    d_params = decode_params(cluster.nodes["d0"], history)
+    handle_id = await client.report_turn(
+        first,
+        c,
+        success=True,
+        decode_kv_transfer_params=d_params,
+        ttft_ms=200,
+        prompt_tokens=HISTORY_TOKENS - 50,
+    )
+    assert handle_id == d_params[KEY_HANDLE_ID]
+    await cluster.wait_handle("acme", c, handle_id)
+
+    second = await client.route(c, MODEL, prompt_token_ids=[*history, 7, 8, 9])
+    assert second.decision == "pull", second.reason
+    assert second.expected_reused_tokens == HISTORY_TOKENS
+    sent = second.prefill_params
+    for key, value in d_params.items():
+        if key in ("do_remote_decode", "do_remote_prefill", KEY_HANDLE_ID):
+            continue
+        assert sent[key] == value, key
+    assert sent["do_remote_decode"] is True and sent["do_remote_prefill"] is False
+    assert sent["remote_blocks_expiry_time"] == 98765.4321
+    assert sent[KEY_DIGESTS] == d_params[KEY_DIGESTS]
+    assert sent[KEY_TENANT] == "acme" and sent[KEY_CONVERSATION] == c
+    assert second.response.handle.handle_id == handle_id
+    # Checked out: gone from etcd, so no other turn can read the blocks.
+    assert await cluster.store.get_handle_record("acme", c) is None
+
+    # The gateway's two bodies: P gets exactly these params; D gets P's plus our keys.
+    p_body = prefill_body({"model": MODEL, "prompt": [1, 2], "stream": True, "max_tokens": 99}, second)
+    assert p_body["stream"] is False and p_body["max_tokens"] == 1
+    assert p_body["kv_transfer_params"] == second.prefill_params
+    p_returned = {"do_remote_prefill": True, "remote_engine_id": "engine-p0", "remote_block_ids": [[1]]}
+    d_body = decode_body({"model": MODEL, "stream": True}, second, {"kv_transfer_params": p_returned})
+    assert d_body["stream"] is True
+    assert d_body["kv_transfer_params"] == {**p_returned, KEY_TENANT: "acme", KEY_CONVERSATION: c}
+
+
+async def test_two_concurrent_routes_pull_exactly_once(
+    cluster: RoutingCluster, client: RoutingClient
+) -> None:
+    c = conv()
+    history = tokens(HISTORY_TOKENS)
+    handle = await cluster.publish(handle_for(cluster.nodes["d0"], "acme", c, history))
+    await cluster.wait_handle("acme", c, handle.handle_id)
+    prompt = [*history, 1, 2, 3]
+    results = await asyncio.gather(*(client.route(c, MODEL, prompt_token_ids=prompt) for _ in range(2)))
+    decisions = sorted(r.decision for r in results)
+    assert decisions == ["pull", "recompute_contended"]
+    loser = next(r for r in results if r.decision != "pull")
+    assert "remote_block_ids" in loser.prefill_params and loser.prefill_params["remote_block_ids"] is None
+
+
+async def test_handle_inside_the_expiry_margin_recomputes_expiring(
+    cluster: RoutingCluster, client: RoutingClient
+) -> None:
+    c = conv()
+    history = tokens(HISTORY_TOKENS)
+    handle = await cluster.publish(handle_for(cluster.nodes["d0"], "acme", c, history, life_ms=3_000))
+    await cluster.wait_handle("acme", c, handle.handle_id)
+    result = await client.route(c, MODEL, prompt_token_ids=[*history, 1])
+    assert result.decision == "recompute_expiring", result.reason
+    assert result.prefill_params["remote_engine_id"] is None
+
+
+async def test_holder_whose_lease_is_gone_recomputes_holder_down(
+    cluster: RoutingCluster, client: RoutingClient
+) -> None:
+    holder = await cluster.register(node("d1", NodeRole.DECODE))
+    c = conv()
+    history = tokens(HISTORY_TOKENS)
+    handle = await cluster.publish(handle_for(holder, "acme", c, history))
+    await cluster.wait_handle("acme", c, handle.handle_id)
+    await cluster.kill_node("d1")
+    await cluster.wait_views(lambda v: "d1" not in v.nodes, "d1 gone from the view")
+    result = await client.route(c, MODEL, prompt_token_ids=[*history, 1])
+    assert result.decision == "recompute_holder_down", result.reason
+    assert result.decode.node_id == "d0"
+
+
+async def test_few_reusable_tokens_recompute_below_threshold(
+    cluster: RoutingCluster, client: RoutingClient
+) -> None:
+    c = conv()
+    history = tokens(40)
+    handle = await cluster.publish(handle_for(cluster.nodes["d0"], "acme", c, history))
+    await cluster.wait_handle("acme", c, handle.handle_id)
+    result = await client.route(c, MODEL, prompt_token_ids=[*history, *tokens(500, seed=9)])
+    assert result.decision == "recompute_below_threshold", result.reason
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["edited_message", "stripped_reasoning_trace", "retried_turn", "foreign_digests"],
+)
+async def test_prompt_that_does_not_continue_the_handle_recomputes_prefix_mismatch(
+    cluster: RoutingCluster, client: RoutingClient, case: str
+) -> None:
+    c = conv()
+    history = tokens(HISTORY_TOKENS)
+    handle = await cluster.publish(handle_for(cluster.nodes["d0"], "acme", c, history))
+    await cluster.wait_handle("acme", c, handle.handle_id)
+    new_message = tokens(200, seed=5)
+    if case == "edited_message":
+        prompt = [*history[:1000], 424242, *history[1001:], *new_message]
+    elif case == "stripped_reasoning_trace":
+        # The previous answer's <think> span (its last 600 tokens but 100) is dropped.
+        prompt = [*history[: HISTORY_TOKENS - 700], *history[HISTORY_TOKENS - 100 :], *new_message]
+    elif case == "retried_turn":
+        # The same turn again: the previous prompt, without the answer D retains.
+        prompt = history[: HISTORY_TOKENS - 300]
+    else:
+        prompt = [*tokens(HISTORY_TOKENS, seed=2), *new_message]
+    result = await client.route(c, MODEL, prompt_token_ids=prompt)
+    assert result.decision == "recompute_prefix_mismatch", result.reason
+    # The handle stays retained: nothing was checked out.
+    assert await cluster.store.get_handle_record("acme", c) is not None
+
+
+async def test_handle_without_digests_recomputes_rather_than_pulling_unproven(
+    cluster: RoutingCluster, client: RoutingClient
+) -> None:
+    c = conv()
+    history = tokens(HISTORY_TOKENS)
+    params = decode_params(cluster.nodes["d0"], history, with_digests=False)
+    handle_id = await client.report_turn(None, c, success=True, decode_kv_transfer_params=params)
+    await cluster.wait_handle("acme", c, handle_id)
+    result = await client.route(c, MODEL, prompt_token_ids=[*history, 1])
+    assert result.decision == "recompute_prefix_mismatch"
+
+
+async def test_report_turn_digests_retained_token_ids_when_the_engine_sent_none(
+    cluster: RoutingCluster, client: RoutingClient
+) -> None:
+    c = conv()
+    history = tokens(HISTORY_TOKENS)
+    params = decode_params(cluster.nodes["d0"], history, with_digests=False)
+    handle_id = await client.report_turn(
+        None, c, success=True, decode_kv_transfer_params=params, retained_token_ids=history
+    )
+    await cluster.wait_handle("acme", c, handle_id)
+    edited = [*history[:10], 0, *history[11:], 5]
+    assert (await client.route(c, MODEL, prompt_token_ids=edited)).decision == "recompute_prefix_mismatch"
+    assert (await client.route(c, MODEL, prompt_token_ids=[*history, 5])).decision == "pull"
+
+
+async def test_tenants_sharing_a_conversation_id_never_see_each_others_handle(
+    cluster: RoutingCluster, client: RoutingClient
+) -> None:
+    c = conv()
+    history = tokens(HISTORY_TOKENS)
+    params = decode_params(cluster.nodes["d0"], history)
+    await client.report_turn(None, c, success=True, decode_kv_transfer_params=params)
+    await cluster.wait_handle("acme", c)
+    async with cluster.client("globex") as other:
+        stolen = await other.route(c, MODEL, prompt_token_ids=[*history, 1])
+        assert stolen.decision == "recompute_no_handle"
+        assert stolen.prefill_params["remote_engine_id"] is None
+        assert stolen.prefill_params[KEY_TENANT] == "globex"
+        # A body field cannot name another tenant for a tenant caller.
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await other.route(c, MODEL, prompt_token_ids=[*history, 1], tenant="acme")
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        # Nor can a report smuggle a handle in under the other tenant's keys.
+        forged = decode_params(cluster.nodes["d0"], history, **{KEY_TENANT: "acme"})
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await other.report_turn(None, c, success=True, decode_kv_transfer_params=forged)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert not await other.end_conversation(c)
+    owner = await client.route(c, MODEL, prompt_token_ids=[*history, 1])
+    assert owner.decision == "pull"
+
+
+async def test_nodes_with_another_fingerprint_are_never_chosen(
+    cluster: RoutingCluster, client: RoutingClient
+) -> None:
+    # An idle fp8 pool beside a busy bf16 pool that holds the handle.
+    await cluster.register(node("p-fp8", NodeRole.PREFILL, kv_dtype="fp8_e4m3"))
+    await cluster.register(node("d-fp8", NodeRole.DECODE, kv_dtype="fp8_e4m3"))
+    await cluster.report_load("p0", queued_prefill_tokens=200_000, running_requests=50)
+    await cluster.report_load("d0", running_requests=200, free_kv_blocks=10_000, total_kv_blocks=100_000)
+    await cluster.report_load("p-fp8", free_kv_blocks=100_000, total_kv_blocks=100_000)
+    await cluster.report_load("d-fp8", free_kv_blocks=100_000, total_kv_blocks=100_000)
+    await cluster.wait_nodes()
+    await cluster.wait_views(lambda v: {"p0", "d0", "p-fp8", "d-fp8"} <= set(v.loads), "loads in views")
+    c = conv()
+    history = tokens(HISTORY_TOKENS)
+    handle = await cluster.publish(handle_for(cluster.nodes["d0"], "acme", c, history))
+    await cluster.wait_handle("acme", c, handle.handle_id)
+    result = await client.route(c, MODEL, prompt_token_ids=[*history, 1])
+    assert result.decision == "pull", result.reason
+    assert (result.prefill.node_id, result.decode.node_id) == ("p0", "d0")
+    # Without a handle, P and D still always share a fingerprint.
+    for _ in range(20):
+        r = await client.route(conv(), MODEL, prompt_tokens=100)
+        assert (r.prefill.node_id, r.decode.node_id) in {("p0", "d0"), ("p-fp8", "d-fp8")}
+
+
+async def test_a_handle_published_through_one_replica_is_pulled_through_another(
+    cluster: RoutingCluster,
+) -> None:
+    await cluster.add_replica()
+    await cluster.wait_nodes()
+    c = conv()
+    history = tokens(HISTORY_TOKENS)
+    async with cluster.client("acme", 0) as first, cluster.client("acme", 1) as second:
+        handle_id = await first.report_turn(
+            None, c, success=True, decode_kv_transfer_params=decode_params(cluster.nodes["d0"], history)
+        )
+        await cluster.wait_handle("acme", c, handle_id)
+        result = await second.route(c, MODEL, prompt_token_ids=[*history, 1])
+        assert result.decision == "pull", result.reason
+        assert result.response.handle.handle_id == handle_id
+        again = await first.route(c, MODEL, prompt_token_ids=[*history, 1])
+        assert again.decision != "pull"
+
+
+async def test_end_conversation_releases_the_retained_handle(
+    cluster: RoutingCluster, client: RoutingClient
+) -> None:
+    c = conv()
+    history = tokens(HISTORY_TOKENS)
+    handle = await cluster.publish(handle_for(cluster.nodes["d0"], "acme", c, history))
+    await cluster.wait_handle("acme", c, handle.handle_id)
+    assert await client.end_conversation(c)
+    assert await cluster.store.get_handle_record("acme", c) is None
+    pending = await cluster.store.pending_releases("d0")
+    assert [p.handle.handle_id for p, _ in pending] == [handle.handle_id]
+    assert not await client.end_conversation(c)
+
+
+async def test_unknown_model_is_unavailable_not_internal(client: RoutingClient) -> None:
+    with pytest.raises(Exception) as err:
+        await client.route(conv(), "no-such-model", prompt_tokens=10)
+    assert "no prefill/decode pair" in str(err.value)
+
+
+async def test_invalid_requests_are_invalid_argument(client: RoutingClient) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await client.route(conv(), MODEL, prompt_tokens=0)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await client.route(conv(), MODEL, prompt_tokens=5, prompt_token_ids=[1, 2, 3])
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await client.report_turn(
+            None, conv(), success=True, decode_kv_transfer_params={"remote_engine_id": "x"}
+        )
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_ipv6_nodes_get_bracketed_urls_and_side_channel(etcd: LocalEtcd, prefix: str) -> None:
+    store = Store(StoreSettings(endpoints=(etcd.endpoint,), prefix=prefix))
+    await store.connect()
+    c = RoutingCluster(etcd, prefix, store)
+    try:
+        await c.register(node("p6", NodeRole.PREFILL, host="::1"))
+        d6 = await c.register(node("d6", NodeRole.DECODE, host="fd00::7"))
+        await c.add_replica(listen_host="::1")
+        await c.wait_nodes()
+        assert c.target().startswith("[::1]:")
+        async with c.client("acme") as client:
+            cv = conv()
+            history = tokens(HISTORY_TOKENS)
+            first = await client.route(cv, MODEL, prompt_token_ids=history[:-10])
+            for endpoint, host in ((first.prefill, "::1"), (first.decode, "fd00::7")):
+                parts = urlsplit(endpoint.http_url)
+                assert parts.hostname == host and parts.port is not None
+                assert f"[{host}]" in endpoint.http_url
+            handle_id = await client.report_turn(
+                first, cv, success=True, decode_kv_transfer_params=decode_params(d6, history)
+            )
+            await c.wait_handle("acme", cv, handle_id)
+            second = await client.route(cv, MODEL, prompt_token_ids=[*history, 1])
+            assert second.decision == "pull", second.reason
+            params = second.prefill_params
+            assert params["remote_host"] == "fd00::7"
+            assert side_channel_url(params["remote_host"], params["remote_port"]) == "tcp://[fd00::7]:5600"
+            json.dumps(params)
+    finally:
+        await c.stop()
+        await store.close()

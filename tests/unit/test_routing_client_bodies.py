@@ -1,0 +1,92 @@
+"""The gateway helper: the two vLLM request bodies of a routed turn."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from kvplane.client import MissingPrefillParams, RouteResult, decode_body, leg_url, prefill_body
+from kvplane.services.common.handles import KEY_CONVERSATION, KEY_TENANT
+from kvplane.v1 import routing_pb2
+
+P_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": "e-d0",
+    "remote_block_ids": [[1, 2, 3]],
+    "remote_blocks_expiry_time": 12.5,
+    KEY_TENANT: "acme",
+    KEY_CONVERSATION: "c1",
+}
+
+
+def route() -> RouteResult:
+    return RouteResult.from_pb(
+        routing_pb2.RouteResponse(
+            route_id="r1",
+            decision=routing_pb2.DECISION_PULL,
+            prefill=routing_pb2.Endpoint(node_id="p0", http_url="http://[::1]:8000"),
+            decode=routing_pb2.Endpoint(node_id="d0", http_url="http://127.0.0.1:8001"),
+            prefill_kv_transfer_params_json=json.dumps(P_PARAMS),
+            expected_reused_tokens=48,
+        )
+    )
+
+
+def test_route_result_parses_the_response() -> None:
+    r = route()
+    assert (
+        r.pulls and r.decision == "pull" and r.prefill_params == P_PARAMS and r.expected_reused_tokens == 48
+    )
+
+
+@pytest.mark.parametrize(
+    "client",
+    [
+        {
+            "model": "m",
+            "prompt": [1, 2],
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "max_tokens": 500,
+        },
+        {
+            "model": "m",
+            "messages": [],
+            "max_completion_tokens": 500,
+            "kv_transfer_params": {"remote_engine_id": "evil"},
+        },
+        {"model": "m", "prompt": "x"},
+    ],
+)
+def test_prefill_body_is_non_streaming_one_token_with_the_route_params(client: dict[str, object]) -> None:
+    body = prefill_body(client, route())
+    assert body["stream"] is False and body["max_tokens"] == 1 and "stream_options" not in body
+    if "max_completion_tokens" in client:
+        assert body["max_completion_tokens"] == 1
+    assert body["kv_transfer_params"] == P_PARAMS
+    assert body["model"] == "m"
+    assert client.get("max_tokens") != 1  # the caller's dict is not modified
+
+
+def test_decode_body_carries_p_params_and_our_keys_and_drops_the_clients() -> None:
+    client = {
+        "model": "m",
+        "stream": True,
+        "max_tokens": 500,
+        "kv_transfer_params": {"remote_engine_id": "evil"},
+    }
+    returned = {"do_remote_prefill": True, "remote_engine_id": "e-p0", "remote_block_ids": [[7]]}
+    body = decode_body(client, route(), {"id": "x", "kv_transfer_params": returned})
+    assert body["kv_transfer_params"] == {**returned, KEY_TENANT: "acme", KEY_CONVERSATION: "c1"}
+    assert body["stream"] is True and body["max_tokens"] == 500
+
+
+def test_decode_body_needs_p_params() -> None:
+    with pytest.raises(MissingPrefillParams):
+        decode_body({"model": "m"}, route(), {"choices": []})
+
+
+def test_leg_url_joins_paths() -> None:
+    assert leg_url("http://[::1]:8000") == "http://[::1]:8000/v1/completions"
+    assert leg_url("http://h:1/", "v1/chat/completions") == "http://h:1/v1/chat/completions"

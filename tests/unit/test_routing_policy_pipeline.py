@@ -1,0 +1,182 @@
+"""The composed policy: leg choice, fingerprint pools, determinism, configuration."""
+
+from __future__ import annotations
+
+import pytest
+from kvplane.services.common.nodes import Fingerprint, NodeRole
+from kvplane.services.routing.policy import (
+    CostModel,
+    Decision,
+    NoEligibleNodes,
+    PolicyConfigError,
+    Prompt,
+    RoutingPolicy,
+    TurnObservation,
+    load_policy,
+    policy_from_mapping,
+    policy_from_yaml,
+)
+
+from tests.unit.routing_policy_fixtures import history, mk_handle, mk_node, snap, state
+
+FP8 = Fingerprint("m", "fp8_e4m3", "NHD")
+H = history(4096)
+PROMPT = Prompt(4100, [*H, 1, 2, 3, 4])
+
+
+@pytest.fixture(scope="module")
+def policy() -> RoutingPolicy:
+    return RoutingPolicy(load_policy())
+
+
+def test_holder_is_chosen_as_decode_when_it_has_room(policy: RoutingPolicy) -> None:
+    d0, d1 = mk_node("d0"), mk_node("d1")
+    nodes = [
+        state(mk_node("p0", NodeRole.PREFILL)),
+        state(d0, running_requests=30, free_kv_blocks=5000, total_kv_blocks=10_000),
+        state(d1, running_requests=0, free_kv_blocks=10_000, total_kv_blocks=10_000),
+    ]
+    plan = policy.route(snap(nodes, handle=mk_handle(d0, H), prompt=PROMPT))
+    assert plan.decode.node_id == "d0" and plan.decision is Decision.PULL
+    full = [*nodes[:1], state(d0, free_kv_blocks=3, total_kv_blocks=10_000), nodes[2]]
+    assert policy.route(snap(full, handle=mk_handle(d0, H), prompt=PROMPT)).decode.node_id == "d1"
+
+
+def test_prefill_with_the_shortest_queue_wins_then_the_last_one(policy: RoutingPolicy) -> None:
+    nodes = [
+        state(mk_node("p0", NodeRole.PREFILL), queued_prefill_tokens=50_000),
+        state(mk_node("p1", NodeRole.PREFILL), queued_prefill_tokens=0),
+        state(mk_node("p2", NodeRole.PREFILL), queued_prefill_tokens=0),
+        state(mk_node("d0")),
+    ]
+    assert policy.route(snap(nodes, last_prefill_node_id="p2")).prefill.node_id == "p2"
+    assert policy.route(snap(nodes, last_prefill_node_id="p1")).prefill.node_id == "p1"
+    assert policy.route(snap(nodes, last_prefill_node_id="p0")).prefill.node_id != "p0"
+
+
+def test_holder_pool_is_used_even_when_another_pool_is_idle(policy: RoutingPolicy) -> None:
+    d0 = mk_node("d0")
+    nodes = [
+        state(mk_node("p0", NodeRole.PREFILL), queued_prefill_tokens=100_000),
+        state(d0, running_requests=100, free_kv_blocks=5000, total_kv_blocks=10_000),
+        state(mk_node("p8", NodeRole.PREFILL, fingerprint=FP8)),
+        state(mk_node("d8", fingerprint=FP8), free_kv_blocks=10_000, total_kv_blocks=10_000),
+    ]
+    plan = policy.route(snap(nodes, handle=mk_handle(d0, H), prompt=PROMPT))
+    assert (plan.prefill.node_id, plan.decode.node_id) == ("p0", "d0")
+
+
+def test_prefill_and_decode_always_share_a_fingerprint(policy: RoutingPolicy) -> None:
+    nodes = [
+        state(mk_node("p0", NodeRole.PREFILL), queued_prefill_tokens=0),
+        state(mk_node("d8", fingerprint=FP8), free_kv_blocks=10_000, total_kv_blocks=10_000),
+        state(mk_node("d0"), running_requests=100),
+    ]
+    plan = policy.route(snap(nodes))
+    assert (plan.prefill.node_id, plan.decode.node_id) == ("p0", "d0")
+
+
+def test_holder_without_a_compatible_prefill_recomputes_holder_down(policy: RoutingPolicy) -> None:
+    d8 = mk_node("d8", fingerprint=FP8)
+    nodes = [state(mk_node("p0", NodeRole.PREFILL)), state(mk_node("d0")), state(d8)]
+    plan = policy.route(snap(nodes, handle=mk_handle(d8, H), prompt=PROMPT))
+    assert plan.decision is Decision.RECOMPUTE_HOLDER_DOWN
+    assert plan.decode.fingerprint == plan.prefill.fingerprint
+
+
+@pytest.mark.parametrize(
+    ("nodes", "why"),
+    [
+        ([], "no nodes"),
+        ([state(mk_node("d0"))], "no prefill"),
+        ([state(mk_node("p0", NodeRole.PREFILL))], "no decode"),
+        ([state(mk_node("p0", NodeRole.PREFILL)), state(mk_node("d0", draining=True))], "decode draining"),
+    ],
+)
+def test_no_pair_raises(policy: RoutingPolicy, nodes: list[object], why: str) -> None:
+    with pytest.raises(NoEligibleNodes):
+        policy.route(snap(nodes))  # type: ignore[arg-type]
+
+
+def test_a_both_role_node_serves_both_legs(policy: RoutingPolicy) -> None:
+    plan = policy.route(snap([state(mk_node("b0", NodeRole.BOTH))]))
+    assert plan.prefill.node_id == plan.decode.node_id == "b0"
+
+
+def test_draining_holder_recomputes_holder_down(policy: RoutingPolicy) -> None:
+    d0 = mk_node("d0", draining=True)
+    nodes = [state(mk_node("p0", NodeRole.PREFILL)), state(d0), state(mk_node("d1"))]
+    plan = policy.route(snap(nodes, handle=mk_handle(d0, H), prompt=PROMPT))
+    assert plan.decision is Decision.RECOMPUTE_HOLDER_DOWN and plan.decode.node_id == "d1"
+
+
+def test_route_is_deterministic(policy: RoutingPolicy) -> None:
+    nodes = [state(mk_node(f"p{i}", NodeRole.PREFILL)) for i in range(4)] + [
+        state(mk_node(f"d{i}")) for i in range(4)
+    ]
+    s = snap(nodes, conversation="same")
+    assert len({(policy.route(s).prefill.node_id, policy.route(s).decode.node_id) for _ in range(10)}) == 1
+
+
+def test_config_from_yaml_composes_plugins_by_name() -> None:
+    config = policy_from_yaml(
+        """
+decode:
+  filters: [role]
+  scorers: [{name: free-kv, weight: 2}]
+prefill:
+  filters: [role, {name: live, params: {max_load_age_ms: 5}}]
+  scorers: [queued-prefill]
+  picker: max-score
+pull: {threshold_tokens: 128}
+cost_model: {recompute_ms_per_token: 0.05}
+"""
+    )
+    assert [f.name for f in config.prefill.filters] == ["role", "live"]
+    assert config.decode.scorers[0].weight == 2.0
+    assert config.pull.threshold_tokens == 128
+    assert config.cost_model.recompute_ms_per_token == 0.05
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ({"decode": {"filters": ["nope"]}, "prefill": {}}, "unknown filter"),
+        ({"decode": {"scorers": [{"name": "free-kv", "params": {"bogus": 1}}]}, "prefill": {}}, "bogus"),
+        ({"decode": {"scorers": [{"name": "free-kv", "weight": -1}]}, "prefill": {}}, "weight"),
+        ({"decode": {}, "prefill": {}, "pull": {"threshold": 3}}, "threshold"),
+        ({"decode": {}}, "prefill"),
+        ({"decode": {}, "prefill": {}, "extra": {}}, "extra"),
+        ({"decode": {"scorers": [{"name": "running-load", "params": {"scale": 0}}]}, "prefill": {}}, "scale"),
+    ],
+)
+def test_bad_config_is_rejected_with_a_message(raw: dict[str, object], message: str) -> None:
+    with pytest.raises(PolicyConfigError, match=message):
+        policy_from_mapping(raw)
+
+
+def test_cost_model_learns_from_reports_within_bounds() -> None:
+    model = CostModel()
+    slow = model.observe(TurnObservation(prompt_tokens=10_000, prefill_ms=640.0))
+    assert model.recompute_ms_per_token < slow.recompute_ms_per_token < 0.064
+    assert slow.recompute_samples == 1
+    # One absurd report moves the estimate by at most alpha * factor.
+    wild = model.observe(TurnObservation(prompt_tokens=10_000, prefill_ms=1e9))
+    assert wild.recompute_ms_per_token <= model.recompute_ms_per_token * (
+        1 + model.alpha * model.max_sample_factor
+    )
+    assert model.observe(TurnObservation(prompt_tokens=10_000, prefill_ms=640.0, success=False)) is model
+    assert model.observe(TurnObservation(prompt_tokens=100, prefill_ms=640.0)) == model  # too few tokens
+    fast_link = model.observe(
+        TurnObservation(prompt_tokens=5000, pulled_tokens=4096, transfer_ms=20.0, kv_bytes_per_token=262144)
+    )
+    assert fast_link.transfer_bytes_per_ms > model.transfer_bytes_per_ms and fast_link.transfer_samples == 1
+
+
+def test_default_cost_model_reproduces_the_published_figures() -> None:
+    model = CostModel()
+    assert model.recompute_ms(24_000) == pytest.approx(778, rel=0.02)
+    assert 25 <= model.transfer_ms(4_000) <= 40
+    assert 120 <= model.transfer_ms(24_000) <= 140
+    # The estimate leaves at least the published saving (778 -> 460 ms).
+    assert model.recompute_ms(24_000) - model.transfer_ms(24_000) >= 778 - 460

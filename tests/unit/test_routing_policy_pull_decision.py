@@ -1,0 +1,138 @@
+"""The pull-or-recompute rule: one row per reason, and the order between them."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+from kvplane.connector.digests import chain
+from kvplane.services.common.nodes import NodeRole
+from kvplane.services.routing.policy import CostModel, Decision, Prompt, PullSettings, decide_pull
+from kvplane.services.routing.policy.prefix_match import match_prefix
+
+from tests.unit.routing_policy_fixtures import history, mk_handle, mk_node, snap, state
+
+HOLDER = mk_node("d0")
+P = state(mk_node("p0", NodeRole.PREFILL), queued_prefill_tokens=0)
+H = history(4096)
+NEW = history(50, seed=9)
+
+
+def verdict(
+    *,
+    handle: Any = "default",
+    prompt: Prompt | None = None,
+    holder: Any = HOLDER,
+    compatible: bool = True,
+    prefill: Any = P,
+    costs: CostModel | None = None,
+    settings: PullSettings | None = None,
+    **snap_kw: Any,
+) -> Any:
+    h = mk_handle(HOLDER, H) if handle == "default" else handle
+    s = snap(handle=h, prompt=prompt or Prompt(len(H) + len(NEW), [*H, *NEW]), **snap_kw)
+    return decide_pull(s, holder, prefill, compatible, costs or CostModel(), settings or PullSettings())
+
+
+@pytest.mark.parametrize(
+    ("case", "kwargs", "decision"),
+    [
+        ("continuation", {}, Decision.PULL),
+        ("no handle", {"handle": None}, Decision.RECOMPUTE_NO_HANDLE),
+        ("holder gone", {"holder": None}, Decision.RECOMPUTE_HOLDER_DOWN),
+        ("no compatible P", {"compatible": False}, Decision.RECOMPUTE_HOLDER_DOWN),
+        ("4 s of life", {"handle": mk_handle(HOLDER, H, life_ms=4_000)}, Decision.RECOMPUTE_EXPIRING),
+        ("just enough life", {"handle": mk_handle(HOLDER, H, life_ms=5_200)}, Decision.PULL),
+        (
+            "life eaten by P's queue",
+            {
+                "handle": mk_handle(HOLDER, H, life_ms=8_000),
+                "prefill": state(mk_node("p0", NodeRole.PREFILL), queued_prefill_tokens=200_000),
+            },
+            Decision.RECOMPUTE_EXPIRING,
+        ),
+        (
+            "edited",
+            {"prompt": Prompt(4146, [*H[:99], 0, *H[100:], *NEW])},
+            Decision.RECOMPUTE_PREFIX_MISMATCH,
+        ),
+        ("retried", {"prompt": Prompt(4000, H[:4000])}, Decision.RECOMPUTE_PREFIX_MISMATCH),
+        ("same length", {"prompt": Prompt(4096, H)}, Decision.RECOMPUTE_PREFIX_MISMATCH),
+        ("no digests", {"handle": mk_handle(HOLDER, H, digests=False)}, Decision.RECOMPUTE_PREFIX_MISMATCH),
+        (
+            "no digests, not required",
+            {"handle": mk_handle(HOLDER, H, digests=False), "settings": PullSettings(require_digests=False)},
+            Decision.PULL,
+        ),
+        ("length only", {"prompt": Prompt(5000)}, Decision.PULL),
+        ("block digests", {"prompt": Prompt(4146, (), chain([*H, *NEW], 16), 16)}, Decision.PULL),
+        (
+            "block digests of other tokens",
+            {"prompt": Prompt(4146, (), chain(history(4146, seed=3), 16), 16)},
+            Decision.RECOMPUTE_PREFIX_MISMATCH,
+        ),
+        ("other model", {"model": "other"}, Decision.RECOMPUTE_PREFIX_MISMATCH),
+        (
+            "below threshold",
+            {"handle": mk_handle(HOLDER, H[:48]), "prompt": Prompt(60, H[:60])},
+            Decision.RECOMPUTE_BELOW_THRESHOLD,
+        ),
+        (
+            "slow link",
+            {"costs": CostModel(transfer_bytes_per_ms=1_000.0)},
+            Decision.RECOMPUTE_COST,
+        ),
+        (
+            "small and first contact",
+            {"handle": mk_handle(HOLDER, H[:512]), "prompt": Prompt(600, H[:600])},
+            Decision.RECOMPUTE_COST,
+        ),
+    ],
+)
+def test_pull_decision(case: str, kwargs: dict[str, Any], decision: Decision) -> None:
+    assert verdict(**kwargs).decision is decision, case
+
+
+def test_pull_reports_the_verified_whole_blocks_and_estimates() -> None:
+    v = verdict()
+    assert v.decision is Decision.PULL
+    assert v.reusable_tokens == 4096
+    assert 0 < v.transfer_ms < v.recompute_ms
+    assert v.life_left_ms == 120_000
+
+
+def test_partial_last_block_is_not_counted_as_reusable() -> None:
+    h = mk_handle(HOLDER, H[:4100])
+    v = verdict(handle=h, prompt=Prompt(4200, [*H[:4100], *NEW, *NEW]))
+    assert v.decision is Decision.PULL and v.reusable_tokens == 4096
+
+
+def test_expiry_is_checked_before_the_prefix_so_a_dying_handle_says_expiring() -> None:
+    v = verdict(handle=mk_handle(HOLDER, H, life_ms=1_000), prompt=Prompt(10, H[:10]))
+    assert v.decision is Decision.RECOMPUTE_EXPIRING
+
+
+def test_a_known_pair_skips_the_handshake_cost() -> None:
+    handle = mk_handle(HOLDER, H[:1024])
+    prompt = Prompt(1100, [*H[:1024], *NEW, *NEW])
+    cold = verdict(handle=handle, prompt=prompt)
+    warm = verdict(handle=handle, prompt=prompt, contacted=frozenset({("p0", HOLDER.engine_id)}))
+    assert cold.decision is Decision.RECOMPUTE_COST
+    assert warm.decision is Decision.PULL
+    assert cold.transfer_ms - warm.transfer_ms == pytest.approx(CostModel().handshake_ms)
+
+
+def test_match_prefix_finds_divergence_late_in_the_handle() -> None:
+    h = mk_handle(HOLDER, H)
+    late_edit = [*H[:4090], 1, *H[4091:], *NEW]
+    m = match_prefix(h, Prompt(len(late_edit), late_edit))
+    assert not m.continues and m.reusable_tokens < 4096
+
+
+def test_settings_reject_nonsense() -> None:
+    with pytest.raises(ValueError):
+        PullSettings(max_transfer_fraction=0)
+    with pytest.raises(ValueError):
+        PullSettings(threshold_tokens=-1)
+    assert replace(PullSettings(), threshold_tokens=0).threshold_tokens == 0
