@@ -1,0 +1,123 @@
+"""Memory budgets enforced by the leader against real etcd, delivered to real streams."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+
+from kvplane.services.common.handles import CacheHandle
+from kvplane.services.common.local_etcd import LocalEtcd
+from kvplane.services.common.nodes import Node
+from kvplane.services.common.store import Store
+from kvplane.services.eviction.policy import HandleInfo, NodeInfo, Snapshot, ValueModel
+from kvplane.v1 import handle_pb2
+from tests.conftest import make_node
+from tests.support.eviction_nodes import CommandNode, coordinator_of, start_replica, target_of
+from tests.support.factories import make_handle
+from tests.support.polling import eventually
+
+MB = 1 << 20
+
+
+def aged_handle(node: Node, tenant: str, conversation: str, age_s: float, mb: int) -> CacheHandle:
+    h = make_handle(node, tenant, conversation, life_ms=600_000, retained_bytes=mb * MB)
+    return dataclasses.replace(h, published_unix_ms=int(time.time() * 1000 - age_s * 1000))
+
+
+async def retained_by(store: Store, *, node_id: str = "", tenant: str = "") -> list[CacheHandle]:
+    handles, _ = await store.list_handles(node_id=node_id, tenant=tenant, page_size=1000)
+    return handles
+
+
+def _info(h: CacheHandle) -> HandleInfo:
+    return HandleInfo(h.tenant, h.conversation, h.handle_id, h.holder_node_id, h.retained_bytes, h.num_tokens,
+                      h.published_unix_ms, h.wall_expiry_unix_ms)
+
+
+def lowest_value(handles: Sequence[CacheHandle], count: int, capacity: int) -> set[str]:
+    """The `count` lowest-value conversations, valued independently of the service."""
+    infos = [_info(h) for h in handles]
+    snap = Snapshot(int(time.time() * 1000), tuple(infos), {"d0": NodeInfo("d0", capacity)})
+    return {h.conversation for h in ValueModel().lowest_value_first(infos, snap)[:count]}
+
+
+async def test_a_node_over_budget_is_brought_under_its_low_watermark_lowest_value_first(
+    etcd: LocalEtcd, prefix: str, store: Store
+) -> None:
+    node = make_node("d0")
+    await store.register_node(node, 30)
+    # 20 handles of 10 MB, idle 100 s to 2,000 s: 200 MB against a high mark
+    # of 150 MB and a low mark of 100 MB, so exactly the 10 least valuable go.
+    published = []
+    for i in range(20):
+        outcome = await store.publish_handle(aged_handle(node, "acme", f"c{i:02d}", 100 + 100 * i, 10))
+        published.append(outcome.handle)
+    expected = lowest_value(published, 10, node.kv_capacity_bytes)
+    assert expected == {f"c{i:02d}" for i in range(10, 20)}  # the oldest, under the trace's prior
+
+    agent = CommandNode(node.node_id, node.incarnation, [])
+    policy = {"policies": [{"name": "node_budget", "high_bytes": 150 * MB, "low_bytes": 100 * MB}]}
+    replica = await start_replica(etcd, prefix, policy=policy)
+    agent.targets = [target_of(replica)]
+    agent.start()
+    try:
+        await eventually(lambda: _true(len(agent.applied) >= 10), what="ten release commands")
+        left = await retained_by(store, node_id="d0")
+        assert sum(h.retained_bytes for h in left) <= 100 * MB
+        assert {a.conversation for a in agent.applied.values()} == expected
+        assert {a.reason for a in agent.applied.values()} == {handle_pb2.RELEASE_REASON_NODE_BUDGET}
+        assert set(agent.released_handles.values()) == {1}
+        await eventually(lambda: _empty(store.pending_releases("d0")), what="all acknowledged")
+        # Under the high mark now: nothing more goes, however often it evaluates.
+        coordinator = coordinator_of(replica)
+        rounds = coordinator.evaluations
+        await eventually(lambda: _true(coordinator.evaluations >= rounds + 3), what="more rounds")
+        assert len(agent.applied) == 10
+    finally:
+        await agent.stop()
+        await replica.stop()
+
+
+async def test_per_tenant_budgets_are_enforced_and_other_tenants_untouched(
+    etcd: LocalEtcd, prefix: str, store: Store
+) -> None:
+    nodes = [make_node("d0"), make_node("d1")]
+    for n in nodes:
+        await store.register_node(n, 30)
+    for i in range(8):
+        await store.publish_handle(aged_handle(nodes[i % 2], "small", f"s{i}", 60 + 60 * i, 10))
+        await store.publish_handle(aged_handle(nodes[i % 2], "big", f"b{i}", 60 + 60 * i, 10))
+    policy = {"policies": [{"name": "tenant_budget", "tenants": {"small": 40 * MB}, "low_ratio": 1.0}]}
+    replica = await start_replica(etcd, prefix, policy=policy)
+    agents = [CommandNode(n.node_id, n.incarnation, [target_of(replica)]) for n in nodes]
+    for a in agents:
+        a.start()
+    try:
+        await eventually(lambda: _true(sum(len(a.applied) for a in agents) >= 4), what="four releases")
+        small = await retained_by(store, tenant="small")
+        assert sum(h.retained_bytes for h in small) <= 40 * MB
+        assert {h.conversation for h in small} == {"s0", "s1", "s2", "s3"}  # the freshest stay
+        assert len(await retained_by(store, tenant="big")) == 8
+        # A new turn pushes the tenant over again: the leader reacts at once.
+        await store.publish_handle(aged_handle(nodes[0], "small", "s-new", 1, 10))
+        await eventually(lambda: _true(sum(len(a.applied) for a in agents) >= 5), timeout_s=2.0,
+                         what="the release after the new turn")
+        small = await retained_by(store, tenant="small")
+        assert sum(h.retained_bytes for h in small) <= 40 * MB
+        assert "s-new" in {h.conversation for h in small}
+        released = [r for a in agents for r in a.applied.values()]
+        assert {r.tenant for r in released} == {"small"}
+        assert {r.reason for r in released} == {handle_pb2.RELEASE_REASON_TENANT_BUDGET}
+    finally:
+        for a in agents:
+            await a.stop()
+        await replica.stop()
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+async def _empty(awaitable) -> bool:  # type: ignore[no-untyped-def]
+    return not await awaitable
