@@ -124,6 +124,9 @@ class EvictionCoordinator:
                 await self.election.resign(term)
             finally:
                 self._end_term()
+            # A replica that lost its lease is likely cut off from etcd or
+            # overloaded: give the standbys, already watching, the first go.
+            await asyncio.sleep(self.settings.lease_ttl_s / 2)  # stand-down pause
 
     async def _lead(self, term: Term) -> None:
         await self._catch_up()
