@@ -296,27 +296,33 @@ class SimEngine:
         running = False
         done = False
         self._queued += 1
+        queued_tokens = n
         self._queued_tokens += n
         queued = True
         try:
+            # Keep at least one prompt token to compute: its logits give the first token.
+            hit_blocks = self.pool.match_prefix(full_block_hashes(prompt, bs, self.pool.root))
+            hit_blocks = hit_blocks[: (n - 1) // bs]
+            self.pool.acquire(hit_blocks)
+            blocks = list(hit_blocks)
+            hit = len(hit_blocks) * bs
+            self._queued_tokens -= hit
+            queued_tokens -= hit
+            blocks += await self._allocate(math.ceil(n / bs) - len(blocks))
+            external = 0
+            if leg != "local" and remote is not None:
+                # Like vLLM's WAITING_FOR_REMOTE_KVS: the pull runs outside the compute queue.
+                result = await self._load_remote(leg, remote, prompt, blocks, len(hit_blocks))
+                external = result.external_tokens
+                self._queued_tokens -= external
+                queued_tokens -= external
+                self.metrics.load_outcome(leg, result.outcome)
             async with self._prefill_lock:
                 self._queued -= 1
-                self._queued_tokens -= n
+                self._queued_tokens -= queued_tokens
                 queued = False
                 self._running += 1
                 running = True
-                # Keep at least one prompt token to compute: its logits give the first token.
-                hit_blocks = self.pool.match_prefix(full_block_hashes(prompt, bs, self.pool.root))
-                hit_blocks = hit_blocks[: (n - 1) // bs]
-                self.pool.acquire(hit_blocks)
-                blocks = list(hit_blocks)
-                blocks += await self._allocate(math.ceil(n / bs) - len(blocks))
-                hit = len(hit_blocks) * bs
-                external = 0
-                if leg != "local" and remote is not None:
-                    result = await self._load_remote(leg, remote, prompt, blocks, len(hit_blocks))
-                    external = result.external_tokens
-                    self.metrics.load_outcome(leg, result.outcome)
                 computed = n - hit - external
                 await asyncio.sleep(s.timing.prefill_s(computed))
                 self.pool.write_tokens(blocks, prompt, n, len(hit_blocks))
@@ -351,7 +357,7 @@ class SimEngine:
             # Reached with blocks still owned only on abort or error: free, return nothing.
             if queued:
                 self._queued -= 1
-                self._queued_tokens -= n
+                self._queued_tokens -= queued_tokens
             if running:
                 self._running -= 1
             if blocks:

@@ -1,0 +1,214 @@
+"""SimEngine in-process (real NIXL, real side channel): timing, queueing, leases and the control seam."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any
+
+import pytest
+from kvplane.bench.simengine.engine import FinishInfo, GenerationRequest, SimEngine
+from kvplane.bench.simengine.settings import SimEngineSettings
+from kvplane.bench.simengine.timing_model import TimingModel
+from simengine_harness import free_port
+
+FAST = TimingModel(speedup=50)
+
+
+def settings(**kw: Any) -> SimEngineSettings:
+    base: dict[str, Any] = {
+        "side_channel_port": free_port(),
+        "num_blocks": 1024,
+        "bytes_per_block": 4096,
+        "timing": FAST,
+    }
+    base.update(kw)
+    return SimEngineSettings(**base)
+
+
+class Recorder:
+    """An EngineObserver that records calls and stamps a key on retained handles."""
+
+    def __init__(self) -> None:
+        self.retained: list[tuple[dict[str, Any], list[int], int]] = []
+        self.freed: list[str] = []
+
+    def check_pull(self, kv_transfer_params: dict[str, Any], prompt_token_ids: Sequence[int]) -> None:
+        return None
+
+    def on_handle_retained(
+        self,
+        kv_transfer_params: dict[str, Any],
+        all_token_ids: Sequence[int],
+        retained_bytes: int,
+        request_kv_transfer_params: Mapping[str, Any],
+    ) -> None:
+        kv_transfer_params["kvplane_handle_id"] = "h-1"
+        self.retained.append((dict(kv_transfer_params), list(all_token_ids), retained_bytes))
+
+    def on_blocks_freed(self, request_id: str) -> None:
+        self.freed.append(request_id)
+
+
+async def started(*engines: SimEngine) -> None:
+    for e in engines:
+        await e.start()
+
+
+@pytest.fixture
+async def stack() -> AsyncIterator[list[SimEngine]]:
+    engines: list[SimEngine] = []
+    yield engines
+    for e in engines:
+        await e.stop()
+
+
+async def run(
+    engine: SimEngine, prompt: list[int], max_tokens: int, kvp: dict[str, Any] | None = None
+) -> FinishInfo:
+    fin = None
+    req = GenerationRequest(f"cmpl-{uuid.uuid4().hex}", tuple(prompt), max_tokens, True, kvp)
+    async for ev in engine.generate(req):
+        fin = ev.finish or fin
+    assert fin is not None
+    return fin
+
+
+async def until(predicate: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+def sample(engine: SimEngine, name: str, **labels: str) -> float:
+    value = engine.metrics.registry.get_sample_value(
+        name, {"model_name": "kvplane-sim", "engine": "0", **labels}
+    )
+    return value or 0.0
+
+
+def prompt_of(n: int, seed: int = 0) -> list[int]:
+    rnd = random.Random(seed)
+    return [rnd.randrange(300, 30000) for _ in range(n)]
+
+
+async def test_ttft_follows_the_calibrated_model_at_real_speed(stack: list[SimEngine]) -> None:
+    e = SimEngine(settings(timing=TimingModel()))
+    stack.append(e)
+    await started(e)
+    t0 = time.perf_counter()
+    await run(e, prompt_of(2000), 1)
+    took = time.perf_counter() - t0
+    assert 0.158 <= took < 0.158 + 0.25, f"2,000 uncached tokens took {took:.3f} s, model says 0.158 s"
+
+
+async def test_prefills_queue_and_load_reports_them(stack: list[SimEngine]) -> None:
+    e = SimEngine(settings(timing=TimingModel(speedup=2)))
+    stack.append(e)
+    await started(e)
+    first = asyncio.create_task(run(e, prompt_of(4000, 1), 2))
+    second = asyncio.create_task(run(e, prompt_of(4000, 2), 2))
+    await until(lambda: e.load().queued_requests == 1 and e.load().running_requests == 1, 5, "one queued")
+    assert e.load().queued_prefill_tokens == 4000
+    await asyncio.gather(first, second)
+    load = e.load()
+    assert (load.queued_requests, load.running_requests, load.queued_prefill_tokens) == (0, 0, 0)
+    assert load.free_kv_blocks == load.total_kv_blocks
+
+
+async def test_prefill_lease_expires_when_d_never_reads(stack: list[SimEngine]) -> None:
+    p = SimEngine(settings(prefill_lease_s=0.3))
+    stack.append(p)
+    await started(p)
+    fin = await run(p, prompt_of(100), 1, {"do_remote_decode": True})
+    assert fin.kv_transfer_params is not None and fin.kv_transfer_params["remote_num_tokens"] == 100
+    assert p.load().retained_handles == 1 and p.load().retained_bytes == 7 * 4096
+    await until(lambda: p.load().retained_handles == 0, 5, "the P lease to expire")
+    assert p.load().free_kv_blocks == p.load().total_kv_blocks
+
+
+async def test_without_bidirectional_d_frees_at_finish_and_returns_nothing(stack: list[SimEngine]) -> None:
+    p, d = SimEngine(settings()), SimEngine(settings(bidirectional=False))
+    stack.extend([p, d])
+    await started(p, d)
+    prompt = prompt_of(100)
+    p_params = (await run(p, prompt, 1, {"do_remote_decode": True})).kv_transfer_params
+    fin = await run(d, prompt, 20, p_params)
+    assert fin.kv_transfer_params is None and fin.cached_tokens == 100
+    assert d.load().retained_handles == 0
+    await until(lambda: p.load().retained_handles == 0, 5, "P's lease freed by D's read")
+
+
+async def test_observer_sees_retain_and_free_and_control_works_from_another_thread(
+    stack: list[SimEngine],
+) -> None:
+    rec = Recorder()
+    p, d = SimEngine(settings()), SimEngine(settings(), observer=rec)
+    stack.extend([p, d])
+    await started(p, d)
+    prompt = prompt_of(100)
+    p_params = (await run(p, prompt, 1, {"do_remote_decode": True})).kv_transfer_params
+    fin = await run(d, prompt, 20, p_params)
+    assert fin.kv_transfer_params is not None and fin.kv_transfer_params["kvplane_handle_id"] == "h-1"
+    ((params, all_tokens, nbytes),) = rec.retained
+    assert all_tokens == prompt + list(fin.output_token_ids) and params["remote_num_tokens"] == 119
+    assert nbytes == 8 * 4096 == d.load().retained_bytes
+    rid = params["remote_request_id"]
+    # The node agent calls from its own thread.
+    answers: list[bool] = []
+    threading.Thread(target=lambda: answers.append(d.release_early(rid))).start()
+    await until(lambda: rec.freed == [rid], 5, "the early release to free the handle")
+    assert answers == [True] and d.load().retained_handles == 0
+    assert d.release_early(rid) is False
+
+    fin2 = await run(
+        d,
+        prompt_of(50, 9),
+        5,
+        (await run(p, prompt_of(50, 9), 1, {"do_remote_decode": True})).kv_transfer_params,
+    )
+    assert fin2.kv_transfer_params is not None
+    d.drain()
+    assert d.load().retained_handles == 0
+    p3 = (await run(p, prompt_of(60, 10), 1, {"do_remote_decode": True})).kv_transfer_params
+    assert (await run(d, prompt_of(60, 10), 5, p3)).kv_transfer_params is None, "a draining D keeps nothing"
+
+
+async def test_restarted_holder_with_the_same_engine_id_is_never_read(stack: list[SimEngine]) -> None:
+    port = free_port()
+    p, d = SimEngine(settings()), SimEngine(settings(engine_id="d-pinned", side_channel_port=port))
+    stack.extend([p, d])
+    await started(p, d)
+    prompt = prompt_of(200, 3)
+    p_params = (await run(p, prompt, 1, {"do_remote_decode": True})).kv_transfer_params
+    fin = await run(d, prompt, 100, p_params)
+    handle = fin.kv_transfer_params
+    assert handle is not None
+    await d.stop()
+    stack.remove(d)
+    d2 = SimEngine(settings(engine_id="d-pinned", side_channel_port=port))
+    stack.append(d2)
+    await started(d2)
+    # The same blocks were even recomputed on the new incarnation: only the stamp tells them apart.
+    await run(d2, prompt, 100, None)
+    prompt2 = prompt + list(fin.output_token_ids) + prompt_of(40, 4)
+    fresh_p = SimEngine(settings())
+    stack.append(fresh_p)
+    await started(fresh_p)
+    with_key = await run(fresh_p, prompt2, 1, dict(handle, do_remote_decode=True, do_remote_prefill=False))
+    assert with_key.cached_tokens == 0
+    assert sample(fresh_p, "kvplane_sim_kv_loads_total", leg="prefill", outcome="stale_incarnation") == 1
+    # Without kvplane's incarnation key the lease stamp still tells the lives apart.
+    other_p = SimEngine(settings())
+    stack.append(other_p)
+    await started(other_p)
+    bare = {k: v for k, v in handle.items() if k != "remote_incarnation"}
+    without_key = await run(other_p, prompt2, 1, dict(bare, do_remote_decode=True, do_remote_prefill=False))
+    assert without_key.cached_tokens == 0
+    assert sample(other_p, "kvplane_sim_kv_verify_failures_total", reason="not_leased") == 1
