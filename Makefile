@@ -41,18 +41,18 @@ typecheck-tree:
 	ln -s ../../bench .typecheck/kvplane/bench
 	ln -s ../../protos/python/kvplane/v1 .typecheck/kvplane/v1
 
-lint: typecheck-tree ## ruff, mypy (strict) and buf lint
+lint: setup typecheck-tree ## ruff, mypy (strict) and buf lint
 	$(BIN)/ruff check services connector bench tests
 	MYPYPATH=.typecheck $(BIN)/mypy -p kvplane.services -p kvplane.client -p kvplane.connector -p kvplane.bench
 	cd $(PROTO_SRC) && ../node_modules/.bin/buf lint
 
-test: ## The default test suite (real etcd, real gRPC, real NIXL)
+test: setup ## The default test suite (real etcd, real gRPC, real NIXL)
 	$(BIN)/pytest -q
 
 test-slow: ## Slow suites: real vLLM end to end
 	$(BIN)/pytest -q -m slow
 
-run: ## Start etcd, the services, the gateway and two sim-engines; demo; Ctrl-C stops
+run: setup ## Start etcd, the services, the gateway and two sim-engines; demo; Ctrl-C stops
 	$(BIN)/kvplane dev-stack
 
 bench: ## Benchmarks; regenerates the README's Performance section
