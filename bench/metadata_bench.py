@@ -22,7 +22,6 @@ from dataclasses import asdict, dataclass
 
 import grpc
 from aetcd import rpc
-
 from kvplane.connector.digests import digest_tokens
 from kvplane.services.common import convert
 from kvplane.services.common.handles import CacheHandle, VllmHandle
@@ -134,48 +133,58 @@ async def run(ops: int, concurrencies: list[int]) -> list[Result]:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{process.grpc_port}") as channel:
             stub = metadata_pb2_grpc.MetadataServiceStub(channel)
             for c in concurrencies:
-                run_id = uuid.uuid4().hex[:8]
-                value = b"x" * 1024
-
-                async def bare_put(i: int) -> object:
-                    key = f"/bench-bare/{run_id}/{i}".encode()
-                    return await store._kv.Put(rpc.PutRequest(key=key, value=value), timeout=5)
-
-                async def bare_txn(i: int) -> object:
-                    key = f"/bench-bare/{run_id}/{i}".encode()
-                    compare = [
-                        rpc.Compare(
-                            key=key, target=rpc.Compare.VERSION, result=rpc.Compare.GREATER, version=0
-                        )
-                    ]
-                    success = [rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key))]
-                    return await store._kv.Txn(rpc.TxnRequest(compare=compare, success=success), timeout=5)
-
-                async def publish(i: int) -> object:
-                    handle = convert.handle_to_pb(_handle(node, f"g-{run_id}-{i}", tokens))
-                    return await stub.PublishHandles(
-                        metadata_pb2.PublishHandlesRequest(handles=[handle]), metadata=NODE_MD
-                    )
-
-                async def checkout(i: int) -> object:
-                    return await stub.CheckOutHandle(
-                        metadata_pb2.CheckOutHandleRequest(conversation=f"g-{run_id}-{i}"), metadata=TENANT_MD
-                    )
-
-                async def store_publish(i: int) -> object:
-                    return await store.publish_handle(_handle(node, f"s-{run_id}-{i}", tokens))
-
-                async def store_checkout(i: int) -> object:
-                    return await store.check_out("bench", f"s-{run_id}-{i}")
-
-                results.append(await measure("etcd put (bare)", c, ops, bare_put))
-                results.append(await measure("etcd txn (bare)", c, ops, bare_txn))
-                results.append(await measure("PublishHandles (gRPC)", c, ops, publish))
-                results.append(await measure("CheckOutHandle (gRPC)", c, ops, checkout))
-                results.append(await measure("store.publish_handle", c, ops, store_publish))
-                results.append(await measure("store.check_out", c, ops, store_checkout))
+                results += await _round(c, ops, process, stub, node, tokens)
         await process.stop()
     return results
+
+
+async def _round(
+    c: int,
+    ops: int,
+    process: ServiceProcess,
+    stub: metadata_pb2_grpc.MetadataServiceStub,
+    node: Node,
+    tokens: list[int],
+) -> list[Result]:
+    store = process.store
+    out: list[Result] = []
+    run_id = uuid.uuid4().hex[:8]
+    value = b"x" * 1024
+
+    async def bare_put(i: int) -> object:
+        key = f"/bench-bare/{run_id}/{i}".encode()
+        return await store._kv.Put(rpc.PutRequest(key=key, value=value), timeout=5)
+
+    async def bare_txn(i: int) -> object:
+        key = f"/bench-bare/{run_id}/{i}".encode()
+        compare = [rpc.Compare(key=key, target=rpc.Compare.VERSION, result=rpc.Compare.GREATER, version=0)]
+        success = [rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key))]
+        return await store._kv.Txn(rpc.TxnRequest(compare=compare, success=success), timeout=5)
+
+    async def publish(i: int) -> object:
+        handle = convert.handle_to_pb(_handle(node, f"g-{run_id}-{i}", tokens))
+        return await stub.PublishHandles(
+            metadata_pb2.PublishHandlesRequest(handles=[handle]), metadata=NODE_MD
+        )
+
+    async def checkout(i: int) -> object:
+        return await stub.CheckOutHandle(
+            metadata_pb2.CheckOutHandleRequest(conversation=f"g-{run_id}-{i}"), metadata=TENANT_MD
+        )
+
+    async def store_publish(i: int) -> object:
+        return await store.publish_handle(_handle(node, f"s-{run_id}-{i}", tokens))
+
+    async def store_checkout(i: int) -> object:
+        return await store.check_out("bench", f"s-{run_id}-{i}")
+
+    out.append(await measure("etcd put (bare)", c, ops, bare_put))
+    out.append(await measure("etcd txn (bare)", c, ops, bare_txn))
+    out.append(await measure("PublishHandles (gRPC)", c, ops, publish))
+    out.append(await measure("CheckOutHandle (gRPC)", c, ops, checkout))
+    out.append(await measure("store.publish_handle", c, ops, store_publish))
+    out.append(await measure("store.check_out", c, ops, store_checkout))
+    return out
 
 
 def table(results: list[Result]) -> str:
