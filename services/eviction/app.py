@@ -12,5 +12,7 @@ from kvplane.v1 import eviction_pb2_grpc
 
 def install(ctx: ProcessContext) -> Sequence[Component]:
     coordinator = EvictionCoordinator(ctx.store, ctx.view, ctx.settings.eviction, ctx.telemetry)
-    ctx.server.add(SERVICE_NAME, eviction_pb2_grpc.add_EvictionServiceServicer_to_server, EvictionService(coordinator))
+    ctx.server.add(
+        SERVICE_NAME, eviction_pb2_grpc.add_EvictionServiceServicer_to_server, EvictionService(coordinator)
+    )
     return [coordinator]

@@ -163,7 +163,9 @@ class EvictionCoordinator:
             revision = await self.store.revision()
         except StoreUnavailable:
             return
-        if not await self.view.wait_for(lambda: self.view.ready.is_set() and self.view.revision >= revision, _CATCH_UP_TIMEOUT_S):
+        if not await self.view.wait_for(
+            lambda: self.view.ready.is_set() and self.view.revision >= revision, _CATCH_UP_TIMEOUT_S
+        ):
             log.warning("eviction leader: view not caught up to revision %d; acting on it anyway", revision)
 
     # -- the policy loop -------------------------------------------------------------
@@ -186,11 +188,10 @@ class EvictionCoordinator:
         """The policy snapshot of the view, and releases for draining nodes."""
         self.releaser.prune()
         nodes = {
-            node_id: NodeInfo(node_id, record.node.kv_capacity_bytes) for node_id, record in self.view.nodes.items()
+            node_id: NodeInfo(node_id, record.node.kv_capacity_bytes)
+            for node_id, record in self.view.nodes.items()
         }
-        draining = {
-            (r.node.node_id, r.node.incarnation) for r in self.view.nodes.values() if r.node.draining
-        }
+        draining = {(r.node.node_id, r.node.incarnation) for r in self.view.nodes.values() if r.node.draining}
         handles: list[HandleInfo] = []
         drains: list[Release] = []
         for key, record in self.view.handles.items():
@@ -208,7 +209,9 @@ class EvictionCoordinator:
                 h.wall_expiry_unix_ms,
             )
             if (h.holder_node_id, h.holder_incarnation) in draining:
-                drains.append(Release.of(info, ReleaseReason.DRAIN, "drain", f"node {h.holder_node_id} is draining"))
+                drains.append(
+                    Release.of(info, ReleaseReason.DRAIN, "drain", f"node {h.holder_node_id} is draining")
+                )
             else:
                 handles.append(info)
         return Snapshot(now_unix_ms, tuple(handles), nodes), drains
@@ -229,9 +232,13 @@ class EvictionCoordinator:
 
     def _on_handle_change(self, change: HandleChange) -> None:
         current = change.current
-        if current is not None and (change.previous is None or change.previous.handle_id != current.handle.handle_id):
+        if current is not None and (
+            change.previous is None or change.previous.handle_id != current.handle.handle_id
+        ):
             # Standbys learn too, so a new leader starts with warm statistics.
-            self.tracker.on_publish(current.handle.tenant, current.handle.conversation, current.handle.published_unix_ms)
+            self.tracker.on_publish(
+                current.handle.tenant, current.handle.conversation, current.handle.published_unix_ms
+            )
         if self.term is not None:
             self._wake.set()
 
@@ -271,7 +278,12 @@ class EvictionCoordinator:
             self.metrics.purged_handles.inc(removed)
             log.info(
                 "purged handles of a dead node",
-                extra={"node": node_id, "incarnation": incarnation, "handles": removed, "reason": "holder_down"},
+                extra={
+                    "node": node_id,
+                    "incarnation": incarnation,
+                    "handles": removed,
+                    "reason": "holder_down",
+                },
             )
 
     async def sweep_orphans(self) -> None:

@@ -51,7 +51,9 @@ class Term:
 class LeaderElection:
     """Campaigns for `name` under `replica_id`; see the module docstring."""
 
-    def __init__(self, store: Store, name: str, replica_id: str, ttl_s: int, *, safety_margin_s: float | None = None) -> None:
+    def __init__(
+        self, store: Store, name: str, replica_id: str, ttl_s: int, *, safety_margin_s: float | None = None
+    ) -> None:
         if ttl_s < 2:
             raise ValueError("the election lease TTL must be at least 2 s")
         self.store = store

@@ -23,9 +23,15 @@ class EvictionMetrics:
     @classmethod
     def create(cls, registry: CollectorRegistry) -> EvictionMetrics:
         return cls(
-            leader=Gauge("kvplane_eviction_leader", "1 while this replica leads the eviction coordinator", registry=registry),
+            leader=Gauge(
+                "kvplane_eviction_leader",
+                "1 while this replica leads the eviction coordinator",
+                registry=registry,
+            ),
             connected_nodes=Gauge(
-                "kvplane_eviction_connected_nodes", "Node command streams open on this replica", registry=registry
+                "kvplane_eviction_connected_nodes",
+                "Node command streams open on this replica",
+                registry=registry,
             ),
             releases=Counter(
                 "kvplane_eviction_releases_total",
@@ -40,7 +46,10 @@ class EvictionMetrics:
                 registry=registry,
             ),
             commands_sent=Counter(
-                "kvplane_eviction_commands_sent_total", "Commands sent to nodes, by kind", ["kind"], registry=registry
+                "kvplane_eviction_commands_sent_total",
+                "Commands sent to nodes, by kind",
+                ["kind"],
+                registry=registry,
             ),
             commands_acked=Counter(
                 "kvplane_eviction_commands_acked_total",

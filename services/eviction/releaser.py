@@ -35,7 +35,12 @@ class ReleaseOutcome:
 
 class Releaser:
     def __init__(
-        self, store: Store, view: ClusterView, metrics: EvictionMetrics, telemetry: Telemetry, concurrency: int
+        self,
+        store: Store,
+        view: ClusterView,
+        metrics: EvictionMetrics,
+        telemetry: Telemetry,
+        concurrency: int,
     ) -> None:
         self.store = store
         self.view = view
@@ -77,7 +82,11 @@ class Releaser:
             with self.telemetry.tracer.start_as_current_span("eviction.release", attributes=attrs) as span:
                 try:
                     pending = await self.store.release(
-                        release.tenant, release.conversation, release.reason, handle_id=release.handle_id, expected=record
+                        release.tenant,
+                        release.conversation,
+                        release.reason,
+                        handle_id=release.handle_id,
+                        expected=record,
                     )
                 except (HandleNotRetained, NotFound):
                     span.set_attribute("kvplane.release.outcome", "conflict")

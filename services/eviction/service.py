@@ -12,7 +12,6 @@ import logging
 from collections.abc import AsyncIterator
 
 import grpc
-
 from kvplane.services.common import validation
 from kvplane.services.common.auth import PrincipalKind
 from kvplane.services.common.errors import InvalidArgument, NotLeader, StoreUnavailable
@@ -34,12 +33,15 @@ class EvictionService(eviction_pb2_grpc.EvictionServiceServicer):
 
     @rpc_method
     async def Commands(
-        self, request_iterator: AsyncIterator[eviction_pb2.CommandsRequest], context: grpc.aio.ServicerContext
+        self,
+        request_iterator: AsyncIterator[eviction_pb2.CommandsRequest],
+        context: grpc.aio.ServicerContext[eviction_pb2.CommandsRequest, eviction_pb2.CommandsResponse],
     ) -> AsyncIterator[eviction_pb2.CommandsResponse]:
         caller(self, context).require(*_INTERNAL)
         term = self.coordinator.term
         if term is None or not term.active:
-            raise NotLeader(f"replica {self.coordinator.replica_id} is a standby; leader is {self.coordinator.election.leader_id!r}")
+            leader = self.coordinator.election.leader_id
+            raise NotLeader(f"replica {self.coordinator.replica_id} is a standby; leader is {leader!r}")
         hello = await _hello(request_iterator)
         session = self.coordinator.open_session(hello.node_id, hello.incarnation)
         log.info("node connected", extra={"node": hello.node_id, "incarnation": hello.incarnation})
@@ -63,7 +65,9 @@ class EvictionService(eviction_pb2_grpc.EvictionServiceServicer):
         if self.coordinator.term is not term:
             raise NotLeader("leadership moved to another replica; reconnect")
 
-    async def _read_acks(self, requests: AsyncIterator[eviction_pb2.CommandsRequest], session: NodeSession) -> None:
+    async def _read_acks(
+        self, requests: AsyncIterator[eviction_pb2.CommandsRequest], session: NodeSession
+    ) -> None:
         try:
             async for request in requests:
                 if request.WhichOneof("message") == "ack":
@@ -75,7 +79,9 @@ class EvictionService(eviction_pb2_grpc.EvictionServiceServicer):
 
     @rpc_method
     async def GetStatus(
-        self, request: eviction_pb2.GetStatusRequest, context: grpc.aio.ServicerContext
+        self,
+        request: eviction_pb2.GetStatusRequest,
+        context: grpc.aio.ServicerContext[eviction_pb2.GetStatusRequest, eviction_pb2.GetStatusResponse],
     ) -> eviction_pb2.GetStatusResponse:
         caller(self, context).require(*_INTERNAL)
         leader = self.coordinator.is_leader

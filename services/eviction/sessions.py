@@ -96,7 +96,9 @@ class NodeSession:
             return False
         self._offered.add(command_id)
         self._unacked[command_id] = _Sent(_DRAIN, now_ms())
-        self._queue.put_nowait(eviction_pb2.CommandsResponse(command_id=command_id, drain=eviction_pb2.DrainCommand()))
+        self._queue.put_nowait(
+            eviction_pb2.CommandsResponse(command_id=command_id, drain=eviction_pb2.DrainCommand())
+        )
         return True
 
     async def next_command(self) -> eviction_pb2.CommandsResponse:
@@ -119,7 +121,12 @@ class NodeSession:
             # is already unroutable, so the command is done either way.
             log.warning(
                 "node failed a command",
-                extra={"node": self.node_id, "command_id": ack.command_id, "kind": sent.kind, "error": ack.error},
+                extra={
+                    "node": self.node_id,
+                    "command_id": ack.command_id,
+                    "kind": sent.kind,
+                    "error": ack.error,
+                },
             )
         if sent.kind == _RELEASE:
             try:

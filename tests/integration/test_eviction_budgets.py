@@ -12,6 +12,7 @@ from kvplane.services.common.nodes import Node
 from kvplane.services.common.store import Store
 from kvplane.services.eviction.policy import HandleInfo, NodeInfo, Snapshot, ValueModel
 from kvplane.v1 import handle_pb2
+
 from tests.conftest import make_node
 from tests.support.eviction_nodes import CommandNode, coordinator_of, start_replica, target_of
 from tests.support.factories import make_handle
@@ -31,8 +32,16 @@ async def retained_by(store: Store, *, node_id: str = "", tenant: str = "") -> l
 
 
 def _info(h: CacheHandle) -> HandleInfo:
-    return HandleInfo(h.tenant, h.conversation, h.handle_id, h.holder_node_id, h.retained_bytes, h.num_tokens,
-                      h.published_unix_ms, h.wall_expiry_unix_ms)
+    return HandleInfo(
+        h.tenant,
+        h.conversation,
+        h.handle_id,
+        h.holder_node_id,
+        h.retained_bytes,
+        h.num_tokens,
+        h.published_unix_ms,
+        h.wall_expiry_unix_ms,
+    )
 
 
 def lowest_value(handles: Sequence[CacheHandle], count: int, capacity: int) -> set[str]:
@@ -101,8 +110,11 @@ async def test_per_tenant_budgets_are_enforced_and_other_tenants_untouched(
         assert len(await retained_by(store, tenant="big")) == 8
         # A new turn pushes the tenant over again: the leader reacts at once.
         await store.publish_handle(aged_handle(nodes[0], "small", "s-new", 1, 10))
-        await eventually(lambda: _true(sum(len(a.applied) for a in agents) >= 5), timeout_s=2.0,
-                         what="the release after the new turn")
+        await eventually(
+            lambda: _true(sum(len(a.applied) for a in agents) >= 5),
+            timeout_s=2.0,
+            what="the release after the new turn",
+        )
         small = await retained_by(store, tenant="small")
         assert sum(h.retained_bytes for h in small) <= 40 * MB
         assert "s-new" in {h.conversation for h in small}

@@ -8,18 +8,18 @@ from collections.abc import AsyncIterator
 
 import grpc
 import pytest
-
 from kvplane.services.common.handles import ReleaseReason
 from kvplane.services.common.local_etcd import LocalEtcd
 from kvplane.services.common.process import ServiceProcess
 from kvplane.services.common.store import Store
 from kvplane.v1 import eviction_pb2, eviction_pb2_grpc, handle_pb2
+
 from tests.conftest import NODE_HEADERS, make_node
 from tests.support.eviction_nodes import CommandNode, coordinator_of, start_replica, target_of
 from tests.support.factories import make_handle
 from tests.support.polling import eventually
 
-NO_POLICY = {"policies": []}
+NO_POLICY: dict[str, list[object]] = {"policies": []}
 
 
 @pytest.fixture
@@ -48,7 +48,9 @@ async def _publish(store: Store, node, count: int, tenant: str = "acme") -> list
     return conversations
 
 
-async def test_end_conversation_release_reaches_the_node_within_a_second(store: Store, replica: ServiceProcess) -> None:
+async def test_end_conversation_release_reaches_the_node_within_a_second(
+    store: Store, replica: ServiceProcess
+) -> None:
     node = make_node("d0")
     await store.register_node(node, 30)
     [conversation] = await _publish(store, node, 1)
@@ -58,8 +60,12 @@ async def test_end_conversation_release_reaches_the_node_within_a_second(store: 
         await eventually(lambda: _true(agent.connected), what="the node's stream")
         started = time.monotonic()
         pending = await store.release("acme", conversation, ReleaseReason.CONVERSATION_ENDED)
-        await eventually(lambda: _true(pending.command_id in agent.applied), timeout_s=1.0, interval_s=0.01,
-                         what="the release command at the node")
+        await eventually(
+            lambda: _true(pending.command_id in agent.applied),
+            timeout_s=1.0,
+            interval_s=0.01,
+            what="the release command at the node",
+        )
         elapsed = time.monotonic() - started
         assert elapsed < 1.0
         applied = agent.applied[pending.command_id]
@@ -97,7 +103,9 @@ async def test_a_standby_answers_unavailable_and_reports_the_leader(
         await standby.stop()
 
 
-async def test_a_node_that_reconnects_converges_with_one_that_never_left(store: Store, replica: ServiceProcess) -> None:
+async def test_a_node_that_reconnects_converges_with_one_that_never_left(
+    store: Store, replica: ServiceProcess
+) -> None:
     steady_node, flaky_node = make_node("steady"), make_node("flaky")
     for n in (steady_node, flaky_node):
         await store.register_node(n, 30)
@@ -114,7 +122,9 @@ async def test_a_node_that_reconnects_converges_with_one_that_never_left(store: 
         for convs in (steady_convs[:4], flaky_convs[:4]):
             for c in convs:
                 await store.release("acme", c, ReleaseReason.CONVERSATION_ENDED)
-        await eventually(lambda: _true(len(flaky.applied) == 4 and len(steady.applied) == 4), what="first releases")
+        await eventually(
+            lambda: _true(len(flaky.applied) == 4 and len(steady.applied) == 4), what="first releases"
+        )
         await flaky.disconnect()
         # Released while the flaky node is away.
         for convs in (steady_convs[4:8], flaky_convs[4:8]):
@@ -130,9 +140,15 @@ async def test_a_node_that_reconnects_converges_with_one_that_never_left(store: 
         def suffixes(agent: CommandNode) -> list[str]:
             return sorted(c.split("-", 2)[1] for _, c in agent.released_conversations())
 
-        await eventually(lambda: _true(len(flaky.applied) == 12 and len(steady.applied) == 12), what="all releases")
-        await eventually(lambda: _empty(store.pending_releases(flaky_node.node_id)), what="flaky outbox empty")
-        await eventually(lambda: _empty(store.pending_releases(steady_node.node_id)), what="steady outbox empty")
+        await eventually(
+            lambda: _true(len(flaky.applied) == 12 and len(steady.applied) == 12), what="all releases"
+        )
+        await eventually(
+            lambda: _empty(store.pending_releases(flaky_node.node_id)), what="flaky outbox empty"
+        )
+        await eventually(
+            lambda: _empty(store.pending_releases(steady_node.node_id)), what="steady outbox empty"
+        )
         # Same state: every conversation released exactly once on each node.
         assert suffixes(flaky) == suffixes(steady)
         assert set(flaky.released_handles.values()) == {1}
@@ -166,7 +182,9 @@ async def test_a_draining_node_gets_a_drain_command_and_loses_its_handles(
         await agent.stop()
 
 
-async def test_a_dead_nodes_handles_are_purged_when_its_lease_goes(store: Store, replica: ServiceProcess) -> None:
+async def test_a_dead_nodes_handles_are_purged_when_its_lease_goes(
+    store: Store, replica: ServiceProcess
+) -> None:
     node = make_node("d0")
     lease = await store.register_node(node, 30)
     convs = await _publish(store, node, 3)

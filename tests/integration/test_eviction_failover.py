@@ -20,10 +20,10 @@ from pathlib import Path
 import grpc
 import pytest
 import yaml
-
 from kvplane.services.common.local_etcd import LocalEtcd, free_port
 from kvplane.services.common.store import Store
 from kvplane.v1 import eviction_pb2, eviction_pb2_grpc
+
 from tests.conftest import NODE_HEADERS, make_node
 from tests.support.eviction_nodes import CommandNode, coordinator_of, start_replica, target_of
 from tests.support.factories import make_handle
@@ -50,7 +50,9 @@ class Replica:
                 "lease_ttl_s": LEASE_TTL_S,
                 "evaluate_interval_s": 0.1,
                 "policy": {
-                    "policies": [{"name": "node_budget", "high_bytes": BUDGET_MB * MB, "low_bytes": BUDGET_MB * MB}]
+                    "policies": [
+                        {"name": "node_budget", "high_bytes": BUDGET_MB * MB, "low_bytes": BUDGET_MB * MB}
+                    ]
                 },
             },
         }
@@ -66,8 +68,18 @@ class Replica:
     def start(self) -> None:
         log = self.log_path.open("wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvplane.services.cli", "serve", "eviction", "--config", str(self.config_path)],
-            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            [
+                sys.executable,
+                "-m",
+                "kvplane.services.cli",
+                "serve",
+                "eviction",
+                "--config",
+                str(self.config_path),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         log.close()
 
@@ -88,7 +100,9 @@ class Replica:
         try:
             async with grpc.aio.insecure_channel(self.target) as channel:
                 stub = eviction_pb2_grpc.EvictionServiceStub(channel)
-                return await stub.GetStatus(eviction_pb2.GetStatusRequest(), metadata=NODE_HEADERS, timeout=1.0)
+                return await stub.GetStatus(
+                    eviction_pb2.GetStatusRequest(), metadata=NODE_HEADERS, timeout=1.0
+                )
         except grpc.aio.AioRpcError:
             return None
 
@@ -123,7 +137,7 @@ async def test_killing_the_leader_hands_over_within_the_lease_ttl_without_double
     published: set[str] = set()
 
     async def publish(count: int) -> None:
-        for i in range(count):
+        for _ in range(count):
             outcome = await store.publish_handle(
                 make_handle(node, "acme", f"c{len(published)}", life_ms=600_000, retained_bytes=MB)
             )
@@ -137,7 +151,9 @@ async def test_killing_the_leader_hands_over_within_the_lease_ttl_without_double
         first.kill()
         killed = time.monotonic()
         publisher = asyncio.create_task(publish(HANDLES // 2))
-        await eventually(second.leads, timeout_s=LEASE_TTL_S * 4, interval_s=0.02, what="the standby to take over")
+        await eventually(
+            second.leads, timeout_s=LEASE_TTL_S * 4, interval_s=0.02, what="the standby to take over"
+        )
         takeover_s = time.monotonic() - killed
         await publisher
         print(f"takeover after the leader was killed: {takeover_s:.2f} s (lease TTL {LEASE_TTL_S} s)")
@@ -149,8 +165,10 @@ async def test_killing_the_leader_hands_over_within_the_lease_ttl_without_double
             handles, _ = await store.list_handles(node_id="d0", page_size=1000)
             retained = {h.handle_id for h in handles}
             outbox = await store.pending_releases("d0")
-            return not outbox and sum(h.retained_bytes for h in handles) <= BUDGET_MB * MB and (
-                set(agent.released_handles) == published - retained
+            return (
+                not outbox
+                and sum(h.retained_bytes for h in handles) <= BUDGET_MB * MB
+                and (set(agent.released_handles) == published - retained)
             )
 
         await eventually(settled, timeout_s=30, what="budget met, every release delivered and acknowledged")
@@ -177,14 +195,18 @@ async def test_a_leader_whose_lease_is_revoked_stops_acting_and_the_standby_take
         term = coordinator_of(a).term
         assert term is not None
         await store.revoke_lease(term.lease)
-        await eventually(lambda: _true(not coordinator_of(a).is_leader), timeout_s=LEASE_TTL_S,
-                         what="a to stand down")
+        await eventually(
+            lambda: _true(not coordinator_of(a).is_leader), timeout_s=LEASE_TTL_S, what="a to stand down"
+        )
         assert len(coordinator_of(a).sessions) == 0
-        await eventually(lambda: _true(coordinator_of(b).is_leader), timeout_s=LEASE_TTL_S * 2, what="b to lead")
+        await eventually(
+            lambda: _true(coordinator_of(b).is_leader), timeout_s=LEASE_TTL_S * 2, what="b to lead"
+        )
         # a keeps campaigning, as a standby now.
         assert not coordinator_of(a).is_leader
-        await eventually(lambda: _true(agent.connected and len(coordinator_of(b).sessions) == 1),
-                         what="the node on b")
+        await eventually(
+            lambda: _true(agent.connected and len(coordinator_of(b).sessions) == 1), what="the node on b"
+        )
     finally:
         await agent.stop()
         await b.stop()

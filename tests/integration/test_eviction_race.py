@@ -23,6 +23,7 @@ from kvplane.services.common.errors import HandleNotRetained, NotFound
 from kvplane.services.common.handles import ReleaseReason
 from kvplane.services.common.local_etcd import LocalEtcd
 from kvplane.services.common.store import HandleRecord, Store
+
 from tests.conftest import make_node
 from tests.support.eviction_nodes import CommandNode, start_replica, target_of
 from tests.support.factories import make_handle
@@ -71,8 +72,9 @@ async def test_check_out_and_release_never_both_succeed(etcd: LocalEtcd, prefix:
         started = time.monotonic()
         try:
             if op == "release":
-                await store.release(h.tenant, h.conversation, ReleaseReason.LOW_VALUE, handle_id=h.handle_id,
-                                    expected=record)
+                await store.release(
+                    h.tenant, h.conversation, ReleaseReason.LOW_VALUE, handle_id=h.handle_id, expected=record
+                )
             else:
                 await store.check_out(h.tenant, h.conversation, handle_id=h.handle_id, expected=record)
             ok = True
@@ -82,7 +84,9 @@ async def test_check_out_and_release_never_both_succeed(etcd: LocalEtcd, prefix:
 
     async def conversation(c: int, rounds: int) -> None:
         for r in range(rounds):
-            outcome = await store.publish_handle(make_handle(node, "acme", f"race-{c}", request_id=f"req-{c}-{r}"))
+            outcome = await store.publish_handle(
+                make_handle(node, "acme", f"race-{c}", request_id=f"req-{c}-{r}")
+            )
             record = await store.get_handle_record("acme", f"race-{c}")
             assert record is not None and record.handle.handle_id == outcome.handle.handle_id
             handles.add(record.handle.handle_id)
@@ -98,7 +102,9 @@ async def test_check_out_and_release_never_both_succeed(etcd: LocalEtcd, prefix:
         checked_out = {h for h, a in winners.items() if a.op == "check_out"}
         # Both sides won sometimes, or the race was not exercised.
         assert released and checked_out
-        await eventually(lambda: _true(set(agent.released_handles) == released), what="every won release delivered")
+        await eventually(
+            lambda: _true(set(agent.released_handles) == released), what="every won release delivered"
+        )
         assert not set(agent.released_handles) & checked_out
         assert set(agent.released_handles.values()) == {1}
         await eventually(lambda: _empty(store.pending_releases(node.node_id)), what="the outbox to empty")

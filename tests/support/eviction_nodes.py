@@ -15,13 +15,13 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
-
 from kvplane.services.common.local_etcd import LocalEtcd
 from kvplane.services.common.process import ServiceProcess
 from kvplane.services.common.telemetry import Telemetry
 from kvplane.services.eviction.app import install
 from kvplane.services.eviction.coordinator import EvictionCoordinator
 from kvplane.v1 import eviction_pb2, eviction_pb2_grpc
+
 from tests.conftest import NODE_HEADERS, settings_for
 
 
@@ -53,8 +53,6 @@ class CommandNode:
     def __post_init__(self) -> None:
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
-        self._dropping = False
-        self._call: grpc.aio.StreamStreamCall | None = None
         self._connected = asyncio.Event()
 
     # -- what tests look at -----------------------------------------------------
@@ -131,7 +129,9 @@ class CommandNode:
                     self._apply(command)
                     if self.ack:
                         out.put_nowait(
-                            eviction_pb2.CommandsRequest(ack=eviction_pb2.CommandAck(command_id=command.command_id, ok=True))
+                            eviction_pb2.CommandsRequest(
+                                ack=eviction_pb2.CommandAck(command_id=command.command_id, ok=True)
+                            )
                         )
             finally:
                 out.put_nowait(None)

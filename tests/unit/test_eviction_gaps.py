@@ -5,8 +5,15 @@ from __future__ import annotations
 import random
 
 import pytest
-
-from kvplane.services.eviction.policy import GapPrior, GapStatistics, HandleInfo, NodeInfo, Snapshot, TurnTracker, ValueModel
+from kvplane.services.eviction.policy import (
+    GapPrior,
+    GapStatistics,
+    HandleInfo,
+    NodeInfo,
+    Snapshot,
+    TurnTracker,
+    ValueModel,
+)
 from kvplane.services.eviction.policy.gaps import BinLayout, GapHistogram, LogNormal, fit_lognormal
 
 NOW = 1_700_000_000_000
@@ -37,7 +44,7 @@ def test_histogram_cdf_is_monotone_and_bounded() -> None:
     xs = [0.1, 0.9, 1, 5, 60, 600, 6000, 14399, 14400, 30000, 57600, 1e6]
     cdfs = [hist.cdf(x) for x in xs]
     assert cdfs == sorted(cdfs)
-    assert 0 <= cdfs[0] and cdfs[-1] == 1.0
+    assert cdfs[0] >= 0 and cdfs[-1] == 1.0
 
 
 # The chance that a conversation idle `idle_s` returns within `window_s`.
@@ -75,8 +82,12 @@ def test_ended_conversations_lower_the_chance_of_return() -> None:
     assert stats.p_next_turn_within("u", 10, 400) > stats.p_next_turn_within("t", 10, 400)
 
 
-def info(name: str, tenant: str, age_s: float, life_s: float = 600, tokens: int = 8000, mb: int = 200) -> HandleInfo:
-    return HandleInfo(tenant, name, f"h-{name}", "d0", mb << 20, tokens, NOW - int(age_s * 1000), NOW + int(life_s * 1000))
+def info(
+    name: str, tenant: str, age_s: float, life_s: float = 600, tokens: int = 8000, mb: int = 200
+) -> HandleInfo:
+    return HandleInfo(
+        tenant, name, f"h-{name}", "d0", mb << 20, tokens, NOW - int(age_s * 1000), NOW + int(life_s * 1000)
+    )
 
 
 @pytest.mark.parametrize(

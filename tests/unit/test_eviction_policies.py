@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
-
 from kvplane.services.common.handles import ReleaseReason
 from kvplane.services.eviction.policy import (
     HandleInfo,
@@ -119,7 +118,12 @@ NODE_CASES = [
         "over high: oldest (lowest value) released down to low",
         NodeBudget(high_bytes=350 * MB, low_bytes=200 * MB),
         0,
-        (handle("young", age_s=5), handle("mid", age_s=100), handle("old", age_s=1500), handle("older", age_s=2500)),
+        (
+            handle("young", age_s=5),
+            handle("mid", age_s=100),
+            handle("old", age_s=1500),
+            handle("older", age_s=2500),
+        ),
         ("older", "old"),
     ),
     NodeCase(
@@ -181,8 +185,13 @@ def test_node_budget_leaves_the_node_at_or_under_its_low_watermark() -> None:
 
 @pytest.mark.parametrize(
     "bad",
-    [{}, {"high_bytes": 10}, {"high_bytes": 10, "low_bytes": 20}, {"high_fraction": 0.5, "low_fraction": 0.6},
-     {"high_fraction": 1.5, "low_fraction": 0.5}],
+    [
+        {},
+        {"high_bytes": 10},
+        {"high_bytes": 10, "low_bytes": 20},
+        {"high_fraction": 0.5, "low_fraction": 0.6},
+        {"high_fraction": 1.5, "low_fraction": 0.5},
+    ],
 )
 def test_node_budget_rejects_bad_watermarks(bad: dict[str, float]) -> None:
     with pytest.raises(PolicyConfigError):
@@ -210,15 +219,23 @@ TENANT_CASES = [
     TenantCase(
         "an over-budget tenant loses its lowest-value handles across nodes",
         TenantBudget({"acme": 250 * MB}, low_ratio=0.5),
-        (handle("a", age_s=10), handle("b", node="d1", age_s=900), handle("c", node="d2", age_s=300),
-         handle("x", tenant="other", age_s=5000)),
+        (
+            handle("a", age_s=10),
+            handle("b", node="d1", age_s=900),
+            handle("c", node="d2", age_s=300),
+            handle("x", tenant="other", age_s=5000),
+        ),
         ("b", "c"),
     ),
     TenantCase(
         "the default budget covers unnamed tenants; named ones keep theirs",
         TenantBudget({"vip": 10 * GB}, default_bytes=150 * MB, low_ratio=1.0),
-        (handle("v1", tenant="vip"), handle("v2", tenant="vip"), handle("z1", tenant="z", age_s=10),
-         handle("z2", tenant="z", age_s=20)),
+        (
+            handle("v1", tenant="vip"),
+            handle("v2", tenant="vip"),
+            handle("z1", tenant="z", age_s=10),
+            handle("z2", tenant="z", age_s=20),
+        ),
         ("z2",),
     ),
     TenantCase(
@@ -250,11 +267,24 @@ class LowCase:
 
 LOW_CASES = [
     LowCase("fresh and long: keep", LowValue(), handle("a", age_s=30, tokens=20000), False),
-    LowCase("idle far past every usual gap: release", LowValue(), handle("a", age_s=5000, mb=2000, life_s=3000), True),
-    LowCase("younger than min_age: keep whatever", LowValue(min_age_s=6000), handle("a", age_s=5000, mb=2000,
-            life_s=3000), False),
-    LowCase("huge and tiny in tokens: release", LowValue(), handle("a", age_s=60, mb=20000, tokens=100), True),
-    LowCase("ratio 0 never releases", LowValue(min_ratio=0), handle("a", age_s=60, mb=20000, tokens=100), False),
+    LowCase(
+        "idle far past every usual gap: release",
+        LowValue(),
+        handle("a", age_s=5000, mb=2000, life_s=3000),
+        True,
+    ),
+    LowCase(
+        "younger than min_age: keep whatever",
+        LowValue(min_age_s=6000),
+        handle("a", age_s=5000, mb=2000, life_s=3000),
+        False,
+    ),
+    LowCase(
+        "huge and tiny in tokens: release", LowValue(), handle("a", age_s=60, mb=20000, tokens=100), True
+    ),
+    LowCase(
+        "ratio 0 never releases", LowValue(min_ratio=0), handle("a", age_s=60, mb=20000, tokens=100), False
+    ),
 ]
 
 

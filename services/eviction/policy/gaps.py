@@ -18,6 +18,7 @@ Nothing here reads a clock or does I/O; callers pass times in.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -108,7 +109,7 @@ class GapHistogram:
         edges = layout.edges()
         cdfs = [dist.cdf(e) for e in edges]
         counts = [cdfs[0] * weight]
-        counts += [(hi - lo) * weight for lo, hi in zip(cdfs, cdfs[1:], strict=False)]
+        counts += [(hi - lo) * weight for lo, hi in itertools.pairwise(cdfs)]
         counts.append((1.0 - cdfs[-1]) * weight)
         return cls(layout, counts)
 
@@ -197,7 +198,9 @@ class GapStatistics:
         self.max_weight = max_weight
         self.max_tenants = max_tenants
         self.prior_distribution = fit_lognormal(self.prior.quantiles)
-        self._global = GapHistogram.from_distribution(self.layout, self.prior_distribution, self.prior.global_weight)
+        self._global = GapHistogram.from_distribution(
+            self.layout, self.prior_distribution, self.prior.global_weight
+        )
         self._tenants: OrderedDict[str, GapHistogram] = OrderedDict()
         # Beta(continued, ended) over "a turn has a successor".
         self._continued: dict[str, float] = {}
@@ -283,7 +286,9 @@ class TurnTracker:
     the oldest are dropped (and counted as ended).
     """
 
-    def __init__(self, stats: GapStatistics, *, horizon_s: float = 3600.0, max_conversations: int = 200_000) -> None:
+    def __init__(
+        self, stats: GapStatistics, *, horizon_s: float = 3600.0, max_conversations: int = 200_000
+    ) -> None:
         self.stats = stats
         self.horizon_s = horizon_s
         self.max_conversations = max_conversations

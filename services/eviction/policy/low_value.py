@@ -38,7 +38,8 @@ class LowValue:
             v = values.value(h, snapshot)
             if v.benefit_s < self.min_ratio * v.cost_s:
                 detail = (
-                    f"benefit {v.benefit_s:.3f} s (P={v.p_return:.3f}) < {self.min_ratio:g} x cost {v.cost_s:.3f} s"
+                    f"benefit {v.benefit_s:.3f} s (P={v.p_return:.3f})"
+                    f" < {self.min_ratio:g} x cost {v.cost_s:.3f} s"
                 )
                 out.append(Release.of(h, ReleaseReason.LOW_VALUE, self.name, detail))
         return out

@@ -39,7 +39,11 @@ class NodeBudget:
             raise PolicyConfigError("node_budget: give both high_fraction and low_fraction, or neither")
         if self.high_bytes is None and self.high_fraction is None:
             raise PolicyConfigError("node_budget: give byte or fraction watermarks")
-        if self.high_bytes is not None and self.low_bytes is not None and not 0 <= self.low_bytes <= self.high_bytes:
+        if (
+            self.high_bytes is not None
+            and self.low_bytes is not None
+            and not 0 <= self.low_bytes <= self.high_bytes
+        ):
             raise PolicyConfigError("node_budget: need 0 <= low_bytes <= high_bytes")
         if (
             self.high_fraction is not None

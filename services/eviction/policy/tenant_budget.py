@@ -32,7 +32,9 @@ class TenantBudget:
         object.__setattr__(self, "tenants", MappingProxyType(dict(self.tenants)))
         if not 0 <= self.low_ratio <= 1:
             raise PolicyConfigError("tenant_budget: low_ratio must be within [0, 1]")
-        if any(b < 0 for b in self.tenants.values()) or (self.default_bytes is not None and self.default_bytes < 0):
+        if any(b < 0 for b in self.tenants.values()) or (
+            self.default_bytes is not None and self.default_bytes < 0
+        ):
             raise PolicyConfigError("tenant_budget: budgets must be >= 0 bytes")
 
     def budget(self, tenant: str) -> int | None:

@@ -73,5 +73,6 @@ class ValueModel:
     def lowest_value_first(self, handles: list[HandleInfo], snapshot: Snapshot) -> list[HandleInfo]:
         """`handles` in release order: lowest density first; ties: oldest, then key."""
         return sorted(
-            handles, key=lambda h: (self.value(h, snapshot).density, h.published_unix_ms, h.tenant, h.conversation)
+            handles,
+            key=lambda h: (self.value(h, snapshot).density, h.published_unix_ms, h.tenant, h.conversation),
         )
