@@ -62,6 +62,11 @@ def root_hash(salt: str) -> int:
     return int.from_bytes(hashlib.blake2b(salt.encode(), digest_size=8).digest(), "little")
 
 
+def chain_hash(parent: int, tokens: Sequence[int] | npt.NDArray[np.int64]) -> int:
+    """Hash of one block's tokens chained on its parent's hash."""
+    return _chain(parent, np.asarray(tokens, dtype=np.int64))
+
+
 def _chain(parent: int, tokens: npt.NDArray[np.int64]) -> int:
     h = hashlib.blake2b(digest_size=8)
     h.update(parent.to_bytes(8, "little"))

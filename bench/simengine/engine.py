@@ -38,6 +38,7 @@ from typing import Any, Literal
 from kvplane.bench.simengine.block_content import (
     BlockCheck,
     block_hashes,
+    chain_hash,
     full_block_hashes,
     lease_stamp,
     root_hash,
@@ -301,7 +302,8 @@ class SimEngine:
         queued = True
         try:
             # Keep at least one prompt token to compute: its logits give the first token.
-            hit_blocks = self.pool.match_prefix(full_block_hashes(prompt, bs, self.pool.root))
+            prompt_chain = full_block_hashes(prompt, bs, self.pool.root)
+            hit_blocks = self.pool.match_prefix(prompt_chain)
             hit_blocks = hit_blocks[: (n - 1) // bs]
             self.pool.acquire(hit_blocks)
             blocks = list(hit_blocks)
@@ -328,12 +330,20 @@ class SimEngine:
                 self.pool.write_tokens(blocks, prompt, n, len(hit_blocks))
                 self.metrics.count_prompt(hit, external, computed)
 
-            state = self.oracle.state_after(prompt)
+            # The oracle state: the chain of whole blocks, then the tokens after it.
+            last_full = prompt_chain[-1] if prompt_chain else self.pool.root
+            tail_start = len(prompt_chain) * bs
+            state = self.oracle.state_after(prompt[tail_start:], self.oracle.base(last_full))
             out: list[int] = []
             tok = self.oracle.next_token(state)
             while True:
                 out.append(tok)
-                state = self.oracle.state_after((tok,), state)
+                if (n + len(out)) % bs == 0:
+                    block = out[-bs:] if len(out) >= bs else prompt[n - (bs - len(out)) :] + out
+                    last_full = chain_hash(last_full, block)
+                    state = self.oracle.base(last_full)
+                else:
+                    state = self.oracle.state_after((tok,), state)
                 if len(out) == 1:
                     self.metrics.first_token(time.perf_counter() - t_arrival)
                 stop = tok == EOS_ID and not req.ignore_eos

@@ -3,6 +3,11 @@
 Greedy output therefore depends only on the token sequence, never on which
 engine computed it or where its KV came from, so a disaggregated turn must
 produce exactly what a single engine produces.
+
+The state after a prefix is the fold of its tokens past the last whole
+block, started from ``base(chain hash of the whole blocks)``: the engine has
+the block chain anyway, so a 24k-token prompt costs one short fold, not 24k
+Python steps.
 """
 
 from __future__ import annotations
@@ -25,6 +30,10 @@ class TokenOracle:
             raise ValueError("eos_probability must be within [0, 1]")
         self._seed = mix64(seed ^ 0x5EED)
         self._eos_threshold = int(eos_probability * (1 << 32))
+
+    def base(self, chain_hash: int) -> int:
+        """State at a block boundary whose chain hash is ``chain_hash``."""
+        return mix64(self._seed ^ chain_hash)
 
     def state_after(self, tokens: Sequence[int], state: int | None = None) -> int:
         s = self._seed if state is None else state

@@ -105,7 +105,8 @@ async def test_ttft_follows_the_calibrated_model_at_real_speed(stack: list[SimEn
     t0 = time.perf_counter()
     await run(e, prompt_of(2000), 1)
     took = time.perf_counter() - t0
-    assert 0.158 <= took < 0.158 + 0.25, f"2,000 uncached tokens took {took:.3f} s, model says 0.158 s"
+    # Never faster than the model; the slack above it absorbs a loaded machine's scheduling delays.
+    assert 0.158 <= took < 0.158 + 1.0, f"2,000 uncached tokens took {took:.3f} s, model says 0.158 s"
 
 
 async def test_prefills_queue_and_load_reports_them(stack: list[SimEngine]) -> None:
@@ -212,3 +213,14 @@ async def test_restarted_holder_with_the_same_engine_id_is_never_read(stack: lis
     without_key = await run(other_p, prompt2, 1, dict(bare, do_remote_decode=True, do_remote_prefill=False))
     assert without_key.cached_tokens == 0
     assert sample(other_p, "kvplane_sim_kv_verify_failures_total", reason="not_leased") == 1
+
+
+async def test_output_is_a_function_of_the_prefix_across_block_boundaries(stack: list[SimEngine]) -> None:
+    e = SimEngine(settings())
+    stack.append(e)
+    await started(e)
+    prompt = prompt_of(37, 5)
+    out = list((await run(e, prompt, 40)).output_token_ids)
+    # Generated incrementally or computed from scratch as a longer prompt: the same next token.
+    for j in range(0, 40, 3):
+        assert list((await run(e, prompt + out[:j], 1)).output_token_ids) == [out[j]], f"position {j}"
