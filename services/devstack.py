@@ -1,0 +1,404 @@
+"""`kvplane dev-stack` (what `make run` starts): the whole system on one machine.
+
+It starts a single-member etcd with its data in a temporary directory,
+`kvplane serve all`, one prefill and one decode sim-engine (real NIXL), and
+the gateway, each as its own process with its log in the run directory. It
+shows start-up progress, runs a short multi-turn demo through the gateway,
+prints the URLs, and keeps everything up until Ctrl-C, then stops it all.
+
+`start_stack()` is the same start-up code, for tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvplane.services.common.local_etcd import LocalEtcd, free_port
+
+DEMO_API_KEY = "dev-key"
+DEMO_TENANT = "demo"
+
+
+class StartupError(RuntimeError):
+    """A process of the stack did not come up."""
+
+
+@dataclass
+class ManagedProcess:
+    """One child process with its log file; stopped with SIGTERM, then SIGKILL."""
+
+    name: str
+    argv: list[str]
+    log_path: Path
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(
+            self.argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **self.env},
+            start_new_session=True,
+        )
+        log.close()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except FileNotFoundError:
+            return ""
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+async def _wait_ready(proc: ManagedProcess, probe: Callable[[], Awaitable[bool]], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not proc.alive():
+            raise StartupError(f"{proc.name} exited during start-up:\n{proc.log_tail()}")
+        with contextlib.suppress(Exception):
+            if await probe():
+                return
+        await asyncio.sleep(0.1)  # polling readiness until the deadline
+    raise StartupError(f"{proc.name} was not ready after {timeout_s:.0f}s:\n{proc.log_tail()}")
+
+
+def grpc_health_probe(target: str) -> Callable[[], Awaitable[bool]]:
+    async def probe() -> bool:
+        async with grpc.aio.insecure_channel(target) as channel:
+            resp = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
+            return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
+
+    return probe
+
+
+def http_health_probe(url: str) -> Callable[[], Awaitable[bool]]:
+    async def probe() -> bool:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(url, timeout=aiohttp.ClientTimeout(total=1)) as r,
+        ):
+            return r.status == 200
+
+    return probe
+
+
+@dataclass
+class Stack:
+    """A running dev stack."""
+
+    run_dir: Path
+    etcd: LocalEtcd
+    grpc_target: str
+    gateway_url: str
+    prefill_url: str
+    decode_url: str
+    metrics_url: str
+    processes: list[ManagedProcess] = field(default_factory=list)
+
+    def stop(self) -> None:
+        for proc in reversed(self.processes):
+            proc.stop()
+        self.etcd.cleanup()
+
+    def urls(self) -> dict[str, str]:
+        return {
+            "gateway (OpenAI API)": self.gateway_url,
+            "kvplane gRPC (metadata, routing, eviction)": self.grpc_target,
+            "kvplane metrics": self.metrics_url,
+            "prefill sim-engine": self.prefill_url,
+            "decode sim-engine": self.decode_url,
+            "etcd": f"http://{self.etcd.endpoint}",
+            "logs": str(self.run_dir),
+        }
+
+
+def _kvplane(*args: str) -> list[str]:
+    return [sys.executable, "-m", "kvplane.services.cli", *args]
+
+
+async def start_stack(
+    run_dir: Path | None = None,
+    *,
+    speedup: float = 1.0,
+    decoder_ttl_s: float = 480.0,
+    progress: Callable[[str], None] = lambda _msg: None,
+    timeout_s: float = 120.0,
+) -> Stack:
+    """Starts etcd, `serve all`, P and D sim-engines and the gateway; returns when all are ready."""
+    run_dir = run_dir or Path(tempfile.mkdtemp(prefix="kvplane-run-"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    host = "127.0.0.1"
+    progress("starting etcd")
+    etcd = LocalEtcd(host)
+    etcd.start()
+    grpc_port, metrics_port = free_port(), free_port()
+    p_port, d_port, gw_port = free_port(), free_port(), free_port()
+    stack = Stack(
+        run_dir=run_dir,
+        etcd=etcd,
+        grpc_target=f"{host}:{grpc_port}",
+        gateway_url=f"http://{host}:{gw_port}",
+        prefill_url=f"http://{host}:{p_port}",
+        decode_url=f"http://{host}:{d_port}",
+        metrics_url=f"http://{host}:{metrics_port}/metrics",
+    )
+    try:
+        services = ManagedProcess(
+            "kvplane serve all",
+            _kvplane(
+                "serve",
+                "all",
+                "--listen",
+                stack.grpc_target,
+                "--etcd",
+                etcd.endpoint,
+                "--metrics-port",
+                str(metrics_port),
+            ),
+            run_dir / "services.log",
+        )
+        stack.processes.append(services)
+        progress("starting kvplane serve all (metadata, routing, eviction)")
+        services.start()
+        await _wait_ready(services, grpc_health_probe(stack.grpc_target), timeout_s)
+
+        engines = []
+        for role, node_id, port in (("prefill", "p0", p_port), ("decode", "d0", d_port)):
+            engine = ManagedProcess(
+                f"{role} sim-engine",
+                _kvplane(
+                    "sim-engine",
+                    "--role",
+                    role,
+                    "--node-id",
+                    node_id,
+                    "--host",
+                    host,
+                    "--port",
+                    str(port),
+                    "--side-channel-host",
+                    host,
+                    "--side-channel-port",
+                    str(free_port()),
+                    "--control-plane",
+                    stack.grpc_target,
+                    "--speedup",
+                    str(speedup),
+                    "--decoder-kv-blocks-ttl",
+                    str(decoder_ttl_s),
+                    "--model",
+                    "sim-model",
+                ),
+                run_dir / f"engine-{node_id}.log",
+            )
+            stack.processes.append(engine)
+            progress(f"starting the {role} sim-engine")
+            engine.start()
+            engines.append((engine, f"http://{host}:{port}/health"))
+        for engine, health in engines:
+            await _wait_ready(engine, http_health_probe(health), timeout_s)
+
+        gateway_config = run_dir / "gateway.yaml"
+        gateway_config.write_text(
+            json.dumps({"gateway": {"api_keys": {DEMO_API_KEY: DEMO_TENANT}}})  # JSON is YAML
+        )
+        gateway = ManagedProcess(
+            "gateway",
+            _kvplane(
+                "gateway",
+                "--config",
+                str(gateway_config),
+                "--listen",
+                f"{host}:{gw_port}",
+                "--routing",
+                stack.grpc_target,
+            ),
+            run_dir / "gateway.log",
+        )
+        stack.processes.append(gateway)
+        progress("starting the gateway")
+        gateway.start()
+        await _wait_ready(gateway, http_health_probe(f"{stack.gateway_url}/health"), timeout_s)
+        progress("waiting for both engines to register")
+        await _wait_ready(services, _nodes_registered(stack.grpc_target, 2), timeout_s)
+        return stack
+    except BaseException:
+        stack.stop()
+        raise
+
+
+def _nodes_registered(target: str, count: int) -> Callable[[], Awaitable[bool]]:
+    from kvplane.v1 import metadata_pb2, metadata_pb2_grpc
+
+    async def probe() -> bool:
+        async with grpc.aio.insecure_channel(target) as channel:
+            nodes = await metadata_pb2_grpc.MetadataServiceStub(channel).ListNodes(
+                metadata_pb2.ListNodesRequest(), timeout=1
+            )
+            return len(nodes.nodes) >= count
+
+    return probe
+
+
+@dataclass(frozen=True)
+class DemoTurn:
+    conversation: str
+    turn: int
+    prompt_tokens: int
+    ttft_ms: float
+    decision: str
+    pulled_tokens: int
+    computed_tokens: int
+    text: str
+
+
+async def run_demo(
+    stack: Stack, *, conversations: int = 2, turns: int = 3, max_tokens: int = 24
+) -> list[DemoTurn]:
+    """Multi-turn chats through the gateway; one record per turn."""
+    out: list[DemoTurn] = []
+    headers = {"Authorization": f"Bearer {DEMO_API_KEY}"}
+    async with aiohttp.ClientSession(headers=headers) as session:
+        for c in range(conversations):
+            conversation = f"demo-{c}"
+            messages = [{"role": "system", "content": "You are a terse assistant."}]
+            for t in range(1, turns + 1):
+                user = " ".join(f"question {c}.{t} about item {i}" for i in range(60 * t))
+                messages.append({"role": "user", "content": user})
+                body = {"model": "sim-model", "messages": messages, "max_tokens": max_tokens, "stream": True}
+                started = time.perf_counter()
+                ttft = 0.0
+                text = ""
+                async with session.post(
+                    f"{stack.gateway_url}/v1/chat/completions",
+                    json=body,
+                    headers={"X-Conversation-Id": conversation},
+                ) as resp:
+                    if resp.status != 200:
+                        raise RuntimeError(
+                            f"turn {t} of {conversation}: HTTP {resp.status}: {await resp.text()}"
+                        )
+                    decision = resp.headers.get("x-kvplane-decision", "?")
+                    async for raw in resp.content:
+                        line = raw.decode().strip()
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        chunk = json.loads(line[6:])
+                        for choice in chunk.get("choices", []):
+                            piece = (choice.get("delta") or {}).get("content") or ""
+                            if piece and not ttft:
+                                ttft = (time.perf_counter() - started) * 1e3
+                            text += piece
+                        usage = chunk.get("usage") or {}
+                    pulled = int(resp.headers.get("x-kvplane-reused-tokens", "0") or 0)
+                prompt_tokens = int(usage.get("prompt_tokens", 0)) if usage else 0
+                messages.append({"role": "assistant", "content": text})
+                out.append(
+                    DemoTurn(
+                        conversation,
+                        t,
+                        prompt_tokens,
+                        ttft,
+                        decision,
+                        pulled,
+                        max(0, prompt_tokens - pulled),
+                        text,
+                    )
+                )
+    return out
+
+
+def _print_demo(turns: Sequence[DemoTurn]) -> None:
+    print(
+        f"{'conversation':<14}{'turn':>5}{'prompt':>8}{'TTFT ms':>9}  {'decision':<28}{'pulled':>8}{'computed':>9}"
+    )
+    for t in turns:
+        print(
+            f"{t.conversation:<14}{t.turn:>5}{t.prompt_tokens:>8}{t.ttft_ms:>9.0f}  {t.decision:<28}"
+            f"{t.pulled_tokens:>8}{t.computed_tokens:>9}"
+        )
+
+
+async def _run(args: argparse.Namespace) -> int:
+    run_dir = Path(args.run_dir) if args.run_dir else None
+    started = time.monotonic()
+    stack = await start_stack(run_dir, speedup=args.speedup, progress=lambda m: print(f"==> {m}", flush=True))
+    try:
+        print(f"==> stack ready in {time.monotonic() - started:.1f}s", flush=True)
+        if not args.no_demo:
+            print("==> demo: multi-turn conversations through the gateway", flush=True)
+            _print_demo(await run_demo(stack, turns=args.turns))
+        print("\nkvplane is running:")
+        for name, url in stack.urls().items():
+            print(f"  {name:<44} {url}")
+        print(
+            f"\nTry:\n  curl -s {stack.gateway_url}/v1/chat/completions -H 'Authorization: Bearer {DEMO_API_KEY}' \\"
+        )
+        print("    -H 'X-Conversation-Id: mine' -H 'Content-Type: application/json' \\")
+        print('    -d \'{"model":"sim-model","messages":[{"role":"user","content":"hello"}]}\'')
+        print("\nCtrl-C stops everything.", flush=True)
+        if args.exit_after_demo:
+            return 0
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        print("\n==> stopping", flush=True)
+        return 0
+    finally:
+        stack.stop()
+        if run_dir is None and not args.keep_logs:
+            shutil.rmtree(stack.run_dir, ignore_errors=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvplane dev-stack", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--run-dir", help="where logs go (default: a temporary directory)")
+    parser.add_argument(
+        "--speedup", type=float, default=1.0, help="divide the engines' modelled times by this"
+    )
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--no-demo", action="store_true")
+    parser.add_argument("--exit-after-demo", action="store_true", help="stop after the demo (for scripts)")
+    parser.add_argument("--keep-logs", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        return asyncio.run(_run(args))
+    except StartupError as exc:
+        print(f"start-up failed: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
