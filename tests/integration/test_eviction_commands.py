@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
 
 import grpc
 import pytest
+from aetcd import rpc
+from kvplane.services.common import convert
 from kvplane.services.common.handles import ReleaseReason
 from kvplane.services.common.local_etcd import LocalEtcd
 from kvplane.services.common.process import ServiceProcess
@@ -228,3 +231,36 @@ async def _empty(awaitable) -> bool:  # type: ignore[no-untyped-def]
 
 async def _none(awaitable) -> bool:  # type: ignore[no-untyped-def]
     return await awaitable is None
+
+
+async def test_a_restart_seen_only_on_the_watch_still_retires_the_old_incarnation(
+    etcd: LocalEtcd, prefix: str, store: Store
+) -> None:
+    # No periodic sweep within the test: only the watch can act.
+    replica = await start_replica(etcd, prefix, policy=NO_POLICY, orphan_sweep_interval_s=300)
+    await eventually(_leads(replica), what="the replica to lead")
+    try:
+        await _restart_behind_the_stores_back(store)
+    finally:
+        await replica.stop()
+
+
+async def _restart_behind_the_stores_back(store: Store) -> None:
+    old = make_node("d0")
+    await store.register_node(old, 30)
+    convs = await _publish(store, old, 3)
+    # The node comes back as a new incarnation, written without the purge
+    # that register_node does (as if its registrar died half-way): only the
+    # coordinator's watch of the node key can retire the old handles.
+    new = dataclasses.replace(old, incarnation=uuid.uuid4().hex)
+    lease = await store.grant_lease(30)
+    put = rpc.RequestOp(
+        request_put=rpc.PutRequest(
+            key=store.keys.node(new.node_id), value=convert.node_to_pb(new).SerializeToString(), lease=lease
+        )
+    )
+    await store._txn("test_put_node", [], [put])
+    for c in convs:
+        await eventually(
+            lambda c=c: _none(store.get_handle_record("acme", c)), what="the old incarnation's purge"
+        )  # type: ignore[misc]

@@ -1,0 +1,134 @@
+"""The real node agent on the real coordinator: metadata and eviction in one
+process, as `kvplane serve all` runs them."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+from kvplane.connector.node_agent import NodeAgent, NodeAgentSettings
+from kvplane.services.common.handles import ReleaseReason
+from kvplane.services.common.local_etcd import LocalEtcd
+from kvplane.services.common.nodes import NodeLoad
+from kvplane.services.common.process import ServiceProcess
+from kvplane.services.common.store import Store
+from kvplane.services.common.telemetry import Telemetry
+from kvplane.services.eviction.app import install as install_eviction
+from kvplane.services.metadata.app import install as install_metadata
+from kvplane.v1 import metadata_pb2, metadata_pb2_grpc
+
+from tests.conftest import make_node, settings_for
+from tests.support.eviction_nodes import coordinator_of
+from tests.support.factories import make_handle
+from tests.support.polling import eventually
+
+
+class Applied:
+    """What the agent's callbacks were given (they run on the agent's thread)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.released: dict[str, float] = {}
+        self.drains = 0
+
+    def on_release(self, remote_request_id: str) -> None:
+        with self._lock:
+            self.released.setdefault(remote_request_id, time.monotonic())
+
+    def on_drain(self) -> None:
+        with self._lock:
+            self.drains += 1
+
+
+@pytest.fixture
+async def serve_all(etcd: LocalEtcd, prefix: str) -> AsyncIterator[ServiceProcess]:
+    settings = settings_for(
+        etcd, prefix, eviction={"lease_ttl_s": 2, "evaluate_interval_s": 0.2, "policy": {"policies": []}}
+    )
+    process = ServiceProcess(settings, [install_metadata, install_eviction], Telemetry.disabled())
+    await process.start()
+    try:
+        await eventually(lambda: _true(coordinator_of(process).is_leader), what="the coordinator to lead")
+        yield process
+    finally:
+        await process.stop()
+
+
+async def test_end_of_conversation_reaches_the_engine_through_the_real_agent_within_a_second(
+    serve_all: ServiceProcess, store: Store
+) -> None:
+    target = f"127.0.0.1:{serve_all.grpc_port}"
+    node = make_node("d-agent", incarnation="")
+    applied = Applied()
+    agent = NodeAgent(
+        NodeAgentSettings(
+            metadata_target=target,
+            lease_ttl_s=3,
+            load_interval_s=0.2,
+            backoff_initial_s=0.02,
+            backoff_max_s=0.3,
+        ),
+        node,
+        lambda: NodeLoad(node.node_id, "", total_kv_blocks=100, free_kv_blocks=50),
+        applied.on_release,
+        on_drain=applied.on_drain,
+    )
+    agent.start()
+    try:
+        handle = dataclasses.replace(
+            make_handle(node, "acme", "conv-end"), holder_incarnation=agent.incarnation
+        )
+        await eventually(_registered(store, node.node_id, agent.incarnation), what="the agent to register")
+        await eventually(
+            lambda: _true(len(coordinator_of(serve_all).sessions) == 1), what="the agent's stream"
+        )
+        agent.publish(handle)
+        await eventually(_retained(store, "conv-end"), what="the published handle")
+        started = time.monotonic()
+        await store.release("acme", "conv-end", ReleaseReason.CONVERSATION_ENDED)
+        await eventually(
+            lambda: _true(handle.vllm.remote_request_id in applied.released),
+            timeout_s=1.0,
+            interval_s=0.01,
+            what="the engine's release callback",
+        )
+        assert applied.released[handle.vllm.remote_request_id] - started < 1.0
+        await eventually(_no_pending(store, node.node_id), what="the acknowledgement")
+        # Draining through the metadata API reaches the engine too.
+        async with grpc.aio.insecure_channel(target) as channel:
+            await metadata_pb2_grpc.MetadataServiceStub(channel).DrainNode(
+                metadata_pb2.DrainNodeRequest(node_id=node.node_id)
+            )
+        await eventually(lambda: _true(applied.drains == 1), what="the drain callback")
+    finally:
+        agent.stop(timeout_s=5.0)
+
+
+def _registered(store: Store, node_id: str, incarnation: str):  # type: ignore[no-untyped-def]
+    async def probe() -> bool:
+        record = await store.get_node(node_id)
+        return record is not None and record.node.incarnation == incarnation
+
+    return probe
+
+
+def _retained(store: Store, conversation: str):  # type: ignore[no-untyped-def]
+    async def probe() -> bool:
+        return await store.get_handle_record("acme", conversation) is not None
+
+    return probe
+
+
+def _no_pending(store: Store, node_id: str):  # type: ignore[no-untyped-def]
+    async def probe() -> bool:
+        return not await store.pending_releases(node_id)
+
+    return probe
+
+
+async def _true(value: bool) -> bool:
+    return value
