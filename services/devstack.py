@@ -341,9 +341,8 @@ async def run_demo(
 
 
 def _print_demo(turns: Sequence[DemoTurn]) -> None:
-    print(
-        f"{'conversation':<14}{'turn':>5}{'prompt':>8}{'TTFT ms':>9}  {'decision':<28}{'pulled':>8}{'computed':>9}"
-    )
+    header = ("conversation", "turn", "prompt", "TTFT ms", "decision", "pulled", "computed")
+    print("{:<14}{:>5}{:>8}{:>9}  {:<28}{:>8}{:>9}".format(*header))
     for t in turns:
         print(
             f"{t.conversation:<14}{t.turn:>5}{t.prompt_tokens:>8}{t.ttft_ms:>9.0f}  {t.decision:<28}"
@@ -363,9 +362,8 @@ async def _run(args: argparse.Namespace) -> int:
         print("\nkvplane is running:")
         for name, url in stack.urls().items():
             print(f"  {name:<44} {url}")
-        print(
-            f"\nTry:\n  curl -s {stack.gateway_url}/v1/chat/completions -H 'Authorization: Bearer {DEMO_API_KEY}' \\"
-        )
+        print(f"\nTry:\n  curl -s {stack.gateway_url}/v1/chat/completions \\")
+        print(f"    -H 'Authorization: Bearer {DEMO_API_KEY}' \\")
         print("    -H 'X-Conversation-Id: mine' -H 'Content-Type: application/json' \\")
         print('    -d \'{"model":"sim-model","messages":[{"role":"user","content":"hello"}]}\'')
         print("\nCtrl-C stops everything.", flush=True)

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 import grpc
+
 from kvplane.services.common.errors import (
     HandleNotRetained,
     InvalidArgument,

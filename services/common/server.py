@@ -18,10 +18,11 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
-from kvplane.services.common.auth import Authenticator, Principal, metadata_dict
-from kvplane.services.common.telemetry import Telemetry
 from opentelemetry.instrumentation.grpc import aio_server_interceptor
 from prometheus_client import start_http_server
+
+from kvplane.services.common.auth import Authenticator, Principal, metadata_dict
+from kvplane.services.common.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 

@@ -13,6 +13,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+from pydantic import BaseModel, Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
 from kvplane.services.common.auth import (
     Authenticator,
     HeaderAuthenticator,
@@ -22,8 +25,6 @@ from kvplane.services.common.auth import (
 )
 from kvplane.services.common.store import StoreSettings
 from kvplane.services.eviction.config import EvictionSection
-from pydantic import BaseModel, Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 class EtcdSection(BaseModel):

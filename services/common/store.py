@@ -24,6 +24,7 @@ from typing import Any
 
 import grpc
 from aetcd import rpc
+
 from kvplane.services.common import convert
 from kvplane.services.common.errors import (
     HandleNotRetained,
