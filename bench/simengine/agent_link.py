@@ -24,6 +24,7 @@ from typing import Any
 
 from kvplane.bench.simengine.engine import SimEngine
 from kvplane.bench.simengine.engine_hooks import EngineLoad
+from kvplane.bench.simengine.metrics import SimEngineMetrics
 from kvplane.bench.simengine.settings import SimEngineSettings
 from kvplane.bench.simengine.side_channel import format_host
 from kvplane.connector import digests as token_digests
@@ -48,18 +49,24 @@ _ROLES = {"prefill": NodeRole.PREFILL, "decode": NodeRole.DECODE, "both": NodeRo
 class ConnectorObserver:
     """EngineObserver with kvplane's connector behaviour. Event-loop thread only."""
 
-    def __init__(self, settings: SimEngineSettings, agent: NodeAgent | None = None) -> None:
+    def __init__(
+        self,
+        settings: SimEngineSettings,
+        metrics: SimEngineMetrics | None = None,
+        agent: NodeAgent | None = None,
+    ) -> None:
         self._settings = settings
+        self._metrics = metrics
         self.agent = agent
         # request id -> handle id of published handles still held
         self._held: dict[str, str] = {}
-        self.pull_checks: dict[str, int] = {}
 
     def check_pull(self, kv_transfer_params: dict[str, Any], prompt_token_ids: Sequence[int]) -> None:
         check = prefix_check.check_pull(
             kv_transfer_params, prompt_token_ids, require_digests=self._settings.require_digests
         )
-        self.pull_checks[check.outcome.value] = self.pull_checks.get(check.outcome.value, 0) + 1
+        if self._metrics is not None and check.outcome is not prefix_check.PullOutcome.NOT_A_PULL:
+            self._metrics.pull_check(check.outcome.value)
 
     def on_handle_retained(
         self,

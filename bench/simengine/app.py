@@ -68,10 +68,11 @@ async def serve(
     """
     from kvplane.bench.simengine.agent_link import ConnectorObserver, start_node_agent
 
+    server = SimEngineServer(settings, observer, incarnation)
     link: ConnectorObserver | None = None
     if observer is None and (settings.kvplane_connector or settings.control_plane):
-        observer = link = ConnectorObserver(settings)
-    server = SimEngineServer(settings, observer, incarnation)
+        link = ConnectorObserver(settings, server.engine.metrics)
+        server.engine.observer = link
     await server.start()
     agent = None
     if settings.control_plane:

@@ -82,6 +82,13 @@ class SimEngineMetrics:
             [*names, "outcome"],
             registry=r,
         )
+        # Same name as kvplane's vLLM connector exports, so both read alike.
+        self.pull_checks = Counter(
+            "kvplane_connector_pull_checks",
+            "Prefill-side checks of a decode handle against the prompt, by outcome",
+            [*names, "outcome"],
+            registry=r,
+        )
         self.running = Gauge("vllm:num_requests_running", "Requests running", names, registry=r)
         self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting", names, registry=r)
         self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use", names, registry=r)
@@ -118,6 +125,9 @@ class SimEngineMetrics:
 
     def unmatched_notif(self, kind: str) -> None:
         self.notifs_unmatched.labels(**self._labels, kind=kind).inc()
+
+    def pull_check(self, outcome: str) -> None:
+        self.pull_checks.labels(**self._labels, outcome=outcome).inc()
 
     def transfer(self, seconds: float, nbytes: int) -> None:
         self.nixl_xfer_time.labels(**self._labels).observe(seconds)

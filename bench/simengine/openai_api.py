@@ -84,7 +84,9 @@ def _prompt_ids(engine: SimEngine, prompt: Any) -> list[int]:
     )
 
 
-def parse_request(engine: SimEngine, body: Any, chat: bool) -> ParsedRequest:
+def parse_request(
+    engine: SimEngine, body: Any, chat: bool, request_id_header: str | None = None
+) -> ParsedRequest:
     s = engine.settings
     if not isinstance(body, dict):
         raise RequestError("the body must be a JSON object")
@@ -123,10 +125,13 @@ def parse_request(engine: SimEngine, body: Any, chat: bool) -> ParsedRequest:
     if not isinstance(opts, dict):
         raise RequestError("stream_options must be an object", param="stream_options")
     prefix = "chatcmpl" if chat else "cmpl"
+    # Like vLLM, take the caller's X-Request-Id into the internal id; a suffix keeps a retried
+    # id from colliding with a handle the engine still holds.
+    base = f"{request_id_header[:128]}-{uuid.uuid4().hex[:8]}" if request_id_header else uuid.uuid4().hex
     return ParsedRequest(
         chat=chat,
         request=GenerationRequest(
-            request_id=f"{prefix}-{uuid.uuid4().hex}",
+            request_id=f"{prefix}-{base}",
             prompt_token_ids=tuple(ids),
             max_tokens=max_tokens,
             ignore_eos=_bool(body, "ignore_eos"),
@@ -252,7 +257,7 @@ async def _completion(request: web.Request, chat: bool) -> web.StreamResponse:
     except ValueError:
         return _error("the body is not valid JSON", 400)
     try:
-        p = parse_request(engine, body, chat)
+        p = parse_request(engine, body, chat, request.headers.get("X-Request-Id"))
     except RequestError as e:
         return _error(str(e), e.status, e.param)
     r = _Responder(engine, p)

@@ -102,6 +102,9 @@ async def test_sim_engines_register_publish_and_report_released(
         prompt2 = prompt + out + tokens(22, 40)
         await turn(p, d, prompt2, "conv-a", handle)
         assert await asyncio.to_thread(loads, p, "pulled") == pulled + 1
+        assert (
+            await asyncio.to_thread(p.metric, "kvplane_connector_pull_checks_total", outcome="verified") == 1
+        )
 
         async def released() -> bool:
             current = await get_handle(metadata_channel, "conv-a")
@@ -124,5 +127,8 @@ async def test_sim_engines_register_publish_and_report_released(
             p.metric, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
         )
         assert got - src == 288 - 192, "P pulls exactly the verified whole blocks beyond its own cache"
+        assert (
+            await asyncio.to_thread(p.metric, "kvplane_connector_pull_checks_total", outcome="clipped") == 1
+        )
     finally:
         await asyncio.to_thread(stack.close)
