@@ -11,10 +11,12 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import pytest
+from simengine_harness import free_port
+
+from kvplane.bench.simengine.block_pool import KvCacheFullError
 from kvplane.bench.simengine.engine import FinishInfo, GenerationRequest, SimEngine
 from kvplane.bench.simengine.settings import SimEngineSettings
 from kvplane.bench.simengine.timing_model import TimingModel
-from simengine_harness import free_port
 
 FAST = TimingModel(speedup=50)
 
@@ -224,3 +226,14 @@ async def test_output_is_a_function_of_the_prefix_across_block_boundaries(stack:
     # Generated incrementally or computed from scratch as a longer prompt: the same next token.
     for j in range(0, 40, 3):
         assert list((await run(e, prompt + out[:j], 1)).output_token_ids) == [out[j]], f"position {j}"
+
+
+async def test_a_request_that_cannot_get_blocks_fails_and_frees_what_it_held(stack: list[SimEngine]) -> None:
+    e = SimEngine(settings(num_blocks=8, kv_wait_timeout_s=0.2))
+    stack.append(e)
+    await started(e)
+    held = await run(e, prompt_of(64, 6), 1, {"do_remote_decode": True})  # a lease keeps 4 blocks
+    assert held.kv_transfer_params is not None and e.load().free_kv_blocks == 4
+    with pytest.raises(KvCacheFullError):
+        await run(e, prompt_of(100, 7), 1)
+    assert e.load().free_kv_blocks == 4 and e.load().running_requests == 0

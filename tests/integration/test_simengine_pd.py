@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import urllib.error
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -331,3 +332,46 @@ def test_abort_frees_blocks_and_returns_no_handle(cluster: dict[str, Engine]) ->
     assert d.metric("vllm:request_success_total", finished_reason="abort") == aborts + 1
     assert request_id not in d.retained_ids()
     wait_for(lambda: d.state()["load"]["free_kv_blocks"] == free_before, 10, "D to free the aborted blocks")
+
+
+def test_openai_surface_models_errors_text_and_chat(cluster: dict[str, Engine]) -> None:
+    e = cluster["P2"]
+    assert e.get("/health") == b""
+    models = json.loads(e.get("/v1/models"))
+    assert [m["id"] for m in models["data"]] == [MODEL]
+
+    def error_of(body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        with pytest.raises(urllib.error.HTTPError) as info:
+            e.post("/v1/completions", body)
+        return info.value.code, json.loads(info.value.read())["error"]
+
+    assert error_of({"model": "nope", "prompt": [1, 2]})[0] == 404
+    code, err = error_of({"model": MODEL, "prompt": []})
+    assert code == 400 and err["param"] == "prompt"
+    assert error_of({"model": MODEL, "prompt": [1], "max_tokens": 40000})[0] == 400
+
+    text = e.post(
+        "/v1/completions",
+        {"model": MODEL, "prompt": "hello world", "max_tokens": 5, "return_token_ids": True},
+    )
+    choice = text["choices"][0]
+    assert text["usage"] == {
+        "prompt_tokens": 12,
+        "completion_tokens": 5,
+        "total_tokens": 17,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+    assert choice["prompt_token_ids"][0] == 1 and len(choice["text"]) == 5
+    assert choice["finish_reason"] == "length" and text["kv_transfer_params"] is None
+
+    chat = e.post(
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_completion_tokens": 4,
+            "return_token_ids": True,
+        },
+    )
+    assert chat["object"] == "chat.completion" and len(chat["choices"][0]["message"]["content"]) == 4
+    assert len(chat["choices"][0]["token_ids"]) == 4 and chat["prompt_token_ids"][0] == 1
