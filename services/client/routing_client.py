@@ -12,16 +12,14 @@ from __future__ import annotations
 import itertools
 import json
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 from kvplane.v1 import routing_pb2, routing_pb2_grpc
 from opentelemetry.instrumentation.grpc import aio_client_interceptors
 from opentelemetry.trace import TracerProvider
-
-_T = TypeVar("_T")
 
 DECISION_NAMES = {
     value: name.removeprefix("DECISION_").lower() for name, value in routing_pb2.Decision.items()
@@ -121,9 +119,10 @@ class RoutingClient:
 
     async def _call(
         self,
-        invoke: Callable[[routing_pb2_grpc.RoutingServiceStub, float], Awaitable[_T]],
+        # The stub's methods are typed as synchronous; on an aio channel they return awaitables.
+        invoke: Callable[[routing_pb2_grpc.RoutingServiceStub, float], Any],
         timeout_s: float | None,
-    ) -> _T:
+    ) -> Any:
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.timeout_s)
         start = next(self._next)
         last: grpc.aio.AioRpcError | None = None
@@ -164,7 +163,7 @@ class RoutingClient:
             request_id=request_id,
             tenant=tenant,
         )
-        response = await self._call(
+        response: routing_pb2.RouteResponse = await self._call(
             lambda stub, left: stub.Route(request, timeout=left, metadata=self.metadata), timeout_s
         )
         return RouteResult.from_pb(response)
@@ -207,7 +206,7 @@ class RoutingClient:
             tenant=tenant,
             model=model,
         )
-        response = await self._call(
+        response: routing_pb2.ReportTurnResponse = await self._call(
             lambda stub, left: stub.ReportTurn(request, timeout=left, metadata=self.metadata), timeout_s
         )
         return str(response.handle_id)
@@ -217,7 +216,7 @@ class RoutingClient:
     ) -> bool:
         """Releases the conversation's retained KV now; True if a handle was released."""
         request = routing_pb2.EndConversationRequest(conversation=conversation, tenant=tenant)
-        response = await self._call(
+        response: routing_pb2.EndConversationResponse = await self._call(
             lambda stub, left: stub.EndConversation(request, timeout=left, metadata=self.metadata), timeout_s
         )
         return bool(response.released)

@@ -19,7 +19,6 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Any
 
-import grpc
 from kvplane.connector import digests as token_digests
 from kvplane.services.common import convert, validation
 from kvplane.services.common.auth import Principal
@@ -45,7 +44,7 @@ from kvplane.services.common.handles import (
     fresh_prefill_params,
 )
 from kvplane.services.common.nodes import Node
-from kvplane.services.common.server import caller
+from kvplane.services.common.server import Context, caller
 from kvplane.services.common.settings import RoutingSection
 from kvplane.services.common.store import HandleRecord, Store
 from kvplane.services.common.telemetry import Telemetry
@@ -147,16 +146,16 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
         self._last_prefill: BoundedMap[tuple[str, str], str] = BoundedMap(settings.max_tracked_conversations)
         self._routes: BoundedMap[str, RouteRecord] = BoundedMap(settings.max_tracked_routes)
         self._contacted: BoundedMap[tuple[str, str], None] = BoundedMap(settings.max_tracked_conversations)
+        # The last time a Route saw the view connected to etcd (ms since the epoch).
+        self._view_live_ms = 0
 
-    def _caller(self, context: grpc.aio.ServicerContext) -> Principal:
+    def _caller(self, context: Context) -> Principal:
         return caller(self, context)
 
     # -- Route ------------------------------------------------------------------
 
     @rpc_method
-    async def Route(
-        self, request: routing_pb2.RouteRequest, context: grpc.aio.ServicerContext
-    ) -> routing_pb2.RouteResponse:
+    async def Route(self, request: routing_pb2.RouteRequest, context: Context) -> routing_pb2.RouteResponse:
         start = time.perf_counter()
         tenant = self._caller(context).acts_for(request.tenant)
         conversation = validation.conversation(request.conversation)
@@ -194,6 +193,8 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
     async def route(self, tenant: str, conversation: str, model: str, prompt: Prompt) -> RouteOutcome:
         """Decides one turn and, for a pull, checks the handle out. No protobuf here."""
         now = _now_ms()
+        if self.view.healthy:
+            self._view_live_ms = now
         record = self.view.handle(tenant, conversation)
         snapshot = RouteSnapshot(
             model=model,
@@ -204,6 +205,7 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
             handle=record.handle if record is not None else None,
             last_prefill_node_id=self._last_prefill.get((tenant, conversation)) or "",
             contacted=self._contacted,
+            loads_as_of_unix_ms=now if self.view.healthy else self._loads_as_of(),
         )
         try:
             plan = self.policy.route(snapshot, self.costs)
@@ -238,6 +240,11 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
         self.metrics.tokens.labels("reused").inc(reused)
         self.metrics.tokens.labels("recomputed").inc(max(0, prompt.tokens - reused))
         return RouteOutcome(route_id, plan, decision, reason, params, reused, handle)
+
+    def _loads_as_of(self) -> int:
+        """While etcd is unreachable: when the view was last known to be live."""
+        newest_report = max((load.reported_unix_ms for load in self.view.loads.values()), default=0)
+        return max(self._view_live_ms, newest_report)
 
     def _node_states(self) -> tuple[NodeState, ...]:
         view = self.view
@@ -284,7 +291,7 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
 
     @rpc_method
     async def ReportTurn(
-        self, request: routing_pb2.ReportTurnRequest, context: grpc.aio.ServicerContext
+        self, request: routing_pb2.ReportTurnRequest, context: Context
     ) -> routing_pb2.ReportTurnResponse:
         tenant = self._caller(context).acts_for(request.tenant)
         conversation = validation.conversation(request.conversation)
@@ -391,7 +398,7 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
 
     @rpc_method
     async def EndConversation(
-        self, request: routing_pb2.EndConversationRequest, context: grpc.aio.ServicerContext
+        self, request: routing_pb2.EndConversationRequest, context: Context
     ) -> routing_pb2.EndConversationResponse:
         tenant = self._caller(context).acts_for(request.tenant)
         conversation = validation.conversation(request.conversation)

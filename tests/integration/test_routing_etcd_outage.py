@@ -4,14 +4,31 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from importlib import resources
+from pathlib import Path
 
 import pytest
 from kvplane.services.common.local_etcd import LocalEtcd
 from kvplane.services.common.nodes import NodeRole
 from kvplane.services.common.store import Store, StoreSettings
+from kvplane.services.routing.policy.config import DEFAULT_POLICY_FILE
 
+from tests.support.polling import eventually
 from tests.support.routing_cluster import HISTORY_TOKENS, MODEL, RoutingCluster, decode_params, node, tokens
+
+DEFAULT_POLICY = (
+    resources.files("kvplane.services.routing.policy")
+    .joinpath(DEFAULT_POLICY_FILE)
+    .read_text(encoding="utf-8")
+)
+
+
+def _async_true_after(unix_ms: int) -> Callable[[], Awaitable[bool]]:
+    async def probe() -> bool:
+        return time.time() * 1000 > unix_ms
+
+    return probe
 
 
 @pytest.fixture
@@ -26,7 +43,7 @@ async def own_etcd() -> AsyncIterator[LocalEtcd]:
 
 
 async def test_etcd_outage_turns_pulls_into_recomputes_and_restart_restores_pulls(
-    own_etcd: LocalEtcd,
+    own_etcd: LocalEtcd, tmp_path: Path
 ) -> None:
     prefix = f"/kvplane-test/{uuid.uuid4().hex}/"
     store = Store(
@@ -39,7 +56,12 @@ async def test_etcd_outage_turns_pulls_into_recomputes_and_restart_restores_pull
     try:
         await cluster.register(node("p0", NodeRole.PREFILL))
         d0 = await cluster.register(node("d0", NodeRole.DECODE))
-        replica = await cluster.add_replica()
+        # Load reports count as stale after 300 ms, so the outage outlives them.
+        policy = tmp_path / "policy.yaml"
+        policy.write_text(
+            DEFAULT_POLICY.replace("    - live\n", "    - {name: live, params: {max_load_age_ms: 300}}\n")
+        )
+        replica = await cluster.add_replica(policy_file=str(policy))
         await cluster.wait_nodes()
         view = replica.ctx.view
         async with cluster.client("acme", timeout_s=10.0) as client:
@@ -50,9 +72,17 @@ async def test_etcd_outage_turns_pulls_into_recomputes_and_restart_restores_pull
             )
             await cluster.wait_handle("acme", conversation, handle_id)
 
+            await cluster.report_load("p0", queued_prefill_tokens=10)
+            await cluster.report_load("d0", running_requests=1)
+            await cluster.wait_views(lambda v: {"p0", "d0"} <= set(v.loads), "loads in the view")
+            reported_ms = max(load.reported_unix_ms for load in view.loads.values())
             own_etcd.stop()
             assert await view.wait_for(lambda: not view.healthy, 10.0), (
                 "the view never noticed etcd going away"
+            )
+            await eventually(
+                _async_true_after(reported_ms + 600),
+                what="the last load report to be older than the policy's limit",
             )
             started = time.monotonic()
             during = await client.route(conversation, MODEL, prompt_token_ids=[*history, 1])
@@ -66,6 +96,14 @@ async def test_etcd_outage_turns_pulls_into_recomputes_and_restart_restores_pull
 
             own_etcd.start()
             assert await view.wait_for(lambda: view.healthy, 15.0), "the view did not recover"
+            # Live again: nodes report again, as their agents do every few hundred ms.
+            await cluster.report_load("p0", queued_prefill_tokens=10)
+            await cluster.report_load("d0", running_requests=1)
+            fresh_ms = int(time.time() * 1000)
+            await cluster.wait_views(
+                lambda v: all(load.reported_unix_ms >= fresh_ms - 50 for load in v.loads.values()),
+                "fresh loads",
+            )
             # The handle was never checked out, so it is still there to pull.
             after = await client.route(conversation, MODEL, prompt_token_ids=[*history, 1])
             assert after.decision == "pull", after.reason
@@ -76,6 +114,8 @@ async def test_etcd_outage_turns_pulls_into_recomputes_and_restart_restores_pull
                 after, conversation, success=True, decode_kv_transfer_params=decode_params(d0, longer)
             )
             await cluster.wait_handle("acme", conversation, new_id)
+            await cluster.report_load("p0", queued_prefill_tokens=10)
+            await cluster.report_load("d0", running_requests=1)
             third = await client.route(conversation, MODEL, prompt_token_ids=[*longer, 2])
             assert third.decision == "pull", third.reason
     finally:

@@ -100,7 +100,9 @@ def handle_for(
     )
 
 
-def routing_settings(endpoint: str, prefix: str, *, listen_host: str = "127.0.0.1") -> KvplaneSettings:
+def routing_settings(
+    endpoint: str, prefix: str, *, listen_host: str = "127.0.0.1", policy_file: str = ""
+) -> KvplaneSettings:
     listen = f"[{listen_host}]" if ":" in listen_host else listen_host
     return KvplaneSettings.model_validate(
         {
@@ -112,7 +114,7 @@ def routing_settings(endpoint: str, prefix: str, *, listen_host: str = "127.0.0.
                 "settle_timeout_s": 2.0,
             },
             "telemetry": {"metrics_port": 0, "json_logs": False},
-            "routing": {"checkout_timeout_s": 1.0},
+            "routing": {"checkout_timeout_s": 1.0, "policy_file": policy_file},
         }
     )
 
@@ -129,12 +131,14 @@ class RoutingCluster:
     leases: dict[str, int] = field(default_factory=dict)
 
     async def add_replica(
-        self, listen_host: str = "127.0.0.1", telemetry: Telemetry | None = None
+        self, listen_host: str = "127.0.0.1", telemetry: Telemetry | None = None, policy_file: str = ""
     ) -> ServiceProcess:
         from kvplane.services.routing.app import install
 
         process = ServiceProcess(
-            routing_settings(self.etcd.endpoint, self.prefix, listen_host=listen_host),
+            routing_settings(
+                self.etcd.endpoint, self.prefix, listen_host=listen_host, policy_file=policy_file
+            ),
             [install],
             telemetry or Telemetry.disabled(),
         )

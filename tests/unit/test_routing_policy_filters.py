@@ -14,7 +14,7 @@ from kvplane.services.routing.policy.filters.not_draining import NotDrainingFilt
 from kvplane.services.routing.policy.filters.role import RoleFilter
 from kvplane.services.routing.policy.snapshot import NodeState
 
-from tests.unit.routing_policy_fixtures import FP, NOW, ctx, mk_load, mk_node
+from tests.unit.routing_policy_fixtures import FP, NOW, ctx, mk_load, mk_node, snap
 
 
 @pytest.mark.parametrize(
@@ -82,6 +82,16 @@ def test_live_filter_drops_nodes_whose_load_reports_stopped(
     load = None if report_age_ms is None else mk_load(node, reported_unix_ms=NOW - report_age_ms)
     f = LiveFilter(max_load_age_ms=10_000, require_load=require_load)
     assert f.keep(NodeState(node, load), ctx()) is kept
+
+
+def test_live_filter_judges_report_age_as_of_the_last_live_view() -> None:
+    # etcd has been unreachable for a minute: reports stopped for every node alike.
+    node = mk_node()
+    load = mk_load(node, reported_unix_ms=NOW - 61_000)
+    outage = snap(now_unix_ms=NOW, loads_as_of_unix_ms=NOW - 60_000)
+    assert LiveFilter(max_load_age_ms=10_000).keep(NodeState(node, load), ctx(snapshot=outage))
+    stuck = mk_load(node, reported_unix_ms=NOW - 75_000)
+    assert not LiveFilter(max_load_age_ms=10_000).keep(NodeState(node, stuck), ctx(snapshot=outage))
 
 
 def test_filters_are_frozen_values() -> None:

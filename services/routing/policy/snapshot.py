@@ -68,6 +68,11 @@ class RouteSnapshot:
     # handshake before; a first contact pays the handshake. Only membership
     # is asked, so the service can pass its bounded record without copying.
     contacted: Container[tuple[str, str]] = field(default_factory=frozenset)
+    # When the load reports were last known to be current (0: now). While the
+    # service's view is cut off from etcd, reports stop arriving; their age is
+    # then judged against the last moment the view was live, so an outage does
+    # not make every node look stuck.
+    loads_as_of_unix_ms: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,4 +26,6 @@ class LiveFilter:
     def keep(self, state: NodeState, ctx: LegContext) -> bool:
         if state.load is None:
             return not self.require_load
-        return ctx.snapshot.now_unix_ms - state.load.reported_unix_ms <= self.max_load_age_ms
+        snapshot = ctx.snapshot
+        as_of = snapshot.loads_as_of_unix_ms or snapshot.now_unix_ms
+        return as_of - state.load.reported_unix_ms <= self.max_load_age_ms
