@@ -7,6 +7,7 @@ import logging
 import sys
 
 from aiohttp import web
+
 from kvplane.bench.simengine.engine import SimEngine
 from kvplane.bench.simengine.engine_hooks import EngineObserver
 from kvplane.bench.simengine.openai_api import build_app

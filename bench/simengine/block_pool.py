@@ -13,6 +13,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
+
 from kvplane.bench.simengine.block_content import ContentModel, Words, block_hashes
 
 

@@ -611,8 +611,12 @@ class SimEngine:
     async def _notification_loop(self) -> None:
         transport = self._require_transport()
         while True:
-            for _agent, msg in transport.poll_notifs():
-                self._on_notification(msg)
+            try:
+                for _agent, msg in transport.poll_notifs():
+                    self._on_notification(msg)
+            except Exception:
+                # A lost poll must not stop every later free: log and keep polling.
+                log.exception("polling NIXL notifications failed")
             # Polling drives UCX progress (no progress thread); poll briskly only while holding.
             await asyncio.sleep(0.005 if self._retained else 0.05)
 
@@ -620,7 +624,11 @@ class SimEngine:
         while True:
             now = time.perf_counter()
             for r in [r for r in self._retained.values() if r.expiry <= now]:
-                self._free(r.request_id, "ttl")
-                self.metrics.expired()
+                try:
+                    self._free(r.request_id, "ttl")
+                    self.metrics.expired()
+                except Exception:
+                    log.exception("freeing expired %s failed", r.request_id)
+                    self._retained.pop(r.request_id, None)
             nxt = min((r.expiry for r in self._retained.values()), default=now + 0.1)
             await asyncio.sleep(min(max(nxt - time.perf_counter(), 0.001), 0.1))

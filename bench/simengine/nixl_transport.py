@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
 from kvplane.bench.simengine.block_pool import BlockPool
 
 
@@ -136,6 +137,11 @@ class NixlTransport:
                 state = self._agent.check_xfer_state(handle)
             if state != "DONE":
                 raise TransferFailedError(f"READ ended in state {state}")
+        except asyncio.CancelledError:
+            # The caller frees the destination blocks next: let the READ land first, so a late
+            # write never hits a block that was handed to another request.
+            self._finish_blocking(handle, t0 + timeout_s)
+            raise
         except TransferFailedError:
             raise
         except Exception as e:
@@ -144,6 +150,11 @@ class NixlTransport:
             with contextlib.suppress(Exception):
                 self._agent.release_xfer_handle(handle)
         return time.perf_counter() - t0
+
+    def _finish_blocking(self, handle: Any, deadline: float) -> None:
+        with contextlib.suppress(Exception):
+            while self._agent.check_xfer_state(handle) == "PROC" and time.perf_counter() < deadline:
+                time.sleep(0.0002)
 
     def send_notif(self, remote: RemoteAgent, msg: bytes) -> None:
         try:

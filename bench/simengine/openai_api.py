@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
+
 from kvplane.bench.simengine import toy_tokenizer
 from kvplane.bench.simengine.block_pool import KvCacheFullError
 from kvplane.bench.simengine.engine import FinishInfo, GenerationRequest, SimEngine, TokenEvent

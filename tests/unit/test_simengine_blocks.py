@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from kvplane.bench.simengine.block_content import (
     BlockCheck,
     ContentModel,

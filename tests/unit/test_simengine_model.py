@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from kvplane.bench.simengine import toy_tokenizer
 from kvplane.bench.simengine.kv_params import INCARNATION_KEY, holder_params, parse_remote
 from kvplane.bench.simengine.settings import SimEngineSettings, parse_settings
