@@ -237,3 +237,35 @@ async def test_a_request_that_cannot_get_blocks_fails_and_frees_what_it_held(sta
     with pytest.raises(KvCacheFullError):
         await run(e, prompt_of(100, 7), 1)
     assert e.load().free_kv_blocks == 4 and e.load().running_requests == 0
+
+
+async def test_twenty_concurrent_five_turn_conversations_pull_verified_blocks(stack: list[SimEngine]) -> None:
+    p, p2, d, ref = (SimEngine(settings(num_blocks=4096)) for _ in range(4))
+    stack.extend([p, p2, d, ref])
+    await started(p, p2, d, ref)
+    system = prompt_of(64, 99)  # a shared system prompt: D's handles share its blocks
+
+    async def conversation(c: int) -> None:
+        prompt = system + prompt_of(150, c)
+        handle = None
+        for turn in range(5):
+            kvp = {"do_remote_decode": True} if handle is None else dict(handle, do_remote_prefill=False)
+            # Alternate P engines: a P that missed the last turn reads D's shared blocks too.
+            p_params = (await run((p, p2)[turn % 2], prompt, 1, kvp)).kv_transfer_params
+            fin = await run(d, prompt, 100, p_params)
+            out = list(fin.output_token_ids)
+            assert out == list((await run(ref, prompt, 100)).output_token_ids), (
+                f"conversation {c} turn {turn}"
+            )
+            handle = fin.kv_transfer_params
+            prompt = prompt + out + prompt_of(40, 1000 * c + turn)
+
+    await asyncio.gather(*(conversation(c) for c in range(20)))
+    pulled = sum(sample(e, "kvplane_sim_kv_loads_total", leg="prefill", outcome="pulled") for e in (p, p2))
+    assert pulled == 20 * 4
+    assert sample(d, "kvplane_sim_kv_loads_total", leg="decode", outcome="pulled") == 20 * 5
+    for e in (p, p2, d):
+        assert sample(e, "kvplane_sim_kv_verify_failures_total", reason="wrong_prefix") == 0
+        assert sample(e, "kvplane_sim_kv_verify_failures_total", reason="not_leased") == 0
+    await until(lambda: p.load().retained_handles + p2.load().retained_handles == 0, 10, "P leases freed")
+    assert d.load().retained_handles == 20, "D keeps the last turn of each conversation"
