@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
+
 from kvplane.services.common.handles import CacheHandle, VllmHandle
 from kvplane.services.common.local_etcd import LocalEtcd, free_port
 from kvplane.services.common.nodes import Fingerprint, Node, NodeRole

@@ -6,9 +6,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import BaseModel, Field
+
 from kvplane.services.eviction.policy import RetentionPipeline
 from kvplane.services.eviction.policy.base import PolicyConfigError
-from pydantic import BaseModel, Field
 
 
 class EvictionSection(BaseModel):

@@ -187,10 +187,11 @@ class EvictionCoordinator:
     def snapshot(self, now_unix_ms: int) -> tuple[Snapshot, list[Release]]:
         """The policy snapshot of the view, and releases for draining nodes."""
         self.releaser.prune()
-        nodes = {
-            node_id: NodeInfo(node_id, record.node.kv_capacity_bytes)
-            for node_id, record in self.view.nodes.items()
-        }
+        nodes = {}
+        for node_id, node_record in self.view.nodes.items():
+            load = self.view.load(node_record.node)
+            reported = load.retained_bytes if load is not None else 0
+            nodes[node_id] = NodeInfo(node_id, node_record.node.kv_capacity_bytes, reported)
         draining = {(r.node.node_id, r.node.incarnation) for r in self.view.nodes.values() if r.node.draining}
         handles: list[HandleInfo] = []
         drains: list[Release] = []

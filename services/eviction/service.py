@@ -12,6 +12,7 @@ import logging
 from collections.abc import AsyncIterator
 
 import grpc
+
 from kvplane.services.common import validation
 from kvplane.services.common.auth import PrincipalKind
 from kvplane.services.common.errors import InvalidArgument, NotLeader, StoreUnavailable
@@ -43,6 +44,9 @@ class EvictionService(eviction_pb2_grpc.EvictionServiceServicer):
             leader = self.coordinator.election.leader_id
             raise NotLeader(f"replica {self.coordinator.replica_id} is a standby; leader is {leader!r}")
         hello = await _hello(request_iterator)
+        if self.coordinator.term is not term or not term.active:
+            # The term ended while the hello was on its way: open nothing.
+            raise NotLeader("leadership moved to another replica; reconnect")
         session = self.coordinator.open_session(hello.node_id, hello.incarnation)
         log.info("node connected", extra={"node": hello.node_id, "incarnation": hello.incarnation})
         reader = asyncio.create_task(self._read_acks(request_iterator, session), name=f"acks-{hello.node_id}")

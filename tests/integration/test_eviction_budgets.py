@@ -12,7 +12,6 @@ from kvplane.services.common.nodes import Node
 from kvplane.services.common.store import Store
 from kvplane.services.eviction.policy import HandleInfo, NodeInfo, Snapshot, ValueModel
 from kvplane.v1 import handle_pb2
-
 from tests.conftest import make_node
 from tests.support.eviction_nodes import CommandNode, coordinator_of, start_replica, target_of
 from tests.support.factories import make_handle

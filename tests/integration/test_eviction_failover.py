@@ -20,10 +20,10 @@ from pathlib import Path
 import grpc
 import pytest
 import yaml
+
 from kvplane.services.common.local_etcd import LocalEtcd, free_port
 from kvplane.services.common.store import Store
 from kvplane.v1 import eviction_pb2, eviction_pb2_grpc
-
 from tests.conftest import NODE_HEADERS, make_node
 from tests.support.eviction_nodes import CommandNode, coordinator_of, start_replica, target_of
 from tests.support.factories import make_handle

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 import pytest
+
 from kvplane.connector.node_agent import NodeAgent, NodeAgentSettings
 from kvplane.services.common.handles import ReleaseReason
 from kvplane.services.common.local_etcd import LocalEtcd
@@ -20,7 +21,6 @@ from kvplane.services.common.telemetry import Telemetry
 from kvplane.services.eviction.app import install as install_eviction
 from kvplane.services.metadata.app import install as install_metadata
 from kvplane.v1 import metadata_pb2, metadata_pb2_grpc
-
 from tests.conftest import make_node, settings_for
 from tests.support.eviction_nodes import coordinator_of
 from tests.support.factories import make_handle

@@ -15,13 +15,13 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
+
 from kvplane.services.common.local_etcd import LocalEtcd
 from kvplane.services.common.process import ServiceProcess
 from kvplane.services.common.telemetry import Telemetry
 from kvplane.services.eviction.app import install
 from kvplane.services.eviction.coordinator import EvictionCoordinator
 from kvplane.v1 import eviction_pb2, eviction_pb2_grpc
-
 from tests.conftest import NODE_HEADERS, settings_for
 
 

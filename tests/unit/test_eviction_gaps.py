@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from kvplane.services.eviction.policy import (
     GapPrior,
     GapStatistics,

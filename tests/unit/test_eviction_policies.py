@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
+
 from kvplane.services.common.handles import ReleaseReason
 from kvplane.services.eviction.policy import (
     HandleInfo,
@@ -162,6 +163,16 @@ NODE_CASES = [
         (),
     ),
 ]
+
+
+def test_node_budget_counts_what_the_node_reports_when_it_is_more() -> None:
+    handles = (handle("a", age_s=10), handle("b", age_s=20))
+    policy = NodeBudget(high_bytes=250 * MB, low_bytes=150 * MB)
+    quiet = Snapshot(NOW, handles, {"d0": NodeInfo("d0", 0, 120 * MB)})
+    assert policy.evaluate(quiet, VALUES) == []
+    # 300 MB pinned by the node's count, 200 MB of it in handles: both go.
+    loud = Snapshot(NOW, handles, {"d0": NodeInfo("d0", 0, 300 * MB)})
+    assert released(policy.evaluate(loud, VALUES)) == ["b", "a"]
 
 
 @pytest.mark.parametrize("case", NODE_CASES, ids=lambda c: c.name)

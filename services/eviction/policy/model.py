@@ -39,10 +39,16 @@ class HandleInfo:
 
 @dataclass(frozen=True, slots=True)
 class NodeInfo:
-    """A holder node. `kv_capacity_bytes` is 0 when the node did not say."""
+    """A holder node. Zero means the node did not say.
+
+    `reported_retained_bytes` is the node's own count of pinned KV (its load
+    report): it can exceed the published handles' sum, for example while a
+    finished turn's handle is still on its way.
+    """
 
     node_id: str
     kv_capacity_bytes: int = 0
+    reported_retained_bytes: int = 0
 
 
 def _frozen_nodes(nodes: Mapping[str, NodeInfo]) -> Mapping[str, NodeInfo]:

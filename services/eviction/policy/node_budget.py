@@ -75,7 +75,11 @@ class NodeBudget:
             if marks is None:
                 continue
             high, low = marks
-            retained = sum(h.retained_bytes for h in handles)
+            node = snapshot.nodes.get(node_id)
+            reported = node.reported_retained_bytes if node is not None else 0
+            # The node's own count wins when larger: pinned bytes the control
+            # plane has no handle for can only be freed by releasing others.
+            retained = max(sum(h.retained_bytes for h in handles), reported)
             if retained <= high:
                 continue
             detail = f"node {node_id} retained {retained} B > high {high:.0f} B; down to low {low:.0f} B"
