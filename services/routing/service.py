@@ -19,9 +19,11 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Any
 
+from opentelemetry import trace
+
 from kvplane.connector import digests as token_digests
 from kvplane.services.common import convert, validation
-from kvplane.services.common.auth import Principal
+from kvplane.services.common.auth import Principal, PrincipalKind
 from kvplane.services.common.cluster_view import ClusterView
 from kvplane.services.common.errors import (
     HandleNotRetained,
@@ -64,7 +66,6 @@ from kvplane.services.routing.policy import (
 )
 from kvplane.services.routing.policy.decision import NoEligibleNodes
 from kvplane.v1 import routing_pb2, routing_pb2_grpc
-from opentelemetry import trace
 
 log = logging.getLogger(__name__)
 
@@ -293,32 +294,49 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
     async def ReportTurn(
         self, request: routing_pb2.ReportTurnRequest, context: Context
     ) -> routing_pb2.ReportTurnResponse:
-        tenant = self._caller(context).acts_for(request.tenant)
+        principal = self._caller(context)
+        tenant = principal.acts_for(request.tenant)
         conversation = validation.conversation(request.conversation)
         validation.ident(request.route_id, "route_id", required=False)
         validation.text(request.error, "error", max_bytes=MAX_ERROR, required=False)
         if len(request.retained_token_ids) > MAX_PROMPT_IDS:
             raise InvalidArgument("retained_token_ids", f"has more than {MAX_PROMPT_IDS} ids")
         route = self._routes.pop(request.route_id) if request.route_id else None
-        if route is not None and (route.tenant, route.conversation) != (tenant, conversation):
-            route = None  # a route id of another conversation teaches nothing here
-        self._learn(request, route)
+        if route is not None and (route.tenant, route.conversation) == (tenant, conversation):
+            # Only turns this replica routed teach the cost model, once each, so
+            # made-up reports cannot steer it.
+            self._learn(request, route)
         handle_id = ""
         if request.success and request.decode_kv_transfer_params_json:
-            handle_id = await self._publish(tenant, conversation, request)
+            params = _decode_params(request.decode_kv_transfer_params_json, tenant, conversation)
+            if principal.kind is PrincipalKind.TENANT:
+                # A tenant could name any blocks on any engine here, and so make P
+                # read another tenant's KV. Handles from tenant callers are taken
+                # only from the engine's connector, which publishes them itself.
+                handle_id = self._published_by_engine(tenant, conversation, params)
+            else:
+                handle_id = await self._publish(tenant, conversation, params, request)
         self.metrics.reports.labels(
             "success" if request.success else "failure", str(bool(handle_id)).lower()
         ).inc()
         return routing_pb2.ReportTurnResponse(handle_id=handle_id)
 
-    def _learn(self, request: routing_pb2.ReportTurnRequest, route: RouteRecord | None) -> None:
+    def _published_by_engine(self, tenant: str, conversation: str, params: dict[str, Any]) -> str:
+        """The id of the handle D's connector published for this turn, if the view has it."""
+        wanted = params.get(KEY_HANDLE_ID)
+        current = self.view.handle(tenant, conversation)
+        if isinstance(wanted, str) and wanted and current is not None and current.handle.handle_id == wanted:
+            return wanted
+        return ""
+
+    def _learn(self, request: routing_pb2.ReportTurnRequest, route: RouteRecord) -> None:
         observation = TurnObservation(
             prompt_tokens=request.prompt_tokens,
             pulled_tokens=request.pulled_tokens,
             transfer_ms=max(0.0, request.transfer_ms),
             prefill_ms=max(0.0, request.prefill_ms),
             ttft_ms=max(0.0, request.ttft_ms),
-            kv_bytes_per_token=route.kv_bytes_per_token if route is not None else 0,
+            kv_bytes_per_token=route.kv_bytes_per_token,
             success=request.success,
         )
         self.costs = self.costs.observe(observation)
@@ -328,9 +346,11 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
         self.metrics.recompute_ms_per_token.set(self.costs.recompute_ms_per_token)
         self.metrics.transfer_bytes_per_ms.set(self.costs.transfer_bytes_per_ms)
 
-    async def _publish(self, tenant: str, conversation: str, request: routing_pb2.ReportTurnRequest) -> str:
+    async def _publish(
+        self, tenant: str, conversation: str, params: dict[str, Any], request: routing_pb2.ReportTurnRequest
+    ) -> str:
         """Publishes D's new handle unless the engine's connector already did."""
-        handle = self._handle_from_report(tenant, conversation, request)
+        handle = self._handle_from_report(tenant, conversation, params, request)
         current = self.view.handle(tenant, conversation)
         if current is not None and current.handle.handle_id == handle.handle_id:
             return handle.handle_id  # the connector's own publish got there first
@@ -338,20 +358,9 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
         return outcome.handle.handle_id
 
     def _handle_from_report(
-        self, tenant: str, conversation: str, request: routing_pb2.ReportTurnRequest
+        self, tenant: str, conversation: str, params: dict[str, Any], request: routing_pb2.ReportTurnRequest
     ) -> CacheHandle:
         field = "decode_kv_transfer_params_json"
-        try:
-            params = json.loads(request.decode_kv_transfer_params_json)
-        except ValueError:
-            raise InvalidArgument(field, "is not JSON") from None
-        if not isinstance(params, dict):
-            raise InvalidArgument(field, "must be a JSON object")
-        # The engine's connector echoes the tenant it was given; a mismatch means
-        # the caller is reporting someone else's turn.
-        for key, mine in ((KEY_TENANT, tenant), (KEY_CONVERSATION, conversation)):
-            if key in params and params[key] != mine:
-                raise PermissionDenied(f"{field}: {key} does not match the caller's turn")
         try:
             vllm = VllmHandle.from_kv_transfer_params(params)
         except HandleFormatError as exc:
@@ -361,6 +370,10 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
         # Stored bare (metadata validation); vLLM brackets IPv6 itself.
         vllm = _with_host(vllm, bare_host(vllm.remote_host))
         holder = self._holder_for_engine(vllm.remote_engine_id)
+        if request.model and request.model != holder.fingerprint.model:
+            raise InvalidArgument(
+                "model", f"is {request.model!r} but the holder serves {holder.fingerprint.model!r}"
+            )
         digests = None
         encoded = params.get(KEY_DIGESTS)
         if isinstance(encoded, str) and encoded:
@@ -385,7 +398,7 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
             retained_bytes=vllm.num_blocks * holder.block_size * holder.kv_bytes_per_token,
             digests=digests,
             published_unix_ms=now,
-            model=request.model or holder.fingerprint.model,
+            model=holder.fingerprint.model,
         )
 
     def _holder_for_engine(self, engine_id: str) -> Node:
@@ -403,16 +416,35 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
         tenant = self._caller(context).acts_for(request.tenant)
         conversation = validation.conversation(request.conversation)
         self._last_prefill.pop((tenant, conversation))
+        cached = self.view.handle(tenant, conversation)
         try:
-            await self.store.release(
-                tenant,
-                conversation,
-                ReleaseReason.CONVERSATION_ENDED,
-                expected=self.view.handle(tenant, conversation),
-            )
+            await self.store.release(tenant, conversation, ReleaseReason.CONVERSATION_ENDED, expected=cached)
         except (NotFound, HandleNotRetained):
-            return routing_pb2.EndConversationResponse(released=False)
+            if cached is None:
+                return routing_pb2.EndConversationResponse(released=False)
+            # The view may lag a newer handle: release whatever etcd holds now.
+            try:
+                await self.store.release(tenant, conversation, ReleaseReason.CONVERSATION_ENDED)
+            except (NotFound, HandleNotRetained):
+                return routing_pb2.EndConversationResponse(released=False)
         return routing_pb2.EndConversationResponse(released=True)
+
+
+def _decode_params(text: str, tenant: str, conversation: str) -> dict[str, Any]:
+    """D's finish-time kv_transfer_params, checked against the caller's turn."""
+    field = "decode_kv_transfer_params_json"
+    try:
+        params = json.loads(text)
+    except ValueError:
+        raise InvalidArgument(field, "is not JSON") from None
+    if not isinstance(params, dict):
+        raise InvalidArgument(field, "must be a JSON object")
+    # The engine's connector echoes the tenant it was given; a mismatch means
+    # the caller is reporting someone else's turn.
+    for key, mine in ((KEY_TENANT, tenant), (KEY_CONVERSATION, conversation)):
+        if key in params and params[key] != mine:
+            raise PermissionDenied(f"{field}: {key} does not match the caller's turn")
+    return params
 
 
 def _prompt(request: routing_pb2.RouteRequest) -> Prompt:

@@ -6,15 +6,15 @@ import time
 from collections.abc import AsyncIterator
 
 import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
 from kvplane.client import RoutingClient, RoutingUnavailable
 from kvplane.services.common.local_etcd import LocalEtcd, free_port
 from kvplane.services.common.nodes import NodeRole
 from kvplane.services.common.store import Store, StoreSettings
 from kvplane.services.common.telemetry import Telemetry
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
 from tests.support.routing_cluster import HISTORY_TOKENS, MODEL, RoutingCluster, decode_params, node, tokens
 
 
@@ -84,12 +84,12 @@ async def test_metrics_count_routes_by_decision_and_reason_and_tokens(cluster: R
     registry = replica.telemetry.registry
     history = tokens(HISTORY_TOKENS)
     async with cluster.client("acme") as client:
-        await client.route("m1", MODEL, prompt_token_ids=history[:-1])
-        handle_id = await client.report_turn(
-            None,
+        first = await client.route("m1", MODEL, prompt_token_ids=history[:-1])
+        handle_id = await cluster.report(
+            "acme",
             "m1",
-            success=True,
-            decode_kv_transfer_params=decode_params(cluster.nodes["d0"], history),
+            decode_params(cluster.nodes["d0"], history),
+            route=first,
             prompt_tokens=HISTORY_TOKENS,
             prefill_ms=150.0,
         )

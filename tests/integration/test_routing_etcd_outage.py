@@ -9,11 +9,11 @@ from importlib import resources
 from pathlib import Path
 
 import pytest
+
 from kvplane.services.common.local_etcd import LocalEtcd
 from kvplane.services.common.nodes import NodeRole
 from kvplane.services.common.store import Store, StoreSettings
 from kvplane.services.routing.policy.config import DEFAULT_POLICY_FILE
-
 from tests.support.polling import eventually
 from tests.support.routing_cluster import HISTORY_TOKENS, MODEL, RoutingCluster, decode_params, node, tokens
 
@@ -67,9 +67,7 @@ async def test_etcd_outage_turns_pulls_into_recomputes_and_restart_restores_pull
         async with cluster.client("acme", timeout_s=10.0) as client:
             conversation = "outage"
             history = tokens(HISTORY_TOKENS)
-            handle_id = await client.report_turn(
-                None, conversation, success=True, decode_kv_transfer_params=decode_params(d0, history)
-            )
+            handle_id = await cluster.report("acme", conversation, decode_params(d0, history))
             await cluster.wait_handle("acme", conversation, handle_id)
 
             await cluster.report_load("p0", queued_prefill_tokens=10)
@@ -110,9 +108,7 @@ async def test_etcd_outage_turns_pulls_into_recomputes_and_restart_restores_pull
             assert after.response.handle.handle_id == handle_id
             # And a new turn's handle is published and pulled as usual.
             longer = [*history, 1, *tokens(64, seed=3)]
-            new_id = await client.report_turn(
-                after, conversation, success=True, decode_kv_transfer_params=decode_params(d0, longer)
-            )
+            new_id = await cluster.report("acme", conversation, decode_params(d0, longer), route=after)
             await cluster.wait_handle("acme", conversation, new_id)
             await cluster.report_load("p0", queued_prefill_tokens=10)
             await cluster.report_load("d0", running_requests=1)

@@ -10,6 +10,7 @@ from urllib.parse import urlsplit
 
 import grpc
 import pytest
+
 from kvplane.client import RoutingClient, decode_body, prefill_body
 from kvplane.services.common.handles import (
     KEY_CONVERSATION,
@@ -22,7 +23,6 @@ from kvplane.services.common.local_etcd import LocalEtcd
 from kvplane.services.common.nodes import NodeRole
 from kvplane.services.common.store import Store, StoreSettings
 from kvplane.services.routing.endpoints import side_channel_url
-
 from tests.support.routing_cluster import (
     HISTORY_TOKENS,
     MODEL,
@@ -79,13 +79,8 @@ async def test_second_turn_pulls_with_every_handle_key_passed_through(
     history = tokens(HISTORY_TOKENS)
     first = await client.route(c, MODEL, prompt_token_ids=history[:-50])
     d_params = decode_params(cluster.nodes["d0"], history)
-    handle_id = await client.report_turn(
-        first,
-        c,
-        success=True,
-        decode_kv_transfer_params=d_params,
-        ttft_ms=200,
-        prompt_tokens=HISTORY_TOKENS - 50,
+    handle_id = await cluster.report(
+        "acme", c, d_params, route=first, ttft_ms=200, prompt_tokens=HISTORY_TOKENS - 50
     )
     assert handle_id == d_params[KEY_HANDLE_ID]
     await cluster.wait_handle("acme", c, handle_id)
@@ -203,7 +198,7 @@ async def test_handle_without_digests_recomputes_rather_than_pulling_unproven(
     c = conv()
     history = tokens(HISTORY_TOKENS)
     params = decode_params(cluster.nodes["d0"], history, with_digests=False)
-    handle_id = await client.report_turn(None, c, success=True, decode_kv_transfer_params=params)
+    handle_id = await cluster.report("acme", c, params)
     await cluster.wait_handle("acme", c, handle_id)
     result = await client.route(c, MODEL, prompt_token_ids=[*history, 1])
     assert result.decision == "recompute_prefix_mismatch"
@@ -215,9 +210,7 @@ async def test_report_turn_digests_retained_token_ids_when_the_engine_sent_none(
     c = conv()
     history = tokens(HISTORY_TOKENS)
     params = decode_params(cluster.nodes["d0"], history, with_digests=False)
-    handle_id = await client.report_turn(
-        None, c, success=True, decode_kv_transfer_params=params, retained_token_ids=history
-    )
+    handle_id = await cluster.report("acme", c, params, retained_token_ids=history)
     await cluster.wait_handle("acme", c, handle_id)
     edited = [*history[:10], 0, *history[11:], 5]
     assert (await client.route(c, MODEL, prompt_token_ids=edited)).decision == "recompute_prefix_mismatch"
@@ -230,7 +223,7 @@ async def test_tenants_sharing_a_conversation_id_never_see_each_others_handle(
     c = conv()
     history = tokens(HISTORY_TOKENS)
     params = decode_params(cluster.nodes["d0"], history)
-    await client.report_turn(None, c, success=True, decode_kv_transfer_params=params)
+    await cluster.report("acme", c, params)
     await cluster.wait_handle("acme", c)
     async with cluster.client("globex") as other:
         stolen = await other.route(c, MODEL, prompt_token_ids=[*history, 1])
@@ -249,6 +242,24 @@ async def test_tenants_sharing_a_conversation_id_never_see_each_others_handle(
         assert not await other.end_conversation(c)
     owner = await client.route(c, MODEL, prompt_token_ids=[*history, 1])
     assert owner.decision == "pull"
+
+
+async def test_a_tenant_caller_cannot_publish_a_handle_only_report_one(
+    cluster: RoutingCluster, client: RoutingClient
+) -> None:
+    # A tenant could otherwise name blocks it does not own on any engine.
+    c = conv()
+    history = tokens(HISTORY_TOKENS)
+    forged = decode_params(cluster.nodes["d0"], history)
+    assert await client.report_turn(None, c, success=True, decode_kv_transfer_params=forged) == ""
+    assert await cluster.store.get_handle_record("acme", c) is None
+    # What the engine's connector published is acknowledged by id.
+    handle = await cluster.publish(handle_for(cluster.nodes["d0"], "acme", c, history))
+    await cluster.wait_handle("acme", c, handle.handle_id)
+    echoed = decode_params(cluster.nodes["d0"], history, **{KEY_HANDLE_ID: handle.handle_id})
+    assert (
+        await client.report_turn(None, c, success=True, decode_kv_transfer_params=echoed) == handle.handle_id
+    )
 
 
 async def test_nodes_with_another_fingerprint_are_never_chosen(
@@ -284,9 +295,7 @@ async def test_a_handle_published_through_one_replica_is_pulled_through_another(
     c = conv()
     history = tokens(HISTORY_TOKENS)
     async with cluster.client("acme", 0) as first, cluster.client("acme", 1) as second:
-        handle_id = await first.report_turn(
-            None, c, success=True, decode_kv_transfer_params=decode_params(cluster.nodes["d0"], history)
-        )
+        handle_id = await cluster.report("acme", c, decode_params(cluster.nodes["d0"], history), 0)
         await cluster.wait_handle("acme", c, handle_id)
         result = await second.route(c, MODEL, prompt_token_ids=[*history, 1])
         assert result.decision == "pull", result.reason
@@ -315,7 +324,7 @@ async def test_unknown_model_is_unavailable_not_internal(client: RoutingClient) 
     assert "no prefill/decode pair" in str(err.value)
 
 
-async def test_invalid_requests_are_invalid_argument(client: RoutingClient) -> None:
+async def test_invalid_requests_are_invalid_argument(cluster: RoutingCluster, client: RoutingClient) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await client.route(conv(), MODEL, prompt_tokens=0)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -323,9 +332,10 @@ async def test_invalid_requests_are_invalid_argument(client: RoutingClient) -> N
         await client.route(conv(), MODEL, prompt_tokens=5, prompt_token_ids=[1, 2, 3])
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        await client.report_turn(
-            None, conv(), success=True, decode_kv_transfer_params={"remote_engine_id": "x"}
-        )
+        await cluster.report("acme", conv(), {"remote_engine_id": "x"})
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await cluster.report("acme", conv(), decode_params(cluster.nodes["d0"], tokens(64)), model="other")
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
@@ -347,9 +357,7 @@ async def test_ipv6_nodes_get_bracketed_urls_and_side_channel(etcd: LocalEtcd, p
                 parts = urlsplit(endpoint.http_url)
                 assert parts.hostname == host and parts.port is not None
                 assert f"[{host}]" in endpoint.http_url
-            handle_id = await client.report_turn(
-                first, cv, success=True, decode_kv_transfer_params=decode_params(d6, history)
-            )
+            handle_id = await c.report("acme", cv, decode_params(d6, history), route=first)
             await c.wait_handle("acme", cv, handle_id)
             second = await client.route(cv, MODEL, prompt_token_ids=[*history, 1])
             assert second.decision == "pull", second.reason

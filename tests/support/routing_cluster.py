@@ -151,6 +151,27 @@ class RoutingCluster:
         host = process.settings.grpc.listen.rsplit(":", 1)[0]
         return f"{host}:{process.grpc_port}"
 
+    def gateway(self, *indexes: int, **kwargs: Any) -> RoutingClient:
+        """A client authenticated as an internal (operator) principal: it names tenants per call,
+        and only it may publish a handle through ReportTurn."""
+        targets = [self.target(i) for i in (indexes or range(len(self.replicas)))]
+        kwargs.setdefault("timeout_s", 5.0)
+        return RoutingClient(targets, metadata=(("x-kvplane-role", "operator"),), **kwargs)
+
+    async def report(
+        self, tenant: str, conversation: str, params: dict[str, Any], *indexes: int, **kwargs: Any
+    ) -> str:
+        """D's finish reported by a trusted gateway; returns the published handle's id."""
+        async with self.gateway(*indexes) as gateway:
+            return await gateway.report_turn(
+                kwargs.pop("route", None),
+                conversation,
+                success=True,
+                decode_kv_transfer_params=params,
+                tenant=tenant,
+                **kwargs,
+            )
+
     def client(self, tenant: str = "acme", *indexes: int, **kwargs: Any) -> RoutingClient:
         targets = [self.target(i) for i in (indexes or range(len(self.replicas)))]
         kwargs.setdefault("timeout_s", 5.0)
