@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-from kvplane.v1 import routing_pb2, routing_pb2_grpc
 from opentelemetry.instrumentation.grpc import aio_client_interceptors
 from opentelemetry.trace import TracerProvider
+
+from kvplane.v1 import routing_pb2, routing_pb2_grpc
 
 DECISION_NAMES = {
     value: name.removeprefix("DECISION_").lower() for name, value in routing_pb2.Decision.items()

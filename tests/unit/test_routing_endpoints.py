@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from kvplane.services.routing.endpoints import (
     AddressError,
     bare_host,

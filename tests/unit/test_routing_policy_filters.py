@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+
 from kvplane.services.common.nodes import Fingerprint, NodeRole
 from kvplane.services.routing.policy import Leg
 from kvplane.services.routing.policy.filters.fingerprint import SameFingerprintFilter
@@ -13,7 +14,6 @@ from kvplane.services.routing.policy.filters.model import SameModelFilter
 from kvplane.services.routing.policy.filters.not_draining import NotDrainingFilter
 from kvplane.services.routing.policy.filters.role import RoleFilter
 from kvplane.services.routing.policy.snapshot import NodeState
-
 from tests.unit.routing_policy_fixtures import FP, NOW, ctx, mk_load, mk_node, snap
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from kvplane.services.common.nodes import Fingerprint, NodeRole
 from kvplane.services.routing.policy import (
     CostModel,
@@ -16,7 +17,6 @@ from kvplane.services.routing.policy import (
     policy_from_mapping,
     policy_from_yaml,
 )
-
 from tests.unit.routing_policy_fixtures import history, mk_handle, mk_node, snap, state
 
 FP8 = Fingerprint("m", "fp8_e4m3", "NHD")

@@ -6,11 +6,11 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
+
 from kvplane.connector.digests import chain
 from kvplane.services.common.nodes import NodeRole
 from kvplane.services.routing.policy import CostModel, Decision, Prompt, PullSettings, decide_pull
 from kvplane.services.routing.policy.prefix_match import match_prefix
-
 from tests.unit.routing_policy_fixtures import history, mk_handle, mk_node, snap, state
 
 HOLDER = mk_node("d0")

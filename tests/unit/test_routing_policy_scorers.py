@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from kvplane.services.common.nodes import NodeRole
 from kvplane.services.routing.policy import Leg, Prompt
 from kvplane.services.routing.policy.picker import MaxScorePicker
@@ -13,7 +14,6 @@ from kvplane.services.routing.policy.scorers.last_prefill import LastPrefillScor
 from kvplane.services.routing.policy.scorers.queued_prefill import QueuedPrefillScorer
 from kvplane.services.routing.policy.scorers.running_load import RunningLoadScorer
 from kvplane.services.routing.policy.snapshot import NodeState
-
 from tests.unit.routing_policy_fixtures import ctx, history, mk_handle, mk_load, mk_node, snap, state
 
 HOLDER = mk_node("d0")

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
 from kvplane.services.routing.policy import filters as _filters  # noqa: F401  (registers)
 from kvplane.services.routing.policy import picker as _picker  # noqa: F401  (registers)
 from kvplane.services.routing.policy import scorers as _scorers  # noqa: F401  (registers)
