@@ -127,7 +127,7 @@ def node_for(engine: SimEngine, http_url: str) -> Node:
         role=_ROLES[s.role],
         engine_id=engine.engine_id,
         http_url=http_url,
-        side_channel_host=s.side_channel_host,
+        side_channel_host=s.advertised_side_channel_host,
         side_channel_port=engine.side_channel_port,
         # Blocks move only between sim-engines of one model and one block geometry.
         fingerprint=Fingerprint(s.model, "sim", f"sim-{s.block_size}tok-{s.bytes_per_block}B"),

@@ -37,7 +37,7 @@ class SimEngineServer:
 
     @property
     def http_url(self) -> str:
-        return f"http://{format_host(self.settings.http_host)}:{self.http_port}"
+        return f"http://{format_host(self.settings.advertised_http_host)}:{self.http_port}"
 
     async def start(self) -> None:
         await self.engine.start()
@@ -87,7 +87,7 @@ async def serve(
     print(
         f"kvplane sim-engine ready: role={settings.role} engine_id={e.engine_id} "
         f"incarnation={e.incarnation} http={server.http_url} "
-        f"side_channel={format_host(settings.side_channel_host)}:{e.side_channel_port}",
+        f"side_channel={format_host(settings.advertised_side_channel_host)}:{e.side_channel_port}",
         flush=True,
     )
     try:

@@ -436,7 +436,7 @@ class SimEngine:
                 incarnation=self.incarnation,
                 request_id=req.request_id,
                 block_ids=blocks,
-                host=s.side_channel_host,
+                host=s.advertised_side_channel_host,
                 port=self.side_channel_port,
                 num_tokens=num_kv,
                 expiry_time=expiry,

@@ -344,7 +344,7 @@ async def sim_state(request: web.Request) -> web.Response:
             "incarnation": engine.incarnation,
             "role": s.role,
             "model": s.model,
-            "side_channel_host": s.side_channel_host,
+            "side_channel_host": s.advertised_side_channel_host,
             "side_channel_port": engine.side_channel_port,
             "block_size": s.block_size,
             "bytes_per_block": s.bytes_per_block,

@@ -29,6 +29,9 @@ class SimEngineSettings:
     side_channel_host: str = "127.0.0.1"
     # 0 picks a free port (the start-up line and /sim/state report it).
     side_channel_port: int = 5600
+    # The address others reach this engine at (HTTP URL and remote_host) when it binds a
+    # wildcard such as 0.0.0.0 in a container; empty: the bind hosts themselves.
+    advertise_host: str = ""
     block_size: int = 16
     num_blocks: int = 4096
     bytes_per_block: int = 16384
@@ -78,6 +81,15 @@ class SimEngineSettings:
             raise ValueError("ports must be within 0..65535")
         object.__setattr__(self, "side_channel_host", normalize_host(self.side_channel_host))
         object.__setattr__(self, "http_host", normalize_host(self.http_host))
+        object.__setattr__(self, "advertise_host", normalize_host(self.advertise_host))
+
+    @property
+    def advertised_side_channel_host(self) -> str:
+        return self.advertise_host or self.side_channel_host
+
+    @property
+    def advertised_http_host(self) -> str:
+        return self.advertise_host or self.http_host
 
     def resolved_engine_id(self) -> str:
         return self.engine_id or f"sim-{self.role}-{uuid.uuid4().hex[:12]}"
@@ -104,6 +116,9 @@ def build_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.
     p.add_argument("--port", dest="http_port", type=int, default=d.http_port)
     p.add_argument("--side-channel-host", default=d.side_channel_host)
     p.add_argument("--side-channel-port", type=int, default=d.side_channel_port)
+    p.add_argument(
+        "--advertise-host", default=d.advertise_host, help="address peers use (default: bind hosts)"
+    )
     p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per block")
     p.add_argument("--num-blocks", type=int, default=d.num_blocks)
     p.add_argument("--bytes-per-block", type=int, default=d.bytes_per_block)

@@ -159,5 +159,10 @@ def test_settings_from_flags() -> None:
     assert s.role == "decode" and s.side_channel_host == "::1" and s.bidirectional is False
     assert s.timing.speedup == 10 and s.decoder_kv_blocks_ttl == 30
     assert s.resolved_engine_id().startswith("sim-decode-")
+    assert s.advertised_side_channel_host == "::1"
+    wild = parse_settings(
+        ["--host", "0.0.0.0", "--side-channel-host", "0.0.0.0", "--advertise-host", "d-0.sim"]
+    )
+    assert (wild.advertised_http_host, wild.advertised_side_channel_host) == ("d-0.sim", "d-0.sim")
     with pytest.raises(ValueError):
         SimEngineSettings(block_size=0)
