@@ -1,13 +1,14 @@
-"""Settings of one simulated engine, from flags."""
+"""Settings of one simulated engine, from flags and KVPLANE_SIM_* environment variables."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from kvplane.bench.simengine.side_channel import normalize_host
 from kvplane.bench.simengine.timing_model import TimingModel
@@ -102,8 +103,41 @@ class SimEngineSettings:
         return "\n".join(lines)
 
 
-def build_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    """Flags of `kvplane sim-engine`; pass a subparser to add them to it."""
+ENV_PREFIX = "KVPLANE_SIM_"
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
+
+
+class SettingsError(ValueError):
+    """A setting from the environment cannot be understood."""
+
+
+def _env_defaults(env: Mapping[str, str]) -> dict[str, Any]:
+    """KVPLANE_SIM_<FLAG> variables (``--decoder-kv-blocks-ttl``: KVPLANE_SIM_DECODER_KV_BLOCKS_TTL)."""
+    d = SimEngineSettings()
+    dests = [f.name for f in dataclasses.fields(d) if f.name != "timing"]
+    dests += [f.name for f in dataclasses.fields(d.timing)]
+    out: dict[str, Any] = {}
+    for dest in dests:
+        raw = env.get(ENV_PREFIX + dest.upper())
+        if raw is None:
+            continue
+        current = getattr(d, dest, None)
+        if isinstance(current, bool):
+            if raw.strip().lower() not in _TRUE | _FALSE:
+                raise SettingsError(f"{ENV_PREFIX}{dest.upper()} must be a boolean, not {raw!r}")
+            out[dest] = raw.strip().lower() in _TRUE
+        else:
+            out[dest] = raw  # argparse converts string defaults with the flag's type
+    return out
+
+
+def build_arg_parser(
+    parser: argparse.ArgumentParser | None = None, env: Mapping[str, str] | None = None
+) -> argparse.ArgumentParser:
+    """Flags of `kvplane sim-engine`; pass a subparser to add them to it.
+
+    Each flag's default can come from the environment as KVPLANE_SIM_<FLAG>; a flag wins.
+    """
     p = parser or argparse.ArgumentParser(
         prog="kvplane sim-engine", description="Simulated vLLM engine with real NIXL"
     )
@@ -147,6 +181,7 @@ def build_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.
     p.add_argument("--require-digests", action=argparse.BooleanOptionalAction, default=d.require_digests)
     p.add_argument("--expiry-margin-s", type=float, default=d.expiry_margin_s)
     p.add_argument("--load-interval-s", type=float, default=d.load_interval_s)
+    p.set_defaults(**_env_defaults(os.environ if env is None else env))
     return p
 
 
@@ -163,5 +198,7 @@ def settings_from_args(ns: argparse.Namespace) -> SimEngineSettings:
     return SimEngineSettings(timing=timing, **{n: getattr(ns, n) for n in names})
 
 
-def parse_settings(argv: Sequence[str] | None = None) -> SimEngineSettings:
-    return settings_from_args(build_arg_parser().parse_args(argv))
+def parse_settings(
+    argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
+) -> SimEngineSettings:
+    return settings_from_args(build_arg_parser(env=env).parse_args(argv))

@@ -6,7 +6,7 @@ import pytest
 
 from kvplane.bench.simengine import toy_tokenizer
 from kvplane.bench.simengine.kv_params import INCARNATION_KEY, holder_params, parse_remote
-from kvplane.bench.simengine.settings import SimEngineSettings, parse_settings
+from kvplane.bench.simengine.settings import SettingsError, SimEngineSettings, parse_settings
 from kvplane.bench.simengine.side_channel import format_host, normalize_host
 from kvplane.bench.simengine.timing_model import QWEN3_32B_TTFT_POINTS, TimingModel, fit_two_points
 from kvplane.bench.simengine.token_oracle import TokenOracle
@@ -166,3 +166,13 @@ def test_settings_from_flags() -> None:
     assert (wild.advertised_http_host, wild.advertised_side_channel_host) == ("d-0.sim", "d-0.sim")
     with pytest.raises(ValueError):
         SimEngineSettings(block_size=0)
+
+
+def test_environment_sets_defaults_and_flags_win() -> None:
+    env = {"KVPLANE_SIM_HTTP_PORT": "9100", "KVPLANE_SIM_BIDIRECTIONAL": "false", "KVPLANE_SIM_SPEEDUP": "4"}
+    s = parse_settings([], env=env)
+    assert (s.http_port, s.bidirectional, s.timing.speedup) == (9100, False, 4.0)
+    assert parse_settings(["--port", "9200", "--bidirectional"], env=env).http_port == 9200
+    assert parse_settings(["--bidirectional"], env=env).bidirectional is True
+    with pytest.raises(SettingsError):
+        parse_settings([], env={"KVPLANE_SIM_BIDIRECTIONAL": "maybe"})
