@@ -1,0 +1,32 @@
+"""The eviction coordinator: releases retained KV early, safely, and for a reason.
+
+Modules:
+
+- `election`: leader election on `election/{name}` with an etcd lease;
+  standbys watch the key and campaign when it goes.
+- `coordinator`: one replica. Every replica keeps a warm cluster view and
+  learns inter-turn gaps; the leader evaluates the retention policies,
+  purges dead nodes' handles and drains nodes.
+- `releaser`: one fenced `Store.release` transaction per decision; the
+  metadata entry is gone before any command is sent.
+- `sessions` / `service`: the `EvictionService.Commands` stream. The leader
+  replays each node's outbox (`releases/{node}/`) on every connect and
+  follows it by watch; an entry is deleted when the node acknowledges it.
+  Standbys answer UNAVAILABLE.
+- `policy/`: pure retention plugins (max_age, node_budget, tenant_budget,
+  low_value) over plain dataclasses, shared with the simulator.
+- `config`: the `eviction:` settings section; `app.install` wires it all
+  into a kvplane process (`kvplane serve eviction`, `kvplane serve all`).
+
+Settings (YAML, or KVPLANE_EVICTION__<FIELD>):
+
+    eviction:
+      lease_ttl_s: 10
+      evaluate_interval_s: 1.0
+      policy:
+        policies:
+          - {name: max_age, engine_ttl_s: 480, margin_s: 30}
+          - {name: tenant_budget, default_bytes: 68719476736}
+          - {name: node_budget, high_fraction: 0.5, low_fraction: 0.4}
+          - {name: low_value, min_ratio: 1.0}
+"""

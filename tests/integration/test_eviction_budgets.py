@@ -70,10 +70,11 @@ async def test_a_node_over_budget_is_brought_under_its_low_watermark_lowest_valu
     agent.targets = [target_of(replica)]
     agent.start()
     try:
-        await eventually(lambda: _true(len(agent.applied) >= 10), what="ten release commands")
+        await eventually(lambda: _true(len(agent.applied) >= 10), timeout_s=30, what="ten release commands")
         left = await retained_by(store, node_id="d0")
         assert sum(h.retained_bytes for h in left) <= 100 * MB
-        assert {a.conversation for a in agent.applied.values()} == expected
+        got = {a.conversation for a in agent.applied.values()}
+        assert got == expected, f"released {sorted(got)}, expected the lowest-value {sorted(expected)}"
         assert {a.reason for a in agent.applied.values()} == {handle_pb2.RELEASE_REASON_NODE_BUDGET}
         assert set(agent.released_handles.values()) == {1}
         await eventually(lambda: _empty(store.pending_releases("d0")), what="all acknowledged")
@@ -102,7 +103,9 @@ async def test_per_tenant_budgets_are_enforced_and_other_tenants_untouched(
     for a in agents:
         a.start()
     try:
-        await eventually(lambda: _true(sum(len(a.applied) for a in agents) >= 4), what="four releases")
+        await eventually(
+            lambda: _true(sum(len(a.applied) for a in agents) >= 4), timeout_s=30, what="four releases"
+        )
         small = await retained_by(store, tenant="small")
         assert sum(h.retained_bytes for h in small) <= 40 * MB
         assert {h.conversation for h in small} == {"s0", "s1", "s2", "s3"}  # the freshest stay
