@@ -15,7 +15,7 @@ from kvplane.services.common import convert
 from kvplane.services.common.handles import ReleaseReason
 from kvplane.services.common.local_etcd import LocalEtcd
 from kvplane.services.common.process import ServiceProcess
-from kvplane.services.common.store import Store
+from kvplane.services.common.store import Store, StoreSettings
 from kvplane.v1 import eviction_pb2, eviction_pb2_grpc, handle_pb2
 from tests.conftest import NODE_HEADERS, make_node
 from tests.support.eviction_nodes import CommandNode, coordinator_of, start_replica, target_of
@@ -264,3 +264,41 @@ async def _restart_behind_the_stores_back(store: Store) -> None:
         await eventually(
             lambda c=c: _none(store.get_handle_record("acme", c)), what="the old incarnation's purge"
         )  # type: ignore[misc]
+
+
+async def test_the_leader_rides_out_an_etcd_restart_and_keeps_delivering() -> None:
+    # Its own etcd: restarting the shared one would disturb other tests.
+    with LocalEtcd() as own:
+        prefix = f"/kvplane-test/{uuid.uuid4().hex}/"
+        store = Store(StoreSettings(endpoints=(own.endpoint,), prefix=prefix))
+        await store.connect()
+        process = await start_replica(own, prefix, policy=NO_POLICY)
+        node = make_node("d0")
+        agent = CommandNode(node.node_id, node.incarnation, [target_of(process)])
+        try:
+            await eventually(_leads(process), what="the replica to lead")
+            await store.register_node(node, 60)
+            convs = await _publish(store, node, 2)
+            agent.start()
+            await eventually(lambda: _true(agent.connected), what="the node's stream")
+            first = await store.release("acme", convs[0], ReleaseReason.CONVERSATION_ENDED)
+            await eventually(lambda: _true(first.command_id in agent.applied), what="the first release")
+            own.restart()
+            # Whoever leads after the restart (the lease may have lapsed, and
+            # the replica campaigned again) still delivers the next release.
+            second = await eventually(
+                lambda: store.release("acme", convs[1], ReleaseReason.CONVERSATION_ENDED),
+                timeout_s=30,
+                what="etcd back",
+            )
+            await eventually(
+                lambda: _true(second.command_id in agent.applied),
+                timeout_s=30,
+                what="the release after the restart",
+            )
+            await eventually(_leads(process), what="the replica to lead again")
+            assert set(agent.released_handles.values()) == {1}
+        finally:
+            await agent.stop()
+            await process.stop()
+            await store.close()
