@@ -21,6 +21,7 @@ import grpc
 import pytest
 import yaml
 
+from kvplane.services.common.errors import NotFound
 from kvplane.services.common.local_etcd import LocalEtcd, free_port
 from kvplane.services.common.store import Store
 from kvplane.v1 import eviction_pb2, eviction_pb2_grpc
@@ -215,3 +216,47 @@ async def test_a_leader_whose_lease_is_revoked_stops_acting_and_the_standby_take
 
 async def _true(value: bool) -> bool:
     return value
+
+
+async def test_releases_a_dead_leader_never_delivered_are_unroutable_and_delivered_by_its_successor(
+    store: Store, replicas: list[Replica]
+) -> None:
+    node = make_node("d0")
+    await store.register_node(node, 120)
+    first, second = replicas
+    first.start()
+    await eventually(first.leads, timeout_s=60, interval_s=0.1, what="the first replica to lead")
+    second.start()
+    await eventually(second.status, timeout_s=60, interval_s=0.1, what="the standby to serve")
+    # The node is away: the leader decides releases it cannot deliver.
+    convs = [f"c{i}" for i in range(BUDGET_MB + 20)]
+    for c in convs:
+        await store.publish_handle(make_handle(node, "acme", c, life_ms=600_000, retained_bytes=MB))
+
+    async def twenty_queued() -> bool:
+        return len(await store.pending_releases("d0")) == 20
+
+    await eventually(twenty_queued, timeout_s=30, what="twenty undelivered releases")
+    queued = {p.handle.conversation for p, _ in await store.pending_releases("d0")}
+    # Undelivered, yet no route can hand these blocks out any more.
+    for c in queued:
+        assert await store.get_handle_record("acme", c) is None
+        with pytest.raises(NotFound):
+            await store.check_out("acme", c)
+    first.kill()
+    agent = CommandNode(node.node_id, node.incarnation, [first.target, second.target])
+    agent.start()
+    try:
+        await eventually(
+            second.leads, timeout_s=LEASE_TTL_S * 4, interval_s=0.05, what="the standby to take over"
+        )
+        await eventually(lambda: _true(len(agent.applied) == 20), timeout_s=30, what="the queued releases")
+        assert agent.released_conversations() == {("acme", c) for c in queued}
+        assert set(agent.released_handles.values()) == {1}
+
+        async def outbox_empty() -> bool:
+            return not await store.pending_releases("d0")
+
+        await eventually(outbox_empty, what="every release acknowledged")
+    finally:
+        await agent.stop()
