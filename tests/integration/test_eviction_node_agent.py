@@ -1,5 +1,5 @@
-"""The real node agent on the real coordinator: metadata and eviction in one
-process, as `kvplane serve all` runs them."""
+"""The real node agent on the real coordinator: metadata, routing and eviction
+in one process, as `kvplane serve all` runs them."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import grpc
 import pytest
 
 from kvplane.connector.node_agent import NodeAgent, NodeAgentSettings
-from kvplane.services.common.handles import ReleaseReason
 from kvplane.services.common.local_etcd import LocalEtcd
 from kvplane.services.common.nodes import NodeLoad
 from kvplane.services.common.process import ServiceProcess
@@ -20,8 +19,9 @@ from kvplane.services.common.store import Store
 from kvplane.services.common.telemetry import Telemetry
 from kvplane.services.eviction.app import install as install_eviction
 from kvplane.services.metadata.app import install as install_metadata
-from kvplane.v1 import metadata_pb2, metadata_pb2_grpc
-from tests.conftest import make_node, settings_for
+from kvplane.services.routing.app import install as install_routing
+from kvplane.v1 import metadata_pb2, metadata_pb2_grpc, routing_pb2, routing_pb2_grpc
+from tests.conftest import make_node, settings_for, tenant_headers
 from tests.support.eviction_nodes import coordinator_of
 from tests.support.factories import make_handle
 from tests.support.polling import eventually
@@ -49,7 +49,9 @@ async def serve_all(etcd: LocalEtcd, prefix: str) -> AsyncIterator[ServiceProces
     settings = settings_for(
         etcd, prefix, eviction={"lease_ttl_s": 2, "evaluate_interval_s": 0.2, "policy": {"policies": []}}
     )
-    process = ServiceProcess(settings, [install_metadata, install_eviction], Telemetry.disabled())
+    process = ServiceProcess(
+        settings, [install_metadata, install_routing, install_eviction], Telemetry.disabled()
+    )
     await process.start()
     try:
         await eventually(lambda: _true(coordinator_of(process).is_leader), what="the coordinator to lead")
@@ -58,7 +60,7 @@ async def serve_all(etcd: LocalEtcd, prefix: str) -> AsyncIterator[ServiceProces
         await process.stop()
 
 
-async def test_end_of_conversation_reaches_the_engine_through_the_real_agent_within_a_second(
+async def test_end_conversation_reaches_the_engine_through_the_real_agent_within_a_second(
     serve_all: ServiceProcess, store: Store
 ) -> None:
     target = f"127.0.0.1:{serve_all.grpc_port}"
@@ -89,7 +91,11 @@ async def test_end_of_conversation_reaches_the_engine_through_the_real_agent_wit
         agent.publish(handle)
         await eventually(_retained(store, "conv-end"), what="the published handle")
         started = time.monotonic()
-        await store.release("acme", "conv-end", ReleaseReason.CONVERSATION_ENDED)
+        async with grpc.aio.insecure_channel(target) as channel:
+            ended = await routing_pb2_grpc.RoutingServiceStub(channel).EndConversation(
+                routing_pb2.EndConversationRequest(conversation="conv-end"), metadata=tenant_headers("acme")
+            )
+        assert ended.released
         await eventually(
             lambda: _true(handle.vllm.remote_request_id in applied.released),
             timeout_s=1.0,
