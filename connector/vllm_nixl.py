@@ -29,17 +29,22 @@ an agent: the prefix check still applies, and nothing is published.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import vllm
+from prometheus_client import CollectorRegistry, Counter, start_http_server
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlPullConnector
+
 from kvplane.connector import digests as token_digests
 from kvplane.connector import prefix_check
 from kvplane.connector.node_agent import NodeAgent, NodeAgentSettings
@@ -53,9 +58,6 @@ from kvplane.services.common.handles import (
     VllmHandle,
 )
 from kvplane.services.common.nodes import Fingerprint, Node, NodeLoad, NodeRole
-from prometheus_client import CollectorRegistry, Counter, start_http_server
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlPullConnector
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -106,6 +108,11 @@ class ConnectorSettings:
     metrics_port: int = 0
     lease_ttl_s: int = 10
     load_interval_s: float = 0.5
+    # Worker side: whether NIXL runs its progress thread. NIXL's Python agent starts it with a
+    # zero polling delay, so it keeps one core busy per engine for the engine's whole life.
+    # Without it, transfers and notifications progress when the worker polls NIXL, which it does
+    # every engine step. Turn it off on small CPU machines.
+    nixl_progress_thread: bool = True
 
     @classmethod
     def from_config(
@@ -138,6 +145,7 @@ class ConnectorSettings:
                 metrics_port=int(raw.get("metrics_port", 0)),
                 lease_ttl_s=int(raw.get("lease_ttl_s", 10)),
                 load_interval_s=float(raw.get("load_interval_s", 0.5)),
+                nixl_progress_thread=bool(raw.get("nixl_progress_thread", True)),
             )
         except (TypeError, ValueError) as exc:
             raise ConnectorConfigError(f"bad kvplane settings: {exc}") from None
@@ -201,9 +209,14 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
         kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
         check_vllm_version()
-        super().__init__(vllm_config, role, kv_cache_config)
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
-        self.kvplane_settings = ConnectorSettings.from_config(extra.get("kvplane"))
+        settings = ConnectorSettings.from_config(extra.get("kvplane"))
+        if role == KVConnectorRole.WORKER and not settings.nixl_progress_thread:
+            with _nixl_agents_without_progress_thread():
+                super().__init__(vllm_config, role, kv_cache_config)
+        else:
+            super().__init__(vllm_config, role, kv_cache_config)
+        self.kvplane_settings = settings
         self.kvplane_metrics = ConnectorMetrics()
         self.kvplane_agent: NodeAgent | None = None
         self._model_name = _served_model_name(vllm_config)
@@ -442,6 +455,31 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
     def held_request_ids(self) -> frozenset[str]:
         """Requests whose published blocks this engine still holds (scheduler thread)."""
         return frozenset(self._held)
+
+
+@contextlib.contextmanager
+def _nixl_agents_without_progress_thread() -> Iterator[None]:
+    """While vLLM's worker builds its NIXL agent, build it without the progress thread.
+
+    vLLM 0.32's worker module calls its module-level `nixl_agent_config`; it is swapped for the
+    duration of the worker's construction only.
+    """
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
+
+    original = base_worker.nixl_agent_config
+    if original is None:  # NIXL is not installed; vLLM reports that itself
+        yield
+        return
+
+    def without_progress_thread(*args: Any, **kwargs: Any) -> Any:
+        kwargs["enable_prog_thread"] = False
+        return original(*args, **kwargs)
+
+    base_worker.nixl_agent_config = without_progress_thread
+    try:
+        yield
+    finally:
+        base_worker.nixl_agent_config = original
 
 
 def _bytes_per_block(kv_cache_config: KVCacheConfig) -> int:

