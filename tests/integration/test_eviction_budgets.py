@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Sequence
+
+import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from kvplane.services.common.handles import CacheHandle
 from kvplane.services.common.local_etcd import LocalEtcd
 from kvplane.services.common.nodes import Node
 from kvplane.services.common.store import Store
+from kvplane.services.common.telemetry import Telemetry
 from kvplane.services.eviction.policy import HandleInfo, NodeInfo, Snapshot, ValueModel
 from kvplane.v1 import handle_pb2
 from tests.conftest import make_node
@@ -135,3 +140,44 @@ async def _true(value: bool) -> bool:
 
 async def _empty(awaitable) -> bool:  # type: ignore[no-untyped-def]
     return not await awaitable
+
+
+async def test_every_release_carries_its_reason_as_metric_label_span_attribute_and_log_line(
+    etcd: LocalEtcd, prefix: str, store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    node = make_node("d0")
+    await store.register_node(node, 30)
+    for i in range(4):
+        await store.publish_handle(aged_handle(node, "acme", f"c{i}", 100 + 100 * i, 10))
+    spans = InMemorySpanExporter()
+    telemetry = Telemetry.create("eviction-test", exporter=spans)
+    policy = {"policies": [{"name": "node_budget", "high_bytes": 30 * MB, "low_bytes": 20 * MB}]}
+    caplog.set_level(logging.INFO, logger="kvplane.services.eviction.releaser")
+    replica = await start_replica(etcd, prefix, policy=policy, telemetry=telemetry)
+    try:
+        coordinator = coordinator_of(replica)
+
+        async def two_counted() -> bool:
+            return (
+                telemetry.registry.get_sample_value(
+                    "kvplane_eviction_releases_total", {"reason": "node_budget", "policy": "node_budget"}
+                )
+                == 2.0
+            )
+
+        await eventually(two_counted, what="two releases counted by reason")
+        telemetry.tracer_provider.force_flush()
+        released = [s for s in spans.get_finished_spans() if s.name == "eviction.release"]
+        assert len(released) == 2
+        for span in released:
+            attrs = span.attributes or {}
+            assert attrs["kvplane.release.reason"] == "node_budget"
+            assert attrs["kvplane.release.policy"] == "node_budget"
+            assert attrs["kvplane.release.outcome"] == "released"
+        lines = [r for r in caplog.records if r.getMessage().startswith("released handle")]
+        assert len(lines) == 2
+        assert {getattr(r, "reason", None) for r in lines} == {"node_budget"}
+        assert all("over" in r.getMessage() or ">" in r.getMessage() for r in lines)
+        assert coordinator.is_leader
+    finally:
+        await replica.stop()

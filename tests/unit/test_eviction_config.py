@@ -1,0 +1,64 @@
+"""The eviction settings section and policies configured by name from YAML."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvplane.services.common.settings import KvplaneSettings
+from kvplane.services.eviction.config import EvictionSection
+from kvplane.services.eviction.policy import PolicyConfigError
+from kvplane.services.eviction.policy.max_age import MaxAge
+from kvplane.services.eviction.policy.node_budget import NodeBudget
+
+POLICY_YAML = """
+policies:
+  - name: max_age
+    engine_ttl_s: 1800
+    margin_s: 60
+  - name: node_budget
+    high_fraction: 0.6
+    low_fraction: 0.5
+value:
+  prefill_tokens_per_s: 12000
+gaps:
+  quantiles: {0.1: 20, 0.5: 60, 0.9: 300}
+"""
+
+
+def test_policies_are_built_by_name_from_a_yaml_file(tmp_path: Path) -> None:
+    path = tmp_path / "policy.yaml"
+    path.write_text(POLICY_YAML)
+    pipeline = EvictionSection(policy_file=str(path)).pipeline()
+    assert [p.name for p in pipeline.policies] == ["max_age", "node_budget"]
+    assert isinstance(pipeline.policies[0], MaxAge) and pipeline.policies[0].limit_s == 1740
+    assert isinstance(pipeline.policies[1], NodeBudget) and pipeline.policies[1].high_fraction == 0.6
+    assert pipeline.values.params.prefill_tokens_per_s == 12000
+    assert pipeline.values.gaps.prior_distribution.quantile(0.5) == pytest.approx(60, rel=0.2)
+
+
+def test_inline_policy_wins_over_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "policy.yaml"
+    path.write_text(POLICY_YAML)
+    section = EvictionSection(policy_file=str(path), policy={"policies": [{"name": "low_value"}]})
+    assert [p.name for p in section.pipeline().policies] == ["low_value"]
+
+
+def test_no_policy_configured_gives_the_default_pipeline() -> None:
+    assert [p.name for p in EvictionSection().pipeline().policies] == ["max_age", "node_budget", "low_value"]
+
+
+@pytest.mark.parametrize("text", ["- just a list", "policies:\n  - name: unheard_of\n"])
+def test_a_bad_policy_file_is_rejected(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "policy.yaml"
+    path.write_text(text)
+    with pytest.raises(PolicyConfigError):
+        EvictionSection(policy_file=str(path)).pipeline()
+
+
+def test_the_section_is_part_of_the_process_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVPLANE_EVICTION__LEASE_TTL_S", "7")
+    settings = KvplaneSettings.load(None, {"eviction": {"release_concurrency": 32}})
+    assert settings.eviction.lease_ttl_s == 7
+    assert settings.eviction.release_concurrency == 32
