@@ -103,6 +103,41 @@ class RoutingSection(BaseModel):
     max_tracked_routes: int = Field(100_000, ge=0)
 
 
+class GatewayKey(BaseModel):
+    token: SecretStr
+    tenant: str
+
+
+class GatewaySection(BaseModel):
+    # HTTP listen address of the OpenAI-compatible front, host:port.
+    listen: str = "127.0.0.1:8080"
+    # Routing service replicas, host:port each.
+    routing: list[str] = Field(default_factory=lambda: ["127.0.0.1:50051"])
+    # Credentials the gateway presents to routing (an operator token), when routing runs in token mode.
+    routing_token: SecretStr = SecretStr("")
+    routing_timeout_s: float = Field(1.0, gt=0)
+    routing_attempts: int = Field(2, ge=1)
+    # API keys clients present (Authorization: Bearer, or x-api-key), each mapped to its tenant.
+    api_keys: list[GatewayKey] = Field(default_factory=list)
+    # Development only: the tenant of requests that carry no key at all. Empty: such requests get 401.
+    default_tenant: str = ""
+    # Used while routing is unreachable: a static pair that recomputes every turn. Empty: 503.
+    fallback_prefill_url: str = ""
+    fallback_decode_url: str = ""
+    # Deadlines of the engine legs, seconds. The decode leg's idle limit applies between chunks.
+    prefill_timeout_s: float = Field(30.0, gt=0)
+    decode_timeout_s: float = Field(600.0, gt=0)
+    decode_idle_timeout_s: float = Field(60.0, gt=0)
+    connect_timeout_s: float = Field(2.0, gt=0)
+    report_timeout_s: float = Field(2.0, gt=0)
+    # An engine base URL offering vLLM's /tokenize, for the token ids of text prompts. Empty: none.
+    tokenize_url: str = ""
+    # Served model names for /v1/models. Empty: asks the fallback decode engine, if any.
+    models: list[str] = Field(default_factory=list)
+    # Largest request body accepted, bytes.
+    max_body_bytes: int = Field(64 << 20, gt=0)
+
+
 class KvplaneSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVPLANE_", env_nested_delimiter="__", extra="forbid")
 
@@ -113,6 +148,7 @@ class KvplaneSettings(BaseSettings):
     metadata: MetadataSection = Field(default_factory=MetadataSection)
     eviction: EvictionSection = Field(default_factory=EvictionSection)
     routing: RoutingSection = Field(default_factory=RoutingSection)
+    gateway: GatewaySection = Field(default_factory=GatewaySection)
 
     @classmethod
     def load(cls, config_file: str | None = None, overrides: dict[str, Any] | None = None) -> KvplaneSettings:

@@ -1,0 +1,232 @@
+"""The gateway's HTTP server: the OpenAI-compatible routes, /health and /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kvplane.client import RoutingClient
+from kvplane.services.common.settings import GatewaySection
+from kvplane.services.common.telemetry import Telemetry
+from kvplane.services.gateway.identity import ApiKeys, BadConversation, Unauthorized, identify
+from kvplane.services.gateway.metrics import GatewayMetrics
+from kvplane.services.gateway.turn import TurnFailed, TurnRequest, TurnRunner
+
+log = logging.getLogger(__name__)
+
+RUNNER_KEY: web.AppKey[TurnRunner] = web.AppKey("runner", TurnRunner)
+KEYS_KEY: web.AppKey[ApiKeys] = web.AppKey("keys", ApiKeys)
+TELEMETRY_KEY: web.AppKey[Telemetry] = web.AppKey("telemetry", Telemetry)
+SETTINGS_KEY: web.AppKey[GatewaySection] = web.AppKey("settings", GatewaySection)
+METRICS_KEY: web.AppKey[GatewayMetrics] = web.AppKey("metrics", GatewayMetrics)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class AddressError(ValueError):
+    """A listen address that is not host:port."""
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    """`host:port` or `[v6]:port` -> (bare host, port)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise AddressError(f"{address!r} is not host:port (bracket IPv6 literals)")
+    return host.strip("[]"), int(port)
+
+
+def error_response(status: int, message: str, kind: str = "") -> web.Response:
+    kind = kind or {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError"}.get(
+        status, "ServiceUnavailableError" if status == 503 else "BadGatewayError"
+    )
+    return web.json_response(
+        {"error": {"message": message, "type": kind, "param": None, "code": status}}, status=status
+    )
+
+
+def _engine_error(exc: TurnFailed) -> web.Response:
+    """An engine's own error answer is passed through; anything else is described."""
+    if exc.body:
+        try:
+            parsed = json.loads(exc.body)
+        except ValueError:
+            parsed = None
+        if isinstance(parsed, dict) and "error" in parsed:
+            return web.json_response(parsed, status=exc.status)
+    return error_response(exc.status, exc.message)
+
+
+async def _completion(request: web.Request, chat: bool) -> web.StreamResponse:
+    arrival = time.perf_counter()
+    settings = request.app[SETTINGS_KEY]
+    try:
+        body = await request.json()
+    except ValueError:
+        return error_response(400, "the body is not valid JSON")
+    if not isinstance(body, dict):
+        return error_response(400, "the body must be a JSON object")
+    try:
+        identity = identify(request.app[KEYS_KEY], request.headers, body)
+    except Unauthorized as exc:
+        return error_response(401, str(exc))
+    except BadConversation as exc:
+        return error_response(400, str(exc))
+    # Only the router may name blocks: an engine trusts whatever it is given.
+    body.pop("kv_transfer_params", None)
+    model = body.get("model") or (settings.models[0] if settings.models else "")
+    if not isinstance(model, str) or not model:
+        return error_response(400, "model is required")
+    stream = body.get("stream") is True
+    turn = TurnRequest(
+        identity=identity,
+        body=body,
+        chat=chat,
+        stream=stream,
+        model=model,
+        client_token_ids=body.get("return_token_ids") is True,
+        arrival=arrival,
+    )
+    try:
+        return await request.app[RUNNER_KEY].serve(request, turn)
+    except TurnFailed as exc:
+        return _engine_error(exc)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _completion(request, chat=True)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _completion(request, chat=False)
+
+
+async def models(request: web.Request) -> web.StreamResponse:
+    settings = request.app[SETTINGS_KEY]
+    if settings.models or not settings.fallback_decode_url:
+        created = int(time.time())
+        data = [
+            {"id": m, "object": "model", "created": created, "owned_by": "kvplane"} for m in settings.models
+        ]
+        return web.json_response({"object": "list", "data": data})
+    runner = request.app[RUNNER_KEY]
+    url = settings.fallback_decode_url.rstrip("/") + "/v1/models"
+    timeout = aiohttp.ClientTimeout(total=settings.connect_timeout_s)
+    try:
+        async with runner.session.get(url, timeout=timeout) as r:
+            return web.json_response(await r.json(content_type=None), status=r.status)
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        return error_response(502, f"model list unavailable: {exc!r}")
+
+
+async def health(request: web.Request) -> web.StreamResponse:
+    return web.json_response({"status": "ok"})
+
+
+async def metrics(request: web.Request) -> web.StreamResponse:
+    body = generate_latest(request.app[TELEMETRY_KEY].registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+@web.middleware
+async def count_requests(request: web.Request, handler: Handler) -> web.StreamResponse:
+    response = await handler(request)
+    route = request.match_info.route.resource
+    endpoint = route.canonical if route is not None else "unmatched"
+    request.app[METRICS_KEY].requests.labels(endpoint, str(response.status)).inc()
+    return response
+
+
+def build_app(
+    settings: GatewaySection, runner: TurnRunner, telemetry: Telemetry, metrics_: GatewayMetrics
+) -> web.Application:
+    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[count_requests])
+    keys = {entry.token.get_secret_value(): entry.tenant for entry in settings.api_keys}
+    app[KEYS_KEY] = ApiKeys(keys, settings.default_tenant)
+    app[RUNNER_KEY] = runner
+    app[TELEMETRY_KEY] = telemetry
+    app[SETTINGS_KEY] = settings
+    app[METRICS_KEY] = metrics_
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+class Gateway:
+    """The gateway's server, routing client and engine session; start() and stop() bracket its life."""
+
+    def __init__(self, settings: GatewaySection, telemetry: Telemetry | None = None) -> None:
+        self.settings = settings
+        self.telemetry = telemetry or Telemetry.create("kvplane-gateway")
+        self.metrics = GatewayMetrics.create(self.telemetry.registry)
+        self._runner: web.AppRunner | None = None
+        self._site: web.TCPSite | None = None
+        self._routing: RoutingClient | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self.turns: TurnRunner | None = None
+
+    @property
+    def port(self) -> int:
+        server = self._site._server if self._site is not None else None  # aiohttp has no public getter
+        if isinstance(server, asyncio.Server) and server.sockets:
+            return int(server.sockets[0].getsockname()[1])
+        return split_host_port(self.settings.listen)[1]
+
+    @property
+    def url(self) -> str:
+        host = split_host_port(self.settings.listen)[0]
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.port}"
+
+    async def start(self) -> None:
+        s = self.settings
+        host, port = split_host_port(s.listen)
+        token = s.routing_token.get_secret_value()
+        self._routing = RoutingClient(
+            s.routing,
+            metadata=(("authorization", f"Bearer {token}"),) if token else (),
+            timeout_s=s.routing_timeout_s,
+            attempts=s.routing_attempts,
+            tracer_provider=self.telemetry.tracer_provider,
+        )
+        # One pool for every engine; the default limit of 100 connections would queue turns.
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        self.turns = TurnRunner(s, self._routing, self._session, self.metrics, self.telemetry.tracer)
+        app = build_app(s, self.turns, self.telemetry, self.metrics)
+        try:
+            self._runner = web.AppRunner(app, access_log=None)
+            await self._runner.setup()
+            self._site = web.TCPSite(self._runner, host, port)
+            await self._site.start()
+        except BaseException:
+            await self.stop()
+            raise
+        log.info("gateway serving", extra={"url": self.url, "routing": list(s.routing)})
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = self._site = None
+        if self.turns is not None:
+            await self.turns.drain_reports(self.settings.report_timeout_s)
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+        if self._routing is not None:
+            await self._routing.close()
+            self._routing = None
+
+
+def describe(settings: GatewaySection) -> dict[str, Any]:
+    """The settings with secrets masked, for the start-up log."""
+    out: dict[str, Any] = settings.model_dump(mode="json")
+    return out

@@ -1,0 +1,83 @@
+"""`kvplane gateway`: the OpenAI-compatible front, until SIGINT or SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+from collections.abc import Sequence
+from typing import Any
+
+from kvplane.services.common.settings import KvplaneSettings
+from kvplane.services.common.telemetry import Telemetry, configure_logging
+from kvplane.services.gateway.app import Gateway
+
+log = logging.getLogger("kvplane.gateway")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvplane gateway", description="OpenAI-compatible HTTP front of kvplane")
+    p.add_argument("--config", help="YAML settings file (also KVPLANE_CONFIG); see the `gateway` section")
+    p.add_argument("--listen", help="HTTP listen address, host:port ([v6]:port)")
+    p.add_argument("--routing", help="routing replicas, host:port[,host:port]")
+    p.add_argument("--fallback-prefill", help="prefill engine URL used while routing is unreachable")
+    p.add_argument("--fallback-decode", help="decode engine URL used while routing is unreachable")
+    p.add_argument("--default-tenant", help="development only: the tenant of requests without an API key")
+    p.add_argument("--tokenize-url", help="engine URL offering vLLM's /tokenize")
+    p.add_argument("--model", action="append", dest="models", help="served model name (repeatable)")
+    p.add_argument("--otlp-endpoint", help="OTLP/gRPC trace collector, host:port")
+    return p
+
+
+def overrides(args: argparse.Namespace) -> dict[str, Any]:
+    gateway: dict[str, Any] = {}
+    if args.listen:
+        gateway["listen"] = args.listen
+    if args.routing:
+        gateway["routing"] = [t.strip() for t in args.routing.split(",") if t.strip()]
+    for flag, key in (
+        ("fallback_prefill", "fallback_prefill_url"),
+        ("fallback_decode", "fallback_decode_url"),
+        ("default_tenant", "default_tenant"),
+        ("tokenize_url", "tokenize_url"),
+        ("models", "models"),
+    ):
+        if getattr(args, flag) is not None:
+            gateway[key] = getattr(args, flag)
+    out: dict[str, Any] = {"gateway": gateway} if gateway else {}
+    if args.otlp_endpoint is not None:
+        out["telemetry"] = {"otlp_endpoint": args.otlp_endpoint}
+    return out
+
+
+async def serve(settings: KvplaneSettings) -> None:
+    """Runs the gateway until SIGINT or SIGTERM."""
+    telemetry = Telemetry.create(
+        "kvplane-gateway",
+        otlp_endpoint=settings.telemetry.otlp_endpoint,
+        sample_ratio=settings.telemetry.sample_ratio,
+    )
+    gateway = Gateway(settings.gateway, telemetry)
+    await gateway.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    # A single line that scripts and tests wait for.
+    print(f"kvplane gateway ready: {gateway.url}", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        log.info("stopping")
+        await gateway.stop()
+        telemetry.shutdown()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    settings = KvplaneSettings.load(args.config, overrides(args))
+    configure_logging(settings.telemetry.log_level, settings.telemetry.json_logs)
+    log.info("starting", extra={"settings": settings.masked_json()})
+    asyncio.run(serve(settings))
+    return 0

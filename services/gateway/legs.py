@@ -1,0 +1,113 @@
+"""HTTP calls to the engines: the prefill leg (one JSON answer) and the decode leg (a stream).
+
+Each leg has its own deadline. A failure says whether retrying can help: an
+engine that rejects the request itself (4xx) would reject it again, while a
+5xx, a timeout or a refused connection may be a stale handle or a bad moment.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+
+class LegFailed(Exception):
+    """An engine leg did not produce a usable answer."""
+
+    def __init__(
+        self, leg: str, reason: str, *, status: int = 0, body: bytes = b"", unreachable: bool = False
+    ) -> None:
+        super().__init__(f"{leg} leg: {reason}")
+        self.leg = leg
+        self.reason = reason
+        # The engine's HTTP status and body, when it answered at all.
+        self.status = status
+        self.body = body
+        # Nothing answered (refused or reset connection): the engine may be down.
+        self.unreachable = unreachable
+
+    @property
+    def retryable(self) -> bool:
+        """A client error (4xx) is the request's fault; retrying would fail the same way."""
+        return not 400 <= self.status < 500
+
+    @property
+    def outcome(self) -> str:
+        if self.unreachable:
+            return "unreachable"
+        if self.status:
+            return f"http_{self.status}"
+        return "timeout" if "timed out" in self.reason else "error"
+
+
+@dataclass(frozen=True, slots=True)
+class LegTimeouts:
+    connect_s: float
+    # The whole leg; None: no overall limit.
+    total_s: float | None
+    # The longest wait for the next bytes of the answer.
+    read_s: float | None = None
+
+    def client_timeout(self) -> aiohttp.ClientTimeout:
+        return aiohttp.ClientTimeout(total=self.total_s, sock_connect=self.connect_s, sock_read=self.read_s)
+
+
+async def post_json(
+    session: aiohttp.ClientSession,
+    leg: str,
+    url: str,
+    body: Mapping[str, Any],
+    headers: Mapping[str, str],
+    timeouts: LegTimeouts,
+) -> dict[str, Any]:
+    """POSTs `body` and returns the JSON object answered with 200; raises LegFailed otherwise."""
+    try:
+        async with session.post(url, json=body, headers=headers, timeout=timeouts.client_timeout()) as resp:
+            raw = await resp.read()
+            if resp.status != 200:
+                raise LegFailed(leg, f"HTTP {resp.status}", status=resp.status, body=raw)
+    except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as exc:
+        raise LegFailed(leg, f"unreachable: {exc}", unreachable=True) from exc
+    except TimeoutError as exc:
+        raise LegFailed(leg, f"timed out after {timeouts.total_s} s") from exc
+    except aiohttp.ClientError as exc:
+        raise LegFailed(leg, f"failed: {exc!r}") from exc
+    try:
+        answer = json.loads(raw)
+    except ValueError as exc:
+        raise LegFailed(leg, "answered with invalid JSON", status=502) from exc
+    if not isinstance(answer, dict):
+        raise LegFailed(leg, "answered with JSON that is not an object", status=502)
+    return answer
+
+
+async def open_stream(
+    session: aiohttp.ClientSession,
+    leg: str,
+    url: str,
+    body: Mapping[str, Any],
+    headers: Mapping[str, str],
+    timeouts: LegTimeouts,
+) -> aiohttp.ClientResponse:
+    """POSTs `body` and returns the open 200 response; the caller reads and releases it."""
+    try:
+        resp = await session.post(url, json=body, headers=headers, timeout=timeouts.client_timeout())
+    except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as exc:
+        raise LegFailed(leg, f"unreachable: {exc}", unreachable=True) from exc
+    except TimeoutError as exc:
+        raise LegFailed(leg, f"timed out after {timeouts.total_s} s") from exc
+    except aiohttp.ClientError as exc:
+        raise LegFailed(leg, f"failed: {exc!r}") from exc
+    if resp.status != 200:
+        try:
+            raw = await resp.read()
+        except (aiohttp.ClientError, TimeoutError):
+            raw = b""
+        finally:
+            resp.release()
+        raise LegFailed(leg, f"HTTP {resp.status}", status=resp.status, body=raw)
+    return resp

@@ -1,0 +1,59 @@
+"""The gateway's Prometheus metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.5, 3, 6, 12, 30)
+_LEG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+
+
+@dataclass(frozen=True)
+class GatewayMetrics:
+    # Turns by the decision they ran under ("pull", "recompute_no_handle", ...,
+    # "fallback" without routing, "retry_no_handle" after a failed P leg) and outcome.
+    turns: Counter
+    ttft: Histogram
+    # Latency of each leg: route, prefill, decode, report; by outcome.
+    legs: Histogram
+    retries: Counter
+    requests: Counter
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry) -> GatewayMetrics:
+        return cls(
+            turns=Counter(
+                "kvplane_gateway_turns_total",
+                "Turns served, by routing decision and outcome",
+                ["decision", "outcome"],
+                registry=registry,
+            ),
+            ttft=Histogram(
+                "kvplane_gateway_ttft_seconds",
+                "Time from the request's arrival to the first token sent to the client, by decision",
+                ["decision"],
+                registry=registry,
+                buckets=_TTFT_BUCKETS,
+            ),
+            legs=Histogram(
+                "kvplane_gateway_leg_seconds",
+                "Latency of each leg of a turn (route, prefill, decode, report), by outcome",
+                ["leg", "outcome"],
+                registry=registry,
+                buckets=_LEG_BUCKETS,
+            ),
+            retries=Counter(
+                "kvplane_gateway_retries_total",
+                "Prefill legs retried without the handle, and routing fallbacks, by reason",
+                ["reason"],
+                registry=registry,
+            ),
+            requests=Counter(
+                "kvplane_gateway_requests_total",
+                "HTTP requests by endpoint and status code",
+                ["endpoint", "status"],
+                registry=registry,
+            ),
+        )

@@ -1,0 +1,114 @@
+"""A turn's prompt as routing sees it: token ids when they can be had, else a length.
+
+Token ids let routing prove that the prompt continues the retained tokens,
+and sending ids (not text) to the engines keeps P's own check exact: the
+engine never re-tokenizes a join between history and new text.
+
+- `/v1/completions` with a token-id prompt: the ids, as sent.
+- A text prompt: the engine's `/tokenize` (vLLM's API) when configured, and
+  the completions body then carries the ids.
+- Chat: `/tokenize` with the messages when configured; the body keeps its
+  messages, since the engine's chat handling (templates, tool calls,
+  reasoning) must see them. Without `/tokenize` the length is an estimate
+  from the UTF-8 size, and P's connector checks the real tokens before a pull.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+
+class TokenizeFailed(Exception):
+    """The engine's /tokenize did not answer with token ids."""
+
+
+@dataclass(frozen=True, slots=True)
+class RoutedPrompt:
+    # Exact ids, when known.
+    token_ids: tuple[int, ...]
+    # Length in tokens; an estimate when `token_ids` is empty.
+    tokens: int
+
+
+def is_token_ids(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
+    )
+
+
+def _single_prompt(body: Mapping[str, Any]) -> Any:
+    prompt = body.get("prompt")
+    # A batch of one is the prompt itself.
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        return prompt[0]
+    return prompt
+
+
+def estimate_tokens(body: Mapping[str, Any], chat: bool) -> int:
+    """An upper-end guess of the prompt's length: its UTF-8 size, which few tokenizers exceed."""
+    source = body.get("messages") if chat else _single_prompt(body)
+    text = source if isinstance(source, str) else json.dumps(source, ensure_ascii=False)
+    return max(1, len(text.encode()))
+
+
+async def tokenize(
+    session: aiohttp.ClientSession,
+    url: str,
+    body: Mapping[str, Any],
+    chat: bool,
+    timeout_s: float,
+) -> tuple[int, ...]:
+    """Token ids from vLLM's `POST /tokenize` (messages for chat, the prompt otherwise)."""
+    request: dict[str, Any] = {"model": body.get("model")}
+    if chat:
+        request["messages"] = body.get("messages")
+        request["add_generation_prompt"] = body.get("add_generation_prompt", True)
+        for key in ("tools", "chat_template", "chat_template_kwargs", "continue_final_message"):
+            if key in body:
+                request[key] = body[key]
+    else:
+        request["prompt"] = _single_prompt(body)
+    try:
+        async with session.post(
+            url.rstrip("/") + "/tokenize", json=request, timeout=aiohttp.ClientTimeout(total=timeout_s)
+        ) as resp:
+            if resp.status != 200:
+                raise TokenizeFailed(f"/tokenize answered {resp.status}")
+            answer = await resp.json(content_type=None)
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        raise TokenizeFailed(f"/tokenize failed: {exc!r}") from exc
+    tokens = answer.get("tokens") if isinstance(answer, dict) else None
+    if not isinstance(tokens, list) or not is_token_ids(tokens):
+        raise TokenizeFailed("/tokenize returned no token ids")
+    return tuple(tokens)
+
+
+async def routed_prompt(
+    session: aiohttp.ClientSession,
+    body: dict[str, Any],
+    chat: bool,
+    tokenize_url: str,
+    timeout_s: float,
+) -> RoutedPrompt:
+    """The prompt for Route; a text completions prompt in `body` becomes its token ids when known."""
+    if not chat:
+        prompt = _single_prompt(body)
+        if is_token_ids(prompt):
+            return RoutedPrompt(tuple(prompt), len(prompt))
+    if tokenize_url:
+        try:
+            ids = await tokenize(session, tokenize_url, body, chat, timeout_s)
+        except TokenizeFailed:
+            ids = ()
+        if ids:
+            if not chat:
+                body["prompt"] = list(ids)
+            return RoutedPrompt(ids, len(ids))
+    return RoutedPrompt((), estimate_tokens(body, chat))

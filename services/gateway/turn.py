@@ -1,0 +1,482 @@
+"""One turn through kvplane: Route, the P leg, the D leg streamed to the client, then ReportTurn.
+
+- The P leg is retried once without the handle when it fails for a reason
+  other than the request itself (5xx, timeout, refused connection): a stale
+  or unreadable handle must never fail a user's turn.
+- While routing is unreachable, a configured static P/D pair serves the turn
+  as a recompute.
+- D's events are forwarded one by one as they arrive. The chunk with
+  `finish_reason` carries D's new handle: it is taken out of what the client
+  sees and reported after the client's stream has ended, so reporting never
+  delays the answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import grpc
+from aiohttp import web
+from opentelemetry import trace
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from kvplane.client import Endpoint, RouteResult, RoutingClient, RoutingUnavailable, leg_url
+from kvplane.client.vllm_requests import decode_body, prefill_body
+from kvplane.services.common.handles import KEY_CONVERSATION, KEY_TENANT, fresh_prefill_params
+from kvplane.services.common.settings import GatewaySection
+from kvplane.services.gateway import sse
+from kvplane.services.gateway.identity import Identity
+from kvplane.services.gateway.legs import LegFailed, LegTimeouts, open_stream, post_json
+from kvplane.services.gateway.metrics import GatewayMetrics
+from kvplane.services.gateway.prompts import RoutedPrompt, routed_prompt
+from kvplane.v1 import routing_pb2
+
+log = logging.getLogger(__name__)
+
+# Decisions the gateway adds to routing's own ("pull", "recompute_no_handle", ...).
+FALLBACK = "fallback"
+RETRY_NO_HANDLE = "retry_no_handle"
+
+DECISION_HEADER = "x-kvplane-decision"
+ROUTE_HEADER = "x-kvplane-route-id"
+CONVERSATION_HEADER = "x-kvplane-conversation"
+
+_PROPAGATOR = TraceContextTextMapPropagator()
+
+
+class TurnFailed(Exception):
+    """The turn cannot be served; `status` and `body` are what the client gets."""
+
+    def __init__(self, status: int, message: str, body: bytes = b"") -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        # An engine's own error body, passed through when it rejected the request.
+        self.body = body
+
+
+@dataclass(frozen=True, slots=True)
+class TurnRequest:
+    identity: Identity
+    # The client's body, with its conversation_id and kv_transfer_params removed.
+    body: dict[str, Any]
+    chat: bool
+    stream: bool
+    model: str
+    # The client asked for token ids itself: leave them in what it sees.
+    client_token_ids: bool
+    # When the request arrived (time.perf_counter()).
+    arrival: float
+
+
+@dataclass
+class TurnProgress:
+    """What a turn has learned so far, for ReportTurn."""
+
+    decision: str
+    prompt_ids: list[int] | None = None
+    output_ids: list[int] = field(default_factory=list)
+    decode_params: dict[str, Any] | None = None
+    ttft_s: float | None = None
+    prefill_s: float = 0.0
+    pulled_tokens: int = 0
+    error: str = ""
+
+    def retained_token_ids(self) -> list[int]:
+        """D retains prompt + output - 1 tokens (the last output token has no KV yet)."""
+        if not self.prompt_ids or not self.output_ids:
+            return []
+        return [*self.prompt_ids, *self.output_ids[:-1]]
+
+
+class TurnRunner:
+    """Runs turns; one per gateway, shared by all requests."""
+
+    def __init__(
+        self,
+        settings: GatewaySection,
+        routing: RoutingClient,
+        session: aiohttp.ClientSession,
+        metrics: GatewayMetrics,
+        tracer: trace.Tracer,
+    ) -> None:
+        self.settings = settings
+        self.routing = routing
+        self.session = session
+        self.metrics = metrics
+        self.tracer = tracer
+        self._reports: set[asyncio.Task[None]] = set()
+
+    async def drain_reports(self, timeout_s: float) -> None:
+        """Waits for reports still in flight (at shutdown)."""
+        if self._reports:
+            await asyncio.wait(set(self._reports), timeout=timeout_s)
+
+    # -- the turn -------------------------------------------------------------------
+
+    async def serve(self, request: web.Request, turn: TurnRequest) -> web.StreamResponse:
+        parent = _PROPAGATOR.extract(dict(request.headers))
+        with self.tracer.start_as_current_span(
+            "gateway.turn", context=parent, kind=trace.SpanKind.SERVER
+        ) as span:
+            span.set_attribute("kvplane.conversation", turn.identity.conversation)
+            s = self.settings
+            prompt = await routed_prompt(
+                self.session, turn.body, turn.chat, s.tokenize_url, s.prefill_timeout_s
+            )
+            route = await self._route(turn, prompt)
+            progress = TurnProgress(route.decision, list(prompt.token_ids) or None)
+            prefill_answer, route = await self._prefill(turn, prompt, route, progress)
+            span.set_attribute("kvplane.decision", progress.decision)
+            if turn.stream:
+                return await self._decode_streaming(request, turn, route, prefill_answer, progress)
+            return await self._decode_whole(turn, route, prefill_answer, progress)
+
+    # -- route ------------------------------------------------------------------------
+
+    async def _route(self, turn: TurnRequest, prompt: RoutedPrompt) -> RouteResult:
+        start = time.perf_counter()
+        try:
+            route = await self._call_route(turn, prompt)
+        except RoutingUnavailable as exc:
+            self.metrics.legs.labels("route", "unavailable").observe(time.perf_counter() - start)
+            return self._fallback(turn, str(exc))
+        except grpc.aio.AioRpcError as exc:
+            self.metrics.legs.labels("route", exc.code().name.lower()).observe(time.perf_counter() - start)
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise TurnFailed(400, f"invalid request: {exc.details()}") from None
+            # Any other refusal (deadline, auth misconfiguration, internal) must not fail the turn.
+            return self._fallback(turn, f"{exc.code().name}: {exc.details()}")
+        self.metrics.legs.labels("route", "ok").observe(time.perf_counter() - start)
+        return route
+
+    async def _call_route(self, turn: TurnRequest, prompt: RoutedPrompt) -> RouteResult:
+        return await self.routing.route(
+            turn.identity.conversation,
+            turn.model,
+            prompt_tokens=prompt.tokens,
+            prompt_token_ids=prompt.token_ids,
+            request_id=uuid.uuid4().hex,
+            tenant=turn.identity.tenant,
+        )
+
+    def _fallback(self, turn: TurnRequest, why: str) -> RouteResult:
+        s = self.settings
+        if not (s.fallback_prefill_url and s.fallback_decode_url):
+            raise TurnFailed(503, f"routing is unavailable and no fallback engines are configured ({why})")
+        log.warning("routing unavailable, serving from the fallback pair: %s", why)
+        self.metrics.retries.labels("routing_unavailable").inc()
+        return RouteResult(
+            route_id="",
+            decision=FALLBACK,
+            reason=f"routing unavailable: {why}",
+            prefill=Endpoint("fallback-prefill", s.fallback_prefill_url, ""),
+            decode=Endpoint("fallback-decode", s.fallback_decode_url, ""),
+            prefill_params=_fresh_params(turn.identity),
+            expected_reused_tokens=0,
+            response=routing_pb2.RouteResponse(),
+        )
+
+    # -- the P leg -----------------------------------------------------------------------
+
+    async def _prefill(
+        self, turn: TurnRequest, prompt: RoutedPrompt, route: RouteResult, progress: TurnProgress
+    ) -> tuple[dict[str, Any], RouteResult]:
+        try:
+            return await self._prefill_once(turn, route, progress), route
+        except LegFailed as exc:
+            if not exc.retryable:
+                raise TurnFailed(exc.status, str(exc), exc.body) from None
+            failure = exc
+        log.warning("prefill leg failed (%s): retrying once without the handle", failure)
+        self.metrics.retries.labels(f"prefill_{failure.outcome}").inc()
+        if route.route_id:
+            # The checked-out handle is spent either way; routing learns the route failed.
+            self._report_later(turn, route, TurnProgress(route.decision, error=str(failure)), success=False)
+        retry = route
+        if failure.unreachable and route.decision != FALLBACK:
+            # P itself may be down: ask again, so that another prefill engine can be chosen.
+            try:
+                retry = await self._call_route(turn, prompt)
+            except (RoutingUnavailable, grpc.aio.AioRpcError):
+                retry = route
+        retry = dataclasses.replace(
+            retry, route_id="", decision=RETRY_NO_HANDLE, prefill_params=_fresh_params(turn.identity)
+        )
+        progress.decision = RETRY_NO_HANDLE
+        try:
+            return await self._prefill_once(turn, retry, progress), retry
+        except LegFailed as exc:
+            self.metrics.turns.labels(RETRY_NO_HANDLE, "failed").inc()
+            status = exc.status if not exc.retryable else 502
+            raise TurnFailed(status, f"prefill failed twice: {failure}; then {exc}", exc.body) from None
+
+    async def _prefill_once(
+        self, turn: TurnRequest, route: RouteResult, progress: TurnProgress
+    ) -> dict[str, Any]:
+        body = prefill_body(turn.body, route)
+        body["return_token_ids"] = True
+        start = time.perf_counter()
+        outcome = "ok"
+        with self.tracer.start_as_current_span("gateway.prefill", kind=trace.SpanKind.CLIENT) as span:
+            span.set_attribute("kvplane.node", route.prefill.node_id)
+            try:
+                answer = await post_json(
+                    self.session,
+                    "prefill",
+                    leg_url(route.prefill.http_url, _path(turn)),
+                    body,
+                    _trace_headers(),
+                    LegTimeouts(self.settings.connect_timeout_s, self.settings.prefill_timeout_s),
+                )
+            except LegFailed as exc:
+                outcome = exc.outcome
+                raise
+            finally:
+                self.metrics.legs.labels("prefill", outcome).observe(time.perf_counter() - start)
+        progress.prefill_s = time.perf_counter() - start
+        if progress.decision == "pull":
+            progress.pulled_tokens = _cached_tokens(answer)
+        return answer
+
+    # -- the D leg -------------------------------------------------------------------------
+
+    def _decode_request(
+        self, turn: TurnRequest, route: RouteResult, prefill_answer: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        if isinstance(prefill_answer.get("kv_transfer_params"), Mapping):
+            body = decode_body(turn.body, route, prefill_answer)
+        else:
+            # P is not running the connector: D computes the prompt itself, which still answers the user.
+            log.warning("prefill engine %s returned no kv_transfer_params", route.prefill.node_id)
+            body = dict(turn.body)
+        body["return_token_ids"] = True
+        return body
+
+    def _headers(self, route: RouteResult, progress: TurnProgress, turn: TurnRequest) -> dict[str, str]:
+        return {
+            DECISION_HEADER: progress.decision,
+            ROUTE_HEADER: route.route_id,
+            CONVERSATION_HEADER: turn.identity.conversation,
+        }
+
+    async def _decode_whole(
+        self,
+        turn: TurnRequest,
+        route: RouteResult,
+        prefill_answer: Mapping[str, Any],
+        progress: TurnProgress,
+    ) -> web.StreamResponse:
+        start = time.perf_counter()
+        outcome = "ok"
+        with self.tracer.start_as_current_span("gateway.decode", kind=trace.SpanKind.CLIENT) as span:
+            span.set_attribute("kvplane.node", route.decode.node_id)
+            try:
+                answer = await post_json(
+                    self.session,
+                    "decode",
+                    leg_url(route.decode.http_url, _path(turn)),
+                    self._decode_request(turn, route, prefill_answer),
+                    _trace_headers(),
+                    LegTimeouts(self.settings.connect_timeout_s, self.settings.decode_timeout_s),
+                )
+            except LegFailed as exc:
+                outcome = exc.outcome
+                self._finish(turn, route, progress, success=False, error=str(exc))
+                raise TurnFailed(exc.status if not exc.retryable else 502, str(exc), exc.body) from None
+            finally:
+                self.metrics.legs.labels("decode", outcome).observe(time.perf_counter() - start)
+        _absorb(answer, progress, turn.client_token_ids)
+        progress.ttft_s = time.perf_counter() - turn.arrival
+        response = web.json_response(answer, headers=self._headers(route, progress, turn))
+        self._finish(turn, route, progress, success=True)
+        return response
+
+    async def _decode_streaming(
+        self,
+        request: web.Request,
+        turn: TurnRequest,
+        route: RouteResult,
+        prefill_answer: Mapping[str, Any],
+        progress: TurnProgress,
+    ) -> web.StreamResponse:
+        start = time.perf_counter()
+        s = self.settings
+        timeouts = LegTimeouts(s.connect_timeout_s, s.decode_timeout_s, s.decode_idle_timeout_s)
+        with self.tracer.start_as_current_span("gateway.decode", kind=trace.SpanKind.CLIENT) as span:
+            span.set_attribute("kvplane.node", route.decode.node_id)
+            try:
+                upstream = await open_stream(
+                    self.session,
+                    "decode",
+                    leg_url(route.decode.http_url, _path(turn)),
+                    self._decode_request(turn, route, prefill_answer),
+                    _trace_headers(),
+                    timeouts,
+                )
+            except LegFailed as exc:
+                self.metrics.legs.labels("decode", exc.outcome).observe(time.perf_counter() - start)
+                self._finish(turn, route, progress, success=False, error=str(exc))
+                raise TurnFailed(exc.status if not exc.retryable else 502, str(exc), exc.body) from None
+            response = web.StreamResponse(
+                headers={
+                    "Content-Type": "text/event-stream",
+                    "Cache-Control": "no-cache",
+                    **self._headers(route, progress, turn),
+                }
+            )
+            outcome, finished = "ok", False
+            try:
+                await response.prepare(request)
+                async for event in sse.events(upstream.content):
+                    payload = event.json()
+                    raw = event.raw
+                    if payload is not None and _absorb(payload, progress, turn.client_token_ids):
+                        raw = sse.encode(payload)
+                    # One write per event: aiohttp sends it at once, so tokens reach the client as made.
+                    await response.write(raw)
+                    if progress.ttft_s is None and payload is not None and payload.get("choices"):
+                        progress.ttft_s = time.perf_counter() - turn.arrival
+                    if event.done:
+                        finished = True
+                        break
+                await response.write_eof()
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                outcome, progress.error = "stream_failed", f"decode stream failed: {exc!r}"
+                await _end_with_error(response, progress.error)
+            except ConnectionResetError:
+                outcome, progress.error = "client_gone", "the client disconnected"
+            finally:
+                # Closing an unfinished upstream aborts D's request, which frees its blocks.
+                if finished:
+                    upstream.release()
+                else:
+                    upstream.close()
+                self.metrics.legs.labels("decode", outcome).observe(time.perf_counter() - start)
+        self._finish(turn, route, progress, success=finished and not progress.error, error=progress.error)
+        return response
+
+    # -- the report ----------------------------------------------------------------------------
+
+    def _finish(
+        self, turn: TurnRequest, route: RouteResult, progress: TurnProgress, *, success: bool, error: str = ""
+    ) -> None:
+        outcome = "ok" if success else "failed"
+        self.metrics.turns.labels(progress.decision, outcome).inc()
+        if success and progress.ttft_s is not None:
+            self.metrics.ttft.labels(progress.decision).observe(progress.ttft_s)
+        if error and not progress.error:
+            progress.error = error
+        self._report_later(turn, route, progress, success=success)
+
+    def _report_later(
+        self, turn: TurnRequest, route: RouteResult, progress: TurnProgress, *, success: bool
+    ) -> None:
+        task = asyncio.create_task(self._report(turn, route, progress, success))
+        self._reports.add(task)
+        task.add_done_callback(self._reports.discard)
+
+    async def _report(
+        self, turn: TurnRequest, route: RouteResult, progress: TurnProgress, success: bool
+    ) -> None:
+        start = time.perf_counter()
+        outcome = "ok"
+        try:
+            await self.routing.report_turn(
+                route if route.route_id else None,
+                turn.identity.conversation,
+                success=success,
+                decode_kv_transfer_params=progress.decode_params if success else None,
+                ttft_ms=(progress.ttft_s or 0.0) * 1000,
+                prompt_tokens=len(progress.prompt_ids or ()),
+                pulled_tokens=progress.pulled_tokens,
+                prefill_ms=progress.prefill_s * 1000,
+                retained_token_ids=progress.retained_token_ids(),
+                error=progress.error[:1000],
+                model=turn.model,
+                tenant=turn.identity.tenant,
+                timeout_s=self.settings.report_timeout_s,
+            )
+        except (RoutingUnavailable, grpc.aio.AioRpcError) as exc:
+            # The engine's connector publishes the handle itself; a lost report only costs a sample.
+            outcome = "error"
+            log.warning("ReportTurn failed for %s: %s", turn.identity.conversation, exc)
+        finally:
+            self.metrics.legs.labels("report", outcome).observe(time.perf_counter() - start)
+
+
+def _path(turn: TurnRequest) -> str:
+    return "/v1/chat/completions" if turn.chat else "/v1/completions"
+
+
+def _fresh_params(identity: Identity) -> dict[str, Any]:
+    """Turn-1 P params with kvplane's keys, so that D's connector still publishes its handle."""
+    params = fresh_prefill_params()
+    params[KEY_TENANT] = identity.tenant
+    params[KEY_CONVERSATION] = identity.conversation
+    return params
+
+
+def _trace_headers() -> dict[str, str]:
+    """`traceparent` (and `tracestate`) of the current span, for an engine leg."""
+    headers: dict[str, str] = {}
+    _PROPAGATOR.inject(headers)
+    return headers
+
+
+def _cached_tokens(answer: Mapping[str, Any]) -> int:
+    usage = answer.get("usage")
+    details = usage.get("prompt_tokens_details") if isinstance(usage, Mapping) else None
+    cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
+    return cached if isinstance(cached, int) and not isinstance(cached, bool) else 0
+
+
+def _absorb(payload: dict[str, Any], progress: TurnProgress, keep_token_ids: bool) -> bool:
+    """Takes D's handle and the token ids out of a chunk or answer; True if `payload` changed."""
+    changed = False
+    if "kv_transfer_params" in payload:
+        params = payload.pop("kv_transfer_params")
+        if isinstance(params, dict) and params:
+            progress.decode_params = params
+        changed = True
+    prompt_ids = payload.get("prompt_token_ids")
+    if isinstance(prompt_ids, list):
+        progress.prompt_ids = prompt_ids
+        if not keep_token_ids:
+            del payload["prompt_token_ids"]
+            changed = True
+    choices = payload.get("choices")
+    for choice in choices if isinstance(choices, list) else ():
+        if not isinstance(choice, dict):
+            continue
+        ids = choice.get("token_ids")
+        if isinstance(ids, list):
+            progress.output_ids.extend(ids)
+        prompt_ids = choice.get("prompt_token_ids")
+        if isinstance(prompt_ids, list):
+            progress.prompt_ids = prompt_ids
+        if not keep_token_ids:
+            for key in ("token_ids", "prompt_token_ids"):
+                if key in choice:
+                    del choice[key]
+                    changed = True
+    return changed
+
+
+async def _end_with_error(response: web.StreamResponse, message: str) -> None:
+    """Ends a stream that broke midway with an error event, as vLLM does, if the client is still there."""
+    error = {"error": {"message": message, "type": "BadGatewayError", "code": 502}}
+    try:
+        await response.write(sse.encode(error))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+    except (ConnectionResetError, RuntimeError):
+        log.info("could not end the stream: the client is gone")

@@ -1,0 +1,391 @@
+"""A whole kvplane stack for gateway tests: real etcd, metadata and routing over gRPC, a prefill and a
+decode sim-engine (real NIXL) registered through their node agents, and the gateway over HTTP.
+
+The prefill engine registers the URL of a `FaultProxy` in front of it, so a test can make the P leg
+fail or stall; the decode engine serves HTTP on ::1, so every decode leg goes to an IPv6 URL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from kvplane.services.common.local_etcd import LocalEtcd, free_port
+from kvplane.services.common.process import ServiceProcess
+from kvplane.services.common.settings import GatewaySection, KvplaneSettings
+from kvplane.services.common.telemetry import Telemetry
+from kvplane.services.gateway.app import Gateway
+
+MODEL = "kvplane-sim"
+KEYS = {"acme": "key-acme-0123456789", "globex": "key-globex-0123456789"}
+# 50x faster than the modelled GPU; decode steps of 2 ms, so that streaming is visibly incremental.
+ENGINE_FLAGS = ["--speedup", "50", "--block-size", "16", "--num-blocks", "4096", "--bytes-per-block", "4096"]
+DECODE_STEP_S = 0.1 / 50
+# The sim-engines are 50x faster than the cost model's GPU: make pulls clearly worth it, so that
+# every continuing turn pulls, whatever the model learns from the fast engines' reports.
+TEST_POLICY = """
+decode:
+  filters: [live, role, same-model, not-draining, same-fingerprint]
+  scorers: [{name: holder-affinity, weight: 4}]
+  picker: max-score
+prefill:
+  filters: [live, role, same-model, not-draining, same-fingerprint]
+  scorers: [{name: queued-prefill, weight: 1}]
+  picker: max-score
+pull: {threshold_tokens: 64, expiry_margin_ms: 5000, max_transfer_fraction: 1.0, require_digests: true}
+cost_model: {recompute_ms_per_token: 5.0, transfer_bytes_per_ms: 52000000.0, transfer_overhead_ms: 0.1,
+  handshake_ms: 0.1}
+"""
+
+
+@dataclass
+class Recorded:
+    path: str
+    body: dict[str, Any]
+    headers: dict[str, str]
+
+
+class FaultProxy:
+    """Forwards HTTP to one engine; can fail or stall the next POSTs on request, and records them."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self.port = free_port()
+        self.seen: list[Recorded] = []
+        self._faults: list[tuple[str, float]] = []
+        self._runner: web.AppRunner | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def fail_next(self, status: int = 500) -> None:
+        self._faults.append(("fail", float(status)))
+
+    def stall_next(self, seconds: float) -> None:
+        self._faults.append(("stall", seconds))
+
+    async def start(self) -> None:
+        self._session = aiohttp.ClientSession()
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_route("*", "/{path:.*}", self._forward)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._session is not None:
+            await self._session.close()
+
+    async def _forward(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        if request.method == "POST":
+            body = json.loads(raw) if raw else {}
+            self.seen.append(Recorded(request.path, body, dict(request.headers)))
+            if self._faults:
+                kind, value = self._faults.pop(0)
+                if kind == "fail":
+                    return web.json_response(
+                        {"error": {"message": "injected", "code": 500}}, status=int(value)
+                    )
+                await asyncio.sleep(value)  # the injected stall
+        assert self._session is not None
+        headers = {k: v for k, v in request.headers.items() if k.lower() in ("content-type", "traceparent")}
+        async with self._session.request(
+            request.method, self.target + request.path_qs, data=raw or None, headers=headers
+        ) as resp:
+            return web.Response(body=await resp.read(), status=resp.status, content_type=resp.content_type)
+
+
+@dataclass
+class EngineProcess:
+    name: str
+    proc: subprocess.Popen[bytes]
+    url: str
+    log_path: Path
+
+    async def get(self, session: aiohttp.ClientSession, path: str) -> bytes:
+        async with session.get(self.url + path) as resp:
+            return await resp.read()
+
+    async def metric(self, session: aiohttp.ClientSession, name: str, **labels: str) -> float:
+        return metric_sum((await self.get(session, "/metrics")).decode(), name, **labels)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+
+
+def metric_sum(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of `name` whose labels include `labels`."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        series, _, value = line.rpartition(" ")
+        metric, _, rest = series.partition("{")
+        if metric == name and all(f'{k}="{v}"' in rest for k, v in labels.items()):
+            total += float(value)
+    return total
+
+
+def _spawn(name: str, log_dir: Path, url: str, args: list[str]) -> EngineProcess:
+    log_path = log_dir / f"{name}.log"
+    with open(log_path, "wb") as logf:
+        proc = subprocess.Popen(
+            [sys.executable, *args],
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            cwd=Path(__file__).resolve().parents[2],
+        )
+    return EngineProcess(name, proc, url, log_path)
+
+
+async def _wait_healthy(engine: EngineProcess, session: aiohttp.ClientSession, timeout_s: float = 90) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if engine.proc.poll() is not None:
+            raise AssertionError(f"{engine.name} exited: {engine.log_path.read_text()[-3000:]}")
+        try:
+            async with session.get(engine.url + "/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                if r.status == 200:
+                    return
+        except (aiohttp.ClientError, TimeoutError):
+            pass
+        await asyncio.sleep(0.1)  # polling until the deadline
+    raise AssertionError(f"{engine.name} did not become healthy in {timeout_s} s")
+
+
+@dataclass
+class TurnResult:
+    status: int
+    headers: Mapping[str, str]
+    body: dict[str, Any] = field(default_factory=dict)
+    # Streaming: each parsed data event (not [DONE]) with the time it arrived (perf_counter).
+    events: list[tuple[float, dict[str, Any]]] = field(default_factory=list)
+    raw: str = ""
+
+    @property
+    def decision(self) -> str:
+        return self.headers.get("x-kvplane-decision", "")
+
+    def output_ids(self) -> list[int]:
+        if self.events:
+            return [t for _, e in self.events for c in e.get("choices", []) for t in c.get("token_ids", [])]
+        return list(self.body["choices"][0].get("token_ids", []))
+
+    def text(self) -> str:
+        if self.events:
+            parts = []
+            for _, e in self.events:
+                for c in e.get("choices", []):
+                    parts.append(c.get("text") or (c.get("delta") or {}).get("content") or "")
+            return "".join(parts)
+        choice = self.body["choices"][0]
+        return str(choice.get("text") or choice["message"]["content"])
+
+
+@dataclass
+class GatewayStack:
+    etcd: LocalEtcd
+    prefix: str
+    log_dir: Path
+    session: aiohttp.ClientSession
+    metadata: ServiceProcess
+    routing: ServiceProcess
+    routing_settings: KvplaneSettings
+    proxy: FaultProxy
+    prefill: EngineProcess
+    decode: EngineProcess
+    gateway: Gateway
+
+    # -- the services --------------------------------------------------------------
+
+    async def stop_routing(self) -> None:
+        await self.routing.stop()
+
+    async def start_routing(self) -> None:
+        from kvplane.services.routing.app import install
+
+        self.routing = ServiceProcess(self.routing_settings, [install], Telemetry.disabled())
+        await self.routing.start()
+        await self.wait_nodes()
+
+    async def wait_nodes(self) -> None:
+        view = self.routing.ctx.view
+        ok = await view.wait_for(lambda: len(view.nodes) >= 2 and len(view.loads) >= 2, 30)
+        assert ok, f"routing never saw both engines: {list(view.nodes)}"
+
+    async def wait_handle(self, tenant: str, conversation: str, *, other_than: str = "") -> str:
+        """Waits until routing sees a handle of the conversation (other than `other_than`); its id."""
+        view = self.routing.ctx.view
+
+        def present() -> bool:
+            record = view.handle(tenant, conversation)
+            return record is not None and record.handle.handle_id != other_than
+
+        assert await view.wait_for(present, 15), f"no new handle for {tenant}/{conversation}"
+        record = view.handle(tenant, conversation)
+        assert record is not None
+        return record.handle.handle_id
+
+    # -- talking to the gateway -------------------------------------------------------
+
+    def headers(self, tenant: str | None, conversation: str | None = None, **extra: str) -> dict[str, str]:
+        out = dict(extra)
+        if tenant is not None:
+            out["Authorization"] = f"Bearer {KEYS[tenant]}"
+        if conversation is not None:
+            out["X-Conversation-Id"] = conversation
+        return out
+
+    async def post(self, path: str, body: dict[str, Any], headers: Mapping[str, str]) -> TurnResult:
+        async with self.session.post(self.gateway.url + path, json=body, headers=headers) as resp:
+            if not body.get("stream"):
+                raw = await resp.text()
+                parsed = json.loads(raw) if raw else {}
+                return TurnResult(resp.status, dict(resp.headers), parsed, raw=raw)
+            result = TurnResult(resp.status, dict(resp.headers))
+            async for line in resp.content:
+                text = line.decode().strip()
+                result.raw += line.decode()
+                if text.startswith("data: ") and text != "data: [DONE]":
+                    result.events.append((time.perf_counter(), json.loads(text[6:])))
+            return result
+
+    async def gateway_metric(self, name: str, **labels: str) -> float:
+        async with self.session.get(self.gateway.url + "/metrics") as resp:
+            return metric_sum(await resp.text(), name, **labels)
+
+
+def _write_policy(log_dir: Path) -> str:
+    path = log_dir / "routing_policy.yaml"
+    path.write_text(TEST_POLICY)
+    return str(path)
+
+
+@asynccontextmanager
+async def gateway_stack(etcd: LocalEtcd, prefix: str, log_dir: Path) -> AsyncIterator[GatewayStack]:
+    """Starts everything; stops every process and server on exit, even after a failure."""
+    from kvplane.services.metadata.app import install as install_metadata
+    from kvplane.services.routing.app import install as install_routing
+
+    base = {
+        "etcd": {"endpoints": [etcd.endpoint], "prefix": prefix, "request_timeout_s": 1.0},
+        "telemetry": {"metrics_port": 0, "json_logs": False},
+        "metadata": {"reaper_interval_s": 0.5},
+    }
+    meta_settings = KvplaneSettings.model_validate(
+        {**base, "grpc": {"listen": f"127.0.0.1:{free_port()}", "grace_s": 0.2}}
+    )
+    routing_settings = KvplaneSettings.model_validate(
+        {
+            **base,
+            "grpc": {"listen": f"127.0.0.1:{free_port()}", "grace_s": 0.2},
+            "routing": {"policy_file": _write_policy(log_dir), "checkout_timeout_s": 1.0},
+        }
+    )
+    cleanups: list[Any] = []
+    session = aiohttp.ClientSession()
+    engines: list[EngineProcess] = []
+    try:
+        metadata = ServiceProcess(meta_settings, [install_metadata], Telemetry.disabled())
+        await metadata.start()
+        cleanups.append(metadata.stop)
+        routing = ServiceProcess(routing_settings, [install_routing], Telemetry.disabled())
+        await routing.start()
+        control = ["--control-plane", f"127.0.0.1:{metadata.grpc_port}", "--load-interval-s", "0.2"]
+        p_port, d_port = free_port(), free_port("::1")
+        proxy = FaultProxy(f"http://127.0.0.1:{p_port}")
+        await proxy.start()
+        cleanups.append(proxy.stop)
+        common = [*ENGINE_FLAGS, *control, "--side-channel-port", "0"]
+        engines.append(
+            _spawn(
+                "P",
+                log_dir,
+                f"http://127.0.0.1:{p_port}",
+                [
+                    *("-m", "tests.support.advertised_engine", "--advertise-url", proxy.url),
+                    *("--role", "prefill", "--port", str(p_port), "--node-id", "gw-p", *common),
+                ],
+            )
+        )
+        engines.append(
+            _spawn(
+                "D",
+                log_dir,
+                f"http://[::1]:{d_port}",
+                [
+                    *("-m", "kvplane.bench.simengine", "--role", "decode", "--host", "::1"),
+                    *("--port", str(d_port), "--node-id", "gw-d", "--decode-step-s", "0.1", *common),
+                ],
+            )
+        )
+        for engine in engines:
+            await _wait_healthy(engine, session)
+        gateway = Gateway(
+            GatewaySection(
+                listen=f"127.0.0.1:{free_port()}",
+                routing=[routing_settings.grpc.listen],
+                routing_timeout_s=0.5,
+                api_keys=[{"token": key, "tenant": tenant} for tenant, key in KEYS.items()],  # type: ignore[misc]
+                fallback_prefill_url=proxy.url,
+                fallback_decode_url=engines[1].url,
+                prefill_timeout_s=2.0,
+                decode_timeout_s=30.0,
+                decode_idle_timeout_s=5.0,
+                models=[MODEL],
+            ),
+            Telemetry.disabled("kvplane-gateway"),
+        )
+        await gateway.start()
+        cleanups.append(gateway.stop)
+        stack = GatewayStack(
+            etcd,
+            prefix,
+            log_dir,
+            session,
+            metadata,
+            routing,
+            routing_settings,
+            proxy,
+            engines[0],
+            engines[1],
+            gateway,
+        )
+        cleanups.append(lambda: stack.routing.stop())
+        await stack.wait_nodes()
+        yield stack
+    finally:
+        for cleanup in reversed(cleanups):
+            try:
+                await cleanup()
+            except Exception as exc:  # keep stopping the rest
+                print(f"cleanup failed: {exc!r}", file=sys.stderr)
+        for engine in engines:
+            await asyncio.to_thread(engine.stop)
+        await session.close()
