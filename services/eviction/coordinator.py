@@ -22,6 +22,7 @@ import contextlib
 import logging
 import os
 import socket
+import time
 import uuid
 from collections.abc import Coroutine
 from typing import Any
@@ -83,6 +84,8 @@ class EvictionCoordinator:
         self.releaser = Releaser(store, view, self.metrics, telemetry, settings.release_concurrency)
         self.term: Term | None = None
         self.evaluations = 0
+        # CPU time of the last round's judging, seconds.
+        self.last_evaluation_s = 0.0
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._term_tasks: set[asyncio.Task[Any]] = set()
@@ -180,7 +183,9 @@ class EvictionCoordinator:
                 log.warning("eviction round failed: %s", exc)
             except Exception:
                 log.exception("eviction round failed")
-            await asyncio.sleep(_MIN_EVALUATE_GAP_S)  # let a burst of changes settle
+            # Let a burst of changes settle; and since a round holds the event
+            # loop while it judges, keep rounds to a third of the loop's time.
+            await asyncio.sleep(max(_MIN_EVALUATE_GAP_S, 2 * self.last_evaluation_s))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), interval)
 
@@ -219,11 +224,13 @@ class EvictionCoordinator:
 
     async def evaluate_once(self, term: Term) -> int:
         """One round: judge the view, release what was decided. Returns releases made."""
+        started = time.perf_counter()
         now = now_ms()
         self.tracker.expire(now)
         snapshot, releases = self.snapshot(now)
         releases += self.pipeline.evaluate(snapshot)
         self.evaluations += 1
+        self.last_evaluation_s = time.perf_counter() - started
         if not releases:
             return 0
         outcome = await self.releaser.apply(releases, term)
