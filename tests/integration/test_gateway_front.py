@@ -1,0 +1,309 @@
+"""The gateway's HTTP contract against scripted engines: what passes through, what is stripped, which
+headers reach each leg, how failures surface, and the `kvplane gateway` command.
+
+Routing points at a closed port here, so every turn takes the configured fallback pair.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from kvplane.services.common.local_etcd import free_port
+from kvplane.services.common.settings import GatewaySection
+from kvplane.services.common.telemetry import Telemetry
+from kvplane.services.gateway.app import Gateway
+from tests.support.gateway_stack import metric_sum
+from tests.support.polling import eventually
+
+KEY = "key-front-0123456789"
+P_PARAMS = {"do_remote_prefill": True, "remote_engine_id": "p-engine", "remote_block_ids": [[1, 2]]}
+D_HANDLE = {"do_remote_decode": True, "remote_engine_id": "d-engine", "remote_num_tokens": 42}
+CHAT_ANSWER: dict[str, Any] = {
+    "id": "chatcmpl-1",
+    "object": "chat.completion",
+    "created": 1,
+    "model": "m",
+    "system_fingerprint": "fp-1",
+    "choices": [
+        {
+            "index": 0,
+            "message": {
+                "role": "assistant",
+                "content": None,
+                "reasoning_content": "first, think",
+                "reasoning": "first, think",
+                "tool_calls": [
+                    {
+                        "id": "call-1",
+                        "type": "function",
+                        "function": {"name": "lookup", "arguments": '{"q": "kv"}'},
+                    }
+                ],
+            },
+            "logprobs": None,
+            "finish_reason": "tool_calls",
+        }
+    ],
+    "usage": {
+        "prompt_tokens": 11,
+        "completion_tokens": 7,
+        "total_tokens": 18,
+        "prompt_tokens_details": {"cached_tokens": 3},
+    },
+}
+
+
+@dataclass
+class ScriptedEngine:
+    """Answers as a P or D engine would; `failures` makes the next POSTs fail with that status."""
+
+    role: str
+    seen: list[tuple[str, dict[str, Any], dict[str, str]]] = field(default_factory=list)
+    failures: list[int] = field(default_factory=list)
+    # Streaming: break the connection after this many events.
+    cut_after: int | None = None
+    port: int = 0
+    runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_post("/v1/{kind}", self._answer)
+        app.router.add_post("/v1/chat/completions", self._answer)
+        app.router.add_get("/v1/models", self._models)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        self.port = free_port()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "m", "object": "model"}]})
+
+    async def _answer(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.seen.append((request.path, body, dict(request.headers)))
+        if self.failures:
+            status = self.failures.pop(0)
+            return web.json_response(
+                {"error": {"message": f"scripted {status}", "code": status}}, status=status
+            )
+        if self.role == "prefill":
+            return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": P_PARAMS})
+        if not body.get("stream"):
+            return web.json_response({**CHAT_ANSWER, "kv_transfer_params": D_HANDLE})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(5):
+            if self.cut_after is not None and i >= self.cut_after:
+                assert request.transport is not None
+                request.transport.close()
+                return resp
+            chunk: dict[str, Any] = {
+                "id": "c",
+                "choices": [
+                    {"index": 0, "delta": {"content": f"t{i}"}, "finish_reason": "stop" if i == 4 else None}
+                ],
+            }
+            if i == 4:
+                chunk["kv_transfer_params"] = D_HANDLE
+            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+@dataclass
+class Front:
+    gateway: Gateway
+    prefill: ScriptedEngine
+    decode: ScriptedEngine
+    session: aiohttp.ClientSession
+
+    async def post(self, path: str, body: dict[str, Any], **headers: str) -> aiohttp.ClientResponse:
+        headers.setdefault("Authorization", f"Bearer {KEY}")
+        resp = await self.session.post(self.gateway.url + path, json=body, headers=headers)
+        await resp.read()
+        return resp
+
+    async def metric(self, name: str, **labels: str) -> float:
+        async with self.session.get(self.gateway.url + "/metrics") as resp:
+            return metric_sum(await resp.text(), name, **labels)
+
+
+@pytest.fixture
+async def front() -> AsyncIterator[Front]:
+    prefill, decode = ScriptedEngine("prefill"), ScriptedEngine("decode")
+    await prefill.start()
+    await decode.start()
+    gateway = Gateway(
+        GatewaySection(
+            listen=f"127.0.0.1:{free_port()}",
+            routing=[f"127.0.0.1:{free_port()}"],  # nothing listens there
+            routing_timeout_s=0.2,
+            api_keys=[{"token": KEY, "tenant": "acme"}],  # type: ignore[list-item]
+            fallback_prefill_url=prefill.url,
+            fallback_decode_url=decode.url,
+            prefill_timeout_s=2.0,
+        ),
+        Telemetry.disabled("kvplane-gateway"),
+    )
+    await gateway.start()
+    session = aiohttp.ClientSession()
+    try:
+        yield Front(gateway, prefill, decode, session)
+    finally:
+        await session.close()
+        await gateway.stop()
+        await prefill.stop()
+        await decode.stop()
+
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+
+
+async def test_non_streaming_answer_keeps_usage_tool_calls_and_reasoning(front: Front) -> None:
+    resp = await front.post("/v1/chat/completions", dict(CHAT), **{"X-Conversation-Id": "c1"})
+    assert resp.status == 200
+    answer = await resp.json()
+    assert answer == CHAT_ANSWER  # everything but D's handle, untouched
+    assert resp.headers["x-kvplane-decision"] == "fallback"
+    # The legs: P with one token and turn-1 params, D with P's params plus the tenant keys.
+    (_, p_body, _), (_, d_body, _) = front.prefill.seen[-1], front.decode.seen[-1]
+    assert p_body["max_tokens"] == 1 and p_body["stream"] is False
+    assert p_body["kv_transfer_params"]["remote_engine_id"] is None
+    assert d_body["kv_transfer_params"] == {
+        **P_PARAMS,
+        "kvplane_tenant": "acme",
+        "kvplane_conversation": "c1",
+    }
+    assert d_body["max_tokens"] == 5 and d_body["messages"] == CHAT["messages"]
+
+
+async def test_both_legs_carry_the_callers_trace(front: Front) -> None:
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    parent = f"00-{trace_id}-00f067aa0ba902b7-01"
+    resp = await front.post("/v1/chat/completions", dict(CHAT), traceparent=parent)
+    assert resp.status == 200
+    legs = [front.prefill.seen[-1][2], front.decode.seen[-1][2]]
+    parents = [h.get("traceparent", "") for h in legs]
+    assert all(p.startswith(f"00-{trace_id}-") for p in parents), parents
+    # Each leg is its own span of the turn.
+    assert parents[0] != parents[1] and parent not in parents
+
+
+async def test_streaming_strips_the_handle_and_passes_every_event(front: Front) -> None:
+    async with front.session.post(
+        front.gateway.url + "/v1/chat/completions",
+        json={**CHAT, "stream": True},
+        headers={"Authorization": f"Bearer {KEY}"},
+    ) as resp:
+        assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
+        raw = (await resp.read()).decode()
+    events = [line[6:] for line in raw.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert [c["choices"][0]["delta"]["content"] for c in chunks] == [f"t{i}" for i in range(5)]
+    assert "kv_transfer_params" not in raw
+    assert front.decode.seen[-1][1]["stream"] is True
+
+
+async def test_decode_stream_cut_midway_ends_with_an_error_event(front: Front) -> None:
+    front.decode.cut_after = 2
+    async with front.session.post(
+        front.gateway.url + "/v1/chat/completions",
+        json={**CHAT, "stream": True},
+        headers={"Authorization": f"Bearer {KEY}"},
+    ) as resp:
+        raw = (await resp.read()).decode()
+    assert '"t0"' in raw and '"t1"' in raw and '"t2"' not in raw
+    assert "BadGatewayError" in raw and raw.rstrip().endswith("data: [DONE]")
+    assert await front.metric("kvplane_gateway_turns_total", decision="fallback", outcome="failed") == 1
+
+
+async def test_prefill_failing_twice_is_a_bad_gateway(front: Front) -> None:
+    front.prefill.failures = [503, 503]
+    resp = await front.post("/v1/chat/completions", dict(CHAT))
+    assert resp.status == 502
+    assert len(front.prefill.seen) == 2 and not front.decode.seen
+    assert await front.metric("kvplane_gateway_retries_total", reason="prefill_http_503") == 1
+
+
+async def test_prefill_rejecting_the_request_is_not_retried(front: Front) -> None:
+    front.prefill.failures = [400]
+    resp = await front.post("/v1/chat/completions", dict(CHAT))
+    assert resp.status == 400
+    assert (await resp.json())["error"]["message"] == "scripted 400"
+    assert len(front.prefill.seen) == 1
+
+
+async def test_models_and_health(front: Front) -> None:
+    async with front.session.get(front.gateway.url + "/v1/models") as resp:
+        assert [m["id"] for m in (await resp.json())["data"]] == ["m"]
+    async with front.session.get(front.gateway.url + "/health") as resp:
+        assert resp.status == 200
+
+
+def _spawn_gateway(log: Path, *args: str) -> subprocess.Popen[bytes]:
+    with open(log, "wb") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "kvplane.services.cli", "gateway", *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=dict(os.environ, KVPLANE_TELEMETRY__METRICS_PORT="0"),
+            start_new_session=True,
+        )
+
+
+async def test_gateway_command_serves_until_sigterm(tmp_path: Path) -> None:
+    prefill, decode = ScriptedEngine("prefill"), ScriptedEngine("decode")
+    await prefill.start()
+    await decode.start()
+    port = free_port()
+    log = tmp_path / "gateway.log"
+    proc = _spawn_gateway(
+        log,
+        *("--listen", f"127.0.0.1:{port}", "--default-tenant", "dev", "--model", "m"),
+        *("--routing", f"127.0.0.1:{free_port()},127.0.0.1:{free_port()}"),
+        *("--fallback-prefill", prefill.url, "--fallback-decode", decode.url),
+    )
+    try:
+        async with aiohttp.ClientSession() as session:
+
+            async def healthy() -> bool:
+                async with session.get(f"http://127.0.0.1:{port}/health") as r:
+                    return r.status == 200
+
+            await eventually(healthy, timeout_s=60, what="the gateway command to serve")
+            # No key at all: the development default tenant.
+            async with session.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=CHAT) as r:
+                assert r.status == 200, await r.text()
+            assert decode.seen[-1][1]["kv_transfer_params"]["kvplane_tenant"] == "dev"
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(proc.wait, 20) == 0
+        assert "kvplane gateway ready" in log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        await prefill.stop()
+        await decode.stop()
