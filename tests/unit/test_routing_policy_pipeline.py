@@ -17,7 +17,7 @@ from kvplane.services.routing.policy import (
     policy_from_mapping,
     policy_from_yaml,
 )
-from tests.unit.routing_policy_fixtures import history, mk_handle, mk_node, snap, state
+from tests.unit.routing_policy_fixtures import NOW, history, mk_handle, mk_node, snap, state
 
 FP8 = Fingerprint("m", "fp8_e4m3", "NHD")
 H = history(4096)
@@ -90,12 +90,34 @@ def test_holder_without_a_compatible_prefill_recomputes_holder_down(policy: Rout
         ([], "no nodes"),
         ([state(mk_node("d0"))], "no prefill"),
         ([state(mk_node("p0", NodeRole.PREFILL))], "no decode"),
-        ([state(mk_node("p0", NodeRole.PREFILL)), state(mk_node("d0", draining=True))], "decode draining"),
+        (
+            [state(mk_node("p0", NodeRole.PREFILL, fingerprint=FP8)), state(mk_node("d0"))],
+            "no shared fingerprint",
+        ),
+        (
+            [state(mk_node("p0", NodeRole.PREFILL)), state(mk_node("d0", role=NodeRole.PREFILL))],
+            "two prefills",
+        ),
     ],
 )
 def test_no_pair_raises(policy: RoutingPolicy, nodes: list[object], why: str) -> None:
     with pytest.raises(NoEligibleNodes):
         policy.route(snap(nodes))  # type: ignore[arg-type]
+
+
+def test_soft_filters_give_way_rather_than_fail_the_turn(policy: RoutingPolicy) -> None:
+    # Every load report is old (the metadata service was down) and one decode drains.
+    stale = {"reported_unix_ms": NOW - 600_000}
+    nodes = [
+        state(mk_node("p0", NodeRole.PREFILL), **stale),
+        state(mk_node("d0", draining=True), **stale),
+    ]
+    plan = policy.route(snap(nodes))
+    assert (plan.prefill.node_id, plan.decode.node_id) == ("p0", "d0")
+    # While one fresh, undrained pair exists, it is preferred.
+    fresh = [*nodes, state(mk_node("p1", NodeRole.PREFILL)), state(mk_node("d1"))]
+    plan = policy.route(snap(fresh))
+    assert (plan.prefill.node_id, plan.decode.node_id) == ("p1", "d1")
 
 
 def test_a_both_role_node_serves_both_legs(policy: RoutingPolicy) -> None:

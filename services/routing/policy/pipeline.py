@@ -12,6 +12,11 @@ Fingerprints. A pull needs P to share the holder's fingerprint, and D reads
 P's blocks, so D must share P's. When the handle's holder is live, both legs
 are first chosen among nodes with the holder's fingerprint; if that leaves
 no P/D pair the turn is routed without it and recomputes.
+
+Hard and soft filters. Hard filters (role, model, fingerprint) are
+constraints of correctness. Soft ones (stale load reports, draining) are
+preferences: if they leave no pair, the turn is routed by the hard filters
+alone rather than failed.
 """
 
 from __future__ import annotations
@@ -44,21 +49,22 @@ class RoutingPolicy:
     def __init__(self, config: PolicyConfig) -> None:
         self.config = config
 
-    def rank(self, leg_policy: LegPolicy, ctx: LegContext) -> list[NodeState]:
-        """The leg's eligible nodes, best first."""
-        eligible = [s for s in ctx.snapshot.nodes if all(f.keep(s, ctx) for f in leg_policy.filters)]
+    def rank(self, leg_policy: LegPolicy, ctx: LegContext, *, hard_only: bool = False) -> list[NodeState]:
+        """The leg's eligible nodes, best first; with `hard_only`, judged by hard filters alone."""
+        filters = [f for f in leg_policy.filters if f.hard] if hard_only else leg_policy.filters
+        eligible = [s for s in ctx.snapshot.nodes if all(f.keep(s, ctx) for f in filters)]
         if not eligible:
             return []
         scored = [(s, sum(w.weight * w.scorer.score(s, ctx) for w in leg_policy.scorers)) for s in eligible]
         return leg_policy.picker.rank(scored, ctx)
 
     def _pair(
-        self, snapshot: RouteSnapshot, holder: Node | None, fingerprint: Fingerprint | None
+        self, snapshot: RouteSnapshot, holder: Node | None, fingerprint: Fingerprint | None, hard_only: bool
     ) -> tuple[NodeState, NodeState] | None:
         decode_ctx = LegContext(snapshot, Leg.DECODE, holder, fingerprint)
-        for decode in self.rank(self.config.decode, decode_ctx):
+        for decode in self.rank(self.config.decode, decode_ctx, hard_only=hard_only):
             prefill_ctx = LegContext(snapshot, Leg.PREFILL, holder, decode.node.fingerprint)
-            ranked = self.rank(self.config.prefill, prefill_ctx)
+            ranked = self.rank(self.config.prefill, prefill_ctx, hard_only=hard_only)
             if ranked:
                 return ranked[0], decode
         return None
@@ -67,10 +73,18 @@ class RoutingPolicy:
         """Chooses P and D and decides pull or recompute. Raises NoEligibleNodes."""
         costs = costs or self.config.cost_model
         holder = live_holder(snapshot)
-        pair = self._pair(snapshot, holder, holder.fingerprint) if holder is not None else None
-        compatible = pair is not None
-        if pair is None:
-            pair = self._pair(snapshot, holder, None)
+        pair: tuple[NodeState, NodeState] | None = None
+        compatible = False
+        # Soft filters (liveness of load reports, draining) give way before a
+        # turn fails: a stale or draining node beats no answer (DESIGN.md, invariant 5).
+        for hard_only in (False, True):
+            if holder is not None:
+                pair = self._pair(snapshot, holder, holder.fingerprint, hard_only)
+                compatible = pair is not None
+            if pair is None:
+                pair = self._pair(snapshot, holder, None, hard_only)
+            if pair is not None:
+                break
         if pair is None:
             raise NoEligibleNodes(f"no prefill/decode pair can serve model {snapshot.model!r}")
         prefill, decode = pair

@@ -20,6 +20,9 @@ class PolicyConfigError(ValueError):
 
 class Filter(Protocol):
     name: ClassVar[str]
+    # Hard filters are correctness constraints and always apply; soft ones are
+    # dropped when they would leave no node for a leg.
+    hard: ClassVar[bool]
 
     def keep(self, state: NodeState, ctx: LegContext) -> bool: ...
 

@@ -18,6 +18,7 @@ from kvplane.services.routing.policy.snapshot import LegContext, NodeState
 @dataclass(frozen=True, slots=True)
 class SameFingerprintFilter:
     name: ClassVar[str] = "same-fingerprint"
+    hard: ClassVar[bool] = True
 
     def keep(self, state: NodeState, ctx: LegContext) -> bool:
         return ctx.fingerprint is None or state.node.fingerprint == ctx.fingerprint

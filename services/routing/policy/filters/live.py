@@ -18,6 +18,7 @@ from kvplane.services.routing.policy.snapshot import LegContext, NodeState
 @dataclass(frozen=True, slots=True)
 class LiveFilter:
     name: ClassVar[str] = "live"
+    hard: ClassVar[bool] = False
     # A load report older than this, in ms, marks the node as stuck.
     max_load_age_ms: int = 10_000
     # Whether a node that has never reported load may take turns.

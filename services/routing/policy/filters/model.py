@@ -13,6 +13,7 @@ from kvplane.services.routing.policy.snapshot import LegContext, NodeState
 @dataclass(frozen=True, slots=True)
 class SameModelFilter:
     name: ClassVar[str] = "same-model"
+    hard: ClassVar[bool] = True
 
     def keep(self, state: NodeState, ctx: LegContext) -> bool:
         return state.node.fingerprint.model == ctx.snapshot.model

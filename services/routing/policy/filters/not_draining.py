@@ -13,6 +13,7 @@ from kvplane.services.routing.policy.snapshot import LegContext, NodeState
 @dataclass(frozen=True, slots=True)
 class NotDrainingFilter:
     name: ClassVar[str] = "not-draining"
+    hard: ClassVar[bool] = False
 
     def keep(self, state: NodeState, ctx: LegContext) -> bool:
         return not state.node.draining

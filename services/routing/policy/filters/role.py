@@ -13,6 +13,7 @@ from kvplane.services.routing.policy.snapshot import Leg, LegContext, NodeState
 @dataclass(frozen=True, slots=True)
 class RoleFilter:
     name: ClassVar[str] = "role"
+    hard: ClassVar[bool] = True
 
     def keep(self, state: NodeState, ctx: LegContext) -> bool:
         role = state.node.role
