@@ -288,7 +288,8 @@ async def publish_handles(
     async def one(i: int, conversation: str) -> None:
         holder = holders[i % len(holders)]
         assert isinstance(holder, Node)
-        tokens = history(i)
+        # Every conversation shares one history: the prompts then cost the client nothing to build.
+        tokens = history(0)
         vllm = VllmHandle(
             remote_engine_id=holder.engine_id,
             remote_request_id=f"req-{conversation}",
@@ -332,11 +333,11 @@ async def run(calls_c1: int, calls_c64: int) -> list[tuple[str, Result]]:
         nodes = await register_nodes(etcd.endpoint, prefix)
         holders = [n for n in nodes if getattr(n, "node_id", "").startswith("d")]
         new = list(range(7, 7 + NEW_TOKENS))
-        prompts = [[*history(i), *new] for i in range(calls_c1 + calls_c64 + 1)]
+        prompt = [*history(0), *new]
 
         # The echo request is the Route request itself, so both move the same bytes.
         sample = routing_pb2.RouteRequest(
-            conversation="c", model=MODEL, prompt_token_ids=prompts[0]
+            conversation="c", model=MODEL, prompt_token_ids=prompt
         ).SerializeToString()
         async with grpc.aio.insecure_channel(f"127.0.0.1:{echo_port}") as channel:
             echo_call: Any = channel.unary_unary(_ECHO_METHOD)
@@ -360,7 +361,7 @@ async def run(calls_c1: int, calls_c64: int) -> list[tuple[str, Result]]:
         reporter = asyncio.create_task(report_loads(etcd.endpoint, prefix, nodes))
         try:
             for tracing in (False, True):
-                results += await routing_round(tracing, etcd, prefix, holders, prompts, calls_c1, calls_c64)
+                results += await routing_round(tracing, etcd, prefix, holders, prompt, calls_c1, calls_c64)
         finally:
             reporter.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -376,7 +377,7 @@ async def routing_round(
     etcd: LocalEtcd,
     prefix: str,
     holders: Sequence[Any],
-    prompts: Sequence[Sequence[int]],
+    prompt: Sequence[int],
     calls_c1: int,
     calls_c64: int,
 ) -> list[tuple[str, Result]]:
@@ -391,7 +392,9 @@ async def routing_round(
     tag = "tracing on" if tracing else "tracing off"
     try:
         round_id = uuid.uuid4().hex[:6]
-        conversations = [f"pull-{round_id}-{i}" for i in range(calls_c1 + calls_c64 + 1)]
+        # Handles for two pull phases (with and without token ids), then one sentinel.
+        per_phase = calls_c1 + calls_c64
+        conversations = [f"pull-{round_id}-{i}" for i in range(2 * per_phase)] + [f"pull-{round_id}-last"]
         await publish_handles(etcd.endpoint, prefix, holders, conversations)
         async with RoutingClient(
             [f"127.0.0.1:{port}"], metadata=(("x-kvplane-tenant", "bench"),), timeout_s=10.0
@@ -399,7 +402,7 @@ async def routing_round(
             # The last handle published is in the view once it pulls: so are all others.
             deadline = time.monotonic() + 30
             while True:
-                r = await client.route(conversations[-1], MODEL, prompt_token_ids=prompts[-1])
+                r = await client.route(conversations[-1], MODEL, prompt_tokens=HISTORY_TOKENS + NEW_TOKENS)
                 if r.decision == "pull":
                     break
                 if time.monotonic() > deadline:
@@ -407,18 +410,25 @@ async def routing_round(
                 await asyncio.sleep(0.1)  # waiting for the watch to deliver the publishes
 
             async def do_recompute(i: int) -> None:
-                await client.route(f"first-{round_id}-{i}", MODEL, prompt_token_ids=prompts[i])
+                await client.route(f"first-{round_id}-{i}", MODEL, prompt_token_ids=prompt)
 
             pulls = 0
             offset = 0
 
             async def do_pull(i: int) -> None:
                 nonlocal pulls
-                r = await client.route(conversations[offset + i], MODEL, prompt_token_ids=prompts[offset + i])
+                r = await client.route(conversations[offset + i], MODEL, prompt_token_ids=prompt)
+                pulls += r.decision == "pull"
+
+            async def do_pull_length_only(i: int) -> None:
+                nonlocal pulls
+                r = await client.route(
+                    conversations[offset + i], MODEL, prompt_tokens=HISTORY_TOKENS + NEW_TOKENS
+                )
                 pulls += r.decision == "pull"
 
             async def do_length_only(i: int) -> None:
-                await client.route(f"len-{round_id}-{i}", MODEL, prompt_tokens=len(prompts[i]))
+                await client.route(f"len-{round_id}-{i}", MODEL, prompt_tokens=len(prompt))
 
             await drive("warm", 4, 200, do_recompute, [me])
             pids = [me, server.pid, etcd.proc.pid]
@@ -426,13 +436,14 @@ async def routing_round(
                 results.append((tag, await drive("route len-only", conc, calls, do_length_only, pids)))
             for conc, calls in ((1, calls_c1), (64, calls_c64)):
                 results.append((tag, await drive("route recompute", conc, calls, do_recompute, pids)))
-            for conc, calls in ((1, calls_c1), (64, calls_c64)):
-                pulls = 0
-                res = await drive("route pull", conc, calls, do_pull, pids)
-                if pulls != calls:
-                    raise RuntimeError(f"only {pulls} of {calls} pull routes pulled")
-                results.append((tag, res))
-                offset += calls
+            for name, call in (("route pull len-only", do_pull_length_only), ("route pull", do_pull)):
+                for conc, calls in ((1, calls_c1), (64, calls_c64)):
+                    pulls = 0
+                    res = await drive(name, conc, calls, call, pids)
+                    if pulls != calls:
+                        raise RuntimeError(f"only {pulls} of {calls} {name} routes pulled")
+                    results.append((tag, res))
+                    offset += calls
     finally:
         _stop(server)
     return results
@@ -443,15 +454,15 @@ def report(results: list[tuple[str, Result]]) -> str:
     # "echo" carries the same token ids, "echo small" a length-only request.
     echo = {(r.name, r.concurrency): r for _, r in results if r.name.startswith("echo")}
     lines = [
-        f"{'call':<17}{'tracing':<13}{'conc':>5}{'calls':>7}{'p50 ms':>9}{'p99 ms':>9}{'calls/s':>9}"
+        f"{'call':<21}{'tracing':<13}{'conc':>5}{'calls':>7}{'p50 ms':>9}{'p99 ms':>9}{'calls/s':>9}"
         f"{'CPU ms/call':>13}{'(client/server/etcd)':>23}{'p50/echo':>10}",
     ]
     for tag, r in results:
-        base = "echo small" if r.name == "route len-only" else "echo"
+        base = "echo small" if r.name.endswith("len-only") else "echo"
         ratio = r.p50_ms / echo[(base, r.concurrency)].p50_ms if not r.name.startswith("echo") else 1.0
         split = "/".join(f"{c:.2f}" for c in r.cpu_split_ms)
         lines.append(
-            f"{r.name:<17}{tag or '-':<13}{r.concurrency:>5}{r.calls:>7}{r.p50_ms:>9.3f}{r.p99_ms:>9.3f}"
+            f"{r.name:<21}{tag or '-':<13}{r.concurrency:>5}{r.calls:>7}{r.p50_ms:>9.3f}{r.p99_ms:>9.3f}"
             f"{r.rate:>9.0f}{r.cpu_ms_per_call:>13.3f}{split:>23}{ratio:>10.2f}"
         )
     lines.append(
