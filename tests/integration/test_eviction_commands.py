@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 import pytest
@@ -193,7 +193,7 @@ async def test_a_dead_nodes_handles_are_purged_when_its_lease_goes(
     convs = await _publish(store, node, 3)
     await store.revoke_lease(lease)
     for c in convs:
-        await eventually(lambda c=c: _none(store.get_handle_record("acme", c)), what="the purge")  # type: ignore[misc]
+        await eventually(_handle_gone(store, c), what="the purge")
     assert await store.orphaned_nodes() == set()
 
 
@@ -229,8 +229,11 @@ async def _empty(awaitable) -> bool:  # type: ignore[no-untyped-def]
     return not await awaitable
 
 
-async def _none(awaitable) -> bool:  # type: ignore[no-untyped-def]
-    return await awaitable is None
+def _handle_gone(store: Store, conversation: str) -> Callable[[], Awaitable[bool]]:
+    async def probe() -> bool:
+        return await store.get_handle_record("acme", conversation) is None
+
+    return probe
 
 
 async def test_a_restart_seen_only_on_the_watch_still_retires_the_old_incarnation(
@@ -261,9 +264,7 @@ async def _restart_behind_the_stores_back(store: Store) -> None:
     )
     await store._txn("test_put_node", [], [put])
     for c in convs:
-        await eventually(
-            lambda c=c: _none(store.get_handle_record("acme", c)), what="the old incarnation's purge"
-        )  # type: ignore[misc]
+        await eventually(_handle_gone(store, c), what="the old incarnation's purge")
 
 
 async def test_the_leader_rides_out_an_etcd_restart_and_keeps_delivering() -> None:
