@@ -209,6 +209,21 @@ async def test_few_reusable_tokens_recompute_below_threshold(
     assert result.decision == "recompute_below_threshold", result.reason
 
 
+async def test_a_transfer_slower_than_recomputing_recomputes_cost(
+    cluster: RoutingCluster, client: RoutingClient
+) -> None:
+    # 4 MiB of KV per token: pulling 4k tokens would take far longer than computing them.
+    heavy = await cluster.register(node("d-heavy", NodeRole.DECODE, kv_bytes_per_token=4 << 20))
+    await cluster.wait_nodes()
+    c = conv()
+    history = tokens(HISTORY_TOKENS)
+    handle = await cluster.publish(handle_for(heavy, "acme", c, history))
+    await cluster.wait_handle("acme", c, handle.handle_id)
+    result = await client.route(c, MODEL, prompt_token_ids=[*history, 1])
+    assert result.decision == "recompute_cost", result.reason
+    assert await cluster.store.get_handle_record("acme", c) is not None
+
+
 @pytest.mark.parametrize(
     "case",
     ["edited_message", "stripped_reasoning_trace", "retried_turn", "foreign_digests"],

@@ -31,6 +31,7 @@ def node(
     host: str = "127.0.0.1",
     kv_dtype: str = "bfloat16",
     labels: dict[str, str] | None = None,
+    kv_bytes_per_token: int = 4096,
 ) -> Node:
     url_host = f"[{host}]" if ":" in host else host
     return Node(
@@ -44,7 +45,7 @@ def node(
         fingerprint=Fingerprint(MODEL, kv_dtype, "NHD"),
         block_size=BLOCK,
         kv_capacity_bytes=1 << 30,
-        kv_bytes_per_token=4096,
+        kv_bytes_per_token=kv_bytes_per_token,
         labels=labels or {},
     )
 
