@@ -14,6 +14,7 @@ every attempt is recorded and checked afterwards:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import time
 from collections import defaultdict
@@ -127,3 +128,57 @@ async def _true(value: bool) -> bool:
 
 async def _empty(awaitable) -> bool:  # type: ignore[no-untyped-def]
     return not await awaitable
+
+
+async def test_routes_racing_the_coordinators_own_releases_never_both_win(
+    etcd: LocalEtcd, prefix: str, store: Store
+) -> None:
+    """End to end: the leader's policy loop releases handles (past max age)
+    while routes check the same handles out. Every handle ends with exactly one
+    winner: a successful check-out, or a release command at the node."""
+    node = make_node("d0")
+    await store.register_node(node, 60)
+    replica = await start_replica(
+        etcd, prefix, policy={"policies": [{"name": "max_age", "engine_ttl_s": 480, "margin_s": 30}]}
+    )
+    agent = CommandNode(node.node_id, node.incarnation, [target_of(replica)])
+    agent.start()
+    rng = random.Random(7)
+    history: list[Attempt] = []
+    handles: set[str] = set()
+    sem = asyncio.Semaphore(CONVERSATIONS)
+
+    async def one(i: int) -> None:
+        async with sem:
+            aged = make_handle(node, "acme", f"aged-{i}", life_ms=600_000)
+            aged = dataclasses.replace(aged, published_unix_ms=int(time.time() * 1000) - 460_000)
+            outcome = await store.publish_handle(aged)
+            handle_id = outcome.handle.handle_id
+            handles.add(handle_id)
+            await asyncio.sleep(rng.random() * 0.15)  # jitter against the leader's next round
+            started = time.monotonic()
+            try:
+                await store.check_out("acme", f"aged-{i}", handle_id=handle_id)
+                ok = True
+            except (HandleNotRetained, NotFound):
+                ok = False
+            history.append(Attempt(handle_id, "check_out", ok, started, time.monotonic()))
+
+    try:
+        await eventually(lambda: _true(agent.connected), what="the node's stream")
+        await asyncio.gather(*(one(i) for i in range(ROUNDS)))
+        checked_out = {a.handle_id for a in history if a.ok}
+        lost = handles - checked_out
+        # Every check-out that lost, lost to a release, which reaches the node.
+        await eventually(
+            lambda: _true(set(agent.released_handles) >= lost), timeout_s=30, what="the releases that won"
+        )
+        released = set(agent.released_handles)
+        assert not released & checked_out, f"released and checked out: {sorted(released & checked_out)[:5]}"
+        assert released | checked_out == handles
+        assert set(agent.released_handles.values()) == {1}
+        assert released and checked_out, "one side never won: the race was not exercised"
+        print(f"{len(checked_out)} check-outs won, {len(released)} releases won")
+    finally:
+        await agent.stop()
+        await replica.stop()
