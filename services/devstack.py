@@ -231,8 +231,8 @@ async def start_stack(
             await _wait_ready(engine, http_health_probe(health), timeout_s)
 
         gateway_config = run_dir / "gateway.yaml"
-        gateway_config.write_text(
-            json.dumps({"gateway": {"api_keys": {DEMO_API_KEY: DEMO_TENANT}}})  # JSON is YAML
+        gateway_config.write_text(  # JSON is YAML
+            json.dumps({"gateway": {"api_keys": [{"token": DEMO_API_KEY, "tenant": DEMO_TENANT}]}})
         )
         gateway = ManagedProcess(
             "gateway",
@@ -244,6 +244,12 @@ async def start_stack(
                 f"{host}:{gw_port}",
                 "--routing",
                 stack.grpc_target,
+                "--model",
+                "sim-model",
+                "--fallback-prefill",
+                stack.prefill_url,
+                "--fallback-decode",
+                stack.decode_url,
             ),
             run_dir / "gateway.log",
         )
@@ -297,7 +303,14 @@ async def run_demo(
             for t in range(1, turns + 1):
                 user = " ".join(f"question {c}.{t} about item {i}" for i in range(60 * t))
                 messages.append({"role": "user", "content": user})
-                body = {"model": "sim-model", "messages": messages, "max_tokens": max_tokens, "stream": True}
+                body = {
+                    "model": "sim-model",
+                    "messages": messages,
+                    "max_tokens": max_tokens,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                }
+                before = await _prompt_sources(session, stack.prefill_url)
                 started = time.perf_counter()
                 ttft = 0.0
                 text = ""
@@ -338,6 +351,20 @@ async def run_demo(
                     )
                 )
     return out
+
+
+async def _prompt_sources(session: aiohttp.ClientSession, engine_url: str) -> dict[str, float]:
+    """The prefill engine's prompt tokens by source (vLLM's metric), summed over labels."""
+    async with session.get(f"{engine_url}/metrics") as resp:
+        text = await resp.text()
+    totals = {"external_kv_transfer": 0.0, "local_compute": 0.0, "local_cache_hit": 0.0}
+    for line in text.splitlines():
+        if line.startswith("vllm:prompt_tokens_by_source_total{"):
+            labels, _, value = line.rpartition(" ")
+            for source in totals:
+                if f'source="{source}"' in labels:
+                    totals[source] += float(value)
+    return totals
 
 
 def _print_demo(turns: Sequence[DemoTurn]) -> None:
