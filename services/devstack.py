@@ -314,6 +314,7 @@ async def run_demo(
                 started = time.perf_counter()
                 ttft = 0.0
                 text = ""
+                usage: dict[str, int] = {}
                 async with session.post(
                     f"{stack.gateway_url}/v1/chat/completions",
                     json=body,
@@ -334,22 +335,13 @@ async def run_demo(
                             if piece and not ttft:
                                 ttft = (time.perf_counter() - started) * 1e3
                             text += piece
-                        usage = chunk.get("usage") or {}
-                    pulled = int(resp.headers.get("x-kvplane-reused-tokens", "0") or 0)
+                        usage = chunk.get("usage") or usage
+                after = await _prompt_sources(session, stack.prefill_url)
+                pulled = int(after["external_kv_transfer"] - before["external_kv_transfer"])
+                computed = int(after["local_compute"] - before["local_compute"])
                 prompt_tokens = int(usage.get("prompt_tokens", 0)) if usage else 0
                 messages.append({"role": "assistant", "content": text})
-                out.append(
-                    DemoTurn(
-                        conversation,
-                        t,
-                        prompt_tokens,
-                        ttft,
-                        decision,
-                        pulled,
-                        max(0, prompt_tokens - pulled),
-                        text,
-                    )
-                )
+                out.append(DemoTurn(conversation, t, prompt_tokens, ttft, decision, pulled, computed, text))
     return out
 
 
