@@ -260,10 +260,9 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
             # check-out cannot be made, so this turn recomputes.
             return None, "etcd unreachable: recomputing from the cached view"
         try:
-            checked = await asyncio.wait_for(
-                self.store.check_out(tenant, conversation, route_id=route_id, expected=record),
-                self.settings.checkout_timeout_s,
-            )
+            # asyncio.timeout, not wait_for: no extra task on the hot path.
+            async with asyncio.timeout(self.settings.checkout_timeout_s):
+                checked = await self.store.check_out(tenant, conversation, route_id=route_id, expected=record)
         except (HandleNotRetained, NotFound):
             return None, "another turn of the conversation took the handle"
         except (StoreUnavailable, TimeoutError) as exc:

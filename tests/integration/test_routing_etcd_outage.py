@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -115,5 +117,37 @@ async def test_etcd_outage_turns_pulls_into_recomputes_and_restart_restores_pull
             third = await client.route(conversation, MODEL, prompt_token_ids=[*longer, 2])
             assert third.decision == "pull", third.reason
     finally:
+        await cluster.stop()
+        await store.close()
+
+
+async def test_a_frozen_etcd_costs_one_check_out_timeout_then_recomputes(own_etcd: LocalEtcd) -> None:
+    # A frozen etcd keeps its connections open: the view still looks healthy,
+    # so only the check-out's own deadline stands between the turn and a hang.
+    prefix = f"/kvplane-test/{uuid.uuid4().hex}/"
+    store = Store(StoreSettings(endpoints=(own_etcd.endpoint,), prefix=prefix))
+    await store.connect()
+    cluster = RoutingCluster(own_etcd, prefix, store)
+    assert own_etcd.proc is not None
+    frozen = False
+    try:
+        await cluster.register(node("p0", NodeRole.PREFILL))
+        d0 = await cluster.register(node("d0", NodeRole.DECODE))
+        await cluster.add_replica()
+        await cluster.wait_nodes()
+        history = tokens(HISTORY_TOKENS)
+        handle_id = await cluster.report("acme", "frozen", decode_params(d0, history))
+        await cluster.wait_handle("acme", "frozen", handle_id)
+        async with cluster.client("acme", timeout_s=10.0) as client:
+            os.kill(own_etcd.proc.pid, signal.SIGSTOP)
+            frozen = True
+            started = time.monotonic()
+            result = await client.route("frozen", MODEL, prompt_token_ids=[*history, 1])
+            elapsed = time.monotonic() - started
+            assert result.decision == "recompute_contended", result.reason
+            assert elapsed < 3.0, f"Route took {elapsed:.1f} s"
+    finally:
+        if frozen:
+            os.kill(own_etcd.proc.pid, signal.SIGCONT)
         await cluster.stop()
         await store.close()
