@@ -123,7 +123,8 @@ class TurnRunner:
     # -- the turn -------------------------------------------------------------------
 
     async def serve(self, request: web.Request, turn: TurnRequest) -> web.StreamResponse:
-        parent = _PROPAGATOR.extract(dict(request.headers))
+        # The headers themselves, not a dict copy: their lookups ignore case, as HTTP does.
+        parent = _PROPAGATOR.extract(request.headers)
         with self.tracer.start_as_current_span(
             "gateway.turn", context=parent, kind=trace.SpanKind.SERVER
         ) as span:

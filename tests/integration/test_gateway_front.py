@@ -202,7 +202,8 @@ async def test_non_streaming_answer_keeps_usage_tool_calls_and_reasoning(front: 
 async def test_both_legs_carry_the_callers_trace(front: Front) -> None:
     trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
     parent = f"00-{trace_id}-00f067aa0ba902b7-01"
-    resp = await front.post("/v1/chat/completions", dict(CHAT), traceparent=parent)
+    # Header names are case-insensitive: the gateway must find this one however it is spelled.
+    resp = await front.post("/v1/chat/completions", dict(CHAT), Traceparent=parent)
     assert resp.status == 200
     legs = [front.prefill.seen[-1][2], front.decode.seen[-1][2]]
     parents = [h.get("traceparent", "") for h in legs]

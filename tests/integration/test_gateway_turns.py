@@ -107,9 +107,7 @@ async def test_streaming_chat_pulls_and_streams_token_by_token(stack: GatewaySta
         result = await stack.post("/v1/chat/completions", body, stack.headers("acme", conv))
         assert result.status == 200, result.raw
         decisions.append(result.decision)
-        content = [
-            (t, e) for t, e in result.events if e["choices"] and e["choices"][0]["delta"].get("content")
-        ]
+        content = [t for t, e in result.events if e["choices"] and e["choices"][0]["delta"].get("content")]
         assert len(content) == 80
         # Each token leaves D a decode step after the last: the client sees them spread out, not at once.
         spread = content[-1] - content[0]
