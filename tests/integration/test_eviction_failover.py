@@ -185,9 +185,9 @@ async def test_killing_the_leader_hands_over_within_the_lease_ttl_without_double
 async def test_a_leader_whose_lease_is_revoked_stops_acting_and_the_standby_takes_over(
     etcd: LocalEtcd, prefix: str, store: Store
 ) -> None:
-    a = await start_replica(etcd, prefix, policy={"policies": []}, replica_id="a")
+    a = await start_replica(etcd, prefix, policy={"policies": []}, replica_id="a", lease_ttl_s=LEASE_TTL_S)
     await eventually(lambda: _true(coordinator_of(a).is_leader), what="a to lead")
-    b = await start_replica(etcd, prefix, policy={"policies": []}, replica_id="b")
+    b = await start_replica(etcd, prefix, policy={"policies": []}, replica_id="b", lease_ttl_s=LEASE_TTL_S)
     node = make_node("d0")
     agent = CommandNode(node.node_id, node.incarnation, [target_of(a), target_of(b)])
     agent.start()

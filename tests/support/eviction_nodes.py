@@ -154,7 +154,9 @@ async def start_replica(
     etcd: LocalEtcd, prefix: str, *, telemetry: Telemetry | None = None, **eviction: object
 ) -> ServiceProcess:
     """An in-process eviction replica (its own store, view, lease and gRPC port)."""
-    values: dict[str, object] = {"lease_ttl_s": 2, "evaluate_interval_s": 0.2, "orphan_sweep_interval_s": 0.5}
+    # A lease long enough that a starved CI box does not cost the leader its
+    # term mid-test; failover tests pass a short one.
+    values: dict[str, object] = {"lease_ttl_s": 5, "evaluate_interval_s": 0.2, "orphan_sweep_interval_s": 0.5}
     values.update(eviction)
     process = ServiceProcess(
         settings_for(etcd, prefix, eviction=values), [install], telemetry or Telemetry.disabled()
