@@ -58,7 +58,7 @@ from kvplane.bench.simengine.side_channel import (
     normalize_host,
 )
 from kvplane.bench.simengine.token_oracle import TokenOracle
-from kvplane.bench.simengine.toy_tokenizer import EOS_ID
+from kvplane.bench.simengine.toy_tokenizer import BYTE_OFFSET, EOS_ID, think_close, think_open
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +79,8 @@ class GenerationRequest:
     max_tokens: int
     ignore_eos: bool = False
     kv_transfer_params: Mapping[str, Any] | None = None
+    # Output opens with <think>, this many model tokens, </think> (chat reasoning).
+    reasoning_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -140,6 +142,7 @@ class SimEngine:
             settings.num_blocks, settings.bytes_per_block, settings.block_size, root_hash(settings.model)
         )
         self.oracle = TokenOracle(settings.seed, settings.eos_probability)
+        self._think_open, self._think_close = think_open(), think_close()
         self.metrics = SimEngineMetrics(settings.model)
         self.side_channel = SideChannelServer(
             self._identity, settings.side_channel_host, settings.side_channel_port
@@ -335,7 +338,7 @@ class SimEngine:
             tail_start = len(prompt_chain) * bs
             state = self.oracle.state_after(prompt[tail_start:], self.oracle.base(last_full))
             out: list[int] = []
-            tok = self.oracle.next_token(state)
+            tok = self._next_token(req, 0, state)
             while True:
                 out.append(tok)
                 if (n + len(out)) % bs == 0:
@@ -362,7 +365,7 @@ class SimEngine:
                 if n + len(out) > len(blocks) * bs:
                     blocks += await self._allocate(1)
                 await asyncio.sleep(s.timing.decode_s(self._running))
-                tok = self.oracle.next_token(state)
+                tok = self._next_token(req, len(out), state)
         finally:
             # Reached with blocks still owned only on abort or error: free, return nothing.
             if queued:
@@ -375,6 +378,20 @@ class SimEngine:
                 self._blocks_freed.set()
             if not done:
                 self.metrics.finished("abort", 0)
+
+    def _next_token(self, req: GenerationRequest, index: int, state: int) -> int:
+        """Output token ``index``: the oracle's, inside the fixed think tags when reasoning."""
+        if req.reasoning_tokens > 0:
+            if index < len(self._think_open):
+                return self._think_open[index]
+            index -= len(self._think_open)
+            if index < req.reasoning_tokens:
+                tok = self.oracle.next_token(state)
+                return BYTE_OFFSET + ord(" ") if tok == EOS_ID else tok  # reasoning never ends the answer
+            index -= req.reasoning_tokens
+            if index < len(self._think_close):
+                return self._think_close[index]
+        return self.oracle.next_token(state)
 
     async def _allocate(self, count: int) -> list[int]:
         if count <= 0:

@@ -85,6 +85,20 @@ def _prompt_ids(engine: SimEngine, prompt: Any) -> list[int]:
     )
 
 
+def _chat_ids(body: Mapping[str, Any]) -> list[int]:
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        raise RequestError("messages must be a list", param="messages")
+    try:
+        return toy_tokenizer.encode(
+            toy_tokenizer.render_chat(
+                messages, add_generation_prompt=_bool(body, "add_generation_prompt", True)
+            )
+        )
+    except PromptError as e:
+        raise RequestError(str(e), param="messages") from e
+
+
 def parse_request(
     engine: SimEngine, body: Any, chat: bool, request_id_header: str | None = None
 ) -> ParsedRequest:
@@ -96,15 +110,13 @@ def parse_request(
         raise RequestError(f"The model `{model}` does not exist.", status=404, param="model")
     if body.get("n", 1) != 1:
         raise RequestError("only n=1 is supported", param="n")
+    reasoning = 0
     if chat:
-        messages = body.get("messages")
-        if not isinstance(messages, list):
-            raise RequestError("messages must be a list", param="messages")
-        try:
-            ids = toy_tokenizer.encode(toy_tokenizer.render_chat(messages))
-        except PromptError as e:
-            raise RequestError(str(e), param="messages") from e
+        ids = _chat_ids(body)
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        kwargs = body.get("chat_template_kwargs") or {}
+        if isinstance(kwargs, dict) and kwargs.get("enable_thinking", True) is not False:
+            reasoning = s.reasoning_tokens
     else:
         ids = _prompt_ids(engine, body.get("prompt"))
         max_tokens = body.get("max_tokens")
@@ -137,6 +149,7 @@ def parse_request(
             max_tokens=max_tokens,
             ignore_eos=_bool(body, "ignore_eos"),
             kv_transfer_params=kvp,
+            reasoning_tokens=reasoning,
         ),
         stream=stream,
         include_usage=stream and _bool(opts, "include_usage"),
@@ -161,15 +174,38 @@ class _Responder:
         self.model = engine.settings.model
         self.created = int(time.time())
         self.id = p.request.request_id
+        self._emitted = 0
+        # Output positions of the reasoning text and of the answer, when the chat reasons.
+        r = p.request.reasoning_tokens if p.chat else 0
+        opening, closing = len(toy_tokenizer.think_open()), len(toy_tokenizer.think_close())
+        self._reasoning = range(opening, opening + r) if r else range(0)
+        self._answer_from = opening + r + closing if r else 0
+
+    def _delta(self, index: int, text: str) -> dict[str, Any]:
+        # As vLLM's reasoning parsers do: reasoning text apart, the think tags themselves dropped.
+        if index in self._reasoning:
+            return {"reasoning_content": text}
+        if index < self._answer_from:
+            return {"reasoning_content": ""}
+        return {"content": text}
+
+    def split(self, output: tuple[int, ...]) -> tuple[str | None, str]:
+        """(reasoning, answer) texts of a chat output."""
+        if not self._answer_from:
+            return None, toy_tokenizer.decode(output)
+        reasoning = output[self._reasoning.start : self._reasoning.stop]
+        return toy_tokenizer.decode(reasoning), toy_tokenizer.decode(output[self._answer_from :])
 
     def chunk(self, ev: TokenEvent, first: bool) -> dict[str, Any]:
         text = toy_tokenizer.decode([ev.token_id])
+        index = self._emitted
+        self._emitted += 1
         fin = ev.finish
         choice: dict[str, Any]
         if self.p.chat:
-            delta: dict[str, Any] = {"content": text}
+            delta = self._delta(index, text)
             if first:
-                delta = {"role": "assistant", "content": text}
+                delta = {"role": "assistant", **delta}
             choice = {
                 "index": 0,
                 "delta": delta,
@@ -218,9 +254,16 @@ class _Responder:
         prompt_ids = list(self.p.request.prompt_token_ids)
         choice: dict[str, Any]
         if self.p.chat:
+            reasoning, answer = self.split(fin.output_token_ids)
+            message: dict[str, Any] = {
+                "role": "assistant",
+                "content": answer,
+                "reasoning_content": reasoning,
+                "tool_calls": [],
+            }
             choice = {
                 "index": 0,
-                "message": {"role": "assistant", "content": text, "tool_calls": []},
+                "message": message,
                 "logprobs": None,
                 "finish_reason": fin.finish_reason,
                 "stop_reason": None,
@@ -303,6 +346,45 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await _completion(request, chat=True)
 
 
+async def tokenize(request: web.Request) -> web.Response:
+    """vLLM's /tokenize: a prompt, or chat messages rendered by the template."""
+    engine = request.app[ENGINE_KEY]
+    try:
+        body = await request.json()
+        if not isinstance(body, dict):
+            raise RequestError("the body must be a JSON object")
+        model = body.get("model")
+        if model is not None and model != engine.settings.model:
+            raise RequestError(f"The model `{model}` does not exist.", status=404, param="model")
+        if "messages" in body:
+            ids = _chat_ids(body)
+        elif isinstance(body.get("prompt"), str):
+            ids = toy_tokenizer.encode(body["prompt"], add_bos=_bool(body, "add_special_tokens", True))
+        else:
+            ids = _prompt_ids(engine, body.get("prompt"))
+    except ValueError:
+        return _error("the body is not valid JSON", 400)
+    except RequestError as e:
+        return _error(str(e), e.status, e.param)
+    return web.json_response(
+        {"count": len(ids), "max_model_len": engine.settings.max_model_len, "tokens": ids, "token_strs": None}
+    )
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    try:
+        body = await request.json()
+    except ValueError:
+        return _error("the body is not valid JSON", 400)
+    tokens = body.get("tokens") if isinstance(body, dict) else None
+    try:
+        ids = _prompt_ids(engine, tokens)
+    except RequestError as e:
+        return _error(str(e), e.status, "tokens")
+    return web.json_response({"prompt": toy_tokenizer.decode(ids)})
+
+
 async def health(request: web.Request) -> web.Response:
     return web.Response(status=200)
 
@@ -371,6 +453,8 @@ def build_app(engine: SimEngine) -> web.Application:
     app[ENGINE_KEY] = engine
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/metrics", metrics)

@@ -50,6 +50,9 @@ class SimEngineSettings:
     vocab_size: int = 151_936
     max_model_len: int = 32_768
     default_max_tokens: int = 16
+    # Chat answers open with <think>, this many reasoning tokens, </think> (0: no reasoning).
+    # A request turns it off with chat_template_kwargs {"enable_thinking": false}, as Qwen3 does.
+    reasoning_tokens: int = 0
     handshake_timeout_s: float = 5.0
     transfer_timeout_s: float = 10.0
     # How long a request waits for free KV blocks before failing with 503.
@@ -74,8 +77,10 @@ class SimEngineSettings:
         for name in ("block_size", "num_blocks", "vocab_size", "max_model_len", "default_max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
-        if self.kv_recompute_threshold < 0 or self.expiry_guard_s < 0:
-            raise ValueError("kv_recompute_threshold and expiry_guard_s must be non-negative")
+        if self.kv_recompute_threshold < 0 or self.expiry_guard_s < 0 or self.reasoning_tokens < 0:
+            raise ValueError(
+                "kv_recompute_threshold, expiry_guard_s and reasoning_tokens must be non-negative"
+            )
         if self.decoder_kv_blocks_ttl <= 0 or self.prefill_lease_s <= 0:
             raise ValueError("decoder_kv_blocks_ttl and prefill_lease_s must be positive")
         if not 0 <= self.http_port < 65536 or not 0 <= self.side_channel_port < 65536:
@@ -172,6 +177,7 @@ def build_arg_parser(
     p.add_argument("--vocab-size", type=int, default=d.vocab_size)
     p.add_argument("--max-model-len", type=int, default=d.max_model_len)
     p.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens)
+    p.add_argument("--reasoning-tokens", type=int, default=d.reasoning_tokens, help="chat reasoning length")
     p.add_argument("--handshake-timeout-s", type=float, default=d.handshake_timeout_s)
     p.add_argument("--transfer-timeout-s", type=float, default=d.transfer_timeout_s)
     p.add_argument("--kv-wait-timeout-s", type=float, default=d.kv_wait_timeout_s)

@@ -19,6 +19,11 @@ BYTE_OFFSET = 3
 NUM_BYTE_IDS = 256
 
 
+# A chat turn with reasoning starts with THINK_OPEN, reasoning text, THINK_CLOSE, then the answer.
+THINK_OPEN_TEXT = "<think>\n"
+THINK_CLOSE_TEXT = "\n</think>\n\n"
+
+
 class PromptError(Exception):
     """A prompt or message list the simulator cannot tokenize."""
 
@@ -26,6 +31,14 @@ class PromptError(Exception):
 def encode(text: str, add_bos: bool = True) -> list[int]:
     ids = [b + BYTE_OFFSET for b in text.encode("utf-8")]
     return [BOS_ID, *ids] if add_bos else ids
+
+
+def think_open() -> list[int]:
+    return encode(THINK_OPEN_TEXT, add_bos=False)
+
+
+def think_close() -> list[int]:
+    return encode(THINK_CLOSE_TEXT, add_bos=False)
 
 
 def decode(ids: Sequence[int]) -> str:

@@ -71,6 +71,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Engi
             "4",
         ],
     }
+    # Chat answers reason first (completions are unaffected), so a client can strip the trace.
+    specs = {name: [*flags, "--reasoning-tokens", "24"] for name, flags in specs.items()}
     with engines(log_dir, specs) as started:
         yield started
 
@@ -248,19 +250,17 @@ def test_streaming_finish_chunk_carries_kv_transfer_params(cluster: dict[str, En
     assert streamed == reference(cluster["P2"], prompt, 12)
 
 
-def test_chat_turns_stream_and_pull_verified_blocks(cluster: dict[str, Engine]) -> None:
-    p, d = cluster["P1"], cluster["D1"]
-    messages = [
-        {"role": "system", "content": "You are terse."},
-        {"role": "user", "content": "tell me a long story " * 12},
-    ]
-    body = {
+def chat_first_turn(p: Engine, d: Engine, user: str) -> tuple[list[dict[str, str]], str, str, dict[str, Any]]:
+    """A streamed chat turn 1 (P, then D): the messages, D's reasoning and answer texts, D's handle."""
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": user}]
+    body: dict[str, Any] = {
         "model": MODEL,
         "messages": messages,
         "max_tokens": 1,
         "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False},
     }
-    p_params = p.post("/v1/chat/completions", body)["kv_transfer_params"]
+    p_resp = p.post("/v1/chat/completions", body)
+    assert p_resp["choices"][0]["message"]["reasoning_content"] == "", "P's one token is the <think> tag"
     events = d.stream(
         "/v1/chat/completions",
         {
@@ -268,29 +268,59 @@ def test_chat_turns_stream_and_pull_verified_blocks(cluster: dict[str, Engine]) 
             "messages": messages,
             "max_tokens": 120,
             "ignore_eos": True,
-            "kv_transfer_params": p_params,
+            "kv_transfer_params": p_resp["kv_transfer_params"],
         },
     )
     assert events[0]["choices"][0]["delta"]["role"] == "assistant"
-    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events if e["choices"])
+    deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
+    reasoning = "".join(x.get("reasoning_content") or "" for x in deltas)
+    answer = "".join(x.get("content") or "" for x in deltas)
     handle = events[-1]["kv_transfer_params"]
     assert events[-1]["choices"][0]["finish_reason"] == "length" and handle["do_remote_decode"] is True
+    assert len(reasoning) == 24 and answer
+    return messages, reasoning, answer, handle
 
-    # The client resends the history as text; the byte tokenizer keeps D's prefix intact.
-    messages2 = [*messages, {"role": "assistant", "content": text}, {"role": "user", "content": "and then?"}]
-    pulled = loads(p, "pulled")
-    fails = p.metric("kvplane_sim_kv_verify_failures_total")
-    p.post(
+
+def p_chat(p: Engine, messages: list[dict[str, str]], handle: dict[str, Any]) -> dict[str, Any]:
+    return p.post(
         "/v1/chat/completions",
         {
             "model": MODEL,
-            "messages": messages2,
+            "messages": messages,
             "max_tokens": 1,
             "kv_transfer_params": dict(handle, do_remote_prefill=False),
         },
     )
+
+
+def test_chat_history_with_its_reasoning_pulls_verified_blocks(cluster: dict[str, Engine]) -> None:
+    p, d = cluster["P1"], cluster["D1"]
+    messages, reasoning, answer, handle = chat_first_turn(p, d, "tell me a long story " * 12)
+    # The client resends the whole turn as text; the byte tokenizer keeps D's prefix intact.
+    kept = f"<think>\n{reasoning}\n</think>\n\n{answer}"
+    messages2 = [*messages, {"role": "assistant", "content": kept}, {"role": "user", "content": "and then?"}]
+    pulled, fails = loads(p, "pulled"), p.metric("kvplane_sim_kv_verify_failures_total")
+    p_chat(p, messages2, handle)
     assert loads(p, "pulled") == pulled + 1
     assert p.metric("kvplane_sim_kv_verify_failures_total") == fails
+
+
+def test_stripped_reasoning_trace_is_detected_and_never_used(cluster: dict[str, Engine]) -> None:
+    p, d = cluster["P1"], cluster["D1"]
+    messages, _, answer, handle = chat_first_turn(p, d, "tell me another long story " * 12)
+    # Most chat clients (and Qwen3's template) drop the trace: the prompt no longer continues D's tokens.
+    messages2 = [
+        *messages,
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": "and then?"},
+    ]
+    wrong = p.metric("kvplane_sim_kv_verify_failures_total", reason="wrong_prefix")
+    pulled = loads(p, "pulled")
+    resp = p_chat(p, messages2, handle)
+    assert p.metric("kvplane_sim_kv_verify_failures_total", reason="wrong_prefix") == wrong + 1
+    assert loads(p, "pulled") == pulled
+    prompt_ids = p.post("/tokenize", {"model": MODEL, "messages": messages2})["tokens"]
+    assert resp["usage"]["prompt_tokens_details"]["cached_tokens"] < len(prompt_ids) - 100
 
 
 def test_abort_frees_blocks_and_returns_no_handle(cluster: dict[str, Engine]) -> None:
@@ -364,14 +394,28 @@ def test_openai_surface_models_errors_text_and_chat(cluster: dict[str, Engine]) 
     assert choice["prompt_token_ids"][0] == 1 and len(choice["text"]) == 5
     assert choice["finish_reason"] == "length" and text["kv_transfer_params"] is None
 
+    messages = [{"role": "user", "content": "hi"}]
     chat = e.post(
         "/v1/chat/completions",
         {
             "model": MODEL,
-            "messages": [{"role": "user", "content": "hi"}],
+            "messages": messages,
             "max_completion_tokens": 4,
             "return_token_ids": True,
+            "chat_template_kwargs": {"enable_thinking": False},
         },
     )
     assert chat["object"] == "chat.completion" and len(chat["choices"][0]["message"]["content"]) == 4
     assert len(chat["choices"][0]["token_ids"]) == 4 and chat["prompt_token_ids"][0] == 1
+    assert chat["choices"][0]["message"]["reasoning_content"] is None
+
+    # vLLM's /tokenize and /detokenize, which a gateway uses to route by token ids.
+    tokenized = e.post("/tokenize", {"model": MODEL, "messages": messages})
+    assert tokenized["tokens"] == chat["prompt_token_ids"] and tokenized["count"] == len(tokenized["tokens"])
+    assert (
+        e.post("/tokenize", {"model": MODEL, "prompt": "hello world"})["tokens"] == choice["prompt_token_ids"]
+    )
+    assert (
+        e.post("/detokenize", {"model": MODEL, "tokens": choice["prompt_token_ids"]})["prompt"]
+        == "hello world"
+    )
