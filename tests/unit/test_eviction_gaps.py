@@ -156,3 +156,14 @@ def test_turn_tracker_measures_gaps_and_counts_silence_as_an_end() -> None:
     tracker.on_publish("t", "c2", NOW + 50_000)
     assert tracker.expire(NOW + 143_000) == 1  # c1 silent 101 s; c2 only 93 s
     assert len(tracker) == 1
+
+
+def test_tenant_memory_is_bounded_and_the_forgotten_fall_back_to_the_fleet() -> None:
+    stats = GapStatistics(max_tenants=2)
+    for tenant in ("a", "b", "c"):
+        for _ in range(200):
+            stats.observe_gap(tenant, 5.0)
+    fleet = stats.distribution()
+    assert stats.distribution("a") is fleet  # forgotten: the global histogram
+    assert stats.distribution("c") is not fleet
+    assert stats.continue_rate("a") == stats.continue_rate("never-seen")

@@ -222,7 +222,10 @@ class GapStatistics:
             hist = GapHistogram(self.layout)
             self._tenants[tenant] = hist
             while len(self._tenants) > self.max_tenants:
-                self._tenants.popitem(last=False)
+                gone, _ = self._tenants.popitem(last=False)
+                # The least recently active tenant falls back to the global prior.
+                self._continued.pop(gone, None)
+                self._ended.pop(gone, None)
         self._tenants.move_to_end(tenant)
         hist.add(gap_s)
         if hist.total > self.max_weight:
