@@ -209,6 +209,7 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
         kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
         check_vllm_version()
+        _log_through_vllm_handlers()
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
         settings = ConnectorSettings.from_config(extra.get("kvplane"))
         if role == KVConnectorRole.WORKER and not settings.nixl_progress_thread:
@@ -455,6 +456,20 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
     def held_request_ids(self) -> frozenset[str]:
         """Requests whose published blocks this engine still holds (scheduler thread)."""
         return frozenset(self._held)
+
+
+def _log_through_vllm_handlers() -> None:
+    """Send kvplane's log records where vLLM sends its own (engine processes configure only
+    vLLM's logger; without this, kvplane's INFO lines from the engine core are lost)."""
+    ours = logging.getLogger("kvplane")
+    if ours.handlers:
+        return
+    theirs = logging.getLogger("vllm")
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    if theirs.handlers:
+        ours.setLevel(theirs.getEffectiveLevel())
+        ours.propagate = False
 
 
 @contextlib.contextmanager
