@@ -7,7 +7,6 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -224,9 +223,3 @@ class Gateway:
         if self._routing is not None:
             await self._routing.close()
             self._routing = None
-
-
-def describe(settings: GatewaySection) -> dict[str, Any]:
-    """The settings with secrets masked, for the start-up log."""
-    out: dict[str, Any] = settings.model_dump(mode="json")
-    return out

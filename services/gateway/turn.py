@@ -18,7 +18,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +50,10 @@ ROUTE_HEADER = "x-kvplane-route-id"
 CONVERSATION_HEADER = "x-kvplane-conversation"
 
 _PROPAGATOR = TraceContextTextMapPropagator()
+
+
+class ClientGone(Exception):
+    """The client closed its connection while its answer was being written."""
 
 
 class TurnFailed(Exception):
@@ -336,25 +340,25 @@ class TurnRunner:
             )
             outcome, finished = "ok", False
             try:
-                await response.prepare(request)
+                await _to_client(response.prepare(request))
                 async for event in sse.events(upstream.content):
                     payload = event.json()
                     raw = event.raw
                     if payload is not None and _absorb(payload, progress, turn.client_token_ids):
                         raw = sse.encode(payload)
                     # One write per event: aiohttp sends it at once, so tokens reach the client as made.
-                    await response.write(raw)
+                    await _to_client(response.write(raw))
                     if progress.ttft_s is None and payload is not None and payload.get("choices"):
                         progress.ttft_s = time.perf_counter() - turn.arrival
                     if event.done:
                         finished = True
                         break
-                await response.write_eof()
+                await _to_client(response.write_eof())
+            except ClientGone:
+                outcome, progress.error = "client_gone", "the client disconnected"
             except (aiohttp.ClientError, TimeoutError) as exc:
                 outcome, progress.error = "stream_failed", f"decode stream failed: {exc!r}"
                 await _end_with_error(response, progress.error)
-            except ConnectionResetError:
-                outcome, progress.error = "client_gone", "the client disconnected"
             finally:
                 # Closing an unfinished upstream aborts D's request, which frees its blocks.
                 if finished:
@@ -470,6 +474,15 @@ def _absorb(payload: dict[str, Any], progress: TurnProgress, keep_token_ids: boo
                     del choice[key]
                     changed = True
     return changed
+
+
+async def _to_client(write: Awaitable[Any]) -> None:
+    """Awaits a write to the client; a reset means the client left (aiohttp's reset error is also a
+    ClientError, which would otherwise read as a failure of the decode leg)."""
+    try:
+        await write
+    except ConnectionResetError as exc:
+        raise ClientGone(str(exc)) from exc
 
 
 async def _end_with_error(response: web.StreamResponse, message: str) -> None:

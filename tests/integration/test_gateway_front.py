@@ -75,6 +75,9 @@ class ScriptedEngine:
     failures: list[int] = field(default_factory=list)
     # Streaming: break the connection after this many events.
     cut_after: int | None = None
+    # Streaming: pause between events, seconds; and whether the client went away meanwhile.
+    pause_s: float = 0.0
+    aborted: bool = False
     port: int = 0
     runner: web.AppRunner | None = None
 
@@ -87,6 +90,7 @@ class ScriptedEngine:
         app.router.add_post("/v1/{kind}", self._answer)
         app.router.add_post("/v1/chat/completions", self._answer)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/tokenize", self._tokenize)
         self.runner = web.AppRunner(app)
         await self.runner.setup()
         self.port = free_port()
@@ -95,6 +99,11 @@ class ScriptedEngine:
     async def stop(self) -> None:
         if self.runner is not None:
             await self.runner.cleanup()
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.seen.append((request.path, body, dict(request.headers)))
+        return web.json_response({"tokens": [ord(c) for c in body["prompt"]], "count": len(body["prompt"])})
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "m", "object": "model"}]})
@@ -126,7 +135,16 @@ class ScriptedEngine:
             }
             if i == 4:
                 chunk["kv_transfer_params"] = D_HANDLE
-            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            try:
+                await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                if self.pause_s:
+                    await asyncio.sleep(self.pause_s)  # a slow decode step
+            except ConnectionResetError:
+                self.aborted = True
+                return resp
+            except asyncio.CancelledError:
+                self.aborted = True
+                raise
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
@@ -255,6 +273,37 @@ async def test_prefill_rejecting_the_request_is_not_retried(front: Front) -> Non
     assert resp.status == 400
     assert (await resp.json())["error"]["message"] == "scripted 400"
     assert len(front.prefill.seen) == 1
+
+
+async def test_client_leaving_midway_aborts_the_decode_leg(front: Front) -> None:
+    front.decode.pause_s = 0.5
+    async with front.session.post(
+        front.gateway.url + "/v1/chat/completions",
+        json={**CHAT, "stream": True},
+        headers={"Authorization": f"Bearer {KEY}"},
+    ) as resp:
+        assert (await resp.content.readline()).startswith(b"data: ")
+        resp.close()
+
+    async def aborted() -> bool:
+        return front.decode.aborted
+
+    await eventually(aborted, timeout_s=5, what="D's request to be aborted")
+    await eventually(
+        lambda: front.metric("kvplane_gateway_leg_seconds_count", leg="decode", outcome="client_gone"),
+        timeout_s=5,
+        what="the decode leg to be counted as abandoned",
+    )
+
+
+async def test_text_prompts_are_sent_as_token_ids_when_a_tokenizer_is_configured(front: Front) -> None:
+    front.gateway.settings.tokenize_url = front.prefill.url
+    body = {"model": "m", "prompt": "abc", "max_tokens": 2}
+    resp = await front.post("/v1/completions", body)
+    assert resp.status == 200
+    assert front.prefill.seen[0][0] == "/tokenize"
+    assert front.prefill.seen[-1][1]["prompt"] == [97, 98, 99]
+    assert front.decode.seen[-1][1]["prompt"] == [97, 98, 99]
 
 
 async def test_models_and_health(front: Front) -> None:

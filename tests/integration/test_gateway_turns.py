@@ -5,6 +5,7 @@ One stack serves the whole module; each test uses its own conversations.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import time
@@ -135,6 +136,24 @@ async def test_streaming_completions_pull_and_report_usage(stack: GatewayStack) 
     assert (first.decision, second.decision) == ("recompute_no_handle", "pull")
     usage = second.events[-1][1]["usage"]
     assert usage["prompt_tokens"] == len(prompt) and usage["completion_tokens"] == 80
+
+
+async def test_concurrent_conversations_each_pull_their_own_history(stack: GatewayStack) -> None:
+    pulled_before = await pulled(stack)
+
+    async def converse(index: int) -> list[str]:
+        conv, prompt, handle, decisions = conversation(), new_ids(200, 100 + index), "", []
+        for turn in range(3):
+            result = await complete(stack, "acme", conv, prompt, stream=index % 2 == 0, return_token_ids=True)
+            decisions.append(result.decision)
+            handle = await stack.wait_handle("acme", conv, other_than=handle)
+            prompt = prompt + result.output_ids() + new_ids(30, 1000 * index + turn)
+        return decisions
+
+    outcomes = await asyncio.gather(*(converse(i) for i in range(6)))
+    assert all(d == ["recompute_no_handle", "pull", "pull"] for d in outcomes), outcomes
+    assert await pulled(stack) == pulled_before + 12
+    assert await verify_failures(stack) == 0
 
 
 # -- isolation ------------------------------------------------------------------------------
