@@ -24,7 +24,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from kvplane.services.common.cluster_view import ClusterView, HandleChange, NodeChange
@@ -89,6 +89,7 @@ class EvictionCoordinator:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._term_tasks: set[asyncio.Task[Any]] = set()
+        self._leadership_listeners: list[Callable[[bool], None]] = []
         view.on_handle_change(self._on_handle_change)
         view.on_node_change(self._on_node_change)
 
@@ -98,7 +99,19 @@ class EvictionCoordinator:
     def is_leader(self) -> bool:
         return self.term is not None and self.term.active
 
+    def on_leadership(self, listener: Callable[[bool], None]) -> None:
+        """Called with True when this replica starts acting, False when it stops (and at start)."""
+        self._leadership_listeners.append(listener)
+
+    def _announce(self, leading: bool) -> None:
+        for listener in self._leadership_listeners:
+            try:
+                listener(leading)
+            except Exception:
+                log.exception("leadership listener failed")
+
     async def start(self) -> None:
+        self._announce(False)
         self.view.start()
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="eviction-coordinator")
@@ -137,6 +150,7 @@ class EvictionCoordinator:
             return
         self.term = term
         self.metrics.leader.set(1)
+        self._announce(True)
         log.info("eviction leader: acting", extra={"replica": self.replica_id})
         self._spawn(self._policy_loop(term))
         self._spawn(self._sweep_loop(term))
@@ -149,6 +163,7 @@ class EvictionCoordinator:
     def _end_term(self) -> None:
         if self.term is not None:
             self.term.lost.set()
+            self._announce(False)
         self.term = None
         self.metrics.leader.set(0)
         for task in list(self._term_tasks):

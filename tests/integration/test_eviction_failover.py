@@ -20,10 +20,13 @@ from pathlib import Path
 import grpc
 import pytest
 import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvplane.services.common.errors import NotFound
 from kvplane.services.common.local_etcd import LocalEtcd, free_port
+from kvplane.services.common.process import ServiceProcess
 from kvplane.services.common.store import Store
+from kvplane.services.eviction.app import LEADER_HEALTH_NAME
 from kvplane.v1 import eviction_pb2, eviction_pb2_grpc
 from tests.conftest import NODE_HEADERS, make_node
 from tests.support.eviction_nodes import CommandNode, coordinator_of, start_replica, target_of
@@ -260,3 +263,33 @@ async def test_releases_a_dead_leader_never_delivered_are_unroutable_and_deliver
         await eventually(outbox_empty, what="every release acknowledged")
     finally:
         await agent.stop()
+
+
+async def test_only_the_leader_reports_serving_on_the_leader_health_name(
+    etcd: LocalEtcd, prefix: str
+) -> None:
+    a = await start_replica(etcd, prefix, policy={"policies": []}, lease_ttl_s=LEASE_TTL_S)
+    await eventually(lambda: _true(coordinator_of(a).is_leader), what="a to lead")
+    b = await start_replica(etcd, prefix, policy={"policies": []}, lease_ttl_s=LEASE_TTL_S)
+    stopped: list[ServiceProcess] = []
+    try:
+
+        def probe(process: ServiceProcess, want: int):  # type: ignore[no-untyped-def]
+            async def check() -> bool:
+                async with grpc.aio.insecure_channel(target_of(process)) as channel:
+                    reply = await health_pb2_grpc.HealthStub(channel).Check(
+                        health_pb2.HealthCheckRequest(service=LEADER_HEALTH_NAME)
+                    )
+                    return bool(reply.status == want)
+
+            return check
+
+        await eventually(probe(a, health_pb2.HealthCheckResponse.SERVING), what="the leader ready")
+        await eventually(probe(b, health_pb2.HealthCheckResponse.NOT_SERVING), what="the standby not ready")
+        stopped.append(a)
+        await a.stop()
+        await eventually(probe(b, health_pb2.HealthCheckResponse.SERVING), what="the new leader ready")
+    finally:
+        await b.stop()
+        if a not in stopped:
+            await a.stop()
