@@ -306,7 +306,7 @@ class SimEngine:
         try:
             # Keep at least one prompt token to compute: its logits give the first token.
             prompt_chain = full_block_hashes(prompt, bs, self.pool.root)
-            hit_blocks = self.pool.match_prefix(prompt_chain)
+            hit_blocks = self.pool.match_prefix(prompt_chain) if s.enable_prefix_caching else []
             hit_blocks = hit_blocks[: (n - 1) // bs]
             self.pool.acquire(hit_blocks)
             blocks = list(hit_blocks)

@@ -44,6 +44,9 @@ class SimEngineSettings:
     # P declines a pull this close to D's expiry (vLLM's 5 s gate).
     expiry_guard_s: float = 5.0
     bidirectional: bool = True
+    # vLLM's --enable-prefix-caching. Off, P keeps no history between turns, so it pulls every
+    # token D holds instead of only D's tail beyond its own cache.
+    enable_prefix_caching: bool = True
     timing: TimingModel = field(default_factory=TimingModel)
     seed: int = 0
     eos_probability: float = 0.0
@@ -166,6 +169,9 @@ def build_arg_parser(
     p.add_argument("--kv-recompute-threshold", type=int, default=d.kv_recompute_threshold)
     p.add_argument("--expiry-guard-s", type=float, default=d.expiry_guard_s)
     p.add_argument("--bidirectional", action=argparse.BooleanOptionalAction, default=d.bidirectional)
+    p.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching
+    )
     p.add_argument("--prefill-base-s", type=float, default=t.prefill_base_s)
     p.add_argument("--prefill-per-token-s", type=float, default=t.prefill_per_token_s)
     p.add_argument("--prefill-per-token-sq-s", type=float, default=t.prefill_per_token_sq_s)

@@ -269,3 +269,18 @@ async def test_twenty_concurrent_five_turn_conversations_pull_verified_blocks(st
         assert sample(e, "kvplane_sim_kv_verify_failures_total", reason="not_leased") == 0
     await until(lambda: p.load().retained_handles + p2.load().retained_handles == 0, 10, "P leases freed")
     assert d.load().retained_handles == 20, "D keeps the last turn of each conversation"
+
+
+async def test_without_prefix_caching_p_pulls_everything_d_holds(stack: list[SimEngine]) -> None:
+    p, d = SimEngine(settings(enable_prefix_caching=False)), SimEngine(settings())
+    stack.extend([p, d])
+    await started(p, d)
+    prompt = prompt_of(300, 11)
+    p_params = (await run(p, prompt, 1, {"do_remote_decode": True})).kv_transfer_params
+    fin = await run(d, prompt, 12, p_params)
+    assert fin.kv_transfer_params is not None
+    prompt2 = prompt + list(fin.output_token_ids) + prompt_of(50, 12)
+    fin2 = await run(p, prompt2, 1, dict(fin.kv_transfer_params, do_remote_prefill=False))
+    # D holds 300 + 12 - 1 = 311 tokens; with a cache P would have had 288 and recomputed 23.
+    assert fin2.cached_tokens == 311
+    assert sample(p, "vllm:prompt_tokens_by_source_total", source="local_cache_hit") == 0
