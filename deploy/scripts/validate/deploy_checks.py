@@ -67,6 +67,7 @@ class Report:
 
 # ---------------------------------------------------------------- kvplane's own parsers
 
+
 def kvplane_settings_cls() -> Any:
     from kvplane.services.common.settings import KvplaneSettings
 
@@ -106,7 +107,9 @@ def settings_has_section(name: str) -> bool:
     return name in kvplane_settings_cls().model_fields
 
 
-def without_section(config_text: str | None, env: Mapping[str, str], section: str) -> tuple[str, dict[str, str]]:
+def without_section(
+    config_text: str | None, env: Mapping[str, str], section: str
+) -> tuple[str, dict[str, str]]:
     values = yaml.safe_load(config_text) if config_text else {}
     values.pop(section, None)
     prefix = f"KVPLANE_{section.upper()}__"
@@ -147,7 +150,7 @@ def module_file(module: str) -> Path | None:
     mapping = {"kvplane.connector": "connector", "kvplane.services": "services", "kvplane.bench": "bench"}
     for prefix, directory in mapping.items():
         if module == prefix or module.startswith(prefix + "."):
-            rest = module[len(prefix):].lstrip(".").replace(".", "/")
+            rest = module[len(prefix) :].lstrip(".").replace(".", "/")
             path = ROOT / directory / (rest + ".py" if rest else "__init__.py")
             return path if path.exists() else None
     return None
@@ -159,6 +162,7 @@ def host_port(target: str) -> tuple[str, int]:
 
 
 # ---------------------------------------------------------------- compose
+
 
 def check_compose(resolved_path: Path, report: Report) -> None:
     project = json.loads(resolved_path.read_text())
@@ -179,6 +183,26 @@ def check_compose(resolved_path: Path, report: Report) -> None:
         if command[:1] == ["serve"]:
             return {"metadata", "routing", "eviction"} if command[1] == "all" else {command[1]}
         return set()
+
+    def engine_services(host: str) -> list[str]:
+        """Engine services (sim or vLLM) that answer to `host`, by name or alias."""
+        return [
+            n
+            for n, svc in services.items()
+            if (
+                n == host
+                or any(
+                    host in ((net or {}).get("aliases") or []) for net in (svc.get("networks") or {}).values()
+                )
+            )
+            and (n.startswith("sim-") or n.startswith("vllm-"))
+        ]
+
+    def engine_port(name: str) -> int:
+        for arg in services[name].get("command") or []:
+            if arg.startswith("--port="):
+                return int(arg.split("=", 1)[1])
+        return 0
 
     for name, svc in services.items():
         report.check(svc.get("network_mode") != "host", f"compose {name}: no host networking")
@@ -204,19 +228,24 @@ def check_compose(resolved_path: Path, report: Report) -> None:
         env = {k: str(v) for k, v in (svc.get("environment") or {}).items() if v is not None}
         if command[:1] == ["serve"]:
             try:
-                args, flags = parse_serve(command)
+                flags = parse_serve(command)[1]
                 settings = load_settings(env, config_text, flags)
                 ok, detail = True, ""
             except (SystemExit, Exception) as exc:  # argparse exits; pydantic raises
                 ok, detail, settings = False, repr(exc), None
-            report.check(ok, f"compose {name}: `kvplane {' '.join(command)}` parses with its settings", detail)
+            report.check(
+                ok, f"compose {name}: `kvplane {' '.join(command)}` parses with its settings", detail
+            )
             if settings is not None:
                 report.check(
-                    settings.grpc.listen.startswith("0.0.0.0:") and settings.telemetry.metrics_host == "0.0.0.0",
+                    settings.grpc.listen.startswith("0.0.0.0:")
+                    and settings.telemetry.metrics_host == "0.0.0.0",
                     f"compose {name}: gRPC and metrics listen on all interfaces",
                 )
                 for endpoint in settings.etcd.endpoints:
-                    report.check(host_port(endpoint)[0] in services, f"compose {name}: etcd {endpoint} is a service")
+                    report.check(
+                        host_port(endpoint)[0] in services, f"compose {name}: etcd {endpoint} is a service"
+                    )
                 otlp = settings.telemetry.otlp_endpoint
                 report.check(
                     host_port(otlp) == ("otel-collector", 4317), f"compose {name}: traces go to the collector"
@@ -224,7 +253,9 @@ def check_compose(resolved_path: Path, report: Report) -> None:
         elif command[:1] == ["gateway"]:
             text, genv = config_text, env
             if not settings_has_section("gateway"):
-                report.note(f"compose {name}: settings have no gateway section yet; gateway settings not checked")
+                report.note(
+                    f"compose {name}: settings have no gateway section yet; gateway settings not checked"
+                )
                 text, genv = without_section(config_text, env, "gateway")
             try:
                 settings = load_settings(genv, text, {})
@@ -233,8 +264,20 @@ def check_compose(resolved_path: Path, report: Report) -> None:
                 ok, detail, settings = False, repr(exc), None
             report.check(ok, f"compose {name}: gateway settings load", detail)
             if settings is not None and settings_has_section("gateway"):
-                for target in settings.gateway.routing:
-                    report.check("routing" in runs(host_port(target)[0]), f"compose {name}: routing {target} runs routing")
+                g = settings.gateway
+                for url in (g.tokenize_url, g.fallback_prefill_url, g.fallback_decode_url):
+                    host = url.split("//", 1)[-1].split(":", 1)[0]
+                    engines = engine_services(host)
+                    report.check(
+                        bool(engines) and all(url.endswith(f":{engine_port(e)}") for e in engines),
+                        f"compose {name}: {url} is an engine in every profile",
+                        str(engines),
+                    )
+                for target in g.routing:
+                    report.check(
+                        "routing" in runs(host_port(target)[0]),
+                        f"compose {name}: routing {target} runs routing",
+                    )
         elif "sim" in image or svc.get("build", {}).get("target") == "sim-engine":
             try:
                 sim = parse_sim_engine(command)
@@ -266,11 +309,17 @@ def check_compose(resolved_path: Path, report: Report) -> None:
             report.check(module_file(module) is not None, f"compose {name}: connector module {module} exists")
             section = config.get("kv_connector_extra_config", {}).get("kvplane", {})
             unknown = set(section) - connector_setting_names()
-            report.check(not unknown, f"compose {name}: kvplane connector settings are known", str(sorted(unknown)))
-            report.check("metadata" in runs(host_port(section.get("metadata_target", ":0"))[0]),
-                         f"compose {name}: metadata_target runs metadata")
-            report.check("eviction" in runs(host_port(section.get("eviction_target", ":0"))[0]),
-                         f"compose {name}: eviction_target runs eviction")
+            report.check(
+                not unknown, f"compose {name}: kvplane connector settings are known", str(sorted(unknown))
+            )
+            report.check(
+                "metadata" in runs(host_port(section.get("metadata_target", ":0"))[0]),
+                f"compose {name}: metadata_target runs metadata",
+            )
+            report.check(
+                "eviction" in runs(host_port(section.get("eviction_target", ":0"))[0]),
+                f"compose {name}: eviction_target runs eviction",
+            )
             hostname = svc.get("hostname", name)
             report.check(
                 section.get("http_url", "").startswith(f"http://{hostname}:")
@@ -280,32 +329,47 @@ def check_compose(resolved_path: Path, report: Report) -> None:
 
     # Prometheus scrapes every metrics endpoint, by service name.
     prom = yaml.safe_load((COMPOSE_DIR / "prometheus.yml").read_text())
-    targets = {t for job in prom["scrape_configs"] for sc in job.get("static_configs", []) for t in sc["targets"]}
+    targets = {
+        t for job in prom["scrape_configs"] for sc in job.get("static_configs", []) for t in sc["targets"]
+    }
     for target in sorted(targets):
         host = host_port(target)[0]
         report.check(
-            host in services or host in aliases or host == "127.0.0.1", f"prometheus target {target} is a compose service"
+            host in services or host in aliases or host == "127.0.0.1",
+            f"prometheus target {target} is a compose service",
         )
-    expected = {f"{n}:9464" for n in services if runs(n) and n not in aliases.values()} | {
-        f"{n}:8100" for n in services if n.startswith("sim-")
-    } | {f"{n}:8000" for n in services if n.startswith("vllm-")} | {"gateway:8080", "etcd:2381"}
+    expected = (
+        {f"{n}:9464" for n in services if runs(n) and n not in aliases.values()}
+        | {f"{n}:{engine_port(n)}" for n in services if n.startswith(("sim-", "vllm-"))}
+        | {"gateway:8080", "etcd:2381"}
+    )
     missing = expected - targets
-    report.check(not missing, "prometheus scrapes every kvplane, engine and etcd metrics endpoint", str(sorted(missing)))
+    report.check(
+        not missing,
+        "prometheus scrapes every kvplane, engine and etcd metrics endpoint",
+        str(sorted(missing)),
+    )
 
     # The collector's pipelines use only defined components, and export to a service.
     otel = yaml.safe_load((COMPOSE_DIR / "otel-collector.yaml").read_text())
     for pipeline, spec in otel["service"]["pipelines"].items():
         for kind in ("receivers", "processors", "exporters"):
             for component in spec.get(kind, []):
-                report.check(component in otel.get(kind, {}), f"otel pipeline {pipeline}: {kind[:-1]} {component} defined")
+                report.check(
+                    component in otel.get(kind, {}),
+                    f"otel pipeline {pipeline}: {kind[:-1]} {component} defined",
+                )
     for exporter, spec in otel["exporters"].items():
         if "endpoint" in spec:
-            report.check(host_port(spec["endpoint"])[0] in services, f"otel exporter {exporter} targets a service")
+            report.check(
+                host_port(spec["endpoint"])[0] in services, f"otel exporter {exporter} targets a service"
+            )
     grpc_endpoint = otel["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"]
     report.check(host_port(grpc_endpoint)[1] == 4317, "otel collector receives OTLP/gRPC on 4317")
 
 
 # ---------------------------------------------------------------- Dockerfile
+
 
 def check_dockerfile(resolved_paths: list[Path], report: Report) -> None:
     """Parse with BuildKit's parser; build targets and COPY sources exist and are in the context."""
@@ -318,7 +382,9 @@ def check_dockerfile(resolved_paths: list[Path], report: Report) -> None:
         report.check(False, "Dockerfile parses (BuildKit parser)", str(exc))
         return
     report.check(True, f"Dockerfile parses (BuildKit parser): {len(commands)} instructions")
-    stages = [c.value[2] for c in commands if c.cmd == "FROM" and len(c.value) == 3 and c.value[1].upper() == "AS"]
+    stages = [
+        c.value[2] for c in commands if c.cmd == "FROM" and len(c.value) == 3 and c.value[1].upper() == "AS"
+    ]
     report.check(len(stages) == len(set(stages)), f"Dockerfile stages are distinct: {', '.join(stages)}")
 
     patterns = [
@@ -328,7 +394,12 @@ def check_dockerfile(resolved_paths: list[Path], report: Report) -> None:
     ]
 
     def pattern_regex(pattern: str) -> re.Pattern[str]:
-        out = re.escape(pattern.strip("/")).replace(r"\*\*", "\0").replace(r"\*", "[^/]*").replace(r"\?", "[^/]")
+        out = (
+            re.escape(pattern.strip("/"))
+            .replace(r"\*\*", "\0")
+            .replace(r"\*", "[^/]*")
+            .replace(r"\?", "[^/]")
+        )
         return re.compile(out.replace("\0", ".*") + "(/.*)?")
 
     def in_context(rel: str) -> bool:
@@ -359,6 +430,7 @@ def check_dockerfile(resolved_paths: list[Path], report: Report) -> None:
 
 # ---------------------------------------------------------------- Kubernetes manifests
 
+
 def docs_of(text: str) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all(text) if d]
 
@@ -384,7 +456,6 @@ def container_ports(template: dict[str, Any]) -> dict[str | int, int]:
 
 @functools.cache
 def _schema(filename: str, version: str) -> Any:
-    from kubernetes_validate import utils
 
     return _ORIGINAL_SCHEMA_CONTENTS(filename, version)
 
@@ -428,7 +499,9 @@ def check_kubernetes_docs(label: str, docs: list[dict[str, Any]], report: Report
     return crds
 
 
-def check_chart_semantics(label: str, docs: list[dict[str, Any]], values: dict[str, Any], report: Report) -> None:
+def check_chart_semantics(
+    label: str, docs: list[dict[str, Any]], values: dict[str, Any], report: Report
+) -> None:
     pods = pod_templates(docs)
     accounts = {d["metadata"]["name"] for d in docs if d["kind"] == "ServiceAccount"}
     engine_labels = values["engines"]["podLabels"]
@@ -443,7 +516,9 @@ def check_chart_semantics(label: str, docs: list[dict[str, Any]], values: dict[s
             matches(workload["spec"]["selector"]["matchLabels"], template["metadata"]["labels"]),
             f"{name}: selector matches its pods",
         )
-        report.check(template["spec"].get("serviceAccountName") in accounts, f"{name}: runs as a chart ServiceAccount")
+        report.check(
+            template["spec"].get("serviceAccountName") in accounts, f"{name}: runs as a chart ServiceAccount"
+        )
         ports = container_ports(template)
         for c in template["spec"]["containers"]:
             for probe_kind in ("startupProbe", "readinessProbe", "livenessProbe"):
@@ -474,7 +549,9 @@ def check_chart_semantics(label: str, docs: list[dict[str, Any]], values: dict[s
 
     for pdb in (d for d in docs if d["kind"] == "PodDisruptionBudget"):
         name = f"{label} PodDisruptionBudget {pdb['metadata']['name']}"
-        owners = [w for w, t in pods if matches(pdb["spec"]["selector"]["matchLabels"], t["metadata"]["labels"])]
+        owners = [
+            w for w, t in pods if matches(pdb["spec"]["selector"]["matchLabels"], t["metadata"]["labels"])
+        ]
         if report.check(len(owners) == 1, f"{name}: covers one workload"):
             replicas = owners[0]["spec"]["replicas"]
             if "minAvailable" in pdb["spec"]:
@@ -493,9 +570,13 @@ def check_chart_semantics(label: str, docs: list[dict[str, Any]], values: dict[s
             for peer in rule.get("from", []):
                 sel = peer.get("podSelector", {}).get("matchLabels")
                 # Peers the chart itself names (values may add others, outside the chart).
-                chart_peer = sel is not None and (sel.get("app.kubernetes.io/name") == "kvplane" or sel == engine_labels)
+                chart_peer = sel is not None and (
+                    sel.get("app.kubernetes.io/name") == "kvplane" or sel == engine_labels
+                )
                 if chart_peer and "namespaceSelector" not in peer:
-                    report.check(bool(pods_for(sel)) or sel == engine_labels, f"{name}: peer {sel} selects pods")
+                    report.check(
+                        bool(pods_for(sel)) or sel == engine_labels, f"{name}: peer {sel} selects pods"
+                    )
             for port in rule.get("ports", []):
                 targets = pods_for(selector)
                 if targets:
@@ -506,14 +587,22 @@ def check_chart_semantics(label: str, docs: list[dict[str, Any]], values: dict[s
 
     for sm in (d for d in docs if d["kind"] == "ServiceMonitor"):
         name = f"{label} ServiceMonitor {sm['metadata']['name']}"
-        selected = [s for s in services_by_name.values() if matches(sm["spec"]["selector"]["matchLabels"], s["metadata"]["labels"])]
+        selected = [
+            s
+            for s in services_by_name.values()
+            if matches(sm["spec"]["selector"]["matchLabels"], s["metadata"]["labels"])
+        ]
         if report.check(len(selected) >= 1, f"{name}: selects a Service"):
             names = {p.get("name") for s in selected for p in s["spec"]["ports"]}
             for ep in sm["spec"]["endpoints"]:
                 report.check(ep["port"] in names, f"{name}: endpoint port {ep['port']} is a Service port")
 
     # The engines' NetworkPolicy lets only engines reach any port but HTTP.
-    engines_np = [d for d in docs if d["kind"] == "NetworkPolicy" and d["spec"]["podSelector"]["matchLabels"] == engine_labels]
+    engines_np = [
+        d
+        for d in docs
+        if d["kind"] == "NetworkPolicy" and d["spec"]["podSelector"]["matchLabels"] == engine_labels
+    ]
     if values["networkPolicy"]["enabled"]:
         ok = len(engines_np) == 1
         if ok:
@@ -521,13 +610,22 @@ def check_chart_semantics(label: str, docs: list[dict[str, Any]], values: dict[s
                 peers = rule.get("from", [])
                 all_ports = "ports" not in rule
                 if all_ports:
-                    ok = ok and all(p.get("podSelector", {}).get("matchLabels") == engine_labels and len(p) == 1 for p in peers) and bool(peers)
+                    ok = (
+                        ok
+                        and all(
+                            p.get("podSelector", {}).get("matchLabels") == engine_labels and len(p) == 1
+                            for p in peers
+                        )
+                        and bool(peers)
+                    )
                 else:
                     ok = ok and {p["port"] for p in rule["ports"]} == {values["engines"]["httpPort"]}
         report.check(ok, f"{label}: only engines reach engines beyond the HTTP port (NIXL side channel)")
 
 
-def check_kvplane_container(name: str, c: dict[str, Any], env: dict[str, Any], docs: list[dict[str, Any]], report: Report) -> None:
+def check_kvplane_container(
+    name: str, c: dict[str, Any], env: dict[str, Any], docs: list[dict[str, Any]], report: Report
+) -> None:
     config_maps = [d for d in docs if d["kind"] == "ConfigMap" and "kvplane.yaml" in d.get("data", {})]
     config_text = config_maps[0]["data"]["kvplane.yaml"] if config_maps else None
     secret_env = {e["name"] for e in c.get("env", []) if "valueFrom" in e}
@@ -552,13 +650,16 @@ def check_kvplane_container(name: str, c: dict[str, Any], env: dict[str, Any], d
     if settings is None:
         return
     mounts = {m["mountPath"] for m in c.get("volumeMounts", [])}
-    report.check(os.path.dirname(env.get("KVPLANE_CONFIG") or "/") in mounts, f"{name}: settings file is mounted")
+    report.check(
+        os.path.dirname(env.get("KVPLANE_CONFIG") or "/") in mounts, f"{name}: settings file is mounted"
+    )
     sts = {d["metadata"]["name"]: d for d in docs if d["kind"] == "StatefulSet"}
     for endpoint in settings.etcd.endpoints:
         m = re.fullmatch(r"(.+)-(\d+)\.([^.]+)\.([^.]+)\.svc:2379", endpoint)
         if m and m.group(1) in sts:
             report.check(
-                int(m.group(2)) < sts[m.group(1)]["spec"]["replicas"] and m.group(3) == sts[m.group(1)]["spec"]["serviceName"],
+                int(m.group(2)) < sts[m.group(1)]["spec"]["replicas"]
+                and m.group(3) == sts[m.group(1)]["spec"]["serviceName"],
                 f"{name}: etcd endpoint {endpoint} is a member of the StatefulSet",
             )
 
@@ -572,9 +673,15 @@ def check_sim_container(name: str, c: dict[str, Any], report: Report) -> None:
         ok, detail, sim = False, repr(exc), None
     report.check(ok, f"{name}: `kvplane sim-engine` flags parse", detail)
     if sim is not None:
-        report.check(sim.http_host == "10.0.0.1" and sim.side_channel_host == "10.0.0.1", f"{name}: advertises its pod IP")
+        report.check(
+            sim.http_host == "10.0.0.1" and sim.side_channel_host == "10.0.0.1",
+            f"{name}: advertises its pod IP",
+        )
         ports = container_ports({"spec": {"containers": [c]}})
-        report.check(sim.http_port in ports and sim.side_channel_port in ports, f"{name}: HTTP and side-channel ports declared")
+        report.check(
+            sim.http_port in ports and sim.side_channel_port in ports,
+            f"{name}: HTTP and side-channel ports declared",
+        )
 
 
 def render_chart(values: dict[str, Any], release: str, namespace: str) -> list[dict[str, Any]]:
@@ -597,7 +704,8 @@ def merged_values(overrides: dict[str, Any]) -> dict[str, Any]:
             return {k: v for k, v in out.items() if v is not None}
         return top
 
-    return merge(yaml.safe_load((CHART / "values.yaml").read_text()), overrides)
+    merged: dict[str, Any] = merge(yaml.safe_load((CHART / "values.yaml").read_text()), overrides)
+    return merged
 
 
 def check_helm(out: Path, report: Report) -> None:
@@ -625,13 +733,14 @@ def check_helm(out: Path, report: Report) -> None:
         check_chart_semantics(f"[{label}]", docs, merged_values(overrides), report)
 
     # Values the chart must refuse.
-    for label, overrides in [
+    refusals: list[tuple[str, dict[str, Any]]] = [
         ("external etcd without endpoints", {"etcd": {"enabled": False, "external": {"endpoints": []}}}),
         ("token auth without a Secret", {"auth": {"mode": "token"}}),
         ("unknown auth mode", {"auth": {"mode": "none"}}),
-    ]:
+    ]
+    for label, bad_values in refusals:
         try:
-            render_chart(overrides, "kvp", "kvplane")
+            render_chart(bad_values, "kvp", "kvplane")
             refused = False
         except Exception:
             refused = True
@@ -648,14 +757,47 @@ ISTIO_FIELDS: dict[str, Any] = {
     "AuthorizationPolicy": {
         "selector": {"matchLabels": None},
         "action": None,
-        "rules": [{
-            "from": [{"source": {k: None for k in (
-                "principals", "notPrincipals", "requestPrincipals", "notRequestPrincipals", "namespaces",
-                "notNamespaces", "ipBlocks", "notIpBlocks", "remoteIpBlocks", "notRemoteIpBlocks")}}],
-            "to": [{"operation": {k: None for k in (
-                "hosts", "notHosts", "ports", "notPorts", "methods", "notMethods", "paths", "notPaths")}}],
-            "when": [{"key": None, "values": None, "notValues": None}],
-        }],
+        "rules": [
+            {
+                "from": [
+                    {
+                        "source": {
+                            k: None
+                            for k in (
+                                "principals",
+                                "notPrincipals",
+                                "requestPrincipals",
+                                "notRequestPrincipals",
+                                "namespaces",
+                                "notNamespaces",
+                                "ipBlocks",
+                                "notIpBlocks",
+                                "remoteIpBlocks",
+                                "notRemoteIpBlocks",
+                            )
+                        }
+                    }
+                ],
+                "to": [
+                    {
+                        "operation": {
+                            k: None
+                            for k in (
+                                "hosts",
+                                "notHosts",
+                                "ports",
+                                "notPorts",
+                                "methods",
+                                "notMethods",
+                                "paths",
+                                "notPaths",
+                            )
+                        }
+                    }
+                ],
+                "when": [{"key": None, "values": None, "notValues": None}],
+            }
+        ],
     },
 }
 # Principals outside the chart that the policies name on purpose (see authorization-policies.yaml).
@@ -669,7 +811,9 @@ def unknown_fields(value: Any, shape: Any, path: str = "spec") -> list[str]:
     if shape is None:
         return []
     if isinstance(shape, list):
-        return [e for i, item in enumerate(value or []) for e in unknown_fields(item, shape[0], f"{path}[{i}]")]
+        return [
+            e for i, item in enumerate(value or []) for e in unknown_fields(item, shape[0], f"{path}[{i}]")
+        ]
     if not isinstance(value, dict):
         return [f"{path}: expected a mapping"]
     out = [f"{path}.{k}" for k in value if k not in shape]
@@ -701,9 +845,15 @@ def check_mesh(out: Path, report: Report) -> None:
         docs.extend(found)
 
     # The manifests name the chart's release "kvplane" in namespace "kvplane", as a mesh install would.
-    chart_docs = render_chart({"engines": {"sim": {"enabled": True}}, "mesh": {"enabled": True}}, "kvplane", "kvplane")
+    chart_docs = render_chart(
+        {"engines": {"sim": {"enabled": True}}, "mesh": {"enabled": True}}, "kvplane", "kvplane"
+    )
     pods = [t for _, t in pod_templates(chart_docs)]
-    accounts = {f"cluster.local/ns/kvplane/sa/{d['metadata']['name']}" for d in chart_docs if d["kind"] == "ServiceAccount"}
+    accounts = {
+        f"cluster.local/ns/kvplane/sa/{d['metadata']['name']}"
+        for d in chart_docs
+        if d["kind"] == "ServiceAccount"
+    }
     grpc_paths = grpc_service_paths()
     auth_source = (ROOT / "services" / "common" / "auth.py").read_text()
     report.check(
@@ -743,7 +893,8 @@ def check_mesh(out: Path, report: Report) -> None:
                 op = to["operation"]
                 for port in op.get("ports", []):
                     report.check(
-                        any(int(port) in container_ports(t) for t in selected), f"{label}: port {port} is served"
+                        any(int(port) in container_ports(t) for t in selected),
+                        f"{label}: port {port} is served",
                     )
                 for path in op.get("paths", []):
                     if path.startswith("/kvplane."):

@@ -1,0 +1,237 @@
+"""The deployment artifacts validate offline, and the validators catch what they are there for.
+
+The whole of deploy/scripts/validate_deploy.sh runs once; the other tests break a manifest on
+purpose and expect a validator to say so, so that a passing run means something.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+VALIDATE = ROOT / "deploy" / "scripts" / "validate"
+BIN = Path(sys.executable).parent
+
+
+def _missing_validators() -> list[str]:
+    missing = []
+    for module in ("check_jsonschema", "kubernetes_validate", "helm_python", "dockerfile", "compose"):
+        if importlib.util.find_spec(module) is None:
+            missing.append(module)
+    if not (BIN / "hadolint").exists():
+        missing.append("hadolint")
+    if shutil.which("node") is None:
+        missing.append("node")
+    return missing
+
+
+MISSING = _missing_validators()
+pytestmark = pytest.mark.skipif(
+    bool(MISSING), reason=f"deploy validators not installed ({', '.join(MISSING)}): pip install -e '.[dev]'"
+)
+
+
+@pytest.fixture(scope="module")
+def checks() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("deploy_checks", VALIDATE / "deploy_checks.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def compose_bin() -> str:
+    import compose
+
+    return str(Path(compose.__file__).parent / "docker-compose")
+
+
+@pytest.fixture(scope="module")
+def default_chart(checks: ModuleType) -> list[dict[str, Any]]:
+    docs: list[dict[str, Any]] = checks.render_chart(
+        {"engines": {"sim": {"enabled": True}}}, "kvp", "kvplane"
+    )
+    return docs
+
+
+@pytest.fixture(scope="module")
+def resolved_compose(compose_bin: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = subprocess.run(
+        [compose_bin, "-f", str(ROOT / "deploy/compose/compose.yaml"), "config", "--format", "json"],
+        env={**os.environ, "COMPOSE_PROFILES": "*"},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    project: dict[str, Any] = json.loads(out.stdout)
+    return project
+
+
+def _report(checks: ModuleType) -> Any:
+    return checks.Report()
+
+
+def test_validate_deploy_script_passes() -> None:
+    env = {**os.environ, "VENV": str(BIN.parent)}
+    result = subprocess.run(
+        ["bash", str(ROOT / "deploy/scripts/validate_deploy.sh")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert "validate_deploy: all checks passed" in result.stdout
+
+
+def test_compose_schema_rejects_a_misspelt_key(tmp_path: Path) -> None:
+    bad = yaml.safe_load((ROOT / "deploy/compose/compose.yaml").read_text())
+    bad["services"]["metadata"]["healthchek"] = bad["services"]["metadata"].pop("healthcheck")
+    path = tmp_path / "compose.yaml"
+    path.write_text(yaml.safe_dump(bad))
+    result = subprocess.run(
+        [str(BIN / "check-jsonschema"), "--builtin-schema", "vendor.compose-spec", str(path)],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode != 0
+    assert "healthchek" in result.stdout + result.stderr
+
+
+def test_compose_config_rejects_a_dependency_on_an_undefined_service(
+    compose_bin: str, tmp_path: Path
+) -> None:
+    bad = yaml.safe_load((ROOT / "deploy/compose/compose.yaml").read_text())
+    bad["services"]["gateway"]["depends_on"]["routers"] = {"condition": "service_healthy"}
+    path = tmp_path / "compose.yaml"
+    path.write_text(yaml.safe_dump(bad))
+    for name in ("kvplane.yaml", "otel-collector.yaml", "prometheus.yml", ".env"):
+        shutil.copy(ROOT / "deploy/compose" / name, tmp_path / name)
+    result = subprocess.run([compose_bin, "-f", str(path), "config", "-q"], capture_output=True, text=True)
+    assert result.returncode != 0
+    assert "routers" in result.stderr
+
+
+def test_engine_advertising_all_interfaces_is_caught(
+    checks: ModuleType, resolved_compose: dict[str, Any], tmp_path: Path
+) -> None:
+    bad = copy.deepcopy(resolved_compose)
+    command = bad["services"]["sim-prefill"]["command"]
+    bad["services"]["sim-prefill"]["command"] = [
+        "--side-channel-host=0.0.0.0" if a.startswith("--side-channel-host=") else a for a in command
+    ]
+    path = tmp_path / "resolved.json"
+    path.write_text(json.dumps(bad))
+    report = _report(checks)
+    checks.check_compose(path, report)
+    assert report.failures == ["compose sim-prefill: binds and advertises its own name (sim-prefill)"]
+
+
+def test_unknown_service_flag_in_compose_is_caught(
+    checks: ModuleType, resolved_compose: dict[str, Any], tmp_path: Path
+) -> None:
+    bad = copy.deepcopy(resolved_compose)
+    bad["services"]["routing"]["command"] = ["serve", "routing", "--listen-port", "50051"]
+    path = tmp_path / "resolved.json"
+    path.write_text(json.dumps(bad))
+    report = _report(checks)
+    checks.check_compose(path, report)
+    assert (
+        "compose routing: `kvplane serve routing --listen-port 50051` parses with its settings"
+        in report.failures
+    )
+
+
+def test_strict_kubernetes_schema_rejects_a_misspelt_probe(
+    checks: ModuleType, default_chart: list[dict[str, Any]]
+) -> None:
+    deployment = copy.deepcopy(next(d for d in default_chart if d["kind"] == "Deployment"))
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    container["livenessprobe"] = container.pop("livenessProbe")
+    assert "livenessprobe" in checks.kubernetes_validate(deployment, "1.37.0")
+    assert checks.kubernetes_validate(default_chart[0], "1.37.0") == ""
+
+
+def test_a_side_channel_opened_to_the_gateway_is_caught(
+    checks: ModuleType, default_chart: list[dict[str, Any]]
+) -> None:
+    docs = copy.deepcopy(default_chart)
+    policy = next(
+        d for d in docs if d["kind"] == "NetworkPolicy" and d["metadata"]["name"].endswith("-engines")
+    )
+    # The gateway's rule loses its port list: the gateway could then reach the NIXL side channel.
+    gateway_rule = next(r for r in policy["spec"]["ingress"] if "ports" in r)
+    del gateway_rule["ports"]
+    values = checks.merged_values({"engines": {"sim": {"enabled": True}}})
+    report = _report(checks)
+    checks.check_chart_semantics("[test]", docs, values, report)
+    assert report.failures == ["[test]: only engines reach engines beyond the HTTP port (NIXL side channel)"]
+
+
+def test_a_service_selecting_no_pods_is_caught(
+    checks: ModuleType, default_chart: list[dict[str, Any]]
+) -> None:
+    docs = copy.deepcopy(default_chart)
+    service = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"].endswith("-routing"))
+    service["spec"]["selector"]["app.kubernetes.io/component"] = "router"
+    report = _report(checks)
+    checks.check_chart_semantics(
+        "[test]", docs, checks.merged_values({"engines": {"sim": {"enabled": True}}}), report
+    )
+    assert "[test] Service kvp-kvplane-routing: selects pods" in report.failures
+
+
+def test_chart_refuses_token_auth_without_a_secret(checks: ModuleType) -> None:
+    import helm_python
+
+    with pytest.raises(helm_python.HelmError, match="tokensSecret"):
+        checks.render_chart({"auth": {"mode": "token"}}, "kvp", "kvplane")
+
+
+def test_istio_schema_rejects_an_unknown_action(tmp_path: Path) -> None:
+    if not (VALIDATE / "node_modules" / "@kubernetes-models" / "istio").exists():
+        pytest.skip("CRD schemas not installed: run deploy/scripts/validate_deploy.sh once (npm ci)")
+    policy = {
+        "apiVersion": "security.istio.io/v1",
+        "kind": "AuthorizationPolicy",
+        "metadata": {"name": "routing", "namespace": "kvplane"},
+        "spec": {"action": "PERMIT"},
+    }
+    path = tmp_path / "crds.json"
+    path.write_text(json.dumps([policy]))
+    result = subprocess.run(
+        ["node", str(VALIDATE / "crd_schemas.mjs"), str(path)], capture_output=True, text=True
+    )
+    assert result.returncode == 1
+    assert "action" in result.stdout
+
+
+def test_a_misspelt_istio_field_is_caught(checks: ModuleType) -> None:
+    spec = {
+        "action": "ALLOW",
+        "rules": [{"from": [{"source": {"principal": ["cluster.local/ns/kvplane/sa/x"]}}]}],
+    }
+    assert checks.unknown_fields(spec, checks.ISTIO_FIELDS["AuthorizationPolicy"]) == [
+        "spec.rules[0].from[0].source.principal"
+    ]
+
+
+def test_mesh_paths_name_the_services_in_the_protos(checks: ModuleType) -> None:
+    assert checks.grpc_service_paths() >= {
+        "/kvplane.v1.RoutingService/*",
+        "/kvplane.v1.MetadataService/*",
+        "/kvplane.v1.EvictionService/*",
+    }
