@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -19,6 +20,15 @@ from kvplane.bench.simengine.block_content import ContentModel, Words, block_has
 
 class KvCacheFullError(Exception):
     """Not enough free blocks for a request."""
+
+
+@dataclass(frozen=True)
+class LeaseResult:
+    """The blocks a lease ended up on, and how many shared blocks it copied or took over."""
+
+    block_ids: list[int]
+    copied: int
+    restamped: int
 
 
 class BlockPool:
@@ -146,22 +156,21 @@ class BlockPool:
 
     # -- leases -----------------------------------------------------------
 
-    def lease(self, block_ids: Sequence[int], stamp: int) -> list[int]:
+    def lease(self, block_ids: Sequence[int], stamp: int, reserve_blocks: int = 0) -> LeaseResult:
         """Stamp blocks for a remote reader; returns the block list actually leased.
 
-        A block already leased to another handle (two conversations sharing a
-        cached prefix) is copied to a fresh block first, so each block carries
-        at most one stamp and freeing one handle never voids another. The
-        caller's reference moves to the copy.
+        A block can carry one stamp. One already leased to another handle (a
+        shared cached prefix, or the previous turn's handle nobody read) is
+        copied to a fresh block while more than ``reserve_blocks`` stay free,
+        so both handles stay readable; the caller's reference moves to the
+        copy. Past that the block is restamped: the older handle then fails
+        its reader's check (and is recomputed), never the newer one.
         """
-        copies = sum(1 for b in block_ids if self._lease[b] not in (0, stamp))
-        if copies > self.free_blocks:
-            raise KvCacheFullError(
-                f"need {copies} blocks to copy shared leased blocks, {self.free_blocks} free"
-            )
+        shared = [b for b in block_ids if self._lease[b] not in (0, stamp)]
+        copy = len(shared) <= self.free_blocks - reserve_blocks
         out: list[int] = []
         for b in block_ids:
-            if self._lease[b] not in (0, stamp):
+            if copy and self._lease[b] not in (0, stamp):
                 (c,) = self.allocate(1)
                 self.array[c] = self.array[b]
                 self.release([b])
@@ -169,7 +178,7 @@ class BlockPool:
             self._lease[b] = stamp
             self.content.set_trailer(self.array[b], stamp)
             out.append(b)
-        return out
+        return LeaseResult(out, copied=len(shared) if copy else 0, restamped=0 if copy else len(shared))
 
     def unlease(self, block_ids: Sequence[int], stamp: int) -> None:
         for b in block_ids:

@@ -429,17 +429,14 @@ class SimEngine:
         self.pool.write_tokens(blocks, all_tokens, num_kv, min(len(prompt) // bs, keep))
         self.metrics.finished(reason, len(out))
         params: dict[str, Any] | None = None
-        leased: list[int] | None = None
         stamp = lease_stamp(self.engine_id, self.incarnation, req.request_id)
         if retain == "decode_handle" and self._draining:
             retain = None  # a draining engine keeps nothing for later turns
         if retain is not None and blocks:
-            try:
-                leased = self.pool.lease(blocks, stamp)
-            except KvCacheFullError:
-                log.warning("no free block to copy a shared block of %s: not retaining it", req.request_id)
-        if retain is not None and leased is not None:
-            blocks = leased
+            # Copies of shared blocks may use the pool down to a tenth free, no further.
+            lease = self.pool.lease(blocks, stamp, reserve_blocks=self.pool.num_blocks // 10)
+            blocks = lease.block_ids
+            self.metrics.shared_blocks(lease.copied, lease.restamped)
             ttl = s.decoder_kv_blocks_ttl if retain == "decode_handle" else s.prefill_lease_s
             expiry = time.perf_counter() + ttl
             r = _Retained(

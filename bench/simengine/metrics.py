@@ -90,6 +90,12 @@ class SimEngineMetrics:
             [*names, "outcome"],
             registry=r,
         )
+        self.shared = Counter(
+            "kvplane_sim_shared_leased_blocks",
+            "Blocks a new lease shared with an older live one: copied, or restamped (older one voided)",
+            [*names, "action"],
+            registry=r,
+        )
         self.running = Gauge("vllm:num_requests_running", "Requests running", names, registry=r)
         self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting", names, registry=r)
         self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use", names, registry=r)
@@ -126,6 +132,12 @@ class SimEngineMetrics:
 
     def unmatched_notif(self, kind: str) -> None:
         self.notifs_unmatched.labels(**self._labels, kind=kind).inc()
+
+    def shared_blocks(self, copied: int, restamped: int) -> None:
+        if copied:
+            self.shared.labels(**self._labels, action="copied").inc(copied)
+        if restamped:
+            self.shared.labels(**self._labels, action="restamped").inc(restamped)
 
     def pull_check(self, outcome: str) -> None:
         self.pull_checks.labels(**self._labels, outcome=outcome).inc()

@@ -93,9 +93,11 @@ def test_lease_copies_a_block_already_leased_to_another_handle() -> None:
     a = p.allocate(2)
     p.write_tokens(a, tokens, 8)
     s1, s2 = lease_stamp("e", "i", "r1"), lease_stamp("e", "i", "r2")
-    a = p.lease(a, s1)
+    a = p.lease(a, s1).block_ids
     p.acquire(a)  # a second request shares the cached prefix
-    b = p.lease(a, s2)
+    second = p.lease(a, s2)
+    b = second.block_ids
+    assert (second.copied, second.restamped) == (2, 0)
     assert set(a).isdisjoint(b), "each block carries one lease"
     h = block_hashes(tokens, BS, ROOT)
     assert all(p.content.check(p.block(x), h[i], i, s2) is BlockCheck.OK for i, x in enumerate(b))
@@ -111,3 +113,21 @@ def test_releasing_more_than_acquired_is_an_error() -> None:
     p.release([b])
     with pytest.raises(RuntimeError):
         p.release([b])
+
+
+def test_lease_restamps_shared_blocks_when_copies_would_eat_the_reserve() -> None:
+    p = pool(4)
+    tokens = list(range(8))
+    a = p.allocate(2)
+    p.write_tokens(a, tokens, 8)
+    s1, s2 = lease_stamp("e", "i", "r1"), lease_stamp("e", "i", "r2")
+    p.lease(a, s1)
+    p.acquire(a)
+    second = p.lease(a, s2, reserve_blocks=1)  # 2 free, copying 2 would leave 0 < 1
+    assert second.block_ids == a and (second.copied, second.restamped) == (0, 2)
+    h = block_hashes(tokens, BS, ROOT)
+    assert all(p.content.check(p.block(x), h[i], i, s2) is BlockCheck.OK for i, x in enumerate(a))
+    assert all(p.content.check(p.block(x), h[i], i, s1) is BlockCheck.NOT_LEASED for i, x in enumerate(a))
+    p.unlease(a, s1)  # freeing the voided handle leaves the newer stamp alone
+    p.release(a)
+    assert all(p.content.check(p.block(x), h[i], i, s2) is BlockCheck.OK for i, x in enumerate(a))
