@@ -211,7 +211,8 @@ class EvictionCoordinator:
         for node_id, node_record in self.view.nodes.items():
             load = self.view.load(node_record.node)
             reported = load.retained_bytes if load is not None else 0
-            nodes[node_id] = NodeInfo(node_id, node_record.node.kv_capacity_bytes, reported)
+            free = load.free_kv_fraction if load is not None else 1.0
+            nodes[node_id] = NodeInfo(node_id, node_record.node.kv_capacity_bytes, reported, free)
         draining = {(r.node.node_id, r.node.incarnation) for r in self.view.nodes.values() if r.node.draining}
         handles: list[HandleInfo] = []
         drains: list[Release] = []

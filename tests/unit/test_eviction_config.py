@@ -46,7 +46,12 @@ def test_inline_policy_wins_over_the_file(tmp_path: Path) -> None:
 
 
 def test_no_policy_configured_gives_the_default_pipeline() -> None:
-    assert [p.name for p in EvictionSection().pipeline().policies] == ["max_age", "node_budget", "low_value"]
+    assert [p.name for p in EvictionSection().pipeline().policies] == [
+        "max_age",
+        "node_budget",
+        "kv_pressure",
+        "low_value",
+    ]
 
 
 @pytest.mark.parametrize("text", ["- just a list", "policies:\n  - name: unheard_of\n"])

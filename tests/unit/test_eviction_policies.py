@@ -16,6 +16,7 @@ from kvplane.services.eviction.policy import (
     ValueModel,
     build_policy,
 )
+from kvplane.services.eviction.policy.kv_pressure import KvPressure
 from kvplane.services.eviction.policy.low_value import LowValue
 from kvplane.services.eviction.policy.max_age import MaxAge
 from kvplane.services.eviction.policy.node_budget import NodeBudget
@@ -353,3 +354,48 @@ def test_bad_configuration_is_rejected_by_name(config: dict[str, object]) -> Non
 def test_plugins_are_built_by_name() -> None:
     assert build_policy({"name": "tenant_budget", "tenants": {"a": 5}}).name == "tenant_budget"
     assert isinstance(build_policy({"name": "low_value"}), LowValue)
+
+
+# -- kv_pressure -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PressureCase:
+    name: str
+    policy: KvPressure
+    free: float
+    capacity: int
+    expected: tuple[str, ...]
+
+
+PRESSURE_HANDLES = (
+    handle("a", age_s=10),
+    handle("b", age_s=300),
+    handle("c", age_s=900),
+    handle("d", age_s=1800),
+)
+PRESSURE_CASES = [
+    PressureCase("plenty free: nothing", KvPressure(0.05, 0.15), 0.5, 4000 * MB, ()),
+    PressureCase("at the trigger: nothing", KvPressure(0.05, 0.15), 0.05, 4000 * MB, ()),
+    # 2% free of 4,000 MB: 520 MB to free toward 15%: six 100 MB handles would
+    # do; only four exist, all go, lowest value first.
+    PressureCase(
+        "short: free toward the target", KvPressure(0.05, 0.15), 0.02, 4000 * MB, ("d", "c", "b", "a")
+    ),
+    # 4% free of 2,000 MB: 120 MB toward 10%: two handles.
+    PressureCase("just short: the two least valuable", KvPressure(0.05, 0.10), 0.04, 2000 * MB, ("d", "c")),
+    PressureCase("no capacity reported: nothing", KvPressure(0.05, 0.15), 0.01, 0, ()),
+]
+
+
+@pytest.mark.parametrize("case", PRESSURE_CASES, ids=lambda c: c.name)
+def test_kv_pressure(case: PressureCase) -> None:
+    snap = Snapshot(NOW, PRESSURE_HANDLES, {"d0": NodeInfo("d0", case.capacity, 0, case.free)})
+    out = case.policy.evaluate(snap, VALUES)
+    assert released(out) == list(case.expected)
+    assert all(r.reason is ReleaseReason.NODE_BUDGET and r.policy == "kv_pressure" for r in out)
+
+
+def test_kv_pressure_rejects_a_target_below_the_trigger() -> None:
+    with pytest.raises(PolicyConfigError):
+        KvPressure(0.2, 0.1)

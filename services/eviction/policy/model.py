@@ -43,12 +43,14 @@ class NodeInfo:
 
     `reported_retained_bytes` is the node's own count of pinned KV (its load
     report): it can exceed the published handles' sum, for example while a
-    finished turn's handle is still on its way.
+    finished turn's handle is still on its way. `free_kv_fraction` is the
+    share of its KV blocks free at the last report (1.0: unknown).
     """
 
     node_id: str
     kv_capacity_bytes: int = 0
     reported_retained_bytes: int = 0
+    free_kv_fraction: float = 1.0
 
 
 def _frozen_nodes(nodes: Mapping[str, NodeInfo]) -> Mapping[str, NodeInfo]:

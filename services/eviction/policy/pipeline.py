@@ -12,6 +12,9 @@ Configuration is plain data (as parsed from YAML):
       - name: node_budget
         high_fraction: 0.5
         low_fraction: 0.4
+      - name: kv_pressure
+        low_free_fraction: 0.05
+        target_free_fraction: 0.15
       - name: low_value
         min_ratio: 1.0
     value:
@@ -30,6 +33,7 @@ from typing import Any
 
 from kvplane.services.eviction.policy.base import PolicyConfigError, RetentionPolicy
 from kvplane.services.eviction.policy.gaps import GapPrior, GapStatistics
+from kvplane.services.eviction.policy.kv_pressure import KvPressure
 from kvplane.services.eviction.policy.low_value import LowValue
 from kvplane.services.eviction.policy.max_age import MaxAge
 from kvplane.services.eviction.policy.model import Release, Snapshot
@@ -42,12 +46,14 @@ PLUGINS: Mapping[str, Callable[..., RetentionPolicy]] = {
     "node_budget": NodeBudget,
     "tenant_budget": TenantBudget,
     "low_value": LowValue,
+    "kv_pressure": KvPressure,
 }
 
 DEFAULT_CONFIG: Mapping[str, Any] = {
     "policies": [
         {"name": "max_age", "engine_ttl_s": 480, "margin_s": 30},
         {"name": "node_budget", "high_fraction": 0.5, "low_fraction": 0.4},
+        {"name": "kv_pressure", "low_free_fraction": 0.05, "target_free_fraction": 0.15},
         {"name": "low_value", "min_ratio": 1.0},
     ]
 }
