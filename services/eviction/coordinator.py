@@ -209,10 +209,17 @@ class EvictionCoordinator:
         self.releaser.prune()
         nodes = {}
         for node_id, node_record in self.view.nodes.items():
+            capacity = node_record.node.kv_capacity_bytes
             load = self.view.load(node_record.node)
-            reported = load.retained_bytes if load is not None else 0
-            free = load.free_kv_fraction if load is not None else 1.0
-            nodes[node_id] = NodeInfo(node_id, node_record.node.kv_capacity_bytes, reported, free)
+            reported, free = 0, 1.0
+            if load is not None:
+                # What this leader released since the report is not in it yet.
+                freed = self.releaser.freed_since(node_id, load.reported_unix_ms)
+                reported = max(0, load.retained_bytes - freed)
+                free = load.free_kv_fraction
+                if capacity > 0 and load.total_kv_blocks > 0:
+                    free = min(1.0, free + freed / capacity)
+            nodes[node_id] = NodeInfo(node_id, capacity, reported, free)
         draining = {(r.node.node_id, r.node.incarnation) for r in self.view.nodes.values() if r.node.draining}
         handles: list[HandleInfo] = []
         drains: list[Release] = []

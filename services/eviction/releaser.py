@@ -10,19 +10,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvplane.services.common.cluster_view import ClusterView
 from kvplane.services.common.errors import HandleNotRetained, NotFound, StoreUnavailable
 from kvplane.services.common.handles import PendingRelease
-from kvplane.services.common.store import Store
+from kvplane.services.common.store import Store, now_ms
 from kvplane.services.common.telemetry import Telemetry
 from kvplane.services.eviction.election import Term
 from kvplane.services.eviction.metrics import EvictionMetrics
 from kvplane.services.eviction.policy import Release
 
 log = logging.getLogger(__name__)
+
+# How long releases are remembered against lagging load reports, ms.
+_FREED_MEMORY_MS = 120_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +54,19 @@ class Releaser:
         # Handles released whose deletion the view has not shown yet: not
         # decided upon again meanwhile.
         self.recent: dict[tuple[str, str], str] = {}
+        # (when, bytes) of recent releases per node: a node's load report
+        # lags them, and must not be read as if they had not happened.
+        self._freed: dict[str, deque[tuple[int, int]]] = defaultdict(deque)
+
+    def freed_since(self, node_id: str, since_unix_ms: int) -> int:
+        """Bytes released on `node_id` after `since_unix_ms` (a load report's time)."""
+        entries = self._freed.get(node_id)
+        if not entries:
+            return 0
+        horizon = now_ms() - _FREED_MEMORY_MS
+        while entries and entries[0][0] < horizon:
+            entries.popleft()
+        return sum(b for t, b in entries if t > since_unix_ms)
 
     def prune(self) -> None:
         for key, handle_id in list(self.recent.items()):
@@ -99,6 +116,7 @@ class Releaser:
                 span.set_attribute("kvplane.release.outcome", "released")
                 span.set_attribute("kvplane.command_id", pending.command_id)
             self.recent[release.key] = release.handle_id
+            self._freed[release.node_id].append((pending.decided_unix_ms, release.retained_bytes))
             self.metrics.releases.labels(release.reason.value, release.policy).inc()
             _log_release(release, pending)
             return "released"

@@ -12,7 +12,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from kvplane.services.common.handles import CacheHandle
 from kvplane.services.common.local_etcd import LocalEtcd
-from kvplane.services.common.nodes import Node
+from kvplane.services.common.nodes import Node, NodeLoad
 from kvplane.services.common.store import Store
 from kvplane.services.common.telemetry import Telemetry
 from kvplane.services.eviction.policy import HandleInfo, NodeInfo, Snapshot, ValueModel
@@ -180,4 +180,33 @@ async def test_every_release_carries_its_reason_as_metric_label_span_attribute_a
         assert all("over" in r.getMessage() or ">" in r.getMessage() for r in lines)
         assert coordinator.is_leader
     finally:
+        await replica.stop()
+
+
+async def test_a_node_short_of_free_kv_gets_its_least_valuable_blocks_back(
+    etcd: LocalEtcd, prefix: str, store: Store
+) -> None:
+    node = make_node("d0")  # 1 GiB of KV
+    await store.register_node(node, 30)
+    for i in range(10):
+        await store.publish_handle(aged_handle(node, "acme", f"c{i}", 100 + 100 * i, 10))
+    policy = {"policies": [{"name": "kv_pressure", "low_free_fraction": 0.05, "target_free_fraction": 0.10}]}
+    replica = await start_replica(etcd, prefix, policy=policy)
+    agent = CommandNode(node.node_id, node.incarnation, [target_of(replica)])
+    agent.start()
+    try:
+        await eventually(lambda: _true(agent.connected), what="the node's stream")
+        coordinator = coordinator_of(replica)
+        rounds = coordinator.evaluations
+        await eventually(lambda: _true(coordinator.evaluations >= rounds + 2), what="rounds with plenty free")
+        assert agent.applied == {}
+        # 2% free: 8% of 1 GiB (82 MB) must come back, so nine 10 MB handles.
+        await store.report_load(
+            NodeLoad(node.node_id, node.incarnation, free_kv_blocks=2, total_kv_blocks=100)
+        )
+        await eventually(lambda: _true(len(agent.applied) >= 9), timeout_s=30, what="nine releases")
+        assert {a.conversation for a in agent.applied.values()} == {f"c{i}" for i in range(1, 10)}
+        assert await store.get_handle_record("acme", "c0") is not None  # the freshest stays
+    finally:
+        await agent.stop()
         await replica.stop()
