@@ -20,9 +20,10 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from pydantic import SecretStr
 
 from kvplane.services.common.local_etcd import free_port
-from kvplane.services.common.settings import GatewaySection
+from kvplane.services.common.settings import GatewayKey, GatewaySection
 from kvplane.services.common.telemetry import Telemetry
 from kvplane.services.gateway.app import Gateway
 from tests.support.gateway_stack import metric_sum
@@ -178,7 +179,7 @@ async def front() -> AsyncIterator[Front]:
             listen=f"127.0.0.1:{free_port()}",
             routing=[f"127.0.0.1:{free_port()}"],  # nothing listens there
             routing_timeout_s=0.2,
-            api_keys=[{"token": KEY, "tenant": "acme"}],  # type: ignore[list-item]
+            api_keys=[GatewayKey(token=SecretStr(KEY), tenant="acme")],
             fallback_prefill_url=prefill.url,
             fallback_decode_url=decode.url,
             prefill_timeout_s=2.0,

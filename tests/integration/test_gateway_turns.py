@@ -282,7 +282,7 @@ async def test_routing_restart_mid_conversation_fails_no_turn(stack: GatewayStac
     # Until the gateway's channel reconnects (gRPC backoff, at most 2 s) turns keep falling back;
     # each one succeeds and leaves a new handle, and once routing answers the conversation pulls again.
     deadline = time.monotonic() + 15
-    result, decisions = second, []
+    result, decisions = second, list[str]()
     while time.monotonic() < deadline:
         handle = await stack.wait_handle("acme", conv, other_than=handle)
         prompt = prompt + result.output_ids() + new_ids(30, len(decisions) + 17)

@@ -22,10 +22,11 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from pydantic import SecretStr
 
 from kvplane.services.common.local_etcd import LocalEtcd, free_port
 from kvplane.services.common.process import ServiceProcess
-from kvplane.services.common.settings import GatewaySection, KvplaneSettings
+from kvplane.services.common.settings import GatewayKey, GatewaySection, KvplaneSettings
 from kvplane.services.common.telemetry import Telemetry
 from kvplane.services.gateway.app import Gateway
 
@@ -352,7 +353,7 @@ async def gateway_stack(etcd: LocalEtcd, prefix: str, log_dir: Path) -> AsyncIte
                 listen=f"127.0.0.1:{free_port()}",
                 routing=[routing_settings.grpc.listen],
                 routing_timeout_s=0.5,
-                api_keys=[{"token": key, "tenant": tenant} for tenant, key in KEYS.items()],  # type: ignore[misc]
+                api_keys=[GatewayKey(token=SecretStr(key), tenant=tenant) for tenant, key in KEYS.items()],
                 fallback_prefill_url=proxy.url,
                 fallback_decode_url=engines[1].url,
                 prefill_timeout_s=2.0,
