@@ -1,0 +1,130 @@
+"""The configurations compared, each run through the same simulator.
+
+- `no-reuse`: round-robin P and D; D keeps nothing.
+- `vllm-proxy`: vLLM's example proxy: round-robin, one single-use handle per
+  conversation forgotten after 450 s, D's default 480 s TTL, no release.
+- `kvplane-ttl`: kvplane's routing policy; retention by a fixed age only
+  (`max_age`, 450 s under D's 480 s TTL) and release of superseded handles.
+- `kvplane`: kvplane's default routing and retention policies (max age,
+  node budget with watermarks, low value), D's TTL 480 s.
+- `kvplane-long-ttl`: the same, with D run at a 1,800 s TTL as DESIGN.md
+  suggests, so that retention, not the TTL, decides.
+- `kvplane-fresh-loads`: `kvplane` with load reports current at every route
+  (what a router that counts its own recent routes would see): a what-if
+  that isolates the cost of stale load reports.
+- `oracle`: unlimited KV, no TTL, every shared whole-block prefix pulled.
+
+Routing and retention policies are loaded by the same functions the
+services use (`load_policy`, `RetentionPipeline.from_config`), so a policy
+file can be swapped in by path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from kvplane.bench.sim.engine import SimConfig, Simulator
+from kvplane.bench.sim.fleet import Fleet
+from kvplane.bench.sim.retention import EngineOnly, PipelineRetention, Retention
+from kvplane.bench.sim.routers import (
+    ExampleProxyRouter,
+    NoReuseRouter,
+    OracleRouter,
+    PolicyRouter,
+    Router,
+)
+from kvplane.services.eviction.policy.pipeline import DEFAULT_CONFIG
+from kvplane.services.routing.policy import RoutingPolicy, load_policy
+
+UNLIMITED_BYTES = 1 << 62
+
+
+@dataclass(frozen=True, slots=True)
+class Baseline:
+    name: str
+    # "none", "proxy", "policy" or "oracle".
+    router: str
+    # None: no control-plane retention; otherwise a RetentionPipeline config.
+    retention: Mapping[str, Any] | None = None
+    # D's TTL in seconds (None: the cluster's; inf: never; 0: D keeps nothing).
+    engine_ttl_s: float | None = None
+    unlimited_memory: bool = False
+    # A routing policy file for `policy` (empty: the packaged default).
+    routing_policy: str = ""
+    # Seconds between load reports (None: the config's; 0: always current).
+    report_interval_s: float | None = None
+
+
+def _max_age_only(ttl_s: float) -> dict[str, Any]:
+    return {"policies": [{"name": "max_age", "engine_ttl_s": ttl_s, "margin_s": 30}]}
+
+
+def _default_with_ttl(ttl_s: float) -> dict[str, Any]:
+    policies = [dict(p) for p in DEFAULT_CONFIG["policies"]]
+    for p in policies:
+        if p["name"] == "max_age":
+            p["engine_ttl_s"] = ttl_s
+    return {"policies": policies}
+
+
+BASELINES: dict[str, Baseline] = {
+    b.name: b
+    for b in (
+        Baseline("no-reuse", "none", engine_ttl_s=0.0),
+        Baseline("vllm-proxy", "proxy", engine_ttl_s=480.0),
+        Baseline("kvplane-ttl", "policy", _max_age_only(480.0), engine_ttl_s=480.0),
+        Baseline("kvplane", "policy", DEFAULT_CONFIG, engine_ttl_s=480.0),
+        Baseline("kvplane-long-ttl", "policy", _default_with_ttl(1800.0), engine_ttl_s=1800.0),
+        Baseline("kvplane-fresh-loads", "policy", DEFAULT_CONFIG, engine_ttl_s=480.0, report_interval_s=0.0),
+        Baseline("oracle", "oracle", engine_ttl_s=float("inf"), unlimited_memory=True),
+    )
+}
+
+
+@dataclass(frozen=True, slots=True)
+class RunOptions:
+    """How kvplane's policies are driven: see `PolicyRouter` and `PipelineRetention`."""
+
+    route_candidates: int = 0
+    retention_interval_s: float = 1.0
+    seed: int = 0
+
+
+def simulator_for(baseline: Baseline, config: SimConfig, options: RunOptions | None = None) -> Simulator:
+    options = options or RunOptions()
+    cluster = config.cluster
+    if baseline.engine_ttl_s is not None:
+        cluster = replace(cluster, engine_ttl_s=baseline.engine_ttl_s)
+    if baseline.unlimited_memory:
+        cluster = replace(cluster, decode_kv_capacity_bytes=UNLIMITED_BYTES)
+    config = replace(config, cluster=cluster)
+    if baseline.report_interval_s is not None:
+        config = replace(config, load_report_interval_s=baseline.report_interval_s)
+
+    def router(fleet: Fleet) -> Router:
+        if baseline.router == "none":
+            return NoReuseRouter(fleet)
+        if baseline.router == "proxy":
+            return ExampleProxyRouter(fleet)
+        if baseline.router == "oracle":
+            return OracleRouter(fleet, config.digest_block_size)
+        policy = RoutingPolicy(
+            load_policy(Path(baseline.routing_policy) if baseline.routing_policy else None)
+        )
+        return PolicyRouter(
+            fleet,
+            policy,
+            config.digest_block_size,
+            candidates=options.route_candidates,
+            seed=options.seed,
+        )
+
+    def retention(fleet: Fleet) -> Retention:
+        if baseline.retention is None:
+            return EngineOnly()
+        return PipelineRetention(fleet, baseline.retention, options.retention_interval_s)
+
+    return Simulator(config, router, retention)

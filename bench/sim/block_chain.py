@@ -1,0 +1,94 @@
+"""Compact stand-ins for the chained digests of a conversation's token blocks.
+
+The routing policy proves a continuation by comparing the chained digest
+after each whole block of the prompt with a handle's checkpoints. The
+simulator has no tokens, only counts, so it gives every new block a fresh
+integer and lets a continuation inherit its predecessor's integers for the
+blocks it shares: equal values then mean equal prefixes, exactly the
+property of the real chain. A chain is stored as runs of consecutive
+integers (one run per turn), so a 100k-token context costs a few tuples,
+not thousands of ints.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterator, Sequence
+from functools import lru_cache
+from typing import overload
+
+from kvplane.connector.digests import TokenDigests, checkpoints
+
+
+class BlockIds:
+    """Issues fresh block values; one per simulation, so runs are deterministic."""
+
+    def __init__(self) -> None:
+        self._base = 1
+
+    def take(self, blocks: int) -> int:
+        """The first of `blocks` fresh consecutive values."""
+        base = self._base
+        self._base += max(0, blocks)
+        return base
+
+
+class BlockChain(Sequence[int]):
+    """Block values as runs: run i covers blocks [starts[i], starts[i+1]) from bases[i]."""
+
+    __slots__ = ("_bases", "_length", "_starts")
+
+    def __init__(self, starts: tuple[int, ...] = (), bases: tuple[int, ...] = (), length: int = 0) -> None:
+        self._starts = starts
+        self._bases = bases
+        self._length = length
+
+    def __len__(self) -> int:
+        return self._length
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[int]: ...
+
+    def __getitem__(self, index: int | slice) -> int | Sequence[int]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(self._length))]
+        if index < 0:
+            index += self._length
+        if not 0 <= index < self._length:
+            raise IndexError(index)
+        run = bisect.bisect_right(self._starts, index) - 1
+        return self._bases[run] + index - self._starts[run]
+
+    def __iter__(self) -> Iterator[int]:
+        for i in range(self._length):
+            yield self[i]
+
+    def prefix(self, blocks: int) -> BlockChain:
+        """The first `blocks` blocks."""
+        blocks = max(0, min(blocks, self._length))
+        if blocks == self._length:
+            return self
+        runs = bisect.bisect_left(self._starts, blocks)
+        return BlockChain(self._starts[:runs], self._bases[:runs], blocks)
+
+    def extended(self, blocks: int, ids: BlockIds) -> BlockChain:
+        """This chain followed by `blocks` fresh blocks."""
+        if blocks <= 0:
+            return self
+        return BlockChain(
+            (*self._starts, self._length), (*self._bases, ids.take(blocks)), self._length + blocks
+        )
+
+
+@lru_cache(maxsize=4096)
+def _points(num_blocks: int) -> tuple[int, ...]:
+    return checkpoints(num_blocks)
+
+
+def handle_digests(chain: BlockChain, block_size: int) -> TokenDigests:
+    """The digests a decode engine would publish for a context with this chain."""
+    n = len(chain)
+    return TokenDigests(block_size, n, tuple(chain[p - 1] for p in _points(n)))

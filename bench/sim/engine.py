@@ -1,0 +1,249 @@
+"""The discrete-event loop: turns arrive, P computes, D decodes and retains, handles go.
+
+Events sit in one heap as (time, sequence, kind, payload) tuples; arrivals
+are read lazily from the workload, so memory does not grow with its length.
+Time is simulated seconds from the workload's start; policies see it as
+Unix milliseconds from `SimConfig.epoch_unix_ms`.
+
+Per turn:
+
+1. The router picks P and D and, maybe, a handle to pull (single use: D frees
+   the handle's blocks once P has read them).
+2. P, one FIFO queue, starts when it is free and the pull has landed, and
+   computes the unpulled tokens (plus the attention over the pulled ones,
+   see `costs.py`). TTFT is arrival to the end of that.
+3. D reserves the turn's KV (prompt and answer). Short of memory, it frees
+   its oldest retained handles first; if that is not enough the turn runs
+   anyway and is counted as overcommitted (a preemption in a real engine).
+4. After decoding, D keeps the turn's KV as the conversation's handle until
+   it is read, released by the control plane, freed by D's TTL, or pushed
+   out by memory pressure.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from kvplane.bench.sim.block_chain import BlockIds
+from kvplane.bench.sim.cluster import ClusterSpec, DecodeState, SimHandle
+from kvplane.bench.sim.costs import SimCosts
+from kvplane.bench.sim.fleet import Conversation, Fleet
+from kvplane.bench.sim.results import Recorder, SimResult, summarize
+from kvplane.bench.sim.retention import Retention
+from kvplane.bench.sim.routers import Router, TurnOutcome
+from kvplane.bench.workloads.turns import Turn
+
+_DONE, _EXPIRE, _TICK = 0, 1, 2
+
+# Release reasons the fleet itself produces (the control plane's come from ReleaseReason).
+ENGINE_TTL = "engine_ttl"
+ENGINE_PRESSURE = "engine_pressure"
+SUPERSEDED = "superseded"
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    cluster: ClusterSpec = field(default_factory=ClusterSpec)
+    costs: SimCosts = field(default_factory=SimCosts)
+    # Tokens per digest block (vLLM's block size): the grain at which a prefix is proven.
+    digest_block_size: int = 16
+    load_report_interval_s: float = 0.5
+    series_interval_s: float = 10.0
+    epoch_unix_ms: int = 1_750_000_000_000
+
+
+class _InFlight:
+    __slots__ = ("chain", "conversation", "decode", "reserved", "turn")
+
+    def __init__(self, turn: Turn, conversation: Conversation, decode: DecodeState, reserved: int) -> None:
+        self.turn = turn
+        self.conversation = conversation
+        self.decode = decode
+        self.reserved = reserved
+        self.chain = conversation.chain
+
+
+RouterFactory = Callable[[Fleet], Router]
+RetentionFactory = Callable[[Fleet], Retention]
+
+
+class Simulator:
+    def __init__(self, config: SimConfig, router: RouterFactory, retention: RetentionFactory) -> None:
+        self.config = config
+        self.fleet = Fleet(config.cluster, config.costs, config.epoch_unix_ms, config.load_report_interval_s)
+        self.router = router(self.fleet)
+        self.retention = retention(self.fleet)
+        self.rec = Recorder()
+        self.rec.series_interval_s = config.series_interval_s
+        self._heap: list[tuple[float, int, int, object]] = []
+        self._seq = 0
+        self._ids = BlockIds()
+        self._conversations: dict[str, Conversation] = {}
+        self._handles: dict[int, SimHandle] = {}
+        self._next_handle = 1
+        self._contacted: set[tuple[int, int]] = set()
+        self._now = 0.0
+
+    def _push(self, t: float, kind: int, payload: object) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, self._seq, kind, payload))
+
+    def run(self, turns: Iterable[Turn], name: str = "") -> SimResult:
+        started = time.perf_counter()
+        arrivals = iter(turns)
+        upcoming = next(arrivals, None)
+        heap = self._heap
+        interval = self.retention.interval_s
+        if interval > 0:
+            self._push(interval, _TICK, None)
+        while True:
+            if heap and (upcoming is None or heap[0][0] <= upcoming.arrival_s):
+                t, _, kind, payload = heapq.heappop(heap)
+                self._now = t
+                if kind == _DONE:
+                    self._finish(t, payload)  # type: ignore[arg-type]
+                elif kind == _EXPIRE:
+                    self._drop(payload, ENGINE_TTL, t)  # type: ignore[arg-type]
+                else:
+                    self._tick(t, upcoming is not None)
+            elif upcoming is not None:
+                self._now = upcoming.arrival_s
+                self._arrive(upcoming)
+                upcoming = next(arrivals, None)
+            else:
+                break
+        self.rec.retained_change(self._now, 0)
+        return summarize(name, self.rec, self._now, time.perf_counter() - started)
+
+    # -- events -------------------------------------------------------------------------------
+
+    def _arrive(self, turn: Turn) -> None:
+        now = turn.arrival_s
+        rec = self.rec
+        costs = self.config.costs
+        block = self.config.digest_block_size
+        conversation = self._conversations.get(turn.conversation)
+        if conversation is None:
+            conversation = Conversation()
+            self._conversations[turn.conversation] = conversation
+        shared = min(turn.reused_prefix_tokens, turn.previous_context_tokens) if turn.turn_index else 0
+        base = conversation.chain.prefix(shared // block)
+        prompt = base.extended(turn.prompt_tokens // block - len(base), self._ids)
+        rec.reusable_tokens += min(shared, turn.prompt_tokens - 1) // block * block if shared else 0
+
+        choice = self.router.route(turn, conversation, prompt, now)
+        p, d = choice.prefill, choice.decode
+        pulled = 0
+        transfer = 0.0
+        handle = choice.pull
+        decision = choice.decision
+        if handle is not None:
+            if handle.alive:
+                pulled = min(choice.pulled_tokens, turn.prompt_tokens - 1)
+                pair = (p.index, handle.decode.index)
+                first = pair not in self._contacted
+                self._contacted.add(pair)
+                transfer = costs.transfer_s(pulled, first)
+                rec.consumed += 1
+                self._drop(handle, "", now)
+                if choice.prefix_ok:
+                    rec.reused_tokens += pulled
+                else:
+                    rec.wrong_prefix_tokens += pulled
+            else:
+                decision = "pull_failed"
+        rec.decisions[decision] += 1
+
+        computed = turn.prompt_tokens - pulled
+        compute = costs.prefill_s(computed) + costs.pulled_compute_s(pulled)
+        p.settle(now)
+        start = max(now + transfer, p.free_at)
+        finish = start + compute
+        p.free_at = finish
+        p.pending.append((finish, computed))
+        p.queued_tokens += computed
+        p.served += 1
+        ttft = finish - now
+        rec.ttft_s.append(ttft)
+        rec.prompt_tokens.append(turn.prompt_tokens)
+        rec.pulled_tokens.append(pulled)
+        rec.prompt_total += turn.prompt_tokens
+
+        need = costs.kv_bytes(turn.context_tokens)
+        if d.free < need:
+            self._make_room(d, need, now)
+            if d.free < need:
+                rec.overcommitted_turns += 1
+        d.reserved += need
+        d.running += 1
+        conversation.chain = prompt.extended(turn.context_tokens // block - len(prompt), self._ids)
+        conversation.last_prefill = p.node.node_id
+        done = finish + costs.decode_s(turn.output_tokens, d.running)
+        self._push(done, _DONE, _InFlight(turn, conversation, d, need))
+        self.router.observe(turn, choice, TurnOutcome(pulled, transfer, compute, ttft))
+
+    def _finish(self, now: float, flight: _InFlight) -> None:
+        d = flight.decode
+        d.reserved -= flight.reserved
+        d.running -= 1
+        if self.config.cluster.engine_ttl_s <= 0:
+            return  # D does not retain finished turns (no bidirectional transfer)
+        turn = flight.turn
+        conversation = flight.conversation
+        previous = conversation.handle
+        if previous is not None and previous.alive and self.retention.releases_superseded:
+            self._drop(previous, SUPERSEDED, now)
+        handle = SimHandle(
+            self._next_handle,
+            turn.tenant,
+            turn.conversation,
+            d,
+            turn.context_tokens,
+            flight.reserved,
+            flight.chain,
+            now,
+            now + self.config.cluster.engine_ttl_s,
+        )
+        self._next_handle += 1
+        d.handles[handle.handle_id] = handle
+        d.retained += handle.bytes
+        self._handles[handle.handle_id] = handle
+        self.rec.retained_change(now, handle.bytes)
+        conversation.handle = handle
+        if handle.expiry_s != float("inf"):
+            self._push(handle.expiry_s, _EXPIRE, handle)
+        self.retention.on_publish(handle)
+        self.router.on_publish(conversation, handle, now)
+
+    def _tick(self, now: float, arrivals_left: bool) -> None:
+        for handle_id, reason in self.retention.evaluate(now):
+            handle = self._handles.get(handle_id)
+            if handle is not None:
+                self._drop(handle, reason, now)
+        if arrivals_left or self._handles or len(self._heap) > 0:
+            self._push(now + self.retention.interval_s, _TICK, None)
+
+    # -- handles --------------------------------------------------------------------------------
+
+    def _make_room(self, d: DecodeState, need: int, now: float) -> None:
+        """D frees its oldest retained handles until `need` bytes fit."""
+        while d.free < need and d.handles:
+            oldest = next(iter(d.handles.values()))
+            self._drop(oldest, ENGINE_PRESSURE, now)
+
+    def _drop(self, handle: SimHandle, reason: str, now: float) -> None:
+        """The handle's blocks are freed: read (no reason), released or expired."""
+        if not handle.alive:
+            return
+        handle.alive = False
+        d = handle.decode
+        del d.handles[handle.handle_id]
+        d.retained -= handle.bytes
+        del self._handles[handle.handle_id]
+        self.rec.retained_change(now, -handle.bytes)
+        self.retention.on_gone(handle)
+        if reason:
+            self.rec.releases[reason] += 1

@@ -1,0 +1,73 @@
+"""The simulated fleet as routers see it: node states, conversations, and load reports."""
+
+from __future__ import annotations
+
+from kvplane.bench.sim.block_chain import BlockChain
+from kvplane.bench.sim.cluster import ClusterSpec, DecodeState, PrefillState, SimHandle, build_node
+from kvplane.bench.sim.costs import SimCosts
+from kvplane.services.common.nodes import NodeRole
+from kvplane.services.routing.policy import NodeState
+
+
+class Conversation:
+    """What the fleet remembers of one conversation between its turns."""
+
+    __slots__ = ("chain", "handle", "last_prefill")
+
+    def __init__(self) -> None:
+        # Block chain of the latest turn's context (prompt, then answer).
+        self.chain = BlockChain()
+        # The latest turn's retained handle, if its decode node still holds it.
+        self.handle: SimHandle | None = None
+        self.last_prefill = ""
+
+    def live_handle(self) -> SimHandle | None:
+        handle = self.handle
+        return handle if handle is not None and handle.alive else None
+
+
+class Fleet:
+    """Prefill and decode node states, and the load reports derived from them.
+
+    Load reports are what the routing service sees: refreshed every
+    `report_interval_s` (the node agent's `load_interval_s`), stale between.
+    0 makes every report current at each route: a router that also counts
+    the work it has just sent.
+    """
+
+    def __init__(
+        self, spec: ClusterSpec, costs: SimCosts, epoch_unix_ms: int, report_interval_s: float = 0.5
+    ) -> None:
+        self.spec = spec
+        self.costs = costs
+        self.epoch_unix_ms = epoch_unix_ms
+        self.report_interval_s = report_interval_s
+        kvb = costs.kv_bytes_per_token
+        self.prefill = [
+            PrefillState(build_node(NodeRole.PREFILL, i, spec, kvb), i) for i in range(spec.prefill_nodes)
+        ]
+        self.decode = [
+            DecodeState(build_node(NodeRole.DECODE, i, spec, kvb), i, spec.decode_kv_capacity_bytes)
+            for i in range(spec.decode_nodes)
+        ]
+        self.prefill_by_id = {p.node.node_id: p for p in self.prefill}
+        self.decode_by_id = {d.node.node_id: d for d in self.decode}
+        self._states: tuple[NodeState, ...] = ()
+        self._states_epoch = -1
+
+    def unix_ms(self, now: float) -> int:
+        return self.epoch_unix_ms + int(now * 1000.0)
+
+    def node_states(self, now: float) -> tuple[NodeState, ...]:
+        """Every node with its latest load report, as of the last report tick."""
+        interval = self.report_interval_s
+        epoch = int(now / interval) if interval > 0 else self._states_epoch + 1
+        if epoch != self._states_epoch:
+            report_s = epoch * interval if interval > 0 else now
+            report_ms = self.unix_ms(report_s)
+            kvb = self.costs.kv_bytes_per_token
+            states = [NodeState(p.node, p.load(report_s, report_ms)) for p in self.prefill]
+            states += [NodeState(d.node, d.load(report_ms, kvb)) for d in self.decode]
+            self._states = tuple(states)
+            self._states_epoch = epoch
+        return self._states

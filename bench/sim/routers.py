@@ -1,0 +1,269 @@
+"""Who picks P and D and decides pull or recompute, for each baseline.
+
+`PolicyRouter` is kvplane: it builds the routing service's frozen
+`RouteSnapshot` from the simulated fleet and calls the very
+`RoutingPolicy.route` the service calls, then feeds each finished turn back
+through `CostModel.observe`, as ReportTurn does. The others are the
+baselines: round-robin with no reuse, vLLM's example proxy (round-robin and
+a fixed-lifetime, single-use handle per conversation, no prefix check), and
+an oracle that knows the prefix and never lacks memory.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvplane.bench.sim.block_chain import BlockChain, handle_digests
+from kvplane.bench.sim.cluster import DecodeState, PrefillState, SimHandle
+from kvplane.bench.sim.fleet import Conversation, Fleet
+from kvplane.bench.workloads.turns import Turn
+from kvplane.services.common.handles import CacheHandle, VllmHandle
+from kvplane.services.routing.policy import (
+    CostModel,
+    Decision,
+    NodeState,
+    Prompt,
+    RouteSnapshot,
+    RoutingPolicy,
+    TurnObservation,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class RouteChoice:
+    """A router's answer. `pull` is the handle to read, `pulled_tokens` how much of it."""
+
+    prefill: PrefillState
+    decode: DecodeState
+    decision: str
+    pull: SimHandle | None = None
+    pulled_tokens: int = 0
+    # False when the pull imports KV computed for other tokens (no prefix check).
+    prefix_ok: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class TurnOutcome:
+    """A finished prefill, as ReportTurn would describe it (seconds, tokens)."""
+
+    pulled_tokens: int
+    transfer_s: float
+    prefill_s: float
+    ttft_s: float
+
+
+class Router(Protocol):
+    def route(
+        self, turn: Turn, conversation: Conversation, prompt: BlockChain, now: float
+    ) -> RouteChoice: ...
+
+    def observe(self, turn: Turn, choice: RouteChoice, outcome: TurnOutcome) -> None: ...
+
+    def on_publish(self, conversation: Conversation, handle: SimHandle, now: float) -> None: ...
+
+
+class _RoundRobin:
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+        self._p = 0
+        self._d = 0
+
+    def next_pair(self) -> tuple[PrefillState, DecodeState]:
+        p = self.fleet.prefill[self._p % len(self.fleet.prefill)]
+        d = self.fleet.decode[self._d % len(self.fleet.decode)]
+        self._p += 1
+        self._d += 1
+        return p, d
+
+
+class NoReuseRouter:
+    """Round-robin P and D; every turn recomputes its whole prompt."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self._rr = _RoundRobin(fleet)
+
+    def route(self, turn: Turn, conversation: Conversation, prompt: BlockChain, now: float) -> RouteChoice:
+        p, d = self._rr.next_pair()
+        return RouteChoice(p, d, "recompute_disabled")
+
+    def observe(self, turn: Turn, choice: RouteChoice, outcome: TurnOutcome) -> None:
+        return None
+
+    def on_publish(self, conversation: Conversation, handle: SimHandle, now: float) -> None:
+        return None
+
+
+class ExampleProxyRouter:
+    """vLLM's example proxy: round-robin nodes and one handle per conversation in a dict.
+
+    The entry is used once and forgotten after `cache_ttl_s`. Nothing checks
+    that the new prompt continues the handle's tokens, nothing releases a
+    superseded handle, and a handle D already freed fails its pull (P then
+    recomputes, as `kv_load_failure_policy="recompute"` does).
+    """
+
+    def __init__(self, fleet: Fleet, cache_ttl_s: float = 450.0) -> None:
+        self._rr = _RoundRobin(fleet)
+        self.cache_ttl_s = cache_ttl_s
+        self._entries: dict[str, tuple[SimHandle, float]] = {}
+
+    def route(self, turn: Turn, conversation: Conversation, prompt: BlockChain, now: float) -> RouteChoice:
+        p, d = self._rr.next_pair()
+        entry = self._entries.pop(turn.conversation, None)
+        if entry is None or now - entry[1] > self.cache_ttl_s:
+            return RouteChoice(p, d, "recompute_no_handle")
+        handle = entry[0]
+        if not handle.alive:
+            return RouteChoice(p, d, "pull_failed")
+        pulled = min(handle.tokens, turn.prompt_tokens - 1)
+        prefix_ok = turn.reused_prefix_tokens >= pulled
+        return RouteChoice(p, d, "pull" if prefix_ok else "pull_wrong_prefix", handle, pulled, prefix_ok)
+
+    def observe(self, turn: Turn, choice: RouteChoice, outcome: TurnOutcome) -> None:
+        return None
+
+    def on_publish(self, conversation: Conversation, handle: SimHandle, now: float) -> None:
+        self._entries[handle.conversation] = (handle, now)
+
+
+class OracleRouter:
+    """Pulls every verified whole-block prefix from the holder; least-loaded P.
+
+    Run on a fleet with unlimited KV and no TTL, it bounds what any policy can reuse.
+    """
+
+    def __init__(self, fleet: Fleet, block_size: int) -> None:
+        self.fleet = fleet
+        self.block_size = block_size
+        self._rr = _RoundRobin(fleet)
+
+    def route(self, turn: Turn, conversation: Conversation, prompt: BlockChain, now: float) -> RouteChoice:
+        p = min(self.fleet.prefill, key=lambda s: (s.free_at, s.index))
+        _, d = self._rr.next_pair()
+        handle = conversation.live_handle()
+        if handle is None:
+            return RouteChoice(p, d, "recompute_no_handle")
+        shared = min(turn.reused_prefix_tokens, handle.tokens, turn.prompt_tokens - 1)
+        pulled = shared // self.block_size * self.block_size
+        if pulled <= 0:
+            return RouteChoice(p, handle.decode, "recompute_nothing_shared")
+        return RouteChoice(p, handle.decode, "pull", handle, pulled)
+
+    def observe(self, turn: Turn, choice: RouteChoice, outcome: TurnOutcome) -> None:
+        return None
+
+    def on_publish(self, conversation: Conversation, handle: SimHandle, now: float) -> None:
+        return None
+
+
+class PolicyRouter:
+    """kvplane: the routing service's policy object, called in process.
+
+    `candidates` > 0 shows the policy only the conversation's holder and
+    last prefill node plus that many other nodes of each role, drawn at
+    random per turn: a sharded router's view, which keeps a route's cost
+    flat in the fleet's size. 0 shows every node, as the service does.
+    """
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        policy: RoutingPolicy,
+        digest_block_size: int,
+        *,
+        candidates: int = 0,
+        seed: int = 0,
+    ) -> None:
+        self.fleet = fleet
+        self.policy = policy
+        self.costs: CostModel = policy.config.cost_model
+        self.digest_block_size = digest_block_size
+        self.candidates = candidates
+        self._rng = random.Random(seed)
+        self._contacted: set[tuple[str, str]] = set()
+        self.model = fleet.spec.model
+
+    def _cache_handle(self, handle: SimHandle) -> CacheHandle:
+        cached = handle.cache_handle
+        if cached is None:
+            node = handle.decode.node
+            fleet = self.fleet
+            cached = CacheHandle(
+                handle_id=str(handle.handle_id),
+                tenant=handle.tenant,
+                conversation=handle.conversation,
+                holder_node_id=node.node_id,
+                holder_incarnation=node.incarnation,
+                vllm=VllmHandle(
+                    remote_engine_id=node.engine_id,
+                    remote_request_id=f"r{handle.handle_id}",
+                    remote_block_ids=((),),
+                    remote_num_tokens=handle.tokens,
+                    remote_host=node.side_channel_host,
+                    remote_port=node.side_channel_port,
+                ),
+                wall_expiry_unix_ms=fleet.unix_ms(handle.expiry_s),
+                retained_bytes=handle.bytes,
+                digests=handle_digests(handle.chain, self.digest_block_size),
+                published_unix_ms=fleet.unix_ms(handle.published_s),
+                model=self.model,
+            )
+            handle.cache_handle = cached
+        return cached
+
+    def _nodes(
+        self, now: float, conversation: Conversation, handle: SimHandle | None
+    ) -> tuple[NodeState, ...]:
+        states = self.fleet.node_states(now)
+        k = self.candidates
+        n_p = len(self.fleet.prefill)
+        if k <= 0 or len(states) <= 2 * k + 2:
+            return states
+        rng = self._rng
+        picked = set(rng.sample(range(n_p), min(k, n_p)))
+        picked.update(n_p + i for i in rng.sample(range(len(states) - n_p), min(k, len(states) - n_p)))
+        if handle is not None:
+            picked.add(n_p + handle.decode.index)
+        last = self.fleet.prefill_by_id.get(conversation.last_prefill)
+        if last is not None:
+            picked.add(last.index)
+        return tuple(states[i] for i in sorted(picked))
+
+    def route(self, turn: Turn, conversation: Conversation, prompt: BlockChain, now: float) -> RouteChoice:
+        handle = conversation.live_handle()
+        snapshot = RouteSnapshot(
+            model=self.model,
+            conversation=turn.conversation,
+            prompt=Prompt(turn.prompt_tokens, block_digests=prompt, digest_block_size=self.digest_block_size),
+            nodes=self._nodes(now, conversation, handle),
+            now_unix_ms=self.fleet.unix_ms(now),
+            handle=self._cache_handle(handle) if handle is not None else None,
+            last_prefill_node_id=conversation.last_prefill,
+            contacted=self._contacted,
+        )
+        plan = self.policy.route(snapshot, self.costs)
+        p = self.fleet.prefill_by_id[plan.prefill.node_id]
+        d = self.fleet.decode_by_id[plan.decode.node_id]
+        verdict = plan.verdict
+        if verdict.decision is Decision.PULL and handle is not None:
+            return RouteChoice(p, d, verdict.decision.value, handle, verdict.reusable_tokens)
+        return RouteChoice(p, d, verdict.decision.value)
+
+    def observe(self, turn: Turn, choice: RouteChoice, outcome: TurnOutcome) -> None:
+        self.costs = self.costs.observe(
+            TurnObservation(
+                prompt_tokens=turn.prompt_tokens,
+                pulled_tokens=outcome.pulled_tokens,
+                transfer_ms=outcome.transfer_s * 1000.0,
+                prefill_ms=outcome.prefill_s * 1000.0,
+                ttft_ms=outcome.ttft_s * 1000.0,
+                kv_bytes_per_token=self.fleet.costs.kv_bytes_per_token,
+            )
+        )
+        if choice.pull is not None and outcome.pulled_tokens > 0:
+            self._contacted.add((choice.prefill.node.node_id, choice.pull.decode.node.engine_id))
+
+    def on_publish(self, conversation: Conversation, handle: SimHandle, now: float) -> None:
+        return None

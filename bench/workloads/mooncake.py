@@ -1,0 +1,220 @@
+"""Conversations recovered from a Mooncake-format trace (chained prompt-block hash ids).
+
+Each line of such a trace is one request::
+
+    {"timestamp": <ms>, "input_length": <tokens>, "output_length": <tokens>,
+     "hash_ids": [<one id per prompt block; equal prefixes give equal leading ids>]}
+
+It has no conversation ids. A request that starts with blocks an earlier
+request sent re-sends that context: it is the next turn of the conversation
+whose latest request holds the longest shared prefix. Block 0 is a system
+prompt that nearly every request shares, so a continuation needs at least
+`min_shared_blocks` shared leading blocks (3, as in shared/traces/README.md).
+
+Ids are chained (the id at position k names the whole prefix up to k), so
+the longest prefix a request shares with anything earlier ends at its last
+id seen before, and one dict from id to its latest request finds it.
+
+The trace records prompts, not answers. A request that re-sends every whole
+block of its conversation's previous prompt and is at least as long as that
+prompt plus its answer is taken to re-send the answer verbatim, as chat APIs
+do: it continues the whole previous context. Otherwise only the shared
+blocks count as reused.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvplane.bench.workloads.turns import Turn
+
+DEFAULT_TRACE = Path("/work/shared/traces/mooncake_conversation_trace.jsonl")
+
+
+@dataclass(frozen=True, slots=True)
+class TraceFormat:
+    """How to read a trace: block size in tokens, and the continuation rule."""
+
+    block_size: int = 512
+    min_shared_blocks: int = 3
+    tenant: str = "default"
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    timestamp_ms: int
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """Where one request belongs: its conversation and what it shares with it."""
+
+    conversation: int
+    # Index of the conversation's latest earlier request (-1 for a first turn).
+    previous: int
+    # Leading blocks shared with that request.
+    shared_blocks: int
+    # Leading blocks shared with any earlier request (counted for continuations only).
+    resent_blocks: int
+    # Seconds since the longest shared prefix was last sent (continuations only).
+    context_age_s: float
+
+
+def read_requests(path: str | Path = DEFAULT_TRACE) -> Iterator[TraceRequest]:
+    with Path(path).open(encoding="utf-8") as lines:
+        for line in lines:
+            if not line.strip():
+                continue
+            raw = json.loads(line)
+            yield TraceRequest(
+                int(raw["timestamp"]),
+                int(raw["input_length"]),
+                int(raw["output_length"]),
+                tuple(int(h) for h in raw["hash_ids"]),
+            )
+
+
+def _shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class ConversationLinker:
+    """Assigns requests, fed in trace order, to conversations."""
+
+    def __init__(self, fmt: TraceFormat) -> None:
+        self.fmt = fmt
+        self._holder: dict[int, int] = {}  # block id -> latest request that sent it
+        self._conversation_of: list[int] = []
+        self._latest: dict[int, int] = {}  # conversation -> its latest request
+        self._requests: list[TraceRequest] = []
+
+    def link(self, request: TraceRequest) -> Link:
+        index = len(self._requests)
+        ids = request.hash_ids
+        longest = 0
+        for i in range(len(ids) - 1, -1, -1):
+            if ids[i] in self._holder:
+                longest = i + 1
+                break
+        if longest >= self.fmt.min_shared_blocks:
+            source = self._holder[ids[longest - 1]]
+            conversation = self._conversation_of[source]
+            previous = self._latest[conversation]
+            shared = _shared_prefix(ids, self._requests[previous].hash_ids)
+            age_s = (request.timestamp_ms - self._requests[source].timestamp_ms) / 1000.0
+            link = Link(conversation, previous, shared, longest, age_s)
+        else:
+            link = Link(len(self._latest), -1, 0, 0, 0.0)
+        self._conversation_of.append(link.conversation)
+        self._latest[link.conversation] = index
+        self._requests.append(request)
+        for h in ids:
+            self._holder[h] = index
+        return link
+
+    def request(self, index: int) -> TraceRequest:
+        return self._requests[index]
+
+
+def reused_prefix(request: TraceRequest, previous: TraceRequest, shared_blocks: int, block_size: int) -> int:
+    """Leading tokens of `request` equal to `previous`'s prompt and, when re-sent whole, its answer."""
+    whole_previous = previous.input_length // block_size
+    context = previous.input_length + previous.output_length
+    if shared_blocks >= whole_previous and request.input_length >= context:
+        return context
+    return min(shared_blocks * block_size, previous.input_length, request.input_length)
+
+
+def conversation_turns(requests: Iterable[TraceRequest], fmt: TraceFormat | None = None) -> Iterator[Turn]:
+    """The trace's requests as turns, in trace order."""
+    fmt = fmt or TraceFormat()
+    linker = ConversationLinker(fmt)
+    turn_count: dict[int, int] = {}
+    for request in requests:
+        link = linker.link(request)
+        index = turn_count.get(link.conversation, 0)
+        turn_count[link.conversation] = index + 1
+        reused = previous_context = 0
+        if link.previous >= 0:
+            previous = linker.request(link.previous)
+            previous_context = previous.input_length + previous.output_length
+            reused = reused_prefix(request, previous, link.shared_blocks, fmt.block_size)
+        yield Turn(
+            arrival_s=request.timestamp_ms / 1000.0,
+            conversation=f"c{link.conversation}",
+            turn_index=index,
+            prompt_tokens=request.input_length,
+            output_tokens=request.output_length,
+            reused_prefix_tokens=reused,
+            previous_context_tokens=previous_context,
+            tenant=fmt.tenant,
+        )
+
+
+def mooncake_turns(path: str | Path = DEFAULT_TRACE, fmt: TraceFormat | None = None) -> list[Turn]:
+    return list(conversation_turns(read_requests(path), fmt))
+
+
+@dataclass(frozen=True, slots=True)
+class TraceStatistics:
+    """The figures shared/traces/README.md quotes, measured the same way."""
+
+    requests: int
+    continuations: int
+    # Share of all prompt blocks that continuations re-send as their shared leading prefix.
+    resent_block_share: float
+    # Quantiles of the time since a continued context was last used, in seconds.
+    gap_quantiles_s: dict[float, float]
+    gaps_s: tuple[float, ...]
+    input_quantiles: dict[float, int]
+    max_input: int
+
+    def share_of_gaps_over(self, seconds: float) -> float:
+        return sum(1 for g in self.gaps_s if g > seconds) / len(self.gaps_s) if self.gaps_s else 0.0
+
+
+def _quantile(sorted_values: Sequence[float], q: float) -> float:
+    # Nearest rank: the smallest value with at least q of the data at or below it.
+    rank = max(1, math.ceil(q * len(sorted_values)))
+    return sorted_values[rank - 1]
+
+
+def trace_statistics(requests: Iterable[TraceRequest], fmt: TraceFormat | None = None) -> TraceStatistics:
+    fmt = fmt or TraceFormat()
+    linker = ConversationLinker(fmt)
+    count = continuations = blocks = resent = 0
+    gaps: list[float] = []
+    inputs: list[int] = []
+    for request in requests:
+        count += 1
+        blocks += len(request.hash_ids)
+        inputs.append(request.input_length)
+        link = linker.link(request)
+        if link.previous >= 0:
+            continuations += 1
+            resent += link.resent_blocks
+            gaps.append(link.context_age_s)
+    gaps.sort()
+    inputs.sort()
+    qs = (0.10, 0.50, 0.90, 0.99)
+    return TraceStatistics(
+        requests=count,
+        continuations=continuations,
+        resent_block_share=resent / blocks if blocks else 0.0,
+        gap_quantiles_s={q: _quantile(gaps, q) for q in qs} if gaps else {},
+        gaps_s=tuple(gaps),
+        input_quantiles={q: int(_quantile(inputs, q)) for q in (0.5, 0.9)} if inputs else {},
+        max_input=inputs[-1] if inputs else 0,
+    )
