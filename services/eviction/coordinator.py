@@ -86,6 +86,7 @@ class EvictionCoordinator:
         self.evaluations = 0
         # CPU time of the last round's judging, seconds.
         self.last_evaluation_s = 0.0
+        self._reported_nodes: set[str] = set()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._term_tasks: set[asyncio.Task[Any]] = set()
@@ -254,10 +255,23 @@ class EvictionCoordinator:
         releases += self.pipeline.evaluate(snapshot)
         self.evaluations += 1
         self.last_evaluation_s = time.perf_counter() - started
+        self.metrics.evaluation_seconds.observe(self.last_evaluation_s)
+        self._report_retained(snapshot)
         if not releases:
             return 0
         outcome = await self.releaser.apply(releases, term)
         return outcome.released
+
+    def _report_retained(self, snapshot: Snapshot) -> None:
+        retained = dict.fromkeys(snapshot.nodes, 0)
+        for h in snapshot.handles:
+            retained[h.node_id] = retained.get(h.node_id, 0) + h.retained_bytes
+        for node_id, value in retained.items():
+            self.metrics.node_retained_bytes.labels(node_id).set(value)
+        # Nodes that left take their series with them.
+        for node_id in self._reported_nodes - retained.keys():
+            self.metrics.node_retained_bytes.remove(node_id)
+        self._reported_nodes = set(retained)
 
     # -- inputs from the view ------------------------------------------------------------
 

@@ -19,6 +19,8 @@ class EvictionMetrics:
     commands_acked: Counter
     delivery_seconds: Histogram
     purged_handles: Counter
+    node_retained_bytes: Gauge
+    evaluation_seconds: Histogram
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> EvictionMetrics:
@@ -67,5 +69,17 @@ class EvictionMetrics:
                 "kvplane_eviction_purged_handles_total",
                 "Handles of dead or restarted nodes removed through the per-node index",
                 registry=registry,
+            ),
+            node_retained_bytes=Gauge(
+                "kvplane_eviction_node_retained_bytes",
+                "Bytes of KV retained in published handles, per node, as the leader last judged",
+                ["node"],
+                registry=registry,
+            ),
+            evaluation_seconds=Histogram(
+                "kvplane_eviction_evaluation_seconds",
+                "CPU time of one policy round (snapshot and judging, not the releases)",
+                registry=registry,
+                buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
             ),
         )

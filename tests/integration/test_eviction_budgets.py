@@ -179,6 +179,14 @@ async def test_every_release_carries_its_reason_as_metric_label_span_attribute_a
         assert {getattr(r, "reason", None) for r in lines} == {"node_budget"}
         assert all("over" in r.getMessage() or ">" in r.getMessage() for r in lines)
         assert coordinator.is_leader
+
+        async def gauge_shows_the_rest() -> bool:
+            value = telemetry.registry.get_sample_value(
+                "kvplane_eviction_node_retained_bytes", {"node": "d0"}
+            )
+            return value == 20 * MB
+
+        await eventually(gauge_shows_the_rest, what="the retained-bytes gauge at the low mark")
     finally:
         await replica.stop()
 
