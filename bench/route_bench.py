@@ -277,6 +277,7 @@ async def publish_handles(
     etcd: str, prefix: str, holders: Sequence[object], conversations: Sequence[str]
 ) -> None:
     from kvplane.connector.digests import digest_tokens
+    from kvplane.services.common.errors import StoreUnavailable
     from kvplane.services.common.handles import CacheHandle, VllmHandle
     from kvplane.services.common.nodes import Node
     from kvplane.services.common.store import Store, StoreSettings
@@ -300,7 +301,7 @@ async def publish_handles(
             remote_blocks_expiry_time=1000.0,
         )
         handle = CacheHandle(
-            handle_id="",
+            handle_id=f"h-{conversation}",
             tenant="bench",
             conversation=conversation,
             holder_node_id=holder.node_id,
@@ -312,7 +313,14 @@ async def publish_handles(
             model=MODEL,
         )
         async with sem:
-            await store.publish_handle(handle)
+            for attempt in range(5):
+                try:
+                    await store.publish_handle(handle)
+                    return
+                except StoreUnavailable:
+                    # On a busy machine etcd can stall for seconds; the publish is idempotent.
+                    if attempt == 4:
+                        raise
 
     await asyncio.gather(*(one(i, c) for i, c in enumerate(conversations)))
     await store.close()
