@@ -22,8 +22,8 @@ from kvplane.services.common.errors import InvalidArgument
 CONVERSATION_HEADER = "X-Conversation-Id"
 SESSION_HEADER = "X-Session-ID"
 BODY_CONVERSATION = "conversation_id"
-# A request without any conversation id still gets P/D serving, under a one-off id
-# that no later turn will name: its retained KV is left to the retention policy.
+# A request without any conversation id still gets P/D serving, under a one-off id that
+# no later turn will name; the gateway ends that conversation once the turn is reported.
 EPHEMERAL_PREFIX = "ephemeral-"
 
 

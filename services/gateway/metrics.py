@@ -16,7 +16,7 @@ class GatewayMetrics:
     # "fallback" without routing, "retry_no_handle" after a failed P leg) and outcome.
     turns: Counter
     ttft: Histogram
-    # Latency of each leg: route, prefill, decode, report; by outcome.
+    # Latency of each leg: route, prefill, decode, report, end_conversation; by outcome.
     legs: Histogram
     retries: Counter
     requests: Counter

@@ -416,6 +416,24 @@ class TurnRunner:
             log.warning("ReportTurn failed for %s: %s", turn.identity.conversation, exc)
         finally:
             self.metrics.legs.labels("report", outcome).observe(time.perf_counter() - start)
+        if success and outcome == "ok" and turn.identity.source == "ephemeral":
+            await self._end_conversation(turn)
+
+    async def _end_conversation(self, turn: TurnRequest) -> None:
+        """A request without a conversation id has no next turn: free D's blocks now, not at the TTL."""
+        start = time.perf_counter()
+        outcome = "error"
+        try:
+            released = await self.routing.end_conversation(
+                turn.identity.conversation,
+                tenant=turn.identity.tenant,
+                timeout_s=self.settings.report_timeout_s,
+            )
+            outcome = "released" if released else "none"
+        except (RoutingUnavailable, grpc.aio.AioRpcError) as exc:
+            log.warning("EndConversation failed for %s: %s", turn.identity.conversation, exc)
+        finally:
+            self.metrics.legs.labels("end_conversation", outcome).observe(time.perf_counter() - start)
 
 
 def _path(turn: TurnRequest) -> str:

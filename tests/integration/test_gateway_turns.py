@@ -17,6 +17,7 @@ import pytest
 
 from kvplane.services.common.local_etcd import LocalEtcd
 from tests.support.gateway_stack import DECODE_STEP_S, MODEL, GatewayStack, TurnResult, gateway_stack
+from tests.support.polling import eventually
 
 
 @pytest.fixture(scope="module")
@@ -223,6 +224,22 @@ async def test_conversation_id_precedence_and_body_field_removed(stack: GatewayS
         sent = stack.proxy.seen[-1].body
         assert "conversation_id" not in sent
         assert sent["kv_transfer_params"]["kvplane_conversation"] == expected
+
+
+async def test_a_request_without_a_conversation_id_frees_its_kv_once_answered(stack: GatewayStack) -> None:
+    name = "kvplane_gateway_leg_seconds_count"
+    released = await stack.gateway_metric(name, leg="end_conversation", outcome="released")
+    body = {"model": MODEL, "prompt": new_ids(200, 18), "max_tokens": 4}
+    result = await stack.post("/v1/completions", body, stack.headers("acme"))
+    assert result.status == 200, result.raw
+    conv = result.headers["x-kvplane-conversation"]
+    assert conv.startswith("ephemeral-")
+
+    async def ended() -> bool:
+        count = await stack.gateway_metric(name, leg="end_conversation", outcome="released")
+        return count == released + 1 and stack.routing.ctx.view.handle("acme", conv) is None
+
+    await eventually(ended, timeout_s=10, what="the one-off conversation to be ended")
 
 
 async def test_requests_without_a_valid_key_are_refused(stack: GatewayStack) -> None:
