@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -293,3 +294,30 @@ async def test_only_the_leader_reports_serving_on_the_leader_health_name(
         await b.stop()
         if a not in stopped:
             await a.stop()
+
+
+async def test_a_leader_cut_off_from_etcd_stops_acting_before_its_lease_can_expire() -> None:
+    with LocalEtcd() as own:
+        prefix = f"/kvplane-test/{uuid.uuid4().hex}/"
+        replica = await start_replica(own, prefix, policy={"policies": []}, lease_ttl_s=LEASE_TTL_S)
+        try:
+            await eventually(lambda: _true(coordinator_of(replica).is_leader), what="the replica to lead")
+            own.stop()
+            cut_off = time.monotonic()
+            await eventually(
+                lambda: _true(not coordinator_of(replica).is_leader),
+                timeout_s=LEASE_TTL_S * 2,
+                interval_s=0.02,
+                what="the leader to stand down",
+            )
+            # It must stop no later than etcd could expire its lease: a lease
+            # renewed at most TTL/3 before the cut lives at most TTL after it.
+            assert time.monotonic() - cut_off <= LEASE_TTL_S
+            own.start()
+            await eventually(
+                lambda: _true(coordinator_of(replica).is_leader),
+                timeout_s=30,
+                what="leadership once etcd is back",
+            )
+        finally:
+            await replica.stop()
