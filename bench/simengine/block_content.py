@@ -30,6 +30,8 @@ _WORD_STEP = 0xD6E8FEB86659FD93
 _TRAILER_MAGIC = 0x6B76706C616E6521  # ascii "kvplane!"
 _POISON = 0xDEADBEEFDEADBEEF
 _MASK64 = (1 << 64) - 1
+# Blocks written or checked per vectorized step (bounds the temporary arrays).
+_BATCH = 256
 
 Words = npt.NDArray[np.uint64]
 
@@ -64,34 +66,41 @@ def root_hash(salt: str) -> int:
 
 def chain_hash(parent: int, tokens: Sequence[int] | npt.NDArray[np.int64]) -> int:
     """Hash of one block's tokens chained on its parent's hash."""
-    return _chain(parent, np.asarray(tokens, dtype=np.int64))
+    data = np.asarray(tokens, dtype="<i8").tobytes()
+    return _chain(parent, data, len(data) // 8)
 
 
-def _chain(parent: int, tokens: npt.NDArray[np.int64]) -> int:
-    h = hashlib.blake2b(digest_size=8)
-    h.update(parent.to_bytes(8, "little"))
-    h.update(len(tokens).to_bytes(4, "little"))
-    h.update(tokens.tobytes())
+def _chain(parent: int, data: bytes | memoryview, count: int) -> int:
+    h = hashlib.blake2b(parent.to_bytes(8, "little") + count.to_bytes(4, "little"), digest_size=8)
+    h.update(data)
     return int.from_bytes(h.digest(), "little")
 
 
 def block_hashes(
-    tokens: Sequence[int], block_size: int, root: int, num_tokens: int | None = None
+    tokens: Sequence[int],
+    block_size: int,
+    root: int,
+    num_tokens: int | None = None,
+    known_full: Sequence[int] = (),
 ) -> list[int]:
     """Chain hash of each block covering tokens[:num_tokens].
 
     Full blocks chain on the previous full block; a final partial block is
     hashed over its valid tokens only, so its hash differs from the hash the
-    same block gets once it is full.
+    same block gets once it is full. ``known_full`` are hashes of leading
+    whole blocks already computed for the same tokens; they are reused.
     """
     n = len(tokens) if num_tokens is None else num_tokens
     if n > len(tokens):
         raise ValueError(f"num_tokens {n} exceeds the {len(tokens)} tokens given")
-    arr = np.asarray(tokens[:n], dtype=np.int64)
-    out: list[int] = []
-    parent = root
-    for start in range(0, n, block_size):
-        h = _chain(parent, arr[start : start + block_size])
+    known = list(known_full[: n // block_size])
+    start_block = len(known)
+    raw = memoryview(np.asarray(tokens[start_block * block_size : n], dtype="<i8").tobytes())
+    out = known
+    parent = known[-1] if known else root
+    for start in range(0, n - start_block * block_size, block_size):
+        chunk = raw[start * 8 : (start + block_size) * 8]
+        h = _chain(parent, chunk, len(chunk) // 8)
         out.append(h)
         parent = h
     return out
@@ -125,6 +134,39 @@ class ContentModel:
             np.uint64(mix64(block_hash ^ ((block_index * _GOLDEN) & _MASK64))),
             out=block[: self.payload_words],
         )
+
+    def seeds(self, hashes: Sequence[int], first_index: int) -> Words:
+        """Per-block payload seeds of consecutive blocks starting at position ``first_index``."""
+        return np.array(
+            [mix64(h ^ (((first_index + k) * _GOLDEN) & _MASK64)) for k, h in enumerate(hashes)],
+            dtype=np.uint64,
+        )
+
+    def write_many(
+        self, array: Words, block_ids: Sequence[int], hashes: Sequence[int], first_index: int
+    ) -> None:
+        """Write the payloads of consecutive blocks (positions first_index...) into ``array`` rows."""
+        seeds = self.seeds(hashes, first_index)
+        for lo in range(0, len(block_ids), _BATCH):
+            ids = np.asarray(block_ids[lo : lo + _BATCH], dtype=np.int64)
+            array[ids, : self.payload_words] = self._ramp[None, :] ^ seeds[lo : lo + _BATCH, None]
+
+    def check_many(
+        self, array: Words, block_ids: Sequence[int], hashes: Sequence[int], first_index: int, stamp: int
+    ) -> tuple[int, BlockCheck]:
+        """(offset of the first bad block, why); (-1, OK) when every block checks."""
+        seeds = self.seeds(hashes, first_index)
+        for lo in range(0, len(block_ids), _BATCH):
+            rows = array[np.asarray(block_ids[lo : lo + _BATCH], dtype=np.int64)]
+            leased = (rows[:, -2] == np.uint64(stamp)) & (rows[:, -1] == np.uint64(stamp ^ _TRAILER_MAGIC))
+            if not leased.all():
+                return lo + int(np.argmin(leased)), BlockCheck.NOT_LEASED
+            good = (
+                (rows[:, : self.payload_words] ^ self._ramp[None, :]) == seeds[lo : lo + _BATCH, None]
+            ).all(axis=1)
+            if not good.all():
+                return lo + int(np.argmin(good)), BlockCheck.WRONG_PREFIX
+        return -1, BlockCheck.OK
 
     def poison(self, block: Words) -> None:
         block[:] = np.uint64(_POISON)

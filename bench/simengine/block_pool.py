@@ -42,9 +42,8 @@ class BlockPool:
         self.bytes_per_block = bytes_per_block
         self.root = root
         self.content = ContentModel(bytes_per_block)
-        self.array: Words = np.zeros((num_blocks, self.content.words), dtype=np.uint64)
-        for b in range(num_blocks):
-            self.content.poison(self.array[b])
+        self.array: Words = np.empty((num_blocks, self.content.words), dtype=np.uint64)
+        self.content.poison(self.array)  # never-written blocks read as poison, not as zeros
         self._refs = [0] * num_blocks
         self._hash: list[int | None] = [None] * num_blocks
         self._cached: dict[int, int] = {}
@@ -129,21 +128,28 @@ class BlockPool:
     # -- content ----------------------------------------------------------
 
     def write_tokens(
-        self, block_ids: Sequence[int], tokens: Sequence[int], num_tokens: int, first_block: int = 0
-    ) -> None:
+        self,
+        block_ids: Sequence[int],
+        tokens: Sequence[int],
+        num_tokens: int,
+        first_block: int = 0,
+        known_full: Sequence[int] = (),
+    ) -> list[int]:
         """Write the content of blocks[first_block:] for tokens[:num_tokens]; cache whole blocks.
 
         Blocks before ``first_block`` were matched from the prefix cache and
-        are shared, so they are never written.
+        are shared, so they are never written. ``known_full`` are whole-block
+        hashes of the same tokens computed earlier. Returns every block's hash.
         """
-        hashes = block_hashes(tokens, self.block_size, self.root, num_tokens)
+        hashes = block_hashes(tokens, self.block_size, self.root, num_tokens, known_full)
         if len(hashes) > len(block_ids):
             raise ValueError(f"{num_tokens} tokens need {len(hashes)} blocks, have {len(block_ids)}")
+        written = list(block_ids[first_block : len(hashes)])
+        self.content.write_many(self.array, written, hashes[first_block:], first_block)
+        if written:
+            self.array[np.asarray(written, dtype=np.int64), -2:] = np.uint64(0)  # no lease trailer
         for i in range(first_block, len(hashes)):
             b = block_ids[i]
-            blk = self.array[b]
-            self.content.write_payload(blk, hashes[i], i)
-            self.content.clear_trailer(blk)
             self._lease[b] = 0
             full = (i + 1) * self.block_size <= num_tokens
             old = self._hash[b]
@@ -153,6 +159,7 @@ class BlockPool:
             if full and hashes[i] not in self._cached:
                 self._cached[hashes[i]] = b
                 self._hash[b] = hashes[i]
+        return hashes
 
     # -- leases -----------------------------------------------------------
 

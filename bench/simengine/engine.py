@@ -317,7 +317,7 @@ class SimEngine:
             external = 0
             if leg != "local" and remote is not None:
                 # Like vLLM's WAITING_FOR_REMOTE_KVS: the pull runs outside the compute queue.
-                result = await self._load_remote(leg, remote, prompt, blocks, len(hit_blocks))
+                result = await self._load_remote(leg, remote, prompt, prompt_chain, blocks, len(hit_blocks))
                 external = result.external_tokens
                 self._queued_tokens -= external
                 queued_tokens -= external
@@ -330,7 +330,7 @@ class SimEngine:
                 running = True
                 computed = n - hit - external
                 await asyncio.sleep(s.timing.prefill_s(computed))
-                self.pool.write_tokens(blocks, prompt, n, len(hit_blocks))
+                self.pool.write_tokens(blocks, prompt, n, len(hit_blocks), prompt_chain)
                 self.metrics.count_prompt(hit, external, computed)
 
             # The oracle state: the chain of whole blocks, then the tokens after it.
@@ -352,7 +352,14 @@ class SimEngine:
                 stop = tok == EOS_ID and not req.ignore_eos
                 if stop or len(out) >= req.max_tokens or n + len(out) >= s.max_model_len:
                     finish = self._finish(
-                        req, retain, prompt, out, blocks, "stop" if stop else "length", hit + external
+                        req,
+                        retain,
+                        prompt,
+                        prompt_chain,
+                        out,
+                        blocks,
+                        "stop" if stop else "length",
+                        hit + external,
                     )
                     blocks = []  # owned by the retained handle, or released
                     done = True
@@ -413,6 +420,7 @@ class SimEngine:
         req: GenerationRequest,
         retain: RetainKind | None,
         prompt: list[int],
+        prompt_chain: list[int],
         out: list[int],
         blocks: list[int],
         reason: Literal["stop", "length"],
@@ -426,7 +434,7 @@ class SimEngine:
         if blocks[keep:]:
             self.pool.release(blocks[keep:])
         blocks = blocks[:keep]
-        self.pool.write_tokens(blocks, all_tokens, num_kv, min(len(prompt) // bs, keep))
+        self.pool.write_tokens(blocks, all_tokens, num_kv, min(len(prompt) // bs, keep), prompt_chain)
         self.metrics.finished(reason, len(out))
         params: dict[str, Any] | None = None
         stamp = lease_stamp(self.engine_id, self.incarnation, req.request_id)
@@ -474,6 +482,7 @@ class SimEngine:
         leg: Literal["local", "prefill", "decode"],
         remote: RemoteBlocks,
         prompt: list[int],
+        prompt_chain: list[int],
         blocks: list[int],
         hit_blocks: int,
     ) -> LoadOutcome:
@@ -521,20 +530,19 @@ class SimEngine:
             self._drop_peer(remote)
             return LoadOutcome("transfer_failed", 0)
         self.metrics.transfer(seconds, count * s.bytes_per_block)
-        hashes = block_hashes(prompt, bs, self.pool.root, usable)
+        hashes = block_hashes(prompt, bs, self.pool.root, usable, prompt_chain)
         stamp = lease_stamp(info.engine_id, info.incarnation, remote.request_id)
-        for i, b in enumerate(dst):
-            check = self.pool.content.check(self.pool.block(b), hashes[first + i], first + i, stamp)
-            if check is not BlockCheck.OK:
-                self.metrics.verify_failure(check.value)
-                log.warning(
-                    "pulled block %d of %s/%s failed verification (%s): recomputing",
-                    first + i,
-                    remote.engine_id,
-                    remote.request_id,
-                    check.value,
-                )
-                return LoadOutcome("verify_failed", 0)
+        bad, check = self.pool.content.check_many(self.pool.array, dst, hashes[first:], first, stamp)
+        if check is not BlockCheck.OK:
+            self.metrics.verify_failure(check.value)
+            log.warning(
+                "pulled block %d of %s/%s failed verification (%s): recomputing",
+                first + bad,
+                remote.engine_id,
+                remote.request_id,
+                check.value,
+            )
+            return LoadOutcome("verify_failed", 0)
         return LoadOutcome("pulled", usable - hit)
 
     async def _peer(self, remote: RemoteBlocks) -> _Peer | None:
