@@ -12,9 +12,11 @@ Modules:
 - `sessions` / `service`: the `EvictionService.Commands` stream. The leader
   replays each node's outbox (`releases/{node}/`) on every connect and
   follows it by watch; an entry is deleted when the node acknowledges it.
-  Standbys answer UNAVAILABLE.
+  Standbys answer UNAVAILABLE, and the health name
+  `kvplane.v1.EvictionService/leader` is SERVING only on the leader (for a
+  readiness probe).
 - `policy/`: pure retention plugins (max_age, node_budget, tenant_budget,
-  low_value) over plain dataclasses, shared with the simulator.
+  kv_pressure, low_value) over plain dataclasses, shared with the simulator.
 - `config`: the `eviction:` settings section; `app.install` wires it all
   into a kvplane process (`kvplane serve eviction`, `kvplane serve all`).
 
@@ -28,5 +30,6 @@ Settings (YAML, or KVPLANE_EVICTION__<FIELD>):
           - {name: max_age, engine_ttl_s: 480, margin_s: 30}
           - {name: tenant_budget, default_bytes: 68719476736}
           - {name: node_budget, high_fraction: 0.5, low_fraction: 0.4}
+          - {name: kv_pressure, low_free_fraction: 0.05, target_free_fraction: 0.15}
           - {name: low_value, min_ratio: 1.0}
 """
