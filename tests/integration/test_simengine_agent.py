@@ -8,11 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from simengine_harness import Engine, d_leg, engines, free_port, loads, p_leg, tokens
 
 from kvplane.services.common.process import ServiceProcess
 from kvplane.v1 import metadata_pb2, metadata_pb2_grpc
 from tests.support.polling import eventually
+from tests.support.simengine import Engine, d_leg, engines, free_port, loads, p_leg, tokens
 
 TENANT = "acme"
 

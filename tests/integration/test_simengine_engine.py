@@ -11,12 +11,12 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import pytest
-from simengine_harness import free_port
 
 from kvplane.bench.simengine.block_pool import KvCacheFullError
 from kvplane.bench.simengine.engine import FinishInfo, GenerationRequest, SimEngine
 from kvplane.bench.simengine.settings import SimEngineSettings
 from kvplane.bench.simengine.timing_model import TimingModel
+from tests.support.simengine import free_port
 
 FAST = TimingModel(speedup=50)
 

@@ -7,7 +7,7 @@ import signal
 import time
 from pathlib import Path
 
-from simengine_harness import d_leg, engines, free_port, loads, p_leg, reference, tokens
+from tests.support.simengine import d_leg, engines, free_port, loads, p_leg, reference, tokens
 
 
 def test_a_killed_decode_engine_turns_the_next_pull_into_a_recompute(tmp_path: Path) -> None:

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from simengine_harness import (
+
+from tests.support.simengine import (
     MODEL,
     Engine,
     d_leg,

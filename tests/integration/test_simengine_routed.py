@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from simengine_harness import Engine, engines, free_port, reference, tokens
 
 from kvplane.client import RoutingClient
 from kvplane.client.vllm_requests import decode_body, prefill_body
@@ -23,6 +22,7 @@ from kvplane.services.common.telemetry import Telemetry
 from kvplane.v1 import metadata_pb2, metadata_pb2_grpc
 from tests.conftest import settings_for
 from tests.support.polling import eventually
+from tests.support.simengine import Engine, engines, free_port, reference, tokens
 
 MODEL = "kvplane-sim"
 
