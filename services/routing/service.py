@@ -74,6 +74,8 @@ SERVICE_NAME = routing_pb2.DESCRIPTOR.services_by_name["RoutingService"].full_na
 MAX_MODEL = 256
 MAX_PROMPT_IDS = 1 << 20
 MAX_ERROR = 1024
+# Part of a caller's deadline kept back from the check-out to send the answer.
+_ANSWER_MARGIN_S = 0.005
 
 DECISION_TO_PB: dict[Decision, routing_pb2.Decision.ValueType] = {
     Decision.PULL: routing_pb2.DECISION_PULL,
@@ -163,7 +165,9 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
         model = validation.text(request.model, "model", max_bytes=MAX_MODEL)
         validation.ident(request.request_id, "request_id", required=False)
         prompt = _prompt(request)
-        outcome = await self.route(tenant, conversation, model, prompt)
+        outcome = await self.route(
+            tenant, conversation, model, prompt, time_budget_s=context.time_remaining()
+        )
         span = trace.get_current_span()
         if span.is_recording():
             span.set_attributes(
@@ -191,8 +195,20 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
         self.metrics.route_seconds.observe(time.perf_counter() - start)
         return response
 
-    async def route(self, tenant: str, conversation: str, model: str, prompt: Prompt) -> RouteOutcome:
-        """Decides one turn and, for a pull, checks the handle out. No protobuf here."""
+    async def route(
+        self,
+        tenant: str,
+        conversation: str,
+        model: str,
+        prompt: Prompt,
+        *,
+        time_budget_s: float | None = None,
+    ) -> RouteOutcome:
+        """Decides one turn and, for a pull, checks the handle out. No protobuf here.
+
+        `time_budget_s` is what is left of the caller's deadline: the check-out
+        gets no more than that, so a short deadline yields a recompute, not an error.
+        """
         now = _now_ms()
         if self.view.healthy:
             self._view_live_ms = now
@@ -216,7 +232,7 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
         decision, reason = plan.decision, plan.verdict.reason
         handle: CacheHandle | None = None
         if decision is Decision.PULL and record is not None:
-            handle, reason = await self._check_out(tenant, conversation, route_id, record, now)
+            handle, reason = await self._check_out(tenant, conversation, route_id, record, now, time_budget_s)
             if handle is None:
                 decision = Decision.RECOMPUTE_CONTENDED
         params = self._prefill_params(tenant, conversation, handle)
@@ -252,16 +268,28 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
         return tuple(NodeState(r.node, view.load(r.node)) for r in view.nodes.values())
 
     async def _check_out(
-        self, tenant: str, conversation: str, route_id: str, record: HandleRecord, now: int
+        self,
+        tenant: str,
+        conversation: str,
+        route_id: str,
+        record: HandleRecord,
+        now: int,
+        time_budget_s: float | None,
     ) -> tuple[CacheHandle | None, str]:
         """The checked-out handle, or None with the reason it could not be."""
         if not self.view.healthy:
             # A stale view may still hold a handle that is gone; without etcd the
             # check-out cannot be made, so this turn recomputes.
             return None, "etcd unreachable: recomputing from the cached view"
+        timeout_s = self.settings.checkout_timeout_s
+        if time_budget_s is not None:
+            # Keep a little of the caller's deadline to send the answer.
+            timeout_s = min(timeout_s, time_budget_s - _ANSWER_MARGIN_S)
+            if timeout_s <= 0:
+                return None, "caller's deadline too short to check the handle out"
         try:
             # asyncio.timeout, not wait_for: no extra task on the hot path.
-            async with asyncio.timeout(self.settings.checkout_timeout_s):
+            async with asyncio.timeout(timeout_s):
                 checked = await self.store.check_out(tenant, conversation, route_id=route_id, expected=record)
         except (HandleNotRetained, NotFound):
             return None, "another turn of the conversation took the handle"

@@ -152,6 +152,23 @@ async def test_the_loser_of_a_check_out_race_recomputes_contended(cluster: Routi
     assert all(o.prefill_params["remote_block_ids"] is None for o in outcomes if o.handle is None)
 
 
+async def test_a_deadline_too_short_for_the_check_out_recomputes_and_keeps_the_handle(
+    cluster: RoutingCluster,
+) -> None:
+    process = cluster.replicas[0]
+    service = RoutingService(process.store, process.ctx.view, process.settings.routing, Telemetry.disabled())
+    c = conv()
+    history = tokens(HISTORY_TOKENS)
+    handle = await cluster.publish(handle_for(cluster.nodes["d0"], "acme", c, history))
+    await cluster.wait_handle("acme", c, handle.handle_id)
+    prompt = Prompt(HISTORY_TOKENS + 1, [*history, 1])
+    rushed = await service.route("acme", c, MODEL, prompt, time_budget_s=0.001)
+    assert rushed.decision.value == "recompute_contended" and "deadline" in rushed.reason
+    assert await cluster.store.get_handle_record("acme", c) is not None
+    relaxed = await service.route("acme", c, MODEL, prompt, time_budget_s=5.0)
+    assert relaxed.decision.value == "pull"
+
+
 async def test_concurrent_routes_through_two_replicas_pull_exactly_once(cluster: RoutingCluster) -> None:
     await cluster.add_replica()
     await cluster.wait_nodes()
