@@ -54,6 +54,22 @@ def headline_table(summaries: Sequence[SimSummary], oracle: SimSummary | None) -
     return "\n".join(rows)
 
 
+def pressure_table(summaries: Sequence[SimSummary]) -> str:
+    """TTFT when D pins retained KV: how many turns waited for memory, and what it cost them."""
+    rows = [
+        "| policy | TTFT p50 ms | p90 ms | p99 ms | turns that waited for D's KV | reused tokens |"
+        " retained GB·s |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for s in summaries:
+        rows.append(
+            f"| {s.name} | {s.ttft_p50_ms:,.0f} | {s.ttft_p90_ms:,.0f} | {s.ttft_p99_ms:,.0f}"
+            f" | {_pct(s.waited_turns / s.turns if s.turns else 0.0)} | {_pct(s.reused_fraction)}"
+            f" | {s.retained_gb_s:,.0f} |"
+        )
+    return "\n".join(rows)
+
+
 def mix_table(summaries: Sequence[SimSummary]) -> str:
     """Decision mix and releases by reason, per baseline."""
     rows = ["| policy | decisions | releases |", "|---|---|---|"]

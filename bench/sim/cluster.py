@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 from kvplane.bench.sim.block_chain import BlockChain
 from kvplane.services.common.handles import CacheHandle
@@ -136,7 +137,7 @@ class SimHandle:
 class DecodeState:
     """A decode node: running requests' KV plus retained handles, within a capacity."""
 
-    __slots__ = ("capacity", "handles", "index", "node", "reserved", "retained", "running")
+    __slots__ = ("capacity", "handles", "index", "node", "reserved", "retained", "running", "waiting")
 
     def __init__(self, node: Node, index: int, capacity: int) -> None:
         self.node = node
@@ -147,6 +148,8 @@ class DecodeState:
         self.running = 0
         # Retained handles by id, in publish order (oldest first).
         self.handles: dict[int, SimHandle] = {}
+        # Turns waiting for KV to be freed, in arrival order (when D pins retained KV).
+        self.waiting: deque[Any] = deque()
 
     @property
     def free(self) -> int:
@@ -158,6 +161,7 @@ class DecodeState:
             self.node.node_id,
             self.node.incarnation,
             running_requests=self.running,
+            queued_requests=len(self.waiting),
             free_kv_blocks=max(0, self.free) // block,
             total_kv_blocks=self.capacity // block,
             retained_bytes=self.retained,

@@ -12,9 +12,13 @@ Per turn:
 2. P, one FIFO queue, starts when it is free and the pull has landed, and
    computes the unpulled tokens (plus the attention over the pulled ones,
    see `costs.py`). TTFT is arrival to the end of that.
-3. D reserves the turn's KV (prompt and answer). Short of memory, it frees
-   its oldest retained handles first; if that is not enough the turn runs
-   anyway and is counted as overcommitted (a preemption in a real engine).
+3. D reserves the turn's KV (prompt and answer). Short of memory, with
+   `pressure="evict"` it frees its oldest retained handles first; if that is
+   not enough the turn runs anyway and is counted as overcommitted (a
+   preemption in a real engine). With `pressure="wait"` D behaves as vLLM
+   does with KV held for remote reads: retained blocks stay pinned until read,
+   released or expired, and the turn waits (FIFO) for memory; its first token,
+   hence its TTFT, waits with it.
 4. After decoding, D keeps the turn's KV as the conversation's handle until
    it is read, released by the control plane, freed by D's TTL, or pushed
    out by memory pressure.
@@ -53,17 +57,35 @@ class SimConfig:
     load_report_interval_s: float = 0.5
     series_interval_s: float = 10.0
     epoch_unix_ms: int = 1_750_000_000_000
+    # What D does when a turn's KV does not fit: "evict" retained handles, or "wait".
+    pressure: str = "evict"
+
+    def __post_init__(self) -> None:
+        if self.pressure not in ("evict", "wait"):
+            raise ValueError("pressure must be 'evict' or 'wait'")
 
 
 class _InFlight:
-    __slots__ = ("chain", "conversation", "decode", "reserved", "turn")
+    """A turn past routing: P's finish time, and D's reservation once admitted."""
 
-    def __init__(self, turn: Turn, conversation: Conversation, decode: DecodeState, reserved: int) -> None:
+    __slots__ = ("chain", "conversation", "decode", "pulled", "ready_s", "reserved", "turn")
+
+    def __init__(
+        self,
+        turn: Turn,
+        conversation: Conversation,
+        decode: DecodeState,
+        reserved: int,
+        ready_s: float,
+        pulled: int,
+    ) -> None:
         self.turn = turn
         self.conversation = conversation
         self.decode = decode
         self.reserved = reserved
         self.chain = conversation.chain
+        self.ready_s = ready_s
+        self.pulled = pulled
 
 
 RouterFactory = Callable[[Fleet], Router]
@@ -166,30 +188,57 @@ class Simulator:
         p.pending.append((finish, computed))
         p.queued_tokens += computed
         p.served += 1
-        ttft = finish - now
-        rec.ttft_s.append(ttft)
-        rec.prompt_tokens.append(turn.prompt_tokens)
-        rec.pulled_tokens.append(pulled)
         rec.prompt_total += turn.prompt_tokens
 
         need = costs.kv_bytes(turn.context_tokens)
-        if d.free < need:
-            self._make_room(d, need, now)
-            if d.free < need:
-                rec.overcommitted_turns += 1
-        d.reserved += need
-        d.running += 1
         conversation.chain = prompt.extended(turn.context_tokens // block - len(prompt), self._ids)
         conversation.last_prefill = p.node.node_id
-        done = finish + costs.decode_s(turn.output_tokens, d.running)
-        self._push(done, _DONE, _InFlight(turn, conversation, d, need))
-        self.router.observe(turn, choice, TurnOutcome(pulled, transfer, compute, ttft))
+        flight = _InFlight(turn, conversation, d, need, finish, pulled)
+        if self.config.pressure == "evict":
+            if d.free < need:
+                self._make_room(d, need, now)
+                if d.free < need:
+                    rec.overcommitted_turns += 1
+            self._start(flight, now)
+        elif d.waiting or d.free < need:
+            rec.waited_turns += 1
+            d.waiting.append(flight)
+            self._admit(d, now)
+        else:
+            self._start(flight, now)
+        # What P reports: its own prefill, whatever D's admission adds later.
+        self.router.observe(turn, choice, TurnOutcome(pulled, transfer, compute, finish - now))
+
+    def _start(self, flight: _InFlight, now: float) -> None:
+        """D admits the turn: its first token comes once P is done and D has its KV."""
+        d = flight.decode
+        turn = flight.turn
+        rec = self.rec
+        d.reserved += flight.reserved
+        d.running += 1
+        first_token = max(flight.ready_s, now)
+        rec.ttft_s.append(first_token - turn.arrival_s)
+        rec.prompt_tokens.append(turn.prompt_tokens)
+        rec.pulled_tokens.append(flight.pulled)
+        done = first_token + self.config.costs.decode_s(turn.output_tokens, d.running)
+        self._push(done, _DONE, flight)
+
+    def _admit(self, d: DecodeState, now: float) -> None:
+        """Admits waiting turns, in order, while their KV fits (or D is empty)."""
+        waiting = d.waiting
+        while waiting and (d.free >= waiting[0].reserved or (d.running == 0 and not d.handles)):
+            head = waiting.popleft()
+            if d.free < head.reserved:
+                self.rec.overcommitted_turns += 1
+            self._start(head, now)
 
     def _finish(self, now: float, flight: _InFlight) -> None:
         d = flight.decode
         d.reserved -= flight.reserved
         d.running -= 1
         if self.config.cluster.engine_ttl_s <= 0:
+            if d.waiting:
+                self._admit(d, now)
             return  # D does not retain finished turns (no bidirectional transfer)
         turn = flight.turn
         conversation = flight.conversation
@@ -247,3 +296,5 @@ class Simulator:
         self.retention.on_gone(handle)
         if reason:
             self.rec.releases[reason] += 1
+        if d.waiting:
+            self._admit(d, now)

@@ -24,6 +24,7 @@ class Recorder:
         self.reusable_tokens = 0  # whole-block tokens shared with the previous context
         self.prompt_total = 0
         self.overcommitted_turns = 0
+        self.waited_turns = 0  # turns that waited for D's KV (pressure="wait")
         # Retained bytes integrated over time, and sampled for plots.
         self.retained_bytes = 0
         self.retained_byte_s = 0.0
@@ -72,6 +73,7 @@ class SimSummary:
     peak_retained_gb: float
     overcommitted_turns: int
     consumed_handles: int
+    waited_turns: int = 0
     decisions: dict[str, int] = field(default_factory=dict)
     releases: dict[str, int] = field(default_factory=dict)
     simulated_s: float = 0.0
@@ -100,6 +102,7 @@ class SimSummary:
             "retained_gb_s": round(self.retained_gb_s, 1),
             "peak_retained_gb": round(self.peak_retained_gb, 1),
             "overcommitted_turns": self.overcommitted_turns,
+            "waited_turns": self.waited_turns,
             "consumed_handles": self.consumed_handles,
             "decisions": dict(sorted(self.decisions.items())),
             "releases": dict(sorted(self.releases.items())),
@@ -138,6 +141,7 @@ def summarize(name: str, rec: Recorder, simulated_s: float, wall_s: float) -> Si
         peak_retained_gb=rec.peak_retained_bytes / 1e9,
         overcommitted_turns=rec.overcommitted_turns,
         consumed_handles=rec.consumed,
+        waited_turns=rec.waited_turns,
         decisions=dict(rec.decisions),
         releases=dict(rec.releases),
         simulated_s=simulated_s,

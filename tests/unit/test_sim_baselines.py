@@ -53,3 +53,25 @@ def test_kvplane_releases_with_its_policies_reasons() -> None:
     assert set(_run("kvplane-ttl").releases) <= {"max_age", "superseded", "engine_pressure", "engine_ttl"}
     assert "engine_ttl" not in _run("kvplane").releases  # max_age releases 30 s before D's TTL
     assert "superseded" not in _run("vllm-proxy").releases  # nothing releases for the proxy
+
+
+PINNED = SimConfig(
+    cluster=ClusterSpec(prefill_nodes=2, decode_nodes=2, decode_kv_capacity_bytes=12 << 30), pressure="wait"
+)
+
+
+@cache
+def _pinned(name: str) -> SimSummary:
+    return simulator_for(BASELINES[name], PINNED).run(_turns(), name).summary
+
+
+def test_pinned_kv_makes_turns_wait_instead_of_evicting() -> None:
+    proxy = _pinned("vllm-proxy")
+    assert proxy.waited_turns > 0 and "engine_pressure" not in proxy.releases
+    assert proxy.turns == len(_turns())
+    assert _run("vllm-proxy").waited_turns == 0
+
+
+def test_early_release_shortens_waits_for_pinned_kv() -> None:
+    assert _pinned("kvplane").waited_turns < _pinned("vllm-proxy").waited_turns
+    assert _pinned("kvplane").ttft_p90_ms < _pinned("vllm-proxy").ttft_p90_ms
