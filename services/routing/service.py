@@ -105,6 +105,8 @@ class RouteRecord:
     holder_engine_id: str
     kv_bytes_per_token: int
     decision: Decision
+    # A pull between a prefill engine and a holder that had not met before.
+    first_contact: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,8 +241,11 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
         reused = plan.verdict.reusable_tokens if handle is not None else 0
         self._last_prefill.put((tenant, conversation), plan.prefill.node_id)
         holder_engine = snapshot.handle.vllm.remote_engine_id if snapshot.handle is not None else ""
+        first_contact = False
         if handle is not None:
-            self._contacted.put((plan.prefill.node_id, holder_engine), None)
+            pair = (plan.prefill.node_id, holder_engine)
+            first_contact = pair not in self._contacted
+            self._contacted.put(pair, None)
         self._routes.put(
             route_id,
             RouteRecord(
@@ -251,6 +256,7 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
                 holder_engine,
                 plan.decode.kv_bytes_per_token,
                 decision,
+                first_contact,
             ),
         )
         self.metrics.routes.labels("pull" if decision is Decision.PULL else "recompute", decision.value).inc()
@@ -365,6 +371,7 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
             ttft_ms=max(0.0, request.ttft_ms),
             kv_bytes_per_token=route.kv_bytes_per_token,
             success=request.success,
+            first_contact=route.first_contact,
         )
         self.costs = self.costs.observe(observation)
         self._publish_cost_gauges()

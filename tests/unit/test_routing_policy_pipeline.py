@@ -195,6 +195,29 @@ def test_cost_model_learns_from_reports_within_bounds() -> None:
     assert fast_link.transfer_bytes_per_ms > model.transfer_bytes_per_ms and fast_link.transfer_samples == 1
 
 
+def test_cost_model_learns_the_handshake_from_first_pulls_only() -> None:
+    model = CostModel()
+    warm = model.transfer_ms(4096, 262144)
+    first = model.observe(
+        TurnObservation(
+            prompt_tokens=5000,
+            pulled_tokens=4096,
+            transfer_ms=warm + 60.0,
+            kv_bytes_per_token=262144,
+            first_contact=True,
+        )
+    )
+    assert first.handshake_ms == pytest.approx(model.handshake_ms + model.alpha * (60.0 - model.handshake_ms))
+    assert first.handshake_samples == 1
+    assert (
+        first.transfer_bytes_per_ms == model.transfer_bytes_per_ms
+    )  # a first pull says nothing of bandwidth
+    later = first.observe(
+        TurnObservation(prompt_tokens=5000, pulled_tokens=4096, transfer_ms=warm, kv_bytes_per_token=262144)
+    )
+    assert later.handshake_ms == first.handshake_ms and later.transfer_samples == 1
+
+
 def test_default_cost_model_reproduces_the_published_figures() -> None:
     model = CostModel()
     assert model.recompute_ms(24_000) == pytest.approx(778, rel=0.02)

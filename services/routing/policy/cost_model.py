@@ -15,8 +15,9 @@ P and one D node):
   margin for them, and reported turns correct both rates.
 
 Learning is an exponentially weighted average of per-token and per-byte
-samples; each sample is clamped to a factor of the current estimate so that
-one odd report (a cold engine, a stalled link) cannot swing decisions. The
+samples, and of the handshake from first pulls between two engines; each
+sample is clamped to a factor of the current estimate so that one odd
+report (a cold engine, a stalled link) cannot swing decisions. The
 model is a frozen value: `observe` returns the updated model, so the
 simulator can replay reports through the same code deterministically.
 """
@@ -40,6 +41,9 @@ class TurnObservation:
     ttft_ms: float = 0.0
     kv_bytes_per_token: int = 0
     success: bool = True
+    # The pull was the first between its prefill engine and the holder, so it
+    # paid the handshake.
+    first_contact: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +65,7 @@ class CostModel:
     min_sample_tokens: int = 256
     recompute_samples: int = 0
     transfer_samples: int = 0
+    handshake_samples: int = 0
 
     def __post_init__(self) -> None:
         if self.recompute_ms_per_token <= 0 or self.transfer_bytes_per_ms <= 0:
@@ -110,6 +115,17 @@ class CostModel:
                 )
         if obs.pulled_tokens > 0 and obs.transfer_ms > 0:
             moved = self.bytes_for(obs.pulled_tokens, obs.kv_bytes_per_token)
+            if obs.first_contact:
+                # A first pull teaches the handshake: what it took beyond a warm pull.
+                warm_ms = self.transfer_ms(obs.pulled_tokens, obs.kv_bytes_per_token)
+                handshake = min(
+                    max(obs.transfer_ms - warm_ms, 0.0), max(self.handshake_ms, 1.0) * self.max_sample_factor
+                )
+                return replace(
+                    model,
+                    handshake_ms=_ewma(model.handshake_ms, handshake, self.alpha),
+                    handshake_samples=model.handshake_samples + 1,
+                )
             # The fixed overhead is configured, not learned: with one size of
             # pull the two cannot be told apart.
             wire_ms = max(obs.transfer_ms - self.transfer_overhead_ms, obs.transfer_ms * 0.1)
