@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from kvplane.bench import report
+from kvplane.bench.findings import findings
 from kvplane.bench.sim import BASELINES, ClusterSpec, RunOptions, SimConfig, SimResult, simulator_for
 from kvplane.bench.workloads import (
     DEFAULT_TRACE,
@@ -125,6 +126,10 @@ def perf_section(data: dict[str, Any], tables: str, plots_rel: str) -> str:
         f"Mooncake conversation trace: {trace['requests']:,} requests, {trace['continuations']:,} continue"
         f" an earlier context, gap p50 {trace['gap_p50_s']:.0f} s, {100 * trace['gaps_over_480s']:.1f}%"
         " of gaps over 480 s (the adapter reproduces `shared/traces/README.md`).",
+        "",
+        "What the numbers say:",
+        "",
+        *findings(data),
         "",
         tables,
         "",
