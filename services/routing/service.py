@@ -69,6 +69,9 @@ from kvplane.v1 import routing_pb2, routing_pb2_grpc
 
 log = logging.getLogger(__name__)
 
+# Longest a ReportTurn waits for the engine's own publish of the turn's handle, seconds.
+PUBLISH_WAIT_S = 2.0
+
 SERVICE_NAME = routing_pb2.DESCRIPTOR.services_by_name["RoutingService"].full_name
 
 MAX_MODEL = 256
@@ -346,7 +349,7 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
                 # A tenant could name any blocks on any engine here, and so make P
                 # read another tenant's KV. Handles from tenant callers are taken
                 # only from the engine's connector, which publishes them itself.
-                handle_id = self._published_by_engine(tenant, conversation, params)
+                handle_id = await self._published_by_engine(tenant, conversation, params, context)
             else:
                 handle_id = await self._publish(tenant, conversation, params, request)
         self.metrics.reports.labels(
@@ -354,11 +357,26 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
         ).inc()
         return routing_pb2.ReportTurnResponse(handle_id=handle_id)
 
-    def _published_by_engine(self, tenant: str, conversation: str, params: dict[str, Any]) -> str:
-        """The id of the handle D's connector published for this turn, if the view has it."""
+    async def _published_by_engine(
+        self, tenant: str, conversation: str, params: dict[str, Any], context: Context
+    ) -> str:
+        """The id of the handle D's connector published for this turn, once the view has it.
+
+        The engine publishes asynchronously, so the report may arrive first. Waiting here,
+        within the report's deadline, lets a caller that reports before routing the next
+        turn of the conversation (as the gateway does) find the handle in place.
+        """
         wanted = params.get(KEY_HANDLE_ID)
-        current = self.view.handle(tenant, conversation)
-        if isinstance(wanted, str) and wanted and current is not None and current.handle.handle_id == wanted:
+        if not isinstance(wanted, str) or not wanted:
+            return ""
+
+        def published() -> bool:
+            current = self.view.handle(tenant, conversation)
+            return current is not None and current.handle.handle_id == wanted
+
+        remaining = context.time_remaining()
+        wait_s = min(PUBLISH_WAIT_S, remaining - 0.05 if remaining is not None else PUBLISH_WAIT_S)
+        if published() or (wait_s > 0 and await self.view.wait_for(published, wait_s)):
             return wanted
         return ""
 
