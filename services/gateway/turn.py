@@ -118,6 +118,8 @@ class TurnRunner:
         self.metrics = metrics
         self.tracer = tracer
         self._reports: set[asyncio.Task[None]] = set()
+        # The report still in flight for each conversation's last turn (tenant, conversation).
+        self._last_report: dict[tuple[str, str], asyncio.Task[None]] = {}
 
     async def drain_reports(self, timeout_s: float) -> None:
         """Waits for reports still in flight (at shutdown)."""
@@ -137,6 +139,7 @@ class TurnRunner:
             prompt = await routed_prompt(
                 self.session, turn.body, turn.chat, s.tokenize_url, s.prefill_timeout_s
             )
+            await self._after_previous_report(turn)
             route = await self._route(turn, prompt)
             progress = TurnProgress(route.decision, list(prompt.token_ids) or None)
             prefill_answer, route = await self._prefill(turn, prompt, route, progress)
@@ -146,6 +149,20 @@ class TurnRunner:
             return await self._decode_whole(turn, route, prefill_answer, progress)
 
     # -- route ------------------------------------------------------------------------
+
+    async def _after_previous_report(self, turn: TurnRequest) -> None:
+        """Lets the report of the conversation's previous turn land before this turn is routed.
+
+        The client's stream ends before that report is sent, and an agent may send its next turn at
+        once: routed first, that turn would find no handle and recompute the whole history.
+        """
+        task = self._last_report.get((turn.identity.tenant, turn.identity.conversation))
+        if task is None or task.done():
+            return
+        start = time.perf_counter()
+        _, pending = await asyncio.wait({task}, timeout=self.settings.report_timeout_s)
+        outcome = "timeout" if pending else "ok"
+        self.metrics.legs.labels("previous_report_wait", outcome).observe(time.perf_counter() - start)
 
     async def _route(self, turn: TurnRequest, prompt: RoutedPrompt) -> RouteResult:
         start = time.perf_counter()
@@ -199,6 +216,8 @@ class TurnRunner:
             return await self._prefill_once(turn, route, progress), route
         except LegFailed as exc:
             if not exc.retryable:
+                # P rejected the request itself: the same body would be rejected again.
+                self._finish(turn, route, progress, success=False, error=str(exc))
                 raise TurnFailed(exc.status, str(exc), exc.body) from None
             failure = exc
         log.warning("prefill leg failed (%s): retrying once without the handle", failure)
@@ -249,6 +268,8 @@ class TurnRunner:
                 self.metrics.legs.labels("prefill", outcome).observe(time.perf_counter() - start)
         progress.prefill_s = time.perf_counter() - start
         if progress.decision == "pull":
+            # What P did not compute: pulled, or found in its own prefix cache. vLLM's usage does not
+            # tell the two apart, and for the cost model both are tokens that were not recomputed.
             progress.pulled_tokens = _cached_tokens(answer)
         return answer
 
@@ -388,6 +409,15 @@ class TurnRunner:
         task = asyncio.create_task(self._report(turn, route, progress, success))
         self._reports.add(task)
         task.add_done_callback(self._reports.discard)
+
+        key = (turn.identity.tenant, turn.identity.conversation)
+        self._last_report[key] = task
+
+        def forget(done: asyncio.Task[None]) -> None:
+            if self._last_report.get(key) is done:
+                del self._last_report[key]
+
+        task.add_done_callback(forget)
 
     async def _report(
         self, turn: TurnRequest, route: RouteResult, progress: TurnProgress, success: bool

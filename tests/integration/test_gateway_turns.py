@@ -139,6 +139,18 @@ async def test_streaming_completions_pull_and_report_usage(stack: GatewayStack) 
     assert usage["prompt_tokens"] == len(prompt) and usage["completion_tokens"] == 80
 
 
+async def test_a_turn_sent_right_after_the_last_one_still_pulls(stack: GatewayStack) -> None:
+    """An agent's next turn can arrive before the last turn's report: the gateway lets it land first."""
+    conv = conversation()
+    prompt = new_ids(300, 19)
+    decisions = []
+    for turn in range(4):
+        result = await complete(stack, "acme", conv, prompt, stream=turn % 2 == 1, return_token_ids=True)
+        decisions.append(result.decision)
+        prompt = prompt + result.output_ids() + new_ids(30, 20 + turn)
+    assert decisions == ["recompute_no_handle", "pull", "pull", "pull"]
+
+
 async def test_concurrent_conversations_each_pull_their_own_history(stack: GatewayStack) -> None:
     pulled_before = await pulled(stack)
 
