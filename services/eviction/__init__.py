@@ -29,7 +29,7 @@ Settings (YAML, or KVPLANE_EVICTION__<FIELD>):
         policies:
           - {name: max_age, engine_ttl_s: 480, margin_s: 30}
           - {name: tenant_budget, default_bytes: 68719476736}
-          - {name: node_budget, high_fraction: 0.5, low_fraction: 0.4}
+          - {name: node_budget, high_fraction: 0.9, low_fraction: 0.8}
           - {name: kv_pressure, low_free_fraction: 0.05, target_free_fraction: 0.15}
           - {name: low_value, min_ratio: 1.0}
 """

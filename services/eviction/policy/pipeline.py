@@ -49,10 +49,14 @@ PLUGINS: Mapping[str, Callable[..., RetentionPolicy]] = {
     "kv_pressure": KvPressure,
 }
 
+# Without configuration: release before D's default TTL, cap retention at a
+# 90% / 80% watermark of a node's KV, free blocks when a node runs short of
+# free KV, and drop what is worth less than it costs. Fleets with known
+# headroom set tighter node and tenant budgets.
 DEFAULT_CONFIG: Mapping[str, Any] = {
     "policies": [
         {"name": "max_age", "engine_ttl_s": 480, "margin_s": 30},
-        {"name": "node_budget", "high_fraction": 0.5, "low_fraction": 0.4},
+        {"name": "node_budget", "high_fraction": 0.9, "low_fraction": 0.8},
         {"name": "kv_pressure", "low_free_fraction": 0.05, "target_free_fraction": 0.15},
         {"name": "low_value", "min_ratio": 1.0},
     ]
