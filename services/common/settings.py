@@ -115,7 +115,8 @@ class GatewaySection(BaseModel):
     routing: list[str] = Field(default_factory=lambda: ["127.0.0.1:50051"])
     # Credentials the gateway presents to routing (an operator token), when routing runs in token mode.
     routing_token: SecretStr = SecretStr("")
-    routing_timeout_s: float = Field(1.0, gt=0)
+    # Above routing's check-out timeout (1 s): a Route cut short may already have taken the handle.
+    routing_timeout_s: float = Field(2.0, gt=0)
     routing_attempts: int = Field(2, ge=1)
     # API keys clients present (Authorization: Bearer, or x-api-key), each mapped to its tenant.
     api_keys: list[GatewayKey] = Field(default_factory=list)

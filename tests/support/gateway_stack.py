@@ -352,7 +352,7 @@ async def gateway_stack(etcd: LocalEtcd, prefix: str, log_dir: Path) -> AsyncIte
             GatewaySection(
                 listen=f"127.0.0.1:{free_port()}",
                 routing=[routing_settings.grpc.listen],
-                routing_timeout_s=0.5,
+                routing_timeout_s=2.0,
                 api_keys=[GatewayKey(token=SecretStr(key), tenant=tenant) for tenant, key in KEYS.items()],
                 fallback_prefill_url=proxy.url,
                 fallback_decode_url=engines[1].url,
