@@ -235,3 +235,13 @@ def test_mesh_paths_name_the_services_in_the_protos(checks: ModuleType) -> None:
         "/kvplane.v1.MetadataService/*",
         "/kvplane.v1.EvictionService/*",
     }
+
+
+def test_a_misspelt_setting_in_chart_values_is_caught(checks: ModuleType) -> None:
+    # kvplane's settings sections ignore unknown keys; the check must not.
+    values = {"settings": {"routing": {"decode_kv_ttl": 480}}}
+    docs = checks.render_chart(values, "kvp", "kvplane")
+    report = _report(checks)
+    checks.check_chart_semantics("[test]", docs, checks.merged_values(values), report)
+    expected = "`kvplane serve routing` and its settings (ConfigMap + env) load"
+    assert f"[test] Deployment kvp-kvplane-routing: {expected}" in report.failures

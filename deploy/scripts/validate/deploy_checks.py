@@ -95,12 +95,64 @@ def load_settings(env: Mapping[str, str], config_text: str | None, flags: dict[s
 
     cls = kvplane_settings_cls()
     file_values = yaml.safe_load(config_text) if config_text else {}
+    unknown = unknown_settings(file_values) + unknown_settings(env_settings(env))
+    if unknown:
+        raise ValueError(f"unknown settings: {', '.join(unknown)}")
     env = {k: v for k, v in env.items() if k != "KVPLANE_CONFIG"}
     with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
         yaml.safe_dump(file_values or {}, f)
         f.flush()
         with kvplane_env(env):
             return cls.load(f.name, flags)
+
+
+def unknown_settings(values: Any, model: Any = None, path: str = "") -> list[str]:
+    """Keys in `values` that the settings model does not have, at any depth.
+
+    KvplaneSettings forbids unknown top-level sections, but its sections ignore unknown keys, so
+    a misspelt setting would otherwise be dropped without a word.
+    """
+    import typing
+
+    from pydantic import BaseModel
+
+    model = model or kvplane_settings_cls()
+    if not isinstance(values, dict):
+        return []
+    out = []
+    for key, value in values.items():
+        field = model.model_fields.get(key)
+        where = f"{path}{key}"
+        if field is None:
+            out.append(where)
+            continue
+        annotation = field.annotation
+        args = typing.get_args(annotation)
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            out.extend(unknown_settings(value, annotation, where + "."))
+        elif (
+            typing.get_origin(annotation) is list
+            and args
+            and isinstance(args[0], type)
+            and issubclass(args[0], BaseModel)
+        ):
+            for i, item in enumerate(value if isinstance(value, list) else []):
+                out.extend(unknown_settings(item, args[0], f"{where}[{i}]."))
+    return out
+
+
+def env_settings(env: Mapping[str, str]) -> dict[str, Any]:
+    """KVPLANE_<SECTION>__<FIELD> variables as nested keys (values unparsed)."""
+    out: dict[str, Any] = {}
+    for name, value in env.items():
+        if not name.startswith("KVPLANE_") or name == "KVPLANE_CONFIG":
+            continue
+        parts = name[len("KVPLANE_") :].lower().split("__")
+        node = out
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    return out
 
 
 def settings_has_section(name: str) -> bool:
