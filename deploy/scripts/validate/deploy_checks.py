@@ -789,6 +789,7 @@ def check_helm(out: Path, report: Report) -> None:
         ("external etcd without endpoints", {"etcd": {"enabled": False, "external": {"endpoints": []}}}),
         ("token auth without a Secret", {"auth": {"mode": "token"}}),
         ("unknown auth mode", {"auth": {"mode": "none"}}),
+        ("a misspelt value", {"services": {"routing": {"replica": 2}}}),
     ]
     for label, bad_values in refusals:
         try:
