@@ -12,6 +12,7 @@ import grpc
 import pytest
 
 from kvplane.client import RoutingClient, decode_body, prefill_body
+from kvplane.connector.prefix_check import PullOutcome, check_pull
 from kvplane.services.common.handles import (
     KEY_CONVERSATION,
     KEY_DIGESTS,
@@ -112,6 +113,29 @@ async def test_second_turn_pulls_with_every_handle_key_passed_through(
     d_body = decode_body({"model": MODEL, "stream": True}, second, {"kv_transfer_params": p_returned})
     assert d_body["stream"] is True
     assert d_body["kv_transfer_params"] == {**p_returned, KEY_TENANT: "acme", KEY_CONVERSATION: c}
+
+
+@pytest.mark.parametrize("retained", [HISTORY_TOKENS, HISTORY_TOKENS + 7])
+async def test_pull_params_pass_the_prefill_connectors_prefix_check(
+    cluster: RoutingCluster, client: RoutingClient, retained: int
+) -> None:
+    # The contract with the P connector: the digests the router forwards prove
+    # the prompt, and only whole verified blocks are pulled.
+    c = conv()
+    history = tokens(retained)
+    await cluster.wait_handle(
+        "acme", c, await cluster.report("acme", c, decode_params(cluster.nodes["d0"], history))
+    )
+    prompt = [*history, 1, 2, 3]
+    result = await client.route(c, MODEL, prompt_token_ids=prompt)
+    assert result.decision == "pull", result.reason
+    params = dict(result.prefill_params)
+    check = check_pull(params, prompt)
+    whole = retained // 16 * 16
+    expected = PullOutcome.VERIFIED if whole == retained else PullOutcome.CLIPPED
+    assert check.outcome is expected
+    assert params["remote_num_tokens"] == whole == result.expected_reused_tokens
+    assert check_pull(dict(result.prefill_params), [*history[:-40], 9, 9, 9]).outcome is PullOutcome.CLIPPED
 
 
 async def test_two_concurrent_routes_pull_exactly_once(
