@@ -56,6 +56,14 @@ class ClientGone(Exception):
     """The client closed its connection while its answer was being written."""
 
 
+class DecodeUnreachable(Exception):
+    """The decode engine could not be reached; nothing has been sent to the client yet."""
+
+    def __init__(self, message: str, route: RouteResult) -> None:
+        super().__init__(message)
+        self.route = route
+
+
 class TurnFailed(Exception):
     """The turn cannot be served; `status` and `body` are what the client gets."""
 
@@ -141,12 +149,34 @@ class TurnRunner:
             )
             await self._after_previous_report(turn)
             route = await self._route(turn, prompt)
-            progress = TurnProgress(route.decision, list(prompt.token_ids) or None)
-            prefill_answer, route = await self._prefill(turn, prompt, route, progress)
-            span.set_attribute("kvplane.decision", progress.decision)
-            if turn.stream:
-                return await self._decode_streaming(request, turn, route, prefill_answer, progress)
-            return await self._decode_whole(turn, route, prefill_answer, progress)
+            try:
+                return await self._attempt(request, turn, prompt, route, last_try=False)
+            except DecodeUnreachable as exc:
+                # D went away before anything reached the client (a dead engine whose registration
+                # has not lapsed yet): route again, which may choose another, and run the turn once more.
+                log.warning("decode leg unreachable (%s): routing the turn again", exc)
+                self.metrics.retries.labels("decode_unreachable").inc()
+                if exc.route.route_id:
+                    failed = TurnProgress(exc.route.decision, error=str(exc))
+                    self._report_later(turn, exc.route, failed, success=False)
+            route = await self._route(turn, prompt)
+            return await self._attempt(request, turn, prompt, route, last_try=True)
+
+    async def _attempt(
+        self,
+        request: web.Request,
+        turn: TurnRequest,
+        prompt: RoutedPrompt,
+        route: RouteResult,
+        *,
+        last_try: bool,
+    ) -> web.StreamResponse:
+        progress = TurnProgress(route.decision, list(prompt.token_ids) or None)
+        prefill_answer, route = await self._prefill(turn, prompt, route, progress)
+        trace.get_current_span().set_attribute("kvplane.decision", progress.decision)
+        if turn.stream:
+            return await self._decode_streaming(request, turn, route, prefill_answer, progress, last_try)
+        return await self._decode_whole(turn, route, prefill_answer, progress, last_try)
 
     # -- route ------------------------------------------------------------------------
 
@@ -300,6 +330,7 @@ class TurnRunner:
         route: RouteResult,
         prefill_answer: Mapping[str, Any],
         progress: TurnProgress,
+        last_try: bool,
     ) -> web.StreamResponse:
         start = time.perf_counter()
         outcome = "ok"
@@ -316,6 +347,8 @@ class TurnRunner:
                 )
             except LegFailed as exc:
                 outcome = exc.outcome
+                if exc.unreachable and not last_try:
+                    raise DecodeUnreachable(str(exc), route) from exc
                 self._finish(turn, route, progress, success=False, error=str(exc))
                 raise TurnFailed(exc.status if not exc.retryable else 502, str(exc), exc.body) from None
             finally:
@@ -333,6 +366,7 @@ class TurnRunner:
         route: RouteResult,
         prefill_answer: Mapping[str, Any],
         progress: TurnProgress,
+        last_try: bool,
     ) -> web.StreamResponse:
         start = time.perf_counter()
         s = self.settings
@@ -350,6 +384,8 @@ class TurnRunner:
                 )
             except LegFailed as exc:
                 self.metrics.legs.labels("decode", exc.outcome).observe(time.perf_counter() - start)
+                if exc.unreachable and not last_try:
+                    raise DecodeUnreachable(str(exc), route) from exc
                 self._finish(turn, route, progress, success=False, error=str(exc))
                 raise TurnFailed(exc.status if not exc.retryable else 502, str(exc), exc.body) from None
             response = web.StreamResponse(

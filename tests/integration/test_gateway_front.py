@@ -79,6 +79,8 @@ class ScriptedEngine:
     # Streaming: pause between events, seconds; and whether the client went away meanwhile.
     pause_s: float = 0.0
     aborted: bool = False
+    # Close the connection of the next this-many POSTs without answering, as a dying engine does.
+    drop_next: int = 0
     port: int = 0
     runner: web.AppRunner | None = None
 
@@ -112,6 +114,11 @@ class ScriptedEngine:
     async def _answer(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.seen.append((request.path, body, dict(request.headers)))
+        if self.drop_next:
+            self.drop_next -= 1
+            assert request.transport is not None
+            request.transport.abort()
+            return web.Response()
         if self.failures:
             status = self.failures.pop(0)
             return web.json_response(
@@ -266,6 +273,15 @@ async def test_prefill_failing_twice_is_a_bad_gateway(front: Front) -> None:
     assert resp.status == 502
     assert len(front.prefill.seen) == 2 and not front.decode.seen
     assert await front.metric("kvplane_gateway_retries_total", reason="prefill_http_503") == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_unreachable_decode_engine_gets_the_turn_routed_again(front: Front, stream: bool) -> None:
+    front.decode.drop_next = 1
+    resp = await front.post("/v1/chat/completions", {**CHAT, "stream": stream})
+    assert resp.status == 200
+    assert (len(front.prefill.seen), len(front.decode.seen)) == (2, 2)
+    assert await front.metric("kvplane_gateway_retries_total", reason="decode_unreachable") == 1
 
 
 async def test_prefill_rejecting_the_request_is_not_retried(front: Front) -> None:
