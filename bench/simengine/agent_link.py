@@ -159,7 +159,9 @@ def start_node_agent(engine: SimEngine, http_url: str, observer: ConnectorObserv
             log.info("release command for %s: no longer held", request_id)
 
     agent = NodeAgent(
-        NodeAgentSettings(metadata_target=s.control_plane, load_interval_s=s.load_interval_s),
+        NodeAgentSettings(
+            metadata_target=s.control_plane, eviction_target=s.eviction, load_interval_s=s.load_interval_s
+        ),
         node_for(engine, http_url),
         lambda: node_load(engine.load()),
         on_release,

@@ -62,6 +62,8 @@ class SimEngineSettings:
     kv_wait_timeout_s: float = 30.0
     # host:port of kvplane's metadata service; set, the engine registers through the node agent.
     control_plane: str = ""
+    # host:port of kvplane's eviction service; empty: the control-plane address (`serve all`).
+    eviction: str = ""
     # Node id registered with the control plane; empty: the engine id.
     node_id: str = ""
     # Behave like vLLM with kvplane's connector module: digests on D's handles, prefix check on P.
@@ -188,6 +190,7 @@ def build_arg_parser(
     p.add_argument("--transfer-timeout-s", type=float, default=d.transfer_timeout_s)
     p.add_argument("--kv-wait-timeout-s", type=float, default=d.kv_wait_timeout_s)
     p.add_argument("--control-plane", default=d.control_plane, help="metadata service host:port")
+    p.add_argument("--eviction", default=d.eviction, help="eviction service host:port (default: --control-plane)")
     p.add_argument("--node-id", default=d.node_id)
     p.add_argument("--kvplane-connector", action=argparse.BooleanOptionalAction, default=d.kvplane_connector)
     p.add_argument("--require-digests", action=argparse.BooleanOptionalAction, default=d.require_digests)
