@@ -190,7 +190,7 @@ def build_arg_parser(
     p.add_argument("--transfer-timeout-s", type=float, default=d.transfer_timeout_s)
     p.add_argument("--kv-wait-timeout-s", type=float, default=d.kv_wait_timeout_s)
     p.add_argument("--control-plane", default=d.control_plane, help="metadata service host:port")
-    p.add_argument("--eviction", default=d.eviction, help="eviction service host:port (default: --control-plane)")
+    p.add_argument("--eviction", default=d.eviction, help="eviction host:port (default: --control-plane)")
     p.add_argument("--node-id", default=d.node_id)
     p.add_argument("--kvplane-connector", action=argparse.BooleanOptionalAction, default=d.kvplane_connector)
     p.add_argument("--require-digests", action=argparse.BooleanOptionalAction, default=d.require_digests)
