@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvplane.services.common.auth import (
@@ -27,7 +27,13 @@ from kvplane.services.common.store import StoreSettings
 from kvplane.services.eviction.config import EvictionSection
 
 
-class EtcdSection(BaseModel):
+class Section(BaseModel):
+    """A settings section: a misspelt key is an error, not silently ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class EtcdSection(Section):
     endpoints: list[str] = Field(default_factory=lambda: ["127.0.0.1:2379"])
     prefix: str = "/kvplane/v1/"
     request_timeout_s: float = 2.0
@@ -42,7 +48,7 @@ class EtcdSection(BaseModel):
         )
 
 
-class TelemetrySection(BaseModel):
+class TelemetrySection(Section):
     otlp_endpoint: str = ""
     sample_ratio: float = Field(1.0, ge=0.0, le=1.0)
     metrics_host: str = "127.0.0.1"
@@ -52,14 +58,14 @@ class TelemetrySection(BaseModel):
     json_logs: bool = True
 
 
-class TokenEntry(BaseModel):
+class TokenEntry(Section):
     token: SecretStr
     kind: Literal["tenant", "node", "operator"] = "tenant"
     name: str
     tenant: str = ""
 
 
-class AuthSection(BaseModel):
+class AuthSection(Section):
     # "header": trust x-kvplane-tenant/x-kvplane-role (development, or behind
     # a mesh proxy that sets them); "token": bearer tokens below.
     mode: Literal["header", "token"] = "header"
@@ -77,18 +83,18 @@ class AuthSection(BaseModel):
         return TokenAuthenticator(principals)
 
 
-class GrpcSection(BaseModel):
+class GrpcSection(Section):
     listen: str = "127.0.0.1:50051"
     grace_s: float = 5.0
 
 
-class MetadataSection(BaseModel):
+class MetadataSection(Section):
     default_lease_ttl_s: int = Field(10, ge=2, le=300)
     # How often the node reaper sweeps for handles of vanished nodes, seconds.
     reaper_interval_s: float = 5.0
 
 
-class RoutingSection(BaseModel):
+class RoutingSection(Section):
     # Routing policy YAML (services/routing/policy/config.py); empty: the packaged default.
     policy_file: str = ""
     # Longest a Route waits on the check-out transaction before recomputing, seconds.
@@ -103,12 +109,12 @@ class RoutingSection(BaseModel):
     max_tracked_routes: int = Field(100_000, ge=0)
 
 
-class GatewayKey(BaseModel):
+class GatewayKey(Section):
     token: SecretStr
     tenant: str
 
 
-class GatewaySection(BaseModel):
+class GatewaySection(Section):
     # HTTP listen address of the OpenAI-compatible front, host:port.
     listen: str = "127.0.0.1:8080"
     # Routing service replicas, host:port each.

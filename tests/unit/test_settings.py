@@ -1,0 +1,34 @@
+"""The settings object: precedence, strictness and masking."""
+
+from __future__ import annotations
+
+import pydantic
+import pytest
+
+from kvplane.services.common.settings import KvplaneSettings
+
+
+def test_a_misspelt_key_in_a_section_is_an_error() -> None:
+    with pytest.raises(pydantic.ValidationError, match="modelz"):
+        KvplaneSettings.load(overrides={"gateway": {"modelz": ["x"]}})
+
+
+def test_flags_override_environment_which_overrides_the_file(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    config = tmp_path / "kvplane.yaml"
+    config.write_text("grpc: {listen: '127.0.0.1:1'}\netcd: {endpoints: ['file:1'], prefix: /from-file/}\n")
+    monkeypatch.setenv("KVPLANE_ETCD__ENDPOINTS", '["env:2"]')
+    settings = KvplaneSettings.load(str(config), {"grpc": {"listen": "127.0.0.1:3"}})
+    assert settings.grpc.listen == "127.0.0.1:3"
+    assert settings.etcd.endpoints == ["env:2"]
+    assert settings.etcd.prefix == "/from-file/"
+
+
+def test_secrets_are_masked_in_the_start_up_dump() -> None:
+    settings = KvplaneSettings.load(
+        overrides={
+            "auth": {"mode": "token", "tokens": [{"token": "s3cret-value", "name": "a", "tenant": "a"}]}
+        }
+    )
+    dumped = settings.masked_json()
+    assert "s3cret-value" not in dumped
+    assert "**********" in dumped
