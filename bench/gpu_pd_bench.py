@@ -1,0 +1,319 @@
+"""End-to-end check and TTFT sweep on one GPU machine with two vLLM engines, P and D.
+
+    python -m kvplane.bench.gpu_pd_bench --model /models/Qwen3-8B --out results/gpu-pd
+
+Starts etcd, kvplane's metadata service and two engines (P and D, each with
+`--gpu-memory-utilization` of one GPU) with kvplane's connector, `kv_buffer_device: cuda` and
+bidirectional transfer. Then:
+
+1. the end-to-end check of tests/e2e/test_vllm_bidirectional.py: a 3-turn conversation, turns 2
+   and 3 pulled from D, greedy output equal to one engine serving the conversation alone;
+2. a TTFT sweep over prompt sizes: a turn whose history P recomputes, against the same turn
+   whose history P pulls from D's retained blocks. TTFT is P's prefill leg plus D's first
+   streamed token.
+
+Installs nothing: it needs a Python with vLLM (the `vllm` extra), NIXL, kvplane and an `etcd`
+binary on PATH. Without --model it builds the tiny random-weight model (offline).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from kvplane.bench.vllm_pd import (
+    FIRST_TURN_PARAMS,
+    EngineProcess,
+    build_tiny_model,
+    kv_transfer_config,
+    metric_delta,
+    pull_params,
+    run_conversation,
+)
+from kvplane.services.common import convert
+from kvplane.services.common.handles import KEY_CONVERSATION, KEY_HANDLE_ID, KEY_TENANT
+from kvplane.services.common.local_etcd import LocalEtcd, free_port
+from kvplane.v1 import metadata_pb2, metadata_pb2_grpc
+
+TENANT = "bench"
+DEFAULT_SIZES = (2048, 4096, 8192, 12288, 16384, 20480, 24576)
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    """One prompt size: TTFT with the history recomputed, and with it pulled from D (ms)."""
+
+    prompt_tokens: int
+    ttft_recompute_ms: float
+    ttft_reuse_ms: float
+    p_recompute_ms: float
+    p_reuse_ms: float
+    pulled_tokens: float
+    nixl_transfers: float
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", help="local model directory; default: build the tiny model")
+    parser.add_argument("--out", required=True, help="directory for logs and results")
+    parser.add_argument("--vllm-python", default=sys.executable, help="Python that has vLLM installed")
+    parser.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)), help="prompt sizes, tokens")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.4)
+    parser.add_argument("--max-model-len", type=int, default=32768)
+    parser.add_argument("--vocab-low", type=int, default=1000, help="lowest token id in random prompts")
+    parser.add_argument("--vocab-high", type=int, default=30000, help="highest token id in random prompts")
+    parser.add_argument("--repeats", type=int, default=3, help="measurements per size (median kept)")
+    parser.add_argument("--ready-timeout-s", type=float, default=1200)
+    return parser.parse_args(argv)
+
+
+def start_metadata(etcd: LocalEtcd, out: Path) -> tuple[subprocess.Popen[bytes], int]:
+    port = free_port()
+    log = (out / "metadata.log").open("wb")
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvplane.services.cli",
+            "serve",
+            "metadata",
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--etcd",
+            etcd.endpoint,
+            "--metrics-port",
+            "0",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    return process, port
+
+
+async def wait_for_metadata(port: int, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = metadata_pb2_grpc.MetadataServiceStub(channel)
+        while time.monotonic() < deadline:
+            try:
+                await stub.ListNodes(metadata_pb2.ListNodesRequest(), timeout=2)
+                return
+            except grpc.aio.AioRpcError:
+                await asyncio.sleep(0.2)  # poll interval
+    raise TimeoutError("metadata service did not come up")
+
+
+def engines_for(args: argparse.Namespace, model: Path, metadata_port: int, out: Path) -> list[EngineProcess]:
+    engines = []
+    for name, role in (("p", "prefill"), ("d", "decode")):
+        http_port = free_port()
+        kvplane = {
+            "metadata_target": f"127.0.0.1:{metadata_port}",
+            "node_id": f"{name}-0",
+            "role": role,
+            "http_url": f"http://127.0.0.1:{http_port}",
+        }
+        engines.append(
+            EngineProcess(
+                name=name,
+                model=model,
+                http_port=http_port,
+                side_channel_port=free_port(),
+                kv_config=kv_transfer_config(
+                    kvplane=kvplane, bidirectional=True, ttl_s=300, kv_buffer_device="cuda"
+                ),
+                log_path=out / f"engine-{name}.log",
+                block_size=16,
+                dtype="bfloat16",
+                max_model_len=args.max_model_len,
+                device="cuda",
+                python=args.vllm_python,
+                extra_args=("--gpu-memory-utilization", str(args.gpu_memory_utilization)),
+            )
+        )
+    return engines
+
+
+async def e2e_check(
+    p: EngineProcess,
+    d: EngineProcess,
+    stub: metadata_pb2_grpc.MetadataServiceAsyncStub,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    rnd = random.Random(5)
+    first = [rnd.randrange(args.vocab_low, args.vocab_high) for _ in range(2000)]
+    new_user = [[rnd.randrange(args.vocab_low, args.vocab_high) for _ in range(300)] for _ in range(2)]
+    output_tokens = 200
+    reference: list[list[int]] = []
+    prompt = first
+    for turn in range(3):
+        out = await asyncio.to_thread(p.completion, prompt, output_tokens, None, f"ref-{uuid.uuid4().hex}")
+        reference.append(list(out["choices"][0]["token_ids"]))
+        if turn < 2:
+            prompt = [*prompt, *reference[-1], *new_user[turn]]
+    outcomes = await run_conversation(
+        p,
+        d,
+        stub,
+        tenant=TENANT,
+        conversation=f"e2e-{uuid.uuid4().hex}",
+        first_prompt=first,
+        new_user_turns=new_user,
+        output_tokens=output_tokens,
+    )
+    turns = [
+        {
+            "turn": o.turn,
+            "prompt_tokens": o.prompt_tokens,
+            "pulled_tokens": o.pulled_tokens,
+            "nixl_transfers": o.nixl_transfers,
+            "p_ms": round(o.p_seconds * 1000, 1),
+            "matches_reference": list(o.output_ids) == reference[o.turn - 1],
+        }
+        for o in outcomes
+    ]
+    ok = all(t["matches_reference"] for t in turns) and all(
+        t["pulled_tokens"] > 0 and t["nixl_transfers"] > 0 for t in turns[1:]
+    )
+    return {"ok": ok, "turns": turns}
+
+
+async def one_size(
+    p: EngineProcess,
+    d: EngineProcess,
+    stub: metadata_pb2_grpc.MetadataServiceAsyncStub,
+    n: int,
+    rnd: random.Random,
+    args: argparse.Namespace,
+) -> SweepPoint:
+    def tokens(k: int) -> list[int]:
+        return [rnd.randrange(args.vocab_low, args.vocab_high) for _ in range(k)]
+
+    # Recompute: the whole prompt is new to P (fresh salt), no handle.
+    prompt = tokens(n)
+    t0 = time.perf_counter()
+    p_out = await asyncio.to_thread(p.completion, prompt, 1, FIRST_TURN_PARAMS, f"r-{uuid.uuid4().hex}")
+    p_recompute = time.perf_counter() - t0
+    d_ttft, _ = await asyncio.to_thread(d.streamed_ttft, prompt, 16, p_out["kv_transfer_params"])
+    recompute = p_recompute + d_ttft
+
+    # Reuse: turn 1 leaves its KV on D; turn 2 (same size n) pulls that history from D. P's
+    # turn-2 request has a fresh salt, so its own prefix cache contributes nothing.
+    conversation = f"sweep-{uuid.uuid4().hex}"
+    history = tokens(n - 512)
+    p1 = await asyncio.to_thread(p.completion, history, 1, FIRST_TURN_PARAMS)
+    d1 = await asyncio.to_thread(
+        d.completion,
+        history,
+        16,
+        dict(p1["kv_transfer_params"], **{KEY_TENANT: TENANT, KEY_CONVERSATION: conversation}),
+    )
+    handle_id = d1["kv_transfer_params"][KEY_HANDLE_ID]
+    deadline = time.monotonic() + 30
+    while True:
+        found = await stub.GetHandle(metadata_pb2.GetHandleRequest(tenant=TENANT, conversation=conversation))
+        if found.handle.handle_id == handle_id:
+            break
+        if time.monotonic() > deadline:
+            raise TimeoutError("sweep handle not published")
+        await asyncio.sleep(0.05)  # poll interval
+    checked_out = await stub.CheckOutHandle(
+        metadata_pb2.CheckOutHandleRequest(tenant=TENANT, conversation=conversation, handle_id=handle_id)
+    )
+    turn2 = [*history, *d1["choices"][0]["token_ids"], *tokens(n - len(history) - 16)]
+    before = await asyncio.to_thread(p.metrics)
+    t0 = time.perf_counter()
+    p2 = await asyncio.to_thread(
+        p.completion,
+        turn2,
+        1,
+        pull_params(convert.handle_from_pb(checked_out.handle)),
+        f"u-{uuid.uuid4().hex}",
+    )
+    p_reuse = time.perf_counter() - t0
+    after = await asyncio.to_thread(p.metrics)
+    d_ttft2, _ = await asyncio.to_thread(d.streamed_ttft, turn2, 16, p2["kv_transfer_params"])
+    return SweepPoint(
+        prompt_tokens=n,
+        ttft_recompute_ms=round(recompute * 1000, 1),
+        ttft_reuse_ms=round((p_reuse + d_ttft2) * 1000, 1),
+        p_recompute_ms=round(p_recompute * 1000, 1),
+        p_reuse_ms=round(p_reuse * 1000, 1),
+        pulled_tokens=metric_delta(before, after, "vllm:prompt_tokens_by_source_total[external_kv_transfer]"),
+        nixl_transfers=metric_delta(before, after, "vllm:nixl_xfer_time_seconds_count"),
+    )
+
+
+async def main_async(args: argparse.Namespace, out: Path, model: Path) -> int:
+    etcd = LocalEtcd()
+    etcd.start()
+    metadata, metadata_port = start_metadata(etcd, out)
+    engines: list[EngineProcess] = []
+    try:
+        await wait_for_metadata(metadata_port)
+        engines = engines_for(args, model, metadata_port, out)
+        for engine in engines:
+            engine.start()
+        for engine in engines:
+            await asyncio.to_thread(engine.wait_ready, args.ready_timeout_s)
+        p, d = engines
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{metadata_port}") as channel:
+            stub = metadata_pb2_grpc.MetadataServiceStub(channel)
+            check = await e2e_check(p, d, stub, args)
+            print("end-to-end:", json.dumps(check), flush=True)
+            rnd = random.Random(11)
+            points = []
+            for n in (int(x) for x in args.sizes.split(",")):
+                runs = [await one_size(p, d, stub, n, rnd, args) for _ in range(args.repeats)]
+                runs.sort(key=lambda r: r.ttft_reuse_ms)
+                point = runs[len(runs) // 2]
+                points.append(point)
+                print(json.dumps(asdict(point)), flush=True)
+        results = {"e2e": check, "sweep": [asdict(x) for x in points], "model": str(model)}
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+        lines = [
+            "| prompt tokens | TTFT recompute (ms) | TTFT reuse (ms) | pulled tokens |",
+            "|---|---|---|---|",
+        ]
+        lines += [
+            f"| {x.prompt_tokens} | {x.ttft_recompute_ms} | {x.ttft_reuse_ms} | {x.pulled_tokens:.0f} |"
+            for x in points
+        ]
+        (out / "results.md").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines))
+        return 0 if check["ok"] else 1
+    finally:
+        for engine in engines:
+            await asyncio.to_thread(engine.stop)
+        metadata.terminate()
+        try:
+            metadata.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            metadata.kill()
+        etcd.cleanup()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = Path(args.model) if args.model else build_tiny_model(out / "tiny-llama")
+    return asyncio.run(main_async(args, out, model))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
