@@ -445,3 +445,20 @@ def test_idle_steps_pause_only_when_configured_and_nothing_is_scheduled(new_engi
     out = d.step()  # only held blocks left: an idle step
     assert out.total_num_scheduled_tokens == 0
     assert time.perf_counter() - t0 >= 1.0
+
+
+def test_drain_releases_every_held_handle_and_publishes_no_more(new_engine: Any) -> None:
+    d = new_engine()
+    decode_turn(d, "d-1")
+    d.add("d-2", [2, *PROMPT_1[1:]], 5, routed(conversation="c2"))
+    d.run_until_finished("d-2")
+    assert d.connector.held_request_ids == {"d-1", "d-2"}
+    d.connector._queue_drain()  # what the agent thread does on a DrainCommand
+    d.step()
+    assert {"d-1", "d-2"} <= {r for r, t in d.last_meta.reqs_to_send.items() if t < d.last_meta.scheduler_clock}
+    # A turn finishing after the drain is not published, and is released at the next step.
+    d.add("d-3", [3, *PROMPT_1[1:]], 3, routed(conversation="c3"))
+    d.run_until_finished("d-3")
+    d.step()
+    assert d.last_meta.reqs_to_send["d-3"] < d.last_meta.scheduler_clock
+    assert [h.conversation for h in d.agent.pending()[0]] == ["c1", "c2"]
