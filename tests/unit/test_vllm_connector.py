@@ -455,7 +455,9 @@ def test_drain_releases_every_held_handle_and_publishes_no_more(new_engine: Any)
     assert d.connector.held_request_ids == {"d-1", "d-2"}
     d.connector._queue_drain()  # what the agent thread does on a DrainCommand
     d.step()
-    assert {"d-1", "d-2"} <= {r for r, t in d.last_meta.reqs_to_send.items() if t < d.last_meta.scheduler_clock}
+    assert {"d-1", "d-2"} <= {
+        r for r, t in d.last_meta.reqs_to_send.items() if t < d.last_meta.scheduler_clock
+    }
     # A turn finishing after the drain is not published, and is released at the next step.
     d.add("d-3", [3, *PROMPT_1[1:]], 3, routed(conversation="c3"))
     d.run_until_finished("d-3")
