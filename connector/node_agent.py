@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import grpc
+
 from kvplane.services.common import convert
 from kvplane.services.common.handles import CacheHandle
 from kvplane.services.common.nodes import Node, NodeLoad

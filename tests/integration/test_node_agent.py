@@ -10,12 +10,12 @@ from collections.abc import AsyncIterator, Callable, Iterator
 
 import grpc
 import pytest
+
 from kvplane.connector.node_agent import NodeAgent, NodeAgentSettings
 from kvplane.services.common.local_etcd import free_port
 from kvplane.services.common.nodes import Node, NodeLoad
 from kvplane.services.common.process import ServiceProcess
 from kvplane.v1 import eviction_pb2, eviction_pb2_grpc, metadata_pb2, metadata_pb2_grpc
-
 from tests.conftest import make_node
 from tests.support.factories import make_handle
 from tests.support.polling import eventually
