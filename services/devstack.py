@@ -220,6 +220,9 @@ async def start_stack(
                     str(decoder_ttl_s),
                     "--model",
                     "sim-model",
+                    # 256 MiB of KV: room for a few dozen long conversations.
+                    "--num-blocks",
+                    "16384",
                 ),
                 run_dir / f"engine-{node_id}.log",
             )
@@ -291,9 +294,13 @@ class DemoTurn:
 
 
 async def run_demo(
-    stack: Stack, *, conversations: int = 2, turns: int = 3, max_tokens: int = 24
+    stack: Stack, *, conversations: int = 2, turns: int = 3, max_tokens: int = 96
 ) -> list[DemoTurn]:
-    """Multi-turn chats through the gateway; one record per turn."""
+    """Multi-turn chats through the gateway; one record per turn.
+
+    P's own prefix cache holds each turn's prompt, so what P pulls on the next turn
+    is D's answer; answers longer than vLLM's 64-token recompute threshold are pulled.
+    """
     out: list[DemoTurn] = []
     headers = {"Authorization": f"Bearer {DEMO_API_KEY}"}
     async with aiohttp.ClientSession(headers=headers) as session:

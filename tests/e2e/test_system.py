@@ -1,0 +1,278 @@
+"""The whole system as `make run` starts it: real etcd, `kvplane serve all`, a P and a D
+sim-engine with real NIXL, and the gateway, each its own process.
+
+Turns go through the gateway's OpenAI API with token-id prompts (what a gateway
+should send); decisions come from the gateway's `x-kvplane-decision` header, and
+the engines' own metrics say whether every pulled block verified.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import signal
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from kvplane.services.devstack import DEMO_API_KEY, Stack, grpc_health_probe, run_demo, start_stack
+from tests.support.polling import eventually
+
+pytestmark = pytest.mark.e2e
+
+# Long enough answers that P's missing tail (D's output) is over vLLM's 64-token
+# recompute threshold, so P really pulls it rather than recomputing the tail.
+MAX_TOKENS = 80
+
+
+@pytest.fixture(scope="module")
+async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
+    running = await start_stack(tmp_path_factory.mktemp("stack"), speedup=1.0, timeout_s=240)
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+@dataclass
+class Conversation:
+    """A token-id conversation: each turn's prompt is the last prompt, its output, and new user ids."""
+
+    name: str
+    rng: random.Random
+    prompt: list[int] = field(default_factory=list)
+    decisions: list[str] = field(default_factory=list)
+
+    def next_user(self, n: int) -> list[int]:
+        return [self.rng.randrange(1000, 30000) for _ in range(n)]
+
+
+async def turn(
+    session: aiohttp.ClientSession,
+    stack: Stack,
+    conv: Conversation,
+    prompt: list[int],
+    *,
+    stream: bool,
+    key: str = DEMO_API_KEY,
+    extra: dict[str, Any] | None = None,
+) -> tuple[str, list[int]]:
+    """One completion through the gateway; returns the decision and the output token ids."""
+    body: dict[str, Any] = {
+        "model": "sim-model",
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "stream": stream,
+        **(extra or {}),
+    }
+    headers = {"Authorization": f"Bearer {key}", "X-Conversation-Id": conv.name}
+    async with session.post(f"{stack.gateway_url}/v1/completions", json=body, headers=headers) as resp:
+        assert resp.status == 200, await resp.text()
+        decision = resp.headers.get("x-kvplane-decision", "")
+        output: list[int] = []
+        if not stream:
+            payload = await resp.json()
+            assert "kv_transfer_params" not in payload
+            output = list(payload["choices"][0]["token_ids"])
+        else:
+            async for raw in resp.content:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                assert "kv_transfer_params" not in chunk
+                for choice in chunk.get("choices", []):
+                    output += choice.get("token_ids") or []
+    assert len(output) == MAX_TOKENS
+    return decision, output
+
+
+async def engine_counter(session: aiohttp.ClientSession, url: str, name: str, **labels: str) -> float:
+    async with session.get(f"{url}/metrics") as resp:
+        text = await resp.text()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            metric, _, value = line.rpartition(" ")
+            if all(f'{k}="{v}"' in metric for k, v in labels.items()):
+                total += float(value)
+    return total
+
+
+async def run_conversation(
+    session: aiohttp.ClientSession, stack: Stack, conv: Conversation, turns: int, *, stream: bool
+) -> None:
+    # Long enough that pulling beats recomputing by the calibrated cost model,
+    # even on the first contact with the holder (handshake included).
+    conv.prompt = conv.next_user(3000)
+    for _ in range(turns):
+        decision, output = await turn(session, stack, conv, conv.prompt, stream=stream)
+        conv.decisions.append(decision)
+        conv.prompt = conv.prompt + output + conv.next_user(150)
+
+
+async def test_twenty_concurrent_five_turn_conversations_pull_and_verify(stack: Stack) -> None:
+    async with aiohttp.ClientSession() as session:
+        failures_before = await engine_counter(
+            session, stack.prefill_url, "kvplane_sim_kv_verify_failures_total"
+        )
+        pulled_before = await engine_counter(
+            session, stack.prefill_url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
+        )
+        convs = [Conversation(f"e2e-{i}", random.Random(i)) for i in range(20)]
+        await asyncio.gather(
+            *[run_conversation(session, stack, c, 5, stream=(i % 2 == 0)) for i, c in enumerate(convs)]
+        )
+        for conv in convs:
+            assert conv.decisions[0].startswith("recompute"), conv.decisions
+            assert conv.decisions[1:] == ["pull"] * 4, (conv.name, conv.decisions)
+        assert (
+            await engine_counter(session, stack.prefill_url, "kvplane_sim_kv_verify_failures_total")
+            == failures_before
+        )
+        pulled = await engine_counter(
+            session, stack.prefill_url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
+        )
+        assert pulled - pulled_before >= 20 * 4 * 64
+
+
+async def test_stripped_reasoning_never_uses_an_unverified_block(stack: Stack) -> None:
+    async with aiohttp.ClientSession() as session:
+        conv = Conversation("stripped", random.Random(99))
+        conv.prompt = conv.next_user(3000)
+        _, out1 = await turn(session, stack, conv, conv.prompt, stream=False)
+        second = conv.prompt + out1 + conv.next_user(200)
+        decision2, out2 = await turn(session, stack, conv, second, stream=False)
+        assert decision2 == "pull"
+        failures_before = await engine_counter(
+            session, stack.prefill_url, "kvplane_sim_kv_verify_failures_total"
+        )
+        # The client drops the start of the last answer (its reasoning) before the next turn.
+        third = second + out2[MAX_TOKENS // 2 :] + conv.next_user(200)
+        decision3, _ = await turn(session, stack, conv, third, stream=True)
+        assert decision3 in ("recompute_prefix_mismatch", "pull"), decision3
+        assert (
+            await engine_counter(session, stack.prefill_url, "kvplane_sim_kv_verify_failures_total")
+            == failures_before
+        )
+
+
+async def test_client_kv_transfer_params_have_no_effect(stack: Stack) -> None:
+    async with aiohttp.ClientSession() as session:
+        conv = Conversation("forged", random.Random(7))
+        forged = {
+            "do_remote_prefill": True,
+            "remote_engine_id": "someone-else",
+            "remote_block_ids": [[1, 2, 3]],
+            "remote_host": "127.0.0.1",
+            "remote_port": 1,
+            "remote_request_id": "stolen",
+            "remote_num_tokens": 48,
+        }
+        decision, _ = await turn(
+            session, stack, conv, conv.next_user(300), stream=False, extra={"kv_transfer_params": forged}
+        )
+        assert decision.startswith("recompute")
+
+
+async def test_decode_engine_killed_between_turns_next_turn_recomputes(stack: Stack) -> None:
+    decode = next(p for p in stack.processes if p.name == "decode sim-engine")
+    async with aiohttp.ClientSession() as session:
+        conv = Conversation("d-killed", random.Random(5))
+        conv.prompt = conv.next_user(3000)
+        _, out = await turn(session, stack, conv, conv.prompt, stream=False)
+        conv.prompt = conv.prompt + out + conv.next_user(100)
+        assert decode.proc is not None
+        decode.proc.send_signal(signal.SIGKILL)
+        decode.proc.wait()
+        decode.start()  # the same node comes back as a new incarnation
+
+        async def decode_up() -> bool:
+            async with session.get(f"{stack.decode_url}/health") as resp:
+                return resp.status == 200
+
+        await eventually(decode_up, timeout_s=120, what="decode engine restarted")
+        decision, _ = await turn(session, stack, conv, conv.prompt, stream=True)
+        assert decision.startswith("recompute"), decision
+
+
+async def test_services_restart_mid_conversation(stack: Stack) -> None:
+    services = next(p for p in stack.processes if p.name == "kvplane serve all")
+    async with aiohttp.ClientSession() as session:
+        conv = Conversation("svc-restart", random.Random(11))
+        conv.prompt = conv.next_user(3000)
+        _, out = await turn(session, stack, conv, conv.prompt, stream=False)
+        conv.prompt = conv.prompt + out + conv.next_user(100)
+        services.stop()
+        # While routing is down the gateway serves from its fallback pair: the turn still succeeds.
+        decision, out = await turn(session, stack, conv, conv.prompt, stream=False)
+        assert decision.startswith("recompute") or decision == "fallback", decision
+        conv.prompt = conv.prompt + out + conv.next_user(100)
+        services.start()
+        await eventually(grpc_health_probe(stack.grpc_target), timeout_s=120, what="services back")
+
+        async def pulls_again() -> bool:
+            nonlocal out
+            decision, out = await turn(session, stack, conv, conv.prompt, stream=False)
+            conv.prompt = conv.prompt + out + conv.next_user(100)
+            return decision == "pull"
+
+        await eventually(pulls_again, timeout_s=120, interval_s=1.0, what="pulls after the restart")
+
+
+async def test_etcd_down_for_ten_seconds_under_load_turns_recompute_and_succeed(stack: Stack) -> None:
+    async with aiohttp.ClientSession() as session:
+        convs = [Conversation(f"etcd-{i}", random.Random(100 + i)) for i in range(4)]
+        for conv in convs:
+            conv.prompt = conv.next_user(3000)
+            _, out = await turn(session, stack, conv, conv.prompt, stream=False)
+            conv.prompt = conv.prompt + out + conv.next_user(100)
+        stop_load = asyncio.Event()
+        outage_decisions: list[str] = []
+
+        async def load(conv: Conversation) -> None:
+            while not stop_load.is_set():
+                decision, out = await turn(session, stack, conv, conv.prompt, stream=True)
+                outage_decisions.append(decision)
+                conv.prompt = conv.prompt + out + conv.next_user(50)
+
+        stack.etcd.stop()
+        workers = [asyncio.create_task(load(c)) for c in convs]
+        try:
+            await asyncio.sleep(10)  # the outage under test lasts ten seconds
+        finally:
+            stack.etcd.start()
+            stop_load.set()
+            await asyncio.gather(*workers)
+        assert outage_decisions, "no turn ran during the outage"
+        assert any(d.startswith("recompute") for d in outage_decisions)
+
+        async def pulls_again() -> bool:
+            conv = convs[0]
+            decision, out = await turn(session, stack, conv, conv.prompt, stream=False)
+            conv.prompt = conv.prompt + out + conv.next_user(50)
+            return decision == "pull"
+
+        await eventually(pulls_again, timeout_s=120, interval_s=1.0, what="pulls after etcd returns")
+
+
+async def test_make_run_demo_runs_on_the_started_stack(stack: Stack) -> None:
+    turns = await run_demo(stack, conversations=1, turns=3)
+    assert [t.turn for t in turns] == [1, 2, 3]
+    assert turns[0].decision.startswith("recompute")
+    assert all(t.ttft_ms > 0 for t in turns)
+    assert any(t.decision == "pull" and t.pulled_tokens > 0 for t in turns[1:])
+
+
+def test_stack_logs_are_kept_in_the_run_dir(stack: Stack) -> None:
+    names = {p.name for p in stack.processes}
+    assert names == {"kvplane serve all", "prefill sim-engine", "decode sim-engine", "gateway"}
+    assert all(Path(p.log_path).exists() for p in stack.processes)
