@@ -131,7 +131,7 @@ async def run(ops: int, concurrencies: list[int]) -> list[Result]:
         await store.register_node(node, 600)
         tokens = list(range(8192))  # an 8k-token conversation: ~512 blocks, digests included
         async with grpc.aio.insecure_channel(f"127.0.0.1:{process.grpc_port}") as channel:
-            stub = metadata_pb2_grpc.MetadataServiceStub(channel)
+            stub: metadata_pb2_grpc.MetadataServiceAsyncStub = metadata_pb2_grpc.MetadataServiceStub(channel)
             for c in concurrencies:
                 results += await _round(c, ops, process, stub, node, tokens)
         await process.stop()
@@ -142,7 +142,7 @@ async def _round(
     c: int,
     ops: int,
     process: ServiceProcess,
-    stub: metadata_pb2_grpc.MetadataServiceStub,
+    stub: metadata_pb2_grpc.MetadataServiceAsyncStub,
     node: Node,
     tokens: list[int],
 ) -> list[Result]:
