@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 
 import grpc
 from aetcd import rpc
+
 from kvplane.connector.digests import digest_tokens
 from kvplane.services.common import convert
 from kvplane.services.common.handles import CacheHandle, VllmHandle
