@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import grpc
 import pytest
+
 from kvplane.services.common.local_etcd import LocalEtcd, free_port
 from kvplane.services.common.nodes import Fingerprint, Node, NodeRole
 from kvplane.services.common.process import ServiceProcess

@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
 from kvplane.services.common.errors import HandleNotRetained, NotFound
 from kvplane.services.common.handles import HandleState, ReleaseReason
 from kvplane.services.common.local_etcd import LocalEtcd
 from kvplane.services.common.nodes import Node
 from kvplane.services.common.store import Store, StoreSettings
-
 from tests.conftest import make_node
 from tests.support.factories import make_handle
 

@@ -9,14 +9,14 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
 from kvplane.services.common import convert
 from kvplane.services.common.local_etcd import LocalEtcd
 from kvplane.services.common.process import ServiceProcess
 from kvplane.services.common.telemetry import Telemetry
 from kvplane.services.metadata.app import install
 from kvplane.v1 import handle_pb2, metadata_pb2, metadata_pb2_grpc
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
 from tests.conftest import NODE_HEADERS, make_node, settings_for, tenant_headers
 from tests.support.factories import make_handle
 from tests.support.polling import eventually

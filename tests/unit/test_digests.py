@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from kvplane.connector import digests
 from kvplane.connector.digests import DigestFormatError, checkpoints, decode, digest_tokens, encode
 from kvplane.connector.digests import verified_prefix_blocks as verified

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from kvplane.services.common import convert
 from kvplane.services.common.handles import HandleFormatError, VllmHandle
 

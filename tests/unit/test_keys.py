@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
 from kvplane.services.common.keys import KeyLayout, escape, prefix_range_end, unescape
 
 HOSTILE = [
