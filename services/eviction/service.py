@@ -26,6 +26,8 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = eviction_pb2.DESCRIPTOR.services_by_name["EvictionService"].full_name
 _INTERNAL = (PrincipalKind.NODE, PrincipalKind.OPERATOR)
+# Acknowledgements of one stream being written to etcd at once.
+_ACKS_IN_FLIGHT = 32
 
 
 class EvictionService(eviction_pb2_grpc.EvictionServiceServicer):
@@ -72,10 +74,24 @@ class EvictionService(eviction_pb2_grpc.EvictionServiceServicer):
     async def _read_acks(
         self, requests: AsyncIterator[eviction_pb2.CommandsRequest], session: NodeSession
     ) -> None:
+        # Each acknowledgement is an independent etcd delete: several in
+        # flight keep a node's outbox from draining one round trip at a time.
+        limit = asyncio.Semaphore(_ACKS_IN_FLIGHT)
+        in_flight: set[asyncio.Task[None]] = set()
+
+        async def acknowledge(ack: eviction_pb2.CommandAck) -> None:
+            try:
+                await session.acknowledge(ack)
+            finally:
+                limit.release()
+
         try:
             async for request in requests:
                 if request.WhichOneof("message") == "ack":
-                    await session.acknowledge(request.ack)
+                    await limit.acquire()  # back-pressure on the node while deletes catch up
+                    task = asyncio.create_task(acknowledge(request.ack))
+                    in_flight.add(task)
+                    task.add_done_callback(in_flight.discard)
             reason = "node closed the stream"
         except (grpc.aio.AioRpcError, grpc.RpcError, StoreUnavailable) as exc:
             reason = f"stream broke: {exc}"
