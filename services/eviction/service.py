@@ -82,6 +82,10 @@ class EvictionService(eviction_pb2_grpc.EvictionServiceServicer):
         async def acknowledge(ack: eviction_pb2.CommandAck) -> None:
             try:
                 await session.acknowledge(ack)
+            except Exception:
+                # Shutting down under it, most likely. The entry stays in etcd
+                # and is replayed on the next connect; the node acks it again.
+                log.warning("could not record ack %s", ack.command_id, exc_info=True)
             finally:
                 limit.release()
 
