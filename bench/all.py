@@ -214,7 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"scale: {scale_turns:,} turns on"
             f" {SCALE_CLUSTER.prefill_nodes} P + {SCALE_CLUSTER.decode_nodes} D"
         )
-        workload = AgenticWorkload(seed=11, sessions_per_s=25.0, duration_s=1e9, max_turns=scale_turns)
+        workload = AgenticWorkload(seed=11, sessions_per_s=10.0, duration_s=1e9, max_turns=scale_turns)
         sim = simulator_for(BASELINES["kvplane"], SimConfig(cluster=SCALE_CLUSTER), SCALE_OPTIONS)
         scale = sim.run(agentic_turns(workload), "kvplane").summary
         log(f"  {scale.turns:,} turns in {scale.wall_s:.0f} s")

@@ -18,6 +18,11 @@ def _pct(x: float) -> str:
     return f"{100.0 * x:.1f}%"
 
 
+def _per(point: Mapping[str, Any]) -> str:
+    gb_s = float(point["retained_gb_s"])
+    return _pct(float(point["vs_oracle"]) / (gb_s / 1e6)) if gb_s > 0 else "-"
+
+
 def findings(data: Mapping[str, Any]) -> list[str]:
     out: list[str] = []
     evict = _by_name(data.get("mooncake", {}).get("results", []))
@@ -84,6 +89,7 @@ def findings(data: Mapping[str, Any]) -> list[str]:
             out.append(
                 f"- **Capacity.** At {top} GiB per decode node kvplane reuses {_pct(a['vs_oracle'])} of the"
                 f" oracle's tokens with {a['retained_gb_s']:,.0f} GB·s retained; the proxy"
-                f" {_pct(b['vs_oracle'])} with {b['retained_gb_s']:,.0f} GB·s."
+                f" {_pct(b['vs_oracle'])} with {b['retained_gb_s']:,.0f} GB·s. Per million GB·s retained,"
+                f" kvplane gets {_per(a)} of the oracle's reuse and the proxy {_per(b)}."
             )
     return out
