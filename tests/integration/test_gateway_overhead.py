@@ -19,6 +19,7 @@ from kvplane.services.common.handles import fresh_prefill_params
 from kvplane.services.common.local_etcd import LocalEtcd
 from tests.support.gateway_stack import MODEL, GatewayStack, gateway_stack
 
+# Every turn leaves D a retained handle until its TTL: 2 x 30 turns of 63 blocks fit D's 4,096 blocks.
 TURNS = 30
 PROMPT_TOKENS = 1000
 MAX_TOKENS = 16
