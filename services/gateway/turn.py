@@ -50,6 +50,8 @@ ROUTE_HEADER = "x-kvplane-route-id"
 CONVERSATION_HEADER = "x-kvplane-conversation"
 
 _PROPAGATOR = TraceContextTextMapPropagator()
+# How long a turn gives routing's view to catch up with a handle reported just before it, seconds.
+_VIEW_CATCH_UP_S = 0.02
 
 
 class ClientGone(Exception):
@@ -125,9 +127,9 @@ class TurnRunner:
         self.session = session
         self.metrics = metrics
         self.tracer = tracer
-        self._reports: set[asyncio.Task[None]] = set()
+        self._reports: set[asyncio.Task[str]] = set()
         # The report still in flight for each conversation's last turn (tenant, conversation).
-        self._last_report: dict[tuple[str, str], asyncio.Task[None]] = {}
+        self._last_report: dict[tuple[str, str], asyncio.Task[str]] = {}
 
     async def drain_reports(self, timeout_s: float) -> None:
         """Waits for reports still in flight (at shutdown)."""
@@ -147,8 +149,8 @@ class TurnRunner:
             prompt = await routed_prompt(
                 self.session, turn.body, turn.chat, s.tokenize_url, s.prefill_timeout_s
             )
-            await self._after_previous_report(turn)
-            route = await self._route(turn, prompt)
+            reported = await self._after_previous_report(turn)
+            route = await self._route_after_report(turn, prompt, reported)
             try:
                 return await self._attempt(request, turn, prompt, route, last_try=False)
             except DecodeUnreachable as exc:
@@ -180,19 +182,36 @@ class TurnRunner:
 
     # -- route ------------------------------------------------------------------------
 
-    async def _after_previous_report(self, turn: TurnRequest) -> None:
+    async def _after_previous_report(self, turn: TurnRequest) -> str:
         """Lets the report of the conversation's previous turn land before this turn is routed.
 
         The client's stream ends before that report is sent, and an agent may send its next turn at
-        once: routed first, that turn would find no handle and recompute the whole history.
+        once: routed first, that turn would find no handle and recompute the whole history. Returns
+        the id of the handle that report published, if this turn waited for it.
         """
         task = self._last_report.get((turn.identity.tenant, turn.identity.conversation))
         if task is None or task.done():
-            return
+            return ""
         start = time.perf_counter()
         _, pending = await asyncio.wait({task}, timeout=self.settings.report_timeout_s)
         outcome = "timeout" if pending else "ok"
         self.metrics.legs.labels("previous_report_wait", outcome).observe(time.perf_counter() - start)
+        return "" if pending or task.cancelled() or task.exception() else task.result()
+
+    async def _route_after_report(
+        self, turn: TurnRequest, prompt: RoutedPrompt, reported: str
+    ) -> RouteResult:
+        """Routes the turn; asks once more if routing has not yet seen the handle just reported.
+
+        Routing decides from a watch-fed view of etcd, which can trail the publish that ReportTurn
+        has just made by a few milliseconds.
+        """
+        route = await self._route(turn, prompt)
+        if reported and route.decision == "recompute_no_handle":
+            self.metrics.retries.labels("route_behind_report").inc()
+            await asyncio.sleep(_VIEW_CATCH_UP_S)  # a moment for the view, once
+            route = await self._route(turn, prompt)
+        return route
 
     async def _route(self, turn: TurnRequest, prompt: RoutedPrompt) -> RouteResult:
         start = time.perf_counter()
@@ -449,7 +468,7 @@ class TurnRunner:
         key = (turn.identity.tenant, turn.identity.conversation)
         self._last_report[key] = task
 
-        def forget(done: asyncio.Task[None]) -> None:
+        def forget(done: asyncio.Task[str]) -> None:
             if self._last_report.get(key) is done:
                 del self._last_report[key]
 
@@ -457,11 +476,13 @@ class TurnRunner:
 
     async def _report(
         self, turn: TurnRequest, route: RouteResult, progress: TurnProgress, success: bool
-    ) -> None:
+    ) -> str:
+        """Reports the turn; returns the id of the handle routing published for the next turn."""
         start = time.perf_counter()
         outcome = "ok"
+        handle_id = ""
         try:
-            await self.routing.report_turn(
+            handle_id = await self.routing.report_turn(
                 route if route.route_id else None,
                 turn.identity.conversation,
                 success=success,
@@ -484,6 +505,8 @@ class TurnRunner:
             self.metrics.legs.labels("report", outcome).observe(time.perf_counter() - start)
         if success and outcome == "ok" and turn.identity.source == "ephemeral":
             await self._end_conversation(turn)
+            return ""
+        return handle_id
 
     async def _end_conversation(self, turn: TurnRequest) -> None:
         """A request without a conversation id has no next turn: free D's blocks now, not at the TTL."""

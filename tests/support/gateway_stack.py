@@ -1,4 +1,5 @@
-"""A whole kvplane stack for gateway tests: real etcd, metadata and routing over gRPC, a prefill and a
+"""A whole kvplane stack for gateway tests: real etcd, metadata (with eviction's command channel) and
+routing over gRPC, a prefill and a
 decode sim-engine (real NIXL) registered through their node agents, and the gateway over HTTP.
 
 The prefill engine registers the URL of a `FaultProxy` in front of it, so a test can make the P leg
@@ -291,6 +292,7 @@ def _write_policy(log_dir: Path) -> str:
 @asynccontextmanager
 async def gateway_stack(etcd: LocalEtcd, prefix: str, log_dir: Path) -> AsyncIterator[GatewayStack]:
     """Starts everything; stops every process and server on exit, even after a failure."""
+    from kvplane.services.eviction.app import install as install_eviction
     from kvplane.services.metadata.app import install as install_metadata
     from kvplane.services.routing.app import install as install_routing
 
@@ -300,7 +302,13 @@ async def gateway_stack(etcd: LocalEtcd, prefix: str, log_dir: Path) -> AsyncIte
         "metadata": {"reaper_interval_s": 0.5},
     }
     meta_settings = KvplaneSettings.model_validate(
-        {**base, "grpc": {"listen": f"127.0.0.1:{free_port()}", "grace_s": 0.2}}
+        {
+            **base,
+            "grpc": {"listen": f"127.0.0.1:{free_port()}", "grace_s": 0.2},
+            # Eviction delivers release commands to the engines; only the TTL rule, so that no
+            # handle a test means to pull is released early.
+            "eviction": {"policy": {"policies": [{"name": "max_age", "engine_ttl_s": 480, "margin_s": 30}]}},
+        }
     )
     routing_settings = KvplaneSettings.model_validate(
         {
@@ -313,7 +321,7 @@ async def gateway_stack(etcd: LocalEtcd, prefix: str, log_dir: Path) -> AsyncIte
     session = aiohttp.ClientSession()
     engines: list[EngineProcess] = []
     try:
-        metadata = ServiceProcess(meta_settings, [install_metadata], Telemetry.disabled())
+        metadata = ServiceProcess(meta_settings, [install_metadata, install_eviction], Telemetry.disabled())
         await metadata.start()
         cleanups.append(metadata.stop)
         routing = ServiceProcess(routing_settings, [install_routing], Telemetry.disabled())
