@@ -16,6 +16,7 @@ engine never re-tokenizes a join between history and new text.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,27 @@ import aiohttp
 
 class TokenizeFailed(Exception):
     """The engine's /tokenize did not answer with token ids."""
+
+    def __init__(self, message: str, status: int = 0) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+# An engine without /tokenize (404, 405) is not asked again for this long, seconds.
+_MISSING_RETRY_S = 60.0
+
+
+class TokenizeEndpoints:
+    """Remembers engines that have no /tokenize, so that each turn does not pay for asking."""
+
+    def __init__(self) -> None:
+        self._missing_until: dict[str, float] = {}
+
+    def usable(self, url: str) -> bool:
+        return bool(url) and self._missing_until.get(url, 0.0) <= time.monotonic()
+
+    def missing(self, url: str) -> None:
+        self._missing_until[url] = time.monotonic() + _MISSING_RETRY_S
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +102,7 @@ async def tokenize(
             url.rstrip("/") + "/tokenize", json=request, timeout=aiohttp.ClientTimeout(total=timeout_s)
         ) as resp:
             if resp.status != 200:
-                raise TokenizeFailed(f"/tokenize answered {resp.status}")
+                raise TokenizeFailed(f"/tokenize answered {resp.status}", resp.status)
             answer = await resp.json(content_type=None)
     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
         raise TokenizeFailed(f"/tokenize failed: {exc!r}") from exc
@@ -96,16 +118,19 @@ async def routed_prompt(
     chat: bool,
     tokenize_url: str,
     timeout_s: float,
+    endpoints: TokenizeEndpoints | None = None,
 ) -> RoutedPrompt:
     """The prompt for Route; a text completions prompt in `body` becomes its token ids when known."""
     if not chat:
         prompt = _single_prompt(body)
         if is_token_ids(prompt):
             return RoutedPrompt(tuple(prompt), len(prompt))
-    if tokenize_url:
+    if tokenize_url and (endpoints is None or endpoints.usable(tokenize_url)):
         try:
             ids = await tokenize(session, tokenize_url, body, chat, timeout_s)
-        except TokenizeFailed:
+        except TokenizeFailed as exc:
+            if endpoints is not None and exc.status in (404, 405):
+                endpoints.missing(tokenize_url)
             ids = ()
         if ids:
             if not chat:

@@ -36,7 +36,7 @@ from kvplane.services.gateway import sse
 from kvplane.services.gateway.identity import Identity
 from kvplane.services.gateway.legs import LegFailed, LegTimeouts, open_stream, post_json
 from kvplane.services.gateway.metrics import GatewayMetrics
-from kvplane.services.gateway.prompts import RoutedPrompt, routed_prompt
+from kvplane.services.gateway.prompts import RoutedPrompt, TokenizeEndpoints, routed_prompt
 from kvplane.v1 import routing_pb2
 
 log = logging.getLogger(__name__)
@@ -127,6 +127,7 @@ class TurnRunner:
         self.session = session
         self.metrics = metrics
         self.tracer = tracer
+        self.tokenizers = TokenizeEndpoints()
         self._reports: set[asyncio.Task[str]] = set()
         # The report still in flight for each conversation's last turn (tenant, conversation).
         self._last_report: dict[tuple[str, str], asyncio.Task[str]] = {}
@@ -147,7 +148,7 @@ class TurnRunner:
             span.set_attribute("kvplane.conversation", turn.identity.conversation)
             s = self.settings
             prompt = await routed_prompt(
-                self.session, turn.body, turn.chat, s.tokenize_url, s.prefill_timeout_s
+                self.session, turn.body, turn.chat, s.tokenize_url, s.prefill_timeout_s, self.tokenizers
             )
             reported = await self._after_previous_report(turn)
             route = await self._route_after_report(turn, prompt, reported)

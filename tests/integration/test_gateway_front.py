@@ -81,6 +81,8 @@ class ScriptedEngine:
     aborted: bool = False
     # Close the connection of the next this-many POSTs without answering, as a dying engine does.
     drop_next: int = 0
+    # Whether it offers vLLM's /tokenize (the sim-engine does not).
+    tokenizes: bool = True
     port: int = 0
     runner: web.AppRunner | None = None
 
@@ -106,6 +108,8 @@ class ScriptedEngine:
     async def _tokenize(self, request: web.Request) -> web.Response:
         body = await request.json()
         self.seen.append((request.path, body, dict(request.headers)))
+        if not self.tokenizes:
+            return web.json_response({"detail": "Not Found"}, status=404)
         return web.json_response({"tokens": [ord(c) for c in body["prompt"]], "count": len(body["prompt"])})
 
     async def _models(self, request: web.Request) -> web.Response:
@@ -321,6 +325,16 @@ async def test_text_prompts_are_sent_as_token_ids_when_a_tokenizer_is_configured
     assert front.prefill.seen[0][0] == "/tokenize"
     assert front.prefill.seen[-1][1]["prompt"] == [97, 98, 99]
     assert front.decode.seen[-1][1]["prompt"] == [97, 98, 99]
+
+
+async def test_an_engine_without_tokenize_is_not_asked_on_every_turn(front: Front) -> None:
+    front.prefill.tokenizes = False
+    front.gateway.settings.tokenize_url = front.prefill.url
+    for _ in range(3):
+        resp = await front.post("/v1/completions", {"model": "m", "prompt": "abc", "max_tokens": 2})
+        assert resp.status == 200
+    assert [path for path, _, _ in front.prefill.seen].count("/tokenize") == 1
+    assert front.prefill.seen[-1][1]["prompt"] == "abc"
 
 
 async def test_models_and_health(front: Front) -> None:
