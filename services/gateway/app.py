@@ -202,7 +202,9 @@ class Gateway:
         self.turns = TurnRunner(s, self._routing, self._session, self.metrics, self.telemetry.tracer)
         app = build_app(s, self.turns, self.telemetry, self.metrics)
         try:
-            self._runner = web.AppRunner(app, access_log=None)
+            # A client that disconnects cancels its handler, and with it the engine requests in flight:
+            # an aborted request frees its KV blocks at once.
+            self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
             await self._runner.setup()
             self._site = web.TCPSite(self._runner, host, port)
             await self._site.start()

@@ -45,6 +45,9 @@ log = logging.getLogger(__name__)
 FALLBACK = "fallback"
 RETRY_NO_HANDLE = "retry_no_handle"
 
+# The outcome label of a leg whose client went away.
+CLIENT_GONE = "client_gone"
+
 DECISION_HEADER = "x-kvplane-decision"
 ROUTE_HEADER = "x-kvplane-route-id"
 CONVERSATION_HEADER = "x-kvplane-conversation"
@@ -314,6 +317,9 @@ class TurnRunner:
             except LegFailed as exc:
                 outcome = exc.outcome
                 raise
+            except asyncio.CancelledError:
+                outcome = CLIENT_GONE
+                raise
             finally:
                 self.metrics.legs.labels("prefill", outcome).observe(time.perf_counter() - start)
         progress.prefill_s = time.perf_counter() - start
@@ -371,6 +377,10 @@ class TurnRunner:
                     raise DecodeUnreachable(str(exc), route) from exc
                 self._finish(turn, route, progress, success=False, error=str(exc))
                 raise TurnFailed(exc.status if not exc.retryable else 502, str(exc), exc.body) from None
+            except asyncio.CancelledError:
+                outcome = CLIENT_GONE
+                self._finish(turn, route, progress, success=False, error="the client disconnected")
+                raise
             finally:
                 self.metrics.legs.labels("decode", outcome).observe(time.perf_counter() - start)
         _absorb(answer, progress, turn.client_token_ids)
@@ -432,7 +442,11 @@ class TurnRunner:
                         break
                 await _to_client(response.write_eof())
             except ClientGone:
-                outcome, progress.error = "client_gone", "the client disconnected"
+                outcome, progress.error = CLIENT_GONE, "the client disconnected"
+            except asyncio.CancelledError:
+                outcome, progress.error = CLIENT_GONE, "the client disconnected"
+                self._finish(turn, route, progress, success=False, error=progress.error)
+                raise
             except (aiohttp.ClientError, TimeoutError) as exc:
                 outcome, progress.error = "stream_failed", f"decode stream failed: {exc!r}"
                 await _end_with_error(response, progress.error)

@@ -83,6 +83,8 @@ class ScriptedEngine:
     drop_next: int = 0
     # Whether it offers vLLM's /tokenize (the sim-engine does not).
     tokenizes: bool = True
+    # Non-streaming: how long the answer takes, seconds.
+    answer_delay_s: float = 0.0
     port: int = 0
     runner: web.AppRunner | None = None
 
@@ -96,7 +98,7 @@ class ScriptedEngine:
         app.router.add_post("/v1/chat/completions", self._answer)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/tokenize", self._tokenize)
-        self.runner = web.AppRunner(app)
+        self.runner = web.AppRunner(app, handler_cancellation=True)
         await self.runner.setup()
         self.port = free_port()
         await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
@@ -131,6 +133,11 @@ class ScriptedEngine:
         if self.role == "prefill":
             return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": P_PARAMS})
         if not body.get("stream"):
+            try:
+                await asyncio.sleep(self.answer_delay_s)  # a long generation
+            except asyncio.CancelledError:
+                self.aborted = True
+                raise
             return web.json_response({**CHAT_ANSWER, "kv_transfer_params": D_HANDLE})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
@@ -314,6 +321,27 @@ async def test_client_leaving_midway_aborts_the_decode_leg(front: Front) -> None
         lambda: front.metric("kvplane_gateway_leg_seconds_count", leg="decode", outcome="client_gone"),
         timeout_s=5,
         what="the decode leg to be counted as abandoned",
+    )
+
+
+async def test_client_leaving_a_non_streaming_request_aborts_the_decode_leg(front: Front) -> None:
+    front.decode.answer_delay_s = 30
+    with pytest.raises(TimeoutError):
+        await front.session.post(
+            front.gateway.url + "/v1/chat/completions",
+            json=CHAT,
+            headers={"Authorization": f"Bearer {KEY}"},
+            timeout=aiohttp.ClientTimeout(total=0.5),
+        )
+
+    async def aborted() -> bool:
+        return front.decode.aborted
+
+    await eventually(aborted, timeout_s=5, what="D's request to be aborted")
+    await eventually(
+        lambda: front.metric("kvplane_gateway_turns_total", decision="fallback", outcome="failed"),
+        timeout_s=5,
+        what="the abandoned turn to be counted",
     )
 
 
