@@ -269,6 +269,39 @@ async def test_requests_without_a_valid_key_are_refused(stack: GatewayStack) -> 
     assert len(stack.proxy.seen) == seen
 
 
+# -- tracing --------------------------------------------------------------------------------------
+
+
+async def test_one_trace_per_turn_spans_route_both_legs_and_the_report(stack: GatewayStack) -> None:
+    conv = conversation()
+    trace_id = "5bf92f3577b34da6a3ce929d0e0e4736"
+    headers = stack.headers("acme", conv, traceparent=f"00-{trace_id}-00f067aa0ba902b7-01")
+    body = {"model": MODEL, "prompt": new_ids(50, 21), "max_tokens": 2}
+    result = await stack.post("/v1/completions", body, headers)
+    assert result.status == 200, result.raw
+
+    def ours() -> dict[str, Any]:
+        spans = stack.spans.get_finished_spans()
+        return {s.name: s for s in spans if f"{s.context.trace_id:032x}" == trace_id}
+
+    async def complete_trace() -> bool:
+        wanted = {"gateway.turn", "gateway.prefill", "gateway.decode"}
+        return wanted <= set(ours()) and len(ours()) >= 5
+
+    await eventually(complete_trace, timeout_s=10, what="the turn's spans")
+    spans = ours()
+    assert {n for n in spans if "RoutingService" in n} == {
+        "/kvplane.v1.RoutingService/Route",
+        "/kvplane.v1.RoutingService/ReportTurn",
+    }
+    # The caller's span is the turn's parent, and the turn is the parent of everything it does.
+    turn_span = spans["gateway.turn"]
+    assert turn_span.parent.span_id == 0x00F067AA0BA902B7
+    for name, span in spans.items():
+        if name != "gateway.turn":
+            assert span.parent.span_id == turn_span.context.span_id, name
+
+
 # -- faults ---------------------------------------------------------------------------------------
 
 

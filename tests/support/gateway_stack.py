@@ -23,6 +23,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from pydantic import SecretStr
 
 from kvplane.services.common.local_etcd import LocalEtcd, free_port
@@ -223,6 +224,8 @@ class GatewayStack:
     prefill: EngineProcess
     decode: EngineProcess
     gateway: Gateway
+    # Every span the gateway ends (sampled at 1.0).
+    spans: InMemorySpanExporter
 
     # -- the services --------------------------------------------------------------
 
@@ -318,6 +321,7 @@ async def gateway_stack(etcd: LocalEtcd, prefix: str, log_dir: Path) -> AsyncIte
         }
     )
     cleanups: list[Any] = []
+    spans = InMemorySpanExporter()
     session = aiohttp.ClientSession()
     engines: list[EngineProcess] = []
     try:
@@ -369,7 +373,7 @@ async def gateway_stack(etcd: LocalEtcd, prefix: str, log_dir: Path) -> AsyncIte
                 decode_idle_timeout_s=5.0,
                 models=[MODEL],
             ),
-            Telemetry.disabled("kvplane-gateway"),
+            Telemetry.create("kvplane-gateway", exporter=spans),
         )
         await gateway.start()
         cleanups.append(gateway.stop)
@@ -385,6 +389,7 @@ async def gateway_stack(etcd: LocalEtcd, prefix: str, log_dir: Path) -> AsyncIte
             engines[0],
             engines[1],
             gateway,
+            spans,
         )
         cleanups.append(lambda: stack.routing.stop())
         await stack.wait_nodes()
