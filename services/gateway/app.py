@@ -17,7 +17,8 @@ from kvplane.services.common.settings import GatewaySection
 from kvplane.services.common.telemetry import Telemetry
 from kvplane.services.gateway.identity import ApiKeys, BadConversation, Unauthorized, identify
 from kvplane.services.gateway.metrics import GatewayMetrics
-from kvplane.services.gateway.turn import TurnFailed, TurnRequest, TurnRunner
+from kvplane.services.gateway.progress import TurnRequest
+from kvplane.services.gateway.turn import TurnFailed, TurnRunner
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,6 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -36,7 +35,9 @@ from kvplane.services.gateway import sse
 from kvplane.services.gateway.identity import Identity
 from kvplane.services.gateway.legs import LegFailed, LegTimeouts, open_stream, post_json
 from kvplane.services.gateway.metrics import GatewayMetrics
+from kvplane.services.gateway.progress import TurnProgress, TurnRequest, absorb, cached_tokens
 from kvplane.services.gateway.prompts import RoutedPrompt, TokenizeEndpoints, routed_prompt
+from kvplane.services.gateway.reports import TurnReporter
 from kvplane.v1 import routing_pb2
 
 log = logging.getLogger(__name__)
@@ -80,40 +81,6 @@ class TurnFailed(Exception):
         self.body = body
 
 
-@dataclass(frozen=True, slots=True)
-class TurnRequest:
-    identity: Identity
-    # The client's body, with its conversation_id and kv_transfer_params removed.
-    body: dict[str, Any]
-    chat: bool
-    stream: bool
-    model: str
-    # The client asked for token ids itself: leave them in what it sees.
-    client_token_ids: bool
-    # When the request arrived (time.perf_counter()).
-    arrival: float
-
-
-@dataclass
-class TurnProgress:
-    """What a turn has learned so far, for ReportTurn."""
-
-    decision: str
-    prompt_ids: list[int] | None = None
-    output_ids: list[int] = field(default_factory=list)
-    decode_params: dict[str, Any] | None = None
-    ttft_s: float | None = None
-    prefill_s: float = 0.0
-    pulled_tokens: int = 0
-    error: str = ""
-
-    def retained_token_ids(self) -> list[int]:
-        """D retains prompt + output - 1 tokens (the last output token has no KV yet)."""
-        if not self.prompt_ids or not self.output_ids:
-            return []
-        return [*self.prompt_ids, *self.output_ids[:-1]]
-
-
 class TurnRunner:
     """Runs turns; one per gateway, shared by all requests."""
 
@@ -131,14 +98,11 @@ class TurnRunner:
         self.metrics = metrics
         self.tracer = tracer
         self.tokenizers = TokenizeEndpoints()
-        self._reports: set[asyncio.Task[str]] = set()
-        # The report still in flight for each conversation's last turn (tenant, conversation).
-        self._last_report: dict[tuple[str, str], asyncio.Task[str]] = {}
+        self.reporter = TurnReporter(settings, routing, metrics)
 
     async def drain_reports(self, timeout_s: float) -> None:
         """Waits for reports still in flight (at shutdown)."""
-        if self._reports:
-            await asyncio.wait(set(self._reports), timeout=timeout_s)
+        await self.reporter.drain(timeout_s)
 
     # -- the turn -------------------------------------------------------------------
 
@@ -153,7 +117,7 @@ class TurnRunner:
             prompt = await routed_prompt(
                 self.session, turn.body, turn.chat, s.tokenize_url, s.prefill_timeout_s, self.tokenizers
             )
-            reported = await self._after_previous_report(turn)
+            reported = await self.reporter.after_previous(turn)
             route = await self._route_after_report(turn, prompt, reported)
             try:
                 return await self._attempt(request, turn, prompt, route, last_try=False)
@@ -164,7 +128,7 @@ class TurnRunner:
                 self.metrics.retries.labels("decode_unreachable").inc()
                 if exc.route.route_id:
                     failed = TurnProgress(exc.route.decision, error=str(exc))
-                    self._report_later(turn, exc.route, failed, success=False)
+                    self.reporter.report_later(turn, exc.route, failed, success=False)
             route = await self._route(turn, prompt)
             return await self._attempt(request, turn, prompt, route, last_try=True)
 
@@ -185,22 +149,6 @@ class TurnRunner:
         return await self._decode_whole(turn, route, prefill_answer, progress, last_try)
 
     # -- route ------------------------------------------------------------------------
-
-    async def _after_previous_report(self, turn: TurnRequest) -> str:
-        """Lets the report of the conversation's previous turn land before this turn is routed.
-
-        The client's stream ends before that report is sent, and an agent may send its next turn at
-        once: routed first, that turn would find no handle and recompute the whole history. Returns
-        the id of the handle that report published, if this turn waited for it.
-        """
-        task = self._last_report.get((turn.identity.tenant, turn.identity.conversation))
-        if task is None or task.done():
-            return ""
-        start = time.perf_counter()
-        _, pending = await asyncio.wait({task}, timeout=self.settings.report_timeout_s)
-        outcome = "timeout" if pending else "ok"
-        self.metrics.legs.labels("previous_report_wait", outcome).observe(time.perf_counter() - start)
-        return "" if pending or task.cancelled() or task.exception() else task.result()
 
     async def _route_after_report(
         self, turn: TurnRequest, prompt: RoutedPrompt, reported: str
@@ -277,7 +225,9 @@ class TurnRunner:
         self.metrics.retries.labels(f"prefill_{failure.outcome}").inc()
         if route.route_id:
             # The checked-out handle is spent either way; routing learns the route failed.
-            self._report_later(turn, route, TurnProgress(route.decision, error=str(failure)), success=False)
+            self.reporter.report_later(
+                turn, route, TurnProgress(route.decision, error=str(failure)), success=False
+            )
         retry = route
         if failure.unreachable and route.decision != FALLBACK:
             # P itself may be down: ask again, so that another prefill engine can be chosen.
@@ -326,7 +276,7 @@ class TurnRunner:
         if progress.decision == "pull":
             # What P did not compute: pulled, or found in its own prefix cache. vLLM's usage does not
             # tell the two apart, and for the cost model both are tokens that were not recomputed.
-            progress.pulled_tokens = _cached_tokens(answer)
+            progress.pulled_tokens = cached_tokens(answer)
         return answer
 
     # -- the D leg -------------------------------------------------------------------------
@@ -383,7 +333,7 @@ class TurnRunner:
                 raise
             finally:
                 self.metrics.legs.labels("decode", outcome).observe(time.perf_counter() - start)
-        _absorb(answer, progress, turn.client_token_ids)
+        absorb(answer, progress, turn.client_token_ids)
         progress.ttft_s = time.perf_counter() - turn.arrival
         response = web.json_response(answer, headers=self._headers(route, progress, turn))
         self._finish(turn, route, progress, success=True)
@@ -431,7 +381,7 @@ class TurnRunner:
                 async for event in sse.events(upstream.content):
                     payload = event.json()
                     raw = event.raw
-                    if payload is not None and _absorb(payload, progress, turn.client_token_ids):
+                    if payload is not None and absorb(payload, progress, turn.client_token_ids):
                         raw = sse.encode(payload)
                     # One write per event: aiohttp sends it at once, so tokens reach the client as made.
                     await _to_client(response.write(raw))
@@ -471,73 +421,7 @@ class TurnRunner:
             self.metrics.ttft.labels(progress.decision).observe(progress.ttft_s)
         if error and not progress.error:
             progress.error = error
-        self._report_later(turn, route, progress, success=success)
-
-    def _report_later(
-        self, turn: TurnRequest, route: RouteResult, progress: TurnProgress, *, success: bool
-    ) -> None:
-        task = asyncio.create_task(self._report(turn, route, progress, success))
-        self._reports.add(task)
-        task.add_done_callback(self._reports.discard)
-
-        key = (turn.identity.tenant, turn.identity.conversation)
-        self._last_report[key] = task
-
-        def forget(done: asyncio.Task[str]) -> None:
-            if self._last_report.get(key) is done:
-                del self._last_report[key]
-
-        task.add_done_callback(forget)
-
-    async def _report(
-        self, turn: TurnRequest, route: RouteResult, progress: TurnProgress, success: bool
-    ) -> str:
-        """Reports the turn; returns the id of the handle routing published for the next turn."""
-        start = time.perf_counter()
-        outcome = "ok"
-        handle_id = ""
-        try:
-            handle_id = await self.routing.report_turn(
-                route if route.route_id else None,
-                turn.identity.conversation,
-                success=success,
-                decode_kv_transfer_params=progress.decode_params if success else None,
-                ttft_ms=(progress.ttft_s or 0.0) * 1000,
-                prompt_tokens=len(progress.prompt_ids or ()),
-                pulled_tokens=progress.pulled_tokens,
-                prefill_ms=progress.prefill_s * 1000,
-                retained_token_ids=progress.retained_token_ids(),
-                error=progress.error[:1000],
-                model=turn.model,
-                tenant=turn.identity.tenant,
-                timeout_s=self.settings.report_timeout_s,
-            )
-        except (RoutingUnavailable, grpc.aio.AioRpcError) as exc:
-            # The engine's connector publishes the handle itself; a lost report only costs a sample.
-            outcome = "error"
-            log.warning("ReportTurn failed for %s: %s", turn.identity.conversation, exc)
-        finally:
-            self.metrics.legs.labels("report", outcome).observe(time.perf_counter() - start)
-        if success and outcome == "ok" and turn.identity.source == "ephemeral":
-            await self._end_conversation(turn)
-            return ""
-        return handle_id
-
-    async def _end_conversation(self, turn: TurnRequest) -> None:
-        """A request without a conversation id has no next turn: free D's blocks now, not at the TTL."""
-        start = time.perf_counter()
-        outcome = "error"
-        try:
-            released = await self.routing.end_conversation(
-                turn.identity.conversation,
-                tenant=turn.identity.tenant,
-                timeout_s=self.settings.report_timeout_s,
-            )
-            outcome = "released" if released else "none"
-        except (RoutingUnavailable, grpc.aio.AioRpcError) as exc:
-            log.warning("EndConversation failed for %s: %s", turn.identity.conversation, exc)
-        finally:
-            self.metrics.legs.labels("end_conversation", outcome).observe(time.perf_counter() - start)
+        self.reporter.report_later(turn, route, progress, success=success)
 
 
 def _path(turn: TurnRequest) -> str:
@@ -557,45 +441,6 @@ def _trace_headers() -> dict[str, str]:
     headers: dict[str, str] = {}
     _PROPAGATOR.inject(headers)
     return headers
-
-
-def _cached_tokens(answer: Mapping[str, Any]) -> int:
-    usage = answer.get("usage")
-    details = usage.get("prompt_tokens_details") if isinstance(usage, Mapping) else None
-    cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
-    return cached if isinstance(cached, int) and not isinstance(cached, bool) else 0
-
-
-def _absorb(payload: dict[str, Any], progress: TurnProgress, keep_token_ids: bool) -> bool:
-    """Takes D's handle and the token ids out of a chunk or answer; True if `payload` changed."""
-    changed = False
-    if "kv_transfer_params" in payload:
-        params = payload.pop("kv_transfer_params")
-        if isinstance(params, dict) and params:
-            progress.decode_params = params
-        changed = True
-    prompt_ids = payload.get("prompt_token_ids")
-    if isinstance(prompt_ids, list):
-        progress.prompt_ids = prompt_ids
-        if not keep_token_ids:
-            del payload["prompt_token_ids"]
-            changed = True
-    choices = payload.get("choices")
-    for choice in choices if isinstance(choices, list) else ():
-        if not isinstance(choice, dict):
-            continue
-        ids = choice.get("token_ids")
-        if isinstance(ids, list):
-            progress.output_ids.extend(ids)
-        prompt_ids = choice.get("prompt_token_ids")
-        if isinstance(prompt_ids, list):
-            progress.prompt_ids = prompt_ids
-        if not keep_token_ids:
-            for key in ("token_ids", "prompt_token_ids"):
-                if key in choice:
-                    del choice[key]
-                    changed = True
-    return changed
 
 
 async def _to_client(write: Awaitable[Any]) -> None:
