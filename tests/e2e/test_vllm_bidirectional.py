@@ -140,7 +140,9 @@ async def test_three_turns_pull_from_decode_and_match_the_reference(
                 model=tiny_model,
                 http_port=http_port,
                 side_channel_port=free_port(),
-                kv_config=kv_transfer_config(kvplane=kvplane, bidirectional=True, ttl_s=TTL_S),
+                # P keeps its blocks 120 s for D's read (vLLM: 30 s): on 2 shared cores D can be
+                # slow to start reading, and a lapsed lease turns the pull into a recompute.
+                kv_config=kv_transfer_config(kvplane=kvplane, bidirectional=True, ttl_s=TTL_S, lease_s=120),
                 log_path=tmp_path / f"engine-{name}.log",
             )
         )
