@@ -295,6 +295,14 @@ async def test_unreachable_decode_engine_gets_the_turn_routed_again(front: Front
     assert await front.metric("kvplane_gateway_retries_total", reason="decode_unreachable") == 1
 
 
+async def test_prefill_dropping_the_connection_is_retried_without_the_handle(front: Front) -> None:
+    front.prefill.drop_next = 1
+    resp = await front.post("/v1/chat/completions", dict(CHAT))
+    assert resp.status == 200 and resp.headers["x-kvplane-decision"] == "retry_no_handle"
+    assert len(front.prefill.seen) == 2 and len(front.decode.seen) == 1
+    assert await front.metric("kvplane_gateway_retries_total", reason="prefill_unreachable") == 1
+
+
 async def test_prefill_rejecting_the_request_is_not_retried(front: Front) -> None:
     front.prefill.failures = [400]
     resp = await front.post("/v1/chat/completions", dict(CHAT))
