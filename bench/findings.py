@@ -18,6 +18,12 @@ def _pct(x: float) -> str:
     return f"{100.0 * x:.1f}%"
 
 
+def _releases(row: Mapping[str, Any]) -> str:
+    releases = row.get("releases", {})
+    early = {k: v for k, v in releases.items() if k not in ("engine_pressure", "engine_ttl")}
+    return ", ".join(f"{k} {v:,}" for k, v in sorted(early.items(), key=lambda kv: -kv[1])) or "none"
+
+
 def _per(point: Mapping[str, Any]) -> str:
     gb_s = float(point["retained_gb_s"])
     return _pct(float(point["vs_oracle"]) / (gb_s / 1e6)) if gb_s > 0 else "-"
@@ -50,16 +56,25 @@ def findings(data: Mapping[str, Any]) -> list[str]:
             " service should add the prefill work it has just routed to each node's last report."
         )
     if kv and ttl and oracle and oracle["reused_tokens"]:
-        out.append(
+        text = (
             f"- **Reuse, evicting fleet.** kvplane reuses {_pct(kv['reused_fraction'])} of prompt tokens"
             f" ({_pct(kv['reused_tokens'] / oracle['reused_tokens'])} of the oracle's), the fixed-TTL"
             f" variant {_pct(ttl['reused_fraction'])}"
             + (f" and the proxy {_pct(proxy['reused_fraction'])}" if proxy else "")
-            + ". When a full decode node may evict its oldest handles for free, the default node budget"
-            " (release above 50% of a node's KV, down to 40%) only throws away reusable KV earlier,"
-            " so kvplane reuses less. Memory is the binding limit on this trace: retaining every"
-            " context for 450 s would take several TB, against the fleet's 1.4 TB."
+            + "."
         )
+        if proxy and kv["reused_fraction"] < max(ttl["reused_fraction"], proxy["reused_fraction"]):
+            text += (
+                " kvplane loses here: when a full decode node may evict its oldest handles for free, each"
+                f" early release ({_releases(kv)}) only gives up KV that would have stayed until needed."
+                " Round-robin also spreads handles evenly over the decode nodes, where kvplane's decode"
+                " choice (holder, free KV, load) fills some nodes first."
+            )
+        text += (
+            " Memory is the binding limit on this trace: retaining every context for 450 s would take"
+            " several TB, against the fleet's 1.4 TB."
+        )
+        out.append(text)
     if proxy and proxy.get("wrong_prefix_tokens"):
         out.append(
             f"- **Correctness.** The proxy imported {proxy['wrong_prefix_tokens']:,} tokens of KV computed"

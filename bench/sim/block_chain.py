@@ -66,6 +66,19 @@ class BlockChain(Sequence[int]):
         for i in range(self._length):
             yield self[i]
 
+    def values_at(self, points: tuple[int, ...]) -> tuple[int, ...]:
+        """Values after each of `points` (ascending prefix lengths, in blocks), in one pass."""
+        starts, bases = self._starts, self._bases
+        last_run = len(starts) - 1
+        run = 0
+        out = []
+        for p in points:
+            i = p - 1
+            while run < last_run and starts[run + 1] <= i:
+                run += 1
+            out.append(bases[run] + i - starts[run])
+        return tuple(out)
+
     def prefix(self, blocks: int) -> BlockChain:
         """The first `blocks` blocks."""
         blocks = max(0, min(blocks, self._length))
@@ -83,7 +96,7 @@ class BlockChain(Sequence[int]):
         )
 
 
-@lru_cache(maxsize=4096)
+@lru_cache(maxsize=65536)
 def _points(num_blocks: int) -> tuple[int, ...]:
     return checkpoints(num_blocks)
 
@@ -91,4 +104,4 @@ def _points(num_blocks: int) -> tuple[int, ...]:
 def handle_digests(chain: BlockChain, block_size: int) -> TokenDigests:
     """The digests a decode engine would publish for a context with this chain."""
     n = len(chain)
-    return TokenDigests(block_size, n, tuple(chain[p - 1] for p in _points(n)))
+    return TokenDigests(block_size, n, chain.values_at(_points(n)))

@@ -54,9 +54,37 @@ class Fleet:
         self.decode_by_id = {d.node.node_id: d for d in self.decode}
         self._states: tuple[NodeState, ...] = ()
         self._states_epoch = -1
+        # One node's report at a time, for routers that look at a few nodes per turn.
+        count = len(self.prefill) + len(self.decode)
+        self._one: list[NodeState | None] = [None] * count
+        self._one_epoch = [-1] * count
 
     def unix_ms(self, now: float) -> int:
         return self.epoch_unix_ms + int(now * 1000.0)
+
+    def _epoch(self, now: float) -> tuple[int, float]:
+        interval = self.report_interval_s
+        if interval > 0:
+            epoch = int(now / interval)
+            return epoch, epoch * interval
+        return -2 - int(now * 1e6), now  # always a new report
+
+    def node_state(self, index: int, now: float) -> NodeState:
+        """Node `index` (prefill nodes first, then decode) with its latest load report."""
+        epoch, report_s = self._epoch(now)
+        state = self._one[index]
+        if state is None or self._one_epoch[index] != epoch:
+            report_ms = self.unix_ms(report_s)
+            n_p = len(self.prefill)
+            if index < n_p:
+                p = self.prefill[index]
+                state = NodeState(p.node, p.load(report_s, report_ms))
+            else:
+                d = self.decode[index - n_p]
+                state = NodeState(d.node, d.load(report_ms, self.costs.kv_bytes_per_token))
+            self._one[index] = state
+            self._one_epoch[index] = epoch
+        return state
 
     def node_states(self, now: float) -> tuple[NodeState, ...]:
         """Every node with its latest load report, as of the last report tick."""

@@ -64,9 +64,6 @@ class PipelineRetention:
         self.tracker = TurnTracker(self.pipeline.values.gaps)
         self.interval_s = interval_s
         self._infos: dict[int, HandleInfo] = {}
-        self._nodes = {
-            d.node.node_id: NodeInfo(d.node.node_id, d.node.kv_capacity_bytes) for d in fleet.decode
-        }
 
     def on_publish(self, handle: SimHandle) -> None:
         fleet = self.fleet
@@ -93,5 +90,16 @@ class PipelineRetention:
         self.tracker.expire(now_ms)
         if not self._infos:
             return []
-        releases = self.pipeline.evaluate(Snapshot(now_ms, tuple(self._infos.values()), self._nodes))
-        return [(int(r.handle_id), r.reason.value) for r in releases]
+        # What the coordinator knows of each holder: its capacity and its latest load report.
+        nodes = {
+            d.node.node_id: NodeInfo(
+                d.node.node_id,
+                d.capacity,
+                reported_retained_bytes=d.retained,
+                free_kv_fraction=max(0, d.free) / d.capacity,
+            )
+            for d in self.fleet.decode
+        }
+        releases = self.pipeline.evaluate(Snapshot(now_ms, tuple(self._infos.values()), nodes))
+        # Labelled by the policy that chose them: kv_pressure and node_budget share a reason.
+        return [(int(r.handle_id), r.policy) for r in releases]
