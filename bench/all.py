@@ -144,6 +144,13 @@ def perf_section(data: dict[str, Any], tables: str, plots_rel: str) -> str:
         f" an earlier context, gap p50 {trace['gap_p50_s']:.0f} s, {100 * trace['gaps_over_480s']:.1f}%"
         " of gaps over 480 s (the adapter reproduces `shared/traces/README.md`).",
         "",
+        "Policies: `no-reuse` (round-robin, nothing retained); `vllm-proxy` (vLLM's example proxy:"
+        " round-robin, one single-use handle per conversation kept 450 s, D's TTL 480 s, no prefix"
+        " check, no release); `kvplane-ttl` (kvplane's routing policy, retention by age only);"
+        " `kvplane` (the default routing and retention policies); `kvplane-long-ttl` (the same with D"
+        " at a 1,800 s TTL); `kvplane-fresh-loads` (`kvplane` seeing current loads at every route, a"
+        " what-if); `oracle` (unlimited KV, no TTL, pulls every shared prefix).",
+        "",
         "What the numbers say:",
         "",
         *findings(data),
