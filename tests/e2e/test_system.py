@@ -18,9 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import grpc
 import pytest
 
 from kvplane.services.devstack import DEMO_API_KEY, Stack, grpc_health_probe, run_demo, start_stack
+from kvplane.v1 import metadata_pb2, metadata_pb2_grpc
 from tests.support.polling import eventually
 
 pytestmark = pytest.mark.e2e
@@ -183,6 +185,14 @@ async def test_client_kv_transfer_params_have_no_effect(stack: Stack) -> None:
         assert decision.startswith("recompute")
 
 
+async def _incarnation(stack: Stack, node_id: str) -> str:
+    async with grpc.aio.insecure_channel(stack.grpc_target) as channel:
+        nodes = await metadata_pb2_grpc.MetadataServiceStub(channel).ListNodes(
+            metadata_pb2.ListNodesRequest()
+        )
+    return next((n.node.incarnation for n in nodes.nodes if n.node.node_id == node_id), "")
+
+
 async def test_decode_engine_killed_between_turns_next_turn_recomputes(stack: Stack) -> None:
     decode = next(p for p in stack.processes if p.name == "decode sim-engine")
     async with aiohttp.ClientSession() as session:
@@ -190,16 +200,18 @@ async def test_decode_engine_killed_between_turns_next_turn_recomputes(stack: St
         conv.prompt = conv.next_user(3000)
         _, out = await turn(session, stack, conv, conv.prompt, stream=False)
         conv.prompt = conv.prompt + out + conv.next_user(100)
+        before = await _incarnation(stack, "d0")
+        assert before
         assert decode.proc is not None
         decode.proc.send_signal(signal.SIGKILL)
         decode.proc.wait()
         decode.start()  # the same node comes back as a new incarnation
 
-        async def decode_up() -> bool:
-            async with session.get(f"{stack.decode_url}/health") as resp:
-                return resp.status == 200
+        async def reborn() -> bool:
+            now = await _incarnation(stack, "d0")
+            return bool(now) and now != before
 
-        await eventually(decode_up, timeout_s=120, what="decode engine restarted")
+        await eventually(reborn, timeout_s=120, what="decode engine registered as a new incarnation")
         decision, _ = await turn(session, stack, conv, conv.prompt, stream=True)
         assert decision.startswith("recompute"), decision
 
