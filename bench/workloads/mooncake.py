@@ -26,13 +26,20 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvplane.bench.workloads.turns import Turn
 
-DEFAULT_TRACE = Path("/work/shared/traces/mooncake_conversation_trace.jsonl")
+# The trace sits in shared/traces beside the repository's checkout; KVPLANE_MOONCAKE_TRACE overrides.
+DEFAULT_TRACE = Path(
+    os.environ.get(
+        "KVPLANE_MOONCAKE_TRACE",
+        Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake_conversation_trace.jsonl",
+    )
+)
 
 
 @dataclass(frozen=True, slots=True)
