@@ -72,6 +72,10 @@ class ClusterView:
         self._nodes_prefix = keys.nodes_prefix()
         self._loads_prefix = keys.loads_prefix()
         self._handles_prefix = keys.handles_prefix()
+        # handles/, loads/ and nodes/ sort next to each other, with nothing between them, so
+        # one range holds exactly what the view needs: claims, the per-node index and the
+        # release outbox (whose values carry whole handles) never reach it.
+        self._range = (self._handles_prefix, prefix_range_end(keys.nodes_prefix()))
 
     def on_handle_change(self, listener: Callable[[HandleChange], None]) -> None:
         """Called on the event loop for every handle put or delete after the snapshot."""
@@ -124,7 +128,7 @@ class ClusterView:
             try:
                 if resume_from == 0:
                     resume_from = await self._load_snapshot() + 1
-                async for batch in self.store.watch_prefix(self.store.keys.prefix.encode(), resume_from):
+                async for batch in self.store.watch_range(*self._range, resume_from, prev_kv=False):
                     self.healthy = True
                     delay = self._retry_delay_s
                     for event in batch:
@@ -149,7 +153,7 @@ class ClusterView:
             delay = min(delay * 2, self._max_retry_delay_s)
 
     async def _load_snapshot(self) -> int:
-        revision, events = await self.store.read_prefix(self.store.keys.prefix.encode())
+        revision, events = await self.store.read_range(*self._range)
         nodes: dict[str, NodeRecord] = {}
         loads: dict[str, NodeLoad] = {}
         handles: dict[ConversationKey, HandleRecord] = {}

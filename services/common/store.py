@@ -774,17 +774,28 @@ class Store:
 
     async def read_prefix(self, prefix: bytes) -> tuple[int, list[WatchEvent]]:
         """Every key under `prefix` as put events, and the revision of the read."""
-        resp = await self._read(
-            "read_prefix", rpc.RangeRequest(key=prefix, range_end=prefix_range_end(prefix))
-        )
+        return await self.read_range(prefix, prefix_range_end(prefix))
+
+    async def read_range(self, key: bytes, range_end: bytes) -> tuple[int, list[WatchEvent]]:
+        """Every key in [key, range_end) as put events, and the revision of the read."""
+        resp = await self._read("read_range", rpc.RangeRequest(key=key, range_end=range_end))
         revision = int(resp.header.revision)
         return revision, [
             WatchEvent(revision, bytes(kv.key), bytes(kv.value), False, int(kv.mod_revision), int(kv.lease))
             for kv in resp.kvs
         ]
 
-    async def watch_prefix(self, prefix: bytes, start_revision: int) -> AsyncIterator[list[WatchEvent]]:
-        """Batches of changes under `prefix` from `start_revision` on; an empty
+    async def watch_prefix(
+        self, prefix: bytes, start_revision: int, *, prev_kv: bool = True
+    ) -> AsyncIterator[list[WatchEvent]]:
+        """`watch_range` over every key under `prefix`."""
+        async for batch in self.watch_range(prefix, prefix_range_end(prefix), start_revision, prev_kv=prev_kv):
+            yield batch
+
+    async def watch_range(
+        self, key: bytes, range_end: bytes, start_revision: int, *, prev_kv: bool = True
+    ) -> AsyncIterator[list[WatchEvent]]:
+        """Batches of changes in [key, range_end) from `start_revision` on; an empty
         batch means the stream is live with nothing new.
 
         Ends by raising StoreUnavailable when the stream breaks, or
@@ -795,10 +806,10 @@ class Store:
             await self.connect()
         create = rpc.WatchRequest(
             create_request=rpc.WatchCreateRequest(
-                key=prefix,
-                range_end=prefix_range_end(prefix),
+                key=key,
+                range_end=range_end,
                 start_revision=start_revision,
-                prev_kv=True,
+                prev_kv=prev_kv,
                 progress_notify=True,
             )
         )

@@ -66,3 +66,18 @@ def test_escaping_is_injective(a: str, b: str) -> None:
 def test_prefix_range_end_covers_exactly_the_prefix() -> None:
     assert prefix_range_end(b"/p/a/") == b"/p/a0"
     assert prefix_range_end(b"a\xff") == b"b"
+
+
+def test_the_view_range_holds_handles_loads_and_nodes_and_nothing_else() -> None:
+    """The cluster view watches one key range; every other kind of key must fall outside it."""
+    layout = KeyLayout("/p/")
+    low, high = layout.handles_prefix(), prefix_range_end(layout.nodes_prefix())
+    inside = [layout.handle("t", "c"), layout.load("n"), layout.node("n"), layout.handle("~", "\uffff")]
+    outside = [
+        layout.claim("t", "c", "x"),
+        layout.by_node("n", "i", "r"),
+        layout.release("n", "c"),
+        layout.election("eviction"),
+    ]
+    assert all(low <= key < high for key in inside)
+    assert not any(low <= key < high for key in outside)
