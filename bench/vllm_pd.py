@@ -34,6 +34,7 @@ from kvplane.services.common.handles import (
     KEY_HANDLE_ID,
     KEY_TENANT,
     CacheHandle,
+    fresh_prefill_params,
 )
 from kvplane.v1 import metadata_pb2, metadata_pb2_grpc
 
@@ -356,14 +357,7 @@ def metric_delta(before: Mapping[str, float], after: Mapping[str, float], name: 
 
 EXTERNAL_TOKENS = "vllm:prompt_tokens_by_source_total[external_kv_transfer]"
 NIXL_TRANSFERS = "vllm:nixl_xfer_time_seconds_count"
-FIRST_TURN_PARAMS: dict[str, Any] = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
+FIRST_TURN_PARAMS: dict[str, Any] = fresh_prefill_params()
 
 
 class ConversationError(RuntimeError):

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvplane.services.common.handles import fresh_prefill_params
+
 MODEL = "kvplane-sim"
 # Fast enough for tests, slow enough that decode steps are real sleeps.
 FAST = ["--speedup", "50", "--block-size", "16", "--num-blocks", "512", "--bytes-per-block", "4096"]
@@ -172,14 +174,7 @@ def tokens(seed: int, n: int) -> list[int]:
 
 
 def p_leg(p: Engine, prompt: list[int], d_handle: dict[str, Any] | None = None) -> dict[str, Any]:
-    kvp: dict[str, Any] = {
-        "do_remote_decode": True,
-        "do_remote_prefill": False,
-        "remote_engine_id": None,
-        "remote_block_ids": None,
-        "remote_host": None,
-        "remote_port": None,
-    }
+    kvp: dict[str, Any] = fresh_prefill_params()
     if d_handle is not None:
         kvp = dict(d_handle, do_remote_decode=True, do_remote_prefill=False)
     return p.post(
