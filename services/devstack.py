@@ -155,8 +155,12 @@ async def start_stack(
     decoder_ttl_s: float = 480.0,
     progress: Callable[[str], None] = lambda _msg: None,
     timeout_s: float = 120.0,
+    prefill_args: Sequence[str] = (),
 ) -> Stack:
-    """Starts etcd, `serve all`, P and D sim-engines and the gateway; returns when all are ready."""
+    """Starts etcd, `serve all`, P and D sim-engines and the gateway; returns when all are ready.
+
+    `prefill_args` go to the prefill engine's command line (e.g. `--no-enable-prefix-caching`).
+    """
     run_dir = run_dir or Path(tempfile.mkdtemp(prefix="kvplane-run-"))
     run_dir.mkdir(parents=True, exist_ok=True)
     host = "127.0.0.1"
@@ -223,6 +227,7 @@ async def start_stack(
                     # 256 MiB of KV: room for a few dozen long conversations.
                     "--num-blocks",
                     "16384",
+                    *(prefill_args if role == "prefill" else ()),
                 ),
                 run_dir / f"engine-{node_id}.log",
             )
