@@ -789,7 +789,8 @@ class Store:
         self, prefix: bytes, start_revision: int, *, prev_kv: bool = True
     ) -> AsyncIterator[list[WatchEvent]]:
         """`watch_range` over every key under `prefix`."""
-        async for batch in self.watch_range(prefix, prefix_range_end(prefix), start_revision, prev_kv=prev_kv):
+        end = prefix_range_end(prefix)
+        async for batch in self.watch_range(prefix, end, start_revision, prev_kv=prev_kv):
             yield batch
 
     async def watch_range(
