@@ -258,6 +258,9 @@ async def start_stack(
                 stack.prefill_url,
                 "--fallback-decode",
                 stack.decode_url,
+                # The engines' /tokenize gives routing the exact token ids of chat turns.
+                "--tokenize-url",
+                stack.prefill_url,
             ),
             run_dir / "gateway.log",
         )
