@@ -37,21 +37,21 @@ class TurnReporter:
         if self._reports:
             await asyncio.wait(set(self._reports), timeout=timeout_s)
 
-    async def after_previous(self, turn: TurnRequest) -> str:
+    async def after_previous(self, turn: TurnRequest) -> None:
         """Lets the report of the conversation's previous turn land before this turn is routed.
 
         The client's stream ends before that report is sent, and an agent may send its next turn at
-        once: routed first, that turn would find no handle and recompute the whole history. Returns
-        the id of the handle that report published, if this turn waited for it.
+        once: routed first, that turn would find no handle and recompute the whole history. Routing
+        answers a report only once its view holds the handle the report names, so after this wait
+        the next Route finds it.
         """
         task = self._last_report.get((turn.identity.tenant, turn.identity.conversation))
         if task is None or task.done():
-            return ""
+            return
         start = time.perf_counter()
         _, pending = await asyncio.wait({task}, timeout=self.settings.report_timeout_s)
         outcome = "timeout" if pending else "ok"
         self.metrics.legs.labels("previous_report_wait", outcome).observe(time.perf_counter() - start)
-        return "" if pending or task.cancelled() or task.exception() else task.result()
 
     def report_later(
         self, turn: TurnRequest, route: RouteResult, progress: TurnProgress, *, success: bool

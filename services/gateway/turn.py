@@ -54,8 +54,6 @@ ROUTE_HEADER = "x-kvplane-route-id"
 CONVERSATION_HEADER = "x-kvplane-conversation"
 
 _PROPAGATOR = TraceContextTextMapPropagator()
-# How long a turn gives routing's view to catch up with a handle reported just before it, seconds.
-_VIEW_CATCH_UP_S = 0.02
 
 
 class ClientGone(Exception):
@@ -117,8 +115,8 @@ class TurnRunner:
             prompt = await routed_prompt(
                 self.session, turn.body, turn.chat, s.tokenize_url, s.prefill_timeout_s, self.tokenizers
             )
-            reported = await self.reporter.after_previous(turn)
-            route = await self._route_after_report(turn, prompt, reported)
+            await self.reporter.after_previous(turn)
+            route = await self._route(turn, prompt)
             try:
                 return await self._attempt(request, turn, prompt, route, last_try=False)
             except DecodeUnreachable as exc:
@@ -149,21 +147,6 @@ class TurnRunner:
         return await self._decode_whole(turn, route, prefill_answer, progress, last_try)
 
     # -- route ------------------------------------------------------------------------
-
-    async def _route_after_report(
-        self, turn: TurnRequest, prompt: RoutedPrompt, reported: str
-    ) -> RouteResult:
-        """Routes the turn; asks once more if routing has not yet seen the handle just reported.
-
-        Routing decides from a watch-fed view of etcd, which can trail the publish that ReportTurn
-        has just made by a few milliseconds.
-        """
-        route = await self._route(turn, prompt)
-        if reported and route.decision == "recompute_no_handle":
-            self.metrics.retries.labels("route_behind_report").inc()
-            await asyncio.sleep(_VIEW_CATCH_UP_S)  # a moment for the view, once
-            route = await self._route(turn, prompt)
-        return route
 
     async def _route(self, turn: TurnRequest, prompt: RoutedPrompt) -> RouteResult:
         start = time.perf_counter()
