@@ -61,14 +61,8 @@ def rpc_method(fn: F) -> F:
             try:
                 async for item in fn(self, request, context):
                     yield item
-            except KvplaneError as exc:
-                code, message = status_for(exc)
-                await context.abort(code, message)
             except Exception as exc:
-                if _is_abort(exc):
-                    raise
-                log.exception("unexpected error in %s", fn.__name__)
-                await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
+                await _abort(exc, context, fn.__name__)
 
         return stream  # type: ignore[return-value]
 
@@ -76,16 +70,20 @@ def rpc_method(fn: F) -> F:
     async def unary(self: Any, request: Any, context: Context) -> Any:
         try:
             return await fn(self, request, context)
-        except KvplaneError as exc:
-            code, message = status_for(exc)
-            await context.abort(code, message)
         except Exception as exc:
-            if _is_abort(exc):
-                raise
-            log.exception("unexpected error in %s", fn.__name__)
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
+            await _abort(exc, context, fn.__name__)
 
     return unary  # type: ignore[return-value]
+
+
+async def _abort(exc: Exception, context: Context, method: str) -> None:
+    """Ends the call with the status `exc` maps to; context.abort's own exception passes through."""
+    if _is_abort(exc):
+        raise exc
+    if not isinstance(exc, KvplaneError):
+        log.exception("unexpected error in %s", method, exc_info=exc)
+    code, message = status_for(exc)
+    await context.abort(code, message)
 
 
 def _is_abort(exc: BaseException) -> bool:
