@@ -74,6 +74,38 @@ class CommandAck(_message.Message):
 Global___CommandAck: _TypeAlias = CommandAck  # noqa: Y015
 
 @_typing.final
+class KvDemand(_message.Message):
+    """KV memory a node's engine needs now. Sent when it changes (and repeated
+    while it lasts); the leader releases that node's retained handles, lowest
+    expected reuse per byte first, until the demand is covered.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BLOCKS_FIELD_NUMBER: _builtins.int
+    MEASURED_UNIX_MS_FIELD_NUMBER: _builtins.int
+    blocks: _builtins.int
+    """KV blocks the engine's waiting requests (or its free-block watermark)
+    need beyond its free blocks and the blocks it is already freeing, in
+    blocks of the node's `block_size` tokens. 0: no demand.
+    """
+    measured_unix_ms: _builtins.int
+    """When the engine measured it, milliseconds since the Unix epoch."""
+    def __init__(
+        self,
+        *,
+        blocks: _builtins.int = ...,
+        measured_unix_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "measured_unix_ms", b"measured_unix_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KvDemand: _TypeAlias = KvDemand  # noqa: Y015
+
+@_typing.final
 class CommandsRequest(_message.Message):
     """Node -> coordinator."""
 
@@ -81,6 +113,7 @@ class CommandsRequest(_message.Message):
 
     HELLO_FIELD_NUMBER: _builtins.int
     ACK_FIELD_NUMBER: _builtins.int
+    DEMAND_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def hello(self) -> Global___NodeHello:
         """Opens the stream."""
@@ -89,17 +122,22 @@ class CommandsRequest(_message.Message):
     def ack(self) -> Global___CommandAck:
         """Acknowledges a command."""
 
+    @_builtins.property
+    def demand(self) -> Global___KvDemand:
+        """Reports the node's current KV demand; replaces the previous one."""
+
     def __init__(
         self,
         *,
         hello: Global___NodeHello | None = ...,
         ack: Global___CommandAck | None = ...,
+        demand: Global___KvDemand | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "hello", b"hello", "message", b"message"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "demand", b"demand", "hello", b"hello", "message", b"message"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "hello", b"hello", "message", b"message"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "demand", b"demand", "hello", b"hello", "message", b"message"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_message: _TypeAlias = _typing.Literal["hello", "ack"]  # noqa: Y015
+    _WhichOneofReturnType_message: _TypeAlias = _typing.Literal["hello", "ack", "demand"]  # noqa: Y015
     _WhichOneofArgType_message: _TypeAlias = _typing.Literal["message", b"message"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_message) -> _WhichOneofReturnType_message | None: ...
 
