@@ -20,11 +20,33 @@ from kvplane.services.eviction.policy.gaps import BinLayout, GapHistogram, LogNo
 NOW = 1_700_000_000_000
 
 
-def test_the_prior_reproduces_the_mooncake_gap_quantiles() -> None:
+def test_the_prior_is_the_documented_weak_guess_and_fitted_to_no_trace() -> None:
     stats = GapStatistics()
     dist = stats.distribution()
-    for q, gap_s in ((0.10, 42.0), (0.50, 126.0), (0.90, 486.0)):
+    for q, gap_s in ((0.10, 6.0), (0.50, 60.0), (0.90, 600.0)):
         assert dist.cdf(gap_s) == pytest.approx(q, abs=0.04)
+    assert stats.continue_rate() == pytest.approx(0.5)
+
+
+def test_a_few_dozen_observed_gaps_outweigh_the_prior() -> None:
+    stats = GapStatistics()
+    rng = random.Random(3)
+    for _ in range(60):
+        stats.observe_gap("t", rng.uniform(400.0, 500.0))
+    dist = stats.distribution()
+    # The prior put half its mass under 60 s; the learned distribution puts little there.
+    assert dist.cdf(60.0) < 0.15
+    assert dist.cdf(500.0) > 0.6
+
+
+def test_the_continue_rate_is_learned_from_continuations_and_ends() -> None:
+    stats = GapStatistics()
+    for _ in range(10):
+        stats.observe_gap("t", 30.0)
+    for _ in range(90):
+        stats.observe_end("t")
+    assert stats.continue_rate() == pytest.approx(11 / 102)
+    assert stats.continue_rate("t") < 0.15
 
 
 @pytest.mark.parametrize(

@@ -1,17 +1,20 @@
-"""Inter-turn gap statistics, learned online, with a prior from real traffic.
+"""Inter-turn gap statistics, learned online from the turns seen, with a weak prior.
 
 A gap is the time from one turn's handle being published to the next turn of
 the same conversation. The distribution lives in a log-binned histogram
 (gaps span seconds to hours, so equal bins in log-time resolve both ends),
-seeded with pseudo-observations from a log-normal fitted to the gap quantiles
-of the Mooncake conversation trace (p10 42 s, p50 126 s, p90 486 s). Each
-tenant's histogram borrows the global one as its prior, so a tenant with few
-observations behaves like the fleet and drifts to its own shape as turns
-arrive.
+seeded with a few pseudo-observations of a deliberately vague log-normal
+(`WEAK_PRIOR_GAP_QUANTILES`: p10 6 s, p50 60 s, p90 600 s, from an agent's
+next call seconds later to a person reading for minutes). It is fitted to no
+trace: at `GapPrior.global_weight` = 20 pseudo-observations, a few dozen real
+gaps outweigh it. Each tenant's histogram borrows the global one as its
+prior, so a tenant with few observations behaves like the fleet and drifts
+to its own shape as turns arrive.
 
 Not every turn has a successor: the chance that a conversation continues at
 all is a Beta-Bernoulli estimate, fed by continuations and by conversations
-that stayed silent past a horizon (see `TurnTracker`).
+that stayed silent past a horizon (see `TurnTracker`). Its prior is an even
+chance worth two observations (Beta(1, 1), the uniform distribution).
 
 Nothing here reads a clock or does I/O; callers pass times in.
 """
@@ -26,12 +29,11 @@ from dataclasses import dataclass, field
 from statistics import NormalDist
 from types import MappingProxyType
 
-# Quantiles of the time since a context was last used, in seconds, measured on
-# shared/traces/mooncake_conversation_trace.jsonl (traces/README.md).
-MOONCAKE_GAP_QUANTILES: Mapping[float, float] = MappingProxyType({0.10: 42.0, 0.50: 126.0, 0.90: 486.0})
-# Share of that trace's requests that continue an earlier context (4,103 of
-# 12,031): the prior chance that a turn has a successor.
-MOONCAKE_CONTINUE_RATE = 4103 / 12031
+# The prior's gap quantiles, in seconds: a minute typical, a decade of spread either way.
+# A vague guess on purpose; the learned histogram replaces it within a few dozen gaps.
+WEAK_PRIOR_GAP_QUANTILES: Mapping[float, float] = MappingProxyType({0.10: 6.0, 0.50: 60.0, 0.90: 600.0})
+# The prior chance that a turn has a successor: even, for lack of knowledge.
+WEAK_PRIOR_CONTINUE_RATE = 0.5
 
 _STD_NORMAL = NormalDist()
 
@@ -168,13 +170,14 @@ class GapHistogram:
 class GapPrior:
     """Where the statistics start, and how much they trust the start."""
 
-    quantiles: Mapping[float, float] = field(default_factory=lambda: MOONCAKE_GAP_QUANTILES)
-    # Pseudo-observations behind the global prior.
-    global_weight: float = 200.0
-    # Pseudo-observations a tenant borrows from the global histogram.
+    quantiles: Mapping[float, float] = field(default_factory=lambda: WEAK_PRIOR_GAP_QUANTILES)
+    # Pseudo-observations behind the global prior: few, so that observed gaps dominate soon.
+    global_weight: float = 20.0
+    # Pseudo-observations a tenant borrows from the global (learned) histogram.
     tenant_weight: float = 50.0
-    continue_rate: float = MOONCAKE_CONTINUE_RATE
-    continue_weight: float = 50.0
+    continue_rate: float = WEAK_PRIOR_CONTINUE_RATE
+    # Pseudo-observations behind the prior continue rate: Beta(1, 1).
+    continue_weight: float = 2.0
 
 
 class GapStatistics:
@@ -256,7 +259,8 @@ class GapStatistics:
         """P(a turn has a successor), the tenant's own counts over the global rate."""
         g_total = self._global_continued + self._global_ended
         global_rate = self._global_continued / g_total if g_total > 0 else self.prior.continue_rate
-        w = self.prior.continue_weight
+        # A tenant borrows the fleet's learned rate as it borrows the fleet's gap histogram.
+        w = self.prior.tenant_weight
         c = self._continued.get(tenant, 0.0)
         e = self._ended.get(tenant, 0.0)
         return (c + w * global_rate) / (c + e + w)
