@@ -46,12 +46,8 @@ def test_inline_policy_wins_over_the_file(tmp_path: Path) -> None:
 
 
 def test_no_policy_configured_gives_the_default_pipeline() -> None:
-    assert [p.name for p in EvictionSection().pipeline().policies] == [
-        "max_age",
-        "node_budget",
-        "kv_pressure",
-        "low_value",
-    ]
+    # No headroom watermarks by default: memory is released when a node asks for it.
+    assert [p.name for p in EvictionSection().pipeline().policies] == ["max_age", "demand", "low_value"]
 
 
 @pytest.mark.parametrize("text", ["- just a list", "policies:\n  - name: unheard_of\n"])

@@ -7,7 +7,7 @@ the discrete-event simulator can build them directly.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 from kvplane.services.common.handles import ReleaseReason
@@ -45,12 +45,15 @@ class NodeInfo:
     report): it can exceed the published handles' sum, for example while a
     finished turn's handle is still on its way. `free_kv_fraction` is the
     share of its KV blocks free at the last report (1.0: unknown).
+    `demand_bytes` is KV the node's waiting requests need now and that no
+    release already on its way to the node covers (0: no demand).
     """
 
     node_id: str
     kv_capacity_bytes: int = 0
     reported_retained_bytes: int = 0
     free_kv_fraction: float = 1.0
+    demand_bytes: int = 0
 
 
 def _frozen_nodes(nodes: Mapping[str, NodeInfo]) -> Mapping[str, NodeInfo]:
@@ -69,8 +72,24 @@ class Snapshot:
         object.__setattr__(self, "nodes", _frozen_nodes(self.nodes))
 
     def without(self, released: Mapping[tuple[str, str], object]) -> Snapshot:
-        """The snapshot less the handles already chosen for release."""
-        return Snapshot(self.now_unix_ms, tuple(h for h in self.handles if h.key not in released), self.nodes)
+        """The snapshot less the handles already chosen for release.
+
+        Their bytes count toward their nodes' demand: memory freed for any
+        reason answers it.
+        """
+        kept: list[HandleInfo] = []
+        freed: dict[str, int] = {}
+        for h in self.handles:
+            if h.key in released:
+                freed[h.node_id] = freed.get(h.node_id, 0) + h.retained_bytes
+            else:
+                kept.append(h)
+        nodes = dict(self.nodes)
+        for node_id, nbytes in freed.items():
+            node = nodes.get(node_id)
+            if node is not None and node.demand_bytes > 0:
+                nodes[node_id] = replace(node, demand_bytes=max(0, node.demand_bytes - nbytes))
+        return Snapshot(self.now_unix_ms, tuple(kept), nodes)
 
 
 @dataclass(frozen=True, slots=True)

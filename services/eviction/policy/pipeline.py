@@ -15,6 +15,7 @@ Configuration is plain data (as parsed from YAML):
       - name: kv_pressure
         low_free_fraction: 0.05
         target_free_fraction: 0.15
+      - name: demand
       - name: low_value
         min_ratio: 1.0
     value:
@@ -32,6 +33,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from kvplane.services.eviction.policy.base import PolicyConfigError, RetentionPolicy
+from kvplane.services.eviction.policy.demand import OnDemand
 from kvplane.services.eviction.policy.gaps import GapPrior, GapStatistics
 from kvplane.services.eviction.policy.kv_pressure import KvPressure
 from kvplane.services.eviction.policy.low_value import LowValue
@@ -47,17 +49,19 @@ PLUGINS: Mapping[str, Callable[..., RetentionPolicy]] = {
     "tenant_budget": TenantBudget,
     "low_value": LowValue,
     "kv_pressure": KvPressure,
+    "demand": OnDemand,
 }
 
-# Without configuration: release before D's default TTL, cap retention at a
-# 90% / 80% watermark of a node's KV, free blocks when a node runs short of
-# free KV, and drop what is worth less than it costs. Fleets with known
-# headroom set tighter node and tenant budgets.
+# Without configuration: release before D's default TTL, give a node the
+# memory its waiting requests ask for (in value order, no more than asked), and
+# drop what is worth less than it costs. No headroom is kept empty in advance
+# (`node_budget` and `kv_pressure` watermarks): it costs reuse and buys nothing
+# the on-demand path does not. Node and tenant budgets remain as limits for
+# fleets that want them.
 DEFAULT_CONFIG: Mapping[str, Any] = {
     "policies": [
         {"name": "max_age", "engine_ttl_s": 480, "margin_s": 30},
-        {"name": "node_budget", "high_fraction": 0.9, "low_fraction": 0.8},
-        {"name": "kv_pressure", "low_free_fraction": 0.05, "target_free_fraction": 0.15},
+        {"name": "demand"},
         {"name": "low_value", "min_ratio": 1.0},
     ]
 }
@@ -78,6 +82,16 @@ class RetentionPipeline:
 
     policies: tuple[RetentionPolicy, ...]
     values: ValueModel
+
+    @property
+    def on_demand(self) -> OnDemand | None:
+        """The `demand` plugin, which nodes' demand reports also call directly; None: not configured."""
+        return next((p for p in self.policies if isinstance(p, OnDemand)), None)
+
+    def for_demand(self, snapshot: Snapshot, node_id: str) -> list[Release]:
+        """Releases that answer `node_id`'s demand now (the immediate path of a demand report)."""
+        policy = self.on_demand
+        return [] if policy is None else policy.for_node(snapshot, node_id, self.values)
 
     def evaluate(self, snapshot: Snapshot) -> list[Release]:
         chosen: dict[tuple[str, str], Release] = {}

@@ -70,6 +70,21 @@ class ValueModel:
         cost = handle.retained_bytes / capacity * life_left * self.params.holding_cost
         return Valuation(p, benefit, cost)
 
+    def reuse_per_byte(self, handle: HandleInfo, snapshot: Snapshot) -> float:
+        """Expected prefill seconds a pull of `handle` saves, per byte it holds."""
+        return self.value(handle, snapshot).benefit_s / max(1, handle.retained_bytes)
+
+    def least_reuse_per_byte_first(self, handles: list[HandleInfo], snapshot: Snapshot) -> list[HandleInfo]:
+        """`handles` in on-demand release order: least expected reuse per byte first; ties: oldest.
+
+        Unlike `lowest_value_first`, holding time does not enter: memory wanted
+        now is wanted whatever each handle's remaining life.
+        """
+        return sorted(
+            handles,
+            key=lambda h: (self.reuse_per_byte(h, snapshot), h.published_unix_ms, h.tenant, h.conversation),
+        )
+
     def lowest_value_first(self, handles: list[HandleInfo], snapshot: Snapshot) -> list[HandleInfo]:
         """`handles` in release order: lowest density first; ties: oldest, then key."""
         return sorted(
