@@ -15,9 +15,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from kvplane.client import RoutingClient
 from kvplane.services.common.settings import GatewaySection
 from kvplane.services.common.telemetry import Telemetry
-from kvplane.services.gateway.identity import ApiKeys, BadConversation, Unauthorized, identify
+from kvplane.services.gateway import cache_salt
+from kvplane.services.gateway.admission import TENANT, ReadLimits, admission, json_body
+from kvplane.services.gateway.cache_salt import CacheSalts
+from kvplane.services.gateway.identity import ApiKeys, BadConversation, Identity, take_conversation
 from kvplane.services.gateway.metrics import GatewayMetrics
+from kvplane.services.gateway.openai_errors import RequestRejected, error_response, rejection
 from kvplane.services.gateway.progress import TurnRequest
+from kvplane.services.gateway.request_body import BodyLimits, check_completion
 from kvplane.services.gateway.turn import TurnFailed, TurnRunner
 
 log = logging.getLogger(__name__)
@@ -27,8 +32,12 @@ KEYS_KEY: web.AppKey[ApiKeys] = web.AppKey("keys", ApiKeys)
 TELEMETRY_KEY: web.AppKey[Telemetry] = web.AppKey("telemetry", Telemetry)
 SETTINGS_KEY: web.AppKey[GatewaySection] = web.AppKey("settings", GatewaySection)
 METRICS_KEY: web.AppKey[GatewayMetrics] = web.AppKey("metrics", GatewayMetrics)
+SALTS_KEY: web.AppKey[CacheSalts] = web.AppKey("cache_salts", CacheSalts)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+# The paths whose callers are authenticated before their bodies are read.
+COMPLETION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 
 
 class AddressError(ValueError):
@@ -43,13 +52,12 @@ def split_host_port(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def error_response(status: int, message: str, kind: str = "") -> web.Response:
-    kind = kind or {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError"}.get(
-        status, "ServiceUnavailableError" if status == 503 else "BadGatewayError"
-    )
-    return web.json_response(
-        {"error": {"message": message, "type": kind, "param": None, "code": status}}, status=status
-    )
+def _read_limits(settings: GatewaySection) -> ReadLimits:
+    return ReadLimits(settings.max_body_bytes, settings.body_timeout_s, settings.max_json_depth)
+
+
+def _body_limits(settings: GatewaySection) -> BodyLimits:
+    return BodyLimits(vocab_size=settings.vocab_size, max_model_len=settings.max_model_len)
 
 
 def _engine_error(exc: TurnFailed) -> web.Response:
@@ -67,23 +75,27 @@ def _engine_error(exc: TurnFailed) -> web.Response:
 async def _completion(request: web.Request, chat: bool) -> web.StreamResponse:
     arrival = time.perf_counter()
     settings = request.app[SETTINGS_KEY]
+    # The admission middleware has authenticated the caller from its headers: only now is the body read.
+    body = await json_body(request, _read_limits(settings))
+    if isinstance(body, web.Response):
+        return body
     try:
-        body = await request.json()
-    except ValueError:
-        return error_response(400, "the body is not valid JSON")
-    if not isinstance(body, dict):
-        return error_response(400, "the body must be a JSON object")
-    try:
-        identity = identify(request.app[KEYS_KEY], request.headers, body)
-    except Unauthorized as exc:
-        return error_response(401, str(exc))
+        conversation, source = take_conversation(request.headers, body)
+        check_completion(body, chat, _body_limits(settings))
     except BadConversation as exc:
-        return error_response(400, str(exc))
+        return error_response(400, str(exc), param="conversation_id")
+    except RequestRejected as exc:
+        return rejection(exc)
+    identity = Identity(request[TENANT], conversation, source)
+    salt = request.app[SALTS_KEY].salt(identity.tenant)
+    if salt is not None:
+        # Overwrites any salt the client sent: a tenant's cache is its own, whatever it asks.
+        body[cache_salt.BODY_KEY] = salt
     # Only the router may name blocks: an engine trusts whatever it is given.
     body.pop("kv_transfer_params", None)
     model = body.get("model") or (settings.models[0] if settings.models else "")
     if not isinstance(model, str) or not model:
-        return error_response(400, "model is required")
+        return error_response(400, "model is required", param="model")
     stream = body.get("stream") is True
     turn = TurnRequest(
         identity=identity,
@@ -147,9 +159,14 @@ async def count_requests(request: web.Request, handler: Handler) -> web.StreamRe
 def build_app(
     settings: GatewaySection, runner: TurnRunner, telemetry: Telemetry, metrics_: GatewayMetrics
 ) -> web.Application:
-    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[count_requests])
     keys = {entry.token.get_secret_value(): entry.tenant for entry in settings.api_keys}
-    app[KEYS_KEY] = ApiKeys(keys, settings.default_tenant)
+    api_keys = ApiKeys(keys, settings.default_tenant)
+    admit = admission(api_keys, _read_limits(settings), COMPLETION_PATHS)
+    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[count_requests, admit])
+    app[KEYS_KEY] = api_keys
+    app[SALTS_KEY] = CacheSalts.create(
+        settings.cache_salt, settings.cache_salt_key.get_secret_value(), settings.tenant_groups
+    )
     app[RUNNER_KEY] = runner
     app[TELEMETRY_KEY] = telemetry
     app[SETTINGS_KEY] = settings
@@ -205,7 +222,16 @@ class Gateway:
         try:
             # A client that disconnects cancels its handler, and with it the engine requests in flight:
             # an aborted request frees its KV blocks at once.
-            self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+            # aiohttp closes a connection that has not sent a whole request head within its keep-alive
+            # timeout: that is the head's deadline (a client dribbling headers holds nothing longer).
+            # No lingering: a refused request's unread body is not drained, the connection is closed.
+            self._runner = web.AppRunner(
+                app,
+                access_log=None,
+                handler_cancellation=True,
+                keepalive_timeout=s.header_timeout_s,
+                lingering_time=0,
+            )
             await self._runner.setup()
             self._site = web.TCPSite(self._runner, host, port)
             await self._site.start()

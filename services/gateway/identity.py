@@ -65,7 +65,7 @@ class ApiKeys:
         found = ""
         for known, tenant in self._keys.items():
             # Every key is compared, so the time taken does not say which one nearly matched.
-            if hmac.compare_digest(known, token.encode()):
+            if hmac.compare_digest(known, token.encode("utf-8", "surrogateescape")):
                 found = tenant
         if not found:
             raise Unauthorized("invalid API key")
@@ -87,6 +87,13 @@ def take_conversation(headers: Mapping[str, str], body: dict[str, Any]) -> tuple
 
 
 def _checked(conversation: str) -> str:
+    try:
+        conversation.encode("utf-8")
+    except UnicodeEncodeError:
+        raise BadConversation("the conversation id is not valid UTF-8") from None
+    # It travels in etcd keys (escaped) and in response headers, where CR/LF would split the header.
+    if any(ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F for c in conversation):
+        raise BadConversation("the conversation id contains control characters (NUL, CR, LF, ...)")
     try:
         return validation.conversation(conversation)
     except InvalidArgument as exc:

@@ -1,0 +1,134 @@
+"""What a request must pass before the gateway reads its body, and how the body is read.
+
+An unauthenticated client must cost the gateway no more than its headers:
+the API key is checked from the headers and the declared size against the
+limit, and only then is the body read, bounded in size and in time. A
+refused request's connection is closed rather than drained, so a 60 MB body
+that was never going to be read is never received either (aiohttp would
+otherwise read and discard it to keep the connection alive).
+
+The head of a request has its own deadline: aiohttp closes a connection that
+has not completed a request head within its keep-alive timeout, which the
+gateway sets to `header_timeout_s` (app.py).
+
+Reading turns every way a body can be malformed into a 4xx: invalid UTF-8,
+invalid JSON, NaN or Infinity, nesting deeper than the limit, and escaped
+lone surrogates (valid JSON, but no UTF-8 encoding exists for them, and an
+engine call would fail on them later).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from kvplane.services.gateway.identity import ApiKeys, Unauthorized
+from kvplane.services.gateway.openai_errors import RequestRejected, error_response, rejection
+
+# The tenant the request's API key names, set before its handler runs.
+TENANT: web.RequestKey[str] = web.RequestKey("kvplane_tenant", str)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@dataclass(frozen=True, slots=True)
+class ReadLimits:
+    # Largest body accepted, bytes.
+    max_body_bytes: int
+    # The whole body must arrive within this, seconds.
+    body_timeout_s: float
+    # Deepest nesting of JSON arrays and objects accepted.
+    max_depth: int
+
+
+def admission(keys: ApiKeys, limits: ReadLimits, guarded: frozenset[str]) -> Any:
+    """A middleware that authenticates and size-checks requests to `guarded` paths before their
+    handlers run; every other path (health, metrics, models) passes untouched."""
+
+    @web.middleware
+    async def admit(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path not in guarded:
+            return await handler(request)
+        try:
+            request[TENANT] = keys.tenant(request.headers)
+        except Unauthorized as exc:
+            return error_response(401, str(exc), close=request.body_exists)
+        declared = request.content_length
+        if declared is not None and declared > limits.max_body_bytes:
+            return error_response(
+                413,
+                f"the body is {declared} bytes; the limit is {limits.max_body_bytes}",
+                close=True,
+            )
+        return await handler(request)
+
+    return admit
+
+
+async def read_json(request: web.Request, limits: ReadLimits) -> Any:
+    """The request's JSON body, within the size, time and nesting limits; raises RequestRejected."""
+    try:
+        async with asyncio.timeout(limits.body_timeout_s):
+            raw = await request.read()
+    except TimeoutError:
+        raise RequestRejected(408, f"the body did not arrive within {limits.body_timeout_s} s") from None
+    except web.HTTPRequestEntityTooLarge:
+        raise RequestRejected(413, f"the body is over the limit of {limits.max_body_bytes} bytes") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RequestRejected(400, f"the body is not valid UTF-8 (byte {exc.start})") from None
+    try:
+        value = json.loads(text, parse_constant=_no_constant)
+    except RecursionError:
+        raise RequestRejected(400, f"the body nests deeper than {limits.max_depth} levels") from None
+    except ValueError as exc:
+        raise RequestRejected(400, f"the body is not valid JSON: {exc}") from None
+    _check_tree(value, limits.max_depth)
+    return value
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _check_tree(value: Any, max_depth: int) -> None:
+    """Nesting depth and encodable strings, iteratively: no recursion a body could exhaust."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, str):
+            _encodable(item)
+        elif isinstance(item, list | dict):
+            if depth > max_depth:
+                raise RequestRejected(400, f"the body nests deeper than {max_depth} levels")
+            if isinstance(item, dict):
+                for key, child in item.items():
+                    _encodable(key)
+                    stack.append((child, depth + 1))
+            else:
+                stack.extend((child, depth + 1) for child in item)
+
+
+def _encodable(text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise RequestRejected(400, "the body holds a lone surrogate escape: not valid UTF-8") from None
+
+
+async def json_body(request: web.Request, limits: ReadLimits) -> dict[str, Any] | web.Response:
+    """The body as a JSON object, or the error answer to send instead."""
+    try:
+        body = await read_json(request, limits)
+    except RequestRejected as exc:
+        # A body cut short by its limits may still be arriving: end the connection, never drain it.
+        return rejection(exc, close=exc.status in (408, 413))
+    if not isinstance(body, dict):
+        return error_response(400, "the body must be a JSON object")
+    return body

@@ -1,0 +1,47 @@
+"""Errors in OpenAI's format: `{"error": {"message", "type", "param", "code"}}`.
+
+Every refusal the gateway makes itself goes through here, so that a client
+library sees the same shape whatever was wrong.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    408: "RequestTimeoutError",
+    413: "RequestTooLargeError",
+    415: "UnsupportedMediaTypeError",
+    429: "RateLimitError",
+    503: "ServiceUnavailableError",
+}
+
+
+class RequestRejected(Exception):
+    """A request refused before any route or engine call: its HTTP status, message and field."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+
+def error_response(
+    status: int, message: str, kind: str = "", param: str | None = None, *, close: bool = False
+) -> web.Response:
+    """An error answer; `close` ends the connection, so that a body left unread is never drained."""
+    kind = kind or _TYPES.get(status, "BadGatewayError")
+    response = web.json_response(
+        {"error": {"message": message, "type": kind, "param": param, "code": status}}, status=status
+    )
+    if close:
+        response.force_close()
+    return response
+
+
+def rejection(exc: RequestRejected, *, close: bool = False) -> web.Response:
+    return error_response(exc.status, exc.message, param=exc.param, close=close)

@@ -1,0 +1,181 @@
+"""The rules a completion body must meet before any route or engine call.
+
+A bad body is the client's fault and must be answered 400 naming the field,
+before it costs a tokenize call, a Route (which checks a handle out) or a P
+leg. The checks, in order:
+
+1. `model`: a string of 1..256 bytes without control characters, if given.
+2. The prompt. Chat: `messages`, a non-empty list of objects, each with a
+   string `role` and a `content` that is a string, a list of parts (objects)
+   or null. Completions: `prompt`, a string or a non-empty list of token ids,
+   or a batch of exactly one of those (the P/D legs carry one handle each,
+   so batches are refused).
+3. Token ids: integers (not booleans) in [0, vocab_size) when the vocabulary
+   is configured, else in [0, 2^32) (routing's wire type); at most
+   `max_prompt_tokens` of them.
+4. Numbers: the token limits are integers in [1, 2^31); sampling settings are
+   finite numbers; `seed` fits in 64 bits; flags are booleans.
+5. With `max_model_len` configured and a token-id prompt: prompt plus
+   `max_tokens` fit in it (else P would accept what D later rejects).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvplane.services.gateway.openai_errors import RequestRejected
+
+MAX_MODEL_NAME = 256
+TOKEN_ID_LIMIT = 1 << 32
+MAX_TOKENS_LIMIT = (1 << 31) - 1
+SEED_LIMIT = 1 << 63
+
+_INT_FIELDS = ("max_tokens", "max_completion_tokens", "n", "best_of", "min_tokens")
+_NUMBER_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "length_penalty",
+)
+_BOOL_FIELDS = (
+    "stream",
+    "ignore_eos",
+    "return_token_ids",
+    "echo",
+    "add_generation_prompt",
+    "continue_final_message",
+    "skip_special_tokens",
+)
+_OBJECT_FIELDS = ("stream_options", "chat_template_kwargs", "logit_bias", "response_format")
+
+
+@dataclass(frozen=True, slots=True)
+class BodyLimits:
+    # The engines' vocabulary size; 0: unknown, token ids are only checked against 2^32.
+    vocab_size: int = 0
+    # The engines' context length, tokens; 0: unknown, the engines check it.
+    max_model_len: int = 0
+    # Most token ids in a prompt.
+    max_prompt_tokens: int = 1 << 20
+
+
+def has_control(text: str) -> bool:
+    """C0 controls (NUL, CR, LF, ...), DEL and C1 controls: never part of a name or an id."""
+    return any(ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F for c in text)
+
+
+def check_completion(body: Mapping[str, Any], chat: bool, limits: BodyLimits) -> None:
+    """Raises RequestRejected (400, naming the field) unless `body` meets the rules above."""
+    model = body.get("model")
+    if model is not None:
+        if not isinstance(model, str) or not model or len(model.encode()) > MAX_MODEL_NAME:
+            raise RequestRejected(400, f"model must be a string of 1 to {MAX_MODEL_NAME} bytes", "model")
+        if has_control(model):
+            raise RequestRejected(400, "model contains control characters", "model")
+    if chat:
+        _check_messages(body.get("messages"))
+    else:
+        _check_prompt(body.get("prompt"), limits)
+    for name in _INT_FIELDS:
+        _int(body, name, 1, MAX_TOKENS_LIMIT)
+    _int(body, "seed", -SEED_LIMIT, SEED_LIMIT - 1)
+    _int(body, "top_k", -1, MAX_TOKENS_LIMIT)
+    if chat:
+        _int(body, "top_logprobs", 0, 1 << 10)
+        if body.get("logprobs") is not None and not isinstance(body["logprobs"], bool):
+            raise RequestRejected(400, "logprobs must be a boolean", "logprobs")
+    else:
+        _int(body, "logprobs", 0, 1 << 10)
+    for name in _NUMBER_FIELDS:
+        value = body.get(name)
+        if value is not None and (
+            not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value)
+        ):
+            raise RequestRejected(400, f"{name} must be a finite number", name)
+    for name in _BOOL_FIELDS:
+        if body.get(name) is not None and not isinstance(body[name], bool):
+            raise RequestRejected(400, f"{name} must be a boolean", name)
+    for name in _OBJECT_FIELDS:
+        if body.get(name) is not None and not isinstance(body[name], dict):
+            raise RequestRejected(400, f"{name} must be an object", name)
+    stop = body.get("stop")
+    if stop is not None and not (
+        isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
+    ):
+        raise RequestRejected(400, "stop must be a string or a list of strings", "stop")
+    _check_context(body, chat, limits)
+
+
+def _int(body: Mapping[str, Any], name: str, low: int, high: int) -> None:
+    value = body.get(name)
+    if value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise RequestRejected(400, f"{name} must be an integer between {low} and {high}", name)
+
+
+def _check_messages(messages: Any) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise RequestRejected(400, "messages must be a non-empty list", "messages")
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise RequestRejected(400, f"{where} must be an object", where)
+        role = message.get("role")
+        if not isinstance(role, str) or not role or has_control(role):
+            raise RequestRejected(400, f"{where}.role must be a non-empty string", f"{where}.role")
+        content = message.get("content")
+        parts_ok = isinstance(content, list) and all(isinstance(part, dict) for part in content)
+        if content is not None and not isinstance(content, str) and not parts_ok:
+            raise RequestRejected(
+                400, f"{where}.content must be a string, a list of parts or null", f"{where}.content"
+            )
+
+
+def single_prompt(prompt: Any) -> Any:
+    """A batch of one is the prompt itself."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        return prompt[0]
+    return prompt
+
+
+def _check_prompt(prompt: Any, limits: BodyLimits) -> None:
+    prompt = single_prompt(prompt)
+    if isinstance(prompt, str):
+        if not prompt:
+            raise RequestRejected(400, "prompt must not be empty", "prompt")
+        return
+    if not isinstance(prompt, list) or not prompt:
+        raise RequestRejected(
+            400, "prompt must be a string or a non-empty list of token ids (batches are not served)", "prompt"
+        )
+    if len(prompt) > limits.max_prompt_tokens:
+        raise RequestRejected(
+            400, f"prompt has {len(prompt)} token ids; the limit is {limits.max_prompt_tokens}", "prompt"
+        )
+    bound = limits.vocab_size or TOKEN_ID_LIMIT
+    for token in prompt:
+        if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < bound:
+            raise RequestRejected(400, f"prompt's token ids must be integers in [0, {bound})", "prompt")
+
+
+def _check_context(body: Mapping[str, Any], chat: bool, limits: BodyLimits) -> None:
+    if not limits.max_model_len:
+        return
+    wanted = body.get("max_completion_tokens", body.get("max_tokens")) if chat else body.get("max_tokens")
+    wanted = wanted if isinstance(wanted, int) else 0
+    prompt = None if chat else single_prompt(body.get("prompt"))
+    prompt_tokens = len(prompt) if isinstance(prompt, list) else 0
+    if prompt_tokens + wanted > limits.max_model_len:
+        raise RequestRejected(
+            400,
+            f"This model's maximum context length is {limits.max_model_len} tokens; the request asks for "
+            f"{prompt_tokens + wanted} ({prompt_tokens} in the prompt, {wanted} in the completion)",
+            "max_tokens",
+        )
