@@ -141,8 +141,31 @@ class GatewaySection(Section):
     tokenize_url: str = ""
     # Served model names for /v1/models. Empty: asks the fallback decode engine, if any.
     models: list[str] = Field(default_factory=list)
-    # Largest request body accepted, bytes.
-    max_body_bytes: int = Field(64 << 20, gt=0)
+    # Largest request body accepted, bytes: refused from Content-Length before reading, and while reading.
+    max_body_bytes: int = Field(16 << 20, gt=0)
+    # A request head (request line and headers) must arrive within this, seconds; also the idle
+    # keep-alive limit of a client connection.
+    header_timeout_s: float = Field(10.0, gt=0)
+    # A request body must arrive within this once its head is in, seconds.
+    body_timeout_s: float = Field(30.0, gt=0)
+    # Deepest nesting of JSON arrays and objects accepted in a body.
+    max_json_depth: int = Field(32, ge=2)
+    # The engines' vocabulary size, to refuse out-of-range token ids up front; 0: unknown (ids < 2^32).
+    vocab_size: int = Field(0, ge=0)
+    # The engines' context length in tokens, to refuse up front what D would reject; 0: unknown.
+    max_model_len: int = Field(0, ge=0)
+    # vLLM's prefix-cache isolation (`cache_salt`): "tenant" (each tenant its own cache), "group"
+    # (tenants in one `tenant_groups` group share theirs) or "off" (one cache for all: timing then
+    # tells one tenant what another recently sent).
+    cache_salt: Literal["tenant", "group", "off"] = "tenant"
+    # Key of the salt's HMAC, so that a salt names no tenant. Gateways sharing engines must share
+    # it, else each salts differently and their turns miss each other's cache. Empty: random.
+    cache_salt_key: SecretStr = SecretStr("")
+    # Tenant -> group name, for cache_salt "group"; a tenant in no group is alone.
+    tenant_groups: dict[str, str] = Field(default_factory=dict)
+    # Most prompt tokens one tenant may have in flight at once: a bound on the KV its turns hold on
+    # any engine between the P and D legs. 0: unbounded.
+    max_inflight_tokens_per_tenant: int = Field(1 << 20, ge=0)
 
 
 class KvplaneSettings(BaseSettings):
