@@ -45,6 +45,11 @@ def available_services() -> list[str]:
     return found
 
 
+def service_name(names: Sequence[str]) -> str:
+    """OpenTelemetry's `service.name` of a process serving `names`: one per service, or the bundle."""
+    return f"kvplane-{names[0]}" if len(names) == 1 else "kvplane-control-plane"
+
+
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if args.listen:
@@ -101,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 async def _serve(settings: KvplaneSettings, names: Sequence[str]) -> None:
     # grpc.aio objects bind to the running loop, so build the process inside it.
-    process = ServiceProcess(settings, installers(names))
+    process = ServiceProcess(settings, installers(names), service_name=service_name(names))
     await process.run_until_signalled()
 
 

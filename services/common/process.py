@@ -55,13 +55,19 @@ class ServiceProcess:
     """Runs installed services until stopped; usable in tests and the CLI."""
 
     def __init__(
-        self, settings: KvplaneSettings, installers: Sequence[Installer], telemetry: Telemetry | None = None
+        self,
+        settings: KvplaneSettings,
+        installers: Sequence[Installer],
+        telemetry: Telemetry | None = None,
+        *,
+        service_name: str = "kvplane",
     ) -> None:
         self.settings = settings
         self.telemetry = telemetry or Telemetry.create(
-            "kvplane",
+            service_name,
             otlp_endpoint=settings.telemetry.otlp_endpoint,
             sample_ratio=settings.telemetry.sample_ratio,
+            trace_background=settings.telemetry.trace_background,
         )
         self.store = Store(settings.etcd.store_settings(), self.telemetry)
         self.server = GrpcServer(settings.grpc.listen, self.telemetry, settings.auth.authenticator())

@@ -49,8 +49,12 @@ class EtcdSection(Section):
 
 
 class TelemetrySection(Section):
+    # OTLP/gRPC collector; empty: OTEL_EXPORTER_OTLP_ENDPOINT if set, else no export.
     otlp_endpoint: str = ""
+    # Share of new traces kept (ignored when OTEL_TRACES_SAMPLER is set).
     sample_ratio: float = Field(1.0, ge=0.0, le=1.0)
+    # Also start traces for heartbeats, load reports, health checks and background etcd requests.
+    trace_background: bool = False
     metrics_host: str = "127.0.0.1"
     # 0 disables the Prometheus endpoint.
     metrics_port: int = 9464

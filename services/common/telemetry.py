@@ -3,25 +3,49 @@
 Nothing here runs at import. `Telemetry.create` builds a tracer provider with
 OTLP export (when an endpoint is configured) and a Prometheus registry; the
 process passes the object to whatever needs it.
+
+OpenTelemetry's standard variables mean what they mean everywhere else:
+
+- `OTEL_EXPORTER_OTLP_ENDPOINT` (or `..._TRACES_ENDPOINT`) alone turns on OTLP/gRPC export; the
+  exporter itself reads `..._HEADERS`, `..._CERTIFICATE`, `..._CLIENT_KEY`/`..._CLIENT_CERTIFICATE`,
+  `..._INSECURE`, `..._TIMEOUT` and `..._COMPRESSION`. A `telemetry.otlp_endpoint` setting, when
+  given, names the endpoint instead. `OTEL_TRACES_EXPORTER=none` or `OTEL_SDK_DISABLED=true` turn
+  export off.
+- `OTEL_SERVICE_NAME` and `OTEL_RESOURCE_ATTRIBUTES` win over the name each process gives itself
+  (`kvplane-routing`, `kvplane-gateway`, ...).
+- `OTEL_TRACES_SAMPLER` (with `OTEL_TRACES_SAMPLER_ARG`) replaces kvplane's default sampler, which
+  is parent-based with `telemetry.sample_ratio` for new traces and starts no trace for heartbeats,
+  load reports, health checks or background etcd requests (`sampling.py`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from opentelemetry import trace
-from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.resources import SERVICE_NAME, OTELResourceDetector, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
-from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from opentelemetry.sdk.trace.sampling import ParentBased, Sampler, TraceIdRatioBased
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+)
+
+from kvplane.services.common.sampling import QuietBackground
 
 _LATENCY_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 
@@ -63,6 +87,7 @@ class Telemetry:
             ),
         )
         self._gauges: dict[str, Gauge] = {}
+        add_process_metrics(registry)
 
     @classmethod
     def create(
@@ -71,19 +96,21 @@ class Telemetry:
         *,
         otlp_endpoint: str = "",
         sample_ratio: float = 1.0,
+        trace_background: bool = False,
         exporter: SpanExporter | None = None,
         registry: CollectorRegistry | None = None,
     ) -> Telemetry:
-        """Tracing to `otlp_endpoint` (OTLP/gRPC) and/or `exporter`; sampled at `sample_ratio`."""
+        """Tracing to OTLP (see the module docstring) and/or `exporter`, as `service` unless renamed."""
         provider = TracerProvider(
-            resource=Resource.create({"service.name": service}),
-            sampler=ParentBased(TraceIdRatioBased(sample_ratio)),
+            resource=service_resource(service),
+            sampler=sampler(sample_ratio, trace_background, os.environ),
         )
-        if otlp_endpoint:
+        export = otlp_export(otlp_endpoint, os.environ)
+        if export is not None:
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
             provider.add_span_processor(
-                BatchSpanProcessor(OTLPSpanExporter(endpoint=otlp_endpoint, insecure=True))
+                BatchSpanProcessor(OTLPSpanExporter(endpoint=export.endpoint, insecure=export.insecure))
             )
         if exporter is not None:
             provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=100))
@@ -114,6 +141,54 @@ class Telemetry:
 
     def shutdown(self) -> None:
         self.tracer_provider.shutdown()
+
+
+def service_resource(service: str) -> Resource:
+    """The process's resource: `service` as `service.name` unless the operator's variables name it."""
+    # OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES; what Resource.create is given would override them.
+    detected = OTELResourceDetector().detect().attributes
+    ours = {SERVICE_NAME: service, "service.namespace": "kvplane"}
+    return Resource.create({k: v for k, v in ours.items() if k not in detected})
+
+
+def sampler(sample_ratio: float, trace_background: bool, environ: Mapping[str, str]) -> Sampler | None:
+    """kvplane's default sampler, or None where `OTEL_TRACES_SAMPLER` chooses (the SDK reads it)."""
+    if environ.get("OTEL_TRACES_SAMPLER"):
+        return None
+    root: Sampler = TraceIdRatioBased(sample_ratio)
+    return ParentBased(root if trace_background else QuietBackground(root))
+
+
+@dataclass(frozen=True)
+class OtlpTarget:
+    """Where to export; None fields are read by the exporter from OTEL_EXPORTER_OTLP_* itself."""
+
+    endpoint: str | None = None
+    insecure: bool | None = None
+
+
+def otlp_export(otlp_endpoint: str, environ: Mapping[str, str]) -> OtlpTarget | None:
+    """Where the OTLP exporter sends spans, or None when nothing asks for export."""
+    if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return None
+    if environ.get("OTEL_TRACES_EXPORTER", "otlp").strip().lower() == "none":
+        return None
+    if otlp_endpoint:
+        # A bare host:port from kvplane's own setting has always meant plaintext; a URL says itself.
+        insecure = None if "://" in otlp_endpoint else environ.get("OTEL_EXPORTER_OTLP_CERTIFICATE") is None
+        return OtlpTarget(otlp_endpoint, insecure)
+    if environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+        return OtlpTarget()
+    return None
+
+
+def add_process_metrics(registry: CollectorRegistry) -> None:
+    """`process_*` (CPU seconds, memory bytes, open fds, start time) and `python_info` in `registry`."""
+    # A registry shared by several Telemetry objects (tests, `serve all`) has them already.
+    with contextlib.suppress(ValueError):
+        ProcessCollector(registry=registry)
+    with contextlib.suppress(ValueError):
+        PlatformCollector(registry=registry)
 
 
 class JsonLogFormatter(logging.Formatter):

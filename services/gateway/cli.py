@@ -57,6 +57,7 @@ async def serve(settings: KvplaneSettings) -> None:
         "kvplane-gateway",
         otlp_endpoint=settings.telemetry.otlp_endpoint,
         sample_ratio=settings.telemetry.sample_ratio,
+        trace_background=settings.telemetry.trace_background,
     )
     gateway = Gateway(settings.gateway, telemetry)
     await gateway.start()
