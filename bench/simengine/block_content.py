@@ -64,6 +64,14 @@ def root_hash(salt: str) -> int:
     return int.from_bytes(hashlib.blake2b(salt.encode(), digest_size=8).digest(), "little")
 
 
+def salt_key(cache_salt: str | None) -> int:
+    """The prefix-cache key of a request's `cache_salt`: 0 (none) or a 64-bit hash of it."""
+    if not cache_salt:
+        return 0
+    digest = hashlib.blake2b(cache_salt.encode(), digest_size=8, person=b"cache_salt").digest()
+    return int.from_bytes(digest, "little") or 1
+
+
 def chain_hash(parent: int, tokens: Sequence[int] | npt.NDArray[np.int64]) -> int:
     """Hash of one block's tokens chained on its parent's hash."""
     data = np.asarray(tokens, dtype="<i8").tobytes()

@@ -72,11 +72,15 @@ class BlockPool:
 
     # -- prefix cache -----------------------------------------------------
 
-    def match_prefix(self, full_hashes: Sequence[int]) -> list[int]:
-        """Longest run of cached blocks for these whole-block hashes; takes no reference."""
+    def match_prefix(self, full_hashes: Sequence[int], salt: int = 0) -> list[int]:
+        """Longest run of cached blocks for these whole-block hashes under `salt`; takes no reference.
+
+        As vLLM's `cache_salt`: blocks cached under one salt never match a request with another
+        (the salt keys the cache; the blocks' content is the same).
+        """
         out: list[int] = []
         for h in full_hashes:
-            b = self._cached.get(h)
+            b = self._cached.get(h ^ salt)
             if b is None:
                 break
             out.append(b)
@@ -134,8 +138,10 @@ class BlockPool:
         num_tokens: int,
         first_block: int = 0,
         known_full: Sequence[int] = (),
+        salt: int = 0,
     ) -> list[int]:
-        """Write the content of blocks[first_block:] for tokens[:num_tokens]; cache whole blocks.
+        """Write the content of blocks[first_block:] for tokens[:num_tokens]; cache whole blocks
+        under `salt` (see match_prefix).
 
         Blocks before ``first_block`` were matched from the prefix cache and
         are shared, so they are never written. ``known_full`` are whole-block
@@ -156,9 +162,9 @@ class BlockPool:
             if old is not None and self._cached.get(old) == b:
                 del self._cached[old]
             self._hash[b] = None
-            if full and hashes[i] not in self._cached:
-                self._cached[hashes[i]] = b
-                self._hash[b] = hashes[i]
+            if full and hashes[i] ^ salt not in self._cached:
+                self._cached[hashes[i] ^ salt] = b
+                self._hash[b] = hashes[i] ^ salt
         return hashes
 
     # -- leases -----------------------------------------------------------

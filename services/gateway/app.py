@@ -22,7 +22,9 @@ from kvplane.services.gateway.identity import ApiKeys, BadConversation, Identity
 from kvplane.services.gateway.metrics import GatewayMetrics
 from kvplane.services.gateway.openai_errors import RequestRejected, error_response, rejection
 from kvplane.services.gateway.progress import TurnRequest
-from kvplane.services.gateway.request_body import BodyLimits, check_completion
+from kvplane.services.gateway.prompts import estimate_tokens
+from kvplane.services.gateway.request_body import BodyLimits, check_completion, single_prompt
+from kvplane.services.gateway.tenant_share import TenantShares
 from kvplane.services.gateway.turn import TurnFailed, TurnRunner
 
 log = logging.getLogger(__name__)
@@ -33,6 +35,7 @@ TELEMETRY_KEY: web.AppKey[Telemetry] = web.AppKey("telemetry", Telemetry)
 SETTINGS_KEY: web.AppKey[GatewaySection] = web.AppKey("settings", GatewaySection)
 METRICS_KEY: web.AppKey[GatewayMetrics] = web.AppKey("metrics", GatewayMetrics)
 SALTS_KEY: web.AppKey[CacheSalts] = web.AppKey("cache_salts", CacheSalts)
+SHARES_KEY: web.AppKey[TenantShares] = web.AppKey("tenant_shares", TenantShares)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -106,8 +109,14 @@ async def _completion(request: web.Request, chat: bool) -> web.StreamResponse:
         client_token_ids=body.get("return_token_ids") is True,
         arrival=arrival,
     )
+    prompt = single_prompt(body.get("prompt"))
+    # check_completion has made a list prompt a list of token ids.
+    tokens = len(prompt) if not chat and isinstance(prompt, list) else estimate_tokens(body, chat)
     try:
-        return await request.app[RUNNER_KEY].serve(request, turn)
+        with request.app[SHARES_KEY].hold(identity.tenant, tokens):
+            return await request.app[RUNNER_KEY].serve(request, turn)
+    except RequestRejected as exc:
+        return rejection(exc)
     except TurnFailed as exc:
         return _engine_error(exc)
 
@@ -164,6 +173,7 @@ def build_app(
     admit = admission(api_keys, _read_limits(settings), COMPLETION_PATHS)
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[count_requests, admit])
     app[KEYS_KEY] = api_keys
+    app[SHARES_KEY] = TenantShares(settings.max_inflight_tokens_per_tenant)
     app[SALTS_KEY] = CacheSalts.create(
         settings.cache_salt, settings.cache_salt_key.get_secret_value(), settings.tenant_groups
     )

@@ -13,8 +13,9 @@ leg. The checks, in order:
 3. Token ids: integers (not booleans) in [0, vocab_size) when the vocabulary
    is configured, else in [0, 2^32) (routing's wire type); at most
    `max_prompt_tokens` of them.
-4. Numbers: the token limits are integers in [1, 2^31); sampling settings are
-   finite numbers; `seed` fits in 64 bits; flags are booleans.
+4. Numbers: the token limits are integers in [1, 2^31); `n` is 1 (a turn's
+   legs carry one handle each); sampling settings are finite numbers; `seed`
+   fits in 64 bits; flags are booleans.
 5. With `max_model_len` configured and a token-id prompt: prompt plus
    `max_tokens` fit in it (else P would accept what D later rejects).
 """
@@ -33,7 +34,7 @@ TOKEN_ID_LIMIT = 1 << 32
 MAX_TOKENS_LIMIT = (1 << 31) - 1
 SEED_LIMIT = 1 << 63
 
-_INT_FIELDS = ("max_tokens", "max_completion_tokens", "n", "best_of", "min_tokens")
+_INT_FIELDS = ("max_tokens", "max_completion_tokens", "min_tokens")
 _NUMBER_FIELDS = (
     "temperature",
     "top_p",
@@ -84,6 +85,10 @@ def check_completion(body: Mapping[str, Any], chat: bool, limits: BodyLimits) ->
         _check_prompt(body.get("prompt"), limits)
     for name in _INT_FIELDS:
         _int(body, name, 1, MAX_TOKENS_LIMIT)
+    for name in ("n", "best_of"):
+        # A turn's P and D legs carry one handle each: one sequence per request.
+        if body.get(name) is not None and (body[name] != 1 or isinstance(body[name], bool)):
+            raise RequestRejected(400, f"only {name}=1 is served", name)
     _int(body, "seed", -SEED_LIMIT, SEED_LIMIT - 1)
     _int(body, "top_k", -1, MAX_TOKENS_LIMIT)
     if chat:

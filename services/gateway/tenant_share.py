@@ -1,0 +1,46 @@
+"""Each tenant's share of the engines' held KV, bounded by its prompt tokens in flight.
+
+Between a turn's P leg and its D leg, P holds the prompt's KV for D to read;
+a tenant sending many turns at once (or turns D will reject) could fill a P
+with blocks nobody else can use. The gateway counts each tenant's prompt
+tokens in flight and refuses a turn (429) that would take the tenant past its
+limit. A text prompt counts as its UTF-8 size, an upper-end guess of its
+tokens (no tokenizer produces more tokens than bytes here).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from kvplane.services.gateway.openai_errors import RequestRejected
+
+
+class TenantShares:
+    """Prompt tokens in flight per tenant; one per gateway, used on its event loop only."""
+
+    def __init__(self, limit_tokens: int) -> None:
+        # 0: unbounded.
+        self.limit = limit_tokens
+        self._in_flight: defaultdict[str, int] = defaultdict(int)
+
+    def in_flight(self, tenant: str) -> int:
+        return self._in_flight.get(tenant, 0)
+
+    @contextmanager
+    def hold(self, tenant: str, tokens: int) -> Iterator[None]:
+        """Counts `tokens` for `tenant` while the block runs; RequestRejected (429) if over the limit."""
+        if self.limit and self._in_flight[tenant] + tokens > self.limit:
+            raise RequestRejected(
+                429,
+                f"this key has {self._in_flight[tenant]} prompt tokens in flight; a turn of {tokens} more "
+                f"would pass its limit of {self.limit}: retry when earlier turns finish",
+            )
+        self._in_flight[tenant] += tokens
+        try:
+            yield
+        finally:
+            self._in_flight[tenant] -= tokens
+            if not self._in_flight[tenant]:
+                del self._in_flight[tenant]
