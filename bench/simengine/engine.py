@@ -42,6 +42,7 @@ from kvplane.bench.simengine.block_content import (
     full_block_hashes,
     lease_stamp,
     root_hash,
+    salt_key,
 )
 from kvplane.bench.simengine.block_pool import BlockPool, KvCacheFullError
 from kvplane.bench.simengine.engine_hooks import EngineLoad, EngineObserver, NullObserver
@@ -81,6 +82,8 @@ class GenerationRequest:
     kv_transfer_params: Mapping[str, Any] | None = None
     # Output opens with <think>, this many model tokens, </think> (chat reasoning).
     reasoning_tokens: int = 0
+    # vLLM's `cache_salt`: the prefix cache is shared only between requests with the same salt.
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)
@@ -306,7 +309,8 @@ class SimEngine:
         try:
             # Keep at least one prompt token to compute: its logits give the first token.
             prompt_chain = full_block_hashes(prompt, bs, self.pool.root)
-            hit_blocks = self.pool.match_prefix(prompt_chain) if s.enable_prefix_caching else []
+            salt = salt_key(req.cache_salt)
+            hit_blocks = self.pool.match_prefix(prompt_chain, salt) if s.enable_prefix_caching else []
             hit_blocks = hit_blocks[: (n - 1) // bs]
             self.pool.acquire(hit_blocks)
             blocks = list(hit_blocks)
@@ -330,7 +334,7 @@ class SimEngine:
                 running = True
                 computed = n - hit - external
                 await asyncio.sleep(s.timing.prefill_s(computed))
-                self.pool.write_tokens(blocks, prompt, n, len(hit_blocks), prompt_chain)
+                self.pool.write_tokens(blocks, prompt, n, len(hit_blocks), prompt_chain, salt)
                 self.metrics.count_prompt(hit, external, computed)
 
             # The oracle state: the chain of whole blocks, then the tokens after it.
@@ -434,7 +438,9 @@ class SimEngine:
         if blocks[keep:]:
             self.pool.release(blocks[keep:])
         blocks = blocks[:keep]
-        self.pool.write_tokens(blocks, all_tokens, num_kv, min(len(prompt) // bs, keep), prompt_chain)
+        self.pool.write_tokens(
+            blocks, all_tokens, num_kv, min(len(prompt) // bs, keep), prompt_chain, salt_key(req.cache_salt)
+        )
         self.metrics.finished(reason, len(out))
         params: dict[str, Any] | None = None
         stamp = lease_stamp(self.engine_id, self.incarnation, req.request_id)

@@ -137,6 +137,10 @@ def parse_request(
     opts = body.get("stream_options") or {}
     if not isinstance(opts, dict):
         raise RequestError("stream_options must be an object", param="stream_options")
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        # vLLM's rule for the field.
+        raise RequestError("Parameter cache_salt must be a non-empty string if provided.", param="cache_salt")
     prefix = "chatcmpl" if chat else "cmpl"
     # Like vLLM, take the caller's X-Request-Id into the internal id; a suffix keeps a retried
     # id from colliding with a handle the engine still holds.
@@ -150,6 +154,7 @@ def parse_request(
             ignore_eos=_bool(body, "ignore_eos"),
             kv_transfer_params=kvp,
             reasoning_tokens=reasoning,
+            cache_salt=salt,
         ),
         stream=stream,
         include_usage=stream and _bool(opts, "include_usage"),
