@@ -5,6 +5,14 @@ gaps from handle publishes. Only the leader acts:
 
 - evaluates the retention pipeline over the cluster view and releases what
   it decides, each through a fenced transaction (`Releaser`);
+- answers nodes' KV demand at once: a demand report on a node's command
+  stream wakes a round for that node alone, which releases its handles in
+  value order until the demand is covered (the `demand` plugin). Releases
+  the node acknowledged only after it sent the report (or not yet) are
+  taken off the report, so one shortage is answered once. The leader, not the node, decides: it holds
+  the learned gap statistics and the view of every handle, and each release
+  still goes through the same fenced transaction, so a handle being checked
+  out is never freed;
 - purges the handles of nodes whose lease went, or that came back as a new
   incarnation, through the per-node index, and sweeps for orphans;
 - drains nodes marked draining;
@@ -25,6 +33,7 @@ import socket
 import time
 import uuid
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any
 
 from kvplane.services.common.cluster_view import ClusterView, HandleChange, NodeChange
@@ -53,6 +62,19 @@ log = logging.getLogger(__name__)
 _MIN_EVALUATE_GAP_S = 0.05
 # How long a new leader waits for its view to reach the term's start revision.
 _CATCH_UP_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class NodeDemand:
+    """A node's latest KV demand report."""
+
+    incarnation: str
+    # KV blocks wanted beyond what is free and what the node is already freeing.
+    blocks: int
+    # When the node measured it (its clock), Unix ms.
+    measured_unix_ms: int
+    # When the leader received it, time.monotonic() seconds.
+    received_s: float
 
 
 def default_replica_id() -> str:
@@ -88,6 +110,11 @@ class EvictionCoordinator:
         self.last_evaluation_s = 0.0
         self._reported_nodes: set[str] = set()
         self._wake = asyncio.Event()
+        self.demands: dict[str, NodeDemand] = {}
+        self._demand_wake = asyncio.Event()
+        # One decision round at a time (the policy round or a demand round):
+        # each sees the releases of the one before it.
+        self._deciding = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
         self._term_tasks: set[asyncio.Task[Any]] = set()
         self._leadership_listeners: list[Callable[[bool], None]] = []
@@ -154,6 +181,7 @@ class EvictionCoordinator:
         self._announce(True)
         log.info("eviction leader: acting", extra={"replica": self.replica_id})
         self._spawn(self._policy_loop(term))
+        self._spawn(self._demand_loop(term))
         self._spawn(self._sweep_loop(term))
         for record in list(self.view.nodes.values()):
             if record.node.draining:
@@ -220,7 +248,7 @@ class EvictionCoordinator:
                 free = load.free_kv_fraction
                 if capacity > 0 and load.total_kv_blocks > 0:
                     free = min(1.0, free + freed / capacity)
-            nodes[node_id] = NodeInfo(node_id, capacity, reported, free)
+            nodes[node_id] = NodeInfo(node_id, capacity, reported, free, self.demand_bytes(node_id))
         draining = {(r.node.node_id, r.node.incarnation) for r in self.view.nodes.values() if r.node.draining}
         handles: list[HandleInfo] = []
         drains: list[Release] = []
@@ -248,6 +276,10 @@ class EvictionCoordinator:
 
     async def evaluate_once(self, term: Term) -> int:
         """One round: judge the view, release what was decided. Returns releases made."""
+        async with self._deciding:
+            return await self._evaluate(term)
+
+    async def _evaluate(self, term: Term) -> int:
         started = time.perf_counter()
         now = now_ms()
         self.tracker.expire(now)
@@ -272,6 +304,70 @@ class EvictionCoordinator:
         for node_id in self._reported_nodes - retained.keys():
             self.metrics.node_retained_bytes.remove(node_id)
         self._reported_nodes = set(retained)
+
+    # -- demand ------------------------------------------------------------------------------
+
+    def on_demand(self, node_id: str, incarnation: str, blocks: int, measured_unix_ms: int) -> None:
+        """A node reported its KV demand on its command stream (replaces its previous report)."""
+        self.metrics.demand_reports.inc()
+        record = self.view.nodes.get(node_id)
+        if record is not None and record.node.incarnation != incarnation:
+            return  # a report from another life of the node
+        if blocks <= 0:
+            self.demands.pop(node_id, None)
+            return
+        self.demands[node_id] = NodeDemand(incarnation, blocks, measured_unix_ms, time.monotonic())
+        self._demand_wake.set()
+
+    def forget_demand(self, node_id: str, incarnation: str) -> None:
+        """The node's stream closed: its demand is reported again when it reconnects."""
+        demand = self.demands.get(node_id)
+        if demand is not None and demand.incarnation == incarnation:
+            del self.demands[node_id]
+
+    def demand_bytes(self, node_id: str) -> int:
+        """`node_id`'s demand in bytes, less releases its report could not reflect yet."""
+        demand = self.demands.get(node_id)
+        record = self.view.nodes.get(node_id)
+        if demand is None or record is None:
+            return 0
+        block_bytes = record.node.kv_bytes_per_token * max(1, record.node.block_size)
+        unseen = self.releaser.bytes_unseen_by(node_id, demand.received_s)
+        return max(0, demand.blocks * block_bytes - unseen)
+
+    async def _demand_loop(self, term: Term) -> None:
+        while term.active:
+            await self._demand_wake.wait()
+            self._demand_wake.clear()
+            for node_id in list(self.demands):
+                try:
+                    await self.answer_demand(node_id, term)
+                except StoreUnavailable as exc:
+                    log.warning("demand round for %s failed: %s", node_id, exc)
+                except Exception:
+                    log.exception("demand round for %s failed", node_id)
+
+    async def answer_demand(self, node_id: str, term: Term) -> int:
+        """Releases `node_id`'s handles, in value order, until its demand is covered.
+
+        A release that loses to a check-out frees nothing, so the round is
+        repeated on the new view while it makes progress. Returns releases made.
+        """
+        demand = self.demands.get(node_id)
+        released = 0
+        async with self._deciding:
+            while term.active:
+                snapshot, _ = self.snapshot(now_ms())
+                releases = self.pipeline.for_demand(snapshot, node_id)
+                if not releases:
+                    break
+                outcome = await self.releaser.apply(releases, term)
+                released += outcome.released
+                if outcome.released == 0:
+                    break  # nothing could be released: the next report or round retries
+        if released and demand is not None:
+            self.metrics.demand_answer_seconds.observe(time.monotonic() - demand.received_s)
+        return released
 
     # -- inputs from the view ------------------------------------------------------------
 

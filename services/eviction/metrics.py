@@ -21,6 +21,8 @@ class EvictionMetrics:
     purged_handles: Counter
     node_retained_bytes: Gauge
     evaluation_seconds: Histogram
+    demand_reports: Counter
+    demand_answer_seconds: Histogram
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> EvictionMetrics:
@@ -81,5 +83,16 @@ class EvictionMetrics:
                 "CPU time of one policy round (snapshot and judging, not the releases)",
                 registry=registry,
                 buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+            ),
+            demand_reports=Counter(
+                "kvplane_eviction_demand_reports_total",
+                "KV demand reports received from nodes (zero demand included)",
+                registry=registry,
+            ),
+            demand_answer_seconds=Histogram(
+                "kvplane_eviction_demand_answer_seconds",
+                "From receiving a node's KV demand to its releases being committed in etcd",
+                registry=registry,
+                buckets=_DELIVERY_BUCKETS,
             ),
         )

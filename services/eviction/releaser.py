@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import defaultdict, deque
+import time
+from collections import OrderedDict, defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -27,6 +28,10 @@ log = logging.getLogger(__name__)
 
 # How long releases are remembered against lagging load reports, ms.
 _FREED_MEMORY_MS = 120_000
+# How long a release is remembered against its node's demand reports, seconds:
+# a node that is away does not report demand either, and on reconnect it is
+# sent the command again.
+_DEMAND_MEMORY_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +40,16 @@ class ReleaseOutcome:
     conflicts: int
     stale: int
     failed: int
+
+
+@dataclass(slots=True)
+class _Sent:
+    """A release sent to a node, as its demand reports see it. Times: time.monotonic() s."""
+
+    nbytes: int
+    decided_s: float
+    # When the node acknowledged it; None: not yet.
+    acked_s: float | None
 
 
 class Releaser:
@@ -57,6 +72,11 @@ class Releaser:
         # (when, bytes) of recent releases per node: a node's load report
         # lags them, and must not be read as if they had not happened.
         self._freed: dict[str, deque[tuple[int, int]]] = defaultdict(deque)
+        # Per node, command id -> release sent: a demand report the node sent
+        # before it acknowledged a release cannot count that release.
+        self._sent: dict[str, dict[str, _Sent]] = defaultdict(dict)
+        # Acknowledgements that overtook their transaction's reply: command id -> when.
+        self._acked_early: OrderedDict[str, float] = OrderedDict()
 
     def freed_since(self, node_id: str, since_unix_ms: int) -> int:
         """Bytes released on `node_id` after `since_unix_ms` (a load report's time)."""
@@ -67,6 +87,32 @@ class Releaser:
         while entries and entries[0][0] < horizon:
             entries.popleft()
         return sum(b for t, b in entries if t > since_unix_ms)
+
+    def bytes_unseen_by(self, node_id: str, report_received_s: float) -> int:
+        """Bytes released on `node_id` that a demand report received at `report_received_s`
+        (time.monotonic()) cannot reflect: their acknowledgements came after it, or not yet."""
+        entries = self._sent.get(node_id)
+        if not entries:
+            return 0
+        horizon = time.monotonic() - _DEMAND_MEMORY_S
+        total = 0
+        for command_id, sent in list(entries.items()):
+            if (sent.acked_s if sent.acked_s is not None else sent.decided_s) < horizon:
+                del entries[command_id]
+            elif sent.acked_s is None or sent.acked_s > report_received_s:
+                total += sent.nbytes
+        return total
+
+    def acknowledged(self, node_id: str, command_id: str) -> None:
+        """The node applied `command_id`: its demand reports from now on reflect it."""
+        now = time.monotonic()
+        entry = self._sent.get(node_id, {}).get(command_id)
+        if entry is not None:
+            entry.acked_s = now
+            return
+        self._acked_early[command_id] = now
+        while len(self._acked_early) > 1024:
+            self._acked_early.popitem(last=False)
 
     def prune(self) -> None:
         for key, handle_id in list(self.recent.items()):
@@ -117,6 +163,9 @@ class Releaser:
                 span.set_attribute("kvplane.command_id", pending.command_id)
             self.recent[release.key] = release.handle_id
             self._freed[release.node_id].append((pending.decided_unix_ms, release.retained_bytes))
+            acked_s = self._acked_early.pop(pending.command_id, None)
+            sent = _Sent(release.retained_bytes, time.monotonic(), acked_s)
+            self._sent[release.node_id][pending.command_id] = sent
             self.metrics.releases.labels(release.reason.value, release.policy).inc()
             _log_release(release, pending)
             return "released"

@@ -1,7 +1,9 @@
 """kvplane.v1.EvictionService: the node command channel and status.
 
 Only the leader serves command streams; a standby answers UNAVAILABLE so the
-node agent retries, and finds the leader among the replicas.
+node agent retries, and finds the leader among the replicas. A node's KV demand
+travels on the same stream, in order with its acknowledgements: an ack read
+before a demand report means the report already counts that release.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import grpc
 
 from kvplane.services.common import validation
 from kvplane.services.common.auth import PrincipalKind
-from kvplane.services.common.errors import InvalidArgument, NotLeader, StoreUnavailable
+from kvplane.services.common.errors import InvalidArgument, KvplaneError, NotLeader
 from kvplane.services.common.grpc_errors import rpc_method
 from kvplane.services.common.server import caller
 from kvplane.services.eviction.coordinator import EvictionCoordinator
@@ -40,12 +42,16 @@ class EvictionService(eviction_pb2_grpc.EvictionServiceServicer):
         request_iterator: AsyncIterator[eviction_pb2.CommandsRequest],
         context: grpc.aio.ServicerContext[eviction_pb2.CommandsRequest, eviction_pb2.CommandsResponse],
     ) -> AsyncIterator[eviction_pb2.CommandsResponse]:
-        caller(self, context).require(*_INTERNAL)
+        principal = caller(self, context)
+        principal.require(PrincipalKind.NODE)
         term = self.coordinator.term
         if term is None or not term.active:
             leader = self.coordinator.election.leader_id
             raise NotLeader(f"replica {self.coordinator.replica_id} is a standby; leader is {leader!r}")
         hello = await _hello(request_iterator)
+        # The stream carries this node's release commands (tenants and conversations in
+        # clear) and its acks delete them: only the node itself may open it.
+        principal.as_node(hello.node_id, "hello.node_id")
         if self.coordinator.term is not term or not term.active:
             # The term ended while the hello was on its way: open nothing.
             raise NotLeader("leadership moved to another replica; reconnect")
@@ -64,6 +70,9 @@ class EvictionService(eviction_pb2_grpc.EvictionServiceServicer):
             with contextlib.suppress(asyncio.CancelledError):
                 await reader
             self.coordinator.sessions.discard(session, session.close_reason or "stream ended")
+            if self.coordinator.sessions.get(hello.node_id) is None:
+                # No newer stream from the node: its demand is unknown until it reconnects.
+                self.coordinator.forget_demand(hello.node_id, hello.incarnation)
             log.info(
                 "node disconnected",
                 extra={"node": hello.node_id, "reason": session.close_reason, "acked": session.acked},
@@ -91,13 +100,23 @@ class EvictionService(eviction_pb2_grpc.EvictionServiceServicer):
 
         try:
             async for request in requests:
-                if request.WhichOneof("message") == "ack":
+                kind = request.WhichOneof("message")
+                if kind == "demand":
+                    self.coordinator.on_demand(
+                        session.node_id,
+                        session.incarnation,
+                        request.demand.blocks,
+                        request.demand.measured_unix_ms,
+                    )
+                elif kind == "ack":
+                    # Before any later demand report is read: that report counts this release.
+                    self.coordinator.releaser.acknowledged(session.node_id, request.ack.command_id)
                     await limit.acquire()  # back-pressure on the node while deletes catch up
                     task = asyncio.create_task(acknowledge(request.ack))
                     in_flight.add(task)
                     task.add_done_callback(in_flight.discard)
             reason = "node closed the stream"
-        except (grpc.aio.AioRpcError, grpc.RpcError, StoreUnavailable) as exc:
+        except (grpc.aio.AioRpcError, grpc.RpcError, KvplaneError) as exc:
             reason = f"stream broke: {exc}"
         self.coordinator.sessions.discard(session, reason)
 

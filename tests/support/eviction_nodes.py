@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from kvplane.services.common.telemetry import Telemetry
 from kvplane.services.eviction.app import install
 from kvplane.services.eviction.coordinator import EvictionCoordinator
 from kvplane.v1 import eviction_pb2, eviction_pb2_grpc
-from tests.conftest import NODE_HEADERS, settings_for
+from tests.conftest import node_headers, settings_for
 
 
 @dataclass
@@ -51,6 +52,7 @@ class CommandNode:
     streams_opened: int = 0
 
     def __post_init__(self) -> None:
+        self._out: asyncio.Queue[eviction_pb2.CommandsRequest | None] | None = None
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         self._connected = asyncio.Event()
@@ -84,6 +86,19 @@ class CommandNode:
             self._task = None
         self._connected.clear()
 
+    def send_demand(self, blocks: int) -> None:
+        """Reports KV demand on the open stream, in order with the acks sent so far."""
+        assert self._out is not None, "no open stream"
+        demand = eviction_pb2.KvDemand(blocks=blocks, measured_unix_ms=int(time.time() * 1000))
+        self._out.put_nowait(eviction_pb2.CommandsRequest(demand=demand))
+
+    def acknowledge(self, command_id: str) -> None:
+        """Acknowledges an applied command late (for nodes started with ack=False)."""
+        assert self._out is not None, "no open stream"
+        self._out.put_nowait(
+            eviction_pb2.CommandsRequest(ack=eviction_pb2.CommandAck(command_id=command_id, ok=True))
+        )
+
     async def disconnect(self) -> None:
         """Drops the stream as a network fault would; `start()` reconnects."""
         await self.stop()
@@ -107,6 +122,7 @@ class CommandNode:
         async with grpc.aio.insecure_channel(target) as channel:
             stub = eviction_pb2_grpc.EvictionServiceStub(channel)
             out: asyncio.Queue[eviction_pb2.CommandsRequest | None] = asyncio.Queue()
+            self._out = out
             out.put_nowait(
                 eviction_pb2.CommandsRequest(
                     hello=eviction_pb2.NodeHello(node_id=self.node_id, incarnation=self.incarnation)
@@ -117,7 +133,7 @@ class CommandNode:
                 while (msg := await out.get()) is not None:
                     yield msg
 
-            call = stub.Commands(requests(), metadata=NODE_HEADERS)
+            call = stub.Commands(requests(), metadata=node_headers(self.node_id))
             self.streams_opened += 1
             try:
                 # The leader sends nothing until there is a command, so the
