@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,6 +38,17 @@ DEMO_TENANT = "demo"
 
 class StartupError(RuntimeError):
     """A process of the stack did not come up."""
+
+
+def engine_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Environment for the stack's engines: UCX (under NIXL) listens on loopback only.
+
+    UCX otherwise opens its TCP listener on every network interface, and the KV it serves has no
+    authentication: in the dev stack every transfer is local, so nothing else may reach it. A
+    UCX_NET_DEVICES already set is left alone.
+    """
+    env = os.environ if environ is None else environ
+    return {} if "UCX_NET_DEVICES" in env else {"UCX_NET_DEVICES": "lo"}
 
 
 @dataclass
@@ -230,6 +241,7 @@ async def start_stack(
                     *(prefill_args if role == "prefill" else ()),
                 ),
                 run_dir / f"engine-{node_id}.log",
+                env=engine_env(),
             )
             stack.processes.append(engine)
             progress(f"starting the {role} sim-engine")
