@@ -35,6 +35,8 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from opentelemetry import trace
+
 from kvplane.bench.simengine.block_content import (
     BlockCheck,
     block_hashes,
@@ -60,6 +62,7 @@ from kvplane.bench.simengine.side_channel import (
 )
 from kvplane.bench.simengine.token_oracle import TokenOracle
 from kvplane.bench.simengine.toy_tokenizer import BYTE_OFFSET, EOS_ID, think_close, think_open
+from kvplane.services.common.handles import KEY_PULLED_TOKENS
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +98,8 @@ class FinishInfo:
     # Prompt tokens whose KV was not computed here (local cache hit + pulled).
     cached_tokens: int
     kv_transfer_params: dict[str, Any] | None
+    # Of those, the tokens whose KV was read from a remote engine over NIXL.
+    pulled_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -132,6 +137,9 @@ class _Peer:
 
 class SimEngine:
     """One simulated engine. All methods run on one event loop."""
+
+    # Spans of the engine's own steps (the pull), children of the request's span; the server sets it.
+    tracer: trace.Tracer = trace.NoOpTracer()
 
     def __init__(
         self, settings: SimEngineSettings, observer: EngineObserver | None = None, incarnation: str = ""
@@ -321,7 +329,11 @@ class SimEngine:
             external = 0
             if leg != "local" and remote is not None:
                 # Like vLLM's WAITING_FOR_REMOTE_KVS: the pull runs outside the compute queue.
-                result = await self._load_remote(leg, remote, prompt, prompt_chain, blocks, len(hit_blocks))
+                hits = len(hit_blocks)
+                with self.tracer.start_as_current_span("kv.pull", attributes={"kvplane.leg": leg}) as span:
+                    result = await self._load_remote(leg, remote, prompt, prompt_chain, blocks, hits)
+                    span.set_attribute("kvplane.pull.outcome", result.outcome)
+                    span.set_attribute("kvplane.tokens.pulled", result.external_tokens)
                 external = result.external_tokens
                 self._queued_tokens -= external
                 queued_tokens -= external
@@ -336,6 +348,15 @@ class SimEngine:
                 await asyncio.sleep(s.timing.prefill_s(computed))
                 self.pool.write_tokens(blocks, prompt, n, len(hit_blocks), prompt_chain, salt)
                 self.metrics.count_prompt(hit, external, computed)
+                trace.get_current_span().set_attributes(
+                    {
+                        "kvplane.leg": leg,
+                        "kvplane.tokens.prompt": n,
+                        "kvplane.tokens.pulled": external,
+                        "kvplane.tokens.prefill_cache": hit,
+                        "kvplane.tokens.computed": computed,
+                    }
+                )
 
             # The oracle state: the chain of whole blocks, then the tokens after it.
             last_full = prompt_chain[-1] if prompt_chain else self.pool.root
@@ -364,6 +385,7 @@ class SimEngine:
                         blocks,
                         "stop" if stop else "length",
                         hit + external,
+                        external,
                     )
                     blocks = []  # owned by the retained handle, or released
                     done = True
@@ -429,6 +451,7 @@ class SimEngine:
         blocks: list[int],
         reason: Literal["stop", "length"],
         cached_tokens: int,
+        pulled_tokens: int,
     ) -> FinishInfo:
         s, bs = self.settings, self.settings.block_size
         all_tokens = prompt + out
@@ -469,6 +492,9 @@ class SimEngine:
                 num_tokens=num_kv,
                 expiry_time=expiry,
             )
+            if retain == "prefill_lease":
+                # What was pulled, as the engine saw it: the gateway counts it apart from cache hits.
+                params[KEY_PULLED_TOKENS] = pulled_tokens
             if retain == "decode_handle":
                 try:
                     self.observer.on_handle_retained(
@@ -479,7 +505,7 @@ class SimEngine:
         elif blocks:
             self.pool.release(blocks)
             self._blocks_freed.set()
-        return FinishInfo(reason, tuple(out), cached_tokens, params)
+        return FinishInfo(reason, tuple(out), cached_tokens, params, pulled_tokens)
 
     # -- pulling ----------------------------------------------------------
 

@@ -6,6 +6,7 @@ from kvplane.client.routing_client import (
     RoutingClient,
     RoutingUnavailable,
 )
+from kvplane.client.tokenize import TokenizeFailed, is_token_ids, tokenize
 from kvplane.client.vllm_requests import MissingPrefillParams, decode_body, leg_url, prefill_body
 
 __all__ = [
@@ -14,7 +15,10 @@ __all__ = [
     "RouteResult",
     "RoutingClient",
     "RoutingUnavailable",
+    "TokenizeFailed",
     "decode_body",
+    "is_token_ids",
     "leg_url",
     "prefill_body",
+    "tokenize",
 ]

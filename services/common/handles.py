@@ -45,6 +45,9 @@ KEY_CONVERSATION = "kvplane_conversation"
 KEY_HANDLE_ID = "kvplane_handle_id"
 KEY_DIGESTS = "kvplane_digests"
 KVPLANE_KEYS = frozenset({KEY_TENANT, KEY_CONVERSATION, KEY_HANDLE_ID, KEY_DIGESTS})
+# The prefill engine's own report, in the params it returns: prompt tokens whose KV it read from the
+# holder over NIXL. Its usage's `cached_tokens` also counts its own prefix-cache hits.
+KEY_PULLED_TOKENS = "kvplane_pulled_tokens"
 
 
 class HandleFormatError(ValueError):

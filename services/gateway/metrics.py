@@ -21,6 +21,8 @@ class GatewayMetrics:
     legs: Histogram
     retries: Counter
     requests: Counter
+    # Prompt tokens of P legs that answered, by where P got their KV, as P reported it.
+    prompt_tokens: Counter
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> GatewayMetrics:
@@ -55,6 +57,14 @@ class GatewayMetrics:
                 "kvplane_gateway_requests_total",
                 "HTTP requests by endpoint and status code",
                 ["endpoint", "status"],
+                registry=registry,
+            ),
+            prompt_tokens=Counter(
+                "kvplane_gateway_prompt_tokens_total",
+                "Prompt tokens of answered prefill legs by where the prefill engine got their KV, as it "
+                "reported: pulled (read from the holder over NIXL), prefill_cache (its own prefix cache), "
+                "computed, or unattributed (cached, by an engine that does not report its pulls)",
+                ["source"],
                 registry=registry,
             ),
         )

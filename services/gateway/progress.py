@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvplane.services.common.handles import KEY_PULLED_TOKENS
 from kvplane.services.gateway.identity import Identity
 
 
@@ -33,14 +34,64 @@ class TurnProgress:
     decode_params: dict[str, Any] | None = None
     ttft_s: float | None = None
     prefill_s: float = 0.0
-    pulled_tokens: int = 0
+    # Where P got the prompt's KV, as P reported it (None until P has answered).
+    sources: PromptSources | None = None
     error: str = ""
+
+    @property
+    def pulled_tokens(self) -> int:
+        """Prompt tokens P read from the holder over NIXL (0 when P did not say)."""
+        return self.sources.pulled if self.sources is not None and self.sources.pulled is not None else 0
 
     def retained_token_ids(self) -> list[int]:
         """D retains prompt + output - 1 tokens (the last output token has no KV yet)."""
         if not self.prompt_ids or not self.output_ids:
             return []
         return [*self.prompt_ids, *self.output_ids[:-1]]
+
+
+@dataclass(frozen=True, slots=True)
+class PromptSources:
+    """Where P got each prompt token's KV: pulled + prefill_cache + computed = prompt.
+
+    `pulled` is None when P did not report its pull (an engine without kvplane's connector): its
+    cached tokens are then `unattributed`, neither pulled nor P's own cache for certain.
+    """
+
+    prompt: int
+    pulled: int | None
+    prefill_cache: int
+    computed: int
+
+    @property
+    def unattributed(self) -> int:
+        return self.prompt - self.computed - self.prefill_cache - (self.pulled or 0)
+
+    def counts(self) -> dict[str, int]:
+        """Tokens by source, for metrics and spans."""
+        out = {"prefill_cache": self.prefill_cache, "computed": self.computed}
+        if self.pulled is None:
+            out["unattributed"] = self.unattributed
+        else:
+            out["pulled"] = self.pulled
+        return out
+
+
+def prompt_sources(answer: Mapping[str, Any]) -> PromptSources:
+    """P's answer read as a PromptSources: its usage, and the pull it reports in kv_transfer_params."""
+    usage = answer.get("usage")
+    prompt = _int(usage.get("prompt_tokens")) if isinstance(usage, Mapping) else 0
+    cached = min(cached_tokens(answer), prompt)
+    params = answer.get("kv_transfer_params")
+    reported = params.get(KEY_PULLED_TOKENS) if isinstance(params, Mapping) else None
+    if reported is None or isinstance(reported, bool) or not isinstance(reported, int):
+        return PromptSources(prompt, None, 0, prompt - cached)
+    pulled = max(0, min(reported, cached))
+    return PromptSources(prompt, pulled, cached - pulled, prompt - cached)
+
+
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 def cached_tokens(answer: Mapping[str, Any]) -> int:

@@ -23,14 +23,8 @@ from typing import Any
 
 import aiohttp
 
-
-class TokenizeFailed(Exception):
-    """The engine's /tokenize did not answer with token ids."""
-
-    def __init__(self, message: str, status: int = 0) -> None:
-        super().__init__(message)
-        self.status = status
-
+from kvplane.client.tokenize import TokenizeFailed, is_token_ids, tokenize
+from kvplane.client.tokenize import single_prompt as _single_prompt
 
 # An engine without /tokenize (404, 405) is not asked again for this long, seconds.
 _MISSING_RETRY_S = 60.0
@@ -57,59 +51,11 @@ class RoutedPrompt:
     tokens: int
 
 
-def is_token_ids(value: Any) -> bool:
-    return (
-        isinstance(value, list)
-        and bool(value)
-        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
-    )
-
-
-def _single_prompt(body: Mapping[str, Any]) -> Any:
-    prompt = body.get("prompt")
-    # A batch of one is the prompt itself.
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        return prompt[0]
-    return prompt
-
-
 def estimate_tokens(body: Mapping[str, Any], chat: bool) -> int:
     """An upper-end guess of the prompt's length: its UTF-8 size, which few tokenizers exceed."""
     source = body.get("messages") if chat else _single_prompt(body)
     text = source if isinstance(source, str) else json.dumps(source, ensure_ascii=False)
     return max(1, len(text.encode()))
-
-
-async def tokenize(
-    session: aiohttp.ClientSession,
-    url: str,
-    body: Mapping[str, Any],
-    chat: bool,
-    timeout_s: float,
-) -> tuple[int, ...]:
-    """Token ids from vLLM's `POST /tokenize` (messages for chat, the prompt otherwise)."""
-    request: dict[str, Any] = {"model": body.get("model")}
-    if chat:
-        request["messages"] = body.get("messages")
-        request["add_generation_prompt"] = body.get("add_generation_prompt", True)
-        for key in ("tools", "chat_template", "chat_template_kwargs", "continue_final_message"):
-            if key in body:
-                request[key] = body[key]
-    else:
-        request["prompt"] = _single_prompt(body)
-    try:
-        async with session.post(
-            url.rstrip("/") + "/tokenize", json=request, timeout=aiohttp.ClientTimeout(total=timeout_s)
-        ) as resp:
-            if resp.status != 200:
-                raise TokenizeFailed(f"/tokenize answered {resp.status}", resp.status)
-            answer = await resp.json(content_type=None)
-    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-        raise TokenizeFailed(f"/tokenize failed: {exc!r}") from exc
-    tokens = answer.get("tokens") if isinstance(answer, dict) else None
-    if not isinstance(tokens, list) or not is_token_ids(tokens):
-        raise TokenizeFailed("/tokenize returned no token ids")
-    return tuple(tokens)
 
 
 async def routed_prompt(

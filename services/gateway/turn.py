@@ -35,7 +35,13 @@ from kvplane.services.gateway import sse
 from kvplane.services.gateway.identity import Identity
 from kvplane.services.gateway.legs import LegFailed, LegTimeouts, open_stream, post_json
 from kvplane.services.gateway.metrics import GatewayMetrics
-from kvplane.services.gateway.progress import TurnProgress, TurnRequest, absorb, cached_tokens
+from kvplane.services.gateway.progress import (
+    PromptSources,
+    TurnProgress,
+    TurnRequest,
+    absorb,
+    prompt_sources,
+)
 from kvplane.services.gateway.prompts import RoutedPrompt, TokenizeEndpoints, routed_prompt
 from kvplane.services.gateway.reports import TurnReporter
 from kvplane.v1 import routing_pb2
@@ -140,11 +146,20 @@ class TurnRunner:
         last_try: bool,
     ) -> web.StreamResponse:
         progress = TurnProgress(route.decision, list(prompt.token_ids) or None)
-        prefill_answer, route = await self._prefill(turn, prompt, route, progress)
-        trace.get_current_span().set_attribute("kvplane.decision", progress.decision)
-        if turn.stream:
-            return await self._decode_streaming(request, turn, route, prefill_answer, progress, last_try)
-        return await self._decode_whole(turn, route, prefill_answer, progress, last_try)
+        # The turn's span, as users look for it: the decision, where the prompt's KV came from, TTFT.
+        turn_span = trace.get_current_span()
+        try:
+            prefill_answer, route = await self._prefill(turn, prompt, route, progress)
+            if turn.stream:
+                return await self._decode_streaming(request, turn, route, prefill_answer, progress, last_try)
+            return await self._decode_whole(turn, route, prefill_answer, progress, last_try)
+        finally:
+            turn_span.set_attribute("kvplane.decision", progress.decision)
+            turn_span.set_attribute("kvplane.route_id", route.route_id)
+            if progress.sources is not None:
+                turn_span.set_attributes(_token_attributes(progress.sources))
+            if progress.ttft_s is not None:
+                turn_span.set_attribute("kvplane.ttft_s", progress.ttft_s)
 
     # -- route ------------------------------------------------------------------------
 
@@ -255,11 +270,13 @@ class TurnRunner:
                 raise
             finally:
                 self.metrics.legs.labels("prefill", outcome).observe(time.perf_counter() - start)
+            # vLLM's usage counts pulled tokens and P's own cache hits alike as cached; kvplane's
+            # connector (and the sim-engine) report the pull itself, so that each is counted as what it is.
+            progress.sources = prompt_sources(answer)
+            span.set_attributes(_token_attributes(progress.sources))
         progress.prefill_s = time.perf_counter() - start
-        if progress.decision == "pull":
-            # What P did not compute: pulled, or found in its own prefix cache. vLLM's usage does not
-            # tell the two apart, and for the cost model both are tokens that were not recomputed.
-            progress.pulled_tokens = cached_tokens(answer)
+        for source, tokens in progress.sources.counts().items():
+            self.metrics.prompt_tokens.labels(source).inc(tokens)
         return answer
 
     # -- the D leg -------------------------------------------------------------------------
@@ -417,6 +434,13 @@ def _fresh_params(identity: Identity) -> dict[str, Any]:
     params[KEY_TENANT] = identity.tenant
     params[KEY_CONVERSATION] = identity.conversation
     return params
+
+
+def _token_attributes(sources: PromptSources) -> dict[str, int]:
+    """`kvplane.tokens.{prompt,pulled,prefill_cache,computed}` (or `.unattributed`) for a span."""
+    return {"kvplane.tokens.prompt": sources.prompt} | {
+        f"kvplane.tokens.{source}": tokens for source, tokens in sources.counts().items()
+    }
 
 
 def _trace_headers() -> dict[str, str]:

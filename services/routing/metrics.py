@@ -17,8 +17,8 @@ class RoutingMetrics:
     life_left_at_checkout: Histogram
     route_seconds: Histogram
     reports: Counter
-    recompute_ms_per_token: Gauge
-    transfer_bytes_per_ms: Gauge
+    recompute_seconds_per_token: Gauge
+    transfer_bytes_per_second: Gauge
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> RoutingMetrics:
@@ -31,7 +31,8 @@ class RoutingMetrics:
             ),
             tokens=Counter(
                 "kvplane_route_tokens_total",
-                "Prompt tokens of routed turns expected to be reused (pulled) or recomputed",
+                "Prompt tokens of routed turns that routing expected to be pulled (reused) or recomputed, "
+                "at Route time; what the engines did is kvplane_gateway_prompt_tokens_total",
                 ["kind"],
                 registry=registry,
             ),
@@ -53,14 +54,14 @@ class RoutingMetrics:
                 ["outcome", "published"],
                 registry=registry,
             ),
-            recompute_ms_per_token=Gauge(
-                "kvplane_cost_recompute_ms_per_token",
-                "Current estimate of prefill time per prompt token, in ms",
+            recompute_seconds_per_token=Gauge(
+                "kvplane_cost_recompute_seconds_per_token",
+                "Current estimate of prefill time per prompt token, in seconds",
                 registry=registry,
             ),
-            transfer_bytes_per_ms=Gauge(
-                "kvplane_cost_transfer_bytes_per_ms",
-                "Current estimate of KV pull bandwidth, in bytes per ms",
+            transfer_bytes_per_second=Gauge(
+                "kvplane_cost_transfer_bytes_per_second",
+                "Current estimate of KV pull bandwidth, in bytes per second",
                 registry=registry,
             ),
         )

@@ -395,8 +395,9 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
         self._publish_cost_gauges()
 
     def _publish_cost_gauges(self) -> None:
-        self.metrics.recompute_ms_per_token.set(self.costs.recompute_ms_per_token)
-        self.metrics.transfer_bytes_per_ms.set(self.costs.transfer_bytes_per_ms)
+        # The cost model works in ms; metrics are in base units.
+        self.metrics.recompute_seconds_per_token.set(self.costs.recompute_ms_per_token / 1000)
+        self.metrics.transfer_bytes_per_second.set(self.costs.transfer_bytes_per_ms * 1000)
 
     async def _publish(
         self, tenant: str, conversation: str, params: dict[str, Any], request: routing_pb2.ReportTurnRequest

@@ -1,0 +1,49 @@
+"""P's answer tells pulled tokens, its own prefix-cache hits and computed tokens apart."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvplane.services.common.handles import KEY_PULLED_TOKENS
+from kvplane.services.gateway.progress import PromptSources, prompt_sources
+
+
+def _answer(prompt: int, cached: int, pulled: Any = None) -> dict[str, Any]:
+    answer: dict[str, Any] = {
+        "usage": {"prompt_tokens": prompt, "prompt_tokens_details": {"cached_tokens": cached}},
+        "kv_transfer_params": {"do_remote_prefill": True},
+    }
+    if pulled is not None:
+        answer["kv_transfer_params"][KEY_PULLED_TOKENS] = pulled
+    return answer
+
+
+def test_reported_pull_splits_cached_tokens_into_pulled_and_prefill_cache() -> None:
+    sources = prompt_sources(_answer(prompt=1000, cached=960, pulled=320))
+    assert sources == PromptSources(prompt=1000, pulled=320, prefill_cache=640, computed=40)
+    assert sources.counts() == {"pulled": 320, "prefill_cache": 640, "computed": 40}
+    assert sum(sources.counts().values()) == 1000
+
+
+def test_an_engine_that_does_not_report_its_pull_leaves_cached_tokens_unattributed() -> None:
+    sources = prompt_sources(_answer(prompt=1000, cached=960))
+    assert sources.pulled is None
+    assert sources.counts() == {"prefill_cache": 0, "computed": 40, "unattributed": 960}
+    assert sum(sources.counts().values()) == 1000
+
+
+def test_a_reported_pull_larger_than_the_cached_tokens_is_clipped_to_them() -> None:
+    assert prompt_sources(_answer(prompt=100, cached=50, pulled=80)).counts() == {
+        "pulled": 50,
+        "prefill_cache": 0,
+        "computed": 50,
+    }
+
+
+def test_a_malformed_report_counts_as_no_report() -> None:
+    assert prompt_sources(_answer(prompt=100, cached=50, pulled="50")).pulled is None
+    assert prompt_sources(_answer(prompt=100, cached=50, pulled=True)).pulled is None
+
+
+def test_an_answer_without_usage_counts_nothing() -> None:
+    assert sum(prompt_sources({"choices": []}).counts().values()) == 0
