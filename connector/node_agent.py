@@ -42,7 +42,7 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -71,6 +71,8 @@ _RETRYABLE = frozenset(
 _NOT_REGISTERED = frozenset({grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION})
 # ReportReleased takes at most this many ids per call (metadata.proto).
 _MAX_RELEASE_BATCH = 1024
+# The W3C trace-context headers a publish carries as gRPC metadata.
+_TRACE_KEYS = frozenset({"traceparent", "tracestate"})
 # PublishHandles takes at most this many handles per call (metadata.proto).
 _MAX_PUBLISH_BATCH = 256
 
@@ -145,6 +147,8 @@ class _Item:
     kind: Literal["publish", "release"]
     handle: CacheHandle | None = None
     remote_request_id: str = ""
+    # W3C trace context (`traceparent`, `tracestate`) of the request that retained the handle.
+    trace_context: tuple[tuple[str, str], ...] = ()
 
 
 class _Backoff:
@@ -244,12 +248,14 @@ class NodeAgent:
             log.warning("node agent thread did not stop within %.1f s", timeout_s)
         self._thread = None
 
-    def publish(self, handle: CacheHandle) -> None:
+    def publish(self, handle: CacheHandle, trace_context: Mapping[str, str] | None = None) -> None:
         """Queue a retained handle for PublishHandles. Never blocks.
 
-        The agent stamps the holder node id and incarnation itself.
+        The agent stamps the holder node id and incarnation itself. `trace_context` (the
+        `traceparent` of the turn that retained the handle) makes the publish part of that trace.
         """
-        self._enqueue(_Item("publish", handle=handle))
+        context = tuple((k, v) for k, v in (trace_context or {}).items() if k in _TRACE_KEYS)
+        self._enqueue(_Item("publish", handle=handle, trace_context=context))
 
     def report_released(self, remote_request_id: str) -> None:
         """Queue a "blocks freed" report for ReportReleased. Never blocks."""
@@ -541,10 +547,13 @@ class NodeAgent:
                 holder_incarnation=self._incarnation,
             )
             handles.append(convert.handle_to_pb(handle))
+        # A batch joins the trace of its first traced handle: batches hold one handle per finished
+        # turn at a time unless the control plane was unreachable for a while.
+        traced = next((item.trace_context for item in batch if item.trace_context), ())
         await self._meta.PublishHandles(
             metadata_pb2.PublishHandlesRequest(handles=handles),
             timeout=self._settings.rpc_timeout_s,
-            metadata=self._call_metadata,
+            metadata=(*self._call_metadata, *traced),
         )
         self._published += len(batch)
 

@@ -22,6 +22,8 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from opentelemetry import propagate
+
 from kvplane.bench.simengine.engine import SimEngine
 from kvplane.bench.simengine.engine_hooks import EngineLoad
 from kvplane.bench.simengine.metrics import SimEngineMetrics
@@ -111,7 +113,10 @@ class ConnectorObserver:
         )
         self._held[vllm_handle.remote_request_id] = str(handle_id)
         if self.agent is not None:
-            self.agent.publish(handle)
+            # Called inside the request's span: the publish joins the turn's trace.
+            trace_context: dict[str, str] = {}
+            propagate.inject(trace_context)
+            self.agent.publish(handle, trace_context)
 
     def on_blocks_freed(self, request_id: str) -> None:
         if self._held.pop(request_id, None) is not None and self.agent is not None:

@@ -13,6 +13,8 @@ from kvplane.bench.simengine.engine_hooks import EngineObserver
 from kvplane.bench.simengine.openai_api import build_app
 from kvplane.bench.simengine.settings import SimEngineSettings
 from kvplane.bench.simengine.side_channel import format_host
+from kvplane.bench.simengine.tracing import tracing_middleware
+from kvplane.services.common.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +27,9 @@ class SimEngineServer:
     ) -> None:
         self.settings = settings
         self.engine = SimEngine(settings, observer, incarnation)
+        # Exports only where OpenTelemetry's variables ask for it (telemetry.py).
+        self.telemetry = Telemetry.create("kvplane-sim-engine")
+        self.engine.tracer = self.telemetry.tracer
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
 
@@ -43,7 +48,9 @@ class SimEngineServer:
         await self.engine.start()
         try:
             # Cancel a handler when its client disconnects: that aborts the request and frees its blocks.
-            self._runner = web.AppRunner(build_app(self.engine), handler_cancellation=True, access_log=None)
+            app = build_app(self.engine)
+            app.middlewares.append(tracing_middleware(self.telemetry.tracer, self.settings.role))
+            self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
             await self._runner.setup()
             self._site = web.TCPSite(self._runner, self.settings.http_host, self.settings.http_port)
             await self._site.start()
@@ -57,6 +64,7 @@ class SimEngineServer:
             self._runner = None
             self._site = None
         await self.engine.stop()
+        self.telemetry.shutdown()
 
 
 async def serve(

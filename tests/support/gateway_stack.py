@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -293,8 +294,22 @@ def _write_policy(log_dir: Path) -> str:
 
 
 @asynccontextmanager
-async def gateway_stack(etcd: LocalEtcd, prefix: str, log_dir: Path) -> AsyncIterator[GatewayStack]:
-    """Starts everything; stops every process and server on exit, even after a failure."""
+# The control plane's tokens in the stack: the engines' node tokens and the gateway's.
+STACK_TOKENS = {name: f"{name}-{uuid.uuid4().hex}" for name in ("gw-p", "gw-d", "gateway")}
+
+
+async def gateway_stack(
+    etcd: LocalEtcd, prefix: str, log_dir: Path, *, traced: bool = False
+) -> AsyncIterator[GatewayStack]:
+    """Starts everything; stops every process and server on exit, even after a failure.
+
+    `traced`: the services trace as in production (OpenTelemetry's variables, default sampling)
+    instead of not at all.
+    """
+
+    def telemetry(service: str) -> Telemetry:
+        return Telemetry.create(service) if traced else Telemetry.disabled()
+
     from kvplane.services.eviction.app import install as install_eviction
     from kvplane.services.metadata.app import install as install_metadata
     from kvplane.services.routing.app import install as install_routing
@@ -303,6 +318,15 @@ async def gateway_stack(etcd: LocalEtcd, prefix: str, log_dir: Path) -> AsyncIte
         "etcd": {"endpoints": [etcd.endpoint], "prefix": prefix, "request_timeout_s": 1.0},
         "telemetry": {"metrics_port": 0, "json_logs": False},
         "metadata": {"reaper_interval_s": 0.5},
+        # Token mode, as a deployment runs it: each engine's node token, the gateway's operator token.
+        "auth": {
+            "mode": "token",
+            "tokens": [
+                {"token": STACK_TOKENS["gw-p"], "kind": "node", "name": "gw-p"},
+                {"token": STACK_TOKENS["gw-d"], "kind": "node", "name": "gw-d"},
+                {"token": STACK_TOKENS["gateway"], "kind": "operator", "name": "gateway"},
+            ],
+        },
     }
     meta_settings = KvplaneSettings.model_validate(
         {
@@ -325,10 +349,12 @@ async def gateway_stack(etcd: LocalEtcd, prefix: str, log_dir: Path) -> AsyncIte
     session = aiohttp.ClientSession()
     engines: list[EngineProcess] = []
     try:
-        metadata = ServiceProcess(meta_settings, [install_metadata, install_eviction], Telemetry.disabled())
+        metadata = ServiceProcess(
+            meta_settings, [install_metadata, install_eviction], telemetry("kvplane-metadata")
+        )
         await metadata.start()
         cleanups.append(metadata.stop)
-        routing = ServiceProcess(routing_settings, [install_routing], Telemetry.disabled())
+        routing = ServiceProcess(routing_settings, [install_routing], telemetry("kvplane-routing"))
         await routing.start()
         control = ["--control-plane", f"127.0.0.1:{metadata.grpc_port}", "--load-interval-s", "0.2"]
         p_port, d_port = free_port(), free_port("::1")
@@ -344,6 +370,7 @@ async def gateway_stack(etcd: LocalEtcd, prefix: str, log_dir: Path) -> AsyncIte
                 [
                     *("-m", "tests.support.advertised_engine", "--advertise-url", proxy.url),
                     *("--role", "prefill", "--port", str(p_port), "--node-id", "gw-p", *common),
+                    *("--auth-token", STACK_TOKENS["gw-p"]),
                 ],
             )
         )
@@ -355,6 +382,7 @@ async def gateway_stack(etcd: LocalEtcd, prefix: str, log_dir: Path) -> AsyncIte
                 [
                     *("-m", "kvplane.bench.simengine", "--role", "decode", "--host", "::1"),
                     *("--port", str(d_port), "--node-id", "gw-d", "--decode-step-s", "0.1", *common),
+                    *("--auth-token", STACK_TOKENS["gw-d"]),
                 ],
             )
         )
@@ -364,6 +392,7 @@ async def gateway_stack(etcd: LocalEtcd, prefix: str, log_dir: Path) -> AsyncIte
             GatewaySection(
                 listen=f"127.0.0.1:{free_port()}",
                 routing=[routing_settings.grpc.listen],
+                routing_token=SecretStr(STACK_TOKENS["gateway"]),
                 routing_timeout_s=2.0,
                 api_keys=[GatewayKey(token=SecretStr(key), tenant=tenant) for tenant, key in KEYS.items()],
                 fallback_prefill_url=proxy.url,
