@@ -1,9 +1,11 @@
 """The simulator's side of the check against the live stack.
 
 A live benchmark replays a small workload through the gateway on sim-engines
-and reports its decision mix and reused token fraction; `profile` gives the
-simulator's for the same turns and fleet, and `agree` compares the two
-within a tolerance (absolute, on shares in [0, 1]).
+and reports its decision mix and the share of prompt tokens P pulled from a
+decode node; `profile` gives the simulator's for the same turns and fleet,
+and `agree` compares the two within a tolerance (absolute, on shares in
+[0, 1]). Tokens P found in its own prefix cache are not pulled, on either
+side.
 """
 
 from __future__ import annotations
@@ -18,16 +20,16 @@ from kvplane.bench.workloads.turns import Turn
 
 @dataclass(frozen=True, slots=True)
 class Profile:
-    """Share of turns per decision, and share of prompt tokens pulled rather than computed."""
+    """Share of turns per decision, and share of prompt tokens pulled from a decode node."""
 
     decision_shares: Mapping[str, float]
-    reused_fraction: float
+    pulled_fraction: float
 
 
 def profile(turns: Iterable[Turn], config: SimConfig, policy: str = "kvplane", seed: int = 0) -> Profile:
     summary = simulator_for(BASELINES[policy], config, RunOptions(seed=seed)).run(turns, policy).summary
     total = max(1, summary.turns)
-    return Profile({k: v / total for k, v in summary.decisions.items()}, summary.reused_fraction)
+    return Profile({k: v / total for k, v in summary.decisions.items()}, summary.pulled_fraction)
 
 
 def agree(sim: Profile, live: Profile, tolerance: float = 0.05) -> list[str]:
@@ -38,6 +40,6 @@ def agree(sim: Profile, live: Profile, tolerance: float = 0.05) -> list[str]:
         b = live.decision_shares.get(decision, 0.0)
         if abs(a - b) > tolerance:
             out.append(f"{decision}: simulated {a:.3f}, live {b:.3f}")
-    if abs(sim.reused_fraction - live.reused_fraction) > tolerance:
-        out.append(f"reused fraction: simulated {sim.reused_fraction:.3f}, live {live.reused_fraction:.3f}")
+    if abs(sim.pulled_fraction - live.pulled_fraction) > tolerance:
+        out.append(f"pulled fraction: simulated {sim.pulled_fraction:.3f}, live {live.pulled_fraction:.3f}")
     return out

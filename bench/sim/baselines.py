@@ -1,18 +1,18 @@
 """The configurations compared, each run through the same simulator.
 
-- `no-reuse`: round-robin P and D; D keeps nothing.
+- `no-reuse`: round-robin P and D; D keeps nothing (P's own prefix cache
+  still serves what it happens to hold, as vLLM's does by default).
 - `vllm-proxy`: vLLM's example proxy: round-robin, one single-use handle per
-  conversation forgotten after 450 s, D's default 480 s TTL, no release.
-- `kvplane-ttl`: kvplane's routing policy; retention by a fixed age only
-  (`max_age`, 450 s under D's 480 s TTL) and release of superseded handles.
-- `kvplane`: kvplane's default routing and retention policies (max age,
-  node budget with watermarks, low value), D's TTL 480 s.
-- `kvplane-long-ttl`: the same, with D run at a 1,800 s TTL as DESIGN.md
-  suggests, so that retention, not the TTL, decides.
-- `kvplane-fresh-loads`: `kvplane` with load reports current at every route
-  (what a router that counts its own recent routes would see): a what-if
-  that isolates the cost of stale load reports.
-- `oracle`: unlimited KV, no TTL, every shared whole-block prefix pulled.
+  conversation forgotten after 450 s, D's default 480 s TTL, no release, no
+  prefix check: a pull into a prompt that does not extend the handle serves
+  the wrong KV.
+- `vllm-proxy-checked`: the same with a token-exact prefix check; a
+  mismatch recomputes. The fair safe baseline.
+- `prefix-affinity`: precise prefix-cache-aware routing to P with current
+  loads (llm-d style); no D->P reuse, D keeps nothing.
+- `kvplane`: kvplane's default routing and retention policies, D's TTL 480 s.
+- `oracle`: unlimited KV on D and in P's caches, no TTL, every shared
+  whole-block prefix pulled, every P cache hit used.
 
 Routing and retention policies are loaded by the same functions the
 services use (`load_policy`, `RetentionPipeline.from_config`), so a policy
@@ -34,6 +34,7 @@ from kvplane.bench.sim.routers import (
     NoReuseRouter,
     OracleRouter,
     PolicyRouter,
+    PrefixAffinityRouter,
     Router,
 )
 from kvplane.services.eviction.policy.pipeline import DEFAULT_CONFIG
@@ -45,7 +46,7 @@ UNLIMITED_BYTES = 1 << 62
 @dataclass(frozen=True, slots=True)
 class Baseline:
     name: str
-    # "none", "proxy", "policy" or "oracle".
+    # "none", "proxy", "proxy-checked", "affinity", "policy" or "oracle".
     router: str
     # None: no control-plane retention; otherwise a RetentionPipeline config.
     retention: Mapping[str, Any] | None = None
@@ -58,27 +59,14 @@ class Baseline:
     report_interval_s: float | None = None
 
 
-def _max_age_only(ttl_s: float) -> dict[str, Any]:
-    return {"policies": [{"name": "max_age", "engine_ttl_s": ttl_s, "margin_s": 30}]}
-
-
-def _default_with_ttl(ttl_s: float) -> dict[str, Any]:
-    policies = [dict(p) for p in DEFAULT_CONFIG["policies"]]
-    for p in policies:
-        if p["name"] == "max_age":
-            p["engine_ttl_s"] = ttl_s
-    return {"policies": policies}
-
-
 BASELINES: dict[str, Baseline] = {
     b.name: b
     for b in (
         Baseline("no-reuse", "none", engine_ttl_s=0.0),
         Baseline("vllm-proxy", "proxy", engine_ttl_s=480.0),
-        Baseline("kvplane-ttl", "policy", _max_age_only(480.0), engine_ttl_s=480.0),
+        Baseline("vllm-proxy-checked", "proxy-checked", engine_ttl_s=480.0),
+        Baseline("prefix-affinity", "affinity", engine_ttl_s=0.0),
         Baseline("kvplane", "policy", DEFAULT_CONFIG, engine_ttl_s=480.0),
-        Baseline("kvplane-long-ttl", "policy", _default_with_ttl(1800.0), engine_ttl_s=1800.0),
-        Baseline("kvplane-fresh-loads", "policy", DEFAULT_CONFIG, engine_ttl_s=480.0, report_interval_s=0.0),
         Baseline("oracle", "oracle", engine_ttl_s=float("inf"), unlimited_memory=True),
     )
 }
@@ -99,7 +87,9 @@ def simulator_for(baseline: Baseline, config: SimConfig, options: RunOptions | N
     if baseline.engine_ttl_s is not None:
         cluster = replace(cluster, engine_ttl_s=baseline.engine_ttl_s)
     if baseline.unlimited_memory:
-        cluster = replace(cluster, decode_kv_capacity_bytes=UNLIMITED_BYTES)
+        cluster = replace(
+            cluster, decode_kv_capacity_bytes=UNLIMITED_BYTES, prefill_cache_bytes=UNLIMITED_BYTES
+        )
     config = replace(config, cluster=cluster)
     if baseline.report_interval_s is not None:
         config = replace(config, load_report_interval_s=baseline.report_interval_s)
@@ -109,6 +99,10 @@ def simulator_for(baseline: Baseline, config: SimConfig, options: RunOptions | N
             return NoReuseRouter(fleet)
         if baseline.router == "proxy":
             return ExampleProxyRouter(fleet)
+        if baseline.router == "proxy-checked":
+            return ExampleProxyRouter(fleet, checked=True)
+        if baseline.router == "affinity":
+            return PrefixAffinityRouter(fleet)
         if baseline.router == "oracle":
             return OracleRouter(fleet, config.digest_block_size)
         policy = RoutingPolicy(

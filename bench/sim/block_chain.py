@@ -66,6 +66,13 @@ class BlockChain(Sequence[int]):
         for i in range(self._length):
             yield self[i]
 
+    def runs(self) -> Iterator[tuple[int, int, int]]:
+        """(first block, first value, blocks) of each run, in order."""
+        starts, bases, n = self._starts, self._bases, len(self._starts)
+        for i in range(n):
+            end = starts[i + 1] if i + 1 < n else self._length
+            yield starts[i], bases[i], end - starts[i]
+
     def values_at(self, points: tuple[int, ...]) -> tuple[int, ...]:
         """Values after each of `points` (ascending prefix lengths, in blocks), in one pass."""
         starts, bases = self._starts, self._bases

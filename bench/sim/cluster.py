@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvplane.bench.sim.block_chain import BlockChain
+from kvplane.bench.sim.prefix_cache import PrefixCache
 from kvplane.services.common.handles import CacheHandle
 from kvplane.services.common.nodes import Fingerprint, Node, NodeLoad, NodeRole
 from kvplane.services.eviction.policy import HandleInfo
@@ -22,7 +23,7 @@ ENGINE_BLOCK_TOKENS = 16
 
 @dataclass(frozen=True, slots=True)
 class ClusterSpec:
-    """The fleet: node counts, each decode node's KV capacity (bytes), D's TTL (s)."""
+    """The fleet: node counts, each node's KV capacity (bytes), D's TTL (s)."""
 
     prefill_nodes: int = 8
     decode_nodes: int = 8
@@ -31,12 +32,17 @@ class ClusterSpec:
     decode_kv_capacity_bytes: int = 80 << 30
     # vLLM's decoder_kv_blocks_ttl: D frees an unread handle this long after its turn.
     engine_ttl_s: float = 480.0
+    # KV a prefill node keeps as its prefix cache (vLLM's enable_prefix_caching): the same
+    # accelerators as D, less what the prefill batch in flight takes. 0: no prefix cache.
+    prefill_cache_bytes: int = 64 << 30
     model: str = "Qwen/Qwen3-32B"
     zones: int = 1
 
     def __post_init__(self) -> None:
         if self.prefill_nodes < 1 or self.decode_nodes < 1 or self.decode_kv_capacity_bytes <= 0:
             raise ValueError("need at least one P and one D node with positive KV capacity")
+        if self.prefill_cache_bytes < 0:
+            raise ValueError("prefill_cache_bytes must be >= 0")
 
 
 def build_node(role: NodeRole, index: int, spec: ClusterSpec, kv_bytes_per_token: int) -> Node:
@@ -58,13 +64,15 @@ def build_node(role: NodeRole, index: int, spec: ClusterSpec, kv_bytes_per_token
 
 
 class PrefillState:
-    """A prefill node: one FIFO compute queue."""
+    """A prefill node: one FIFO compute queue and its prefix cache."""
 
-    __slots__ = ("free_at", "index", "node", "pending", "queued_tokens", "served")
+    __slots__ = ("cache", "free_at", "index", "node", "pending", "queued_tokens", "served")
 
-    def __init__(self, node: Node, index: int) -> None:
+    def __init__(self, node: Node, index: int, cache_blocks: int = 0) -> None:
         self.node = node
         self.index = index
+        # Ground truth: routers that model a live router must not read it (see `fleet.py`).
+        self.cache = PrefixCache(cache_blocks)
         self.free_at = 0.0
         # (finish time, computed tokens) of work not yet finished, in finish order.
         self.pending: deque[tuple[float, int]] = deque()

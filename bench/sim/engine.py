@@ -7,21 +7,33 @@ Unix milliseconds from `SimConfig.epoch_unix_ms`.
 
 Per turn:
 
-1. The router picks P and D and, maybe, a handle to pull (single use: D frees
-   the handle's blocks once P has read them).
-2. P, one FIFO queue, starts when it is free and the pull has landed, and
-   computes the unpulled tokens (plus the attention over the pulled ones,
-   see `costs.py`). TTFT is arrival to the end of that.
-3. D reserves the turn's KV (prompt and answer). Short of memory, with
-   `pressure="evict"` it frees its oldest retained handles first; if that is
-   not enough the turn runs anyway and is counted as overcommitted (a
-   preemption in a real engine). With `pressure="wait"` D behaves as vLLM
-   does with KV held for remote reads: retained blocks stay pinned until read,
-   released or expired, and the turn waits (FIFO) for memory; its first token,
-   hence its TTFT, waits with it.
-4. After decoding, D keeps the turn's KV as the conversation's handle until
-   it is read, released by the control plane, freed by D's TTL, or pushed
-   out by memory pressure.
+1. The router picks P and D and, maybe, a handle to pull up to some length
+   (its `remote_num_tokens`; single use: D frees the handle's blocks once P
+   has read them).
+2. P looks its prefix cache up first, as vLLM does: it holds the leading
+   blocks of the prompts it computed or imported, until pressure recycles
+   them (`prefix_cache.py`). A pull moves only what P lacks
+   (`remote_num_tokens` minus the local hit), and P computes the rest.
+3. P, one FIFO queue, starts when it is free and the pull has landed, and
+   computes the tokens it neither held nor pulled (plus the attention over
+   the held and pulled ones, see `costs.py`). TTFT is arrival to the end of
+   that, or later if D is not yet admitting the turn.
+4. D reserves the turn's KV (prompt and answer). The default engine model is
+   vLLM's: `pressure="wait"`. Retained blocks stay pinned until read,
+   released or expired, and a turn that does not fit waits (FIFO) for
+   memory; its first token, hence its TTFT, waits with it. The what-if
+   `pressure="evict"` is an engine that may drop retained KV under pressure:
+   D frees its oldest retained handles first; if that is not enough the turn
+   runs anyway and is counted as overcommitted (a preemption).
+5. After decoding, D keeps the turn's KV as the conversation's handle until
+   it is read, released by the control plane or freed by D's TTL (or, with
+   `pressure="evict"`, pushed out).
+
+A pull the router marks `prefix_ok=False` (no prefix check, and the prompt
+does not extend the handle) imports KV computed for other tokens: the turn
+is counted as a wrong-prefix turn and none of its pulled tokens as reuse.
+The blocks it imports also land in P's cache under the prompt's hashes, as
+they would in vLLM; later hits on them are not counted as wrong here.
 """
 
 from __future__ import annotations
@@ -57,12 +69,17 @@ class SimConfig:
     load_report_interval_s: float = 0.5
     series_interval_s: float = 10.0
     epoch_unix_ms: int = 1_750_000_000_000
-    # What D does when a turn's KV does not fit: "evict" retained handles, or "wait".
-    pressure: str = "evict"
+    # What D does when a turn's KV does not fit: "wait" for pinned retained KV to be freed
+    # (vLLM), or "evict" retained handles (the what-if; see ENGINE_MODELS).
+    pressure: str = "wait"
 
     def __post_init__(self) -> None:
         if self.pressure not in ("evict", "wait"):
             raise ValueError("pressure must be 'evict' or 'wait'")
+
+
+# The engine models by their user-facing names: `pressure` for each.
+ENGINE_MODELS: dict[str, str] = {"pinned": "wait", "evicting": "evict"}
 
 
 class _InFlight:
@@ -95,7 +112,13 @@ RetentionFactory = Callable[[Fleet], Retention]
 class Simulator:
     def __init__(self, config: SimConfig, router: RouterFactory, retention: RetentionFactory) -> None:
         self.config = config
-        self.fleet = Fleet(config.cluster, config.costs, config.epoch_unix_ms, config.load_report_interval_s)
+        self.fleet = Fleet(
+            config.cluster,
+            config.costs,
+            config.epoch_unix_ms,
+            config.load_report_interval_s,
+            block_tokens=config.digest_block_size,
+        )
         self.router = router(self.fleet)
         self.retention = retention(self.fleet)
         self.rec = Recorder()
@@ -158,29 +181,36 @@ class Simulator:
 
         choice = self.router.route(turn, conversation, prompt, now)
         p, d = choice.prefill, choice.decode
+        # P's own prefix cache first; at least the last token is always computed.
+        cached = min(p.cache.hit_blocks(prompt) * block, turn.prompt_tokens - 1)
         pulled = 0
         transfer = 0.0
         handle = choice.pull
         decision = choice.decision
         if handle is not None:
             if handle.alive:
-                pulled = min(choice.pulled_tokens, turn.prompt_tokens - 1)
-                pair = (p.index, handle.decode.index)
-                first = pair not in self._contacted
-                self._contacted.add(pair)
-                transfer = costs.transfer_s(pulled, first)
+                # vLLM's P reads only what it lacks: remote_num_tokens minus its local hit.
+                pulled = max(0, min(choice.pulled_tokens, turn.prompt_tokens - 1) - cached)
+                if pulled:
+                    pair = (p.index, handle.decode.index)
+                    first = pair not in self._contacted
+                    self._contacted.add(pair)
+                    transfer = costs.transfer_s(pulled, first)
                 rec.consumed += 1
                 self._drop(handle, "", now)
                 if choice.prefix_ok:
-                    rec.reused_tokens += pulled
-                else:
+                    rec.pulled_correct += pulled
+                elif pulled:
                     rec.wrong_prefix_tokens += pulled
+                    rec.wrong_prefix_turns += 1
             else:
                 decision = "pull_failed"
         rec.decisions[decision] += 1
+        rec.cached_tokens += cached
+        p.cache.insert(prompt)
 
-        computed = turn.prompt_tokens - pulled
-        compute = costs.prefill_s(computed) + costs.pulled_compute_s(pulled)
+        computed = turn.prompt_tokens - cached - pulled
+        compute = costs.prefill_s(computed) + costs.pulled_compute_s(cached + pulled)
         p.settle(now)
         start = max(now + transfer, p.free_at)
         finish = start + compute
@@ -193,6 +223,7 @@ class Simulator:
         need = costs.kv_bytes(turn.context_tokens)
         conversation.chain = prompt.extended(turn.context_tokens // block - len(prompt), self._ids)
         conversation.last_prefill = p.node.node_id
+        conversation.last_prompt = prompt
         flight = _InFlight(turn, conversation, d, need, finish, pulled)
         if self.config.pressure == "evict":
             if d.free < need:
@@ -207,7 +238,7 @@ class Simulator:
         else:
             self._start(flight, now)
         # What P reports: its own prefill, whatever D's admission adds later.
-        self.router.observe(turn, choice, TurnOutcome(pulled, transfer, compute, finish - now))
+        self.router.observe(turn, choice, TurnOutcome(pulled, transfer, compute, finish - now, cached))
 
     def _start(self, flight: _InFlight, now: float) -> None:
         """D admits the turn: its first token comes once P is done and D has its KV."""

@@ -1,9 +1,34 @@
-"""The simulated fleet as routers see it: node states, conversations, and load reports."""
+"""The simulated fleet as routers see it: node states, conversations, and load reports.
+
+What a router may read, by what a live router could know:
+
+- load reports: `Fleet.node_states` / `Fleet.node_state` (stale by up to
+  `report_interval_s`, as the node agents' reports are);
+- the conversation's retained handle: `Conversation.live_handle()` (the
+  metadata service's record: published, not yet read, released or expired);
+- what was routed before: `Conversation.last_prefill` and
+  `Conversation.last_prompt`, the prefill node the previous turn went to and
+  that turn's prompt blocks (a routing service records what it sends);
+- a prefill node's cache contents, `PrefillState.cache`, only for a router
+  that models engines publishing KV-cache events (vLLM's `kv_events_config`),
+  as prefix-cache-aware routers subscribe to. kvplane's `PolicyRouter` does
+  not read it: it knows only what it routed.
+
+Everything else (`DecodeState` internals, `free_at` of nodes) is the
+simulator's ground truth.
+"""
 
 from __future__ import annotations
 
 from kvplane.bench.sim.block_chain import BlockChain
-from kvplane.bench.sim.cluster import ClusterSpec, DecodeState, PrefillState, SimHandle, build_node
+from kvplane.bench.sim.cluster import (
+    ENGINE_BLOCK_TOKENS,
+    ClusterSpec,
+    DecodeState,
+    PrefillState,
+    SimHandle,
+    build_node,
+)
 from kvplane.bench.sim.costs import SimCosts
 from kvplane.services.common.nodes import NodeRole
 from kvplane.services.routing.policy import NodeState
@@ -12,14 +37,16 @@ from kvplane.services.routing.policy import NodeState
 class Conversation:
     """What the fleet remembers of one conversation between its turns."""
 
-    __slots__ = ("chain", "handle", "last_prefill")
+    __slots__ = ("chain", "handle", "last_prefill", "last_prompt")
 
     def __init__(self) -> None:
         # Block chain of the latest turn's context (prompt, then answer).
         self.chain = BlockChain()
         # The latest turn's retained handle, if its decode node still holds it.
         self.handle: SimHandle | None = None
+        # The prefill node of the latest turn ("" before the first) and that turn's prompt blocks.
         self.last_prefill = ""
+        self.last_prompt = BlockChain()
 
     def live_handle(self) -> SimHandle | None:
         handle = self.handle
@@ -36,15 +63,23 @@ class Fleet:
     """
 
     def __init__(
-        self, spec: ClusterSpec, costs: SimCosts, epoch_unix_ms: int, report_interval_s: float = 0.5
+        self,
+        spec: ClusterSpec,
+        costs: SimCosts,
+        epoch_unix_ms: int,
+        report_interval_s: float = 0.5,
+        block_tokens: int = ENGINE_BLOCK_TOKENS,
     ) -> None:
         self.spec = spec
         self.costs = costs
         self.epoch_unix_ms = epoch_unix_ms
         self.report_interval_s = report_interval_s
         kvb = costs.kv_bytes_per_token
+        self.block_tokens = block_tokens
+        cache_blocks = spec.prefill_cache_bytes // (block_tokens * kvb)
         self.prefill = [
-            PrefillState(build_node(NodeRole.PREFILL, i, spec, kvb), i) for i in range(spec.prefill_nodes)
+            PrefillState(build_node(NodeRole.PREFILL, i, spec, kvb), i, cache_blocks)
+            for i in range(spec.prefill_nodes)
         ]
         self.decode = [
             DecodeState(build_node(NodeRole.DECODE, i, spec, kvb), i, spec.decode_kv_capacity_bytes)

@@ -19,8 +19,10 @@ class Recorder:
         self.decisions: Counter[str] = Counter()
         self.releases: Counter[str] = Counter()
         self.consumed = 0
-        self.reused_tokens = 0  # pulled tokens whose prefix really matched
+        self.pulled_correct = 0  # pulled tokens whose prefix really matched
+        self.cached_tokens = 0  # prompt tokens found in P's own prefix cache
         self.wrong_prefix_tokens = 0  # pulled tokens computed for other tokens
+        self.wrong_prefix_turns = 0  # turns that imported any of those: their output is wrong
         self.reusable_tokens = 0  # whole-block tokens shared with the previous context
         self.prompt_total = 0
         self.overcommitted_turns = 0
@@ -66,6 +68,7 @@ class SimSummary:
     ttft_p99_ms: float
     ttft_mean_ms: float
     prompt_tokens: int
+    # Prompt tokens not computed: pulled with a matching prefix, plus P's prefix-cache hits.
     reused_tokens: int
     reusable_tokens: int
     wrong_prefix_tokens: int
@@ -74,6 +77,10 @@ class SimSummary:
     overcommitted_turns: int
     consumed_handles: int
     waited_turns: int = 0
+    # Of reused_tokens: pulled from a decode node, and found in P's own cache.
+    pulled_tokens: int = 0
+    cached_tokens: int = 0
+    wrong_prefix_turns: int = 0
     decisions: dict[str, int] = field(default_factory=dict)
     releases: dict[str, int] = field(default_factory=dict)
     simulated_s: float = 0.0
@@ -81,8 +88,18 @@ class SimSummary:
 
     @property
     def reused_fraction(self) -> float:
-        """Share of all prompt tokens served from retained KV."""
+        """Share of all prompt tokens not computed: correctly pulled or held by P."""
         return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def pulled_fraction(self) -> float:
+        """Share of all prompt tokens pulled from a decode node with a matching prefix."""
+        return self.pulled_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def waited_fraction(self) -> float:
+        """Share of turns that waited for D's KV memory."""
+        return self.waited_turns / self.turns if self.turns else 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -94,12 +111,16 @@ class SimSummary:
                 "p99": round(self.ttft_p99_ms, 1),
                 "mean": round(self.ttft_mean_ms, 1),
             },
+            "reused_token_fraction": round(self.reused_fraction, 4),
+            "wrong_prefix_tokens": self.wrong_prefix_tokens,
+            "wrong_prefix_turns": self.wrong_prefix_turns,
+            "retained_gb_s": round(self.retained_gb_s, 1),
+            "waited_turn_fraction": round(self.waited_fraction, 4),
             "prompt_tokens": self.prompt_tokens,
             "reused_tokens": self.reused_tokens,
+            "pulled_tokens": self.pulled_tokens,
+            "cached_tokens": self.cached_tokens,
             "reusable_tokens": self.reusable_tokens,
-            "reused_fraction": round(self.reused_fraction, 4),
-            "wrong_prefix_tokens": self.wrong_prefix_tokens,
-            "retained_gb_s": round(self.retained_gb_s, 1),
             "peak_retained_gb": round(self.peak_retained_gb, 1),
             "overcommitted_turns": self.overcommitted_turns,
             "waited_turns": self.waited_turns,
@@ -134,7 +155,7 @@ def summarize(name: str, rec: Recorder, simulated_s: float, wall_s: float) -> Si
         ttft_p99_ms=percentile(ttft, 99) * 1000.0,
         ttft_mean_ms=(sum(ttft) / n * 1000.0) if n else math.nan,
         prompt_tokens=rec.prompt_total,
-        reused_tokens=rec.reused_tokens,
+        reused_tokens=rec.pulled_correct + rec.cached_tokens,
         reusable_tokens=rec.reusable_tokens,
         wrong_prefix_tokens=rec.wrong_prefix_tokens,
         retained_gb_s=rec.retained_byte_s / 1e9,
@@ -142,6 +163,9 @@ def summarize(name: str, rec: Recorder, simulated_s: float, wall_s: float) -> Si
         overcommitted_turns=rec.overcommitted_turns,
         consumed_handles=rec.consumed,
         waited_turns=rec.waited_turns,
+        pulled_tokens=rec.pulled_correct,
+        cached_tokens=rec.cached_tokens,
+        wrong_prefix_turns=rec.wrong_prefix_turns,
         decisions=dict(rec.decisions),
         releases=dict(rec.releases),
         simulated_s=simulated_s,

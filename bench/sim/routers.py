@@ -5,8 +5,11 @@
 `RoutingPolicy.route` the service calls, then feeds each finished turn back
 through `CostModel.observe`, as ReportTurn does. The others are the
 baselines: round-robin with no reuse, vLLM's example proxy (round-robin and
-a fixed-lifetime, single-use handle per conversation, no prefix check), and
+a fixed-lifetime, single-use handle per conversation, with or without a
+prefix check), precise prefix-cache-aware routing to P (no D->P reuse), and
 an oracle that knows the prefix and never lacks memory.
+
+What each router may read of the fleet is listed in `fleet.py`.
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ class TurnOutcome:
     transfer_s: float
     prefill_s: float
     ttft_s: float
+    # Prompt tokens P found in its own prefix cache (neither pulled nor computed).
+    cached_tokens: int = 0
 
 
 class Router(Protocol):
@@ -98,15 +103,23 @@ class NoReuseRouter:
 class ExampleProxyRouter:
     """vLLM's example proxy: round-robin nodes and one handle per conversation in a dict.
 
-    The entry is used once and forgotten after `cache_ttl_s`. Nothing checks
-    that the new prompt continues the handle's tokens, nothing releases a
-    superseded handle, and a handle D already freed fails its pull (P then
-    recomputes, as `kv_load_failure_policy="recompute"` does).
+    The entry is used once and forgotten after `cache_ttl_s`. Nothing
+    releases a superseded handle, and a handle D already freed fails its pull
+    (P then recomputes, as `kv_load_failure_policy="recompute"` does).
+
+    Unchecked (vLLM's example), it pulls whatever the entry holds: when the
+    new prompt differs from the handle's tokens anywhere in the pulled range
+    (an edited or cut history, a re-tokenized join), P pairs D's blocks with
+    the wrong tokens and the turn's output comes from the wrong KV
+    (`pull_wrong_prefix`; none of it counts as reuse). `checked=True` adds a
+    token-exact comparison of the prompt with the handle's tokens and
+    recomputes on a mismatch instead (`recompute_prefix_mismatch`).
     """
 
-    def __init__(self, fleet: Fleet, cache_ttl_s: float = 450.0) -> None:
+    def __init__(self, fleet: Fleet, cache_ttl_s: float = 450.0, *, checked: bool = False) -> None:
         self._rr = _RoundRobin(fleet)
         self.cache_ttl_s = cache_ttl_s
+        self.checked = checked
         self._entries: dict[str, tuple[SimHandle, float]] = {}
 
     def route(self, turn: Turn, conversation: Conversation, prompt: BlockChain, now: float) -> RouteChoice:
@@ -118,8 +131,13 @@ class ExampleProxyRouter:
         if not handle.alive:
             return RouteChoice(p, d, "pull_failed")
         pulled = min(handle.tokens, turn.prompt_tokens - 1)
+        # The prompt equals the handle's tokens on every pulled position, or the pull is wrong.
         prefix_ok = turn.reused_prefix_tokens >= pulled
-        return RouteChoice(p, d, "pull" if prefix_ok else "pull_wrong_prefix", handle, pulled, prefix_ok)
+        if prefix_ok:
+            return RouteChoice(p, d, "pull", handle, pulled)
+        if self.checked:
+            return RouteChoice(p, d, "recompute_prefix_mismatch")
+        return RouteChoice(p, d, "pull_wrong_prefix", handle, pulled, prefix_ok=False)
 
     def observe(self, turn: Turn, choice: RouteChoice, outcome: TurnOutcome) -> None:
         return None
@@ -128,10 +146,55 @@ class ExampleProxyRouter:
         self._entries[handle.conversation] = (handle, now)
 
 
-class OracleRouter:
-    """Pulls every verified whole-block prefix from the holder; least-loaded P.
+def _finish_estimate(
+    p: PrefillState, fleet: Fleet, prompt: BlockChain, prompt_tokens: int, pull_tokens: int, now: float
+) -> tuple[float, int]:
+    """When P would finish this prompt (s), and its cache hit (tokens), from its current queue."""
+    costs = fleet.costs
+    cached = min(p.cache.hit_blocks(prompt) * fleet.block_tokens, prompt_tokens - 1)
+    pulled = max(0, pull_tokens - cached)
+    transfer = costs.transfer_s(pulled, False)
+    compute = costs.prefill_s(prompt_tokens - cached - pulled) + costs.pulled_compute_s(cached + pulled)
+    return max(now + transfer, p.free_at) + compute, cached
 
-    Run on a fleet with unlimited KV and no TTL, it bounds what any policy can reuse.
+
+class PrefixAffinityRouter:
+    """Precise prefix-cache-aware routing to P, with current loads; no D->P reuse.
+
+    What a platform team gets from llm-d-style scheduling: the engines
+    publish KV-cache events, so the router knows each P's cached blocks, and
+    it sends the turn to the P where it would finish first (queue plus the
+    prefill of what that P does not hold). D is round-robin and retains
+    nothing (run with D's TTL at 0).
+    """
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+        self._rr = _RoundRobin(fleet)
+
+    def route(self, turn: Turn, conversation: Conversation, prompt: BlockChain, now: float) -> RouteChoice:
+        fleet = self.fleet
+        best: tuple[float, int, PrefillState] | None = None
+        for p in fleet.prefill:
+            finish, cached = _finish_estimate(p, fleet, prompt, turn.prompt_tokens, 0, now)
+            if best is None or finish < best[0]:
+                best = (finish, cached, p)
+        assert best is not None
+        _, d = self._rr.next_pair()
+        return RouteChoice(best[2], d, "prefill_cache_hit" if best[1] > 0 else "recompute_cold")
+
+    def observe(self, turn: Turn, choice: RouteChoice, outcome: TurnOutcome) -> None:
+        return None
+
+    def on_publish(self, conversation: Conversation, handle: SimHandle, now: float) -> None:
+        return None
+
+
+class OracleRouter:
+    """Every P cache hit and every verified whole-block prefix pulled; the P that finishes first.
+
+    Run on a fleet with unlimited KV (D and P caches) and no TTL, it bounds
+    what any policy can reuse.
     """
 
     def __init__(self, fleet: Fleet, block_size: int) -> None:
@@ -140,16 +203,22 @@ class OracleRouter:
         self._rr = _RoundRobin(fleet)
 
     def route(self, turn: Turn, conversation: Conversation, prompt: BlockChain, now: float) -> RouteChoice:
-        p = min(self.fleet.prefill, key=lambda s: (s.free_at, s.index))
-        _, d = self._rr.next_pair()
+        fleet = self.fleet
         handle = conversation.live_handle()
+        pull = 0
+        if handle is not None:
+            shared = min(turn.reused_prefix_tokens, handle.tokens, turn.prompt_tokens - 1)
+            pull = shared // self.block_size * self.block_size
+        p = min(
+            fleet.prefill,
+            key=lambda s: (_finish_estimate(s, fleet, prompt, turn.prompt_tokens, pull, now)[0], s.index),
+        )
+        _, d = self._rr.next_pair()
         if handle is None:
             return RouteChoice(p, d, "recompute_no_handle")
-        shared = min(turn.reused_prefix_tokens, handle.tokens, turn.prompt_tokens - 1)
-        pulled = shared // self.block_size * self.block_size
-        if pulled <= 0:
+        if pull <= 0:
             return RouteChoice(p, handle.decode, "recompute_nothing_shared")
-        return RouteChoice(p, handle.decode, "pull", handle, pulled)
+        return RouteChoice(p, handle.decode, "pull", handle, pull)
 
     def observe(self, turn: Turn, choice: RouteChoice, outcome: TurnOutcome) -> None:
         return None

@@ -72,7 +72,7 @@ async def test_simulator_and_live_stack_agree_on_decisions_and_reuse(stack: Stac
     assert agree(simulated, live, TOLERANCE) == [], (simulated, live)
     # Not a vacuous agreement: most continuing turns pulled on both sides.
     assert live.decision_shares.get("pull", 0.0) >= 0.5
-    assert live.reused_fraction > 0.4
+    assert live.pulled_fraction > 0.4
 
 
 def test_stack_logs_exist(stack: Stack) -> None:

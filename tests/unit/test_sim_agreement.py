@@ -11,7 +11,7 @@ def test_a_profile_has_shares_that_sum_to_one() -> None:
     turns = list(agentic_turns(AgenticWorkload(seed=4, sessions_per_s=0.1, duration_s=300.0)))
     p = profile(turns, SimConfig(cluster=ClusterSpec(prefill_nodes=1, decode_nodes=1)))
     assert abs(sum(p.decision_shares.values()) - 1.0) < 1e-9
-    assert 0.0 < p.reused_fraction < 1.0
+    assert 0.0 < p.pulled_fraction < 1.0
     assert agree(p, p) == []
 
 

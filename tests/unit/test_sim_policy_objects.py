@@ -60,11 +60,14 @@ def test_a_routing_policy_file_swapped_in_changes_the_decision_mix(tmp_path: Pat
     assert default.decisions.get("pull", 0) > 0
     assert strict.decisions.get("pull", 0) == 0
     assert strict.decisions.get("recompute_below_threshold", 0) > 0
-    assert strict.reused_tokens == 0
+    assert strict.pulled_tokens == 0
 
 
 def test_a_retention_policy_swapped_by_name_changes_the_release_reasons() -> None:
-    ttl_only = simulator_for(BASELINES["kvplane-ttl"], CONFIG).run(_turns()).summary
+    ttl = Baseline(
+        "ttl", "policy", {"policies": [{"name": "max_age", "engine_ttl_s": 480, "margin_s": 30}]}, 480.0
+    )
+    ttl_only = simulator_for(ttl, CONFIG).run(_turns()).summary
     budget = Baseline(
         "tight",
         "policy",
