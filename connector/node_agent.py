@@ -3,11 +3,12 @@
 Engine-agnostic: the vLLM connector uses it, and so does the engine simulator. The API is
 small and stable:
 
-    agent = NodeAgent(settings, node, load_fn, on_release, on_drain=None)
+    agent = NodeAgent(settings, node, load_fn, on_release, on_drain=None, demand_fn=None)
     agent.start()                        # own thread, own asyncio loop; returns at once
     agent.incarnation                    # new uuid at every start()
     agent.publish(handle)                # never blocks: enqueue a retained handle
     agent.report_released(request_id)    # never blocks: enqueue "blocks freed"
+    agent.notify_demand()                # never blocks: demand_fn() changed, send it now
     agent.stats()                        # counters, for tests and the engine's logs
     agent.pending()                      # what is queued and not yet sent
     agent.stop(timeout_s=5.0)            # flush briefly, deregister, join the thread
@@ -22,9 +23,14 @@ What the agent does, all on its own thread:
 - keeps the EvictionService.Commands stream open: says hello, applies each ReleaseCommand by
   calling `on_release(remote_request_id)` (DrainCommand: `on_drain()`), at most once per
   command id, and acknowledges every command;
+- sends the engine's KV demand (`demand_fn()`: blocks its waiting requests need beyond its free
+  blocks and the blocks it is already freeing) on the same stream: at once when the engine calls
+  `notify_demand()`, after every (re)connect, and again every `demand_refresh_s` while it lasts.
+  Acks and demand share one ordered stream, so a demand report sent after an ack already counts
+  the release acknowledged;
 - retries everything with exponential backoff and full jitter.
 
-Callbacks (`load_fn`, `on_release`, `on_drain`) run on the agent's thread: they must be
+Callbacks (`load_fn`, `on_release`, `on_drain`, `demand_fn`) run on the agent's thread: they must be
 thread-safe, quick and must not block. `publish` and `report_released` may be called from any
 thread. When the control plane is unreachable the engine keeps serving: nothing the engine
 calls ever waits for the network, and when the queue is full the oldest item is dropped and
@@ -106,6 +112,8 @@ class NodeAgentSettings:
     seen_commands_max: int = 8192
     # On stop(): seconds spent flushing the queue and deregistering.
     stop_flush_s: float = 1.0
+    # Seconds between repeats of a KV demand that lasts (a lost or ignored report is re-sent).
+    demand_refresh_s: float = 0.5
     # Whether stop() deregisters the node (its handles are then purged at once).
     deregister_on_stop: bool = True
     # Bearer token for the control plane; empty: identify by headers only (development, or a
@@ -119,8 +127,8 @@ class NodeAgentSettings:
             raise ValueError("lease_ttl_s must be within 2..300")
         if self.batch_max < 1 or self.queue_max < 1 or self.seen_commands_max < 1:
             raise ValueError("batch_max, queue_max and seen_commands_max must be positive")
-        if self.load_interval_s <= 0 or self.rpc_timeout_s <= 0:
-            raise ValueError("load_interval_s and rpc_timeout_s must be positive")
+        if self.load_interval_s <= 0 or self.rpc_timeout_s <= 0 or self.demand_refresh_s <= 0:
+            raise ValueError("load_interval_s, rpc_timeout_s and demand_refresh_s must be positive")
         if not 0 < self.backoff_initial_s <= self.backoff_max_s:
             raise ValueError("need 0 < backoff_initial_s <= backoff_max_s")
 
@@ -138,6 +146,7 @@ class AgentStats:
     load_reports: int
     commands_applied: int
     commands_duplicate: int
+    demand_reports: int
     command_streams_opened: int
     rpc_errors: int
 
@@ -178,8 +187,11 @@ class NodeAgent:
         load_fn: Callable[[], NodeLoad],
         on_release: Callable[[str], None],
         on_drain: Callable[[], None] | None = None,
+        demand_fn: Callable[[], int] | None = None,
     ) -> None:
         self._settings = settings
+        self._demand_fn = demand_fn
+        self._demand_wake: asyncio.Event | None = None
         self._node_template = node
         self._load_fn = load_fn
         self._on_release = on_release
@@ -207,6 +219,7 @@ class NodeAgent:
         self._load_reports = 0
         self._commands_applied = 0
         self._commands_duplicate = 0
+        self._demand_reports = 0
         self._streams_opened = 0
         self._rpc_errors = 0
 
@@ -261,6 +274,14 @@ class NodeAgent:
         """Queue a "blocks freed" report for ReportReleased. Never blocks."""
         self._enqueue(_Item("release", remote_request_id=remote_request_id))
 
+    def notify_demand(self) -> None:
+        """The engine's KV demand changed: send `demand_fn()` now. Never blocks; any thread."""
+        loop, wake = self._loop, self._demand_wake
+        if loop is None or wake is None:
+            return
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to wake
+            loop.call_soon_threadsafe(wake.set)
+
     def pending(self) -> tuple[list[CacheHandle], list[str]]:
         """Queued, not yet sent: handles to publish and request ids to report released."""
         with self._lock:
@@ -281,6 +302,7 @@ class NodeAgent:
             load_reports=self._load_reports,
             commands_applied=self._commands_applied,
             commands_duplicate=self._commands_duplicate,
+            demand_reports=self._demand_reports,
             command_streams_opened=self._streams_opened,
             rpc_errors=self._rpc_errors,
         )
@@ -342,6 +364,7 @@ class NodeAgent:
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
+        self._demand_wake = asyncio.Event()
         self._stopping = asyncio.Event()
         self._session_ready = asyncio.Event()
         self._reregister = asyncio.Event()
@@ -603,6 +626,11 @@ class NodeAgent:
         call = self._evict.Commands(outgoing(), metadata=self._call_metadata)
         self._streams_opened += 1
         received = False
+        demand = (
+            asyncio.create_task(self._send_demand(acks), name="kvplane-agent-demand")
+            if self._demand_fn is not None
+            else None
+        )
         try:
             async for command in call:
                 received = True
@@ -613,9 +641,34 @@ class NodeAgent:
                     )
                 )
         finally:
+            if demand is not None:
+                demand.cancel()
             await acks.put(None)
             call.cancel()
         return received
+
+    async def _send_demand(self, out: asyncio.Queue[eviction_pb2.CommandsRequest | None]) -> None:
+        """Puts the engine's demand on the stream: on change, on connect, and while it lasts."""
+        assert self._demand_fn is not None and self._demand_wake is not None
+        last = 0
+        while True:
+            try:
+                blocks = max(0, int(self._demand_fn()))
+            except Exception:
+                log.exception("demand_fn failed; no demand reported")
+                blocks = 0
+            # Zero is sent once, when a demand ends; a lasting demand is repeated.
+            if blocks or last:
+                await out.put(
+                    eviction_pb2.CommandsRequest(
+                        demand=eviction_pb2.KvDemand(blocks=blocks, measured_unix_ms=int(time.time() * 1000))
+                    )
+                )
+                self._demand_reports += 1
+            last = blocks
+            self._demand_wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._demand_wake.wait(), self._settings.demand_refresh_s)
 
     def _apply(self, command: eviction_pb2.CommandsResponse) -> tuple[bool, str]:
         """Apply one command at most once; return the ack's (ok, error)."""

@@ -10,8 +10,10 @@ does inside vLLM, with the same helpers:
   is published through the node agent, and reported released when freed.
 
 ``start_node_agent`` registers the engine as a node (same incarnation as the
-engine's lease stamps), reports its load, and applies release and drain
-commands through the engine's thread-safe ``EngineControl``.
+engine's lease stamps), reports its load, applies release and drain commands
+through the engine's thread-safe ``EngineControl``, and reports the engine's
+KV demand (``SimEngine.kv_demand_blocks``) the moment requests start or stop
+waiting for KV memory, as the vLLM connector does from its scheduler hooks.
 """
 
 from __future__ import annotations
@@ -171,7 +173,9 @@ def start_node_agent(engine: SimEngine, http_url: str, observer: ConnectorObserv
         lambda: node_load(engine.load()),
         on_release,
         on_drain=engine.drain,
+        demand_fn=engine.kv_demand_blocks,
     )
+    engine.demand_listener = agent.notify_demand
     agent.start()
     # Lease stamps and the registered node must name the same incarnation.
     engine.adopt_incarnation(agent.incarnation)

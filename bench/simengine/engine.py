@@ -28,10 +28,11 @@ import contextlib
 import json
 import logging
 import math
+import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -168,6 +169,14 @@ class SimEngine:
         self._peer_locks: dict[tuple[str, int], asyncio.Lock] = {}
         self._prefill_lock = asyncio.Lock()
         self._blocks_freed = asyncio.Event()
+        # KV demand (event-loop thread): blocks that requests wait for.
+        self._kv_wanted = 0
+        # Release commands taken and not yet carried out: request id -> blocks. Written from
+        # the node agent's thread too, hence the lock.
+        self._freeing: dict[str, int] = {}
+        self._freeing_lock = threading.Lock()
+        # Called (event-loop thread, must not block) when requests start or stop waiting for KV.
+        self.demand_listener: Callable[[], None] | None = None
         self._queued = 0
         self._queued_tokens = 0
         self._running = 0
@@ -237,10 +246,28 @@ class SimEngine:
         """Take the node agent's incarnation; call before the engine serves traffic."""
         self.incarnation = incarnation
 
+    def kv_demand_blocks(self) -> int:
+        """Blocks wanted beyond those free and those already being freed. Any thread.
+
+        What waiting requests need, plus the free-block watermark
+        (``kv_free_watermark_blocks``), less the free blocks and the blocks of
+        release commands taken and not yet carried out: the control plane has
+        already answered those.
+        """
+        with self._freeing_lock:
+            freeing = sum(self._freeing.values())
+        wanted = self._kv_wanted + self.settings.kv_free_watermark_blocks
+        return max(0, wanted - self.pool.free_blocks - freeing)
+
     def release_early(self, request_id: str) -> bool:
-        held = request_id in self._retained
+        held = self._retained.get(request_id)
+        if held is not None:
+            # Counted as on its way before the command is acknowledged: a demand report sent
+            # after the ack must not ask for these blocks again.
+            with self._freeing_lock:
+                self._freeing[request_id] = len(held.block_ids)
         self._on_loop(self._release_if_held, request_id)
-        return held
+        return held is not None
 
     def drain(self) -> None:
         self._draining = True
@@ -260,6 +287,8 @@ class SimEngine:
     def _release_if_held(self, request_id: str) -> None:
         if request_id in self._retained:
             self._free(request_id, "early")
+        with self._freeing_lock:
+            self._freeing.pop(request_id, None)
 
     def _release_all(self) -> None:
         for request_id in list(self._retained):
@@ -430,16 +459,33 @@ class SimEngine:
         if count <= 0:
             return []
         deadline = time.perf_counter() + self.settings.kv_wait_timeout_s
-        while True:
+        waiting = False
+        try:
+            while True:
+                try:
+                    return self.pool.allocate(count)
+                except KvCacheFullError:
+                    left = deadline - time.perf_counter()
+                    if left <= 0:
+                        raise
+                    if not waiting:
+                        waiting = True
+                        self._kv_wanted += count
+                        self._demand_changed()
+                    self._blocks_freed.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._blocks_freed.wait(), timeout=left)
+        finally:
+            if waiting:
+                self._kv_wanted -= count
+                self._demand_changed()
+
+    def _demand_changed(self) -> None:
+        if self.demand_listener is not None:
             try:
-                return self.pool.allocate(count)
-            except KvCacheFullError:
-                left = deadline - time.perf_counter()
-                if left <= 0:
-                    raise
-                self._blocks_freed.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._blocks_freed.wait(), timeout=left)
+                self.demand_listener()
+            except Exception:
+                log.exception("demand listener failed")
 
     def _finish(
         self,

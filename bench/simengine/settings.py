@@ -60,6 +60,9 @@ class SimEngineSettings:
     transfer_timeout_s: float = 10.0
     # How long a request waits for free KV blocks before failing with 503.
     kv_wait_timeout_s: float = 30.0
+    # Free blocks the engine asks the control plane to keep, on top of what waiting requests
+    # need (0: ask only for waiting requests; memory is then released on demand, never ahead).
+    kv_free_watermark_blocks: int = 0
     # host:port of kvplane's metadata service; set, the engine registers through the node agent.
     control_plane: str = ""
     # host:port of kvplane's eviction service; empty: the control-plane address (`serve all`).
@@ -189,6 +192,7 @@ def build_arg_parser(
     p.add_argument("--handshake-timeout-s", type=float, default=d.handshake_timeout_s)
     p.add_argument("--transfer-timeout-s", type=float, default=d.transfer_timeout_s)
     p.add_argument("--kv-wait-timeout-s", type=float, default=d.kv_wait_timeout_s)
+    p.add_argument("--kv-free-watermark-blocks", type=int, default=d.kv_free_watermark_blocks)
     p.add_argument("--control-plane", default=d.control_plane, help="metadata service host:port")
     p.add_argument("--eviction", default=d.eviction, help="eviction host:port (default: --control-plane)")
     p.add_argument("--node-id", default=d.node_id)
