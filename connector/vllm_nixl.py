@@ -250,6 +250,8 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
         self._num_blocks = int(getattr(kv_cache_config, "num_blocks", 0) or 0)
         # Scheduler-thread state.
         self._held: dict[str, _Held] = {}
+        # P side: finished requests whose blocks wait for D's read (vLLM's lease), by request id.
+        self._prefill_held: set[str] = set()
         self._running_requests = 0
         # Filled on the agent thread, drained on the scheduler thread.
         self._release_lock = threading.Lock()
@@ -382,6 +384,7 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
         had its blocks freed (read by P, expired or released early): report it."""
         super().update_connector_output(connector_output)
         for req_id in connector_output.finished_sending or ():
+            self._prefill_held.discard(req_id)
             held = self._held.pop(req_id, None)
             if held is None:
                 continue
@@ -403,7 +406,7 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
                 self._draining = True
                 pending.extend(self._held)
         for req_id in pending:
-            if req_id in self._held:
+            if req_id in self._held or req_id in self._prefill_held:
                 meta.reqs_to_send[req_id] = meta.scheduler_clock - 1.0
                 self.kvplane_metrics.early_releases.labels("applied").inc()
             else:
@@ -421,6 +424,11 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
     def _after_finish(
         self, request: Request, delay_free: bool, params: dict[str, Any] | None
     ) -> dict[str, Any] | None:
+        if delay_free and params and params.get("do_remote_prefill"):
+            # P side: the blocks wait for D's read. When the turn's D leg fails or is refused, the
+            # control plane sends a release command for this request, applied as a handle's is.
+            self._prefill_held.add(request.request_id)
+            return params
         if not delay_free or not params or not params.get("do_remote_decode"):
             return params
         request_params = request.kv_transfer_params or {}
