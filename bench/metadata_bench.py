@@ -154,13 +154,13 @@ async def _round(
 
     async def bare_put(i: int) -> object:
         key = f"/bench-bare/{run_id}/{i}".encode()
-        return await store._kv.Put(rpc.PutRequest(key=key, value=value), timeout=5)
+        return await store.etcd.kv.Put(rpc.PutRequest(key=key, value=value), timeout=5)
 
     async def bare_txn(i: int) -> object:
         key = f"/bench-bare/{run_id}/{i}".encode()
         compare = [rpc.Compare(key=key, target=rpc.Compare.VERSION, result=rpc.Compare.GREATER, version=0)]
         success = [rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key))]
-        return await store._kv.Txn(rpc.TxnRequest(compare=compare, success=success), timeout=5)
+        return await store.etcd.kv.Txn(rpc.TxnRequest(compare=compare, success=success), timeout=5)
 
     async def publish(i: int) -> object:
         handle = convert.handle_to_pb(_handle(node, f"g-{run_id}-{i}", tokens))

@@ -262,7 +262,7 @@ async def _restart_behind_the_stores_back(store: Store) -> None:
             key=store.keys.node(new.node_id), value=convert.node_to_pb(new).SerializeToString(), lease=lease
         )
     )
-    await store._txn("test_put_node", [], [put])
+    await store.etcd.txn("test_put_node", [], [put])
     for c in convs:
         await eventually(_handle_gone(store, c), what="the old incarnation's purge")
 

@@ -159,7 +159,7 @@ class HandleLifecycle(RuleBasedStateMachine):
             and r.lease == record.lease
         ]
         self.run(self.store.revoke_lease(record.lease))
-        self.store._leases_by_second.clear()
+        self.store.leases.forget_all()
         for other in same_lease:
             self.model.released.add(self.model.retained.pop(other)[0])
 

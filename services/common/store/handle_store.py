@@ -1,0 +1,161 @@
+"""Handles: the conversation → handle map, its publishes and its reads."""
+
+from __future__ import annotations
+
+import functools
+import uuid
+from dataclasses import replace
+
+from aetcd import rpc
+
+from kvplane.services.common import convert
+from kvplane.services.common.errors import NodeNotRegistered, StoreUnavailable
+from kvplane.services.common.handles import CacheHandle, HandleState, PendingRelease, ReleaseReason
+from kvplane.services.common.keys import KeyLayout, prefix_range_end
+from kvplane.services.common.store import fencing
+from kvplane.services.common.store.etcd import Ambiguous, EtcdClient, LeaseNotFound
+from kvplane.services.common.store.leases import Leases
+from kvplane.services.common.store.records import (
+    HandleRecord,
+    HandleView,
+    PublishOutcome,
+    decode_handle,
+    now_ms,
+)
+from kvplane.services.common.store.release_store import ReleaseStore
+from kvplane.services.common.telemetry import Telemetry
+from kvplane.v1 import handle_pb2, node_pb2
+
+
+class HandleStore:
+    def __init__(
+        self, etcd: EtcdClient, keys: KeyLayout, leases: Leases, releases: ReleaseStore, telemetry: Telemetry
+    ) -> None:
+        self.etcd = etcd
+        self.keys = keys
+        self.leases = leases
+        self.releases = releases
+        self.telemetry = telemetry
+
+    async def get_record(self, tenant: str, conversation: str) -> HandleRecord | None:
+        resp = await self.etcd.read(
+            "get_handle", rpc.RangeRequest(key=self.keys.handle(tenant, conversation))
+        )
+        if not resp.kvs:
+            return None
+        kv = resp.kvs[0]
+        return HandleRecord(decode_handle(kv.value), kv.mod_revision, kv.lease)
+
+    async def get(self, tenant: str, conversation: str) -> HandleView | None:
+        """The retained handle, else the newest live claim's handle."""
+        record = await self.get_record(tenant, conversation)
+        if record is not None:
+            return HandleView(record.handle, HandleState.RETAINED)
+        prefix = self.keys.claims_prefix(tenant, conversation)
+        resp = await self.etcd.read(
+            "get_claims",
+            rpc.RangeRequest(
+                key=prefix,
+                range_end=prefix_range_end(prefix),
+                sort_target=rpc.RangeRequest.MOD,
+                sort_order=rpc.RangeRequest.DESCEND,
+                limit=1,
+            ),
+        )
+        if not resp.kvs:
+            return None
+        claim = convert.claim_from_pb(handle_pb2.Claim.FromString(resp.kvs[0].value))
+        return HandleView(claim.handle, HandleState.CHECKED_OUT)
+
+    async def publish(self, handle: CacheHandle) -> PublishOutcome:
+        """Stores `handle` as its conversation's handle.
+
+        A handle it replaces is released in the same transaction (reason
+        SUPERSEDED): its blocks hold an older, shorter prefix. The holder must
+        be registered with the handle's incarnation.
+        """
+        if not handle.handle_id:
+            handle = handle.with_id(uuid.uuid4().hex)
+        if not handle.published_unix_ms:
+            handle = replace(handle, published_unix_ms=now_ms())
+        key = self.keys.handle(handle.tenant, handle.conversation)
+        index = self.keys.by_node(
+            handle.holder_node_id, handle.holder_incarnation, handle.vllm.remote_request_id
+        )
+        value = convert.handle_to_pb(handle).SerializeToString()
+        for _ in range(16):
+            node_key = self.keys.node(handle.holder_node_id)
+            current = await self.etcd.read_txn("publish_read", [fencing.get(key), fencing.get(node_key)])
+            node_kvs = current.responses[1].response_range.kvs
+            if not node_kvs:
+                raise NodeNotRegistered(f"holder {handle.holder_node_id!r} is not registered")
+            node = node_pb2.Node.FromString(node_kvs[0].value)
+            if node.incarnation != handle.holder_incarnation:
+                raise NodeNotRegistered(
+                    f"holder {handle.holder_node_id!r} incarnation {handle.holder_incarnation!r} "
+                    "is not registered"
+                )
+            lease = await self.leases.for_expiry(handle.wall_expiry_unix_ms)
+            compare = [fencing.same_revision(node_key, node_kvs[0].mod_revision)]
+            ops = [fencing.put(key, value, lease), fencing.put(index, key, lease)]
+            superseded: PendingRelease | None = None
+            old_kvs = current.responses[0].response_range.kvs
+            if old_kvs:
+                old_kv = old_kvs[0]
+                old = decode_handle(old_kv.value)
+                if old.handle_id == handle.handle_id:
+                    return PublishOutcome(old, old_kv.mod_revision, None)  # a re-sent publish
+                compare.append(fencing.same_revision(key, old_kv.mod_revision))
+                superseded = PendingRelease(uuid.uuid4().hex, old, ReleaseReason.SUPERSEDED, now_ms())
+                # The old index entry goes, unless the new handle reuses its key.
+                ops += [
+                    op
+                    for op in self.releases.release_ops(superseded, old_kv.lease)
+                    if not (op.HasField("request_delete_range") and op.request_delete_range.key == index)
+                ]
+            else:
+                compare.append(fencing.absent(key))
+            try:
+                resp = await self.etcd.txn("publish", compare, ops, conversation=handle.conversation)
+            except Ambiguous as exc:
+                resp = await self.etcd.resend(exc, functools.partial(self.etcd.txn, "publish", compare, ops))
+                if not resp.succeeded:
+                    # Re-sent after an unseen success: the handle is ours if its id is.
+                    again = await self.get_record(handle.tenant, handle.conversation)
+                    if again is not None and again.handle.handle_id == handle.handle_id:
+                        return PublishOutcome(again.handle, again.mod_revision, superseded)
+                    continue
+            except LeaseNotFound:
+                self.leases.forget(lease)
+                continue
+            if resp.succeeded:
+                self.telemetry.store.handle_transitions.labels("published", "").inc()
+                if superseded is not None:
+                    self.releases.count(superseded.reason.value)
+                return PublishOutcome(handle, int(resp.header.revision), superseded)
+        raise StoreUnavailable(f"conversation {handle.conversation!r} kept changing while publishing")
+
+    async def list(
+        self, *, tenant: str = "", node_id: str = "", page_size: int = 100, page_token: bytes = b""
+    ) -> tuple[list[CacheHandle], bytes]:
+        """One page of retained handles in key order, and the next page's start key."""
+        prefix = self.keys.tenant_handles_prefix(tenant) if tenant else self.keys.handles_prefix()
+        start = page_token if page_token.startswith(prefix) else prefix
+        end = prefix_range_end(prefix)
+        out: list[CacheHandle] = []
+        while True:
+            resp = await self.etcd.read(
+                "list_handles", rpc.RangeRequest(key=start, range_end=end, limit=page_size)
+            )
+            kvs = list(resp.kvs)
+            for i, kv in enumerate(kvs):
+                start = bytes(kv.key) + b"\0"
+                handle = decode_handle(kv.value)
+                if node_id and handle.holder_node_id != node_id:
+                    continue
+                out.append(handle)
+                if len(out) == page_size:
+                    more = bool(resp.more) or i < len(kvs) - 1
+                    return out, start if more else b""
+            if not resp.more:
+                return out, b""

@@ -1,0 +1,91 @@
+"""etcd leases: grants, keep-alives, revocations, and the shared leases that
+bind handles to their wall-clock expiry."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import grpc
+from aetcd import rpc
+
+from kvplane.services.common.errors import NotFound, StoreUnavailable
+from kvplane.services.common.store.etcd import Ambiguous, EtcdClient, LeaseNotFound
+
+
+class Leases:
+    def __init__(self, etcd: EtcdClient) -> None:
+        self.etcd = etcd
+        # Handle leases are shared per expiry second: one grant serves every
+        # handle that expires in the same second.
+        self._by_second: dict[int, int] = {}
+        self._lock = asyncio.Lock()
+
+    async def grant(self, ttl_s: int) -> int:
+        await self.etcd.connect()
+        request = rpc.LeaseGrantRequest(TTL=ttl_s)
+        try:
+            resp = await self.etcd.call("lease_grant", self.etcd.lease.LeaseGrant, request)
+        except Ambiguous as exc:
+            # Safe to re-send: an orphan lease from a lost reply expires on its own.
+            resp = await self.etcd.resend(
+                exc, lambda: self.etcd.call("lease_grant", self.etcd.lease.LeaseGrant, request)
+            )
+        return int(resp.ID)
+
+    async def refresh(self, lease_id: int) -> int:
+        """Keeps a lease alive once; returns the remaining TTL. NotFound if it is gone."""
+        await self.etcd.connect()
+        timeout = self.etcd.settings.request_timeout_s
+
+        async def one() -> Any:
+            call = self.etcd.lease.LeaseKeepAlive(timeout=timeout)
+            await call.write(rpc.LeaseKeepAliveRequest(ID=lease_id))
+            reply = await call.read()
+            await call.done_writing()
+            call.cancel()
+            return reply
+
+        with self.etcd.telemetry.etcd_span("lease_keepalive"):
+            try:
+                reply = await asyncio.wait_for(one(), timeout)
+            except (TimeoutError, grpc.aio.AioRpcError) as exc:
+                raise StoreUnavailable(f"etcd lease keepalive failed: {exc!r}") from exc
+        if reply is grpc.aio.EOF or reply.TTL <= 0:
+            raise NotFound(f"lease {lease_id:x} has expired")
+        return int(reply.TTL)
+
+    async def revoke(self, lease_id: int) -> None:
+        await self.etcd.connect()
+        try:
+            await self.etcd.call(
+                "lease_revoke", self.etcd.lease.LeaseRevoke, rpc.LeaseRevokeRequest(ID=lease_id)
+            )
+        except LeaseNotFound:
+            pass
+        except Ambiguous as exc:
+            raise StoreUnavailable(f"etcd lease revoke: {exc.cause.details()}") from exc
+
+    async def for_expiry(self, expiry_unix_ms: int, granularity_s: int = 1) -> int:
+        """A lease that ends within `granularity_s` after `expiry_unix_ms`."""
+        second = -(-expiry_unix_ms // (1000 * granularity_s)) * granularity_s
+        async with self._lock:
+            now_s = time.time()
+            for stale in [s for s in self._by_second if s < now_s]:
+                del self._by_second[stale]
+            lease = self._by_second.get(second)
+            if lease is None:
+                lease = await self.grant(max(1, int(second - now_s) + 1))
+                self._by_second[second] = lease
+            return lease
+
+    def forget(self, lease: int) -> None:
+        """Stops handing out `lease` (it was found gone)."""
+        for second, held in list(self._by_second.items()):
+            if held == lease:
+                del self._by_second[second]
+
+    def forget_all(self) -> None:
+        """Stops handing out every shared lease (they were revoked behind our back)."""
+        self._by_second.clear()

@@ -1,0 +1,130 @@
+"""Nodes: registration under a lease, keep-alives, loads and draining."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from aetcd import rpc
+
+from kvplane.services.common import convert
+from kvplane.services.common.errors import NodeNotRegistered, NotFound, StoreUnavailable
+from kvplane.services.common.handles import ReleaseReason
+from kvplane.services.common.keys import KeyLayout, prefix_range_end
+from kvplane.services.common.nodes import Node, NodeLoad
+from kvplane.services.common.store import fencing
+from kvplane.services.common.store.etcd import Ambiguous, EtcdClient
+from kvplane.services.common.store.leases import Leases
+from kvplane.services.common.store.records import NodeRecord, now_ms
+from kvplane.services.common.store.release_store import ReleaseStore
+from kvplane.v1 import node_pb2
+
+
+class NodeStore:
+    def __init__(self, etcd: EtcdClient, keys: KeyLayout, leases: Leases, releases: ReleaseStore) -> None:
+        self.etcd = etcd
+        self.keys = keys
+        self.leases = leases
+        self.releases = releases
+
+    async def register(self, node: Node, ttl_s: int) -> int:
+        """Writes the node under a new lease. A previous incarnation is retired:
+        its lease is revoked and its handles purged, so they are never served."""
+        previous = await self.get(node.node_id)
+        lease = await self.leases.grant(ttl_s)
+        node = replace(node, registered_unix_ms=now_ms(), draining=False)
+        put = fencing.put(self.keys.node(node.node_id), convert.node_to_pb(node).SerializeToString(), lease)
+        try:
+            await self.etcd.txn("register_node", [], [put], node=node.node_id)
+        except Ambiguous as exc:
+            # A put is idempotent: re-send until it is known to have applied.
+            await self.etcd.resend(exc, lambda: self.etcd.txn("register_node", [], [put]))
+        if previous is not None and previous.node.incarnation != node.incarnation:
+            await self.leases.revoke(previous.lease)
+            await self.releases.purge_node(node.node_id, previous.node.incarnation, ReleaseReason.HOLDER_DOWN)
+        return lease
+
+    async def get(self, node_id: str) -> NodeRecord | None:
+        resp = await self.etcd.read("get_node", rpc.RangeRequest(key=self.keys.node(node_id)))
+        if not resp.kvs:
+            return None
+        kv = resp.kvs[0]
+        return NodeRecord(convert.node_from_pb(node_pb2.Node.FromString(kv.value)), kv.lease, kv.mod_revision)
+
+    async def registered(self, node_id: str, incarnation: str) -> NodeRecord:
+        record = await self.get(node_id)
+        if record is None or record.node.incarnation != incarnation:
+            raise NodeNotRegistered(f"node {node_id!r} incarnation {incarnation!r} is not registered")
+        return record
+
+    async def keep_alive(self, node_id: str, incarnation: str, lease_id: int) -> int:
+        record = await self.registered(node_id, incarnation)
+        if record.lease != lease_id:
+            raise NotFound(f"lease {lease_id:x} is not node {node_id!r}'s")
+        return await self.leases.refresh(lease_id)
+
+    async def report_load(self, load: NodeLoad) -> None:
+        record = await self.registered(load.node_id, load.incarnation)
+        put = fencing.put(
+            self.keys.load(load.node_id), convert.load_to_pb(load).SerializeToString(), record.lease
+        )
+        same_node = fencing.same_revision(self.keys.node(load.node_id), record.mod_revision)
+        resp = await self.etcd.write("report_load", [same_node], [put])
+        if not resp.succeeded:
+            raise NodeNotRegistered(f"node {load.node_id!r} changed while reporting load")
+
+    async def set_draining(self, node_id: str, draining: bool = True) -> Node:
+        for _ in range(8):
+            record = await self.get(node_id)
+            if record is None:
+                raise NotFound(f"node {node_id!r} is not registered")
+            node = replace(record.node, draining=draining)
+            key = self.keys.node(node_id)
+            put = fencing.put(key, convert.node_to_pb(node).SerializeToString(), record.lease)
+            resp = await self.etcd.write(
+                "drain_node", [fencing.same_revision(key, record.mod_revision)], [put]
+            )
+            if resp.succeeded:
+                return node
+        raise StoreUnavailable(f"node {node_id!r} kept changing while being drained")
+
+    async def deregister(self, node_id: str, incarnation: str) -> None:
+        record = await self.get(node_id)
+        if record is None or record.node.incarnation != incarnation:
+            raise NotFound(f"node {node_id!r} incarnation {incarnation!r} is not registered")
+        await self.leases.revoke(record.lease)
+        await self.releases.purge_node(node_id, incarnation, ReleaseReason.HOLDER_DOWN)
+
+    async def list_nodes(self) -> tuple[int, list[tuple[NodeRecord, NodeLoad | None]]]:
+        """Every node with its latest load, and the revision they were read at."""
+        prefix = self.keys.nodes_prefix()
+        loads_prefix = self.keys.loads_prefix()
+        ops = [
+            rpc.RequestOp(request_range=rpc.RangeRequest(key=prefix, range_end=prefix_range_end(prefix))),
+            rpc.RequestOp(
+                request_range=rpc.RangeRequest(key=loads_prefix, range_end=prefix_range_end(loads_prefix))
+            ),
+        ]
+        resp = await self.etcd.read_txn("list_nodes", ops)
+        loads: dict[str, NodeLoad] = {}
+        for kv in resp.responses[1].response_range.kvs:
+            reported = convert.load_from_pb(node_pb2.NodeLoad.FromString(kv.value))
+            loads[reported.node_id] = reported
+        out: list[tuple[NodeRecord, NodeLoad | None]] = []
+        for kv in resp.responses[0].response_range.kvs:
+            node = convert.node_from_pb(node_pb2.Node.FromString(kv.value))
+            load = loads.get(node.node_id)
+            if load is not None and load.incarnation != node.incarnation:
+                load = None
+            out.append((NodeRecord(node, kv.lease, kv.mod_revision), load))
+        return int(resp.header.revision), out
+
+    async def orphaned_nodes(self) -> set[tuple[str, str]]:
+        """(node, incarnation) pairs that hold handles but are not registered."""
+        prefix = self.keys.by_node_all_prefix()
+        resp = await self.etcd.read(
+            "orphan_scan", rpc.RangeRequest(key=prefix, range_end=prefix_range_end(prefix), keys_only=True)
+        )
+        _, nodes = await self.list_nodes()
+        live = {(r.node.node_id, r.node.incarnation) for r, _ in nodes}
+        found = {self.keys.by_node_parts(kv.key)[:2] for kv in resp.kvs}
+        return found - live

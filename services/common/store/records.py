@@ -1,0 +1,68 @@
+"""What the stores read back from etcd: values with the revisions that fence
+later changes to them."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from kvplane.services.common import convert
+from kvplane.services.common.handles import CacheHandle, HandleState, PendingRelease
+from kvplane.services.common.nodes import Node
+from kvplane.v1 import handle_pb2
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def decode_handle(value: bytes) -> CacheHandle:
+    return convert.handle_from_pb(handle_pb2.CacheHandle.FromString(value))
+
+
+@dataclass(frozen=True, slots=True)
+class HandleRecord:
+    """A retained handle with the revision that fences changes to it."""
+
+    handle: CacheHandle
+    mod_revision: int
+    lease: int
+
+
+@dataclass(frozen=True, slots=True)
+class HandleView:
+    """What GetHandle reports: the handle and where it is in its life."""
+
+    handle: CacheHandle
+    state: HandleState
+
+
+@dataclass(frozen=True, slots=True)
+class PublishOutcome:
+    handle: CacheHandle
+    mod_revision: int
+    superseded: PendingRelease | None
+
+
+@dataclass(frozen=True, slots=True)
+class CheckOut:
+    handle: CacheHandle
+    claim_id: str
+    revision: int
+
+
+@dataclass(frozen=True, slots=True)
+class NodeRecord:
+    node: Node
+    lease: int
+    mod_revision: int
+
+
+@dataclass(frozen=True, slots=True)
+class ElectionRecord:
+    """Who leads an election, under which lease, read at `revision`."""
+
+    candidate: str
+    lease: int
+    mod_revision: int
+    revision: int

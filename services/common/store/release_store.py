@@ -1,0 +1,148 @@
+"""Releases: retained → released, the per-node command queue, and the purge
+of handles whose holder is gone or freed the blocks itself."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable
+from typing import Any
+
+from aetcd import rpc
+
+from kvplane.services.common import convert
+from kvplane.services.common.errors import HandleNotRetained
+from kvplane.services.common.handles import PendingRelease, ReleaseReason
+from kvplane.services.common.keys import KeyLayout, prefix_range_end
+from kvplane.services.common.store import fencing
+from kvplane.services.common.store.etcd import Ambiguous, EtcdClient
+from kvplane.services.common.store.records import HandleRecord, now_ms
+from kvplane.services.common.telemetry import Telemetry
+from kvplane.v1 import handle_pb2
+
+
+class ReleaseStore:
+    def __init__(self, etcd: EtcdClient, keys: KeyLayout, telemetry: Telemetry) -> None:
+        self.etcd = etcd
+        self.keys = keys
+        self.telemetry = telemetry
+
+    def release_ops(self, pending: PendingRelease, lease: int) -> list[Any]:
+        """Ops that remove a retained handle's index and queue its release command."""
+        h = pending.handle
+        return [
+            fencing.delete(
+                self.keys.by_node(h.holder_node_id, h.holder_incarnation, h.vllm.remote_request_id)
+            ),
+            fencing.put(
+                self.keys.release(h.holder_node_id, pending.command_id),
+                convert.pending_to_pb(pending).SerializeToString(),
+                lease,
+            ),
+        ]
+
+    async def release(
+        self, tenant: str, conversation: str, record: HandleRecord, reason: ReleaseReason
+    ) -> PendingRelease:
+        """Releases the handle read as `record`, only if it is still retained.
+
+        One transaction fenced on the handle's mod_revision deletes the handle
+        and its index and queues a release command for the holder, so the
+        metadata entry is gone before any command is sent. A checked-out
+        handle has no entry left, so it can never be released here.
+        """
+        handle = record.handle
+        pending = PendingRelease(uuid.uuid4().hex, handle, reason, now_ms())
+        key = self.keys.handle(tenant, conversation)
+        compare = [fencing.same_revision(key, record.mod_revision)]
+        ops = [fencing.delete(key), *self.release_ops(pending, record.lease)]
+        try:
+            resp = await self.etcd.txn(
+                "release", compare, ops, conversation=conversation, reason=reason.value
+            )
+            won = bool(resp.succeeded)
+        except Ambiguous as exc:
+            resp = await self.etcd.resend(exc, lambda: self.etcd.txn("release", compare, ops))
+            won = bool(resp.succeeded) or await self.etcd.exists(
+                self.keys.release(handle.holder_node_id, pending.command_id)
+            )
+        if not won:
+            raise HandleNotRetained(f"handle of conversation {conversation!r} is no longer retained")
+        self.count(reason.value)
+        return pending
+
+    async def release_freed(self, node_id: str, incarnation: str, request_ids: Iterable[str]) -> int:
+        """Drops handles whose blocks the engine itself freed (TTL, read, abort).
+
+        No command is queued: the blocks are already gone. Returns how many
+        retained handles this removed.
+        """
+        removed = 0
+        for request_id in request_ids:
+            index = self.keys.by_node(node_id, incarnation, request_id)
+            resp = await self.etcd.read("get_index", rpc.RangeRequest(key=index))
+            if not resp.kvs:
+                continue
+            if await self.drop_indexed(resp.kvs[0]):
+                removed += 1
+                self.count(ReleaseReason.FREED_BY_ENGINE.value)
+        return removed
+
+    async def drop_indexed(self, index_kv: Any) -> bool:
+        """Deletes an index entry and, if still the same handle, the handle.
+
+        The index is written in the handle's own transaction, so equal
+        mod_revisions mean the handle key still holds that very handle.
+        """
+        handle_key = bytes(index_kv.value)
+        compare = [fencing.same_revision(handle_key, index_kv.mod_revision)]
+        ops = [fencing.delete(handle_key), fencing.delete(bytes(index_kv.key))]
+        failure = [fencing.delete(bytes(index_kv.key))]
+        resp = await self.etcd.write("drop_indexed", compare, ops, failure)
+        return bool(resp.succeeded)
+
+    async def purge_node(self, node_id: str, incarnation: str | None, reason: ReleaseReason) -> int:
+        """Removes every handle a node (or one of its incarnations) holds,
+        through the per-node index. No command is queued: a dead holder's
+        blocks are gone, and a new incarnation never had them."""
+        prefix = self.keys.by_node_prefix(node_id, incarnation)
+        resp = await self.etcd.read(
+            "purge_scan", rpc.RangeRequest(key=prefix, range_end=prefix_range_end(prefix))
+        )
+        removed = 0
+        for kv in resp.kvs:
+            if await self.drop_indexed(kv):
+                removed += 1
+                self.count(reason.value)
+        # Commands queued for a dead incarnation can never be applied.
+        releases = self.keys.releases_prefix(node_id)
+        pending = await self.etcd.read(
+            "purge_releases", rpc.RangeRequest(key=releases, range_end=prefix_range_end(releases))
+        )
+        for kv in pending.kvs:
+            release = convert.pending_from_pb(handle_pb2.PendingRelease.FromString(kv.value))
+            if incarnation is None or release.handle.holder_incarnation == incarnation:
+                await self.etcd.write("purge_release", [], [fencing.delete(bytes(kv.key))])
+        return removed
+
+    async def pending_releases(self, node_id: str) -> list[tuple[PendingRelease, int]]:
+        """Release commands queued for a node, with their mod_revisions, oldest first."""
+        prefix = self.keys.releases_prefix(node_id)
+        resp = await self.etcd.read(
+            "pending_releases",
+            rpc.RangeRequest(
+                key=prefix,
+                range_end=prefix_range_end(prefix),
+                sort_target=rpc.RangeRequest.MOD,
+                sort_order=rpc.RangeRequest.ASCEND,
+            ),
+        )
+        return [
+            (convert.pending_from_pb(handle_pb2.PendingRelease.FromString(kv.value)), int(kv.mod_revision))
+            for kv in resp.kvs
+        ]
+
+    async def ack_release(self, node_id: str, command_id: str) -> None:
+        await self.etcd.write("ack_release", [], [fencing.delete(self.keys.release(node_id, command_id))])
+
+    def count(self, reason: str) -> None:
+        self.telemetry.store.handle_transitions.labels("released", reason).inc()
