@@ -86,6 +86,7 @@ EXTRA_COMMANDS: dict[str, str] = {
     "gateway": "kvplane.services.gateway.cli:main",
     "dev-stack": "kvplane.services.devstack:main",
     "bench": "kvplane.bench.live:main",
+    "sim": "kvplane.bench.sim.command:main",
 }
 
 

@@ -7,6 +7,7 @@
 from kvplane.bench.workloads.agentic import AgenticWorkload, agentic_turns
 from kvplane.bench.workloads.mooncake import (
     DEFAULT_TRACE,
+    TraceError,
     TraceFormat,
     TraceStatistics,
     conversation_turns,
@@ -19,6 +20,7 @@ from kvplane.bench.workloads.turns import Turn
 __all__ = [
     "DEFAULT_TRACE",
     "AgenticWorkload",
+    "TraceError",
     "TraceFormat",
     "TraceStatistics",
     "Turn",

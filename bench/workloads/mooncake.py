@@ -74,18 +74,58 @@ class Link:
     context_age_s: float
 
 
+class TraceError(ValueError):
+    """A trace line that cannot be read; the message names the line and the field."""
+
+
+def _int_field(raw: dict[str, object], name: str, minimum: int, where: str) -> int:
+    if name not in raw:
+        raise TraceError(f"{where}: missing field {name!r}")
+    value = raw[name]
+    # JSON numbers only: a bool is an int to Python, and a float timestamp is fine if whole.
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
+        raise TraceError(f"{where}: field {name!r} must be an integer, got {value!r}")
+    if value < minimum:
+        raise TraceError(f"{where}: field {name!r} must be at least {minimum}, got {value!r}")
+    return int(value)
+
+
+def parse_request(line: str, where: str) -> TraceRequest:
+    """One trace line; `where` (e.g. "trace.jsonl line 3") prefixes any error."""
+    try:
+        raw = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise TraceError(f"{where}: not valid JSON ({e.msg})") from None
+    if not isinstance(raw, dict):
+        raise TraceError(f"{where}: expected a JSON object, got {type(raw).__name__}")
+    timestamp = _int_field(raw, "timestamp", 0, where)
+    input_length = _int_field(raw, "input_length", 1, where)
+    output_length = _int_field(raw, "output_length", 0, where)
+    if "hash_ids" not in raw:
+        raise TraceError(f"{where}: missing field 'hash_ids'")
+    ids = raw["hash_ids"]
+    if not isinstance(ids, list) or not all(isinstance(h, int) and not isinstance(h, bool) for h in ids):
+        raise TraceError(f"{where}: field 'hash_ids' must be a list of integers")
+    return TraceRequest(timestamp, input_length, output_length, tuple(ids))
+
+
 def read_requests(path: str | Path = DEFAULT_TRACE) -> Iterator[TraceRequest]:
+    """The trace's requests in order; a malformed line raises `TraceError` naming it and the field."""
+    previous = 0
     with Path(path).open(encoding="utf-8") as lines:
-        for line in lines:
+        for number, line in enumerate(lines, start=1):
             if not line.strip():
                 continue
-            raw = json.loads(line)
-            yield TraceRequest(
-                int(raw["timestamp"]),
-                int(raw["input_length"]),
-                int(raw["output_length"]),
-                tuple(int(h) for h in raw["hash_ids"]),
-            )
+            where = f"{path} line {number}"
+            request = parse_request(line, where)
+            # Conversations are linked in trace order, so time must not run backwards.
+            if request.timestamp_ms < previous:
+                raise TraceError(
+                    f"{where}: field 'timestamp' {request.timestamp_ms} is earlier than the"
+                    f" previous request's {previous}"
+                )
+            previous = request.timestamp_ms
+            yield request
 
 
 def _shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -1,0 +1,342 @@
+"""`kvplane sim`: replay a trace or a built-in workload through named policies, and compare them.
+
+    kvplane sim --trace FILE.jsonl --policies no-reuse,vllm-proxy,kvplane \\
+        --engine-model pinned --prefill 8 --decode 16 --kv-gib-per-decode 80 \\
+        --p-cache-gib 64 --seed 1 --json out.json
+
+`--trace` reads the Mooncake JSONL format (`timestamp` in ms, `input_length`,
+`output_length`, `hash_ids`); `--workload agentic` takes the built-in
+synthetic agentic workload instead. Each policy runs in its own process, as
+many at a time as there are cores, over the same turns; results depend only
+on the arguments. A progress bar is drawn on a terminal; the comparison
+table is printed; `--json` writes each policy's figures.
+
+`make bench` runs the same `run_policy` for every table of the README.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import sys
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from multiprocessing.sharedctypes import Synchronized
+from pathlib import Path
+from typing import Any, TextIO
+
+from kvplane.bench.sim.baselines import BASELINES, RunOptions, simulator_for
+from kvplane.bench.sim.cluster import ClusterSpec
+from kvplane.bench.sim.engine import ENGINE_MODELS, SimConfig
+from kvplane.bench.sim.results import SimResult, SimSummary
+from kvplane.bench.workloads import AgenticWorkload, TraceError, Turn, agentic_turns, mooncake_turns
+
+GIB = 1 << 30
+WORKLOADS = ("agentic",)
+# The built-in agentic workload: an hour of sessions starting at one a second.
+AGENTIC_SESSIONS_PER_S = 1.0
+AGENTIC_DURATION_S = 3600.0
+
+
+@dataclass(frozen=True, slots=True)
+class SimSpec:
+    """One comparison: the turns, the fleet, the engine model (sizes in GiB, times in s)."""
+
+    trace: str = ""
+    workload: str = ""
+    engine_model: str = "pinned"
+    prefill: int = 8
+    decode: int = 16
+    kv_gib_per_decode: float = 80.0
+    p_cache_gib: float = 64.0
+    seed: int = 1
+    # Seconds of simulated time between retention evaluations (the service's is at most 1 s).
+    retention_interval_s: float = 1.0
+    # The first this many turns only (0: all); for smoke runs.
+    max_turns: int = 0
+
+    def config(self) -> SimConfig:
+        cluster = ClusterSpec(
+            prefill_nodes=self.prefill,
+            decode_nodes=self.decode,
+            decode_kv_capacity_bytes=int(self.kv_gib_per_decode * GIB),
+            prefill_cache_bytes=int(self.p_cache_gib * GIB),
+        )
+        return SimConfig(cluster=cluster, pressure=ENGINE_MODELS[self.engine_model])
+
+    def options(self) -> RunOptions:
+        return RunOptions(retention_interval_s=self.retention_interval_s, seed=self.seed)
+
+
+@lru_cache(maxsize=4)
+def load_turns(trace: str, workload: str, seed: int, max_turns: int) -> tuple[Turn, ...]:
+    """The spec's turns, once per process."""
+    if trace:
+        turns: Iterable[Turn] = mooncake_turns(trace)
+    elif workload == "agentic":
+        turns = agentic_turns(
+            AgenticWorkload(seed=seed, sessions_per_s=AGENTIC_SESSIONS_PER_S, duration_s=AGENTIC_DURATION_S)
+        )
+    else:
+        raise ValueError(f"no trace and no known workload (one of {', '.join(WORKLOADS)})")
+    out = tuple(turns)
+    return out[:max_turns] if max_turns > 0 else out
+
+
+def spec_turns(spec: SimSpec) -> tuple[Turn, ...]:
+    return load_turns(spec.trace, spec.workload, spec.seed, spec.max_turns)
+
+
+# Turns simulated so far by every worker, for the progress bar; set by `_init_worker`.
+_COUNTER: Synchronized[int] | None = None
+_COUNT_EVERY = 500
+
+
+def _init_worker(counter: Synchronized[int] | None) -> None:
+    global _COUNTER
+    _COUNTER = counter
+
+
+def _counted(turns: Iterable[Turn]) -> Iterator[Turn]:
+    counter = _COUNTER
+    if counter is None:
+        yield from turns
+        return
+    n = 0
+    for turn in turns:
+        yield turn
+        n += 1
+        if n == _COUNT_EVERY:
+            with counter.get_lock():
+                counter.value += n
+            n = 0
+    with counter.get_lock():
+        counter.value += n
+
+
+def run_policy(spec: SimSpec, name: str) -> SimResult:
+    """One named policy over the spec's turns and fleet."""
+    sim = simulator_for(BASELINES[name], spec.config(), spec.options())
+    return sim.run(_counted(spec_turns(spec)), name)
+
+
+def run_jobs(
+    jobs: Sequence[tuple[SimSpec, str]], workers: int, progress: TextIO | None = None
+) -> list[SimResult]:
+    """Every (spec, policy) job, `workers` at a time; results in the jobs' order."""
+    total = sum(len(spec_turns(spec)) for spec, _ in jobs)
+    counter: Synchronized[int] = multiprocessing.Value("q", 0)
+    bar = _Bar(progress, total) if progress is not None else None
+    if workers <= 1:
+        _init_worker(counter)
+        try:
+            out = []
+            for spec, name in jobs:
+                out.append(run_policy(spec, name))
+                if bar is not None:
+                    bar.draw(counter.value)
+            return out
+        finally:
+            _init_worker(None)
+            if bar is not None:
+                bar.close()
+    with ProcessPoolExecutor(max_workers=workers, initializer=_init_worker, initargs=(counter,)) as pool:
+        futures = [pool.submit(run_policy, spec, name) for spec, name in jobs]
+        pending: set[Future[SimResult]] = set(futures)
+        while pending:
+            _, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
+            if bar is not None:
+                bar.draw(counter.value)
+        if bar is not None:
+            bar.close()
+        return [f.result() for f in futures]
+
+
+class _Bar:
+    """A one-line progress bar over simulated turns, redrawn in place."""
+
+    def __init__(self, out: TextIO, total: int) -> None:
+        self.out = out
+        self.total = max(1, total)
+        self.started = time.monotonic()
+
+    def draw(self, done: int) -> None:
+        frac = min(1.0, done / self.total)
+        filled = int(frac * 30)
+        elapsed = time.monotonic() - self.started
+        self.out.write(
+            f"\r[{'#' * filled}{'.' * (30 - filled)}] {100 * frac:3.0f}%"
+            f" {done:,}/{self.total:,} turns, {elapsed:.0f} s"
+        )
+        self.out.flush()
+
+    def close(self) -> None:
+        self.draw(self.total)
+        self.out.write("\n")
+        self.out.flush()
+
+
+def _pct(x: float) -> str:
+    return f"{100.0 * x:.1f}%"
+
+
+def comparison_table(summaries: Sequence[SimSummary]) -> str:
+    """The terminal's table: TTFT over all turns, reuse, wrong-KV turns, waits, memory."""
+    header = (
+        "policy",
+        "TTFT p50 ms",
+        "p90 ms",
+        "p99 ms",
+        "reused",
+        "wrong-prefix turns",
+        "waited",
+        "retained GB·s",
+    )
+    rows = [header]
+    for s in summaries:
+        rows.append(
+            (
+                s.name,
+                f"{s.ttft_p50_ms:,.0f}",
+                f"{s.ttft_p90_ms:,.0f}",
+                f"{s.ttft_p99_ms:,.0f}",
+                _pct(s.reused_fraction),
+                f"{s.wrong_prefix_turns:,}",
+                _pct(s.waited_fraction),
+                f"{s.retained_gb_s:,.0f}",
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = []
+    for k, row in enumerate(rows):
+        cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)]
+        lines.append("  ".join(cells))
+        if k == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def policy_json(summary: SimSummary) -> dict[str, Any]:
+    """What `--json` writes per policy: the run's figures, without its wall time."""
+    out = summary.as_dict()
+    out.pop("wall_s", None)
+    return out
+
+
+def _policies(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in BASELINES]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown policy {', '.join(unknown) or '(none)'}; choose from {', '.join(BASELINES)}"
+        )
+    return names
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
+def _non_negative(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError("must be >= 0")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvplane sim", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--trace", type=Path, help="a Mooncake-format JSONL trace")
+    source.add_argument("--workload", choices=WORKLOADS, help="a built-in synthetic workload")
+    parser.add_argument(
+        "--policies",
+        type=_policies,
+        default=tuple(BASELINES),
+        help=f"comma-separated, from: {', '.join(BASELINES)} (default: all)",
+    )
+    parser.add_argument(
+        "--engine-model",
+        choices=tuple(ENGINE_MODELS),
+        default="pinned",
+        help="pinned: D keeps retained KV until read, released or expired, as vLLM does (default);"
+        " evicting: a what-if engine that may drop retained KV under pressure",
+    )
+    parser.add_argument("--prefill", type=_positive_int, default=8, help="prefill nodes (default 8)")
+    parser.add_argument("--decode", type=_positive_int, default=16, help="decode nodes (default 16)")
+    parser.add_argument(
+        "--kv-gib-per-decode",
+        type=float,
+        default=80.0,
+        help="KV memory of each decode node, GiB (default 80)",
+    )
+    parser.add_argument(
+        "--p-cache-gib",
+        type=_non_negative,
+        default=64.0,
+        help="prefix cache of each prefill node, GiB (default 64; 0: none)",
+    )
+    parser.add_argument("--seed", type=int, default=1, help="seed of the workload and of sampled routes")
+    parser.add_argument("--json", type=Path, help="write each policy's figures here")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.kv_gib_per_decode <= 0:
+        parser.error("--kv-gib-per-decode must be > 0")
+    spec = SimSpec(
+        trace=str(args.trace) if args.trace else "",
+        workload=args.workload or "",
+        engine_model=args.engine_model,
+        prefill=args.prefill,
+        decode=args.decode,
+        kv_gib_per_decode=args.kv_gib_per_decode,
+        p_cache_gib=args.p_cache_gib,
+        seed=args.seed,
+    )
+    try:
+        turns = spec_turns(spec)
+    except TraceError as e:
+        print(f"kvplane sim: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"kvplane sim: error: cannot read the trace: {e}", file=sys.stderr)
+        return 2
+    names: tuple[str, ...] = args.policies
+    source = spec.trace or f"the {spec.workload} workload"
+    print(
+        f"{len(turns):,} turns from {source}; {spec.prefill} P + {spec.decode} D,"
+        f" {spec.kv_gib_per_decode:g} GiB KV per D, {spec.p_cache_gib:g} GiB prefix cache per P;"
+        f" {spec.engine_model} engine model",
+        flush=True,
+    )
+    workers = max(1, min(len(names), os.cpu_count() or 1))
+    progress = sys.stderr if sys.stderr.isatty() else None
+    results = run_jobs([(spec, n) for n in names], workers, progress)
+    summaries = [r.summary for r in results]
+    print(comparison_table(summaries))
+    if args.json:
+        data = {
+            "spec": asdict(spec),
+            "turns": len(turns),
+            "policies": {s.name: policy_json(s) for s in summaries},
+        }
+        args.json.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
