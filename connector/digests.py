@@ -75,12 +75,20 @@ def chain(token_ids: Sequence[int] | np.ndarray, block_size: int) -> list[int]:
         raise ValueError("block_size must be positive")
     tokens = np.asarray(token_ids, dtype="<u4")
     whole = len(tokens) // block_size
-    raw = tokens[: whole * block_size].tobytes()
+    return chain_from(None, tokens[: whole * block_size].tobytes(), block_size)
+
+
+def chain_from(previous: int | None, raw: bytes, block_size: int) -> list[int]:
+    """The chain over the whole blocks of `raw` (little-endian uint32 token ids), continuing
+    from the digest `previous` of the blocks before them (None: from the start)."""
+    if block_size <= 0:
+        raise ValueError("block_size must be positive")
     step = block_size * 4
-    prev = _seed(block_size)
+    prev = _seed(block_size) if previous is None else previous.to_bytes(8, "little")
     out: list[int] = []
-    for i in range(whole):
-        prev = hashlib.blake2b(prev + raw[i * step : (i + 1) * step], digest_size=8).digest()
+    blake2b = hashlib.blake2b
+    for i in range(len(raw) // step):
+        prev = blake2b(prev + raw[i * step : (i + 1) * step], digest_size=8).digest()
         out.append(int.from_bytes(prev, "little"))
     return out
 

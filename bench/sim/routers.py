@@ -23,6 +23,8 @@ from kvplane.bench.sim.cluster import DecodeState, PrefillState, SimHandle
 from kvplane.bench.sim.fleet import Conversation, Fleet
 from kvplane.bench.workloads.turns import Turn
 from kvplane.services.common.handles import CacheHandle, VllmHandle
+from kvplane.services.routing.inflight import InFlightLedger, routed_work
+from kvplane.services.routing.prefill_record import PrefillCacheRecord
 from kvplane.services.routing.policy import (
     CostModel,
     Decision,
@@ -230,6 +232,11 @@ class OracleRouter:
 class PolicyRouter:
     """kvplane: the routing service's policy object, called in process.
 
+    It knows what the live service knows, kept by the same code: the load
+    reports plus the work it routed since (`InFlightLedger`), and its own
+    record of the prompts it sent each prefill node (`PrefillCacheRecord`),
+    never the prefill nodes' real caches.
+
     `candidates` > 0 shows the policy only the conversation's holder and
     last prefill node plus that many other nodes of each role, drawn at
     random per turn: a sharded router's view, which keeps a route's cost
@@ -253,6 +260,9 @@ class PolicyRouter:
         self._rng = random.Random(seed)
         self._contacted: set[tuple[str, str]] = set()
         self.model = fleet.spec.model
+        self._inflight = InFlightLedger()
+        self._prefill_record = PrefillCacheRecord()
+        self._routes = 0
 
     def _cache_handle(self, handle: SimHandle) -> CacheHandle:
         cached = handle.cache_handle
@@ -304,21 +314,40 @@ class PolicyRouter:
 
     def route(self, turn: Turn, conversation: Conversation, prompt: BlockChain, now: float) -> RouteChoice:
         handle = conversation.live_handle()
+        now_ms = self.fleet.unix_ms(now)
+        block = self.digest_block_size
+        key = (turn.tenant, turn.conversation)
         snapshot = RouteSnapshot(
             model=self.model,
             conversation=turn.conversation,
-            prompt=Prompt(turn.prompt_tokens, block_digests=prompt, digest_block_size=self.digest_block_size),
-            nodes=self._nodes(now, conversation, handle),
-            now_unix_ms=self.fleet.unix_ms(now),
+            prompt=Prompt(turn.prompt_tokens, block_digests=prompt, digest_block_size=block),
+            nodes=self._inflight.current(self._nodes(now, conversation, handle), now_ms),
+            now_unix_ms=now_ms,
             handle=self._cache_handle(handle) if handle is not None else None,
             last_prefill_node_id=conversation.last_prefill,
             contacted=self._contacted,
+            prefill_cached_tokens=self._prefill_record.cached_tokens(key, turn.prompt_tokens, prompt, block),
         )
         plan = self.policy.route(snapshot, self.costs)
         p = self.fleet.prefill_by_id[plan.prefill.node_id]
         d = self.fleet.decode_by_id[plan.decode.node_id]
         verdict = plan.verdict
-        if verdict.decision is Decision.PULL and handle is not None:
+        pulls = verdict.decision.pulls and handle is not None
+        self._routes += 1
+        # The simulated D reserves the turn's KV as it is routed, so its reports show it at once.
+        work = routed_work(
+            str(self._routes),
+            snapshot,
+            plan,
+            self.costs,
+            pulled=pulls,
+            send_delay_ms=0,
+            decode_after_prefill=False,
+        )
+        self._inflight.add(*work)
+        self._prefill_record.sent(key, plan.prefill, turn.prompt_tokens, prompt, block)
+        if pulls:
+            # The pull is offered up to the verified prefix; P reads what its cache lacks.
             return RouteChoice(p, d, verdict.decision.value, handle, verdict.reusable_tokens)
         return RouteChoice(p, d, verdict.decision.value)
 
@@ -331,6 +360,7 @@ class PolicyRouter:
                 prefill_ms=outcome.prefill_s * 1000.0,
                 ttft_ms=outcome.ttft_s * 1000.0,
                 kv_bytes_per_token=self.fleet.costs.kv_bytes_per_token,
+                cached_tokens=outcome.cached_tokens,
             )
         )
         if choice.pull is not None and outcome.pulled_tokens > 0:

@@ -42,16 +42,27 @@ def test_holder_is_chosen_as_decode_when_it_has_room(policy: RoutingPolicy) -> N
     assert policy.route(snap(full, handle=mk_handle(d0, H), prompt=PROMPT)).decode.node_id == "d1"
 
 
-def test_prefill_with_the_shortest_queue_wins_then_the_last_one(policy: RoutingPolicy) -> None:
+def test_prefill_where_the_turn_costs_least_wins_its_cache_against_a_short_queue(
+    policy: RoutingPolicy,
+) -> None:
     nodes = [
         state(mk_node("p0", NodeRole.PREFILL), queued_prefill_tokens=50_000),
         state(mk_node("p1", NodeRole.PREFILL), queued_prefill_tokens=0),
         state(mk_node("p2", NodeRole.PREFILL), queued_prefill_tokens=0),
         state(mk_node("d0")),
     ]
-    assert policy.route(snap(nodes, last_prefill_node_id="p2")).prefill.node_id == "p2"
-    assert policy.route(snap(nodes, last_prefill_node_id="p1")).prefill.node_id == "p1"
-    assert policy.route(snap(nodes, last_prefill_node_id="p0")).prefill.node_id != "p0"
+    prompt = Prompt(4100)
+    assert (
+        policy.route(snap(nodes, prompt=prompt, prefill_cached_tokens={"p2": 4000})).prefill.node_id == "p2"
+    )
+    assert (
+        policy.route(snap(nodes, prompt=prompt, prefill_cached_tokens={"p1": 4000})).prefill.node_id == "p1"
+    )
+    # 50k queued tokens cost more than the 4k the cache would save.
+    assert (
+        policy.route(snap(nodes, prompt=prompt, prefill_cached_tokens={"p0": 4000})).prefill.node_id != "p0"
+    )
+    assert policy.route(snap(nodes, prompt=prompt)).prefill.node_id != "p0"
 
 
 def test_holder_pool_is_used_even_when_another_pool_is_idle(policy: RoutingPolicy) -> None:

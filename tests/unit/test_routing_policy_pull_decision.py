@@ -57,8 +57,14 @@ def verdict(
             {"prompt": Prompt(4146, [*H[:99], 0, *H[100:], *NEW])},
             Decision.RECOMPUTE_PREFIX_MISMATCH,
         ),
-        ("retried", {"prompt": Prompt(4000, H[:4000])}, Decision.RECOMPUTE_PREFIX_MISMATCH),
-        ("same length", {"prompt": Prompt(4096, H)}, Decision.RECOMPUTE_PREFIX_MISMATCH),
+        ("retried: a verified prefix", {"prompt": Prompt(4000, H[:4000])}, Decision.PULL_PREFIX),
+        ("same length: a verified prefix", {"prompt": Prompt(4096, H)}, Decision.PULL_PREFIX),
+        (
+            "retried, prefixes off",
+            {"prompt": Prompt(4000, H[:4000]), "settings": PullSettings(pull_prefixes=False)},
+            Decision.RECOMPUTE_PREFIX_MISMATCH,
+        ),
+        ("retried, length only", {"prompt": Prompt(4000)}, Decision.RECOMPUTE_PREFIX_MISMATCH),
         ("no digests", {"handle": mk_handle(HOLDER, H, digests=False)}, Decision.RECOMPUTE_PREFIX_MISMATCH),
         (
             "no digests, not required",

@@ -32,6 +32,7 @@ import yaml
 from kvplane.services.routing.policy import filters as _filters  # noqa: F401  (registers)
 from kvplane.services.routing.policy import picker as _picker  # noqa: F401  (registers)
 from kvplane.services.routing.policy import scorers as _scorers  # noqa: F401  (registers)
+from kvplane.services.routing.policy import turn_cost as _turn_cost  # noqa: F401  (registers)
 from kvplane.services.routing.policy.cost_model import CostModel
 from kvplane.services.routing.policy.pull_decision import PullSettings
 from kvplane.services.routing.policy.registry import (

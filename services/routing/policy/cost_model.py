@@ -44,6 +44,8 @@ class TurnObservation:
     # The pull was the first between its prefill engine and the holder, so it
     # paid the handshake.
     first_contact: bool = False
+    # Prompt tokens P found in its own prefix cache: neither pulled nor computed.
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,11 +103,11 @@ class CostModel:
         if not obs.success:
             return self
         model = self
-        computed = obs.prompt_tokens - obs.pulled_tokens
+        computed = obs.prompt_tokens - obs.pulled_tokens - obs.cached_tokens
         if computed >= self.min_sample_tokens:
             # prefill_ms is P's own compute time; without it, a recompute
             # turn's TTFT bounds it from above.
-            spent = obs.prefill_ms or (obs.ttft_ms if obs.pulled_tokens == 0 else 0.0)
+            spent = obs.prefill_ms or (obs.ttft_ms if obs.pulled_tokens == obs.cached_tokens == 0 else 0.0)
             if spent > 0:
                 sample = self._clamp(spent / computed, self.recompute_ms_per_token)
                 model = replace(

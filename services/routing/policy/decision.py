@@ -12,6 +12,9 @@ class Decision(enum.Enum):
     """Pull the retained KV, or recompute it, and why. Mirrors routing.proto's Decision."""
 
     PULL = "pull"
+    # The prompt diverges from the handle after a verified prefix: pull that
+    # prefix (clipped to it) and recompute the rest.
+    PULL_PREFIX = "pull_prefix"
     RECOMPUTE_NO_HANDLE = "recompute_no_handle"
     RECOMPUTE_BELOW_THRESHOLD = "recompute_below_threshold"
     RECOMPUTE_EXPIRING = "recompute_expiring"
@@ -24,12 +27,17 @@ class Decision(enum.Enum):
 
     @property
     def pulls(self) -> bool:
-        return self is Decision.PULL
+        return self is Decision.PULL or self is Decision.PULL_PREFIX
 
 
 @dataclass(frozen=True, slots=True)
 class PullVerdict:
-    """Pull or recompute, with the estimates that led there (ms, tokens)."""
+    """Pull or recompute, with the estimates that led there (ms, tokens).
+
+    `reusable_tokens` is how much of the handle the prompt provably shares
+    (a pull is clipped to it); `cached_tokens` what the chosen prefill node's
+    own prefix cache is believed to hold. A pull moves only the difference.
+    """
 
     decision: Decision
     reason: str
@@ -37,6 +45,12 @@ class PullVerdict:
     transfer_ms: float = 0.0
     recompute_ms: float = 0.0
     life_left_ms: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def pulled_tokens(self) -> int:
+        """Tokens of KV the pull is expected to move (0 for a recompute)."""
+        return max(0, self.reusable_tokens - self.cached_tokens) if self.decision.pulls else 0
 
 
 @dataclass(frozen=True, slots=True)

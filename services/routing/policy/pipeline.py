@@ -17,6 +17,11 @@ Hard and soft filters. Hard filters (role, model, fingerprint) are
 constraints of correctness. Soft ones (stale load reports, draining) are
 preferences: if they leave no pair, the turn is routed by the hard filters
 alone rather than failed.
+
+The prefill leg's default picker, `least-cost`, ranks nodes by the turn's
+cost on each (queue, pull, compute; see `turn_cost`), so the legs' contexts
+carry the cost model, the pull rule, and the prompt matched against the
+handle once per route.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from kvplane.services.common.nodes import Fingerprint, Node
 from kvplane.services.routing.policy.config import LegPolicy, PolicyConfig
 from kvplane.services.routing.policy.cost_model import CostModel
 from kvplane.services.routing.policy.decision import NoEligibleNodes, RoutePlan
+from kvplane.services.routing.policy.prefix_match import PrefixMatch, match_prefix
 from kvplane.services.routing.policy.pull_decision import decide_pull
 from kvplane.services.routing.policy.snapshot import Leg, LegContext, NodeState, RouteSnapshot
 
@@ -59,11 +65,20 @@ class RoutingPolicy:
         return leg_policy.picker.rank(scored, ctx)
 
     def _pair(
-        self, snapshot: RouteSnapshot, holder: Node | None, fingerprint: Fingerprint | None, hard_only: bool
+        self,
+        snapshot: RouteSnapshot,
+        holder: Node | None,
+        fingerprint: Fingerprint | None,
+        hard_only: bool,
+        costs: CostModel,
+        prefix: PrefixMatch | None,
     ) -> tuple[NodeState, NodeState] | None:
-        decode_ctx = LegContext(snapshot, Leg.DECODE, holder, fingerprint)
+        pull = self.config.pull
+        decode_ctx = LegContext(snapshot, Leg.DECODE, holder, fingerprint, costs, pull, prefix)
         for decode in self.rank(self.config.decode, decode_ctx, hard_only=hard_only):
-            prefill_ctx = LegContext(snapshot, Leg.PREFILL, holder, decode.node.fingerprint)
+            prefill_ctx = LegContext(
+                snapshot, Leg.PREFILL, holder, decode.node.fingerprint, costs, pull, prefix
+            )
             ranked = self.rank(self.config.prefill, prefill_ctx, hard_only=hard_only)
             if ranked:
                 return ranked[0], decode
@@ -73,20 +88,29 @@ class RoutingPolicy:
         """Chooses P and D and decides pull or recompute. Raises NoEligibleNodes."""
         costs = costs or self.config.cost_model
         holder = live_holder(snapshot)
+        prefix = self._match(snapshot, holder)
         pair: tuple[NodeState, NodeState] | None = None
         compatible = False
         # Soft filters (liveness of load reports, draining) give way before a
         # turn fails: a stale or draining node beats no answer (DESIGN.md, invariant 5).
         for hard_only in (False, True):
             if holder is not None:
-                pair = self._pair(snapshot, holder, holder.fingerprint, hard_only)
+                pair = self._pair(snapshot, holder, holder.fingerprint, hard_only, costs, prefix)
                 compatible = pair is not None
             if pair is None:
-                pair = self._pair(snapshot, holder, None, hard_only)
+                pair = self._pair(snapshot, holder, None, hard_only, costs, prefix)
             if pair is not None:
                 break
         if pair is None:
             raise NoEligibleNodes(f"no prefill/decode pair can serve model {snapshot.model!r}")
         prefill, decode = pair
-        verdict = decide_pull(snapshot, holder, prefill, compatible, costs, self.config.pull)
+        verdict = decide_pull(snapshot, holder, prefill, compatible, costs, self.config.pull, prefix)
         return RoutePlan(prefill.node, decode.node, verdict)
+
+    def _match(self, snapshot: RouteSnapshot, holder: Node | None) -> PrefixMatch | None:
+        """The prompt against the handle, when a pull is possible at all: hashing a
+        prompt costs more than the rest of a route, so it is done once."""
+        handle = snapshot.handle
+        if handle is None or holder is None or (handle.model and handle.model != snapshot.model):
+            return None
+        return match_prefix(handle, snapshot.prompt, require_digests=self.config.pull.require_digests)

@@ -1,5 +1,12 @@
 """Pull the retained KV or recompute it: the rule, with a reason for every outcome.
 
+What a pull must bring is what the prefill node lacks: the handle's tokens
+that the prompt provably shares (all of them for a continuation, the
+verified prefix otherwise), minus what P's own prefix cache is believed to
+hold (`RouteSnapshot.prefill_cached_tokens`, a hint: vLLM uses P's cache
+first and pulls only the rest, so a wrong hint costs time, never
+correctness).
+
 Checked in this order, so the reason names the first thing that rules a
 pull out:
 
@@ -9,10 +16,15 @@ pull out:
 3. life left < margin + P's queueing + transfer -> RECOMPUTE_EXPIRING
    (vLLM's prefill engine itself declines a read 5 s before D's deadline,
    so the margin must cover at least that)
-4. the prompt does not continue the handle     -> RECOMPUTE_PREFIX_MISMATCH
-5. reusable tokens < threshold                 -> RECOMPUTE_BELOW_THRESHOLD
+4. the prompt shares no verified prefix        -> RECOMPUTE_PREFIX_MISMATCH
+5. missing tokens < threshold                  -> RECOMPUTE_BELOW_THRESHOLD
 6. transfer not well under recompute           -> RECOMPUTE_COST
-7. otherwise                                   -> PULL
+7. otherwise                                   -> PULL (a continuation), or
+                                                  PULL_PREFIX (a verified prefix
+                                                  of a prompt that diverges)
+
+For a prompt that does not continue the handle, 5 and 6 answer
+RECOMPUTE_PREFIX_MISMATCH: the prefix it shares does not pay for a pull.
 """
 
 from __future__ import annotations
@@ -22,7 +34,7 @@ from dataclasses import dataclass
 from kvplane.services.common.nodes import Node
 from kvplane.services.routing.policy.cost_model import CostModel
 from kvplane.services.routing.policy.decision import Decision, PullVerdict
-from kvplane.services.routing.policy.prefix_match import match_prefix
+from kvplane.services.routing.policy.prefix_match import PrefixMatch, match_prefix
 from kvplane.services.routing.policy.snapshot import NodeState, RouteSnapshot
 
 
@@ -37,6 +49,8 @@ class PullSettings:
     max_transfer_fraction: float = 0.5
     # Recompute when the handle has no digests (the prefill connector would refuse).
     require_digests: bool = True
+    # Pull the verified prefix of a prompt that diverges from the handle (clipped pulls).
+    pull_prefixes: bool = True
 
     def __post_init__(self) -> None:
         if self.threshold_tokens < 0 or self.expiry_margin_ms < 0:
@@ -52,40 +66,52 @@ def decide_pull(
     compatible: bool,
     costs: CostModel,
     settings: PullSettings,
+    match: PrefixMatch | None = None,
 ) -> PullVerdict:
     """The verdict for pulling `snapshot.handle` from `holder` into `prefill`.
 
     `holder` is the handle's holder if it is registered with the handle's
     incarnation and not draining; `compatible` says whether `prefill` shares
-    its fingerprint.
+    its fingerprint. `match` is the prompt matched against the handle, when
+    the caller has it already (it hashes the prompt: once per route).
     """
     handle = snapshot.handle
+    cached = cached_tokens(snapshot, prefill)
     if handle is None:
-        return PullVerdict(Decision.RECOMPUTE_NO_HANDLE, "no retained handle")
+        return PullVerdict(Decision.RECOMPUTE_NO_HANDLE, "no retained handle", cached_tokens=cached)
     life_left = handle.life_left_ms(snapshot.now_unix_ms)
     if holder is None:
         return PullVerdict(
             Decision.RECOMPUTE_HOLDER_DOWN,
             f"holder {handle.holder_node_id} is gone, restarted or draining",
             life_left_ms=life_left,
+            cached_tokens=cached,
         )
     if not compatible:
         return PullVerdict(
             Decision.RECOMPUTE_HOLDER_DOWN,
             f"no prefill node shares holder {holder.node_id}'s compatibility fingerprint",
             life_left_ms=life_left,
+            cached_tokens=cached,
         )
     if handle.model and handle.model != snapshot.model:
         return PullVerdict(
             Decision.RECOMPUTE_PREFIX_MISMATCH,
             f"handle is for model {handle.model!r}",
             life_left_ms=life_left,
+            cached_tokens=cached,
         )
-    match = match_prefix(handle, snapshot.prompt, require_digests=settings.require_digests)
-    reusable = match.reusable_tokens if match.continues else 0
+    if match is None:
+        match = match_prefix(handle, snapshot.prompt, require_digests=settings.require_digests)
+    # A clipped pull cuts every KV-cache group at one index, which only a single
+    # full-attention group allows (the prefill connector drops it otherwise).
+    clippable = settings.pull_prefixes and len(handle.vllm.remote_block_ids) == 1
+    reusable = match.reusable_tokens if match.continues or clippable else 0
+    # vLLM pulls only what P's prefix cache lacks.
+    missing = max(0, reusable - cached)
     first_contact = (prefill.node.node_id, handle.vllm.remote_engine_id) not in snapshot.contacted
     transfer = costs.transfer_ms(
-        reusable or handle.num_tokens, holder.kv_bytes_per_token, first_contact=first_contact
+        missing or reusable or handle.num_tokens, holder.kv_bytes_per_token, first_contact=first_contact
     )
     queue = costs.queue_ms(prefill.load.queued_prefill_tokens if prefill.load else 0)
     needed = settings.expiry_margin_ms + queue + transfer
@@ -95,31 +121,50 @@ def decide_pull(
             f"{life_left} ms of life left, {needed:.0f} ms needed (margin, P queueing, transfer)",
             transfer_ms=transfer,
             life_left_ms=life_left,
+            cached_tokens=cached,
         )
-    if not match.continues:
-        return PullVerdict(Decision.RECOMPUTE_PREFIX_MISMATCH, match.why, life_left_ms=life_left)
-    if reusable < settings.threshold_tokens:
+    if reusable <= 0:
         return PullVerdict(
-            Decision.RECOMPUTE_BELOW_THRESHOLD,
-            f"{reusable} reusable tokens < threshold {settings.threshold_tokens}",
+            Decision.RECOMPUTE_PREFIX_MISMATCH, match.why, life_left_ms=life_left, cached_tokens=cached
+        )
+    # A prompt that diverges recomputes for its prefix's sake; say so whatever the detail.
+    declined = Decision.RECOMPUTE_PREFIX_MISMATCH if not match.continues else None
+    held = f"; P holds {cached}" if cached else ""
+    if missing < settings.threshold_tokens:
+        return PullVerdict(
+            declined or Decision.RECOMPUTE_BELOW_THRESHOLD,
+            f"{missing} of {reusable} reusable tokens missing on P{held}: < threshold"
+            f" {settings.threshold_tokens} ({match.why})",
             reusable_tokens=reusable,
             life_left_ms=life_left,
+            cached_tokens=cached,
         )
-    recompute = costs.recompute_ms(reusable)
+    recompute = costs.recompute_ms(missing)
+    transfer = costs.transfer_ms(missing, holder.kv_bytes_per_token, first_contact=first_contact)
     if transfer > settings.max_transfer_fraction * recompute:
         return PullVerdict(
-            Decision.RECOMPUTE_COST,
-            f"transfer {transfer:.1f} ms vs recompute {recompute:.1f} ms",
+            declined or Decision.RECOMPUTE_COST,
+            f"{missing} missing tokens{held}: transfer {transfer:.1f} ms vs recompute {recompute:.1f} ms"
+            f" ({match.why})",
             reusable_tokens=reusable,
             transfer_ms=transfer,
             recompute_ms=recompute,
             life_left_ms=life_left,
+            cached_tokens=cached,
         )
     return PullVerdict(
-        Decision.PULL,
-        f"pull {reusable} tokens: transfer {transfer:.1f} ms vs recompute {recompute:.1f} ms ({match.why})",
+        Decision.PULL if match.continues else Decision.PULL_PREFIX,
+        f"pull {missing} tokens{held}: transfer {transfer:.1f} ms vs recompute {recompute:.1f} ms"
+        f" ({match.why})",
         reusable_tokens=reusable,
         transfer_ms=transfer,
         recompute_ms=recompute,
         life_left_ms=life_left,
+        cached_tokens=cached,
     )
+
+
+def cached_tokens(snapshot: RouteSnapshot, prefill: NodeState) -> int:
+    """Prompt tokens `prefill`'s prefix cache is believed to hold (P computes the last one itself)."""
+    held = snapshot.prefill_cached_tokens.get(prefill.node.node_id, 0)
+    return max(0, min(held, snapshot.prompt.tokens - 1))

@@ -9,11 +9,17 @@ clock read.
 from __future__ import annotations
 
 import enum
-from collections.abc import Container, Sequence
+from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvplane.services.common.handles import CacheHandle
 from kvplane.services.common.nodes import Fingerprint, Node, NodeLoad
+
+if TYPE_CHECKING:
+    from kvplane.services.routing.policy.cost_model import CostModel
+    from kvplane.services.routing.policy.prefix_match import PrefixMatch
+    from kvplane.services.routing.policy.pull_decision import PullSettings
 
 
 class Leg(enum.Enum):
@@ -25,7 +31,12 @@ class Leg(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class NodeState:
-    """A live node and its latest load report (None until it reports)."""
+    """A live node and its load (None until it reports).
+
+    The service and the simulator pass the latest report plus the work they
+    have routed to the node since (`kvplane.services.routing.inflight`), so
+    the load is current, not as old as the report.
+    """
 
     node: Node
     load: NodeLoad | None = None
@@ -73,6 +84,14 @@ class RouteSnapshot:
     # then judged against the last moment the view was live, so an outage does
     # not make every node look stuck.
     loads_as_of_unix_ms: int = 0
+    # Prompt tokens each prefill node's prefix cache is believed to hold, by node
+    # id (absent: none). A hint from the router's own record of what it sent
+    # where, checked against the prompt's digests
+    # (`kvplane.services.routing.prefill_record`); a wrong hint costs time only.
+    prefill_cached_tokens: Mapping[str, int] = field(default_factory=dict)
+    # Mixed into tie-breaks beside the conversation: a routing replica's id, so
+    # that replicas do not all break the same tie the same way.
+    tie_salt: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,3 +104,8 @@ class LegContext:
     holder: Node | None = None
     # The fingerprint the leg's nodes must share (None: any).
     fingerprint: Fingerprint | None = None
+    # The estimates and pull rule a cost-based picker judges with (None: defaults).
+    costs: CostModel | None = None
+    pull: PullSettings | None = None
+    # The prompt against the handle, matched once per route (None: no handle).
+    prefix: PrefixMatch | None = None

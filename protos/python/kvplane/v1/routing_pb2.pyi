@@ -44,6 +44,10 @@ class _DecisionEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Decision.Val
     """Transferring would not be clearly faster than recomputing."""
     DECISION_RECOMPUTE_CONTENDED: _Decision.ValueType  # 8
     """Another turn of the conversation holds the handle, or etcd is unreachable."""
+    DECISION_PULL_PREFIX: _Decision.ValueType  # 9
+    """The prompt diverges from the handle (an edited message, a retried turn) after a
+    verified prefix: P pulls that prefix, clipped to its whole blocks, and computes the rest.
+    """
 
 class Decision(_Decision, metaclass=_DecisionEnumTypeWrapper):
     """Why a turn pulls or recomputes."""
@@ -66,6 +70,10 @@ DECISION_RECOMPUTE_COST: Decision.ValueType  # 7
 """Transferring would not be clearly faster than recomputing."""
 DECISION_RECOMPUTE_CONTENDED: Decision.ValueType  # 8
 """Another turn of the conversation holds the handle, or etcd is unreachable."""
+DECISION_PULL_PREFIX: Decision.ValueType  # 9
+"""The prompt diverges from the handle (an edited message, a retried turn) after a
+verified prefix: P pulls that prefix, clipped to its whole blocks, and computes the rest.
+"""
 Global___Decision: _TypeAlias = Decision  # noqa: Y015
 
 @_typing.final
@@ -231,6 +239,9 @@ class ReportTurnRequest(_message.Message):
     ERROR_FIELD_NUMBER: _builtins.int
     TENANT_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
+    CACHED_TOKENS_FIELD_NUMBER: _builtins.int
+    PREFILL_KV_TRANSFER_PARAMS_JSON_FIELD_NUMBER: _builtins.int
+    PREFILL_NODE_ID_FIELD_NUMBER: _builtins.int
     route_id: _builtins.str
     """From RouteResponse."""
     conversation: _builtins.str
@@ -255,6 +266,18 @@ class ReportTurnRequest(_message.Message):
     """Tenant, for node or operator callers only."""
     model: _builtins.str
     """Served model name."""
+    cached_tokens: _builtins.int
+    """Prompt tokens P found in its own prefix cache (neither pulled nor computed),
+    in tokens; 0 if unknown.
+    """
+    prefill_kv_transfer_params_json: _builtins.str
+    """When the turn failed after its P leg (D refused or failed it, or was never
+    reached): the kv_transfer_params P returned, as a JSON object. P holds those
+    blocks for D's read; routing has them released at once instead of at the end
+    of P's lease. Empty if none. Up to 64 KiB.
+    """
+    prefill_node_id: _builtins.str
+    """Node id of the prefill engine that returned them (the route's prefill node)."""
     @_builtins.property
     def retained_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Tokens D retains (prompt + output - 1), for the handle's digests; may be
@@ -277,10 +300,13 @@ class ReportTurnRequest(_message.Message):
         error: _builtins.str = ...,
         tenant: _builtins.str = ...,
         model: _builtins.str = ...,
+        cached_tokens: _builtins.int = ...,
+        prefill_kv_transfer_params_json: _builtins.str = ...,
+        prefill_node_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["conversation", b"conversation", "decode_kv_transfer_params_json", b"decode_kv_transfer_params_json", "error", b"error", "model", b"model", "prefill_ms", b"prefill_ms", "prompt_tokens", b"prompt_tokens", "pulled_tokens", b"pulled_tokens", "retained_token_ids", b"retained_token_ids", "route_id", b"route_id", "success", b"success", "tenant", b"tenant", "transfer_ms", b"transfer_ms", "ttft_ms", b"ttft_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "conversation", b"conversation", "decode_kv_transfer_params_json", b"decode_kv_transfer_params_json", "error", b"error", "model", b"model", "prefill_kv_transfer_params_json", b"prefill_kv_transfer_params_json", "prefill_ms", b"prefill_ms", "prefill_node_id", b"prefill_node_id", "prompt_tokens", b"prompt_tokens", "pulled_tokens", b"pulled_tokens", "retained_token_ids", b"retained_token_ids", "route_id", b"route_id", "success", b"success", "tenant", b"tenant", "transfer_ms", b"transfer_ms", "ttft_ms", b"ttft_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,221 @@
+"""Work a router has sent to nodes that their load reports do not show yet.
+
+A node reports its load every half second or so; turns that arrive together
+between two reports would all see the same idle node and pile onto it. The
+ledger remembers what this router sent each node since (prompt tokens to
+compute on a prefill node, KV blocks and a running request on a decode
+node), adds it to the node's last report, and forgets it once a report taken
+after the work became visible on the node covers it, once the turn is
+reported finished, or after `max_age_ms` (a node that stopped reporting is
+judged by the `live` filter, not by guesses piled up here).
+
+Pure bookkeeping: no I/O, no clock reads; time is an argument. The routing
+service and the simulator's `PolicyRouter` both keep one, so the policy sees
+the same kind of current load in both. Each routing replica counts only its
+own routes; the picker's tie-break is salted per replica, so replicas that
+cannot see each other's routes still spread over equal nodes.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+
+from kvplane.services.routing.policy.cost_model import CostModel
+from kvplane.services.routing.policy.decision import RoutePlan
+from kvplane.services.routing.policy.snapshot import NodeState, RouteSnapshot
+
+
+@dataclass(frozen=True, slots=True)
+class RoutedWork:
+    """One turn's share of a node's load, until a report covers it.
+
+    `visible_unix_ms`: from when the node itself counts the work (a report
+    taken at or after it covers it).
+    """
+
+    route_id: str
+    node_id: str
+    visible_unix_ms: int
+    routed_unix_ms: int
+    prefill_tokens: int = 0
+    kv_blocks: int = 0
+    queued_requests: int = 0
+    running_requests: int = 0
+
+
+class InFlightLedger:
+    """Routed work per node, not yet in its load reports. Not thread-safe: one event loop."""
+
+    def __init__(self, *, max_age_ms: int = 30_000, limit: int = 100_000) -> None:
+        if max_age_ms <= 0 or limit <= 0:
+            raise ValueError("max_age_ms and limit must be positive")
+        self.max_age_ms = max_age_ms
+        self.limit = limit
+        # route id -> its work items, oldest route first (the bound drops from the front).
+        self._routes: OrderedDict[str, tuple[RoutedWork, ...]] = OrderedDict()
+        self._by_node: dict[str, dict[str, RoutedWork]] = {}
+
+    def __len__(self) -> int:
+        return len(self._routes)
+
+    def add(self, *work: RoutedWork) -> None:
+        """Records a route's work (one item per node it was sent to)."""
+        if not work:
+            return
+        route_id = work[0].route_id
+        self.finished(route_id)
+        self._routes[route_id] = work
+        for item in work:
+            self._by_node.setdefault(item.node_id, {})[route_id] = item
+        while len(self._routes) > self.limit:
+            oldest = next(iter(self._routes))
+            self.finished(oldest)
+
+    def finished(self, route_id: str) -> None:
+        """The turn is over: its work has left every node's queue."""
+        for item in self._routes.pop(route_id, ()):
+            pending = self._by_node.get(item.node_id)
+            if pending is not None:
+                pending.pop(route_id, None)
+                if not pending:
+                    del self._by_node[item.node_id]
+
+    def current(self, states: Iterable[NodeState], now_unix_ms: int) -> tuple[NodeState, ...]:
+        """`states` with the work each report does not cover yet added to it.
+
+        Covered and aged-out work is forgotten on the way. A node that has not
+        reported keeps no load: the policy treats an unknown load as unknown.
+        """
+        out: list[NodeState] = []
+        oldest = now_unix_ms - self.max_age_ms
+        for state in states:
+            pending = self._by_node.get(state.node.node_id)
+            load = state.load
+            if not pending or load is None:
+                out.append(state)
+                continue
+            reported = load.reported_unix_ms
+            tokens = blocks = queued = running = 0
+            done: list[str] = []
+            for route_id, item in pending.items():
+                if item.visible_unix_ms <= reported or item.routed_unix_ms < oldest:
+                    done.append(route_id)
+                    continue
+                tokens += item.prefill_tokens
+                blocks += item.kv_blocks
+                queued += item.queued_requests
+                running += item.running_requests
+            for route_id in done:
+                self._forget(route_id, state.node.node_id)
+            if tokens or blocks or queued or running:
+                load = replace(
+                    load,
+                    queued_prefill_tokens=load.queued_prefill_tokens + tokens,
+                    queued_requests=load.queued_requests + queued,
+                    running_requests=load.running_requests + running,
+                    free_kv_blocks=max(0, load.free_kv_blocks - blocks),
+                )
+                state = NodeState(state.node, load)
+            out.append(state)
+        return tuple(out)
+
+    def _forget(self, route_id: str, node_id: str) -> None:
+        """Drops one node's share of a route; the route goes when no node has any left."""
+        pending = self._by_node.get(node_id)
+        if pending is not None:
+            pending.pop(route_id, None)
+            if not pending:
+                del self._by_node[node_id]
+        work = self._routes.get(route_id)
+        if work is not None:
+            left = tuple(item for item in work if item.node_id != node_id)
+            if left:
+                self._routes[route_id] = left
+            else:
+                del self._routes[route_id]
+
+
+def turn_work(
+    route_id: str,
+    *,
+    routed_unix_ms: int,
+    prefill_node_id: str,
+    prefill_tokens: int,
+    prefill_visible_unix_ms: int,
+    decode_node_id: str,
+    decode_kv_blocks: int,
+    decode_visible_unix_ms: int,
+) -> tuple[RoutedWork, ...]:
+    """One turn's work: prompt tokens queued on P, then a running request and its KV on D.
+
+    A node serving both legs gets one item holding both, visible from the
+    earlier time.
+    """
+    prefill = RoutedWork(
+        route_id,
+        prefill_node_id,
+        prefill_visible_unix_ms,
+        routed_unix_ms,
+        prefill_tokens=max(0, prefill_tokens),
+        queued_requests=1,
+    )
+    decode = RoutedWork(
+        route_id,
+        decode_node_id,
+        decode_visible_unix_ms,
+        routed_unix_ms,
+        kv_blocks=max(0, decode_kv_blocks),
+        running_requests=1,
+    )
+    if prefill_node_id == decode_node_id:
+        both = replace(
+            prefill,
+            visible_unix_ms=min(prefill_visible_unix_ms, decode_visible_unix_ms),
+            kv_blocks=decode.kv_blocks,
+            running_requests=1,
+        )
+        return (both,)
+    return (prefill, decode)
+
+
+def routed_work(
+    route_id: str,
+    snapshot: RouteSnapshot,
+    plan: RoutePlan,
+    costs: CostModel,
+    *,
+    pulled: bool,
+    send_delay_ms: int,
+    decode_after_prefill: bool,
+) -> tuple[RoutedWork, ...]:
+    """The work a planned turn adds to its nodes (`snapshot.now_unix_ms` is when it was routed).
+
+    P computes the prompt less what its cache holds and what the pull (if the
+    handle was checked out: `pulled`) brings. D holds the prompt's KV once it
+    admits the turn: at once, or (`decode_after_prefill`, as with vLLM, where
+    D gets the turn from P) once P is expected to be done with it.
+    """
+    now = snapshot.now_unix_ms
+    prompt = snapshot.prompt
+    verdict = plan.verdict
+    covered = max(verdict.cached_tokens, verdict.reusable_tokens if pulled else 0)
+    compute = max(1, prompt.tokens - covered)
+    visible = now + send_delay_ms
+    decode_visible = visible
+    if decode_after_prefill:
+        load = next((s.load for s in snapshot.nodes if s.node.node_id == plan.prefill.node_id), None)
+        expected_ms = costs.queue_ms(load.queued_prefill_tokens if load else 0)
+        expected_ms += (verdict.transfer_ms if pulled else 0.0) + costs.recompute_ms(compute)
+        decode_visible += int(expected_ms)
+    return turn_work(
+        route_id,
+        routed_unix_ms=now,
+        prefill_node_id=plan.prefill.node_id,
+        prefill_tokens=compute,
+        prefill_visible_unix_ms=visible,
+        decode_node_id=plan.decode.node_id,
+        decode_kv_blocks=-(-prompt.tokens // max(1, plan.decode.block_size)),
+        decode_visible_unix_ms=decode_visible,
+    )

@@ -1,0 +1,167 @@
+"""Current loads: work routed since a node's last report is added to it until a report covers it."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from kvplane.services.common.nodes import NodeRole
+from kvplane.services.routing.inflight import InFlightLedger, RoutedWork, turn_work
+from kvplane.services.routing.policy import NodeState, Prompt, RoutingPolicy, load_policy
+from tests.unit.routing_policy_fixtures import NOW, mk_node, snap, state
+
+P0 = mk_node("p0", NodeRole.PREFILL)
+D0 = mk_node("d0")
+
+
+@pytest.fixture(scope="module")
+def policy() -> RoutingPolicy:
+    return RoutingPolicy(load_policy())
+
+
+def work(
+    route_id: str, tokens: int, *, visible: int = NOW + 100, routed: int = NOW
+) -> tuple[RoutedWork, ...]:
+    return turn_work(
+        route_id,
+        routed_unix_ms=routed,
+        prefill_node_id="p0",
+        prefill_tokens=tokens,
+        prefill_visible_unix_ms=visible,
+        decode_node_id="d0",
+        decode_kv_blocks=tokens // 16,
+        decode_visible_unix_ms=visible + 500,
+    )
+
+
+def loads(ledger: InFlightLedger, states: list[NodeState], now: int) -> dict[str, NodeState]:
+    return {s.node.node_id: s for s in ledger.current(states, now)}
+
+
+def fleet(reported_ms: int = NOW) -> list[NodeState]:
+    return [
+        state(P0, queued_prefill_tokens=1000, reported_unix_ms=reported_ms),
+        state(
+            D0,
+            free_kv_blocks=10_000,
+            total_kv_blocks=10_000,
+            running_requests=2,
+            reported_unix_ms=reported_ms,
+        ),
+    ]
+
+
+def test_routed_work_is_added_to_the_last_report_of_each_leg() -> None:
+    ledger = InFlightLedger()
+    ledger.add(*work("r1", 4000))
+    now = loads(ledger, fleet(), NOW + 50)
+    p, d = now["p0"].load, now["d0"].load
+    assert p is not None and d is not None
+    assert p.queued_prefill_tokens == 5000 and p.queued_requests == 1
+    assert d.free_kv_blocks == 10_000 - 250 and d.running_requests == 3
+
+
+def test_a_report_taken_after_the_work_became_visible_covers_it() -> None:
+    ledger = InFlightLedger()
+    ledger.add(*work("r1", 4000))
+    # P's report now shows the work; D's not yet (the turn reaches D after P is done).
+    now = loads(ledger, fleet(reported_ms=NOW + 200), NOW + 250)
+    p, d = now["p0"].load, now["d0"].load
+    assert p is not None and d is not None
+    assert p.queued_prefill_tokens == 1000
+    assert d.running_requests == 3
+    now = loads(ledger, fleet(reported_ms=NOW + 700), NOW + 750)
+    d = now["d0"].load
+    assert d is not None and d.running_requests == 2
+    assert len(ledger) == 0
+
+
+def test_a_finished_turn_leaves_both_nodes() -> None:
+    ledger = InFlightLedger()
+    ledger.add(*work("r1", 4000))
+    ledger.add(*work("r2", 100))
+    ledger.finished("r1")
+    p = loads(ledger, fleet(), NOW + 50)["p0"].load
+    assert p is not None and p.queued_prefill_tokens == 1100
+
+
+def test_work_older_than_the_age_limit_is_dropped_even_without_a_report() -> None:
+    ledger = InFlightLedger(max_age_ms=5_000)
+    ledger.add(*work("r1", 4000))
+    p = loads(ledger, fleet(reported_ms=NOW - 1), NOW + 6_000)["p0"].load
+    assert p is not None and p.queued_prefill_tokens == 1000
+
+
+def test_a_node_without_a_report_stays_unknown() -> None:
+    ledger = InFlightLedger()
+    ledger.add(*work("r1", 4000))
+    assert ledger.current([NodeState(P0)], NOW)[0].load is None
+
+
+def test_a_node_serving_both_legs_gets_one_item_with_both() -> None:
+    items = turn_work(
+        "r",
+        routed_unix_ms=NOW,
+        prefill_node_id="b0",
+        prefill_tokens=100,
+        prefill_visible_unix_ms=NOW + 100,
+        decode_node_id="b0",
+        decode_kv_blocks=7,
+        decode_visible_unix_ms=NOW + 900,
+    )
+    assert len(items) == 1 and items[0].prefill_tokens == 100 and items[0].kv_blocks == 7
+
+
+def test_the_ledger_keeps_at_most_its_limit_of_routes() -> None:
+    ledger = InFlightLedger(limit=3)
+    for i in range(10):
+        ledger.add(*work(f"r{i}", 10))
+    assert len(ledger) == 3
+    p = loads(ledger, fleet(), NOW + 50)["p0"].load
+    assert p is not None and p.queued_prefill_tokens == 1030
+
+
+def burst(policy: RoutingPolicy, ledger: InFlightLedger | None, turns: int) -> Counter[str]:
+    """`turns` turns of 4k tokens arriving together, between two load reports."""
+    reported = [
+        state(mk_node("p0", NodeRole.PREFILL), queued_prefill_tokens=0),
+        *(state(mk_node(f"p{i}", NodeRole.PREFILL), queued_prefill_tokens=1000) for i in (1, 2, 3)),
+        state(D0, free_kv_blocks=100_000, total_kv_blocks=100_000),
+    ]
+    picked: Counter[str] = Counter()
+    for i in range(turns):
+        nodes = ledger.current(reported, NOW) if ledger is not None else tuple(reported)
+        plan = policy.route(snap(nodes, conversation=f"c{i}", prompt=Prompt(4000)))
+        picked[plan.prefill.node_id] += 1
+        if ledger is not None:
+            ledger.add(
+                *turn_work(
+                    f"r{i}",
+                    routed_unix_ms=NOW,
+                    prefill_node_id=plan.prefill.node_id,
+                    prefill_tokens=4000,
+                    prefill_visible_unix_ms=NOW + 100,
+                    decode_node_id=plan.decode.node_id,
+                    decode_kv_blocks=250,
+                    decode_visible_unix_ms=NOW + 600,
+                )
+            )
+    return picked
+
+
+def test_a_burst_of_turns_arriving_together_spreads_over_prefill_nodes(policy: RoutingPolicy) -> None:
+    # By the reports alone, p0 looks idle and takes every turn of the burst.
+    assert burst(policy, None, 8) == {"p0": 8}
+    spread = burst(policy, InFlightLedger(), 8)
+    assert set(spread) == {"p0", "p1", "p2", "p3"} and max(spread.values()) == 2, spread
+
+
+def test_replicas_that_cannot_see_each_others_routes_break_ties_differently(policy: RoutingPolicy) -> None:
+    nodes = [state(mk_node(f"p{i}", NodeRole.PREFILL), queued_prefill_tokens=0) for i in range(4)]
+    nodes.append(state(D0, free_kv_blocks=100_000, total_kv_blocks=100_000))
+    turn = {"conversation": "same", "prompt": Prompt(4000)}
+    unsalted = {policy.route(snap(nodes, **turn)).prefill.node_id for _ in range(8)}
+    salted = {policy.route(snap(nodes, tie_salt=f"replica-{r}", **turn)).prefill.node_id for r in range(8)}
+    assert len(unsalted) == 1
+    assert len(salted) > 1, salted

@@ -1,0 +1,142 @@
+"""Prefill-cache-aware routing: the turn's cost on each P, pulls sized to what P lacks, prefix pulls."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from kvplane.connector import digests as token_digests
+from kvplane.connector.prefix_check import PullOutcome, check_pull
+from kvplane.services.common.handles import KEY_DIGESTS
+from kvplane.services.common.nodes import NodeRole
+from kvplane.services.routing.policy import (
+    CostModel,
+    Decision,
+    NodeState,
+    Prompt,
+    RoutePlan,
+    RoutingPolicy,
+    load_policy,
+)
+from kvplane.services.routing.service import clip_pull
+from tests.unit.routing_policy_fixtures import history, mk_handle, mk_node, snap, state
+
+# Qwen3-32B-sized KV: 256 KiB a token, so pulls cost what they do on a real fleet.
+KVB = 64 * 8 * 128 * 2 * 2
+D0 = mk_node("d0", kv_bytes_per_token=KVB)
+P0 = mk_node("p0", NodeRole.PREFILL, kv_bytes_per_token=KVB)
+P1 = mk_node("p1", NodeRole.PREFILL, kv_bytes_per_token=KVB)
+H = history(8192)
+ANSWER = history(96, seed=4)
+NEW = history(200, seed=5)
+# Turn N's prompt, then D's handle (the prompt and the answer), then turn N+1's prompt.
+PREVIOUS = H[:8096]
+NEXT = [*PREVIOUS, *ANSWER, *NEW]
+
+
+@pytest.fixture(scope="module")
+def policy() -> RoutingPolicy:
+    return RoutingPolicy(load_policy())
+
+
+def nodes(p0_queue: int = 0, p1_queue: int = 0) -> list[NodeState]:
+    return [
+        state(P0, queued_prefill_tokens=p0_queue),
+        state(P1, queued_prefill_tokens=p1_queue),
+        state(D0, free_kv_blocks=100_000, total_kv_blocks=100_000),
+    ]
+
+
+def route(policy: RoutingPolicy, prompt: list[int], **kw: Any) -> RoutePlan:
+    handle = kw.pop("handle", mk_handle(D0, [*PREVIOUS, *ANSWER]))
+    return policy.route(
+        snap(nodes(**kw.pop("queues", {})), handle=handle, prompt=Prompt(len(prompt), prompt), **kw)
+    )
+
+
+def test_a_prefill_cache_hit_leaves_a_short_tail_that_is_recomputed_rather_than_pulled(
+    policy: RoutingPolicy,
+) -> None:
+    # Without the hint, the whole 8k-token handle is worth pulling.
+    assert route(policy, NEXT).decision is Decision.PULL
+    # p0 computed the previous prompt: only D's 96-token answer is missing there, and
+    # moving it costs a transfer's fixed overhead against ~3 ms of compute.
+    plan = route(policy, NEXT, prefill_cached_tokens={"p0": len(PREVIOUS)})
+    assert plan.prefill.node_id == "p0"
+    assert plan.decision is Decision.RECOMPUTE_COST, plan.verdict.reason
+    assert plan.verdict.cached_tokens == len(PREVIOUS) and plan.verdict.pulled_tokens == 0
+
+
+def test_a_pull_brings_only_what_the_prefill_node_lacks(policy: RoutingPolicy) -> None:
+    plan = route(policy, NEXT, prefill_cached_tokens={"p0": 2048})
+    assert plan.prefill.node_id == "p0" and plan.decision is Decision.PULL
+    assert plan.verdict.reusable_tokens == 8192 and plan.verdict.pulled_tokens == 8192 - 2048
+    whole = route(policy, NEXT)
+    assert plan.verdict.transfer_ms < whole.verdict.transfer_ms
+
+
+def test_the_node_holding_the_history_wins_over_an_idle_one_until_its_queue_costs_more(
+    policy: RoutingPolicy,
+) -> None:
+    hint = {"prefill_cached_tokens": {"p1": len(PREVIOUS)}}
+    assert route(policy, NEXT, queues={"p1_queue": 2000}, **hint).prefill.node_id == "p1"
+    # 100k queued tokens (3 s) cost more than pulling the history into idle p0.
+    busy = route(policy, NEXT, queues={"p1_queue": 100_000}, **hint)
+    assert busy.prefill.node_id == "p0" and busy.decision is Decision.PULL
+
+
+def test_an_edited_message_pulls_the_verified_prefix_and_recomputes_the_rest(policy: RoutingPolicy) -> None:
+    edited = [*PREVIOUS[:6000], 1, *PREVIOUS[6001:], *ANSWER, *NEW]
+    plan = route(policy, edited)
+    assert plan.decision is Decision.PULL_PREFIX, plan.verdict.reason
+    verified = plan.verdict.reusable_tokens
+    assert 0 < verified <= 6000 and verified % 16 == 0
+    assert plan.verdict.pulled_tokens == verified
+
+
+def test_a_retried_turn_pulls_what_it_shares_with_the_handle(policy: RoutingPolicy) -> None:
+    plan = route(policy, PREVIOUS)
+    assert plan.decision is Decision.PULL_PREFIX
+    assert plan.verdict.reusable_tokens == len(PREVIOUS) - 1
+
+
+def test_a_short_verified_prefix_is_not_worth_a_pull(policy: RoutingPolicy) -> None:
+    early_edit = [*PREVIOUS[:40], 1, *PREVIOUS[41:], *ANSWER, *NEW]
+    assert route(policy, early_edit).decision is Decision.RECOMPUTE_PREFIX_MISMATCH
+
+
+def test_a_handle_with_several_kv_cache_groups_is_never_clipped(policy: RoutingPolicy) -> None:
+    handle = mk_handle(D0, [*PREVIOUS, *ANSWER])
+    blocks = handle.vllm.remote_block_ids[0]
+    two_groups = replace(handle, vllm=replace(handle.vllm, remote_block_ids=(blocks, blocks)))
+    edited = [*PREVIOUS[:6000], 1, *PREVIOUS[6001:], *ANSWER, *NEW]
+    assert route(policy, edited, handle=two_groups).decision is Decision.RECOMPUTE_PREFIX_MISMATCH
+    assert route(policy, NEXT, handle=two_groups).decision is Decision.PULL
+
+
+def test_the_clipped_params_make_the_prefill_connector_read_only_the_verified_blocks(
+    policy: RoutingPolicy,
+) -> None:
+    handle = mk_handle(D0, [*PREVIOUS, *ANSWER])
+    edited = [*PREVIOUS[:6000], 1, *PREVIOUS[6001:], *ANSWER, *NEW]
+    plan = route(policy, edited, handle=handle)
+    params = handle.prefill_kv_transfer_params()
+    assert handle.digests is not None
+    params[KEY_DIGESTS] = token_digests.encode(handle.digests)
+    clip_pull(params, plan.verdict.reusable_tokens, 16)
+    assert params["remote_num_tokens"] == plan.verdict.reusable_tokens
+    assert params["remote_block_ids"] == [list(range(plan.verdict.reusable_tokens // 16))]
+    # P's connector proves the same prefix and passes the clipped pull through unchanged.
+    check = check_pull(params, edited)
+    assert check.outcome is PullOutcome.VERIFIED
+    assert params["remote_num_tokens"] == plan.verdict.reusable_tokens
+
+
+def test_an_unknown_prefill_cost_model_still_ranks_by_queue(policy: RoutingPolicy) -> None:
+    plan = policy.route(
+        snap(nodes(p0_queue=50_000), prompt=Prompt(1000)),
+        CostModel(recompute_ms_per_token=0.01),
+    )
+    assert plan.prefill.node_id == "p1"

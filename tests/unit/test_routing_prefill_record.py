@@ -1,0 +1,76 @@
+"""The router's record of what each prefill node was sent: a digest-checked hint of its prefix cache."""
+
+from __future__ import annotations
+
+from kvplane.connector.digests import chain
+from kvplane.services.common.nodes import NodeRole
+from kvplane.services.routing.prefill_record import PrefillCacheRecord
+from tests.unit.routing_policy_fixtures import history, mk_node
+
+P0 = mk_node("p0", NodeRole.PREFILL)
+P1 = mk_node("p1", NodeRole.PREFILL)
+H = history(4000)
+KEY = ("t", "c")
+
+
+def sent(record: PrefillCacheRecord, node: object, prompt: list[int], key: object = KEY) -> None:
+    record.sent(key, node, len(prompt), chain(prompt, 16), 16)  # type: ignore[arg-type]
+
+
+def held(record: PrefillCacheRecord, prompt: list[int], key: object = KEY) -> dict[str, int]:
+    return dict(record.cached_tokens(key, len(prompt), chain(prompt, 16), 16))
+
+
+def test_a_continued_prompt_finds_the_previous_prompt_on_its_node() -> None:
+    record = PrefillCacheRecord()
+    sent(record, P0, H)
+    assert held(record, [*H, *history(300, seed=5)]) == {"p0": 4000}
+
+
+def test_an_edited_prompt_counts_only_the_prefix_it_shares() -> None:
+    record = PrefillCacheRecord()
+    sent(record, P0, H)
+    edited = [*H[:2000], 7, *H[2001:], *history(300, seed=5)]
+    tokens = held(record, edited)["p0"]
+    assert 0 < tokens <= 2000
+
+
+def test_another_conversation_or_other_tokens_find_nothing() -> None:
+    record = PrefillCacheRecord()
+    sent(record, P0, H)
+    assert held(record, H, key=("t", "other")) == {}
+    assert held(record, history(4000, seed=8)) == {}
+
+
+def test_the_conversation_remembers_its_last_nodes_newest_first() -> None:
+    record = PrefillCacheRecord(nodes_per_conversation=2)
+    p2 = mk_node("p2", NodeRole.PREFILL)
+    sent(record, P0, H[:1000])
+    sent(record, P1, H[:2000])
+    sent(record, p2, H[:3000])
+    assert held(record, H) == {"p1": 2000, "p2": 2992}  # whole blocks only
+
+
+def test_a_node_forgets_its_oldest_prompts_beyond_its_kv_capacity() -> None:
+    small = mk_node("p0", NodeRole.PREFILL, kv_capacity_bytes=2 * 4000 * 4096, kv_bytes_per_token=4096)
+    record = PrefillCacheRecord()
+    for i in range(3):
+        sent(record, small, history(4000, seed=i), key=("t", f"c{i}"))
+    assert held(record, history(4000, seed=0), key=("t", "c0")) == {}
+    assert held(record, history(4000, seed=2), key=("t", "c2")) == {"p0": 4000}
+
+
+def test_a_prompt_known_by_length_only_is_a_hint_by_length() -> None:
+    record = PrefillCacheRecord()
+    record.sent(KEY, P0, 4000)
+    assert record.cached_tokens(KEY, 4500) == {"p0": 4000}
+    assert record.cached_tokens(KEY, 3000) == {"p0": 3000}
+
+
+def test_the_record_is_bounded_and_forgets_on_request() -> None:
+    record = PrefillCacheRecord(max_conversations=2)
+    for i in range(5):
+        sent(record, P0, H[:64], key=("t", f"c{i}"))
+    assert len(record) == 2
+    record.forget(("t", "c4"))
+    assert held(record, H, key=("t", "c4")) == {}
