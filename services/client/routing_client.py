@@ -186,8 +186,14 @@ class RoutingClient:
         model: str = "",
         tenant: str = "",
         timeout_s: float | None = None,
+        prefill_kv_transfer_params: dict[str, Any] | None = None,
     ) -> str:
-        """Reports a finished turn; returns the id of the handle published for the next turn."""
+        """Reports a finished turn; returns the id of the handle published for the next turn.
+
+        `prefill_kv_transfer_params`: on a failed turn, what the route's P returned; P's blocks
+        held for D are then released at once.
+        """
+        prefill_params = prefill_kv_transfer_params if route is not None and not success else None
         request = routing_pb2.ReportTurnRequest(
             route_id=route.route_id if route is not None else "",
             conversation=conversation,
@@ -206,6 +212,10 @@ class RoutingClient:
             error=error,
             tenant=tenant,
             model=model,
+            prefill_kv_transfer_params_json=(
+                json.dumps(prefill_params, separators=(",", ":")) if prefill_params else ""
+            ),
+            prefill_node_id=route.prefill.node_id if route is not None and prefill_params else "",
         )
         response: routing_pb2.ReportTurnResponse = await self._call(
             lambda stub, left: stub.ReportTurn(request, timeout=left, metadata=self.metadata), timeout_s

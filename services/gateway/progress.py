@@ -36,6 +36,8 @@ class TurnProgress:
     prefill_s: float = 0.0
     # Where P got the prompt's KV, as P reported it (None until P has answered).
     sources: PromptSources | None = None
+    # What P returned: its blocks held for D's read, released at once if the turn fails.
+    prefill_params: dict[str, Any] | None = None
     error: str = ""
 
     @property

@@ -91,6 +91,7 @@ class TurnReporter:
                 model=turn.model,
                 tenant=turn.identity.tenant,
                 timeout_s=self.settings.report_timeout_s,
+                prefill_kv_transfer_params=None if success else progress.prefill_params,
             )
         except (RoutingUnavailable, grpc.aio.AioRpcError) as exc:
             # The engine's connector publishes the handle itself; a lost report only costs a sample.

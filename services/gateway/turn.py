@@ -69,9 +69,13 @@ class ClientGone(Exception):
 class DecodeUnreachable(Exception):
     """The decode engine could not be reached; nothing has been sent to the client yet."""
 
-    def __init__(self, message: str, route: RouteResult) -> None:
+    def __init__(
+        self, message: str, route: RouteResult, prefill_params: dict[str, Any] | None = None
+    ) -> None:
         super().__init__(message)
         self.route = route
+        # What P returned for this attempt: its blocks wait for a D that will not read them.
+        self.prefill_params = prefill_params
 
 
 class TurnFailed(Exception):
@@ -131,7 +135,9 @@ class TurnRunner:
                 log.warning("decode leg unreachable (%s): routing the turn again", exc)
                 self.metrics.retries.labels("decode_unreachable").inc()
                 if exc.route.route_id:
-                    failed = TurnProgress(exc.route.decision, error=str(exc))
+                    failed = TurnProgress(
+                        exc.route.decision, error=str(exc), prefill_params=exc.prefill_params
+                    )
                     self.reporter.report_later(turn, exc.route, failed, success=False)
             route = await self._route(turn, prompt)
             return await self._attempt(request, turn, prompt, route, last_try=True)
@@ -273,6 +279,8 @@ class TurnRunner:
             # vLLM's usage counts pulled tokens and P's own cache hits alike as cached; kvplane's
             # connector (and the sim-engine) report the pull itself, so that each is counted as what it is.
             progress.sources = prompt_sources(answer)
+            params = answer.get("kv_transfer_params")
+            progress.prefill_params = params if isinstance(params, dict) else None
             span.set_attributes(_token_attributes(progress.sources))
         progress.prefill_s = time.perf_counter() - start
         for source, tokens in progress.sources.counts().items():
@@ -324,7 +332,7 @@ class TurnRunner:
             except LegFailed as exc:
                 outcome = exc.outcome
                 if exc.unreachable and not last_try:
-                    raise DecodeUnreachable(str(exc), route) from exc
+                    raise DecodeUnreachable(str(exc), route, progress.prefill_params) from exc
                 self._finish(turn, route, progress, success=False, error=str(exc))
                 raise TurnFailed(exc.status if not exc.retryable else 502, str(exc), exc.body) from None
             except asyncio.CancelledError:
@@ -365,7 +373,7 @@ class TurnRunner:
             except LegFailed as exc:
                 self.metrics.legs.labels("decode", exc.outcome).observe(time.perf_counter() - start)
                 if exc.unreachable and not last_try:
-                    raise DecodeUnreachable(str(exc), route) from exc
+                    raise DecodeUnreachable(str(exc), route, progress.prefill_params) from exc
                 self._finish(turn, route, progress, success=False, error=str(exc))
                 raise TurnFailed(exc.status if not exc.retryable else 502, str(exc), exc.body) from None
             response = web.StreamResponse(

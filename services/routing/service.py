@@ -53,6 +53,7 @@ from kvplane.services.common.telemetry import Telemetry
 from kvplane.services.routing.bounded_map import BoundedMap
 from kvplane.services.routing.endpoints import AddressError, bare_host, http_base_url
 from kvplane.services.routing.metrics import RoutingMetrics
+from kvplane.services.routing.prefill_release import prefill_hold, release_prefill
 from kvplane.services.routing.policy import (
     CostModel,
     Decision,
@@ -352,10 +353,36 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
                 handle_id = await self._published_by_engine(tenant, conversation, params, context)
             else:
                 handle_id = await self._publish(tenant, conversation, params, request)
+        if not request.success and request.prefill_kv_transfer_params_json:
+            await self._release_prefill(request, route, principal, tenant, conversation)
         self.metrics.reports.labels(
             "success" if request.success else "failure", str(bool(handle_id)).lower()
         ).inc()
         return routing_pb2.ReportTurnResponse(handle_id=handle_id)
+
+    async def _release_prefill(
+        self,
+        request: routing_pb2.ReportTurnRequest,
+        route: RouteRecord | None,
+        principal: Principal,
+        tenant: str,
+        conversation: str,
+    ) -> None:
+        """Frees the blocks a failed turn's P holds for D (prefill_release.py). A tenant may ask
+        only for a route this replica made for it, to that node; the gateway for any turn."""
+        hold = prefill_hold(request.prefill_kv_transfer_params_json, request.prefill_node_id, self.view.nodes)
+        own = route is not None and (route.tenant, route.conversation, route.prefill_node_id) == (
+            tenant,
+            conversation,
+            request.prefill_node_id,
+        )
+        if hold is None or not (own or principal.kind is PrincipalKind.OPERATOR):
+            return
+        try:
+            await release_prefill(self.store, hold, tenant, conversation)
+        except StoreUnavailable as exc:
+            # P's own lease frees the blocks later: the report itself must not fail for this.
+            log.warning("could not queue the release of %s's held prefill: %s", hold.node_id, exc)
 
     async def _published_by_engine(
         self, tenant: str, conversation: str, params: dict[str, Any], context: Context

@@ -1,0 +1,281 @@
+"""The gateway's trust boundary over the real stack (etcd, metadata and routing over gRPC, sim-engines
+with real NIXL): callers authenticated before their bodies are read, bodies bounded in size and time,
+bad input refused with OpenAI's error format before any route or engine call, per-tenant prefix
+caches, and a tenant's bounded share of the KV its turns hold.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from kvplane.services.common.local_etcd import LocalEtcd
+from kvplane.services.gateway.app import SHARES_KEY
+from tests.support.gateway_stack import MODEL, GatewayStack, gateway_stack
+from tests.support.polling import eventually
+
+VOCAB = 151_936
+MAX_MODEL_LEN = 32_768
+
+
+@pytest.fixture(scope="module")
+async def stack(etcd: LocalEtcd, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[GatewayStack]:
+    async with gateway_stack(
+        etcd, f"/kvplane-gwtb/{uuid.uuid4().hex}/", tmp_path_factory.mktemp("gwtb")
+    ) as s:
+        # The engines' vocabulary and context length, as a deployment configures them.
+        s.gateway.settings.vocab_size = VOCAB
+        s.gateway.settings.max_model_len = MAX_MODEL_LEN
+        yield s
+
+
+def ids(n: int, seed: int) -> list[int]:
+    rnd = random.Random(seed)
+    return [rnd.randrange(300, 30_000) for _ in range(n)]
+
+
+async def routes(stack: GatewayStack) -> float:
+    return await stack.gateway_metric("kvplane_gateway_leg_seconds_count", leg="route")
+
+
+async def post_raw(
+    stack: GatewayStack, path: str, data: bytes, headers: dict[str, str]
+) -> tuple[int, dict[str, Any]]:
+    async with stack.session.post(
+        stack.gateway.url + path, data=data, headers={"Content-Type": "application/json", **headers}
+    ) as resp:
+        text = await resp.text()
+        return resp.status, json.loads(text) if text else {}
+
+
+def good_body(**extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": ids(40, 1), "max_tokens": 4, **extra}
+
+
+BAD_BODIES: list[tuple[str, bytes, str | None]] = [
+    ("invalid UTF-8", b'{"model": "m", "prompt": "\xff\xfe"}', None),
+    ("not JSON", b"{'prompt': 1}", None),
+    ("not an object", b"[1, 2, 3]", None),
+    ("nested past the parser's recursion", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None),
+    (
+        "nested past the limit",
+        json.dumps({"prompt": "x", "metadata": json.loads("[" * 40 + "]" * 40)}).encode(),
+        None,
+    ),
+    ("a lone surrogate", b'{"model": "' + MODEL.encode() + b'", "prompt": "a\\ud800b"}', None),
+    ("a token id of 2^32", json.dumps(good_body(prompt=[1, 2, 1 << 32])).encode(), "prompt"),
+    ("a token id past the vocabulary", json.dumps(good_body(prompt=[1, VOCAB])).encode(), "prompt"),
+    ("a negative token id", json.dumps(good_body(prompt=[1, -1])).encode(), "prompt"),
+    ("a boolean token id", json.dumps(good_body(prompt=[1, True])).encode(), "prompt"),
+    ("a batch of two prompts", json.dumps(good_body(prompt=["a", "b"])).encode(), "prompt"),
+    ("NaN temperature", json.dumps(good_body()).encode()[:-1] + b', "temperature": NaN}', None),
+    ("a string max_tokens", json.dumps(good_body(max_tokens="7")).encode(), "max_tokens"),
+    ("max_tokens past the context", json.dumps(good_body(max_tokens=40_000)).encode(), "max_tokens"),
+    ("n of 2", json.dumps(good_body(n=2)).encode(), "n"),
+    (
+        "NUL in the conversation id",
+        json.dumps(good_body(conversation_id="a\x00b")).encode(),
+        "conversation_id",
+    ),
+    (
+        "CR/LF in the conversation id",
+        json.dumps(good_body(conversation_id="a\r\nSet-Cookie: x")).encode(),
+        "conversation_id",
+    ),
+    (
+        "a 600-byte conversation id",
+        json.dumps(good_body(conversation_id="c" * 600)).encode(),
+        "conversation_id",
+    ),
+]
+
+
+@pytest.mark.parametrize(("case", "data", "param"), BAD_BODIES, ids=[c for c, _, _ in BAD_BODIES])
+async def test_bad_input_is_a_400_in_openais_format_before_any_route_or_engine_call(
+    stack: GatewayStack, case: str, data: bytes, param: str | None
+) -> None:
+    routed, seen = await routes(stack), len(stack.proxy.seen)
+    status, answer = await post_raw(stack, "/v1/completions", data, stack.headers("acme"))
+    assert status == 400, (case, answer)
+    assert set(answer["error"]) == {"message", "type", "param", "code"}
+    assert answer["error"]["code"] == 400 and answer["error"]["type"] == "BadRequestError"
+    if param is not None:
+        assert answer["error"]["param"] == param
+    # Nothing reached routing or the prefill engine (tokenize included).
+    assert await routes(stack) == routed and len(stack.proxy.seen) == seen
+
+
+async def test_bad_chat_messages_are_refused_before_any_route(stack: GatewayStack) -> None:
+    routed = await routes(stack)
+    for messages in (None, [], "hi", [{"content": "no role"}], [{"role": "user", "content": 7}]):
+        body = {"model": MODEL, "messages": messages, "max_tokens": 2}
+        result = await stack.post("/v1/chat/completions", body, stack.headers("acme"))
+        assert result.status == 400 and result.body["error"]["param"].startswith("messages"), messages
+    assert await routes(stack) == routed
+
+
+async def test_control_characters_or_invalid_utf8_in_the_conversation_header_are_refused(
+    stack: GatewayStack,
+) -> None:
+    routed = await routes(stack)
+    host, port = "127.0.0.1", stack.gateway.port
+    body = json.dumps(good_body()).encode()
+    for value in (b"conv\x01x", b"conv\xff\xfe", b"conv\x7f"):
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nAuthorization: Bearer "
+            + stack.headers("acme")["Authorization"][7:].encode()
+            + b"\r\nX-Conversation-Id: "
+            + value
+            + b"\r\nContent-Type: application/json\r\nContent-Length: "
+            + str(len(body)).encode()
+            + b"\r\nConnection: close\r\n\r\n"
+            + body
+        )
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), timeout=30)
+        writer.close()
+        # Control bytes are refused by the HTTP parser itself; invalid UTF-8 by the gateway.
+        assert answer.split(b"\r\n", 1)[0].endswith(b" 400 Bad Request"), (value, answer[:200])
+        if value == b"conv\xff\xfe":
+            assert b'"param": "conversation_id"' in answer
+    assert await routes(stack) == routed
+
+
+async def test_no_key_is_a_401_without_the_body_being_read(stack: GatewayStack) -> None:
+    # The body declares 60 MB and sends none of it: the answer comes from the headers alone.
+    reader, writer = await asyncio.open_connection("127.0.0.1", stack.gateway.port)
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 62914560\r\n\r\n"
+    )
+    await writer.drain()
+    answer = await asyncio.wait_for(reader.read(), timeout=30)
+    writer.close()
+    assert answer.startswith(b"HTTP/1.1 401"), answer[:200]
+    assert b'"type": "AuthenticationError"' in answer
+
+
+async def test_a_declared_body_over_the_limit_is_a_413_without_being_read(stack: GatewayStack) -> None:
+    limit = stack.gateway.settings.max_body_bytes
+    reader, writer = await asyncio.open_connection("127.0.0.1", stack.gateway.port)
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+        + f"Authorization: {stack.headers('acme')['Authorization']}".encode()
+        + b"\r\nContent-Length: "
+        + str(limit + 1).encode()
+        + b"\r\n\r\n"
+    )
+    await writer.drain()
+    answer = await asyncio.wait_for(reader.read(), timeout=30)
+    writer.close()
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+
+
+async def test_a_chunked_body_growing_past_the_limit_is_a_413(stack: GatewayStack) -> None:
+    limit = stack.gateway.settings.max_body_bytes
+
+    async def chunks() -> AsyncIterator[bytes]:
+        sent = 0
+        while sent <= limit:
+            yield b" " * (1 << 20)
+            sent += 1 << 20
+
+    async with stack.session.post(
+        stack.gateway.url + "/v1/completions", data=chunks(), headers=stack.headers("acme")
+    ) as resp:
+        assert resp.status == 413
+
+
+async def test_the_same_prompt_hits_the_prefill_cache_only_within_a_tenant(stack: GatewayStack) -> None:
+    async def p_cache_hits() -> float:
+        return await stack.prefill.metric(
+            stack.session, "vllm:prompt_tokens_by_source_total", source="local_cache_hit"
+        )
+
+    prompt = ids(256, 77)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2}
+    first = await stack.post("/v1/completions", body, stack.headers("acme", f"c-{uuid.uuid4().hex}"))
+    assert first.status == 200, first.raw
+    before = await p_cache_hits()
+    # Another tenant, the very same prompt: no hit, so its timing tells it nothing about acme.
+    other = await stack.post("/v1/completions", body, stack.headers("globex", f"c-{uuid.uuid4().hex}"))
+    assert other.status == 200, other.raw
+    assert await p_cache_hits() == before
+    # The same tenant in another conversation: its own cache serves the prefix.
+    again = await stack.post("/v1/completions", body, stack.headers("acme", f"c-{uuid.uuid4().hex}"))
+    assert again.status == 200, again.raw
+    assert await p_cache_hits() >= before + 240
+    # The salt is a keyed hash: it names no tenant, and a client's own salt is overwritten.
+    salted = [r.body.get("cache_salt") for r in stack.proxy.seen[-3:]]
+    assert salted[0] == salted[2] != salted[1]
+    assert all(isinstance(s, str) and "acme" not in s and "globex" not in s for s in salted)
+    forged = await stack.post(
+        "/v1/completions", {**body, "cache_salt": salted[0]}, stack.headers("globex", f"c-{uuid.uuid4().hex}")
+    )
+    assert forged.status == 200 and stack.proxy.seen[-1].body["cache_salt"] == salted[1]
+
+
+async def test_a_tenant_past_its_share_of_inflight_tokens_gets_429_and_others_are_served(
+    stack: GatewayStack,
+) -> None:
+    assert stack.gateway._runner is not None
+    app_shares = stack.gateway._runner.app[SHARES_KEY]
+    previous = app_shares.limit
+    app_shares.limit = 300
+    try:
+        stack.proxy.stall_next(3.0)  # acme's first turn holds its share while P works
+        body = {"model": MODEL, "prompt": ids(200, 5), "max_tokens": 2}
+        held = asyncio.create_task(
+            stack.post("/v1/completions", body, stack.headers("acme", f"c-{uuid.uuid4().hex}"))
+        )
+
+        async def acme_in_flight() -> bool:
+            return app_shares.in_flight("acme") == 200
+
+        await eventually(acme_in_flight, timeout_s=10, what="acme's first turn to be in flight")
+        refused = await stack.post("/v1/completions", body, stack.headers("acme", f"c-{uuid.uuid4().hex}"))
+        assert refused.status == 429 and refused.body["error"]["type"] == "RateLimitError"
+        served = await stack.post("/v1/completions", body, stack.headers("globex", f"c-{uuid.uuid4().hex}"))
+        assert served.status == 200, served.raw
+        assert (await held).status == 200
+        assert app_shares.in_flight("acme") == 0
+    finally:
+        app_shares.limit = previous
+
+
+async def test_a_turn_d_refuses_has_ps_held_blocks_released_at_once(stack: GatewayStack) -> None:
+    async def early_frees() -> float:
+        return await stack.prefill.metric(
+            stack.session, "kvplane_sim_retained_frees_total", kind="prefill_lease", reason="early"
+        )
+
+    settings = stack.gateway.settings
+    previous = settings.max_model_len
+    # A gateway that does not know the engines' context: P (one token) accepts, D refuses.
+    settings.max_model_len = 0
+    try:
+        before = await early_frees()
+        body = {"model": MODEL, "prompt": ids(300, 9), "max_tokens": 40_000}
+        result = await stack.post("/v1/completions", body, stack.headers("acme", f"c-{uuid.uuid4().hex}"))
+        assert result.status == 400, result.raw
+        assert "maximum context length" in result.body["error"]["message"]  # D's own refusal
+        # The failed report names P's held request; the release command reaches P's agent, and P frees
+        # the blocks as released early, not at the end of its lease.
+        await eventually(
+            lambda: _more(early_frees, before), timeout_s=20, what="P's held blocks to be released early"
+        )
+        state = json.loads(await stack.prefill.get(stack.session, "/sim/state"))
+        assert [r for r in state["retained"] if r["kind"] == "prefill_lease"] == []
+    finally:
+        settings.max_model_len = previous
+
+
+async def _more(probe: Any, than: float) -> bool:
+    return bool(await probe() > than)
