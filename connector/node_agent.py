@@ -54,6 +54,7 @@ from typing import Literal
 
 import grpc
 
+from kvplane.client.credentials import ClientCredentials
 from kvplane.services.common import convert
 from kvplane.services.common.handles import CacheHandle
 from kvplane.services.common.nodes import Node, NodeLoad
@@ -73,6 +74,8 @@ _RETRYABLE = frozenset(
         grpc.StatusCode.CANCELLED,
     }
 )
+# Status codes that mean the credentials were refused.
+_REFUSED = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
 # Status codes that mean "this node or incarnation is not (or no longer) registered".
 _NOT_REGISTERED = frozenset({grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION})
 # ReportReleased takes at most this many ids per call (metadata.proto).
@@ -116,9 +119,10 @@ class NodeAgentSettings:
     demand_refresh_s: float = 0.5
     # Whether stop() deregisters the node (its handles are then purged at once).
     deregister_on_stop: bool = True
-    # Bearer token for the control plane; empty: identify by headers only (development, or a
-    # mesh that authenticates the pod and sets the headers itself).
-    auth_token: str = ""
+    # Bearer token for the control plane (shorthand for credentials.token).
+    auth_token: str = dataclasses.field(default="", repr=False)
+    # Token, TLS and mesh secret presented to the control plane (kvplane.client.credentials).
+    credentials: ClientCredentials = dataclasses.field(default_factory=ClientCredentials)
 
     def __post_init__(self) -> None:
         if not self.metadata_target:
@@ -204,11 +208,13 @@ class NodeAgent:
         self._wake: asyncio.Event | None = None
         self._stopping: asyncio.Event | None = None
         self._started = threading.Event()
-        # Sent with every call: the control plane authorizes node calls by it.
-        metadata = [("x-kvplane-role", "node"), ("x-kvplane-node", node.node_id)]
-        if settings.auth_token:
-            metadata.append(("authorization", f"Bearer {settings.auth_token}"))
-        self._call_metadata: tuple[tuple[str, str], ...] = tuple(metadata)
+        # Sent with every call. The control plane takes the node's identity from the credentials
+        # (token or certificate); the headers name it only for a mesh proxy to vouch for.
+        self._credentials = settings.credentials.merged(token=settings.auth_token)
+        self._call_metadata: tuple[tuple[str, str], ...] = self._credentials.call_metadata(
+            (("x-kvplane-role", "node"), ("x-kvplane-node", node.node_id))
+        )
+        self._last_refusal = ""
         self._seen: collections.OrderedDict[str, bool] = collections.OrderedDict()
         # Counters; written on the agent thread (and under _lock for the queue ones).
         self._registered = False
@@ -371,9 +377,9 @@ class NodeAgent:
         self._lease_id = 0
         self._started.set()
         s = self._settings
-        meta_channel = grpc.aio.insecure_channel(s.metadata_target)
+        meta_channel = self._credentials.channel(s.metadata_target)
         evict_channel = (
-            grpc.aio.insecure_channel(s.eviction_target)
+            self._credentials.channel(s.eviction_target)
             if s.eviction_target and s.eviction_target != s.metadata_target
             else meta_channel
         )
@@ -415,7 +421,21 @@ class NodeAgent:
 
     def _note_error(self, what: str, err: grpc.aio.AioRpcError) -> None:
         self._rpc_errors += 1
-        log.debug("%s failed: %s %s", what, err.code(), err.details())
+        if err.code() in _REFUSED:
+            # Misconfigured credentials leave the engine unregistered: say so where operators look,
+            # once per distinct refusal rather than at every retry.
+            refusal = f"{err.code().name}: {err.details()}"
+            if refusal != self._last_refusal:
+                self._last_refusal = refusal
+                log.warning(
+                    "the control plane refused %s for node %s (%s); presenting %s",
+                    what,
+                    self._node_template.node_id,
+                    refusal,
+                    self._credentials.describe(),
+                )
+        else:
+            log.debug("%s failed: %s %s", what, err.code(), err.details())
         if err.code() in _NOT_REGISTERED:
             self._mark_unregistered()
 
@@ -603,9 +623,12 @@ class NodeAgent:
                 if received:
                     backoff.reset()
             except grpc.aio.AioRpcError as err:
-                if err.code() not in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAVAILABLE):
-                    log.info("eviction command stream: %s %s", err.code(), err.details())
-                self._rpc_errors += 1
+                if err.code() in _REFUSED:
+                    self._note_error("the eviction command stream", err)
+                else:
+                    if err.code() not in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAVAILABLE):
+                        log.info("eviction command stream: %s %s", err.code(), err.details())
+                    self._rpc_errors += 1
             # The stream ended or failed: reconnect after a pause either way.
             await self._sleep_or_stop(backoff.next_delay())
 

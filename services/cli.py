@@ -99,6 +99,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     settings = KvplaneSettings.load(args.config, _overrides(args))
     configure_logging(settings.telemetry.log_level, settings.telemetry.json_logs)
+    if settings.auth.mode is None:
+        # Closed by default: there is no mode that serves without credentials.
+        print(
+            "kvplane serve: auth.mode is required (token, mtls or mesh; KVPLANE_AUTH__MODE or the "
+            "config file's auth section). See THREAT_MODEL.md.",
+            file=sys.stderr,
+        )
+        return 2
     names = available_services() if args.service == "all" else [args.service]
     log.info("starting", extra={"services": names, "settings": settings.masked_json()})
     asyncio.run(_serve(settings, names))

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Iterator
 import grpc
 import pytest
 
+from kvplane.client.credentials import ClientCredentials
 from kvplane.services.common.local_etcd import LocalEtcd, free_port
 from kvplane.services.common.nodes import Fingerprint, Node, NodeRole
 from kvplane.services.common.process import ServiceProcess
@@ -48,6 +49,7 @@ def settings_for(etcd: LocalEtcd, prefix: str, **sections: dict[str, object]) ->
         "etcd": {"endpoints": [etcd.endpoint], "prefix": prefix},
         "telemetry": {"metrics_port": free_port(), "json_logs": False},
         "metadata": {"reaper_interval_s": 0.5},
+        "auth": TEST_AUTH,
     }
     for key, value in sections.items():
         merged = dict(values.get(key, {}))  # type: ignore[call-overload]
@@ -74,11 +76,27 @@ async def metadata_channel(metadata_process: ServiceProcess) -> AsyncIterator[gr
         yield channel
 
 
-NODE_HEADERS = (("x-kvplane-role", "node"),)
+# Services under test run in mesh mode with a proxy secret; the calls below carry it, as a mesh
+# proxy would. tests/integration/test_trust_boundary.py covers every mode.
+MESH_SECRET = "test-mesh-secret"
+TEST_AUTH: dict[str, object] = {"mode": "mesh", "mesh": {"secrets": [MESH_SECRET]}}
+# The same, for `kvplane serve` subprocesses.
+AUTH_ENV = {"KVPLANE_AUTH__MODE": "mesh", "KVPLANE_AUTH__MESH__SECRETS": f'["{MESH_SECRET}"]'}
+# What a node agent presents in these tests (ClientCredentials(mesh_secret=...)).
+MESH_CREDENTIALS = ClientCredentials(mesh_secret=MESH_SECRET)
+
+
+def node_headers(node_id: str = "d0") -> tuple[tuple[str, str], ...]:
+    """A node principal acting as `node_id`."""
+    return (("x-kvplane-mesh-secret", MESH_SECRET), ("x-kvplane-role", "node"), ("x-kvplane-node", node_id))
+
+
+NODE_HEADERS = node_headers("d0")
+OPERATOR_HEADERS = (("x-kvplane-mesh-secret", MESH_SECRET), ("x-kvplane-role", "operator"))
 
 
 def tenant_headers(tenant: str) -> tuple[tuple[str, str], ...]:
-    return (("x-kvplane-tenant", tenant),)
+    return (("x-kvplane-mesh-secret", MESH_SECRET), ("x-kvplane-tenant", tenant))
 
 
 def make_node(

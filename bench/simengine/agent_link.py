@@ -167,7 +167,10 @@ def start_node_agent(engine: SimEngine, http_url: str, observer: ConnectorObserv
 
     agent = NodeAgent(
         NodeAgentSettings(
-            metadata_target=s.control_plane, eviction_target=s.eviction, load_interval_s=s.load_interval_s
+            metadata_target=s.control_plane,
+            eviction_target=s.eviction,
+            load_interval_s=s.load_interval_s,
+            credentials=s.credentials(),
         ),
         node_for(engine, http_url),
         lambda: node_load(engine.load()),

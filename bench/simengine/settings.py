@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from kvplane.bench.simengine.side_channel import normalize_host
 from kvplane.bench.simengine.timing_model import TimingModel
+from kvplane.client.credentials import ClientCredentials
 
 Role = Literal["prefill", "decode", "both"]
 ROLES: tuple[Role, ...] = ("prefill", "decode", "both")
@@ -78,6 +79,17 @@ class SimEngineSettings:
     expiry_margin_s: float = 1.0
     # Seconds between load reports to the control plane.
     load_interval_s: float = 0.5
+    # Credentials the node agent presents to the control plane (kvplane.client.credentials):
+    # a bearer token or a file holding it; TLS: the servers' CA, and a client certificate for
+    # mTLS; a mesh secret only where no mesh proxy adds it (development).
+    auth_token: str = field(default="", repr=False)
+    auth_token_file: str = ""
+    tls_ca_file: str = ""
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    tls_server_name: str = ""
+    mesh_secret: str = field(default="", repr=False)
+    mesh_secret_file: str = ""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -97,6 +109,19 @@ class SimEngineSettings:
         object.__setattr__(self, "http_host", normalize_host(self.http_host))
         object.__setattr__(self, "advertise_host", normalize_host(self.advertise_host))
 
+    def credentials(self) -> ClientCredentials:
+        """What the node agent presents to the control plane."""
+        return ClientCredentials(
+            token=self.auth_token,
+            token_file=self.auth_token_file,
+            tls_ca_file=self.tls_ca_file,
+            tls_cert_file=self.tls_cert_file,
+            tls_key_file=self.tls_key_file,
+            tls_server_name=self.tls_server_name,
+            mesh_secret=self.mesh_secret,
+            mesh_secret_file=self.mesh_secret_file,
+        )
+
     @property
     def advertised_side_channel_host(self) -> str:
         return self.advertise_host or self.side_channel_host
@@ -112,10 +137,14 @@ class SimEngineSettings:
         """One line per setting, for the start-up log (nothing here is secret)."""
         lines = []
         for f in dataclasses.fields(self):
-            lines.append(f"  {f.name} = {getattr(self, f.name)!r}")
+            value = getattr(self, f.name)
+            shown = ("'***'" if value else "''") if f.name in SECRET_FIELDS else repr(value)
+            lines.append(f"  {f.name} = {shown}")
         return "\n".join(lines)
 
 
+# Never printed.
+SECRET_FIELDS = frozenset({"auth_token", "mesh_secret"})
 ENV_PREFIX = "KVPLANE_SIM_"
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
@@ -200,6 +229,16 @@ def build_arg_parser(
     p.add_argument("--require-digests", action=argparse.BooleanOptionalAction, default=d.require_digests)
     p.add_argument("--expiry-margin-s", type=float, default=d.expiry_margin_s)
     p.add_argument("--load-interval-s", type=float, default=d.load_interval_s)
+    p.add_argument(
+        "--auth-token", default=d.auth_token, help="bearer token for the control plane (prefer the file)"
+    )
+    p.add_argument("--auth-token-file", default=d.auth_token_file, help="file holding the bearer token")
+    p.add_argument("--tls-ca-file", default=d.tls_ca_file, help="CA of the control plane's certificates")
+    p.add_argument("--tls-cert-file", default=d.tls_cert_file, help="client certificate (mTLS)")
+    p.add_argument("--tls-key-file", default=d.tls_key_file, help="client certificate's key (mTLS)")
+    p.add_argument("--tls-server-name", default=d.tls_server_name, help="name to check the server against")
+    p.add_argument("--mesh-secret", default=d.mesh_secret, help="mesh proxy secret (development only)")
+    p.add_argument("--mesh-secret-file", default=d.mesh_secret_file)
     p.set_defaults(**_env_defaults(os.environ if env is None else env))
     return p
 

@@ -1,5 +1,6 @@
 """kvplane.client: what an upstream gateway needs to route turns through kvplane."""
 
+from kvplane.client.credentials import ClientCredentials
 from kvplane.client.routing_client import (
     Endpoint,
     RouteResult,
@@ -10,6 +11,7 @@ from kvplane.client.tokenize import TokenizeFailed, is_token_ids, tokenize
 from kvplane.client.vllm_requests import MissingPrefillParams, decode_body, leg_url, prefill_body
 
 __all__ = [
+    "ClientCredentials",
     "Endpoint",
     "MissingPrefillParams",
     "RouteResult",

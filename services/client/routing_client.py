@@ -5,6 +5,8 @@
   attempts or the deadline run out; any other status is final.
 - Each channel carries OpenTelemetry's client interceptor, so the caller's
   current span becomes the parent of the Route span (W3C traceparent).
+- `credentials` (`kvplane.client.credentials`) give the token and TLS; the
+  control plane refuses a call without them (UNAUTHENTICATED).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import grpc
 from opentelemetry.instrumentation.grpc import aio_client_interceptors
 from opentelemetry.trace import TracerProvider
 
+from kvplane.client.credentials import ClientCredentials
 from kvplane.v1 import routing_pb2, routing_pb2_grpc
 
 DECISION_NAMES = {
@@ -82,13 +85,15 @@ class RoutingClient:
         attempts: int = 3,
         tracer_provider: TracerProvider | None = None,
         channel_options: Sequence[tuple[str, Any]] = (),
+        credentials: ClientCredentials | None = None,
     ) -> None:
         if not targets:
             raise ValueError("at least one routing target is required")
         if attempts < 1:
             raise ValueError("attempts must be at least 1")
         self.targets = tuple(targets)
-        self.metadata = tuple(metadata)
+        credentials = credentials or ClientCredentials()
+        self.metadata = credentials.call_metadata(metadata)
         self.timeout_s = timeout_s
         self.attempts = attempts
         options = [
@@ -98,7 +103,7 @@ class RoutingClient:
             *channel_options,
         ]
         self._channels = [
-            grpc.aio.insecure_channel(
+            credentials.channel(
                 target,
                 options=options,
                 interceptors=aio_client_interceptors(tracer_provider=tracer_provider),  # type: ignore[no-untyped-call]

@@ -1,21 +1,42 @@
-"""Who is calling: caller credentials -> a Principal, and the tenant it may act for.
+"""Who is calling: a call's credentials -> a Principal, and what it may act on.
 
-The tenant of a request always comes from the caller's credentials when the
-caller is a tenant. Nodes (engine agents) and operators are trusted internal
-principals: they name the tenant in the request, because they act on behalf
-of whichever tenant the router assigned. See THREAT_MODEL.md.
+Closed by default: every mode answers a call that carries no identity with
+UNAUTHENTICATED. The modes (settings `auth.mode`; there is no default):
+
+- `token`: bearer tokens (`authorization: Bearer <t>` or `x-api-key`), each
+  configured with its principal;
+- `mtls`: the principal is named by the client certificate (a URI SAN
+  `kvplane://{kind}/{name}`, see `peer_identity`), the certificate checked by
+  the server's client CA;
+- `mesh`: a sidecar proxy authenticates the caller and names it in headers
+  (`x-kvplane-role`, `x-kvplane-tenant`, `x-kvplane-node`). Those headers are
+  believed only from an authenticated proxy: a peer whose client certificate
+  names a mesh proxy (`kvplane://mesh/{name}`), or a call carrying the
+  proxy's shared secret (`x-kvplane-mesh-secret`). From anyone else they are
+  ignored, and the call is unauthenticated.
+
+Principals are bound to what they may touch: a tenant acts only on its own
+tenant, a node only as its own node id, and operator methods need an
+operator. See THREAT_MODEL.md.
 """
 
 from __future__ import annotations
 
 import enum
 import hmac
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
+from urllib.parse import unquote
 
 from kvplane.services.common import validation
-from kvplane.services.common.errors import PermissionDenied, Unauthenticated
+from kvplane.services.common.errors import InvalidArgument, PermissionDenied, Unauthenticated
+
+MESH_SECRET_HEADER = "x-kvplane-mesh-secret"
+ROLE_HEADER = "x-kvplane-role"
+TENANT_HEADER = "x-kvplane-tenant"
+NODE_HEADER = "x-kvplane-node"
+OPERATOR_HEADER = "x-kvplane-operator"
 
 
 class PrincipalKind(enum.Enum):
@@ -27,66 +48,168 @@ class PrincipalKind(enum.Enum):
 @dataclass(frozen=True, slots=True)
 class Principal:
     kind: PrincipalKind
+    # The tenant's, node's or operator's name; for a node, its node id.
     name: str
     tenant: str = ""
 
     def acts_for(self, requested_tenant: str, field: str = "tenant") -> str:
-        """The tenant this call acts for; never a tenant caller's body field."""
+        """The tenant this call acts for; never a tenant caller's body field.
+
+        Nodes never act for a tenant: a node credential must not read, check
+        out or release any tenant's handles.
+        """
         if self.kind is PrincipalKind.TENANT:
             if requested_tenant and requested_tenant != self.tenant:
                 raise PermissionDenied(f"{field}: a tenant caller may act only on its own tenant")
             return self.tenant
+        if self.kind is PrincipalKind.NODE:
+            raise PermissionDenied("a node principal may not act on a tenant's handles")
         return validation.tenant(requested_tenant, field)
 
     def require(self, *kinds: PrincipalKind) -> None:
         if self.kind not in kinds:
-            allowed = ", ".join(k.value for k in kinds)
-            raise PermissionDenied(f"this call needs a {allowed} principal; caller is {self.kind.value}")
+            allowed = " or ".join(k.value for k in kinds)
+            raise PermissionDenied(f"this call needs a {allowed} principal; caller is a {self.kind.value}")
+
+    def as_node(self, node_id: str, field: str, *, operator: bool = False) -> str:
+        """`node_id` (already validated) when this caller may act as that node.
+
+        A node principal acts only as itself; an operator only where `operator`.
+        """
+        if self.kind is PrincipalKind.NODE:
+            if node_id != self.name:
+                raise PermissionDenied(f"{field}: a node may act only as its own node id")
+            return node_id
+        if operator and self.kind is PrincipalKind.OPERATOR:
+            return node_id
+        self.require(PrincipalKind.NODE, *((PrincipalKind.OPERATOR,) if operator else ()))
+        return node_id
+
+
+@dataclass(frozen=True, slots=True)
+class CallCredentials:
+    """What a call presents: its metadata (lower-cased keys), its peer address, and the
+    identities its verified client certificate names (empty without mTLS)."""
+
+    metadata: Mapping[str, str]
+    peer: str = ""
+    certificate_ids: tuple[str, ...] = ()
 
 
 class Authenticator(Protocol):
-    """Maps a call's metadata (lower-cased keys) and peer to a Principal."""
+    """Maps a call's credentials to a Principal, or raises Unauthenticated."""
 
-    def authenticate(self, metadata: Mapping[str, str], peer: str) -> Principal: ...
+    def authenticate(self, call: CallCredentials) -> Principal: ...
+
+
+def bearer_token(metadata: Mapping[str, str]) -> str:
+    auth = metadata.get("authorization", "")
+    if auth[:7].lower() == "bearer ":
+        return auth[7:].strip()
+    return metadata.get("x-api-key", "").strip()
 
 
 class TokenAuthenticator:
-    """Bearer tokens (`authorization: Bearer <t>` or `x-api-key: <t>`) from configuration."""
+    """Bearer tokens from configuration, each bound to one principal."""
 
     def __init__(self, tokens: Mapping[str, Principal]) -> None:
-        self._tokens = dict(tokens)
+        # Compared as bytes in constant time; an empty token never matches.
+        self._tokens = [(known.encode(), principal) for known, principal in tokens.items() if known]
 
-    def authenticate(self, metadata: Mapping[str, str], peer: str) -> Principal:
-        token = metadata.get("x-api-key", "")
-        auth = metadata.get("authorization", "")
-        if auth.lower().startswith("bearer "):
-            token = auth[7:].strip()
+    def authenticate(self, call: CallCredentials) -> Principal:
+        token = bearer_token(call.metadata)
         if not token:
             raise Unauthenticated("no credentials: send 'authorization: Bearer <token>'")
-        for known, principal in self._tokens.items():
-            if hmac.compare_digest(known.encode(), token.encode()):
+        presented = token.encode("utf-8", "surrogatepass")
+        found: Principal | None = None
+        for known, principal in self._tokens:
+            # No early exit: the time taken does not depend on which token matched.
+            if hmac.compare_digest(known, presented):
+                found = principal
+        if found is None:
+            raise Unauthenticated("unknown token")
+        return found
+
+
+class CertificateAuthenticator:
+    """The principal a verified client certificate names (`kvplane://{kind}/{name}`)."""
+
+    def authenticate(self, call: CallCredentials) -> Principal:
+        for identity in call.certificate_ids:
+            principal = principal_from_identity(identity)
+            if principal is not None:
                 return principal
-        raise Unauthenticated("unknown token")
+        if call.certificate_ids:
+            raise Unauthenticated("the client certificate names no kvplane principal")
+        raise Unauthenticated("no credentials: present a client certificate")
 
 
-class HeaderAuthenticator:
-    """Trusts `x-kvplane-tenant` / `x-kvplane-role` headers.
+class MeshAuthenticator:
+    """Identity headers set by an authenticated mesh proxy.
 
-    For development, and behind a mesh whose proxy authenticates the caller
-    (mTLS) and sets these headers itself, stripping any the client sent.
-    A call with neither header is an operator call.
+    The proxy is authenticated by its client certificate (`kvplane://mesh/...`,
+    or one of `proxy_identities`) or by the shared secret it adds to every call.
     """
 
-    def authenticate(self, metadata: Mapping[str, str], peer: str) -> Principal:
-        role = metadata.get("x-kvplane-role", "")
-        tenant = metadata.get("x-kvplane-tenant", "")
+    def __init__(self, secrets: Iterable[str], proxy_identities: Iterable[str] = ()) -> None:
+        self._secrets = [s.encode() for s in secrets if s]
+        self._proxies = frozenset(proxy_identities)
+
+    def _from_proxy(self, call: CallCredentials) -> bool:
+        for identity in call.certificate_ids:
+            if identity in self._proxies or identity.startswith("kvplane://mesh/"):
+                return True
+        presented = call.metadata.get(MESH_SECRET_HEADER, "").encode("utf-8", "surrogatepass")
+        matched = False
+        for secret in self._secrets:
+            if presented and hmac.compare_digest(secret, presented):
+                matched = True
+        return matched
+
+    def authenticate(self, call: CallCredentials) -> Principal:
+        if not self._from_proxy(call):
+            # Identity headers from a bare client are worth nothing.
+            raise Unauthenticated("no credentials: calls must come through the authenticated mesh proxy")
+        md = call.metadata
+        role = md.get(ROLE_HEADER, "")
+        tenant = md.get(TENANT_HEADER, "")
         if role == PrincipalKind.NODE.value:
-            return Principal(PrincipalKind.NODE, metadata.get("x-kvplane-node", peer))
-        if tenant:
-            return Principal(PrincipalKind.TENANT, tenant, validation.tenant(tenant, "x-kvplane-tenant"))
-        if role in ("", PrincipalKind.OPERATOR.value):
-            return Principal(PrincipalKind.OPERATOR, peer)
-        raise Unauthenticated(f"unknown x-kvplane-role {role!r}")
+            node = md.get(NODE_HEADER, "")
+            if not node:
+                raise Unauthenticated(f"a node call needs {NODE_HEADER}")
+            return Principal(PrincipalKind.NODE, _header_id(node, NODE_HEADER))
+        if role == PrincipalKind.OPERATOR.value:
+            name = md.get(OPERATOR_HEADER, "") or "mesh-operator"
+            return Principal(PrincipalKind.OPERATOR, _header_id(name, OPERATOR_HEADER))
+        if role in ("", PrincipalKind.TENANT.value) and tenant:
+            name = _header_id(tenant, TENANT_HEADER, tenant=True)
+            return Principal(PrincipalKind.TENANT, name, name)
+        if role:
+            raise Unauthenticated(f"unknown {ROLE_HEADER} {role!r}")
+        raise Unauthenticated(f"the proxy named no caller ({ROLE_HEADER} or {TENANT_HEADER})")
+
+
+def _header_id(value: str, header: str, *, tenant: bool = False) -> str:
+    try:
+        return validation.tenant(value, header) if tenant else validation.ident(value, header)
+    except InvalidArgument as exc:
+        raise Unauthenticated(str(exc)) from None
+
+
+def principal_from_identity(identity: str) -> Principal | None:
+    """`kvplane://tenant/acme` -> a tenant principal; None for anything else."""
+    scheme = "kvplane://"
+    if not identity.startswith(scheme):
+        return None
+    kind_name, _, raw = identity[len(scheme) :].partition("/")
+    name = unquote(raw, errors="strict") if raw else ""
+    if not name or "/" in raw:
+        return None
+    try:
+        kind = PrincipalKind(kind_name)
+    except ValueError:
+        return None
+    return Principal(kind, name, name if kind is PrincipalKind.TENANT else "")
 
 
 def metadata_dict(pairs: Sequence[tuple[str, str | bytes]] | None) -> dict[str, str]:

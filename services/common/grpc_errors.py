@@ -46,7 +46,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     for error_type, code in STATUS_BY_ERROR:
         if isinstance(exc, error_type):
             return code, str(exc)
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}"
+    # No type names or tracebacks to the caller: the log has them.
+    return grpc.StatusCode.INTERNAL, "internal error"
 
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -70,7 +70,13 @@ class ServiceProcess:
             trace_background=settings.telemetry.trace_background,
         )
         self.store = Store(settings.etcd.store_settings(), self.telemetry)
-        self.server = GrpcServer(settings.grpc.listen, self.telemetry, settings.auth.authenticator())
+        self.server = GrpcServer(
+            settings.grpc.listen,
+            self.telemetry,
+            settings.auth.authenticator(),
+            tls=settings.grpc.tls.files(),
+            reflection=settings.grpc.reflection,
+        )
         self.ctx = ProcessContext(settings, self.telemetry, self.store, self.server)
         self.components: list[Component] = []
         for install in installers:

@@ -1,28 +1,41 @@
 """gRPC server bootstrap shared by every service.
 
-Every server gets the standard health service, server reflection, an
-OpenTelemetry server interceptor and the caller's Principal on each call
-(`caller(context)`), with errors mapped in `grpc_errors`.
+Every server gets the standard health service, an OpenTelemetry server
+interceptor, TLS when configured (certificates re-read when they change),
+and server reflection only when enabled.
+
+Every method of every kvplane service added here is guarded before its code
+runs, so a method added later cannot be left open:
+- the caller is authenticated first (UNAUTHENTICATED otherwise), and its
+  Principal is what `caller(context)` returns;
+- a request that does not parse (corrupt wire bytes, invalid UTF-8 in a
+  string field) is answered INVALID_ARGUMENT, never INTERNAL or UNKNOWN.
+The standard health service stays open: probes carry no credentials and it
+tells only whether the process serves.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 from wsgiref.simple_server import WSGIServer
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 from opentelemetry.instrumentation.grpc import aio_server_interceptor
 from prometheus_client import start_http_server
 
-from kvplane.services.common.auth import Authenticator, Principal, metadata_dict
+from kvplane.services.common.auth import Authenticator, CallCredentials, Principal, metadata_dict
+from kvplane.services.common.errors import InvalidArgument, KvplaneError, Unauthenticated
 from kvplane.services.common.telemetry import Telemetry
+from kvplane.services.common.tls import ServerTlsFiles, certificate_ids
 
 log = logging.getLogger(__name__)
 
@@ -31,12 +44,22 @@ Context = grpc.aio.ServicerContext[Any, Any]
 
 
 class GrpcServer:
-    """A grpc.aio server with health, reflection, tracing and authentication."""
+    """A grpc.aio server with health, tracing, authentication, and optionally TLS and reflection."""
 
-    def __init__(self, listen: str, telemetry: Telemetry, authenticator: Authenticator) -> None:
+    def __init__(
+        self,
+        listen: str,
+        telemetry: Telemetry,
+        authenticator: Authenticator,
+        *,
+        tls: ServerTlsFiles | None = None,
+        reflection: bool = False,
+    ) -> None:
         self.listen = listen
         self.telemetry = telemetry
         self.authenticator = authenticator
+        self.tls = tls
+        self.reflection = reflection
         self.server = grpc.aio.server(
             interceptors=[aio_server_interceptor(tracer_provider=telemetry.tracer_provider)],  # type: ignore[no-untyped-call]
             options=[("grpc.so_reuseport", 0)],
@@ -47,14 +70,23 @@ class GrpcServer:
         self.port = 0
 
     def add(self, full_name: str, register: Callable[[Any, grpc.aio.Server], None], servicer: Any) -> None:
-        """Registers `servicer` (with `authenticator` attached) under `full_name`."""
+        """Registers `servicer` under `full_name`, every method guarded (see the module docstring)."""
         servicer.authenticator = self.authenticator
-        register(servicer, self.server)
+        captured = _CapturedHandlers()
+        register(servicer, captured)  # type: ignore[arg-type]
+        for service, handlers in captured.services.items():
+            guarded = {name: _guard(h, self.authenticator) for name, h in handlers.items()}
+            self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, guarded),))
+            self.server.add_registered_method_handlers(service, guarded)
         self._services.append(full_name)
 
     async def start(self) -> int:
-        reflection.enable_server_reflection([*self._services, reflection.SERVICE_NAME], self.server)
-        self.port = self.server.add_insecure_port(self.listen)
+        if self.reflection:
+            reflection.enable_server_reflection([*self._services, reflection.SERVICE_NAME], self.server)
+        if self.tls is not None:
+            self.port = self.server.add_secure_port(self.listen, self.tls.server_credentials())
+        else:
+            self.port = self.server.add_insecure_port(self.listen)
         if self.port == 0:
             raise OSError(f"cannot listen on {self.listen}")
         await self.server.start()
@@ -62,7 +94,14 @@ class GrpcServer:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         log.info(
-            "grpc listening", extra={"listen": self.listen, "port": self.port, "services": self._services}
+            "grpc listening",
+            extra={
+                "listen": self.listen,
+                "port": self.port,
+                "services": self._services,
+                "tls": "mutual" if self.tls and self.tls.mutual else ("server" if self.tls else "off"),
+                "reflection": self.reflection,
+            },
         )
         return self.port
 
@@ -72,11 +111,130 @@ class GrpcServer:
         await self.server.stop(grace_s)
 
 
+# The authenticated principal of the call being served (set by the guard, per call task).
+_PRINCIPAL: contextvars.ContextVar[Principal | None] = contextvars.ContextVar(
+    "kvplane_principal", default=None
+)
+
+
+def call_credentials(context: Context) -> CallCredentials:
+    pairs = [(str(k), v) for k, v in context.invocation_metadata() or ()]
+    return CallCredentials(
+        metadata_dict(pairs), context.peer() or "", certificate_ids(context.auth_context() or {})
+    )
+
+
 def caller(servicer: Any, context: Context) -> Principal:
     """The authenticated principal of the current call (raises Unauthenticated)."""
+    principal = _PRINCIPAL.get()
+    if principal is not None:
+        return principal
     authenticator: Authenticator = servicer.authenticator
-    pairs = [(str(k), v) for k, v in context.invocation_metadata() or ()]
-    return authenticator.authenticate(metadata_dict(pairs), context.peer() or "")
+    return authenticator.authenticate(call_credentials(context))
+
+
+class _CapturedHandlers:
+    """Stands in for the server while generated code registers a servicer's handlers."""
+
+    def __init__(self) -> None:
+        self.services: dict[str, dict[str, grpc.RpcMethodHandler[Any, Any]]] = {}
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        pass  # the same handlers also arrive, by name, below
+
+    def add_registered_method_handlers(
+        self, service: str, handlers: dict[str, grpc.RpcMethodHandler[Any, Any]]
+    ) -> None:
+        self.services[service] = dict(handlers)
+
+
+class _Unparsable:
+    """A request whose bytes did not parse; the guard answers it INVALID_ARGUMENT."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def _lenient(parse: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if parse is None:
+        return None
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except (DecodeError, ValueError, RuntimeError):
+            # Python's protobuf raises DecodeError for corrupt bytes and for
+            # invalid UTF-8 in a string field.
+            return _Unparsable("the request is not a valid protobuf message of this method's type")
+
+    return deserialize
+
+
+async def _admit(authenticator: Authenticator, context: Context) -> None:
+    """Authenticates the call and records its principal, or ends the call UNAUTHENTICATED."""
+    try:
+        _PRINCIPAL.set(authenticator.authenticate(call_credentials(context)))
+    except KvplaneError as exc:
+        code = (
+            grpc.StatusCode.UNAUTHENTICATED
+            if isinstance(exc, Unauthenticated)
+            else grpc.StatusCode.INVALID_ARGUMENT
+        )
+        await context.abort(code, str(exc))
+
+
+async def _parsed(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async for request in requests:
+        if isinstance(request, _Unparsable):
+            raise InvalidArgument("request", request.reason)
+        yield request
+
+
+def _guard(
+    handler: grpc.RpcMethodHandler[Any, Any], authenticator: Authenticator
+) -> grpc.RpcMethodHandler[Any, Any]:
+    """`handler` behind authentication and lenient parsing."""
+    h: Any = handler
+    deserializer = _lenient(h.request_deserializer)
+    if h.unary_unary is not None:
+        inner_uu = h.unary_unary
+
+        async def unary_unary(request: Any, context: Context) -> Any:
+            await _admit(authenticator, context)
+            if isinstance(request, _Unparsable):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: {request.reason}")
+            return await inner_uu(request, context)
+
+        return h._replace(request_deserializer=deserializer, unary_unary=unary_unary)  # type: ignore[no-any-return]
+    if h.unary_stream is not None:
+        inner_us = h.unary_stream
+
+        async def unary_stream(request: Any, context: Context) -> AsyncIterator[Any]:
+            await _admit(authenticator, context)
+            if isinstance(request, _Unparsable):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: {request.reason}")
+            async for item in inner_us(request, context):
+                yield item
+
+        return h._replace(request_deserializer=deserializer, unary_stream=unary_stream)  # type: ignore[no-any-return]
+    if h.stream_stream is not None:
+        inner_ss = h.stream_stream
+
+        async def stream_stream(requests: AsyncIterator[Any], context: Context) -> AsyncIterator[Any]:
+            await _admit(authenticator, context)
+            async for item in inner_ss(_parsed(requests), context):
+                yield item
+
+        return h._replace(request_deserializer=deserializer, stream_stream=stream_stream)  # type: ignore[no-any-return]
+    inner_su = h.stream_unary
+
+    async def stream_unary(requests: AsyncIterator[Any], context: Context) -> Any:
+        await _admit(authenticator, context)
+        return await inner_su(_parsed(requests), context)
+
+    return h._replace(request_deserializer=deserializer, stream_unary=stream_unary)  # type: ignore[no-any-return]
 
 
 class MetricsServer:

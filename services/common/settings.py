@@ -8,23 +8,30 @@ KVPLANE_ETCD__ENDPOINTS='["10.0.0.1:2379"]'), then command-line flags.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from kvplane.client.credentials import ClientCredentials
 from kvplane.services.common.auth import (
     Authenticator,
-    HeaderAuthenticator,
+    CertificateAuthenticator,
+    MeshAuthenticator,
     Principal,
     PrincipalKind,
     TokenAuthenticator,
 )
+from kvplane.services.common.secret_files import read_secret_file
 from kvplane.services.common.store import StoreSettings
+from kvplane.services.common.tls import ServerTlsFiles
 from kvplane.services.eviction.config import EvictionSection
+
+log = logging.getLogger(__name__)
 
 
 class Section(BaseModel):
@@ -63,33 +70,87 @@ class TelemetrySection(Section):
 
 
 class TokenEntry(Section):
-    token: SecretStr
+    # The bearer token itself, or a file holding it (read at start-up; surrounding whitespace dropped).
+    token: SecretStr = SecretStr("")
+    token_file: str = ""
     kind: Literal["tenant", "node", "operator"] = "tenant"
+    # The principal's name: the tenant, the node id (a node token acts only as this node), or the operator.
     name: str
     tenant: str = ""
 
+    @model_validator(mode="after")
+    def _one_source(self) -> TokenEntry:
+        if bool(self.token.get_secret_value()) == bool(self.token_file):
+            raise ValueError(f"token entry {self.name!r}: set exactly one of token and token_file")
+        return self
+
+    def secret(self) -> str:
+        if self.token_file:
+            return read_secret_file(self.token_file, f"token of {self.name!r}")
+        return self.token.get_secret_value()
+
+
+class MeshSection(Section):
+    # Shared secrets the mesh proxy adds as x-kvplane-mesh-secret (several: rotation), or files holding them.
+    secrets: list[SecretStr] = Field(default_factory=list)
+    secret_files: list[str] = Field(default_factory=list)
+    # Client-certificate identities (URI SANs) of trusted proxies, besides any kvplane://mesh/... one.
+    proxy_identities: list[str] = Field(default_factory=list)
+
 
 class AuthSection(Section):
-    # "header": trust x-kvplane-tenant/x-kvplane-role (development, or behind
-    # a mesh proxy that sets them); "token": bearer tokens below.
-    mode: Literal["header", "token"] = "header"
+    # Required by `kvplane serve`; there is no default, so nothing runs open by accident.
+    # "token": bearer tokens below; "mtls": the client certificate names the principal
+    # (kvplane://{kind}/{name}; needs grpc.tls with a client CA); "mesh": identity headers,
+    # believed only from an authenticated mesh proxy (see `mesh`).
+    mode: Literal["token", "mtls", "mesh"] | None = None
     tokens: list[TokenEntry] = Field(default_factory=list)
+    mesh: MeshSection = Field(default_factory=MeshSection)
 
     def authenticator(self) -> Authenticator:
-        if self.mode == "header":
-            return HeaderAuthenticator()
+        if self.mode is None:
+            raise ValueError(
+                "auth.mode is required: token, mtls or mesh (KVPLANE_AUTH__MODE); nothing is served open"
+            )
+        if self.mode == "mtls":
+            return CertificateAuthenticator()
+        if self.mode == "mesh":
+            secrets = [s.get_secret_value() for s in self.mesh.secrets]
+            secrets += [read_secret_file(f, "mesh secret") for f in self.mesh.secret_files]
+            if not secrets and not self.mesh.proxy_identities:
+                # Certificates naming kvplane://mesh/... still work; say what trusts the headers.
+                log.info("mesh mode: identity headers trusted only from kvplane://mesh/ client certificates")
+            return MeshAuthenticator(secrets, self.mesh.proxy_identities)
         principals = {
-            entry.token.get_secret_value(): Principal(
-                PrincipalKind(entry.kind), entry.name, entry.tenant if entry.kind == "tenant" else ""
+            entry.secret(): Principal(
+                PrincipalKind(entry.kind),
+                entry.name,
+                (entry.tenant or entry.name) if entry.kind == "tenant" else "",
             )
             for entry in self.tokens
         }
         return TokenAuthenticator(principals)
 
 
+class ServerTlsSection(Section):
+    # PEM files; empty cert_file: plaintext (loopback development only). Re-read when they change.
+    cert_file: str = ""
+    key_file: str = ""
+    # CA that client certificates must chain to; set: clients must present one (mTLS).
+    client_ca_file: str = ""
+
+    def files(self) -> ServerTlsFiles | None:
+        if not self.cert_file:
+            return None
+        return ServerTlsFiles(self.cert_file, self.key_file, self.client_ca_file)
+
+
 class GrpcSection(Section):
     listen: str = "127.0.0.1:50051"
     grace_s: float = 5.0
+    tls: ServerTlsSection = Field(default_factory=ServerTlsSection)
+    # gRPC server reflection lists every method and message; off unless wanted (debugging).
+    reflection: bool = False
 
 
 class MetadataSection(Section):
@@ -123,8 +184,26 @@ class GatewaySection(Section):
     listen: str = "127.0.0.1:8080"
     # Routing service replicas, host:port each.
     routing: list[str] = Field(default_factory=lambda: ["127.0.0.1:50051"])
-    # Credentials the gateway presents to routing (an operator token), when routing runs in token mode.
+    # Credentials the gateway presents to routing: an operator token (or a file holding it);
+    # TLS to routing with its CA, and a client certificate for mTLS.
     routing_token: SecretStr = SecretStr("")
+    routing_token_file: str = ""
+    routing_tls_ca_file: str = ""
+    routing_tls_cert_file: str = ""
+    routing_tls_key_file: str = ""
+    routing_tls_server_name: str = ""
+
+    def routing_credentials(self) -> ClientCredentials:
+        """What the gateway presents to the routing service."""
+        return ClientCredentials(
+            token=self.routing_token.get_secret_value(),
+            token_file=self.routing_token_file,
+            tls_ca_file=self.routing_tls_ca_file,
+            tls_cert_file=self.routing_tls_cert_file,
+            tls_key_file=self.routing_tls_key_file,
+            tls_server_name=self.routing_tls_server_name,
+        )
+
     # Above routing's check-out timeout (1 s): a Route cut short may already have taken the handle.
     routing_timeout_s: float = Field(2.0, gt=0)
     routing_attempts: int = Field(2, ge=1)

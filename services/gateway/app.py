@@ -217,10 +217,9 @@ class Gateway:
     async def start(self) -> None:
         s = self.settings
         host, port = split_host_port(s.listen)
-        token = s.routing_token.get_secret_value()
         self._routing = RoutingClient(
             s.routing,
-            metadata=(("authorization", f"Bearer {token}"),) if token else (),
+            credentials=s.routing_credentials(),
             timeout_s=s.routing_timeout_s,
             attempts=s.routing_attempts,
             tracer_provider=self.telemetry.tracer_provider,

@@ -180,6 +180,11 @@ class TurnRunner:
             self.metrics.legs.labels("route", exc.code().name.lower()).observe(time.perf_counter() - start)
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise TurnFailed(400, f"invalid request: {exc.details()}") from None
+            if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                # The gateway's own routing credentials are wrong: every turn is affected.
+                log.warning(
+                    "routing refused the gateway's credentials: %s: %s", exc.code().name, exc.details()
+                )
             # Any other refusal (deadline, auth misconfiguration, internal) must not fail the turn.
             return self._fallback(turn, f"{exc.code().name}: {exc.details()}")
         self.metrics.legs.labels("route", "ok").observe(time.perf_counter() - start)

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 
 from kvplane.connector.digests import DigestFormatError, checkpoints
@@ -19,7 +20,7 @@ from kvplane.services.common.cluster_view import ClusterView, NodeChange
 from kvplane.services.common.errors import InvalidArgument, NotFound, StoreUnavailable
 from kvplane.services.common.grpc_errors import rpc_method
 from kvplane.services.common.handles import CacheHandle, HandleFormatError, ReleaseReason
-from kvplane.services.common.nodes import Node
+from kvplane.services.common.nodes import Node, NodeLoad
 from kvplane.services.common.server import Context, caller
 from kvplane.services.common.settings import MetadataSection
 from kvplane.services.common.store import Compacted, Store, WatchEvent
@@ -49,8 +50,10 @@ class MetadataService(metadata_pb2_grpc.MetadataServiceServicer):
     async def RegisterNode(
         self, request: metadata_pb2.RegisterNodeRequest, context: Context
     ) -> metadata_pb2.RegisterNodeResponse:
-        self._caller(context).require(*_INTERNAL)
+        principal = self._caller(context)
+        principal.require(PrincipalKind.NODE)
         node = _valid_node(request.node)
+        principal.as_node(node.node_id, "node.node_id")
         ttl = request.lease_ttl_s or self.settings.default_lease_ttl_s
         validation.in_range(ttl, "lease_ttl_s", 2, 300)
         lease = await self.store.register_node(node, ttl)
@@ -61,8 +64,9 @@ class MetadataService(metadata_pb2_grpc.MetadataServiceServicer):
     async def KeepAlive(
         self, request: metadata_pb2.KeepAliveRequest, context: Context
     ) -> metadata_pb2.KeepAliveResponse:
-        self._caller(context).require(*_INTERNAL)
-        validation.ident(request.node_id, "node_id")
+        principal = self._caller(context)
+        principal.require(PrincipalKind.NODE)
+        principal.as_node(validation.ident(request.node_id, "node_id"), "node_id")
         validation.ident(request.incarnation, "incarnation")
         ttl = await self.store.keep_alive(request.node_id, request.incarnation, request.lease_id)
         return metadata_pb2.KeepAliveResponse(lease_ttl_s=ttl)
@@ -71,35 +75,39 @@ class MetadataService(metadata_pb2_grpc.MetadataServiceServicer):
     async def ReportLoad(
         self, request: metadata_pb2.ReportLoadRequest, context: Context
     ) -> metadata_pb2.ReportLoadResponse:
-        self._caller(context).require(*_INTERNAL)
-        validation.ident(request.load.node_id, "load.node_id")
+        principal = self._caller(context)
+        principal.require(PrincipalKind.NODE)
+        principal.as_node(validation.ident(request.load.node_id, "load.node_id"), "load.node_id")
         validation.ident(request.load.incarnation, "load.incarnation")
-        await self.store.report_load(convert.load_from_pb(request.load))
+        await self.store.report_load(_valid_load(request.load))
         return metadata_pb2.ReportLoadResponse()
 
     @rpc_method
     async def DrainNode(
         self, request: metadata_pb2.DrainNodeRequest, context: Context
     ) -> metadata_pb2.DrainNodeResponse:
-        self._caller(context).require(*_INTERNAL)
-        await self.store.set_draining(validation.ident(request.node_id, "node_id"))
+        principal = self._caller(context)
+        principal.require(*_INTERNAL)
+        node_id = principal.as_node(validation.ident(request.node_id, "node_id"), "node_id", operator=True)
+        await self.store.set_draining(node_id)
         return metadata_pb2.DrainNodeResponse()
 
     @rpc_method
     async def DeregisterNode(
         self, request: metadata_pb2.DeregisterNodeRequest, context: Context
     ) -> metadata_pb2.DeregisterNodeResponse:
-        self._caller(context).require(*_INTERNAL)
-        await self.store.deregister_node(
-            validation.ident(request.node_id, "node_id"), validation.ident(request.incarnation, "incarnation")
-        )
+        principal = self._caller(context)
+        principal.require(*_INTERNAL)
+        node_id = principal.as_node(validation.ident(request.node_id, "node_id"), "node_id", operator=True)
+        await self.store.deregister_node(node_id, validation.ident(request.incarnation, "incarnation"))
         return metadata_pb2.DeregisterNodeResponse()
 
     @rpc_method
     async def ListNodes(
         self, request: metadata_pb2.ListNodesRequest, context: Context
     ) -> metadata_pb2.ListNodesResponse:
-        self._caller(context)
+        # Engine addresses: never a tenant's to see.
+        self._caller(context).require(*_INTERNAL)
         _, nodes = await self.store.list_nodes()
         return metadata_pb2.ListNodesResponse(
             nodes=[
@@ -117,9 +125,12 @@ class MetadataService(metadata_pb2_grpc.MetadataServiceServicer):
         self, request: metadata_pb2.PublishHandlesRequest, context: Context
     ) -> metadata_pb2.PublishHandlesResponse:
         principal = self._caller(context)
-        principal.require(*_INTERNAL)
+        principal.require(PrincipalKind.NODE)
         validation.count(len(request.handles), "handles", 1, validation.MAX_PUBLISH_BATCH)
         handles = [_valid_handle(pb, f"handles[{i}]") for i, pb in enumerate(request.handles)]
+        for i, handle in enumerate(handles):
+            # A node publishes only blocks it holds itself.
+            principal.as_node(handle.holder_node_id, f"handles[{i}].holder_node_id")
         results = []
         for handle in handles:
             outcome = await self.store.publish_handle(handle)
@@ -135,8 +146,9 @@ class MetadataService(metadata_pb2_grpc.MetadataServiceServicer):
     async def ReportReleased(
         self, request: metadata_pb2.ReportReleasedRequest, context: Context
     ) -> metadata_pb2.ReportReleasedResponse:
-        self._caller(context).require(*_INTERNAL)
-        validation.ident(request.node_id, "node_id")
+        principal = self._caller(context)
+        principal.require(PrincipalKind.NODE)
+        principal.as_node(validation.ident(request.node_id, "node_id"), "node_id")
         validation.ident(request.incarnation, "incarnation")
         validation.count(
             len(request.remote_request_ids), "remote_request_ids", 1, validation.MAX_RELEASE_REPORT
@@ -152,13 +164,15 @@ class MetadataService(metadata_pb2_grpc.MetadataServiceServicer):
     async def GetHandle(
         self, request: metadata_pb2.GetHandleRequest, context: Context
     ) -> metadata_pb2.GetHandleResponse:
-        tenant = self._caller(context).acts_for(request.tenant)
+        principal = self._caller(context)
+        tenant = principal.acts_for(request.tenant)
         conversation = validation.conversation(request.conversation)
         view = await self.store.get_handle(tenant, conversation)
         if view is None:
             raise NotFound(f"no handle for conversation {conversation!r}")
         return metadata_pb2.GetHandleResponse(
-            handle=convert.handle_to_pb(view.handle), state=convert.state_to_pb(view.state)
+            handle=_as_seen_by(principal, convert.handle_to_pb(view.handle)),
+            state=convert.state_to_pb(view.state),
         )
 
     @rpc_method
@@ -198,23 +212,30 @@ class MetadataService(metadata_pb2_grpc.MetadataServiceServicer):
         self, request: metadata_pb2.ListHandlesRequest, context: Context
     ) -> metadata_pb2.ListHandlesResponse:
         principal = self._caller(context)
-        tenant = principal.acts_for(request.tenant) if (request.tenant or principal.tenant) else ""
-        validation.ident(request.node_id, "node_id", required=False)
+        node_id = validation.ident(request.node_id, "node_id", required=False)
+        if principal.kind is PrincipalKind.NODE:
+            # A node lists only the handles it holds.
+            node_id = principal.as_node(node_id or principal.name, "node_id")
+            tenant = validation.tenant(request.tenant, "tenant") if request.tenant else ""
+        else:
+            tenant = principal.acts_for(request.tenant) if (request.tenant or principal.tenant) else ""
         page_size = request.page_size or 100
         validation.in_range(page_size, "page_size", 1, 1000)
         token = _decode_page_token(request.page_token)
         handles, next_token = await self.store.list_handles(
-            tenant=tenant, node_id=request.node_id, page_size=page_size, page_token=token
+            tenant=tenant, node_id=node_id, page_size=page_size, page_token=token
         )
         return metadata_pb2.ListHandlesResponse(
-            handles=[convert.handle_to_pb(h) for h in handles], next_page_token=next_token.hex()
+            handles=[_as_seen_by(principal, convert.handle_to_pb(h)) for h in handles],
+            next_page_token=next_token.hex(),
         )
 
     @rpc_method
     async def Watch(
         self, request: metadata_pb2.WatchRequest, context: Context
     ) -> AsyncIterator[metadata_pb2.WatchResponse]:
-        self._caller(context).require(*_INTERNAL)
+        # Every tenant's handles and every engine's address: operators only.
+        self._caller(context).require(PrincipalKind.OPERATOR)
         kinds = set(request.kinds) or {
             metadata_pb2.WATCH_KIND_NODES,
             metadata_pb2.WATCH_KIND_LOADS,
@@ -253,6 +274,17 @@ class MetadataService(metadata_pb2_grpc.MetadataServiceServicer):
         elif value:
             out.handle.CopyFrom(handle_pb2.CacheHandle.FromString(value))
         return out
+
+
+def _as_seen_by(principal: Principal, pb: handle_pb2.CacheHandle) -> handle_pb2.CacheHandle:
+    """The handle without engine addresses and block ids when a tenant asks."""
+    if principal.kind is PrincipalKind.TENANT:
+        pb.vllm.ClearField("remote_host")
+        pb.vllm.ClearField("remote_port")
+        pb.vllm.ClearField("remote_engine_id")
+        pb.vllm.ClearField("remote_block_ids")
+        pb.vllm.ClearField("extra_json")
+    return pb
 
 
 def _decode_page_token(token: str) -> bytes:
@@ -319,9 +351,24 @@ def _valid_handle(pb: handle_pb2.CacheHandle, field: str) -> CacheHandle:
         except ValueError:
             raise InvalidArgument(f"{field}.vllm.extra_json", "must be a JSON object") from None
     try:
-        return convert.handle_from_pb(pb)
-    except (HandleFormatError, DigestFormatError) as exc:
+        handle = convert.handle_from_pb(pb)
+    except (HandleFormatError, DigestFormatError, ValueError) as exc:
         raise InvalidArgument(field, str(exc)) from None
+    return validation.cache_handle(handle, field, now_unix_ms=int(time.time() * 1000))
+
+
+def _valid_load(pb: node_pb2.NodeLoad) -> NodeLoad:
+    for name in (
+        "queued_requests",
+        "queued_prefill_tokens",
+        "running_requests",
+        "free_kv_blocks",
+        "total_kv_blocks",
+        "retained_bytes",
+    ):
+        validation.in_range(getattr(pb, name), f"load.{name}", 0, validation.MAX_COUNT)
+    validation.in_range(pb.reported_unix_ms, "load.reported_unix_ms", 0, validation.MAX_COUNT)
+    return convert.load_from_pb(pb)
 
 
 class NodeReaper:

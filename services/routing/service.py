@@ -467,7 +467,7 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
         handle_id = params.get(KEY_HANDLE_ID)
         now = _now_ms()
         life_ms = int((self.settings.decode_kv_ttl_s - self.settings.expiry_margin_s) * 1000)
-        return CacheHandle(
+        handle = CacheHandle(
             handle_id=handle_id if isinstance(handle_id, str) and handle_id else uuid.uuid4().hex,
             tenant=tenant,
             conversation=conversation,
@@ -480,6 +480,8 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
             published_unix_ms=now,
             model=holder.fingerprint.model,
         )
+        # The same bounds PublishHandles applies: no method stores less checked input.
+        return validation.cache_handle(handle, field, now_unix_ms=now)
 
     def _holder_for_engine(self, engine_id: str) -> Node:
         for record in self.view.nodes.values():

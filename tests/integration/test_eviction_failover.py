@@ -29,7 +29,7 @@ from kvplane.services.common.process import ServiceProcess
 from kvplane.services.common.store import Store
 from kvplane.services.eviction.app import LEADER_HEALTH_NAME
 from kvplane.v1 import eviction_pb2, eviction_pb2_grpc
-from tests.conftest import NODE_HEADERS, make_node
+from tests.conftest import NODE_HEADERS, TEST_AUTH, make_node
 from tests.support.eviction_nodes import CommandNode, coordinator_of, start_replica, target_of
 from tests.support.factories import make_handle
 from tests.support.polling import eventually
@@ -50,6 +50,7 @@ class Replica:
             "grpc": {"listen": f"127.0.0.1:{self.port}", "grace_s": 0.2},
             "etcd": {"endpoints": [etcd.endpoint], "prefix": prefix},
             "telemetry": {"metrics_port": 0, "json_logs": True},
+            "auth": TEST_AUTH,
             "eviction": {
                 "replica_id": name,
                 "lease_ttl_s": LEASE_TTL_S,

@@ -21,7 +21,7 @@ from kvplane.services.eviction.app import install as install_eviction
 from kvplane.services.metadata.app import install as install_metadata
 from kvplane.services.routing.app import install as install_routing
 from kvplane.v1 import metadata_pb2, metadata_pb2_grpc, routing_pb2, routing_pb2_grpc
-from tests.conftest import make_node, settings_for, tenant_headers
+from tests.conftest import MESH_CREDENTIALS, OPERATOR_HEADERS, make_node, settings_for, tenant_headers
 from tests.support.eviction_nodes import coordinator_of
 from tests.support.factories import make_handle
 from tests.support.polling import eventually
@@ -73,6 +73,7 @@ async def test_end_conversation_reaches_the_engine_through_the_real_agent_within
             load_interval_s=0.2,
             backoff_initial_s=0.02,
             backoff_max_s=0.3,
+            credentials=MESH_CREDENTIALS,
         ),
         node,
         lambda: NodeLoad(node.node_id, "", total_kv_blocks=100, free_kv_blocks=50),
@@ -107,7 +108,7 @@ async def test_end_conversation_reaches_the_engine_through_the_real_agent_within
         # Draining through the metadata API reaches the engine too.
         async with grpc.aio.insecure_channel(target) as channel:
             await metadata_pb2_grpc.MetadataServiceStub(channel).DrainNode(
-                metadata_pb2.DrainNodeRequest(node_id=node.node_id)
+                metadata_pb2.DrainNodeRequest(node_id=node.node_id), metadata=OPERATOR_HEADERS
             )
         await eventually(lambda: _true(applied.drains == 1), what="the drain callback")
     finally:

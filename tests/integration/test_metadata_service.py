@@ -17,7 +17,7 @@ from kvplane.services.common.process import ServiceProcess
 from kvplane.services.common.telemetry import Telemetry
 from kvplane.services.metadata.app import install
 from kvplane.v1 import handle_pb2, metadata_pb2, metadata_pb2_grpc
-from tests.conftest import NODE_HEADERS, make_node, settings_for, tenant_headers
+from tests.conftest import NODE_HEADERS, OPERATOR_HEADERS, make_node, settings_for, tenant_headers
 from tests.support.factories import make_handle
 from tests.support.polling import eventually
 
@@ -109,13 +109,16 @@ async def test_hostile_conversation_ids_stay_in_their_own_key(metadata_channel: 
         assert got.handle.handle_id == ids[conv]
         assert got.handle.conversation == conv
     # The node record was not overwritten through "../../nodes/d0".
-    nodes = await stub.ListNodes(metadata_pb2.ListNodesRequest())
+    nodes = await stub.ListNodes(metadata_pb2.ListNodesRequest(), metadata=OPERATOR_HEADERS)
     assert [n.node.node_id for n in nodes.nodes] == ["d0"]
-    listed = await stub.ListHandles(metadata_pb2.ListHandlesRequest(tenant="acme", page_size=4))
+    listed = await stub.ListHandles(
+        metadata_pb2.ListHandlesRequest(tenant="acme", page_size=4), metadata=OPERATOR_HEADERS
+    )
     seen = [h.conversation for h in listed.handles]
     while listed.next_page_token:
         listed = await stub.ListHandles(
-            metadata_pb2.ListHandlesRequest(tenant="acme", page_size=4, page_token=listed.next_page_token)
+            metadata_pb2.ListHandlesRequest(tenant="acme", page_size=4, page_token=listed.next_page_token),
+            metadata=OPERATOR_HEADERS,
         )
         seen += [h.conversation for h in listed.handles]
     assert sorted(seen) == sorted(HOSTILE_CONVERSATIONS)
@@ -225,7 +228,7 @@ async def test_restarting_the_service_loses_nothing(etcd: LocalEtcd, prefix: str
                     metadata_pb2.GetHandleRequest(conversation=f"c{i}"), metadata=tenant_headers("acme")
                 )
                 assert got.handle.handle_id == handle_id
-            nodes = await stub.ListNodes(metadata_pb2.ListNodesRequest())
+            nodes = await stub.ListNodes(metadata_pb2.ListNodesRequest(), metadata=OPERATOR_HEADERS)
             assert [n.node.incarnation for n in nodes.nodes] == [node.incarnation]
     finally:
         await second.stop()
@@ -241,8 +244,8 @@ async def test_reaper_purges_handles_when_the_node_lease_expires(metadata_channe
         await _publish(stub, make_handle(node, conversation=f"c{i}"))
 
     async def all_gone() -> bool:
-        listed = await stub.ListHandles(metadata_pb2.ListHandlesRequest())
-        nodes = await stub.ListNodes(metadata_pb2.ListNodesRequest())
+        listed = await stub.ListHandles(metadata_pb2.ListHandlesRequest(), metadata=OPERATOR_HEADERS)
+        nodes = await stub.ListNodes(metadata_pb2.ListNodesRequest(), metadata=OPERATOR_HEADERS)
         return not listed.handles and not nodes.nodes
 
     await eventually(all_gone, timeout_s=15, what="node and handles purged")
@@ -253,7 +256,9 @@ async def test_serve_all_health_reflection_metrics_and_checkout_trace(etcd: Loca
 
     exporter = InMemorySpanExporter()
     telemetry = Telemetry.create("kvplane-test", exporter=exporter)
-    process = ServiceProcess(settings_for(etcd, prefix), installers(available_services()), telemetry)
+    # Reflection is off unless enabled.
+    settings = settings_for(etcd, prefix, grpc={"reflection": True})
+    process = ServiceProcess(settings, installers(available_services()), telemetry)
     await process.start()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{process.grpc_port}") as ch:

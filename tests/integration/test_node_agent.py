@@ -16,7 +16,7 @@ from kvplane.services.common.local_etcd import free_port
 from kvplane.services.common.nodes import Node, NodeLoad
 from kvplane.services.common.process import ServiceProcess
 from kvplane.v1 import eviction_pb2, eviction_pb2_grpc, metadata_pb2, metadata_pb2_grpc
-from tests.conftest import make_node
+from tests.conftest import MESH_CREDENTIALS, OPERATOR_HEADERS, make_node
 from tests.support.factories import make_handle
 from tests.support.polling import eventually
 
@@ -46,6 +46,7 @@ def fast_settings(target: str, **overrides: object) -> NodeAgentSettings:
         "backoff_initial_s": 0.02,
         "backoff_max_s": 0.3,
         "rpc_timeout_s": 1.0,
+        "credentials": MESH_CREDENTIALS,
     }
     values.update(overrides)
     return NodeAgentSettings(**values)  # type: ignore[arg-type]
@@ -82,7 +83,9 @@ def start_agent(agents: list[NodeAgent]) -> Callable[..., tuple[NodeAgent, Recor
 
 
 async def list_nodes(channel: grpc.aio.Channel) -> list[metadata_pb2.NodeStatus]:
-    response = await metadata_pb2_grpc.MetadataServiceStub(channel).ListNodes(metadata_pb2.ListNodesRequest())
+    response = await metadata_pb2_grpc.MetadataServiceStub(channel).ListNodes(
+        metadata_pb2.ListNodesRequest(), metadata=OPERATOR_HEADERS
+    )
     return list(response.nodes)
 
 
@@ -90,7 +93,9 @@ async def get_handle(channel: grpc.aio.Channel, conversation: str) -> metadata_p
     try:
         result: metadata_pb2.GetHandleResponse = await metadata_pb2_grpc.MetadataServiceStub(
             channel
-        ).GetHandle(metadata_pb2.GetHandleRequest(tenant="acme", conversation=conversation))
+        ).GetHandle(
+            metadata_pb2.GetHandleRequest(tenant="acme", conversation=conversation), metadata=OPERATOR_HEADERS
+        )
         return result
     except grpc.aio.AioRpcError as err:
         if err.code() == grpc.StatusCode.NOT_FOUND:
@@ -177,7 +182,8 @@ async def test_agent_registers_again_when_its_lease_is_gone(
     await eventually(lambda: asyncio.sleep(0, agent.stats().registered), what="first registration")
     # An operator removes the node: its lease is revoked, and KeepAlive answers NOT_FOUND.
     await metadata_pb2_grpc.MetadataServiceStub(metadata_channel).DeregisterNode(
-        metadata_pb2.DeregisterNodeRequest(node_id="d-lease", incarnation=agent.incarnation)
+        metadata_pb2.DeregisterNodeRequest(node_id="d-lease", incarnation=agent.incarnation),
+        metadata=OPERATOR_HEADERS,
     )
 
     async def back() -> bool:

@@ -16,6 +16,7 @@ from kvplane.client import RoutingClient
 from kvplane.services.common.local_etcd import LocalEtcd, free_port
 from kvplane.services.common.nodes import NodeRole
 from kvplane.services.common.store import Store, StoreSettings
+from tests.conftest import AUTH_ENV, tenant_headers
 from tests.support.polling import eventually
 from tests.support.routing_cluster import MODEL, node
 
@@ -38,7 +39,7 @@ def serve_routing(etcd: LocalEtcd, prefix: str) -> Iterator[tuple[int, str]]:
             "--metrics-port",
             "0",
         ],
-        env={**os.environ, **env_prefix},
+        env={**os.environ, **env_prefix, **AUTH_ENV},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -72,7 +73,7 @@ async def test_serve_routing_answers_route_and_health(
                 return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
             await eventually(serving, timeout_s=30, interval_s=0.1, what="routing to report SERVING")
-        async with RoutingClient([f"127.0.0.1:{port}"], metadata=(("x-kvplane-tenant", "acme"),)) as client:
+        async with RoutingClient([f"127.0.0.1:{port}"], metadata=tenant_headers("acme")) as client:
 
             async def routed() -> str:
                 return (await client.route("c", MODEL, prompt_tokens=10)).decision

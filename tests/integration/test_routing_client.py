@@ -15,6 +15,7 @@ from kvplane.services.common.local_etcd import LocalEtcd, free_port
 from kvplane.services.common.nodes import NodeRole
 from kvplane.services.common.store import Store, StoreSettings
 from kvplane.services.common.telemetry import Telemetry
+from tests.conftest import tenant_headers
 from tests.support.routing_cluster import HISTORY_TOKENS, MODEL, RoutingCluster, decode_params, node, tokens
 
 
@@ -37,7 +38,7 @@ async def test_unavailable_replica_is_skipped_for_the_next(cluster: RoutingClust
     await cluster.wait_nodes()
     dead = f"127.0.0.1:{free_port()}"
     async with RoutingClient(
-        [dead, cluster.target(0)], metadata=(("x-kvplane-tenant", "acme"),), timeout_s=5.0, attempts=2
+        [dead, cluster.target(0)], metadata=tenant_headers("acme"), timeout_s=5.0, attempts=2
     ) as client:
         for _ in range(3):
             result = await client.route("c", MODEL, prompt_tokens=10)

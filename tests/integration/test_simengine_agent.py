@@ -11,6 +11,7 @@ import grpc
 
 from kvplane.services.common.process import ServiceProcess
 from kvplane.v1 import metadata_pb2, metadata_pb2_grpc
+from tests.conftest import OPERATOR_HEADERS
 from tests.support.polling import eventually
 from tests.support.simengine import Engine, d_leg, engines, free_port, loads, p_leg, tokens
 
@@ -21,7 +22,9 @@ async def get_handle(channel: grpc.aio.Channel, conversation: str) -> metadata_p
     try:
         result: metadata_pb2.GetHandleResponse = await metadata_pb2_grpc.MetadataServiceStub(
             channel
-        ).GetHandle(metadata_pb2.GetHandleRequest(tenant=TENANT, conversation=conversation))
+        ).GetHandle(
+            metadata_pb2.GetHandleRequest(tenant=TENANT, conversation=conversation), metadata=OPERATOR_HEADERS
+        )
         return result
     except grpc.aio.AioRpcError as err:
         if err.code() == grpc.StatusCode.NOT_FOUND:
@@ -76,7 +79,7 @@ async def test_sim_engines_register_publish_and_report_released(
         stub = metadata_pb2_grpc.MetadataServiceStub(metadata_channel)
 
         async def d_registered() -> metadata_pb2.NodeStatus | None:
-            nodes = (await stub.ListNodes(metadata_pb2.ListNodesRequest())).nodes
+            nodes = (await stub.ListNodes(metadata_pb2.ListNodesRequest(), metadata=OPERATOR_HEADERS)).nodes
             return next(
                 (n for n in nodes if n.node.node_id == "d-sim" and n.load.total_kv_blocks == 512), None
             )

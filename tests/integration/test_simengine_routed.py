@@ -20,7 +20,7 @@ from kvplane.services.common.local_etcd import LocalEtcd
 from kvplane.services.common.process import ServiceProcess
 from kvplane.services.common.telemetry import Telemetry
 from kvplane.v1 import metadata_pb2, metadata_pb2_grpc
-from tests.conftest import settings_for
+from tests.conftest import OPERATOR_HEADERS, settings_for, tenant_headers
 from tests.support.polling import eventually
 from tests.support.simengine import Engine, engines, free_port, reference, tokens
 
@@ -64,7 +64,9 @@ async def test_routed_turns_pull_from_the_sim_decode_engine(
             stub = metadata_pb2_grpc.MetadataServiceStub(channel)
 
             async def both_registered() -> bool:
-                nodes = (await stub.ListNodes(metadata_pb2.ListNodesRequest())).nodes
+                nodes = (
+                    await stub.ListNodes(metadata_pb2.ListNodesRequest(), metadata=OPERATOR_HEADERS)
+                ).nodes
                 return {n.node.node_id for n in nodes} >= {"p0", "d0"}
 
             await eventually(both_registered, what="both sim-engines registered")
@@ -74,7 +76,7 @@ async def test_routed_turns_pull_from_the_sim_decode_engine(
         prompt = tokens(31, 4096)
         decisions: list[str] = []
         turns: list[tuple[list[int], list[int]]] = []
-        async with RoutingClient([target], metadata=(("x-kvplane-tenant", "acme"),), timeout_s=5) as rc:
+        async with RoutingClient([target], metadata=tenant_headers("acme"), timeout_s=5) as rc:
             for turn in range(3):
                 route = await rc.route(conversation, MODEL, prompt_token_ids=prompt)
                 decisions.append(route.decision)

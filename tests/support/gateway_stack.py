@@ -293,11 +293,11 @@ def _write_policy(log_dir: Path) -> str:
     return str(path)
 
 
-@asynccontextmanager
 # The control plane's tokens in the stack: the engines' node tokens and the gateway's.
 STACK_TOKENS = {name: f"{name}-{uuid.uuid4().hex}" for name in ("gw-p", "gw-d", "gateway")}
 
 
+@asynccontextmanager
 async def gateway_stack(
     etcd: LocalEtcd, prefix: str, log_dir: Path, *, traced: bool = False
 ) -> AsyncIterator[GatewayStack]:

@@ -17,6 +17,7 @@ from kvplane.services.common.process import ServiceProcess
 from kvplane.services.common.settings import KvplaneSettings
 from kvplane.services.common.store import Store
 from kvplane.services.common.telemetry import Telemetry
+from tests.conftest import OPERATOR_HEADERS, TEST_AUTH, tenant_headers
 
 MODEL = "tiny"
 BLOCK = 16
@@ -116,6 +117,7 @@ def routing_settings(
             },
             "telemetry": {"metrics_port": 0, "json_logs": False},
             "routing": {"checkout_timeout_s": 1.0, "policy_file": policy_file},
+            "auth": TEST_AUTH,
         }
     )
 
@@ -157,7 +159,7 @@ class RoutingCluster:
         and only it may publish a handle through ReportTurn."""
         targets = [self.target(i) for i in (indexes or range(len(self.replicas)))]
         kwargs.setdefault("timeout_s", 5.0)
-        return RoutingClient(targets, metadata=(("x-kvplane-role", "operator"),), **kwargs)
+        return RoutingClient(targets, metadata=OPERATOR_HEADERS, **kwargs)
 
     async def report(
         self, tenant: str, conversation: str, params: dict[str, Any], *indexes: int, **kwargs: Any
@@ -176,7 +178,7 @@ class RoutingCluster:
     def client(self, tenant: str = "acme", *indexes: int, **kwargs: Any) -> RoutingClient:
         targets = [self.target(i) for i in (indexes or range(len(self.replicas)))]
         kwargs.setdefault("timeout_s", 5.0)
-        return RoutingClient(targets, metadata=(("x-kvplane-tenant", tenant),), **kwargs)
+        return RoutingClient(targets, metadata=tenant_headers(tenant), **kwargs)
 
     async def register(self, n: Node, *, ttl_s: int = 300) -> Node:
         self.leases[n.node_id] = await self.store.register_node(n, ttl_s)

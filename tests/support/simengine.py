@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kvplane.services.common.handles import fresh_prefill_params
+from tests.conftest import MESH_SECRET
 
 MODEL = "kvplane-sim"
 # Fast enough for tests, slow enough that decode steps are real sleeps.
@@ -122,7 +123,8 @@ def start_engine(name: str, log_dir: Path, *flags: str) -> Engine:
             stdout=logf,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            # The node agent's credentials for the test services (mesh mode, tests/conftest.py).
+            env=dict(os.environ, PYTHONUNBUFFERED="1", KVPLANE_SIM_MESH_SECRET=MESH_SECRET),
         )
     return Engine(name=name, proc=proc, port=port, log_path=log_path)
 

@@ -1,0 +1,114 @@
+"""What a kvplane client presents to the control plane: a bearer token, TLS, or both.
+
+Used by the node agent (the vLLM connector's and the sim-engine's), the gateway's
+routing client and `kvplane.client.RoutingClient`. Everything comes from
+configuration: a token or a file holding it, PEM files for TLS. From the
+environment (`from_env`, prefix `KVPLANE_CLIENT_` unless given):
+
+    TOKEN, TOKEN_FILE               bearer token, or a file holding it
+    TLS_CA_FILE                     CA of the servers' certificates; set: TLS
+    TLS_CERT_FILE, TLS_KEY_FILE     this client's certificate (mTLS)
+    TLS_SERVER_NAME                 the name to check the server's certificate against
+    MESH_SECRET, MESH_SECRET_FILE   the mesh proxy's secret, only where no proxy adds it
+                                    (development and tests)
+
+Files are read when credentials are used to make a channel or metadata, so a
+rotated token or certificate is picked up by the next channel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from kvplane.services.common.auth import MESH_SECRET_HEADER
+from kvplane.services.common.secret_files import read_secret_file
+from kvplane.services.common.tls import ClientTlsFiles
+
+
+@dataclass(frozen=True, slots=True)
+class ClientCredentials:
+    """A client's credentials; the default presents nothing (and is refused by every server)."""
+
+    token: str = field(default="", repr=False)
+    token_file: str = ""
+    tls_ca_file: str = ""
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    tls_server_name: str = ""
+    mesh_secret: str = field(default="", repr=False)
+    mesh_secret_file: str = ""
+
+    def __post_init__(self) -> None:
+        if self.token and self.token_file:
+            raise ValueError("set token or token_file, not both")
+        if self.mesh_secret and self.mesh_secret_file:
+            raise ValueError("set mesh_secret or mesh_secret_file, not both")
+        if (self.tls_cert_file or self.tls_key_file) and not self.tls_ca_file:
+            raise ValueError("a client certificate needs tls_ca_file (the servers' CA)")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("a client certificate needs both tls_cert_file and tls_key_file")
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_ca_file)
+
+    def describe(self) -> str:
+        """What is presented, for logs: never the secrets themselves."""
+        parts = []
+        if self.token or self.token_file:
+            parts.append("bearer token" + (f" from {self.token_file}" if self.token_file else ""))
+        if self.tls:
+            parts.append("mTLS" if self.tls_cert_file else "TLS")
+        if self.mesh_secret or self.mesh_secret_file:
+            parts.append("mesh secret")
+        return ", ".join(parts) or "no credentials"
+
+    def call_metadata(self, extra: Sequence[tuple[str, str]] = ()) -> tuple[tuple[str, str], ...]:
+        """Metadata for every call: the bearer token and mesh secret, then `extra`."""
+        out: list[tuple[str, str]] = []
+        token = read_secret_file(self.token_file, "client token") if self.token_file else self.token
+        if token:
+            out.append(("authorization", f"Bearer {token}"))
+        secret = (
+            read_secret_file(self.mesh_secret_file, "mesh secret")
+            if self.mesh_secret_file
+            else self.mesh_secret
+        )
+        if secret:
+            out.append((MESH_SECRET_HEADER, secret))
+        out.extend(extra)
+        return tuple(out)
+
+    def channel(
+        self,
+        target: str,
+        *,
+        options: Sequence[tuple[str, Any]] = (),
+        interceptors: Sequence[Any] | None = None,
+    ) -> grpc.aio.Channel:
+        """A grpc.aio channel to `target`: TLS when a CA is configured, else plaintext."""
+        opts = list(options)
+        if not self.tls:
+            return grpc.aio.insecure_channel(target, options=opts, interceptors=interceptors)
+        if self.tls_server_name:
+            opts.append(("grpc.ssl_target_name_override", self.tls_server_name))
+        creds = ClientTlsFiles(self.tls_ca_file, self.tls_cert_file, self.tls_key_file).channel_credentials()
+        return grpc.aio.secure_channel(target, creds, options=opts, interceptors=interceptors)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str], prefix: str = "KVPLANE_CLIENT_") -> ClientCredentials:
+        values = {
+            f.name: env[prefix + f.name.upper()]
+            for f in dataclasses.fields(cls)
+            if prefix + f.name.upper() in env
+        }
+        return cls(**values)
+
+    def merged(self, **overrides: str) -> ClientCredentials:
+        """These credentials with the non-empty `overrides` applied."""
+        return dataclasses.replace(self, **{k: v for k, v in overrides.items() if v})
