@@ -5,6 +5,14 @@ transaction is its one etcd round trip, and only when the policy decides to
 pull. Every etcd fault degrades to a recompute from the cached view: Route
 fails only when no node that could serve the turn is known.
 
+Beside the view, the replica keeps two records of its own routes, both pure
+bookkeeping shared with the simulator: the work it sent each node since that
+node's last load report (`inflight`), so turns arriving together do not all
+see the same idle node; and the prompts it sent each prefill node
+(`prefill_record`), a digest-checked hint of what that node's prefix cache
+holds, so a pull brings only what P lacks. The prompt's block digests are
+computed once per route (`prompt_chains`) and serve both.
+
 Protobuf stops at this boundary: requests become a policy snapshot of
 domain values, and the plan becomes a response.
 """
@@ -52,8 +60,8 @@ from kvplane.services.common.store import HandleRecord, Store
 from kvplane.services.common.telemetry import Telemetry
 from kvplane.services.routing.bounded_map import BoundedMap
 from kvplane.services.routing.endpoints import AddressError, bare_host, http_base_url
+from kvplane.services.routing.inflight import InFlightLedger, routed_work
 from kvplane.services.routing.metrics import RoutingMetrics
-from kvplane.services.routing.prefill_release import prefill_hold, release_prefill
 from kvplane.services.routing.policy import (
     CostModel,
     Decision,
@@ -66,6 +74,9 @@ from kvplane.services.routing.policy import (
     load_policy,
 )
 from kvplane.services.routing.policy.decision import NoEligibleNodes
+from kvplane.services.routing.prefill_record import PrefillCacheRecord
+from kvplane.services.routing.prefill_release import prefill_hold, release_prefill
+from kvplane.services.routing.prompt_chains import PromptChains
 from kvplane.v1 import routing_pb2, routing_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -80,9 +91,15 @@ MAX_PROMPT_IDS = 1 << 20
 MAX_ERROR = 1024
 # Part of a caller's deadline kept back from the check-out to send the answer.
 _ANSWER_MARGIN_S = 0.005
+# From a Route to its request reaching the engine (the caller's hop to it), ms: a load
+# report taken earlier cannot show the routed work yet.
+_SEND_DELAY_MS = 100
+# Token block size for prompt digests when neither a handle nor a node says otherwise.
+_DEFAULT_BLOCK_SIZE = 16
 
 DECISION_TO_PB: dict[Decision, routing_pb2.Decision.ValueType] = {
     Decision.PULL: routing_pb2.DECISION_PULL,
+    Decision.PULL_PREFIX: routing_pb2.DECISION_PULL_PREFIX,
     Decision.RECOMPUTE_NO_HANDLE: routing_pb2.DECISION_RECOMPUTE_NO_HANDLE,
     Decision.RECOMPUTE_BELOW_THRESHOLD: routing_pb2.DECISION_RECOMPUTE_BELOW_THRESHOLD,
     Decision.RECOMPUTE_EXPIRING: routing_pb2.DECISION_RECOMPUTE_EXPIRING,
@@ -155,6 +172,13 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
         self._last_prefill: BoundedMap[tuple[str, str], str] = BoundedMap(settings.max_tracked_conversations)
         self._routes: BoundedMap[str, RouteRecord] = BoundedMap(settings.max_tracked_routes)
         self._contacted: BoundedMap[tuple[str, str], None] = BoundedMap(settings.max_tracked_conversations)
+        self._inflight = InFlightLedger(limit=max(1, settings.max_tracked_routes))
+        self._prefill_record = PrefillCacheRecord(
+            max_conversations=max(1, settings.max_tracked_conversations)
+        )
+        self._chains = PromptChains(max_conversations=max(1, settings.max_tracked_conversations))
+        # Salts tie-breaks, so that replicas spread equal nodes differently.
+        self._replica_salt = uuid.uuid4().hex[:8]
         # The last time a Route saw the view connected to etcd (ms since the epoch).
         self._view_live_ms = 0
 
@@ -218,17 +242,24 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
         now = _now_ms()
         if self.view.healthy:
             self._view_live_ms = now
+        key = (tenant, conversation)
         record = self.view.handle(tenant, conversation)
+        states = self._node_states()
+        prompt = self._chains.with_chain(key, prompt, self._digest_block_size(record, states))
         snapshot = RouteSnapshot(
             model=model,
             conversation=conversation,
             prompt=prompt,
-            nodes=self._node_states(),
+            nodes=self._inflight.current(states, now),
             now_unix_ms=now,
             handle=record.handle if record is not None else None,
-            last_prefill_node_id=self._last_prefill.get((tenant, conversation)) or "",
+            last_prefill_node_id=self._last_prefill.get(key) or "",
             contacted=self._contacted,
             loads_as_of_unix_ms=now if self.view.healthy else self._loads_as_of(),
+            prefill_cached_tokens=self._prefill_record.cached_tokens(
+                key, prompt.tokens, prompt.block_digests, prompt.digest_block_size
+            ),
+            tie_salt=self._replica_salt,
         )
         try:
             plan = self.policy.route(snapshot, self.costs)
@@ -237,13 +268,15 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
         route_id = uuid.uuid4().hex
         decision, reason = plan.decision, plan.verdict.reason
         handle: CacheHandle | None = None
-        if decision is Decision.PULL and record is not None:
+        if decision.pulls and record is not None:
             handle, reason = await self._check_out(tenant, conversation, route_id, record, now, time_budget_s)
             if handle is None:
                 decision = Decision.RECOMPUTE_CONTENDED
-        params = self._prefill_params(tenant, conversation, handle)
+        clip = plan.verdict.reusable_tokens if decision is Decision.PULL_PREFIX else 0
+        params = self._prefill_params(tenant, conversation, handle, clip_to_tokens=clip)
         reused = plan.verdict.reusable_tokens if handle is not None else 0
-        self._last_prefill.put((tenant, conversation), plan.prefill.node_id)
+        self._last_prefill.put(key, plan.prefill.node_id)
+        self._account(route_id, key, snapshot, plan, handle is not None)
         holder_engine = snapshot.handle.vllm.remote_engine_id if snapshot.handle is not None else ""
         first_contact = False
         if handle is not None:
@@ -263,10 +296,40 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
                 first_contact,
             ),
         )
-        self.metrics.routes.labels("pull" if decision is Decision.PULL else "recompute", decision.value).inc()
+        self.metrics.routes.labels("pull" if decision.pulls else "recompute", decision.value).inc()
         self.metrics.tokens.labels("reused").inc(reused)
         self.metrics.tokens.labels("recomputed").inc(max(0, prompt.tokens - reused))
         return RouteOutcome(route_id, plan, decision, reason, params, reused, handle)
+
+    def _account(
+        self, route_id: str, key: tuple[str, str], snapshot: RouteSnapshot, plan: RoutePlan, pulled: bool
+    ) -> None:
+        """Records the route's work on its nodes, and what P's prefix cache will hold."""
+        self._inflight.add(
+            *routed_work(
+                route_id,
+                snapshot,
+                plan,
+                self.costs,
+                pulled=pulled,
+                send_delay_ms=_SEND_DELAY_MS,
+                # vLLM's D gets the turn from P, once P is done with it.
+                decode_after_prefill=True,
+            )
+        )
+        prompt = snapshot.prompt
+        self._prefill_record.sent(
+            key, plan.prefill, prompt.tokens, prompt.block_digests, prompt.digest_block_size
+        )
+
+    def _digest_block_size(self, record: HandleRecord | None, states: tuple[NodeState, ...]) -> int:
+        """The block size to digest the prompt with: the handle's, else the prefill nodes'."""
+        if record is not None and record.handle.digests is not None:
+            return record.handle.digests.block_size
+        for state in states:
+            if state.node.role.can_prefill() and state.node.block_size > 0:
+                return state.node.block_size
+        return _DEFAULT_BLOCK_SIZE
 
     def _loads_as_of(self) -> int:
         """While etcd is unreachable: when the view was last known to be live."""
@@ -312,15 +375,20 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
         self.metrics.life_left_at_checkout.observe(max(0.0, life_left_s))
         return checked.handle, f"checked out handle {checked.handle.handle_id}"
 
-    def _prefill_params(self, tenant: str, conversation: str, handle: CacheHandle | None) -> dict[str, Any]:
-        """The P leg's kv_transfer_params: every vLLM key of the handle untouched,
-        plus our keys so that the engines' connectors can check and publish."""
+    def _prefill_params(
+        self, tenant: str, conversation: str, handle: CacheHandle | None, *, clip_to_tokens: int = 0
+    ) -> dict[str, Any]:
+        """The P leg's kv_transfer_params: every vLLM key of the handle untouched (but for
+        a prefix pull, clipped to the verified prefix), plus our keys so that the engines'
+        connectors can check and publish."""
         if handle is None:
             params = fresh_prefill_params()
         else:
             params = handle.prefill_kv_transfer_params()
             if handle.digests is not None:
                 params[KEY_DIGESTS] = token_digests.encode(handle.digests)
+                if clip_to_tokens > 0:
+                    clip_pull(params, clip_to_tokens, handle.digests.block_size)
         params[KEY_TENANT] = tenant
         params[KEY_CONVERSATION] = conversation
         return params
@@ -339,6 +407,9 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
         if len(request.retained_token_ids) > MAX_PROMPT_IDS:
             raise InvalidArgument("retained_token_ids", f"has more than {MAX_PROMPT_IDS} ids")
         route = self._routes.pop(request.route_id) if request.route_id else None
+        if route is not None:
+            # The turn is over: its work has left P's queue and D's batch.
+            self._inflight.finished(request.route_id)
         if route is not None and (route.tenant, route.conversation) == (tenant, conversation):
             # Only turns this replica routed teach the cost model, once each, so
             # made-up reports cannot steer it.
@@ -411,6 +482,7 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
         observation = TurnObservation(
             prompt_tokens=request.prompt_tokens,
             pulled_tokens=request.pulled_tokens,
+            cached_tokens=request.cached_tokens,
             transfer_ms=max(0.0, request.transfer_ms),
             prefill_ms=max(0.0, request.prefill_ms),
             ttft_ms=max(0.0, request.ttft_ms),
@@ -498,6 +570,8 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
         tenant = self._caller(context).acts_for(request.tenant)
         conversation = validation.conversation(request.conversation)
         self._last_prefill.pop((tenant, conversation))
+        self._prefill_record.forget((tenant, conversation))
+        self._chains.forget((tenant, conversation))
         cached = self.view.handle(tenant, conversation)
         try:
             await self.store.release(tenant, conversation, ReleaseReason.CONVERSATION_ENDED, expected=cached)
@@ -553,6 +627,18 @@ def _endpoint(node: Node) -> routing_pb2.Endpoint:
         # Registration validates URLs, so this is a node written around the service.
         raise NoRoute(f"node {node.node_id}: {exc}") from None
     return routing_pb2.Endpoint(node_id=node.node_id, http_url=url, incarnation=node.incarnation)
+
+
+def clip_pull(params: dict[str, Any], tokens: int, block_size: int) -> None:
+    """Clips a pull to its first `tokens` tokens: P's vLLM then reads only those blocks.
+
+    vLLM pulls `min(remote_num_tokens, prompt) - local hit` tokens from the tail of
+    `remote_block_ids`, so both are cut to the verified prefix, as the prefill
+    connector's own check does (`kvplane.connector.prefix_check`).
+    """
+    blocks = -(-tokens // block_size)
+    params["remote_block_ids"] = [list(group[:blocks]) for group in params["remote_block_ids"]]
+    params["remote_num_tokens"] = tokens
 
 
 def _with_host(vllm: VllmHandle, host: str) -> VllmHandle:

@@ -81,11 +81,11 @@ async def test_second_turn_pulls_with_every_handle_key_passed_through(
 ) -> None:
     c = conv()
     history = tokens(HISTORY_TOKENS)
-    first = await client.route(c, MODEL, prompt_token_ids=history[:-50])
+    # A long answer (a tool's output, say): P's prefix cache holds only the first prompt,
+    # so most of the history is worth pulling.
+    first = await client.route(c, MODEL, prompt_token_ids=history[:1000])
     d_params = decode_params(cluster.nodes["d0"], history)
-    handle_id = await cluster.report(
-        "acme", c, d_params, route=first, ttft_ms=200, prompt_tokens=HISTORY_TOKENS - 50
-    )
+    handle_id = await cluster.report("acme", c, d_params, route=first, ttft_ms=200, prompt_tokens=1000)
     assert handle_id == d_params[KEY_HANDLE_ID]
     await cluster.wait_handle("acme", c, handle_id)
 
@@ -189,7 +189,9 @@ async def test_a_deadline_too_short_for_the_check_out_recomputes_and_keeps_the_h
     rushed = await service.route("acme", c, MODEL, prompt, time_budget_s=0.001)
     assert rushed.decision.value == "recompute_contended" and "deadline" in rushed.reason
     assert await cluster.store.get_handle_record("acme", c) is not None
-    relaxed = await service.route("acme", c, MODEL, prompt, time_budget_s=5.0)
+    # Another replica: this one sent the prompt to P already, whose prefix cache now holds it.
+    other = RoutingService(process.store, process.ctx.view, process.settings.routing, Telemetry.disabled())
+    relaxed = await other.route("acme", c, MODEL, prompt, time_budget_s=5.0)
     assert relaxed.decision.value == "pull"
 
 
@@ -266,11 +268,18 @@ async def test_a_transfer_slower_than_recomputing_recomputes_cost(
 
 
 @pytest.mark.parametrize(
-    "case",
-    ["edited_message", "stripped_reasoning_trace", "retried_turn", "foreign_digests"],
+    ("case", "decision"),
+    [
+        # Too short a verified prefix (about 1k tokens) to pay for a transfer.
+        ("edited_message", "recompute_prefix_mismatch"),
+        ("foreign_digests", "recompute_prefix_mismatch"),
+        # Most of the history is verified: it is pulled, clipped, and the rest recomputed.
+        ("stripped_reasoning_trace", "pull_prefix"),
+        ("retried_turn", "pull_prefix"),
+    ],
 )
-async def test_prompt_that_does_not_continue_the_handle_recomputes_prefix_mismatch(
-    cluster: RoutingCluster, client: RoutingClient, case: str
+async def test_prompt_that_does_not_continue_the_handle_pulls_only_a_verified_prefix_that_pays(
+    cluster: RoutingCluster, client: RoutingClient, case: str, decision: str
 ) -> None:
     c = conv()
     history = tokens(HISTORY_TOKENS)
@@ -288,9 +297,41 @@ async def test_prompt_that_does_not_continue_the_handle_recomputes_prefix_mismat
     else:
         prompt = [*tokens(HISTORY_TOKENS, seed=2), *new_message]
     result = await client.route(c, MODEL, prompt_token_ids=prompt)
-    assert result.decision == "recompute_prefix_mismatch", result.reason
-    # The handle stays retained: nothing was checked out.
-    assert await cluster.store.get_handle_record("acme", c) is not None
+    assert result.decision == decision, result.reason
+    if decision == "recompute_prefix_mismatch":
+        # The handle stays retained: nothing was checked out.
+        assert await cluster.store.get_handle_record("acme", c) is not None
+        return
+    verified = result.expected_reused_tokens
+    assert 0 < verified < len(prompt)
+    # P's vLLM reads remote_num_tokens from the tail of remote_block_ids: both cut to the prefix.
+    params = dict(result.prefill_params)
+    assert params["remote_num_tokens"] == verified
+    assert len(params["remote_block_ids"][0]) == -(-verified // 16)
+    assert check_pull(params, prompt).outcome is PullOutcome.VERIFIED
+    assert await cluster.store.get_handle_record("acme", c) is None
+
+
+async def test_an_edited_message_late_in_the_history_pulls_the_prefix_before_it(
+    cluster: RoutingCluster, client: RoutingClient
+) -> None:
+    c = conv()
+    history = tokens(HISTORY_TOKENS)
+    handle = await cluster.publish(handle_for(cluster.nodes["d0"], "acme", c, history))
+    await cluster.wait_handle("acme", c, handle.handle_id)
+    edited = [*history[:3000], 424242, *history[3001:], *tokens(200, seed=5)]
+    result = await client.route(c, MODEL, prompt_token_ids=edited)
+    assert result.decision == "pull_prefix", result.reason
+    assert 2048 <= result.expected_reused_tokens <= 3000 and result.expected_reused_tokens % 16 == 0
+    params = dict(result.prefill_params)
+    assert params["remote_num_tokens"] == result.expected_reused_tokens
+    # The handle's first blocks, in its order (they hold the prefix's positions).
+    assert params["remote_block_ids"] == [
+        list(handle.vllm.remote_block_ids[0][: result.expected_reused_tokens // 16])
+    ]
+    # The prefill connector proves the same prefix and leaves the clipped pull as it is.
+    check = check_pull(params, edited)
+    assert check.outcome is PullOutcome.VERIFIED and check.verified_tokens == result.expected_reused_tokens
 
 
 async def test_handle_without_digests_recomputes_rather_than_pulling_unproven(
@@ -453,7 +494,8 @@ async def test_ipv6_nodes_get_bracketed_urls_and_side_channel(etcd: LocalEtcd, p
         async with c.client("acme") as client:
             cv = conv()
             history = tokens(HISTORY_TOKENS)
-            first = await client.route(cv, MODEL, prompt_token_ids=history[:-10])
+            # A long answer: P's prefix cache holds only the first prompt.
+            first = await client.route(cv, MODEL, prompt_token_ids=history[:1000])
             for endpoint, host in ((first.prefill, "::1"), (first.decode, "fd00::7")):
                 parts = urlsplit(endpoint.http_url)
                 assert parts.hostname == host and parts.port is not None
@@ -469,3 +511,23 @@ async def test_ipv6_nodes_get_bracketed_urls_and_side_channel(etcd: LocalEtcd, p
     finally:
         await c.stop()
         await store.close()
+
+
+async def test_a_burst_of_turns_between_two_load_reports_spreads_over_prefill_nodes(
+    cluster: RoutingCluster, client: RoutingClient
+) -> None:
+    for name in ("p1", "p2", "p3"):
+        await cluster.register(node(name, NodeRole.PREFILL))
+    await cluster.wait_nodes()
+    # By the reports alone p0 is the idle one; the others each have a short queue.
+    await cluster.report_load("p0", queued_prefill_tokens=0)
+    for name in ("p1", "p2", "p3"):
+        await cluster.report_load(name, queued_prefill_tokens=1000)
+    await cluster.wait_views(lambda v: {"p0", "p1", "p2", "p3"} <= set(v.loads), "loads in views")
+    picked = [
+        (await client.route(conv(), MODEL, prompt_token_ids=tokens(4000, seed=i))).prefill.node_id
+        for i in range(8)
+    ]
+    # Each route counts the work it sent until a report shows it: the burst spreads.
+    assert set(picked) == {"p0", "p1", "p2", "p3"}, picked
+    assert max(picked.count(p) for p in set(picked)) <= 3, picked
