@@ -155,6 +155,17 @@ class Stack:
         }
 
 
+@dataclass(frozen=True)
+class StackPorts:
+    """Loopback ports to pin; 0 takes a free one (every run a new one)."""
+
+    gateway: int = 0
+    grpc: int = 0
+    metrics: int = 0
+    prefill: int = 0
+    decode: int = 0
+
+
 def _kvplane(*args: str) -> list[str]:
     return [sys.executable, "-m", "kvplane.services.cli", *args]
 
@@ -167,6 +178,7 @@ async def start_stack(
     progress: Callable[[str], None] = lambda _msg: None,
     timeout_s: float = 120.0,
     prefill_args: Sequence[str] = (),
+    ports: StackPorts = StackPorts(),
 ) -> Stack:
     """Starts etcd, `serve all`, P and D sim-engines and the gateway; returns when all are ready.
 
@@ -178,8 +190,9 @@ async def start_stack(
     progress("starting etcd")
     etcd = LocalEtcd(host)
     etcd.start()
-    grpc_port, metrics_port = free_port(), free_port()
-    p_port, d_port, gw_port = free_port(), free_port(), free_port()
+    grpc_port, metrics_port = ports.grpc or free_port(), ports.metrics or free_port()
+    p_port, d_port = ports.prefill or free_port(), ports.decode or free_port()
+    gw_port = ports.gateway or free_port()
     stack = Stack(
         run_dir=run_dir,
         etcd=etcd,
@@ -308,7 +321,9 @@ class DemoTurn:
     prompt_tokens: int
     ttft_ms: float
     decision: str
+    # Where the prefill engine got the prompt's KV: pulled + prefill_cache + computed = prompt_tokens.
     pulled_tokens: int
+    prefill_cache_tokens: int
     computed_tokens: int
     text: str
 
@@ -365,10 +380,13 @@ async def run_demo(
                         usage = chunk.get("usage") or usage
                 after = await _prompt_sources(session, stack.prefill_url)
                 pulled = int(after["external_kv_transfer"] - before["external_kv_transfer"])
+                cached = int(after["local_cache_hit"] - before["local_cache_hit"])
                 computed = int(after["local_compute"] - before["local_compute"])
                 prompt_tokens = int(usage.get("prompt_tokens", 0)) if usage else 0
                 messages.append({"role": "assistant", "content": text})
-                out.append(DemoTurn(conversation, t, prompt_tokens, ttft, decision, pulled, computed, text))
+                out.append(
+                    DemoTurn(conversation, t, prompt_tokens, ttft, decision, pulled, cached, computed, text)
+                )
     return out
 
 
@@ -386,25 +404,36 @@ async def _prompt_sources(session: aiohttp.ClientSession, engine_url: str) -> di
     return totals
 
 
-def _print_demo(turns: Sequence[DemoTurn]) -> None:
-    header = ("conversation", "turn", "prompt", "TTFT ms", "decision", "pulled", "computed")
-    print("{:<14}{:>5}{:>8}{:>9}  {:<28}{:>8}{:>9}".format(*header))
+def demo_table(turns: Sequence[DemoTurn]) -> str:
+    """The demo's table: per turn, where the prefill engine got each prompt token's KV."""
+    header = ("conversation", "turn", "prompt", "TTFT ms", "decision", "pulled", "P cache", "computed")
+    lines = ["{:<14}{:>5}{:>8}{:>9}  {:<28}{:>8}{:>9}{:>9}".format(*header)]
     for t in turns:
-        print(
+        lines.append(
             f"{t.conversation:<14}{t.turn:>5}{t.prompt_tokens:>8}{t.ttft_ms:>9.0f}  {t.decision:<28}"
-            f"{t.pulled_tokens:>8}{t.computed_tokens:>9}"
+            f"{t.pulled_tokens:>8}{t.prefill_cache_tokens:>9}{t.computed_tokens:>9}"
         )
+    lines.append(
+        "pulled: read from the decode engine over NIXL; P cache: the prefill engine's own prefix cache;\n"
+        "computed: prefilled. The three add up to the prompt."
+    )
+    return "\n".join(lines)
 
 
 async def _run(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir) if args.run_dir else None
     started = time.monotonic()
-    stack = await start_stack(run_dir, speedup=args.speedup, progress=lambda m: print(f"==> {m}", flush=True))
+    ports = StackPorts(
+        args.gateway_port, args.grpc_port, args.metrics_port, args.prefill_port, args.decode_port
+    )
+    stack = await start_stack(
+        run_dir, speedup=args.speedup, progress=lambda m: print(f"==> {m}", flush=True), ports=ports
+    )
     try:
         print(f"==> stack ready in {time.monotonic() - started:.1f}s", flush=True)
         if not args.no_demo:
             print("==> demo: multi-turn conversations through the gateway", flush=True)
-            _print_demo(await run_demo(stack, turns=args.turns))
+            print(demo_table(await run_demo(stack, turns=args.turns)), flush=True)
         print("\nkvplane is running:")
         for name, url in stack.urls().items():
             print(f"  {name:<44} {url}")
@@ -426,18 +455,36 @@ async def _run(args: argparse.Namespace) -> int:
         stack.stop()
         if run_dir is None and not args.keep_logs:
             shutil.rmtree(stack.run_dir, ignore_errors=True)
+            print(f"==> logs removed with {stack.run_dir} (--keep-logs or --run-dir keeps them)", flush=True)
+        else:
+            print(f"==> logs kept in {stack.run_dir}", flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvplane dev-stack", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--run-dir", help="where logs go (default: a temporary directory)")
-    parser.add_argument(
-        "--speedup", type=float, default=1.0, help="divide the engines' modelled times by this"
+    parser = argparse.ArgumentParser(
+        prog="kvplane dev-stack",
+        description=__doc__.split("\n\n")[0],
     )
-    parser.add_argument("--turns", type=int, default=3)
-    parser.add_argument("--no-demo", action="store_true")
+    parser.add_argument(
+        "--run-dir", help="where logs go, kept after the stack stops (default: a temporary directory)"
+    )
+    parser.add_argument("--keep-logs", action="store_true", help="keep the temporary run directory")
+    for name, what in (
+        ("gateway", "the gateway's"),
+        ("grpc", "kvplane's gRPC"),
+        ("metrics", "kvplane's Prometheus"),
+        ("prefill", "the prefill engine's"),
+        ("decode", "the decode engine's"),
+    ):
+        parser.add_argument(
+            f"--{name}-port", type=int, default=0, help=f"{what} port (default 0: a free one)"
+        )
+    parser.add_argument(
+        "--speedup", type=float, default=1.0, help="divide the engines' modelled times by this (default 1)"
+    )
+    parser.add_argument("--turns", type=int, default=3, help="turns per demo conversation (default 3)")
+    parser.add_argument("--no-demo", action="store_true", help="start the stack without the demo")
     parser.add_argument("--exit-after-demo", action="store_true", help="stop after the demo (for scripts)")
-    parser.add_argument("--keep-logs", action="store_true")
     args = parser.parse_args(argv)
     try:
         return asyncio.run(_run(args))

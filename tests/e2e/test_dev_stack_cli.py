@@ -1,0 +1,48 @@
+"""`kvplane dev-stack` (what `make run` starts), run as a user runs it: pinned ports, a kept run
+directory, and a demo whose columns add up."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvplane.services.common.local_etcd import free_port
+
+pytestmark = pytest.mark.e2e
+
+
+def test_dev_stack_pins_its_ports_keeps_its_logs_and_its_demo_columns_add_up(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    gateway_port, grpc_port = free_port(), free_port()
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "kvplane.services.cli", "dev-stack"),
+            *("--run-dir", str(run_dir), "--gateway-port", str(gateway_port), "--grpc-port", str(grpc_port)),
+            *("--turns", "2", "--speedup", "20", "--exit-after-demo"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    out = done.stdout
+    assert done.returncode == 0, out + done.stderr[-3000:]
+
+    assert f"http://127.0.0.1:{gateway_port}" in out
+    assert f"127.0.0.1:{grpc_port}" in out
+    assert f"logs kept in {run_dir}" in out
+    assert {"services.log", "gateway.log", "engine-p0.log", "engine-d0.log"} <= {
+        p.name for p in run_dir.iterdir()
+    }
+
+    # conversation, turn, prompt, TTFT ms, decision, pulled, P cache, computed
+    rows = re.findall(
+        r"^(demo-\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\S+)\s+(\d+)\s+(\d+)\s+(\d+)$", out, re.MULTILINE
+    )
+    assert len(rows) == 2 * 2, out
+    for _conversation, _turn, prompt, _ttft, _decision, pulled, cached, computed in rows:
+        assert int(pulled) + int(cached) + int(computed) == int(prompt), out
+    assert any(decision == "pull" and int(pulled) > 0 for *_, decision, pulled, _c, _d in rows), out
