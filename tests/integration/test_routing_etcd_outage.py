@@ -85,7 +85,9 @@ async def test_etcd_outage_turns_pulls_into_recomputes_and_restart_restores_pull
                 what="the last load report to be older than the policy's limit",
             )
             started = time.monotonic()
-            during = await client.route(conversation, MODEL, prompt_token_ids=[*history, 1])
+            # By length alone: a prefix cache hint the next turn's token ids cannot be proven against,
+            # so that turn still finds the handle worth pulling.
+            during = await client.route(conversation, MODEL, prompt_tokens=HISTORY_TOKENS + 1)
             assert during.decision == "recompute_contended", during.reason
             assert during.prefill_params["remote_engine_id"] is None
             assert (during.prefill.node_id, during.decode.node_id) == ("p0", "d0")
@@ -109,7 +111,8 @@ async def test_etcd_outage_turns_pulls_into_recomputes_and_restart_restores_pull
             assert after.decision == "pull", after.reason
             assert after.response.handle.handle_id == handle_id
             # And a new turn's handle is published and pulled as usual.
-            longer = [*history, 1, *tokens(64, seed=3)]
+            # A long answer (P holds only the previous prompt): most of it is worth pulling.
+            longer = [*history, 1, *tokens(3000, seed=3)]
             new_id = await cluster.report("acme", conversation, decode_params(d0, longer), route=after)
             await cluster.wait_handle("acme", conversation, new_id)
             await cluster.report_load("p0", queued_prefill_tokens=10)
