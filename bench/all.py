@@ -2,98 +2,80 @@
 
     python -m kvplane.bench.all [--out bench/results] [--quick] [--scale-turns N] [--micro]
 
+Every table is a set of `kvplane sim` runs (`kvplane.bench.sim.command.run_policy`),
+every named policy over the same turns:
+
 1. The Mooncake trace's figures, measured by the adapter (shared/traces/README.md).
-2. The whole trace replayed through every baseline on the headline fleet.
-3. A sweep of decode KV capacity: reuse against retained GB·s per policy.
-4. A synthetic agentic workload through every baseline.
+2. The whole trace, pinned engine model (vLLM's), on the headline fleet (8 P + 16 D,
+   80 GiB of KV per D) and on a fleet where the baselines run stable (320 GiB per D).
+3. The same two fleets with the evicting what-if engine model.
+4. The synthetic agentic workload, pinned, on both fleets.
 5. Scale: 100 P + 100 D nodes and a million synthetic turns through kvplane.
 6. With `--micro`: the control-plane microbenchmarks (they start their own etcd):
    `kvplane.bench.metadata_bench`, `route_bench`, `eviction_bench`, each as a subprocess.
 
-Writes `results.json`, `tables.md` and PNG plots under `--out`, and rewrites
-README.md between `<!-- perf:begin -->` and `<!-- perf:end -->`. Takes about a
-quarter of an hour on two cores; `--quick` runs a small version in a minute.
+Runs go to a pool of one process per core. Results depend only on the seed
+and the configuration. Writes `results.json`, `tables.md` and PNG plots under
+`--out`, and rewrites README.md between `<!-- perf:begin -->` and
+`<!-- perf:end -->` only when more than wall time changed.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Sequence
-from concurrent.futures import ProcessPoolExecutor
-from dataclasses import replace
+from collections.abc import Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 from kvplane.bench import report
-from kvplane.bench.findings import findings
+from kvplane.bench.findings import table_paragraph
 from kvplane.bench.sim import BASELINES, ClusterSpec, RunOptions, SimConfig, SimResult, simulator_for
+from kvplane.bench.sim.command import SimSpec, policy_json, run_policy, spec_turns
 from kvplane.bench.workloads import (
     DEFAULT_TRACE,
     AgenticWorkload,
-    Turn,
     agentic_turns,
-    mooncake_turns,
     read_requests,
     trace_statistics,
 )
 
 REPO = Path(__file__).resolve().parent.parent
-GIB = 1 << 30
-# The headline fleet for the trace: 8 prefill and 16 decode nodes of 80 GiB KV each.
-TRACE_CLUSTER = ClusterSpec(prefill_nodes=8, decode_nodes=16, decode_kv_capacity_bytes=80 * GIB)
-SWEEP_CAPACITIES_GIB = (40, 80, 160, 320)
-PINNED_POLICIES = ("no-reuse", "vllm-proxy", "kvplane-ttl", "kvplane", "kvplane-fresh-loads", "oracle")
-SWEEP_POLICIES = ("vllm-proxy", "kvplane-ttl", "kvplane", "kvplane-long-ttl")
-AGENTIC = AgenticWorkload(seed=7, sessions_per_s=1.0, duration_s=3600.0)
-AGENTIC_CLUSTER = ClusterSpec(prefill_nodes=8, decode_nodes=16, decode_kv_capacity_bytes=80 * GIB)
-SCALE_CLUSTER = ClusterSpec(prefill_nodes=100, decode_nodes=100, decode_kv_capacity_bytes=80 * GIB)
+# The headline fleet, and the decode KV at which the baselines run stable on the trace.
+HEADLINE_KV_GIB = 80
+STABLE_KV_GIB = 320
+FLEETS = (HEADLINE_KV_GIB, STABLE_KV_GIB)
+SEED = 1
+SCALE_CLUSTER = ClusterSpec(prefill_nodes=100, decode_nodes=100, decode_kv_capacity_bytes=80 << 30)
 # At scale the policy sees the holder, the last P and 4 random nodes per role, and retention
 # runs every 30 s of simulated time: see PolicyRouter and PipelineRetention.
 SCALE_OPTIONS = RunOptions(route_candidates=4, retention_interval_s=30.0, seed=1)
-# The headline replay evaluates retention every simulated second, as the service does at
-# least; the sweep and the agentic runs every 5 s (max_age's margin is 30 s) to fit the budget.
-HEADLINE = RunOptions(retention_interval_s=1.0)
-COARSE = RunOptions(retention_interval_s=5.0)
 MICROBENCHMARKS = ("metadata_bench", "route_bench", "eviction_bench")
+# Wall time is the one figure allowed to differ between runs with the same results.
+WALL_TIME = re.compile(r"[\d,.]+ s of wall time")
+
+POLICY_LEGEND = (
+    "Policies: `no-reuse` (round-robin P and D; D keeps nothing; P's own prefix cache serves what it"
+    " happens to hold); `vllm-proxy` (vLLM's example proxy: round-robin, one single-use handle per"
+    " conversation kept 450 s, D's TTL 480 s, no release, no prefix check, so a pull into an edited or"
+    " cut history serves KV computed for other tokens); `vllm-proxy-checked` (the same with a"
+    " token-exact prefix check: a mismatch recomputes); `prefix-affinity` (llm-d-style precise"
+    " prefix-cache-aware routing: the turn goes to the P where it finishes first given that P's cached"
+    " blocks and current queue; no D->P reuse, D keeps nothing); `kvplane` (the default routing and"
+    " retention policies, run in process; D's TTL 480 s); `oracle` (unlimited KV on D and in P's"
+    " caches, no TTL, every shared whole-block prefix pulled and every P cache hit used: a bound, not a"
+    " contender)."
+)
 
 
 def log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def run_baselines(
-    names: Iterable[str], turns: Sequence[Turn], config: SimConfig, options: RunOptions | None = None
-) -> dict[str, SimResult]:
-    out: dict[str, SimResult] = {}
-    for name in names:
-        result = simulator_for(BASELINES[name], config, options).run(turns, name)
-        log(f"  {name}: {result.summary.turns} turns in {result.summary.wall_s:.1f} s")
-        out[name] = result
-    return out
-
-
-def sweep(turns: Sequence[Turn], capacities: Sequence[int], policies: Sequence[str]) -> list[dict[str, Any]]:
-    points: list[dict[str, Any]] = []
-    oracle = run_baselines(["oracle"], turns, SimConfig(cluster=TRACE_CLUSTER))["oracle"].summary
-    for gib in capacities:
-        config = SimConfig(cluster=replace(TRACE_CLUSTER, decode_kv_capacity_bytes=gib * GIB))
-        for name, result in run_baselines(policies, turns, config, COARSE).items():
-            s = result.summary
-            points.append(
-                {
-                    "name": name,
-                    "capacity_gib": gib,
-                    "reused_fraction": s.reused_fraction,
-                    "vs_oracle": s.reused_tokens / oracle.reused_tokens if oracle.reused_tokens else 0.0,
-                    "retained_gb_s": s.retained_gb_s,
-                    "ttft_p50_ms": s.ttft_p50_ms,
-                    "ttft_p99_ms": s.ttft_p99_ms,
-                }
-            )
-    return points
 
 
 def run_scale(turns: int) -> dict[str, Any]:
@@ -108,7 +90,7 @@ def run_scale(turns: int) -> dict[str, Any]:
         "candidates_per_role": SCALE_OPTIONS.route_candidates,
         "retention_interval_s": SCALE_OPTIONS.retention_interval_s,
         "wall_s": scale.wall_s,
-        "summary": scale.as_dict(),
+        "summary": policy_json(scale),
     }
 
 
@@ -127,51 +109,169 @@ def run_micro(out: Path) -> dict[str, int]:
     return codes
 
 
+def table_specs(trace: Path, max_turns: int) -> dict[str, SimSpec]:
+    """Every table's `kvplane sim` arguments, by table key."""
+    mooncake = SimSpec(trace=str(trace), seed=SEED, max_turns=max_turns)
+    agentic = SimSpec(workload="agentic", seed=SEED, max_turns=max_turns * 2)
+    specs: dict[str, SimSpec] = {}
+    for model in ("pinned", "evicting"):
+        for gib in FLEETS:
+            specs[f"mooncake_{model}_{gib}"] = replace(mooncake, engine_model=model, kv_gib_per_decode=gib)
+    for gib in FLEETS:
+        specs[f"agentic_pinned_{gib}"] = replace(agentic, kv_gib_per_decode=gib)
+    return specs
+
+
+def _expected_cost(spec: SimSpec, name: str) -> float:
+    # Longest first keeps both cores busy to the end: kvplane runs its policies' code per turn.
+    return (10.0 if name == "kvplane" else 1.0) * len(spec_turns(spec))
+
+
+def run_tables(specs: dict[str, SimSpec], pool: ProcessPoolExecutor) -> dict[str, dict[str, SimResult]]:
+    jobs = [(key, spec, name) for key, spec in specs.items() for name in BASELINES]
+    jobs.sort(key=lambda j: -_expected_cost(j[1], j[2]))
+    futures: dict[tuple[str, str], Future[SimResult]] = {
+        (key, name): pool.submit(run_policy, spec, name) for key, spec, name in jobs
+    }
+    out: dict[str, dict[str, SimResult]] = {key: {} for key in specs}
+    for key in specs:
+        for name in BASELINES:
+            result = futures[(key, name)].result()
+            out[key][name] = result
+            log(f"  {key} {name}: {result.summary.turns:,} turns in {result.summary.wall_s:.1f} s")
+    return out
+
+
+def _fleet_text(spec: SimSpec) -> str:
+    return (
+        f"{spec.prefill} P + {spec.decode} D, {spec.kv_gib_per_decode:g} GiB of KV per D,"
+        f" {spec.p_cache_gib:g} GiB prefix cache per P"
+    )
+
+
+def _command(spec: SimSpec) -> str:
+    source = "--trace TRACE" if spec.trace else f"--workload {spec.workload}"
+    return (
+        f"`kvplane sim {source} --engine-model {spec.engine_model} --prefill {spec.prefill}"
+        f" --decode {spec.decode} --kv-gib-per-decode {spec.kv_gib_per_decode:g}"
+        f" --p-cache-gib {spec.p_cache_gib:g} --seed {spec.seed}`"
+    )
+
+
+def tables_markdown(specs: dict[str, SimSpec], results: dict[str, dict[str, SimResult]]) -> str:
+    titles = {
+        "mooncake_pinned": "Mooncake trace, pinned KV (vLLM's engine)",
+        "mooncake_evicting": "Mooncake trace, what-if: an engine that may drop retained KV under pressure",
+        "agentic_pinned": "Synthetic agentic workload, pinned KV",
+    }
+    parts = []
+    for key, spec in specs.items():
+        summaries = [r.summary for r in results[key].values()]
+        kind = key.rsplit("_", 1)[0]
+        stable = " (the baselines' stable fleet)" if spec.kv_gib_per_decode == STABLE_KV_GIB else ""
+        parts += [
+            f"### {titles[kind]}: {_fleet_text(spec)}{stable}",
+            f"{len(spec_turns(spec)):,} turns; {_command(spec)}.",
+            report.comparison_table(summaries),
+            table_paragraph([policy_json(s) for s in summaries], evicting=spec.engine_model == "evicting"),
+            report.mix_table(summaries),
+        ]
+    return "\n\n".join(parts)
+
+
 def perf_section(data: dict[str, Any], tables: str, plots_rel: str) -> str:
     trace = data["trace"]
     scale = data.get("scale")
     lines = [
         "## Performance",
         "",
-        "Generated by `make bench` (`python -m kvplane.bench.all`): a discrete-event simulator"
-        " (`kvplane.bench.sim`) that runs the routing and retention policies' own code in process over"
-        " a simulated fleet, with costs fitted to published Qwen3-32B figures (prefill 158 ms at 2k"
-        " tokens to 778 ms at 24k; pulls of 30-130 ms; 460 ms TTFT with a pulled 24k-token history;"
-        " 256 KiB of KV per token). Every policy sees the same turns; `oracle` has unlimited KV and no"
-        " TTL. These are simulated figures, not measurements of a live fleet.",
+        "Generated by `make bench` (`python -m kvplane.bench.all`) from `kvplane sim` runs: a"
+        " discrete-event simulator (`kvplane.bench.sim`) that runs the routing and retention policies'"
+        " own code in process over a simulated fleet, with costs fitted to published Qwen3-32B figures"
+        " (prefill 158 ms at 2k tokens to 778 ms at 24k; pulls of 30-130 ms; 460 ms TTFT with a pulled"
+        " 24k-token history; 256 KiB of KV per token). Every policy sees the same turns. These are"
+        " simulated figures, not measurements of a live fleet.",
+        "",
+        "The engine model is vLLM's unless a table says otherwise: KV that D retains for a remote read"
+        " stays allocated until P reads it, the control plane releases it or D's TTL (480 s) ends, and"
+        " a turn whose KV does not fit waits for memory. Each P keeps a prefix cache (LRU over blocks,"
+        " filled by the prompts it computes or pulls); a turn computes only what its P neither holds"
+        " nor pulls, and a pull moves only what P lacks. kvplane's router knows only what a live"
+        " routing service knows (load reports, its own record of what it routed, handles); the"
+        " baselines' routers likewise, except `prefix-affinity`, which is given P's cache contents as"
+        " engines publishing KV-cache events would give them.",
         "",
         f"Mooncake conversation trace: {trace['requests']:,} requests, {trace['continuations']:,} continue"
         f" an earlier context, gap p50 {trace['gap_p50_s']:.0f} s, {100 * trace['gaps_over_480s']:.1f}%"
         " of gaps over 480 s (the adapter reproduces `shared/traces/README.md`).",
         "",
-        "Policies: `no-reuse` (round-robin, nothing retained); `vllm-proxy` (vLLM's example proxy:"
-        " round-robin, one single-use handle per conversation kept 450 s, D's TTL 480 s, no prefix"
-        " check, no release); `kvplane-ttl` (kvplane's routing policy, retention by age only);"
-        " `kvplane` (the default routing and retention policies); `kvplane-long-ttl` (the same with D"
-        " at a 1,800 s TTL); `kvplane-fresh-loads` (`kvplane` seeing current loads at every route, a"
-        " what-if); `oracle` (unlimited KV, no TTL, pulls every shared prefix).",
+        POLICY_LEGEND,
         "",
-        "What the numbers say:",
-        "",
-        *findings(data),
+        "Columns: TTFT over all turns, wrong-prefix ones included; prompt tokens not recomputed (pulled"
+        " from D with a matching prefix, or found in P's own cache); wrong-prefix turns (their output"
+        " would come from KV computed for other tokens); turns that waited for decode memory; retained"
+        " KV integrated over time.",
         "",
         tables,
         "",
-        f"Plots: `{plots_rel}/` (TTFT against context length, TTFT CDF per policy, retained KV over"
-        " time, reuse against retained GB·s).",
+        f"Plots: `{plots_rel}/` (TTFT CDF per policy on each fleet, TTFT against prompt length, retained"
+        " KV over time, agentic TTFT CDF).",
     ]
     if scale:
         s = scale["summary"]
         lines += [
             "",
-            f"Scale: {scale['turns']:,} synthetic turns over {scale['prefill_nodes']} P + "
-            f"{scale['decode_nodes']} D nodes through kvplane's policies in {scale['wall_s']:.0f} s"
-            f" of wall time (one core; the policy sees the holder, the last prefill node and"
+            f"Scale: {scale['turns']:,} synthetic agentic turns over {scale['prefill_nodes']} P +"
+            f" {scale['decode_nodes']} D nodes through kvplane's policies in {scale['wall_s']:,.0f} s of"
+            f" wall time (one core; the policy sees the holder, the last prefill node and"
             f" {scale['candidates_per_role']} random nodes per role; retention every"
-            f" {scale['retention_interval_s']:.0f} s). TTFT p50 {s['ttft_ms']['p50']:.0f} ms, p99"
-            f" {s['ttft_ms']['p99']:.0f} ms; {100 * s['reused_fraction']:.1f}% of prompt tokens reused.",
+            f" {scale['retention_interval_s']:.0f} s). TTFT p50 {s['ttft_ms']['p50']:,.0f} ms, p99"
+            f" {s['ttft_ms']['p99']:,.0f} ms; {100 * s['reused_token_fraction']:.1f}% of prompt tokens"
+            " not recomputed.",
         ]
     return "\n".join(lines)
+
+
+def _same_but_wall_time(a: str, b: str) -> bool:
+    return WALL_TIME.sub("", a) == WALL_TIME.sub("", b)
+
+
+def write_if_changed(path: Path, text: str) -> bool:
+    """Writes `text` unless the file already says the same but for wall times; True if written."""
+    old = path.read_text(encoding="utf-8") if path.exists() else None
+    if old is not None and _same_but_wall_time(old, text):
+        return False
+    path.write_text(text, encoding="utf-8")
+    return True
+
+
+def plots(results: dict[str, dict[str, SimResult]], plot_dir: Path) -> None:
+    plot_dir.mkdir(parents=True, exist_ok=True)
+    head = results[f"mooncake_pinned_{HEADLINE_KV_GIB}"]
+    stable = results[f"mooncake_pinned_{STABLE_KV_GIB}"]
+    report.plot_ttft_cdf(
+        head, plot_dir / "ttft_cdf.png", f"Mooncake trace, pinned KV, {HEADLINE_KV_GIB} GiB per D: TTFT CDF"
+    )
+    report.plot_ttft_cdf(
+        stable,
+        plot_dir / "ttft_cdf_stable.png",
+        f"Mooncake trace, pinned KV, {STABLE_KV_GIB} GiB per D: TTFT CDF",
+    )
+    report.plot_ttft_vs_context(
+        {k: stable[k] for k in ("no-reuse", "prefix-affinity", "kvplane")},
+        plot_dir / "ttft_vs_context.png",
+        f"Mooncake trace, pinned KV, {STABLE_KV_GIB} GiB per D: TTFT against prompt length",
+    )
+    report.plot_retained(
+        {k: v for k, v in head.items() if k != "oracle"},
+        plot_dir / "retained_memory.png",
+        f"Mooncake trace, pinned KV, {HEADLINE_KV_GIB} GiB per D: retained KV over time",
+    )
+    report.plot_ttft_cdf(
+        results[f"agentic_pinned_{HEADLINE_KV_GIB}"],
+        plot_dir / "agentic_ttft_cdf.png",
+        f"Agentic workload, pinned KV, {HEADLINE_KV_GIB} GiB per D: TTFT CDF",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -191,9 +291,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     data: dict[str, Any] = {}
 
-    # The scale run is the longest: it runs in a second process, on the second core, meanwhile.
+    specs = table_specs(args.trace, 1500 if args.quick else 0)
+    for spec in {(s.trace, s.workload): s for s in specs.values()}.values():
+        spec_turns(spec)  # read once here; forked workers inherit the turns
+    workers = max(2, os.cpu_count() or 1)
+    pool = ProcessPoolExecutor(max_workers=workers)
+    # The scale run is the longest: it starts first, and the tables share the other worker(s).
     scale_turns = 20_000 if args.quick else args.scale_turns
-    pool = ProcessPoolExecutor(max_workers=1)
     scale_future = pool.submit(run_scale, scale_turns) if scale_turns > 0 else None
 
     log("trace statistics")
@@ -207,40 +311,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "gaps_over_480s": stats.share_of_gaps_over(480.0),
     }
 
-    turns = mooncake_turns(args.trace)
-    if args.quick:
-        turns = turns[:1500]
-    names = list(BASELINES)
-    log(f"Mooncake replay: {len(turns):,} turns, {len(names)} policies")
-    trace_results = run_baselines(names, turns, SimConfig(cluster=TRACE_CLUSTER), HEADLINE)
-    oracle = trace_results["oracle"].summary
-    summaries = [r.summary for r in trace_results.values()]
-    data["mooncake"] = {
-        "cluster": {
-            "prefill_nodes": TRACE_CLUSTER.prefill_nodes,
-            "decode_nodes": TRACE_CLUSTER.decode_nodes,
-            "decode_kv_gib": TRACE_CLUSTER.decode_kv_capacity_bytes // GIB,
-        },
-        "results": [s.as_dict() for s in summaries],
+    log(f"{len(specs) * len(BASELINES)} runs on {workers} workers")
+    results = run_tables(specs, pool)
+    data["tables"] = {
+        key: {
+            # The trace by its file name: the path is this machine's.
+            "spec": asdict(spec) | {"trace": Path(spec.trace).name if spec.trace else ""},
+            "results": [policy_json(r.summary) for r in results[key].values()],
+        }
+        for key, spec in specs.items()
     }
-
-    log("Mooncake replay with D pinning retained KV (vLLM's behaviour)")
-    pinned_config = SimConfig(cluster=TRACE_CLUSTER, pressure="wait")
-    pinned = run_baselines(PINNED_POLICIES, turns, pinned_config, COARSE)
-    data["mooncake_pinned"] = {"results": [r.summary.as_dict() for r in pinned.values()]}
-
-    log("capacity sweep")
-    capacities = SWEEP_CAPACITIES_GIB[:2] if args.quick else SWEEP_CAPACITIES_GIB
-    points = sweep(turns, capacities, SWEEP_POLICIES)
-    data["sweep"] = points
-
-    spec = replace(AGENTIC, duration_s=300.0) if args.quick else AGENTIC
-    agentic = list(agentic_turns(spec))
-    log(f"agentic workload: {len(agentic):,} turns")
-    agentic_results = run_baselines(names, agentic, SimConfig(cluster=AGENTIC_CLUSTER), COARSE)
-    agentic_oracle = agentic_results["oracle"].summary
-    data["agentic"] = {"results": [r.summary.as_dict() for r in agentic_results.values()]}
-
     if scale_future is not None:
         log(f"waiting for the scale run ({scale_turns:,} turns)")
         data["scale"] = scale_future.result()
@@ -252,53 +332,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     log("reports")
     plot_dir = out / "plots"
-    plot_dir.mkdir(parents=True, exist_ok=True)
-    report.plot_ttft_vs_context(
-        {k: trace_results[k] for k in ("no-reuse", "kvplane", "oracle")},
-        plot_dir / "ttft_vs_context.png",
-        "Mooncake trace: TTFT against prompt length",
-    )
-    report.plot_ttft_cdf(trace_results, plot_dir / "ttft_cdf.png", "Mooncake trace: TTFT CDF per policy")
-    report.plot_retained(
-        {k: v for k, v in trace_results.items() if k != "oracle"},
-        plot_dir / "retained_memory.png",
-        "Mooncake trace: retained KV over time",
-    )
-    report.plot_reuse_vs_retained(points, plot_dir / "reuse_vs_retained.png", "Reuse against retained KV")
-    report.plot_ttft_cdf(agentic_results, plot_dir / "agentic_ttft_cdf.png", "Agentic workload: TTFT CDF")
-
-    cluster = (
-        f"{TRACE_CLUSTER.prefill_nodes} P + {TRACE_CLUSTER.decode_nodes} D,"
-        f" {TRACE_CLUSTER.decode_kv_capacity_bytes // GIB} GiB of KV per D"
-    )
-    tables = "\n\n".join(
-        [
-            f"### Mooncake trace, whole ({len(turns):,} turns; {cluster})",
-            report.headline_table(summaries, oracle),
-            report.mix_table(summaries),
-            "### Mooncake trace, D pins retained KV until read, released or expired (as vLLM does)",
-            "Above, a decode node short of memory evicts its oldest retained handles for free. vLLM"
-            " cannot: KV held for a remote read stays allocated, and new turns wait for memory. Same"
-            " fleet, retention evaluated every 5 s:",
-            report.pressure_table([r.summary for r in pinned.values()]),
-            "### Decode KV capacity sweep (Mooncake trace)",
-            report.sweep_table(points),
-            f"### Synthetic agentic workload ({len(agentic):,} turns, seed {spec.seed}; same fleet)",
-            report.headline_table([r.summary for r in agentic_results.values()], agentic_oracle),
-            report.mix_table([r.summary for r in agentic_results.values()]),
-        ]
-    )
-    data["wall_s"] = time.perf_counter() - started
+    plots(results, plot_dir)
+    tables = tables_markdown(specs, results)
     report.write_json(out / "results.json", data)
-    (out / "tables.md").write_text(tables + "\n", encoding="utf-8")
+    write_if_changed(out / "tables.md", tables + "\n")
     if not args.no_readme:
         plots_rel = str(plot_dir.relative_to(REPO)) if plot_dir.is_relative_to(REPO) else str(plot_dir)
         readme: Path = args.readme
         text = readme.read_text(encoding="utf-8")
-        readme.write_text(
-            report.replace_between_markers(text, perf_section(data, tables, plots_rel)), encoding="utf-8"
-        )
-    log(f"done in {data['wall_s']:.0f} s; results in {out}")
+        new = report.replace_between_markers(text, perf_section(data, tables, plots_rel))
+        log("README rewritten" if write_if_changed(readme, new) else "README unchanged but for wall time")
+    log(f"done in {time.perf_counter() - started:.0f} s; results in {out}")
     return 0
 
 

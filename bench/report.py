@@ -37,35 +37,20 @@ def _mix(counts: Mapping[str, int], total: int) -> str:
     return ", ".join(f"{k} {100.0 * v / total:.0f}%" for k, v in top if v)
 
 
-def headline_table(summaries: Sequence[SimSummary], oracle: SimSummary | None) -> str:
-    """One row per baseline: TTFT, reuse (of all prompt tokens and against the oracle), memory."""
+def comparison_table(summaries: Sequence[SimSummary]) -> str:
+    """One row per policy: TTFT over all turns, reuse by source, wrong-KV turns, waits, memory."""
     rows = [
-        "| policy | TTFT p50 ms | p90 ms | p99 ms | reused tokens | vs oracle | retained GB·s"
-        " | peak GB | wrong-prefix tokens |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| policy | TTFT p50 ms | p90 ms | p99 ms | not recomputed | pulled from D | P cache"
+        " | wrong-prefix turns | waited for D's KV | retained GB·s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for s in summaries:
-        vs = _pct(s.reused_tokens / oracle.reused_tokens) if oracle and oracle.reused_tokens else "-"
-        rows.append(
-            f"| {s.name} | {s.ttft_p50_ms:.0f} | {s.ttft_p90_ms:.0f} | {s.ttft_p99_ms:.0f}"
-            f" | {_pct(s.reused_fraction)} | {vs} | {s.retained_gb_s:,.0f} | {s.peak_retained_gb:,.0f}"
-            f" | {s.wrong_prefix_tokens:,} |"
-        )
-    return "\n".join(rows)
-
-
-def pressure_table(summaries: Sequence[SimSummary]) -> str:
-    """TTFT when D pins retained KV: how many turns waited for memory, and what it cost them."""
-    rows = [
-        "| policy | TTFT p50 ms | p90 ms | p99 ms | turns that waited for D's KV | reused tokens |"
-        " retained GB·s |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for s in summaries:
+        prompt = s.prompt_tokens or 1
         rows.append(
             f"| {s.name} | {s.ttft_p50_ms:,.0f} | {s.ttft_p90_ms:,.0f} | {s.ttft_p99_ms:,.0f}"
-            f" | {_pct(s.waited_turns / s.turns if s.turns else 0.0)} | {_pct(s.reused_fraction)}"
-            f" | {s.retained_gb_s:,.0f} |"
+            f" | {_pct(s.reused_fraction)} | {_pct(s.pulled_tokens / prompt)}"
+            f" | {_pct(s.cached_tokens / prompt)}"
+            f" | {s.wrong_prefix_turns:,} | {_pct(s.waited_fraction)} | {s.retained_gb_s:,.0f} |"
         )
     return "\n".join(rows)
 
@@ -77,20 +62,6 @@ def mix_table(summaries: Sequence[SimSummary]) -> str:
         releases = sum(s.releases.values())
         rel = ", ".join(f"{k} {v:,}" for k, v in sorted(s.releases.items(), key=lambda kv: -kv[1])) or "-"
         rows.append(f"| {s.name} | {_mix(s.decisions, s.turns)} | {rel} ({releases:,}) |")
-    return "\n".join(rows)
-
-
-def sweep_table(points: Sequence[Mapping[str, Any]]) -> str:
-    """Reuse and retained memory per policy and decode KV capacity."""
-    rows = [
-        "| policy | KV per D (GiB) | reused tokens | vs oracle | retained GB·s | TTFT p50 ms | p99 ms |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for p in points:
-        rows.append(
-            f"| {p['name']} | {p['capacity_gib']} | {_pct(p['reused_fraction'])} | {_pct(p['vs_oracle'])}"
-            f" | {p['retained_gb_s']:,.0f} | {p['ttft_p50_ms']:.0f} | {p['ttft_p99_ms']:.0f} |"
-        )
     return "\n".join(rows)
 
 
@@ -177,27 +148,6 @@ def plot_retained(results: Mapping[str, SimResult], path: Path, title: str) -> N
         ax.plot(list(result.series_t), [b / 1e9 for b in result.series_bytes], label=name)
     ax.set_xlabel("simulated time (s)")
     ax.set_ylabel("retained KV (GB)")
-    ax.set_title(title)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def plot_reuse_vs_retained(points: Sequence[Mapping[str, Any]], path: Path, title: str) -> None:
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    names = sorted({str(p["name"]) for p in points})
-    for name in names:
-        mine = sorted((p for p in points if p["name"] == name), key=lambda p: float(p["retained_gb_s"]))
-        xs = [float(p["retained_gb_s"]) / 1e6 for p in mine]
-        ys = [100.0 * float(p["vs_oracle"]) for p in mine]
-        ax.plot(xs, ys, marker="o", label=name)
-        for p, x, y in zip(mine, xs, ys, strict=True):
-            ax.annotate(f"{p['capacity_gib']}", (x, y), fontsize=7, textcoords="offset points", xytext=(3, 3))
-    ax.set_xlabel("retained KV (million GB·s)")
-    ax.set_ylabel("reused tokens, % of oracle")
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)

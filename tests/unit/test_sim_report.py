@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from kvplane.bench.all import write_if_changed
+from kvplane.bench.findings import table_paragraph
 from kvplane.bench.report import PERF_BEGIN, PERF_END, replace_between_markers
 
 
@@ -20,10 +24,13 @@ def _row(name: str, p50: float, reused: float, **extra: object) -> dict[str, obj
         "name": name,
         "turns": 100,
         "ttft_ms": {"p50": p50, "p90": 2 * p50, "p99": 4 * p50, "mean": p50},
-        "reused_fraction": reused,
-        "reused_tokens": int(1000 * reused),
+        "reused_token_fraction": reused,
+        "prompt_tokens": 1000,
+        "pulled_tokens": int(1000 * reused),
+        "cached_tokens": 0,
         "wrong_prefix_tokens": 0,
-        "waited_turns": 0,
+        "wrong_prefix_turns": 0,
+        "waited_turn_fraction": 0.0,
         "retained_gb_s": 1.0,
         "decisions": {},
     }
@@ -31,17 +38,33 @@ def _row(name: str, p50: float, reused: float, **extra: object) -> dict[str, obj
     return row
 
 
-def test_findings_say_where_kvplane_loses_and_why() -> None:
-    from kvplane.bench.findings import findings
-
+def test_a_table_reading_names_the_winners_and_where_kvplane_loses() -> None:
     rows = [
         _row("no-reuse", 400, 0.0),
-        _row("vllm-proxy", 380, 0.13, wrong_prefix_tokens=5),
-        _row("kvplane-ttl", 480, 0.12),
-        _row("kvplane", 500, 0.05),
-        _row("kvplane-fresh-loads", 370, 0.05),
-        _row("oracle", 330, 0.35),
+        _row("vllm-proxy", 380, 0.13, wrong_prefix_turns=7),
+        _row("prefix-affinity", 350, 0.05),
+        _row("kvplane", 360, 0.10, waited_turn_fraction=0.2),
+        _row("oracle", 100, 0.35),
     ]
-    text = "\n".join(findings({"mooncake": {"results": rows}}))
-    assert "kvplane loses here" in text and "0.5 s old" in text
-    assert "imported 5 tokens" in text
+    text = table_paragraph(rows)
+    # The oracle is a bound, never the winner.
+    assert "`prefix-affinity` at p50, p90, p99 (350 ms / 700 ms / 1,400 ms)" in text
+    assert "kvplane loses at p50 360 ms against `prefix-affinity`'s 350 ms" in text
+    assert "`kvplane` 20.0%" in text and "did not free pinned KV fast enough" in text
+    assert "`vllm-proxy` 7 turns (7.0%)" in text
+
+
+def test_a_table_reading_says_where_kvplane_wins() -> None:
+    rows = [_row("no-reuse", 400, 0.0), _row("kvplane", 300, 0.2)]
+    text = table_paragraph(rows)
+    assert "kvplane is at or below the best baseline at p50 300 ms" in text and "loses" not in text
+    assert "No policy's turns waited" in text and "No policy pulled KV computed for other tokens" in text
+
+
+def test_the_readme_is_not_rewritten_when_only_wall_time_changed(tmp_path: Path) -> None:
+    readme = tmp_path / "README.md"
+    readme.write_text("a million turns in 250 s of wall time; p50 300 ms\n")
+    assert not write_if_changed(readme, "a million turns in 1,260 s of wall time; p50 300 ms\n")
+    assert "250 s" in readme.read_text()
+    assert write_if_changed(readme, "a million turns in 250 s of wall time; p50 301 ms\n")
+    assert "301 ms" in readme.read_text()
