@@ -63,20 +63,52 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+# What each command is for, in `kvplane --help`; a command without an entry says where its help is.
+COMMAND_PURPOSES: dict[str, str] = {
+    "serve": "run the control plane: metadata, routing, eviction, or `all` three in one process",
+    "sim-engine": "one simulated vLLM engine: OpenAI API, real NIXL transfers, registers with kvplane",
+    "gateway": "the OpenAI-compatible front: Route, prefill leg, streamed decode leg, ReportTurn",
+    "dev-stack": "etcd, `serve all`, two sim-engines and the gateway on loopback, then a demo (make run)",
+    "bench": "live benchmark through a gateway (--start-stack starts one) against the engines directly",
+    "sim": "replay a trace or a workload through routing and retention policies in the simulator",
+}
+
+_EPILOG = """\
+Settings, later ones winning: defaults, a YAML file (--config or KVPLANE_CONFIG), KVPLANE_*
+variables (KVPLANE_ETCD__ENDPOINTS='["h:2379"]'), then flags. Tracing follows OpenTelemetry's
+variables (OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_SERVICE_NAME, OTEL_TRACES_SAMPLER, ...).
+`kvplane COMMAND --help` describes each command's options and their defaults."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="kvplane", description="KV-cache reuse control plane for disaggregated vLLM"
+        prog="kvplane",
+        description="KV-cache reuse control plane for disaggregated vLLM",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="run kvplane services")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve = sub.add_parser(
+        "serve",
+        help=COMMAND_PURPOSES["serve"],
+        description=COMMAND_PURPOSES["serve"],
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     serve.add_argument("service", choices=[*SERVICES, "all"])
     serve.add_argument("--config", help="YAML settings file (also KVPLANE_CONFIG)")
-    serve.add_argument("--listen", help="gRPC listen address, host:port")
-    serve.add_argument("--etcd", help="comma-separated etcd endpoints, host:port")
-    serve.add_argument("--metrics-port", type=int, help="Prometheus port; 0 disables")
-    serve.add_argument("--otlp-endpoint", help="OTLP/gRPC trace collector, host:port")
+    serve.add_argument("--listen", help="gRPC listen address, host:port (default 127.0.0.1:50051)")
+    serve.add_argument("--etcd", help="comma-separated etcd endpoints, host:port (default 127.0.0.1:2379)")
+    serve.add_argument(
+        "--metrics-port", type=int, help="Prometheus port on 127.0.0.1; 0 disables (default 9464)"
+    )
+    serve.add_argument(
+        "--otlp-endpoint",
+        help="OTLP/gRPC trace collector, host:port (default: OTEL_EXPORTER_OTLP_ENDPOINT, else none)",
+    )
     for name, target in EXTRA_COMMANDS.items():
-        sub.add_parser(name, help=f"see `kvplane {name} --help`", add_help=False).set_defaults(extra=target)
+        purpose = COMMAND_PURPOSES.get(name, f"see `kvplane {name} --help`")
+        sub.add_parser(name, help=purpose, add_help=False).set_defaults(extra=target)
     return parser
 
 

@@ -1,0 +1,27 @@
+"""`kvplane --help` says what every command is for, and `serve --help` gives its defaults."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvplane.services.cli import EXTRA_COMMANDS, SERVICES, main
+
+
+def test_top_level_help_states_each_commands_purpose(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "see `kvplane" not in out
+    for command in ["serve", *EXTRA_COMMANDS]:
+        assert f"\n    {command}" in out, command
+    assert "OTEL_EXPORTER_OTLP_ENDPOINT" in out and "KVPLANE_CONFIG" in out
+
+
+def test_serve_help_gives_the_defaults_of_its_options(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    text = capsys.readouterr().out
+    for default in ("127.0.0.1:50051", "127.0.0.1:2379", "9464"):
+        assert default in text
+    for service in SERVICES:
+        assert service in text
