@@ -263,6 +263,12 @@ class KvplaneSettings(BaseSettings):
     routing: RoutingSection = Field(default_factory=RoutingSection)
     gateway: GatewaySection = Field(default_factory=GatewaySection)
 
+    @model_validator(mode="after")
+    def _mtls_needs_a_client_ca(self) -> KvplaneSettings:
+        if self.auth.mode == "mtls" and not (self.grpc.tls.cert_file and self.grpc.tls.client_ca_file):
+            raise ValueError("auth.mode mtls needs grpc.tls: cert_file, key_file and client_ca_file")
+        return self
+
     @classmethod
     def load(cls, config_file: str | None = None, overrides: dict[str, Any] | None = None) -> KvplaneSettings:
         """Defaults < file < environment < `overrides` (from flags)."""

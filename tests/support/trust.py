@@ -1,0 +1,123 @@
+"""What the trust-boundary tests share: every kvplane gRPC method, raw calls, and a control plane
+(metadata, routing and eviction in one process) in a chosen authentication mode."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
+
+import kvplane.v1
+from kvplane.services.common.local_etcd import LocalEtcd, free_port
+from kvplane.services.common.process import ServiceProcess
+from kvplane.services.common.settings import KvplaneSettings
+from kvplane.services.common.telemetry import Telemetry
+
+# Tokens of the token-mode plane: two nodes, two tenants, an operator.
+TOKENS = {
+    "node-a": ("node", "node-a"),
+    "node-b": ("node", "node-b"),
+    "acme": ("tenant", "acme"),
+    "globex": ("tenant", "globex"),
+    "ops": ("operator", "ops"),
+}
+
+
+def token_of(name: str) -> str:
+    return f"token-of-{name}-0123456789abcdef"
+
+
+def bearer(name: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {token_of(name)}"),)
+
+
+def kvplane_services() -> list[ServiceDescriptor]:
+    """Every service the API declares, found from the generated modules: a new one is not missed."""
+    found: dict[str, ServiceDescriptor] = {}
+    for info in pkgutil.iter_modules(kvplane.v1.__path__):
+        if info.name.endswith("_pb2"):
+            module = importlib.import_module(f"kvplane.v1.{info.name}")
+            for service in module.DESCRIPTOR.services_by_name.values():
+                found[service.full_name] = service
+    return [found[name] for name in sorted(found)]
+
+
+def all_methods() -> list[tuple[ServiceDescriptor, MethodDescriptor]]:
+    return [(s, m) for s in kvplane_services() for m in s.methods]
+
+
+def method_id(pair: tuple[ServiceDescriptor, MethodDescriptor]) -> str:
+    return f"{pair[0].name}.{pair[1].name}"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    code: grpc.StatusCode
+    details: str
+    responses: int
+
+
+async def raw_call(
+    channel: grpc.aio.Channel,
+    service: ServiceDescriptor,
+    method: MethodDescriptor,
+    payloads: Sequence[bytes],
+    metadata: Sequence[tuple[str, str]] = (),
+    timeout_s: float = 5.0,
+) -> Outcome:
+    """Calls `method` with request messages given as wire bytes; the status and responses count."""
+    path = f"/{service.full_name}/{method.name}"
+    responses = 0
+    try:
+        call: Any
+        if method.client_streaming:
+            call = channel.stream_stream(path)(iter(payloads), metadata=metadata, timeout=timeout_s)
+            async for _ in call:
+                responses += 1
+        elif method.server_streaming:
+            call = channel.unary_stream(path)(payloads[0], metadata=metadata, timeout=timeout_s)
+            async for _ in call:
+                responses += 1
+        else:
+            await channel.unary_unary(path)(payloads[0], metadata=metadata, timeout=timeout_s)
+            responses = 1
+    except grpc.aio.AioRpcError as exc:
+        return Outcome(exc.code(), exc.details() or "", responses)
+    return Outcome(grpc.StatusCode.OK, "", responses)
+
+
+def plane_settings(etcd: LocalEtcd, prefix: str, auth: dict[str, Any], **sections: Any) -> KvplaneSettings:
+    values: dict[str, Any] = {
+        "grpc": {"listen": f"127.0.0.1:{free_port()}", "grace_s": 0.2},
+        "etcd": {"endpoints": [etcd.endpoint], "prefix": prefix},
+        "telemetry": {"metrics_port": 0, "json_logs": False},
+        "eviction": {"lease_ttl_s": 2, "evaluate_interval_s": 0.2, "policy": {"policies": []}},
+        "auth": auth,
+    }
+    for key, value in sections.items():
+        values[key] = {**values.get(key, {}), **value}
+    return KvplaneSettings.model_validate(values)
+
+
+def token_auth() -> dict[str, Any]:
+    return {
+        "mode": "token",
+        "tokens": [{"token": token_of(n), "kind": k, "name": name} for n, (k, name) in TOKENS.items()],
+    }
+
+
+async def start_plane(settings: KvplaneSettings) -> ServiceProcess:
+    from kvplane.services.cli import installers
+
+    process = ServiceProcess(settings, installers(["metadata", "routing", "eviction"]), Telemetry.disabled())
+    await process.start()
+    return process
+
+
+def target(process: ServiceProcess) -> str:
+    return f"127.0.0.1:{process.grpc_port}"
