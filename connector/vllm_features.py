@@ -33,6 +33,8 @@ CONNECTOR_HOOKS = (
     "request_finished_all_groups",
     "update_connector_output",
     "build_connector_meta",
+    "update_state_after_alloc",
+    "has_pending_block_frees",
     "shutdown",
     "get_required_kvcache_layout",
 )

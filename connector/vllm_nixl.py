@@ -20,6 +20,12 @@ nothing on the worker side. In the scheduler process it adds:
 - `update_connector_output`: every published request in `finished_sending` is reported released;
 - `build_connector_meta`: early releases queued by the agent's release commands take effect;
   the workers free those blocks in that step;
+- KV demand: `get_num_new_matched_tokens` and `update_state_after_alloc` show which waiting
+  requests the scheduler tried this step and could not give blocks; `build_connector_meta`
+  turns what they need, beyond the free blocks, into the demand the node agent sends the
+  eviction leader (`_current_demand`, read on the agent's thread, less the blocks of releases
+  already on their way). `has_pending_block_frees` answers True while such releases are in
+  flight, so vLLM waits a step for their blocks instead of preempting a running request;
 - `get_num_new_matched_tokens` (P): the pull is verified against the prompt and clipped
   (`kvplane.connector.prefix_check`) before vLLM sees it.
 
@@ -36,6 +42,8 @@ KVPLANE_HTTP_URL give defaults):
     lease_ttl_s, load_interval_s       the node agent's lease and load period (10, 0.5)
     nixl_progress_thread               false: NIXL agents without their busy progress thread
     idle_step_pause_s                  pause in steps that schedule nothing (0: off)
+    kv_free_watermark_blocks           free blocks to ask the control plane for on top of what
+                                       waiting requests need (0: ask only for waiting requests)
 
 Without a `metadata_target` the connector runs without an agent: the prefix check still
 applies, and nothing is published.
@@ -60,7 +68,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import vllm
-from prometheus_client import CollectorRegistry, Counter, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from kvplane.connector import digests as token_digests
@@ -144,6 +152,9 @@ class ConnectorSettings:
     # every other engine. A short pause (0.02) turns ~1000 empty steps a second into ~50 at the
     # cost of up to that much delay for a request arriving during an idle step. 0: off.
     idle_step_pause_s: float = 0.0
+    # Scheduler side: free blocks asked for on top of what waiting requests need. 0: memory is
+    # asked for only when a request waits for it, never kept empty ahead of need.
+    kv_free_watermark_blocks: int = 0
 
     @classmethod
     def from_config(
@@ -178,6 +189,7 @@ class ConnectorSettings:
                 load_interval_s=float(raw.get("load_interval_s", 0.5)),
                 nixl_progress_thread=bool(raw.get("nixl_progress_thread", True)),
                 idle_step_pause_s=float(raw.get("idle_step_pause_s", 0.0)),
+                kv_free_watermark_blocks=int(raw.get("kv_free_watermark_blocks", 0)),
             )
         except (TypeError, ValueError) as exc:
             raise ConnectorConfigError(f"bad kvplane settings: {exc}") from None
@@ -214,6 +226,11 @@ class ConnectorMetrics:
             "kvplane_connector_early_releases_total",
             "Early releases applied on command, by result (applied, unknown)",
             ["result"],
+            registry=self.registry,
+        )
+        self.kv_demand = Gauge(
+            "kvplane_connector_kv_demand_blocks",
+            "KV blocks waiting requests need beyond the free blocks, at the last scheduler step",
             registry=self.registry,
         )
 
@@ -267,6 +284,17 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
         self._drain_requested = False
         self._draining = False
         self._load = NodeLoad(node_id="", incarnation="")
+        # KV demand. Scheduler thread: blocks each waiting request tried this step needs; a
+        # request given blocks leaves it (update_state_after_alloc).
+        self._asked: dict[str, int] = {}
+        # Scheduler thread: a running request found no block this step (has_pending_block_frees).
+        self._running_short = False
+        # Under _release_lock: blocks wanted beyond the free ones at the last schedule, and the
+        # blocks of early releases applied and not yet freed, by request id.
+        self._shortfall = 0
+        self._freeing: dict[str, int] = {}
+        # Scheduler thread: the demand the agent was last woken for.
+        self._demand_notified = 0
         if role == KVConnectorRole.SCHEDULER:
             self._start_kvplane(vllm_config)
 
@@ -311,7 +339,12 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
             load_interval_s=s.load_interval_s,
         )
         self.kvplane_agent = NodeAgent(
-            agent_settings, node, self._current_load, self._queue_release, on_drain=self._queue_drain
+            agent_settings,
+            node,
+            self._current_load,
+            self._queue_release,
+            on_drain=self._queue_drain,
+            demand_fn=self._current_demand,
         )
         self.kvplane_agent.start()
         log.info(
@@ -343,6 +376,23 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
         """Agent thread: the latest snapshot the scheduler thread made (an atomic read)."""
         return self._load
 
+    def _current_demand(self) -> int:
+        """Agent thread: KV blocks wanted beyond the free ones, less those already coming back
+        (release commands queued or applied and not yet freed). A command is queued here before
+        the agent acknowledges it, so a report sent after an ack never asks for its blocks again.
+        """
+        with self._release_lock:
+            coming = sum(self._freeing.values())
+            coming += sum(self._held_blocks(req_id) for req_id in self._pending_releases)
+            return max(0, self._shortfall - coming)
+
+    def _held_blocks(self, req_id: str) -> int:
+        """Blocks a held request pins; 0 when not held (one dict read: safe from any thread)."""
+        held = self._held.get(req_id)
+        if held is None or not self._bytes_per_block:
+            return 0
+        return held.retained_bytes // self._bytes_per_block
+
     # ------------------------------------------------------------------ scheduler hooks
 
     def get_num_new_matched_tokens(
@@ -370,7 +420,29 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
                     check.handle_tokens,
                 )
         result: tuple[int | None, bool] = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        # A waiting request being tried: what it needs beyond its local prefix-cache hit counts
+        # as KV demand unless it is given blocks this step (update_state_after_alloc).
+        needed = -(-int(request.num_tokens) // self._block_size) - num_computed_tokens // self._block_size
+        self._asked[request.request_id] = max(0, needed)
         return result
+
+    def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
+        """Scheduler process, when a waiting request has been given its blocks: it wants no more."""
+        self._asked.pop(request.request_id, None)
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def has_pending_block_frees(self) -> bool:
+        """Scheduler process, before vLLM preempts a running request for want of a block.
+
+        True while early releases are on their way (queued by a release command, or applied and
+        not yet freed): their blocks come back within a step or two, so the request waits a
+        step rather than losing its computed KV. The shortage itself is reported as demand, so
+        the control plane releases a handle for it. Must not block.
+        """
+        self._running_short = True
+        with self._release_lock:
+            coming = bool(self._freeing) or any(r in self._held for r in self._pending_releases)
+        return coming or bool(super().has_pending_block_frees())
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Scheduler process, once per finished request (single KV-cache group engines)."""
@@ -393,6 +465,10 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
         super().update_connector_output(connector_output)
         for req_id in connector_output.finished_sending or ():
             self._prefill_held.discard(req_id)
+            with self._release_lock:
+                # Freed now: no longer coming, and no longer missing either.
+                freed = self._freeing.pop(req_id, 0)
+                self._shortfall = max(0, self._shortfall - freed)
             held = self._held.pop(req_id, None)
             if held is None:
                 continue
@@ -413,14 +489,17 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
                 self._drain_requested = False
                 self._draining = True
                 pending.extend(self._held)
+        applied: dict[str, int] = {}
         for req_id in pending:
             if req_id in self._held or req_id in self._prefill_held:
                 meta.reqs_to_send[req_id] = meta.scheduler_clock - 1.0
                 self.kvplane_metrics.early_releases.labels("applied").inc()
+                applied[req_id] = self._held_blocks(req_id)
             else:
                 # Already freed (read, expired) or never ours: nothing to do.
                 self.kvplane_metrics.early_releases.labels("unknown").inc()
         self._snapshot_load(scheduler_output)
+        self._update_demand(applied)
         pause = self.kvplane_settings.idle_step_pause_s
         if pause > 0 and not scheduler_output.total_num_scheduled_tokens:
             # An idle step (only held blocks or transfers to watch): see idle_step_pause_s.
@@ -485,6 +564,26 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
         if self.kvplane_agent is not None:
             self.kvplane_agent.publish(handle)
         return params
+
+    def _update_demand(self, applied: dict[str, int]) -> None:
+        """End of a schedule: what the waiting requests that got no blocks need beyond the free
+        blocks (plus the watermark, plus a block when a running request found none)."""
+        wanted = sum(self._asked.values()) + self.kvplane_settings.kv_free_watermark_blocks
+        if self._running_short:
+            wanted += 1
+        self._asked.clear()
+        self._running_short = False
+        shortfall = max(0, wanted - self._load.free_kv_blocks) if wanted else 0
+        with self._release_lock:
+            self._freeing.update(applied)
+            self._shortfall = shortfall
+        self.kvplane_metrics.kv_demand.set(shortfall)
+        demand = self._current_demand()
+        if demand != self._demand_notified:
+            # Only changes wake the agent; it repeats a lasting demand on its own.
+            self._demand_notified = demand
+            if self.kvplane_agent is not None:
+                self.kvplane_agent.notify_demand()
 
     def _snapshot_load(self, scheduler_output: SchedulerOutput) -> None:
         free = total = 0

@@ -470,3 +470,72 @@ def test_drain_releases_every_held_handle_and_publishes_no_more(new_engine: Any)
     d.step()
     assert d.last_meta.reqs_to_send["d-3"] < d.last_meta.scheduler_clock
     assert [h.conversation for h in d.agent.pending()[0]] == ["c1", "c2"]
+
+
+# ---------------------------------------------------------------------------- KV demand
+
+# 1,900 + 40 tokens: 122 blocks held per turn; two turns leave D with a few blocks free.
+LONG = 1900
+
+
+def fill_with_handles(d: Engine) -> None:
+    for i, req_id in enumerate(("held-a", "held-b")):
+        decode_turn(d, req_id, [i + 1, *range(6000 + i * LONG, 6000 + i * LONG + LONG - 1)], out=40)
+    assert d.connector.held_request_ids == {"held-a", "held-b"}
+
+
+def test_a_waiting_request_without_blocks_is_reported_as_demand_until_a_release_is_on_its_way(
+    new_engine: Any,
+) -> None:
+    d = new_engine()
+    fill_with_handles(d)
+    assert d.connector._current_demand() == 0
+    free = d.free_blocks()
+    d.add("waits", list(range(9000, 9400)), 4, None)  # 400 tokens: 25 blocks
+    d.step()
+    assert d.scheduler.requests["waits"].status == RequestStatus.WAITING
+    wanted = 25 - free
+    assert wanted > 0
+    # What the node agent's thread reads and sends, and the metric the engine exports.
+    assert d.connector._current_demand() == wanted
+    assert d.connector.kvplane_metrics.value("kvplane_connector_kv_demand_blocks") == wanted
+    # A release command arrives (agent thread): its 122 blocks are on their way, so nothing more
+    # is asked for, before the scheduler has even applied it.
+    d.connector._queue_release("held-a")
+    assert d.connector._current_demand() == 0
+    d.step()
+    assert d.last_meta.reqs_to_send["held-a"] < d.last_meta.scheduler_clock
+    assert d.scheduler.requests["waits"].status == RequestStatus.WAITING
+    assert d.connector._current_demand() == 0
+    # The workers free the blocks; the waiting request runs at the next step and the demand ends.
+    d.step(finished_sending={"held-a"})
+    d.step()
+    assert d.scheduler.requests["waits"].status == RequestStatus.RUNNING
+    assert d.connector._current_demand() == 0
+    assert d.connector.kvplane_metrics.value("kvplane_connector_kv_demand_blocks") == 0
+
+
+def test_a_free_block_watermark_is_asked_for_even_with_nobody_waiting(new_engine: Any) -> None:
+    d = new_engine({"kv_free_watermark_blocks": 40})
+    fill_with_handles(d)
+    d.step()
+    assert d.connector._current_demand() == 40 - d.free_blocks()
+
+
+def test_a_running_request_short_of_a_block_waits_for_a_release_in_flight_instead_of_being_preempted(
+    new_engine: Any,
+) -> None:
+    d = new_engine()
+    fill_with_handles(d)
+    free = d.free_blocks()
+    # A prompt that takes every free block; its second generated token needs one more.
+    request = d.add("runs", list(range(9000, 9000 + free * BLOCK - 1)), 6, None)
+    d.step()
+    assert request.status == RequestStatus.RUNNING and d.free_blocks() == 0
+    d.connector._queue_release("held-a")  # a release command for the demand
+    d.step()  # applies it: the workers free held-a's blocks during this step
+    d.step()  # "runs" needs a block before they are reported freed
+    assert request.num_preemptions == 0, "vLLM was told blocks are coming and did not preempt"
+    d.step(finished_sending={"held-a"})
+    d.run_until_finished("runs")
+    assert request.num_preemptions == 0
