@@ -12,21 +12,28 @@ reading that id back (`resend`, `exists`).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 from aetcd import rpc
 
 from kvplane.services.common.errors import NotFound, StoreUnavailable
+from kvplane.services.common.store.members import Member, parse_members
 from kvplane.services.common.store.settings import StoreSettings
 from kvplane.services.common.telemetry import Telemetry
+
+log = logging.getLogger(__name__)
 
 # gRPC codes after which a write may or may not have been applied.
 _AMBIGUOUS = frozenset(
     {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED}
 )
+# Codes that say the member did not answer, so another one should be asked.
+_FAILOVER_CODES = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE})
 
 
 class Ambiguous(Exception):
@@ -42,96 +49,257 @@ class LeaseNotFound(NotFound):
     """The lease named has expired or was revoked."""
 
 
-def _target(endpoints: Sequence[str]) -> str:
-    """One gRPC target for all endpoints; pick_first fails over between them."""
-    if len(endpoints) == 1:
-        return endpoints[0]
-    hosts = [e.rsplit(":", 1)[0] for e in endpoints]
-    if all(h.startswith("[") for h in hosts):
-        return "ipv6:" + ",".join(endpoints)
-    if all(h.replace(".", "").isdigit() for h in hosts):
-        return "ipv4:" + ",".join(endpoints)
-    return endpoints[0]
+# etcd cancels a stream carrying this when its member loses the leader, so
+# a watch or keep-alive on a member cut off from quorum fails instead of
+# going silent.
+REQUIRE_LEADER = (("hasleader", "true"),)
+
+# How long a health probe of one member may take, in seconds.
+_PROBE_TIMEOUT_S = 1.0
+# Failovers closer together than this are skipped: during a whole-cluster
+# outage every call fails, and one probe round per interval is enough.
+_FAILOVER_INTERVAL_S = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class Connection:
+    """A channel to one member and the stubs on it. `generation` tells a
+    failure on the current connection from one on a connection already
+    replaced."""
+
+    generation: int
+    member: Member
+    channel: grpc.aio.Channel
+    kv: Any
+    lease: Any
+    watch: Any
+
+
+def open_channel(target: str) -> grpc.aio.Channel:
+    """The one place an etcd channel is made."""
+    return grpc.aio.insecure_channel(
+        target,
+        options=[
+            ("grpc.lb_policy_name", "pick_first"),
+            ("grpc.max_receive_message_length", 64 << 20),
+            # Reconnect within a second or two of etcd coming back, not
+            # after gRPC's default backoff of up to two minutes.
+            ("grpc.initial_reconnect_backoff_ms", 200),
+            ("grpc.min_reconnect_backoff_ms", 200),
+            ("grpc.max_reconnect_backoff_ms", 1000),
+            # Notice a silently dead connection (etcd allows pings every 5 s).
+            ("grpc.keepalive_time_ms", 5000),
+            ("grpc.keepalive_timeout_ms", 2000),
+            ("grpc.keepalive_permit_without_calls", 1),
+        ],
+    )
 
 
 class EtcdClient:
-    """One channel to etcd and the KV, lease and watch stubs on it."""
+    """The connection to one etcd member at a time, failing over to another.
+
+    With several endpoints, a call that fails for want of an answer
+    (UNAVAILABLE, DEADLINE_EXCEEDED: the member is down, or cut off from
+    quorum) moves the client to the next member that answers a quorum read;
+    reads are retried there at once, writes are settled by their callers'
+    re-sends. Each member's name is resolved again whenever it is connected.
+    """
 
     def __init__(self, settings: StoreSettings, telemetry: Telemetry) -> None:
         self.settings = settings
         self.telemetry = telemetry
-        self._channel: grpc.aio.Channel | None = None
-        self.kv: Any = None
-        self.lease: Any = None
-        self.watch: Any = None
+        self.members = parse_members(settings.endpoints)
+        self._conn: Connection | None = None
+        self._generation = 0
+        self._switch = asyncio.Lock()
+        self._last_failover = -_FAILOVER_INTERVAL_S
+        self._retired: set[asyncio.Task[None]] = set()
+
+    @property
+    def kv(self) -> Any:
+        """The current member's KV stub (for benchmarks that bypass the store)."""
+        if self._conn is None:
+            raise StoreUnavailable("etcd client is not connected")
+        return self._conn.kv
+
+    @property
+    def member(self) -> Member | None:
+        """The member calls go to now."""
+        return self._conn.member if self._conn is not None else None
 
     async def connect(self) -> None:
-        if self._channel is not None:
+        if self._conn is not None:
             return
-        self._channel = grpc.aio.insecure_channel(
-            _target(self.settings.endpoints),
-            options=[
-                ("grpc.lb_policy_name", "pick_first"),
-                ("grpc.max_receive_message_length", 64 << 20),
-                # Reconnect within a second or two of etcd coming back, not
-                # after gRPC's default backoff of up to two minutes.
-                ("grpc.initial_reconnect_backoff_ms", 200),
-                ("grpc.min_reconnect_backoff_ms", 200),
-                ("grpc.max_reconnect_backoff_ms", 1000),
-                # Notice a silently dead connection (etcd allows pings every 5 s).
-                ("grpc.keepalive_time_ms", 5000),
-                ("grpc.keepalive_timeout_ms", 2000),
-                ("grpc.keepalive_permit_without_calls", 1),
-            ],
-        )
-        self.kv = rpc.KVStub(self._channel)
-        self.lease = rpc.LeaseStub(self._channel)
-        self.watch = rpc.WatchStub(self._channel)
+        async with self._switch:
+            if self._conn is None:
+                self._conn = await self._open_healthy(exclude=None) or await self._open_any()
+
+    async def current(self) -> Connection:
+        await self.connect()
+        assert self._conn is not None
+        return self._conn
 
     async def close(self) -> None:
-        if self._channel is not None:
-            await self._channel.close()
-            self._channel = None
+        async with self._switch:
+            conn, self._conn = self._conn, None
+        for task in list(self._retired):
+            task.cancel()
+        if conn is not None:
+            await conn.channel.close()
 
-    async def call(self, op: str, method: Callable[..., Any], request: Any, **attrs: Any) -> Any:
-        """One unary etcd call under the request deadline.
+    async def _open(self, member: Member) -> Connection:
+        if len(self.members) == 1:
+            # gRPC's own resolver, re-resolving as it reconnects.
+            target = member.endpoint.removeprefix("http://").removeprefix("https://")
+        else:
+            target = await member.target()
+        channel = open_channel(target)
+        self._generation += 1
+        return Connection(
+            self._generation,
+            member,
+            channel,
+            rpc.KVStub(channel),
+            rpc.LeaseStub(channel),
+            rpc.WatchStub(channel),
+        )
 
-        Raises Ambiguous when the outcome is unknown, LeaseNotFound when a
-        lease it names is gone, StoreUnavailable otherwise.
-        """
-        if self._channel is None:
-            await self.connect()
-        with self.telemetry.etcd_span(op, **attrs):
+    async def _open_any(self) -> Connection:
+        """The first member whose name resolves: nothing answers now, and the
+        channel's reconnects find etcd when it is back."""
+        for member in self.members:
             try:
-                return await method(request, timeout=self.settings.request_timeout_s)
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() in _AMBIGUOUS:
-                    raise Ambiguous(op, exc) from exc
-                if "lease not found" in (exc.details() or ""):
-                    raise LeaseNotFound(f"etcd {op}: {exc.details()}") from exc
-                raise StoreUnavailable(f"etcd {op} failed: {exc.code().name}: {exc.details()}") from exc
+                return await self._open(member)
+            except OSError:
+                continue
+        raise StoreUnavailable(f"no etcd endpoint resolves: {list(self.settings.endpoints)}")
+
+    async def _open_next(self, after: Member) -> Connection | None:
+        start = self.members.index(after)
+        for i in range(1, len(self.members)):
+            try:
+                return await self._open(self.members[(start + i) % len(self.members)])
+            except OSError:
+                continue
+        return None
+
+    async def _probe(self, member: Member) -> Connection | None:
+        """A connection to `member` if it answers a quorum read in time."""
+        try:
+            conn = await self._open(member)
+        except OSError:
+            return None
+        probe = rpc.RangeRequest(key=self.settings.prefix.encode(), limit=1, keys_only=True)
+        try:
+            await conn.kv.Range(probe, timeout=min(_PROBE_TIMEOUT_S, self.settings.request_timeout_s))
+        except grpc.aio.AioRpcError:
+            await conn.channel.close()
+            return None
+        return conn
+
+    async def _open_healthy(self, exclude: Member | None) -> Connection | None:
+        """The first healthy member, in configured order after `exclude`."""
+        if len(self.members) == 1:
+            return None if exclude is not None else await self._open(self.members[0])
+        start = self.members.index(exclude) + 1 if exclude is not None else 0
+        order = [self.members[(start + i) % len(self.members)] for i in range(len(self.members))]
+        order = [m for m in order if m != exclude]
+        probes = await asyncio.gather(*(self._probe(m) for m in order))
+        chosen = next((c for c in probes if c is not None), None)
+        for other in probes:
+            if other is not None and other is not chosen:
+                await other.channel.close()
+        return chosen
+
+    async def failed(self, conn: Connection, code: grpc.StatusCode) -> None:
+        """Reports that a call on `conn` went unanswered; moves to another member."""
+        if len(self.members) == 1 or code not in _FAILOVER_CODES:
+            return
+        async with self._switch:
+            now = time.monotonic()
+            if self._conn is not conn or now - self._last_failover < _FAILOVER_INTERVAL_S:
+                return
+            self._last_failover = now
+            replacement = await self._open_healthy(exclude=conn.member)
+            if replacement is None and code is grpc.StatusCode.UNAVAILABLE:
+                # Nothing answers a quorum read (the others may be electing a
+                # leader); a member that refuses connections is the worst of
+                # them, so move to the next one that resolves.
+                replacement = await self._open_next(conn.member)
+            if replacement is None:
+                return  # nothing better: stay, and let gRPC reconnect
+            log.warning(
+                "etcd member %s unanswered (%s); now using %s",
+                conn.member.endpoint,
+                code.name,
+                replacement.member.endpoint,
+            )
+            self._conn = replacement
+        # Calls still in flight on the old channel end with it, a little later.
+        task = asyncio.create_task(self._retire(conn))
+        self._retired.add(task)
+        task.add_done_callback(self._retired.discard)
+
+    async def _retire(self, conn: Connection) -> None:
+        await asyncio.sleep(self.settings.request_timeout_s)
+        await conn.channel.close()
+
+    async def call(
+        self,
+        op: str,
+        method: Callable[[Connection], Callable[..., Any]],
+        request: Any,
+        *,
+        idempotent: bool = False,
+        **attrs: Any,
+    ) -> Any:
+        """One unary etcd call under the request deadline, to the current member.
+
+        An idempotent call that goes unanswered is tried once more on the
+        member failed over to. Raises Ambiguous when the outcome is unknown,
+        LeaseNotFound when a lease it names is gone, StoreUnavailable otherwise.
+        """
+        attempts = len(self.members) if idempotent else 1
+        for attempt in range(attempts):
+            conn = await self.current()
+            with self.telemetry.etcd_span(op, **attrs):
+                try:
+                    return await method(conn)(request, timeout=self.settings.request_timeout_s)
+                except grpc.aio.AioRpcError as exc:
+                    await self.failed(conn, exc.code())
+                    if exc.code() in _AMBIGUOUS:
+                        if attempt + 1 < attempts and self._conn is not conn:
+                            continue
+                        raise Ambiguous(op, exc) from exc
+                    if "lease not found" in (exc.details() or ""):
+                        raise LeaseNotFound(f"etcd {op}: {exc.details()}") from exc
+                    raise StoreUnavailable(f"etcd {op} failed: {exc.code().name}: {exc.details()}") from exc
+        raise AssertionError("unreachable")
 
     async def txn(
-        self, op: str, compare: list[Any], success: list[Any], failure: list[Any] | None = None, **attrs: Any
+        self,
+        op: str,
+        compare: list[Any],
+        success: list[Any],
+        failure: list[Any] | None = None,
+        *,
+        idempotent: bool = False,
+        **attrs: Any,
     ) -> Any:
-        if self._channel is None:
-            await self.connect()
         request = rpc.TxnRequest(compare=compare, success=success, failure=failure or [])
-        return await self.call(op, self.kv.Txn, request, **attrs)
+        return await self.call(op, _txn, request, idempotent=idempotent, **attrs)
 
     async def read(self, op: str, request: Any) -> Any:
         """A range read; reads are idempotent, so a failure is just unavailability."""
-        if self._channel is None:
-            await self.connect()
         try:
-            return await self.call(op, self.kv.Range, request)
+            return await self.call(op, _range, request, idempotent=True)
         except Ambiguous as exc:
             raise StoreUnavailable(f"etcd {op}: {exc.cause.details()}") from exc
 
     async def read_txn(self, op: str, ops: list[Any]) -> Any:
         """Several range reads at one revision."""
         try:
-            return await self.txn(op, [], ops)
+            return await self.txn(op, [], ops, idempotent=True)
         except Ambiguous as exc:
             raise StoreUnavailable(f"etcd {op}: {exc.cause.details()}") from exc
 
@@ -168,9 +336,19 @@ class EtcdClient:
         deadline = time.monotonic() + self.settings.settle_timeout_s
         while True:
             try:
-                resp = await self.call("read_back", self.kv.Range, rpc.RangeRequest(key=key, count_only=True))
+                resp = await self.call(
+                    "read_back", _range, rpc.RangeRequest(key=key, count_only=True), idempotent=True
+                )
                 return int(resp.count) > 0
             except Ambiguous as exc:
                 if time.monotonic() > deadline:
                     raise StoreUnavailable(f"etcd read-back failed: {exc.cause.details()}") from exc
                 await asyncio.sleep(0.1)
+
+
+def _txn(conn: Connection) -> Callable[..., Any]:
+    return conn.kv.Txn  # type: ignore[no-any-return]
+
+
+def _range(conn: Connection) -> Callable[..., Any]:
+    return conn.kv.Range  # type: ignore[no-any-return]

@@ -5,13 +5,20 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 import grpc
 from aetcd import rpc
 
 from kvplane.services.common.errors import NotFound, StoreUnavailable
-from kvplane.services.common.store.etcd import Ambiguous, EtcdClient, LeaseNotFound
+from kvplane.services.common.store.etcd import (
+    REQUIRE_LEADER,
+    Ambiguous,
+    Connection,
+    EtcdClient,
+    LeaseNotFound,
+)
 
 
 class Leases:
@@ -23,24 +30,21 @@ class Leases:
         self._lock = asyncio.Lock()
 
     async def grant(self, ttl_s: int) -> int:
-        await self.etcd.connect()
         request = rpc.LeaseGrantRequest(TTL=ttl_s)
         try:
-            resp = await self.etcd.call("lease_grant", self.etcd.lease.LeaseGrant, request)
+            resp = await self.etcd.call("lease_grant", _grant, request)
         except Ambiguous as exc:
             # Safe to re-send: an orphan lease from a lost reply expires on its own.
-            resp = await self.etcd.resend(
-                exc, lambda: self.etcd.call("lease_grant", self.etcd.lease.LeaseGrant, request)
-            )
+            resp = await self.etcd.resend(exc, lambda: self.etcd.call("lease_grant", _grant, request))
         return int(resp.ID)
 
     async def refresh(self, lease_id: int) -> int:
         """Keeps a lease alive once; returns the remaining TTL. NotFound if it is gone."""
-        await self.etcd.connect()
+        conn = await self.etcd.current()
         timeout = self.etcd.settings.request_timeout_s
 
         async def one() -> Any:
-            call = self.etcd.lease.LeaseKeepAlive(timeout=timeout)
+            call = conn.lease.LeaseKeepAlive(timeout=timeout, metadata=REQUIRE_LEADER)
             await call.write(rpc.LeaseKeepAliveRequest(ID=lease_id))
             reply = await call.read()
             await call.done_writing()
@@ -51,17 +55,18 @@ class Leases:
             try:
                 reply = await asyncio.wait_for(one(), timeout)
             except (TimeoutError, grpc.aio.AioRpcError) as exc:
+                code = (
+                    exc.code() if isinstance(exc, grpc.aio.AioRpcError) else grpc.StatusCode.DEADLINE_EXCEEDED
+                )
+                await self.etcd.failed(conn, code)
                 raise StoreUnavailable(f"etcd lease keepalive failed: {exc!r}") from exc
         if reply is grpc.aio.EOF or reply.TTL <= 0:
             raise NotFound(f"lease {lease_id:x} has expired")
         return int(reply.TTL)
 
     async def revoke(self, lease_id: int) -> None:
-        await self.etcd.connect()
         try:
-            await self.etcd.call(
-                "lease_revoke", self.etcd.lease.LeaseRevoke, rpc.LeaseRevokeRequest(ID=lease_id)
-            )
+            await self.etcd.call("lease_revoke", _revoke, rpc.LeaseRevokeRequest(ID=lease_id))
         except LeaseNotFound:
             pass
         except Ambiguous as exc:
@@ -89,3 +94,11 @@ class Leases:
     def forget_all(self) -> None:
         """Stops handing out every shared lease (they were revoked behind our back)."""
         self._by_second.clear()
+
+
+def _grant(conn: Connection) -> Callable[..., Any]:
+    return conn.lease.LeaseGrant  # type: ignore[no-any-return]
+
+
+def _revoke(conn: Connection) -> Callable[..., Any]:
+    return conn.lease.LeaseRevoke  # type: ignore[no-any-return]

@@ -10,7 +10,7 @@ from aetcd import rpc
 
 from kvplane.services.common.errors import StoreUnavailable
 from kvplane.services.common.keys import prefix_range_end
-from kvplane.services.common.store.etcd import EtcdClient
+from kvplane.services.common.store.etcd import REQUIRE_LEADER, EtcdClient
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +69,7 @@ class Watches:
         `Compacted` when `start_revision` is no longer available; callers
         re-read and resume.
         """
-        await self.etcd.connect()
+        conn = await self.etcd.current()
         create = rpc.WatchRequest(
             create_request=rpc.WatchCreateRequest(
                 key=key,
@@ -79,7 +79,7 @@ class Watches:
                 progress_notify=True,
             )
         )
-        call = self.etcd.watch.Watch()
+        call = conn.watch.Watch(metadata=REQUIRE_LEADER)
         try:
             await call.write(create)
             while True:
@@ -89,6 +89,7 @@ class Watches:
                 if resp.compact_revision:
                     raise Compacted(int(resp.compact_revision))
                 if resp.canceled:
+                    await self.etcd.failed(conn, grpc.StatusCode.UNAVAILABLE)
                     raise StoreUnavailable(f"etcd canceled the watch: {resp.cancel_reason}")
                 # An empty batch (the watch's creation, a progress notice)
                 # still tells the caller that the stream is live.
@@ -106,6 +107,7 @@ class Watches:
                 ]
                 yield batch
         except grpc.aio.AioRpcError as exc:
+            await self.etcd.failed(conn, exc.code())
             raise StoreUnavailable(f"etcd watch failed: {exc.code().name}") from exc
         finally:
             call.cancel()
