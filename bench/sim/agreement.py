@@ -20,16 +20,19 @@ from kvplane.bench.workloads.turns import Turn
 
 @dataclass(frozen=True, slots=True)
 class Profile:
-    """Share of turns per decision, and share of prompt tokens pulled from a decode node."""
+    """Share of turns per decision, and shares of prompt tokens pulled from a decode node and
+    found in the prefill node's own prefix cache (None: not measured)."""
 
     decision_shares: Mapping[str, float]
     pulled_fraction: float
+    cached_fraction: float | None = None
 
 
 def profile(turns: Iterable[Turn], config: SimConfig, policy: str = "kvplane", seed: int = 0) -> Profile:
     summary = simulator_for(BASELINES[policy], config, RunOptions(seed=seed)).run(turns, policy).summary
     total = max(1, summary.turns)
-    return Profile({k: v / total for k, v in summary.decisions.items()}, summary.pulled_fraction)
+    cached = summary.cached_tokens / summary.prompt_tokens if summary.prompt_tokens else 0.0
+    return Profile({k: v / total for k, v in summary.decisions.items()}, summary.pulled_fraction, cached)
 
 
 def agree(sim: Profile, live: Profile, tolerance: float = 0.05) -> list[str]:
@@ -42,4 +45,7 @@ def agree(sim: Profile, live: Profile, tolerance: float = 0.05) -> list[str]:
             out.append(f"{decision}: simulated {a:.3f}, live {b:.3f}")
     if abs(sim.pulled_fraction - live.pulled_fraction) > tolerance:
         out.append(f"pulled fraction: simulated {sim.pulled_fraction:.3f}, live {live.pulled_fraction:.3f}")
+    sim_cached, live_cached = sim.cached_fraction, live.cached_fraction
+    if sim_cached is not None and live_cached is not None and abs(sim_cached - live_cached) > tolerance:
+        out.append(f"prefix-cache fraction: simulated {sim_cached:.3f}, live {live_cached:.3f}")
     return out

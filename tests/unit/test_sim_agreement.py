@@ -22,3 +22,11 @@ def test_disagreement_names_the_decision_and_both_shares() -> None:
         "pull: simulated 0.600, live 0.500",
         "recompute_no_handle: simulated 0.400, live 0.500",
     ]
+
+
+def test_prefix_cache_shares_are_compared_when_both_sides_measured_them() -> None:
+    sim = Profile({"pull": 1.0}, 0.1, 0.5)
+    assert agree(sim, Profile({"pull": 1.0}, 0.1, 0.3)) == [
+        "prefix-cache fraction: simulated 0.500, live 0.300"
+    ]
+    assert agree(sim, Profile({"pull": 1.0}, 0.1)) == []
