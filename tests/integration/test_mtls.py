@@ -1,0 +1,200 @@
+"""TLS and mTLS on the control plane's gRPC servers, with certificates made by a test CA:
+the client certificate names the principal, a certificate from another CA is refused, rotated
+certificates are served without a restart, and a sim-engine's node agent registers over mTLS."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from kvplane.client.credentials import ClientCredentials
+from kvplane.services.common import convert
+from kvplane.services.common.local_etcd import LocalEtcd
+from kvplane.services.common.process import ServiceProcess
+from kvplane.v1 import metadata_pb2, metadata_pb2_grpc
+from tests.conftest import make_node
+from tests.support.certificates import Issued, TestCa
+from tests.support.polling import eventually
+from tests.support.simengine import engines, free_port
+from tests.support.trust import all_methods, plane_settings, raw_call, start_plane, target
+
+
+@pytest.fixture
+def ca(tmp_path: Path) -> TestCa:
+    return TestCa(tmp_path / "ca")
+
+
+@pytest.fixture
+def server_cert(ca: TestCa) -> Issued:
+    return ca.issue("server", server=True)
+
+
+def _tls(ca: TestCa, server_cert: Issued) -> dict[str, object]:
+    return {
+        "tls": {
+            "cert_file": server_cert.cert_file,
+            "key_file": server_cert.key_file,
+            "client_ca_file": ca.ca_file,
+        }
+    }
+
+
+@pytest.fixture
+async def mtls_plane(
+    etcd: LocalEtcd, prefix: str, ca: TestCa, server_cert: Issued
+) -> AsyncIterator[ServiceProcess]:
+    settings = plane_settings(etcd, prefix, {"mode": "mtls"}, grpc=_tls(ca, server_cert))
+    process = await start_plane(settings)
+    try:
+        yield process
+    finally:
+        await process.stop()
+
+
+def _client(ca_file: str, issued: Issued | None = None) -> ClientCredentials:
+    return ClientCredentials(
+        tls_ca_file=ca_file,
+        tls_cert_file=issued.cert_file if issued else "",
+        tls_key_file=issued.key_file if issued else "",
+        tls_server_name="localhost",
+    )
+
+
+async def _register(creds: ClientCredentials, address: str, node_id: str) -> grpc.StatusCode:
+    async with creds.channel(address) as channel:
+        try:
+            await metadata_pb2_grpc.MetadataServiceStub(channel).RegisterNode(
+                metadata_pb2.RegisterNodeRequest(node=convert.node_to_pb(make_node(node_id)), lease_ttl_s=30),
+                timeout=5,
+            )
+        except grpc.aio.AioRpcError as exc:
+            return exc.code()
+    return grpc.StatusCode.OK
+
+
+async def test_the_client_certificate_names_the_principal(mtls_plane: ServiceProcess, ca: TestCa) -> None:
+    d0 = _client(ca.ca_file, ca.issue("node-d0", uris=("kvplane://node/d0",)))
+    assert await _register(d0, target(mtls_plane), "d0") == grpc.StatusCode.OK
+    # The certificate binds the node id: d0's certificate cannot register d1.
+    assert await _register(d0, target(mtls_plane), "d1") == grpc.StatusCode.PERMISSION_DENIED
+    ops = _client(ca.ca_file, ca.issue("ops", uris=("kvplane://operator/ops",)))
+    async with ops.channel(target(mtls_plane)) as channel:
+        nodes = await metadata_pb2_grpc.MetadataServiceStub(channel).ListNodes(
+            metadata_pb2.ListNodesRequest()
+        )
+    assert [n.node.node_id for n in nodes.nodes] == ["d0"]
+
+
+async def test_a_certificate_from_another_ca_or_none_at_all_is_refused(
+    mtls_plane: ServiceProcess, ca: TestCa, tmp_path: Path
+) -> None:
+    other = TestCa(tmp_path / "other-ca", name="other-ca")
+    forged = ca.ca_file, other.issue("forged-ops", uris=("kvplane://operator/ops",))
+    for creds in (_client(forged[0], forged[1]), _client(ca.ca_file)):
+        # The handshake fails: the call never reaches a method.
+        assert await _register(creds, target(mtls_plane), "d0") == grpc.StatusCode.UNAVAILABLE
+    async with grpc.aio.insecure_channel(target(mtls_plane)) as plaintext:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await metadata_pb2_grpc.MetadataServiceStub(plaintext).ListNodes(
+                metadata_pb2.ListNodesRequest(), timeout=5
+            )
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    # A certificate of this CA that names no kvplane principal authenticates nobody.
+    nobody = _client(ca.ca_file, ca.issue("nobody", uris=("spiffe://elsewhere/workload",)))
+    async with nobody.channel(target(mtls_plane)) as channel:
+        for service, method in all_methods():
+            outcome = await raw_call(channel, service, method, [b""])
+            assert outcome.code == grpc.StatusCode.UNAUTHENTICATED, (method.name, outcome)
+
+
+async def test_rotated_server_certificates_are_served_without_a_restart(
+    mtls_plane: ServiceProcess, ca: TestCa, server_cert: Issued, tmp_path: Path
+) -> None:
+    ops = ca.issue("ops", uris=("kvplane://operator/ops",))
+    # The server's certificate is replaced by one from a new CA; its client CA stays.
+    new_ca = TestCa(tmp_path / "new-ca", name="new-ca")
+    rotated = new_ca.issue("server-rotated", server=True)
+    shutil.copyfile(rotated.cert_file, server_cert.cert_file)
+    shutil.copyfile(rotated.key_file, server_cert.key_file)
+    # A later modification time, whatever the file system's clock resolution.
+    later = os.stat(server_cert.cert_file).st_mtime + 10
+    os.utime(server_cert.cert_file, (later, later))
+    os.utime(server_cert.key_file, (later, later))
+
+    async def serves_the_new_certificate() -> bool:
+        creds = ClientCredentials(
+            tls_ca_file=new_ca.ca_file,
+            tls_cert_file=ops.cert_file,
+            tls_key_file=ops.key_file,
+            tls_server_name="localhost",
+        )
+        async with creds.channel(target(mtls_plane)) as channel:
+            try:
+                await metadata_pb2_grpc.MetadataServiceStub(channel).ListNodes(
+                    metadata_pb2.ListNodesRequest(), timeout=2
+                )
+            except grpc.aio.AioRpcError:
+                return False
+        return True
+
+    await eventually(serves_the_new_certificate, what="the rotated certificate served")
+    # Clients that trust only the old CA no longer accept the server.
+    assert await _register(_client(ca.ca_file, ops), target(mtls_plane), "d0") == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_mesh_headers_are_believed_from_a_proxy_certificate_only(
+    etcd: LocalEtcd, prefix: str, ca: TestCa, server_cert: Issued
+) -> None:
+    process = await start_plane(plane_settings(etcd, prefix, {"mode": "mesh"}, grpc=_tls(ca, server_cert)))
+    try:
+        headers = (("x-kvplane-role", "node"), ("x-kvplane-node", "d0"))
+        node = convert.node_to_pb(make_node("d0"))
+        request = metadata_pb2.RegisterNodeRequest(node=node, lease_ttl_s=30)
+        codes = []
+        for uri in ("kvplane://mesh/sidecar", "kvplane://node/d9"):
+            creds = _client(ca.ca_file, ca.issue(uri.rsplit("/", 1)[1], uris=(uri,)))
+            async with creds.channel(target(process)) as channel:
+                try:
+                    await metadata_pb2_grpc.MetadataServiceStub(channel).RegisterNode(
+                        request, metadata=headers, timeout=5
+                    )
+                    codes.append(grpc.StatusCode.OK)
+                except grpc.aio.AioRpcError as exc:
+                    codes.append(exc.code())
+        assert codes == [grpc.StatusCode.OK, grpc.StatusCode.UNAUTHENTICATED]
+    finally:
+        await process.stop()
+
+
+async def test_a_sim_engine_registers_over_mtls_with_its_certificate(
+    mtls_plane: ServiceProcess, ca: TestCa, tmp_path: Path
+) -> None:
+    d = ca.issue("sim-d", uris=("kvplane://node/sim-d",))
+    flags = [
+        *("--role", "decode", "--node-id", "sim-d", "--side-channel-port", str(free_port())),
+        *("--control-plane", target(mtls_plane), "--load-interval-s", "0.1"),
+        *("--tls-ca-file", ca.ca_file, "--tls-cert-file", d.cert_file, "--tls-key-file", d.key_file),
+        *("--tls-server-name", "localhost"),
+    ]
+    ops = _client(ca.ca_file, ca.issue("ops", uris=("kvplane://operator/ops",)))
+    stack = contextlib.ExitStack()
+    try:
+        # Started off the event loop, which serves the control plane meanwhile.
+        await asyncio.to_thread(stack.enter_context, engines(tmp_path, {"D": flags}))
+        async with ops.channel(target(mtls_plane)) as channel:
+            stub = metadata_pb2_grpc.MetadataServiceStub(channel)
+
+            async def registered() -> bool:
+                nodes = (await stub.ListNodes(metadata_pb2.ListNodesRequest())).nodes
+                return any(n.node.node_id == "sim-d" and n.load.total_kv_blocks > 0 for n in nodes)
+
+            await eventually(registered, timeout_s=30, what="the sim-engine registered over mTLS")
+    finally:
+        await asyncio.to_thread(stack.close)
