@@ -262,3 +262,40 @@ class NodeLoad(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___NodeLoad: _TypeAlias = NodeLoad  # noqa: Y015
+
+@_typing.final
+class NodeSuspect(_message.Message):
+    """A node that just failed a leg of a turn (refused, reset, timed out). Routing
+    replicas exclude it until it proves alive (a load report taken after the
+    mark, or a new incarnation) or the mark's lease lapses.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
+    MARKED_UNIX_MS_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    """Node that failed."""
+    incarnation: _builtins.str
+    """Incarnation that failed; a new incarnation is not suspect."""
+    marked_unix_ms: _builtins.int
+    """When the failure was reported, milliseconds since the Unix epoch."""
+    reason: _builtins.str
+    """What failed, for operators (e.g. "prefill: connection refused"). Up to 1,024 bytes."""
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+        incarnation: _builtins.str = ...,
+        marked_unix_ms: _builtins.int = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation", b"incarnation", "marked_unix_ms", b"marked_unix_ms", "node_id", b"node_id", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NodeSuspect: _TypeAlias = NodeSuspect  # noqa: Y015

@@ -90,6 +90,7 @@ class RouteRequest(_message.Message):
     PROMPT_DIGEST_BLOCK_SIZE_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     TENANT_FIELD_NUMBER: _builtins.int
+    FAILED_NODE_IDS_FIELD_NUMBER: _builtins.int
     conversation: _builtins.str
     """Conversation id, 1 to 512 bytes."""
     model: _builtins.str
@@ -114,6 +115,14 @@ class RouteRequest(_message.Message):
         (kvplane.connector.digests.chain), for callers that do not ship ids.
         """
 
+    @_builtins.property
+    def failed_node_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Nodes whose leg of this very turn just failed (the caller's retry): never
+        chosen for this route unless no other node of the role is left. From an
+        operator caller (a gateway) they are also marked suspect for every replica.
+        Up to 8 node ids.
+        """
+
     def __init__(
         self,
         *,
@@ -125,10 +134,11 @@ class RouteRequest(_message.Message):
         prompt_digest_block_size: _builtins.int = ...,
         request_id: _builtins.str = ...,
         tenant: _builtins.str = ...,
+        failed_node_ids: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["conversation", b"conversation", "model", b"model", "prompt_block_digests", b"prompt_block_digests", "prompt_digest_block_size", b"prompt_digest_block_size", "prompt_token_ids", b"prompt_token_ids", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["conversation", b"conversation", "failed_node_ids", b"failed_node_ids", "model", b"model", "prompt_block_digests", b"prompt_block_digests", "prompt_digest_block_size", b"prompt_digest_block_size", "prompt_token_ids", b"prompt_token_ids", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
