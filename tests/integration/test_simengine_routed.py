@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,11 @@ from tests.support.polling import eventually
 from tests.support.simengine import Engine, engines, free_port, reference, tokens
 
 MODEL = "kvplane-sim"
+DEFAULT_POLICY = (
+    resources.files("kvplane.services.routing.policy")
+    .joinpath("default_policy.yaml")
+    .read_text(encoding="utf-8")
+)
 
 
 def post_to(engines_by_url: dict[str, Engine], url: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -34,8 +40,14 @@ def post_to(engines_by_url: dict[str, Engine], url: str, body: dict[str, Any]) -
 async def test_routed_turns_pull_from_the_sim_decode_engine(
     etcd: LocalEtcd, prefix: str, tmp_path: Path
 ) -> None:
+    # P's prefix cache holds each turn's prompt, so only D's 100-token answer is missing there:
+    # a recompute this costly per token makes that tail worth pulling, which is the path checked here.
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(DEFAULT_POLICY.replace("recompute_ms_per_token: 0.032", "recompute_ms_per_token: 5.0"))
     services = ServiceProcess(
-        settings_for(etcd, prefix), installers(["metadata", "routing", "eviction"]), Telemetry.disabled()
+        settings_for(etcd, prefix, routing={"policy_file": str(policy)}),
+        installers(["metadata", "routing", "eviction"]),
+        Telemetry.disabled(),
     )
     await services.start()
     target = f"127.0.0.1:{services.grpc_port}"
@@ -72,7 +84,7 @@ async def test_routed_turns_pull_from_the_sim_decode_engine(
             await eventually(both_registered, what="both sim-engines registered")
 
         conversation = f"conv-{uuid.uuid4().hex[:8]}"
-        # Long enough that the default cost model prefers a pull.
+        # Long enough that the history is worth pulling wherever P lacks it.
         prompt = tokens(31, 4096)
         decisions: list[str] = []
         turns: list[tuple[list[int], list[int]]] = []
