@@ -45,6 +45,11 @@ class TurnProgress:
         """Prompt tokens P read from the holder over NIXL (0 when P did not say)."""
         return self.sources.pulled if self.sources is not None and self.sources.pulled is not None else 0
 
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens P found in its own prefix cache (0 when P did not say)."""
+        return self.sources.prefill_cache if self.sources is not None else 0
+
     def retained_token_ids(self) -> list[int]:
         """D retains prompt + output - 1 tokens (the last output token has no KV yet)."""
         if not self.prompt_ids or not self.output_ids:

@@ -85,6 +85,7 @@ class TurnReporter:
                 ttft_ms=(progress.ttft_s or 0.0) * 1000,
                 prompt_tokens=len(progress.prompt_ids or ()),
                 pulled_tokens=progress.pulled_tokens,
+                cached_tokens=progress.cached_tokens,
                 prefill_ms=progress.prefill_s * 1000,
                 retained_token_ids=progress.retained_token_ids(),
                 error=progress.error[:1000],

@@ -236,3 +236,15 @@ def test_default_cost_model_reproduces_the_published_figures() -> None:
     assert 120 <= model.transfer_ms(24_000) <= 140
     # The estimate leaves at least the published saving (778 -> 460 ms).
     assert model.recompute_ms(24_000) - model.transfer_ms(24_000) >= 778 - 460
+
+
+def test_cost_model_learns_per_token_compute_from_the_tokens_p_computed_not_those_it_had_cached() -> None:
+    # P computed 1,000 of 5,000 tokens in 64 ms: 0.064 ms a token, not 0.0128.
+    obs = TurnObservation(prompt_tokens=5000, cached_tokens=4000, prefill_ms=64.0)
+    learned = CostModel(alpha=1.0).observe(obs)
+    assert learned.recompute_ms_per_token == pytest.approx(0.064)
+    # A turn that computed almost nothing says nothing about the rate.
+    assert (
+        CostModel().observe(TurnObservation(prompt_tokens=5000, cached_tokens=4900, prefill_ms=5.0))
+        == CostModel()
+    )
