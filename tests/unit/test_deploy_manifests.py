@@ -245,3 +245,81 @@ def test_a_misspelt_setting_in_chart_values_is_caught(checks: ModuleType) -> Non
     checks.check_chart_semantics("[test]", docs, checks.merged_values(values), report)
     expected = "`kvplane serve routing` and its settings (ConfigMap + env) load"
     assert f"[test] Deployment kvp-kvplane-routing: {expected}" in report.failures
+
+
+VLLM_VALUES: dict[str, Any] = {"engines": {"vllm": {"enabled": True}}}
+
+
+def _worker(docs: list[dict[str, Any]], role: str) -> dict[str, Any]:
+    deployment = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"].endswith(role))
+    container: dict[str, Any] = deployment["spec"]["template"]["spec"]["containers"][0]
+    return container
+
+
+def test_vllm_workers_load_kvplanes_connector_pointed_at_the_releases_services(
+    checks: ModuleType, capsys: pytest.CaptureFixture[str]
+) -> None:
+    docs = checks.render_chart(VLLM_VALUES, "kvp", "kvplane")
+    for role in ("prefill", "decode"):
+        args = _worker(docs, f"-vllm-{role}")["args"]
+        config = json.loads(next(a for a in args if a.startswith("--kv-transfer-config=")).split("=", 1)[1])
+        assert config["kv_connector_module_path"] == "kvplane.connector.vllm_nixl"
+        assert config["kv_connector_extra_config"]["bidirectional_kv_xfer"] is True
+        section = config["kv_connector_extra_config"]["kvplane"]
+        assert section["role"] == role
+        assert section["metadata_target"] == "kvp-kvplane-metadata:50051"
+        assert section["eviction_target"] == "kvp-kvplane-eviction:50051"
+    report = _report(checks)
+    checks.check_chart_semantics("[test]", docs, checks.merged_values(VLLM_VALUES), report)
+    assert [f for f in report.failures if "-vllm-" in f] == []
+    out = capsys.readouterr().out
+    for role in ("prefill", "decode"):
+        assert (
+            f"ok   [test] Deployment kvp-kvplane-vllm-{role}: advertised HTTP URL is its serving port" in out
+        )
+
+
+def test_vllm_worker_values_reach_the_engine_flags(checks: ModuleType) -> None:
+    values = {
+        "engines": {
+            "vllm": {
+                "enabled": True,
+                "model": "org/model",
+                "maxModelLen": 8192,
+                "decode": {"tensorParallelSize": 4},
+                "kv": {"bufferDevice": "cpu", "cpuKvCacheSpaceGb": 8, "decoderKvBlocksTtlS": 120},
+            }
+        }
+    }
+    docs = checks.render_chart(values, "kvp", "kvplane")
+    decode = _worker(docs, "-vllm-decode")
+    assert {"--model=org/model", "--max-model-len=8192", "--tensor-parallel-size=4"} <= set(decode["args"])
+    assert not any(a.startswith("--gpu-memory-utilization") for a in decode["args"])
+    assert {"name": "VLLM_CPU_KVCACHE_SPACE", "value": "8"} in decode["env"]
+    config = json.loads(
+        next(a for a in decode["args"] if a.startswith("--kv-transfer-config=")).split("=", 1)[1]
+    )
+    assert config["kv_buffer_device"] == "cpu"
+    assert config["kv_connector_extra_config"]["decoder_kv_blocks_ttl"] == 120
+
+
+def test_a_vllm_worker_pointed_at_the_wrong_service_is_caught(checks: ModuleType) -> None:
+    docs = checks.render_chart(VLLM_VALUES, "kvp", "kvplane")
+    container = _worker(docs, "-vllm-decode")
+    index = next(i for i, a in enumerate(container["args"]) if a.startswith("--kv-transfer-config="))
+    container["args"][index] = container["args"][index].replace("kvp-kvplane-eviction", "kvp-kvplane-routing")
+    report = _report(checks)
+    checks.check_chart_semantics("[test]", docs, checks.merged_values(VLLM_VALUES), report)
+    assert (
+        "[test] Deployment kvp-kvplane-vllm-decode: eviction_target kvp-kvplane-routing:50051 "
+        "is the eviction Service" in report.failures
+    )
+
+
+def test_chart_refuses_an_unknown_kv_buffer_device(checks: ModuleType) -> None:
+    import helm_python
+
+    with pytest.raises(helm_python.HelmError, match="bufferDevice"):
+        checks.render_chart(
+            {"engines": {"vllm": {"enabled": True, "kv": {"bufferDevice": "tpu"}}}}, "kvp", "kvplane"
+        )

@@ -267,6 +267,9 @@ def check_compose(resolved_path: Path, report: Report) -> None:
         if name not in ("otel-collector", "jaeger"):  # images without a shell: see compose.yaml
             report.check(bool(svc.get("healthcheck", {}).get("test")), f"compose {name}: has a health check")
         for dep, spec in (svc.get("depends_on") or {}).items():
+            # `required: false` names a service that an override may leave out (serve-all).
+            if dep not in services and spec.get("required") is False:
+                continue
             report.check(dep in services, f"compose {name}: depends on defined service {dep}")
             if dep in services and services[dep].get("healthcheck", {}).get("test"):
                 report.check(
@@ -584,6 +587,8 @@ def check_chart_semantics(
                 check_kvplane_container(name, c, env, docs, report)
             if c["name"] == "engine":
                 check_sim_container(name, c, report)
+            if c["name"] == "vllm":
+                check_vllm_container(name, c, docs, report)
         if workload["kind"] == "StatefulSet":
             report.check(
                 workload["spec"]["serviceName"] in services_by_name
@@ -734,6 +739,54 @@ def check_sim_container(name: str, c: dict[str, Any], report: Report) -> None:
             sim.http_port in ports and sim.side_channel_port in ports,
             f"{name}: HTTP and side-channel ports declared",
         )
+
+
+def check_vllm_container(name: str, c: dict[str, Any], docs: list[dict[str, Any]], report: Report) -> None:
+    """A vLLM worker: its connector configuration, the addresses it registers, its ports."""
+    args = c.get("args", [])
+    kv = [a.split("=", 1)[1] for a in args if a.startswith("--kv-transfer-config=")]
+    if not report.check(len(kv) == 1, f"{name}: one --kv-transfer-config"):
+        return
+    try:
+        config = json.loads(kv[0])
+    except json.JSONDecodeError as exc:
+        report.check(False, f"{name}: --kv-transfer-config is JSON", str(exc))
+        return
+    module = config.get("kv_connector_module_path", "")
+    report.check(module_file(module) is not None, f"{name}: connector module {module} exists")
+    extra = config.get("kv_connector_extra_config", {})
+    report.check(extra.get("bidirectional_kv_xfer") is True, f"{name}: bidirectional transfer on")
+    section = extra.get("kvplane", {})
+    unknown = set(section) - connector_setting_names()
+    report.check(not unknown, f"{name}: kvplane connector settings are known", str(sorted(unknown)))
+    services = {
+        d["metadata"]["name"]: d["spec"]["selector"].get("app.kubernetes.io/component")
+        for d in docs
+        if d["kind"] == "Service"
+    }
+    for key, component in (("metadata_target", "metadata"), ("eviction_target", "eviction")):
+        host, port = host_port(section.get(key, ":0"))
+        report.check(
+            services.get(host) == component and port > 0,
+            f"{name}: {key} {host}:{port} is the {component} Service",
+        )
+    env = {e["name"]: e.get("value") for e in c.get("env", [])}
+    ports = container_ports({"spec": {"containers": [c]}})
+    report.check(
+        env.get("KVPLANE_NODE_ID") == "$(POD_NAME)" and env.get("VLLM_NIXL_SIDE_CHANNEL_HOST") == "$(POD_IP)",
+        f"{name}: registers under its pod name and advertises its pod IP",
+    )
+    http_port = [a.split("=", 1)[1] for a in args if a.startswith("--port=")]
+    report.check(
+        bool(http_port)
+        and env.get("KVPLANE_HTTP_URL") == f"http://$(POD_IP):{http_port[0]}"
+        and int(http_port[0]) in ports.values(),
+        f"{name}: advertised HTTP URL is its serving port",
+    )
+    report.check(
+        int(env.get("VLLM_NIXL_SIDE_CHANNEL_PORT") or 0) in ports.values(),
+        f"{name}: side-channel port declared",
+    )
 
 
 def render_chart(values: dict[str, Any], release: str, namespace: str) -> list[dict[str, Any]]:
