@@ -52,7 +52,7 @@ from kvplane.bench.sim.retention import Retention
 from kvplane.bench.sim.routers import Router, TurnOutcome
 from kvplane.bench.workloads.turns import Turn
 
-_DONE, _EXPIRE, _TICK = 0, 1, 2
+_DONE, _EXPIRE, _TICK, _DEMAND = 0, 1, 2, 3
 
 # Release reasons the fleet itself produces (the control plane's come from ReleaseReason).
 ENGINE_TTL = "engine_ttl"
@@ -130,6 +130,8 @@ class Simulator:
         self._handles: dict[int, SimHandle] = {}
         self._next_handle = 1
         self._contacted: set[tuple[int, int]] = set()
+        # Decode nodes whose KV demand is on its way to the control plane (node index).
+        self._demand_due: set[int] = set()
         self._now = 0.0
 
     def _push(self, t: float, kind: int, payload: object) -> None:
@@ -152,6 +154,8 @@ class Simulator:
                     self._finish(t, payload)  # type: ignore[arg-type]
                 elif kind == _EXPIRE:
                     self._drop(payload, ENGINE_TTL, t)  # type: ignore[arg-type]
+                elif kind == _DEMAND:
+                    self._answer_demand(payload, t)  # type: ignore[arg-type]
                 else:
                     self._tick(t, upcoming is not None)
             elif upcoming is not None:
@@ -235,6 +239,7 @@ class Simulator:
             rec.waited_turns += 1
             d.waiting.append(flight)
             self._admit(d, now)
+            self._signal_demand(d, now)
         else:
             self._start(flight, now)
         # What P reports: its own prefill, whatever D's admission adds later.
@@ -305,6 +310,20 @@ class Simulator:
                 self._drop(handle, reason, now)
         if arrivals_left or self._handles or len(self._heap) > 0:
             self._push(now + self.retention.interval_s, _TICK, None)
+
+    def _signal_demand(self, d: DecodeState, now: float) -> None:
+        """Turns wait on D for KV: the control plane answers after its latency (retention.py)."""
+        latency = self.retention.demand_latency_s
+        if d.waiting and latency is not None and d.index not in self._demand_due:
+            self._demand_due.add(d.index)
+            self._push(now + latency, _DEMAND, d)
+
+    def _answer_demand(self, d: DecodeState, now: float) -> None:
+        self._demand_due.discard(d.index)
+        for handle_id, reason in self.retention.answer_demand(d, now):
+            handle = self._handles.get(handle_id)
+            if handle is not None:
+                self._drop(handle, reason, now)
 
     # -- handles --------------------------------------------------------------------------------
 

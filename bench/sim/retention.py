@@ -5,9 +5,12 @@ same `RetentionPipeline` and `TurnTracker` objects, fed the handles the
 fleet publishes, evaluated every `interval_s` of simulated time (the service
 evaluates on every change and at least each second; a coarser interval only
 delays releases). It also releases a conversation's previous handle when a
-new one is published, as the metadata service does. `EngineOnly` is a fleet
-with no control plane: handles live until D's TTL frees them, or D needs
-the memory.
+new one is published, as the metadata service does, and answers a decode
+node's KV demand: when turns wait on D for memory, the simulator asks
+`answer_demand` after `demand_latency_s`, and the pipeline's `demand` plugin
+(`RetentionPipeline.for_demand`, the coordinator's own entry point) picks
+that node's handles to release. `EngineOnly` is a fleet with no control
+plane: handles live until D's TTL frees them, or D needs the memory.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from kvplane.bench.sim.cluster import SimHandle
+from kvplane.bench.sim.cluster import DecodeState, SimHandle
 from kvplane.bench.sim.fleet import Fleet
 from kvplane.services.eviction.policy import (
     HandleInfo,
@@ -25,12 +28,21 @@ from kvplane.services.eviction.policy import (
     TurnTracker,
 )
 
+# Seconds from a decode engine's KV demand to its freed blocks, on vLLM with kvplane: the
+# scheduler step that finds a request without blocks (tens of ms under load), the node agent's
+# message on its command stream and the leader's fenced etcd transaction and command back (about
+# 10-20 ms on one machine: `python -m kvplane.bench.demand_bench`), then the step that applies the
+# release and the one whose workers report the blocks freed.
+DEFAULT_DEMAND_LATENCY_S = 0.15
+
 
 class Retention(Protocol):
     # Whether publishing a conversation's new handle releases its previous one.
     releases_superseded: bool
     # Seconds between evaluations (0: never evaluated).
     interval_s: float
+    # Seconds from a node's KV demand to the release that answers it (None: nothing answers).
+    demand_latency_s: float | None
 
     def on_publish(self, handle: SimHandle) -> None: ...
 
@@ -40,10 +52,15 @@ class Retention(Protocol):
         """(handle id, reason) of each handle to release now."""
         ...
 
+    def answer_demand(self, decode: DecodeState, now: float) -> list[tuple[int, str]]:
+        """(handle id, reason) of each handle to release for the turns waiting on `decode`."""
+        ...
+
 
 class EngineOnly:
     releases_superseded = False
     interval_s = 0.0
+    demand_latency_s: float | None = None
 
     def on_publish(self, handle: SimHandle) -> None:
         return None
@@ -54,16 +71,29 @@ class EngineOnly:
     def evaluate(self, now: float) -> list[tuple[int, str]]:
         return []
 
+    def answer_demand(self, decode: DecodeState, now: float) -> list[tuple[int, str]]:
+        return []
+
 
 class PipelineRetention:
     releases_superseded = True
 
-    def __init__(self, fleet: Fleet, config: Mapping[str, Any] | None, interval_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        fleet: Fleet,
+        config: Mapping[str, Any] | None,
+        interval_s: float = 1.0,
+        demand_latency_s: float = DEFAULT_DEMAND_LATENCY_S,
+    ) -> None:
         self.fleet = fleet
         self.pipeline = RetentionPipeline.from_config(config)
         self.tracker = TurnTracker(self.pipeline.values.gaps)
         self.interval_s = interval_s
+        # A pipeline without the demand plugin does not answer demand.
+        self.demand_latency_s = demand_latency_s if self.pipeline.on_demand is not None else None
         self._infos: dict[int, HandleInfo] = {}
+        # The same, by holder node: a demand looks at one node's handles.
+        self._by_node: dict[str, dict[int, HandleInfo]] = {}
 
     def on_publish(self, handle: SimHandle) -> None:
         fleet = self.fleet
@@ -80,10 +110,26 @@ class PipelineRetention:
         )
         handle.info = info
         self._infos[handle.handle_id] = info
+        self._by_node.setdefault(info.node_id, {})[handle.handle_id] = info
         self.tracker.on_publish(handle.tenant, handle.conversation, published)
 
     def on_gone(self, handle: SimHandle) -> None:
-        self._infos.pop(handle.handle_id, None)
+        info = self._infos.pop(handle.handle_id, None)
+        if info is not None:
+            self._by_node[info.node_id].pop(handle.handle_id, None)
+
+    def answer_demand(self, decode: DecodeState, now: float) -> list[tuple[int, str]]:
+        # What the engine reports: the KV its waiting turns need beyond what is free.
+        wanted = sum(flight.reserved for flight in decode.waiting) - decode.free
+        node_id = decode.node.node_id
+        handles = self._by_node.get(node_id)
+        if wanted <= 0 or not handles:
+            return []
+        node = NodeInfo(
+            node_id, decode.capacity, decode.retained, max(0, decode.free) / decode.capacity, wanted
+        )
+        snapshot = Snapshot(self.fleet.unix_ms(now), tuple(handles.values()), {node_id: node})
+        return [(int(r.handle_id), r.policy) for r in self.pipeline.for_demand(snapshot, node_id)]
 
     def evaluate(self, now: float) -> list[tuple[int, str]]:
         now_ms = self.fleet.unix_ms(now)

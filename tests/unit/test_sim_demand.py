@@ -1,0 +1,75 @@
+"""In the simulator, turns waiting on a full decode node are answered by the coordinator's demand policy."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvplane.bench.sim import BASELINES, ClusterSpec, SimConfig, simulator_for
+from kvplane.bench.sim.baselines import Baseline
+from kvplane.bench.sim.engine import Simulator
+from kvplane.bench.sim.retention import DEFAULT_DEMAND_LATENCY_S
+from kvplane.bench.workloads import AgenticWorkload, Turn, agentic_turns
+from kvplane.services.eviction.policy import RetentionPipeline
+
+# Decode nodes too small for the workload's retained KV: turns wait for memory (vLLM's pinned KV).
+CONFIG = SimConfig(
+    cluster=ClusterSpec(prefill_nodes=2, decode_nodes=2, decode_kv_capacity_bytes=8 << 30), pressure="wait"
+)
+
+
+def _turns() -> list[Turn]:
+    return list(agentic_turns(AgenticWorkload(seed=9, sessions_per_s=0.2, duration_s=600.0)))
+
+
+def test_waiting_turns_are_answered_by_the_pipelines_demand_entry_point(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[str] = []
+    original = RetentionPipeline.for_demand
+
+    def spy(self: RetentionPipeline, snapshot: Any, node_id: str) -> Any:
+        calls.append(node_id)
+        return original(self, snapshot, node_id)
+
+    monkeypatch.setattr(RetentionPipeline, "for_demand", spy)
+    summary = simulator_for(BASELINES["kvplane"], CONFIG).run(_turns()).summary
+    assert calls, "some turns waited, and the demand policy was asked"
+    assert summary.releases.get("demand", 0) > 0
+
+
+def test_the_answer_comes_one_control_plane_latency_after_the_turn_starts_waiting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    signals: list[tuple[int, float]] = []
+    answers: list[tuple[int, float]] = []
+    signal, answer = Simulator._signal_demand, Simulator._answer_demand
+
+    def on_signal(self: Simulator, d: Any, now: float) -> None:
+        due = d.index in self._demand_due
+        signal(self, d, now)
+        if not due and d.index in self._demand_due:
+            signals.append((d.index, now))
+
+    def on_answer(self: Simulator, d: Any, now: float) -> None:
+        answers.append((d.index, now))
+        answer(self, d, now)
+
+    monkeypatch.setattr(Simulator, "_signal_demand", on_signal)
+    monkeypatch.setattr(Simulator, "_answer_demand", on_answer)
+    simulator_for(BASELINES["kvplane"], CONFIG).run(_turns())
+    assert answers
+    assert [i for i, _ in signals] == [i for i, _ in answers]
+    assert all(
+        abs(s + DEFAULT_DEMAND_LATENCY_S - a) < 1e-9 for (_, s), (_, a) in zip(signals, answers, strict=True)
+    )
+
+
+def test_a_pipeline_without_the_demand_plugin_leaves_waiting_turns_to_the_engine() -> None:
+    ttl_only = Baseline(
+        "ttl", "policy", {"policies": [{"name": "max_age", "engine_ttl_s": 480, "margin_s": 30}]}, 480.0
+    )
+    summary = simulator_for(ttl_only, CONFIG).run(_turns()).summary
+    assert summary.waited_turns > 0
+    assert "demand" not in summary.releases
