@@ -158,7 +158,10 @@ class RoutingClient:
         request_id: str = "",
         tenant: str = "",
         timeout_s: float | None = None,
+        failed_node_ids: Sequence[str] = (),
     ) -> RouteResult:
+        """Routes one turn; `failed_node_ids` names nodes whose leg of this very turn just
+        failed (a retry), so that routing neither chooses them again nor, for others, soon."""
         request = routing_pb2.RouteRequest(
             conversation=conversation,
             model=model,
@@ -168,6 +171,7 @@ class RoutingClient:
             prompt_digest_block_size=prompt_digest_block_size,
             request_id=request_id,
             tenant=tenant,
+            failed_node_ids=failed_node_ids,
         )
         response: routing_pb2.RouteResponse = await self._call(
             lambda stub, left: stub.Route(request, timeout=left, metadata=self.metadata), timeout_s

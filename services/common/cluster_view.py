@@ -28,6 +28,7 @@ from kvplane.services.common.store import (
     Store,
     WatchEvent,
 )
+from kvplane.services.common.suspects import NodeSuspect
 from kvplane.v1 import handle_pb2, node_pb2
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,8 @@ class ClusterView:
         self.nodes: dict[str, NodeRecord] = {}
         self.loads: dict[str, NodeLoad] = {}
         self.handles: dict[ConversationKey, HandleRecord] = {}
+        # Nodes that just failed a leg (see kvplane.services.common.suspects).
+        self.suspects: dict[str, NodeSuspect] = {}
         self.revision = 0
         self.healthy = False
         self.ready = asyncio.Event()
@@ -72,6 +75,7 @@ class ClusterView:
         self._nodes_prefix = keys.nodes_prefix()
         self._loads_prefix = keys.loads_prefix()
         self._handles_prefix = keys.handles_prefix()
+        self._suspects_prefix = keys.suspects_prefix()
         # handles/, loads/ and nodes/ sort next to each other, with nothing between them, so
         # one range holds exactly what the view needs: claims, the per-node index and the
         # release outbox (whose values carry whole handles) never reach it.
@@ -157,6 +161,7 @@ class ClusterView:
         nodes: dict[str, NodeRecord] = {}
         loads: dict[str, NodeLoad] = {}
         handles: dict[ConversationKey, HandleRecord] = {}
+        suspects: dict[str, NodeSuspect] = {}
         for ev in events:
             if ev.key.startswith(self._nodes_prefix):
                 node_record = _node_record(ev)
@@ -166,6 +171,10 @@ class ClusterView:
                 loads[load.node_id] = load
             elif ev.key.startswith(self._handles_prefix):
                 handles[self.store.keys.handle_parts(ev.key)] = _handle_record(ev)
+            elif ev.key.startswith(self._suspects_prefix):
+                suspect = _suspect(ev)
+                suspects[suspect.node_id] = suspect
+        self.suspects = suspects
         old_handles = self.handles
         self.nodes, self.loads, self.handles = nodes, loads, handles
         self.revision = revision
@@ -208,6 +217,12 @@ class ClusterView:
                 change = NodeChange(node_id, node_record, previous_node.node if previous_node else None)
             for listener in self._node_listeners:
                 listener(change)
+        elif key.startswith(self._suspects_prefix):
+            if ev.deleted:
+                self.suspects.pop(_unescape_last(key), None)
+            else:
+                suspect = _suspect(ev)
+                self.suspects[suspect.node_id] = suspect
         elif key.startswith(self._loads_prefix):
             if ev.deleted:
                 self.loads.pop(_unescape_last(key), None)
@@ -241,3 +256,7 @@ def _handle_record(ev: WatchEvent) -> HandleRecord:
 
 
 __all__ = ["ClusterView", "ConversationKey", "HandleChange", "NodeChange", "prefix_range_end"]
+
+
+def _suspect(ev: WatchEvent) -> NodeSuspect:
+    return NodeSuspect.from_pb(node_pb2.NodeSuspect.FromString(ev.value))

@@ -64,6 +64,15 @@ class KeyLayout:
     def load(self, node_id: str) -> bytes:
         return self._key("loads", escape(node_id))
 
+    # node-suspects/{node}: a node that just failed a leg, under a short lease.
+    # The name sorts between loads/ and nodes/, inside the range the cluster
+    # view already watches.
+    def suspects_prefix(self) -> bytes:
+        return self._key("node-suspects", "")
+
+    def suspect(self, node_id: str) -> bytes:
+        return self._key("node-suspects", escape(node_id))
+
     # handles/{tenant}/{conversation}: the retained handle, bound to a lease
     # that matches its wall expiry.
     def handles_prefix(self) -> bytes:

@@ -130,6 +130,7 @@ class TurnRunner:
             try:
                 return await self._attempt(request, turn, prompt, route, last_try=False)
             except DecodeUnreachable as exc:
+                dead_decode = exc.route.decode.node_id
                 # D went away before anything reached the client (a dead engine whose registration
                 # has not lapsed yet): route again, which may choose another, and run the turn once more.
                 log.warning("decode leg unreachable (%s): routing the turn again", exc)
@@ -139,7 +140,8 @@ class TurnRunner:
                         exc.route.decision, error=str(exc), prefill_params=exc.prefill_params
                     )
                     self.reporter.report_later(turn, exc.route, failed, success=False)
-            route = await self._route(turn, prompt)
+            # Never the decode engine that just failed: routing also marks it suspect for every replica.
+            route = await self._route(turn, prompt, failed=(dead_decode,))
             return await self._attempt(request, turn, prompt, route, last_try=True)
 
     async def _attempt(
@@ -169,10 +171,12 @@ class TurnRunner:
 
     # -- route ------------------------------------------------------------------------
 
-    async def _route(self, turn: TurnRequest, prompt: RoutedPrompt) -> RouteResult:
+    async def _route(
+        self, turn: TurnRequest, prompt: RoutedPrompt, failed: tuple[str, ...] = ()
+    ) -> RouteResult:
         start = time.perf_counter()
         try:
-            route = await self._call_route(turn, prompt)
+            route = await self._call_route(turn, prompt, failed)
         except RoutingUnavailable as exc:
             self.metrics.legs.labels("route", "unavailable").observe(time.perf_counter() - start)
             return self._fallback(turn, str(exc))
@@ -190,7 +194,9 @@ class TurnRunner:
         self.metrics.legs.labels("route", "ok").observe(time.perf_counter() - start)
         return route
 
-    async def _call_route(self, turn: TurnRequest, prompt: RoutedPrompt) -> RouteResult:
+    async def _call_route(
+        self, turn: TurnRequest, prompt: RoutedPrompt, failed: tuple[str, ...] = ()
+    ) -> RouteResult:
         return await self.routing.route(
             turn.identity.conversation,
             turn.model,
@@ -198,6 +204,7 @@ class TurnRunner:
             prompt_token_ids=prompt.token_ids,
             request_id=uuid.uuid4().hex,
             tenant=turn.identity.tenant,
+            failed_node_ids=failed,
         )
 
     def _fallback(self, turn: TurnRequest, why: str) -> RouteResult:
@@ -238,10 +245,11 @@ class TurnRunner:
                 turn, route, TurnProgress(route.decision, error=str(failure)), success=False
             )
         retry = route
-        if failure.unreachable and route.decision != FALLBACK:
-            # P itself may be down: ask again, so that another prefill engine can be chosen.
+        if (failure.unreachable or failure.outcome == "timeout") and route.decision != FALLBACK:
+            # P itself may be down or stuck: ask again, never for the same prefill engine
+            # (routing also marks it suspect for every replica).
             try:
-                retry = await self._call_route(turn, prompt)
+                retry = await self._call_route(turn, prompt, (route.prefill.node_id,))
             except (RoutingUnavailable, grpc.aio.AioRpcError):
                 retry = route
         retry = dataclasses.replace(

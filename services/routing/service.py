@@ -57,6 +57,7 @@ from kvplane.services.common.nodes import Node
 from kvplane.services.common.server import Context, caller
 from kvplane.services.common.settings import RoutingSection
 from kvplane.services.common.store import HandleRecord, Store
+from kvplane.services.common.suspects import NodeSuspect
 from kvplane.services.common.telemetry import Telemetry
 from kvplane.services.routing.bounded_map import BoundedMap
 from kvplane.services.routing.endpoints import AddressError, bare_host, http_base_url
@@ -77,6 +78,7 @@ from kvplane.services.routing.policy.decision import NoEligibleNodes
 from kvplane.services.routing.prefill_record import PrefillCacheRecord
 from kvplane.services.routing.prefill_release import prefill_hold, release_prefill
 from kvplane.services.routing.prompt_chains import PromptChains
+from kvplane.services.routing.suspect_nodes import MAX_FAILED_NODES, SuspectMarker, usable_nodes
 from kvplane.v1 import routing_pb2, routing_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -181,6 +183,7 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
         self._replica_salt = uuid.uuid4().hex[:8]
         # The last time a Route saw the view connected to etcd (ms since the epoch).
         self._view_live_ms = 0
+        self._suspects = SuspectMarker(store)
 
     def _caller(self, context: Context) -> Principal:
         return caller(self, context)
@@ -190,13 +193,20 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
     @rpc_method
     async def Route(self, request: routing_pb2.RouteRequest, context: Context) -> routing_pb2.RouteResponse:
         start = time.perf_counter()
-        tenant = self._caller(context).acts_for(request.tenant)
+        principal = self._caller(context)
+        tenant = principal.acts_for(request.tenant)
         conversation = validation.conversation(request.conversation)
         model = validation.text(request.model, "model", max_bytes=MAX_MODEL)
         validation.ident(request.request_id, "request_id", required=False)
         prompt = _prompt(request)
+        failed = self._failed_nodes(request, principal)
         outcome = await self.route(
-            tenant, conversation, model, prompt, time_budget_s=context.time_remaining()
+            tenant,
+            conversation,
+            model,
+            prompt,
+            time_budget_s=context.time_remaining(),
+            failed_node_ids=failed,
         )
         span = trace.get_current_span()
         if span.is_recording():
@@ -233,6 +243,7 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
         prompt: Prompt,
         *,
         time_budget_s: float | None = None,
+        failed_node_ids: frozenset[str] = frozenset(),
     ) -> RouteOutcome:
         """Decides one turn and, for a pull, checks the handle out. No protobuf here.
 
@@ -244,8 +255,9 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
             self._view_live_ms = now
         key = (tenant, conversation)
         record = self.view.handle(tenant, conversation)
-        states = self._node_states()
-        prompt = self._chains.with_chain(key, prompt, self._digest_block_size(record, states))
+        all_states = self._node_states()
+        states = usable_nodes(all_states, self.view.suspects, failed_node_ids)
+        prompt = self._chains.with_chain(key, prompt, self._digest_block_size(record, all_states))
         snapshot = RouteSnapshot(
             model=model,
             conversation=conversation,
@@ -264,7 +276,14 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
         try:
             plan = self.policy.route(snapshot, self.costs)
         except NoEligibleNodes as exc:
-            raise NoRoute(str(exc)) from None
+            if len(states) == len(all_states):
+                raise NoRoute(str(exc)) from None
+            # Only failed or suspect nodes could serve the turn: trying one beats failing it.
+            snapshot = replace(snapshot, nodes=self._inflight.current(all_states, now))
+            try:
+                plan = self.policy.route(snapshot, self.costs)
+            except NoEligibleNodes as again:
+                raise NoRoute(str(again)) from None
         route_id = uuid.uuid4().hex
         decision, reason = plan.decision, plan.verdict.reason
         handle: CacheHandle | None = None
@@ -330,6 +349,20 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
             if state.node.role.can_prefill() and state.node.block_size > 0:
                 return state.node.block_size
         return _DEFAULT_BLOCK_SIZE
+
+    def _failed_nodes(self, request: routing_pb2.RouteRequest, principal: Principal) -> frozenset[str]:
+        """The nodes the caller says failed this turn; an operator's (a gateway's)
+        report also marks them suspect for every replica."""
+        validation.count(len(request.failed_node_ids), "failed_node_ids", 0, MAX_FAILED_NODES)
+        failed = frozenset(validation.ident(n, "failed_node_ids") for n in request.failed_node_ids)
+        if principal.kind is PrincipalKind.OPERATOR:
+            now = _now_ms()
+            for node_id in failed:
+                record = self.view.nodes.get(node_id)
+                if record is not None:
+                    why = f"a leg failed (reported by {principal.name})"
+                    self._suspects.mark(NodeSuspect(node_id, record.node.incarnation, now, why))
+        return failed
 
     def _loads_as_of(self) -> int:
         """While etcd is unreachable: when the view was last known to be live."""

@@ -39,7 +39,9 @@ from kvplane.services.common.store.records import (
 )
 from kvplane.services.common.store.release_store import ReleaseStore
 from kvplane.services.common.store.settings import StoreSettings
+from kvplane.services.common.store.suspect_store import SuspectStore
 from kvplane.services.common.store.watches import Compacted, Watches, WatchEvent
+from kvplane.services.common.suspects import NodeSuspect
 from kvplane.services.common.telemetry import Telemetry
 
 __all__ = [
@@ -73,6 +75,7 @@ class Store:
         self.handles = HandleStore(self.etcd, self.keys, self.leases, self.releases, self.telemetry)
         self.claims = ClaimStore(self.etcd, self.keys, self.telemetry)
         self.elections = ElectionStore(self.etcd, self.keys)
+        self.suspects = SuspectStore(self.etcd, self.keys, self.leases)
 
     # -- connection ---------------------------------------------------------
 
@@ -136,6 +139,10 @@ class Store:
     async def orphaned_nodes(self) -> set[tuple[str, str]]:
         """(node, incarnation) pairs that hold handles but are not registered."""
         return await self.nodes.orphaned_nodes()
+
+    async def mark_suspect(self, suspect: NodeSuspect, ttl_s: int) -> None:
+        """Marks a node that just failed a leg suspect, for every routing replica."""
+        await self.suspects.mark(suspect, ttl_s)
 
     # -- handles ------------------------------------------------------------
 

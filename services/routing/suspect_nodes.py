@@ -1,0 +1,77 @@
+"""Leaving out nodes that just failed: the turn's own failed legs, and the
+nodes any replica has marked suspect (kvplane.services.common.suspects).
+
+`usable_nodes` is pure, with the marks as an argument; `SuspectMarker`
+writes a mark for every replica, in the background, so that the route that
+reported the failure never waits on etcd.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Collection, Mapping
+
+from kvplane.services.common.errors import KvplaneError
+from kvplane.services.common.store import Store
+from kvplane.services.common.suspects import NodeSuspect
+from kvplane.services.routing.policy import NodeState
+
+log = logging.getLogger(__name__)
+
+# The longest a mark stands without proof either way, seconds. A dead node's
+# registration lapses before this (its lease is shorter); a live one proves
+# itself with its next load report, well within it.
+SUSPECT_TTL_S = 30
+# Marks of one node closer together than this are one failure, ms.
+_REMARK_AFTER_MS = 1000
+# How many node ids one Route may name as failed.
+MAX_FAILED_NODES = 8
+
+
+def usable_nodes(
+    states: tuple[NodeState, ...], suspects: Mapping[str, NodeSuspect], failed: Collection[str]
+) -> tuple[NodeState, ...]:
+    """The nodes a route may choose from: none that failed this turn or stands suspect."""
+    out = []
+    for state in states:
+        node = state.node
+        if node.node_id in failed:
+            continue
+        suspect = suspects.get(node.node_id)
+        if suspect is not None and suspect.stands(node, state.load):
+            continue
+        out.append(state)
+    return tuple(out)
+
+
+class SuspectMarker:
+    """Marks nodes suspect in etcd, one background write per failure."""
+
+    def __init__(self, store: Store, ttl_s: int = SUSPECT_TTL_S) -> None:
+        self.store = store
+        self.ttl_s = ttl_s
+        self._last_mark_ms: dict[tuple[str, str], int] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def mark(self, suspect: NodeSuspect) -> None:
+        key = (suspect.node_id, suspect.incarnation)
+        last = self._last_mark_ms.get(key, 0)
+        if suspect.marked_unix_ms - last < _REMARK_AFTER_MS:
+            return
+        self._last_mark_ms[key] = suspect.marked_unix_ms
+        if len(self._last_mark_ms) > 4096:
+            # Old incarnations: only the newest marks matter for de-duplication.
+            for stale in sorted(self._last_mark_ms, key=self._last_mark_ms.__getitem__)[:2048]:
+                del self._last_mark_ms[stale]
+        task = asyncio.create_task(self._write(suspect))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _write(self, suspect: NodeSuspect) -> None:
+        try:
+            await self.store.mark_suspect(suspect, self.ttl_s)
+            log.warning("node %s marked suspect: %s", suspect.node_id, suspect.reason)
+        except KvplaneError as exc:
+            # The turn's own retry already avoids the node; other replicas learn of it later.
+            log.warning("could not mark node %s suspect: %s", suspect.node_id, exc)
