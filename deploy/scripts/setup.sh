@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Installs everything kvplane needs on a Debian machine, as root: etcd,
 # Node.js (for buf), a Python virtual environment with the project and its
-# development tools. Idempotent: a second run installs nothing new.
+# development tools, at the versions of deploy/constraints.txt. Idempotent: a
+# second run installs nothing new. The first run takes 5-10 minutes on 2 cores
+# and leaves about 2.3 GB on disk (.venv 2.0 GB, CPU torch 0.75 GB of it).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -30,12 +32,13 @@ if [ ! -x .venv/bin/python ]; then
   .venv/bin/pip install -q --upgrade pip
 fi
 stamp=.venv/.kvplane-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  echo "==> pip install -e .[dev]"
-  # torch first and pinned: NIXL's wheel needs it, and 2.13.0 is the CPU
-  # build; an unpinned torch pulls a multi-GB CUDA build.
-  .venv/bin/pip install -q torch==2.13.0
-  .venv/bin/pip install -q -e '.[dev]'
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ deploy/constraints.txt -nt "$stamp" ]; then
+  # torch first, the CPU build: NIXL's wheel needs torch, and PyPI's is the CUDA build.
+  ./deploy/scripts/install_cpu_torch.sh .venv
+  # pyproject.toml states ranges; the constraints make this install the tested one, exactly.
+  echo "==> pip install -e .[dev] -c deploy/constraints.txt"
+  .venv/bin/pip install -q -c deploy/constraints.txt -e '.[dev]'
   touch "$stamp"
 fi
 echo "==> ready: $(etcd --version | head -1), $(.venv/bin/python --version)"
+echo "    the kvplane command is .venv/bin/kvplane (\`source .venv/bin/activate\` puts it on PATH)"
