@@ -31,6 +31,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvplane.services.common.local_etcd import LocalEtcd, free_port
+from kvplane.services.devstack_credentials import GATEWAY, DevCredentials
 
 DEMO_API_KEY = "dev-key"
 DEMO_TENANT = "demo"
@@ -137,6 +138,11 @@ class Stack:
     decode_url: str
     metrics_url: str
     processes: list[ManagedProcess] = field(default_factory=list)
+    # Every engine's URL by role (the first of each is prefill_url / decode_url).
+    prefill_urls: list[str] = field(default_factory=list)
+    decode_urls: list[str] = field(default_factory=list)
+    # Call metadata of the stack's operator principal (the control plane runs in token mode).
+    operator_metadata: tuple[tuple[str, str], ...] = ()
 
     def stop(self) -> None:
         for proc in reversed(self.processes):
@@ -179,14 +185,20 @@ async def start_stack(
     timeout_s: float = 120.0,
     prefill_args: Sequence[str] = (),
     ports: StackPorts = StackPorts(),
+    prefill_nodes: int = 1,
+    decode_nodes: int = 1,
 ) -> Stack:
     """Starts etcd, `serve all`, P and D sim-engines and the gateway; returns when all are ready.
 
-    `prefill_args` go to the prefill engine's command line (e.g. `--no-enable-prefix-caching`).
+    `prefill_args` go to the prefill engines' command lines (e.g. `--no-enable-prefix-caching`).
+    `prefill_nodes` and `decode_nodes` engines of each role (p0, p1, ...; d0, d1, ...).
     """
     run_dir = run_dir or Path(tempfile.mkdtemp(prefix="kvplane-run-"))
     run_dir.mkdir(parents=True, exist_ok=True)
     host = "127.0.0.1"
+    # Token mode, as deployed: every engine, the gateway and the probes present their own token.
+    credentials = DevCredentials(run_dir / "credentials")
+    node_ids = [f"p{i}" for i in range(prefill_nodes)] + [f"d{i}" for i in range(decode_nodes)]
     progress("starting etcd")
     etcd = LocalEtcd(host)
     etcd.start()
@@ -201,6 +213,7 @@ async def start_stack(
         prefill_url=f"http://{host}:{p_port}",
         decode_url=f"http://{host}:{d_port}",
         metrics_url=f"http://{host}:{metrics_port}/metrics",
+        operator_metadata=credentials.operator_metadata(),
     )
     try:
         services = ManagedProcess(
@@ -214,6 +227,8 @@ async def start_stack(
                 etcd.endpoint,
                 "--metrics-port",
                 str(metrics_port),
+                "--config",
+                str(credentials.services_config(node_ids)),
             ),
             run_dir / "services.log",
         )
@@ -223,7 +238,10 @@ async def start_stack(
         await _wait_ready(services, grpc_health_probe(stack.grpc_target), timeout_s)
 
         engines = []
-        for role, node_id, port in (("prefill", "p0", p_port), ("decode", "d0", d_port)):
+        nodes = [("prefill", f"p{i}", p_port if i == 0 else free_port()) for i in range(prefill_nodes)]
+        nodes += [("decode", f"d{i}", d_port if i == 0 else free_port()) for i in range(decode_nodes)]
+        for role, node_id, port in nodes:
+            (stack.prefill_urls if role == "prefill" else stack.decode_urls).append(f"http://{host}:{port}")
             engine = ManagedProcess(
                 f"{role} sim-engine",
                 _kvplane(
@@ -242,6 +260,8 @@ async def start_stack(
                     str(free_port()),
                     "--control-plane",
                     stack.grpc_target,
+                    "--auth-token-file",
+                    credentials.token_file(node_id),
                     "--speedup",
                     str(speedup),
                     "--decoder-kv-blocks-ttl",
@@ -265,7 +285,14 @@ async def start_stack(
 
         gateway_config = run_dir / "gateway.yaml"
         gateway_config.write_text(  # JSON is YAML
-            json.dumps({"gateway": {"api_keys": [{"token": DEMO_API_KEY, "tenant": DEMO_TENANT}]}})
+            json.dumps(
+                {
+                    "gateway": {
+                        "api_keys": [{"token": DEMO_API_KEY, "tenant": DEMO_TENANT}],
+                        "routing_token_file": credentials.token_file(GATEWAY),
+                    }
+                }
+            )
         )
         gateway = ManagedProcess(
             "gateway",
@@ -293,21 +320,27 @@ async def start_stack(
         progress("starting the gateway")
         gateway.start()
         await _wait_ready(gateway, http_health_probe(f"{stack.gateway_url}/health"), timeout_s)
-        progress("waiting for both engines to register")
-        await _wait_ready(services, _nodes_registered(stack.grpc_target, 2), timeout_s)
+        progress("waiting for the engines to register")
+        await _wait_ready(
+            services,
+            _nodes_registered(stack.grpc_target, len(nodes), credentials.operator_metadata()),
+            timeout_s,
+        )
         return stack
     except BaseException:
         stack.stop()
         raise
 
 
-def _nodes_registered(target: str, count: int) -> Callable[[], Awaitable[bool]]:
+def _nodes_registered(
+    target: str, count: int, metadata: tuple[tuple[str, str], ...]
+) -> Callable[[], Awaitable[bool]]:
     from kvplane.v1 import metadata_pb2, metadata_pb2_grpc
 
     async def probe() -> bool:
         async with grpc.aio.insecure_channel(target) as channel:
             nodes = await metadata_pb2_grpc.MetadataServiceStub(channel).ListNodes(
-                metadata_pb2.ListNodesRequest(), timeout=1
+                metadata_pb2.ListNodesRequest(), timeout=1, metadata=metadata
             )
             return len(nodes.nodes) >= count
 

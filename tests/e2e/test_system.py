@@ -188,7 +188,7 @@ async def test_client_kv_transfer_params_have_no_effect(stack: Stack) -> None:
 async def _incarnation(stack: Stack, node_id: str) -> str:
     async with grpc.aio.insecure_channel(stack.grpc_target) as channel:
         nodes = await metadata_pb2_grpc.MetadataServiceStub(channel).ListNodes(
-            metadata_pb2.ListNodesRequest()
+            metadata_pb2.ListNodesRequest(), metadata=stack.operator_metadata
         )
     return next((n.node.incarnation for n in nodes.nodes if n.node.node_id == node_id), "")
 
