@@ -47,6 +47,8 @@ HISTORY_TOKENS = 4096
 NEW_TOKENS = 64
 BLOCK = 16
 MODEL = "bench-model"
+# Callers identify as a mesh proxy would (the cheapest of the authenticators to check).
+MESH_SECRET = "route-bench-secret"
 _ECHO_METHOD = "/kvplane.bench.Echo/Echo"
 
 
@@ -106,6 +108,7 @@ async def _serve_routing(port: int, etcd: str, prefix: str, tracing: bool) -> No
             "grpc": {"listen": f"127.0.0.1:{port}", "grace_s": 0.2},
             "etcd": {"endpoints": [etcd], "prefix": prefix},
             "telemetry": {"metrics_port": 0, "sample_ratio": 1.0 if tracing else 0.0},
+            "auth": {"mode": "mesh", "mesh": {"secrets": [MESH_SECRET]}},
         }
     )
     telemetry = (
@@ -405,7 +408,9 @@ async def routing_round(
         conversations = [f"pull-{round_id}-{i}" for i in range(2 * per_phase)] + [f"pull-{round_id}-last"]
         await publish_handles(etcd.endpoint, prefix, holders, conversations)
         async with RoutingClient(
-            [f"127.0.0.1:{port}"], metadata=(("x-kvplane-tenant", "bench"),), timeout_s=10.0
+            [f"127.0.0.1:{port}"],
+            metadata=(("x-kvplane-mesh-secret", MESH_SECRET), ("x-kvplane-tenant", "bench")),
+            timeout_s=10.0,
         ) as client:
             # The last handle published is in the view once it pulls: so are all others.
             deadline = time.monotonic() + 30
