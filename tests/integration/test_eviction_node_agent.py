@@ -115,6 +115,47 @@ async def test_end_conversation_reaches_the_engine_through_the_real_agent_within
         agent.stop(timeout_s=5.0)
 
 
+async def test_the_agent_repeats_a_lasting_demand_and_withdraws_it_when_it_ends(
+    serve_all: ServiceProcess,
+) -> None:
+    target = f"127.0.0.1:{serve_all.grpc_port}"
+    node = make_node("d-demand", incarnation="")
+    applied = Applied()
+    demand = [0]
+    agent = NodeAgent(
+        NodeAgentSettings(
+            metadata_target=target,
+            lease_ttl_s=3,
+            demand_refresh_s=0.1,
+            backoff_initial_s=0.02,
+            backoff_max_s=0.3,
+            credentials=MESH_CREDENTIALS,
+        ),
+        node,
+        lambda: NodeLoad(node.node_id, ""),
+        applied.on_release,
+        demand_fn=lambda: demand[0],
+    )
+    coordinator = coordinator_of(serve_all)
+    agent.start()
+    try:
+        await eventually(lambda: _true(len(coordinator.sessions) == 1), what="the agent's stream")
+        assert agent.stats().demand_reports == 0, "no demand, nothing sent"
+        demand[0] = 7
+        agent.notify_demand()  # what an engine does when requests start waiting
+        await eventually(
+            lambda: _true(getattr(coordinator.demands.get(node.node_id), "blocks", 0) == 7),
+            what="the demand at the leader",
+        )
+        sent = agent.stats().demand_reports
+        await eventually(lambda: _true(agent.stats().demand_reports >= sent + 2), what="the demand repeated")
+        demand[0] = 0
+        agent.notify_demand()
+        await eventually(lambda: _true(node.node_id not in coordinator.demands), what="the demand withdrawn")
+    finally:
+        agent.stop(timeout_s=5.0)
+
+
 def _registered(store: Store, node_id: str, incarnation: str):  # type: ignore[no-untyped-def]
     async def probe() -> bool:
         record = await store.get_node(node_id)
