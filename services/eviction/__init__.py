@@ -6,6 +6,7 @@ Modules:
   standbys watch the key and campaign when it goes.
 - `coordinator`: one replica. Every replica keeps a warm cluster view and
   learns inter-turn gaps; the leader evaluates the retention policies,
+  answers nodes' KV demand (sent on their command streams) at once,
   purges dead nodes' handles and drains nodes.
 - `releaser`: one fenced `Store.release` transaction per decision; the
   metadata entry is gone before any command is sent.
@@ -15,8 +16,10 @@ Modules:
   Standbys answer UNAVAILABLE, and the health name
   `kvplane.v1.EvictionService/leader` is SERVING only on the leader (for a
   readiness probe).
-- `policy/`: pure retention plugins (max_age, node_budget, tenant_budget,
-  kv_pressure, low_value) over plain dataclasses, shared with the simulator.
+- `policy/`: pure retention plugins (max_age, demand, node_budget,
+  tenant_budget, kv_pressure, low_value) over plain dataclasses, shared with
+  the simulator. By default: max_age, demand and low_value; no headroom is
+  kept empty ahead of need (node_budget and kv_pressure are opt-in limits).
 - `config`: the `eviction:` settings section; `app.install` wires it all
   into a kvplane process (`kvplane serve eviction`, `kvplane serve all`).
 
@@ -28,8 +31,7 @@ Settings (YAML, or KVPLANE_EVICTION__<FIELD>):
       policy:
         policies:
           - {name: max_age, engine_ttl_s: 480, margin_s: 30}
+          - {name: demand}
           - {name: tenant_budget, default_bytes: 68719476736}
-          - {name: node_budget, high_fraction: 0.9, low_fraction: 0.8}
-          - {name: kv_pressure, low_free_fraction: 0.05, target_free_fraction: 0.15}
           - {name: low_value, min_ratio: 1.0}
 """

@@ -7,7 +7,9 @@ Entry point, shared by the eviction service and the simulator:
     releases = pipeline.evaluate(Snapshot(now_unix_ms, handles, nodes))
 
 Each plugin lives in its own module and is named in configuration:
-`max_age`, `node_budget`, `tenant_budget`, `kv_pressure`, `low_value`. Budgets release the
+`max_age`, `demand`, `node_budget`, `tenant_budget`, `kv_pressure`, `low_value`. `demand`
+answers a node's reported KV demand (also called directly: `RetentionPipeline.for_demand`),
+least expected reuse per byte first. Budgets release the
 lowest-value handles first, valued by `value.ValueModel` from online gap
 statistics (`gaps.GapStatistics`, fed by `gaps.TurnTracker`). Every
 `Release` carries a reason and a detail. No module here does I/O or reads
