@@ -36,6 +36,8 @@ from kvplane.services.eviction.coordinator import EvictionCoordinator
 from kvplane.v1 import eviction_pb2, eviction_pb2_grpc
 
 MB = 1 << 20
+# The benchmark's services run in mesh mode; the nodes' calls carry the proxy's secret.
+MESH_SECRET = uuid.uuid4().hex
 
 
 @dataclass(frozen=True)
@@ -129,7 +131,12 @@ class AckingNode:
                     yield await out.get()
 
             call = eviction_pb2_grpc.EvictionServiceStub(channel).Commands(
-                requests(), metadata=(("x-kvplane-role", "node"),)
+                requests(),
+                metadata=(
+                    ("x-kvplane-mesh-secret", MESH_SECRET),
+                    ("x-kvplane-role", "node"),
+                    ("x-kvplane-node", self.node.node_id),
+                ),
             )
             async for command in call:
                 out.put_nowait(
@@ -165,6 +172,7 @@ async def run_once(etcd: LocalEtcd, handles: int, node_count: int, keep_mb: int,
             "grpc": {"listen": f"127.0.0.1:{free_port()}", "grace_s": 0.2},
             "etcd": {"endpoints": [etcd.endpoint], "prefix": prefix},
             "telemetry": {"metrics_port": 0},
+            "auth": {"mode": "mesh", "mesh": {"secrets": [MESH_SECRET]}},
             "eviction": {
                 "lease_ttl_s": 10,
                 "evaluate_interval_s": 0.5,

@@ -34,8 +34,10 @@ from kvplane.services.common.telemetry import Telemetry
 from kvplane.services.metadata.app import install
 from kvplane.v1 import metadata_pb2, metadata_pb2_grpc
 
-NODE_MD = (("x-kvplane-role", "node"),)
-TENANT_MD = (("x-kvplane-tenant", "bench"),)
+# The benchmark's services run in mesh mode; calls carry the proxy's secret, as a mesh proxy would.
+MESH_SECRET = uuid.uuid4().hex
+NODE_MD = (("x-kvplane-mesh-secret", MESH_SECRET), ("x-kvplane-role", "node"), ("x-kvplane-node", "bench-d0"))
+TENANT_MD = (("x-kvplane-mesh-secret", MESH_SECRET), ("x-kvplane-tenant", "bench"))
 
 
 @dataclass(frozen=True)
@@ -123,6 +125,7 @@ async def run(ops: int, concurrencies: list[int]) -> list[Result]:
                 "grpc": {"listen": f"127.0.0.1:{free_port()}"},
                 "etcd": {"endpoints": [etcd.endpoint], "prefix": f"/bench/{uuid.uuid4().hex}/"},
                 "telemetry": {"metrics_port": 0},
+                "auth": {"mode": "mesh", "mesh": {"secrets": [MESH_SECRET]}},
             }
         )
         process = ServiceProcess(settings, [install], Telemetry.disabled())
