@@ -45,4 +45,5 @@ def test_dev_stack_pins_its_ports_keeps_its_logs_and_its_demo_columns_add_up(tmp
     assert len(rows) == 2 * 2, out
     for _conversation, _turn, prompt, _ttft, _decision, pulled, cached, computed in rows:
         assert int(pulled) + int(cached) + int(computed) == int(prompt), out
-    assert any(decision == "pull" and int(pulled) > 0 for *_, decision, pulled, _c, _d in rows), out
+    # A later turn finds its history in P's own prefix cache (or pulls it): that is now shown.
+    assert any(int(pulled) + int(cached) > 0 for *_, pulled, cached, _computed in rows), out
