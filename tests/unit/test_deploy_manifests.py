@@ -323,3 +323,40 @@ def test_chart_refuses_an_unknown_kv_buffer_device(checks: ModuleType) -> None:
         checks.render_chart(
             {"engines": {"vllm": {"enabled": True, "kv": {"bufferDevice": "tpu"}}}}, "kvp", "kvplane"
         )
+
+
+def test_mesh_policies_take_the_releases_names_namespace_and_service_accounts(checks: ModuleType) -> None:
+    docs = checks.render_chart({"mesh": {"enabled": True}}, "prod", "llm")
+    policies = [d for d in docs if d["apiVersion"] == "security.istio.io/v1"]
+    assert {d["metadata"]["name"] for d in policies} >= {
+        "prod-kvplane-strict-mtls",
+        "prod-kvplane-deny-by-default",
+        "prod-kvplane-routing",
+        "prod-kvplane-metadata",
+        "prod-kvplane-eviction",
+        "prod-kvplane-etcd",
+        "prod-kvplane-gateway",
+        "prod-kvplane-engines",
+    }
+    assert all(d["metadata"]["namespace"] == "llm" for d in policies)
+    accounts = {d["metadata"]["name"] for d in docs if d["kind"] == "ServiceAccount"}
+    principals = {
+        p
+        for d in policies
+        for rule in d["spec"].get("rules", [])
+        for src in rule.get("from", [])
+        for p in src["source"].get("principals", [])
+    }
+    in_release = {p for p in principals if p.startswith("cluster.local/ns/llm/sa/")}
+    assert in_release - {"cluster.local/ns/llm/sa/prod-kvplane-operator"} == {
+        f"cluster.local/ns/llm/sa/{a}" for a in accounts
+    }
+    routing = next(d for d in policies if d["metadata"]["name"] == "prod-kvplane-routing")
+    assert routing["spec"]["selector"]["matchLabels"]["app.kubernetes.io/instance"] == "prod"
+
+
+def test_mesh_policies_are_left_out_when_turned_off(checks: ModuleType) -> None:
+    docs = checks.render_chart({"mesh": {"enabled": True, "policies": {"enabled": False}}}, "kvp", "kvplane")
+    assert [d for d in docs if d["apiVersion"].startswith("security.istio.io")] == []
+    pods = [t for _, t in checks.pod_templates(docs)]
+    assert all(t["metadata"]["labels"]["sidecar.istio.io/inject"] == "true" for t in pods)
