@@ -6,8 +6,9 @@ leg. The checks, in order:
 
 1. `model`: a string of 1..256 bytes without control characters, if given.
 2. The prompt. Chat: `messages`, a non-empty list of objects, each with a
-   string `role` and a `content` that is a string, a list of parts (objects)
-   or null. Completions: `prompt`, a string or a non-empty list of token ids,
+   string `role` and a `content` that is a string, a list of parts (objects
+   with a string `type`; a text part's `text` a string) or null.
+   Completions: `prompt`, a string or a non-empty list of token ids,
    or a batch of exactly one of those (the P/D legs carry one handle each,
    so batches are refused).
 3. Token ids: integers (not booleans) in [0, vocab_size) when the vocabulary
@@ -136,11 +137,20 @@ def _check_messages(messages: Any) -> None:
         if not isinstance(role, str) or not role or has_control(role):
             raise RequestRejected(400, f"{where}.role must be a non-empty string", f"{where}.role")
         content = message.get("content")
-        parts_ok = isinstance(content, list) and all(isinstance(part, dict) for part in content)
+        parts_ok = isinstance(content, list) and all(_part_ok(part) for part in content)
         if content is not None and not isinstance(content, str) and not parts_ok:
             raise RequestRejected(
-                400, f"{where}.content must be a string, a list of parts or null", f"{where}.content"
+                400,
+                f"{where}.content must be a string, a list of parts (objects with a string type; "
+                "a text part's text a string) or null",
+                f"{where}.content",
             )
+
+
+def _part_ok(part: Any) -> bool:
+    if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+        return False
+    return part["type"] != "text" or isinstance(part.get("text"), str)
 
 
 def single_prompt(prompt: Any) -> Any:
