@@ -3,7 +3,8 @@
 Engine-agnostic: the vLLM connector uses it, and so does the engine simulator. The API is
 small and stable:
 
-    agent = NodeAgent(settings, node, load_fn, on_release, on_drain=None, demand_fn=None)
+    agent = NodeAgent(settings, node, load_fn, on_release, on_drain=None, demand_fn=None,
+                      retained_fn=None)
     agent.start()                        # own thread, own asyncio loop; returns at once
     agent.incarnation                    # new uuid at every start()
     agent.publish(handle)                # never blocks: enqueue a retained handle
@@ -16,7 +17,11 @@ small and stable:
 What the agent does, all on its own thread:
 
 - registers the node (MetadataService.RegisterNode) under the incarnation, keeps the lease
-  alive (KeepAlive) and registers again when the lease is gone (NOT_FOUND);
+  alive (KeepAlive: a failed refresh is retried within half a second, not a whole interval
+  later) and registers again when the lease is gone (NOT_FOUND);
+- after every registration, reconciles: asks the control plane which of the handles the engine
+  retains (`retained_fn()`) nothing references any more (their records were purged while the
+  node was away) and frees those through `on_release`;
 - reports load (ReportLoad) every `load_interval_s`, from `load_fn()`;
 - sends publishes (PublishHandles) and releases (ReportReleased) from one bounded queue, in
   order, batching consecutive items of one kind;
@@ -48,9 +53,9 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import grpc
 
@@ -84,6 +89,17 @@ _MAX_RELEASE_BATCH = 1024
 _TRACE_KEYS = frozenset({"traceparent", "tracestate"})
 # PublishHandles takes at most this many handles per call (metadata.proto).
 _MAX_PUBLISH_BATCH = 256
+# ReconcileRetained takes at most this many ids per call (metadata.proto).
+_MAX_RECONCILE_BATCH = 1024
+# The longest wait before a failed KeepAlive is sent again, in seconds: the lease keeps running.
+_KEEPALIVE_RETRY_MAX_S = 0.5
+# Channels to the control plane reconnect within a second of a restarted service being back,
+# not after gRPC's default backoff (up to two minutes).
+_CHANNEL_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
 
 
 class NodeAgentError(Exception):
@@ -98,8 +114,9 @@ class NodeAgentSettings:
     metadata_target: str
     # host:port of the eviction service; empty: the metadata target (`kvplane serve all`).
     eviction_target: str = ""
-    # Lease time-to-live requested at registration, in seconds (2 to 300).
-    lease_ttl_s: int = 10
+    # Lease time-to-live requested at registration, in seconds (2 to 300). Long enough to outlive
+    # a control-plane restart: a dead engine is avoided at once anyway (suspect marks).
+    lease_ttl_s: int = 30
     # Seconds between load reports.
     load_interval_s: float = 0.5
     # Most items one PublishHandles or ReportReleased call carries.
@@ -153,6 +170,8 @@ class AgentStats:
     demand_reports: int
     command_streams_opened: int
     rpc_errors: int
+    # Retained handles freed because nothing referenced them at a (re)registration.
+    reconciled_freed: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,8 +211,13 @@ class NodeAgent:
         on_release: Callable[[str], None],
         on_drain: Callable[[], None] | None = None,
         demand_fn: Callable[[], int] | None = None,
+        retained_fn: Callable[[], Iterable[str]] | None = None,
     ) -> None:
         self._settings = settings
+        # The request ids of the handles the engine retains; None: no reconciliation.
+        self._retained_fn = retained_fn
+        self._reconciled_freed = 0
+        self._background: set[asyncio.Task[None]] = set()
         self._demand_fn = demand_fn
         self._demand_wake: asyncio.Event | None = None
         self._node_template = node
@@ -311,6 +335,7 @@ class NodeAgent:
             demand_reports=self._demand_reports,
             command_streams_opened=self._streams_opened,
             rpc_errors=self._rpc_errors,
+            reconciled_freed=self._reconciled_freed,
         )
 
     # ------------------------------------------------------------------ queue
@@ -375,11 +400,14 @@ class NodeAgent:
         self._session_ready = asyncio.Event()
         self._reregister = asyncio.Event()
         self._lease_id = 0
+        # Held while a publish batch is in flight, and while reconciling: a handle being
+        # published is never taken for an unreferenced one.
+        self._send_lock = asyncio.Lock()
         self._started.set()
         s = self._settings
-        meta_channel = self._credentials.channel(s.metadata_target)
+        meta_channel = self._credentials.channel(s.metadata_target, options=_CHANNEL_OPTIONS)
         evict_channel = (
-            self._credentials.channel(s.eviction_target)
+            self._credentials.channel(s.eviction_target, options=_CHANNEL_OPTIONS)
             if s.eviction_target and s.eviction_target != s.metadata_target
             else meta_channel
         )
@@ -482,6 +510,7 @@ class NodeAgent:
 
     async def _session_loop(self) -> None:
         backoff = _Backoff(self._settings.backoff_initial_s, self._settings.backoff_max_s)
+        retry_now = False
         while not self._is_stopping():
             if not self._session_ready.is_set():
                 try:
@@ -491,10 +520,14 @@ class NodeAgent:
                     self._note_error("RegisterNode", err)
                     await self._sleep_or_stop(backoff.next_delay())
                     continue
-            # Refresh at a third of the lease so two lost refreshes are survivable.
-            interval = max(0.2, self._granted_ttl_s / 3.0)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._reregister.wait(), timeout=interval)
+                retry_now = False
+                self._spawn(self._reconcile(), "kvplane-agent-reconcile")
+            if not retry_now:
+                # Refresh at a third of the lease so two lost refreshes are survivable.
+                interval = max(0.2, self._granted_ttl_s / 3.0)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._reregister.wait(), timeout=interval)
+            retry_now = False
             if not self._session_ready.is_set():
                 continue
             try:
@@ -511,7 +544,65 @@ class NodeAgent:
             except grpc.aio.AioRpcError as err:
                 self._note_error("KeepAlive", err)
                 if err.code() not in _NOT_REGISTERED:
-                    await self._sleep_or_stop(backoff.next_delay())
+                    # The lease runs on while the control plane restarts: try again promptly.
+                    await self._sleep_or_stop(min(backoff.next_delay(), _KEEPALIVE_RETRY_MAX_S))
+                    retry_now = True
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _reconcile(self) -> None:
+        """Frees the retained handles nothing in the control plane references.
+
+        Under the send lock, so no publish is in flight: every id the engine
+        held when asked was either published (and is referenced unless it was
+        released, purged or consumed), still queued (kept), or dropped (freed).
+        """
+        if self._retained_fn is None:
+            return
+        incarnation = self._incarnation
+        try:
+            async with self._send_lock:
+                held = list(dict.fromkeys(self._retained_fn()))
+                unreferenced: list[str] = []
+                for start in range(0, len(held), _MAX_RECONCILE_BATCH):
+                    resp = await self._meta.ReconcileRetained(
+                        metadata_pb2.ReconcileRetainedRequest(
+                            node_id=self._node_template.node_id,
+                            incarnation=incarnation,
+                            remote_request_ids=held[start : start + _MAX_RECONCILE_BATCH],
+                        ),
+                        timeout=self._settings.rpc_timeout_s,
+                        metadata=self._call_metadata,
+                    )
+                    unreferenced += resp.unreferenced_request_ids
+                with self._lock:
+                    queued = {
+                        item.handle.vllm.remote_request_id
+                        for item in self._queue
+                        if item.kind == "publish" and item.handle is not None
+                    }
+        except grpc.aio.AioRpcError as err:
+            # The next registration reconciles again; until then the engine's TTL bounds the loss.
+            self._note_error("ReconcileRetained", err)
+            return
+        for request_id in unreferenced:
+            if request_id in queued:
+                continue
+            try:
+                self._on_release(request_id)
+            except Exception:
+                log.exception("freeing unreferenced request %s failed", request_id)
+                continue
+            self._reconciled_freed += 1
+        if unreferenced:
+            log.warning(
+                "node %s freed %d retained handle(s) nothing referenced any more",
+                self._node_template.node_id,
+                len(unreferenced),
+            )
 
     # ------------------------------------------------------------------ load
 
@@ -559,6 +650,10 @@ class NodeAgent:
 
     async def _send_one_batch(self) -> bool:
         """Send the head batch. False when the queue was empty. Puts the batch back on errors."""
+        async with self._send_lock:
+            return await self._send_head_batch()
+
+    async def _send_head_batch(self) -> bool:
         batch = self._take_batch()
         if not batch:
             return False

@@ -177,6 +177,7 @@ def start_node_agent(engine: SimEngine, http_url: str, observer: ConnectorObserv
         on_release,
         on_drain=engine.drain,
         demand_fn=engine.kv_demand_blocks,
+        retained_fn=engine.retained_handle_ids,
     )
     engine.demand_listener = agent.notify_demand
     agent.start()

@@ -294,6 +294,10 @@ class SimEngine:
         for request_id in list(self._retained):
             self._free(request_id, "drain")
 
+    def retained_handle_ids(self) -> list[str]:
+        """Request ids of the decode handles held; from any thread (the values are copied in one step)."""
+        return [r.request_id for r in list(self._retained.values()) if r.kind == "decode_handle"]
+
     def retained(self) -> list[dict[str, Any]]:
         now = time.perf_counter()
         return [

@@ -8,15 +8,20 @@ collide with another key, and prefix ranges end at part boundaries.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 _SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
+_SAFE_PART = re.compile(r"[A-Za-z0-9_-]+")
 
 
 def escape(part: str) -> str:
     """Percent-encode one key part. Empty parts are rejected by validation first."""
     if not part:
         raise ValueError("empty key part")
+    if _SAFE_PART.fullmatch(part):
+        # Most ids are already in the output alphabet: nothing to encode (a check-out builds several keys).
+        return part
     return "".join(chr(b) if b in _SAFE else f"%{b:02X}" for b in part.encode("utf-8"))
 
 
@@ -107,6 +112,9 @@ class KeyLayout:
         return unescape(node), unescape(inc), unescape(req)
 
     # claims/{tenant}/{conversation}/{claim id}: a check-out, short lease.
+    def all_claims_prefix(self) -> bytes:
+        return self._key("claims", "")
+
     def claims_prefix(self, tenant: str, conversation: str) -> bytes:
         return self._key("claims", escape(tenant), escape(conversation), "")
 

@@ -17,7 +17,7 @@ from kvplane.connector.digests import DigestFormatError, checkpoints
 from kvplane.services.common import convert, validation
 from kvplane.services.common.auth import Principal, PrincipalKind
 from kvplane.services.common.cluster_view import ClusterView, NodeChange
-from kvplane.services.common.errors import InvalidArgument, NotFound, StoreUnavailable
+from kvplane.services.common.errors import InvalidArgument, NodeNotRegistered, NotFound, StoreUnavailable
 from kvplane.services.common.grpc_errors import rpc_method
 from kvplane.services.common.handles import CacheHandle, HandleFormatError, ReleaseReason
 from kvplane.services.common.nodes import Node, NodeLoad
@@ -159,6 +159,30 @@ class MetadataService(metadata_pb2_grpc.MetadataServiceServicer):
             request.node_id, request.incarnation, request.remote_request_ids
         )
         return metadata_pb2.ReportReleasedResponse(removed=removed)
+
+    @rpc_method
+    async def ReconcileRetained(
+        self, request: metadata_pb2.ReconcileRetainedRequest, context: Context
+    ) -> metadata_pb2.ReconcileRetainedResponse:
+        principal = self._caller(context)
+        principal.require(PrincipalKind.NODE)
+        principal.as_node(validation.ident(request.node_id, "node_id"), "node_id")
+        validation.ident(request.incarnation, "incarnation")
+        validation.count(
+            len(request.remote_request_ids), "remote_request_ids", 0, validation.MAX_RELEASE_REPORT
+        )
+        for i, rid in enumerate(request.remote_request_ids):
+            validation.ident(rid, f"remote_request_ids[{i}]")
+        # Only the registered incarnation may free its blocks this way.
+        record = await self.store.get_node(request.node_id)
+        if record is None or record.node.incarnation != request.incarnation:
+            raise NodeNotRegistered(
+                f"node {request.node_id!r} incarnation {request.incarnation!r} is not registered"
+            )
+        unreferenced = await self.store.unreferenced(
+            request.node_id, request.incarnation, request.remote_request_ids
+        )
+        return metadata_pb2.ReconcileRetainedResponse(unreferenced_request_ids=unreferenced)
 
     @rpc_method
     async def GetHandle(

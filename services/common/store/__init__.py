@@ -211,6 +211,10 @@ class Store:
         """Drops handles whose blocks the engine itself freed; returns how many."""
         return await self.releases.release_freed(node_id, incarnation, request_ids)
 
+    async def unreferenced(self, node_id: str, incarnation: str, request_ids: Iterable[str]) -> list[str]:
+        """Of the request ids a node's engine retains, those nothing references."""
+        return await self.releases.unreferenced(node_id, incarnation, request_ids)
+
     async def purge_node(self, node_id: str, incarnation: str | None, reason: ReleaseReason) -> int:
         """Removes every handle a node (or one of its incarnations) holds."""
         return await self.releases.purge_node(node_id, incarnation, reason)

@@ -124,6 +124,30 @@ class ReleaseStore:
                 await self.etcd.write("purge_release", [], [fencing.delete(bytes(kv.key))])
         return removed
 
+    async def unreferenced(self, node_id: str, incarnation: str, request_ids: Iterable[str]) -> list[str]:
+        """Of `request_ids` (blocks a node's engine retains), those that neither a
+        retained handle nor a claim references: nothing will ever read or
+        release them, so the engine should free them now."""
+        index = self.keys.by_node_prefix(node_id, incarnation)
+        claims = self.keys.all_claims_prefix()
+        resp = await self.etcd.read_txn(
+            "reconcile_read",
+            [
+                rpc.RequestOp(
+                    request_range=rpc.RangeRequest(
+                        key=index, range_end=prefix_range_end(index), keys_only=True
+                    )
+                ),
+                rpc.RequestOp(request_range=rpc.RangeRequest(key=claims, range_end=prefix_range_end(claims))),
+            ],
+        )
+        referenced = {self.keys.by_node_parts(kv.key)[2] for kv in resp.responses[0].response_range.kvs}
+        for kv in resp.responses[1].response_range.kvs:
+            claimed = convert.claim_from_pb(handle_pb2.Claim.FromString(kv.value)).handle
+            if (claimed.holder_node_id, claimed.holder_incarnation) == (node_id, incarnation):
+                referenced.add(claimed.vllm.remote_request_id)
+        return [r for r in request_ids if r not in referenced]
+
     async def pending_releases(self, node_id: str) -> list[tuple[PendingRelease, int]]:
         """Release commands queued for a node, with their mod_revisions, oldest first."""
         prefix = self.keys.releases_prefix(node_id)

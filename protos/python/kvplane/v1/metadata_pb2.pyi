@@ -481,6 +481,64 @@ class ReportReleasedResponse(_message.Message):
 Global___ReportReleasedResponse: _TypeAlias = ReportReleasedResponse  # noqa: Y015
 
 @_typing.final
+class ReconcileRetainedRequest(_message.Message):
+    """ReconcileRetained input."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
+    REMOTE_REQUEST_IDS_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    """Node whose engine retains the blocks."""
+    incarnation: _builtins.str
+    """Its incarnation."""
+    @_builtins.property
+    def remote_request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """vLLM request ids (remote_request_id) of every finished request whose blocks
+        the engine retains, 0 to 1024 per call, and no publish of which is still queued.
+        """
+
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+        incarnation: _builtins.str = ...,
+        remote_request_ids: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation", b"incarnation", "node_id", b"node_id", "remote_request_ids", b"remote_request_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReconcileRetainedRequest: _TypeAlias = ReconcileRetainedRequest  # noqa: Y015
+
+@_typing.final
+class ReconcileRetainedResponse(_message.Message):
+    """ReconcileRetained output."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    UNREFERENCED_REQUEST_IDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def unreferenced_request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Of the ids sent, those no handle or live claim references: free their blocks."""
+
+    def __init__(
+        self,
+        *,
+        unreferenced_request_ids: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["unreferenced_request_ids", b"unreferenced_request_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReconcileRetainedResponse: _TypeAlias = ReconcileRetainedResponse  # noqa: Y015
+
+@_typing.final
 class GetHandleRequest(_message.Message):
     """GetHandle input."""
 

@@ -81,6 +81,11 @@ class MetadataServiceStub:
                 request_serializer=kvplane_dot_v1_dot_metadata__pb2.ReportReleasedRequest.SerializeToString,
                 response_deserializer=kvplane_dot_v1_dot_metadata__pb2.ReportReleasedResponse.FromString,
                 _registered_method=True)
+        self.ReconcileRetained = channel.unary_unary(
+                '/kvplane.v1.MetadataService/ReconcileRetained',
+                request_serializer=kvplane_dot_v1_dot_metadata__pb2.ReconcileRetainedRequest.SerializeToString,
+                response_deserializer=kvplane_dot_v1_dot_metadata__pb2.ReconcileRetainedResponse.FromString,
+                _registered_method=True)
         self.GetHandle = channel.unary_unary(
                 '/kvplane.v1.MetadataService/GetHandle',
                 request_serializer=kvplane_dot_v1_dot_metadata__pb2.GetHandleRequest.SerializeToString,
@@ -174,6 +179,15 @@ class MetadataServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReconcileRetained(self, request, context):
+        """Tells a node which of the blocks its engine retains nothing references any
+        more (no handle, no live claim), so that it frees them. Nodes call it
+        after every (re)registration.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetHandle(self, request, context):
         """Returns a conversation's handle and its state without changing it.
         """
@@ -251,6 +265,11 @@ def add_MetadataServiceServicer_to_server(servicer, server):
                     servicer.ReportReleased,
                     request_deserializer=kvplane_dot_v1_dot_metadata__pb2.ReportReleasedRequest.FromString,
                     response_serializer=kvplane_dot_v1_dot_metadata__pb2.ReportReleasedResponse.SerializeToString,
+            ),
+            'ReconcileRetained': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReconcileRetained,
+                    request_deserializer=kvplane_dot_v1_dot_metadata__pb2.ReconcileRetainedRequest.FromString,
+                    response_serializer=kvplane_dot_v1_dot_metadata__pb2.ReconcileRetainedResponse.SerializeToString,
             ),
             'GetHandle': grpc.unary_unary_rpc_method_handler(
                     servicer.GetHandle,
@@ -501,6 +520,33 @@ class MetadataService:
             '/kvplane.v1.MetadataService/ReportReleased',
             kvplane_dot_v1_dot_metadata__pb2.ReportReleasedRequest.SerializeToString,
             kvplane_dot_v1_dot_metadata__pb2.ReportReleasedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReconcileRetained(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvplane.v1.MetadataService/ReconcileRetained',
+            kvplane_dot_v1_dot_metadata__pb2.ReconcileRetainedRequest.SerializeToString,
+            kvplane_dot_v1_dot_metadata__pb2.ReconcileRetainedResponse.FromString,
             options,
             channel_credentials,
             insecure,

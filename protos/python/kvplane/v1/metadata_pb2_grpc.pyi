@@ -56,6 +56,11 @@ class MetadataServiceStub:
     """Publishes retained handles; each replaces its conversation's previous one."""
     ReportReleased: _grpc.UnaryUnaryMultiCallable[_metadata_pb2.ReportReleasedRequest, _metadata_pb2.ReportReleasedResponse]
     """Reports requests whose retained blocks the engine has freed."""
+    ReconcileRetained: _grpc.UnaryUnaryMultiCallable[_metadata_pb2.ReconcileRetainedRequest, _metadata_pb2.ReconcileRetainedResponse]
+    """Tells a node which of the blocks its engine retains nothing references any
+    more (no handle, no live claim), so that it frees them. Nodes call it
+    after every (re)registration.
+    """
     GetHandle: _grpc.UnaryUnaryMultiCallable[_metadata_pb2.GetHandleRequest, _metadata_pb2.GetHandleResponse]
     """Returns a conversation's handle and its state without changing it."""
     CheckOutHandle: _grpc.UnaryUnaryMultiCallable[_metadata_pb2.CheckOutHandleRequest, _metadata_pb2.CheckOutHandleResponse]
@@ -95,6 +100,11 @@ class MetadataServiceAsyncStub(MetadataServiceStub):
     """Publishes retained handles; each replaces its conversation's previous one."""
     ReportReleased: _aio.UnaryUnaryMultiCallable[_metadata_pb2.ReportReleasedRequest, _metadata_pb2.ReportReleasedResponse]  # type: ignore[assignment]
     """Reports requests whose retained blocks the engine has freed."""
+    ReconcileRetained: _aio.UnaryUnaryMultiCallable[_metadata_pb2.ReconcileRetainedRequest, _metadata_pb2.ReconcileRetainedResponse]  # type: ignore[assignment]
+    """Tells a node which of the blocks its engine retains nothing references any
+    more (no handle, no live claim), so that it frees them. Nodes call it
+    after every (re)registration.
+    """
     GetHandle: _aio.UnaryUnaryMultiCallable[_metadata_pb2.GetHandleRequest, _metadata_pb2.GetHandleResponse]  # type: ignore[assignment]
     """Returns a conversation's handle and its state without changing it."""
     CheckOutHandle: _aio.UnaryUnaryMultiCallable[_metadata_pb2.CheckOutHandleRequest, _metadata_pb2.CheckOutHandleResponse]  # type: ignore[assignment]
@@ -179,6 +189,17 @@ class MetadataServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_metadata_pb2.ReportReleasedResponse, _abc.Awaitable[_metadata_pb2.ReportReleasedResponse]]:
         """Reports requests whose retained blocks the engine has freed."""
+
+    @_abc_1.abstractmethod
+    def ReconcileRetained(
+        self,
+        request: _metadata_pb2.ReconcileRetainedRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_metadata_pb2.ReconcileRetainedResponse, _abc.Awaitable[_metadata_pb2.ReconcileRetainedResponse]]:
+        """Tells a node which of the blocks its engine retains nothing references any
+        more (no handle, no live claim), so that it frees them. Nodes call it
+        after every (re)registration.
+        """
 
     @_abc_1.abstractmethod
     def GetHandle(
