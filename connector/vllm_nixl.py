@@ -48,7 +48,9 @@ KVPLANE_HTTP_URL give defaults):
 Without a `metadata_target` the connector runs without an agent: the prefix check still
 applies, and nothing is published.
 
-Keys it adds to D's finish-time kv_transfer_params: `kvplane_handle_id`, `kvplane_digests`
+Key it adds to P's finish-time kv_transfer_params: `kvplane_pulled_tokens` (prompt tokens loaded
+from the holder; the gateway counts them apart from P's prefix-cache hits). Keys it adds to D's
+finish-time kv_transfer_params: `kvplane_handle_id`, `kvplane_digests`
 (`kvplane.connector.digests.encode`) and `kvplane_tail_digest`. It reads `kvplane_tenant`,
 `kvplane_conversation` and `kvplane_handle_id` from the request's params (the router's), and
 on P `kvplane_digests` and `kvplane_tail_digest` from the handle it is given.
@@ -79,6 +81,7 @@ from kvplane.services.common.handles import (
     KEY_CONVERSATION,
     KEY_DIGESTS,
     KEY_HANDLE_ID,
+    KEY_PULLED_TOKENS,
     KEY_TENANT,
     CacheHandle,
     HandleFormatError,
@@ -287,6 +290,8 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
         # KV demand. Scheduler thread: blocks each waiting request tried this step needs; a
         # request given blocks leaves it (update_state_after_alloc).
         self._asked: dict[str, int] = {}
+        # P side: prompt tokens vLLM loads from the holder, per request, reported at finish.
+        self._pulled: dict[str, int] = {}
         # Scheduler thread: a running request found no block this step (has_pending_block_frees).
         self._running_short = False
         # Under _release_lock: blocks wanted beyond the free ones at the last schedule, and the
@@ -429,6 +434,8 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
     def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
         """Scheduler process, when a waiting request has been given its blocks: it wants no more."""
         self._asked.pop(request.request_id, None)
+        if num_external_tokens > 0:
+            self._pulled[request.request_id] = num_external_tokens
         super().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def has_pending_block_frees(self) -> bool:
@@ -511,6 +518,12 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
     def _after_finish(
         self, request: Request, delay_free: bool, params: dict[str, Any] | None
     ) -> dict[str, Any] | None:
+        pulled = self._pulled.pop(request.request_id, 0)
+        if params is not None and (request.kv_transfer_params or {}).get("do_remote_decode"):
+            # P's own report of its pull, returned with its params: vLLM's usage counts pulled tokens
+            # and prefix-cache hits alike as cached, and the gateway counts them apart. Tokens whose
+            # load failed and were recomputed (kv_load_failure_policy) still count as pulled here.
+            params[KEY_PULLED_TOKENS] = pulled
         if delay_free and params and params.get("do_remote_prefill"):
             # P side: the blocks wait for D's read. When the turn's D leg fails or is refused, the
             # control plane sends a release command for this request, applied as a handle's is.
