@@ -28,7 +28,7 @@ from typing import Any
 
 from kvplane.bench.sim.engine import SimConfig, Simulator
 from kvplane.bench.sim.fleet import Fleet
-from kvplane.bench.sim.retention import EngineOnly, PipelineRetention, Retention
+from kvplane.bench.sim.retention import DEFAULT_DEMAND_LATENCY_S, EngineOnly, PipelineRetention, Retention
 from kvplane.bench.sim.routers import (
     ExampleProxyRouter,
     NoReuseRouter,
@@ -79,6 +79,8 @@ class RunOptions:
     route_candidates: int = 0
     retention_interval_s: float = 1.0
     seed: int = 0
+    # Simulated seconds from a decode node's KV demand to the release that answers it.
+    demand_latency_s: float = DEFAULT_DEMAND_LATENCY_S
 
 
 def simulator_for(baseline: Baseline, config: SimConfig, options: RunOptions | None = None) -> Simulator:
@@ -119,6 +121,8 @@ def simulator_for(baseline: Baseline, config: SimConfig, options: RunOptions | N
     def retention(fleet: Fleet) -> Retention:
         if baseline.retention is None:
             return EngineOnly()
-        return PipelineRetention(fleet, baseline.retention, options.retention_interval_s)
+        return PipelineRetention(
+            fleet, baseline.retention, options.retention_interval_s, options.demand_latency_s
+        )
 
     return Simulator(config, router, retention)

@@ -34,6 +34,7 @@ from kvplane.bench.sim.baselines import BASELINES, RunOptions, simulator_for
 from kvplane.bench.sim.cluster import ClusterSpec
 from kvplane.bench.sim.engine import ENGINE_MODELS, SimConfig
 from kvplane.bench.sim.results import SimResult, SimSummary
+from kvplane.bench.sim.retention import DEFAULT_DEMAND_LATENCY_S
 from kvplane.bench.workloads import AgenticWorkload, TraceError, Turn, agentic_turns, mooncake_turns
 
 GIB = 1 << 30
@@ -57,6 +58,8 @@ class SimSpec:
     seed: int = 1
     # Seconds of simulated time between retention evaluations (the service's is at most 1 s).
     retention_interval_s: float = 1.0
+    # Seconds from a decode node's KV demand to the release that answers it (report, leader, command, free).
+    demand_latency_s: float = DEFAULT_DEMAND_LATENCY_S
     # The first this many turns only (0: all); for smoke runs.
     max_turns: int = 0
 
@@ -70,7 +73,11 @@ class SimSpec:
         return SimConfig(cluster=cluster, pressure=ENGINE_MODELS[self.engine_model])
 
     def options(self) -> RunOptions:
-        return RunOptions(retention_interval_s=self.retention_interval_s, seed=self.seed)
+        return RunOptions(
+            retention_interval_s=self.retention_interval_s,
+            seed=self.seed,
+            demand_latency_s=self.demand_latency_s,
+        )
 
 
 @lru_cache(maxsize=4)
@@ -286,6 +293,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=64.0,
         help="prefix cache of each prefill node, GiB (default 64; 0: none)",
     )
+    parser.add_argument(
+        "--demand-latency-s",
+        type=_non_negative,
+        default=DEFAULT_DEMAND_LATENCY_S,
+        help="seconds from a decode node's KV demand to its freed blocks through kvplane"
+        f" (default {DEFAULT_DEMAND_LATENCY_S})",
+    )
     parser.add_argument("--seed", type=int, default=1, help="seed of the workload and of sampled routes")
     parser.add_argument("--json", type=Path, help="write each policy's figures here")
     return parser
@@ -305,6 +319,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         kv_gib_per_decode=args.kv_gib_per_decode,
         p_cache_gib=args.p_cache_gib,
         seed=args.seed,
+        demand_latency_s=args.demand_latency_s,
     )
     try:
         turns = spec_turns(spec)
