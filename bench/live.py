@@ -43,6 +43,8 @@ class TurnResult:
     decision: str
     ttft_ms: float
     via: str  # "gateway" or "direct"
+    # When the turn was sent, in seconds from the run's start (to replay the same arrivals elsewhere).
+    sent_s: float = 0.0
 
 
 @dataclass
@@ -191,8 +193,11 @@ async def drive(
                     result.turns.append(TurnResult(name, 0, len(other), len(out), "direct", ttft, "direct"))
                     bar.tick()
                 headers = {"Authorization": f"Bearer {api_key}", "X-Conversation-Id": name}
+                sent = time.perf_counter() - started
                 decision, ttft, out = await _stream_turn(session, f"{gateway}/v1/completions", body, headers)
-                result.turns.append(TurnResult(name, turn, len(prompt), len(out), decision, ttft, "gateway"))
+                result.turns.append(
+                    TurnResult(name, turn, len(prompt), len(out), decision, ttft, "gateway", sent)
+                )
                 bar.tick()
                 prompt = prompt + out + [crng.randrange(1000, 30000) for _ in range(workload.user_tokens)]
 
