@@ -34,6 +34,7 @@ _REASON_TO_PB = {
     ReleaseReason.HOLDER_DOWN: handle_pb2.RELEASE_REASON_HOLDER_DOWN,
     ReleaseReason.DRAIN: handle_pb2.RELEASE_REASON_DRAIN,
     ReleaseReason.FREED_BY_ENGINE: handle_pb2.RELEASE_REASON_FREED_BY_ENGINE,
+    ReleaseReason.CLAIM_UNUSED: handle_pb2.RELEASE_REASON_CLAIM_UNUSED,
 }
 _REASON_FROM_PB = {v: k for k, v in _REASON_TO_PB.items()}
 

@@ -73,6 +73,8 @@ class ReleaseReason(enum.Enum):
     HOLDER_DOWN = "holder_down"
     DRAIN = "drain"
     FREED_BY_ENGINE = "freed_by_engine"
+    # Checked out, but no prefill engine read it within the claim deadline.
+    CLAIM_UNUSED = "claim_unused"
 
 
 @dataclass(frozen=True, slots=True)

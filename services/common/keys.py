@@ -112,6 +112,20 @@ class KeyLayout:
         return unescape(node), unescape(inc), unescape(req)
 
     # claims/{tenant}/{conversation}/{claim id}: a check-out, short lease.
+    # claimed/{node}/{incarnation}/{request}: the claim key of a checked-out
+    # handle, by holder, so that the holder's release report consumes it.
+    def claimed_prefix(self, node_id: str | None = None, incarnation: str = "") -> bytes:
+        if node_id is None:
+            return self._key("claimed", "")
+        return self._key("claimed", escape(node_id), escape(incarnation), "")
+
+    def claimed(self, node_id: str, incarnation: str, request_id: str) -> bytes:
+        return self._key("claimed", escape(node_id), escape(incarnation), escape(request_id))
+
+    def claimed_parts(self, key: bytes) -> tuple[str, str, str]:
+        node, inc, req = key.decode("utf-8")[len(self.prefix) + len("claimed/") :].split("/")
+        return unescape(node), unescape(inc), unescape(req)
+
     def all_claims_prefix(self) -> bytes:
         return self._key("claims", "")
 

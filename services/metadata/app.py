@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvplane.services.common.process import Component, ProcessContext
+from kvplane.services.metadata.claim_reaper import ClaimReaper
 from kvplane.services.metadata.service import SERVICE_NAME, MetadataService, NodeReaper
 from kvplane.v1 import metadata_pb2_grpc
 
@@ -23,4 +24,8 @@ class _Reaper:
 def install(ctx: ProcessContext) -> Sequence[Component]:
     servicer = MetadataService(ctx.store, ctx.settings.metadata, ctx.telemetry)
     ctx.server.add(SERVICE_NAME, metadata_pb2_grpc.add_MetadataServiceServicer_to_server, servicer)
-    return [_Reaper(NodeReaper(ctx.store, ctx.view, ctx.settings.metadata.reaper_interval_s))]
+    m = ctx.settings.metadata
+    return [
+        _Reaper(NodeReaper(ctx.store, ctx.view, m.reaper_interval_s)),
+        ClaimReaper(ctx.store, m.claim_deadline_s, m.claim_sweep_interval_s),
+    ]

@@ -208,8 +208,16 @@ class Store:
         return await self.releases.release(tenant, conversation, record, reason)
 
     async def release_freed(self, node_id: str, incarnation: str, request_ids: Iterable[str]) -> int:
-        """Drops handles whose blocks the engine itself freed; returns how many."""
-        return await self.releases.release_freed(node_id, incarnation, request_ids)
+        """Drops handles whose blocks the engine itself freed, and consumes the claims
+        on them (a read, or D's own TTL); returns how many retained handles went."""
+        ids = list(request_ids)
+        removed = await self.releases.release_freed(node_id, incarnation, ids)
+        await self.claims.consumed(node_id, incarnation, ids)
+        return removed
+
+    async def release_unused_claims(self, deadline_ms: int, now: int | None = None) -> list[PendingRelease]:
+        """Queues a release for every claim nobody consumed within `deadline_ms`."""
+        return await self.claims.release_unused(deadline_ms, now if now is not None else now_ms())
 
     async def unreferenced(self, node_id: str, incarnation: str, request_ids: Iterable[str]) -> list[str]:
         """Of the request ids a node's engine retains, those nothing references."""

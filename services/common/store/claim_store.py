@@ -1,17 +1,30 @@
-"""Claims: the single-use check-out of a retained handle."""
+"""Claims: the single-use check-out of a retained handle, its consumption,
+and the release of a claim nobody used.
+
+A claim is consumed when its holder reports the blocks freed (P read them,
+or D dropped them). One still there past the claim deadline means the turn
+never reached P (the client left, the gateway died): the holder still pins
+the blocks, so a release command is queued, fenced on the claim being
+unchanged, exactly as for a retained handle.
+"""
 
 from __future__ import annotations
 
+import functools
 import uuid
+from collections.abc import Iterable
+
+from aetcd import rpc
 
 from kvplane.services.common import convert
 from kvplane.services.common.errors import HandleNotRetained
-from kvplane.services.common.handles import Claim
-from kvplane.services.common.keys import KeyLayout
+from kvplane.services.common.handles import Claim, PendingRelease, ReleaseReason
+from kvplane.services.common.keys import KeyLayout, prefix_range_end
 from kvplane.services.common.store import fencing
-from kvplane.services.common.store.etcd import Ambiguous, EtcdClient
+from kvplane.services.common.store.etcd import Ambiguous, EtcdClient, LeaseNotFound
 from kvplane.services.common.store.records import CheckOut, HandleRecord, now_ms
 from kvplane.services.common.telemetry import Telemetry
+from kvplane.v1 import handle_pb2
 
 
 class ClaimStore:
@@ -46,6 +59,13 @@ class ClaimStore:
                 )
             ),
             fencing.put(claim_key, convert.claim_to_pb(claim).SerializeToString(), claim_lease),
+            fencing.put(
+                self.keys.claimed(
+                    handle.holder_node_id, handle.holder_incarnation, handle.vllm.remote_request_id
+                ),
+                claim_key,
+                claim_lease,
+            ),
         ]
         try:
             resp = await self.etcd.txn(
@@ -59,3 +79,67 @@ class ClaimStore:
             raise HandleNotRetained(f"handle of conversation {conversation!r} was taken or replaced")
         self.telemetry.store.handle_transitions.labels("checked_out", "").inc()
         return CheckOut(handle, claim_id, int(resp.header.revision))
+
+    async def consumed(self, node_id: str, incarnation: str, request_ids: Iterable[str]) -> int:
+        """Drops the claims on blocks their holder reports freed; returns how many."""
+        prefix = self.keys.claimed_prefix(node_id, incarnation)
+        wanted = set(request_ids)
+        resp = await self.etcd.read(
+            "claimed_scan", rpc.RangeRequest(key=prefix, range_end=prefix_range_end(prefix))
+        )
+        dropped = 0
+        for kv in resp.kvs:
+            if self.keys.claimed_parts(bytes(kv.key))[2] in wanted:
+                await self.etcd.write(
+                    "claim_consumed", [], [fencing.delete(bytes(kv.value)), fencing.delete(bytes(kv.key))]
+                )
+                dropped += 1
+        return dropped
+
+    async def release_unused(self, deadline_ms: int, now_ms: int) -> list[PendingRelease]:
+        """Queues a release for every claim older than `deadline_ms` that nobody consumed.
+
+        Each is one transaction fenced on the claim key's mod_revision: it
+        deletes the claim and its index and queues the command, so a claim
+        consumed meanwhile, or released by another replica, is left alone.
+        """
+        prefix = self.keys.all_claims_prefix()
+        resp = await self.etcd.read(
+            "claims_scan", rpc.RangeRequest(key=prefix, range_end=prefix_range_end(prefix))
+        )
+        released: list[PendingRelease] = []
+        for kv in resp.kvs:
+            claim = convert.claim_from_pb(handle_pb2.Claim.FromString(kv.value))
+            if now_ms - claim.claimed_unix_ms < deadline_ms:
+                continue
+            h = claim.handle
+            pending = PendingRelease(uuid.uuid4().hex, h, ReleaseReason.CLAIM_UNUSED, now_ms)
+            ops = [
+                fencing.delete(bytes(kv.key)),
+                fencing.delete(
+                    self.keys.claimed(h.holder_node_id, h.holder_incarnation, h.vllm.remote_request_id)
+                ),
+                fencing.put(
+                    self.keys.release(h.holder_node_id, pending.command_id),
+                    convert.pending_to_pb(pending).SerializeToString(),
+                    int(kv.lease),
+                ),
+            ]
+            compare = [fencing.same_revision(bytes(kv.key), int(kv.mod_revision))]
+            try:
+                won = bool((await self.etcd.txn("release_unused_claim", compare, ops)).succeeded)
+            except Ambiguous as exc:
+                resp_again = await self.etcd.resend(
+                    exc, functools.partial(self.etcd.txn, "release_unused_claim", compare, ops)
+                )
+                won = bool(resp_again.succeeded) or await self.etcd.exists(
+                    self.keys.release(h.holder_node_id, pending.command_id)
+                )
+            except LeaseNotFound:
+                continue  # the handle's lease ended: D's own TTL has freed the blocks
+            if won:
+                self.telemetry.store.handle_transitions.labels(
+                    "released", ReleaseReason.CLAIM_UNUSED.value
+                ).inc()
+                released.append(pending)
+        return released

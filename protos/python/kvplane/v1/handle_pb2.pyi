@@ -75,6 +75,8 @@ class _ReleaseReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Release
     """The holder is draining."""
     RELEASE_REASON_FREED_BY_ENGINE: _ReleaseReason.ValueType  # 10
     """The holder freed the blocks on its own (TTL, read, abort)."""
+    RELEASE_REASON_CLAIM_UNUSED: _ReleaseReason.ValueType  # 11
+    """Checked out, but no prefill engine read it within the claim deadline."""
 
 class ReleaseReason(_ReleaseReason, metaclass=_ReleaseReasonEnumTypeWrapper):
     """Why a handle left the retained state without being checked out."""
@@ -101,6 +103,8 @@ RELEASE_REASON_DRAIN: ReleaseReason.ValueType  # 9
 """The holder is draining."""
 RELEASE_REASON_FREED_BY_ENGINE: ReleaseReason.ValueType  # 10
 """The holder freed the blocks on its own (TTL, read, abort)."""
+RELEASE_REASON_CLAIM_UNUSED: ReleaseReason.ValueType  # 11
+"""Checked out, but no prefill engine read it within the claim deadline."""
 Global___ReleaseReason: _TypeAlias = ReleaseReason  # noqa: Y015
 
 @_typing.final

@@ -1,0 +1,50 @@
+"""Claims nobody used are released; claims on blocks that were read are not."""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvplane.services.common.handles import ReleaseReason
+from kvplane.services.common.store import Store, now_ms
+from tests.conftest import make_node
+from tests.support.factories import make_handle
+
+DEADLINE_MS = 60_000
+
+
+async def _checked_out(store: Store, conversation: str = "c1") -> tuple[str, str, str]:
+    node = make_node("d-claims")
+    await store.register_node(node, 30)
+    await store.publish_handle(make_handle(node, conversation=conversation, request_id=f"req-{conversation}"))
+    await store.check_out("acme", conversation)
+    return node.node_id, node.incarnation, f"req-{conversation}"
+
+
+async def test_a_claim_nobody_used_is_released_to_its_holder_past_the_deadline(store: Store) -> None:
+    node_id, _, request_id = await _checked_out(store)
+    assert await store.release_unused_claims(DEADLINE_MS) == [], "not before the deadline"
+
+    released = await store.release_unused_claims(DEADLINE_MS, now_ms() + DEADLINE_MS + 1)
+    assert [(p.handle.vllm.remote_request_id, p.reason) for p in released] == [
+        (request_id, ReleaseReason.CLAIM_UNUSED)
+    ]
+    commands = await store.pending_releases(node_id)
+    assert [p.handle.vllm.remote_request_id for p, _ in commands] == [request_id]
+    assert await store.get_handle("acme", "c1") is None, "the claim is gone with its release"
+
+
+async def test_a_claim_on_blocks_the_holder_freed_is_consumed_and_never_released(store: Store) -> None:
+    node_id, incarnation, request_id = await _checked_out(store)
+    # P read the blocks; D freed them and its agent reported it.
+    await store.release_freed(node_id, incarnation, [request_id])
+
+    assert await store.release_unused_claims(DEADLINE_MS, now_ms() + DEADLINE_MS + 1) == []
+    assert await store.pending_releases(node_id) == []
+
+
+async def test_replicas_sweeping_at_once_release_a_claim_once(store: Store) -> None:
+    node_id, _, _ = await _checked_out(store)
+    later = now_ms() + DEADLINE_MS + 1
+    results = await asyncio.gather(*(store.release_unused_claims(DEADLINE_MS, later) for _ in range(4)))
+    assert sum(len(r) for r in results) == 1
+    assert len(await store.pending_releases(node_id)) == 1
