@@ -233,8 +233,11 @@ class EvictionCoordinator:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), interval)
 
-    def snapshot(self, now_unix_ms: int) -> tuple[Snapshot, list[Release]]:
-        """The policy snapshot of the view, and releases for draining nodes."""
+    def snapshot(self, now_unix_ms: int, only_node: str = "") -> tuple[Snapshot, list[Release]]:
+        """The policy snapshot of the view, and releases for draining nodes.
+
+        With `only_node`, only that node's handles (a demand round judges one node).
+        """
         self.releaser.prune()
         nodes = {}
         for node_id, node_record in self.view.nodes.items():
@@ -254,6 +257,8 @@ class EvictionCoordinator:
         drains: list[Release] = []
         for key, record in self.view.handles.items():
             h = record.handle
+            if only_node and h.holder_node_id != only_node:
+                continue
             if self.releaser.recent.get(key) == h.handle_id:
                 continue
             info = HandleInfo(
@@ -357,7 +362,7 @@ class EvictionCoordinator:
         released = 0
         async with self._deciding:
             while term.active:
-                snapshot, _ = self.snapshot(now_ms())
+                snapshot, _ = self.snapshot(now_ms(), only_node=node_id)
                 releases = self.pipeline.for_demand(snapshot, node_id)
                 if not releases:
                     break
