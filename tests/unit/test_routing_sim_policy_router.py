@@ -1,0 +1,73 @@
+"""The simulator's kvplane router knows what the live routing service knows, kept by the same code."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from kvplane.bench.sim.block_chain import BlockChain, BlockIds
+from kvplane.bench.sim.cluster import ClusterSpec
+from kvplane.bench.sim.costs import SimCosts
+from kvplane.bench.sim.fleet import Conversation, Fleet
+from kvplane.bench.sim.routers import PolicyRouter
+from kvplane.bench.workloads.turns import Turn
+from kvplane.services.routing.policy import RoutingPolicy, load_policy
+
+BLOCK = 16
+
+
+def fleet(prefill: int = 4) -> Fleet:
+    spec = ClusterSpec(prefill_nodes=prefill, decode_nodes=2, decode_kv_capacity_bytes=80 << 30)
+    return Fleet(spec, SimCosts(), 1_750_000_000_000, report_interval_s=0.5)
+
+
+def router(f: Fleet) -> PolicyRouter:
+    return PolicyRouter(f, RoutingPolicy(load_policy()), BLOCK)
+
+
+class _Untouchable:
+    """Stands in for a prefill node's real cache: kvplane's router must never read it."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"the policy router read the prefill cache's {name!r}")
+
+
+def turn(conversation: str, prompt_tokens: int, arrival_s: float = 10.01) -> Turn:
+    return Turn(arrival_s, conversation, 0, prompt_tokens, 200)
+
+
+def test_a_burst_between_two_load_reports_spreads_over_prefill_nodes() -> None:
+    f = fleet()
+    r = router(f)
+    ids = BlockIds()
+    picked: Counter[str] = Counter()
+    for i in range(8):
+        conversation = Conversation()
+        prompt = BlockChain().extended(4000 // BLOCK, ids)
+        # Every turn arrives after the last report tick and before the next: the reports stay idle.
+        choice = r.route(turn(f"c{i}", 4000), conversation, prompt, 10.01)
+        picked[choice.prefill.node.node_id] += 1
+    assert len(picked) == 4 and max(picked.values()) == 2, picked
+
+
+def test_the_next_turn_goes_back_to_the_prefill_node_that_holds_its_prompt_without_reading_its_cache(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    f = fleet()
+    for p in f.prefill:
+        monkeypatch.setattr(p, "cache", _Untouchable(), raising=False)
+    r = router(f)
+    ids = BlockIds()
+    conversation = Conversation()
+    first = BlockChain().extended(6000 // BLOCK, ids)
+    where = r.route(turn("c", 6000, 10.0), conversation, first, 10.0).prefill.node.node_id
+    # Much later, the next turn extends the first prompt. Its node now reports a short queue,
+    # so only the record of what it was sent can make it the cheapest.
+    holder = f.prefill_by_id[where]
+    holder.pending.append((1e9, 2000))
+    holder.queued_tokens += 2000
+    second = first.extended(300 // BLOCK, ids)
+    again = r.route(turn("c", 6300, 100.0), conversation, second, 100.0)
+    assert again.prefill.node.node_id == where
