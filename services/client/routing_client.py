@@ -3,6 +3,8 @@
 - Every call has a deadline (`timeout_s`, or the caller's own).
 - UNAVAILABLE is retried on the next replica, round-robin, until the
   attempts or the deadline run out; any other status is final.
+- A turn's ReportTurn goes first to the replica that routed it: that replica
+  knows the route, and only it learns costs from the report.
 - Each channel carries OpenTelemetry's client interceptor, so the caller's
   current span becomes the parent of the Route span (W3C traceparent).
 - `credentials` (`kvplane.client.credentials`) give the token and TLS; the
@@ -54,13 +56,15 @@ class RouteResult:
     prefill_params: dict[str, Any]
     expected_reused_tokens: int
     response: routing_pb2.RouteResponse = field(repr=False)
+    # Index of the client's replica that answered; its ReportTurn goes there first (-1: none).
+    replica: int = field(default=-1, compare=False)
 
     @property
     def pulls(self) -> bool:
         return self.decision == "pull"
 
     @classmethod
-    def from_pb(cls, pb: routing_pb2.RouteResponse) -> RouteResult:
+    def from_pb(cls, pb: routing_pb2.RouteResponse, replica: int = -1) -> RouteResult:
         return cls(
             route_id=pb.route_id,
             decision=DECISION_NAMES.get(pb.decision, "unspecified"),
@@ -70,6 +74,7 @@ class RouteResult:
             prefill_params=json.loads(pb.prefill_kv_transfer_params_json or "{}"),
             expected_reused_tokens=pb.expected_reused_tokens,
             response=pb,
+            replica=replica,
         )
 
 
@@ -128,17 +133,30 @@ class RoutingClient:
         # The stub's methods are typed as synchronous; on an aio channel they return awaitables.
         invoke: Callable[[routing_pb2_grpc.RoutingServiceStub, float], Any],
         timeout_s: float | None,
+        *,
+        prefer: int = -1,
     ) -> Any:
+        result, _ = await self._call_on_replica(invoke, timeout_s, prefer=prefer)
+        return result
+
+    async def _call_on_replica(
+        self,
+        invoke: Callable[[routing_pb2_grpc.RoutingServiceStub, float], Any],
+        timeout_s: float | None,
+        *,
+        prefer: int = -1,
+    ) -> tuple[Any, int]:
+        """The answer and the index of the replica that gave it; `prefer` is tried first."""
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.timeout_s)
-        start = next(self._next)
+        start = prefer if 0 <= prefer < len(self._stubs) else next(self._next)
         last: grpc.aio.AioRpcError | None = None
         for attempt in range(self.attempts):
             left = deadline - time.monotonic()
             if left <= 0:
                 break
-            stub = self._stubs[(start + attempt) % len(self._stubs)]
+            index = (start + attempt) % len(self._stubs)
             try:
-                return await invoke(stub, left)
+                return await invoke(self._stubs[index], left), index
             except grpc.aio.AioRpcError as exc:
                 if exc.code() != grpc.StatusCode.UNAVAILABLE:
                     raise
@@ -173,10 +191,10 @@ class RoutingClient:
             tenant=tenant,
             failed_node_ids=failed_node_ids,
         )
-        response: routing_pb2.RouteResponse = await self._call(
+        response, replica = await self._call_on_replica(
             lambda stub, left: stub.Route(request, timeout=left, metadata=self.metadata), timeout_s
         )
-        return RouteResult.from_pb(response)
+        return RouteResult.from_pb(response, replica)
 
     async def report_turn(
         self,
@@ -229,7 +247,9 @@ class RoutingClient:
             prefill_node_id=route.prefill.node_id if route is not None and prefill_params else "",
         )
         response: routing_pb2.ReportTurnResponse = await self._call(
-            lambda stub, left: stub.ReportTurn(request, timeout=left, metadata=self.metadata), timeout_s
+            lambda stub, left: stub.ReportTurn(request, timeout=left, metadata=self.metadata),
+            timeout_s,
+            prefer=route.replica if route is not None else -1,
         )
         return str(response.handle_id)
 

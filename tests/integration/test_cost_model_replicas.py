@@ -1,0 +1,63 @@
+"""The cost model learns from every reported turn, whichever replica the client's calls rotate to."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+
+from kvplane.services.common.local_etcd import LocalEtcd
+from kvplane.services.common.nodes import NodeRole
+from kvplane.services.common.process import ServiceProcess
+from kvplane.services.common.store import Store, StoreSettings
+from tests.support.routing_cluster import MODEL, RoutingCluster, node, tokens
+
+GAUGE = "kvplane_cost_recompute_seconds_per_token"
+
+
+@pytest.fixture
+async def cluster(etcd: LocalEtcd, prefix: str) -> AsyncIterator[RoutingCluster]:
+    store = Store(StoreSettings(endpoints=(etcd.endpoint,), prefix=prefix))
+    await store.connect()
+    c = RoutingCluster(etcd, prefix, store)
+    try:
+        await c.register(node("p0", NodeRole.PREFILL))
+        await c.register(node("d0", NodeRole.DECODE))
+        await c.add_replica()
+        await c.add_replica()
+        await c.wait_nodes()
+        yield c
+    finally:
+        await c.stop()
+        await store.close()
+
+
+def _estimate(replica: ServiceProcess) -> float:
+    value = replica.telemetry.registry.get_sample_value(GAUGE)
+    assert value is not None
+    return value
+
+
+async def test_both_replicas_learn_from_reports_of_a_client_that_rotates_between_them(
+    cluster: RoutingCluster,
+) -> None:
+    prior = [_estimate(r) for r in cluster.replicas]
+    observed_s = 4 * max(prior)  # prefill four times slower than the prior says
+    prompt = 2048
+    async with cluster.gateway() as gateway:
+        for _ in range(8):
+            conversation = f"c-{uuid.uuid4().hex[:8]}"
+            route = await gateway.route(conversation, MODEL, prompt_token_ids=tokens(prompt), tenant="acme")
+            await gateway.report_turn(
+                route,
+                conversation,
+                success=True,
+                prompt_tokens=prompt,
+                prefill_ms=observed_s * 1000 * prompt,
+                ttft_ms=observed_s * 1000 * prompt,
+                tenant="acme",
+            )
+    learned = [_estimate(r) for r in cluster.replicas]
+    for before, after in zip(prior, learned, strict=True):
+        assert after > before * 1.5, f"a replica stayed near its prior: {prior} -> {learned}"
