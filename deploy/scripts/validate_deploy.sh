@@ -72,7 +72,7 @@ run "hadolint" "$HADOLINT" --failure-threshold info deploy/docker/Dockerfile
 step "compose: $("$COMPOSE_BIN" version)"
 run "compose schema: compose.yaml" "$VENV/bin/check-jsonschema" --builtin-schema vendor.compose-spec "$COMPOSE_FILE"
 # Each variant is resolved by Compose itself (interpolation, merges, profiles), then the result is
-# checked against the schema: the override file uses Compose's !override tag, which only Compose reads.
+# checked against the schema.
 # with_profiles PROFILES CMD...: CMD with COMPOSE_PROFILES=PROFILES, or unset when empty (so the
 # .env default applies, as for a user who sets nothing).
 with_profiles() {
@@ -87,7 +87,7 @@ resolve() {
 }
 run "compose config: default profile (sim)" resolve default "" -f "$COMPOSE_FILE"
 run "compose config: profile vllm" resolve vllm vllm -f "$COMPOSE_FILE"
-run "compose config: serve-all override" resolve serve-all "sim,vllm" -f "$COMPOSE_FILE" -f "$SERVE_ALL"
+run "compose config: serve-all override" resolve serve-all "sim,vllm,observability" -f "$COMPOSE_FILE" -f "$SERVE_ALL"
 run "compose config: all profiles" resolve all "*" -f "$COMPOSE_FILE"
 # The default is the .env's COMPOSE_PROFILES=sim; vllm swaps the engines.
 expect_services() {
