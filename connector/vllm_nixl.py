@@ -77,6 +77,12 @@ from kvplane.connector import digests as token_digests
 from kvplane.connector import prefix_check, vllm_features
 from kvplane.connector.node_agent import NodeAgent, NodeAgentSettings
 from kvplane.connector.vllm_features import IncompatibleVllm
+from kvplane.connector.vllm_stats import (
+    EVENTS_KEY,
+    ConnectorStatsReader,
+    KvplaneConnectorStats,
+    KvplanePromMetrics,
+)
 from kvplane.services.common.handles import (
     KEY_CONVERSATION,
     KEY_DIGESTS,
@@ -99,6 +105,7 @@ except ImportError as exc:  # a release without the pull connector: say so, by n
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
@@ -237,6 +244,10 @@ class ConnectorMetrics:
             registry=self.registry,
         )
 
+    def definitions(self) -> dict[str, Counter | Gauge]:
+        """Every metric, by attribute name: what the engine's /metrics mirrors (vllm_stats.py)."""
+        return {k: v for k, v in vars(self).items() if isinstance(v, Counter | Gauge)}
+
     def value(self, name: str, **labels: str) -> float:
         """Current value of a sample, 0 when absent (for tests and logs)."""
         found = self.registry.get_sample_value(name, labels)
@@ -271,6 +282,8 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
             super().__init__(vllm_config, role, kv_cache_config)
         self.kvplane_settings = settings
         self.kvplane_metrics = ConnectorMetrics()
+        # Scheduler: what the metrics counted since vLLM last collected the connector's stats.
+        self._stats_reader = ConnectorStatsReader(self.kvplane_metrics.registry)
         self.kvplane_agent: NodeAgent | None = None
         self._model_name = _served_model_name(vllm_config)
         self._block_size = int(vllm_config.cache_config.block_size)
@@ -399,6 +412,37 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
         return held.retained_bytes // self._bytes_per_block
 
     # ------------------------------------------------------------------ scheduler hooks
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """Worker: NIXL's transfer stats. Scheduler: kvplane's counts since the last call (every
+        step, after update_connector_output). vLLM aggregates both and records them with
+        `build_prom_metrics`'s metrics on the engine's own /metrics (`kvplane.connector.vllm_stats`).
+        """
+        if self.connector_worker is not None:
+            stats = super().get_kv_connector_stats()
+            return None if stats is None else KvplaneConnectorStats(data={**stats.data, EVENTS_KEY: []})
+        events = self._stats_reader.take()
+        if not events:
+            return None
+        stats = KvplaneConnectorStats()
+        stats.data[EVENTS_KEY] = events
+        return stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KvplaneConnectorStats(data=data) if data is not None else KvplaneConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[Any], type[Any]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> Any:
+        return KvplanePromMetrics(
+            vllm_config, metric_types, labelnames, per_engine_labelvalues, ConnectorMetrics().definitions()
+        )
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
