@@ -11,6 +11,7 @@ span joins the turn's trace.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,9 +25,23 @@ _CHAT_FIELDS = ("tools", "chat_template", "chat_template_kwargs", "continue_fina
 class TokenizeFailed(Exception):
     """The engine's /tokenize did not answer with token ids; `status` is its HTTP status, if any."""
 
-    def __init__(self, message: str, status: int = 0) -> None:
+    def __init__(self, message: str, status: int = 0, body: bytes = b"") -> None:
         super().__init__(message)
         self.status = status
+        # The engine's answer, when it answered with an error (at most 4 KiB).
+        self.body = body
+
+    @property
+    def unknown_model(self) -> bool:
+        """The engine has /tokenize but not the requested model (an OpenAI error object)."""
+        if self.status != 404:
+            return False
+        try:
+            answer = json.loads(self.body)
+        except ValueError:
+            return False
+        error = answer.get("error", answer) if isinstance(answer, dict) else None
+        return isinstance(error, dict) and "model" in str(error.get("message", "")).lower()
 
 
 def is_token_ids(value: Any) -> bool:
@@ -82,7 +97,8 @@ async def tokenize(
             timeout=aiohttp.ClientTimeout(total=timeout_s),
         ) as resp:
             if resp.status != 200:
-                raise TokenizeFailed(f"/tokenize answered {resp.status}", resp.status)
+                answered = await resp.content.read(4096)
+                raise TokenizeFailed(f"/tokenize answered {resp.status}", resp.status, answered)
             answer = await resp.json(content_type=None)
     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
         raise TokenizeFailed(f"/tokenize failed: {exc!r}") from exc

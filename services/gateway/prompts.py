@@ -30,6 +30,16 @@ from kvplane.client.tokenize import single_prompt as _single_prompt
 _MISSING_RETRY_S = 60.0
 
 
+class UnknownModel(Exception):
+    """The engine does not serve the request's model: that request is answered 404.
+
+    Only that request: /tokenize stays in use for every other one."""
+
+    def __init__(self, message: str, body: bytes) -> None:
+        super().__init__(message)
+        self.body = body
+
+
 class TokenizeEndpoints:
     """Remembers engines that have no /tokenize, so that each turn does not pay for asking."""
 
@@ -75,6 +85,8 @@ async def routed_prompt(
         try:
             ids = await tokenize(session, tokenize_url, body, chat, timeout_s)
         except TokenizeFailed as exc:
+            if exc.unknown_model:
+                raise UnknownModel(f"model {body.get('model')!r} is not served", exc.body) from None
             if endpoints is not None and exc.status in (404, 405):
                 endpoints.missing(tokenize_url)
             ids = ()

@@ -42,7 +42,7 @@ from kvplane.services.gateway.progress import (
     absorb,
     prompt_sources,
 )
-from kvplane.services.gateway.prompts import RoutedPrompt, TokenizeEndpoints, routed_prompt
+from kvplane.services.gateway.prompts import RoutedPrompt, TokenizeEndpoints, UnknownModel, routed_prompt
 from kvplane.services.gateway.reports import TurnReporter
 from kvplane.v1 import routing_pb2
 
@@ -122,9 +122,12 @@ class TurnRunner:
         ) as span:
             span.set_attribute("kvplane.conversation", turn.identity.conversation)
             s = self.settings
-            prompt = await routed_prompt(
-                self.session, turn.body, turn.chat, s.tokenize_url, s.prefill_timeout_s, self.tokenizers
-            )
+            try:
+                prompt = await routed_prompt(
+                    self.session, turn.body, turn.chat, s.tokenize_url, s.prefill_timeout_s, self.tokenizers
+                )
+            except UnknownModel as exc:
+                raise TurnFailed(404, str(exc), exc.body) from None
             await self.reporter.after_previous(turn)
             route = await self._route(turn, prompt)
             try:
@@ -184,6 +187,9 @@ class TurnRunner:
             self.metrics.legs.labels("route", exc.code().name.lower()).observe(time.perf_counter() - start)
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise TurnFailed(400, f"invalid request: {exc.details()}") from None
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                # No engine serves the request's model: this request's error alone.
+                raise TurnFailed(404, exc.details() or "model not found") from None
             if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
                 # The gateway's own routing credentials are wrong: every turn is affected.
                 log.warning(

@@ -256,6 +256,9 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
         key = (tenant, conversation)
         record = self.view.handle(tenant, conversation)
         all_states = self._node_states()
+        if all_states and not any(st.node.fingerprint.model == model for st in all_states):
+            # Nodes are known, none serves this model: the request's own error, not an outage.
+            raise NotFound(f"model {model!r} is not served by any node")
         states = usable_nodes(all_states, self.view.suspects, failed_node_ids)
         prompt = self._chains.with_chain(key, prompt, self._digest_block_size(record, all_states))
         snapshot = RouteSnapshot(

@@ -112,6 +112,14 @@ class ScriptedEngine:
         self.seen.append((request.path, body, dict(request.headers)))
         if not self.tokenizes:
             return web.json_response({"detail": "Not Found"}, status=404)
+        if body.get("model") not in (None, "m"):
+            # vLLM's answer for a model it does not serve.
+            error = {
+                "message": f"The model `{body['model']}` does not exist.",
+                "type": "NotFoundError",
+                "code": 404,
+            }
+            return web.json_response({"error": error}, status=404)
         return web.json_response({"tokens": [ord(c) for c in body["prompt"]], "count": len(body["prompt"])})
 
     async def _models(self, request: web.Request) -> web.Response:
@@ -371,6 +379,17 @@ async def test_an_engine_without_tokenize_is_not_asked_on_every_turn(front: Fron
         assert resp.status == 200
     assert [path for path, _, _ in front.prefill.seen].count("/tokenize") == 1
     assert front.prefill.seen[-1][1]["prompt"] == "abc"
+
+
+async def test_an_unknown_model_is_404_for_that_request_alone_and_tokenizing_goes_on(front: Front) -> None:
+    front.gateway.settings.tokenize_url = front.prefill.url
+    bad = await front.post("/v1/completions", {"model": "nope", "prompt": "abc", "max_tokens": 2})
+    assert bad.status == 404
+    assert "nope" in (await bad.json())["error"]["message"]
+    good = await front.post("/v1/completions", {"model": "m", "prompt": "abc", "max_tokens": 2})
+    assert good.status == 200
+    assert [path for path, _, _ in front.prefill.seen].count("/tokenize") == 2
+    assert front.prefill.seen[-1][1]["prompt"] == [97, 98, 99], "the next request is still sent as token ids"
 
 
 async def test_models_and_health(front: Front) -> None:

@@ -1,11 +1,13 @@
-"""A node that just failed a leg: the turn's retry never goes back to it, and a
-gateway's report keeps every routing replica off it until it proves alive."""
+"""Nodes a turn cannot use: one that just failed a leg (the turn's retry never goes back to it, and a
+gateway's report keeps every routing replica off it until it proves alive), and none at all for a
+model no node serves (NOT_FOUND, that request's own error)."""
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
 
+import grpc
 import pytest
 
 from kvplane.services.common.local_etcd import LocalEtcd
@@ -93,3 +95,12 @@ async def test_a_suspect_is_still_chosen_when_no_other_node_of_its_role_is_left(
     await cluster.kill_node("d1")
     await cluster.wait_views(lambda v: "d1" not in v.nodes, "d1 gone")
     assert await _decodes(cluster, 0, turns=2, failed_node_ids=["d0"]) == {"d0"}
+
+
+async def test_a_model_no_node_serves_is_not_found_for_that_request_alone(cluster: RoutingCluster) -> None:
+    async with cluster.client("acme", 0) as client:
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await client.route("c-unknown-model", "no-such-model", prompt_token_ids=tokens(64))
+        assert raised.value.code() == grpc.StatusCode.NOT_FOUND
+        route = await client.route("c-known-model", MODEL, prompt_token_ids=tokens(64))
+    assert route.decode.node_id == "d0"
