@@ -71,13 +71,24 @@ class Principal:
             allowed = " or ".join(k.value for k in kinds)
             raise PermissionDenied(f"this call needs a {allowed} principal; caller is a {self.kind.value}")
 
+    def may_be_node(self, node_id: str) -> bool:
+        """Whether this node principal is `node_id`.
+
+        A name ending in `*` covers the node ids it prefixes: the pods of one Kubernetes
+        Deployment, whose node ids are their pod names, share one token. They can act as one
+        another, never as a node outside the prefix (see THREAT_MODEL.md).
+        """
+        if self.name.endswith("*"):
+            return node_id.startswith(self.name[:-1]) and len(node_id) > len(self.name) - 1
+        return node_id == self.name
+
     def as_node(self, node_id: str, field: str, *, operator: bool = False) -> str:
         """`node_id` (already validated) when this caller may act as that node.
 
         A node principal acts only as itself; an operator only where `operator`.
         """
         if self.kind is PrincipalKind.NODE:
-            if node_id != self.name:
+            if not self.may_be_node(node_id):
                 raise PermissionDenied(f"{field}: a node may act only as its own node id")
             return node_id
         if operator and self.kind is PrincipalKind.OPERATOR:

@@ -239,6 +239,8 @@ class MetadataService(metadata_pb2_grpc.MetadataServiceServicer):
         node_id = validation.ident(request.node_id, "node_id", required=False)
         if principal.kind is PrincipalKind.NODE:
             # A node lists only the handles it holds.
+            if not node_id and principal.name.endswith("*"):
+                raise InvalidArgument("node_id", "is required for a token shared by several nodes")
             node_id = principal.as_node(node_id or principal.name, "node_id")
             tenant = validation.tenant(request.tenant, "tenant") if request.tenant else ""
         else:

@@ -194,11 +194,35 @@ def test_a_service_selecting_no_pods_is_caught(
     assert "[test] Service kvp-kvplane-routing: selects pods" in report.failures
 
 
-def test_chart_refuses_token_auth_without_a_secret(checks: ModuleType) -> None:
+def test_chart_runs_token_auth_by_default_with_its_own_secret(checks: ModuleType) -> None:
     import helm_python
 
-    with pytest.raises(helm_python.HelmError, match="tokensSecret"):
-        checks.render_chart({"auth": {"mode": "token"}}, "kvp", "kvplane")
+    docs = checks.render_chart({"engines": {"sim": {"enabled": True}}}, "kvp", "kvplane")
+    secret = next(d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"] == "kvp-kvplane-auth")
+    entries = json.loads(secret["stringData"]["tokens.json"])
+    assert {(e["kind"], e["name"]) for e in entries} == {
+        ("operator", "gateway"),
+        *{
+            ("node", f"kvp-kvplane-{k}-*")
+            for k in ("sim-prefill", "sim-decode", "vllm-prefill", "vllm-decode")
+        },
+    }
+    assert len({e["token"] for e in entries}) == len(entries)
+    # The gateway presents its token to routing, each engine its own.
+    env = {
+        (d["metadata"]["name"], e["name"]): e["valueFrom"]["secretKeyRef"]["key"]
+        for d in docs
+        if d["kind"] == "Deployment"
+        for c in d["spec"]["template"]["spec"]["containers"]
+        for e in c.get("env", [])
+        if "secretKeyRef" in e.get("valueFrom", {})
+    }
+    assert env[("kvp-kvplane-gateway", "KVPLANE_GATEWAY__ROUTING_TOKEN")] == "gateway"
+    assert env[("kvp-kvplane-sim-prefill", "KVPLANE_SIM_AUTH_TOKEN")] == "sim-prefill"
+    assert env[("kvp-kvplane-routing", "KVPLANE_AUTH__TOKENS")] == "tokens.json"
+    # The open header mode is gone.
+    with pytest.raises(helm_python.HelmError):
+        checks.render_chart({"auth": {"mode": "header"}}, "kvp", "kvplane")
 
 
 def test_istio_schema_rejects_an_unknown_action(tmp_path: Path) -> None:

@@ -32,3 +32,23 @@ def test_secrets_are_masked_in_the_start_up_dump() -> None:
     dumped = settings.masked_json()
     assert "s3cret-value" not in dumped
     assert "**********" in dumped
+
+
+def test_a_node_token_binds_its_node_id_or_the_ids_its_prefix_covers() -> None:
+    from kvplane.services.common.auth import Principal, PrincipalKind
+    from kvplane.services.common.errors import PermissionDenied
+
+    exact = Principal(PrincipalKind.NODE, "d0")
+    assert exact.as_node("d0", "node_id") == "d0"
+    shared = Principal(PrincipalKind.NODE, "kvp-sim-prefill-*")
+    assert shared.as_node("kvp-sim-prefill-7f9c-x2", "node_id") == "kvp-sim-prefill-7f9c-x2"
+    for other, principal in (("d1", exact), ("kvp-sim-decode-1", shared), ("kvp-sim-prefill-", shared)):
+        with pytest.raises(PermissionDenied):
+            principal.as_node(other, "node_id")
+
+
+def test_serve_settings_have_no_default_authentication_mode() -> None:
+    settings = KvplaneSettings.model_validate({})
+    assert settings.auth.mode is None
+    with pytest.raises(ValueError, match="auth.mode is required"):
+        settings.auth.authenticator()

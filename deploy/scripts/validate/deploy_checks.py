@@ -687,7 +687,11 @@ def check_kvplane_container(
     secret_env = {e["name"] for e in c.get("env", []) if "valueFrom" in e}
     plain_env = {k: v for k, v in env.items() if v is not None}
     # Secret-backed variables must still name real settings: give them a well-formed value.
-    placeholders = {"KVPLANE_AUTH__TOKENS": "[]", "KVPLANE_GATEWAY__API_KEYS": "[]"}
+    placeholders = {
+        "KVPLANE_AUTH__TOKENS": "[]",
+        "KVPLANE_GATEWAY__API_KEYS": "[]",
+        "KVPLANE_GATEWAY__ROUTING_TOKEN": "a-token",
+    }
     for var in secret_env:
         report.check(var in placeholders, f"{name}: secret variable {var} is a known setting")
         plain_env[var] = placeholders.get(var, "")
@@ -839,7 +843,7 @@ def check_helm(out: Path, report: Report) -> None:
     # Values the chart must refuse.
     refusals: list[tuple[str, dict[str, Any]]] = [
         ("external etcd without endpoints", {"etcd": {"enabled": False, "external": {"endpoints": []}}}),
-        ("token auth without a Secret", {"auth": {"mode": "token"}}),
+        ("the retired open header mode", {"auth": {"mode": "header"}}),
         ("unknown auth mode", {"auth": {"mode": "none"}}),
         ("a misspelt value", {"services": {"routing": {"replica": 2}}}),
     ]

@@ -87,9 +87,23 @@ sidecar.istio.io/inject: {{ ternary "true" "false" .Values.mesh.enabled | quote 
 - name: KVPLANE_AUTH__TOKENS
   valueFrom:
     secretKeyRef:
-      name: {{ required "auth.mode is token: set auth.tokensSecret.name" .Values.auth.tokensSecret.name }}
+      name: {{ include "kvplane.authSecretName" . }}
       key: {{ .Values.auth.tokensSecret.key }}
 {{- end }}
+{{- end -}}
+
+{{/* The Secret holding the control plane's tokens: the values' own, or the chart's (auth-secret.yaml). */}}
+{{- define "kvplane.authSecretName" -}}
+{{- .Values.auth.tokensSecret.name | default (printf "%s-auth" (include "kvplane.fullname" .)) -}}
+{{- end -}}
+
+{{/* An engine's or the gateway's token for the control plane, from the tokens Secret (key: who). */}}
+{{- define "kvplane.tokenEnv" -}}
+- name: {{ .name }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "kvplane.authSecretName" .root }}
+      key: {{ .key }}
 {{- end -}}
 
 {{- define "kvplane.configVolume" -}}
