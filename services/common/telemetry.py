@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -46,6 +47,11 @@ from prometheus_client import (
 )
 
 from kvplane.services.common.sampling import QuietBackground
+
+log = logging.getLogger(__name__)
+
+# The longest a stopping process waits for its last spans to be exported, seconds.
+SHUTDOWN_TIMEOUT_S = 2.0
 
 _LATENCY_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 
@@ -139,8 +145,23 @@ class Telemetry:
             finally:
                 self.store.etcd_latency.labels(op, outcome).observe(time.perf_counter() - start)
 
-    def shutdown(self) -> None:
-        self.tracer_provider.shutdown()
+    def shutdown(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
+        """Flushes and stops tracing, waiting at most `timeout_s`.
+
+        The exporter retries an unreachable collector for up to ten seconds,
+        past a stopping pod's usual grace period; beyond `timeout_s` the spans
+        still queued are dropped and the process goes on stopping (the export
+        threads are daemons, and a second shutdown returns at once).
+        """
+        stopper = threading.Thread(
+            target=self.tracer_provider.shutdown, name="telemetry-shutdown", daemon=True
+        )
+        stopper.start()
+        stopper.join(timeout_s)
+        if stopper.is_alive():
+            log.warning(
+                "trace export did not flush within %.1f s; the remaining spans are dropped", timeout_s
+            )
 
 
 def service_resource(service: str) -> Resource:
