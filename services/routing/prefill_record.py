@@ -7,7 +7,9 @@ node lacks. Engines do not report their prefix cache to kvplane, so the
 router keeps its own record: for each conversation, the prompts it last sent
 to a few prefill nodes, as chained block digests at checkpoints (about 700
 bytes for 32k tokens). A new prompt is checked against them, so only a
-prefix the prompt really shares counts.
+prefix the prompt really shares counts. The checkpoints are taken from the
+prompt's chain when first needed (the conversation's next turn), so a
+prompt chain that is hashed lazily (`prompt_chains`) is not hashed for this.
 
 It is a hint: the node may have evicted the blocks since (the record drops
 a node's oldest prompts once they add up to more than its KV capacity, as
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvplane.connector import digests as token_digests
 from kvplane.services.common.nodes import Node
@@ -30,11 +32,23 @@ from kvplane.services.common.nodes import Node
 
 @dataclass(frozen=True, slots=True)
 class SentPrompt:
-    """A prompt sent to a prefill node: its whole blocks' digests, or its length alone."""
+    """A prompt sent to a prefill node: its block chain (until its checkpoint digests are
+    taken from it), or its length alone."""
 
     node_id: str
     tokens: int
-    digests: token_digests.TokenDigests | None
+    chain: Sequence[int] = ()
+    block_size: int = 0
+    digests: token_digests.TokenDigests | None = None
+
+    def proof(self) -> token_digests.TokenDigests | None:
+        """The checkpoint digests, None when the prompt was sent by length (or its chain was lost)."""
+        if self.digests is None and self.chain and self.block_size > 0:
+            try:
+                return prompt_digests(self.chain, self.block_size)
+            except LookupError:
+                return None
+        return self.digests
 
 
 def prompt_digests(block_chain: Sequence[int], block_size: int) -> token_digests.TokenDigests:
@@ -68,8 +82,7 @@ class PrefillCacheRecord:
         block_size: int = 0,
     ) -> None:
         """`node` was sent the conversation's prompt: it will hold its whole blocks."""
-        digests = prompt_digests(block_chain, block_size) if block_chain and block_size > 0 else None
-        entry = SentPrompt(node.node_id, prompt_tokens, digests)
+        entry = SentPrompt(node.node_id, prompt_tokens, block_chain if block_size > 0 else (), block_size)
         previous = self._by_conversation.pop(conversation, ())
         kept = [e for e in previous if e.node_id != node.node_id]
         for gone in kept[self.nodes_per_conversation - 1 :]:
@@ -102,17 +115,21 @@ class PrefillCacheRecord:
         if not entries:
             return {}
         held: dict[str, int] = {}
+        proven: list[SentPrompt] = []
         for e in entries:
-            digests = e.digests
+            digests = e.proof()
+            # Keep the checkpoints, not the chain: a few hundred bytes, whatever the prompt's length.
+            proven.append(e if e.digests is digests else replace(e, chain=(), digests=digests))
             if digests is not None and block_chain and block_size == digests.block_size:
                 blocks = token_digests.verified_prefix_blocks_from_chain(digests, block_chain)
                 tokens = blocks * block_size
-            elif digests is None and not block_chain:
+            elif digests is None and not e.chain and not block_chain:
                 tokens = min(e.tokens, prompt_tokens)
             else:
                 tokens = 0  # nothing to prove it with
             if tokens > 0:
                 held[e.node_id] = tokens
+        self._by_conversation[conversation] = tuple(proven)
         return held
 
     def _hold(self, conversation: Hashable, node: Node, tokens: int) -> None:

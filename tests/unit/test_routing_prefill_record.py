@@ -74,3 +74,15 @@ def test_the_record_is_bounded_and_forgets_on_request() -> None:
     assert len(record) == 2
     record.forget(("t", "c4"))
     assert held(record, H, key=("t", "c4")) == {}
+
+
+def test_a_sent_prompt_whose_chain_was_lost_is_unproven() -> None:
+    from kvplane.services.routing.policy import Prompt
+    from kvplane.services.routing.prompt_chains import PromptChains
+
+    chains = PromptChains(max_tokens=5000)
+    record = PrefillCacheRecord()
+    lazy = chains.with_chain(KEY, Prompt(len(H), H), 16)
+    record.sent(KEY, P0, len(H), lazy.block_digests, 16)
+    chains.with_chain(("t", "other"), Prompt(4000, history(4000, seed=2)), 16)  # pushes it out
+    assert held(record, [*H, *history(100, seed=5)]) == {}

@@ -64,3 +64,32 @@ def test_the_cache_stays_within_its_token_budget() -> None:
     for i in range(5):
         chained(chains, history(4000, seed=i), key=("t", f"c{i}"))
     assert len(chains) == 2
+
+
+def test_a_prompt_nothing_asks_to_prove_is_never_hashed(monkeypatch: pytest.MonkeyPatch) -> None:
+    nxt = [*H, *history(160, seed=3)]
+    expected = tuple(token_digests.chain(nxt, 16))
+    hashed: list[int] = []
+    real = token_digests.chain_from
+
+    def counting(previous: int | None, raw: bytes, block_size: int) -> list[int]:
+        hashed.append(len(raw) // (4 * block_size))
+        return real(previous, raw, block_size)
+
+    monkeypatch.setattr(token_digests, "chain_from", counting)
+    chains = PromptChains()
+    prompt = chains.with_chain(KEY, Prompt(len(H), H), 16)
+    assert len(prompt.block_digests) == len(H) // 16
+    assert hashed == []
+    # The next turn, asked for its chain, hashes each of its blocks once.
+    later = chains.with_chain(KEY, Prompt(len(nxt), nxt), 16)
+    assert tuple(later.block_digests) == expected
+    assert hashed == [len(nxt) // 16]
+
+
+def test_a_chain_dropped_before_it_was_needed_proves_nothing() -> None:
+    chains = PromptChains(max_tokens=5000)
+    lost = chains.with_chain(("t", "a"), Prompt(len(H), H), 16)
+    chains.with_chain(("t", "b"), Prompt(len(H), history(4000, seed=2)), 16)
+    with pytest.raises(LookupError):
+        lost.block_digests[0]
