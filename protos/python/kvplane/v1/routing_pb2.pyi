@@ -33,13 +33,17 @@ class _DecisionEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Decision.Val
     DECISION_RECOMPUTE_NO_HANDLE: _Decision.ValueType  # 2
     """No retained handle for the conversation."""
     DECISION_RECOMPUTE_BELOW_THRESHOLD: _Decision.ValueType  # 3
-    """Fewer reusable tokens than the threshold."""
+    """Fewer tokens to pull than the threshold: the reusable prefix minus what P's own
+    prefix cache is believed to hold.
+    """
     DECISION_RECOMPUTE_EXPIRING: _Decision.ValueType  # 4
     """The handle has too little life left."""
     DECISION_RECOMPUTE_HOLDER_DOWN: _Decision.ValueType  # 5
     """The holder is gone, restarted or draining."""
     DECISION_RECOMPUTE_PREFIX_MISMATCH: _Decision.ValueType  # 6
-    """The prompt does not continue the retained tokens."""
+    """The prompt does not continue the retained tokens, and the prefix it provably
+    shares with them (if any) is not worth a clipped pull.
+    """
     DECISION_RECOMPUTE_COST: _Decision.ValueType  # 7
     """Transferring would not be clearly faster than recomputing."""
     DECISION_RECOMPUTE_CONTENDED: _Decision.ValueType  # 8
@@ -59,13 +63,17 @@ DECISION_PULL: Decision.ValueType  # 1
 DECISION_RECOMPUTE_NO_HANDLE: Decision.ValueType  # 2
 """No retained handle for the conversation."""
 DECISION_RECOMPUTE_BELOW_THRESHOLD: Decision.ValueType  # 3
-"""Fewer reusable tokens than the threshold."""
+"""Fewer tokens to pull than the threshold: the reusable prefix minus what P's own
+prefix cache is believed to hold.
+"""
 DECISION_RECOMPUTE_EXPIRING: Decision.ValueType  # 4
 """The handle has too little life left."""
 DECISION_RECOMPUTE_HOLDER_DOWN: Decision.ValueType  # 5
 """The holder is gone, restarted or draining."""
 DECISION_RECOMPUTE_PREFIX_MISMATCH: Decision.ValueType  # 6
-"""The prompt does not continue the retained tokens."""
+"""The prompt does not continue the retained tokens, and the prefix it provably
+shares with them (if any) is not worth a clipped pull.
+"""
 DECISION_RECOMPUTE_COST: Decision.ValueType  # 7
 """Transferring would not be clearly faster than recomputing."""
 DECISION_RECOMPUTE_CONTENDED: Decision.ValueType  # 8
