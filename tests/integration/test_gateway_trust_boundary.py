@@ -250,7 +250,10 @@ async def test_a_tenant_past_its_share_of_inflight_tokens_gets_429_and_others_ar
         app_shares.limit = previous
 
 
-async def test_a_turn_d_refuses_has_ps_held_blocks_released_at_once(stack: GatewayStack) -> None:
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_turn_d_refuses_has_ps_held_blocks_released_at_once(
+    stack: GatewayStack, stream: bool
+) -> None:
     async def early_frees() -> float:
         return await stack.prefill.metric(
             stack.session, "kvplane_sim_retained_frees_total", kind="prefill_lease", reason="early"
@@ -262,10 +265,10 @@ async def test_a_turn_d_refuses_has_ps_held_blocks_released_at_once(stack: Gatew
     settings.max_model_len = 0
     try:
         before = await early_frees()
-        body = {"model": MODEL, "prompt": ids(300, 9), "max_tokens": 40_000}
+        body = {"model": MODEL, "prompt": ids(300, 9), "max_tokens": 40_000, "stream": stream}
         result = await stack.post("/v1/completions", body, stack.headers("acme", f"c-{uuid.uuid4().hex}"))
         assert result.status == 400, result.raw
-        assert "maximum context length" in result.body["error"]["message"]  # D's own refusal
+        assert "maximum context length" in json.loads(result.raw)["error"]["message"]  # D's own refusal
         # The failed report names P's held request; the release command reaches P's agent, and P frees
         # the blocks as released early, not at the end of its lease.
         await eventually(
