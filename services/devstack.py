@@ -30,6 +30,7 @@ import aiohttp
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvplane.bench.simengine.settings import SimEngineSettings
 from kvplane.services.common.local_etcd import LocalEtcd, free_port
 from kvplane.services.devstack_credentials import GATEWAY, DevCredentials
 
@@ -290,6 +291,9 @@ async def start_stack(
                     "gateway": {
                         "api_keys": [{"token": DEMO_API_KEY, "tenant": DEMO_TENANT}],
                         "routing_token_file": credentials.token_file(GATEWAY),
+                        # The engines' limits: what they would refuse, the gateway refuses before routing.
+                        "vocab_size": SimEngineSettings.vocab_size,
+                        "max_model_len": SimEngineSettings.max_model_len,
                     }
                 }
             )
