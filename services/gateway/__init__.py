@@ -9,6 +9,17 @@ event -> ReportTurn in the background. Responses carry `x-kvplane-decision`
 (routing's decision, `fallback` without routing, `retry_no_handle` after a
 failed P leg), `x-kvplane-route-id` and `x-kvplane-conversation`.
 
+Before any route or engine call (admission.py, request_body.py): the API key
+is checked from the headers and the declared size against `max_body_bytes`
+before the body is read (a refused request's connection is closed, its body
+never drained); the head and the body each have a deadline; the body must be
+valid UTF-8 JSON within `max_json_depth`, and meet the completion rules
+(ids, token ranges, numbers). Every refusal is a 4xx in OpenAI's error format.
+Each tenant gets its own prefix cache through vLLM's `cache_salt`
+(cache_salt.py), and a bounded share of prompt tokens in flight
+(tenant_share.py). A turn that fails after its P leg reports what P returned,
+so that routing has P's held blocks released at once.
+
 Configuration is the `gateway` section of kvplane's settings, for example:
 
     gateway:
