@@ -70,12 +70,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import vllm
+from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from kvplane.connector import digests as token_digests
 from kvplane.connector import prefix_check, vllm_features
 from kvplane.connector.node_agent import NodeAgent, NodeAgentSettings
+from kvplane.connector.request_spans import current_trace_context, request_span
 from kvplane.connector.vllm_features import IncompatibleVllm
 from kvplane.connector.vllm_stats import (
     EVENTS_KEY,
@@ -94,6 +96,7 @@ from kvplane.services.common.handles import (
     VllmHandle,
 )
 from kvplane.services.common.nodes import Fingerprint, Node, NodeLoad, NodeRole
+from kvplane.services.common.telemetry import Telemetry
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlPullConnector
@@ -284,6 +287,10 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
         self.kvplane_metrics = ConnectorMetrics()
         # Scheduler: what the metrics counted since vLLM last collected the connector's stats.
         self._stats_reader = ConnectorStatsReader(self.kvplane_metrics.registry)
+        # Spans of requests that carry trace headers (request_spans.py); exported where
+        # OpenTelemetry's variables say, as `kvplane-connector`.
+        self._telemetry: Telemetry | None = None
+        self._tracer: trace.Tracer = trace.NoOpTracer()
         self.kvplane_agent: NodeAgent | None = None
         self._model_name = _served_model_name(vllm_config)
         self._block_size = int(vllm_config.cache_config.block_size)
@@ -320,6 +327,8 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
 
     def _start_kvplane(self, vllm_config: VllmConfig) -> None:
         s = self.kvplane_settings
+        self._telemetry = Telemetry.create("kvplane-connector")
+        self._tracer = self._telemetry.tracer
         if s.metrics_port:
             start_http_server(s.metrics_port, addr="127.0.0.1", registry=self.kvplane_metrics.registry)
         if not s.metadata_target:
@@ -376,6 +385,9 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
         if self.kvplane_agent is not None:
             self.kvplane_agent.stop()
             self.kvplane_agent = None
+        if self._telemetry is not None:
+            self._telemetry.shutdown()
+            self._telemetry = None
         super().shutdown()
 
     # ------------------------------------------------------------------ agent-thread callbacks
@@ -455,9 +467,16 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
         """
         params = request.kv_transfer_params
         if prefix_check.is_pull_handle(params) and prefix_check.CHECKED_KEY not in params:
-            check = prefix_check.check_pull(
-                params, request.prompt_token_ids or (), require_digests=self.kvplane_settings.require_digests
-            )
+            with request_span(self._tracer, "kvplane.pull_check", _trace_headers(request)) as span:
+                check = prefix_check.check_pull(
+                    params,
+                    request.prompt_token_ids or (),
+                    require_digests=self.kvplane_settings.require_digests,
+                )
+                if span is not None:
+                    span.set_attribute("kvplane.pull.outcome", check.outcome.value)
+                    span.set_attribute("kvplane.tokens.verified", check.verified_tokens)
+                    span.set_attribute("kvplane.tokens.handle", check.handle_tokens)
             self.kvplane_metrics.pull_checks.labels(check.outcome.value).inc()
             if check.changed:
                 self.kvplane_metrics.clipped_tokens.inc(max(0, check.handle_tokens - check.verified_tokens))
@@ -619,7 +638,9 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
         self._held[request.request_id] = _Held(str(handle_id), retained_bytes)
         self.kvplane_metrics.published.inc()
         if self.kvplane_agent is not None:
-            self.kvplane_agent.publish(handle)
+            attributes = {"kvplane.handle_id": str(handle_id), "kvplane.retained_bytes": retained_bytes}
+            with request_span(self._tracer, "kvplane.publish", _trace_headers(request), **attributes):
+                self.kvplane_agent.publish(handle, current_trace_context())
         return params
 
     def _update_demand(self, applied: dict[str, int]) -> None:
@@ -661,6 +682,12 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
     def held_request_ids(self) -> frozenset[str]:
         """Requests whose published blocks this engine still holds (scheduler thread)."""
         return frozenset(self._held)
+
+
+def _trace_headers(request: Request) -> Mapping[str, str] | None:
+    """The request's W3C trace headers, kept by vLLM when its tracing is on."""
+    headers: Mapping[str, str] | None = getattr(request, "trace_headers", None)
+    return headers
 
 
 def _log_through_vllm_handlers() -> None:
