@@ -26,6 +26,7 @@ from kvplane.services.common.auth import (
     PrincipalKind,
     TokenAuthenticator,
 )
+from kvplane.services.common.etcd_credentials import EtcdCredentials
 from kvplane.services.common.secret_files import read_secret_file
 from kvplane.services.common.store import StoreSettings
 from kvplane.services.common.tls import ServerTlsFiles
@@ -45,13 +46,33 @@ class EtcdSection(Section):
     prefix: str = "/kvplane/v1/"
     request_timeout_s: float = 2.0
     settle_timeout_s: float = 10.0
+    # TLS to etcd: its CA (set: TLS), and a client certificate for --client-cert-auth (PEM files).
+    tls_ca_file: str = ""
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    tls_server_name: str = ""
+    # etcd's own authentication (auth enabled in etcd); the password may come from a file.
+    user: str = ""
+    password: SecretStr = SecretStr("")
+    password_file: str = ""
 
     def store_settings(self) -> StoreSettings:
+        password = self.password.get_secret_value()
+        if self.password_file:
+            password = read_secret_file(self.password_file, "etcd password")
         return StoreSettings(
             endpoints=tuple(self.endpoints),
             prefix=self.prefix,
             request_timeout_s=self.request_timeout_s,
             settle_timeout_s=self.settle_timeout_s,
+            credentials=EtcdCredentials(
+                ca_file=self.tls_ca_file,
+                cert_file=self.tls_cert_file,
+                key_file=self.tls_key_file,
+                server_name=self.tls_server_name,
+                user=self.user,
+                password=password,
+            ),
         )
 
 

@@ -91,10 +91,12 @@ async def raw_call(
     return Outcome(grpc.StatusCode.OK, "", responses)
 
 
-def plane_settings(etcd: LocalEtcd, prefix: str, auth: dict[str, Any], **sections: Any) -> KvplaneSettings:
+def plane_settings(
+    etcd_server: LocalEtcd, prefix: str, auth: dict[str, Any], **sections: Any
+) -> KvplaneSettings:
     values: dict[str, Any] = {
         "grpc": {"listen": f"127.0.0.1:{free_port()}", "grace_s": 0.2},
-        "etcd": {"endpoints": [etcd.endpoint], "prefix": prefix},
+        "etcd": {"endpoints": [etcd_server.endpoint], "prefix": prefix},
         "telemetry": {"metrics_port": 0, "json_logs": False},
         "eviction": {"lease_ttl_s": 2, "evaluate_interval_s": 0.2, "policy": {"policies": []}},
         "auth": auth,

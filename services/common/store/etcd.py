@@ -22,6 +22,7 @@ import grpc
 from aetcd import rpc
 
 from kvplane.services.common.errors import NotFound, StoreUnavailable
+from kvplane.services.common.etcd_credentials import EtcdCredentials
 from kvplane.services.common.store.members import Member, parse_members
 from kvplane.services.common.store.settings import StoreSettings
 from kvplane.services.common.telemetry import Telemetry
@@ -75,9 +76,9 @@ class Connection:
     watch: Any
 
 
-def open_channel(target: str) -> grpc.aio.Channel:
-    """The one place an etcd channel is made."""
-    return grpc.aio.insecure_channel(
+def open_channel(target: str, credentials: EtcdCredentials | None = None) -> grpc.aio.Channel:
+    """The one place an etcd channel is made (TLS and etcd's user: `credentials`)."""
+    return (credentials or EtcdCredentials()).channel(
         target,
         options=[
             ("grpc.lb_policy_name", "pick_first"),
@@ -153,7 +154,7 @@ class EtcdClient:
             target = member.endpoint.removeprefix("http://").removeprefix("https://")
         else:
             target = await member.target()
-        channel = open_channel(target)
+        channel = open_channel(target, self.settings.credentials)
         self._generation += 1
         return Connection(
             self._generation,
