@@ -6,6 +6,8 @@ library sees the same shape whatever was wrong.
 
 from __future__ import annotations
 
+from typing import Any
+
 from aiohttp import web
 
 _TYPES = {
@@ -30,14 +32,16 @@ class RequestRejected(Exception):
         self.param = param
 
 
+def error_body(status: int, message: str, kind: str = "", param: str | None = None) -> dict[str, Any]:
+    kind = kind or _TYPES.get(status, "BadGatewayError")
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
 def error_response(
     status: int, message: str, kind: str = "", param: str | None = None, *, close: bool = False
 ) -> web.Response:
     """An error answer; `close` ends the connection, so that a body left unread is never drained."""
-    kind = kind or _TYPES.get(status, "BadGatewayError")
-    response = web.json_response(
-        {"error": {"message": message, "type": kind, "param": param, "code": status}}, status=status
-    )
+    response = web.json_response(error_body(status, message, kind, param), status=status)
     if close:
         response.force_close()
     return response

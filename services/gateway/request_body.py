@@ -181,12 +181,17 @@ def _check_prompt(prompt: Any, limits: BodyLimits) -> None:
 
 
 def _check_context(body: Mapping[str, Any], chat: bool, limits: BodyLimits) -> None:
+    prompt = None if chat else single_prompt(body.get("prompt"))
+    check_context(len(prompt) if isinstance(prompt, list) else 0, body, chat, limits)
+
+
+def check_context(prompt_tokens: int, body: Mapping[str, Any], chat: bool, limits: BodyLimits) -> None:
+    """Raises RequestRejected unless a prompt of `prompt_tokens` plus the completion fits the context
+    (once a text prompt is tokenized, its length is known before Route)."""
     if not limits.max_model_len:
         return
     wanted = body.get("max_completion_tokens", body.get("max_tokens")) if chat else body.get("max_tokens")
     wanted = wanted if isinstance(wanted, int) else 0
-    prompt = None if chat else single_prompt(body.get("prompt"))
-    prompt_tokens = len(prompt) if isinstance(prompt, list) else 0
     if prompt_tokens + wanted > limits.max_model_len:
         raise RequestRejected(
             400,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import time
 import uuid
@@ -35,6 +36,7 @@ from kvplane.services.gateway import sse
 from kvplane.services.gateway.identity import Identity
 from kvplane.services.gateway.legs import LegFailed, LegTimeouts, open_stream, post_json
 from kvplane.services.gateway.metrics import GatewayMetrics
+from kvplane.services.gateway.openai_errors import RequestRejected, error_body
 from kvplane.services.gateway.progress import (
     PromptSources,
     TurnProgress,
@@ -44,6 +46,7 @@ from kvplane.services.gateway.progress import (
 )
 from kvplane.services.gateway.prompts import RoutedPrompt, TokenizeEndpoints, UnknownModel, routed_prompt
 from kvplane.services.gateway.reports import TurnReporter
+from kvplane.services.gateway.request_body import BodyLimits, check_context
 from kvplane.v1 import routing_pb2
 
 log = logging.getLogger(__name__)
@@ -128,6 +131,15 @@ class TurnRunner:
                 )
             except UnknownModel as exc:
                 raise TurnFailed(404, str(exc), exc.body) from None
+            if prompt.token_ids:
+                # A tokenized prompt's length is known now: refuse what D would refuse, before Route
+                # checks a handle out and P holds the prompt's KV.
+                try:
+                    limits = BodyLimits(max_model_len=s.max_model_len)
+                    check_context(len(prompt.token_ids), turn.body, turn.chat, limits)
+                except RequestRejected as exc:
+                    body = json.dumps(error_body(exc.status, exc.message, param=exc.param)).encode()
+                    raise TurnFailed(exc.status, exc.message, body) from None
             await self.reporter.after_previous(turn)
             route = await self._route(turn, prompt)
             try:

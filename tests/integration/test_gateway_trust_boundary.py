@@ -282,3 +282,17 @@ async def test_a_turn_d_refuses_has_ps_held_blocks_released_at_once(
 
 async def _more(probe: Any, than: float) -> bool:
     return bool(await probe() > than)
+
+
+async def test_a_text_prompt_too_long_once_tokenized_is_refused_before_any_route(stack: GatewayStack) -> None:
+    settings = stack.gateway.settings
+    # The engine's /tokenize itself (not through the recording proxy in front of P's completions).
+    settings.tokenize_url = stack.prefill.url
+    try:
+        routed, seen = await routes(stack), len(stack.proxy.seen)
+        body = {"model": MODEL, "prompt": "a question", "max_tokens": MAX_MODEL_LEN}
+        result = await stack.post("/v1/completions", body, stack.headers("acme", f"c-{uuid.uuid4().hex}"))
+        assert result.status == 400 and result.body["error"]["param"] == "max_tokens", result.raw
+        assert await routes(stack) == routed and len(stack.proxy.seen) == seen
+    finally:
+        settings.tokenize_url = ""
