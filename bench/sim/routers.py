@@ -24,16 +24,15 @@ from kvplane.bench.sim.fleet import Conversation, Fleet
 from kvplane.bench.workloads.turns import Turn
 from kvplane.services.common.handles import CacheHandle, VllmHandle
 from kvplane.services.routing.inflight import InFlightLedger, routed_work
-from kvplane.services.routing.prefill_record import PrefillCacheRecord
 from kvplane.services.routing.policy import (
     CostModel,
-    Decision,
     NodeState,
     Prompt,
     RouteSnapshot,
     RoutingPolicy,
     TurnObservation,
 )
+from kvplane.services.routing.prefill_record import PrefillCacheRecord
 
 
 @dataclass(frozen=True, slots=True)
