@@ -44,6 +44,15 @@ KVPLANE_HTTP_URL give defaults):
     idle_step_pause_s                  pause in steps that schedule nothing (0: off)
     kv_free_watermark_blocks           free blocks to ask the control plane for on top of what
                                        waiting requests need (0: ask only for waiting requests)
+    auth_token_file                    file holding the node's bearer token (KVPLANE_AUTH_TOKEN_FILE;
+                                       KVPLANE_AUTH_TOKEN gives the token itself, never a config key)
+    tls_ca_file                        CA of the control plane's certificates: TLS (KVPLANE_TLS_CA_FILE)
+    tls_cert_file, tls_key_file        the node's client certificate, for mTLS (KVPLANE_TLS_CERT_FILE, ...)
+    tls_server_name                    the name the servers' certificates are checked against
+    mesh_secret_file                   a mesh proxy's secret, only where no proxy adds it (development)
+
+A control plane that refuses these credentials is logged at warning level by the node agent,
+with the reason.
 
 Without a `metadata_target` the connector runs without an agent: the prefix check still
 applies, and nothing is published.
@@ -66,7 +75,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import vllm
@@ -74,6 +83,7 @@ from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
+from kvplane.client.credentials import ClientCredentials
 from kvplane.connector import digests as token_digests
 from kvplane.connector import prefix_check, vllm_features
 from kvplane.connector.node_agent import NodeAgent, NodeAgentSettings
@@ -137,6 +147,17 @@ def check_installed_vllm(*, progress_thread_off: bool = False) -> None:
     vllm_features.check_vllm(str(vllm.__version__), missing)
 
 
+# Credential settings read from the config section or KVPLANE_<KEY> (never the token itself).
+_CREDENTIAL_KEYS = (
+    "auth_token_file",
+    "tls_ca_file",
+    "tls_cert_file",
+    "tls_key_file",
+    "tls_server_name",
+    "mesh_secret_file",
+)
+
+
 @dataclass(frozen=True, slots=True)
 class ConnectorSettings:
     """kvplane's part of the engine configuration."""
@@ -168,6 +189,26 @@ class ConnectorSettings:
     # Scheduler side: free blocks asked for on top of what waiting requests need. 0: memory is
     # asked for only when a request waits for it, never kept empty ahead of need.
     kv_free_watermark_blocks: int = 0
+    # Credentials for the control plane (kvplane.client.credentials); see the module docstring.
+    auth_token_file: str = ""
+    tls_ca_file: str = ""
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    tls_server_name: str = ""
+    mesh_secret_file: str = ""
+    # From KVPLANE_AUTH_TOKEN only: vLLM logs its whole configuration.
+    auth_token: str = field(default="", repr=False)
+
+    def credentials(self) -> ClientCredentials:
+        return ClientCredentials(
+            token=self.auth_token,
+            token_file=self.auth_token_file,
+            tls_ca_file=self.tls_ca_file,
+            tls_cert_file=self.tls_cert_file,
+            tls_key_file=self.tls_key_file,
+            tls_server_name=self.tls_server_name,
+            mesh_secret_file=self.mesh_secret_file,
+        )
 
     @classmethod
     def from_config(
@@ -181,10 +222,15 @@ class ConnectorSettings:
             "node_id": env.get("KVPLANE_NODE_ID", ""),
             "http_url": env.get("KVPLANE_HTTP_URL", ""),
         }
+        for key in _CREDENTIAL_KEYS:
+            if f"KVPLANE_{key.upper()}" in env:
+                raw[key] = env[f"KVPLANE_{key.upper()}"]
+        if "auth_token" in (section or {}):
+            raise ConnectorConfigError("put the token in a file (auth_token_file) or KVPLANE_AUTH_TOKEN")
         if "KVPLANE_NODE_ROLE" in env:
             raw["role"] = env["KVPLANE_NODE_ROLE"]
         raw.update(section or {})
-        unknown = set(raw) - set(cls.__dataclass_fields__)
+        unknown = set(raw) - (set(cls.__dataclass_fields__) - {"auth_token"})
         if unknown:
             raise ConnectorConfigError(f"unknown kvplane settings: {sorted(unknown)}")
         try:
@@ -203,6 +249,8 @@ class ConnectorSettings:
                 nixl_progress_thread=bool(raw.get("nixl_progress_thread", True)),
                 idle_step_pause_s=float(raw.get("idle_step_pause_s", 0.0)),
                 kv_free_watermark_blocks=int(raw.get("kv_free_watermark_blocks", 0)),
+                auth_token=str(env.get("KVPLANE_AUTH_TOKEN", "")),
+                **{key: str(raw.get(key, "")) for key in _CREDENTIAL_KEYS},
             )
         except (TypeError, ValueError) as exc:
             raise ConnectorConfigError(f"bad kvplane settings: {exc}") from None
@@ -364,6 +412,7 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
             eviction_target=s.eviction_target,
             lease_ttl_s=s.lease_ttl_s,
             load_interval_s=s.load_interval_s,
+            credentials=s.credentials(),
         )
         self.kvplane_agent = NodeAgent(
             agent_settings,

