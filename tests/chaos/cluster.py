@@ -1,0 +1,261 @@
+"""The chaos cluster: a 3-member etcd on loopback, metadata, routing and eviction as
+separate processes, 2 prefill and 2 decode sim-engines, and 2 gateways.
+
+Every process can be killed (SIGKILL) and started again, or frozen (SIGSTOP). One decode
+engine (d1) reaches the control plane through a proxy that can cut it off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import grpc
+
+from kvplane.services.common.local_etcd import LocalEtcdCluster, free_port
+from kvplane.services.common.store import Store, StoreSettings
+from kvplane.services.devstack import (
+    ManagedProcess,
+    StartupError,
+    engine_env,
+    grpc_health_probe,
+    http_health_probe,
+)
+from kvplane.services.devstack_credentials import GATEWAY, OPERATOR, DevCredentials
+from kvplane.v1 import metadata_pb2, metadata_pb2_grpc
+from tests.chaos.tcp_proxy import CuttableProxy
+
+MODEL = "sim-model"
+API_KEY = "chaos-key"
+TENANT = "chaos"
+PREFIX = "/kvplane/v1/"
+# A checked-out handle nobody read is released this long after its check-out, seconds.
+CLAIM_DEADLINE_S = 10.0
+SPEEDUP = "20"
+START_TIMEOUT_S = 180.0
+
+
+def _kvplane(*args: str) -> list[str]:
+    return [sys.executable, "-m", "kvplane.services.cli", *args]
+
+
+@dataclass
+class Proc:
+    """A managed process and how to tell it is ready."""
+
+    managed: ManagedProcess
+    ready: Callable[[], Awaitable[bool]]
+    kind: str
+
+    @property
+    def name(self) -> str:
+        return self.managed.name
+
+    async def start(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        self.managed.start()
+        await wait_ready(self, timeout_s)
+
+    def kill(self) -> None:
+        proc = self.managed.proc
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+    def freeze(self) -> None:
+        if self.managed.proc is not None:
+            os.killpg(self.managed.proc.pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        if self.managed.proc is not None:
+            os.killpg(self.managed.proc.pid, signal.SIGCONT)
+
+
+async def wait_ready(proc: Proc, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not proc.managed.alive():
+            raise StartupError(f"{proc.name} exited:\n{proc.managed.log_tail()}")
+        try:
+            if await proc.ready():
+                return
+        except Exception:  # not answering yet
+            pass
+        await asyncio.sleep(0.1)  # polling readiness until the deadline
+    raise StartupError(f"{proc.name} not ready after {timeout_s:.0f} s:\n{proc.managed.log_tail()}")
+
+
+@dataclass
+class ChaosCluster:
+    run_dir: Path
+    etcd: LocalEtcdCluster
+    credentials: DevCredentials
+    procs: dict[str, Proc] = field(default_factory=dict)
+    engine_urls: dict[str, str] = field(default_factory=dict)
+    gateway_urls: list[str] = field(default_factory=list)
+    # d1's links to metadata and eviction: cutting both partitions it from the control plane.
+    proxy: CuttableProxy | None = None
+    eviction_proxy: CuttableProxy | None = None
+    metadata_target: str = ""
+
+    @property
+    def etcd_endpoints(self) -> list[str]:
+        # By name: the stores resolve each, and fail over between them.
+        return [f"localhost:{m.client_port}" for m in self.etcd.members]
+
+    def store(self) -> Store:
+        return Store(
+            StoreSettings(endpoints=tuple(self.etcd_endpoints), prefix=PREFIX, request_timeout_s=1.0)
+        )
+
+    def operator_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self.credentials.operator_metadata()
+
+    async def stop(self) -> None:
+        for proc in reversed(list(self.procs.values())):
+            proc.thaw()
+            proc.managed.stop(timeout_s=5)
+        for proxy in (self.proxy, self.eviction_proxy):
+            if proxy is not None:
+                await proxy.stop()
+        self.etcd.cleanup()
+
+
+def _services_config(cluster: ChaosCluster, node_ids: list[str]) -> Path:
+    base = json.loads(cluster.credentials.services_config(node_ids).read_text())
+    base["etcd"] = {"endpoints": cluster.etcd_endpoints, "prefix": PREFIX, "request_timeout_s": 1.0}
+    base["metadata"] = {
+        "reaper_interval_s": 1.0,
+        "claim_deadline_s": CLAIM_DEADLINE_S,
+        "claim_sweep_interval_s": 1.0,
+    }
+    base["telemetry"] = {"metrics_port": 0, "json_logs": False}
+    path = cluster.run_dir / "services.json"
+    path.write_text(json.dumps(base))  # JSON is YAML
+    return path
+
+
+def _nodes_registered(
+    target: str, count: int, metadata: tuple[tuple[str, str], ...]
+) -> Callable[[], Awaitable[bool]]:
+    async def probe() -> bool:
+        async with grpc.aio.insecure_channel(target) as channel:
+            nodes = await metadata_pb2_grpc.MetadataServiceStub(channel).ListNodes(
+                metadata_pb2.ListNodesRequest(), timeout=1, metadata=metadata
+            )
+            return len(nodes.nodes) >= count
+
+    return probe
+
+
+async def start_cluster(run_dir: Path) -> ChaosCluster:
+    """Starts everything; `run_dir` (which exists) gets the logs and credentials."""
+    etcd = LocalEtcdCluster(3)
+    etcd.start()
+    cluster = ChaosCluster(run_dir, etcd, DevCredentials(run_dir / "credentials"))
+    try:
+        await _start_processes(cluster)
+    except BaseException:
+        await cluster.stop()
+        raise
+    return cluster
+
+
+async def _start_processes(cluster: ChaosCluster) -> None:
+    run_dir = cluster.run_dir
+    node_ids = ["p0", "p1", "d0", "d1"]
+    config = str(_services_config(cluster, node_ids))
+    ports = {name: free_port() for name in ("metadata", "routing", "eviction")}
+    targets = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
+    cluster.metadata_target = targets["metadata"]
+    for name in ("metadata", "routing", "eviction"):
+        managed = ManagedProcess(
+            name,
+            _kvplane("serve", name, "--config", config, "--listen", targets[name], "--metrics-port", "0"),
+            run_dir / f"{name}.log",
+        )
+        cluster.procs[name] = Proc(managed, grpc_health_probe(targets[name]), "service")
+    cluster.proxy = CuttableProxy("127.0.0.1", ports["metadata"])
+    await cluster.proxy.start()
+    evict_proxy = cluster.eviction_proxy = CuttableProxy("127.0.0.1", ports["eviction"])
+    await evict_proxy.start()
+    for node_id in node_ids:
+        role = "prefill" if node_id.startswith("p") else "decode"
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        cluster.engine_urls[node_id] = url
+        # d1 reaches the control plane through the cuttable proxies.
+        control = cluster.proxy.address if node_id == "d1" else targets["metadata"]
+        evict = evict_proxy.address if node_id == "d1" else targets["eviction"]
+        managed = ManagedProcess(
+            node_id,
+            _kvplane(
+                *("sim-engine", "--role", role, "--node-id", node_id, "--host", "127.0.0.1"),
+                *("--port", str(port), "--side-channel-host", "127.0.0.1"),
+                *("--side-channel-port", str(free_port()), "--control-plane", control, "--eviction", evict),
+                *("--auth-token-file", cluster.credentials.token_file(node_id), "--speedup", SPEEDUP),
+                *("--decoder-kv-blocks-ttl", "240", "--model", MODEL, "--num-blocks", "16384"),
+                *("--load-interval-s", "0.25"),
+            ),
+            run_dir / f"engine-{node_id}.log",
+            env=engine_env(),
+        )
+        cluster.procs[node_id] = Proc(managed, http_health_probe(url + "/health"), "engine")
+    gateway_config = run_dir / "gateway.json"
+    gateway_config.write_text(
+        json.dumps(
+            {
+                "gateway": {
+                    "api_keys": [{"token": API_KEY, "tenant": TENANT}],
+                    "routing_token_file": cluster.credentials.token_file(GATEWAY),
+                }
+            }
+        )
+    )
+    for name in ("gateway-a", "gateway-b"):
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        cluster.gateway_urls.append(url)
+        managed = ManagedProcess(
+            name,
+            _kvplane(
+                *("gateway", "--config", str(gateway_config), "--listen", f"127.0.0.1:{port}"),
+                *("--routing", targets["routing"], "--model", MODEL),
+                *(
+                    "--fallback-prefill",
+                    cluster.engine_urls["p0"],
+                    "--fallback-decode",
+                    cluster.engine_urls["d0"],
+                ),
+                *("--tokenize-url", cluster.engine_urls["p0"]),
+            ),
+            run_dir / f"{name}.log",
+            env={"KVPLANE_TELEMETRY__METRICS_PORT": "0"},
+        )
+        cluster.procs[name] = Proc(managed, http_health_probe(url + "/health"), "gateway")
+    for proc in cluster.procs.values():
+        proc.managed.start()
+    for proc in cluster.procs.values():
+        await wait_ready(proc, START_TIMEOUT_S)
+    registered = Proc(
+        cluster.procs["metadata"].managed,
+        _nodes_registered(targets["metadata"], len(node_ids), cluster.operator_metadata()),
+        "service",
+    )
+    await wait_ready(registered, START_TIMEOUT_S)
+
+
+async def engine_state(session: aiohttp.ClientSession, url: str) -> dict[str, object]:
+    async with session.get(url + "/sim/state", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+        state: dict[str, object] = await resp.json()
+        return state
+
+
+__all__ = ["OPERATOR", "ChaosCluster", "Proc", "engine_state", "start_cluster"]
