@@ -275,6 +275,9 @@ class GatewaySection(Section):
     # Most prompt tokens one tenant may have in flight at once: a bound on the KV its turns hold on
     # any engine between the P and D legs. 0: unbounded.
     max_inflight_tokens_per_tenant: int = Field(1 << 20, ge=0)
+    # HTTPS: the server certificate and its key (PEM files, re-read when they change). Empty: HTTP.
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
 
 
 class KvplaneSettings(BaseSettings):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -18,6 +19,7 @@ from kvplane.services.common.telemetry import Telemetry
 from kvplane.services.gateway import cache_salt
 from kvplane.services.gateway.admission import TENANT, ReadLimits, admission, json_body
 from kvplane.services.gateway.cache_salt import CacheSalts
+from kvplane.services.gateway.https import ServerCertificate
 from kvplane.services.gateway.identity import ApiKeys, BadConversation, Identity, take_conversation
 from kvplane.services.gateway.metrics import GatewayMetrics
 from kvplane.services.gateway.openai_errors import RequestRejected, error_response, rejection
@@ -201,6 +203,8 @@ class Gateway:
         self._routing: RoutingClient | None = None
         self._session: aiohttp.ClientSession | None = None
         self.turns: TurnRunner | None = None
+        self._certificate: ServerCertificate | None = None
+        self._certificate_watch: asyncio.Task[None] | None = None
 
     @property
     def port(self) -> int:
@@ -212,7 +216,8 @@ class Gateway:
     @property
     def url(self) -> str:
         host = split_host_port(self.settings.listen)[0]
-        return f"http://{f'[{host}]' if ':' in host else host}:{self.port}"
+        scheme = "https" if self.settings.tls_cert_file else "http"
+        return f"{scheme}://{f'[{host}]' if ':' in host else host}:{self.port}"
 
     async def start(self) -> None:
         s = self.settings
@@ -242,7 +247,11 @@ class Gateway:
                 lingering_time=0,
             )
             await self._runner.setup()
-            self._site = web.TCPSite(self._runner, host, port)
+            if s.tls_cert_file:
+                self._certificate = ServerCertificate(s.tls_cert_file, s.tls_key_file)
+                self._certificate_watch = asyncio.create_task(self._certificate.watch())
+            context = self._certificate.context if self._certificate is not None else None
+            self._site = web.TCPSite(self._runner, host, port, ssl_context=context)
             await self._site.start()
         except BaseException:
             await self.stop()
@@ -250,6 +259,11 @@ class Gateway:
         log.info("gateway serving", extra={"url": self.url, "routing": list(s.routing)})
 
     async def stop(self) -> None:
+        if self._certificate_watch is not None:
+            self._certificate_watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._certificate_watch
+            self._certificate_watch = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = self._site = None
