@@ -73,8 +73,10 @@ run: setup ## Start etcd, the services, the gateway and two sim-engines; demo; C
 	$(BIN)/kvplane dev-stack $(if $(RUN_DIR),--run-dir $(RUN_DIR)) \
 	  $(if $(GATEWAY_PORT),--gateway-port $(GATEWAY_PORT)) $(if $(GRPC_PORT),--grpc-port $(GRPC_PORT)) $(RUN_ARGS)
 
-serve: setup ## kvplane serve all (etcd at 127.0.0.1:2379 unless KVPLANE_ETCD__ENDPOINTS says otherwise)
-	$(BIN)/kvplane serve all
+# `make serve CONFIG=kvplane.yaml`: the settings file must choose an auth mode (THREAT_MODEL.md).
+CONFIG ?=
+serve: setup ## kvplane serve all with CONFIG's settings (etcd at 127.0.0.1:2379 unless they say otherwise)
+	$(BIN)/kvplane serve all $(if $(CONFIG),--config $(CONFIG))
 
 live-bench: setup ## kvplane bench --start-stack: a live benchmark through the gateway of a dev stack
 	$(BIN)/kvplane bench --start-stack
