@@ -1,0 +1,269 @@
+#!/usr/bin/env bash
+# The container stage: build kvplane's images, start the compose stack with simulated engines,
+# send multi-turn conversations through the gateway, check in the engines' own metrics that KV
+# was pulled between containers over NIXL, and take the stack down.
+#
+#   deploy/scripts/compose_stage.sh            (root, on Debian; CI runs it on a clean clone)
+#
+# It runs the project's own files, unchanged: deploy/docker/Dockerfile (build args only) and
+# deploy/compose/compose.yaml. With rootful podman and podman-compose, on a machine with no
+# container registry, no systemd and HTTPS re-signed by a proxy, that takes:
+# - podman, runc, netavark (Debian) and podman-compose 1.6.0 (PyPI; Debian's 1.0.3 has no
+#   profiles and crashes on per-network aliases), installed when missing;
+# - a containers.conf of its own (CONTAINERS_CONF, the host's is left alone): runc, because crun
+#   refuses hybrid cgroups; explicit ulimits, because there is no CAP_SYS_RESOURCE to raise them;
+#   cgroupfs and file events, because there is no systemd; netavark (per-network aliases), not
+#   the CNI plugins Debian's podman may find configured;
+# - base images without a registry: Debian by debootstrap + `podman import`, then local images
+#   standing in for python:3.11-slim and etcd (Debian's python3 is 3.11, Debian's etcd 3.4);
+# - the host's CA bundle and pip configuration mounted read-only while building, never baked in;
+# - healthchecks run by this script: podman 4.3 schedules them through systemd timers, and
+#   podman-compose below podman 4.6 does not wait for `service_healthy`.
+#
+# Environment (all optional):
+#   KVPLANE_STAGE_WORK   scratch and caches (default /var/tmp/kvplane-compose-stage); keep it
+#                        between runs, with podman's image store, for cached builds
+#   DEBIAN_MIRROR        for debootstrap (default http://deb.debian.org/debian)
+#   HOST_CA              CA bundle to trust while building (default: the system bundle)
+#   PIP_FIND_LINKS_DIR   a folder of wheels offered to pip while building (default: $PIP_FIND_LINKS
+#                        when it is a folder); lets CPU torch come from local wheels
+#   KVPLANE_TORCH_INDEX_URL  where the images' pip finds CPU torch (default: PyPI, with the
+#                        wheels above; set https://download.pytorch.org/whl/cpu where reachable)
+#   KVPLANE_STAGE_TURNS  turns per conversation (default 4); KVPLANE_STAGE_CONVERSATIONS (3)
+#   KVPLANE_STAGE_KEEP=1 leave the stack up at the end
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+WORK=${KVPLANE_STAGE_WORK:-/var/tmp/kvplane-compose-stage}
+MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
+HOST_CA=${HOST_CA:-/etc/ssl/certs/ca-certificates.crt}
+WHEELS=${PIP_FIND_LINKS_DIR:-}
+if [[ -z $WHEELS && -n ${PIP_FIND_LINKS:-} && -d ${PIP_FIND_LINKS%% *} ]]; then
+  WHEELS=${PIP_FIND_LINKS%% *}
+fi
+PODMAN_COMPOSE_VERSION=1.6.0
+BASE_IMAGE=localhost/kvplane-base/debian:bookworm
+PYTHON_IMAGE=localhost/kvplane-base/python:3.11
+ETCD_IMAGE=localhost/kvplane-base/etcd:3.4
+PROJECT=kvplane
+mkdir -p "$WORK"
+
+START=$(date +%s)
+LAST=$START
+TIMINGS=()
+phase() {
+  local now
+  now=$(date +%s)
+  if [[ -n ${PHASE:-} ]]; then TIMINGS+=("$(printf '%-34s %4d s' "$PHASE" $((now - LAST)))"); fi
+  PHASE=$1
+  LAST=$now
+  printf '\n--- %s (%s)\n' "$1" "$(date -u +%H:%M:%S)"
+}
+summary() {
+  phase ""
+  printf '\ncompose stage timings:\n'
+  printf '  %s\n' "${TIMINGS[@]}"
+  printf '  %-34s %4d s\n' total $(($(date +%s) - START))
+}
+die() { printf 'compose_stage: %s\n' "$*" >&2; exit 1; }
+
+# ---------------------------------------------------------------- tools
+phase "tools"
+need=()
+for tool in podman:podman runc:runc /usr/lib/podman/netavark:netavark \
+  /usr/lib/podman/aardvark-dns:aardvark-dns debootstrap:debootstrap iptables:iptables \
+  curl:curl; do
+  command -v "${tool%%:*}" >/dev/null 2>&1 || [[ -x ${tool%%:*} ]] || need+=("${tool##*:}")
+done
+if ((${#need[@]})); then
+  echo "installing ${need[*]}"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" slirp4netns uidmap >/dev/null
+fi
+if [[ ! -x $WORK/venv/bin/podman-compose ]] \
+  || [[ $("$WORK/venv/bin/podman-compose" --version 2>/dev/null | grep -o 'compose version [0-9.]*') \
+    != "compose version $PODMAN_COMPOSE_VERSION" ]]; then
+  python3 -m venv "$WORK/venv"
+  "$WORK/venv/bin/pip" install -q "podman-compose==$PODMAN_COMPOSE_VERSION"
+fi
+# Without CAP_SYS_RESOURCE a container may not raise a limit above this shell's hard limit.
+nofile=$(ulimit -Hn)
+[[ $nofile == unlimited || $nofile -gt 65536 ]] && nofile=65536
+nproc=$(ulimit -Hu)
+[[ $nproc == unlimited || $nproc -gt 32768 ]] && nproc=32768
+cat > "$WORK/containers.conf" <<CONF
+[containers]
+default_ulimits = ["nofile=$nofile:$nofile", "nproc=$nproc:$nproc"]
+[engine]
+runtime = "runc"
+cgroup_manager = "cgroupfs"
+events_logger = "file"
+[network]
+network_backend = "netavark"
+CONF
+export CONTAINERS_CONF=$WORK/containers.conf
+podman --version
+"$WORK/venv/bin/podman-compose" --version | grep -i 'podman-compose'
+
+# ---------------------------------------------------------------- base images
+phase "base images"
+if ! podman image exists "$BASE_IMAGE"; then
+  rm -rf "$WORK/rootfs"
+  debootstrap --variant=minbase bookworm "$WORK/rootfs" "$MIRROR" >"$WORK/debootstrap.log" 2>&1 \
+    || { tail -20 "$WORK/debootstrap.log"; die "debootstrap failed"; }
+  rm -rf "$WORK"/rootfs/var/cache/apt/archives/*.deb "$WORK"/rootfs/var/lib/apt/lists/*
+  tar -C "$WORK/rootfs" -c . | podman import --change 'CMD ["/bin/bash"]' - "$BASE_IMAGE" >/dev/null
+  rm -rf "$WORK/rootfs"
+fi
+# Build-time mounts: the CA bundle and a pip.conf that trusts it, and the local wheels.
+printf '[global]\ncert = /etc/ssl/certs/host-ca-bundle.crt\n' > "$WORK/pip.conf"
+BUILD_MOUNTS=(-v "$HOST_CA:/etc/ssl/certs/host-ca-bundle.crt:ro" -v "$WORK/pip.conf:/etc/pip.conf:ro")
+if [[ -n $WHEELS ]]; then
+  printf 'find-links = /wheels\n' >> "$WORK/pip.conf"
+  BUILD_MOUNTS+=(-v "$WHEELS:/wheels:ro")
+fi
+# Debian's apt reaches its mirror over HTTP, so the stand-ins need no CA at build time.
+mkdir -p "$WORK/context"
+cat > "$WORK/context/python.Containerfile" <<EOF
+FROM $BASE_IMAGE
+ENV LANG=C.UTF-8
+RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
+ && rm -rf /var/lib/apt/lists/* && python3 -m venv /opt/python
+ENV PATH=/opt/python/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+RUN pip install --no-cache-dir -U pip setuptools wheel
+EOF
+cat > "$WORK/context/etcd.Containerfile" <<EOF
+FROM $BASE_IMAGE
+RUN apt-get update && apt-get install -y --no-install-recommends etcd-server etcd-client \
+ && rm -rf /var/lib/apt/lists/*
+EOF
+podman build -q "${BUILD_MOUNTS[@]}" -f "$WORK/context/python.Containerfile" -t "$PYTHON_IMAGE" \
+  "$WORK/context" >/dev/null
+podman build -q -f "$WORK/context/etcd.Containerfile" -t "$ETCD_IMAGE" "$WORK/context" >/dev/null
+
+# ---------------------------------------------------------------- compose settings
+cd "$ROOT/deploy/compose"
+free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+export COMPOSE_PROFILES=sim
+export KVPLANE_PYTHON_IMAGE=$PYTHON_IMAGE
+export KVPLANE_ETCD_IMAGE=$ETCD_IMAGE
+export KVPLANE_TORCH_INDEX_URL=${KVPLANE_TORCH_INDEX_URL:-https://pypi.org/simple}
+export KVPLANE_OTLP_ENDPOINT=
+export KVPLANE_GATEWAY_PORT=${KVPLANE_GATEWAY_PORT:-$(free_port)}
+# With one prefill engine, P's own prefix cache holds every earlier prompt, so a pull only moves
+# D's last answer; the default cost model rightly recomputes so short a tail. This override (the
+# stage's only one) gives routing a policy whose recompute is costly enough per token that the
+# tail is worth pulling, so that the pull path between containers is what gets exercised.
+sed 's/^\( *recompute_ms_per_token:\).*/\1 5.0/' "$ROOT/services/routing/policy/default_policy.yaml" \
+  > "$WORK/pull-policy.yaml"
+grep -q 'recompute_ms_per_token: 5.0' "$WORK/pull-policy.yaml" || die "default_policy.yaml has no recompute_ms_per_token"
+cat > "$WORK/compose.stage.yaml" <<EOF
+services:
+  routing:
+    environment:
+      KVPLANE_ROUTING__POLICY_FILE: /etc/kvplane/pull-policy.yaml
+    volumes:
+      - type: bind
+        source: $WORK/pull-policy.yaml
+        target: /etc/kvplane/pull-policy.yaml
+        read_only: true
+EOF
+COMPOSE=("$WORK/venv/bin/podman-compose" --project-name "$PROJECT" --in-pod false -f compose.yaml
+  -f "$WORK/compose.stage.yaml")
+containers() { podman ps -a --filter "label=io.podman.compose.project=$PROJECT" --format '{{.Names}}'; }
+down() {
+  "${COMPOSE[@]}" down -v -t 5 >/dev/null 2>&1 || true
+  # podman-compose removes only the services of the active profiles.
+  local left
+  left=$(containers)
+  if [[ -n $left ]]; then
+    # shellcheck disable=SC2086
+    podman rm -f -t 5 $left >/dev/null 2>&1 || true
+  fi
+}
+logs_on_failure() {
+  local rc=$?
+  if ((rc != 0)); then
+    for c in $(containers); do
+      printf '\n--- logs of %s\n' "$c"
+      podman logs --tail 40 "$c" 2>&1 || true
+    done
+  fi
+  if [[ ${KVPLANE_STAGE_KEEP:-0} != 1 ]]; then down; fi
+  summary
+  exit "$rc"
+}
+down
+trap logs_on_failure EXIT
+
+# ---------------------------------------------------------------- the file sets
+# validate_deploy.sh resolves these with Docker Compose; podman-compose must read them too.
+phase "podman-compose reads every file set"
+# (`up` below reads compose.yaml with the sim profile.)
+for variant in "vllm,observability:-f compose.yaml" "sim:-f compose.yaml -f compose.serve-all.yaml" \
+  "vllm:-f compose.yaml -f compose.serve-all.yaml"; do
+  profiles=${variant%%:*}
+  files=${variant#*:}
+  # shellcheck disable=SC2086
+  COMPOSE_PROFILES=$profiles "$WORK/venv/bin/podman-compose" $files config >/dev/null \
+    || die "podman-compose cannot read $files with profiles $profiles"
+  echo "ok: $files, profiles $profiles"
+done
+
+# ---------------------------------------------------------------- build
+phase "build images (compose build)"
+# One service per image: the other services of each image share its tag, and podman-compose
+# would otherwise build the same image once per service, in parallel.
+"${COMPOSE[@]}" --podman-build-args="${BUILD_MOUNTS[*]}" build metadata sim-prefill >"$WORK/build.log" 2>&1 \
+  || { tail -40 "$WORK/build.log"; die "image build failed (log: $WORK/build.log)"; }
+podman images --format '{{.Repository}}:{{.Tag}} {{.Size}}' | grep -E 'kvplane(-sim)?:dev'
+
+# ---------------------------------------------------------------- up
+phase "up (profile sim)"
+"${COMPOSE[@]}" up -d >"$WORK/up.log" 2>&1 || { tail -40 "$WORK/up.log"; die "up failed"; }
+
+phase "every container healthy"
+deadline=$(($(date +%s) + 300))
+while :; do
+  waiting=()
+  for c in $(containers); do
+    state=$(podman inspect -f '{{.State.Status}}' "$c")
+    if [[ $state != running ]]; then
+      waiting+=("$c:$state")
+      continue
+    fi
+    # Containers without a health check are ready when running.
+    if [[ $(podman inspect -f '{{if .Config.Healthcheck}}yes{{end}}' "$c") == yes ]] \
+      && ! podman healthcheck run "$c" >/dev/null 2>&1; then
+      waiting+=("$c:unhealthy")
+    fi
+  done
+  ((${#waiting[@]} == 0)) && break
+  (($(date +%s) > deadline)) && die "not healthy after 300 s: ${waiting[*]}"
+  sleep 3
+done
+podman ps --filter "label=io.podman.compose.project=$PROJECT" --format '{{.Names}}  {{.Status}}'
+
+# ---------------------------------------------------------------- traffic
+phase "multi-turn traffic through the gateway"
+metrics_of() {
+  # The engines' ports are not published: read their metrics from inside the network.
+  podman exec "${PROJECT}_gateway_1" python -c \
+    "import urllib.request, sys; sys.stdout.write(urllib.request.urlopen('http://$1:8000/metrics', timeout=5).read().decode())"
+}
+pulled_tokens() {
+  metrics_of "$1" | awk '/^vllm:prompt_tokens_by_source_total\{.*source="external_kv_transfer"/ {s += $NF} END {print s + 0}'
+}
+before=$(pulled_tokens sim-prefill)
+python3 "$ROOT/deploy/scripts/compose_turns.py" --gateway "http://127.0.0.1:$KVPLANE_GATEWAY_PORT" \
+  --api-key dev-key-tenant-a --model kvplane-demo \
+  --conversations "${KVPLANE_STAGE_CONVERSATIONS:-3}" --turns "${KVPLANE_STAGE_TURNS:-4}"
+
+phase "pulls in the engines' metrics"
+after=$(pulled_tokens sim-prefill)
+nixl_reads=$(metrics_of sim-prefill | awk '/^vllm:nixl_xfer_time_seconds_count/ {s += $NF} END {print s + 0}')
+echo "prefill engine: $((${after%.*} - ${before%.*})) prompt tokens pulled over NIXL, $nixl_reads NIXL reads"
+((${after%.*} > ${before%.*})) || die "the prefill engine reports no pulled tokens"
+((${nixl_reads%.*} > 0)) || die "the prefill engine reports no NIXL reads"
+
+phase "down"
