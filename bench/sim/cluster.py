@@ -57,7 +57,11 @@ def build_node(role: NodeRole, index: int, spec: ClusterSpec, kv_bytes_per_token
         side_channel_port=5600,
         fingerprint=Fingerprint(spec.model, "bfloat16"),
         block_size=ENGINE_BLOCK_TOKENS,
-        kv_capacity_bytes=spec.decode_kv_capacity_bytes if role is NodeRole.DECODE else 0,
+        # A prefill engine registers its KV pool too, which its prefix cache lives in: a router
+        # bounds what it believes the node still caches by it.
+        kv_capacity_bytes=(
+            spec.decode_kv_capacity_bytes if role is NodeRole.DECODE else spec.prefill_cache_bytes
+        ),
         kv_bytes_per_token=kv_bytes_per_token,
         labels={"zone": f"z{index % max(1, spec.zones)}"},
     )
