@@ -458,7 +458,20 @@ def demo_table(turns: Sequence[DemoTurn]) -> str:
 
 
 async def _run(args: argparse.Namespace) -> int:
-    run_dir = Path(args.run_dir) if args.run_dir else None
+    # Made here, not by start_stack, so that a Ctrl-C during start-up still says where the logs were.
+    temporary = not args.run_dir
+    run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="kvplane-run-"))
+    try:
+        return await _serve_stack(args, run_dir)
+    finally:
+        if temporary and not args.keep_logs:
+            shutil.rmtree(run_dir, ignore_errors=True)
+            print(f"==> logs removed with {run_dir} (--keep-logs or --run-dir keeps them)", flush=True)
+        else:
+            print(f"==> logs kept in {run_dir}", flush=True)
+
+
+async def _serve_stack(args: argparse.Namespace, run_dir: Path) -> int:
     started = time.monotonic()
     ports = StackPorts(
         args.gateway_port, args.grpc_port, args.metrics_port, args.prefill_port, args.decode_port
@@ -490,11 +503,6 @@ async def _run(args: argparse.Namespace) -> int:
         return 0
     finally:
         stack.stop()
-        if run_dir is None and not args.keep_logs:
-            shutil.rmtree(stack.run_dir, ignore_errors=True)
-            print(f"==> logs removed with {stack.run_dir} (--keep-logs or --run-dir keeps them)", flush=True)
-        else:
-            print(f"==> logs kept in {stack.run_dir}", flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -4,6 +4,7 @@ directory, and a demo whose columns add up."""
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -47,3 +48,24 @@ def test_dev_stack_pins_its_ports_keeps_its_logs_and_its_demo_columns_add_up(tmp
         assert int(pulled) + int(cached) + int(computed) == int(prompt), out
     # A later turn finds its history in P's own prefix cache (or pulls it): that is now shown.
     assert any(int(pulled) + int(cached) > 0 for *_, pulled, cached, _computed in rows), out
+
+
+def test_ctrl_c_during_start_up_says_what_became_of_the_logs() -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvplane.services.cli", "dev-stack", "--no-demo"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert proc.stdout is not None
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith("==> starting kvplane serve all"):
+            proc.send_signal(signal.SIGINT)
+            break
+    rest, _ = proc.communicate(timeout=60)
+    out = "".join(seen) + rest
+    removed = re.search(r"==> logs removed with (\S+) ", out)
+    assert removed is not None, out
+    assert not Path(removed.group(1)).exists()
