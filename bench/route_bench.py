@@ -19,7 +19,7 @@ discarded: the serialization cost is counted, the network is not).
 
 CPU per call is the CPU time used during the phase by every process involved
 (this client, the server, and etcd for routing), read from /proc, divided by
-the calls made. Targets (issue 3): Route p50 <= 2x echo p50, and <= 1.5 ms of
+the calls made. Targets: Route p50 <= 2x echo p50, and <= 1.5 ms of
 CPU per Route across processes.
 """
 

@@ -1,4 +1,4 @@
-"""The routing service against a real etcd and real gRPC servers (issue 3's acceptance)."""
+"""The routing service against a real etcd and real gRPC servers."""
 
 from __future__ import annotations
 
