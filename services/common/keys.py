@@ -107,6 +107,11 @@ class KeyLayout:
     def by_node(self, node_id: str, incarnation: str, request_id: str) -> bytes:
         return self._key("by-node", escape(node_id), escape(incarnation), escape(request_id))
 
+    # freed/{node}/{incarnation}/{request}: the engine freed these blocks; no publish may
+    # name them again (a report that arrives late must not bring a handle back).
+    def freed(self, node_id: str, incarnation: str, request_id: str) -> bytes:
+        return self._key("freed", escape(node_id), escape(incarnation), escape(request_id))
+
     def by_node_parts(self, key: bytes) -> tuple[str, str, str]:
         node, inc, req = key.decode("utf-8")[len(self.prefix) + len("by-node/") :].split("/")
         return unescape(node), unescape(inc), unescape(req)

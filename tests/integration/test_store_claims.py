@@ -1,4 +1,5 @@
-"""Claims nobody used are released; claims on blocks that were read are not."""
+"""Claims nobody used are released; claims on blocks that were read are not; blocks the holder
+freed are never published again."""
 
 from __future__ import annotations
 
@@ -48,3 +49,17 @@ async def test_replicas_sweeping_at_once_release_a_claim_once(store: Store) -> N
     results = await asyncio.gather(*(store.release_unused_claims(DEADLINE_MS, later) for _ in range(4)))
     assert sum(len(r) for r in results) == 1
     assert len(await store.pending_releases(node_id)) == 1
+
+
+async def test_a_late_publish_of_blocks_the_holder_already_freed_stores_nothing(store: Store) -> None:
+    node = make_node("d-late")
+    await store.register_node(node, 30)
+    handle = make_handle(node, conversation="c-late", request_id="req-late")
+    published = (await store.publish_handle(handle)).handle
+    await store.check_out("acme", "c-late")
+    # P read the blocks and D freed them; then a slow ReportTurn names the same handle again.
+    await store.release_freed(node.node_id, node.incarnation, ["req-late"])
+
+    outcome = await store.publish_handle(published)
+    assert outcome.freed
+    assert await store.get_handle_record("acme", "c-late") is None

@@ -70,7 +70,7 @@ class Store:
         self.etcd = EtcdClient(settings, self.telemetry)
         self.leases = Leases(self.etcd)
         self.watches = Watches(self.etcd)
-        self.releases = ReleaseStore(self.etcd, self.keys, self.telemetry)
+        self.releases = ReleaseStore(self.etcd, self.keys, self.telemetry, self.leases)
         self.nodes = NodeStore(self.etcd, self.keys, self.leases, self.releases)
         self.handles = HandleStore(self.etcd, self.keys, self.leases, self.releases, self.telemetry)
         self.claims = ClaimStore(self.etcd, self.keys, self.telemetry)

@@ -83,9 +83,16 @@ class HandleStore:
             handle.holder_node_id, handle.holder_incarnation, handle.vllm.remote_request_id
         )
         value = convert.handle_to_pb(handle).SerializeToString()
+        freed = self.keys.freed(
+            handle.holder_node_id, handle.holder_incarnation, handle.vllm.remote_request_id
+        )
         for _ in range(16):
             node_key = self.keys.node(handle.holder_node_id)
-            current = await self.etcd.read_txn("publish_read", [fencing.get(key), fencing.get(node_key)])
+            current = await self.etcd.read_txn(
+                "publish_read", [fencing.get(key), fencing.get(node_key), fencing.get(freed)]
+            )
+            if current.responses[2].response_range.kvs:
+                return PublishOutcome(handle, 0, None, freed=True)
             node_kvs = current.responses[1].response_range.kvs
             if not node_kvs:
                 raise NodeNotRegistered(f"holder {handle.holder_node_id!r} is not registered")
@@ -96,7 +103,7 @@ class HandleStore:
                     "is not registered"
                 )
             lease = await self.leases.for_expiry(handle.wall_expiry_unix_ms)
-            compare = [fencing.same_revision(node_key, node_kvs[0].mod_revision)]
+            compare = [fencing.same_revision(node_key, node_kvs[0].mod_revision), fencing.absent(freed)]
             ops = [fencing.put(key, value, lease), fencing.put(index, key, lease)]
             superseded: PendingRelease | None = None
             old_kvs = current.responses[0].response_range.kvs

@@ -42,6 +42,8 @@ class PublishOutcome:
     handle: CacheHandle
     mod_revision: int
     superseded: PendingRelease | None
+    # The holder had already freed these blocks (a late report): nothing was stored.
+    freed: bool = False
 
 
 @dataclass(frozen=True, slots=True)

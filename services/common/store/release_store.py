@@ -15,16 +15,22 @@ from kvplane.services.common.handles import PendingRelease, ReleaseReason
 from kvplane.services.common.keys import KeyLayout, prefix_range_end
 from kvplane.services.common.store import fencing
 from kvplane.services.common.store.etcd import Ambiguous, EtcdClient
+from kvplane.services.common.store.leases import Leases
 from kvplane.services.common.store.records import HandleRecord, now_ms
 from kvplane.services.common.telemetry import Telemetry
 from kvplane.v1 import handle_pb2
 
+# How long the record that an engine freed some blocks is kept, ms: past any engine's TTL
+# (vLLM's default is 480 s), after which no handle of those blocks can be live anyway.
+FREED_TOMBSTONE_MS = 600_000
+
 
 class ReleaseStore:
-    def __init__(self, etcd: EtcdClient, keys: KeyLayout, telemetry: Telemetry) -> None:
+    def __init__(self, etcd: EtcdClient, keys: KeyLayout, telemetry: Telemetry, leases: Leases) -> None:
         self.etcd = etcd
         self.keys = keys
         self.telemetry = telemetry
+        self.leases = leases
 
     def release_ops(self, pending: PendingRelease, lease: int) -> list[Any]:
         """Ops that remove a retained handle's index and queue its release command."""
@@ -76,8 +82,14 @@ class ReleaseStore:
         No command is queued: the blocks are already gone. Returns how many
         retained handles this removed.
         """
+        ids = list(request_ids)
+        if ids:
+            # Tombstones first: from here on no publish can name these blocks.
+            lease = await self.leases.for_expiry(now_ms() + FREED_TOMBSTONE_MS)
+            puts = [fencing.put(self.keys.freed(node_id, incarnation, r), b"", lease) for r in ids]
+            await self.etcd.write("freed_tombstones", [], puts)
         removed = 0
-        for request_id in request_ids:
+        for request_id in ids:
             index = self.keys.by_node(node_id, incarnation, request_id)
             resp = await self.etcd.read("get_index", rpc.RangeRequest(key=index))
             if not resp.kvs:
