@@ -370,8 +370,9 @@ async def run_demo(
 ) -> list[DemoTurn]:
     """Multi-turn chats through the gateway; one record per turn.
 
-    P's own prefix cache holds each turn's prompt, so what P pulls on the next turn
-    is D's answer; answers longer than vLLM's 64-token recompute threshold are pulled.
+    P's own prefix cache holds each turn's prompt, so all the next turn could pull is D's
+    answer; routing pulls it only where the transfer beats recomputing it, and otherwise
+    lets P recompute that tail beside its cache hit.
     """
     out: list[DemoTurn] = []
     headers = {"Authorization": f"Bearer {DEMO_API_KEY}"}
