@@ -63,3 +63,11 @@ async def test_a_late_publish_of_blocks_the_holder_already_freed_stores_nothing(
     outcome = await store.publish_handle(published)
     assert outcome.freed
     assert await store.get_handle_record("acme", "c-late") is None
+
+
+async def test_a_release_report_of_many_requests_fits_etcds_transaction_limit(store: Store) -> None:
+    node = make_node("d-many")
+    await store.register_node(node, 30)
+    await store.publish_handle(make_handle(node, conversation="c-many", request_id="req-0"))
+    ids = [f"req-{i}" for i in range(1024)]
+    assert await store.release_freed(node.node_id, node.incarnation, ids) == 1

@@ -87,7 +87,9 @@ class ReleaseStore:
             # Tombstones first: from here on no publish can name these blocks.
             lease = await self.leases.for_expiry(now_ms() + FREED_TOMBSTONE_MS)
             puts = [fencing.put(self.keys.freed(node_id, incarnation, r), b"", lease) for r in ids]
-            await self.etcd.write("freed_tombstones", [], puts)
+            # etcd takes at most 128 operations per transaction (--max-txn-ops).
+            for start in range(0, len(puts), 64):
+                await self.etcd.write("freed_tombstones", [], puts[start : start + 64])
         removed = 0
         for request_id in ids:
             index = self.keys.by_node(node_id, incarnation, request_id)
