@@ -145,7 +145,8 @@ class LocalEtcd:
 
     def resume(self) -> None:
         if self.proc is not None:
-            self.proc.send_signal(signal.SIGCONT)
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGCONT)
 
     def _supports_no_fsync(self) -> bool:
         out = subprocess.run([self.binary, "--help"], capture_output=True, text=True, check=False)

@@ -8,6 +8,7 @@ engine (d1) reaches the control plane through a proxy that can cut it off.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -39,7 +40,10 @@ TENANT = "chaos"
 PREFIX = "/kvplane/v1/"
 # A checked-out handle nobody read is released this long after its check-out, seconds.
 CLAIM_DEADLINE_S = 10.0
-SPEEDUP = "20"
+# Engines timed as the model they simulate: a pull then beats recomputing a long history.
+SPEEDUP = "1"
+# Longer than the whole run: no handle reaches the engines' TTL while the ledger is checked.
+DECODER_TTL_S = "900"
 START_TIMEOUT_S = 180.0
 
 
@@ -119,13 +123,16 @@ class ChaosCluster:
         return self.credentials.operator_metadata()
 
     async def stop(self) -> None:
-        for proc in reversed(list(self.procs.values())):
-            proc.thaw()
-            proc.managed.stop(timeout_s=5)
-        for proxy in (self.proxy, self.eviction_proxy):
-            if proxy is not None:
-                await proxy.stop()
-        self.etcd.cleanup()
+        try:
+            for proc in reversed(list(self.procs.values())):
+                with contextlib.suppress(ProcessLookupError):
+                    proc.thaw()
+                proc.managed.stop(timeout_s=5)
+            for proxy in (self.proxy, self.eviction_proxy):
+                if proxy is not None:
+                    await proxy.stop()
+        finally:
+            self.etcd.cleanup()
 
 
 def _services_config(cluster: ChaosCluster, node_ids: list[str]) -> Path:
@@ -201,8 +208,11 @@ async def _start_processes(cluster: ChaosCluster) -> None:
                 *("--port", str(port), "--side-channel-host", "127.0.0.1"),
                 *("--side-channel-port", str(free_port()), "--control-plane", control, "--eviction", evict),
                 *("--auth-token-file", cluster.credentials.token_file(node_id), "--speedup", SPEEDUP),
-                *("--decoder-kv-blocks-ttl", "240", "--model", MODEL, "--num-blocks", "16384"),
+                *("--decoder-kv-blocks-ttl", DECODER_TTL_S, "--model", MODEL, "--num-blocks", "16384"),
                 *("--load-interval-s", "0.25"),
+                # Without a prefix cache P holds no history between turns: each turn pulls it, or
+                # recomputes it, which is what the faults are to exercise.
+                *(("--no-enable-prefix-caching",) if role == "prefill" else ()),
             ),
             run_dir / f"engine-{node_id}.log",
             env=engine_env(),
@@ -214,6 +224,8 @@ async def _start_processes(cluster: ChaosCluster) -> None:
             {
                 "gateway": {
                     "api_keys": [{"token": API_KEY, "tenant": TENANT}],
+                    # Both gateways salt a tenant's prompts alike, so P's prefix cache serves either.
+                    "cache_salt_key": "chaos-cache-salt-key-0123456789abcdef",
                     "routing_token_file": cluster.credentials.token_file(GATEWAY),
                 }
             }

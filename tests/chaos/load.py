@@ -53,7 +53,8 @@ class Load:
         turn = 0
         while not stop.is_set():
             conversation = f"chaos-{user}-{uuid.uuid4().hex[:8]}"
-            prompt = [rng.randrange(1000, 30000) for _ in range(200)]
+            # A long history: pulling it is worth more than recomputing it.
+            prompt = [rng.randrange(1000, 30000) for _ in range(3000)]
             for _ in range(self.turns_per_conversation):
                 if stop.is_set():
                     return
