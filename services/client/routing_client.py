@@ -221,7 +221,7 @@ class RoutingClient:
         `prefill_kv_transfer_params`: on a failed turn, what the route's P returned; P's blocks
         held for D are then released at once.
         """
-        prefill_params = prefill_kv_transfer_params if route is not None and not success else None
+        prefill_params = None if success else prefill_kv_transfer_params
         request = routing_pb2.ReportTurnRequest(
             route_id=route.route_id if route is not None else "",
             conversation=conversation,

@@ -16,7 +16,9 @@ be matched to a live node is ignored, since a restarted P holds nothing):
 
 1. the params are a JSON object of P's own handle (`do_remote_prefill`), with
    a request id and an engine id;
-2. the named node is registered, serves prefill, and has that engine id.
+2. the named node is registered, serves prefill, and has that engine id;
+   with no node named (a turn served by the gateway's fallback engines while
+   routing was unreachable), the registered prefill node with that engine id.
 
 Who may ask (service.py): a tenant only for a route this replica made for it,
 to that node; the gateway (an operator) for any of its turns.
@@ -59,7 +61,7 @@ class PrefillHold:
 def prefill_hold(params_json: str, node_id: str, nodes: Mapping[str, NodeRecord]) -> PrefillHold | None:
     """The hold that `params_json` (P's returned kv_transfer_params) names on `node_id`, or None."""
     validation.text(params_json, FIELD, max_bytes=MAX_PARAMS_BYTES)
-    validation.ident(node_id, "prefill_node_id")
+    validation.ident(node_id, "prefill_node_id", required=False)
     try:
         params: Any = json.loads(params_json)
     except (ValueError, RecursionError):
@@ -71,6 +73,8 @@ def prefill_hold(params_json: str, node_id: str, nodes: Mapping[str, NodeRecord]
         raise InvalidArgument(FIELD, "must name remote_request_id and remote_engine_id")
     validation.ident(request_id, f"{FIELD}.remote_request_id")
     validation.ident(engine_id, f"{FIELD}.remote_engine_id")
+    if not node_id:
+        node_id = next((r.node.node_id for r in nodes.values() if r.node.engine_id == engine_id), "")
     record = nodes.get(node_id)
     if record is None:
         return None

@@ -272,7 +272,9 @@ async def test_a_turn_d_refuses_has_ps_held_blocks_released_at_once(
         # The failed report names P's held request; the release command reaches P's agent, and P frees
         # the blocks as released early, not at the end of its lease.
         await eventually(
-            lambda: _more(early_frees, before), timeout_s=20, what="P's held blocks to be released early"
+            lambda: _more(early_frees, before),
+            timeout_s=20,
+            what=f"P's held blocks to be released early (decision {result.decision})",
         )
         state = json.loads(await stack.prefill.get(stack.session, "/sim/state"))
         assert [r for r in state["retained"] if r["kind"] == "prefill_lease"] == []

@@ -36,6 +36,13 @@ def test_p_params_on_their_own_prefill_node_name_a_hold() -> None:
     assert (hold.node_id, hold.incarnation, hold.request_id) == ("p0", P.incarnation, "cmpl-p-1")
 
 
+def test_with_no_node_named_the_prefill_node_of_that_engine_is_found() -> None:
+    # A turn the gateway served from its fallback engines while routing was unreachable.
+    hold = prefill_hold(returned(), "", NODES)
+    assert hold is not None and hold.node_id == "p0"
+    assert prefill_hold(returned(engine_id=D.engine_id), "", NODES) is None  # D is no prefill node
+
+
 @pytest.mark.parametrize(
     ("params", "node_id"),
     [
