@@ -14,6 +14,7 @@ import random
 import signal
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +33,26 @@ pytestmark = pytest.mark.e2e
 MAX_TOKENS = 80
 
 
+# P's prefix cache holds each turn's prompt, so a later turn lacks only D's answer there, which
+# routing's calibrated cost model recomputes rather than pulls. These tests are about pulls: a
+# model whose recompute is dear makes every such tail worth pulling.
+PULL_POLICY = (
+    resources.files("kvplane.services.routing.policy")
+    .joinpath("default_policy.yaml")
+    .read_text(encoding="utf-8")
+    .replace("recompute_ms_per_token: 0.032", "recompute_ms_per_token: 5.0")
+)
+
+
 @pytest.fixture(scope="module")
 async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
-    running = await start_stack(tmp_path_factory.mktemp("stack"), speedup=1.0, timeout_s=240)
+    run_dir = tmp_path_factory.mktemp("stack")
+    policy = run_dir / "pull_policy.yaml"
+    policy.write_text(PULL_POLICY)
+    # `serve all` reads its settings from the environment it inherits.
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("KVPLANE_ROUTING__POLICY_FILE", str(policy))
+        running = await start_stack(run_dir, speedup=1.0, timeout_s=240)
     try:
         yield running
     finally:
