@@ -198,3 +198,25 @@ async def test_a_sim_engine_registers_over_mtls_with_its_certificate(
             await eventually(registered, timeout_s=30, what="the sim-engine registered over mTLS")
     finally:
         await asyncio.to_thread(stack.close)
+
+
+async def test_the_gateways_routing_client_routes_over_mtls_with_its_certificate(
+    mtls_plane: ServiceProcess, ca: TestCa
+) -> None:
+    from kvplane.client import RoutingClient, RoutingUnavailable
+    from kvplane.services.common.settings import GatewaySection
+
+    gateway_cert = ca.issue("gateway", uris=("kvplane://operator/gateway",))
+    section = GatewaySection(
+        routing=[target(mtls_plane)],
+        routing_tls_ca_file=ca.ca_file,
+        routing_tls_cert_file=gateway_cert.cert_file,
+        routing_tls_key_file=gateway_cert.key_file,
+        routing_tls_server_name="localhost",
+    )
+    async with RoutingClient(
+        section.routing, credentials=section.routing_credentials(), timeout_s=5
+    ) as client:
+        # Authenticated as the operator over mTLS, Route ran: its answer is about nodes (none yet).
+        with pytest.raises(RoutingUnavailable, match="no prefill/decode pair"):
+            await client.route("c", "tiny", prompt_tokens=10, tenant="acme")

@@ -483,3 +483,42 @@ async def test_corrupt_wire_bytes_and_invalid_utf8_are_invalid_argument(
         outcome = await raw_call(token_channel, service, method, [payload], who)
         assert outcome.code == grpc.StatusCode.INVALID_ARGUMENT, (payload, outcome)
         assert "Traceback" not in outcome.details and "Exception" not in outcome.details
+
+
+async def test_a_node_agent_whose_token_is_refused_says_so_at_warning_level(
+    token_plane: ServiceProcess, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    from kvplane.client.credentials import ClientCredentials
+    from kvplane.connector.node_agent import NodeAgent, NodeAgentSettings
+    from kvplane.services.common.nodes import NodeLoad
+
+    node = make_node("node-a", incarnation="")
+    agent = NodeAgent(
+        NodeAgentSettings(
+            metadata_target=target(token_plane),
+            backoff_initial_s=0.02,
+            backoff_max_s=0.2,
+            credentials=ClientCredentials(token="not-a-known-token"),
+        ),
+        node,
+        lambda: NodeLoad("node-a", ""),
+        lambda _request_id: None,
+    )
+    with caplog.at_level(logging.WARNING, logger="kvplane.connector.node_agent"):
+        agent.start()
+        try:
+
+            async def warned() -> bool:
+                return any(
+                    r.levelno == logging.WARNING and "UNAUTHENTICATED" in r.getMessage()
+                    for r in caplog.records
+                )
+
+            await eventually(warned, what="a warning naming the refusal")
+        finally:
+            agent.stop(timeout_s=5)
+    message = next(r.getMessage() for r in caplog.records if "UNAUTHENTICATED" in r.getMessage())
+    assert "node-a" in message and "bearer token" in message and "not-a-known-token" not in message
+    assert not agent.stats().registered
