@@ -320,7 +320,11 @@ class PolicyRouter:
             model=self.model,
             conversation=turn.conversation,
             prompt=Prompt(turn.prompt_tokens, block_digests=prompt, digest_block_size=block),
-            nodes=self._inflight.current(self._nodes(now, conversation, handle), now_ms),
+            nodes=self._inflight.current(
+                self._nodes(now, conversation, handle),
+                now_ms,
+                prefill_ms_per_token=self.costs.recompute_ms_per_token,
+            ),
             now_unix_ms=now_ms,
             handle=self._cache_handle(handle) if handle is not None else None,
             last_prefill_node_id=conversation.last_prefill,

@@ -9,6 +9,10 @@ after the work became visible on the node covers it, once the turn is
 reported finished, or after `max_age_ms` (a node that stopped reporting is
 judged by the `live` filter, not by guesses piled up here).
 
+A report is also old by the time it is read: given P's compute rate, the
+ledger drains the reported queue and the work routed since as a FIFO prefill
+node would have, so the queue a turn sees is the one it would join now.
+
 Pure bookkeeping: no I/O, no clock reads; time is an argument. The routing
 service and the simulator's `PolicyRouter` both keep one, so the policy sees
 the same kind of current load in both. Each routing replica counts only its
@@ -82,24 +86,33 @@ class InFlightLedger:
                 if not pending:
                     del self._by_node[item.node_id]
 
-    def current(self, states: Iterable[NodeState], now_unix_ms: int) -> tuple[NodeState, ...]:
+    def current(
+        self, states: Iterable[NodeState], now_unix_ms: int, *, prefill_ms_per_token: float = 0.0
+    ) -> tuple[NodeState, ...]:
         """`states` with the work each report does not cover yet added to it.
 
-        Covered and aged-out work is forgotten on the way. A node that has not
-        reported keeps no load: the policy treats an unknown load as unknown.
+        With `prefill_ms_per_token` (P's compute rate), a prefill node's queue is
+        the reported one and the routed work, drained since as a FIFO node
+        computes them. Covered and aged-out work is forgotten on the way. A node
+        that has not reported keeps no load: the policy treats an unknown load
+        as unknown.
         """
         out: list[NodeState] = []
         oldest = now_unix_ms - self.max_age_ms
         for state in states:
             pending = self._by_node.get(state.node.node_id)
             load = state.load
-            if not pending or load is None:
+            if load is None or (
+                not pending and (prefill_ms_per_token <= 0 or not load.queued_prefill_tokens)
+            ):
                 out.append(state)
                 continue
             reported = load.reported_unix_ms
             tokens = blocks = queued = running = 0
+            # When the node would be done with its reported queue, then with each routed turn.
+            finish = reported + load.queued_prefill_tokens * prefill_ms_per_token
             done: list[str] = []
-            for route_id, item in pending.items():
+            for route_id, item in (pending or {}).items():
                 if item.visible_unix_ms <= reported or item.routed_unix_ms < oldest:
                     done.append(route_id)
                     continue
@@ -107,12 +120,17 @@ class InFlightLedger:
                 blocks += item.kv_blocks
                 queued += item.queued_requests
                 running += item.running_requests
+                if item.prefill_tokens:
+                    finish = max(finish, item.routed_unix_ms) + item.prefill_tokens * prefill_ms_per_token
             for route_id in done:
                 self._forget(route_id, state.node.node_id)
-            if tokens or blocks or queued or running:
+            queued_tokens = load.queued_prefill_tokens + tokens
+            if prefill_ms_per_token > 0:
+                queued_tokens = max(0, round((finish - now_unix_ms) / prefill_ms_per_token))
+            if queued_tokens != load.queued_prefill_tokens or blocks or queued or running:
                 load = replace(
                     load,
-                    queued_prefill_tokens=load.queued_prefill_tokens + tokens,
+                    queued_prefill_tokens=queued_tokens,
                     queued_requests=load.queued_requests + queued,
                     running_requests=load.running_requests + running,
                     free_kv_blocks=max(0, load.free_kv_blocks - blocks),

@@ -265,7 +265,7 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
             model=model,
             conversation=conversation,
             prompt=prompt,
-            nodes=self._inflight.current(states, now),
+            nodes=self._inflight.current(states, now, prefill_ms_per_token=self.costs.recompute_ms_per_token),
             now_unix_ms=now,
             handle=record.handle if record is not None else None,
             last_prefill_node_id=self._last_prefill.get(key) or "",

@@ -165,3 +165,25 @@ def test_replicas_that_cannot_see_each_others_routes_break_ties_differently(poli
     salted = {policy.route(snap(nodes, tie_salt=f"replica-{r}", **turn)).prefill.node_id for r in range(8)}
     assert len(unsalted) == 1
     assert len(salted) > 1, salted
+
+
+RATE = 0.032  # ms per prompt token
+
+
+def test_a_reported_queue_drains_at_the_prefill_rate_since_the_report() -> None:
+    ledger = InFlightLedger()
+    reported = [state(P0, queued_prefill_tokens=10_000, reported_unix_ms=NOW)]
+    p = ledger.current(reported, NOW + 160, prefill_ms_per_token=RATE)[0].load
+    assert p is not None and p.queued_prefill_tokens == 5_000
+    # Long after the report, the queue it showed is done.
+    p = ledger.current(reported, NOW + 1_000, prefill_ms_per_token=RATE)[0].load
+    assert p is not None and p.queued_prefill_tokens == 0 and p.reported_unix_ms == NOW
+
+
+def test_routed_work_queues_behind_the_reported_queue_as_on_a_fifo_node() -> None:
+    ledger = InFlightLedger()
+    # An idle node at the report; 4,000 tokens routed 300 ms later start only then.
+    ledger.add(*work("r1", 4000, visible=NOW + 400, routed=NOW + 300))
+    reported = [state(P0, queued_prefill_tokens=0, reported_unix_ms=NOW)]
+    p = ledger.current(reported, NOW + 310, prefill_ms_per_token=RATE)[0].load
+    assert p is not None and p.queued_prefill_tokens == round((4000 * RATE - 10) / RATE)
