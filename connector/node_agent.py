@@ -59,7 +59,7 @@ from typing import Any, Literal
 
 import grpc
 
-from kvplane.client.credentials import ClientCredentials
+from kvplane.client.credentials import CallMetadata, ClientCredentials
 from kvplane.services.common import convert
 from kvplane.services.common.handles import CacheHandle
 from kvplane.services.common.nodes import Node, NodeLoad
@@ -235,8 +235,8 @@ class NodeAgent:
         # Sent with every call. The control plane takes the node's identity from the credentials
         # (token or certificate); the headers name it only for a mesh proxy to vouch for.
         self._credentials = settings.credentials.merged(token=settings.auth_token)
-        self._call_metadata: tuple[tuple[str, str], ...] = self._credentials.call_metadata(
-            (("x-kvplane-role", "node"), ("x-kvplane-node", node.node_id))
+        self._metadata = CallMetadata(
+            self._credentials, (("x-kvplane-role", "node"), ("x-kvplane-node", node.node_id))
         )
         self._last_refusal = ""
         self._seen: collections.OrderedDict[str, bool] = collections.OrderedDict()
@@ -254,6 +254,11 @@ class NodeAgent:
         self._rpc_errors = 0
 
     # ------------------------------------------------------------------ engine-facing API
+
+    @property
+    def _call_metadata(self) -> tuple[tuple[str, str], ...]:
+        """Sent with every call; a rotated token file is read again (CallMetadata)."""
+        return self._metadata.current()
 
     @property
     def incarnation(self) -> str:

@@ -12,13 +12,16 @@ environment (`from_env`, prefix `KVPLANE_CLIENT_` unless given):
     MESH_SECRET, MESH_SECRET_FILE   the mesh proxy's secret, only where no proxy adds it
                                     (development and tests)
 
-Files are read when credentials are used to make a channel or metadata, so a
-rotated token or certificate is picked up by the next channel.
+A token or mesh-secret file is read again when it changes (`CallMetadata`), so a
+rotated token is sent from the next call on; certificates are read when a channel is made.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,8 +29,10 @@ from typing import Any
 import grpc
 
 from kvplane.services.common.auth import MESH_SECRET_HEADER
-from kvplane.services.common.secret_files import read_secret_file
+from kvplane.services.common.secret_files import SecretFileError, read_secret_file
 from kvplane.services.common.tls import ClientTlsFiles
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,3 +117,42 @@ class ClientCredentials:
     def merged(self, **overrides: str) -> ClientCredentials:
         """These credentials with the non-empty `overrides` applied."""
         return dataclasses.replace(self, **{k: v for k, v in overrides.items() if v})
+
+
+class CallMetadata:
+    """A client's call metadata, read again when its token or secret file changes.
+
+    A file that cannot be read after a change keeps the last good metadata, with a warning:
+    a rotation half-written must not take a running client down. Safe from any thread.
+    """
+
+    def __init__(self, credentials: ClientCredentials, extra: Sequence[tuple[str, str]] = ()) -> None:
+        self._credentials = credentials
+        self._extra = tuple(extra)
+        self._files = tuple(f for f in (credentials.token_file, credentials.mesh_secret_file) if f)
+        self._lock = threading.Lock()
+        self._stamp = self._stamps()
+        self._value = credentials.call_metadata(self._extra)  # fails loudly at start-up
+
+    def _stamps(self) -> tuple[float, ...]:
+        out = []
+        for path in self._files:
+            try:
+                out.append(os.stat(path).st_mtime)
+            except OSError:
+                out.append(-1.0)
+        return tuple(out)
+
+    def current(self) -> tuple[tuple[str, str], ...]:
+        if not self._files:
+            return self._value
+        stamp = self._stamps()
+        if stamp == self._stamp:
+            return self._value
+        with self._lock:
+            try:
+                self._value = self._credentials.call_metadata(self._extra)
+            except SecretFileError as exc:
+                log.warning("credentials changed but cannot be read; keeping the previous ones: %s", exc)
+            self._stamp = stamp
+            return self._value

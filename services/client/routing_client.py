@@ -24,7 +24,7 @@ import grpc
 from opentelemetry.instrumentation.grpc import aio_client_interceptors
 from opentelemetry.trace import TracerProvider
 
-from kvplane.client.credentials import ClientCredentials
+from kvplane.client.credentials import CallMetadata, ClientCredentials
 from kvplane.v1 import routing_pb2, routing_pb2_grpc
 
 DECISION_NAMES = {
@@ -98,7 +98,7 @@ class RoutingClient:
             raise ValueError("attempts must be at least 1")
         self.targets = tuple(targets)
         credentials = credentials or ClientCredentials()
-        self.metadata = credentials.call_metadata(metadata)
+        self._metadata = CallMetadata(credentials, metadata)
         self.timeout_s = timeout_s
         self.attempts = attempts
         options = [
@@ -117,6 +117,11 @@ class RoutingClient:
         ]
         self._stubs = [routing_pb2_grpc.RoutingServiceStub(c) for c in self._channels]
         self._next = itertools.count()
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """The metadata of the next call (a rotated token file is read again)."""
+        return self._metadata.current()
 
     async def close(self) -> None:
         for channel in self._channels:

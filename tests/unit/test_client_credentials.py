@@ -56,3 +56,22 @@ def test_the_sim_engine_takes_credentials_from_flags_and_environment_and_never_p
         "proxy-secret",
     )
     assert "proxy-secret" not in settings.describe()
+
+
+def test_a_rotated_token_file_is_sent_from_the_next_call_on(tmp_path: Path) -> None:
+    import os
+
+    from kvplane.client.credentials import CallMetadata
+
+    token = tmp_path / "token"
+    token.write_text("first")
+    metadata = CallMetadata(ClientCredentials(token_file=str(token)), (("x-kvplane-role", "node"),))
+    assert metadata.current()[0] == ("authorization", "Bearer first")
+    token.write_text("second")
+    later = os.stat(token).st_mtime + 5
+    os.utime(token, (later, later))
+    assert metadata.current()[0] == ("authorization", "Bearer second")
+    # A rotation caught half-way (an empty file) keeps the last good token.
+    token.write_text("")
+    os.utime(token, (later + 5, later + 5))
+    assert metadata.current()[0] == ("authorization", "Bearer second")
