@@ -135,6 +135,24 @@ class ChaosCluster:
             self.etcd.cleanup()
 
 
+# Routing's policy with a cost model that favours pulls and barely learns: on a loaded 2-core
+# machine the measured transfers would soon teach it to recompute everything, and the faults
+# are meant to hit conversations that pull.
+CHAOS_POLICY = """
+decode:
+  filters: [live, role, same-model, not-draining, same-fingerprint]
+  scorers: [{name: holder-affinity, weight: 4}]
+  picker: max-score
+prefill:
+  filters: [live, role, same-model, not-draining, same-fingerprint]
+  scorers: [{name: queued-prefill, weight: 1}]
+  picker: max-score
+pull: {threshold_tokens: 64, expiry_margin_ms: 5000, max_transfer_fraction: 1.0, require_digests: true}
+cost_model: {recompute_ms_per_token: 5.0, transfer_bytes_per_ms: 52000000.0, transfer_overhead_ms: 0.1,
+  handshake_ms: 0.1, alpha: 0.001}
+"""
+
+
 def _services_config(cluster: ChaosCluster, node_ids: list[str]) -> Path:
     base = json.loads(cluster.credentials.services_config(node_ids).read_text())
     base["etcd"] = {"endpoints": cluster.etcd_endpoints, "prefix": PREFIX, "request_timeout_s": 1.0}
@@ -144,6 +162,9 @@ def _services_config(cluster: ChaosCluster, node_ids: list[str]) -> Path:
         "claim_sweep_interval_s": 1.0,
     }
     base["telemetry"] = {"metrics_port": 0, "json_logs": False}
+    policy = cluster.run_dir / "routing_policy.yaml"
+    policy.write_text(CHAOS_POLICY)
+    base["routing"] = {"policy_file": str(policy)}
     path = cluster.run_dir / "services.json"
     path.write_text(json.dumps(base))  # JSON is YAML
     return path
