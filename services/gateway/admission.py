@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 
 from kvplane.services.gateway.identity import ApiKeys, Unauthorized
 from kvplane.services.gateway.openai_errors import RequestRejected, error_response, rejection
@@ -46,6 +46,20 @@ class ReadLimits:
     max_depth: int
 
 
+def _refusal(request: web.Request, keys: ApiKeys, limits: ReadLimits) -> web.Response | None:
+    """The answer to a request refused on its headers alone; None, with its tenant set, if admitted."""
+    try:
+        request[TENANT] = keys.tenant(request.headers)
+    except Unauthorized as exc:
+        return error_response(401, str(exc), close=request.body_exists)
+    declared = request.content_length
+    if declared is not None and declared > limits.max_body_bytes:
+        return error_response(
+            413, f"the body is {declared} bytes; the limit is {limits.max_body_bytes}", close=True
+        )
+    return None
+
+
 def admission(keys: ApiKeys, limits: ReadLimits, guarded: frozenset[str]) -> Any:
     """A middleware that authenticates and size-checks requests to `guarded` paths before their
     handlers run; every other path (health, metrics, models) passes untouched."""
@@ -54,20 +68,30 @@ def admission(keys: ApiKeys, limits: ReadLimits, guarded: frozenset[str]) -> Any
     async def admit(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path not in guarded:
             return await handler(request)
-        try:
-            request[TENANT] = keys.tenant(request.headers)
-        except Unauthorized as exc:
-            return error_response(401, str(exc), close=request.body_exists)
-        declared = request.content_length
-        if declared is not None and declared > limits.max_body_bytes:
-            return error_response(
-                413,
-                f"the body is {declared} bytes; the limit is {limits.max_body_bytes}",
-                close=True,
-            )
-        return await handler(request)
+        return _refusal(request, keys, limits) or await handler(request)
 
     return admit
+
+
+def expect_continue(
+    keys: ApiKeys, limits: ReadLimits
+) -> Callable[[web.Request], Awaitable[web.Response | None]]:
+    """The `Expect: 100-continue` handler of the guarded routes: a client that waits for leave to
+    send its body gets it only once admitted; otherwise the refusal comes instead, and no body."""
+
+    async def expect(request: web.Request) -> web.Response | None:
+        refused = _refusal(request, keys, limits)
+        if refused is not None:
+            return refused
+        if request.version == HttpVersion11:
+            if request.headers.get("Expect", "").lower() != "100-continue":
+                return error_response(417, "only Expect: 100-continue is understood", close=True)
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            # The interim answer is not part of the response's size.
+            request.writer.output_size = 0
+        return None
+
+    return expect
 
 
 async def read_json(request: web.Request, limits: ReadLimits) -> Any:

@@ -17,7 +17,7 @@ from kvplane.client import RoutingClient
 from kvplane.services.common.settings import GatewaySection
 from kvplane.services.common.telemetry import Telemetry
 from kvplane.services.gateway import cache_salt
-from kvplane.services.gateway.admission import TENANT, ReadLimits, admission, json_body
+from kvplane.services.gateway.admission import TENANT, ReadLimits, admission, expect_continue, json_body
 from kvplane.services.gateway.cache_salt import CacheSalts
 from kvplane.services.gateway.https import ServerCertificate
 from kvplane.services.gateway.identity import ApiKeys, BadConversation, Identity, take_conversation
@@ -183,8 +183,9 @@ def build_app(
     app[TELEMETRY_KEY] = telemetry
     app[SETTINGS_KEY] = settings
     app[METRICS_KEY] = metrics_
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/v1/completions", completions)
+    expect = expect_continue(api_keys, _read_limits(settings))
+    app.router.add_post("/v1/chat/completions", chat_completions, expect_handler=expect)
+    app.router.add_post("/v1/completions", completions, expect_handler=expect)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)

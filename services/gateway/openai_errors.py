@@ -17,6 +17,7 @@ _TYPES = {
     408: "RequestTimeoutError",
     413: "RequestTooLargeError",
     415: "UnsupportedMediaTypeError",
+    417: "ExpectationFailedError",
     429: "RateLimitError",
     503: "ServiceUnavailableError",
 }

@@ -298,3 +298,25 @@ async def test_a_text_prompt_too_long_once_tokenized_is_refused_before_any_route
         assert await routes(stack) == routed and len(stack.proxy.seen) == seen
     finally:
         settings.tokenize_url = ""
+
+
+async def test_a_client_waiting_for_100_continue_gets_it_only_once_admitted(stack: GatewayStack) -> None:
+    async def head(extra: bytes, length: int = 62914560) -> bytes:
+        reader, writer = await asyncio.open_connection("127.0.0.1", stack.gateway.port)
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {length}\r\nExpect: 100-continue\r\n".encode()
+            + extra
+            + b"\r\n"
+        )
+        await writer.drain()
+        first = await asyncio.wait_for(reader.readline(), timeout=30)
+        writer.close()
+        return first
+
+    # No key: the 401 comes instead of leave to send the body.
+    assert (await head(b"")).startswith(b"HTTP/1.1 401")
+    key = f"Authorization: {stack.headers('acme')['Authorization']}\r\n".encode()
+    # Admitted but declared too large: refused before any of the body is asked for.
+    assert (await head(key)).startswith(b"HTTP/1.1 413")
+    assert (await head(key, length=100)).startswith(b"HTTP/1.1 100 Continue")
