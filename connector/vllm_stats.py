@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnectorStats, NixlPromMetrics
 
@@ -84,6 +84,7 @@ class KvplanePromMetrics(NixlPromMetrics):  # type: ignore[misc]
         definitions: dict[str, Counter | Gauge],
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        _unregister({metric._name for metric in definitions.values()})
         self._kvplane: dict[str, Any] = {}
         for metric in definitions.values():
             name = metric._name  # prometheus_client keeps a counter's name without `_total`
@@ -110,3 +111,15 @@ class KvplanePromMetrics(NixlPromMetrics):  # type: ignore[misc]
                 child.set(amount)
             else:
                 child.inc(amount)
+
+
+def _unregister(names: set[str]) -> None:
+    """Drops earlier copies of these metrics from the default registry.
+
+    vLLM builds its stat logger, and with it these metrics, again in the same process (tests, a
+    restarted engine), and first unregisters its own `vllm:` metrics the same way; ours would
+    otherwise be registered twice, which prometheus_client refuses.
+    """
+    for collector in list(REGISTRY._collector_to_names):
+        if getattr(collector, "_name", None) in names:
+            REGISTRY.unregister(collector)

@@ -62,6 +62,12 @@ def test_a_published_handle_is_counted_on_the_engines_own_metrics(new_engine: An
     assert REGISTRY.get_sample_value("kvplane_connector_handles_published_total", labels) == 1.0
     # vLLM's own NIXL metrics are still there, beside kvplane's.
     assert REGISTRY.get_sample_value("vllm:nixl_num_failed_transfers_total", labels) == 0.0
+    # vLLM may build its stat logger again in the same process, unregistering its own metrics first.
+    from vllm.v1.metrics.prometheus import unregister_vllm_metrics
+
+    unregister_vllm_metrics()
+    again = KVConnectorProm(d.scheduler.vllm_config, ["model_name", "engine"], {0: ["tiny", "0"]})
+    assert again.prom_metrics is not None
 
 
 def test_stats_aggregate_with_vllms_own_nixl_stats_either_way_round() -> None:
