@@ -51,7 +51,12 @@ TENANT = "bench"
 # The stack runs in mesh mode; this process and the engines present the proxy's secret, as a
 # mesh proxy would on their behalf.
 MESH_SECRET = "demand-bench-secret"
-SERVICES_ENV = {"KVPLANE_AUTH__MODE": "mesh", "KVPLANE_AUTH__MESH__SECRETS": json.dumps([MESH_SECRET])}
+SERVICES_ENV = {
+    "KVPLANE_AUTH__MODE": "mesh",
+    "KVPLANE_AUTH__MESH__SECRETS": json.dumps([MESH_SECRET]),
+    # This process routes as a tenant calling Route itself.
+    "KVPLANE_AUTH__TENANTS_SEE_ENGINES": "true",
+}
 TENANT_HEADERS = (("x-kvplane-mesh-secret", MESH_SECRET), ("x-kvplane-tenant", TENANT))
 MODEL = "sim-model"
 PROMPT_TOKENS = 200

@@ -125,7 +125,8 @@ async def run(ops: int, concurrencies: list[int]) -> list[Result]:
                 "grpc": {"listen": f"127.0.0.1:{free_port()}"},
                 "etcd": {"endpoints": [etcd.endpoint], "prefix": f"/bench/{uuid.uuid4().hex}/"},
                 "telemetry": {"metrics_port": 0},
-                "auth": {"mode": "mesh", "mesh": {"secrets": [MESH_SECRET]}},
+                # The tenant checks handles out itself, as a gateway-less client does.
+                "auth": {"mode": "mesh", "mesh": {"secrets": [MESH_SECRET]}, "tenants_see_engines": True},
             }
         )
         process = ServiceProcess(settings, [install], Telemetry.disabled())

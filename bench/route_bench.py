@@ -108,7 +108,8 @@ async def _serve_routing(port: int, etcd: str, prefix: str, tracing: bool) -> No
             "grpc": {"listen": f"127.0.0.1:{port}", "grace_s": 0.2},
             "etcd": {"endpoints": [etcd], "prefix": prefix},
             "telemetry": {"metrics_port": 0, "sample_ratio": 1.0 if tracing else 0.0},
-            "auth": {"mode": "mesh", "mesh": {"secrets": [MESH_SECRET]}},
+            # The benchmark routes as a tenant calling Route itself.
+            "auth": {"mode": "mesh", "mesh": {"secrets": [MESH_SECRET]}, "tenants_see_engines": True},
         }
     )
     telemetry = (

@@ -22,6 +22,7 @@ operator. See THREAT_MODEL.md.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import hmac
 from collections.abc import Iterable, Mapping, Sequence
@@ -51,6 +52,9 @@ class Principal:
     # The tenant's, node's or operator's name; for a node, its node id.
     name: str
     tenant: str = ""
+    # A tenant that may be told engine addresses (auth.tenants_see_engines): it runs its turns
+    # against the engines itself instead of through the gateway.
+    sees_engines: bool = False
 
     def acts_for(self, requested_tenant: str, field: str = "tenant") -> str:
         """The tenant this call acts for; never a tenant caller's body field.
@@ -65,6 +69,14 @@ class Principal:
         if self.kind is PrincipalKind.NODE:
             raise PermissionDenied("a node principal may not act on a tenant's handles")
         return validation.tenant(requested_tenant, field)
+
+    def require_engine_access(self, method: str) -> None:
+        """Tenants are told no engine address unless the deployment lets them drive engines."""
+        if self.kind is PrincipalKind.TENANT and not self.sees_engines:
+            raise PermissionDenied(
+                f"{method} answers with engine addresses: tenants go through the gateway "
+                "(auth.tenants_see_engines lets them call it themselves)"
+            )
 
     def require(self, *kinds: PrincipalKind) -> None:
         if self.kind not in kinds:
@@ -111,6 +123,19 @@ class Authenticator(Protocol):
     """Maps a call's credentials to a Principal, or raises Unauthenticated."""
 
     def authenticate(self, call: CallCredentials) -> Principal: ...
+
+
+class TenantsSeeEngines:
+    """`inner`, with its tenant principals allowed to be told engine addresses."""
+
+    def __init__(self, inner: Authenticator) -> None:
+        self._inner = inner
+
+    def authenticate(self, call: CallCredentials) -> Principal:
+        principal = self._inner.authenticate(call)
+        if principal.kind is PrincipalKind.TENANT:
+            return dataclasses.replace(principal, sees_engines=True)
+        return principal
 
 
 def bearer_token(metadata: Mapping[str, str]) -> str:

@@ -24,6 +24,7 @@ from kvplane.services.common.auth import (
     MeshAuthenticator,
     Principal,
     PrincipalKind,
+    TenantsSeeEngines,
     TokenAuthenticator,
 )
 from kvplane.services.common.etcd_credentials import EtcdCredentials
@@ -127,8 +128,15 @@ class AuthSection(Section):
     mode: Literal["token", "mtls", "mesh"] | None = None
     tokens: list[TokenEntry] = Field(default_factory=list)
     mesh: MeshSection = Field(default_factory=MeshSection)
+    # Whether tenants may call Route and CheckOutHandle themselves, which answer with engine
+    # addresses. Off: tenants reach kvplane only through the gateway (an operator principal).
+    tenants_see_engines: bool = False
 
     def authenticator(self) -> Authenticator:
+        inner = self._authenticator()
+        return TenantsSeeEngines(inner) if self.tenants_see_engines else inner
+
+    def _authenticator(self) -> Authenticator:
         if self.mode is None:
             raise ValueError(
                 "auth.mode is required: token, mtls or mesh (KVPLANE_AUTH__MODE); nothing is served open"

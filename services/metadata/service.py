@@ -203,7 +203,9 @@ class MetadataService(metadata_pb2_grpc.MetadataServiceServicer):
     async def CheckOutHandle(
         self, request: metadata_pb2.CheckOutHandleRequest, context: Context
     ) -> metadata_pb2.CheckOutHandleResponse:
-        tenant = self._caller(context).acts_for(request.tenant)
+        principal = self._caller(context)
+        tenant = principal.acts_for(request.tenant)
+        principal.require_engine_access("CheckOutHandle")
         conversation = validation.conversation(request.conversation)
         validation.ident(request.handle_id, "handle_id", required=False)
         validation.ident(request.route_id, "route_id", required=False)

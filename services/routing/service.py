@@ -195,6 +195,7 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
         start = time.perf_counter()
         principal = self._caller(context)
         tenant = principal.acts_for(request.tenant)
+        principal.require_engine_access("Route")
         conversation = validation.conversation(request.conversation)
         model = validation.text(request.model, "model", max_bytes=MAX_MODEL)
         validation.ident(request.request_id, "request_id", required=False)

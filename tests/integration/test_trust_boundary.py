@@ -522,3 +522,42 @@ async def test_a_node_agent_whose_token_is_refused_says_so_at_warning_level(
     message = next(r.getMessage() for r in caplog.records if "UNAUTHENTICATED" in r.getMessage())
     assert "node-a" in message and "bearer token" in message and "not-a-known-token" not in message
     assert not agent.stats().registered
+
+
+async def test_tenants_are_told_no_engine_address_unless_the_deployment_allows_it(
+    token_channel: grpc.aio.Channel, etcd: LocalEtcd, prefix: str
+) -> None:
+    # By default (auth.tenants_see_engines off) tenants route through the gateway only.
+    meta = metadata_pb2_grpc.MetadataServiceStub(token_channel)
+    routing = routing_pb2_grpc.RoutingServiceStub(token_channel)
+    acme = bearer("acme")
+    for call in (
+        routing.Route(
+            routing_pb2.RouteRequest(conversation="c", model="tiny", prompt_tokens=10), metadata=acme
+        ),
+        meta.CheckOutHandle(metadata_pb2.CheckOutHandleRequest(conversation="c"), metadata=acme),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await call
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "gateway" in (err.value.details() or "")
+    # The gateway (an operator) routes for the tenant.
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await routing.Route(
+            routing_pb2.RouteRequest(tenant="acme", conversation="c", model="tiny", prompt_tokens=10),
+            metadata=bearer("ops"),
+        )
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE  # past authorization: no nodes yet
+    # A deployment that lets tenants drive engines themselves says so.
+    allowed = await start_plane(
+        plane_settings(etcd, prefix + "open/", {**token_auth(), "tenants_see_engines": True})
+    )
+    try:
+        async with grpc.aio.insecure_channel(target(allowed)) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await routing_pb2_grpc.RoutingServiceStub(channel).Route(
+                    routing_pb2.RouteRequest(conversation="c", model="tiny", prompt_tokens=10), metadata=acme
+                )
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        await allowed.stop()
