@@ -44,7 +44,9 @@ from kvplane.services.common import convert
 from kvplane.services.common.local_etcd import free_port
 from kvplane.services.common.process import ServiceProcess
 from kvplane.v1 import eviction_pb2, eviction_pb2_grpc, metadata_pb2, metadata_pb2_grpc
+from tests.conftest import MESH_SECRET
 from tests.support.polling import eventually
+from tests.support.trust import MeshOperatorCalls
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1800)]
 
@@ -130,6 +132,10 @@ async def test_three_turns_pull_from_decode_and_match_the_reference(
 ) -> None:
     commands, eviction_target = command_channel
     metadata_target = f"127.0.0.1:{metadata_process.grpc_port}"
+    # The services run in mesh mode (tests/conftest.py): the engines' agents present the proxy's
+    # secret from a file, this test's own calls are an operator's.
+    secret_file = tmp_path / "mesh-secret"
+    secret_file.write_text(MESH_SECRET)
     p_metrics_port = free_port()
     engines = []
     for name, role, extra in (
@@ -145,6 +151,7 @@ async def test_three_turns_pull_from_decode_and_match_the_reference(
             # NIXL's progress thread polls with zero delay: a core per engine, on 2 shared
             # cores. Transfers progress when the workers poll NIXL each step instead.
             "nixl_progress_thread": False,
+            "mesh_secret_file": str(secret_file),
             **extra,
         }
         engines.append(
@@ -160,7 +167,10 @@ async def test_three_turns_pull_from_decode_and_match_the_reference(
             )
         )
     p, d = engines
-    stub = metadata_pb2_grpc.MetadataServiceStub(metadata_channel)
+    operator_channel = grpc.aio.insecure_channel(
+        metadata_target, interceptors=[MeshOperatorCalls(MESH_SECRET)]
+    )
+    stub = metadata_pb2_grpc.MetadataServiceStub(operator_channel)
     try:
         for engine in engines:
             engine.start()
@@ -213,6 +223,9 @@ async def test_three_turns_pull_from_decode_and_match_the_reference(
 
         assert await asyncio.to_thread(connector_metric, p_metrics_port, "verified") == 2
         assert await asyncio.to_thread(connector_metric, p_metrics_port, "clipped") == 0
+        # The same counts on the engines' own /metrics, through vLLM's connector stats.
+        assert (await asyncio.to_thread(p.metrics)).get("kvplane_connector_pull_checks_total") == 2
+        assert (await asyncio.to_thread(d.metrics)).get("kvplane_connector_handles_published_total") == 3
 
         # Turn 4, the re-tokenized join: the router hands P turn 3's handle as usual.
         assert outcomes[-1].prompt_tokens + OUTPUT_TOKENS - 1 == len(retained_3)
@@ -261,3 +274,4 @@ async def test_three_turns_pull_from_decode_and_match_the_reference(
     finally:
         for engine in engines:
             await asyncio.to_thread(engine.stop)
+        await operator_channel.close()

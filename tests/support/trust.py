@@ -123,3 +123,20 @@ async def start_plane(settings: KvplaneSettings) -> ServiceProcess:
 
 def target(process: ServiceProcess) -> str:
     return f"127.0.0.1:{process.grpc_port}"
+
+
+class MeshOperatorCalls(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    """Makes every unary call of a channel an operator's, as a mesh proxy would name it
+    (for tests whose helpers call stubs without metadata)."""
+
+    def __init__(self, secret: str) -> None:
+        self._headers = (("x-kvplane-mesh-secret", secret), ("x-kvplane-role", "operator"))
+
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        metadata = grpc.aio.Metadata(*self._headers, *(details.metadata or ()))
+        return await continuation(
+            grpc.aio.ClientCallDetails(
+                details.method, details.timeout, metadata, details.credentials, details.wait_for_ready
+            ),
+            request,
+        )
