@@ -13,6 +13,7 @@ from kvplane.services.common.errors import StoreUnavailable
 from kvplane.services.common.local_etcd import LocalEtcdCluster
 from kvplane.services.common.store import Store, StoreSettings
 from tests.conftest import make_node
+from tests.integration.test_etcd_tls import TlsEtcd, tls_etcd  # noqa: F401 (a fixture)
 from tests.support.factories import make_handle
 from tests.support.polling import eventually
 
@@ -164,3 +165,18 @@ async def _first_batch_with_events(stream: AsyncIterator[list]) -> AsyncIterator
             for ev in batch:
                 yield ev
             return
+
+
+async def test_names_work_over_tls_with_the_certificate_checked_against_the_name(
+    tls_etcd: TlsEtcd,  # noqa: F811 (the fixture)
+) -> None:
+    port = tls_etcd.endpoint.rsplit(":", 1)[1]
+    settings = StoreSettings(
+        endpoints=("no-such-member.invalid:2379", f"localhost:{port}"),
+        prefix=f"/kvplane-test/{uuid.uuid4().hex}/",
+        credentials=tls_etcd.credentials(),
+    )
+    async with Store(settings) as s:
+        # The module's TLS etcd may still be starting when the first test reaches it.
+        assert await eventually(lambda: _works(s, "c-tls"), timeout_s=15, what="a turn of work over TLS")
+        assert s.etcd.member is not None and s.etcd.member.host == "localhost"

@@ -76,11 +76,18 @@ class Connection:
     watch: Any
 
 
-def open_channel(target: str, credentials: EtcdCredentials | None = None) -> grpc.aio.Channel:
-    """The one place an etcd channel is made (TLS and etcd's user: `credentials`)."""
+def open_channel(
+    target: str, credentials: EtcdCredentials | None = None, authority: str = ""
+) -> grpc.aio.Channel:
+    """The one place an etcd channel is made (TLS and etcd's user: `credentials`).
+
+    `authority`: the member's name when `target` lists the addresses it resolved to, so that
+    TLS checks the certificate against the name, not an address.
+    """
     return (credentials or EtcdCredentials()).channel(
         target,
         options=[
+            *((("grpc.default_authority", authority),) if authority else ()),
             ("grpc.lb_policy_name", "pick_first"),
             ("grpc.max_receive_message_length", 64 << 20),
             # Reconnect within a second or two of etcd coming back, not
@@ -154,7 +161,8 @@ class EtcdClient:
             target = member.endpoint.removeprefix("http://").removeprefix("https://")
         else:
             target = await member.target()
-        channel = open_channel(target, self.settings.credentials)
+        authority = "" if member.is_literal or len(self.members) == 1 else member.host
+        channel = open_channel(target, self.settings.credentials, authority)
         self._generation += 1
         return Connection(
             self._generation,
