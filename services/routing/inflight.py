@@ -36,7 +36,7 @@ class RoutedWork:
     """One turn's share of a node's load, until a report covers it.
 
     `visible_unix_ms`: from when the node itself counts the work (a report
-    taken at or after it covers it).
+    taken after it covers it).
     """
 
     route_id: str
@@ -113,7 +113,9 @@ class InFlightLedger:
             finish = reported + load.queued_prefill_tokens * prefill_ms_per_token
             done: list[str] = []
             for route_id, item in (pending or {}).items():
-                if item.visible_unix_ms <= reported or item.routed_unix_ms < oldest:
+                # Only a report taken after the work reached the node shows it: one taken in the
+                # same millisecond may have been read before the work was routed.
+                if item.visible_unix_ms < reported or item.routed_unix_ms < oldest:
                     done.append(route_id)
                     continue
                 tokens += item.prefill_tokens

@@ -187,3 +187,12 @@ def test_routed_work_queues_behind_the_reported_queue_as_on_a_fifo_node() -> Non
     reported = [state(P0, queued_prefill_tokens=0, reported_unix_ms=NOW)]
     p = ledger.current(reported, NOW + 310, prefill_ms_per_token=RATE)[0].load
     assert p is not None and p.queued_prefill_tokens == round((4000 * RATE - 10) / RATE)
+
+
+def test_a_report_stamped_the_same_millisecond_as_the_route_does_not_cover_it() -> None:
+    # Turns of a burst arrive in one millisecond; the report read for the first was taken before
+    # any of them was routed, whatever its stamp says.
+    ledger = InFlightLedger()
+    ledger.add(*work("r1", 4000, visible=NOW, routed=NOW))
+    p = loads(ledger, fleet(reported_ms=NOW), NOW)["p0"].load
+    assert p is not None and p.queued_prefill_tokens == 5000
