@@ -31,6 +31,7 @@
 #                        wheels above; set https://download.pytorch.org/whl/cpu where reachable)
 #   KVPLANE_STAGE_TURNS  turns per conversation (default 4); KVPLANE_STAGE_CONVERSATIONS (3)
 #   KVPLANE_STAGE_KEEP=1 leave the stack up at the end
+#   KVPLANE_STAGE_SERVE_ALL=1  the three services in one process (compose.serve-all.yaml)
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -157,9 +158,12 @@ export KVPLANE_GATEWAY_PORT=${KVPLANE_GATEWAY_PORT:-$(free_port)}
 sed 's/^\( *recompute_ms_per_token:\).*/\1 5.0/' "$ROOT/services/routing/policy/default_policy.yaml" \
   > "$WORK/pull-policy.yaml"
 grep -q 'recompute_ms_per_token: 5.0' "$WORK/pull-policy.yaml" || die "default_policy.yaml has no recompute_ms_per_token"
-cat > "$WORK/compose.stage.yaml" <<EOF
-services:
-  routing:
+# Given to metadata too, which runs routing under compose.serve-all.yaml.
+{
+  echo "services:"
+  for service in routing metadata; do
+    cat <<EOF
+  $service:
     environment:
       KVPLANE_ROUTING__POLICY_FILE: /etc/kvplane/pull-policy.yaml
     volumes:
@@ -168,7 +172,11 @@ services:
         target: /etc/kvplane/pull-policy.yaml
         read_only: true
 EOF
-COMPOSE=("$WORK/venv/bin/podman-compose" --project-name "$PROJECT" --in-pod false -f compose.yaml
+  done
+} > "$WORK/compose.stage.yaml"
+FILES=(-f compose.yaml)
+[[ ${KVPLANE_STAGE_SERVE_ALL:-0} == 1 ]] && FILES+=(-f compose.serve-all.yaml)
+COMPOSE=("$WORK/venv/bin/podman-compose" --project-name "$PROJECT" --in-pod false "${FILES[@]}"
   -f "$WORK/compose.stage.yaml")
 containers() { podman ps -a --filter "label=io.podman.compose.project=$PROJECT" --format '{{.Names}}'; }
 down() {
