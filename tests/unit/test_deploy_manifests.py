@@ -384,3 +384,56 @@ def test_mesh_policies_are_left_out_when_turned_off(checks: ModuleType) -> None:
     assert [d for d in docs if d["apiVersion"].startswith("security.istio.io")] == []
     pods = [t for _, t in checks.pod_templates(docs)]
     assert all(t["metadata"]["labels"]["sidecar.istio.io/inject"] == "true" for t in pods)
+
+
+ETCD_TLS_VALUES: dict[str, Any] = {
+    "etcd": {"tls": {"enabled": True, "serverSecret": "etcd-server", "clientSecret": "etcd-client"}}
+}
+
+
+def test_etcd_tls_serves_client_and_peer_ports_over_tls_with_client_certificates(checks: ModuleType) -> None:
+    docs = checks.render_chart(ETCD_TLS_VALUES, "kvp", "kvplane")
+    etcd = next(d for d in docs if d["kind"] == "StatefulSet")
+    pod = etcd["spec"]["template"]["spec"]
+    command = pod["containers"][0]["command"]
+    assert "--listen-client-urls=https://0.0.0.0:2379" in command
+    assert "--listen-peer-urls=https://0.0.0.0:2380" in command
+    assert all("=http://" not in a for a in command if a.startswith("--initial-cluster="))
+    assert {"--client-cert-auth", "--peer-client-cert-auth", "--trusted-ca-file=/etc/etcd/tls/ca.crt"} <= set(
+        command
+    )
+    assert "--listen-metrics-urls=http://0.0.0.0:2381" in command  # the probes' port stays plain
+    assert {"name": "tls", "secret": {"secretName": "etcd-server"}} in pod["volumes"]
+
+
+def test_etcd_tls_gives_every_service_the_ca_and_its_client_certificate(checks: ModuleType) -> None:
+    docs = checks.render_chart(ETCD_TLS_VALUES, "kvp", "kvplane")
+    for component in ("metadata", "routing", "eviction"):
+        deployment = next(
+            d
+            for d in docs
+            if d["kind"] == "Deployment" and d["metadata"]["name"] == f"kvp-kvplane-{component}"
+        )
+        pod = deployment["spec"]["template"]["spec"]
+        container = pod["containers"][0]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["KVPLANE_ETCD__TLS_CA_FILE"] == "/etc/kvplane-etcd-tls/ca.crt"
+        assert env["KVPLANE_ETCD__TLS_CERT_FILE"] == "/etc/kvplane-etcd-tls/tls.crt"
+        assert {"name": "etcd-tls", "mountPath": "/etc/kvplane-etcd-tls", "readOnly": True} in container[
+            "volumeMounts"
+        ]
+        assert {"name": "etcd-tls", "secret": {"secretName": "etcd-client"}} in pod["volumes"]
+
+
+def test_etcd_tls_without_its_secrets_is_refused(checks: ModuleType) -> None:
+    import helm_python
+
+    with pytest.raises(helm_python.HelmError, match="serverSecret"):
+        checks.render_chart({"etcd": {"tls": {"enabled": True, "clientSecret": "c"}}}, "kvp", "kvplane")
+    external = {
+        "etcd": {"enabled": False, "external": {"endpoints": ["etcd.infra:2379"]}, "tls": {"enabled": True}}
+    }
+    with pytest.raises(helm_python.HelmError, match="clientSecret"):
+        checks.render_chart(external, "kvp", "kvplane")
+    external["etcd"]["tls"]["clientSecret"] = "c"  # type: ignore[index]
+    assert not any(d["kind"] == "StatefulSet" for d in checks.render_chart(external, "kvp", "kvplane"))

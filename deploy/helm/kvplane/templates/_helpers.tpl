@@ -83,6 +83,17 @@ sidecar.istio.io/inject: {{ ternary "true" "false" .Values.mesh.enabled | quote 
   value: {{ .Values.telemetry.otlpEndpoint | quote }}
 - name: KVPLANE_AUTH__MODE
   value: {{ .Values.auth.mode | quote }}
+{{- if .Values.etcd.tls.enabled }}
+{{- if not .Values.etcd.tls.clientSecret }}
+{{- fail "etcd.tls.enabled: set etcd.tls.clientSecret (the services' CA for etcd, and client certificate)" }}
+{{- end }}
+- name: KVPLANE_ETCD__TLS_CA_FILE
+  value: /etc/kvplane-etcd-tls/ca.crt
+- name: KVPLANE_ETCD__TLS_CERT_FILE
+  value: /etc/kvplane-etcd-tls/tls.crt
+- name: KVPLANE_ETCD__TLS_KEY_FILE
+  value: /etc/kvplane-etcd-tls/tls.key
+{{- end }}
 {{- if eq .Values.auth.mode "token" }}
 - name: KVPLANE_AUTH__TOKENS
   valueFrom:
@@ -112,6 +123,11 @@ sidecar.istio.io/inject: {{ ternary "true" "false" .Values.mesh.enabled | quote 
     name: {{ include "kvplane.fullname" . }}-settings
 - name: tmp
   emptyDir: {}
+{{- if .Values.etcd.tls.enabled }}
+- name: etcd-tls
+  secret:
+    secretName: {{ .Values.etcd.tls.clientSecret }}
+{{- end }}
 {{- end -}}
 
 {{- define "kvplane.configMount" -}}
@@ -120,6 +136,11 @@ sidecar.istio.io/inject: {{ ternary "true" "false" .Values.mesh.enabled | quote 
   readOnly: true
 - name: tmp
   mountPath: /tmp
+{{- if .Values.etcd.tls.enabled }}
+- name: etcd-tls
+  mountPath: /etc/kvplane-etcd-tls
+  readOnly: true
+{{- end }}
 {{- end -}}
 
 {{/* NetworkPolicy "from" entries for the namespaces that scrape metrics. */}}
