@@ -460,10 +460,12 @@ async def test_end_conversation_releases_the_retained_handle(
     assert not await client.end_conversation(c)
 
 
-async def test_unknown_model_is_unavailable_not_internal(client: RoutingClient) -> None:
-    with pytest.raises(Exception) as err:
+async def test_unknown_model_is_not_found_not_internal(client: RoutingClient) -> None:
+    # The request's own error (the gateway answers it 404), not an outage of routing.
+    with pytest.raises(grpc.aio.AioRpcError) as err:
         await client.route(conv(), "no-such-model", prompt_tokens=10)
-    assert "no prefill/decode pair" in str(err.value)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "no-such-model" in (err.value.details() or "")
 
 
 async def test_invalid_requests_are_invalid_argument(cluster: RoutingCluster, client: RoutingClient) -> None:
