@@ -34,13 +34,15 @@ MAX_TOKENS = 80
 
 
 # P's prefix cache holds each turn's prompt, so a later turn lacks only D's answer there, which
-# routing's calibrated cost model recomputes rather than pulls. These tests are about pulls: a
-# model whose recompute is dear makes every such tail worth pulling.
+# routing's calibrated cost model recomputes rather than pulls. These tests are about pulls: with
+# no fixed cost per transfer (configured, never learned), every tail over vLLM's threshold pays.
 PULL_POLICY = (
     resources.files("kvplane.services.routing.policy")
     .joinpath("default_policy.yaml")
     .read_text(encoding="utf-8")
-    .replace("recompute_ms_per_token: 0.032", "recompute_ms_per_token: 5.0")
+    .replace("max_transfer_fraction: 0.5", "max_transfer_fraction: 1.0")
+    .replace("transfer_overhead_ms: 10.0", "transfer_overhead_ms: 0.01")
+    .replace("handshake_ms: 20.0", "handshake_ms: 0.01")
 )
 
 
