@@ -50,5 +50,5 @@ def test_a_node_token_binds_its_node_id_or_the_ids_its_prefix_covers() -> None:
 def test_serve_settings_have_no_default_authentication_mode() -> None:
     settings = KvplaneSettings.model_validate({})
     assert settings.auth.mode is None
-    with pytest.raises(ValueError, match="auth.mode is required"):
+    with pytest.raises(ValueError, match=r"auth\.mode is required"):
         settings.auth.authenticator()
