@@ -11,7 +11,7 @@ side.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvplane.bench.sim.baselines import BASELINES, RunOptions, simulator_for
 from kvplane.bench.sim.engine import SimConfig
@@ -28,8 +28,19 @@ class Profile:
     cached_fraction: float | None = None
 
 
-def profile(turns: Iterable[Turn], config: SimConfig, policy: str = "kvplane", seed: int = 0) -> Profile:
-    summary = simulator_for(BASELINES[policy], config, RunOptions(seed=seed)).run(turns, policy).summary
+def profile(
+    turns: Iterable[Turn],
+    config: SimConfig,
+    policy: str = "kvplane",
+    seed: int = 0,
+    routing_policy: str = "",
+) -> Profile:
+    """The simulator's profile of `turns`; `routing_policy` names a routing policy file to run
+    in place of the packaged default (as the live routing service's `routing.policy_file`)."""
+    baseline = BASELINES[policy]
+    if routing_policy:
+        baseline = replace(baseline, routing_policy=routing_policy)
+    summary = simulator_for(baseline, config, RunOptions(seed=seed)).run(turns, policy).summary
     total = max(1, summary.turns)
     cached = summary.cached_tokens / summary.prompt_tokens if summary.prompt_tokens else 0.0
     return Profile({k: v / total for k, v in summary.decisions.items()}, summary.pulled_fraction, cached)

@@ -11,6 +11,7 @@ P's own prefix cache must agree within a stated tolerance.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
+from importlib import resources
 from pathlib import Path
 
 import aiohttp
@@ -84,21 +85,43 @@ async def prompt_token_sources(urls: list[str]) -> dict[str, float]:
     return out
 
 
+# The packaged policy with its cost model held at the configured estimates (samples clamped to
+# them): the check compares routing, caches and engines under the same costs on both sides. The
+# live stack would otherwise learn this machine's timings, which under load are several times the
+# engines' timing model, and decide on other costs than the simulator.
+FIXED_COST_POLICY = (
+    resources.files("kvplane.services.routing.policy")
+    .joinpath("default_policy.yaml")
+    .read_text(encoding="utf-8")
+    .replace("handshake_ms: 20.0", "handshake_ms: 20.0\n  max_sample_factor: 1.0")
+)
+
+
 @pytest.fixture(scope="module")
-async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
-    running = await start_stack(
-        tmp_path_factory.mktemp("agreement"),
-        timeout_s=240,
-        prefill_nodes=PREFILL_NODES,
-        decode_nodes=DECODE_NODES,
-    )
+def policy_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("agreement-policy") / "fixed_cost_policy.yaml"
+    path.write_text(FIXED_COST_POLICY)
+    return path
+
+
+@pytest.fixture(scope="module")
+async def stack(tmp_path_factory: pytest.TempPathFactory, policy_file: Path) -> AsyncIterator[Stack]:
+    # `serve all` reads its settings from the environment it inherits.
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("KVPLANE_ROUTING__POLICY_FILE", str(policy_file))
+        running = await start_stack(
+            tmp_path_factory.mktemp("agreement"),
+            timeout_s=240,
+            prefill_nodes=PREFILL_NODES,
+            decode_nodes=DECODE_NODES,
+        )
     try:
         yield running
     finally:
         running.stop()
 
 
-async def test_simulator_and_live_stack_agree_on_decisions_and_reuse(stack: Stack) -> None:
+async def test_simulator_and_live_stack_agree_on_decisions_and_reuse(stack: Stack, policy_file: Path) -> None:
     assert len(stack.prefill_urls) == PREFILL_NODES and len(stack.decode_urls) == DECODE_NODES
     before = await prompt_token_sources(stack.prefill_urls)
     live_run = await drive(stack.gateway_url, DEMO_API_KEY, WORKLOAD)
@@ -111,7 +134,9 @@ async def test_simulator_and_live_stack_agree_on_decisions_and_reuse(stack: Stac
         seen.get("external_kv_transfer", 0.0) / total,
         seen.get("local_cache_hit", 0.0) / total,
     )
-    simulated = profile(simulated_turns(live_run.gateway_turns()), simulated_fleet())
+    simulated = profile(
+        simulated_turns(live_run.gateway_turns()), simulated_fleet(), routing_policy=str(policy_file)
+    )
     assert live.decision_shares, "no live turns"
     assert agree(simulated, live, TOLERANCE) == [], (simulated, live)
     # Not a vacuous agreement: most of the continuing turns' history was reused, one way or the other.
