@@ -115,10 +115,10 @@ async def stack(tmp_path_factory: pytest.TempPathFactory, policy_file: Path) -> 
             prefill_nodes=PREFILL_NODES,
             decode_nodes=DECODE_NODES,
         )
-    try:
-        yield running
-    finally:
-        running.stop()
+        try:
+            yield running
+        finally:
+            running.stop()
 
 
 async def test_simulator_and_live_stack_agree_on_decisions_and_reuse(stack: Stack, policy_file: Path) -> None:
