@@ -8,29 +8,16 @@ from collections.abc import AsyncIterator
 import pytest
 
 from kvplane.services.common.local_etcd import LocalEtcd
-from kvplane.services.common.nodes import NodeRole
 from kvplane.services.common.process import ServiceProcess
-from kvplane.services.common.store import Store, StoreSettings
-from tests.support.routing_cluster import MODEL, RoutingCluster, node, tokens
+from tests.support.routing_cluster import MODEL, RoutingCluster, prefill_and_decode, tokens
 
 GAUGE = "kvplane_cost_recompute_seconds_per_token"
 
 
 @pytest.fixture
 async def cluster(etcd: LocalEtcd, prefix: str) -> AsyncIterator[RoutingCluster]:
-    store = Store(StoreSettings(endpoints=(etcd.endpoint,), prefix=prefix))
-    await store.connect()
-    c = RoutingCluster(etcd, prefix, store)
-    try:
-        await c.register(node("p0", NodeRole.PREFILL))
-        await c.register(node("d0", NodeRole.DECODE))
-        await c.add_replica()
-        await c.add_replica()
-        await c.wait_nodes()
+    async with prefill_and_decode(etcd, prefix, replicas=2) as c:
         yield c
-    finally:
-        await c.stop()
-        await store.close()
 
 
 def _estimate(replica: ServiceProcess) -> float:

@@ -34,24 +34,15 @@ from tests.support.routing_cluster import (
     decode_params,
     handle_for,
     node,
+    prefill_and_decode,
     tokens,
 )
 
 
 @pytest.fixture
 async def cluster(etcd: LocalEtcd, prefix: str) -> AsyncIterator[RoutingCluster]:
-    store = Store(StoreSettings(endpoints=(etcd.endpoint,), prefix=prefix))
-    await store.connect()
-    c = RoutingCluster(etcd, prefix, store)
-    try:
-        await c.register(node("p0", NodeRole.PREFILL))
-        await c.register(node("d0", NodeRole.DECODE))
-        await c.add_replica()
-        await c.wait_nodes()
+    async with prefill_and_decode(etcd, prefix, replicas=1) as c:
         yield c
-    finally:
-        await c.stop()
-        await store.close()
 
 
 @pytest.fixture

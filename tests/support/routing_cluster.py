@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -15,7 +16,7 @@ from kvplane.services.common.local_etcd import LocalEtcd, free_port
 from kvplane.services.common.nodes import Fingerprint, Node, NodeLoad, NodeRole
 from kvplane.services.common.process import ServiceProcess
 from kvplane.services.common.settings import KvplaneSettings
-from kvplane.services.common.store import Store
+from kvplane.services.common.store import Store, StoreSettings
 from kvplane.services.common.telemetry import Telemetry
 from tests.conftest import OPERATOR_HEADERS, TEST_AUTH, tenant_headers
 
@@ -227,3 +228,23 @@ class RoutingCluster:
 
 def with_load_time(load: NodeLoad) -> NodeLoad:
     return replace(load, reported_unix_ms=int(time.time() * 1000))
+
+
+@asynccontextmanager
+async def prefill_and_decode(
+    etcd: LocalEtcd, prefix: str, replicas: int = 1
+) -> AsyncIterator[RoutingCluster]:
+    """Prefill node p0, decode node d0 and `replicas` routing replicas whose views hold both."""
+    store = Store(StoreSettings(endpoints=(etcd.endpoint,), prefix=prefix))
+    await store.connect()
+    cluster = RoutingCluster(etcd, prefix, store)
+    try:
+        await cluster.register(node("p0", NodeRole.PREFILL))
+        await cluster.register(node("d0", NodeRole.DECODE))
+        for _ in range(replicas):
+            await cluster.add_replica()
+        await cluster.wait_nodes()
+        yield cluster
+    finally:
+        await cluster.stop()
+        await store.close()
