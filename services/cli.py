@@ -71,6 +71,7 @@ COMMAND_PURPOSES: dict[str, str] = {
     "dev-stack": "etcd, `serve all`, two sim-engines and the gateway on loopback, then a demo (make run)",
     "bench": "live benchmark through a gateway (--start-stack starts one) against the engines directly",
     "sim": "replay a trace or a workload through routing and retention policies in the simulator",
+    "health": "exit 0 when a kvplane gRPC server serves, over TLS or mTLS (Kubernetes exec probes)",
 }
 
 _EPILOG = """\
@@ -119,6 +120,7 @@ EXTRA_COMMANDS: dict[str, str] = {
     "dev-stack": "kvplane.services.devstack:main",
     "bench": "kvplane.bench.live:main",
     "sim": "kvplane.bench.sim.command:main",
+    "health": "kvplane.services.health_probe:main",
 }
 
 

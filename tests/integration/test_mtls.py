@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import os
 import shutil
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -220,3 +221,40 @@ async def test_the_gateways_routing_client_routes_over_mtls_with_its_certificate
         # Authenticated as the operator over mTLS, Route ran: its answer is about nodes (none yet).
         with pytest.raises(RoutingUnavailable, match="no prefill/decode pair"):
             await client.route("c", "tiny", prompt_tokens=10, tenant="acme")
+
+
+async def _kvplane_health(*args: str) -> tuple[int, str]:
+    """`kvplane health ARGS` as a Kubernetes exec probe runs it: its exit status and stderr."""
+    proc = await asyncio.create_subprocess_exec(
+        str(Path(sys.executable).parent / "kvplane"),
+        "health",
+        *args,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+        env={k: v for k, v in os.environ.items() if not k.startswith("KVPLANE_")},
+    )
+    _, err = await asyncio.wait_for(proc.communicate(), timeout=60)
+    assert proc.returncode is not None
+    return proc.returncode, err.decode()
+
+
+async def test_the_health_command_probes_an_mtls_server_with_a_client_certificate(
+    mtls_plane: ServiceProcess, ca: TestCa, server_cert: Issued
+) -> None:
+    probe = ["--tls-ca-file", ca.ca_file, "--tls-server-name", "localhost", "--timeout-s", "10"]
+    # The server's own certificate (issued for client auth too) is what the chart's probe presents.
+    mutual = ["--tls-cert-file", server_cert.cert_file, "--tls-key-file", server_cert.key_file]
+    assert await _kvplane_health(target(mtls_plane), *probe, *mutual) == (0, "")
+    assert await _kvplane_health(
+        target(mtls_plane), *probe, *mutual, "--service", "kvplane.v1.RoutingService"
+    ) == (
+        0,
+        "",
+    )
+    # Without a client certificate, without TLS, or naming no service the server has: not healthy.
+    code, err = await _kvplane_health(target(mtls_plane), *probe)
+    assert code == 1 and "UNAVAILABLE" in err
+    code, err = await _kvplane_health(target(mtls_plane), "--timeout-s", "10")
+    assert code == 1 and "UNAVAILABLE" in err
+    code, err = await _kvplane_health(target(mtls_plane), *probe, *mutual, "--service", "no.Such")
+    assert code == 1 and "NOT_FOUND" in err

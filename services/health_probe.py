@@ -1,0 +1,80 @@
+"""`kvplane health`: asks a kvplane gRPC server whether it serves, over TLS or mTLS if need be.
+
+Kubernetes' built-in gRPC probe speaks plaintext only, so a control plane serving TLS is probed
+by running this command in its container (an exec probe). It calls the standard gRPC health
+service, which needs no principal; the TLS handshake still needs the CA and, for mTLS, a client
+certificate. Exit status: 0 when the server (or the named service) is SERVING, 1 otherwise, with
+the reason on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from collections.abc import Mapping, Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvplane.client.credentials import ClientCredentials
+from kvplane.services.common.tls import TlsConfigError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvplane health",
+        description="exit 0 when a kvplane gRPC server serves; for Kubernetes exec probes over TLS",
+        epilog="Credentials may also come from KVPLANE_CLIENT_TLS_CA_FILE, ..._TLS_CERT_FILE, "
+        "..._TLS_KEY_FILE and ..._TLS_SERVER_NAME; a flag wins.",
+    )
+    p.add_argument("target", help="host:port of the gRPC server (a probe: 127.0.0.1:<port>)")
+    p.add_argument("--service", default="", help='health service name ("": the server as a whole)')
+    p.add_argument("--tls-ca-file", default="", help="CA of the server's certificate; set: TLS")
+    p.add_argument("--tls-cert-file", default="", help="client certificate, for a server requiring mTLS")
+    p.add_argument("--tls-key-file", default="", help="the client certificate's key")
+    p.add_argument(
+        "--tls-server-name", default="", help="name to check the certificate against (default: the host)"
+    )
+    p.add_argument("--timeout-s", type=float, default=3.0, help="deadline of the check, seconds")
+    return p
+
+
+async def check(target: str, service: str, credentials: ClientCredentials, timeout_s: float) -> str:
+    """The serving status's name (SERVING, NOT_SERVING, ...) or why the server gave none."""
+    try:
+        channel = credentials.channel(target)
+    except TlsConfigError as exc:
+        return f"bad TLS settings: {exc}"
+    async with channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            return f"{exc.code().name}: {exc.details()}"
+    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+
+
+def main(argv: Sequence[str], env: Mapping[str, str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        credentials = ClientCredentials.from_env(env if env is not None else _environ()).merged(
+            tls_ca_file=args.tls_ca_file,
+            tls_cert_file=args.tls_cert_file,
+            tls_key_file=args.tls_key_file,
+            tls_server_name=args.tls_server_name,
+        )
+    except (TypeError, ValueError) as exc:
+        print(f"kvplane health: {exc}", file=sys.stderr)
+        return 1
+    status = asyncio.run(check(args.target, args.service, credentials, args.timeout_s))
+    if status == "SERVING":
+        return 0
+    print(f"kvplane health: {args.target} {args.service or '(server)'}: {status}", file=sys.stderr)
+    return 1
+
+
+def _environ() -> Mapping[str, str]:
+    # Only the TLS settings: a probe never presents a token (the health service needs none).
+    return {k: v for k, v in os.environ.items() if k.startswith("KVPLANE_CLIENT_TLS_")}
