@@ -3,7 +3,9 @@
 What a router may read, by what a live router could know:
 
 - load reports: `Fleet.node_states` / `Fleet.node_state` (stale by up to
-  `report_interval_s`, as the node agents' reports are);
+  `report_interval_s`, as the node agents' reports are), plus the router's
+  own record of the work it routed since (`InFlightLedger`): kvplane's
+  `PolicyRouter` and `PrefixAffinityRouter` both keep one;
 - the conversation's retained handle: `Conversation.live_handle()` (the
   metadata service's record: published, not yet read, released or expired);
 - what was routed before: `Conversation.last_prefill` and
@@ -11,11 +13,14 @@ What a router may read, by what a live router could know:
   that turn's prompt blocks (a routing service records what it sends);
 - a prefill node's cache contents, `PrefillState.cache`, only for a router
   that models engines publishing KV-cache events (vLLM's `kv_events_config`),
-  as prefix-cache-aware routers subscribe to. kvplane's `PolicyRouter` does
-  not read it: it knows only what it routed.
+  as prefix-cache-aware routers subscribe to (`PrefixAffinityRouter`).
+  kvplane's `PolicyRouter` does not read it: it knows only what it routed.
 
-Everything else (`DecodeState` internals, `free_at` of nodes) is the
-simulator's ground truth.
+Everything else (`DecodeState` internals, the queues and reads of
+`PrefillState`) is the simulator's ground truth. Only `OracleRouter`, a
+bound rather than a contender, reads it. The proxies read nothing but their
+own round-robin counters and the handles D published to them (whether D
+still holds a handle is the outcome of the pull, not an input to the route).
 """
 
 from __future__ import annotations

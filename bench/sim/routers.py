@@ -23,7 +23,7 @@ from kvplane.bench.sim.cluster import DecodeState, PrefillState, SimHandle
 from kvplane.bench.sim.fleet import Conversation, Fleet
 from kvplane.bench.workloads.turns import Turn
 from kvplane.services.common.handles import CacheHandle, VllmHandle
-from kvplane.services.routing.inflight import InFlightLedger, routed_work
+from kvplane.services.routing.inflight import InFlightLedger, RoutedWork, routed_work
 from kvplane.services.routing.policy import (
     CostModel,
     NodeState,
@@ -150,7 +150,10 @@ class ExampleProxyRouter:
 def _finish_estimate(
     p: PrefillState, fleet: Fleet, prompt: BlockChain, prompt_tokens: int, pull_tokens: int, now: float
 ) -> tuple[float, int]:
-    """When P would finish this prompt (s), and its cache hit (tokens), from its current queue."""
+    """When P would finish this prompt (s), and its cache hit (tokens), from its real queue.
+
+    Ground truth (P's exact queue): only the oracle may use it.
+    """
     costs = fleet.costs
     cached = min(p.cache.hit_blocks(prompt) * fleet.block_tokens, prompt_tokens - 1)
     pulled = max(0, pull_tokens - cached)
@@ -167,22 +170,55 @@ class PrefixAffinityRouter:
     it sends the turn to the P where it would finish first (queue plus the
     prefill of what that P does not hold). D is round-robin and retains
     nothing (run with D's TTL at 0).
+
+    The queue is what a live router knows, kept as kvplane's router keeps
+    it: each P's last load report (as stale as the fleet's reports are) plus
+    the prefill work this router has sent it since (`InFlightLedger`),
+    drained at the engine's per-token prefill rate. Never P's real queue.
     """
 
     def __init__(self, fleet: Fleet) -> None:
         self.fleet = fleet
         self._rr = _RoundRobin(fleet)
+        self._inflight = InFlightLedger()
+        self._routes = 0
+        timing = fleet.costs.timing
+        # The engine's published prefill speed: configuration, not an observation.
+        self._ms_per_token = timing.prefill_per_token_s * 1000.0 / timing.speedup
 
     def route(self, turn: Turn, conversation: Conversation, prompt: BlockChain, now: float) -> RouteChoice:
         fleet = self.fleet
+        costs = fleet.costs
+        now_ms = fleet.unix_ms(now)
+        reports = self._inflight.current(
+            [fleet.node_state(i, now) for i in range(len(fleet.prefill))],
+            now_ms,
+            prefill_ms_per_token=self._ms_per_token,
+        )
         best: tuple[float, int, PrefillState] | None = None
-        for p in fleet.prefill:
-            finish, cached = _finish_estimate(p, fleet, prompt, turn.prompt_tokens, 0, now)
+        for p, state in zip(fleet.prefill, reports, strict=True):
+            # KV events: the cached blocks of each P are fair to read (see fleet.py).
+            cached = min(p.cache.hit_blocks(prompt) * fleet.block_tokens, turn.prompt_tokens - 1)
+            queued = state.load.queued_prefill_tokens if state.load is not None else 0
+            finish = queued * self._ms_per_token / 1000.0
+            finish += costs.prefill_s(turn.prompt_tokens - cached) + costs.pulled_compute_s(cached)
             if best is None or finish < best[0]:
                 best = (finish, cached, p)
         assert best is not None
+        _, cached, chosen = best
+        self._routes += 1
+        self._inflight.add(
+            RoutedWork(
+                str(self._routes),
+                chosen.node.node_id,
+                now_ms,
+                now_ms,
+                prefill_tokens=turn.prompt_tokens - cached,
+                queued_requests=1,
+            )
+        )
         _, d = self._rr.next_pair()
-        return RouteChoice(best[2], d, "prefill_cache_hit" if best[1] > 0 else "recompute_cold")
+        return RouteChoice(chosen, d, "prefill_cache_hit" if cached > 0 else "recompute_cold")
 
     def observe(self, turn: Turn, choice: RouteChoice, outcome: TurnOutcome) -> None:
         return None
@@ -195,7 +231,9 @@ class OracleRouter:
     """Every P cache hit and every verified whole-block prefix pulled; the P that finishes first.
 
     Run on a fleet with unlimited KV (D and P caches) and no TTL, it bounds
-    what any policy can reuse.
+    what any policy can reuse. It is a bound, not a contender, so it reads
+    the simulator's ground truth (each P's exact queue and cache, the
+    conversation's real shared prefix), which no live router could know.
     """
 
     def __init__(self, fleet: Fleet, block_size: int) -> None:

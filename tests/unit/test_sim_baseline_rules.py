@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kvplane.bench.sim import ClusterSpec, SimConfig
 from kvplane.bench.sim.block_chain import BlockChain, BlockIds
-from kvplane.bench.sim.cluster import SimHandle
+from kvplane.bench.sim.cluster import PrefillState, SimHandle
 from kvplane.bench.sim.fleet import Conversation, Fleet
 from kvplane.bench.sim.routers import ExampleProxyRouter, OracleRouter, PrefixAffinityRouter
 from kvplane.bench.workloads.turns import Turn
@@ -75,17 +75,52 @@ def test_prefix_affinity_sends_a_turn_to_the_prefill_node_that_holds_its_prefix(
     assert choice.pull is None
 
 
-def test_prefix_affinity_leaves_a_holder_whose_queue_costs_more_than_the_prefill() -> None:
-    fleet = _fleet()
-    ids = BlockIds()
+def _queue_on(fleet: Fleet, index: int, tokens: int, until_s: float) -> None:
+    """Puts `tokens` of prompt work on prefill node `index` until `until_s` (its real queue)."""
+    p = fleet.prefill[index]
+    p.free_at = until_s
+    p.pending.append((until_s, tokens))
+    p.queued_tokens += tokens
+
+
+def _affinity_turn(fleet: Fleet, router: PrefixAffinityRouter, ids: BlockIds, now: float) -> PrefillState:
     history = BlockChain().extended(4000 // BLOCK, ids)
     fleet.prefill[2].cache.insert(history)
-    fleet.prefill[2].free_at = 60.0  # a minute of queued work
     prompt = history.extended(200 // BLOCK, ids)
-    choice = PrefixAffinityRouter(fleet).route(
-        _turn(prompt_tokens(prompt), 4000), Conversation(), prompt, 0.0
-    )
-    assert choice.prefill is not fleet.prefill[2] and choice.decision == "recompute_cold"
+    return router.route(_turn(prompt_tokens(prompt), 4000), Conversation(), prompt, now).prefill
+
+
+def test_prefix_affinity_leaves_a_holder_whose_reported_queue_costs_more_than_the_prefill() -> None:
+    fleet = _fleet()
+    _queue_on(fleet, 2, 2_000_000, 60.0)  # a minute of queued work, in P's load report
+    choice = _affinity_turn(fleet, PrefixAffinityRouter(fleet), BlockIds(), 0.0)
+    assert choice is not fleet.prefill[2]
+
+
+def test_prefix_affinity_does_not_see_a_queue_its_load_reports_do_not_show_yet() -> None:
+    fleet = _fleet()
+    router = PrefixAffinityRouter(fleet)
+    # The report of t=0.0 is read first: the queue that builds at t=0.1 is in no report until t=0.5.
+    fleet.node_state(2, 0.0)
+    _queue_on(fleet, 2, 2_000_000, 60.0)
+    assert _affinity_turn(fleet, router, BlockIds(), 0.1) is fleet.prefill[2]
+    assert _affinity_turn(fleet, router, BlockIds(), 0.6) is not fleet.prefill[2]
+
+
+def test_prefix_affinity_counts_the_work_it_routed_since_the_last_report() -> None:
+    fleet = _fleet()
+    router = PrefixAffinityRouter(fleet)
+    ids = BlockIds()
+    history = BlockChain().extended(40_000 // BLOCK, ids)
+    for p in fleet.prefill:
+        p.cache.insert(history)
+    picked = []
+    for _ in range(3):
+        prompt = history.extended(8000 // BLOCK, ids)
+        turn = _turn(prompt_tokens(prompt), 40_000)
+        picked.append(router.route(turn, Conversation(), prompt, 0.1).prefill.index)
+    # Equal holders, no report shows any of the burst: each turn goes where the last ones are not.
+    assert sorted(picked) == [0, 1, 2]
 
 
 def test_the_oracle_pulls_the_verified_whole_blocks_of_an_edited_history() -> None:
