@@ -4,15 +4,22 @@ It drives token-id conversations through the gateway's OpenAI API at a target
 rate of new conversations, with a progress line, and reports:
 
 - TTFT by decision (turns that pulled retained KV against turns that recomputed);
-- the decision mix, and the share of prompt tokens the prefill engine pulled
-  (from its `vllm:prompt_tokens_by_source` metric, when `--prefill` is given);
+- the decision mix, and where the prefill engines' prompt tokens came from
+  (pulled from D, P's own prefix cache, computed: their
+  `vllm:prompt_tokens_by_source` metric, when the prefill URLs are given);
 - the control plane's own cost per turn: the same first-turn request sent to
   the engines directly (P leg then D leg, no kvplane), interleaved with the
-  gateway's first turns in the same run, compared by median TTFT.
+  gateway's first turns in the same run, compared by median TTFT;
+- with `--direct-baseline` (on by default with `--start-stack`), a second phase
+  run after the first: the same workload (same arrivals and prompt shapes,
+  other token ids) sent straight to the engines by a client without reuse
+  (P and D drawn at random per turn, which is what the example proxy's
+  round-robin gives many independent clients; P's prefix cache as
+  configured), and the later turns of both compared as ratios.
 
     kvplane bench --gateway http://127.0.0.1:8080 --api-key KEY \\
         --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200
-    kvplane bench --start-stack          # starts `kvplane dev-stack`'s processes itself
+    kvplane bench --start-stack --prefill-nodes 2 --decode-nodes 2 --prefix-cache
 """
 
 from __future__ import annotations
@@ -25,13 +32,17 @@ import statistics
 import sys
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import aiohttp
 
 from kvplane.services.common.handles import fresh_prefill_params
+
+# The prefill engines' prompt-token sources (vLLM's `vllm:prompt_tokens_by_source` labels).
+PULLED, CACHED, COMPUTED = "external_kv_transfer", "local_cache_hit", "local_compute"
+SOURCE_NAMES = {PULLED: "pulled from D", CACHED: "P's prefix cache", COMPUTED: "computed"}
 
 
 @dataclass(frozen=True)
@@ -50,21 +61,36 @@ class TurnResult:
 @dataclass
 class LiveResult:
     turns: list[TurnResult] = field(default_factory=list)
-    pulled_tokens: float = 0.0
-    prompt_tokens_on_prefill: float = 0.0
+    # Prompt tokens the prefill engines took from each source during the run (summed over engines).
+    sources: dict[str, float] = field(default_factory=dict)
     wall_s: float = 0.0
+
+    @property
+    def pulled_tokens(self) -> float:
+        return self.sources.get(PULLED, 0.0)
+
+    @property
+    def prompt_tokens_on_prefill(self) -> float:
+        return sum(self.sources.values())
 
     def gateway_turns(self) -> list[TurnResult]:
         return [t for t in self.turns if t.via == "gateway"]
+
+    def later_turns(self, via: str) -> list[TurnResult]:
+        return [t for t in self.turns if t.via == via and t.turn_index > 0]
 
     def decision_shares(self) -> dict[str, float]:
         turns = self.gateway_turns()
         counts = Counter(t.decision for t in turns)
         return {k: v / max(1, len(turns)) for k, v in counts.items()}
 
+    def source_share(self, source: str) -> float:
+        total = self.prompt_tokens_on_prefill
+        return self.sources.get(source, 0.0) / total if total else 0.0
+
     def reused_fraction(self) -> float:
         """Prompt tokens P pulled over all prompt tokens P saw (both from P's metrics)."""
-        return self.pulled_tokens / self.prompt_tokens_on_prefill if self.prompt_tokens_on_prefill else 0.0
+        return self.source_share(PULLED)
 
 
 @dataclass(frozen=True)
@@ -120,18 +146,18 @@ async def _direct_turn(
     return (d_started - started) * 1e3 + ttft_d, output
 
 
-async def _prefill_sources(session: aiohttp.ClientSession, prefill: str) -> tuple[float, float]:
-    """(pulled, all) prompt tokens on the prefill engine so far."""
-    async with session.get(f"{prefill}/metrics") as resp:
-        text = await resp.text()
-    pulled = total = 0.0
-    for line in text.splitlines():
-        if line.startswith("vllm:prompt_tokens_by_source_total{"):
-            labels, _, value = line.rpartition(" ")
-            total += float(value)
-            if 'source="external_kv_transfer"' in labels:
-                pulled += float(value)
-    return pulled, total
+async def prompt_token_sources(session: aiohttp.ClientSession, prefills: Sequence[str]) -> dict[str, float]:
+    """Prompt tokens by source, summed over the prefill engines, so far."""
+    sources: dict[str, float] = {}
+    for url in prefills:
+        async with session.get(f"{url}/metrics") as resp:
+            text = await resp.text()
+        for line in text.splitlines():
+            if line.startswith("vllm:prompt_tokens_by_source_total{"):
+                labels, _, value = line.rpartition(" ")
+                source = labels.partition('source="')[2].partition('"')[0]
+                sources[source] = sources.get(source, 0.0) + float(value)
+    return sources
 
 
 class _Progress:
@@ -152,65 +178,151 @@ class _Progress:
                 print(file=sys.stderr)
 
 
+def _urls(value: str | Sequence[str]) -> list[str]:
+    return [value] if isinstance(value, str) and value else [u for u in value if u]
+
+
+# Sends one turn (conversation name, turn index, request body) and returns the decision, TTFT (ms)
+# and the output ids.
+SendTurn = Callable[[str, int, dict[str, Any]], Awaitable[tuple[str, float, list[int]]]]
+
+
+async def _conversations(
+    workload: Workload,
+    model: str,
+    via: str,
+    send: SendTurn,
+    result: LiveResult,
+    *,
+    token_salt: str = "",
+    before_turn: Callable[[str, int, list[int], dict[str, Any]], Awaitable[None]] | None = None,
+) -> None:
+    """Runs the workload's conversations through `send`, appending each turn to `result`.
+
+    Arrivals and prompt lengths depend only on the seed; `token_salt` changes
+    the token ids alone, so two phases of one run see the same shapes without
+    warming each other's caches.
+    """
+    rng = random.Random(workload.seed)
+    started = time.perf_counter()
+
+    async def conversation(index: int, crng_seed: float) -> None:
+        crng = random.Random(f"{token_salt}{crng_seed}")
+        name = f"bench-{workload.seed}{token_salt}-{index}"
+        prompt = [crng.randrange(1000, 30000) for _ in range(workload.first_tokens)]
+        for turn in range(workload.turns):
+            body = {
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": workload.max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+            }
+            if before_turn is not None:
+                await before_turn(name, turn, prompt, body)
+            sent = time.perf_counter() - started
+            decision, ttft, out = await send(name, turn, body)
+            result.turns.append(TurnResult(name, turn, len(prompt), len(out), decision, ttft, via, sent))
+            prompt = prompt + out + [crng.randrange(1000, 30000) for _ in range(workload.user_tokens)]
+
+    tasks = []
+    for i in range(workload.conversations):
+        tasks.append(asyncio.create_task(conversation(i, rng.random())))
+        await asyncio.sleep(rng.expovariate(workload.rate))  # Poisson arrivals of conversations
+    await asyncio.gather(*tasks)
+    result.wall_s = time.perf_counter() - started
+
+
 async def drive(
     gateway: str,
     api_key: str,
     workload: Workload,
     *,
-    prefill: str = "",
-    decode: str = "",
+    prefill: str | Sequence[str] = "",
+    decode: str | Sequence[str] = "",
     model: str = "sim-model",
     progress: bool = False,
 ) -> LiveResult:
-    """Runs the workload; with `prefill` and `decode`, also the direct baseline."""
-    rng = random.Random(workload.seed)
+    """Runs the workload through the gateway.
+
+    With prefill and decode URLs, each conversation's first turn is also sent
+    straight to the first P and D (other tokens, same length), interleaved, to
+    measure the control plane's cost; and the prefill engines' token sources
+    are read before and after.
+    """
+    prefills, decodes = _urls(prefill), _urls(decode)
+    direct = bool(prefills and decodes)
     result = LiveResult()
-    direct = bool(prefill and decode)
     bar = _Progress(workload.conversations * (workload.turns + (1 if direct else 0)), progress)
-    timeout = aiohttp.ClientTimeout(total=600)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
-        before = await _prefill_sources(session, prefill) if prefill else (0.0, 0.0)
-        started = time.perf_counter()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        before = await prompt_token_sources(session, prefills)
 
-        async def conversation(index: int) -> None:
-            crng = random.Random(rng.random())
-            name = f"bench-{workload.seed}-{index}"
-            prompt = [crng.randrange(1000, 30000) for _ in range(workload.first_tokens)]
-            for turn in range(workload.turns):
-                body = {
-                    "model": model,
-                    "prompt": prompt,
-                    "max_tokens": workload.max_tokens,
-                    "temperature": 0,
-                    "ignore_eos": True,
-                    "return_token_ids": True,
-                }
-                if direct and turn == 0:
-                    # The no-kvplane baseline of a first turn, on the same engines: a prompt of
-                    # the same length but other tokens, so neither run warms the other's cache.
-                    other = [crng.randrange(1000, 30000) for _ in range(len(prompt))]
-                    ttft, out = await _direct_turn(session, prefill, decode, {**body, "prompt": other})
-                    result.turns.append(TurnResult(name, 0, len(other), len(out), "direct", ttft, "direct"))
-                    bar.tick()
-                headers = {"Authorization": f"Bearer {api_key}", "X-Conversation-Id": name}
-                sent = time.perf_counter() - started
-                decision, ttft, out = await _stream_turn(session, f"{gateway}/v1/completions", body, headers)
-                result.turns.append(
-                    TurnResult(name, turn, len(prompt), len(out), decision, ttft, "gateway", sent)
-                )
-                bar.tick()
-                prompt = prompt + out + [crng.randrange(1000, 30000) for _ in range(workload.user_tokens)]
+        probe_tokens: list[int] = []
 
-        tasks = []
-        for i in range(workload.conversations):
-            tasks.append(asyncio.create_task(conversation(i)))
-            await asyncio.sleep(rng.expovariate(workload.rate))  # Poisson arrivals of conversations
-        await asyncio.gather(*tasks)
-        result.wall_s = time.perf_counter() - started
-        if prefill:
-            after = await _prefill_sources(session, prefill)
-            result.pulled_tokens = after[0] - before[0]
-            result.prompt_tokens_on_prefill = after[1] - before[1]
+        async def first_turn_direct(name: str, turn: int, prompt: list[int], body: dict[str, Any]) -> None:
+            if not (direct and turn == 0):
+                return
+            # The no-kvplane cost of a first turn, on the same engines: a prompt of the same
+            # length but other tokens, so neither run warms the other's cache.
+            rng = random.Random(name)
+            other = [rng.randrange(1000, 30000) for _ in range(len(prompt))]
+            ttft, out = await _direct_turn(session, prefills[0], decodes[0], {**body, "prompt": other})
+            result.turns.append(TurnResult(name, 0, len(other), len(out), "direct", ttft, "direct"))
+            probe_tokens.append(len(other))
+            bar.tick()
+
+        async def send(name: str, turn: int, body: dict[str, Any]) -> tuple[str, float, list[int]]:
+            headers = {"Authorization": f"Bearer {api_key}", "X-Conversation-Id": name}
+            answer = await _stream_turn(session, f"{gateway}/v1/completions", body, headers)
+            bar.tick()
+            return answer
+
+        await _conversations(workload, model, "gateway", send, result, before_turn=first_turn_direct)
+        after = await prompt_token_sources(session, prefills)
+    result.sources = {k: after[k] - before.get(k, 0.0) for k in after}
+    if COMPUTED in result.sources:
+        # The first-turn probes are fresh random tokens, all computed on the first P: they are
+        # not the gateway's turns.
+        result.sources[COMPUTED] -= sum(probe_tokens)
+    return result
+
+
+async def drive_direct(
+    prefill: Sequence[str],
+    decode: Sequence[str],
+    workload: Workload,
+    *,
+    model: str = "sim-model",
+    progress: bool = False,
+) -> LiveResult:
+    """The same workload sent straight to the engines by a client without reuse.
+
+    Each turn goes to a P and a D drawn at random (seeded): what round-robin
+    (vLLM's example proxy) gives under traffic from many independent clients.
+    A strict rotation would flatter or punish it by parity alone: with an even
+    number of conversations in lockstep, every conversation would meet its own
+    P again each turn. P computes what its own prefix cache lacks, D reads it
+    from P, and nothing D held from an earlier turn is used. Token ids differ
+    from the gateway phase's (same shapes and arrivals).
+    """
+    prefills, decodes = _urls(prefill), _urls(decode)
+    if not (prefills and decodes):
+        raise ValueError("the direct baseline needs at least one prefill and one decode URL")
+    result = LiveResult()
+    bar = _Progress(workload.conversations * workload.turns, progress)
+    picks = random.Random(f"direct-{workload.seed}")
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        before = await prompt_token_sources(session, prefills)
+
+        async def send(name: str, turn: int, body: dict[str, Any]) -> tuple[str, float, list[int]]:
+            ttft, out = await _direct_turn(session, picks.choice(prefills), picks.choice(decodes), body)
+            bar.tick()
+            return "direct", ttft, out
+
+        await _conversations(workload, model, "direct", send, result, token_salt="direct")
+        after = await prompt_token_sources(session, prefills)
+    result.sources = {k: after[k] - before.get(k, 0.0) for k in after}
     return result
 
 
@@ -247,7 +359,34 @@ def report(result: LiveResult) -> str:
     return "\n".join(lines)
 
 
-async def _run(args: argparse.Namespace) -> LiveResult:
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x" if b else "n/a"
+
+
+def comparison_report(kvplane: LiveResult, direct: LiveResult) -> str:
+    """Later turns through kvplane against the direct client without reuse, as ratios."""
+    ours = [t.ttft_ms for t in kvplane.later_turns("gateway")]
+    theirs = [t.ttft_ms for t in direct.later_turns("direct")]
+    lines = [
+        "later turns: kvplane against a direct client without reuse (P and D at random, run after, "
+        "same arrivals and prompt lengths)",
+        "",
+        "| | kvplane | direct, no reuse | kvplane / direct |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, q in (("TTFT p50 ms", 0.5), ("TTFT p99 ms", 0.99)):
+        a, b = _pct(ours, q), _pct(theirs, q)
+        lines.append(f"| {name} ({len(ours)} vs {len(theirs)} turns) | {a:.1f} | {b:.1f} | {_ratio(a, b)} |")
+    for source in (PULLED, CACHED, COMPUTED):
+        a, b = kvplane.sources.get(source, 0.0), direct.sources.get(source, 0.0)
+        lines.append(
+            f"| prompt tokens {SOURCE_NAMES[source]} | {a:,.0f} ({kvplane.source_share(source):.1%}) "
+            f"| {b:,.0f} ({direct.source_share(source):.1%}) | {_ratio(a, b)} |"
+        )
+    return "\n".join(lines)
+
+
+async def _run(args: argparse.Namespace) -> tuple[LiveResult, LiveResult | None]:
     workload = Workload(
         conversations=args.conversations,
         turns=args.turns,
@@ -257,34 +396,37 @@ async def _run(args: argparse.Namespace) -> LiveResult:
         rate=args.rate,
         seed=args.seed,
     )
-    if not args.start_stack:
-        return await drive(
-            args.gateway,
-            args.api_key,
-            workload,
-            prefill=args.prefill,
-            decode=args.decode,
-            model=args.model,
-            progress=not args.quiet,
+    progress = not args.quiet
+
+    async def both(
+        gateway: str, api_key: str, prefills: list[str], decodes: list[str]
+    ) -> tuple[LiveResult, LiveResult | None]:
+        ours = await drive(
+            gateway, api_key, workload, prefill=prefills, decode=decodes, model=args.model, progress=progress
         )
+        baseline = args.direct_baseline if args.direct_baseline is not None else args.start_stack
+        if not (baseline and prefills and decodes):
+            return ours, None
+        return ours, await drive_direct(prefills, decodes, workload, model=args.model, progress=progress)
+
+    if not args.start_stack:
+        return await both(args.gateway, args.api_key, _split(args.prefill), _split(args.decode))
     from kvplane.services.devstack import DEMO_API_KEY, start_stack
 
     stack = await start_stack(
         progress=lambda m: print(f"==> {m}", file=sys.stderr),
         prefill_args=() if args.prefix_cache else ("--no-enable-prefix-caching",),
+        prefill_nodes=args.prefill_nodes,
+        decode_nodes=args.decode_nodes,
     )
     try:
-        return await drive(
-            stack.gateway_url,
-            DEMO_API_KEY,
-            workload,
-            prefill=stack.prefill_url,
-            decode=stack.decode_url,
-            model="sim-model",
-            progress=not args.quiet,
-        )
+        return await both(stack.gateway_url, DEMO_API_KEY, stack.prefill_urls, stack.decode_urls)
     finally:
         stack.stop()
+
+
+def _split(urls: str) -> list[str]:
+    return [u.strip() for u in urls.split(",") if u.strip()]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -292,16 +434,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--gateway", default="http://127.0.0.1:8080")
     parser.add_argument("--api-key", default="dev-key")
     parser.add_argument(
-        "--prefill", default="", help="prefill engine URL: pulled-token share and direct baseline"
+        "--prefill",
+        default="",
+        help="prefill engine URLs, comma-separated: token sources, direct baseline",
     )
-    parser.add_argument("--decode", default="", help="decode engine URL, for the direct baseline")
+    parser.add_argument("--decode", default="", help="decode engine URLs, comma-separated: direct baseline")
     parser.add_argument("--model", default="sim-model")
     parser.add_argument("--start-stack", action="store_true", help="start a dev stack and benchmark it")
     parser.add_argument(
+        "--prefill-nodes", type=int, default=2, help="with --start-stack: prefill sim-engines"
+    )
+    parser.add_argument("--decode-nodes", type=int, default=2, help="with --start-stack: D engines")
+    parser.add_argument(
         "--prefix-cache",
         action=argparse.BooleanOptionalAction,
-        default=False,
-        help="with --start-stack: P keeps its prefix cache (then it pulls only D's answer each turn)",
+        default=True,
+        help="with --start-stack: P keeps its prefix cache, as vLLM does by default",
+    )
+    parser.add_argument(
+        "--direct-baseline",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="after the gateway phase, run the workload straight to the engines without reuse and compare "
+        "later turns (default: on with --start-stack)",
     )
     parser.add_argument("--conversations", type=int, default=8)
     parser.add_argument("--turns", type=int, default=4)
@@ -313,14 +468,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", help="write per-turn results here")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
-    result = asyncio.run(_run(args))
+    result, direct = asyncio.run(_run(args))
     print(report(result))
+    if direct is not None:
+        print()
+        print(comparison_report(result, direct))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
                 {
-                    "turns": [asdict(t) for t in result.turns],
+                    "turns": [asdict(t) for t in result.turns + (direct.turns if direct else [])],
                     "reused_fraction": result.reused_fraction(),
+                    "sources": result.sources,
+                    "direct_sources": direct.sources if direct else {},
                     "decision_shares": result.decision_shares(),
                     "wall_s": result.wall_s,
                 },
