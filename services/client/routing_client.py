@@ -3,6 +3,13 @@
 - Every call has a deadline (`timeout_s`, or the caller's own).
 - UNAVAILABLE is retried on the next replica, round-robin, until the
   attempts or the deadline run out; any other status is final.
+- A Route with no answer after `hedge_after_s` is also sent to the next
+  replica, and the first answer wins: a frozen replica (it still accepts
+  TCP) costs one hedge delay, not the deadline.
+- A replica whose call outlived its hedge delay or the deadline is suspect
+  (`suspect_replicas`): calls skip it at once until it answers a health
+  check in the background. With every replica suspect a call fails at once,
+  so that a gateway falls back without waiting.
 - A turn's ReportTurn goes first to the replica that routed it: that replica
   knows the route, and only it learns costs from the report.
 - Each channel carries OpenTelemetry's client interceptor, so the caller's
@@ -13,6 +20,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import time
@@ -25,7 +33,11 @@ from opentelemetry.instrumentation.grpc import aio_client_interceptors
 from opentelemetry.trace import TracerProvider
 
 from kvplane.client.credentials import CallMetadata, ClientCredentials
+from kvplane.client.suspect_replicas import SuspectReplicas
 from kvplane.v1 import routing_pb2, routing_pb2_grpc
+
+# The name the routing service is registered under in each server's health service.
+ROUTING_SERVICE = routing_pb2.DESCRIPTOR.services_by_name["RoutingService"].full_name
 
 DECISION_NAMES = {
     value: name.removeprefix("DECISION_").lower() for name, value in routing_pb2.Decision.items()
@@ -91,16 +103,24 @@ class RoutingClient:
         tracer_provider: TracerProvider | None = None,
         channel_options: Sequence[tuple[str, Any]] = (),
         credentials: ClientCredentials | None = None,
+        hedge_after_s: float | None = None,
+        probe_interval_s: float = 0.25,
     ) -> None:
+        """`hedge_after_s`: with no answer to a Route this long, also ask the next replica
+        (None: only after a failure). `probe_interval_s`: between health checks of a
+        suspect replica."""
         if not targets:
             raise ValueError("at least one routing target is required")
         if attempts < 1:
             raise ValueError("attempts must be at least 1")
+        if hedge_after_s is not None and hedge_after_s <= 0:
+            raise ValueError("hedge_after_s must be positive")
         self.targets = tuple(targets)
         credentials = credentials or ClientCredentials()
         self._metadata = CallMetadata(credentials, metadata)
         self.timeout_s = timeout_s
         self.attempts = attempts
+        self.hedge_after_s = hedge_after_s
         options = [
             # Reconnect quickly to a replica that comes back.
             ("grpc.initial_reconnect_backoff_ms", 200),
@@ -117,13 +137,26 @@ class RoutingClient:
         ]
         self._stubs = [routing_pb2_grpc.RoutingServiceStub(c) for c in self._channels]
         self._next = itertools.count()
+        self._suspects = SuspectReplicas(
+            self._channels,
+            self.targets,
+            ROUTING_SERVICE,
+            probe_timeout_s=min(timeout_s, 0.5),
+            probe_interval_s=probe_interval_s,
+        )
 
     @property
     def metadata(self) -> tuple[tuple[str, str], ...]:
         """The metadata of the next call (a rotated token file is read again)."""
         return self._metadata.current()
 
+    @property
+    def suspect_replicas(self) -> frozenset[str]:
+        """Targets skipped now: each missed a deadline and has not answered a health check since."""
+        return frozenset(self.targets[i] for i in self._suspects.indexes)
+
     async def close(self) -> None:
+        await self._suspects.close()
         for channel in self._channels:
             await channel.close()
 
@@ -144,30 +177,84 @@ class RoutingClient:
         result, _ = await self._call_on_replica(invoke, timeout_s, prefer=prefer)
         return result
 
+    def _order(self, prefer: int) -> list[int]:
+        """Replicas to ask, in order: `prefer` first, then round-robin; suspects left out."""
+        count = len(self._stubs)
+        start = prefer if 0 <= prefer < count else next(self._next)
+        order = [(start + step) % count for step in range(count)]
+        return [i for i in order if i not in self._suspects][: self.attempts]
+
     async def _call_on_replica(
         self,
         invoke: Callable[[routing_pb2_grpc.RoutingServiceStub, float], Any],
         timeout_s: float | None,
         *,
         prefer: int = -1,
+        hedge: bool = False,
     ) -> tuple[Any, int]:
-        """The answer and the index of the replica that gave it; `prefer` is tried first."""
-        deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.timeout_s)
-        start = prefer if 0 <= prefer < len(self._stubs) else next(self._next)
+        """The answer and the index of the replica that gave it; `prefer` is tried first.
+
+        `hedge`: the call is safe to send twice (a Route), so a replica silent for
+        `hedge_after_s` gets company from the next one rather than waiting out the deadline.
+        """
+        budget = timeout_s if timeout_s is not None else self.timeout_s
+        deadline = time.monotonic() + budget
+        order = self._order(prefer)
+        if not order:
+            raise RoutingUnavailable(
+                "every routing replica missed a deadline and has not answered a health check since"
+            )
+        hedge_after = self.hedge_after_s if hedge else None
+        # Calls in flight: the replica asked and when.
+        calls: dict[asyncio.Task[Any], tuple[int, float]] = {}
+        asked = 0
+        last_sent = 0.0
         last: grpc.aio.AioRpcError | None = None
-        for attempt in range(self.attempts):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            index = (start + attempt) % len(self._stubs)
-            try:
-                return await invoke(self._stubs[index], left), index
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.UNAVAILABLE:
-                    raise
-                last = exc
+        try:
+            while (now := time.monotonic()) < deadline:
+                due = hedge_after is not None and now - last_sent >= hedge_after
+                if asked < len(order) and (not calls or due):
+                    index = order[asked]
+                    asked += 1
+                    last_sent = now
+                    calls[asyncio.ensure_future(invoke(self._stubs[index], deadline - now))] = (index, now)
+                if not calls:
+                    break
+                wait = deadline - now
+                if hedge_after is not None and asked < len(order):
+                    wait = min(wait, last_sent + hedge_after - now)
+                done, _ = await asyncio.wait(
+                    calls, timeout=max(wait, 0.0), return_when=asyncio.FIRST_COMPLETED
+                )
+                for task in done:
+                    index, _ = calls.pop(task)
+                    try:
+                        return task.result(), index
+                    except grpc.aio.AioRpcError as exc:
+                        if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                            self._suspects.mark(index)
+                        elif exc.code() != grpc.StatusCode.UNAVAILABLE:
+                            raise
+                        last = exc
+        finally:
+            self._abandon(calls, deadline, hedge_after)
         detail = f"{last.code().name}: {last.details()}" if last is not None else "deadline exceeded"
-        raise RoutingUnavailable(f"no routing replica answered ({detail})")
+        raise RoutingUnavailable(f"no routing replica answered within {budget:.2f} s ({detail})")
+
+    def _abandon(
+        self, calls: dict[asyncio.Task[Any], tuple[int, float]], deadline: float, hedge_after: float | None
+    ) -> None:
+        """Cancels the calls still in flight; a replica silent past its hedge delay or the
+        deadline is suspect (a later answer from a faster replica says nothing for it)."""
+        now = time.monotonic()
+        for task, (index, sent) in calls.items():
+            if task.done():
+                if not task.cancelled():
+                    task.exception()  # retrieved: a loser's error is not the caller's
+                continue
+            task.cancel()
+            if now >= deadline or (hedge_after is not None and now - sent >= hedge_after):
+                self._suspects.mark(index)
 
     async def route(
         self,
@@ -197,7 +284,9 @@ class RoutingClient:
             failed_node_ids=failed_node_ids,
         )
         response, replica = await self._call_on_replica(
-            lambda stub, left: stub.Route(request, timeout=left, metadata=self.metadata), timeout_s
+            lambda stub, left: stub.Route(request, timeout=left, metadata=self.metadata),
+            timeout_s,
+            hedge=True,
         )
         return RouteResult.from_pb(response, replica)
 

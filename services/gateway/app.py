@@ -228,6 +228,7 @@ class Gateway:
             credentials=s.routing_credentials(),
             timeout_s=s.routing_timeout_s,
             attempts=s.routing_attempts,
+            hedge_after_s=s.routing_hedge_after_s,
             tracer_provider=self.telemetry.tracer_provider,
         )
         # One pool for every engine; the default limit of 100 connections would queue turns.

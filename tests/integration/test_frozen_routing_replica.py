@@ -1,0 +1,207 @@
+"""A routing replica that takes calls and answers none, as a frozen process does (SIGSTOP, a
+stalled host: its kernel still accepts connections and queues requests).
+
+It costs a turn one hedge delay (another replica answers) or the Route budget (the gateway
+falls back), once: later calls skip it without asking it, until it answers a health check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import aiohttp
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+from pydantic import SecretStr
+
+from kvplane.client import RoutingClient, RoutingUnavailable
+from kvplane.client.routing_client import ROUTING_SERVICE
+from kvplane.services.common.local_etcd import LocalEtcd, free_port
+from kvplane.services.common.settings import GatewayKey, GatewaySection
+from kvplane.services.common.telemetry import Telemetry
+from kvplane.services.gateway.app import Gateway
+from kvplane.v1 import routing_pb2
+from tests.conftest import tenant_headers
+from tests.integration.test_gateway_front import KEY, ScriptedEngine
+from tests.support.polling import eventually
+from tests.support.routing_cluster import MODEL, RoutingCluster, prefill_and_decode
+
+
+class FrozenRouting:
+    """Accepts Route and health calls and answers none of them until thawed."""
+
+    def __init__(self) -> None:
+        self.routes = 0
+        self.health_checks = 0
+        self._thawed = asyncio.Event()
+        self._server = grpc.aio.server()
+        self.target = ""
+
+    async def start(self) -> None:
+        self._server.add_generic_rpc_handlers(
+            (
+                grpc.method_handlers_generic_handler(
+                    ROUTING_SERVICE,
+                    {
+                        "Route": grpc.unary_unary_rpc_method_handler(
+                            self._route,
+                            request_deserializer=routing_pb2.RouteRequest.FromString,
+                            response_serializer=routing_pb2.RouteResponse.SerializeToString,
+                        )
+                    },
+                ),
+                grpc.method_handlers_generic_handler(
+                    "grpc.health.v1.Health",
+                    {
+                        "Check": grpc.unary_unary_rpc_method_handler(
+                            self._check,
+                            request_deserializer=health_pb2.HealthCheckRequest.FromString,
+                            response_serializer=health_pb2.HealthCheckResponse.SerializeToString,
+                        )
+                    },
+                ),
+            )
+        )
+        port = free_port()
+        self._server.add_insecure_port(f"127.0.0.1:{port}")
+        await self._server.start()
+        self.target = f"127.0.0.1:{port}"
+
+    def thaw(self) -> None:
+        self._thawed.set()
+
+    async def stop(self) -> None:
+        self._thawed.set()
+        await self._server.stop(0)
+
+    async def _route(
+        self, request: routing_pb2.RouteRequest, context: grpc.aio.ServicerContext
+    ) -> routing_pb2.RouteResponse:
+        self.routes += 1
+        await self._thawed.wait()
+        # Running again, but with no view of the cluster yet: the caller moves on.
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "starting")
+        raise AssertionError("abort returns no answer")
+
+    async def _check(
+        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> health_pb2.HealthCheckResponse:
+        self.health_checks += 1
+        await self._thawed.wait()
+        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+
+@pytest.fixture
+async def frozen() -> AsyncIterator[FrozenRouting]:
+    replica = FrozenRouting()
+    await replica.start()
+    try:
+        yield replica
+    finally:
+        await replica.stop()
+
+
+@pytest.fixture
+async def cluster(etcd: LocalEtcd, prefix: str) -> AsyncIterator[RoutingCluster]:
+    async with prefill_and_decode(etcd, prefix) as c:
+        yield c
+
+
+async def test_route_goes_to_the_next_replica_when_the_first_never_answers(
+    cluster: RoutingCluster, frozen: FrozenRouting
+) -> None:
+    # A budget far longer than the wait allowed below: only the hedge can answer in time.
+    async with RoutingClient(
+        [frozen.target, cluster.target(0)],
+        metadata=tenant_headers("acme"),
+        timeout_s=60.0,
+        hedge_after_s=0.1,
+    ) as client:
+        first = await asyncio.wait_for(client.route("c", MODEL, prompt_tokens=10, request_id="r1"), 20)
+        assert first.replica == 1 and first.decision == "recompute_no_handle"
+        assert frozen.routes == 1
+        assert client.suspect_replicas == {frozen.target}
+        # Later Routes skip the frozen replica without asking it (nor waiting a hedge delay on it).
+        for i in range(4):
+            later = await client.route("c", MODEL, prompt_tokens=10, request_id=f"r{i + 2}")
+            assert later.replica == 1
+        assert frozen.routes == 1
+        assert frozen.health_checks >= 1
+
+
+async def test_a_suspect_replica_is_asked_again_once_it_answers_a_health_check(
+    cluster: RoutingCluster, frozen: FrozenRouting
+) -> None:
+    async with RoutingClient(
+        [frozen.target, cluster.target(0)],
+        metadata=tenant_headers("acme"),
+        timeout_s=60.0,
+        hedge_after_s=0.1,
+        probe_interval_s=0.05,
+    ) as client:
+        await asyncio.wait_for(client.route("c", MODEL, prompt_tokens=10), 20)
+        assert client.suspect_replicas == {frozen.target}
+        frozen.thaw()
+
+        async def cleared() -> bool:
+            return not client.suspect_replicas
+
+        await eventually(cleared, what="the thawed replica no longer suspect")
+        # Round-robin reaches it again; its refusal moves the call on to the other replica.
+        for _ in range(4):
+            assert (await client.route("c", MODEL, prompt_tokens=10)).replica == 1
+        assert frozen.routes > 1
+
+
+async def test_with_every_replica_suspect_a_route_fails_at_once(frozen: FrozenRouting) -> None:
+    async with RoutingClient([frozen.target], timeout_s=0.3, hedge_after_s=0.1) as client:
+        with pytest.raises(RoutingUnavailable, match=r"within 0\.30 s"):
+            await client.route("c", MODEL, prompt_tokens=10)
+        with pytest.raises(RoutingUnavailable, match="health check"):
+            await client.route("c", MODEL, prompt_tokens=10)
+        assert frozen.routes == 1
+
+
+async def test_gateway_falls_back_within_its_route_budget_and_then_skips_the_frozen_replica(
+    frozen: FrozenRouting,
+) -> None:
+    prefill, decode = ScriptedEngine("prefill"), ScriptedEngine("decode")
+    await prefill.start()
+    await decode.start()
+    budget_s = 0.3
+    gateway = Gateway(
+        GatewaySection(
+            listen=f"127.0.0.1:{free_port()}",
+            routing=[frozen.target],
+            routing_timeout_s=budget_s,
+            api_keys=[GatewayKey(token=SecretStr(KEY), tenant="acme")],
+            fallback_prefill_url=prefill.url,
+            fallback_decode_url=decode.url,
+            prefill_timeout_s=5.0,
+        ),
+        Telemetry.disabled("kvplane-gateway"),
+    )
+    await gateway.start()
+    body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 5}
+    headers = {"Authorization": f"Bearer {KEY}", "X-Conversation-Id": "frozen"}
+    try:
+        async with aiohttp.ClientSession() as session:
+            for turn in range(3):
+                started = time.monotonic()
+                async with session.post(gateway.url + "/v1/completions", json=body, headers=headers) as resp:
+                    await resp.read()
+                    assert resp.status == 200
+                    assert resp.headers["x-kvplane-decision"] == "fallback"
+                if turn == 0:
+                    # The budget, not an engine or connection timeout, ended the wait on routing
+                    # (a generous margin for a loaded machine: the next bound is seconds away).
+                    assert time.monotonic() - started < budget_s + 1.5
+            # Only the first turn asked the frozen replica; the others fell back at once.
+            assert frozen.routes == 1
+    finally:
+        await gateway.stop()
+        await prefill.stop()
+        await decode.stop()
