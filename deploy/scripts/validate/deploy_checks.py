@@ -174,6 +174,43 @@ def parse_serve(argv: list[str]) -> tuple[argparse.Namespace, dict[str, Any]]:
     return args, cli._overrides(args)
 
 
+def check_health_probe(
+    name: str, command: list[str], c: dict[str, Any], ports: Mapping[str | int, int], report: Report
+) -> None:
+    """An exec probe running `kvplane health` (gRPC over TLS): its flags parse, it dials a port of
+    its container on loopback, and the certificate files it names are mounted."""
+    from kvplane.services.health_probe import build_parser
+
+    if not report.check(command[:2] == ["kvplane", "health"], f"{name}: runs `kvplane health`", str(command)):
+        return
+    parser = build_parser()
+    parser.exit_on_error = False
+    try:
+        args = parser.parse_args(command[2:])
+    except (SystemExit, argparse.ArgumentError) as exc:
+        report.check(False, f"{name}: `kvplane health` flags parse", repr(exc))
+        return
+    host, _, port = args.target.rpartition(":")
+    report.check(
+        host in ("localhost", "127.0.0.1", "[::1]") and port.isdigit() and int(port) in ports.values(),
+        f"{name}: probes a port of its container on loopback ({args.target})",
+    )
+    env = {e["name"]: e.get("value") for e in c.get("env", [])}
+    mounts = {m["mountPath"] for m in c.get("volumeMounts", [])}
+    files = [args.tls_ca_file, args.tls_cert_file, args.tls_key_file]
+    report.check(
+        bool(args.tls_ca_file) and all(os.path.dirname(f) in mounts for f in files if f),
+        f"{name}: the CA and certificate it presents are mounted",
+    )
+    # The probe's certificate is the server's own: the one the server is configured with.
+    if args.tls_cert_file:
+        report.check(
+            env.get("KVPLANE_GRPC__TLS__CERT_FILE") == args.tls_cert_file
+            and env.get("KVPLANE_GRPC__TLS__CLIENT_CA_FILE") == args.tls_ca_file,
+            f"{name}: presents the server's certificate, checked by the server's client CA",
+        )
+
+
 def parse_sim_engine(argv: list[str]) -> Any:
     from kvplane.bench.simengine.settings import build_arg_parser, settings_from_args
 
@@ -536,7 +573,7 @@ def kubernetes_validate(doc: dict[str, Any], version: str) -> str:
     return ""
 
 
-BUILTIN_GROUPS = ("v1", "apps/v1", "policy/v1", "networking.k8s.io/v1")
+BUILTIN_GROUPS = ("v1", "apps/v1", "batch/v1", "policy/v1", "networking.k8s.io/v1")
 
 
 def check_kubernetes_docs(label: str, docs: list[dict[str, Any]], report: Report) -> list[dict[str, Any]]:
@@ -578,6 +615,9 @@ def check_chart_semantics(
             for probe_kind in ("startupProbe", "readinessProbe", "livenessProbe"):
                 probe = c.get(probe_kind)
                 if not probe:
+                    continue
+                if "exec" in probe:
+                    check_health_probe(f"{name}: {probe_kind}", probe["exec"]["command"], c, ports, report)
                     continue
                 port = (probe.get("grpc") or probe.get("httpGet") or probe.get("tcpSocket") or {}).get("port")
                 report.check(port in ports, f"{name}: {probe_kind} port {port} is a container port")
@@ -846,6 +886,19 @@ def check_helm(out: Path, report: Report) -> None:
         ("the retired open header mode", {"auth": {"mode": "header"}}),
         ("unknown auth mode", {"auth": {"mode": "none"}}),
         ("a misspelt value", {"services": {"routing": {"replica": 2}}}),
+        ("auth.mode mtls without gRPC TLS", {"auth": {"mode": "mtls"}}),
+        (
+            "auth.mode mtls without client certificates",
+            {
+                "auth": {"mode": "mtls"},
+                "grpc": {"tls": {"enabled": True, "serverSecret": "s", "mutual": False}},
+            },
+        ),
+        ("gRPC TLS without the services' Secret", {"grpc": {"tls": {"enabled": True}}}),
+        (
+            "gRPC TLS without the gateway's Secret",
+            {"grpc": {"tls": {"enabled": True, "serverSecret": "s"}}},
+        ),
     ]
     for label, bad_values in refusals:
         try:

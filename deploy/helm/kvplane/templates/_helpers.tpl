@@ -67,7 +67,7 @@ tolerations:
 sidecar.istio.io/inject: {{ ternary "true" "false" .Values.mesh.enabled | quote }}
 {{- end -}}
 
-{{/* Environment every kvplane process gets: settings file, addresses, secrets. */}}
+{{/* Environment every kvplane process gets: settings file, addresses, etcd's credentials. */}}
 {{- define "kvplane.env" -}}
 - name: KVPLANE_CONFIG
   value: /etc/kvplane/kvplane.yaml
@@ -81,8 +81,6 @@ sidecar.istio.io/inject: {{ ternary "true" "false" .Values.mesh.enabled | quote 
   value: {{ .Values.metrics.port | quote }}
 - name: KVPLANE_TELEMETRY__OTLP_ENDPOINT
   value: {{ .Values.telemetry.otlpEndpoint | quote }}
-- name: KVPLANE_AUTH__MODE
-  value: {{ .Values.auth.mode | quote }}
 {{- if .Values.etcd.tls.enabled }}
 {{- if not .Values.etcd.tls.clientSecret }}
 {{- fail "etcd.tls.enabled: set etcd.tls.clientSecret (the services' CA for etcd, and client certificate)" }}
@@ -93,13 +91,6 @@ sidecar.istio.io/inject: {{ ternary "true" "false" .Values.mesh.enabled | quote 
   value: /etc/kvplane-etcd-tls/tls.crt
 - name: KVPLANE_ETCD__TLS_KEY_FILE
   value: /etc/kvplane-etcd-tls/tls.key
-{{- end }}
-{{- if eq .Values.auth.mode "token" }}
-- name: KVPLANE_AUTH__TOKENS
-  valueFrom:
-    secretKeyRef:
-      name: {{ include "kvplane.authSecretName" . }}
-      key: {{ .Values.auth.tokensSecret.key }}
 {{- end }}
 {{- end -}}
 
@@ -155,4 +146,117 @@ sidecar.istio.io/inject: {{ ternary "true" "false" .Values.mesh.enabled | quote 
 {{/* The ServiceAccount engine pods run as (sim-engines here; vLLM pods deployed elsewhere). */}}
 {{- define "kvplane.engineServiceAccount" -}}
 {{- .Values.engines.serviceAccount.name | default (printf "%s-engine" (include "kvplane.fullname" .)) -}}
+{{- end -}}
+
+{{/*
+gRPC TLS (grpc.tls). Every process finds its certificate in /etc/kvplane-tls, from a Secret in
+the kubernetes.io/tls layout plus ca.crt: the services their server certificate (its ca.crt
+verifies clients' certificates), each client its own (its ca.crt verifies the servers'). Secret
+volumes follow the Secret, and servers and clients re-read changed files: a renewed certificate
+is used without a restart.
+*/}}
+{{- define "kvplane.tlsDir" -}}/etc/kvplane-tls{{- end -}}
+
+{{/* The Secret of a client's certificate: (dict "root" $ "client" "gateway"). */}}
+{{- define "kvplane.clientTlsSecret" -}}
+{{- $secret := index .root.Values.grpc.tls.clientSecrets .client -}}
+{{- if not $secret -}}
+{{- fail (printf "grpc.tls.enabled: set grpc.tls.clientSecrets.%s (its client certificate and the servers' CA)" .client) -}}
+{{- end -}}
+{{- $secret -}}
+{{- end -}}
+
+{{/* A gRPC server's authentication and TLS (metadata, routing, eviction); only the servers hold the token list. */}}
+{{- define "kvplane.serverEnv" -}}
+{{- $tls := .Values.grpc.tls -}}
+{{- if and (eq .Values.auth.mode "mtls") (not (and $tls.enabled $tls.mutual)) }}
+{{- fail "auth.mode mtls: the client certificate names the principal; set grpc.tls.enabled and grpc.tls.mutual" }}
+{{- end }}
+- name: KVPLANE_AUTH__MODE
+  value: {{ .Values.auth.mode | quote }}
+{{- if eq .Values.auth.mode "token" }}
+- name: KVPLANE_AUTH__TOKENS
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "kvplane.authSecretName" . }}
+      key: {{ .Values.auth.tokensSecret.key }}
+{{- end }}
+{{- if $tls.enabled }}
+{{- if not $tls.serverSecret }}
+{{- fail "grpc.tls.enabled: set grpc.tls.serverSecret (the services' certificate, and ca.crt for client certificates)" }}
+{{- end }}
+- name: KVPLANE_GRPC__TLS__CERT_FILE
+  value: {{ include "kvplane.tlsDir" . }}/tls.crt
+- name: KVPLANE_GRPC__TLS__KEY_FILE
+  value: {{ include "kvplane.tlsDir" . }}/tls.key
+{{- if $tls.mutual }}
+- name: KVPLANE_GRPC__TLS__CLIENT_CA_FILE
+  value: {{ include "kvplane.tlsDir" . }}/ca.crt
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* A client's TLS settings, named PREFIX + CA_FILE, CERT_FILE, ...: (dict "root" $ "prefix" "KVPLANE_TLS_"). */}}
+{{- define "kvplane.clientTlsEnv" -}}
+{{- $tls := .root.Values.grpc.tls -}}
+{{- if $tls.enabled }}
+- name: {{ .prefix }}CA_FILE
+  value: {{ include "kvplane.tlsDir" . }}/ca.crt
+{{- if $tls.mutual }}
+- name: {{ .prefix }}CERT_FILE
+  value: {{ include "kvplane.tlsDir" . }}/tls.crt
+- name: {{ .prefix }}KEY_FILE
+  value: {{ include "kvplane.tlsDir" . }}/tls.key
+{{- end }}
+{{- with $tls.serverName }}
+- name: {{ $.prefix }}SERVER_NAME
+  value: {{ . | quote }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* The certificate volume: (dict "root" $ "secret" NAME); nothing without TLS. */}}
+{{- define "kvplane.tlsVolume" -}}
+{{- if .root.Values.grpc.tls.enabled }}
+- name: grpc-tls
+  secret:
+    secretName: {{ .secret }}
+{{- end }}
+{{- end -}}
+
+{{- define "kvplane.tlsMount" -}}
+{{- if .Values.grpc.tls.enabled }}
+- name: grpc-tls
+  mountPath: {{ include "kvplane.tlsDir" . }}
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{/*
+A gRPC server's probe: Kubernetes' own gRPC probe without TLS; with TLS, which that probe cannot
+speak, `kvplane health` run in the container, presenting the server's own certificate when
+clients must present one (issue it for client auth too). (dict "root" $ "component" "routing")
+*/}}
+{{- define "kvplane.grpcProbe" -}}
+{{- $tls := .root.Values.grpc.tls -}}
+{{- $dir := include "kvplane.tlsDir" . -}}
+{{- if $tls.enabled }}
+exec:
+  command:
+    - kvplane
+    - health
+    - {{ printf "localhost:%d" (int .root.Values.grpc.port) | quote }}
+    - --tls-ca-file={{ $dir }}/ca.crt
+    - --tls-server-name={{ $tls.serverName | default (printf "%s-%s" (include "kvplane.fullname" .root) .component) }}
+    {{- if $tls.mutual }}
+    - --tls-cert-file={{ $dir }}/tls.crt
+    - --tls-key-file={{ $dir }}/tls.key
+    {{- end }}
+    - --timeout-s=4
+# A Python process per check: give it time to start.
+timeoutSeconds: 8
+{{- else }}
+grpc: {port: {{ .root.Values.grpc.port }}}
+timeoutSeconds: 3
+{{- end }}
 {{- end -}}

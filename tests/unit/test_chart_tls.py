@@ -1,0 +1,160 @@
+"""The Helm chart's gRPC TLS: certificates from Secrets for every process, mTLS principals, probes
+that speak TLS, and only the services holding the token list."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART_CI = ROOT / "deploy" / "helm" / "kvplane" / "ci"
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("helm_python") is None,
+    reason="deploy validators not installed: pip install -e '.[dev]'",
+)
+
+SERVICES = ("metadata", "routing", "eviction")
+
+
+@pytest.fixture(scope="module")
+def checks() -> ModuleType:
+    path = ROOT / "deploy" / "scripts" / "validate" / "deploy_checks.py"
+    spec = importlib.util.spec_from_file_location("deploy_checks", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _render(checks: ModuleType, values_file: str) -> dict[str, dict[str, Any]]:
+    values = yaml.safe_load((CHART_CI / values_file).read_text())
+    docs = checks.render_chart(values, "kvp", "kvplane")
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
+
+
+def _pod(deployment: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    pod = deployment["spec"]["template"]["spec"]
+    return pod, pod["containers"][0]
+
+
+def _env(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
+
+
+def _tls_secret(pod: dict[str, Any]) -> str | None:
+    for volume in pod["volumes"]:
+        if volume["name"] == "grpc-tls":
+            return str(volume["secret"]["secretName"])
+    return None
+
+
+def test_mtls_values_give_every_process_its_certificate_from_its_own_secret(checks: ModuleType) -> None:
+    deployments = _render(checks, "mtls-values.yaml")
+    for service in SERVICES:
+        pod, c = _pod(deployments[f"kvp-kvplane-{service}"])
+        env = _env(c)
+        assert env["KVPLANE_AUTH__MODE"] == "mtls"
+        assert env["KVPLANE_GRPC__TLS__CERT_FILE"] == "/etc/kvplane-tls/tls.crt"
+        assert env["KVPLANE_GRPC__TLS__KEY_FILE"] == "/etc/kvplane-tls/tls.key"
+        assert env["KVPLANE_GRPC__TLS__CLIENT_CA_FILE"] == "/etc/kvplane-tls/ca.crt"
+        assert _tls_secret(pod) == "kvplane-grpc-server-tls"
+        # Certificates name the principals: no token list anywhere.
+        assert "KVPLANE_AUTH__TOKENS" not in env
+    clients = {
+        "kvp-kvplane-gateway": ("KVPLANE_GATEWAY__ROUTING_TLS_", "kvplane-gateway-tls"),
+        "kvp-kvplane-sim-prefill": ("KVPLANE_SIM_TLS_", "kvplane-sim-prefill-tls"),
+        "kvp-kvplane-sim-decode": ("KVPLANE_SIM_TLS_", "kvplane-sim-decode-tls"),
+        "kvp-kvplane-vllm-prefill": ("KVPLANE_TLS_", "kvplane-vllm-prefill-tls"),
+        "kvp-kvplane-vllm-decode": ("KVPLANE_TLS_", "kvplane-vllm-decode-tls"),
+    }
+    for name, (prefix, secret) in clients.items():
+        pod, c = _pod(deployments[name])
+        env = _env(c)
+        assert env[prefix + "CA_FILE"] == "/etc/kvplane-tls/ca.crt", name
+        assert env[prefix + "CERT_FILE"] == "/etc/kvplane-tls/tls.crt", name
+        assert env[prefix + "KEY_FILE"] == "/etc/kvplane-tls/tls.key", name
+        assert _tls_secret(pod) == secret, name
+        assert {"name": "grpc-tls", "mountPath": "/etc/kvplane-tls", "readOnly": True} in c["volumeMounts"]
+        assert not any("TOKEN" in var for var in env), (name, sorted(env))
+
+
+def test_tls_probes_run_kvplane_health_with_the_servers_certificate(checks: ModuleType) -> None:
+    deployments = _render(checks, "mtls-values.yaml")
+    for service in SERVICES:
+        _, c = _pod(deployments[f"kvp-kvplane-{service}"])
+        for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+            probe = c[kind]
+            assert "grpc" not in probe  # Kubernetes' gRPC probe cannot speak TLS
+            assert probe["exec"]["command"] == [
+                "kvplane",
+                "health",
+                "localhost:50051",
+                "--tls-ca-file=/etc/kvplane-tls/ca.crt",
+                f"--tls-server-name=kvp-kvplane-{service}",
+                "--tls-cert-file=/etc/kvplane-tls/tls.crt",
+                "--tls-key-file=/etc/kvplane-tls/tls.key",
+                "--timeout-s=4",
+            ]
+            assert probe["timeoutSeconds"] > 4
+
+
+def test_tls_without_client_certificates_keeps_tokens_and_checks_one_server_name(checks: ModuleType) -> None:
+    deployments = _render(checks, "tls-token-values.yaml")
+    _, c = _pod(deployments["kvp-kvplane-routing"])
+    env = _env(c)
+    assert env["KVPLANE_AUTH__MODE"] == "token"
+    assert "KVPLANE_GRPC__TLS__CLIENT_CA_FILE" not in env
+    assert "--tls-cert-file=/etc/kvplane-tls/tls.crt" not in c["livenessProbe"]["exec"]["command"]
+    assert "--tls-server-name=kvplane.example.internal" in c["livenessProbe"]["exec"]["command"]
+    _, gateway = _pod(deployments["kvp-kvplane-gateway"])
+    env = _env(gateway)
+    assert env["KVPLANE_GATEWAY__ROUTING_TLS_SERVER_NAME"] == "kvplane.example.internal"
+    assert "KVPLANE_GATEWAY__ROUTING_TLS_CERT_FILE" not in env
+    assert env["KVPLANE_GATEWAY__ROUTING_TOKEN"]["secretKeyRef"]["key"] == "gateway"
+
+
+def test_without_tls_probes_stay_grpc_and_no_certificate_is_mounted(checks: ModuleType) -> None:
+    docs = checks.render_chart({"engines": {"sim": {"enabled": True}}}, "kvp", "kvplane")
+    for d in docs:
+        if d["kind"] != "Deployment":
+            continue
+        pod, c = _pod(d)
+        assert _tls_secret(pod) is None
+        assert not any("TLS" in var and "ETCD" not in var for var in _env(c))
+        if d["metadata"]["name"].removeprefix("kvp-kvplane-") in SERVICES:
+            assert c["livenessProbe"]["grpc"] == {"port": 50051}
+
+
+def test_only_the_services_hold_the_control_planes_token_list(checks: ModuleType) -> None:
+    docs = checks.render_chart({"engines": {"sim": {"enabled": True}}}, "kvp", "kvplane")
+    holders = {
+        d["metadata"]["name"]
+        for d in docs
+        if d["kind"] == "Deployment" and "KVPLANE_AUTH__TOKENS" in _env(_pod(d)[1])
+    }
+    assert holders == {f"kvp-kvplane-{s}" for s in SERVICES}
+
+
+def test_the_chart_refuses_mtls_without_client_certificates_and_tls_without_secrets(
+    checks: ModuleType,
+) -> None:
+    import helm_python
+
+    with pytest.raises(helm_python.HelmError, match=r"grpc\.tls\.enabled and grpc\.tls\.mutual"):
+        checks.render_chart({"auth": {"mode": "mtls"}}, "kvp", "kvplane")
+    with pytest.raises(helm_python.HelmError, match="serverSecret"):
+        checks.render_chart({"grpc": {"tls": {"enabled": True}}}, "kvp", "kvplane")
+    with pytest.raises(helm_python.HelmError, match=r"clientSecrets\.gateway"):
+        checks.render_chart({"grpc": {"tls": {"enabled": True, "serverSecret": "s"}}}, "kvp", "kvplane")
+    sim_without = {
+        "grpc": {"tls": {"enabled": True, "serverSecret": "s", "clientSecrets": {"gateway": "g"}}},
+        "engines": {"sim": {"enabled": True}},
+    }
+    with pytest.raises(helm_python.HelmError, match=r"clientSecrets\.sim-prefill"):
+        checks.render_chart(sim_without, "kvp", "kvplane")
