@@ -25,13 +25,18 @@ from __future__ import annotations
 import dataclasses
 import enum
 import hmac
-from collections.abc import Iterable, Mapping, Sequence
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 from urllib.parse import unquote
 
 from kvplane.services.common import validation
 from kvplane.services.common.errors import InvalidArgument, PermissionDenied, Unauthenticated
+
+log = logging.getLogger(__name__)
 
 MESH_SECRET_HEADER = "x-kvplane-mesh-secret"
 ROLE_HEADER = "x-kvplane-role"
@@ -136,6 +141,66 @@ class TenantsSeeEngines:
         if principal.kind is PrincipalKind.TENANT:
             return dataclasses.replace(principal, sees_engines=True)
         return principal
+
+
+def _file_stamp(path: str) -> tuple[int, int, int]:
+    """What changes when a file is rewritten or swapped (a Kubernetes Secret volume swaps a link)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return (-1, -1, -1)
+    return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+
+class ReloadingAuthenticator:
+    """An authenticator built from files (tokens, mesh secrets), rebuilt when one of them changes.
+
+    The files are checked at most every `check_interval_s`, on the calling thread (a few `stat`
+    calls). A rebuild that fails (a half-written file, an invalid entry) keeps the previous
+    credentials and says so at warning level: a bad rotation must not lock every caller out.
+    `build` returns the authenticator and the files it was built from (which may change with it).
+    """
+
+    def __init__(
+        self,
+        build: Callable[[], tuple[Authenticator, Sequence[str]]],
+        *,
+        check_interval_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._build = build
+        self._interval = check_interval_s
+        self._clock = clock
+        # At start-up a bad file fails loudly: nothing is served with credentials half-read.
+        self._current, files = build()
+        self._files = tuple(files)
+        self._stamps = tuple(_file_stamp(f) for f in self._files)
+        self._next_check = clock() + check_interval_s
+
+    def authenticate(self, call: CallCredentials) -> Principal:
+        now = self._clock()
+        if now >= self._next_check:
+            self._next_check = now + self._interval
+            self.reload_if_changed()
+        return self._current.authenticate(call)
+
+    def reload_if_changed(self) -> bool:
+        """Rebuilds when a file changed; whether the credentials now in use are new ones."""
+        stamps = tuple(_file_stamp(f) for f in self._files)
+        if stamps == self._stamps:
+            return False
+        self._stamps = stamps
+        try:
+            current, files = self._build()
+        except (ValueError, OSError) as exc:
+            log.warning("credential files changed but cannot be used; keeping the previous ones: %s", exc)
+            return False
+        self._current = current
+        if tuple(files) != self._files:
+            self._files = tuple(files)
+            self._stamps = tuple(_file_stamp(f) for f in self._files)
+        log.info("credentials reloaded", extra={"files": list(self._files)})
+        return True
 
 
 def bearer_token(metadata: Mapping[str, str]) -> str:

@@ -24,6 +24,7 @@ from kvplane.services.common.auth import (
     MeshAuthenticator,
     Principal,
     PrincipalKind,
+    ReloadingAuthenticator,
     TenantsSeeEngines,
     TokenAuthenticator,
 )
@@ -92,7 +93,8 @@ class TelemetrySection(Section):
 
 
 class TokenEntry(Section):
-    # The bearer token itself, or a file holding it (read at start-up; surrounding whitespace dropped).
+    # The bearer token itself, or a file holding it (read again when it changes; surrounding
+    # whitespace dropped).
     token: SecretStr = SecretStr("")
     token_file: str = ""
     kind: Literal["tenant", "node", "operator"] = "tenant"
@@ -127,6 +129,10 @@ class AuthSection(Section):
     # believed only from an authenticated mesh proxy (see `mesh`).
     mode: Literal["token", "mtls", "mesh"] | None = None
     tokens: list[TokenEntry] = Field(default_factory=list)
+    # More token entries, from a file holding a JSON or YAML list shaped like `tokens` (a
+    # Kubernetes Secret volume). It and every entry's token_file are read again when they change,
+    # so tokens are added, rotated and revoked without a restart.
+    tokens_file: str = ""
     mesh: MeshSection = Field(default_factory=MeshSection)
     # Whether tenants may call Route and CheckOutHandle themselves, which answer with engine
     # addresses. Off: tenants reach kvplane only through the gateway (an operator principal).
@@ -144,21 +150,40 @@ class AuthSection(Section):
         if self.mode == "mtls":
             return CertificateAuthenticator()
         if self.mode == "mesh":
-            secrets = [s.get_secret_value() for s in self.mesh.secrets]
-            secrets += [read_secret_file(f, "mesh secret") for f in self.mesh.secret_files]
-            if not secrets and not self.mesh.proxy_identities:
+            if not (self.mesh.secrets or self.mesh.secret_files or self.mesh.proxy_identities):
                 # Certificates naming kvplane://mesh/... still work; say what trusts the headers.
                 log.info("mesh mode: identity headers trusted only from kvplane://mesh/ client certificates")
-            return MeshAuthenticator(secrets, self.mesh.proxy_identities)
+            return ReloadingAuthenticator(self._mesh_authenticator)
+        return ReloadingAuthenticator(self._token_authenticator)
+
+    def _mesh_authenticator(self) -> tuple[Authenticator, list[str]]:
+        secrets = [s.get_secret_value() for s in self.mesh.secrets]
+        secrets += [read_secret_file(f, "mesh secret") for f in self.mesh.secret_files]
+        return MeshAuthenticator(secrets, self.mesh.proxy_identities), list(self.mesh.secret_files)
+
+    def _token_authenticator(self) -> tuple[Authenticator, list[str]]:
+        entries = [*self.tokens, *self._file_entries()]
         principals = {
             entry.secret(): Principal(
                 PrincipalKind(entry.kind),
                 entry.name,
                 (entry.tenant or entry.name) if entry.kind == "tenant" else "",
             )
-            for entry in self.tokens
+            for entry in entries
         }
-        return TokenAuthenticator(principals)
+        files = [self.tokens_file, *(e.token_file for e in entries)]
+        return TokenAuthenticator(principals), [f for f in files if f]
+
+    def _file_entries(self) -> list[TokenEntry]:
+        if not self.tokens_file:
+            return []
+        try:
+            listed = yaml.safe_load(read_secret_file(self.tokens_file, "auth.tokens_file"))
+        except yaml.YAMLError as exc:
+            raise ValueError(f"auth.tokens_file {self.tokens_file!r}: not JSON or YAML: {exc}") from None
+        if not isinstance(listed, list):
+            raise ValueError(f"auth.tokens_file {self.tokens_file!r}: expected a list of token entries")
+        return [TokenEntry.model_validate(item) for item in listed]
 
 
 class ServerTlsSection(Section):

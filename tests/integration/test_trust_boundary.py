@@ -8,8 +8,10 @@ without editing this file.
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -561,3 +563,44 @@ async def test_tenants_are_told_no_engine_address_unless_the_deployment_allows_i
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         await allowed.stop()
+
+
+async def test_a_rewritten_tokens_file_is_served_without_a_restart(
+    etcd: LocalEtcd, prefix: str, tmp_path: Path
+) -> None:
+    tokens = tmp_path / "tokens.json"
+
+    def write(entries: list[dict[str, str]]) -> None:
+        tokens.write_text(json.dumps(entries))
+        later = tokens.stat().st_mtime + 5  # whatever the file system's clock resolution
+        os.utime(tokens, (later, later))
+
+    write([{"token": "ops-token-before-rotation", "kind": "operator", "name": "ops"}])
+    process = await start_plane(plane_settings(etcd, prefix, {"mode": "token", "tokens_file": str(tokens)}))
+    try:
+        async with grpc.aio.insecure_channel(target(process)) as channel:
+            stub = metadata_pb2_grpc.MetadataServiceStub(channel)
+
+            async def list_nodes(token: str) -> grpc.StatusCode:
+                try:
+                    await stub.ListNodes(
+                        metadata_pb2.ListNodesRequest(),
+                        metadata=(("authorization", f"Bearer {token}"),),
+                        timeout=5,
+                    )
+                except grpc.aio.AioRpcError as exc:
+                    return exc.code()
+                return grpc.StatusCode.OK
+
+            assert await list_nodes("ops-token-before-rotation") == grpc.StatusCode.OK
+            assert await list_nodes("ops-token-after-rotation") == grpc.StatusCode.UNAUTHENTICATED
+            write([{"token": "ops-token-after-rotation", "kind": "operator", "name": "ops"}])
+
+            async def rotated() -> bool:
+                return await list_nodes("ops-token-after-rotation") == grpc.StatusCode.OK
+
+            await eventually(rotated, what="the rotated token accepted")
+            # The token taken out of the file is refused from then on.
+            assert await list_nodes("ops-token-before-rotation") == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        await process.stop()

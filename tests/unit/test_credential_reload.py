@@ -1,0 +1,114 @@
+"""Servers' credential files are read again when they change: tokens are added, rotated and revoked
+without a restart, and a bad rotation keeps the previous credentials."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import pytest
+
+from kvplane.services.common.auth import CallCredentials, PrincipalKind, ReloadingAuthenticator
+from kvplane.services.common.errors import Unauthenticated
+from kvplane.services.common.settings import AuthSection
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _call(token: str) -> CallCredentials:
+    return CallCredentials({"authorization": f"Bearer {token}"})
+
+
+def _write(path: Path, text: str) -> None:
+    # A later modification time whatever the file system's resolution, as a rotation would leave.
+    path.write_text(text)
+    stamp = path.stat().st_mtime + 5
+    os.utime(path, (stamp, stamp))
+
+
+def _authenticator(section: AuthSection, clock: Clock) -> ReloadingAuthenticator:
+    return ReloadingAuthenticator(section._token_authenticator, check_interval_s=1.0, clock=clock)
+
+
+def test_a_rewritten_tokens_file_adds_and_revokes_tokens_at_the_next_check(tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens.json"
+    _write(tokens, json.dumps([{"token": "old-token", "kind": "node", "name": "d0"}]))
+    clock = Clock()
+    auth = _authenticator(AuthSection(mode="token", tokens_file=str(tokens)), clock)
+    assert auth.authenticate(_call("old-token")).name == "d0"
+
+    _write(tokens, json.dumps([{"token": "new-token", "kind": "operator", "name": "ops"}]))
+    # Checked at most once a second: until then the old set serves.
+    assert auth.authenticate(_call("old-token")).name == "d0"
+    clock.now += 1.0
+    principal = auth.authenticate(_call("new-token"))
+    assert (principal.kind, principal.name) == (PrincipalKind.OPERATOR, "ops")
+    with pytest.raises(Unauthenticated):
+        auth.authenticate(_call("old-token"))
+
+
+def test_a_rotated_token_file_of_one_entry_is_read_again(tmp_path: Path) -> None:
+    secret = tmp_path / "gateway-token"
+    _write(secret, "first-secret\n")
+    clock = Clock()
+    section = AuthSection(
+        mode="token", tokens=[{"token_file": str(secret), "kind": "operator", "name": "gw"}]
+    )
+    auth = _authenticator(section, clock)
+    assert auth.authenticate(_call("first-secret")).name == "gw"
+    _write(secret, "second-secret\n")
+    clock.now += 1.0
+    assert auth.authenticate(_call("second-secret")).name == "gw"
+    with pytest.raises(Unauthenticated):
+        auth.authenticate(_call("first-secret"))
+
+
+def test_a_half_written_tokens_file_keeps_the_previous_tokens_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    tokens = tmp_path / "tokens.json"
+    _write(tokens, json.dumps([{"token": "kept-token", "kind": "tenant", "name": "acme"}]))
+    clock = Clock()
+    auth = _authenticator(AuthSection(mode="token", tokens_file=str(tokens)), clock)
+    _write(tokens, '[{"token": "half')
+    clock.now += 1.0
+    with caplog.at_level(logging.WARNING, logger="kvplane.services.common.auth"):
+        assert auth.authenticate(_call("kept-token")).tenant == "acme"
+    assert "keeping the previous ones" in caplog.text
+    assert "kept-token" not in caplog.text
+    # Once the file is whole again, it is used.
+    _write(tokens, json.dumps([{"token": "whole-token", "kind": "tenant", "name": "acme"}]))
+    clock.now += 1.0
+    assert auth.authenticate(_call("whole-token")).tenant == "acme"
+
+
+def test_an_unreadable_tokens_file_at_start_up_fails_loudly(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"auth\.tokens_file"):
+        AuthSection(mode="token", tokens_file=str(tmp_path / "missing.json")).authenticator()
+    not_a_list = tmp_path / "tokens.yaml"
+    _write(not_a_list, "token: x\n")
+    with pytest.raises(ValueError, match="list of token entries"):
+        AuthSection(mode="token", tokens_file=str(not_a_list)).authenticator()
+
+
+def test_a_rotated_mesh_secret_file_is_read_again(tmp_path: Path) -> None:
+    secret = tmp_path / "mesh-secret"
+    _write(secret, "mesh-one")
+    clock = Clock()
+    section = AuthSection(mode="mesh", mesh={"secret_files": [str(secret)]})
+    auth = ReloadingAuthenticator(section._mesh_authenticator, check_interval_s=1.0, clock=clock)
+    headers = {"x-kvplane-role": "operator"}
+    assert auth.authenticate(CallCredentials({**headers, "x-kvplane-mesh-secret": "mesh-one"})).name
+    _write(secret, "mesh-two")
+    clock.now += 1.0
+    assert auth.authenticate(CallCredentials({**headers, "x-kvplane-mesh-secret": "mesh-two"})).name
+    with pytest.raises(Unauthenticated):
+        auth.authenticate(CallCredentials({**headers, "x-kvplane-mesh-secret": "mesh-one"}))
