@@ -361,7 +361,7 @@ class PolicyRouter:
             nodes=self._inflight.current(
                 self._nodes(now, conversation, handle),
                 now_ms,
-                prefill_ms_per_token=self.costs.recompute_ms_per_token,
+                costs=self.costs,
             ),
             now_unix_ms=now_ms,
             handle=self._cache_handle(handle) if handle is not None else None,

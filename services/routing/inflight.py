@@ -9,9 +9,13 @@ after the work became visible on the node covers it, once the turn is
 reported finished, or after `max_age_ms` (a node that stopped reporting is
 judged by the `live` filter, not by guesses piled up here).
 
-A report is also old by the time it is read: given P's compute rate, the
+A report is also old by the time it is read: given the cost model, the
 ledger drains the reported queue and the work routed since as a FIFO prefill
-node would have, so the queue a turn sees is the one it would join now.
+node would have, so the queue a turn sees is the one it would join now. Each
+routed turn counts for its whole estimated prefill (`CostModel.prefill_ms`:
+its fixed cost, its computed tokens, the tokens it reuses), and each request
+in the report for its fixed cost too: a burst of small turns is mostly fixed
+costs, which a count of tokens alone would not show.
 
 Pure bookkeeping: no I/O, no clock reads; time is an argument. The routing
 service and the simulator's `PolicyRouter` both keep one, so the policy sees
@@ -44,6 +48,8 @@ class RoutedWork:
     visible_unix_ms: int
     routed_unix_ms: int
     prefill_tokens: int = 0
+    # The prefill's estimated time on the node (ms); 0 on a decode-only share.
+    prefill_ms: float = 0.0
     kv_blocks: int = 0
     queued_requests: int = 0
     running_requests: int = 0
@@ -87,30 +93,48 @@ class InFlightLedger:
                     del self._by_node[item.node_id]
 
     def current(
-        self, states: Iterable[NodeState], now_unix_ms: int, *, prefill_ms_per_token: float = 0.0
+        self,
+        states: Iterable[NodeState],
+        now_unix_ms: int,
+        *,
+        costs: CostModel | None = None,
+        prefill_ms_per_token: float = 0.0,
     ) -> tuple[NodeState, ...]:
         """`states` with the work each report does not cover yet added to it.
 
-        With `prefill_ms_per_token` (P's compute rate), a prefill node's queue is
-        the reported one and the routed work, drained since as a FIFO node
-        computes them. Covered and aged-out work is forgotten on the way. A node
-        that has not reported keeps no load: the policy treats an unknown load
-        as unknown.
+        With `costs`, a prefill node's queue (`NodeState.queued_prefill_ms`, and
+        its tokens) is the reported one and the routed work, drained since as a
+        FIFO node computes them; work recorded without a time is priced by
+        `costs`. `prefill_ms_per_token` alone prices by tokens only (no fixed
+        cost), for a caller that knows only a rate. Covered and aged-out work is
+        forgotten on the way. A node that has not reported keeps no load: the
+        policy treats an unknown load as unknown.
         """
+        if costs is None and prefill_ms_per_token > 0:
+            costs = CostModel(
+                prefill_fixed_ms=0.0, recompute_ms_per_token=prefill_ms_per_token, reused_ms_per_token=0.0
+            )
         out: list[NodeState] = []
         oldest = now_unix_ms - self.max_age_ms
         for state in states:
             pending = self._by_node.get(state.node.node_id)
             load = state.load
+            # Only a prefill node's queue is drained and priced.
+            prefill = costs if state.node.role.can_prefill() else None
             if load is None or (
-                not pending and (prefill_ms_per_token <= 0 or not load.queued_prefill_tokens)
+                not pending
+                and (
+                    prefill is None
+                    or not (load.queued_prefill_tokens or load.queued_requests or load.running_requests)
+                )
             ):
                 out.append(state)
                 continue
             reported = load.reported_unix_ms
             tokens = blocks = queued = running = 0
-            # When the node would be done with its reported queue, then with each routed turn.
-            finish = reported + load.queued_prefill_tokens * prefill_ms_per_token
+            # Each stretch of the FIFO: (start, end, tokens), the report's queue first.
+            finish = reported + (prefill.reported_queue_ms(load) if prefill is not None else 0.0)
+            stretches = [(float(reported), finish, load.queued_prefill_tokens)]
             done: list[str] = []
             for route_id, item in (pending or {}).items():
                 # Only a report taken after the work reached the node shows it: one taken in the
@@ -122,14 +146,22 @@ class InFlightLedger:
                 blocks += item.kv_blocks
                 queued += item.queued_requests
                 running += item.running_requests
-                if item.prefill_tokens:
-                    finish = max(finish, item.routed_unix_ms) + item.prefill_tokens * prefill_ms_per_token
+                if item.prefill_ms > 0 or item.prefill_tokens:
+                    start = max(finish, float(item.routed_unix_ms))
+                    spent = item.prefill_ms
+                    if not spent and prefill is not None:
+                        spent = prefill.prefill_ms(item.prefill_tokens)
+                    finish = start + spent
+                    stretches.append((start, finish, item.prefill_tokens))
             for route_id in done:
                 self._forget(route_id, state.node.node_id)
             queued_tokens = load.queued_prefill_tokens + tokens
-            if prefill_ms_per_token > 0:
-                queued_tokens = max(0, round((finish - now_unix_ms) / prefill_ms_per_token))
-            if queued_tokens != load.queued_prefill_tokens or blocks or queued or running:
+            queued_ms: float | None = None
+            if prefill is not None:
+                queued_ms = max(0.0, finish - now_unix_ms)
+                queued_tokens = round(sum(_left(now_unix_ms, *stretch) for stretch in stretches))
+            changed = queued_tokens != load.queued_prefill_tokens or blocks or queued or running
+            if changed or queued_ms is not None:
                 load = replace(
                     load,
                     queued_prefill_tokens=queued_tokens,
@@ -137,7 +169,7 @@ class InFlightLedger:
                     running_requests=load.running_requests + running,
                     free_kv_blocks=max(0, load.free_kv_blocks - blocks),
                 )
-                state = NodeState(state.node, load)
+                state = NodeState(state.node, load, queued_ms)
             out.append(state)
         return tuple(out)
 
@@ -157,6 +189,15 @@ class InFlightLedger:
                 del self._routes[route_id]
 
 
+def _left(now: float, start: float, end: float, tokens: int) -> float:
+    """The tokens of a FIFO stretch not yet computed at `now` (computed evenly from start to end)."""
+    if end <= now:
+        return 0.0
+    if start >= now or end <= start:
+        return float(tokens)
+    return tokens * (end - now) / (end - start)
+
+
 def turn_work(
     route_id: str,
     *,
@@ -167,8 +208,10 @@ def turn_work(
     decode_node_id: str,
     decode_kv_blocks: int,
     decode_visible_unix_ms: int,
+    prefill_ms: float = 0.0,
 ) -> tuple[RoutedWork, ...]:
-    """One turn's work: prompt tokens queued on P, then a running request and its KV on D.
+    """One turn's work: a prefill queued on P (`prefill_ms` of it, estimated), then a
+    running request and its KV on D.
 
     A node serving both legs gets one item holding both, visible from the
     earlier time.
@@ -179,6 +222,7 @@ def turn_work(
         prefill_visible_unix_ms,
         routed_unix_ms,
         prefill_tokens=max(0, prefill_tokens),
+        prefill_ms=max(0.0, prefill_ms),
         queued_requests=1,
     )
     decode = RoutedWork(
@@ -213,7 +257,9 @@ def routed_work(
     """The work a planned turn adds to its nodes (`snapshot.now_unix_ms` is when it was routed).
 
     P computes the prompt less what its cache holds and what the pull (if the
-    handle was checked out: `pulled`) brings. D holds the prompt's KV once it
+    handle was checked out: `pulled`) brings, and pays the prefill's fixed cost
+    and the reused tokens' share once (`CostModel.prefill_ms`); the transfer
+    is not P's compute, so it queues nothing behind it. D holds the prompt's KV once it
     admits the turn: at once, or (`decode_after_prefill`, as with vLLM, where
     D gets the turn from P) once P is expected to be done with it.
     """
@@ -222,12 +268,13 @@ def routed_work(
     verdict = plan.verdict
     covered = max(verdict.cached_tokens, verdict.reusable_tokens if pulled else 0)
     compute = max(1, prompt.tokens - covered)
+    prefill_ms = costs.prefill_ms(compute, covered)
     visible = now + send_delay_ms
     decode_visible = visible
     if decode_after_prefill:
-        load = next((s.load for s in snapshot.nodes if s.node.node_id == plan.prefill.node_id), None)
-        expected_ms = costs.queue_ms(load.queued_prefill_tokens if load else 0)
-        expected_ms += (verdict.transfer_ms if pulled else 0.0) + costs.recompute_ms(compute)
+        state = next((s for s in snapshot.nodes if s.node.node_id == plan.prefill.node_id), None)
+        expected_ms = costs.queue_ms(state) if state is not None else 0.0
+        expected_ms += (verdict.transfer_ms if pulled else 0.0) + prefill_ms
         decode_visible += int(expected_ms)
     return turn_work(
         route_id,
@@ -238,4 +285,5 @@ def routed_work(
         decode_node_id=plan.decode.node_id,
         decode_kv_blocks=-(-prompt.tokens // max(1, plan.decode.block_size)),
         decode_visible_unix_ms=decode_visible,
+        prefill_ms=prefill_ms,
     )

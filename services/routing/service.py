@@ -266,7 +266,7 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
             model=model,
             conversation=conversation,
             prompt=prompt,
-            nodes=self._inflight.current(states, now, prefill_ms_per_token=self.costs.recompute_ms_per_token),
+            nodes=self._inflight.current(states, now, costs=self.costs),
             now_unix_ms=now,
             handle=record.handle if record is not None else None,
             last_prefill_node_id=self._last_prefill.get(key) or "",
@@ -283,7 +283,7 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
             if len(states) == len(all_states):
                 raise NoRoute(str(exc)) from None
             # Only failed or suspect nodes could serve the turn: trying one beats failing it.
-            snapshot = replace(snapshot, nodes=self._inflight.current(all_states, now))
+            snapshot = replace(snapshot, nodes=self._inflight.current(all_states, now, costs=self.costs))
             try:
                 plan = self.policy.route(snapshot, self.costs)
             except NoEligibleNodes as again:

@@ -43,7 +43,7 @@ async def test_routed_turns_pull_from_the_sim_decode_engine(
     # P's prefix cache holds each turn's prompt, so only D's 100-token answer is missing there:
     # a recompute this costly per token makes that tail worth pulling, which is the path checked here.
     policy = tmp_path / "policy.yaml"
-    policy.write_text(DEFAULT_POLICY.replace("recompute_ms_per_token: 0.032", "recompute_ms_per_token: 5.0"))
+    policy.write_text(DEFAULT_POLICY.replace("recompute_ms_per_token: 0.0282", "recompute_ms_per_token: 5.0"))
     services = ServiceProcess(
         settings_for(etcd, prefix, routing={"policy_file": str(policy)}),
         installers(["metadata", "routing", "eviction"]),

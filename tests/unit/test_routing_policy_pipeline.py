@@ -6,13 +6,11 @@ import pytest
 
 from kvplane.services.common.nodes import Fingerprint, NodeRole
 from kvplane.services.routing.policy import (
-    CostModel,
     Decision,
     NoEligibleNodes,
     PolicyConfigError,
     Prompt,
     RoutingPolicy,
-    TurnObservation,
     load_policy,
     policy_from_mapping,
     policy_from_yaml,
@@ -186,65 +184,3 @@ cost_model: {recompute_ms_per_token: 0.05}
 def test_bad_config_is_rejected_with_a_message(raw: dict[str, object], message: str) -> None:
     with pytest.raises(PolicyConfigError, match=message):
         policy_from_mapping(raw)
-
-
-def test_cost_model_learns_from_reports_within_bounds() -> None:
-    model = CostModel()
-    slow = model.observe(TurnObservation(prompt_tokens=10_000, prefill_ms=640.0))
-    assert model.recompute_ms_per_token < slow.recompute_ms_per_token < 0.064
-    assert slow.recompute_samples == 1
-    # One absurd report moves the estimate by at most alpha * factor.
-    wild = model.observe(TurnObservation(prompt_tokens=10_000, prefill_ms=1e9))
-    assert wild.recompute_ms_per_token <= model.recompute_ms_per_token * (
-        1 + model.alpha * model.max_sample_factor
-    )
-    assert model.observe(TurnObservation(prompt_tokens=10_000, prefill_ms=640.0, success=False)) is model
-    assert model.observe(TurnObservation(prompt_tokens=100, prefill_ms=640.0)) == model  # too few tokens
-    fast_link = model.observe(
-        TurnObservation(prompt_tokens=5000, pulled_tokens=4096, transfer_ms=20.0, kv_bytes_per_token=262144)
-    )
-    assert fast_link.transfer_bytes_per_ms > model.transfer_bytes_per_ms and fast_link.transfer_samples == 1
-
-
-def test_cost_model_learns_the_handshake_from_first_pulls_only() -> None:
-    model = CostModel()
-    warm = model.transfer_ms(4096, 262144)
-    first = model.observe(
-        TurnObservation(
-            prompt_tokens=5000,
-            pulled_tokens=4096,
-            transfer_ms=warm + 60.0,
-            kv_bytes_per_token=262144,
-            first_contact=True,
-        )
-    )
-    assert first.handshake_ms == pytest.approx(model.handshake_ms + model.alpha * (60.0 - model.handshake_ms))
-    assert first.handshake_samples == 1
-    assert (
-        first.transfer_bytes_per_ms == model.transfer_bytes_per_ms
-    )  # a first pull says nothing of bandwidth
-    later = first.observe(
-        TurnObservation(prompt_tokens=5000, pulled_tokens=4096, transfer_ms=warm, kv_bytes_per_token=262144)
-    )
-    assert later.handshake_ms == first.handshake_ms and later.transfer_samples == 1
-
-
-def test_default_cost_model_reproduces_the_published_figures() -> None:
-    model = CostModel()
-    assert model.recompute_ms(24_000) == pytest.approx(778, rel=0.02)
-    assert 25 <= model.transfer_ms(4_000) <= 40
-    assert 120 <= model.transfer_ms(24_000) <= 140
-    # The estimate leaves at least the published saving (778 -> 460 ms).
-    assert model.recompute_ms(24_000) - model.transfer_ms(24_000) >= 778 - 460
-
-
-def test_cost_model_learns_per_token_compute_from_the_tokens_p_computed_not_those_it_had_cached() -> None:
-    # P computed 1,000 of 5,000 tokens in 64 ms: 0.064 ms a token, not 0.0128.
-    obs = TurnObservation(prompt_tokens=5000, cached_tokens=4000, prefill_ms=64.0)
-    learned = CostModel(alpha=1.0).observe(obs)
-    assert learned.recompute_ms_per_token == pytest.approx(0.064)
-    # A turn that computed almost nothing says nothing about the rate.
-    assert (
-        CostModel().observe(TurnObservation(prompt_tokens=5000, cached_tokens=4900, prefill_ms=5.0))
-        == CostModel()
-    )

@@ -12,7 +12,7 @@ YAML (or an equivalent mapping)::
       filters: [...]
       scorers: [...]
     pull: {threshold_tokens: 64, expiry_margin_ms: 5000, max_transfer_fraction: 0.5}
-    cost_model: {recompute_ms_per_token: 0.032}
+    cost_model: {prefill_fixed_ms: 101.6, recompute_ms_per_token: 0.0282}
 
 A plugin entry is its name, or a mapping with `name`, optional `weight`
 (scorers only, default 1) and `params`. `default_policy.yaml` beside this

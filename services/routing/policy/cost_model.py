@@ -1,33 +1,59 @@
-"""Estimates of pull and recompute times, learned online from reported turns.
+"""Estimates of prefill, pull and queueing times, learned online from reported turns.
 
-Defaults are calibrated to the published figures in DESIGN.md (Qwen3-32B, one
-P and one D node):
+A prefill on P costs a fixed part per request (scheduling, the forward
+passes' own overhead, the hand-off to D), plus a part per token it computes,
+plus a smaller part per token it does not compute but attends over (found in
+its own prefix cache, or pulled): an affine model, not a rate per token. A
+queue of many small turns is then mostly fixed costs, which a per-token rate
+cannot see.
 
-- recompute: TTFT 778 ms for a 24k-token prompt, so at most 778 / 24,000 =
-  0.032 ms per token;
+The prior is the published figures in DESIGN.md (Qwen3-32B, one P and one D):
+
+- prefill: TTFT 158 ms at 2k tokens and 778 ms at 24k, so the line through
+  them: 101.6 ms fixed plus 0.0282 ms per computed token;
 - transfer: 30-130 ms per pull. Qwen3-32B's KV in bf16 is 64 layers x 8 KV
   heads x 128 dims x 2 (K, V) x 2 bytes = 256 KiB per token; a fixed 10 ms
   plus 52 GB/s gives 31 ms at 4k tokens and 131 ms at 24k, which spans them;
-- with pull, TTFT 460 ms at 24k tokens: 318 ms saved. The model's transfer
-  estimate (131 ms) leaves more than that; the published TTFT also holds the
-  new suffix's compute and the pull path's fixed costs, which the figures do
-  not break down. `max_transfer_fraction` (0.5) in the pull rule is the
-  margin for them, and reported turns correct both rates.
+- with a pull, TTFT 460 ms at 24k tokens. Take away the transfer and the
+  prefill of a 512-token suffix and 0.0092 ms per pulled token is left: the
+  suffix attends over the whole pulled context.
 
-Learning is an exponentially weighted average of per-token and per-byte
-samples, and of the handshake from first pulls between two engines; each
-sample is clamped to a factor of the current estimate so that one odd
-report (a cold engine, a stalled link) cannot swing decisions. The
-model is a frozen value: `observe` returns the updated model, so the
-simulator can replay reports through the same code deterministically.
+Learning (every successful reported turn with a prefill time):
+
+- the three prefill coefficients are one least-squares fit over the turns'
+  (computed, reused) token counts (`affine_fit`): each turn weighs `alpha`
+  (0.1: a memory of about 10 turns), and the prior weighs as a moving
+  average's start does, (1 - alpha)^n after n turns, never under 1% of the
+  samples' weight, so a part the turns cannot tell apart (all turns of one
+  size: fixed versus per token) stays near its prior;
+- bandwidth is an exponentially weighted average of per-byte samples, and
+  the handshake one of what first pulls between two engines took beyond a
+  warm pull;
+- each sample is clamped to `max_sample_factor` of the current estimate, so
+  that one odd report (a cold engine, a stalled link) cannot swing
+  decisions; a factor of 1 holds the model at its configured estimates.
+
+The model is a frozen value: `observe` returns the updated model, so the
+simulator replays reports through the same code deterministically.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from kvplane.services.common.nodes import NodeLoad
+from kvplane.services.routing.policy.affine_fit import AffineFit
+
+if TYPE_CHECKING:
+    from kvplane.services.routing.policy.snapshot import NodeState
 
 # Qwen3-32B bf16, the model the default figures were measured with.
 DEFAULT_KV_BYTES_PER_TOKEN = 64 * 8 * 128 * 2 * 2
+# Turns of this many tokens hold a coefficient as firmly as the prior does (affine_fit's scale).
+_SCALE_TOKENS = 1_000.0
+# Every computed token costs something: the per-token rate never learns its way to zero.
+_MIN_MS_PER_TOKEN = 1e-6
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,32 +76,42 @@ class TurnObservation:
 
 @dataclass(frozen=True, slots=True)
 class CostModel:
-    """Pull and recompute time estimates, in milliseconds."""
+    """Prefill, pull and queue time estimates, in milliseconds."""
 
-    recompute_ms_per_token: float = 0.032
+    # A prefill's cost on P: fixed per request, per computed token, per token reused
+    # (cached or pulled) that the computed ones attend over.
+    prefill_fixed_ms: float = 101.6
+    recompute_ms_per_token: float = 0.0282
+    reused_ms_per_token: float = 0.0092
     transfer_bytes_per_ms: float = 52e6
     transfer_overhead_ms: float = 10.0
     # A first pull between two engines pays the NIXL handshake (metadata
     # exchange and memory registration lookup).
     handshake_ms: float = 20.0
     default_kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN
-    # Weight of a new sample in the moving averages.
+    # Weight of a new sample (in the prefill fit and the moving averages).
     alpha: float = 0.1
     # Samples further than this factor from the estimate are clamped to it.
     max_sample_factor: float = 4.0
-    # Turns that computed fewer tokens than this say little about per-token cost.
-    min_sample_tokens: int = 256
-    recompute_samples: int = 0
+    # The least weight the prior keeps in the prefill fit, as a share of a full window of samples.
+    min_prior_weight: float = 0.01
+    prefill_samples: int = 0
     transfer_samples: int = 0
     handshake_samples: int = 0
+    # The prefill fit so far (None: no sample yet; the three prefill figures above are its prior).
+    prefill_fit: AffineFit | None = None
 
     def __post_init__(self) -> None:
         if self.recompute_ms_per_token <= 0 or self.transfer_bytes_per_ms <= 0:
             raise ValueError("rates must be positive")
+        if self.prefill_fixed_ms < 0 or self.reused_ms_per_token < 0:
+            raise ValueError("prefill_fixed_ms and reused_ms_per_token must not be negative")
         if not 0 < self.alpha <= 1:
             raise ValueError("alpha must be in (0, 1]")
         if self.max_sample_factor < 1:
             raise ValueError("max_sample_factor must be at least 1")
+        if not 0 < self.min_prior_weight <= 1:
+            raise ValueError("min_prior_weight must be in (0, 1]")
 
     def bytes_for(self, tokens: int, kv_bytes_per_token: int = 0) -> int:
         return tokens * (kv_bytes_per_token or self.default_kv_bytes_per_token)
@@ -90,31 +126,61 @@ class CostModel:
         )
         return ms + (self.handshake_ms if first_contact else 0.0)
 
+    def prefill_ms(self, computed_tokens: int, reused_tokens: int = 0) -> float:
+        """One prefill on P: its fixed cost, `computed_tokens` computed and `reused_tokens` reused."""
+        return (
+            self.prefill_fixed_ms
+            + max(0, computed_tokens) * self.recompute_ms_per_token
+            + max(0, reused_tokens) * self.reused_ms_per_token
+        )
+
     def recompute_ms(self, tokens: int) -> float:
-        """Time for P to compute `tokens` prompt tokens."""
+        """What computing `tokens` more adds to a prefill that runs anyway (no fixed cost)."""
         return max(0, tokens) * self.recompute_ms_per_token
 
-    def queue_ms(self, queued_prefill_tokens: int) -> float:
-        """Expected wait on a prefill node with this many prompt tokens queued."""
-        return self.recompute_ms(queued_prefill_tokens)
+    def reused_ms(self, tokens: int) -> float:
+        """What reusing `tokens` (cached or pulled) adds to a prefill that runs anyway."""
+        return max(0, tokens) * self.reused_ms_per_token
+
+    def reported_queue_ms(self, load: NodeLoad | None) -> float:
+        """The prefill work a load report shows: each request's fixed cost and each token's.
+
+        A request already running is, on average, half done when a report samples it.
+        """
+        if load is None:
+            return 0.0
+        requests = load.queued_requests + 0.5 * load.running_requests
+        return requests * self.prefill_fixed_ms + self.recompute_ms(load.queued_prefill_tokens)
+
+    def queue_ms(self, state: NodeState) -> float:
+        """Expected wait on a prefill node: the router's current estimate, else its last report."""
+        if state.queued_prefill_ms is not None:
+            return state.queued_prefill_ms
+        return self.reported_queue_ms(state.load)
 
     def observe(self, obs: TurnObservation) -> CostModel:
         """The model updated with one reported turn."""
         if not obs.success:
             return self
         model = self
-        computed = obs.prompt_tokens - obs.pulled_tokens - obs.cached_tokens
-        if computed >= self.min_sample_tokens:
-            # prefill_ms is P's own compute time; without it, a recompute
-            # turn's TTFT bounds it from above.
-            spent = obs.prefill_ms or (obs.ttft_ms if obs.pulled_tokens == obs.cached_tokens == 0 else 0.0)
-            if spent > 0:
-                sample = self._clamp(spent / computed, self.recompute_ms_per_token)
-                model = replace(
-                    model,
-                    recompute_ms_per_token=_ewma(model.recompute_ms_per_token, sample, self.alpha),
-                    recompute_samples=model.recompute_samples + 1,
-                )
+        reused = max(0, obs.pulled_tokens) + max(0, obs.cached_tokens)
+        # P computes at least the prompt's last token.
+        computed = max(1, obs.prompt_tokens - reused)
+        # prefill_ms is P's own time; without it, a recompute turn's TTFT bounds it from above.
+        spent = obs.prefill_ms or (obs.ttft_ms if reused == 0 else 0.0)
+        if spent > 0 and obs.prompt_tokens > 0:
+            fit = self.prefill_fit or self._prior_fit()
+            counts = (float(computed), float(reused))
+            fit = fit.update(counts, self._clamp(spent, fit.predict(counts)))
+            fixed, per_token, per_reused = fit.coefficients
+            model = replace(
+                model,
+                prefill_fit=fit,
+                prefill_fixed_ms=fixed,
+                recompute_ms_per_token=per_token,
+                reused_ms_per_token=per_reused,
+                prefill_samples=model.prefill_samples + 1,
+            )
         if obs.pulled_tokens > 0 and obs.transfer_ms > 0:
             moved = self.bytes_for(obs.pulled_tokens, obs.kv_bytes_per_token)
             if obs.first_contact:
@@ -138,6 +204,15 @@ class CostModel:
                 transfer_samples=model.transfer_samples + 1,
             )
         return model
+
+    def _prior_fit(self) -> AffineFit:
+        return AffineFit(
+            prior=(self.prefill_fixed_ms, self.recompute_ms_per_token, self.reused_ms_per_token),
+            scale=(_SCALE_TOKENS, _SCALE_TOKENS),
+            floor=(0.0, _MIN_MS_PER_TOKEN, 0.0),
+            alpha=self.alpha,
+            min_prior_weight=self.min_prior_weight,
+        )
 
     def _clamp(self, sample: float, current: float) -> float:
         return min(max(sample, current / self.max_sample_factor), current * self.max_sample_factor)

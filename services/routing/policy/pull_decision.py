@@ -18,13 +18,18 @@ pull out:
    so the margin must cover at least that)
 4. the prompt shares no verified prefix        -> RECOMPUTE_PREFIX_MISMATCH
 5. missing tokens < threshold                  -> RECOMPUTE_BELOW_THRESHOLD
-6. transfer not well under recompute           -> RECOMPUTE_COST
+6. transfer not well under the compute it saves -> RECOMPUTE_COST
 7. otherwise                                   -> PULL (a continuation), or
                                                   PULL_PREFIX (a verified prefix
                                                   of a prompt that diverges)
 
 For a prompt that does not continue the handle, 5 and 6 answer
 RECOMPUTE_PREFIX_MISMATCH: the prefix it shares does not pay for a pull.
+
+The compute a pull saves is the missing tokens' marginal cost
+(`CostModel.recompute_ms`) less what attending over them still costs once
+pulled (`CostModel.reused_ms`). The prefill's fixed cost is paid either way,
+so it is on neither side.
 """
 
 from __future__ import annotations
@@ -45,8 +50,10 @@ class PullSettings:
     # Life a handle must keep beyond P's queueing and the transfer, in ms.
     # vLLM's P declines a read 5 s before D's deadline.
     expiry_margin_ms: int = 5_000
-    # Pull only if the transfer takes at most this share of the recompute it saves.
-    max_transfer_fraction: float = 0.5
+    # Pull only if the transfer takes at most this share of the compute it saves. Both sides
+    # are modelled (the pulled tokens' own share of P's compute included), so 1 is break-even;
+    # less keeps a margin for estimates the reports have not corrected yet.
+    max_transfer_fraction: float = 1.0
     # Recompute when the handle has no digests (the prefill connector would refuse).
     require_digests: bool = True
     # Pull the verified prefix of a prompt that diverges from the handle (clipped pulls).
@@ -113,7 +120,7 @@ def decide_pull(
     transfer = costs.transfer_ms(
         missing or reusable or handle.num_tokens, holder.kv_bytes_per_token, first_contact=first_contact
     )
-    queue = costs.queue_ms(prefill.load.queued_prefill_tokens if prefill.load else 0)
+    queue = costs.queue_ms(prefill)
     needed = settings.expiry_margin_ms + queue + transfer
     if life_left < needed:
         return PullVerdict(
@@ -140,11 +147,12 @@ def decide_pull(
             cached_tokens=cached,
         )
     recompute = costs.recompute_ms(missing)
+    saved = recompute - costs.reused_ms(missing)
     transfer = costs.transfer_ms(missing, holder.kv_bytes_per_token, first_contact=first_contact)
-    if transfer > settings.max_transfer_fraction * recompute:
+    if transfer > settings.max_transfer_fraction * saved:
         return PullVerdict(
             declined or Decision.RECOMPUTE_COST,
-            f"{missing} missing tokens{held}: transfer {transfer:.1f} ms vs recompute {recompute:.1f} ms"
+            f"{missing} missing tokens{held}: transfer {transfer:.1f} ms vs {saved:.1f} ms of compute saved"
             f" ({match.why})",
             reusable_tokens=reusable,
             transfer_ms=transfer,
@@ -154,7 +162,7 @@ def decide_pull(
         )
     return PullVerdict(
         Decision.PULL if match.continues else Decision.PULL_PREFIX,
-        f"pull {missing} tokens{held}: transfer {transfer:.1f} ms vs recompute {recompute:.1f} ms"
+        f"pull {missing} tokens{held}: transfer {transfer:.1f} ms vs {saved:.1f} ms of compute saved"
         f" ({match.why})",
         reusable_tokens=reusable,
         transfer_ms=transfer,

@@ -40,6 +40,10 @@ class NodeState:
 
     node: Node
     load: NodeLoad | None = None
+    # A prefill node's queue as the router estimates it now, in ms of prefill work ahead
+    # of a new turn (the report drained to now, plus work routed since); None: judged
+    # from `load` alone (`CostModel.queue_ms`).
+    queued_prefill_ms: float | None = None
 
     @property
     def node_id(self) -> str:

@@ -1,10 +1,12 @@
 """`least-cost`: prefill nodes ranked by what the turn would cost on each.
 
-The cost of a turn on a candidate P, in ms, is its queue (the prompt tokens
-it already has to compute: its last load report plus what was routed to it
-since) plus the pull the turn would make there plus the tokens it must
-compute: the prompt, minus what P's prefix cache is believed to hold, minus
-what it pulls. The pull is decided per node by the same rule the plan uses
+The cost of a turn on a candidate P, in ms, is its queue (the prefill work
+it already has: its last load report plus what was routed to it since, each
+request with its fixed cost) plus the pull the turn would make there plus
+the turn's own prefill (`CostModel.prefill_ms`): one fixed cost, the tokens
+it must compute (the prompt, minus what P's prefix cache is believed to
+hold, minus what it pulls), and the tokens it reuses, which are cheaper but
+not free. The pull is decided per node by the same rule the plan uses
 (`pull_decision`), so a node that holds the history wins over one that would
 pull it, and one that would pull it over one that would recompute it, each
 by the time it saves and no more.
@@ -51,12 +53,12 @@ def estimate_prefill(
     match: PrefixMatch | None = None,
 ) -> PrefillEstimate:
     verdict = decide_pull(snapshot, holder, state, compatible, costs, settings, match)
-    queue = costs.queue_ms(state.load.queued_prefill_tokens if state.load else 0)
+    queue = costs.queue_ms(state)
     pulls = verdict.decision.pulls
     covered = max(verdict.cached_tokens, verdict.reusable_tokens if pulls else 0)
     compute = max(1, snapshot.prompt.tokens - covered)
     transfer = verdict.transfer_ms if pulls else 0.0
-    return PrefillEstimate(verdict, queue, compute, queue + transfer + costs.recompute_ms(compute))
+    return PrefillEstimate(verdict, queue, compute, queue + transfer + costs.prefill_ms(compute, covered))
 
 
 @register_picker
