@@ -56,7 +56,7 @@ from kvplane.services.common.handles import (
 from kvplane.services.common.nodes import Node
 from kvplane.services.common.server import Context, caller
 from kvplane.services.common.settings import RoutingSection
-from kvplane.services.common.store import HandleRecord, Store
+from kvplane.services.common.store import CheckOut, HandleRecord, Store
 from kvplane.services.common.suspects import NodeSuspect
 from kvplane.services.common.telemetry import Telemetry
 from kvplane.services.routing.bounded_map import BoundedMap
@@ -143,6 +143,8 @@ class RouteOutcome:
     prefill_params: dict[str, Any]
     reused_tokens: int
     handle: CacheHandle | None
+    # The checked-out handle as serialized protobuf (the claim's encoding, reused).
+    handle_pb: bytes = b""
 
 
 def _now_ms() -> int:
@@ -231,7 +233,9 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
             prefill_kv_transfer_params_json=json.dumps(outcome.prefill_params, separators=(",", ":")),
             expected_reused_tokens=outcome.reused_tokens,
         )
-        if outcome.handle is not None:
+        if outcome.handle_pb:
+            response.handle.MergeFromString(outcome.handle_pb)
+        elif outcome.handle is not None:
             response.handle.CopyFrom(convert.handle_to_pb(outcome.handle))
         self.metrics.route_seconds.observe(time.perf_counter() - start)
         return response
@@ -290,11 +294,14 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
                 raise NoRoute(str(again)) from None
         route_id = uuid.uuid4().hex
         decision, reason = plan.decision, plan.verdict.reason
-        handle: CacheHandle | None = None
+        checked: CheckOut | None = None
         if decision.pulls and record is not None:
-            handle, reason = await self._check_out(tenant, conversation, route_id, record, now, time_budget_s)
-            if handle is None:
+            checked, reason = await self._check_out(
+                tenant, conversation, route_id, record, now, time_budget_s
+            )
+            if checked is None:
                 decision = Decision.RECOMPUTE_CONTENDED
+        handle = checked.handle if checked is not None else None
         clip = plan.verdict.reusable_tokens if decision is Decision.PULL_PREFIX else 0
         params = self._prefill_params(tenant, conversation, handle, clip_to_tokens=clip)
         reused = plan.verdict.reusable_tokens if handle is not None else 0
@@ -322,7 +329,8 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
         self.metrics.routes.labels("pull" if decision.pulls else "recompute", decision.value).inc()
         self.metrics.tokens.labels("reused").inc(reused)
         self.metrics.tokens.labels("recomputed").inc(max(0, prompt.tokens - reused))
-        return RouteOutcome(route_id, plan, decision, reason, params, reused, handle)
+        handle_pb = checked.handle_pb if checked is not None else b""
+        return RouteOutcome(route_id, plan, decision, reason, params, reused, handle, handle_pb)
 
     def _account(
         self, route_id: str, key: tuple[str, str], snapshot: RouteSnapshot, plan: RoutePlan, pulled: bool
@@ -385,8 +393,8 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
         record: HandleRecord,
         now: int,
         time_budget_s: float | None,
-    ) -> tuple[CacheHandle | None, str]:
-        """The checked-out handle, or None with the reason it could not be."""
+    ) -> tuple[CheckOut | None, str]:
+        """The check-out, or None with the reason the handle could not be checked out."""
         if not self.view.healthy:
             # A stale view may still hold a handle that is gone; without etcd the
             # check-out cannot be made, so this turn recomputes.
@@ -410,7 +418,7 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
             return None, "etcd unreachable: recomputing"
         life_left_s = checked.handle.life_left_ms(now) / 1000
         self.metrics.life_left_at_checkout.observe(max(0.0, life_left_s))
-        return checked.handle, f"checked out handle {checked.handle.handle_id}"
+        return checked, f"checked out handle {checked.handle.handle_id}"
 
     def _prefill_params(
         self, tenant: str, conversation: str, handle: CacheHandle | None, *, clip_to_tokens: int = 0

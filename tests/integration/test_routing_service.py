@@ -13,6 +13,7 @@ import pytest
 
 from kvplane.client import RoutingClient, decode_body, prefill_body
 from kvplane.connector.prefix_check import PullOutcome, check_pull
+from kvplane.services.common import convert
 from kvplane.services.common.handles import (
     KEY_CONVERSATION,
     KEY_DIGESTS,
@@ -79,6 +80,8 @@ async def test_second_turn_pulls_with_every_handle_key_passed_through(
     handle_id = await cluster.report("acme", c, d_params, route=first, ttft_ms=200, prompt_tokens=1000)
     assert handle_id == d_params[KEY_HANDLE_ID]
     await cluster.wait_handle("acme", c, handle_id)
+    read = await cluster.store.get_handle_record("acme", c)
+    assert read is not None
 
     second = await client.route(c, MODEL, prompt_token_ids=[*history, 7, 8, 9])
     assert second.decision == "pull", second.reason
@@ -93,6 +96,7 @@ async def test_second_turn_pulls_with_every_handle_key_passed_through(
     assert sent[KEY_DIGESTS] == d_params[KEY_DIGESTS]
     assert sent[KEY_TENANT] == "acme" and sent[KEY_CONVERSATION] == c
     assert second.response.handle.handle_id == handle_id
+    assert convert.handle_from_pb(second.response.handle) == read.handle, "the handle as it was read"
     # Checked out: gone from etcd, so no other turn can read the blocks.
     assert await cluster.store.get_handle_record("acme", c) is None
 

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import asyncio
 
+from aetcd import rpc
+
+from kvplane.services.common import convert
 from kvplane.services.common.handles import ReleaseReason
 from kvplane.services.common.store import Store, now_ms
+from kvplane.v1 import handle_pb2
 from tests.conftest import make_node
 from tests.support.factories import make_handle
 
@@ -71,3 +75,21 @@ async def test_a_release_report_of_many_requests_fits_etcds_transaction_limit(st
     await store.publish_handle(make_handle(node, conversation="c-many", request_id="req-0"))
     ids = [f"req-{i}" for i in range(1024)]
     assert await store.release_freed(node.node_id, node.incarnation, ids) == 1
+
+
+async def test_a_check_out_stores_and_returns_the_handle_exactly_as_it_was_read(store: Store) -> None:
+    node = make_node("d-whole")
+    await store.register_node(node, 30)
+    await store.publish_handle(make_handle(node, conversation="c-whole", request_id="req-whole"))
+    record = await store.get_handle_record("acme", "c-whole")
+    assert record is not None
+
+    checked = await store.check_out("acme", "c-whole", route_id="route-1", expected=record)
+
+    returned = convert.handle_from_pb(handle_pb2.CacheHandle.FromString(checked.handle_pb))
+    assert returned == record.handle == checked.handle
+    claim_key = store.keys.claim("acme", "c-whole", checked.claim_id)
+    stored = await store.etcd.read("test_claim", rpc.RangeRequest(key=claim_key))
+    claim = convert.claim_from_pb(handle_pb2.Claim.FromString(stored.kvs[0].value))
+    assert (claim.claim_id, claim.route_id, claim.handle) == (checked.claim_id, "route-1", record.handle)
+    assert claim.claimed_unix_ms > 0

@@ -18,7 +18,7 @@ from aetcd import rpc
 
 from kvplane.services.common import convert
 from kvplane.services.common.errors import HandleNotRetained
-from kvplane.services.common.handles import Claim, PendingRelease, ReleaseReason
+from kvplane.services.common.handles import PendingRelease, ReleaseReason
 from kvplane.services.common.keys import KeyLayout, prefix_range_end
 from kvplane.services.common.store import fencing
 from kvplane.services.common.store.etcd import Ambiguous, EtcdClient, LeaseNotFound
@@ -44,7 +44,11 @@ class ClaimStore:
         """
         handle = record.handle
         claim_id = claim_id or uuid.uuid4().hex
-        claim = Claim(claim_id, handle, route_id, now_ms())
+        # The handle is converted to protobuf once: the claim stores it, the caller answers with it.
+        handle_pb = convert.handle_to_pb(handle)
+        claim = handle_pb2.Claim(
+            claim_id=claim_id, handle=handle_pb, route_id=route_id, claimed_unix_ms=now_ms()
+        )
         claim_key = self.keys.claim(tenant, conversation, claim_id)
         # The claim shares the handle's lease: it lives no longer than the
         # blocks could, and the check-out needs no lease grant of its own.
@@ -58,7 +62,7 @@ class ClaimStore:
                     handle.holder_node_id, handle.holder_incarnation, handle.vllm.remote_request_id
                 )
             ),
-            fencing.put(claim_key, convert.claim_to_pb(claim).SerializeToString(), claim_lease),
+            fencing.put(claim_key, claim.SerializeToString(), claim_lease),
             fencing.put(
                 self.keys.claimed(
                     handle.holder_node_id, handle.holder_incarnation, handle.vllm.remote_request_id
@@ -78,7 +82,7 @@ class ClaimStore:
         if not won:
             raise HandleNotRetained(f"handle of conversation {conversation!r} was taken or replaced")
         self.telemetry.store.handle_transitions.labels("checked_out", "").inc()
-        return CheckOut(handle, claim_id, int(resp.header.revision))
+        return CheckOut(handle, claim_id, int(resp.header.revision), handle_pb.SerializeToString())
 
     async def consumed(self, node_id: str, incarnation: str, request_ids: Iterable[str]) -> int:
         """Drops the claims on blocks their holder reports freed; returns how many."""

@@ -51,6 +51,9 @@ class CheckOut:
     handle: CacheHandle
     claim_id: str
     revision: int
+    # The handle as serialized protobuf (`kvplane.v1.CacheHandle`), encoded once for the
+    # claim: a caller that answers with the handle parses these bytes instead of converting.
+    handle_pb: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)
