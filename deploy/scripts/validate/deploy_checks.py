@@ -598,8 +598,12 @@ def check_chart_semantics(
     engine_labels = values["engines"]["podLabels"]
     services_by_name = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
 
+    # The pods of CronJobs (etcd backups) are peers too, though no Service or PDB covers them.
+    job_pods = [d["spec"]["jobTemplate"]["spec"]["template"] for d in docs if d["kind"] == "CronJob"]
+
     def pods_for(selector: Mapping[str, str]) -> list[dict[str, Any]]:
-        return [t for _, t in pods if matches(selector, t["metadata"]["labels"])]
+        templates = [t for _, t in pods] + job_pods
+        return [t for t in templates if matches(selector, t["metadata"]["labels"])]
 
     for workload, template in pods:
         name = f"{label} {workload['kind']} {workload['metadata']['name']}"
@@ -832,6 +836,48 @@ def check_vllm_container(name: str, c: dict[str, Any], docs: list[dict[str, Any]
     )
 
 
+def check_etcd_backup(label: str, docs: list[dict[str, Any]], values: dict[str, Any], report: Report) -> None:
+    """The etcd backup CronJob (templates/etcd-backup.yaml): its identity, claim and etcdctl flags."""
+    backup, tls = values["etcd"]["backup"], values["etcd"]["tls"]
+    jobs = [d for d in docs if d["kind"] == "CronJob" and d["metadata"]["name"].endswith("-etcd-backup")]
+    if not report.check(
+        len(jobs) == int(bool(backup["enabled"])), f"{label}: etcd backup CronJob iff enabled"
+    ):
+        return
+    for job in jobs:
+        name = f"{label} CronJob {job['metadata']['name']}"
+        pod = job["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+        accounts = {d["metadata"]["name"] for d in docs if d["kind"] == "ServiceAccount"}
+        report.check(pod.get("serviceAccountName") in accounts, f"{name}: runs as a chart ServiceAccount")
+        claims = {d["metadata"]["name"] for d in docs if d["kind"] == "PersistentVolumeClaim"}
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        claim = volumes["backup"]["persistentVolumeClaim"]["claimName"]
+        report.check(
+            claim == (backup["storage"]["existingClaim"] or claim)
+            and (claim in claims) != bool(backup["storage"]["existingClaim"]),
+            f"{name}: snapshots go to the chart's claim or the one given",
+        )
+        containers = pod["initContainers"] + pod["containers"]
+        report.check(
+            all(any(m["name"] == "backup" for m in c["volumeMounts"]) for c in containers),
+            f"{name}: every step mounts the backup claim",
+        )
+        etcdctl = next(c["command"] for c in pod["initContainers"] if c["command"][0] == "etcdctl")
+        endpoints = [a for a in etcdctl if a.startswith("--endpoints=")]
+        report.check(len(endpoints) == 1 and "," not in endpoints[0], f"{name}: snapshots exactly one member")
+        flags = {a.split("=", 1)[0] for a in etcdctl}
+        wants_tls = bool(tls["enabled"])
+        report.check(
+            endpoints[0].startswith("--endpoints=https://" if wants_tls else "--endpoints=http://")
+            and ({"--cacert", "--cert", "--key"} <= flags) == wants_tls
+            and (
+                volumes.get("etcd-client-tls", {}).get("secret", {}).get("secretName") == tls["clientSecret"]
+            )
+            == wants_tls,
+            f"{name}: etcdctl speaks TLS with the client certificate iff etcd.tls is on",
+        )
+
+
 def render_chart(values: dict[str, Any], release: str, namespace: str) -> list[dict[str, Any]]:
     import helm_python as helm
 
@@ -879,6 +925,7 @@ def check_helm(out: Path, report: Report) -> None:
         (out / f"helm-{label}.yaml").write_text(yaml.safe_dump_all(docs, sort_keys=False))
         crds.extend(check_kubernetes_docs(f"[{label}]", docs, report))
         check_chart_semantics(f"[{label}]", docs, merged_values(overrides), report)
+        check_etcd_backup(f"[{label}]", docs, merged_values(overrides), report)
 
     # Values the chart must refuse.
     refusals: list[tuple[str, dict[str, Any]]] = [
@@ -886,6 +933,10 @@ def check_helm(out: Path, report: Report) -> None:
         ("the retired open header mode", {"auth": {"mode": "header"}}),
         ("unknown auth mode", {"auth": {"mode": "none"}}),
         ("a misspelt value", {"services": {"routing": {"replica": 2}}}),
+        (
+            "etcd backups over TLS without a client certificate",
+            {"etcd": {"tls": {"enabled": True, "serverSecret": "s"}, "backup": {"enabled": True}}},
+        ),
         ("auth.mode mtls without gRPC TLS", {"auth": {"mode": "mtls"}}),
         (
             "auth.mode mtls without client certificates",
