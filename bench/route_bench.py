@@ -1,6 +1,6 @@
 """Route latency, throughput and CPU cost, beside a bare gRPC echo in the same run.
 
-    python -m kvplane.bench.route_bench [--seconds 3] [--history 4096]
+    python -m kvplane.bench.route_bench [--calls-c1 1000] [--calls-c64 3000] [--tracing off|on|both]
 
 Starts its own etcd, one routing replica and one echo server, each in its own
 process, registers 4 prefill and 4 decode nodes, and drives them from this
@@ -11,7 +11,14 @@ process at concurrency 1 and 64:
 - recompute: first turns (no handle): view lookup and policy only;
 - pull:      second turns of conversations with a retained handle: policy,
              prefix check of the prompt's token ids, and the check-out
-             transaction in etcd.
+             transaction in etcd;
+- seen:      the steady state of multi-turn traffic: a later turn of a
+             conversation whose two previous prompts this replica routed
+             (each the history less one or two 96-token answers), with a
+             retained handle of the whole history. The prompt's digest chain
+             continues the previous prompt's, and the policy decides as it
+             would (pull, or recompute on the prefill node that holds the
+             earlier prompt): the decisions are printed under the table.
 
 The routing replica runs once with tracing off (sampling 0) and once with
 tracing on (every span recorded, batched and encoded as OTLP protobuf, then
@@ -35,8 +42,9 @@ import subprocess
 import sys
 import time
 import uuid
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import grpc
@@ -45,6 +53,8 @@ from kvplane.services.common.local_etcd import LocalEtcd, free_port
 
 HISTORY_TOKENS = 4096
 NEW_TOKENS = 64
+# The answer each earlier turn of a "seen" conversation added to its history, tokens.
+ANSWER_TOKENS = 96
 BLOCK = 16
 MODEL = "bench-model"
 # Callers identify as a mesh proxy would (the cheapest of the authenticators to check).
@@ -169,6 +179,8 @@ class Result:
     cpu_ms_per_call: float
     # CPU per call of each process measured, in the order given (client first).
     cpu_split_ms: tuple[float, ...] = ()
+    # Routing decisions made in the phase, by name (only where they vary).
+    decisions: tuple[tuple[str, int], ...] = ()
 
     @property
     def rate(self) -> float:
@@ -330,7 +342,9 @@ async def publish_handles(
     await store.close()
 
 
-async def run(calls_c1: int, calls_c64: int) -> list[tuple[str, Result]]:
+async def run(
+    calls_c1: int, calls_c64: int, tracing_rounds: Sequence[bool] = (False, True)
+) -> list[tuple[str, Result]]:
     from kvplane.v1 import routing_pb2
 
     etcd = LocalEtcd()
@@ -372,7 +386,7 @@ async def run(calls_c1: int, calls_c64: int) -> list[tuple[str, Result]]:
 
         reporter = asyncio.create_task(report_loads(etcd.endpoint, prefix, nodes))
         try:
-            for tracing in (False, True):
+            for tracing in tracing_rounds:
                 results += await routing_round(tracing, etcd, prefix, holders, prompt, calls_c1, calls_c64)
         finally:
             reporter.cancel()
@@ -404,15 +418,26 @@ async def routing_round(
     tag = "tracing on" if tracing else "tracing off"
     try:
         round_id = uuid.uuid4().hex[:6]
-        # Handles for two pull phases (with and without token ids), then one sentinel.
+        # Handles for two pull phases (with and without token ids) and the seen phase, then one sentinel.
         per_phase = calls_c1 + calls_c64
-        conversations = [f"pull-{round_id}-{i}" for i in range(2 * per_phase)] + [f"pull-{round_id}-last"]
-        await publish_handles(etcd.endpoint, prefix, holders, conversations)
+        conversations = [f"pull-{round_id}-{i}" for i in range(2 * per_phase)]
+        seen = [f"seen-{round_id}-{i}" for i in range(per_phase)]
         async with RoutingClient(
             [f"127.0.0.1:{port}"],
             metadata=(("x-kvplane-mesh-secret", MESH_SECRET), ("x-kvplane-tenant", "bench")),
             timeout_s=10.0,
         ) as client:
+            # The seen conversations' two earlier turns, routed before their handle exists.
+            history_tokens = list(prompt[:HISTORY_TOKENS])
+            for earlier in (2, 1):
+                turn = history_tokens[: HISTORY_TOKENS - earlier * ANSWER_TOKENS]
+
+                async def do_earlier(i: int, turn: list[int] = turn) -> None:
+                    await client.route(seen[i], MODEL, prompt_token_ids=turn)
+
+                await drive("warm", 64, len(seen), do_earlier, [me])
+            conversations += [*seen, f"pull-{round_id}-last"]
+            await publish_handles(etcd.endpoint, prefix, holders, conversations)
             # The last handle published is in the view once it pulls: so are all others.
             deadline = time.monotonic() + 30
             while True:
@@ -444,6 +469,13 @@ async def routing_round(
             async def do_length_only(i: int) -> None:
                 await client.route(f"len-{round_id}-{i}", MODEL, prompt_tokens=len(prompt))
 
+            decided: Counter[str] = Counter()
+            seen_offset = 0
+
+            async def do_seen(i: int) -> None:
+                r = await client.route(seen[seen_offset + i], MODEL, prompt_token_ids=prompt)
+                decided[r.decision] += 1
+
             await drive("warm", 4, 200, do_recompute, [me])
             pids = [me, server.pid, etcd.proc.pid]
             for conc, calls in ((1, calls_c1), (64, calls_c64)):
@@ -458,6 +490,11 @@ async def routing_round(
                         raise RuntimeError(f"only {pulls} of {calls} {name} routes pulled")
                     results.append((tag, res))
                     offset += calls
+            for conc, calls in ((1, calls_c1), (64, calls_c64)):
+                decided.clear()
+                res = await drive("route seen", conc, calls, do_seen, pids)
+                results.append((tag, replace(res, decisions=tuple(sorted(decided.items())))))
+                seen_offset += calls
     finally:
         _stop(server)
     return results
@@ -483,6 +520,10 @@ def report(results: list[tuple[str, Result]]) -> str:
         "route rows: requests carry 4,160 prompt token ids (len-only: the length alone);"
         " pull = check-out txn + prefix check over 256 blocks"
     )
+    for tag, r in results:
+        if r.decisions:
+            mix = ", ".join(f"{name} {count}" for name, count in r.decisions)
+            lines.append(f"{r.name} ({tag}, conc {r.concurrency}) decisions: {mix}")
     lines.append("targets: Route p50 <= 2.00x echo p50; CPU <= 1.5 ms per Route (client + routing + etcd)")
     return "\n".join(lines)
 
@@ -498,8 +539,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="route_bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls-c1", type=int, default=1000, help="calls per phase at concurrency 1")
     parser.add_argument("--calls-c64", type=int, default=3000, help="calls per phase at concurrency 64")
+    parser.add_argument(
+        "--tracing",
+        choices=("off", "on", "both"),
+        default="both",
+        help="routing replica rounds: tracing off, on (every span encoded), or both",
+    )
     args = parser.parse_args(argv)
-    results = asyncio.run(run(args.calls_c1, args.calls_c64))
+    rounds = {"off": (False,), "on": (True,), "both": (False, True)}[args.tracing]
+    results = asyncio.run(run(args.calls_c1, args.calls_c64, rounds))
     print(report(results))
     return 0
 
