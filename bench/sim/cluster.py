@@ -68,36 +68,86 @@ def build_node(role: NodeRole, index: int, spec: ClusterSpec, kv_bytes_per_token
 
 
 class PrefillState:
-    """A prefill node: one FIFO compute queue and its prefix cache."""
+    """A prefill node: its scheduler's queues, one compute stream, and its prefix cache.
 
-    __slots__ = ("cache", "free_at", "index", "node", "pending", "queued_tokens", "served")
+    Ground truth: routers that model a live router read only its load
+    reports (see `fleet.py`). The event loop (`engine.py`) moves turns
+    through it: `waiting` (FIFO, not yet taken by the scheduler), reads in
+    flight, `ready` (read landed, scheduled before anything waiting), then
+    one compute at a time.
+    """
 
-    def __init__(self, node: Node, index: int, cache_blocks: int = 0) -> None:
+    __slots__ = (
+        "_tick",
+        "_tick_epoch",
+        "backlog_s",
+        "busy",
+        "cache",
+        "free_at",
+        "index",
+        "jobs",
+        "node",
+        "queued_tokens",
+        "reading",
+        "ready",
+        "report_interval_s",
+        "served",
+        "waiting",
+    )
+
+    def __init__(self, node: Node, index: int, cache_blocks: int = 0, report_interval_s: float = 0.0) -> None:
         self.node = node
         self.index = index
-        # Ground truth: routers that model a live router must not read it (see `fleet.py`).
         self.cache = PrefixCache(cache_blocks)
-        self.free_at = 0.0
-        # (finish time, computed tokens) of work not yet finished, in finish order.
-        self.pending: deque[tuple[float, int]] = deque()
+        # Turns routed here and not yet taken by the scheduler, in arrival order.
+        self.waiting: deque[Any] = deque()
+        # Turns whose read has landed, in landing order: scheduled first, as vLLM drains
+        # requests that already hold KV blocks before new ones.
+        self.ready: deque[Any] = deque()
+        self.reading = 0  # reads in flight (vLLM's WAITING_FOR_REMOTE_KVS)
+        self.busy = False  # computing a prompt
+        self.free_at = 0.0  # when the prompt being computed is done
+        # Turns here, from routing to the end of their prefill, and the tokens they compute.
+        self.jobs = 0
         self.queued_tokens = 0
+        # Estimated compute seconds of the turns not yet computing (the oracle's view).
+        self.backlog_s = 0.0
         self.served = 0
+        # The load at the latest report tick, kept when the first change after it happens.
+        self.report_interval_s = report_interval_s
+        self._tick: tuple[int, int, bool] = (0, 0, False)
+        self._tick_epoch = -1
 
-    def settle(self, now: float) -> None:
-        pending = self.pending
-        while pending and pending[0][0] <= now:
-            self.queued_tokens -= pending.popleft()[1]
+    def changing(self, now: float) -> None:
+        """Called before `jobs`, `queued_tokens` or `busy` change at `now`.
 
-    def load(self, now: float, now_ms: int) -> NodeLoad:
-        self.settle(now)
-        n = len(self.pending)
+        The first change after a report tick sees the load as it was at the
+        tick; `load` reports that, so a report holds only what the node had
+        at its stamp, whenever a router first reads it.
+        """
+        if self.report_interval_s > 0:
+            epoch = int(now / self.report_interval_s)
+            if epoch != self._tick_epoch:
+                self._tick = (self.jobs, self.queued_tokens, self.busy)
+                self._tick_epoch = epoch
+
+    def finish_after_s(self, now: float) -> float:
+        """When P would be done with everything it holds now, in its scheduler's order (exact)."""
+        return max(now, self.free_at if self.busy else now) + self.backlog_s
+
+    def load(self, report_s: float, report_ms: int) -> NodeLoad:
+        """The load at the report tick `report_s` (the latest tick before now)."""
+        jobs, tokens, busy = self.jobs, self.queued_tokens, self.busy
+        if self.report_interval_s > 0 and round(report_s / self.report_interval_s) == self._tick_epoch:
+            jobs, tokens, busy = self._tick
+        running = 1 if busy else 0
         return NodeLoad(
             self.node.node_id,
             self.node.incarnation,
-            queued_requests=max(0, n - 1),
-            queued_prefill_tokens=self.queued_tokens,
-            running_requests=min(1, n),
-            reported_unix_ms=now_ms,
+            queued_requests=max(0, jobs - running),
+            queued_prefill_tokens=tokens,
+            running_requests=running,
+            reported_unix_ms=report_ms,
         )
 
 
@@ -109,12 +159,14 @@ class SimHandle:
         "bytes",
         "cache_handle",
         "chain",
+        "checked_out",
         "conversation",
         "decode",
         "expiry_s",
         "handle_id",
         "info",
         "published_s",
+        "reading",
         "tenant",
         "tokens",
     )
@@ -141,6 +193,10 @@ class SimHandle:
         self.published_s = published_s
         self.expiry_s = expiry_s
         self.alive = True
+        # Routed to a pull: no other route gets it, and no control-plane release frees it (the
+        # fenced check-out); D's blocks stay until P has read them, or D's TTL or pressure ends them.
+        self.checked_out = False
+        self.reading = False  # P's read of its blocks is in flight
         # Built on first use: most handles are never routed to or judged.
         self.cache_handle: CacheHandle | None = None
         self.info: HandleInfo | None = None

@@ -9,25 +9,44 @@ Per turn:
 
 1. The router picks P and D and, maybe, a handle to pull up to some length
    (its `remote_num_tokens`; single use: D frees the handle's blocks once P
-   has read them).
-2. P looks its prefix cache up first, as vLLM does: it holds the leading
-   blocks of the prompts it computed or imported, until pressure recycles
-   them (`prefix_cache.py`). A pull moves only what P lacks
-   (`remote_num_tokens` minus the local hit), and P computes the rest.
-3. P, one FIFO queue, starts when it is free and the pull has landed, and
-   computes the tokens it neither held nor pulled (plus the attention over
-   the held and pulled ones, see `costs.py`). TTFT is arrival to the end of
-   that, or later if D is not yet admitting the turn.
-4. D reserves the turn's KV (prompt and answer). The default engine model is
-   vLLM's: `pressure="wait"`. Retained blocks stay pinned until read,
-   released or expired, and a turn that does not fit waits (FIFO) for
-   memory; its first token, hence its TTFT, waits with it. The what-if
-   `pressure="evict"` is an engine that may drop retained KV under pressure:
-   D frees its oldest retained handles first; if that is not enough the turn
-   runs anyway and is counted as overcommitted (a preemption).
+   has read them). A handle routed to a pull is checked out: no other route
+   gets it and no control-plane release frees it.
+2. The turn joins P's waiting queue. P is one compute stream whose
+   scheduler takes turns in order, as vLLM's does (below).
+3. When P's scheduler takes the turn, P looks its prefix cache up first, as
+   vLLM does: it holds the leading blocks of the prompts it computed or
+   imported, until pressure recycles them (`prefix_cache.py`). A pull moves
+   only what P lacks (`remote_num_tokens` minus the local hit), and P
+   computes the rest (plus the attention over the held and pulled tokens,
+   see `costs.py`). TTFT is arrival to the end of that compute, or later if
+   D is not yet admitting the turn.
+4. D reserves the turn's KV (prompt and answer) when it is routed. The
+   default engine model is vLLM's: `pressure="wait"`. Retained blocks stay
+   pinned until read, released or expired, and a turn that does not fit
+   waits (FIFO) for memory; its first token, hence its TTFT, waits with it.
+   The what-if `pressure="evict"` is an engine that may drop retained KV
+   under pressure: D frees its oldest retained handles first; if that is not
+   enough the turn runs anyway and is counted as overcommitted (a
+   preemption).
 5. After decoding, D keeps the turn's KV as the conversation's handle until
    it is read, released by the control plane or freed by D's TTL (or, with
    `pressure="evict"`, pushed out).
+
+When a pull starts. vLLM's prefill engine does not read a remote prefix when
+a request arrives: its scheduler asks the connector for external tokens
+(`get_num_new_matched_tokens`) only when it takes the request from the
+waiting queue, right after the local prefix-cache lookup. An asynchronous
+read then parks the request in `WAITING_FOR_REMOTE_KVS`, with its blocks
+allocated, and the scheduler goes on to other requests; once the worker
+reports the read finished, the request is cached and put back, and requests
+that already hold KV blocks are scheduled before new ones. Here: P's
+scheduler, whenever its compute stream is free, takes the turn whose read
+has landed first, else the head of its waiting queue; a turn with blocks to
+pull starts its read then (its transfer begins only when P takes it, never
+at arrival) and P moves on to the next waiting turn while the read is in
+flight; the turn's compute starts once its read is done and P is free. D's
+blocks stay allocated until the read finishes (or D's own TTL or pressure
+frees them first, and the pull fails: P recomputes).
 
 A pull the router marks `prefix_ok=False` (no prefix check, and the prompt
 does not extend the handle) imports KV computed for other tokens: the turn
@@ -43,16 +62,16 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from kvplane.bench.sim.block_chain import BlockIds
-from kvplane.bench.sim.cluster import ClusterSpec, DecodeState, SimHandle
+from kvplane.bench.sim.block_chain import BlockChain, BlockIds
+from kvplane.bench.sim.cluster import ClusterSpec, DecodeState, PrefillState, SimHandle
 from kvplane.bench.sim.costs import SimCosts
 from kvplane.bench.sim.fleet import Conversation, Fleet
 from kvplane.bench.sim.results import Recorder, SimResult, summarize
 from kvplane.bench.sim.retention import Retention
-from kvplane.bench.sim.routers import Router, TurnOutcome
+from kvplane.bench.sim.routers import RouteChoice, Router, TurnOutcome
 from kvplane.bench.workloads.turns import Turn
 
-_DONE, _EXPIRE, _TICK, _DEMAND = 0, 1, 2, 3
+_DONE, _EXPIRE, _TICK, _DEMAND, _READ_DONE, _PREFILL_DONE = 0, 1, 2, 3, 4, 5
 
 # Release reasons the fleet itself produces (the control plane's come from ReleaseReason).
 ENGINE_TTL = "engine_ttl"
@@ -83,26 +102,58 @@ ENGINE_MODELS: dict[str, str] = {"pinned": "wait", "evicting": "evict"}
 
 
 class _InFlight:
-    """A turn past routing: P's finish time, and D's reservation once admitted."""
+    """A turn past routing: its prefill on P, and D's reservation once admitted."""
 
-    __slots__ = ("chain", "conversation", "decode", "pulled", "ready_s", "reserved", "turn")
+    __slots__ = (
+        "admitted",
+        "cached",
+        "chain",
+        "choice",
+        "compute",
+        "computed",
+        "conversation",
+        "decision",
+        "decode",
+        "estimate_s",
+        "estimate_tokens",
+        "prefill",
+        "prompt",
+        "pulled",
+        "ready_s",
+        "reserved",
+        "transfer",
+        "turn",
+    )
 
     def __init__(
         self,
         turn: Turn,
         conversation: Conversation,
-        decode: DecodeState,
+        choice: RouteChoice,
+        prompt: BlockChain,
         reserved: int,
-        ready_s: float,
-        pulled: int,
     ) -> None:
         self.turn = turn
         self.conversation = conversation
-        self.decode = decode
+        self.choice = choice
+        self.prefill: PrefillState = choice.prefill
+        self.decode: DecodeState = choice.decode
+        self.decision = choice.decision
+        self.prompt = prompt
         self.reserved = reserved
         self.chain = conversation.chain
-        self.ready_s = ready_s
-        self.pulled = pulled
+        # Set when P's scheduler takes the turn: tokens P held, pulled and computes, and seconds.
+        self.cached = 0
+        self.pulled = 0
+        self.computed = 0
+        self.transfer = 0.0
+        self.compute = 0.0
+        # P's load as counted at routing (a guess from P's cache then), corrected when taken.
+        self.estimate_tokens = 0
+        self.estimate_s = 0.0
+        # When P finished the prompt (-1: not yet), and whether D has admitted the turn.
+        self.ready_s = -1.0
+        self.admitted = False
 
 
 RouterFactory = Callable[[Fleet], Router]
@@ -156,6 +207,10 @@ class Simulator:
                     self._drop(payload, ENGINE_TTL, t)  # type: ignore[arg-type]
                 elif kind == _DEMAND:
                     self._answer_demand(payload, t)  # type: ignore[arg-type]
+                elif kind == _READ_DONE:
+                    self._read_done(payload, t)  # type: ignore[arg-type]
+                elif kind == _PREFILL_DONE:
+                    self._prefill_done(payload, t)  # type: ignore[arg-type]
                 else:
                     self._tick(t, upcoming is not None)
             elif upcoming is not None:
@@ -185,50 +240,17 @@ class Simulator:
 
         choice = self.router.route(turn, conversation, prompt, now)
         p, d = choice.prefill, choice.decode
-        # P's own prefix cache first; at least the last token is always computed.
-        cached = min(p.cache.hit_blocks(prompt) * block, turn.prompt_tokens - 1)
-        pulled = 0
-        transfer = 0.0
         handle = choice.pull
-        decision = choice.decision
-        if handle is not None:
-            if handle.alive:
-                # vLLM's P reads only what it lacks: remote_num_tokens minus its local hit.
-                pulled = max(0, min(choice.pulled_tokens, turn.prompt_tokens - 1) - cached)
-                if pulled:
-                    pair = (p.index, handle.decode.index)
-                    first = pair not in self._contacted
-                    self._contacted.add(pair)
-                    transfer = costs.transfer_s(pulled, first)
-                rec.consumed += 1
-                self._drop(handle, "", now)
-                if choice.prefix_ok:
-                    rec.pulled_correct += pulled
-                elif pulled:
-                    rec.wrong_prefix_tokens += pulled
-                    rec.wrong_prefix_turns += 1
-            else:
-                decision = "pull_failed"
-        rec.decisions[decision] += 1
-        rec.cached_tokens += cached
-        p.cache.insert(prompt)
-
-        computed = turn.prompt_tokens - cached - pulled
-        compute = costs.prefill_s(computed) + costs.pulled_compute_s(cached + pulled)
-        p.settle(now)
-        start = max(now + transfer, p.free_at)
-        finish = start + compute
-        p.free_at = finish
-        p.pending.append((finish, computed))
-        p.queued_tokens += computed
-        p.served += 1
+        if handle is not None and handle.alive:
+            handle.checked_out = True
+            self.retention.on_gone(handle)
         rec.prompt_total += turn.prompt_tokens
-
         need = costs.kv_bytes(turn.context_tokens)
         conversation.chain = prompt.extended(turn.context_tokens // block - len(prompt), self._ids)
         conversation.last_prefill = p.node.node_id
         conversation.last_prompt = prompt
-        flight = _InFlight(turn, conversation, d, need, finish, pulled)
+        flight = _InFlight(turn, conversation, choice, prompt, need)
+        self._enqueue(p, flight, now)
         if self.config.pressure == "evict":
             if d.free < need:
                 self._make_room(d, need, now)
@@ -242,21 +264,140 @@ class Simulator:
             self._signal_demand(d, now)
         else:
             self._start(flight, now)
+
+    # -- the prefill node's scheduler -------------------------------------------------------------
+
+    def _enqueue(self, p: PrefillState, flight: _InFlight, now: float) -> None:
+        """The turn joins P's waiting queue; P's load counts it at once (a guess at its compute)."""
+        costs = self.config.costs
+        tokens = flight.turn.prompt_tokens
+        block = self.config.digest_block_size
+        held = min(p.cache.hit_blocks(flight.prompt) * block, tokens - 1)
+        if flight.choice.pull is not None:
+            held = max(held, min(flight.choice.pulled_tokens, tokens - 1))
+        flight.estimate_tokens = tokens - held
+        flight.estimate_s = costs.prefill_s(tokens - held) + costs.pulled_compute_s(held)
+        p.changing(now)
+        p.jobs += 1
+        p.queued_tokens += flight.estimate_tokens
+        p.backlog_s += flight.estimate_s
+        p.waiting.append(flight)
+        self._schedule(p, now)
+
+    def _schedule(self, p: PrefillState, now: float) -> None:
+        """P's scheduler step: while P is free, a landed read first, else the next waiting turn."""
+        while not p.busy:
+            if p.ready:
+                self._compute(p, p.ready.popleft(), now)
+            elif p.waiting:
+                flight = p.waiting.popleft()
+                if self._take(p, flight, now):
+                    self._compute(p, flight, now)
+            else:
+                return
+
+    def _take(self, p: PrefillState, flight: _InFlight, now: float) -> bool:
+        """P takes the turn: its cache lookup, then its pull starts. True: compute it now."""
+        rec = self.rec
+        costs = self.config.costs
+        block = self.config.digest_block_size
+        turn = flight.turn
+        choice = flight.choice
+        handle = choice.pull
+        # P's own prefix cache first; at least the last token is always computed.
+        cached = min(p.cache.hit_blocks(flight.prompt) * block, turn.prompt_tokens - 1)
+        pulled = 0
+        if handle is not None:
+            if handle.alive:
+                # vLLM's P reads only what it lacks: remote_num_tokens minus its local hit.
+                pulled = max(0, min(choice.pulled_tokens, turn.prompt_tokens - 1) - cached)
+                rec.consumed += 1
+                if choice.prefix_ok:
+                    rec.pulled_correct += pulled
+                elif pulled:
+                    rec.wrong_prefix_tokens += pulled
+                    rec.wrong_prefix_turns += 1
+            else:
+                flight.decision = "pull_failed"
+        rec.decisions[flight.decision] += 1
+        rec.cached_tokens += cached
+        flight.cached = cached
+        flight.pulled = pulled
+        flight.computed = turn.prompt_tokens - cached - pulled
+        flight.compute = costs.prefill_s(flight.computed) + costs.pulled_compute_s(cached + pulled)
+        p.changing(now)
+        p.queued_tokens += flight.computed - flight.estimate_tokens
+        p.backlog_s += flight.compute - flight.estimate_s
+        flight.estimate_s = flight.compute
+        if not pulled:
+            if handle is not None and handle.alive:
+                self._drop(handle, "", now)  # nothing to read: P tells D to free the blocks
+            return True
+        assert handle is not None
+        pair = (p.index, handle.decode.index)
+        first = pair not in self._contacted
+        self._contacted.add(pair)
+        flight.transfer = costs.transfer_s(pulled, first)
+        # WAITING_FOR_REMOTE_KVS: P goes on with other turns while the read is in flight.
+        p.reading += 1
+        handle.reading = True
+        self._push(now + flight.transfer, _READ_DONE, flight)
+        return False
+
+    def _read_done(self, flight: _InFlight, now: float) -> None:
+        """The read landed: D frees the handle's blocks; the turn is scheduled before new ones."""
+        p = flight.prefill
+        p.reading -= 1
+        handle = flight.choice.pull
+        if handle is not None:
+            self._drop(handle, "", now)
+        p.ready.append(flight)
+        self._schedule(p, now)
+
+    def _compute(self, p: PrefillState, flight: _InFlight, now: float) -> None:
+        p.changing(now)
+        p.busy = True
+        p.free_at = now + flight.compute
+        p.backlog_s -= flight.estimate_s
+        p.cache.insert(flight.prompt)
+        self._push(p.free_at, _PREFILL_DONE, flight)
+
+    def _prefill_done(self, flight: _InFlight, now: float) -> None:
+        p = flight.prefill
+        p.changing(now)
+        p.busy = False
+        p.jobs -= 1
+        p.queued_tokens -= flight.computed
+        p.served += 1
+        flight.ready_s = now
+        turn = flight.turn
+        if flight.admitted:
+            self._first_token(flight, now)
         # What P reports: its own prefill, whatever D's admission adds later.
-        self.router.observe(turn, choice, TurnOutcome(pulled, transfer, compute, finish - now, cached))
+        outcome = TurnOutcome(
+            flight.pulled, flight.transfer, flight.compute, now - turn.arrival_s, flight.cached
+        )
+        self.router.observe(turn, flight.choice, outcome)
+        self._schedule(p, now)
+
+    # -- the decode node ---------------------------------------------------------------------------
 
     def _start(self, flight: _InFlight, now: float) -> None:
         """D admits the turn: its first token comes once P is done and D has its KV."""
         d = flight.decode
-        turn = flight.turn
-        rec = self.rec
         d.reserved += flight.reserved
         d.running += 1
-        first_token = max(flight.ready_s, now)
-        rec.ttft_s.append(first_token - turn.arrival_s)
+        flight.admitted = True
+        if flight.ready_s >= 0:
+            self._first_token(flight, now)
+
+    def _first_token(self, flight: _InFlight, now: float) -> None:
+        turn = flight.turn
+        rec = self.rec
+        rec.ttft_s.append(now - turn.arrival_s)
         rec.prompt_tokens.append(turn.prompt_tokens)
         rec.pulled_tokens.append(flight.pulled)
-        done = first_token + self.config.costs.decode_s(turn.output_tokens, d.running)
+        done = now + self.config.costs.decode_s(turn.output_tokens, flight.decode.running)
         self._push(done, _DONE, flight)
 
     def _admit(self, d: DecodeState, now: float) -> None:
@@ -328,15 +469,24 @@ class Simulator:
     # -- handles --------------------------------------------------------------------------------
 
     def _make_room(self, d: DecodeState, need: int, now: float) -> None:
-        """D frees its oldest retained handles until `need` bytes fit."""
-        while d.free < need and d.handles:
-            oldest = next(iter(d.handles.values()))
-            self._drop(oldest, ENGINE_PRESSURE, now)
+        """D frees its oldest retained handles, except those being read, until `need` bytes fit."""
+        victims = []
+        short = need - d.free
+        for handle in d.handles.values():
+            if short <= 0:
+                break
+            if not handle.reading:
+                victims.append(handle)
+                short -= handle.bytes
+        for handle in victims:
+            self._drop(handle, ENGINE_PRESSURE, now)
 
     def _drop(self, handle: SimHandle, reason: str, now: float) -> None:
         """The handle's blocks are freed: read (no reason), released or expired."""
-        if not handle.alive:
-            return
+        if not handle.alive or (handle.reading and reason):
+            return  # D keeps blocks being read until P is done with them
+        if handle.checked_out and reason not in ("", ENGINE_TTL, ENGINE_PRESSURE):
+            return  # a checked-out handle is fenced from the control plane's releases
         handle.alive = False
         d = handle.decode
         del d.handles[handle.handle_id]

@@ -55,7 +55,7 @@ class Conversation:
 
     def live_handle(self) -> SimHandle | None:
         handle = self.handle
-        return handle if handle is not None and handle.alive else None
+        return handle if handle is not None and handle.alive and not handle.checked_out else None
 
 
 class Fleet:
@@ -83,7 +83,7 @@ class Fleet:
         self.block_tokens = block_tokens
         cache_blocks = spec.prefill_cache_bytes // (block_tokens * kvb)
         self.prefill = [
-            PrefillState(build_node(NodeRole.PREFILL, i, spec, kvb), i, cache_blocks)
+            PrefillState(build_node(NodeRole.PREFILL, i, spec, kvb), i, cache_blocks, report_interval_s)
             for i in range(spec.prefill_nodes)
         ]
         self.decode = [
@@ -113,29 +113,28 @@ class Fleet:
         """Node `index` (prefill nodes first, then decode) with its latest load report."""
         epoch, report_s = self._epoch(now)
         state = self._one[index]
-        if state is None or self._one_epoch[index] != epoch:
-            report_ms = self.unix_ms(report_s)
-            n_p = len(self.prefill)
-            if index < n_p:
-                p = self.prefill[index]
-                state = NodeState(p.node, p.load(report_s, report_ms))
-            else:
-                d = self.decode[index - n_p]
-                state = NodeState(d.node, d.load(report_ms, self.costs.kv_bytes_per_token))
+        if state is None or self._one_epoch[index] != epoch or self.report_interval_s <= 0:
+            state = self._report(index, report_s)
             self._one[index] = state
             self._one_epoch[index] = epoch
         return state
 
     def node_states(self, now: float) -> tuple[NodeState, ...]:
         """Every node with its latest load report, as of the last report tick."""
-        interval = self.report_interval_s
-        epoch = int(now / interval) if interval > 0 else self._states_epoch + 1
-        if epoch != self._states_epoch:
-            report_s = epoch * interval if interval > 0 else now
-            report_ms = self.unix_ms(report_s)
-            kvb = self.costs.kv_bytes_per_token
-            states = [NodeState(p.node, p.load(report_s, report_ms)) for p in self.prefill]
-            states += [NodeState(d.node, d.load(report_ms, kvb)) for d in self.decode]
-            self._states = tuple(states)
+        epoch, report_s = self._epoch(now)
+        if epoch != self._states_epoch or self.report_interval_s <= 0:
+            self._states = tuple(
+                self._report(i, report_s) for i in range(len(self.prefill) + len(self.decode))
+            )
             self._states_epoch = epoch
         return self._states
+
+    def _report(self, index: int, report_s: float) -> NodeState:
+        """Node `index`'s load report of the tick at `report_s`."""
+        report_ms = self.unix_ms(report_s)
+        n_p = len(self.prefill)
+        if index < n_p:
+            p = self.prefill[index]
+            return NodeState(p.node, p.load(report_s, report_ms))
+        d = self.decode[index - n_p]
+        return NodeState(d.node, d.load(report_ms, self.costs.kv_bytes_per_token))

@@ -159,7 +159,8 @@ def _finish_estimate(
     pulled = max(0, pull_tokens - cached)
     transfer = costs.transfer_s(pulled, False)
     compute = costs.prefill_s(prompt_tokens - cached - pulled) + costs.pulled_compute_s(cached + pulled)
-    return max(now + transfer, p.free_at) + compute, cached
+    # The read starts when P's scheduler takes the turn, once the work ahead of it is taken.
+    return p.finish_after_s(now) + transfer + compute, cached
 
 
 class PrefixAffinityRouter:

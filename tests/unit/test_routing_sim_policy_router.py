@@ -66,7 +66,8 @@ def test_the_next_turn_goes_back_to_the_prefill_node_that_holds_its_prompt_witho
     # Much later, the next turn extends the first prompt. Its node now reports a short queue,
     # so only the record of what it was sent can make it the cheapest.
     holder = f.prefill_by_id[where]
-    holder.pending.append((1e9, 2000))
+    holder.jobs += 1
+    holder.busy = True
     holder.queued_tokens += 2000
     second = first.extended(300 // BLOCK, ids)
     again = r.route(turn("c", 6300, 100.0), conversation, second, 100.0)

@@ -75,11 +75,11 @@ def test_prefix_affinity_sends_a_turn_to_the_prefill_node_that_holds_its_prefix(
     assert choice.pull is None
 
 
-def _queue_on(fleet: Fleet, index: int, tokens: int, until_s: float) -> None:
-    """Puts `tokens` of prompt work on prefill node `index` until `until_s` (its real queue)."""
+def _queue_on(fleet: Fleet, index: int, tokens: int, now: float) -> None:
+    """Puts a turn of `tokens` prompt tokens in prefill node `index`'s queue at `now` (its real queue)."""
     p = fleet.prefill[index]
-    p.free_at = until_s
-    p.pending.append((until_s, tokens))
+    p.changing(now)
+    p.jobs += 1
     p.queued_tokens += tokens
 
 
@@ -92,8 +92,8 @@ def _affinity_turn(fleet: Fleet, router: PrefixAffinityRouter, ids: BlockIds, no
 
 def test_prefix_affinity_leaves_a_holder_whose_reported_queue_costs_more_than_the_prefill() -> None:
     fleet = _fleet()
-    _queue_on(fleet, 2, 2_000_000, 60.0)  # a minute of queued work, in P's load report
-    choice = _affinity_turn(fleet, PrefixAffinityRouter(fleet), BlockIds(), 0.0)
+    _queue_on(fleet, 2, 2_000_000, 0.0)  # a minute of queued work, in P's load report of t=0.5
+    choice = _affinity_turn(fleet, PrefixAffinityRouter(fleet), BlockIds(), 0.6)
     assert choice is not fleet.prefill[2]
 
 
@@ -102,7 +102,7 @@ def test_prefix_affinity_does_not_see_a_queue_its_load_reports_do_not_show_yet()
     router = PrefixAffinityRouter(fleet)
     # The report of t=0.0 is read first: the queue that builds at t=0.1 is in no report until t=0.5.
     fleet.node_state(2, 0.0)
-    _queue_on(fleet, 2, 2_000_000, 60.0)
+    _queue_on(fleet, 2, 2_000_000, 0.1)
     assert _affinity_turn(fleet, router, BlockIds(), 0.1) is fleet.prefill[2]
     assert _affinity_turn(fleet, router, BlockIds(), 0.6) is not fleet.prefill[2]
 
