@@ -13,7 +13,8 @@ environment (`from_env`, prefix `KVPLANE_CLIENT_` unless given):
                                     (development and tests)
 
 A token or mesh-secret file is read again when it changes (`CallMetadata`), so a
-rotated token is sent from the next call on; certificates are read when a channel is made.
+rotated token is sent from the next call on; when a certificate file changes, calls from then on
+go over a new channel made from the new files (`ReloadingChannel`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any
 
 import grpc
 
+from kvplane.client.reloading_channel import ReloadingChannel
 from kvplane.services.common.auth import MESH_SECRET_HEADER
 from kvplane.services.common.secret_files import SecretFileError, read_secret_file
 from kvplane.services.common.tls import ClientTlsFiles
@@ -96,14 +98,15 @@ class ClientCredentials:
         options: Sequence[tuple[str, Any]] = (),
         interceptors: Sequence[Any] | None = None,
     ) -> grpc.aio.Channel:
-        """A grpc.aio channel to `target`: TLS when a CA is configured, else plaintext."""
+        """A grpc.aio channel to `target`: TLS when a CA is configured (made again when its
+        files change), else plaintext."""
         opts = list(options)
         if not self.tls:
             return grpc.aio.insecure_channel(target, options=opts, interceptors=interceptors)
         if self.tls_server_name:
             opts.append(("grpc.ssl_target_name_override", self.tls_server_name))
-        creds = ClientTlsFiles(self.tls_ca_file, self.tls_cert_file, self.tls_key_file).channel_credentials()
-        return grpc.aio.secure_channel(target, creds, options=opts, interceptors=interceptors)
+        files = ClientTlsFiles(self.tls_ca_file, self.tls_cert_file, self.tls_key_file)
+        return ReloadingChannel(target, files, options=opts, interceptors=interceptors)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str], prefix: str = "KVPLANE_CLIENT_") -> ClientCredentials:

@@ -258,3 +258,42 @@ async def test_the_health_command_probes_an_mtls_server_with_a_client_certificat
     assert code == 1 and "UNAVAILABLE" in err
     code, err = await _kvplane_health(target(mtls_plane), *probe, *mutual, "--service", "no.Such")
     assert code == 1 and "NOT_FOUND" in err
+
+
+async def test_a_running_client_presents_its_rotated_certificate_without_a_new_channel(
+    mtls_plane: ServiceProcess, ca: TestCa, tmp_path: Path
+) -> None:
+    # The client starts with a certificate the server refuses (another CA), as one that expired
+    # would be; its files are then replaced with a good one, as a Secret volume is updated.
+    stranger = TestCa(tmp_path / "stranger", name="stranger").issue("ops", uris=("kvplane://operator/ops",))
+    cert_file, key_file = tmp_path / "client.pem", tmp_path / "client-key.pem"
+    shutil.copyfile(stranger.cert_file, cert_file)
+    shutil.copyfile(stranger.key_file, key_file)
+    creds = ClientCredentials(
+        tls_ca_file=ca.ca_file,
+        tls_cert_file=str(cert_file),
+        tls_key_file=str(key_file),
+        tls_server_name="localhost",
+    )
+    async with creds.channel(target(mtls_plane)) as channel:
+        stub = metadata_pb2_grpc.MetadataServiceStub(channel)
+
+        async def list_nodes() -> grpc.StatusCode:
+            try:
+                await stub.ListNodes(metadata_pb2.ListNodesRequest(), timeout=5)
+            except grpc.aio.AioRpcError as exc:
+                return exc.code()
+            return grpc.StatusCode.OK
+
+        assert await list_nodes() == grpc.StatusCode.UNAVAILABLE
+        good = ca.issue("ops", uris=("kvplane://operator/ops",))
+        for source, dest in ((good.cert_file, cert_file), (good.key_file, key_file)):
+            shutil.copyfile(source, dest)
+            later = dest.stat().st_mtime + 5  # whatever the file system's clock resolution
+            os.utime(dest, (later, later))
+
+        async def served() -> bool:
+            return await list_nodes() == grpc.StatusCode.OK
+
+        # The same stub, on the same channel object: it made a new connection from the new files.
+        await eventually(served, what="the rotated client certificate accepted")
