@@ -3,13 +3,14 @@
 - Every call has a deadline (`timeout_s`, or the caller's own).
 - UNAVAILABLE is retried on the next replica, round-robin, until the
   attempts or the deadline run out; any other status is final.
-- A Route with no answer after `hedge_after_s` is also sent to the next
-  replica, and the first answer wins: a frozen replica (it still accepts
-  TCP) costs one hedge delay, not the deadline.
-- A replica whose call outlived its hedge delay or the deadline is suspect
-  (`suspect_replicas`): calls skip it at once until it answers a health
-  check in the background. With every replica suspect a call fails at once,
-  so that a gateway falls back without waiting.
+- A replica silent for `hedge_after_s` has its health checked: a frozen
+  process still accepts TCP, so only a deadline tells it from a slow one,
+  and a health check (no etcd, no auth) is the cheap call to time. One that
+  misses it too is suspect (`suspect_replicas`): its call is abandoned, and
+  calls skip it at once until it answers a health check in the background.
+  With every replica suspect a call fails at once, so that a gateway falls
+  back without waiting. A Route silent that long also goes to the next
+  replica at once; the first answer wins.
 - A turn's ReportTurn goes first to the replica that routed it: that replica
   knows the route, and only it learns costs from the report.
 - Each channel carries OpenTelemetry's client interceptor, so the caller's
@@ -104,11 +105,13 @@ class RoutingClient:
         channel_options: Sequence[tuple[str, Any]] = (),
         credentials: ClientCredentials | None = None,
         hedge_after_s: float | None = None,
+        probe_timeout_s: float = 0.3,
         probe_interval_s: float = 0.25,
     ) -> None:
-        """`hedge_after_s`: with no answer to a Route this long, also ask the next replica
-        (None: only after a failure). `probe_interval_s`: between health checks of a
-        suspect replica."""
+        """`hedge_after_s`: a replica silent this long has its health checked, and a Route also
+        goes to the next replica (None: neither; calls wait out their deadline).
+        `probe_timeout_s`: the deadline of a health check. `probe_interval_s`: between health
+        checks of a suspect replica."""
         if not targets:
             raise ValueError("at least one routing target is required")
         if attempts < 1:
@@ -141,7 +144,7 @@ class RoutingClient:
             self._channels,
             self.targets,
             ROUTING_SERVICE,
-            probe_timeout_s=min(timeout_s, 0.5),
+            probe_timeout_s=probe_timeout_s,
             probe_interval_s=probe_interval_s,
         )
 
@@ -152,7 +155,7 @@ class RoutingClient:
 
     @property
     def suspect_replicas(self) -> frozenset[str]:
-        """Targets skipped now: each missed a deadline and has not answered a health check since."""
+        """Targets skipped now: each went silent, missed a health check and has not answered one since."""
         return frozenset(self.targets[i] for i in self._suspects.indexes)
 
     async def close(self) -> None:
@@ -194,67 +197,71 @@ class RoutingClient:
     ) -> tuple[Any, int]:
         """The answer and the index of the replica that gave it; `prefer` is tried first.
 
-        `hedge`: the call is safe to send twice (a Route), so a replica silent for
-        `hedge_after_s` gets company from the next one rather than waiting out the deadline.
+        A replica silent for `hedge_after_s` has its health checked once: if that check goes
+        unanswered too, the replica is frozen or gone, so it is suspect and its call abandoned
+        (the next replica is asked, or the call fails); if it answers, the replica is alive and
+        only slow (etcd, load), and its call keeps its deadline. `hedge`: the call is safe to
+        send twice (a Route), so the next replica is asked at once as well, first answer wins.
         """
         budget = timeout_s if timeout_s is not None else self.timeout_s
         deadline = time.monotonic() + budget
         order = self._order(prefer)
         if not order:
             raise RoutingUnavailable(
-                "every routing replica missed a deadline and has not answered a health check since"
+                "every routing replica went silent and has not answered a health check since"
             )
-        hedge_after = self.hedge_after_s if hedge else None
-        # Calls in flight: the replica asked and when.
-        calls: dict[asyncio.Task[Any], tuple[int, float]] = {}
+        silent_after = self.hedge_after_s
+        calls: dict[asyncio.Task[Any], tuple[int, float]] = {}  # in flight: replica, when sent
+        checks: dict[asyncio.Task[bool], int] = {}  # health checks of silent replicas
+        checked: set[int] = set()
         asked = 0
-        last_sent = 0.0
-        last: grpc.aio.AioRpcError | None = None
+        last = "deadline exceeded"
+
+        def ask_next(now: float) -> None:
+            nonlocal asked
+            index = order[asked]
+            asked += 1
+            calls[asyncio.ensure_future(invoke(self._stubs[index], deadline - now))] = (index, now)
+
         try:
             while (now := time.monotonic()) < deadline:
-                due = hedge_after is not None and now - last_sent >= hedge_after
-                if asked < len(order) and (not calls or due):
-                    index = order[asked]
-                    asked += 1
-                    last_sent = now
-                    calls[asyncio.ensure_future(invoke(self._stubs[index], deadline - now))] = (index, now)
+                if not calls and asked < len(order):
+                    ask_next(now)
                 if not calls:
                     break
-                wait = deadline - now
-                if hedge_after is not None and asked < len(order):
-                    wait = min(wait, last_sent + hedge_after - now)
+                for index, sent in list(calls.values()):
+                    if silent_after is not None and index not in checked and now - sent >= silent_after:
+                        checked.add(index)
+                        checks[self._suspects.check(index)] = index
+                        if hedge and asked < len(order):
+                            ask_next(now)
+                wake = min(
+                    [deadline]
+                    + [sent + silent_after for i, sent in calls.values() if silent_after and i not in checked]
+                )
                 done, _ = await asyncio.wait(
-                    calls, timeout=max(wait, 0.0), return_when=asyncio.FIRST_COMPLETED
+                    [*calls, *checks], timeout=max(wake - now, 0.0), return_when=asyncio.FIRST_COMPLETED
                 )
                 for task in done:
+                    if task in checks:
+                        index = checks.pop(task)
+                        if not task.result():  # frozen or gone: stop waiting on it
+                            last = f"{self.targets[index]} went silent and missed a health check"
+                            _cancel([t for t, (i, _) in calls.items() if i == index], calls)
+                        continue
+                    if task not in calls:
+                        continue  # abandoned above
                     index, _ = calls.pop(task)
                     try:
                         return task.result(), index
                     except grpc.aio.AioRpcError as exc:
-                        if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                            self._suspects.mark(index)
-                        elif exc.code() != grpc.StatusCode.UNAVAILABLE:
+                        if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                             raise
-                        last = exc
+                        last = f"{exc.code().name}: {exc.details()}"
         finally:
-            self._abandon(calls, deadline, hedge_after)
-        detail = f"{last.code().name}: {last.details()}" if last is not None else "deadline exceeded"
-        raise RoutingUnavailable(f"no routing replica answered within {budget:.2f} s ({detail})")
-
-    def _abandon(
-        self, calls: dict[asyncio.Task[Any], tuple[int, float]], deadline: float, hedge_after: float | None
-    ) -> None:
-        """Cancels the calls still in flight; a replica silent past its hedge delay or the
-        deadline is suspect (a later answer from a faster replica says nothing for it)."""
-        now = time.monotonic()
-        for task, (index, sent) in calls.items():
-            if task.done():
-                if not task.cancelled():
-                    task.exception()  # retrieved: a loser's error is not the caller's
-                continue
-            task.cancel()
-            if now >= deadline or (hedge_after is not None and now - sent >= hedge_after):
-                self._suspects.mark(index)
+            # Health checks still running go on: a miss marks their replica for the next calls.
+            _cancel(list(calls), calls)
+        raise RoutingUnavailable(f"no routing replica answered within {budget:.2f} s ({last})")
 
     async def route(
         self,
@@ -356,3 +363,14 @@ class RoutingClient:
             lambda stub, left: stub.EndConversation(request, timeout=left, metadata=self.metadata), timeout_s
         )
         return bool(response.released)
+
+
+def _cancel(tasks: list[asyncio.Task[Any]], calls: dict[asyncio.Task[Any], tuple[int, float]]) -> None:
+    """Abandons calls: cancelled if still in flight, a finished one's error retrieved (a loser's
+    error is not the caller's)."""
+    for task in tasks:
+        calls.pop(task, None)
+        if not task.done():
+            task.cancel()
+        elif not task.cancelled():
+            task.exception()

@@ -1,12 +1,11 @@
-"""Routing replicas that missed a deadline, skipped until they answer a health check.
+"""Routing replicas that went silent, skipped until they answer a health check.
 
 A frozen process (SIGSTOP, a stalled VM) still accepts TCP connections and queues
-requests, so only a deadline tells it from a working one. A replica whose call outlived
-its deadline is suspect: calls skip it at once instead of waiting on it again, and a
-background probe asks its standard gRPC health service (open without credentials,
-answered without etcd) until it says SERVING. A replica that was only slow answers the
-first probe within milliseconds and is back at once; a frozen one stays skipped until
-it runs again.
+requests, so only a deadline tells it from a working one. The deadline is put on the
+cheapest call there is: the standard gRPC health check, open without credentials and
+answered without etcd. A replica that is only slow (etcd, load) answers it within
+milliseconds; one that misses it is suspect: calls skip it at once instead of waiting on
+it again, and a background probe asks again until it says SERVING.
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ class SuspectReplicas:
         names: Sequence[str],
         service: str,
         *,
-        probe_timeout_s: float = 0.5,
+        probe_timeout_s: float = 0.3,
         probe_interval_s: float = 0.25,
     ) -> None:
         self._stubs = [health_pb2_grpc.HealthStub(channel) for channel in channels]
@@ -42,6 +41,7 @@ class SuspectReplicas:
         self._probe_timeout_s = probe_timeout_s
         self._probe_interval_s = probe_interval_s
         self._probes: dict[int, asyncio.Task[None]] = {}
+        self._checks: set[asyncio.Task[bool]] = set()
 
     @property
     def indexes(self) -> frozenset[int]:
@@ -51,33 +51,50 @@ class SuspectReplicas:
     def __contains__(self, index: object) -> bool:
         return index in self._probes
 
+    async def answers(self, index: int) -> bool:
+        """Whether `index` says SERVING within the probe deadline."""
+        request = health_pb2.HealthCheckRequest(service=self._service)
+        try:
+            reply = await self._stubs[index].Check(request, timeout=self._probe_timeout_s)
+        except grpc.aio.AioRpcError:
+            return False  # frozen, down, starting or shutting down
+        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+    def check(self, index: int) -> asyncio.Task[bool]:
+        """Checks `index` in the background: a miss marks it suspect, whoever still waits."""
+        task = asyncio.get_running_loop().create_task(self._check(index))
+        self._checks.add(task)
+        task.add_done_callback(self._checks.discard)
+        return task
+
+    async def _check(self, index: int) -> bool:
+        if await self.answers(index):
+            return True
+        self.mark(index)
+        return False
+
     def mark(self, index: int) -> None:
-        """`index` missed a deadline: skip it until its health check answers."""
+        """`index` went silent and missed a health check: skip it until it answers one."""
         if index in self._probes:
             return
         log.warning(
-            "routing replica %s missed its deadline: skipped until it answers a health check",
+            "routing replica %s went silent and missed a health check: skipped until it answers one",
             self._names[index],
         )
         self._probes[index] = asyncio.get_running_loop().create_task(self._probe(index))
 
     async def _probe(self, index: int) -> None:
-        request = health_pb2.HealthCheckRequest(service=self._service)
         try:
             while True:
-                try:
-                    reply = await self._stubs[index].Check(request, timeout=self._probe_timeout_s)
-                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        log.info("routing replica %s answers again", self._names[index])
-                        return
-                except grpc.aio.AioRpcError:
-                    pass  # still frozen, down or starting: ask again
+                if await self.answers(index):
+                    log.info("routing replica %s answers again", self._names[index])
+                    return
                 await asyncio.sleep(self._probe_interval_s)  # between probes of a silent replica
         finally:
             self._probes.pop(index, None)
 
     async def close(self) -> None:
-        probes = list(self._probes.values())
-        for probe in probes:
-            probe.cancel()
-        await asyncio.gather(*probes, return_exceptions=True)
+        tasks = [*self._probes.values(), *self._checks]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

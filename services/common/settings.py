@@ -263,14 +263,14 @@ class GatewaySection(Section):
             tls_server_name=self.routing_tls_server_name,
         )
 
-    # A Route's whole budget, hedges included, seconds: past it the turn falls back at once to the
-    # fallback pair. Part of the turn's target (served within 1 s of any fault): a frozen replica
-    # still accepts TCP, so only this deadline tells. A Route cut short may have checked a handle
-    # out; metadata releases that claim after its deadline.
-    routing_timeout_s: float = Field(0.5, gt=0)
-    # With no answer this long, the Route goes to the next routing replica as well; first answer
-    # wins, seconds.
-    routing_hedge_after_s: float = Field(0.15, gt=0)
+    # A Route's whole deadline, seconds. Above routing's check-out timeout (1 s): a Route cut short
+    # may already have taken the handle.
+    routing_timeout_s: float = Field(2.0, gt=0)
+    # A routing replica silent this long has its health checked (a frozen process still accepts
+    # TCP, so only a deadline tells), and the Route goes to the next replica as well, first answer
+    # wins. A replica that misses the check (0.3 s) is skipped, and the turn falls back at once when
+    # none is left: a turn's target is to be served within 1 s of any fault. Seconds.
+    routing_hedge_after_s: float = Field(0.2, gt=0)
     routing_attempts: int = Field(2, ge=1)
     # API keys clients present (Authorization: Bearer, or x-api-key), each mapped to its tenant.
     api_keys: list[GatewayKey] = Field(default_factory=list)
