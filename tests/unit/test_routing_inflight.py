@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 
 from kvplane.services.common.nodes import NodeRole
-from kvplane.services.routing.inflight import InFlightLedger, RoutedWork, turn_work
-from kvplane.services.routing.policy import NodeState, Prompt, RoutingPolicy, load_policy
+from kvplane.services.routing.inflight import InFlightLedger, RoutedWork, routed_work, turn_work
+from kvplane.services.routing.policy import CostModel, NodeState, Prompt, RoutingPolicy, load_policy
 from tests.unit.routing_policy_fixtures import NOW, mk_node, snap, state
 
 P0 = mk_node("p0", NodeRole.PREFILL)
@@ -196,3 +197,83 @@ def test_a_report_stamped_the_same_millisecond_as_the_route_does_not_cover_it() 
     ledger.add(*work("r1", 4000, visible=NOW, routed=NOW))
     p = loads(ledger, fleet(reported_ms=NOW), NOW)["p0"].load
     assert p is not None and p.queued_prefill_tokens == 5000
+
+
+AFFINE = CostModel(prefill_fixed_ms=100.0, recompute_ms_per_token=0.03, reused_ms_per_token=0.0)
+P1 = mk_node("p1", NodeRole.PREFILL)
+
+
+def small_turns(ledger: InFlightLedger, n: int, tokens: int, costs: CostModel) -> None:
+    for i in range(n):
+        ledger.add(
+            *turn_work(
+                f"s{i}",
+                routed_unix_ms=NOW,
+                prefill_node_id="p0",
+                prefill_tokens=tokens,
+                prefill_visible_unix_ms=NOW + 100,
+                decode_node_id="d0",
+                decode_kv_blocks=1,
+                decode_visible_unix_ms=NOW + 600,
+                prefill_ms=costs.prefill_ms(tokens),
+            )
+        )
+
+
+def test_a_burst_of_small_turns_queues_each_ones_fixed_cost() -> None:
+    ledger = InFlightLedger()
+    small_turns(ledger, 10, 20, AFFINE)
+    p = ledger.current([state(P0, queued_prefill_tokens=0)], NOW, costs=AFFINE)[0]
+    assert p.queued_prefill_ms == pytest.approx(10 * (100.0 + 20 * 0.03))
+    assert p.load is not None and p.load.queued_prefill_tokens == 200
+    assert AFFINE.queue_ms(p) == p.queued_prefill_ms
+
+
+def test_a_node_with_a_burst_of_small_turns_is_busier_than_one_with_a_single_long_turn(
+    policy: RoutingPolicy,
+) -> None:
+    reported = [
+        state(P0, queued_prefill_tokens=0),
+        # One 4,000-token turn waits on p1.
+        state(P1, queued_prefill_tokens=4000, queued_requests=1),
+        state(D0, free_kv_blocks=100_000, total_kv_blocks=100_000),
+    ]
+    turn = snap(reported, prompt=Prompt(1000))
+    # Priced by tokens only, ten 20-token turns look like 6 ms of work: p0 looks the idler.
+    by_tokens = InFlightLedger()
+    small_turns(by_tokens, 10, 20, CostModel(prefill_fixed_ms=0.0, recompute_ms_per_token=0.03))
+    rate_only = replace(turn, nodes=by_tokens.current(reported, NOW, prefill_ms_per_token=0.03))
+    assert policy.route(rate_only, AFFINE).prefill.node_id == "p0"
+    # Each of them costs its fixed part too: a second of work, against p1's 220 ms.
+    affine = InFlightLedger()
+    small_turns(affine, 10, 20, AFFINE)
+    current = replace(turn, nodes=affine.current(reported, NOW, costs=AFFINE))
+    assert policy.route(current, AFFINE).prefill.node_id == "p1"
+
+
+def test_a_reported_queue_of_requests_drains_in_time_since_the_report() -> None:
+    ledger = InFlightLedger()
+    # Two waiting requests, 1,000 tokens: 2 x 100 ms + 30 ms of work at the report.
+    reported = [state(P0, queued_prefill_tokens=1000, queued_requests=2, reported_unix_ms=NOW)]
+    p = ledger.current(reported, NOW + 115, costs=AFFINE)[0]
+    assert p.queued_prefill_ms == pytest.approx(115.0)
+    assert p.load is not None and p.load.queued_prefill_tokens == 500
+    done = ledger.current(reported, NOW + 1_000, costs=AFFINE)[0]
+    assert done.queued_prefill_ms == 0.0 and AFFINE.queue_ms(done) == 0.0
+
+
+def test_a_routed_turn_is_priced_with_one_fixed_cost_and_its_reused_tokens(policy: RoutingPolicy) -> None:
+    costs = replace(AFFINE, reused_ms_per_token=0.01)
+    reported = [
+        state(P0, queued_prefill_tokens=0),
+        state(D0, free_kv_blocks=100_000, total_kv_blocks=100_000),
+    ]
+    turn = snap(reported, prompt=Prompt(3000), prefill_cached_tokens={"p0": 2000})
+    plan = policy.route(turn, costs)
+    items = routed_work("r", turn, plan, costs, pulled=False, send_delay_ms=0, decode_after_prefill=True)
+    on_p = next(item for item in items if item.node_id == "p0")
+    assert on_p.prefill_tokens == 1000
+    assert on_p.prefill_ms == pytest.approx(100.0 + 1000 * 0.03 + 2000 * 0.01)
+    # D sees the turn once P is expected to be done with it.
+    on_d = next(item for item in items if item.node_id == "d0")
+    assert on_d.visible_unix_ms == NOW + int(on_p.prefill_ms)

@@ -142,3 +142,25 @@ def test_settings_reject_nonsense() -> None:
     with pytest.raises(ValueError):
         PullSettings(threshold_tokens=-1)
     assert replace(PullSettings(), threshold_tokens=0).threshold_tokens == 0
+
+
+def test_a_tail_cheaper_to_recompute_is_recomputed_without_counting_the_fixed_cost_against_it() -> None:
+    # P holds all but the handle's last 96 tokens. Pulling them pays a transfer's 10 ms; computing
+    # them adds ~2 ms to a prefill that runs anyway. Were the prefill's 100 ms fixed cost put on the
+    # recompute side, the pull would look like a saving.
+    costs = CostModel(prefill_fixed_ms=100.0, recompute_ms_per_token=0.03, reused_ms_per_token=0.01)
+    cached = len(H) - 96
+    v = verdict(costs=costs, prefill_cached_tokens={"p0": cached})
+    assert v.decision is Decision.RECOMPUTE_COST, v.reason
+    assert v.recompute_ms == pytest.approx(96 * 0.03)
+    assert v.transfer_ms > costs.recompute_ms(96) - costs.reused_ms(96)
+
+
+def test_a_pull_must_beat_the_compute_it_saves_net_of_attending_over_the_pulled_tokens() -> None:
+    # 4,096 missing tokens: a 10.3 ms transfer against 4096 x 0.03 = 123 ms of compute, of which
+    # attending over the pulled tokens still costs some.
+    cheap_reuse = CostModel(recompute_ms_per_token=0.03, reused_ms_per_token=0.0)
+    dear_reuse = CostModel(recompute_ms_per_token=0.03, reused_ms_per_token=0.029)
+    contacted = frozenset({("p0", HOLDER.engine_id)})
+    assert verdict(costs=cheap_reuse, contacted=contacted).decision is Decision.PULL
+    assert verdict(costs=dear_reuse, contacted=contacted).decision is Decision.RECOMPUTE_COST

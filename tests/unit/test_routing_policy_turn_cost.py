@@ -16,10 +16,12 @@ from kvplane.services.routing.policy import (
     Decision,
     NodeState,
     Prompt,
+    PullSettings,
     RoutePlan,
     RoutingPolicy,
     load_policy,
 )
+from kvplane.services.routing.policy.turn_cost import estimate_prefill
 from kvplane.services.routing.service import clip_pull
 from tests.unit.routing_policy_fixtures import history, mk_handle, mk_node, snap, state
 
@@ -140,3 +142,18 @@ def test_an_unknown_prefill_cost_model_still_ranks_by_queue(policy: RoutingPolic
         CostModel(recompute_ms_per_token=0.01),
     )
     assert plan.prefill.node_id == "p1"
+
+
+def test_a_turns_cost_on_a_node_counts_the_prefill_fixed_cost_once() -> None:
+    costs = CostModel(prefill_fixed_ms=100.0, recompute_ms_per_token=0.03, reused_ms_per_token=0.01)
+    snapshot = snap(nodes(), prompt=Prompt(len(NEXT), NEXT), prefill_cached_tokens={"p0": len(PREVIOUS)})
+    p0 = snapshot.nodes[0]
+    estimate = estimate_prefill(snapshot, p0, None, False, costs, PullSettings())
+    computed = len(NEXT) - len(PREVIOUS)
+    assert estimate.compute_tokens == computed
+    assert estimate.total_ms == pytest.approx(100.0 + computed * 0.03 + len(PREVIOUS) * 0.01)
+    # Queued requests each bring theirs.
+    busy = NodeState(P0, replace(p0.load, queued_requests=3)) if p0.load is not None else p0
+    queued = estimate_prefill(snapshot, busy, None, False, costs, PullSettings())
+    assert queued.queue_ms == pytest.approx(300.0)
+    assert queued.total_ms == pytest.approx(estimate.total_ms + 300.0)

@@ -6,6 +6,10 @@ that each sample is one rank-one update and one small solve:
 - every sample weighs `alpha`, and every update multiplies what was there
   before by `1 - alpha`, so the fit follows a drifting engine with a memory
   of about `1 / alpha` samples, like a moving average with the same alpha;
+- a sample's weight is also divided by its size squared (|z|^2, z below), so
+  the fit weighs relative errors: a large turn does not outvote many small
+  ones, and one sample moves the fit about `alpha` of the way to it, as a
+  moving average would, whatever its size;
 - the prior (the configured coefficients) is the fit's starting point and
   weighs 1 before any sample, as a moving average's start does: after n
   samples it weighs (1 - alpha)^n (alpha 0.1: a third after 10 samples, 4%
@@ -74,7 +78,7 @@ class AffineFit:
             raise ValueError(f"expected {n - 1} counts")
         z = (1.0, *(x / s for x, s in zip(counts, self.scale, strict=True)))
         keep = 1.0 - self.alpha
-        a = self.alpha
+        a = self.alpha / sum(v * v for v in z)
         zz = self.zz or (0.0,) * (n * n)
         zy = self.zy or (0.0,) * n
         zz = tuple(keep * zz[i * n + j] + a * z[i] * z[j] for i in range(n) for j in range(n))

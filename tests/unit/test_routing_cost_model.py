@@ -1,0 +1,172 @@
+"""The cost model: an affine prefill cost learned online, transfer and handshake estimates, queues."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvplane.services.common.nodes import NodeRole
+from kvplane.services.routing.policy import CostModel, NodeState, TurnObservation, policy_from_yaml
+from kvplane.services.routing.policy.affine_fit import AffineFit
+from kvplane.services.routing.policy.registry import PolicyConfigError
+from tests.unit.routing_policy_fixtures import mk_node, state
+
+KVB = 64 * 8 * 128 * 2 * 2
+P0 = mk_node("p0", NodeRole.PREFILL)
+
+
+def truth(computed: int, reused: int) -> float:
+    """An engine unlike the prior: 40 ms fixed, 0.05 ms per computed token, 0.004 per reused one."""
+    return 40.0 + 0.05 * computed + 0.004 * reused
+
+
+def observed(computed: int, reused: int, *, pulled: int = 0) -> TurnObservation:
+    return TurnObservation(
+        prompt_tokens=computed + reused,
+        pulled_tokens=pulled,
+        cached_tokens=reused - pulled,
+        prefill_ms=truth(computed, reused),
+    )
+
+
+def test_the_default_model_reproduces_the_published_figures() -> None:
+    model = CostModel()
+    assert model.prefill_ms(2_000) == pytest.approx(158, rel=0.01)
+    assert model.prefill_ms(24_000) == pytest.approx(778, rel=0.01)
+    assert 25 <= model.transfer_ms(4_000) <= 40
+    assert 120 <= model.transfer_ms(24_000) <= 140
+    # A pull of a 24k-token history followed by a 512-token message: TTFT 460 ms.
+    pulled = 24_000 - 512
+    assert model.transfer_ms(pulled) + model.prefill_ms(512, pulled) == pytest.approx(460, rel=0.01)
+
+
+def test_the_packaged_policy_holds_the_same_prior_as_the_code() -> None:
+    packaged = policy_from_yaml(
+        "decode: {}\nprefill: {}\ncost_model: {prefill_fixed_ms: 101.6, recompute_ms_per_token: 0.0282,"
+        " reused_ms_per_token: 0.0092}"
+    )
+    assert packaged.cost_model == CostModel()
+
+
+def test_the_fit_converges_to_an_affine_truth_from_reported_turns() -> None:
+    rng = random.Random(7)
+    model = CostModel()
+    for _ in range(300):
+        computed = rng.randrange(1, 8_000)
+        reused = rng.choice((0, rng.randrange(0, 30_000)))
+        model = model.observe(observed(computed, reused, pulled=reused // 2))
+    assert model.prefill_fixed_ms == pytest.approx(40.0, rel=0.05)
+    assert model.recompute_ms_per_token == pytest.approx(0.05, rel=0.02)
+    assert model.reused_ms_per_token == pytest.approx(0.004, rel=0.1)
+    assert model.prefill_samples == 300
+
+
+def test_a_burst_of_small_turns_teaches_the_fixed_cost_a_per_token_rate_would_miss() -> None:
+    model = CostModel(prefill_fixed_ms=0.0)
+    rng = random.Random(3)
+    for _ in range(100):
+        model = model.observe(observed(rng.randrange(16, 256), 0))
+    # Fifty 100-token turns: the queue is mostly their fixed costs.
+    assert 50 * model.prefill_ms(100) == pytest.approx(50 * truth(100, 0), rel=0.1)
+
+
+def test_the_prior_moves_at_the_rate_of_a_moving_average() -> None:
+    prior = CostModel(alpha=0.1)
+    one = prior.observe(observed(2_000, 0))
+    # One turn weighs alpha against the prior's 1 - alpha: the prediction for it moves
+    # by at most alpha of the way to the observation, and in the observation's direction.
+    before, after, seen = prior.prefill_ms(2_000), one.prefill_ms(2_000), truth(2_000, 0)
+    assert before > seen and seen < after < before
+    assert before - after <= prior.alpha * (before - seen) * 1.01
+    # A coefficient the turns cannot tell apart stays at its prior: no turn reused a token.
+    model = prior
+    for _ in range(200):
+        model = model.observe(observed(2_000, 0))
+    assert model.prefill_ms(2_000) == pytest.approx(seen, rel=0.01)
+    assert model.reused_ms_per_token == pytest.approx(prior.reused_ms_per_token, rel=0.05)
+
+
+def test_one_absurd_report_moves_the_estimate_by_a_bounded_step() -> None:
+    model = CostModel()
+    wild = model.observe(TurnObservation(prompt_tokens=10_000, prefill_ms=1e9))
+    bound = model.prefill_ms(10_000) * (1 + model.alpha * model.max_sample_factor)
+    assert model.prefill_ms(10_000) < wild.prefill_ms(10_000) <= bound
+    assert model.observe(TurnObservation(prompt_tokens=10_000, prefill_ms=640.0, success=False)) is model
+
+
+def test_a_sample_factor_of_one_holds_the_model_at_its_configured_estimates() -> None:
+    held = CostModel(max_sample_factor=1.0)
+    model = held
+    for computed in (10, 500, 20_000):
+        model = model.observe(
+            TurnObservation(prompt_tokens=computed + 100, cached_tokens=100, prefill_ms=1.0)
+        )
+    assert model.prefill_ms(3_000, 1_000) == pytest.approx(held.prefill_ms(3_000, 1_000))
+    assert model.prefill_samples == 3
+
+
+def test_a_turn_without_a_prefill_time_teaches_from_its_ttft_only_when_it_reused_nothing() -> None:
+    model = CostModel()
+    assert model.observe(TurnObservation(prompt_tokens=5_000, cached_tokens=4_000, ttft_ms=9.0)) == model
+    assert model.observe(TurnObservation(prompt_tokens=5_000, ttft_ms=400.0)).prefill_samples == 1
+
+
+def test_the_transfer_rate_learns_from_warm_pulls_and_the_handshake_from_first_pulls_only() -> None:
+    model = CostModel()
+    fast = model.observe(
+        TurnObservation(prompt_tokens=5000, pulled_tokens=4096, transfer_ms=20.0, kv_bytes_per_token=KVB)
+    )
+    assert fast.transfer_bytes_per_ms > model.transfer_bytes_per_ms and fast.transfer_samples == 1
+    warm = model.transfer_ms(4096, KVB)
+    first = model.observe(
+        TurnObservation(
+            prompt_tokens=5000,
+            pulled_tokens=4096,
+            transfer_ms=warm + 60.0,
+            kv_bytes_per_token=KVB,
+            first_contact=True,
+        )
+    )
+    assert first.handshake_ms == pytest.approx(model.handshake_ms + model.alpha * (60.0 - model.handshake_ms))
+    assert first.handshake_samples == 1 and first.transfer_bytes_per_ms == model.transfer_bytes_per_ms
+
+
+def test_the_marginal_costs_leave_the_fixed_cost_out() -> None:
+    model = CostModel(prefill_fixed_ms=100.0, recompute_ms_per_token=0.03, reused_ms_per_token=0.01)
+    assert model.recompute_ms(100) == pytest.approx(3.0)
+    assert model.reused_ms(100) == pytest.approx(1.0)
+    assert model.prefill_ms(100, 100) == pytest.approx(104.0)
+
+
+def test_a_report_queue_costs_each_request_its_fixed_part_and_a_running_one_half() -> None:
+    model = CostModel(prefill_fixed_ms=100.0, recompute_ms_per_token=0.03)
+    busy = state(P0, queued_requests=4, running_requests=1, queued_prefill_tokens=1_000)
+    assert model.queue_ms(busy) == pytest.approx(4.5 * 100.0 + 30.0)
+    assert model.queue_ms(NodeState(P0)) == 0.0
+    # The router's own estimate, when it has one, is the queue.
+    assert model.queue_ms(NodeState(P0, busy.load, queued_prefill_ms=12.0)) == 12.0
+
+
+@pytest.mark.parametrize(
+    "section",
+    [
+        "{prefill_fixed_ms: -1}",
+        "{reused_ms_per_token: -0.1}",
+        "{recompute_ms_per_token: 0}",
+        "{min_prior_weight: 0}",
+        "{alpha: 0}",
+    ],
+)
+def test_nonsense_cost_settings_are_rejected(section: str) -> None:
+    with pytest.raises(PolicyConfigError):
+        policy_from_yaml(f"decode: {{}}\nprefill: {{}}\ncost_model: {section}")
+
+
+def test_the_fit_keeps_coefficients_at_their_floor_and_refits_the_rest() -> None:
+    fit = AffineFit(prior=(10.0, 0.1), scale=(100.0,), floor=(0.0, 0.0), alpha=0.5)
+    # A cost that falls with size (a stale, noisy engine): the slope stops at 0 and the level follows.
+    for _ in range(5):
+        fit = fit.update((0.0,), 100.0).update((100.0,), 50.0)
+    c0, c1 = fit.coefficients
+    assert c1 == 0.0 and 50.0 < c0 < 100.0
