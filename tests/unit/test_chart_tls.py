@@ -116,7 +116,7 @@ def test_tls_without_client_certificates_keeps_tokens_and_checks_one_server_name
     env = _env(gateway)
     assert env["KVPLANE_GATEWAY__ROUTING_TLS_SERVER_NAME"] == "kvplane.example.internal"
     assert "KVPLANE_GATEWAY__ROUTING_TLS_CERT_FILE" not in env
-    assert env["KVPLANE_GATEWAY__ROUTING_TOKEN"]["secretKeyRef"]["key"] == "gateway"
+    assert env["KVPLANE_GATEWAY__ROUTING_TOKEN_FILE"] == "/etc/kvplane-auth/token"
 
 
 def test_without_tls_probes_stay_grpc_and_no_certificate_is_mounted(checks: ModuleType) -> None:
@@ -131,14 +131,30 @@ def test_without_tls_probes_stay_grpc_and_no_certificate_is_mounted(checks: Modu
             assert c["livenessProbe"]["grpc"] == {"port": 50051}
 
 
-def test_only_the_services_hold_the_control_planes_token_list(checks: ModuleType) -> None:
-    docs = checks.render_chart({"engines": {"sim": {"enabled": True}}}, "kvp", "kvplane")
-    holders = {
-        d["metadata"]["name"]
-        for d in docs
-        if d["kind"] == "Deployment" and "KVPLANE_AUTH__TOKENS" in _env(_pod(d)[1])
+def test_tokens_are_files_each_pod_mounting_only_its_own_key(checks: ModuleType) -> None:
+    values = {"engines": {"sim": {"enabled": True}, "vllm": {"enabled": True}}}
+    docs = checks.render_chart(values, "kvp", "kvplane")
+    keys: dict[str, list[str]] = {}
+    for d in docs:
+        if d["kind"] != "Deployment":
+            continue
+        pod, c = _pod(d)
+        name = d["metadata"]["name"].removeprefix("kvp-kvplane-")
+        volumes = [v for v in pod["volumes"] if v["name"] == "auth"]
+        keys[name] = [i["key"] for v in volumes for i in v["secret"]["items"]]
+        # No token in the environment: a Secret volume follows a rotated Secret, a variable does not.
+        assert not any("secretKeyRef" in e.get("valueFrom", {}) for e in c["env"] if "TOKEN" in e["name"])
+        token_files = [e["value"] for e in c["env"] if e["name"].endswith(("TOKEN_FILE", "TOKENS_FILE"))]
+        assert len(token_files) == 1, name
+        mount = next(m for m in c["volumeMounts"] if m["name"] == "auth")
+        assert token_files[0].startswith(mount["mountPath"] + "/"), name
+    assert keys == {
+        **{s: ["tokens.json"] for s in SERVICES},
+        "gateway": ["gateway"],
+        **{
+            f"{kind}-{role}": [f"{kind}-{role}"] for kind in ("sim", "vllm") for role in ("prefill", "decode")
+        },
     }
-    assert holders == {f"kvp-kvplane-{s}" for s in SERVICES}
 
 
 def test_the_chart_refuses_mtls_without_client_certificates_and_tls_without_secrets(

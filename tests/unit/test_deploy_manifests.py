@@ -208,18 +208,31 @@ def test_chart_runs_token_auth_by_default_with_its_own_secret(checks: ModuleType
         },
     }
     assert len({e["token"] for e in entries}) == len(entries)
-    # The gateway presents its token to routing, each engine its own.
+    # The gateway presents its token to routing, each engine its own: files from the Secret's
+    # keys (read again when the Secret changes), each pod holding only its own.
+    mounted = {
+        d["metadata"]["name"]: [
+            i["key"]
+            for v in d["spec"]["template"]["spec"]["volumes"]
+            if v["name"] == "auth"
+            for i in v["secret"]["items"]
+        ]
+        for d in docs
+        if d["kind"] == "Deployment"
+    }
     env = {
-        (d["metadata"]["name"], e["name"]): e["valueFrom"]["secretKeyRef"]["key"]
+        (d["metadata"]["name"], e["name"]): e.get("value")
         for d in docs
         if d["kind"] == "Deployment"
         for c in d["spec"]["template"]["spec"]["containers"]
         for e in c.get("env", [])
-        if "secretKeyRef" in e.get("valueFrom", {})
     }
-    assert env[("kvp-kvplane-gateway", "KVPLANE_GATEWAY__ROUTING_TOKEN")] == "gateway"
-    assert env[("kvp-kvplane-sim-prefill", "KVPLANE_SIM_AUTH_TOKEN")] == "sim-prefill"
-    assert env[("kvp-kvplane-routing", "KVPLANE_AUTH__TOKENS")] == "tokens.json"
+    assert mounted["kvp-kvplane-gateway"] == ["gateway"]
+    assert env[("kvp-kvplane-gateway", "KVPLANE_GATEWAY__ROUTING_TOKEN_FILE")] == "/etc/kvplane-auth/token"
+    assert mounted["kvp-kvplane-sim-prefill"] == ["sim-prefill"]
+    assert env[("kvp-kvplane-sim-prefill", "KVPLANE_SIM_AUTH_TOKEN_FILE")] == "/etc/kvplane-auth/token"
+    assert mounted["kvp-kvplane-routing"] == ["tokens.json"]
+    assert env[("kvp-kvplane-routing", "KVPLANE_AUTH__TOKENS_FILE")] == "/etc/kvplane-auth/tokens.json"
     # The open header mode is gone.
     with pytest.raises(helm_python.HelmError):
         checks.render_chart({"auth": {"mode": "header"}}, "kvp", "kvplane")

@@ -99,13 +99,32 @@ sidecar.istio.io/inject: {{ ternary "true" "false" .Values.mesh.enabled | quote 
 {{- .Values.auth.tokensSecret.name | default (printf "%s-auth" (include "kvplane.fullname" .)) -}}
 {{- end -}}
 
-{{/* An engine's or the gateway's token for the control plane, from the tokens Secret (key: who). */}}
-{{- define "kvplane.tokenEnv" -}}
+{{/*
+Tokens travel as files in /etc/kvplane-auth, from the tokens Secret: a Secret volume follows the
+Secret, and servers and clients read a changed token file again, so a token is rotated or
+revoked by editing the Secret, without a restart. Each pod mounts only its own key.
+*/}}
+{{- define "kvplane.authDir" -}}/etc/kvplane-auth{{- end -}}
+
+{{/* An engine's or the gateway's token file variable: (dict "root" $ "name" VARIABLE). */}}
+{{- define "kvplane.tokenFileEnv" -}}
 - name: {{ .name }}
-  valueFrom:
-    secretKeyRef:
-      name: {{ include "kvplane.authSecretName" .root }}
-      key: {{ .key }}
+  value: {{ include "kvplane.authDir" . }}/token
+{{- end -}}
+
+{{/* The tokens Secret's key KEY as the file FILE: (dict "root" $ "key" KEY "path" FILE). */}}
+{{- define "kvplane.authVolume" -}}
+- name: auth
+  secret:
+    secretName: {{ include "kvplane.authSecretName" .root }}
+    items:
+      - {key: {{ .key | quote }}, path: {{ .path }}}
+{{- end -}}
+
+{{- define "kvplane.authMount" -}}
+- name: auth
+  mountPath: {{ include "kvplane.authDir" . }}
+  readOnly: true
 {{- end -}}
 
 {{- define "kvplane.configVolume" -}}
@@ -175,11 +194,8 @@ is used without a restart.
 - name: KVPLANE_AUTH__MODE
   value: {{ .Values.auth.mode | quote }}
 {{- if eq .Values.auth.mode "token" }}
-- name: KVPLANE_AUTH__TOKENS
-  valueFrom:
-    secretKeyRef:
-      name: {{ include "kvplane.authSecretName" . }}
-      key: {{ .Values.auth.tokensSecret.key }}
+- name: KVPLANE_AUTH__TOKENS_FILE
+  value: {{ include "kvplane.authDir" . }}/tokens.json
 {{- end }}
 {{- if $tls.enabled }}
 {{- if not $tls.serverSecret }}
