@@ -165,6 +165,7 @@ class SimHandle:
         "expiry_s",
         "handle_id",
         "info",
+        "poisoned_from",
         "published_s",
         "reading",
         "tenant",
@@ -197,6 +198,8 @@ class SimHandle:
         # fenced check-out); D's blocks stay until P has read them, or D's TTL or pressure ends them.
         self.checked_out = False
         self.reading = False  # P's read of its blocks is in flight
+        # The first block of its context whose KV is wrong (built on a wrong-prefix pull), if any.
+        self.poisoned_from: int | None = None
         # Built on first use: most handles are never routed to or judged.
         self.cache_handle: CacheHandle | None = None
         self.info: HandleInfo | None = None

@@ -51,8 +51,11 @@ frees them first, and the pull fails: P recomputes).
 A pull the router marks `prefix_ok=False` (no prefix check, and the prompt
 does not extend the handle) imports KV computed for other tokens: the turn
 is counted as a wrong-prefix turn and none of its pulled tokens as reuse.
-The blocks it imports also land in P's cache under the prompt's hashes, as
-they would in vLLM; later hits on them are not counted as wrong here.
+The blocks it imports, and those P computes after them, land in P's cache
+under the prompt's hashes, as they would in vLLM, and D keeps the turn's
+context built on them: a later turn that hits those blocks in P's cache, or
+pulls them from D, is served wrong KV too and is counted the same way (its
+tokens from the first wrong block on are wrong-prefix tokens, not reuse).
 """
 
 from __future__ import annotations
@@ -116,6 +119,7 @@ class _InFlight:
         "decode",
         "estimate_s",
         "estimate_tokens",
+        "poisoned_from",
         "prefill",
         "prompt",
         "pulled",
@@ -148,6 +152,8 @@ class _InFlight:
         self.computed = 0
         self.transfer = 0.0
         self.compute = 0.0
+        # The first block of the prompt (and so of its context) whose KV is wrong, if any.
+        self.poisoned_from: int | None = None
         # P's load as counted at routing (a guess from P's cache then), corrected when taken.
         self.estimate_tokens = 0
         self.estimate_s = 0.0
@@ -305,22 +311,38 @@ class Simulator:
         choice = flight.choice
         handle = choice.pull
         # P's own prefix cache first; at least the last token is always computed.
-        cached = min(p.cache.hit_blocks(flight.prompt) * block, turn.prompt_tokens - 1)
+        hit, poisoned_hit = p.cache.hit(flight.prompt)
+        cached = min(hit * block, turn.prompt_tokens - 1)
+        # The first block whose KV is wrong: a poisoned cache hit, then what the pull imports.
+        bad = poisoned_hit if poisoned_hit is not None and poisoned_hit * block < cached else None
         pulled = 0
         if handle is not None:
             if handle.alive:
                 # vLLM's P reads only what it lacks: remote_num_tokens minus its local hit.
                 pulled = max(0, min(choice.pulled_tokens, turn.prompt_tokens - 1) - cached)
                 rec.consumed += 1
-                if choice.prefix_ok:
-                    rec.pulled_correct += pulled
-                elif pulled:
-                    rec.wrong_prefix_tokens += pulled
-                    rec.wrong_prefix_turns += 1
+                if pulled:
+                    if not choice.prefix_ok:
+                        bad_pull: int | None = cached // block  # none of it is this prompt's KV
+                    elif handle.poisoned_from is not None and handle.poisoned_from * block < cached + pulled:
+                        bad_pull = max(cached // block, handle.poisoned_from)
+                    else:
+                        bad_pull = None
+                    if bad_pull is not None and (bad is None or bad_pull < bad):
+                        bad = bad_pull
             else:
                 flight.decision = "pull_failed"
+        # Tokens from the first wrong block on are wrong KV, never reuse; the turn's output is wrong.
+        first_bad = bad * block if bad is not None else turn.prompt_tokens
+        wrong_cached = max(0, cached - first_bad)
+        wrong_pulled = pulled - min(pulled, max(0, first_bad - cached))
+        rec.pulled_correct += pulled - wrong_pulled
+        rec.wrong_prefix_tokens += wrong_cached + wrong_pulled
+        if bad is not None:
+            rec.wrong_prefix_turns += 1
+        flight.poisoned_from = bad
         rec.decisions[flight.decision] += 1
-        rec.cached_tokens += cached
+        rec.cached_tokens += cached - wrong_cached
         flight.cached = cached
         flight.pulled = pulled
         flight.computed = turn.prompt_tokens - cached - pulled
@@ -359,7 +381,7 @@ class Simulator:
         p.busy = True
         p.free_at = now + flight.compute
         p.backlog_s -= flight.estimate_s
-        p.cache.insert(flight.prompt)
+        p.cache.insert(flight.prompt, flight.poisoned_from)
         self._push(p.free_at, _PREFILL_DONE, flight)
 
     def _prefill_done(self, flight: _InFlight, now: float) -> None:
@@ -434,6 +456,7 @@ class Simulator:
             now + self.config.cluster.engine_ttl_s,
         )
         self._next_handle += 1
+        handle.poisoned_from = flight.poisoned_from
         d.handles[handle.handle_id] = handle
         d.retained += handle.bytes
         self._handles[handle.handle_id] = handle

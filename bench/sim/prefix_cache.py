@@ -15,6 +15,16 @@ Eviction takes the least recently used run's tail blocks first. This is the
 same set of hits vLLM's block-level cache gives as long as a prompt's runs
 are touched together, which they always are here: a prompt is touched as a
 whole, its head last.
+
+Poisoned blocks: vLLM keys a cached block by its tokens' hash, not by how
+its KV was made. A pull that imported KV computed for other tokens (no
+prefix check) leaves wrong KV under the new prompt's hashes, and every block
+P computed after it attended to that KV, so it is wrong too: from the first
+wrong block to the prompt's end. Later prompts that hit those blocks are
+served wrong KV. The cache keeps, per run, the offset from which its held
+blocks are poisoned, until pressure evicts them. A block already held is
+never replaced by a later computation of the same hash (vLLM keeps the
+first), so an insert poisons only the blocks it adds.
 """
 
 from __future__ import annotations
@@ -27,12 +37,14 @@ from kvplane.bench.sim.block_chain import BlockChain
 class PrefixCache:
     """Up to `capacity_blocks` blocks of prompt KV, least recently used out first."""
 
-    __slots__ = ("_held", "_used", "capacity_blocks")
+    __slots__ = ("_held", "_poisoned", "_used", "capacity_blocks")
 
     def __init__(self, capacity_blocks: int) -> None:
         self.capacity_blocks = max(0, capacity_blocks)
         # First value of a run -> leading blocks of that run held; LRU first, MRU last.
         self._held: OrderedDict[int, int] = OrderedDict()
+        # First value of a run -> offset in the run from which its held blocks hold wrong KV.
+        self._poisoned: dict[int, int] = {}
         self._used = 0
 
     @property
@@ -51,14 +63,37 @@ class PrefixCache:
             return hit + have
         return hit
 
-    def insert(self, chain: BlockChain) -> None:
-        """The engine has computed or imported every block of `chain`: hold them, most recent."""
+    def hit(self, chain: BlockChain) -> tuple[int, int | None]:
+        """Leading blocks of `chain` held, and the index of the first poisoned one among them."""
+        held = self._held
+        poisoned = self._poisoned
+        hit = 0
+        first_bad: int | None = None
+        for start, base, length in chain.runs():
+            have = held.get(base, 0)
+            bad = poisoned.get(base)
+            if first_bad is None and bad is not None and bad < min(have, length):
+                first_bad = start + bad
+            if have < length:
+                return hit + have, first_bad
+            hit += length
+        return hit, first_bad
+
+    def insert(self, chain: BlockChain, poisoned_from: int | None = None) -> None:
+        """The engine has computed or imported every block of `chain`: hold them, most recent.
+
+        `poisoned_from`: the index of the first block whose KV is wrong (None: all are right).
+        """
         if self.capacity_blocks <= 0 or not len(chain):
             return
         held = self._held
+        poisoned = self._poisoned
         # Tail runs first, so the head ends most recently used and is evicted last.
-        for _, base, length in reversed(list(chain.runs())):
+        for start, base, length in reversed(list(chain.runs())):
             have = held.get(base, 0)
+            if poisoned_from is not None and length > have and start + length > poisoned_from:
+                bad = max(poisoned_from - start, have)
+                poisoned[base] = min(bad, poisoned.get(base, bad))
             if length > have:
                 held[base] = length
                 self._used += length - have
@@ -73,9 +108,12 @@ class PrefixCache:
             base, have = next(iter(held.items()))
             if have <= excess:
                 del held[base]
+                self._poisoned.pop(base, None)
                 self._used -= have
                 excess -= have
             else:
                 held[base] = have - excess  # drops that run's tail blocks only
                 self._used -= excess
                 excess = 0
+                if self._poisoned.get(base, have) >= held[base]:
+                    self._poisoned.pop(base, None)  # its poisoned tail went
