@@ -25,6 +25,7 @@ from kvplane.services.gateway.metrics import GatewayMetrics
 from kvplane.services.gateway.openai_errors import RequestRejected, error_response, rejection
 from kvplane.services.gateway.progress import TurnRequest
 from kvplane.services.gateway.prompts import estimate_tokens
+from kvplane.services.gateway.protocol_errors import JsonErrorAppRunner, json_http_errors
 from kvplane.services.gateway.request_body import BodyLimits, check_completion, single_prompt
 from kvplane.services.gateway.tenant_share import TenantShares
 from kvplane.services.gateway.turn import TurnFailed, TurnRunner
@@ -43,6 +44,9 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 # The paths whose callers are authenticated before their bodies are read.
 COMPLETION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+# The paths that need an API key: the completions, and the model list (what a deployment serves
+# is not for anyone who can reach it). Health and metrics stay open to probes and scrapers.
+AUTHENTICATED_PATHS = COMPLETION_PATHS | {"/v1/models"}
 
 
 class AddressError(ValueError):
@@ -172,8 +176,10 @@ def build_app(
 ) -> web.Application:
     keys = {entry.token.get_secret_value(): entry.tenant for entry in settings.api_keys}
     api_keys = ApiKeys(keys, settings.default_tenant)
-    admit = admission(api_keys, _read_limits(settings), COMPLETION_PATHS)
-    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[count_requests, admit])
+    admit = admission(api_keys, _read_limits(settings), AUTHENTICATED_PATHS)
+    app = web.Application(
+        client_max_size=settings.max_body_bytes, middlewares=[count_requests, json_http_errors, admit]
+    )
     app[KEYS_KEY] = api_keys
     app[SHARES_KEY] = TenantShares(settings.max_inflight_tokens_per_tenant)
     app[SALTS_KEY] = CacheSalts.create(
@@ -241,7 +247,8 @@ class Gateway:
             # aiohttp closes a connection that has not sent a whole request head within its keep-alive
             # timeout: that is the head's deadline (a client dribbling headers holds nothing longer).
             # No lingering: a refused request's unread body is not drained, the connection is closed.
-            self._runner = web.AppRunner(
+            # Requests aiohttp's parser refuses are answered in OpenAI's format too.
+            self._runner = JsonErrorAppRunner(
                 app,
                 access_log=None,
                 handler_cancellation=True,

@@ -393,7 +393,9 @@ async def test_an_unknown_model_is_404_for_that_request_alone_and_tokenizing_goe
 
 
 async def test_models_and_health(front: Front) -> None:
-    async with front.session.get(front.gateway.url + "/v1/models") as resp:
+    async with front.session.get(
+        front.gateway.url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}
+    ) as resp:
         assert [m["id"] for m in (await resp.json())["data"]] == ["m"]
     async with front.session.get(front.gateway.url + "/health") as resp:
         assert resp.status == 200

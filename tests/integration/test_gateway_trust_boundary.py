@@ -320,3 +320,67 @@ async def test_a_client_waiting_for_100_continue_gets_it_only_once_admitted(stac
     # Admitted but declared too large: refused before any of the body is asked for.
     assert (await head(key)).startswith(b"HTTP/1.1 413")
     assert (await head(key, length=100)).startswith(b"HTTP/1.1 100 Continue")
+
+
+async def _raw_exchange(stack: GatewayStack, request: bytes) -> tuple[bytes, dict[str, Any]]:
+    """Sends `request` as it is; the answer's status line and its JSON body."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", stack.gateway.port)
+    writer.write(request)
+    await writer.drain()
+    answer = await asyncio.wait_for(reader.read(), timeout=30)
+    writer.close()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert b"content-type: application/json" in head.lower(), head
+    parsed: dict[str, Any] = json.loads(body)
+    return head.split(b"\r\n")[0], parsed
+
+
+MALFORMED_REQUESTS: list[tuple[str, bytes]] = [
+    ("a garbage request line", b"\x16\x03\x01 not http at all\r\n\r\n"),
+    ("an unreadable HTTP version", b"GET /health HTTP/x.y\r\nHost: gw\r\n\r\n"),
+    ("a header without a colon", b"GET /health HTTP/1.1\r\nHost: gw\r\nno colon here\r\n\r\n"),
+    ("an invalid Content-Length", b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Length: x\r\n\r\n"),
+    (
+        "a bad chunk size",
+        b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "request_bytes"), MALFORMED_REQUESTS, ids=[c for c, _ in MALFORMED_REQUESTS]
+)
+async def test_a_request_the_http_parser_refuses_gets_a_400_in_openais_format(
+    stack: GatewayStack, case: str, request_bytes: bytes
+) -> None:
+    status_line, body = await _raw_exchange(stack, request_bytes)
+    # HTTP/1.0 when even the version could not be read.
+    assert status_line.split()[1].startswith(b"4"), (case, status_line)
+    assert body["error"]["type"] in ("BadRequestError", "RequestTooLargeError", "NotImplementedError"), body
+    assert body["error"]["code"] == int(status_line.split()[1])
+
+
+async def test_unknown_paths_and_methods_get_openai_format_errors(stack: GatewayStack) -> None:
+    status_line, body = await _raw_exchange(
+        stack, b"GET /v1/nothing-here HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n\r\n"
+    )
+    assert status_line.startswith(b"HTTP/1.1 404") and body["error"]["type"] == "NotFoundError"
+    async with stack.session.delete(stack.gateway.url + "/v1/models", headers=stack.headers("acme")) as resp:
+        assert resp.status == 405 and "GET" in resp.headers["Allow"]
+        assert (await resp.json())["error"]["code"] == 405
+
+
+async def test_the_model_list_needs_an_api_key(stack: GatewayStack) -> None:
+    async with stack.session.get(stack.gateway.url + "/v1/models") as resp:
+        assert resp.status == 401
+        assert (await resp.json())["error"]["type"] == "AuthenticationError"
+    async with stack.session.get(
+        stack.gateway.url + "/v1/models", headers={"Authorization": "Bearer not-a-key"}
+    ) as resp:
+        assert resp.status == 401
+    async with stack.session.get(stack.gateway.url + "/v1/models", headers=stack.headers("acme")) as resp:
+        assert resp.status == 200
+        assert (await resp.json())["object"] == "list"
+    # Probes and scrapers carry no key.
+    async with stack.session.get(stack.gateway.url + "/health") as resp:
+        assert resp.status == 200
