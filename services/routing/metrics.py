@@ -18,6 +18,8 @@ class RoutingMetrics:
     route_seconds: Histogram
     reports: Counter
     recompute_seconds_per_token: Gauge
+    prefill_fixed_seconds: Gauge
+    reused_seconds_per_token: Gauge
     transfer_bytes_per_second: Gauge
 
     @classmethod
@@ -56,7 +58,17 @@ class RoutingMetrics:
             ),
             recompute_seconds_per_token=Gauge(
                 "kvplane_cost_recompute_seconds_per_token",
-                "Current estimate of prefill time per prompt token, in seconds",
+                "Current estimate of prefill time per computed prompt token, in seconds",
+                registry=registry,
+            ),
+            prefill_fixed_seconds=Gauge(
+                "kvplane_cost_prefill_fixed_seconds",
+                "Current estimate of a prefill's fixed time per request, in seconds",
+                registry=registry,
+            ),
+            reused_seconds_per_token=Gauge(
+                "kvplane_cost_reused_seconds_per_token",
+                "Current estimate of prefill time per prompt token reused (cached or pulled), in seconds",
                 registry=registry,
             ),
             transfer_bytes_per_second=Gauge(

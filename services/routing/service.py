@@ -541,6 +541,8 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
     def _publish_cost_gauges(self) -> None:
         # The cost model works in ms; metrics are in base units.
         self.metrics.recompute_seconds_per_token.set(self.costs.recompute_ms_per_token / 1000)
+        self.metrics.prefill_fixed_seconds.set(self.costs.prefill_fixed_ms / 1000)
+        self.metrics.reused_seconds_per_token.set(self.costs.reused_ms_per_token / 1000)
         self.metrics.transfer_bytes_per_second.set(self.costs.transfer_bytes_per_ms * 1000)
 
     async def _publish(

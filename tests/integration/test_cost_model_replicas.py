@@ -12,6 +12,7 @@ from kvplane.services.common.process import ServiceProcess
 from tests.support.routing_cluster import MODEL, RoutingCluster, prefill_and_decode, tokens
 
 GAUGE = "kvplane_cost_recompute_seconds_per_token"
+FIXED = "kvplane_cost_prefill_fixed_seconds"
 
 
 @pytest.fixture
@@ -20,8 +21,8 @@ async def cluster(etcd: LocalEtcd, prefix: str) -> AsyncIterator[RoutingCluster]
         yield c
 
 
-def _estimate(replica: ServiceProcess) -> float:
-    value = replica.telemetry.registry.get_sample_value(GAUGE)
+def _estimate(replica: ServiceProcess, gauge: str = GAUGE) -> float:
+    value = replica.telemetry.registry.get_sample_value(gauge)
     assert value is not None
     return value
 
@@ -30,8 +31,9 @@ async def test_both_replicas_learn_from_reports_of_a_client_that_rotates_between
     cluster: RoutingCluster,
 ) -> None:
     prior = [_estimate(r) for r in cluster.replicas]
-    observed_s = 4 * max(prior)  # prefill four times slower than the prior says
     prompt = 2048
+    # Prefill four times slower than the prior says: its fixed part and its part per token.
+    observed_s = 4 * max(_estimate(r, FIXED) + _estimate(r) * prompt for r in cluster.replicas)
     async with cluster.gateway() as gateway:
         for _ in range(8):
             conversation = f"c-{uuid.uuid4().hex[:8]}"
@@ -41,8 +43,8 @@ async def test_both_replicas_learn_from_reports_of_a_client_that_rotates_between
                 conversation,
                 success=True,
                 prompt_tokens=prompt,
-                prefill_ms=observed_s * 1000 * prompt,
-                ttft_ms=observed_s * 1000 * prompt,
+                prefill_ms=observed_s * 1000,
+                ttft_ms=observed_s * 1000,
                 tenant="acme",
             )
     learned = [_estimate(r) for r in cluster.replicas]
