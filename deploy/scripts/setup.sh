@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs everything kvplane needs on a Debian machine, as root: etcd,
+# Installs everything kvplane needs on a Debian machine, as root: etcd and etcdctl,
 # Node.js (for buf), a Python virtual environment with the project and its
 # development tools, at the versions of deploy/constraints.txt. Idempotent: a
 # second run installs nothing new. The first run takes 5-10 minutes on 2 cores
@@ -9,6 +9,8 @@ cd "$(dirname "$0")/../.."
 
 need_apt=()
 command -v etcd >/dev/null || need_apt+=(etcd-server)
+# etcdctl: the Helm chart's backup Job's steps run against a real etcd in the tests.
+command -v etcdctl >/dev/null || need_apt+=(etcd-client)
 command -v make >/dev/null || need_apt+=(make)
 command -v gcc >/dev/null || need_apt+=(gcc)
 command -v npm >/dev/null || need_apt+=(nodejs npm)
