@@ -8,11 +8,13 @@
   the wrong KV.
 - `vllm-proxy-checked`: the same with a token-exact prefix check; a
   mismatch recomputes. The fair safe baseline.
-- `prefix-affinity`: precise prefix-cache-aware routing to P with current
-  loads (llm-d style); no D->P reuse, D keeps nothing.
+- `prefix-affinity`: precise prefix-cache-aware routing to P (llm-d style:
+  P's cached blocks from KV events, its queue from load reports plus the
+  work the router sent since); no D->P reuse, D keeps nothing.
 - `kvplane`: kvplane's default routing and retention policies, D's TTL 480 s.
 - `oracle`: unlimited KV on D and in P's caches, no TTL, every shared
-  whole-block prefix pulled, every P cache hit used.
+  whole-block prefix pulled, every P cache hit used, P picked from the
+  nodes' real queues: a bound that reads the simulator's ground truth.
 
 Routing and retention policies are loaded by the same functions the
 services use (`load_policy`, `RetentionPipeline.from_config`), so a policy
