@@ -18,6 +18,9 @@ nothing on the worker side. In the scheduler process it adds:
 - `request_finished*` (D): on a natural finish with retained blocks, publish the handle (with
   token digests, retained bytes, tenant and conversation) through the node agent;
 - `update_connector_output`: every published request in `finished_sending` is reported released;
+- reconcile: at every (re)registration the node agent asks the control plane which of the
+  published requests whose blocks this engine still holds (`_retained_request_ids`) nothing
+  references any more (purged while the node was away) and queues their early release;
 - `build_connector_meta`: early releases queued by the agent's release commands take effect;
   the workers free those blocks in that step;
 - KV demand: `get_num_new_matched_tokens` and `update_state_after_alloc` show which waiting
@@ -421,6 +424,7 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
             self._queue_release,
             on_drain=self._queue_drain,
             demand_fn=self._current_demand,
+            retained_fn=self._retained_request_ids,
         )
         self.kvplane_agent.start()
         log.info(
@@ -450,6 +454,13 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
         """Agent thread: release every held handle and publish no more."""
         with self._release_lock:
             self._drain_requested = True
+
+    def _retained_request_ids(self) -> list[str]:
+        """Agent thread, at every (re)registration: the published requests whose blocks this
+        engine holds for a pull. P's blocks waiting for D's read were never published, so they
+        are not asked about. `dict.copy` is one call under the GIL: a consistent snapshot while
+        the scheduler thread adds and removes entries."""
+        return list(self._held.copy())
 
     def _current_load(self) -> NodeLoad:
         """Agent thread: the latest snapshot the scheduler thread made (an atomic read)."""
@@ -684,12 +695,14 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
             published_unix_ms=int(now * 1000),
             model=self._model_name,
         )
-        self._held[request.request_id] = _Held(str(handle_id), retained_bytes)
         self.kvplane_metrics.published.inc()
         if self.kvplane_agent is not None:
             attributes = {"kvplane.handle_id": str(handle_id), "kvplane.retained_bytes": retained_bytes}
             with request_span(self._tracer, "kvplane.publish", _trace_headers(request), **attributes):
                 self.kvplane_agent.publish(handle, current_trace_context())
+        # Held only once its publish is queued: a reconcile on the agent's thread that sees the
+        # request also sees its publish (queued, or sent and referenced), never frees it unsent.
+        self._held[request.request_id] = _Held(str(handle_id), retained_bytes)
         return params
 
     def _update_demand(self, applied: dict[str, int]) -> None:

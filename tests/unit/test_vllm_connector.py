@@ -126,8 +126,9 @@ class Engine:
         connector = self.scheduler.connector
         assert isinstance(connector, NixlConnector)
         self.connector: NixlConnector = connector
-        # An agent that is never started: what the connector enqueues stays visible.
-        self.agent = NodeAgent(
+        # An agent that is never started: what the connector enqueues stays visible. A connector
+        # configured with a control plane (metadata_target) keeps the agent it started.
+        self.agent = self.connector.kvplane_agent or NodeAgent(
             NodeAgentSettings(metadata_target="127.0.0.1:9"),
             Node("n", "", NodeRole.BOTH, "e", "", "127.0.0.1", 1, Fingerprint("tiny"), BLOCK),
             lambda: NodeLoad("n", ""),
