@@ -152,3 +152,64 @@ async def test_no_input_gets_a_5xx_and_nothing_refused_reaches_routing_or_an_eng
     print(f"\nfuzzed calls by status: {dict(sorted(outcomes.items()))}")
     # The draw reaches both sides of the boundary.
     assert any(s < 300 for s in outcomes) and any(400 <= s < 500 for s in outcomes)
+
+
+# Request heads aiohttp's parser must judge: raw bytes, and request lines and headers bent out of shape.
+methods = st.sampled_from([b"GET", b"POST", b"DELETE", b"G\x00T", b"", b"PRI"]) | st.binary(max_size=6)
+paths = st.sampled_from([b"/v1/completions", b"/v1/models", b"/health", b"*", b""]) | st.binary(max_size=20)
+versions = st.sampled_from([b"HTTP/1.1", b"HTTP/1.0", b"HTTP/2.0", b"HTTP/x", b""]) | st.binary(max_size=9)
+header_lines = st.lists(
+    # No framing that leaves a valid request waiting for a body: the answer would be the body deadline's.
+    st.sampled_from([b"Host: gw", b"Content-Length: -1", b"Content-Length: x", b"X: \x00"])
+    | st.binary(max_size=30),
+    max_size=3,
+).map(b"\r\n".join)
+heads = st.binary(max_size=200) | st.builds(
+    lambda m, p, v, h: m + b" " + p + b" " + v + b"\r\n" + h, methods, paths, versions, header_lines
+)
+
+
+async def _exchange(stack: GatewayStack, head: bytes) -> bytes:
+    """Sends `head` (asking that the connection close after the answer); whatever comes back."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", stack.gateway.port)
+    try:
+        writer.write(head + b"\r\nConnection: close\r\n\r\n")
+        await writer.drain()
+        return await asyncio.wait_for(reader.read(), timeout=CALL_DEADLINE_S)
+    finally:
+        writer.close()
+
+
+async def test_any_request_head_gets_a_4xx_in_openais_format_or_nothing(stack: GatewayStack) -> None:
+    loop = asyncio.get_running_loop()
+    outcomes: dict[int, int] = {}
+
+    @settings(
+        max_examples=EXAMPLES,
+        deadline=None,
+        database=None,
+        phases=[Phase.explicit, Phase.generate],
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    @given(head=heads)
+    def one(head: bytes) -> None:
+        future = asyncio.run_coroutine_threadsafe(_exchange(stack, head), loop)
+        answer = future.result(timeout=CALL_DEADLINE_S + 10)
+        if not answer:
+            outcomes[0] = outcomes.get(0, 0) + 1  # closed without an answer: allowed
+            return
+        status_line, _, rest = answer.partition(b"\r\n")
+        status = int(status_line.split()[1])
+        outcomes[status] = outcomes.get(status, 0) + 1
+        assert status < 500, (head[:200], answer[:300])
+        if status >= 400:
+            headers, _, body = rest.partition(b"\r\n\r\n")
+            assert b"content-type: application/json" in headers.lower(), (head[:200], answer[:300])
+            error: Any = json.loads(body)["error"]
+            assert set(error) == {"message", "type", "param", "code"} and error["code"] == status, answer[
+                :300
+            ]
+
+    await asyncio.to_thread(one)
+    print(f"\nfuzzed request heads by status: {dict(sorted(outcomes.items()))}")
+    assert any(400 <= s < 500 for s in outcomes)
