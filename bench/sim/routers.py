@@ -175,7 +175,10 @@ class PrefixAffinityRouter:
     The queue is what a live router knows, kept as kvplane's router keeps
     it: each P's last load report (as stale as the fleet's reports are) plus
     the prefill work this router has sent it since (`InFlightLedger`),
-    drained at the engine's per-token prefill rate. Never P's real queue.
+    drained as a FIFO node computes it. Never P's real queue. Times come
+    from the engine's published prefill timing (a fixed cost per request,
+    and per computed and per reused token), as configuration: kvplane's cost
+    model starts from the same figures and learns from there.
     """
 
     def __init__(self, fleet: Fleet) -> None:
@@ -184,29 +187,29 @@ class PrefixAffinityRouter:
         self._inflight = InFlightLedger()
         self._routes = 0
         timing = fleet.costs.timing
-        # The engine's published prefill speed: configuration, not an observation.
-        self._ms_per_token = timing.prefill_per_token_s * 1000.0 / timing.speedup
+        self._costs = CostModel(
+            prefill_fixed_ms=timing.prefill_base_s * 1000.0 / timing.speedup,
+            recompute_ms_per_token=timing.prefill_per_token_s * 1000.0 / timing.speedup,
+            reused_ms_per_token=fleet.costs.pulled_token_s * 1000.0,
+        )
 
     def route(self, turn: Turn, conversation: Conversation, prompt: BlockChain, now: float) -> RouteChoice:
         fleet = self.fleet
-        costs = fleet.costs
+        costs = self._costs
         now_ms = fleet.unix_ms(now)
         reports = self._inflight.current(
-            [fleet.node_state(i, now) for i in range(len(fleet.prefill))],
-            now_ms,
-            prefill_ms_per_token=self._ms_per_token,
+            [fleet.node_state(i, now) for i in range(len(fleet.prefill))], now_ms, costs=costs
         )
-        best: tuple[float, int, PrefillState] | None = None
+        best: tuple[float, float, int, PrefillState] | None = None
         for p, state in zip(fleet.prefill, reports, strict=True):
             # KV events: the cached blocks of each P are fair to read (see fleet.py).
             cached = min(p.cache.hit_blocks(prompt) * fleet.block_tokens, turn.prompt_tokens - 1)
-            queued = state.load.queued_prefill_tokens if state.load is not None else 0
-            finish = queued * self._ms_per_token / 1000.0
-            finish += costs.prefill_s(turn.prompt_tokens - cached) + costs.pulled_compute_s(cached)
+            prefill_ms = costs.prefill_ms(turn.prompt_tokens - cached, cached)
+            finish = costs.queue_ms(state) + prefill_ms
             if best is None or finish < best[0]:
-                best = (finish, cached, p)
+                best = (finish, prefill_ms, cached, p)
         assert best is not None
-        _, cached, chosen = best
+        _, prefill_ms, cached, chosen = best
         self._routes += 1
         self._inflight.add(
             RoutedWork(
@@ -215,6 +218,7 @@ class PrefixAffinityRouter:
                 now_ms,
                 now_ms,
                 prefill_tokens=turn.prompt_tokens - cached,
+                prefill_ms=prefill_ms,
                 queued_requests=1,
             )
         )
