@@ -6,6 +6,11 @@ with blocks nobody else can use. The gateway counts each tenant's prompt
 tokens in flight and refuses a turn (429) that would take the tenant past its
 limit. A text prompt counts as its UTF-8 size, an upper-end guess of its
 tokens (no tokenizer produces more tokens than bytes here).
+
+The count is per gateway process: with N gateway replicas a tenant may hold up to N times
+the limit, so a deployment sets `max_inflight_tokens_per_tenant` to its total bound divided by
+its replicas. Sharing the count through etcd would cost every turn two writes on its hot path;
+the bound is against one tenant crowding out others, and a per-replica share of it does that.
 """
 
 from __future__ import annotations
