@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 
 from kvplane.services.common.local_etcd import LocalEtcd
+from tests.support.deploy_validators import load_deploy_checks
 
-ROOT = Path(__file__).resolve().parents[2]
 MOUNT = "/backup"
 
 pytestmark = [
@@ -38,12 +38,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def checks() -> ModuleType:
-    path = ROOT / "deploy" / "scripts" / "validate" / "deploy_checks.py"
-    spec = importlib.util.spec_from_file_location("deploy_checks", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_deploy_checks()
 
 
 def backup_pod(checks: ModuleType, endpoint: str, retention: int) -> dict[str, Any]:

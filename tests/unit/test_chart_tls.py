@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.support.deploy_validators import load_deploy_checks
+
 ROOT = Path(__file__).resolve().parents[2]
 CHART_CI = ROOT / "deploy" / "helm" / "kvplane" / "ci"
 
@@ -24,12 +26,7 @@ SERVICES = ("metadata", "routing", "eviction")
 
 @pytest.fixture(scope="module")
 def checks() -> ModuleType:
-    path = ROOT / "deploy" / "scripts" / "validate" / "deploy_checks.py"
-    spec = importlib.util.spec_from_file_location("deploy_checks", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_deploy_checks()
 
 
 def _render(checks: ModuleType, values_file: str) -> dict[str, dict[str, Any]]:
