@@ -156,6 +156,8 @@ def test_a_report_queue_costs_each_request_its_fixed_part_and_a_running_one_half
         "{recompute_ms_per_token: 0}",
         "{min_prior_weight: 0}",
         "{alpha: 0}",
+        "{prefill_fit: {}}",
+        "{prefill_samples: 3}",
     ],
 )
 def test_nonsense_cost_settings_are_rejected(section: str) -> None:

@@ -47,6 +47,8 @@ from kvplane.services.routing.policy.registry import (
 )
 
 DEFAULT_POLICY_FILE = "default_policy.yaml"
+# What the cost model learns, not what a policy sets.
+_LEARNED = frozenset({"prefill_fit", "prefill_samples", "transfer_samples", "handshake_samples"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,12 +111,12 @@ def _leg(raw: Any, leg: str) -> LegPolicy:
     )
 
 
-def _values(cls: type[Any], raw: Any, section: str) -> Any:
+def _values(cls: type[Any], raw: Any, section: str, learned: frozenset[str] = frozenset()) -> Any:
     if raw is None:
         return cls()
     if not isinstance(raw, Mapping):
         raise PolicyConfigError(f"'{section}' must be a mapping")
-    allowed = {f.name for f in fields(cls)}
+    allowed = {f.name for f in fields(cls)} - learned
     unknown = set(raw) - allowed
     if unknown:
         raise PolicyConfigError(f"'{section}': unknown key(s) {', '.join(sorted(unknown))}")
@@ -137,7 +139,7 @@ def policy_from_mapping(raw: Mapping[str, Any]) -> PolicyConfig:
         decode=_leg(raw["decode"], "decode"),
         prefill=_leg(raw["prefill"], "prefill"),
         pull=_values(PullSettings, raw.get("pull"), "pull"),
-        cost_model=_values(CostModel, raw.get("cost_model"), "cost_model"),
+        cost_model=_values(CostModel, raw.get("cost_model"), "cost_model", _LEARNED),
     )
 
 
