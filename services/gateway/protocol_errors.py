@@ -9,6 +9,7 @@ route serves (404, 405), raised by the router. The first is answered through `Js
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Any
@@ -18,6 +19,8 @@ from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
 from kvplane.services.gateway.openai_errors import error_response
+
+log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -39,11 +42,16 @@ class _JsonErrorRequestHandler(RequestHandler):
         exc: BaseException | None = None,
         message: str | None = None,
     ) -> web.StreamResponse:
-        # aiohttp's own logs, and its refusal to answer once a response has started.
-        super().handle_error(request, status, exc, message)
         if status >= 500:
-            # Nothing about the failure leaves the gateway.
+            # aiohttp's own log of the failure (with its traceback), and its refusal to answer once
+            # a response has started; nothing about the failure leaves the gateway.
+            super().handle_error(request, status, exc, message)
             return error_response(status, "internal error", close=True)
+        if request.writer.output_size > 0:
+            raise ConnectionError("a response has started: no error answer can follow it")
+        # The client's mistake, not the gateway's: one line, no traceback (aiohttp would log every
+        # malformed request at error level, with its stack, for anyone to flood the log with).
+        log.info("malformed HTTP request from %s: %s %s", request.remote, status, message or exc)
         detail = f": {message}" if message else ""
         return error_response(status, f"malformed HTTP request ({_phrase(status)}){detail}", close=True)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 import uuid
 from collections.abc import AsyncIterator
@@ -384,3 +385,13 @@ async def test_the_model_list_needs_an_api_key(stack: GatewayStack) -> None:
     # Probes and scrapers carry no key.
     async with stack.session.get(stack.gateway.url + "/health") as resp:
         assert resp.status == 200
+
+
+async def test_a_malformed_request_is_logged_in_one_line_not_as_a_server_error(
+    stack: GatewayStack, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO):
+        status_line, _ = await _raw_exchange(stack, b"\x16\x03\x01 not http at all\r\n\r\n")
+    assert status_line.split()[1] == b"400"
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    assert any("malformed HTTP request" in r.getMessage() and r.exc_info is None for r in caplog.records)
