@@ -274,6 +274,10 @@ class GatewaySection(Section):
     routing_attempts: int = Field(2, ge=1)
     # API keys clients present (Authorization: Bearer, or x-api-key), each mapped to its tenant.
     api_keys: list[GatewayKey] = Field(default_factory=list)
+    # More API keys, from a file holding a JSON or YAML list of {token, tenant} (a Kubernetes
+    # Secret volume), read again when it changes: keys are added, rotated and revoked without a
+    # restart.
+    api_keys_file: str = ""
     # Development only: the tenant of requests that carry no key at all. Empty: such requests get 401.
     default_tenant: str = ""
     # Used while routing is unreachable: a static pair that recomputes every turn. Empty: 503.

@@ -20,7 +20,13 @@ from kvplane.services.gateway import cache_salt
 from kvplane.services.gateway.admission import TENANT, ReadLimits, admission, expect_continue, json_body
 from kvplane.services.gateway.cache_salt import CacheSalts
 from kvplane.services.gateway.https import ServerCertificate
-from kvplane.services.gateway.identity import ApiKeys, BadConversation, Identity, take_conversation
+from kvplane.services.gateway.identity import (
+    ApiKeys,
+    BadConversation,
+    Identity,
+    ReloadingApiKeys,
+    take_conversation,
+)
 from kvplane.services.gateway.metrics import GatewayMetrics
 from kvplane.services.gateway.openai_errors import RequestRejected, error_response, rejection
 from kvplane.services.gateway.progress import TurnRequest
@@ -175,7 +181,11 @@ def build_app(
     settings: GatewaySection, runner: TurnRunner, telemetry: Telemetry, metrics_: GatewayMetrics
 ) -> web.Application:
     keys = {entry.token.get_secret_value(): entry.tenant for entry in settings.api_keys}
-    api_keys = ApiKeys(keys, settings.default_tenant)
+    api_keys = (
+        ReloadingApiKeys(keys, settings.api_keys_file, settings.default_tenant)
+        if settings.api_keys_file
+        else ApiKeys(keys, settings.default_tenant)
+    )
     admit = admission(api_keys, _read_limits(settings), AUTHENTICATED_PATHS)
     app = web.Application(
         client_max_size=settings.max_body_bytes, middlewares=[count_requests, json_http_errors, admit]

@@ -11,13 +11,21 @@ removed before the body goes to an engine.
 from __future__ import annotations
 
 import hmac
+import logging
+import os
+import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import yaml
+
 from kvplane.services.common import validation
 from kvplane.services.common.errors import InvalidArgument
+from kvplane.services.common.secret_files import read_secret_file
+
+log = logging.getLogger(__name__)
 
 CONVERSATION_HEADER = "X-Conversation-Id"
 SESSION_HEADER = "X-Session-ID"
@@ -70,6 +78,79 @@ class ApiKeys:
         if not found:
             raise Unauthorized("invalid API key")
         return found
+
+
+def read_key_file(path: str) -> dict[str, str]:
+    """API keys from a JSON or YAML list of `{"token": ..., "tenant": ...}` (a Secret volume)."""
+    what = "gateway.api_keys_file"
+    try:
+        listed = yaml.safe_load(read_secret_file(path, what))
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{what} {path!r}: not JSON or YAML: {exc}") from None
+    if not isinstance(listed, list):
+        raise ValueError(f"{what} {path!r}: expected a list of {{token, tenant}} entries")
+    keys: dict[str, str] = {}
+    for i, item in enumerate(listed):
+        token = item.get("token") if isinstance(item, dict) else None
+        tenant = item.get("tenant") if isinstance(item, dict) else None
+        if not isinstance(token, str) or not token or not isinstance(tenant, str):
+            raise ValueError(f"{what} {path!r}: entry {i} needs a non-empty string token and a tenant")
+        keys[token] = tenant
+    return keys
+
+
+def _stamp(path: str) -> tuple[int, int, int]:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return (-1, -1, -1)
+    return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+
+class ReloadingApiKeys(ApiKeys):
+    """The configured keys plus those of a key file, read again when the file changes.
+
+    Checked at most every `check_interval_s`, on the event loop (one `stat`). A file that cannot
+    be used after a change (half-written, an invalid tenant) keeps the previous keys, with a
+    warning: a bad rotation must not lock every client out. At start-up it fails loudly.
+    """
+
+    def __init__(
+        self,
+        keys: Mapping[str, str],
+        key_file: str,
+        default_tenant: str = "",
+        *,
+        check_interval_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._static = dict(keys)
+        self._file = key_file
+        self._interval = check_interval_s
+        self._clock = clock
+        self._stamp = _stamp(key_file)
+        super().__init__({**self._static, **read_key_file(key_file)}, default_tenant)
+        self._next_check = clock() + check_interval_s
+
+    def tenant(self, headers: Mapping[str, str]) -> str:
+        now = self._clock()
+        if now >= self._next_check:
+            self._next_check = now + self._interval
+            self._reload_if_changed()
+        return super().tenant(headers)
+
+    def _reload_if_changed(self) -> None:
+        stamp = _stamp(self._file)
+        if stamp == self._stamp:
+            return
+        self._stamp = stamp
+        try:
+            fresh = ApiKeys({**self._static, **read_key_file(self._file)}, self._default)
+        except (ValueError, InvalidArgument) as exc:
+            log.warning("API key file changed but cannot be used; keeping the previous keys: %s", exc)
+            return
+        self._keys = fresh._keys
+        log.info("API keys reloaded", extra={"file": self._file, "keys": len(self._keys)})
 
 
 def take_conversation(headers: Mapping[str, str], body: dict[str, Any]) -> tuple[str, str]:

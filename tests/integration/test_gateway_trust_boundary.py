@@ -9,11 +9,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import random
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 
 from kvplane.services.common.local_etcd import LocalEtcd
@@ -395,3 +398,39 @@ async def test_a_malformed_request_is_logged_in_one_line_not_as_a_server_error(
     assert status_line.split()[1] == b"400"
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
     assert any("malformed HTTP request" in r.getMessage() and r.exc_info is None for r in caplog.records)
+
+
+async def test_a_rewritten_api_key_file_is_used_without_a_restart(tmp_path: Path) -> None:
+    from kvplane.services.common.settings import GatewaySection
+    from kvplane.services.common.telemetry import Telemetry
+    from kvplane.services.gateway.app import Gateway
+
+    keys = tmp_path / "api-keys.json"
+
+    def write(token: str) -> None:
+        keys.write_text(json.dumps([{"token": token, "tenant": "acme"}]))
+        later = keys.stat().st_mtime + 5  # whatever the file system's clock resolution
+        os.utime(keys, (later, later))
+
+    write("key-before-rotation")
+    settings = GatewaySection(listen="127.0.0.1:0", models=[MODEL], api_keys_file=str(keys))
+    gateway = Gateway(settings, Telemetry.disabled())
+    await gateway.start()
+    try:
+        async with aiohttp.ClientSession() as session:
+
+            async def status(key: str) -> int:
+                url = gateway.url + "/v1/models"
+                async with session.get(url, headers={"Authorization": f"Bearer {key}"}) as resp:
+                    return resp.status
+
+            assert await status("key-before-rotation") == 200
+            write("key-after-rotation")
+
+            async def rotated() -> bool:
+                return await status("key-after-rotation") == 200
+
+            await eventually(rotated, what="the rotated API key accepted")
+            assert await status("key-before-rotation") == 401
+    finally:
+        await gateway.stop()

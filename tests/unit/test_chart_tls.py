@@ -171,3 +171,17 @@ def test_the_chart_refuses_mtls_without_client_certificates_and_tls_without_secr
     }
     with pytest.raises(helm_python.HelmError, match=r"clientSecrets\.sim-prefill"):
         checks.render_chart(sim_without, "kvp", "kvplane")
+
+
+def test_the_gateways_api_keys_are_a_file_from_their_secret(checks: ModuleType) -> None:
+    values = {"gateway": {"apiKeysSecret": {"name": "keys", "key": "api-keys.json"}}}
+    docs = checks.render_chart(values, "kvp", "kvplane")
+    pod, c = _pod(next(d for d in docs if d["metadata"]["name"] == "kvp-kvplane-gateway"))
+    assert _env(c)["KVPLANE_GATEWAY__API_KEYS_FILE"] == "/etc/kvplane-api-keys/api-keys.json"
+    assert "KVPLANE_GATEWAY__API_KEYS" not in _env(c)
+    volume = next(v for v in pod["volumes"] if v["name"] == "api-keys")
+    assert volume["secret"] == {
+        "secretName": "keys",
+        "items": [{"key": "api-keys.json", "path": "api-keys.json"}],
+    }
+    assert {"name": "api-keys", "mountPath": "/etc/kvplane-api-keys", "readOnly": True} in c["volumeMounts"]

@@ -1,5 +1,5 @@
-"""Servers' credential files are read again when they change: tokens are added, rotated and revoked
-without a restart, and a bad rotation keeps the previous credentials."""
+"""Servers' credential files are read again when they change: tokens and the gateway's API keys are
+added, rotated and revoked without a restart, and a bad rotation keeps the previous credentials."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 from kvplane.services.common.auth import CallCredentials, PrincipalKind, ReloadingAuthenticator
 from kvplane.services.common.errors import Unauthenticated
 from kvplane.services.common.settings import AuthSection
+from kvplane.services.gateway.identity import ReloadingApiKeys, Unauthorized
 
 
 class Clock:
@@ -112,3 +113,39 @@ def test_a_rotated_mesh_secret_file_is_read_again(tmp_path: Path) -> None:
     assert auth.authenticate(CallCredentials({**headers, "x-kvplane-mesh-secret": "mesh-two"})).name
     with pytest.raises(Unauthenticated):
         auth.authenticate(CallCredentials({**headers, "x-kvplane-mesh-secret": "mesh-one"}))
+
+
+def test_the_gateways_key_file_adds_rotates_and_revokes_keys_at_the_next_check(tmp_path: Path) -> None:
+    keys = tmp_path / "api-keys.json"
+    _write(keys, json.dumps([{"token": "key-one", "tenant": "acme"}]))
+    clock = Clock()
+    api_keys = ReloadingApiKeys({"static-key": "globex"}, str(keys), clock=clock)
+    assert api_keys.tenant({"Authorization": "Bearer key-one"}) == "acme"
+    _write(keys, json.dumps([{"token": "key-two", "tenant": "acme"}]))
+    clock.now += 1.0
+    assert api_keys.tenant({"Authorization": "Bearer key-two"}) == "acme"
+    with pytest.raises(Unauthorized):
+        api_keys.tenant({"Authorization": "Bearer key-one"})
+    # Keys from the settings stay whatever the file says.
+    assert api_keys.tenant({"x-api-key": "static-key"}) == "globex"
+
+
+def test_a_bad_key_file_keeps_the_previous_keys_and_fails_loudly_at_start_up(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    keys = tmp_path / "api-keys.yaml"
+    _write(keys, "- {token: key-one, tenant: acme}\n")
+    clock = Clock()
+    api_keys = ReloadingApiKeys({}, str(keys), clock=clock)
+    _write(keys, "- {token: key-two, tenant: " + "t" * 300 + "}\n")  # past the tenant's length limit
+    clock.now += 1.0
+    with caplog.at_level(logging.WARNING, logger="kvplane.services.gateway.identity"):
+        assert api_keys.tenant({"Authorization": "Bearer key-one"}) == "acme"
+    assert "keeping the previous keys" in caplog.text
+    with pytest.raises(ValueError, match="entry 0"):
+        ReloadingApiKeys({}, str(_written(tmp_path / "bad.json", '[{"token": 3}]')))
+
+
+def _written(path: Path, text: str) -> Path:
+    _write(path, text)
+    return path
