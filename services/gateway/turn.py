@@ -417,7 +417,7 @@ class TurnRunner:
             outcome, finished = "ok", False
             try:
                 await _to_client(response.prepare(request))
-                async for event in sse.events(upstream.content):
+                async for event in sse.events(upstream.content.iter_any()):
                     payload = event.json()
                     raw = event.raw
                     if payload is not None and absorb(payload, progress, turn.client_token_ids):

@@ -32,3 +32,28 @@ def test_encode_round_trips() -> None:
     raw = sse.encode({"x": "é"})
     assert raw.startswith(b"data: ") and raw.endswith(b"\n\n")
     assert sse.SseEvent(raw, raw[6:-2].decode()).json() == {"x": "é"}
+
+
+async def test_the_same_events_come_out_however_the_stream_is_split() -> None:
+    stream = (
+        b'data: {"a": 1}\n\n: keep-alive\n\ndata: {"b":\r\ndata: 2}\r\n\r\n'
+        b'data: {"c": "\xc3\xa9"}\n\ndata: [DONE]\n\ndata: {"tail": 1}'
+    )
+    expected = [
+        (b'data: {"a": 1}\n\n', '{"a": 1}'),
+        (b": keep-alive\n\n", ""),
+        (b'data: {"b":\r\ndata: 2}\r\n\r\n', '{"b":\n2}'),
+        (b'data: {"c": "\xc3\xa9"}\n\n', '{"c": "é"}'),
+        (b"data: [DONE]\n\n", "[DONE]"),
+        (b'data: {"tail": 1}\n', '{"tail": 1}'),
+    ]
+    lines = stream.splitlines(keepends=True)
+    splits = {
+        "one read": [stream],
+        "line by line": lines,
+        "byte by byte": [stream[i : i + 1] for i in range(len(stream))],
+        "events glued in threes": [b"".join(lines[i : i + 3]) for i in range(0, len(lines), 3)],
+    }
+    for how, chunks in splits.items():
+        events = [e async for e in sse.events(_lines(*chunks))]
+        assert [(e.raw, e.data) for e in events] == expected, how
