@@ -24,7 +24,12 @@ What the agent does, all on its own thread:
   node was away) and frees those through `on_release`;
 - reports load (ReportLoad) every `load_interval_s`, from `load_fn()`;
 - sends publishes (PublishHandles) and releases (ReportReleased) from one bounded queue, in
-  order, batching consecutive items of one kind;
+  order, batching consecutive items of one kind. A publish that keeps failing is retried (the
+  node registers again when the control plane no longer knows it; metadata takes a new lease
+  when one is gone) until `publish_give_up_s` after its first failure, or until the handle's
+  wall-clock expiry: then it is given up with a warning naming the handle, and its blocks are
+  freed through `on_release` (nothing would ever reference them), so that one handle never
+  holds up the queue behind it for good;
 - keeps the EvictionService.Commands stream open: says hello, applies each ReleaseCommand by
   calling `on_release(remote_request_id)` (DrainCommand: `on_drain()`), at most once per
   command id, and acknowledges every command;
@@ -136,6 +141,8 @@ class NodeAgentSettings:
     demand_refresh_s: float = 0.5
     # Whether stop() deregisters the node (its handles are then purged at once).
     deregister_on_stop: bool = True
+    # Seconds a publish may keep failing before it is given up and its blocks freed.
+    publish_give_up_s: float = 30.0
     # Bearer token for the control plane (shorthand for credentials.token).
     auth_token: str = dataclasses.field(default="", repr=False)
     # Token, TLS and mesh secret presented to the control plane (kvplane.client.credentials).
@@ -150,6 +157,8 @@ class NodeAgentSettings:
             raise ValueError("batch_max, queue_max and seen_commands_max must be positive")
         if self.load_interval_s <= 0 or self.rpc_timeout_s <= 0 or self.demand_refresh_s <= 0:
             raise ValueError("load_interval_s, rpc_timeout_s and demand_refresh_s must be positive")
+        if self.publish_give_up_s <= 0:
+            raise ValueError("publish_give_up_s must be positive")
         if not 0 < self.backoff_initial_s <= self.backoff_max_s:
             raise ValueError("need 0 < backoff_initial_s <= backoff_max_s")
 
@@ -172,6 +181,8 @@ class AgentStats:
     rpc_errors: int
     # Retained handles freed because nothing referenced them at a (re)registration.
     reconciled_freed: int = 0
+    # Publishes given up (failing past publish_give_up_s, or expired), their blocks freed.
+    publishes_given_up: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,6 +192,8 @@ class _Item:
     remote_request_id: str = ""
     # W3C trace context (`traceparent`, `tracestate`) of the request that retained the handle.
     trace_context: tuple[tuple[str, str], ...] = ()
+    # time.monotonic() of the first failed send; 0: none failed yet.
+    failing_since: float = 0.0
 
 
 class _Backoff:
@@ -217,6 +230,7 @@ class NodeAgent:
         # The request ids of the handles the engine retains; None: no reconciliation.
         self._retained_fn = retained_fn
         self._reconciled_freed = 0
+        self._publishes_given_up = 0
         self._background: set[asyncio.Task[None]] = set()
         self._demand_fn = demand_fn
         self._demand_wake: asyncio.Event | None = None
@@ -341,6 +355,7 @@ class NodeAgent:
             command_streams_opened=self._streams_opened,
             rpc_errors=self._rpc_errors,
             reconciled_freed=self._reconciled_freed,
+            publishes_given_up=self._publishes_given_up,
         )
 
     # ------------------------------------------------------------------ queue
@@ -662,6 +677,10 @@ class NodeAgent:
         batch = self._take_batch()
         if not batch:
             return False
+        if batch[0].kind == "publish":
+            batch = self._give_up_stale(batch)
+            if not batch:
+                return True
         try:
             if batch[0].kind == "publish":
                 await self._publish_batch(batch)
@@ -669,7 +688,8 @@ class NodeAgent:
                 await self._release_batch(batch)
         except grpc.aio.AioRpcError as err:
             if err.code() in _RETRYABLE or err.code() in _NOT_REGISTERED:
-                self._put_back(batch)
+                now = time.monotonic()
+                self._put_back([dataclasses.replace(i, failing_since=i.failing_since or now) for i in batch])
             else:
                 # INVALID_ARGUMENT and the like: resending cannot help.
                 with self._lock:
@@ -679,6 +699,42 @@ class NodeAgent:
                 )
             raise
         return True
+
+    def _give_up_stale(self, batch: list[_Item]) -> list[_Item]:
+        """The publishes still worth sending; the others are given up and their blocks freed.
+
+        A handle past its wall-clock expiry is never handed out, and one whose publish kept
+        failing for `publish_give_up_s` (re-registrations and new leases included) would
+        otherwise be retried for good, holding up every item queued behind it.
+        """
+        now, now_ms = time.monotonic(), int(time.time() * 1000)
+        keep: list[_Item] = []
+        for item in batch:
+            handle = item.handle
+            assert handle is not None
+            if handle.wall_expiry_unix_ms <= now_ms:
+                why = "it expired before it could be published"
+            elif item.failing_since and now - item.failing_since >= self._settings.publish_give_up_s:
+                why = f"publishing it kept failing for {now - item.failing_since:.1f} s"
+            else:
+                keep.append(item)
+                continue
+            log.warning(
+                "node %s gives up handle %s (tenant %s, conversation %s, request %s): %s; "
+                "its blocks are freed",
+                self._node_template.node_id,
+                handle.handle_id or "(no id)",
+                handle.tenant,
+                handle.conversation,
+                handle.vllm.remote_request_id,
+                why,
+            )
+            self._publishes_given_up += 1
+            try:
+                self._on_release(handle.vllm.remote_request_id)
+            except Exception:
+                log.exception("freeing request %s failed", handle.vllm.remote_request_id)
+        return keep
 
     async def _publish_batch(self, batch: list[_Item]) -> None:
         handles = []

@@ -122,18 +122,23 @@ class HandleStore:
                 ]
             else:
                 compare.append(fencing.absent(key))
+            resent = False
             try:
-                resp = await self.etcd.txn("publish", compare, ops, conversation=handle.conversation)
-            except Ambiguous as exc:
-                resp = await self.etcd.resend(exc, functools.partial(self.etcd.txn, "publish", compare, ops))
-                if not resp.succeeded:
-                    # Re-sent after an unseen success: the handle is ours if its id is.
-                    again = await self.get_record(handle.tenant, handle.conversation)
-                    if again is not None and again.handle.handle_id == handle.handle_id:
-                        return PublishOutcome(again.handle, again.mod_revision, superseded)
-                    continue
+                try:
+                    resp = await self.etcd.txn("publish", compare, ops, conversation=handle.conversation)
+                except Ambiguous as exc:
+                    resent = True
+                    send = functools.partial(self.etcd.txn, "publish", compare, ops)
+                    resp = await self.etcd.resend(exc, send)
             except LeaseNotFound:
+                # The lease is gone (the re-sent attempt's too): a new one on the next round.
                 self.leases.forget(lease)
+                continue
+            if resent and not resp.succeeded:
+                # Re-sent after an unseen success: the handle is ours if its id is.
+                again = await self.get_record(handle.tenant, handle.conversation)
+                if again is not None and again.handle.handle_id == handle.handle_id:
+                    return PublishOutcome(again.handle, again.mod_revision, superseded)
                 continue
             if resp.succeeded:
                 self.telemetry.store.handle_transitions.labels("published", "").inc()
