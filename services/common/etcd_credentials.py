@@ -4,7 +4,8 @@
 With a user, the client asks etcd's Auth service for a token once and sends it with every
 call (`token` metadata); a call refused for an invalid or expired token makes the next call
 ask for a new one. The store's channels are made here (`channel`), so the store itself knows
-nothing of credentials.
+nothing of credentials. A TLS channel is made again when its certificate files change
+(`ReloadingChannel`): a renewed client certificate is presented without a restart.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 import grpc
 from aetcd import rpc
 
+from kvplane.client.reloading_channel import ReloadingChannel
 from kvplane.services.common.tls import ClientTlsFiles
 
 log = logging.getLogger(__name__)
@@ -57,16 +59,17 @@ class EtcdCredentials:
             return grpc.aio.insecure_channel(target, options=opts, interceptors=interceptors)
         if self.server_name:
             opts.append(("grpc.ssl_target_name_override", self.server_name))
-        creds = ClientTlsFiles(self.ca_file, self.cert_file, self.key_file).channel_credentials()
-        return grpc.aio.secure_channel(target, creds, options=opts, interceptors=interceptors)
+        files = ClientTlsFiles(self.ca_file, self.cert_file, self.key_file)
+        return ReloadingChannel(target, files, options=opts, interceptors=interceptors)
 
     def bare_channel(self, target: str) -> grpc.aio.Channel:
         """The same transport without the token (to ask etcd for one)."""
         if not self.tls:
             return grpc.aio.insecure_channel(target)
         opts = [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
-        creds = ClientTlsFiles(self.ca_file, self.cert_file, self.key_file).channel_credentials()
-        return grpc.aio.secure_channel(target, creds, options=opts)
+        return ReloadingChannel(
+            target, ClientTlsFiles(self.ca_file, self.cert_file, self.key_file), options=opts
+        )
 
 
 class _TokenInterceptor(

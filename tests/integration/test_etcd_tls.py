@@ -4,6 +4,7 @@ certificates (`--client-cert-auth`), and with etcd's own users enabled: the righ
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import tempfile
@@ -188,3 +189,40 @@ async def test_etcd_users_need_the_right_password(tls_etcd: TlsEtcd, tls_store: 
         token = (await auth.Authenticate(rpc.AuthenticateRequest(name="root", password="root-pw"))).token
         await auth.AuthDisable(rpc.AuthDisableRequest(), metadata=(("token", token),))
         await admin.close()
+
+
+async def test_a_running_store_presents_its_renewed_client_certificate(
+    tls_etcd: TlsEtcd, prefix: str, tmp_path: Path
+) -> None:
+    # The store starts with a certificate etcd refuses (as an expired one would be); the files are
+    # then renewed in place, as a Secret volume is.
+    refused = TestCa(tmp_path / "other", name="other-ca").issue("stale-client")
+    cert_file, key_file = tmp_path / "client.pem", tmp_path / "client-key.pem"
+    shutil.copyfile(refused.cert_file, cert_file)
+    shutil.copyfile(refused.key_file, key_file)
+    credentials = EtcdCredentials(
+        ca_file=tls_etcd.ca.ca_file, cert_file=str(cert_file), key_file=str(key_file)
+    )
+    store = Store(
+        StoreSettings(
+            endpoints=(tls_etcd.endpoint,), prefix=prefix, request_timeout_s=0.5, credentials=credentials
+        )
+    )
+    try:
+        await store.connect()
+
+        async def answers() -> bool:
+            try:
+                await store.read_prefix(prefix.encode())
+            except (StoreUnavailable, grpc.aio.AioRpcError):
+                return False
+            return True
+
+        assert not await answers()
+        for source, dest in ((tls_etcd.client.cert_file, cert_file), (tls_etcd.client.key_file, key_file)):
+            shutil.copyfile(source, dest)
+            later = dest.stat().st_mtime + 5  # whatever the file system's clock resolution
+            os.utime(dest, (later, later))
+        await eventually(answers, timeout_s=30, what="etcd answering the renewed certificate")
+    finally:
+        await store.close()
