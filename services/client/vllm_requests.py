@@ -28,13 +28,13 @@ class MissingPrefillParams(ValueError):
 
 def prefill_body(client_body: Mapping[str, Any], route: RouteResult) -> dict[str, Any]:
     """The body for P (`/v1/completions` or `/v1/chat/completions`)."""
-    body = copy.deepcopy(dict(client_body))
+    body = _copied(client_body)
     body["stream"] = False
     body.pop("stream_options", None)
     body["max_tokens"] = 1
     if "max_completion_tokens" in body:
         body["max_completion_tokens"] = 1
-    body["kv_transfer_params"] = copy.deepcopy(route.prefill_params)
+    body["kv_transfer_params"] = _copied(route.prefill_params)
     return body
 
 
@@ -45,13 +45,35 @@ def decode_body(
     returned = prefill_response.get("kv_transfer_params")
     if not isinstance(returned, Mapping):
         raise MissingPrefillParams("the prefill response has no kv_transfer_params")
-    params = copy.deepcopy(dict(returned))
+    params = _copied(returned)
     for key in _ROUTING_KEYS:
         if key in route.prefill_params:
             params[key] = route.prefill_params[key]
-    body = copy.deepcopy(dict(client_body))
+    body = _copied(client_body)
     body["kv_transfer_params"] = params
     return body
+
+
+def _copied(mapping: Mapping[str, Any]) -> dict[str, Any]:
+    """A deep copy of a JSON object, so that neither the caller's nor the other leg's body changes.
+
+    `copy.deepcopy` costs about a microsecond per element: for a prompt of token ids, more than
+    the rest of a turn's work in the gateway. JSON's scalars are immutable, so only its objects
+    and arrays are copied, and a flat array of integers in one step.
+    """
+    return {key: _copied_value(value) for key, value in mapping.items()}
+
+
+def _copied_value(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: _copied_value(item) for key, item in value.items()}
+    if isinstance(value, list):
+        if set(map(type, value)) <= {int}:
+            return list(value)
+        return [_copied_value(item) for item in value]
+    if value is None or isinstance(value, str | int | float):
+        return value  # immutable (bool is an int)
+    return copy.deepcopy(value)  # not JSON: copied the general way
 
 
 def leg_url(endpoint_url: str, path: str = "/v1/completions") -> str:

@@ -91,3 +91,28 @@ def test_decode_body_needs_p_params() -> None:
 def test_leg_url_joins_paths() -> None:
     assert leg_url("http://[::1]:8000") == "http://[::1]:8000/v1/completions"
     assert leg_url("http://h:1/", "v1/chat/completions") == "http://h:1/v1/chat/completions"
+
+
+def test_leg_bodies_share_no_mutable_part_with_the_request_or_each_other() -> None:
+    client = {
+        "model": "m",
+        "prompt": [5, 6, 7],
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+        "logit_bias": {"5": 1.5},
+        "stop": ("a", ["b"]),
+    }
+    snapshot = json.loads(json.dumps(client))
+    r = route()
+    p_body = prefill_body(client, r)
+    d_body = decode_body(client, r, {"kv_transfer_params": {"remote_block_ids": [[9, 8]], "x": {"y": 1}}})
+    assert p_body["prompt"] == d_body["prompt"] == [5, 6, 7] and p_body["messages"] == client["messages"]
+
+    for body in (p_body, d_body):
+        body["prompt"].append(0)
+        body["messages"][0]["content"][0]["text"] = "changed"
+        body["logit_bias"]["6"] = 2.0
+        body["stop"][1].append("c")
+        body["kv_transfer_params"]["remote_block_ids"][0].append(0)
+    assert json.loads(json.dumps(client)) == snapshot
+    assert r.prefill_params == P_PARAMS
+    assert p_body["prompt"] == d_body["prompt"] == [5, 6, 7, 0]
