@@ -22,6 +22,11 @@
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
+if [[ ${1:-} == -h || ${1:-} == --help ]]; then
+  # The comment block above is the help.
+  sed -n '2,/^set -euo/{/^set -euo/d; s/^# \{0,1\}//; p}' "$0"
+  exit 0
+fi
 OUT=${1:?usage: bench/gpu_e2e.sh OUT_DIR [MODEL_DIR] [args for kvplane.bench.gpu_pd_bench]}
 shift
 MODEL=

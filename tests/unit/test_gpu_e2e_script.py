@@ -78,3 +78,20 @@ def test_script_without_vllm_names_each_missing_piece_and_how_to_get_it(tmp_path
     assert "missing etcd on PATH -- apt-get install etcd-server" in result.stderr
     assert "has no config.json" in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_script_help_says_it_has_never_run_on_a_gpu_and_checks_nothing(flag: str, tmp_path: Path) -> None:
+    result = subprocess.run(
+        ["bash", str(ROOT / "bench" / "gpu_e2e.sh"), flag],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "bench/gpu_e2e.sh OUT_DIR [MODEL_DIR]" in result.stdout
+    assert "No GPU has been available to this project" in result.stdout
+    assert "Its CUDA path has never run." in result.stdout
+    assert "--device cpu --small" in result.stdout
+    assert not any(tmp_path.iterdir())
