@@ -81,7 +81,8 @@ class ReloadingChannel(grpc.aio.Channel):
         # Fails loudly at start-up: a client never runs with credentials it could not read.
         self._channel = self._make()
         self._next_check = clock() + check_interval_s
-        self._retired: set[asyncio.Task[None]] = set()
+        # Replaced channels still finishing their calls, and the tasks that close them.
+        self._retired: dict[grpc.aio.Channel, asyncio.Task[None]] = {}
         self.reloads = 0
 
     def _read_stamps(self) -> tuple[tuple[int, int, int], ...]:
@@ -122,8 +123,8 @@ class ReloadingChannel(grpc.aio.Channel):
             task = asyncio.get_running_loop().create_task(old.close(grace=OLD_CHANNEL_GRACE_S))
         except RuntimeError:
             return  # no loop: the channel is garbage-collected with its calls
-        self._retired.add(task)
-        task.add_done_callback(self._retired.discard)
+        self._retired[old] = task
+        task.add_done_callback(lambda _: self._retired.pop(old, None))
 
     async def __aenter__(self) -> ReloadingChannel:
         return self
@@ -132,8 +133,12 @@ class ReloadingChannel(grpc.aio.Channel):
         await self.close()
 
     async def close(self, grace: float | None = None) -> None:
-        for task in list(self._retired):
+        # Replaced channels get the same grace as the current one, not their own minute.
+        retired = list(self._retired.items())
+        for _, task in retired:
             task.cancel()
+        for old, _ in retired:
+            await old.close(grace)
         await self._channel.close(grace)
 
     def get_state(self, try_to_connect: bool = False) -> grpc.ChannelConnectivity:
