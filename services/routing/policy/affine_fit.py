@@ -42,7 +42,7 @@ class AffineFit:
     # The least each coefficient may be.
     floor: tuple[float, ...]
     alpha: float = 0.1
-    min_prior_weight: float = 0.01
+    min_prior_weight: float = 1e-6
     prior_weight: float = 1.0
     # Sum of weight * z z^T over samples, z = (1, x1/scale1, ...): row-major, n x n.
     zz: tuple[float, ...] = ()

@@ -23,9 +23,9 @@ Learning (every successful reported turn with a prefill time):
 - the three prefill coefficients are one least-squares fit over the turns'
   (computed, reused) token counts (`affine_fit`): each turn weighs `alpha`
   (0.1: a memory of about 10 turns), and the prior weighs as a moving
-  average's start does, (1 - alpha)^n after n turns, never under 0.01% of
-  the samples' weight, so a part the turns say nothing of (no turn reused a
-  token) stays at its prior;
+  average's start does, (1 - alpha)^n after n turns (0.1: a third after 10
+  turns, 4% after 30), never under a millionth of the samples' weight, so a
+  part the turns say nothing of (no turn reused a token) stays at its prior;
 - bandwidth is an exponentially weighted average of per-byte samples, and
   the handshake one of what first pulls between two engines took beyond a
   warm pull;
@@ -94,7 +94,7 @@ class CostModel:
     # Samples further than this factor from the estimate are clamped to it.
     max_sample_factor: float = 4.0
     # The least weight the prior keeps in the prefill fit, as a share of a full window of samples.
-    min_prior_weight: float = 0.0001
+    min_prior_weight: float = 1e-6
     prefill_samples: int = 0
     transfer_samples: int = 0
     handshake_samples: int = 0
