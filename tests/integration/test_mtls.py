@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import os
 import shutil
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
+import yaml
 
 from kvplane.client.credentials import ClientCredentials
 from kvplane.services.common import convert
@@ -297,3 +300,93 @@ async def test_a_running_client_presents_its_rotated_certificate_without_a_new_c
 
         # The same stub, on the same channel object: it made a new connection from the new files.
         await eventually(served, what="the rotated client certificate accepted")
+
+
+def _chart_containers(values_file: str) -> dict[str, dict[str, Any]]:
+    """The containers of the chart rendered with one of its CI values files, by Deployment."""
+    pytest.importorskip("helm_python", reason="deploy validators not installed: pip install -e '.[dev]'")
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location(
+        "deploy_checks", root / "deploy/scripts/validate/deploy_checks.py"
+    )
+    assert spec is not None and spec.loader is not None
+    checks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(checks)
+    values = yaml.safe_load((root / "deploy/helm/kvplane/ci" / values_file).read_text())
+    docs = checks.render_chart(values, "kvp", "kvplane")
+    return {
+        d["metadata"]["name"]: d["spec"]["template"]["spec"]["containers"][0]
+        for d in docs
+        if d["kind"] == "Deployment"
+    }
+
+
+def _secret_volume(directory: Path, ca: TestCa, issued: Issued) -> Path:
+    """A Secret in the kubernetes.io/tls layout plus ca.crt, as the kubelet mounts it."""
+    directory.mkdir(parents=True)
+    shutil.copyfile(ca.ca_file, directory / "ca.crt")
+    shutil.copyfile(issued.cert_file, directory / "tls.crt")
+    shutil.copyfile(issued.key_file, directory / "tls.key")
+    return directory
+
+
+async def test_the_charts_mtls_wiring_serves_its_clients_and_passes_its_own_probe(
+    etcd: LocalEtcd, prefix: str, ca: TestCa, tmp_path: Path
+) -> None:
+    from kvplane.client import RoutingClient, RoutingUnavailable
+    from kvplane.services.common.settings import GatewaySection
+
+    containers = _chart_containers("mtls-values.yaml")
+    routing, gateway = containers["kvp-kvplane-routing"], containers["kvp-kvplane-gateway"]
+    # The services' Secret names the Services clients dial; the gateway's names its principal.
+    server_dir = _secret_volume(
+        tmp_path / "server", ca, ca.issue("svc", server=True, dns=("kvp-kvplane-routing",))
+    )
+    gateway_dir = _secret_volume(
+        tmp_path / "gateway", ca, ca.issue("gw", uris=("kvplane://operator/gateway",))
+    )
+
+    def env(container: dict[str, Any], mounted_at: Path) -> dict[str, str]:
+        return {
+            e["name"]: e["value"].replace("/etc/kvplane-tls", str(mounted_at))
+            for e in container["env"]
+            if isinstance(e.get("value"), str)
+        }
+
+    served = env(routing, server_dir)
+    tls = {
+        "cert_file": served["KVPLANE_GRPC__TLS__CERT_FILE"],
+        "key_file": served["KVPLANE_GRPC__TLS__KEY_FILE"],
+        "client_ca_file": served["KVPLANE_GRPC__TLS__CLIENT_CA_FILE"],
+    }
+    process = await start_plane(
+        plane_settings(etcd, prefix, {"mode": served["KVPLANE_AUTH__MODE"]}, grpc={"tls": tls})
+    )
+    try:
+        # The liveness probe exactly as rendered, but for the test's port and where the files lie.
+        command = [
+            a.replace("/etc/kvplane-tls", str(server_dir))
+            for a in routing["livenessProbe"]["exec"]["command"]
+        ]
+        assert command[:2] == ["kvplane", "health"]
+        args = [f"localhost:{process.grpc_port}" if a.startswith("localhost:") else a for a in command[2:]]
+        assert await _kvplane_health(*args) == (0, "")
+
+        # The gateway's routing client from the chart's environment, as the gateway builds it.
+        dialled = env(gateway, gateway_dir)
+        section = GatewaySection(
+            routing=[target(process)],
+            **{
+                name.removeprefix("KVPLANE_GATEWAY__").lower(): value
+                for name, value in dialled.items()
+                if name.startswith("KVPLANE_GATEWAY__ROUTING_TLS_")
+            },
+        )
+        async with RoutingClient(
+            section.routing, credentials=section.routing_credentials(), timeout_s=5
+        ) as client:
+            # Authenticated as the chart's gateway principal: Route ran, and found no engines yet.
+            with pytest.raises(RoutingUnavailable, match="no prefill/decode pair"):
+                await client.route("c", "tiny", prompt_tokens=10, tenant="acme")
+    finally:
+        await process.stop()

@@ -71,11 +71,14 @@ class TestCa:
         self.ca_file = str(directory / f"{name}.pem")
         Path(self.ca_file).write_bytes(self._cert.public_bytes(serialization.Encoding.PEM))
 
-    def issue(self, file_stem: str, *, uris: tuple[str, ...] = (), server: bool = False) -> Issued:
-        """A certificate signed by this CA: a server's (localhost, 127.0.0.1, ::1) or a client's."""
+    def issue(
+        self, file_stem: str, *, uris: tuple[str, ...] = (), server: bool = False, dns: tuple[str, ...] = ()
+    ) -> Issued:
+        """A certificate signed by this CA: a server's (localhost, 127.0.0.1, ::1, `dns`) or a client's."""
         key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.UTC)
         names: list[x509.GeneralName] = [x509.UniformResourceIdentifier(u) for u in uris]
+        names += [x509.DNSName(d) for d in dns]
         if server:
             names += [
                 x509.DNSName("localhost"),
