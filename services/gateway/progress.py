@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvplane.services.common.handles import KEY_PULLED_TOKENS
+from kvplane.services.common.handles import KEY_DIGESTS, KEY_PULLED_TOKENS
 from kvplane.services.gateway.identity import Identity
 
 
@@ -55,6 +55,16 @@ class TurnProgress:
         if not self.prompt_ids or not self.output_ids:
             return []
         return [*self.prompt_ids, *self.output_ids[:-1]]
+
+    def retained_ids_for_routing(self, success: bool) -> list[int]:
+        """The retained token ids ReportTurn carries: routing digests them only for a handle
+        whose params bring no digests of their own (D without kvplane's connector) and ignores
+        them otherwise, and a long conversation's ids cost more to send than the rest of the report."""
+        params = self.decode_params
+        digests = params.get(KEY_DIGESTS) if params else None
+        if not success or not params or (isinstance(digests, str) and digests):
+            return []
+        return self.retained_token_ids()
 
 
 @dataclass(frozen=True, slots=True)

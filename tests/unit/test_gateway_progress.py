@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvplane.services.common.handles import KEY_DIGESTS
 from kvplane.services.gateway.progress import TurnProgress, absorb, cached_tokens
 
 
@@ -46,3 +47,19 @@ def test_cached_tokens_from_usage() -> None:
     assert cached_tokens({"usage": {"prompt_tokens_details": {"cached_tokens": 48}}}) == 48
     assert cached_tokens({"usage": {"prompt_tokens_details": None}}) == 0
     assert cached_tokens({}) == 0
+
+
+def test_retained_ids_go_to_routing_only_for_a_handle_without_digests() -> None:
+    def progress(params: dict[str, Any] | None) -> TurnProgress:
+        p = TurnProgress("pull", prompt_ids=[1, 2, 3], decode_params=params)
+        p.output_ids.extend([4, 5])
+        return p
+
+    without = {"remote_engine_id": "e-d0"}
+    assert progress(without).retained_ids_for_routing(True) == [1, 2, 3, 4]
+    assert progress({**without, KEY_DIGESTS: ""}).retained_ids_for_routing(True) == [1, 2, 3, 4]
+    # Routing takes the digests D's connector sent and ignores retained ids.
+    assert progress({**without, KEY_DIGESTS: "AQAAABAAAAA"}).retained_ids_for_routing(True) == []
+    # Nothing is published for a failed turn or one without D's params.
+    assert progress(without).retained_ids_for_routing(False) == []
+    assert progress(None).retained_ids_for_routing(True) == []
