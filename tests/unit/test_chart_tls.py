@@ -185,3 +185,19 @@ def test_the_gateways_api_keys_are_a_file_from_their_secret(checks: ModuleType) 
         "items": [{"key": "api-keys.json", "path": "api-keys.json"}],
     }
     assert {"name": "api-keys", "mountPath": "/etc/kvplane-api-keys", "readOnly": True} in c["volumeMounts"]
+
+
+def test_a_certificate_variable_pointing_outside_every_mount_is_caught(checks: ModuleType) -> None:
+    values = yaml.safe_load((CHART_CI / "mtls-values.yaml").read_text())
+    docs = checks.render_chart(values, "kvp", "kvplane")
+    routing = next(
+        d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "kvp-kvplane-routing"
+    )
+    container = routing["spec"]["template"]["spec"]["containers"][0]
+    container["volumeMounts"] = [m for m in container["volumeMounts"] if m["name"] != "grpc-tls"]
+    report = checks.Report()
+    checks.check_chart_semantics("[test]", docs, checks.merged_values(values), report)
+    assert (
+        "[test] Deployment kvp-kvplane-routing: KVPLANE_GRPC__TLS__CERT_FILE (/etc/kvplane-tls/tls.crt) "
+        "is in a mounted volume" in report.failures
+    )

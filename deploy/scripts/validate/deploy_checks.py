@@ -626,6 +626,14 @@ def check_chart_semantics(
                 port = (probe.get("grpc") or probe.get("httpGet") or probe.get("tcpSocket") or {}).get("port")
                 report.check(port in ports, f"{name}: {probe_kind} port {port} is a container port")
             env = {e["name"]: e.get("value") for e in c.get("env", [])}
+            # Certificates, tokens and keys named by a variable must be in a volume the pod mounts.
+            mounts = [m["mountPath"].rstrip("/") + "/" for m in c.get("volumeMounts", [])]
+            for var, value in env.items():
+                if var.endswith("_FILE") and isinstance(value, str) and value.startswith("/"):
+                    report.check(
+                        any(value.startswith(m) for m in mounts),
+                        f"{name}: {var} ({value}) is in a mounted volume",
+                    )
             if c["name"] in ("metadata", "routing", "eviction", "gateway"):
                 check_kvplane_container(name, c, env, docs, report)
             if c["name"] == "engine":
