@@ -35,6 +35,10 @@ def _write(path: Path, text: str) -> None:
     os.utime(path, (stamp, stamp))
 
 
+def _copy(source: str, dest: Path) -> None:
+    _write(dest, Path(source).read_text())
+
+
 def _authenticator(section: AuthSection, clock: Clock) -> ReloadingAuthenticator:
     return ReloadingAuthenticator(section._token_authenticator, check_interval_s=1.0, clock=clock)
 
@@ -149,3 +153,36 @@ def test_a_bad_key_file_keeps_the_previous_keys_and_fails_loudly_at_start_up(
 def _written(path: Path, text: str) -> Path:
     _write(path, text)
     return path
+
+
+async def test_a_client_channel_is_made_again_once_its_certificate_changes_and_kept_if_unreadable(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from kvplane.client.reloading_channel import ReloadingChannel
+    from kvplane.services.common.tls import ClientTlsFiles
+    from tests.support.certificates import TestCa
+
+    ca = TestCa(tmp_path / "ca")
+    first, second = ca.issue("first"), ca.issue("second")
+    cert, key = tmp_path / "client.pem", tmp_path / "client-key.pem"
+    _copy(first.cert_file, cert)
+    _copy(first.key_file, key)
+    clock = Clock()
+    channel = ReloadingChannel("127.0.0.1:1", ClientTlsFiles(ca.ca_file, str(cert), str(key)), clock=clock)
+    try:
+        original = channel.current()
+        _copy(second.cert_file, cert)
+        _copy(second.key_file, key)
+        # Checked at most once a second.
+        assert channel.current() is original
+        clock.now += 1.0
+        renewed = channel.current()
+        assert renewed is not original and channel.reloads == 1
+        # A key that vanishes mid-rotation keeps the working channel, with a warning.
+        key.unlink()
+        clock.now += 1.0
+        with caplog.at_level(logging.WARNING, logger="kvplane.client.reloading_channel"):
+            assert channel.current() is renewed
+        assert "keeping the current channel" in caplog.text and channel.reloads == 1
+    finally:
+        await channel.close()
