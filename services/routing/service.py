@@ -96,6 +96,8 @@ _ANSWER_MARGIN_S = 0.005
 # From a Route to its request reaching the engine (the caller's hop to it), ms: a load
 # report taken earlier cannot show the routed work yet.
 _SEND_DELAY_MS = 100
+# Nodes (by id, incarnation and URL) whose encoded Endpoint is kept.
+_MAX_ENDPOINTS = 4096
 # Token block size for prompt digests when neither a handle nor a node says otherwise.
 _DEFAULT_BLOCK_SIZE = 16
 
@@ -176,6 +178,8 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
         self._last_prefill: BoundedMap[tuple[str, str], str] = BoundedMap(settings.max_tracked_conversations)
         self._routes: BoundedMap[str, RouteRecord] = BoundedMap(settings.max_tracked_routes)
         self._contacted: BoundedMap[tuple[str, str], None] = BoundedMap(settings.max_tracked_conversations)
+        # Each node's Endpoint, encoded once (its URL is checked and normalised on the way).
+        self._endpoints: BoundedMap[tuple[str, str, str], bytes] = BoundedMap(_MAX_ENDPOINTS)
         self._inflight = InFlightLedger(limit=max(1, settings.max_tracked_routes))
         self._prefill_record = PrefillCacheRecord(
             max_conversations=max(1, settings.max_tracked_conversations)
@@ -228,8 +232,8 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
             route_id=outcome.route_id,
             decision=DECISION_TO_PB[outcome.decision],
             reason=outcome.reason,
-            prefill=_endpoint(outcome.plan.prefill),
-            decode=_endpoint(outcome.plan.decode),
+            prefill=self._endpoint(outcome.plan.prefill),
+            decode=self._endpoint(outcome.plan.decode),
             prefill_kv_transfer_params_json=json.dumps(outcome.prefill_params, separators=(",", ":")),
             expected_reused_tokens=outcome.reused_tokens,
         )
@@ -239,6 +243,14 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
             response.handle.CopyFrom(convert.handle_to_pb(outcome.handle))
         self.metrics.route_seconds.observe(time.perf_counter() - start)
         return response
+
+    def _endpoint(self, node: Node) -> routing_pb2.Endpoint:
+        key = (node.node_id, node.incarnation, node.http_url)
+        encoded = self._endpoints.get(key)
+        if encoded is None:
+            encoded = _endpoint(node).SerializeToString()
+            self._endpoints.put(key, encoded)
+        return routing_pb2.Endpoint.FromString(encoded)
 
     async def route(
         self,

@@ -528,3 +528,19 @@ async def test_a_burst_of_turns_between_two_load_reports_spreads_over_prefill_no
     # Each route counts the work it sent until a report shows it: the burst spreads.
     assert set(picked) == {"p0", "p1", "p2", "p3"}, picked
     assert max(picked.count(p) for p in set(picked)) <= 3, picked
+
+
+async def test_a_restarted_engine_is_answered_with_its_new_address_and_incarnation(
+    cluster: RoutingCluster, client: RoutingClient
+) -> None:
+    before = await client.route(conv(), MODEL, prompt_tokens=100)
+    old = cluster.nodes["p0"]
+    assert (before.prefill.http_url, before.prefill.incarnation) == (old.http_url, old.incarnation)
+
+    restarted = await cluster.register(node("p0", NodeRole.PREFILL, host="127.0.0.2"))
+    await cluster.wait_nodes()
+
+    after = await client.route(conv(), MODEL, prompt_tokens=100)
+    assert after.prefill.node_id == "p0"
+    assert (after.prefill.http_url, after.prefill.incarnation) == (restarted.http_url, restarted.incarnation)
+    assert after.prefill.http_url != before.prefill.http_url
