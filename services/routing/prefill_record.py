@@ -53,8 +53,11 @@ class SentPrompt:
 
 def prompt_digests(block_chain: Sequence[int], block_size: int) -> token_digests.TokenDigests:
     """Checkpoint digests of a prompt from its full block chain (no hashing)."""
-    points = token_digests.checkpoints(len(block_chain))
-    return token_digests.TokenDigests(block_size, len(block_chain), tuple(block_chain[p - 1] for p in points))
+    # One pass over the chain (a lazy chain hashes, or hands over, all its values at once), then
+    # plain tuple indexing for each checkpoint.
+    chain = tuple(block_chain)
+    points = token_digests.checkpoints(len(chain))
+    return token_digests.TokenDigests(block_size, len(chain), tuple(chain[p - 1] for p in points))
 
 
 class PrefillCacheRecord:

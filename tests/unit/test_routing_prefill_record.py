@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from kvplane.connector.digests import chain
+from kvplane.connector.digests import chain, digest_tokens
 from kvplane.services.common.nodes import NodeRole
-from kvplane.services.routing.prefill_record import PrefillCacheRecord
+from kvplane.services.routing.policy.snapshot import Prompt
+from kvplane.services.routing.prefill_record import PrefillCacheRecord, prompt_digests
+from kvplane.services.routing.prompt_chains import PromptChains
 from tests.unit.routing_policy_fixtures import history, mk_node
 
 P0 = mk_node("p0", NodeRole.PREFILL)
@@ -86,3 +88,9 @@ def test_a_sent_prompt_whose_chain_was_lost_is_unproven() -> None:
     record.sent(KEY, P0, len(H), lazy.block_digests, 16)
     chains.with_chain(("t", "other"), Prompt(4000, history(4000, seed=2)), 16)  # pushes it out
     assert held(record, [*H, *history(100, seed=5)]) == {}
+
+
+def test_checkpoints_from_a_lazy_chain_equal_the_digests_of_the_tokens() -> None:
+    tokens = history(4160)
+    lazy = PromptChains().with_chain("c", Prompt(len(tokens), tokens, (), 0), 16).block_digests
+    assert prompt_digests(lazy, 16) == prompt_digests(chain(tokens, 16), 16) == digest_tokens(tokens, 16)
