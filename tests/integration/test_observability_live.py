@@ -16,23 +16,15 @@ import pytest
 from kvplane.services.common.local_etcd import LocalEtcd
 from kvplane.services.common.sampling import BACKGROUND_METHODS
 from tests.support.gateway_stack import MODEL, GatewayStack, TurnResult, gateway_stack
-from tests.support.otlp_receiver import OtlpReceiver, ReceivedSpan
+from tests.support.otlp_receiver import OtlpReceiver, ReceivedSpan, receiver_as_collector
 from tests.support.polling import eventually
 
 
 @pytest.fixture
 def receiver(monkeypatch: pytest.MonkeyPatch) -> Iterator[OtlpReceiver]:
-    server = OtlpReceiver()
-    server.start()
-    # What an operator sets; the engines inherit it. A short batch delay only makes spans arrive sooner.
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", server.endpoint)
-    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "200")
-    for name in ("OTEL_SERVICE_NAME", "OTEL_TRACES_SAMPLER", "OTEL_RESOURCE_ATTRIBUTES", "OTEL_SDK_DISABLED"):
-        monkeypatch.delenv(name, raising=False)
-    try:
+    # What an operator sets; the engines inherit it.
+    with receiver_as_collector(monkeypatch) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture

@@ -7,11 +7,14 @@ reads back every span with its process's resource.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from concurrent import futures
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
@@ -96,3 +99,20 @@ class OtlpReceiver:
     def spans(self) -> list[ReceivedSpan]:
         with self._lock:
             return list(self._spans)
+
+
+@contextmanager
+def receiver_as_collector(monkeypatch: pytest.MonkeyPatch) -> Iterator[OtlpReceiver]:
+    """A started receiver that this process and the processes it starts export to, configured
+    only as an operator would: `OTEL_EXPORTER_OTLP_ENDPOINT`, with no other OTEL_* override in
+    the way. A short batch delay only makes spans arrive sooner."""
+    server = OtlpReceiver()
+    server.start()
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", server.endpoint)
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "200")
+    for name in ("OTEL_SERVICE_NAME", "OTEL_TRACES_SAMPLER", "OTEL_RESOURCE_ATTRIBUTES", "OTEL_SDK_DISABLED"):
+        monkeypatch.delenv(name, raising=False)
+    try:
+        yield server
+    finally:
+        server.stop()
