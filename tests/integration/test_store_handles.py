@@ -5,13 +5,16 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from typing import Any
 
+import grpc
 import pytest
 
 from kvplane.services.common.errors import HandleNotRetained, NodeNotRegistered, NotFound
 from kvplane.services.common.handles import HandleState, ReleaseReason
 from kvplane.services.common.local_etcd import LocalEtcd
 from kvplane.services.common.store import Store, StoreSettings
+from kvplane.services.common.store.etcd import Ambiguous
 from tests.conftest import make_node
 from tests.support.factories import make_handle
 from tests.support.polling import eventually
@@ -188,3 +191,30 @@ def _has_errors(store: Store):  # type: ignore[no-untyped-def]
         return bool(samples)
 
     return probe
+
+
+async def test_publish_takes_a_new_lease_when_its_resent_transaction_finds_the_lease_gone(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    node = make_node()
+    await store.register_node(node, 30)
+    etcd = store.handles.etcd
+    real_txn = etcd.txn
+    revoked: list[int] = []
+
+    async def reply_lost_then_lease_gone(op: str, compare: Any, ops: Any, **attrs: Any) -> Any:
+        if op == "publish" and not revoked:
+            # The first attempt's reply is lost, and its handle lease ends before the re-send.
+            revoked.append(int(ops[0].request_put.lease))
+            await store.revoke_lease(revoked[0])
+            lost = grpc.aio.AioRpcError(
+                grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata(), "reply lost"
+            )
+            raise Ambiguous(op, lost)
+        return await real_txn(op, compare, ops, **attrs)
+
+    monkeypatch.setattr(etcd, "txn", reply_lost_then_lease_gone)
+    published = (await asyncio.wait_for(store.publish_handle(make_handle(node)), 30)).handle
+    record = await store.get_handle_record("acme", "conv-1")
+    assert record is not None and record.handle == published
+    assert revoked and record.lease != revoked[0]
