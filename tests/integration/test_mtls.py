@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import os
 import shutil
 import sys
@@ -25,6 +24,7 @@ from kvplane.services.common.process import ServiceProcess
 from kvplane.v1 import metadata_pb2, metadata_pb2_grpc
 from tests.conftest import make_node
 from tests.support.certificates import Issued, TestCa
+from tests.support.deploy_validators import ROOT, load_deploy_checks
 from tests.support.polling import eventually
 from tests.support.simengine import engines, free_port
 from tests.support.trust import all_methods, plane_settings, raw_call, start_plane, target
@@ -305,14 +305,8 @@ async def test_a_running_client_presents_its_rotated_certificate_without_a_new_c
 def _chart_containers(values_file: str) -> dict[str, dict[str, Any]]:
     """The containers of the chart rendered with one of its CI values files, by Deployment."""
     pytest.importorskip("helm_python", reason="deploy validators not installed: pip install -e '.[dev]'")
-    root = Path(__file__).resolve().parents[2]
-    spec = importlib.util.spec_from_file_location(
-        "deploy_checks", root / "deploy/scripts/validate/deploy_checks.py"
-    )
-    assert spec is not None and spec.loader is not None
-    checks = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(checks)
-    values = yaml.safe_load((root / "deploy/helm/kvplane/ci" / values_file).read_text())
+    checks = load_deploy_checks()
+    values = yaml.safe_load((ROOT / "deploy/helm/kvplane/ci" / values_file).read_text())
     docs = checks.render_chart(values, "kvp", "kvplane")
     return {
         d["metadata"]["name"]: d["spec"]["template"]["spec"]["containers"][0]
