@@ -44,7 +44,7 @@ from kvplane.v1 import eviction_pb2, eviction_pb2_grpc, metadata_pb2, metadata_p
 from tests.conftest import MESH_SECRET
 from tests.support.polling import eventually
 from tests.support.trust import MeshOperatorCalls
-from tests.support.vllm_engines import TTL_S, cpu_pd_engines
+from tests.support.vllm_engines import TTL_S, cpu_pd_engines, start_engines, stop_engines
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1800)]
 
@@ -145,10 +145,7 @@ async def test_three_turns_pull_from_decode_and_match_the_reference(
     )
     stub = metadata_pb2_grpc.MetadataServiceStub(operator_channel)
     try:
-        for engine in engines:
-            engine.start()
-        for engine in engines:
-            await asyncio.to_thread(engine.wait_ready, 900)
+        await start_engines(engines)
 
         rnd = random.Random(5)
         first_prompt = [1] + [rnd.randrange(100, 31000) for _ in range(700)]
@@ -245,6 +242,5 @@ async def test_three_turns_pull_from_decode_and_match_the_reference(
         assert time.monotonic() - released_at < TTL_S / 3
         assert commands.acks and commands.acks[-1].ok
     finally:
-        for engine in engines:
-            await asyncio.to_thread(engine.stop)
+        await stop_engines(engines)
         await operator_channel.close()

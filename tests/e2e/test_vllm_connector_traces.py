@@ -39,7 +39,7 @@ from tests.conftest import MESH_SECRET, settings_for
 from tests.support.otlp_receiver import OtlpReceiver, ReceivedSpan, receiver_as_collector
 from tests.support.polling import eventually
 from tests.support.trust import MeshOperatorCalls
-from tests.support.vllm_engines import cpu_pd_engines
+from tests.support.vllm_engines import cpu_pd_engines, start_engines, stop_engines
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1800)]
 
@@ -124,10 +124,7 @@ async def test_connector_spans_join_the_turns_trace_from_publish_to_pull(
     )
     stub = metadata_pb2_grpc.MetadataServiceStub(operator_channel)
     try:
-        for engine in engines:
-            engine.start()
-        for engine in engines:
-            await asyncio.to_thread(engine.wait_ready, 900)
+        await start_engines(engines)
 
         rnd = random.Random(7)
         first = [1] + [rnd.randrange(100, 31000) for _ in range(300)]
@@ -204,6 +201,5 @@ async def test_connector_spans_join_the_turns_trace_from_publish_to_pull(
         # The engines' heartbeats and load reports start no traces.
         assert not [s for s in seen["spans"] if s.name in BACKGROUND_METHODS and not s.parent_span_id]
     finally:
-        for engine in engines:
-            await asyncio.to_thread(engine.stop)
+        await stop_engines(engines)
         await operator_channel.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -53,3 +54,16 @@ def cpu_pd_engines(
         )
     p, d = engines
     return p, d
+
+
+async def start_engines(engines: Sequence[EngineProcess], ready_timeout_s: float = 900) -> None:
+    """Start every engine, then wait for each: they load side by side."""
+    for engine in engines:
+        engine.start()
+    for engine in engines:
+        await asyncio.to_thread(engine.wait_ready, ready_timeout_s)
+
+
+async def stop_engines(engines: Sequence[EngineProcess]) -> None:
+    for engine in engines:
+        await asyncio.to_thread(engine.stop)
