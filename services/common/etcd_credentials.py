@@ -20,6 +20,7 @@ import grpc
 from aetcd import rpc
 
 from kvplane.client.reloading_channel import ReloadingChannel
+from kvplane.services.common.secret_files import SecretFileError, read_secret_file
 from kvplane.services.common.tls import ClientTlsFiles
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,10 @@ class EtcdCredentials:
     # etcd's own authentication (`etcdctl auth enable`); empty user: none.
     user: str = ""
     password: str = field(default="", repr=False)
+    # A file holding the password, read again whenever etcd is asked for a token (after a refused
+    # one): a password rotated in the file and in etcd is used without a restart. `password` is
+    # its content at start-up.
+    password_file: str = ""
 
     def __post_init__(self) -> None:
         if (self.cert_file or self.key_file) and not self.ca_file:
@@ -50,6 +55,16 @@ class EtcdCredentials:
     @property
     def tls(self) -> bool:
         return bool(self.ca_file)
+
+    def current_password(self) -> str:
+        """The password file's content now (the start-up one if it cannot be read), or `password`."""
+        if not self.password_file:
+            return self.password
+        try:
+            return read_secret_file(self.password_file, "etcd password")
+        except SecretFileError as exc:
+            log.warning("etcd password file cannot be read; using the previous password: %s", exc)
+            return self.password
 
     def channel(self, target: str, options: Sequence[tuple[str, Any]]) -> grpc.aio.Channel:
         """A channel to one etcd member with these credentials."""
@@ -93,7 +108,7 @@ class _TokenInterceptor(
                 async with self._credentials.bare_channel(self._target) as channel:
                     reply = await rpc.AuthStub(channel).Authenticate(
                         rpc.AuthenticateRequest(
-                            name=self._credentials.user, password=self._credentials.password
+                            name=self._credentials.user, password=self._credentials.current_password()
                         ),
                         timeout=5,
                     )

@@ -74,6 +74,7 @@ class EtcdSection(Section):
                 server_name=self.tls_server_name,
                 user=self.user,
                 password=password,
+                password_file=self.password_file,
             ),
         )
 

@@ -226,3 +226,61 @@ async def test_a_running_store_presents_its_renewed_client_certificate(
         await eventually(answers, timeout_s=30, what="etcd answering the renewed certificate")
     finally:
         await store.close()
+
+
+USER = "kvplane-rotating"
+
+
+async def test_a_running_store_follows_its_rotated_password_file(
+    tls_etcd: TlsEtcd, tls_store: Store, prefix: str, tmp_path: Path
+) -> None:
+    # The password is changed in etcd (which revokes the user's tokens) and in the Secret's file:
+    # the running store authenticates again from the file, without a restart.
+    # A user of its own with the root role; etcd enables its users only once `root` exists.
+    anonymous_cert = tls_etcd.ca.issue("no-such-user-either")
+    admin = tls_etcd.credentials().bare_channel(tls_etcd.endpoint)
+    auth = rpc.AuthStub(admin)
+    if "root" not in (await auth.UserList(rpc.AuthUserListRequest())).users:
+        await auth.UserAdd(rpc.AuthUserAddRequest(name="root", password="root-pw"))
+        await auth.UserGrantRole(rpc.AuthUserGrantRoleRequest(user="root", role="root"))
+    await auth.UserAdd(rpc.AuthUserAddRequest(name=USER, password="first-pw"))
+    await auth.UserGrantRole(rpc.AuthUserGrantRoleRequest(user=USER, role="root"))
+    await auth.AuthEnable(rpc.AuthEnableRequest())
+    password_file = tmp_path / "etcd-password"
+    password_file.write_text("first-pw\n")
+    credentials = tls_etcd.credentials(
+        anonymous_cert, user=USER, password="first-pw", password_file=str(password_file)
+    )
+    store = Store(
+        StoreSettings(
+            endpoints=(tls_etcd.endpoint,), prefix=prefix, request_timeout_s=1.0, credentials=credentials
+        )
+    )
+    password = "first-pw"
+    try:
+        await store.connect()
+        await store.register_node(make_node("d-rotating"), 30)
+        token = (await auth.Authenticate(rpc.AuthenticateRequest(name=USER, password=password))).token
+        await auth.UserChangePassword(
+            rpc.AuthUserChangePasswordRequest(name=USER, password="second-pw"), metadata=(("token", token),)
+        )
+        password = "second-pw"
+        # The old password no longer authenticates: the store can answer only from the new file.
+        with pytest.raises(grpc.aio.AioRpcError):
+            await auth.Authenticate(rpc.AuthenticateRequest(name=USER, password="first-pw"))
+        password_file.write_text("second-pw\n")
+
+        async def answers() -> bool:
+            try:
+                _, nodes = await store.list_nodes()
+            except (StoreUnavailable, grpc.aio.AioRpcError):
+                return False
+            return "d-rotating" in {record.node.node_id for record, _ in nodes}
+
+        await eventually(answers, timeout_s=30, what="the store answering with the rotated password")
+    finally:
+        await store.close()
+        token = (await auth.Authenticate(rpc.AuthenticateRequest(name=USER, password=password))).token
+        await auth.AuthDisable(rpc.AuthDisableRequest(), metadata=(("token", token),))
+        await auth.UserDelete(rpc.AuthUserDeleteRequest(name=USER))
+        await admin.close()
