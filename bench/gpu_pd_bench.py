@@ -246,7 +246,7 @@ def engines_for(
     engines = []
     for name, role in (("p", "prefill"), ("d", "decode")):
         http_port = free_port()
-        kvplane = {
+        kvplane: dict[str, str | bool] = {
             "metadata_target": f"127.0.0.1:{metadata_port}",
             "node_id": f"{name}-0",
             "role": role,
