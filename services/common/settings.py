@@ -11,11 +11,12 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from kvplane.client.credentials import ClientCredentials
 from kvplane.services.common.auth import (
@@ -234,6 +235,43 @@ class RoutingSection(Section):
     max_tracked_routes: int = Field(100_000, ge=0)
 
 
+def engine_url_list(value: Any) -> list[str]:
+    """Engine base URLs from a list, a JSON list, or one string of comma-separated URLs.
+
+    Each must be an absolute http(s) URL with a host; a malformed entry is an error naming it,
+    never silently dropped (a typo would otherwise leave one engine fewer to fail over to).
+    """
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            try:
+                value = json.loads(text)
+            except ValueError as exc:
+                raise ValueError(f"not a JSON list of URLs: {text!r} ({exc})") from None
+        else:
+            value = [] if not text else [part.strip() for part in text.split(",")]
+    if not isinstance(value, list | tuple):
+        raise ValueError(f"expected a URL, a list of URLs or comma-separated URLs, got {value!r}")
+    urls: list[str] = []
+    for entry in value:
+        if not isinstance(entry, str) or not entry.strip():
+            raise ValueError(f"empty or non-string entry {entry!r} in the URL list {value!r}")
+        url = entry.strip()
+        try:
+            parts = urlsplit(url)
+            port = parts.port  # raises on a port that is not a number in range
+        except ValueError as exc:
+            raise ValueError(f"{url!r} is not a valid URL: {exc}") from None
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"{url!r} is not an http(s) URL with a host (e.g. http://10.0.0.5:8100)")
+        if parts.query or parts.fragment or port == 0:
+            raise ValueError(f"{url!r} is not an engine base URL (no query, fragment or port 0)")
+        if url.rstrip("/") in (u.rstrip("/") for u in urls):
+            raise ValueError(f"{url!r} is listed twice")
+        urls.append(url)
+    return urls
+
+
 class GatewayKey(Section):
     token: SecretStr
     tenant: str
@@ -281,9 +319,29 @@ class GatewaySection(Section):
     api_keys_file: str = ""
     # Development only: the tenant of requests that carry no key at all. Empty: such requests get 401.
     default_tenant: str = ""
-    # Used while routing is unreachable: a static pair that recomputes every turn. Empty: 503.
-    fallback_prefill_url: str = ""
-    fallback_decode_url: str = ""
+    # Used while routing is unreachable: engines that recompute every turn, P and D each a list of
+    # base URLs (a YAML list, or one string of comma-separated URLs, e.g. from the environment).
+    # Turns rotate over each list. Both empty: 503. One URL each: the single fallback pair.
+    fallback_prefill_url: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    fallback_decode_url: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # A fallback engine whose leg just failed (refused, reset, timed out) is skipped for this long
+    # while another is configured, seconds; then tried again.
+    fallback_suspect_s: float = Field(5.0, gt=0)
+
+    @field_validator("fallback_prefill_url", "fallback_decode_url", mode="before")
+    @classmethod
+    def _url_list(cls, value: Any) -> Any:
+        return engine_url_list(value)
+
+    @model_validator(mode="after")
+    def _fallback_engines_in_pairs(self) -> GatewaySection:
+        if bool(self.fallback_prefill_url) != bool(self.fallback_decode_url):
+            raise ValueError(
+                "fallback_prefill_url and fallback_decode_url go together: set both (a turn needs a "
+                "P and a D) or neither"
+            )
+        return self
+
     # Deadlines of the engine legs, seconds. The decode leg's idle limit applies between chunks.
     prefill_timeout_s: float = Field(30.0, gt=0)
     decode_timeout_s: float = Field(600.0, gt=0)

@@ -26,9 +26,12 @@ Configuration is the `gateway` section of kvplane's settings, for example:
       listen: 127.0.0.1:8080
       routing: [127.0.0.1:50051]
       api_keys: [{token: "<secret>", tenant: acme}]
-      fallback_prefill_url: http://127.0.0.1:8100
+      # While routing is unreachable: engines that recompute each turn, taken in turn; one
+      # whose leg failed is skipped for fallback_suspect_s (5 s) and never retried by its turn.
+      fallback_prefill_url: [http://127.0.0.1:8100, http://127.0.0.1:8101]
       fallback_decode_url: http://[::1]:8200
       models: [kvplane-sim]
 
-or flags: `kvplane gateway --listen HOST:PORT --routing HOST:PORT[,HOST:PORT]`.
+or flags: `kvplane gateway --listen HOST:PORT --routing HOST:PORT[,HOST:PORT]
+--fallback-prefill URL[,URL] --fallback-decode URL[,URL]` (environment: comma-separated URLs).
 """

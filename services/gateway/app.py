@@ -150,7 +150,7 @@ async def models(request: web.Request) -> web.StreamResponse:
         ]
         return web.json_response({"object": "list", "data": data})
     runner = request.app[RUNNER_KEY]
-    url = settings.fallback_decode_url.rstrip("/") + "/v1/models"
+    url = settings.fallback_decode_url[0].rstrip("/") + "/v1/models"
     timeout = aiohttp.ClientTimeout(total=settings.connect_timeout_s)
     try:
         async with runner.session.get(url, timeout=timeout) as r:

@@ -21,8 +21,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="YAML settings file (also KVPLANE_CONFIG); see the `gateway` section")
     p.add_argument("--listen", help="HTTP listen address, host:port ([v6]:port)")
     p.add_argument("--routing", help="routing replicas, host:port[,host:port]")
-    p.add_argument("--fallback-prefill", help="prefill engine URL used while routing is unreachable")
-    p.add_argument("--fallback-decode", help="decode engine URL used while routing is unreachable")
+    p.add_argument(
+        "--fallback-prefill",
+        action="append",
+        help="prefill engine URLs used while routing is unreachable: url[,url] (repeatable)",
+    )
+    p.add_argument(
+        "--fallback-decode",
+        action="append",
+        help="decode engine URLs used while routing is unreachable: url[,url] (repeatable)",
+    )
     p.add_argument("--default-tenant", help="development only: the tenant of requests without an API key")
     p.add_argument("--tokenize-url", help="engine URL offering vLLM's /tokenize")
     p.add_argument("--model", action="append", dest="models", help="served model name (repeatable)")
@@ -39,6 +47,11 @@ def overrides(args: argparse.Namespace) -> dict[str, Any]:
     for flag, key in (
         ("fallback_prefill", "fallback_prefill_url"),
         ("fallback_decode", "fallback_decode_url"),
+    ):
+        if getattr(args, flag) is not None:
+            # Each flag may itself be comma-separated; the settings check every URL.
+            gateway[key] = [u.strip() for value in getattr(args, flag) for u in value.split(",")]
+    for flag, key in (
         ("default_tenant", "default_tenant"),
         ("tokenize_url", "tokenize_url"),
         ("models", "models"),

@@ -3,8 +3,9 @@
 - The P leg is retried once without the handle when it fails for a reason
   other than the request itself (5xx, timeout, refused connection): a stale
   or unreadable handle must never fail a user's turn.
-- While routing is unreachable, a configured static P/D pair serves the turn
-  as a recompute.
+- While routing is unreachable, the configured fallback engines serve the
+  turn as a recompute, taken in turn and skipping any whose leg just failed
+  (`fallback.py`); a retry never returns to the engine that failed it.
 - D's events are forwarded one by one as they arrive. The chunk with
   `finish_reason` carries D's new handle: it is taken out of what the client
   sees and reported after the client's stream has ended, so reporting never
@@ -33,6 +34,7 @@ from kvplane.client.vllm_requests import decode_body, prefill_body
 from kvplane.services.common.handles import KEY_CONVERSATION, KEY_TENANT, fresh_prefill_params
 from kvplane.services.common.settings import GatewaySection
 from kvplane.services.gateway import sse
+from kvplane.services.gateway.fallback import FallbackEngines
 from kvplane.services.gateway.identity import Identity
 from kvplane.services.gateway.legs import LegFailed, LegTimeouts, open_stream, post_json
 from kvplane.services.gateway.metrics import GatewayMetrics
@@ -47,6 +49,7 @@ from kvplane.services.gateway.progress import (
 from kvplane.services.gateway.prompts import RoutedPrompt, TokenizeEndpoints, UnknownModel, routed_prompt
 from kvplane.services.gateway.reports import TurnReporter
 from kvplane.services.gateway.request_body import BodyLimits, check_context
+from kvplane.services.gateway.suspects import SuspectEngines
 from kvplane.v1 import routing_pb2
 
 log = logging.getLogger(__name__)
@@ -110,6 +113,11 @@ class TurnRunner:
         self.tracer = tracer
         self.tokenizers = TokenizeEndpoints()
         self.reporter = TurnReporter(settings, routing, metrics)
+        self.fallback = FallbackEngines(
+            settings.fallback_prefill_url,
+            settings.fallback_decode_url,
+            SuspectEngines(settings.fallback_suspect_s),
+        )
 
     async def drain_reports(self, timeout_s: float) -> None:
         """Waits for reports still in flight (at shutdown)."""
@@ -145,7 +153,8 @@ class TurnRunner:
             try:
                 return await self._attempt(request, turn, prompt, route, last_try=False)
             except DecodeUnreachable as exc:
-                dead_decode = exc.route.decode.node_id
+                dead_decode = exc.route.decode
+                self.fallback.suspects.mark(dead_decode.http_url, time.monotonic())
                 # D went away before anything reached the client (a dead engine whose registration
                 # has not lapsed yet): route again, which may choose another, and run the turn once more.
                 log.warning("decode leg unreachable (%s): routing the turn again", exc)
@@ -155,8 +164,11 @@ class TurnRunner:
                         exc.route.decision, error=str(exc), prefill_params=exc.prefill_params
                     )
                     self.reporter.report_later(turn, exc.route, failed, success=False)
-            # Never the decode engine that just failed: routing also marks it suspect for every replica.
-            route = await self._route(turn, prompt, failed=(dead_decode,))
+            # Never the decode engine that just failed: routing also marks it suspect for every
+            # replica, and the fallback engines, if routing is down, are chosen without it.
+            route = await self._route(
+                turn, prompt, failed=(dead_decode.node_id,), avoid_urls=(dead_decode.http_url,)
+            )
             return await self._attempt(request, turn, prompt, route, last_try=True)
 
     async def _attempt(
@@ -187,14 +199,18 @@ class TurnRunner:
     # -- route ------------------------------------------------------------------------
 
     async def _route(
-        self, turn: TurnRequest, prompt: RoutedPrompt, failed: tuple[str, ...] = ()
+        self,
+        turn: TurnRequest,
+        prompt: RoutedPrompt,
+        failed: tuple[str, ...] = (),
+        avoid_urls: tuple[str, ...] = (),
     ) -> RouteResult:
         start = time.perf_counter()
         try:
             route = await self._call_route(turn, prompt, failed)
         except RoutingUnavailable as exc:
             self.metrics.legs.labels("route", "unavailable").observe(time.perf_counter() - start)
-            return self._fallback(turn, str(exc))
+            return self._fallback(turn, str(exc), avoid_urls)
         except grpc.aio.AioRpcError as exc:
             self.metrics.legs.labels("route", exc.code().name.lower()).observe(time.perf_counter() - start)
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
@@ -208,7 +224,7 @@ class TurnRunner:
                     "routing refused the gateway's credentials: %s: %s", exc.code().name, exc.details()
                 )
             # Any other refusal (deadline, auth misconfiguration, internal) must not fail the turn.
-            return self._fallback(turn, f"{exc.code().name}: {exc.details()}")
+            return self._fallback(turn, f"{exc.code().name}: {exc.details()}", avoid_urls)
         self.metrics.legs.labels("route", "ok").observe(time.perf_counter() - start)
         return route
 
@@ -225,18 +241,27 @@ class TurnRunner:
             failed_node_ids=failed,
         )
 
-    def _fallback(self, turn: TurnRequest, why: str) -> RouteResult:
-        s = self.settings
-        if not (s.fallback_prefill_url and s.fallback_decode_url):
+    def _fallback(self, turn: TurnRequest, why: str, avoid_urls: tuple[str, ...] = ()) -> RouteResult:
+        if not self.fallback.configured:
             raise TurnFailed(503, f"routing is unavailable and no fallback engines are configured ({why})")
-        log.warning("routing unavailable, serving from the fallback pair: %s", why)
+        now = time.monotonic()
+        prefill = self.fallback.prefill(now, avoid_urls)
+        decode = self.fallback.decode(now, avoid_urls)
+        log.warning(
+            "routing unavailable (%s): serving from fallback engines P %s (%s) and D %s (%s)",
+            why,
+            prefill.url,
+            prefill.reason,
+            decode.url,
+            decode.reason,
+        )
         self.metrics.retries.labels("routing_unavailable").inc()
         return RouteResult(
             route_id="",
             decision=FALLBACK,
             reason=f"routing unavailable: {why}",
-            prefill=Endpoint("fallback-prefill", s.fallback_prefill_url, ""),
-            decode=Endpoint("fallback-decode", s.fallback_decode_url, ""),
+            prefill=Endpoint("fallback-prefill", prefill.url, ""),
+            decode=Endpoint("fallback-decode", decode.url, ""),
             prefill_params=_fresh_params(turn.identity),
             expected_reused_tokens=0,
             response=routing_pb2.RouteResponse(),
@@ -263,13 +288,20 @@ class TurnRunner:
                 turn, route, TurnProgress(route.decision, error=str(failure)), success=False
             )
         retry = route
-        if (failure.unreachable or failure.outcome == "timeout") and route.decision != FALLBACK:
-            # P itself may be down or stuck: ask again, never for the same prefill engine
-            # (routing also marks it suspect for every replica).
+        if failure.unreachable or failure.outcome == "timeout":
+            # P itself may be down or stuck: never the same prefill engine again. Routing is asked
+            # again (it also marks P suspect for every replica); without routing, another fallback P.
+            dead = route.prefill.http_url
+            self.fallback.suspects.mark(dead, time.monotonic())
             try:
+                if route.decision == FALLBACK:
+                    raise RoutingUnavailable("the turn was already served without routing")
                 retry = await self._call_route(turn, prompt, (route.prefill.node_id,))
-            except (RoutingUnavailable, grpc.aio.AioRpcError):
-                retry = route
+            except (RoutingUnavailable, grpc.aio.AioRpcError) as exc:
+                if self.fallback.configured:
+                    other = self.fallback.prefill(time.monotonic(), (dead,))
+                    log.warning("prefill retry on fallback engine %s (%s): %s", other.url, other.reason, exc)
+                    retry = dataclasses.replace(route, prefill=Endpoint("fallback-prefill", other.url, ""))
         retry = dataclasses.replace(
             retry, route_id="", decision=RETRY_NO_HANDLE, prefill_params=_fresh_params(turn.identity)
         )

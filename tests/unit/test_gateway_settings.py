@@ -26,4 +26,4 @@ def test_api_keys_from_the_environment_are_secrets(monkeypatch: pytest.MonkeyPat
 def test_defaults_refuse_anonymous_requests_and_have_no_fallback() -> None:
     gateway = KvplaneSettings.load(None, {}).gateway
     assert gateway.default_tenant == "" and not gateway.api_keys
-    assert gateway.fallback_prefill_url == gateway.fallback_decode_url == ""
+    assert gateway.fallback_prefill_url == gateway.fallback_decode_url == []

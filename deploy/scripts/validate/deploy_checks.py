@@ -356,7 +356,7 @@ def check_compose(resolved_path: Path, report: Report) -> None:
             report.check(ok, f"compose {name}: gateway settings load", detail)
             if settings is not None and settings_has_section("gateway"):
                 g = settings.gateway
-                for url in (g.tokenize_url, g.fallback_prefill_url, g.fallback_decode_url):
+                for url in (g.tokenize_url, *g.fallback_prefill_url, *g.fallback_decode_url):
                     host = url.split("//", 1)[-1].split(":", 1)[0]
                     engines = engine_services(host)
                     report.check(
