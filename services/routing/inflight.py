@@ -26,13 +26,15 @@ cannot see each other's routes still spread over equal nodes.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
+from itertools import islice
 
 from kvplane.services.routing.policy.cost_model import CostModel
 from kvplane.services.routing.policy.decision import RoutePlan
-from kvplane.services.routing.policy.snapshot import NodeState, RouteSnapshot
+from kvplane.services.routing.policy.snapshot import NodeLoad, NodeState, RouteSnapshot
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,8 +57,50 @@ class RoutedWork:
     running_requests: int = 0
 
 
+@dataclass(slots=True)
+class _NodeQueue:
+    """One node's routed work folded over its last report, kept between calls.
+
+    Valid while the node's report, the prices and the node's removals (`epoch`)
+    are unchanged; work routed since is folded in as it comes. The FIFO's
+    stretches are in time order: each starts once the one before has finished.
+    """
+
+    load: NodeLoad
+    prices: tuple[float, float, float] | None
+    epoch: int
+    # How many of the node's pending items are folded in (items are kept in routing order).
+    count: int
+    # Sums over the folded items.
+    tokens: int
+    blocks: int
+    queued: int
+    running: int
+    # The earliest routing time among them (aged-out work forces a refold).
+    first_routed_ms: float
+    finish: float
+    # The stretches, the report's queue first: starts, ends, and prefix sums of their tokens.
+    starts: list[float]
+    ends: list[float]
+    token_sums: list[int]
+
+    def queued_tokens(self, now: float) -> int:
+        """The tokens not yet computed at `now`: part of the stretch running then, all of the later ones."""
+        i = bisect_right(self.ends, now)
+        if i == len(self.ends):
+            return 0
+        this = self.token_sums[i + 1] - self.token_sums[i]
+        later = self.token_sums[-1] - self.token_sums[i + 1]
+        return round(_left(now, self.starts[i], self.ends[i], this) + later)
+
+
 class InFlightLedger:
-    """Routed work per node, not yet in its load reports. Not thread-safe: one event loop."""
+    """Routed work per node, not yet in its load reports. Not thread-safe: one event loop.
+
+    `current` is called on every route, for every candidate node; a node's
+    pending work is folded over its report once (`_NodeQueue`) and extended as
+    work is routed, so a route costs the same however many turns are in flight.
+    """
 
     def __init__(self, *, max_age_ms: int = 30_000, limit: int = 100_000) -> None:
         if max_age_ms <= 0 or limit <= 0:
@@ -66,6 +110,9 @@ class InFlightLedger:
         # route id -> its work items, oldest route first (the bound drops from the front).
         self._routes: OrderedDict[str, tuple[RoutedWork, ...]] = OrderedDict()
         self._by_node: dict[str, dict[str, RoutedWork]] = {}
+        # Per node: bumped whenever an item leaves it, which invalidates its `_NodeQueue`.
+        self._epochs: dict[str, int] = {}
+        self._queues: dict[str, _NodeQueue] = {}
 
     def __len__(self) -> int:
         return len(self._routes)
@@ -86,11 +133,7 @@ class InFlightLedger:
     def finished(self, route_id: str) -> None:
         """The turn is over: its work has left every node's queue."""
         for item in self._routes.pop(route_id, ()):
-            pending = self._by_node.get(item.node_id)
-            if pending is not None:
-                pending.pop(route_id, None)
-                if not pending:
-                    del self._by_node[item.node_id]
+            self._drop(item.node_id, route_id)
 
     def current(
         self,
@@ -117,69 +160,119 @@ class InFlightLedger:
         out: list[NodeState] = []
         oldest = now_unix_ms - self.max_age_ms
         for state in states:
-            pending = self._by_node.get(state.node.node_id)
+            node_id = state.node.node_id
+            pending = self._by_node.get(node_id)
             load = state.load
             # Only a prefill node's queue is drained and priced.
             prefill = costs if state.node.role.can_prefill() else None
-            if load is None or (
-                not pending
-                and (
-                    prefill is None
-                    or not (load.queued_prefill_tokens or load.queued_requests or load.running_requests)
-                )
-            ):
+            idle = prefill is None or not (
+                load is None or load.queued_prefill_tokens or load.queued_requests or load.running_requests
+            )
+            if load is None or (not pending and idle):
                 out.append(state)
                 continue
-            reported = load.reported_unix_ms
-            tokens = blocks = queued = running = 0
-            # Each stretch of the FIFO: (start, end, tokens), the report's queue first.
-            finish = reported + (prefill.reported_queue_ms(load) if prefill is not None else 0.0)
-            stretches = [(float(reported), finish, load.queued_prefill_tokens)]
-            done: list[str] = []
-            for route_id, item in (pending or {}).items():
-                # Only a report taken after the work reached the node shows it: one taken in the
-                # same millisecond may have been read before the work was routed.
-                if item.visible_unix_ms < reported or item.routed_unix_ms < oldest:
-                    done.append(route_id)
-                    continue
-                tokens += item.prefill_tokens
-                blocks += item.kv_blocks
-                queued += item.queued_requests
-                running += item.running_requests
-                if item.prefill_ms > 0 or item.prefill_tokens:
-                    start = max(finish, float(item.routed_unix_ms))
-                    spent = item.prefill_ms
-                    if not spent and prefill is not None:
-                        spent = prefill.prefill_ms(item.prefill_tokens)
-                    finish = start + spent
-                    stretches.append((start, finish, item.prefill_tokens))
-            for route_id in done:
-                self._forget(route_id, state.node.node_id)
-            queued_tokens = load.queued_prefill_tokens + tokens
+            queue = self._queue(node_id, load, prefill, pending or {}, oldest)
+            if not queue.count and idle:
+                # Every item was covered or aged out just now: as if there had been none.
+                out.append(state)
+                continue
+            queued_tokens = load.queued_prefill_tokens + queue.tokens
             queued_ms: float | None = None
             if prefill is not None:
-                queued_ms = max(0.0, finish - now_unix_ms)
-                queued_tokens = round(sum(_left(now_unix_ms, *stretch) for stretch in stretches))
-            changed = queued_tokens != load.queued_prefill_tokens or blocks or queued or running
+                queued_ms = max(0.0, queue.finish - now_unix_ms)
+                queued_tokens = queue.queued_tokens(now_unix_ms)
+            changed = (
+                queued_tokens != load.queued_prefill_tokens or queue.blocks or queue.queued or queue.running
+            )
             if changed or queued_ms is not None:
                 load = replace(
                     load,
                     queued_prefill_tokens=queued_tokens,
-                    queued_requests=load.queued_requests + queued,
-                    running_requests=load.running_requests + running,
-                    free_kv_blocks=max(0, load.free_kv_blocks - blocks),
+                    queued_requests=load.queued_requests + queue.queued,
+                    running_requests=load.running_requests + queue.running,
+                    free_kv_blocks=max(0, load.free_kv_blocks - queue.blocks),
                 )
                 state = NodeState(state.node, load, queued_ms)
             out.append(state)
         return tuple(out)
 
+    def _queue(
+        self,
+        node_id: str,
+        load: NodeLoad,
+        prefill: CostModel | None,
+        pending: dict[str, RoutedWork],
+        oldest: int,
+    ) -> _NodeQueue:
+        """The node's work folded over `load`: the kept fold, extended by work routed since, or a new one."""
+        prices = (
+            None
+            if prefill is None
+            else (prefill.prefill_fixed_ms, prefill.recompute_ms_per_token, prefill.reused_ms_per_token)
+        )
+        epoch = self._epochs.get(node_id, 0)
+        queue = self._queues.get(node_id)
+        if (
+            queue is not None
+            and queue.epoch == epoch
+            and queue.prices == prices
+            and queue.first_routed_ms >= oldest
+            and queue.count <= len(pending)
+            and queue.load == load
+        ):
+            fresh = list(islice(pending.values(), queue.count, None))
+            reported = load.reported_unix_ms
+            if all(item.visible_unix_ms >= reported and item.routed_unix_ms >= oldest for item in fresh):
+                for item in fresh:
+                    _fold(queue, item, prefill)
+                return queue
+        queue = self._refold(node_id, load, prefill, prices, pending, oldest)
+        self._queues[node_id] = queue
+        return queue
+
+    def _refold(
+        self,
+        node_id: str,
+        load: NodeLoad,
+        prefill: CostModel | None,
+        prices: tuple[float, float, float] | None,
+        pending: dict[str, RoutedWork],
+        oldest: int,
+    ) -> _NodeQueue:
+        """Forgets the node's covered and aged-out work, and folds the rest over `load`."""
+        reported = load.reported_unix_ms
+        # Only a report taken after the work reached the node shows it: one taken in the same
+        # millisecond may have been read before the work was routed.
+        done = [
+            route_id
+            for route_id, item in pending.items()
+            if item.visible_unix_ms < reported or item.routed_unix_ms < oldest
+        ]
+        for route_id in done:
+            self._forget(route_id, node_id)
+        finish = reported + (prefill.reported_queue_ms(load) if prefill is not None else 0.0)
+        queue = _NodeQueue(
+            load=load,
+            prices=prices,
+            epoch=self._epochs.get(node_id, 0),
+            count=0,
+            tokens=0,
+            blocks=0,
+            queued=0,
+            running=0,
+            first_routed_ms=float("inf"),
+            finish=finish,
+            starts=[float(reported)],
+            ends=[finish],
+            token_sums=[0, load.queued_prefill_tokens],
+        )
+        for item in self._by_node.get(node_id, {}).values():
+            _fold(queue, item, prefill)
+        return queue
+
     def _forget(self, route_id: str, node_id: str) -> None:
         """Drops one node's share of a route; the route goes when no node has any left."""
-        pending = self._by_node.get(node_id)
-        if pending is not None:
-            pending.pop(route_id, None)
-            if not pending:
-                del self._by_node[node_id]
+        self._drop(node_id, route_id)
         work = self._routes.get(route_id)
         if work is not None:
             left = tuple(item for item in work if item.node_id != node_id)
@@ -187,6 +280,35 @@ class InFlightLedger:
                 self._routes[route_id] = left
             else:
                 del self._routes[route_id]
+
+    def _drop(self, node_id: str, route_id: str) -> None:
+        pending = self._by_node.get(node_id)
+        if pending is None or pending.pop(route_id, None) is None:
+            return
+        self._epochs[node_id] = self._epochs.get(node_id, 0) + 1
+        if not pending:
+            del self._by_node[node_id]
+            self._queues.pop(node_id, None)
+            self._epochs.pop(node_id, None)
+
+
+def _fold(queue: _NodeQueue, item: RoutedWork, prefill: CostModel | None) -> None:
+    """Adds one item of routed work to the end of the node's FIFO."""
+    queue.count += 1
+    queue.tokens += item.prefill_tokens
+    queue.blocks += item.kv_blocks
+    queue.queued += item.queued_requests
+    queue.running += item.running_requests
+    queue.first_routed_ms = min(queue.first_routed_ms, item.routed_unix_ms)
+    if item.prefill_ms > 0 or item.prefill_tokens:
+        start = max(queue.finish, float(item.routed_unix_ms))
+        spent = item.prefill_ms
+        if not spent and prefill is not None:
+            spent = prefill.prefill_ms(item.prefill_tokens)
+        queue.finish = start + spent
+        queue.starts.append(start)
+        queue.ends.append(queue.finish)
+        queue.token_sums.append(queue.token_sums[-1] + item.prefill_tokens)
 
 
 def _left(now: float, start: float, end: float, tokens: int) -> float:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 from dataclasses import replace
 
@@ -277,3 +278,57 @@ def test_a_routed_turn_is_priced_with_one_fixed_cost_and_its_reused_tokens(polic
     # D sees the turn once P is expected to be done with it.
     on_d = next(item for item in items if item.node_id == "d0")
     assert on_d.visible_unix_ms == NOW + int(on_p.prefill_ms)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_kept_fold_answers_as_a_fresh_ledger_would(seed: int) -> None:
+    # One ledger lives through a random history of routes, finished turns, reports, price changes
+    # and passing time; at every step it must answer exactly as a new ledger given the same
+    # unfinished work does (the new one folds everything from scratch, the kept one extends its
+    # fold as work is routed).
+    rnd = random.Random(seed)
+    nodes = [mk_node(f"p{i}", NodeRole.PREFILL) for i in range(2)] + [mk_node(f"d{i}") for i in range(2)]
+    reported = {n.node_id: NOW for n in nodes}
+    queued = {n.node_id: 0 for n in nodes}
+    kept = InFlightLedger(max_age_ms=5_000)
+    unfinished: dict[str, tuple[RoutedWork, ...]] = {}
+    costs = CostModel()
+    now = NOW
+    for step in range(400):
+        now += rnd.choice((0, 1, 3, 20, 150))
+        action = rnd.random()
+        if action < 0.5:
+            p, d = rnd.choice(nodes[:2]).node_id, rnd.choice(nodes[2:] + nodes[:1]).node_id
+            tokens = rnd.randrange(1, 5000)
+            items = turn_work(
+                f"r{step}",
+                routed_unix_ms=now,
+                prefill_node_id=p,
+                prefill_tokens=tokens,
+                prefill_visible_unix_ms=now + rnd.choice((0, 1, 40)),
+                decode_node_id=d,
+                decode_kv_blocks=tokens // 16,
+                decode_visible_unix_ms=now + rnd.choice((0, 200)),
+                prefill_ms=rnd.choice((0.0, costs.prefill_ms(tokens))),
+            )
+            kept.add(*items)
+            unfinished[f"r{step}"] = items
+        elif action < 0.65 and unfinished:
+            route_id = rnd.choice(sorted(unfinished))
+            kept.finished(route_id)
+            del unfinished[route_id]
+        elif action < 0.85:
+            # From step 150 on p1 and d1 report no more: their work ages out instead.
+            node = rnd.choice(nodes if step < 150 else [nodes[0], nodes[2]]).node_id
+            reported[node] = max(reported[node], now - rnd.choice((0, 1, 10)))
+            queued[node] = rnd.choice((0, 0, 300, 4000))
+        elif action < 0.9:
+            costs = replace(costs, recompute_ms_per_token=rnd.choice((0.01, 0.0282, 0.05)))
+        states = [
+            state(n, queued_prefill_tokens=queued[n.node_id], reported_unix_ms=reported[n.node_id])
+            for n in nodes
+        ]
+        fresh = InFlightLedger(max_age_ms=5_000)
+        for items in unfinished.values():
+            fresh.add(*items)
+        assert kept.current(states, now, costs=costs) == fresh.current(states, now, costs=costs), step
