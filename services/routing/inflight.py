@@ -32,9 +32,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from itertools import islice
 
+from kvplane.services.common.nodes import NodeLoad
 from kvplane.services.routing.policy.cost_model import CostModel
 from kvplane.services.routing.policy.decision import RoutePlan
-from kvplane.services.routing.policy.snapshot import NodeLoad, NodeState, RouteSnapshot
+from kvplane.services.routing.policy.snapshot import NodeState, RouteSnapshot
 
 
 @dataclass(frozen=True, slots=True)
