@@ -29,8 +29,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
-from itertools import islice
+from dataclasses import dataclass, field, replace
 
 from kvplane.services.common.nodes import NodeLoad
 from kvplane.services.routing.policy.cost_model import CostModel
@@ -62,14 +61,13 @@ class RoutedWork:
 class _NodeQueue:
     """One node's routed work folded over its last report, kept between calls.
 
-    Valid while the node's report, the prices and the node's removals (`epoch`)
-    are unchanged; work routed since is folded in as it comes. The FIFO's
+    Valid while the node's report and the prices are unchanged and no work has
+    left the node (a removal drops it); work routed since is folded in as it comes. The FIFO's
     stretches are in time order: each starts once the one before has finished.
     """
 
     load: NodeLoad
     prices: tuple[float, float, float] | None
-    epoch: int
     # How many of the node's pending items are folded in (items are kept in routing order).
     count: int
     # Sums over the folded items.
@@ -84,6 +82,8 @@ class _NodeQueue:
     starts: list[float]
     ends: list[float]
     token_sums: list[int]
+    # Work routed to the node since, in routing order, not folded in yet.
+    unfolded: list[RoutedWork] = field(default_factory=list)
 
     def queued_tokens(self, now: float) -> int:
         """The tokens not yet computed at `now`: part of the stretch running then, all of the later ones."""
@@ -111,8 +111,7 @@ class InFlightLedger:
         # route id -> its work items, oldest route first (the bound drops from the front).
         self._routes: OrderedDict[str, tuple[RoutedWork, ...]] = OrderedDict()
         self._by_node: dict[str, dict[str, RoutedWork]] = {}
-        # Per node: bumped whenever an item leaves it, which invalidates its `_NodeQueue`.
-        self._epochs: dict[str, int] = {}
+        # Per node: its fold, dropped whenever work leaves the node.
         self._queues: dict[str, _NodeQueue] = {}
 
     def __len__(self) -> int:
@@ -127,6 +126,9 @@ class InFlightLedger:
         self._routes[route_id] = work
         for item in work:
             self._by_node.setdefault(item.node_id, {})[route_id] = item
+            queue = self._queues.get(item.node_id)
+            if queue is not None:
+                queue.unfolded.append(item)
         while len(self._routes) > self.limit:
             oldest = next(iter(self._routes))
             self.finished(oldest)
@@ -211,17 +213,15 @@ class InFlightLedger:
             if prefill is None
             else (prefill.prefill_fixed_ms, prefill.recompute_ms_per_token, prefill.reused_ms_per_token)
         )
-        epoch = self._epochs.get(node_id, 0)
         queue = self._queues.get(node_id)
         if (
             queue is not None
-            and queue.epoch == epoch
             and queue.prices == prices
             and queue.first_routed_ms >= oldest
-            and queue.count <= len(pending)
+            and queue.count + len(queue.unfolded) == len(pending)
             and queue.load == load
         ):
-            fresh = list(islice(pending.values(), queue.count, None))
+            fresh, queue.unfolded = queue.unfolded, []
             reported = load.reported_unix_ms
             if all(item.visible_unix_ms >= reported and item.routed_unix_ms >= oldest for item in fresh):
                 for item in fresh:
@@ -255,7 +255,6 @@ class InFlightLedger:
         queue = _NodeQueue(
             load=load,
             prices=prices,
-            epoch=self._epochs.get(node_id, 0),
             count=0,
             tokens=0,
             blocks=0,
@@ -286,11 +285,9 @@ class InFlightLedger:
         pending = self._by_node.get(node_id)
         if pending is None or pending.pop(route_id, None) is None:
             return
-        self._epochs[node_id] = self._epochs.get(node_id, 0) + 1
+        self._queues.pop(node_id, None)
         if not pending:
             del self._by_node[node_id]
-            self._queues.pop(node_id, None)
-            self._epochs.pop(node_id, None)
 
 
 def _fold(queue: _NodeQueue, item: RoutedWork, prefill: CostModel | None) -> None:
