@@ -90,12 +90,18 @@ async def test_a_pulled_turn_is_one_trace_from_the_gateway_through_routing_etcd_
             ("kvplane-sim-engine", "kv.pull"),
             ("kvplane-metadata", "/kvplane.v1.MetadataService/PublishHandles"),
         }
-        return trace if wanted <= names else []
+        if not wanted <= names:
+            return []
+        # Each process exports a span once it ends, in batches: a parent (an engine's request) may
+        # arrive after its children. Wait for the whole tree; a span whose parent never comes is
+        # a broken trace, and the wait then fails.
+        by_id = {s.span_id for s in trace}
+        return trace if len([s for s in trace if s.parent_span_id not in by_id]) == 1 else []
 
     async def probe() -> list[ReceivedSpan]:
         return complete()
 
-    trace = await eventually(probe, timeout_s=30, what="the pulled turn's trace in every process")
+    trace = await eventually(probe, timeout_s=30, what="the pulled turn's trace in every process, one tree")
     by_id = {s.span_id: s for s in trace}
     # One tree: every span but the turn's has its parent in the same trace.
     (root,) = [s for s in trace if s.parent_span_id not in by_id]
