@@ -61,7 +61,9 @@ class Load:
                 output = await self._turn(session, conversation, prompt, turn % len(self.gateway_urls))
                 turn += 1
                 prompt = prompt + output + [rng.randrange(1000, 30000) for _ in range(40)]
-                await asyncio.sleep(0.2)  # think time between turns
+                # Think time between turns, varied so that the users drift apart and turns keep
+                # arriving while a fault lasts, not in waves of four.
+                await asyncio.sleep(rng.uniform(0.1, 0.8))
 
     async def _turn(
         self, session: aiohttp.ClientSession, conversation: str, prompt: list[int], first: int
