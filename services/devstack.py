@@ -100,9 +100,16 @@ async def _wait_ready(proc: ManagedProcess, probe: Callable[[], Awaitable[bool]]
     while time.monotonic() < deadline:
         if not proc.alive():
             raise StartupError(f"{proc.name} exited during start-up:\n{proc.log_tail()}")
-        with contextlib.suppress(Exception):
+        try:
             if await probe():
                 return
+        except Exception:
+            # Not ready yet. But a cancelled task's cancellation is handed to the future it awaits,
+            # and grpc.aio's call task swallows it when its call has just ended, raising the call's
+            # status instead: a Ctrl-C during start-up would be lost here, and start-up go on.
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise asyncio.CancelledError from None
         await asyncio.sleep(0.1)  # polling readiness until the deadline
     raise StartupError(f"{proc.name} was not ready after {timeout_s:.0f}s:\n{proc.log_tail()}")
 

@@ -64,7 +64,13 @@ def test_ctrl_c_during_start_up_says_what_became_of_the_logs() -> None:
         if line.startswith("==> starting kvplane serve all"):
             proc.send_signal(signal.SIGINT)
             break
-    rest, _ = proc.communicate(timeout=60)
+    try:
+        rest, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        # Ctrl-C was lost: stop the stack it went on to start (SIGTERM once it serves), then fail.
+        proc.terminate()
+        rest, _ = proc.communicate(timeout=60)
+        pytest.fail("Ctrl-C during start-up did not stop the stack:\n" + "".join(seen) + rest)
     out = "".join(seen) + rest
     removed = re.search(r"==> logs removed with (\S+) ", out)
     assert removed is not None, out
