@@ -65,6 +65,12 @@ class Load:
                 # arriving while a fault lasts, not in waves of four.
                 await asyncio.sleep(rng.uniform(0.1, 0.8))
 
+    async def turn(
+        self, session: aiohttp.ClientSession, conversation: str, prompt: list[int], first: int = 0
+    ) -> list[int]:
+        """One streamed turn, recorded; its output token ids, or [] if it failed."""
+        return await self._turn(session, conversation, prompt, first)
+
     async def _turn(
         self, session: aiohttp.ClientSession, conversation: str, prompt: list[int], first: int
     ) -> list[int]:

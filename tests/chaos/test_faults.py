@@ -1,6 +1,7 @@
 """The chaos suite: every process of a small fleet killed in turn under a steady multi-turn
 load, etcd's leader killed and all of etcd stopped, an engine cut off from the control plane,
-a service frozen. It prints the fault table and fails on any breach of the targets:
+a service frozen, clients that hang up at moments spread over a turn. It prints the fault table
+and fails on any breach of the targets:
 
 - no failed turn, other than streams in flight on the killed gateway or engine;
 - a turn served within 1 s of every fault (the first turn that arrives after it takes at most
@@ -15,7 +16,10 @@ Run: .venv/bin/pytest -q -m chaos tests/chaos -s   (about 6 minutes on 2 cores)
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import random
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +28,7 @@ import aiohttp
 import pytest
 
 from kvplane.services.common.store import Store
-from tests.chaos.cluster import ChaosCluster, start_cluster, wait_ready
+from tests.chaos.cluster import CLAIM_DEADLINE_S, ChaosCluster, start_cluster, wait_ready
 from tests.chaos.ledger import Ledger, settled_ledger
 from tests.chaos.load import Load, TurnRecord
 
@@ -128,6 +132,48 @@ async def _freeze_routing(cluster: ChaosCluster) -> set[int] | None:
     return set()
 
 
+# When, after its turn is sent, each client goes away: before Route, during P's leg (a pull's claim
+# is held while P reads D's blocks), as D starts streaming, and mid-stream.
+HANG_UP_AFTER_S = (0.0, 0.05, 0.15, 0.3, 0.6, 1.0, 1.5, 2.0)
+
+
+async def _clients_hang_up(cluster: ChaosCluster) -> set[int] | None:
+    """Second turns (pulls of a 3,000-token history) whose clients go away at `HANG_UP_AFTER_S`;
+    then the claim deadline passes, so that the ledger counts whatever they left held."""
+    callers = Load(cluster.gateway_urls)
+    rng = random.Random(99)
+    timeout = aiohttp.ClientTimeout(total=60, sock_read=20)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+
+        async def one(i: int, after_s: float) -> bool:
+            conversation = f"hang-up-{i}-{uuid.uuid4().hex[:8]}"
+            prompt = [rng.randrange(1000, 30000) for _ in range(3000)]
+            output = await callers.turn(session, conversation, prompt, i)
+            assert output, f"the first turn of {conversation} failed: {callers.records[-1].error}"
+            later = prompt + output + [rng.randrange(1000, 30000) for _ in range(40)]
+            second = asyncio.create_task(callers.turn(session, conversation, later, i))
+            await asyncio.sleep(after_s)  # the moment this client goes away
+            hung_up = not second.done()
+            second.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await second
+            return hung_up
+
+        hung_up = await asyncio.gather(*(one(i, s) for i, s in enumerate(HANG_UP_AFTER_S)))
+    assert sum(hung_up) >= len(HANG_UP_AFTER_S) - 1, f"turns ended before their clients left: {hung_up}"
+    store = cluster.store()
+    await store.connect()
+    try:
+        _, claims = await store.read_prefix(store.keys.all_claims_prefix())
+    finally:
+        await store.close()
+    print(f"clients hung up: {sum(hung_up)} turns; claims held just after: {len(claims)}", flush=True)
+    # Nothing the abandoned turns held may outlive the claim deadline: it passes, and the sweep after
+    # it, before the ledger is taken (a claim older than the deadline + 5 s counts as stranded).
+    await asyncio.sleep(CLAIM_DEADLINE_S + 6.0)
+    return set()
+
+
 FAULTS: list[tuple[str, Callable[[ChaosCluster], Awaitable[set[int] | None]]]] = [
     ("SIGKILL metadata", _kill_and_restart("metadata")),
     ("SIGKILL routing", _kill_and_restart("routing")),
@@ -139,6 +185,7 @@ FAULTS: list[tuple[str, Callable[[ChaosCluster], Awaitable[set[int] | None]]]] =
     ("etcd stopped 10 s", _etcd_stopped),
     ("d1 cut from control plane", _partition_engine),
     ("SIGSTOP routing 5 s", _freeze_routing),
+    ("clients hang up mid-turn", _clients_hang_up),
 ]
 
 
