@@ -50,12 +50,19 @@ def test_dev_stack_pins_its_ports_keeps_its_logs_and_its_demo_columns_add_up(tmp
     assert any(int(pulled) + int(cached) > 0 for *_, pulled, cached, _computed in rows), out
 
 
+def _as_from_a_terminal() -> None:
+    # A command started with `&` by a shell without job control (a CI script, nohup) inherits
+    # SIGINT ignored, and Python then leaves it ignored; a user's Ctrl-C reaches a foreground one.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_during_start_up_says_what_became_of_the_logs() -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvplane.services.cli", "dev-stack", "--no-demo"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        preexec_fn=_as_from_a_terminal,
     )
     assert proc.stdout is not None
     seen = []
