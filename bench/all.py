@@ -15,7 +15,8 @@ every named policy over the same turns:
    `kvplane.bench.metadata_bench`, `route_bench`, `eviction_bench`, each as a subprocess.
 
 Runs go to a pool of one process per core. Results depend only on the seed
-and the configuration. Writes `results.json`, `tables.md` and PNG plots under
+and the configuration. Writes `results.json`, `tables.md` (each kept when only wall
+times changed) and PNG plots under
 `--out`, and rewrites README.md between `<!-- perf:begin -->` and
 `<!-- perf:end -->` only when more than wall time changed.
 """
@@ -23,6 +24,7 @@ and the configuration. Writes `results.json`, `tables.md` and PNG plots under
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import subprocess
@@ -245,6 +247,26 @@ def write_if_changed(path: Path, text: str) -> bool:
     return True
 
 
+def _without_wall_time(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_wall_time(v) for k, v in value.items() if k != "wall_s"}
+    if isinstance(value, list):
+        return [_without_wall_time(v) for v in value]
+    return value
+
+
+def write_json_if_changed(path: Path, data: Any) -> bool:
+    """Writes `data` as JSON unless the file holds the same but for `wall_s` values; True if written."""
+    try:
+        old = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        old = None
+    if old is not None and _without_wall_time(old) == _without_wall_time(json.loads(json.dumps(data))):
+        return False
+    report.write_json(path, data)
+    return True
+
+
 def plots(results: dict[str, dict[str, SimResult]], plot_dir: Path) -> None:
     plot_dir.mkdir(parents=True, exist_ok=True)
     head = results[f"mooncake_pinned_{HEADLINE_KV_GIB}"]
@@ -334,7 +356,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     plot_dir = out / "plots"
     plots(results, plot_dir)
     tables = tables_markdown(specs, results)
-    report.write_json(out / "results.json", data)
+    write_json_if_changed(out / "results.json", data)
     write_if_changed(out / "tables.md", tables + "\n")
     if not args.no_readme:
         plots_rel = str(plot_dir.relative_to(REPO)) if plot_dir.is_relative_to(REPO) else str(plot_dir)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvplane.bench.all import write_if_changed
+from kvplane.bench.all import write_if_changed, write_json_if_changed
 from kvplane.bench.findings import table_paragraph
 from kvplane.bench.report import PERF_BEGIN, PERF_END, replace_between_markers
 
@@ -68,3 +68,20 @@ def test_the_readme_is_not_rewritten_when_only_wall_time_changed(tmp_path: Path)
     assert "250 s" in readme.read_text()
     assert write_if_changed(readme, "a million turns in 250 s of wall time; p50 301 ms\n")
     assert "301 ms" in readme.read_text()
+
+
+def test_results_json_is_not_rewritten_when_only_wall_times_changed(tmp_path: Path) -> None:
+    path = tmp_path / "results.json"
+    first = {
+        "scale": {"turns": 10, "wall_s": 151.2},
+        "tables": {"t": {"results": [{"wall_s": 0.5, "p50": 3}]}},
+    }
+    assert write_json_if_changed(path, first)
+    later = {
+        "scale": {"turns": 10, "wall_s": 183.0},
+        "tables": {"t": {"results": [{"wall_s": 0.7, "p50": 3}]}},
+    }
+    assert not write_json_if_changed(path, later)
+    assert "151.2" in path.read_text()
+    assert write_json_if_changed(path, {**later, "scale": {"turns": 11, "wall_s": 183.0}})
+    assert '"turns": 11' in path.read_text()
