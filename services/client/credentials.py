@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -31,7 +30,7 @@ import grpc
 
 from kvplane.client.reloading_channel import ReloadingChannel
 from kvplane.services.common.auth import MESH_SECRET_HEADER
-from kvplane.services.common.secret_files import SecretFileError, read_secret_file
+from kvplane.services.common.secret_files import FileStamp, SecretFileError, file_stamp, read_secret_file
 from kvplane.services.common.tls import ClientTlsFiles
 
 log = logging.getLogger(__name__)
@@ -137,14 +136,8 @@ class CallMetadata:
         self._stamp = self._stamps()
         self._value = credentials.call_metadata(self._extra)  # fails loudly at start-up
 
-    def _stamps(self) -> tuple[float, ...]:
-        out = []
-        for path in self._files:
-            try:
-                out.append(os.stat(path).st_mtime)
-            except OSError:
-                out.append(-1.0)
-        return tuple(out)
+    def _stamps(self) -> tuple[FileStamp, ...]:
+        return tuple(file_stamp(path) for path in self._files)
 
     def current(self) -> tuple[tuple[str, str], ...]:
         if not self._files:

@@ -13,27 +13,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import grpc
 
+from kvplane.services.common.secret_files import FileStamp, file_stamp
 from kvplane.services.common.tls import ClientTlsFiles, TlsConfigError
 
 log = logging.getLogger(__name__)
 
 # How long calls in flight on a replaced channel may take before it is closed under them, seconds.
 OLD_CHANNEL_GRACE_S = 60.0
-
-
-def _stamp(path: str) -> tuple[int, int, int]:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return (-1, -1, -1)
-    return (st.st_mtime_ns, st.st_size, st.st_ino)
 
 
 class _CurrentCallable:
@@ -85,8 +77,8 @@ class ReloadingChannel(grpc.aio.Channel):
         self._retired: dict[grpc.aio.Channel, asyncio.Task[None]] = {}
         self.reloads = 0
 
-    def _read_stamps(self) -> tuple[tuple[int, int, int], ...]:
-        return tuple(_stamp(p) for p in self._paths)
+    def _read_stamps(self) -> tuple[FileStamp, ...]:
+        return tuple(file_stamp(p) for p in self._paths)
 
     def _make(self) -> grpc.aio.Channel:
         return grpc.aio.secure_channel(

@@ -26,7 +26,6 @@ import dataclasses
 import enum
 import hmac
 import logging
-import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ from urllib.parse import unquote
 
 from kvplane.services.common import validation
 from kvplane.services.common.errors import InvalidArgument, PermissionDenied, Unauthenticated
+from kvplane.services.common.secret_files import file_stamp
 
 log = logging.getLogger(__name__)
 
@@ -143,15 +143,6 @@ class TenantsSeeEngines:
         return principal
 
 
-def _file_stamp(path: str) -> tuple[int, int, int]:
-    """What changes when a file is rewritten or swapped (a Kubernetes Secret volume swaps a link)."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return (-1, -1, -1)
-    return (st.st_mtime_ns, st.st_size, st.st_ino)
-
-
 class ReloadingAuthenticator:
     """An authenticator built from files (tokens, mesh secrets), rebuilt when one of them changes.
 
@@ -174,7 +165,7 @@ class ReloadingAuthenticator:
         # At start-up a bad file fails loudly: nothing is served with credentials half-read.
         self._current, files = build()
         self._files = tuple(files)
-        self._stamps = tuple(_file_stamp(f) for f in self._files)
+        self._stamps = tuple(file_stamp(f) for f in self._files)
         self._next_check = clock() + check_interval_s
 
     def authenticate(self, call: CallCredentials) -> Principal:
@@ -186,7 +177,7 @@ class ReloadingAuthenticator:
 
     def reload_if_changed(self) -> bool:
         """Rebuilds when a file changed; whether the credentials now in use are new ones."""
-        stamps = tuple(_file_stamp(f) for f in self._files)
+        stamps = tuple(file_stamp(f) for f in self._files)
         if stamps == self._stamps:
             return False
         self._stamps = stamps
@@ -198,7 +189,7 @@ class ReloadingAuthenticator:
         self._current = current
         if tuple(files) != self._files:
             self._files = tuple(files)
-            self._stamps = tuple(_file_stamp(f) for f in self._files)
+            self._stamps = tuple(file_stamp(f) for f in self._files)
         log.info("credentials reloaded", extra={"files": list(self._files)})
         return True
 

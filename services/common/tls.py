@@ -11,7 +11,6 @@ authentication and the mesh-proxy check read (`certificate_ids`).
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -19,6 +18,8 @@ from pathlib import Path
 
 import grpc
 from cryptography import x509
+
+from kvplane.services.common.secret_files import file_stamp
 
 log = logging.getLogger(__name__)
 
@@ -32,13 +33,6 @@ def _read(path: str, what: str) -> bytes:
         return Path(path).read_bytes()
     except OSError as exc:
         raise TlsConfigError(f"{what} {path!r}: {exc.strerror or exc}") from None
-
-
-def _mtime(path: str) -> float:
-    try:
-        return os.stat(path).st_mtime_ns / 1e9
-    except OSError:
-        return -1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,13 +62,13 @@ class ServerTlsFiles:
         if not self.cert_file or not self.key_file:
             raise TlsConfigError("TLS needs both cert_file and key_file")
         lock = threading.Lock()
-        seen = {f: _mtime(f) for f in self._files()}
+        seen = {f: file_stamp(f) for f in self._files()}
         initial = self._configuration()
 
         def fetch() -> grpc.ServerCertificateConfiguration | None:
             # Called by gRPC before each handshake; None keeps the current files.
             with lock:
-                now = {f: _mtime(f) for f in self._files()}
+                now = {f: file_stamp(f) for f in self._files()}
                 if now == seen:
                     return None
                 try:

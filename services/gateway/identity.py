@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import os
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -23,7 +22,7 @@ import yaml
 
 from kvplane.services.common import validation
 from kvplane.services.common.errors import InvalidArgument
-from kvplane.services.common.secret_files import read_secret_file
+from kvplane.services.common.secret_files import file_stamp, read_secret_file
 
 log = logging.getLogger(__name__)
 
@@ -99,14 +98,6 @@ def read_key_file(path: str) -> dict[str, str]:
     return keys
 
 
-def _stamp(path: str) -> tuple[int, int, int]:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return (-1, -1, -1)
-    return (st.st_mtime_ns, st.st_size, st.st_ino)
-
-
 class ReloadingApiKeys(ApiKeys):
     """The configured keys plus those of a key file, read again when the file changes.
 
@@ -128,7 +119,7 @@ class ReloadingApiKeys(ApiKeys):
         self._file = key_file
         self._interval = check_interval_s
         self._clock = clock
-        self._stamp = _stamp(key_file)
+        self._stamp = file_stamp(key_file)
         super().__init__({**self._static, **read_key_file(key_file)}, default_tenant)
         self._next_check = clock() + check_interval_s
 
@@ -140,7 +131,7 @@ class ReloadingApiKeys(ApiKeys):
         return super().tenant(headers)
 
     def _reload_if_changed(self) -> None:
-        stamp = _stamp(self._file)
+        stamp = file_stamp(self._file)
         if stamp == self._stamp:
             return
         self._stamp = stamp
