@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import sys
 import time
@@ -36,6 +35,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from kvplane.bench.live import stream_turn
 from kvplane.bench.route_bench import cpu_seconds
 from kvplane.services.common.handles import fresh_prefill_params
 from kvplane.services.common.local_etcd import free_port
@@ -105,28 +105,6 @@ def _prompt(seed: int, n: int) -> list[int]:
     return [(seed * 7919 + i * 31) % 29_000 + 300 for i in range(n)]
 
 
-async def _turn(
-    session: aiohttp.ClientSession, url: str, body: dict[str, Any], headers: dict[str, str]
-) -> tuple[str, float, list[int]]:
-    """A streamed completion: the decision header, TTFT in ms and the output token ids."""
-    started = time.perf_counter()
-    ttft = 0.0
-    output: list[int] = []
-    async with session.post(url, json={**body, "stream": True}, headers=headers) as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"{url}: HTTP {resp.status}: {(await resp.text())[:500]}")
-        decision = resp.headers.get("x-kvplane-decision", "")
-        async for raw in resp.content:
-            if not raw.startswith(b"data: {"):
-                continue
-            chunk = json.loads(raw[6:])
-            for choice in chunk.get("choices", []):
-                if not ttft:
-                    ttft = (time.perf_counter() - started) * 1000
-                output += choice.get("token_ids") or []
-    return decision, ttft, output
-
-
 async def _conversation(
     session: aiohttp.ClientSession,
     url: str,
@@ -144,7 +122,7 @@ async def _conversation(
             "ignore_eos": True,
             "return_token_ids": True,
         }
-        decision, ttft, output = await _turn(session, url, body, headers)
+        decision, ttft, output = await stream_turn(session, url, body, headers)
         result.turns += 1
         result.ttft_ms.append(ttft)
         result.decisions[decision or "-"] += 1

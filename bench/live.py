@@ -105,7 +105,7 @@ class Workload:
     seed: int = 0
 
 
-async def _stream_turn(
+async def stream_turn(
     session: aiohttp.ClientSession, url: str, body: dict[str, Any], headers: dict[str, str]
 ) -> tuple[str, float, list[int]]:
     """POSTs a streaming completion; returns the decision header, TTFT (ms) and output ids."""
@@ -140,7 +140,7 @@ async def _direct_turn(
             raise RuntimeError(f"prefill: HTTP {resp.status}: {(await resp.text())[:500]}")
         params = (await resp.json()).get("kv_transfer_params")
     d_started = time.perf_counter()
-    _, ttft_d, output = await _stream_turn(
+    _, ttft_d, output = await stream_turn(
         session, f"{decode}/v1/completions", {**body, "kv_transfer_params": params}, {}
     )
     return (d_started - started) * 1e3 + ttft_d, output
@@ -274,7 +274,7 @@ async def drive(
 
         async def send(name: str, turn: int, body: dict[str, Any]) -> tuple[str, float, list[int]]:
             headers = {"Authorization": f"Bearer {api_key}", "X-Conversation-Id": name}
-            answer = await _stream_turn(session, f"{gateway}/v1/completions", body, headers)
+            answer = await stream_turn(session, f"{gateway}/v1/completions", body, headers)
             bar.tick()
             return answer
 
