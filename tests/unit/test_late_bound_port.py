@@ -15,4 +15,3 @@ def test_the_port_is_free_and_below_the_ephemeral_range() -> None:
     for port in ports:
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))  # still free
-
