@@ -30,6 +30,8 @@ from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
+from heapq import heappop, heappush
+from itertools import count
 
 from kvplane.services.common.nodes import NodeLoad
 from kvplane.services.routing.policy.cost_model import CostModel
@@ -75,7 +77,8 @@ class _NodeQueue:
     blocks: int
     queued: int
     running: int
-    # The earliest routing time among them (aged-out work forces a refold).
+    # The earliest and latest routing times among them (aged-out work forces a refold, but
+    # on a node without a FIFO whose items were folded in routing order, see `_shed`).
     first_routed_ms: float
     finish: float
     # The stretches, the report's queue first: starts, ends, and prefix sums of their tokens.
@@ -84,6 +87,20 @@ class _NodeQueue:
     token_sums: list[int]
     # Work routed to the node since, in routing order, not folded in yet.
     unfolded: list[RoutedWork] = field(default_factory=list)
+    # Without a FIFO (no prices): the folded items by routing time, (time, order folded, item),
+    # so that aged-out work can be taken out; an item that left the node since stays until popped.
+    by_age: list[tuple[int, int, RoutedWork]] | None = None
+
+    def unfold(self, item: RoutedWork) -> bool:
+        """Takes a folded item back out, when the fold allows it exactly: only sums, no FIFO stretch."""
+        if self.prices is not None or item.prefill_tokens or item.prefill_ms > 0:
+            return False
+        self.count -= 1
+        self.tokens -= item.prefill_tokens
+        self.blocks -= item.kv_blocks
+        self.queued -= item.queued_requests
+        self.running -= item.running_requests
+        return True
 
     def queued_tokens(self, now: float) -> int:
         """The tokens not yet computed at `now`: part of the stretch running then, all of the later ones."""
@@ -101,6 +118,8 @@ class InFlightLedger:
     `current` is called on every route, for every candidate node; a node's
     pending work is folded over its report once (`_NodeQueue`) and extended as
     work is routed, so a route costs the same however many turns are in flight.
+    Work that leaves a node without a FIFO (a decode node: its fold is sums), by
+    finishing or by age, is taken out of the fold; a prefill node is refolded.
     """
 
     def __init__(self, *, max_age_ms: int = 30_000, limit: int = 100_000) -> None:
@@ -214,6 +233,8 @@ class InFlightLedger:
             else (prefill.prefill_fixed_ms, prefill.recompute_ms_per_token, prefill.reused_ms_per_token)
         )
         queue = self._queues.get(node_id)
+        if queue is not None and queue.first_routed_ms < oldest:
+            self._shed(node_id, queue, pending, oldest)
         if (
             queue is not None
             and queue.prices == prices
@@ -265,14 +286,41 @@ class InFlightLedger:
             starts=[float(reported)],
             ends=[finish],
             token_sums=[0, load.queued_prefill_tokens],
+            by_age=[] if prices is None else None,
         )
         for item in self._by_node.get(node_id, {}).values():
             _fold(queue, item, prefill)
         return queue
 
+    def _shed(self, node_id: str, queue: _NodeQueue, pending: dict[str, RoutedWork], oldest: int) -> None:
+        """Takes aged-out work out of a fold without a FIFO, oldest first, so that work ageing
+        out one turn at a time does not refold the node on every route. Stops at the first
+        item it cannot take out; a refold then sees to the rest."""
+        heap = queue.by_age
+        if heap is None:
+            return
+        first = float("inf")
+        while heap:
+            routed, _, item = heap[0]
+            if pending.get(item.route_id) is not item:
+                heappop(heap)  # it left the node already
+                continue
+            if routed >= oldest or not queue.unfold(item):
+                first = routed
+                break
+            heappop(heap)
+            del pending[item.route_id]
+            self._forget_share(item.route_id, node_id)
+        queue.first_routed_ms = first
+        if not pending and self._by_node.get(node_id) is pending:
+            del self._by_node[node_id]
+
     def _forget(self, route_id: str, node_id: str) -> None:
         """Drops one node's share of a route; the route goes when no node has any left."""
         self._drop(node_id, route_id)
+        self._forget_share(route_id, node_id)
+
+    def _forget_share(self, route_id: str, node_id: str) -> None:
         work = self._routes.get(route_id)
         if work is not None:
             left = tuple(item for item in work if item.node_id != node_id)
@@ -283,11 +331,28 @@ class InFlightLedger:
 
     def _drop(self, node_id: str, route_id: str) -> None:
         pending = self._by_node.get(node_id)
-        if pending is None or pending.pop(route_id, None) is None:
+        item = pending.pop(route_id, None) if pending is not None else None
+        if pending is None or item is None:
             return
-        self._queues.pop(node_id, None)
+        queue = self._queues.get(node_id)
+        if queue is not None and not _take_out(queue, item):
+            del self._queues[node_id]
         if not pending:
             del self._by_node[node_id]
+
+
+# Numbers folded items in order, so that equal routing times never compare the items themselves.
+_FOLDED = count()
+
+
+def _take_out(queue: _NodeQueue, item: RoutedWork) -> bool:
+    """Removes work that left the node from its fold; False when only a refold can."""
+    for i, waiting in enumerate(queue.unfolded):
+        if waiting is item:
+            del queue.unfolded[i]
+            return True
+    # Its routing time may have been the earliest: a lower bound is kept, `_shed` finds the real one.
+    return queue.unfold(item)
 
 
 def _fold(queue: _NodeQueue, item: RoutedWork, prefill: CostModel | None) -> None:
@@ -298,6 +363,8 @@ def _fold(queue: _NodeQueue, item: RoutedWork, prefill: CostModel | None) -> Non
     queue.queued += item.queued_requests
     queue.running += item.running_requests
     queue.first_routed_ms = min(queue.first_routed_ms, item.routed_unix_ms)
+    if queue.by_age is not None:
+        heappush(queue.by_age, (item.routed_unix_ms, next(_FOLDED), item))
     if item.prefill_ms > 0 or item.prefill_tokens:
         start = max(queue.finish, float(item.routed_unix_ms))
         spent = item.prefill_ms

@@ -95,6 +95,45 @@ def test_work_older_than_the_age_limit_is_dropped_even_without_a_report() -> Non
     assert p is not None and p.queued_prefill_tokens == 1000
 
 
+def test_decode_work_ageing_out_a_turn_at_a_time_is_shed_without_refolding(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # D's share of each turn becomes visible only once P is expected to be done; when that
+    # estimate runs far ahead, the work leaves by age, one turn per route. Each route must then
+    # take the aged turn out of D's fold, not fold every turn still pending again.
+    ledger = InFlightLedger(max_age_ms=1_000)
+    refolds: Counter[str] = Counter()
+    refold = InFlightLedger._refold
+
+    def counting(self: InFlightLedger, node_id: str, *args: object) -> object:
+        refolds[node_id] += 1
+        return refold(self, node_id, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(InFlightLedger, "_refold", counting)
+    d_state = [state(D0, free_kv_blocks=10**6, total_kv_blocks=10**6, reported_unix_ms=NOW)]
+    routed: dict[str, int] = {}
+    for i in range(3_000):
+        now = NOW + i
+        # Routes that ran together are recorded out of order (each after its own check-out).
+        routed[f"r{i}"] = now - 7 * (i % 3)
+        ledger.add(*work(f"r{i}", 160, visible=now + 100, routed=routed[f"r{i}"])[1:])
+        d = loads(ledger, d_state, now)["d0"].load
+        assert d is not None
+        # The turns routed in the last second, and only those, hold blocks on D.
+        live = sum(1 for t in routed.values() if t >= now - 1_000)
+        assert d.free_kv_blocks == 10**6 - 10 * live, i
+    assert refolds["d0"] <= 2
+    # Turns leaving D one at a time are taken out of the fold too.
+    for i in range(2_000, 3_000):
+        ledger.finished(f"r{i}")
+        del routed[f"r{i}"]
+        d = loads(ledger, d_state, NOW + 2_999)["d0"].load
+        live = sum(1 for t in routed.values() if t >= NOW + 1_999)
+        assert d is not None and d.free_kv_blocks == 10**6 - 10 * live, i
+    assert len(ledger) == live
+    assert refolds["d0"] <= 2
+
+
 def test_a_node_without_a_report_stays_unknown() -> None:
     ledger = InFlightLedger()
     ledger.add(*work("r1", 4000))
@@ -302,7 +341,8 @@ def test_the_kept_fold_answers_as_a_fresh_ledger_would(seed: int) -> None:
             tokens = rnd.randrange(1, 5000)
             items = turn_work(
                 f"r{step}",
-                routed_unix_ms=now,
+                # Routes that ran together are recorded out of order (each after its own check-out).
+                routed_unix_ms=now - rnd.choice((0, 0, 2, 30)),
                 prefill_node_id=p,
                 prefill_tokens=tokens,
                 prefill_visible_unix_ms=now + rnd.choice((0, 1, 40)),
@@ -325,7 +365,14 @@ def test_the_kept_fold_answers_as_a_fresh_ledger_would(seed: int) -> None:
         elif action < 0.9:
             costs = replace(costs, recompute_ms_per_token=rnd.choice((0.01, 0.0282, 0.05)))
         states = [
-            state(n, queued_prefill_tokens=queued[n.node_id], reported_unix_ms=reported[n.node_id])
+            state(
+                n,
+                queued_prefill_tokens=queued[n.node_id],
+                reported_unix_ms=reported[n.node_id],
+                # Room enough that every block of routed work shows in the answer.
+                free_kv_blocks=10**6,
+                total_kv_blocks=10**6,
+            )
             for n in nodes
         ]
         fresh = InFlightLedger(max_age_ms=5_000)
