@@ -85,12 +85,14 @@ def chain_from(previous: int | None, raw: bytes, block_size: int) -> list[int]:
         raise ValueError("block_size must be positive")
     step = block_size * 4
     prev = _seed(block_size) if previous is None else previous.to_bytes(8, "little")
-    out: list[int] = []
+    chained: list[bytes] = []
+    keep = chained.append
     blake2b = hashlib.blake2b
-    for i in range(len(raw) // step):
-        prev = blake2b(prev + raw[i * step : (i + 1) * step], digest_size=8).digest()
-        out.append(int.from_bytes(prev, "little"))
-    return out
+    for start in range(0, len(raw) - step + 1, step):
+        prev = blake2b(prev + raw[start : start + step], digest_size=8).digest()
+        keep(prev)
+    # One conversion of all the digests to integers, not one call per block.
+    return np.frombuffer(b"".join(chained), dtype="<u8").tolist()
 
 
 def digest_tokens(token_ids: Sequence[int] | np.ndarray, block_size: int) -> TokenDigests:

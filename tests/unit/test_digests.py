@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from kvplane.connector import digests
@@ -85,3 +86,11 @@ def test_checkpoints_are_dense_at_the_end_and_bounded() -> None:
 
 def test_chain_ignores_a_partial_last_block() -> None:
     assert len(digests.chain(_tokens(33), 16)) == 2
+
+
+def test_version_1_digests_are_fixed_on_the_wire() -> None:
+    # Engines, routers and simulators of different releases compare these values: a change to how
+    # they are computed must come with a new VERSION, never silently.
+    assert digests.chain(list(range(1, 40)), 16) == [17916282987563303011, 8209168131365619585]
+    continued = digests.chain_from(8209168131365619585, np.arange(33, 65, dtype="<u4").tobytes(), 16)
+    assert continued == digests.chain(list(range(1, 65)), 16)[2:]
