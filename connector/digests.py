@@ -92,7 +92,8 @@ def chain_from(previous: int | None, raw: bytes, block_size: int) -> list[int]:
         prev = blake2b(prev + raw[start : start + step], digest_size=8).digest()
         keep(prev)
     # One conversion of all the digests to integers, not one call per block.
-    return np.frombuffer(b"".join(chained), dtype="<u8").tolist()
+    values: list[int] = np.frombuffer(b"".join(chained), dtype="<u8").tolist()
+    return values
 
 
 def digest_tokens(token_ids: Sequence[int] | np.ndarray, block_size: int) -> TokenDigests:
