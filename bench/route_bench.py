@@ -8,6 +8,9 @@ process at concurrency 1 and 64:
 
 - echo:      a unary call that returns the RouteRequest's bytes, no
              interceptors: the floor of one gRPC round trip of that size;
+- etcd txn:  the pull's check-out transaction alone (compare, two deletes,
+             two puts, a 2 KiB claim) from a bare client: the floor of what
+             a pull adds to a recompute;
 - recompute: first turns (no handle): view lookup and policy only;
 - pull:      second turns of conversations with a retained handle: policy,
              prefix check of the prompt's token ids, and the check-out
@@ -342,6 +345,40 @@ async def publish_handles(
     await store.close()
 
 
+async def bare_txns(etcd: LocalEtcd, prefix: str, concurrency: int, calls: int) -> Result:
+    """The check-out's etcd transaction alone, from a bare client: the same compare and four
+    writes (a 2 KiB claim), nothing else. What a pull route adds to a recompute cannot be less."""
+    from aetcd import rpc
+
+    from kvplane.services.common.store import fencing
+
+    assert etcd.proc is not None
+    base = f"{prefix}txn/{uuid.uuid4().hex[:6]}/".encode()
+    claim = bytes(2048)
+    async with grpc.aio.insecure_channel(etcd.endpoint.removeprefix("http://")) as channel:
+        kv = rpc.KVStub(channel)
+        revisions = []
+        for i in range(calls):
+            put = await kv.Put(rpc.PutRequest(key=base + b"h/%d" % i, value=b"handle"), timeout=10)
+            revisions.append(put.header.revision)
+
+        async def checkout(i: int) -> None:
+            key = base + b"h/%d" % i
+            request = rpc.TxnRequest(
+                compare=[fencing.same_revision(key, revisions[i])],
+                success=[
+                    fencing.delete(key),
+                    fencing.delete(base + b"i/%d" % i),
+                    fencing.put(base + b"c/%d" % i, claim),
+                    fencing.put(base + b"x/%d" % i, base + b"c/%d" % i),
+                ],
+            )
+            if not (await kv.Txn(request, timeout=10)).succeeded:
+                raise RuntimeError("bare check-out transaction failed its compare")
+
+        return await drive("etcd txn", concurrency, calls, checkout, [os.getpid(), etcd.proc.pid])
+
+
 async def run(
     calls_c1: int, calls_c64: int, tracing_rounds: Sequence[bool] = (False, True)
 ) -> list[tuple[str, Result]]:
@@ -383,6 +420,9 @@ async def run(
                 results.append(("", await drive("echo", conc, calls, do_echo, [me, echo.pid])))
             for conc, calls in ((1, calls_c1), (64, calls_c64)):
                 results.append(("", await drive("echo small", conc, calls, do_echo_small, [me, echo.pid])))
+
+        for conc, calls in ((1, calls_c1), (64, calls_c64)):
+            results.append(("", await bare_txns(etcd, prefix, conc, calls)))
 
         reporter = asyncio.create_task(report_loads(etcd.endpoint, prefix, nodes))
         try:
@@ -509,7 +549,7 @@ def report(results: list[tuple[str, Result]]) -> str:
         f"{'CPU ms/call':>13}{'(client/server/etcd)':>23}{'p50/echo':>10}",
     ]
     for tag, r in results:
-        base = "echo small" if r.name.endswith("len-only") else "echo"
+        base = "echo small" if r.name.endswith("len-only") or r.name == "etcd txn" else "echo"
         ratio = r.p50_ms / echo[(base, r.concurrency)].p50_ms if not r.name.startswith("echo") else 1.0
         split = "/".join(f"{c:.2f}" for c in r.cpu_split_ms)
         lines.append(
@@ -519,6 +559,10 @@ def report(results: list[tuple[str, Result]]) -> str:
     lines.append(
         "route rows: requests carry 4,160 prompt token ids (len-only: the length alone);"
         " pull = check-out txn + prefix check over 256 blocks"
+    )
+    lines.append(
+        "etcd txn: the check-out's transaction alone from a bare client (client/etcd CPU);"
+        " a pull's p50 cannot be below recompute's plus this"
     )
     for tag, r in results:
         if r.decisions:
