@@ -119,8 +119,13 @@ def cached_tokens(answer: Mapping[str, Any]) -> int:
     return cached if isinstance(cached, int) and not isinstance(cached, bool) else 0
 
 
-def absorb(payload: dict[str, Any], progress: TurnProgress, keep_token_ids: bool) -> bool:
-    """Takes D's handle and the token ids out of a chunk or answer; True if `payload` changed."""
+def absorb(
+    payload: dict[str, Any], progress: TurnProgress, keep_token_ids: bool, *, collect_output_ids: bool = True
+) -> bool:
+    """Takes D's handle and the token ids out of a chunk or answer; True if `payload` changed.
+
+    `collect_output_ids` False: the output's ids are not kept for the report (some events' alone
+    would describe tokens D does not retain)."""
     changed = False
     if "kv_transfer_params" in payload:
         params = payload.pop("kv_transfer_params")
@@ -138,7 +143,7 @@ def absorb(payload: dict[str, Any], progress: TurnProgress, keep_token_ids: bool
         if not isinstance(choice, dict):
             continue
         ids = choice.get("token_ids")
-        if isinstance(ids, list):
+        if collect_output_ids and isinstance(ids, list):
             progress.output_ids.extend(ids)
         prompt_ids = choice.get("prompt_token_ids")
         if isinstance(prompt_ids, list):

@@ -34,6 +34,7 @@ from kvplane.client.vllm_requests import decode_body, prefill_body
 from kvplane.services.common.handles import KEY_CONVERSATION, KEY_TENANT, fresh_prefill_params
 from kvplane.services.common.settings import GatewaySection
 from kvplane.services.gateway import sse
+from kvplane.services.gateway.decode_events import DecodeEvents, DigestingEngines
 from kvplane.services.gateway.fallback import FallbackEngines
 from kvplane.services.gateway.identity import Identity
 from kvplane.services.gateway.legs import LegFailed, LegTimeouts, open_stream, post_json
@@ -113,6 +114,7 @@ class TurnRunner:
         self.tracer = tracer
         self.tokenizers = TokenizeEndpoints()
         self.reporter = TurnReporter(settings, routing, metrics)
+        self.digesting = DigestingEngines()
         self.fallback = FallbackEngines(
             settings.fallback_prefill_url,
             settings.fallback_decode_url,
@@ -353,7 +355,7 @@ class TurnRunner:
     # -- the D leg -------------------------------------------------------------------------
 
     def _decode_request(
-        self, turn: TurnRequest, route: RouteResult, prefill_answer: Mapping[str, Any]
+        self, turn: TurnRequest, route: RouteResult, prefill_answer: Mapping[str, Any], asked_ids: bool
     ) -> dict[str, Any]:
         if isinstance(prefill_answer.get("kv_transfer_params"), Mapping):
             body = decode_body(turn.body, route, prefill_answer)
@@ -361,8 +363,14 @@ class TurnRunner:
             # P is not running the connector: D computes the prompt itself, which still answers the user.
             log.warning("prefill engine %s returned no kv_transfer_params", route.prefill.node_id)
             body = dict(turn.body)
-        body["return_token_ids"] = True
+        if asked_ids:
+            body["return_token_ids"] = True
         return body
+
+    def _ask_for_token_ids(self, turn: TurnRequest, route: RouteResult, progress: TurnProgress) -> bool:
+        return self.digesting.ask_for_token_ids(
+            route.decode, client_asked=turn.client_token_ids, prompt_known=progress.prompt_ids is not None
+        )
 
     def _headers(self, route: RouteResult, progress: TurnProgress, turn: TurnRequest) -> dict[str, str]:
         return {
@@ -388,7 +396,9 @@ class TurnRunner:
                     self.session,
                     "decode",
                     leg_url(route.decode.http_url, _path(turn)),
-                    self._decode_request(turn, route, prefill_answer),
+                    self._decode_request(
+                        turn, route, prefill_answer, self._ask_for_token_ids(turn, route, progress)
+                    ),
                     _trace_headers(),
                     LegTimeouts(self.settings.connect_timeout_s, self.settings.decode_timeout_s),
                 )
@@ -405,6 +415,7 @@ class TurnRunner:
             finally:
                 self.metrics.legs.labels("decode", outcome).observe(time.perf_counter() - start)
         absorb(answer, progress, turn.client_token_ids)
+        self.digesting.learn(route.decode, progress.decode_params)
         progress.ttft_s = time.perf_counter() - turn.arrival
         response = web.json_response(answer, headers=self._headers(route, progress, turn))
         self._finish(turn, route, progress, success=True)
@@ -422,6 +433,13 @@ class TurnRunner:
         start = time.perf_counter()
         s = self.settings
         timeouts = LegTimeouts(s.connect_timeout_s, s.decode_timeout_s, s.decode_idle_timeout_s)
+        asked_ids = self._ask_for_token_ids(turn, route, progress)
+        stream = DecodeEvents(
+            progress,
+            asked_ids=asked_ids,
+            keep_ids=turn.client_token_ids,
+            collect_ids=not self.digesting.digests(route.decode),
+        )
         with self.tracer.start_as_current_span("gateway.decode", kind=trace.SpanKind.CLIENT) as span:
             span.set_attribute("kvplane.node", route.decode.node_id)
             try:
@@ -429,7 +447,7 @@ class TurnRunner:
                     self.session,
                     "decode",
                     leg_url(route.decode.http_url, _path(turn)),
-                    self._decode_request(turn, route, prefill_answer),
+                    self._decode_request(turn, route, prefill_answer, asked_ids),
                     _trace_headers(),
                     timeouts,
                 )
@@ -450,18 +468,16 @@ class TurnRunner:
             try:
                 await _to_client(response.prepare(request))
                 async for event in sse.events(upstream.content.iter_any()):
-                    payload = event.json()
-                    raw = event.raw
-                    if payload is not None and absorb(payload, progress, turn.client_token_ids):
-                        raw = sse.encode(payload)
+                    raw, token = stream.forward(event)
                     # One write per event: aiohttp sends it at once, so tokens reach the client as made.
                     await _to_client(response.write(raw))
-                    if progress.ttft_s is None and payload is not None and payload.get("choices"):
+                    if progress.ttft_s is None and token:
                         progress.ttft_s = time.perf_counter() - turn.arrival
                     if event.done:
                         finished = True
                         break
                 await _to_client(response.write_eof())
+                self.digesting.learn(route.decode, progress.decode_params)
             except ClientGone:
                 outcome, progress.error = CLIENT_GONE, "the client disconnected"
             except asyncio.CancelledError:

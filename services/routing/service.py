@@ -32,6 +32,7 @@ from opentelemetry import trace
 from kvplane.connector import digests as token_digests
 from kvplane.services.common import convert, validation
 from kvplane.services.common.auth import Principal, PrincipalKind
+from kvplane.services.common.bounded_map import BoundedMap
 from kvplane.services.common.cluster_view import ClusterView
 from kvplane.services.common.errors import (
     HandleNotRetained,
@@ -59,7 +60,6 @@ from kvplane.services.common.settings import RoutingSection
 from kvplane.services.common.store import CheckOut, HandleRecord, Store
 from kvplane.services.common.suspects import NodeSuspect
 from kvplane.services.common.telemetry import Telemetry
-from kvplane.services.routing.bounded_map import BoundedMap
 from kvplane.services.routing.endpoints import AddressError, bare_host, http_base_url
 from kvplane.services.routing.inflight import InFlightLedger, routed_work
 from kvplane.services.routing.metrics import RoutingMetrics

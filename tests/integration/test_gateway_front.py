@@ -22,6 +22,7 @@ import pytest
 from aiohttp import web
 from pydantic import SecretStr
 
+from kvplane.services.common.handles import KEY_DIGESTS
 from kvplane.services.common.local_etcd import free_port
 from kvplane.services.common.settings import GatewayKey, GatewaySection
 from kvplane.services.common.telemetry import Telemetry
@@ -85,6 +86,8 @@ class ScriptedEngine:
     tokenizes: bool = True
     # Non-streaming: how long the answer takes, seconds.
     answer_delay_s: float = 0.0
+    # What a decode engine's last event (or answer) returns as its handle.
+    handle: dict[str, Any] = field(default_factory=lambda: dict(D_HANDLE))
     port: int = 0
     runner: web.AppRunner | None = None
 
@@ -146,7 +149,7 @@ class ScriptedEngine:
             except asyncio.CancelledError:
                 self.aborted = True
                 raise
-            return web.json_response({**CHAT_ANSWER, "kv_transfer_params": D_HANDLE})
+            return web.json_response({**CHAT_ANSWER, "kv_transfer_params": self.handle})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         for i in range(5):
@@ -160,8 +163,10 @@ class ScriptedEngine:
                     {"index": 0, "delta": {"content": f"t{i}"}, "finish_reason": "stop" if i == 4 else None}
                 ],
             }
+            if body.get("return_token_ids"):
+                chunk["choices"][0]["token_ids"] = [100 + i]
             if i == 4:
-                chunk["kv_transfer_params"] = D_HANDLE
+                chunk["kv_transfer_params"] = self.handle
             try:
                 await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
                 if self.pause_s:
@@ -271,6 +276,38 @@ async def test_streaming_strips_the_handle_and_passes_every_event(front: Front) 
     assert [c["choices"][0]["delta"]["content"] for c in chunks] == [f"t{i}" for i in range(5)]
     assert "kv_transfer_params" not in raw
     assert front.decode.seen[-1][1]["stream"] is True
+
+
+async def test_decode_engine_is_asked_for_token_ids_only_while_a_turn_needs_them(front: Front) -> None:
+    # The prompt's ids are known (a token-id prompt); the output's are needed only while D's handle
+    # may come without digests of what it retains, and the client's own wish always counts.
+    async def turn(**extra: Any) -> tuple[bool, list[list[int] | None]]:
+        """Whether D was asked for token ids, and the ids each token's event brought the client."""
+        body = {"model": "m", "prompt": [5, 6, 7], "max_tokens": 5, "stream": True, **extra}
+        async with front.session.post(
+            front.gateway.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}
+        ) as resp:
+            assert resp.status == 200
+            raw = (await resp.read()).decode()
+        assert "kv_transfer_params" not in raw
+        data = [line[6:] for line in raw.splitlines() if line.startswith("data: ")]
+        assert data[-1] == "[DONE]"
+        choices = [json.loads(d)["choices"][0] for d in data[:-1]]
+        assert [c["delta"]["content"] for c in choices] == [f"t{i}" for i in range(5)]
+        return bool(front.decode.seen[-1][1].get("return_token_ids")), [c.get("token_ids") for c in choices]
+
+    front.decode.handle = {**D_HANDLE, KEY_DIGESTS: "c29tZS1kaWdlc3Rz"}
+    # An engine not seen yet is asked; the ids are taken out of what the client gets.
+    assert await turn() == (True, [None] * 5)
+    # Its handles bring digests: nothing to ask.
+    assert await turn() == (False, [None] * 5)
+    # The client asks: so is D, and the ids reach the client.
+    assert await turn(return_token_ids=True) == (True, [[100 + i] for i in range(5)])
+    # A handle without digests: learned from this turn ...
+    front.decode.handle = dict(D_HANDLE)
+    assert await turn() == (False, [None] * 5)
+    # ... so the next one asks for the output's ids, for the report.
+    assert await turn() == (True, [None] * 5)
 
 
 async def test_decode_stream_cut_midway_ends_with_an_error_event(front: Front) -> None:
