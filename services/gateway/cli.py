@@ -9,6 +9,8 @@ import signal
 from collections.abc import Sequence
 from typing import Any
 
+import uvloop
+
 from kvplane.services.common.settings import KvplaneSettings
 from kvplane.services.common.telemetry import Telemetry, configure_logging
 from kvplane.services.gateway.app import Gateway
@@ -35,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenize-url", help="engine URL offering vLLM's /tokenize")
     p.add_argument("--model", action="append", dest="models", help="served model name (repeatable)")
     p.add_argument("--otlp-endpoint", help="OTLP/gRPC trace collector, host:port")
+    p.add_argument("--event-loop", choices=("uvloop", "asyncio"), help="the event loop (default uvloop)")
     return p
 
 
@@ -55,6 +58,7 @@ def overrides(args: argparse.Namespace) -> dict[str, Any]:
         ("default_tenant", "default_tenant"),
         ("tokenize_url", "tokenize_url"),
         ("models", "models"),
+        ("event_loop", "event_loop"),
     ):
         if getattr(args, flag) is not None:
             gateway[key] = getattr(args, flag)
@@ -79,7 +83,8 @@ async def serve(settings: KvplaneSettings) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     # A single line that scripts and tests wait for.
-    print(f"kvplane gateway ready: {gateway.url}", flush=True)
+    loop_name = type(loop).__module__.split(".")[0]
+    print(f"kvplane gateway ready: {gateway.url} (event loop: {loop_name})", flush=True)
     try:
         await stop.wait()
     finally:
@@ -93,5 +98,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = KvplaneSettings.load(args.config, overrides(args))
     configure_logging(settings.telemetry.log_level, settings.telemetry.json_logs)
     log.info("starting", extra={"settings": settings.masked_json()})
-    asyncio.run(serve(settings))
+    if settings.gateway.event_loop == "uvloop":
+        uvloop.run(serve(settings))
+    else:
+        asyncio.run(serve(settings))
     return 0
