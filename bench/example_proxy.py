@@ -41,15 +41,8 @@ import uvloop
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-# What P is told: "compute the prompt and keep its KV for a remote decode to read".
-PREFILL_KV_PARAMS: Mapping[str, Any] = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
+from kvplane.services.common.handles import fresh_prefill_params
+
 # How often the start-up waits to see uvicorn listening, in seconds.
 READY_POLL_S = 0.02
 
@@ -64,7 +57,9 @@ def prefill_body(body: Mapping[str, Any]) -> dict[str, Any]:
     example proxy drops them for the same reason.
     """
     p_body = dict(body)
-    p_body["kv_transfer_params"] = dict(PREFILL_KV_PARAMS)
+    # What P is told: "compute the prompt and keep its KV for a remote decode to read" (the same
+    # keys as the example's).
+    p_body["kv_transfer_params"] = fresh_prefill_params()
     p_body["stream"] = False
     p_body["max_tokens"] = 1
     if "max_completion_tokens" in p_body:

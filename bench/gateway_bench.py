@@ -9,7 +9,8 @@ request what vLLM's disaggregated example proxy does: the P leg (`max_tokens`
 answer streamed back chunk by chunk; no routing, no state, no checks, no auth.
 
 - The example-proxy stack (`kvplane.bench.example_proxy`) is built as vLLM's
-  example is: FastAPI on uvicorn (asyncio loop, h11), httpx to the engines.
+  example is, on what uvicorn finds in a vLLM environment: FastAPI on uvicorn
+  (uvloop, httptools), httpx to the engines.
   The gateway's CPU target is stated against it: gateway / example stack
   under 1.
 - The bare proxy (here) does the same work on aiohttp, the gateway's own HTTP
@@ -258,36 +259,19 @@ async def run(args: argparse.Namespace) -> Fronts:
         rounds = max(1, args.rounds)
         per_round = max(1, args.conversations // rounds)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
-            # One conversation each, unmeasured: connections, caches and code paths warmed up.
-            await _conversation(
-                session, gateway_url, gateway_headers(10**6), 10**6, args, FrontResult("warm")
+            fronts = (
+                (gateway_url, gateway_headers, kvplane, gateway_pids),
+                (example_url, no_headers, example, {"example proxy": example_proxy.pid}),
+                (proxy_url, no_headers, bare, {"proxy": proxy.pid}),
             )
-            await _conversation(session, example_url, {}, 10**6 + 1, args, FrontResult("warm"))
-            await _conversation(session, proxy_url, {}, 10**6 + 2, args, FrontResult("warm"))
+            # One conversation each, unmeasured: connections, caches and code paths warmed up.
+            for k, (url, headers, _, _) in enumerate(fronts):
+                await _conversation(session, url, headers(10**6 + k), 10**6 + k, args, FrontResult("warm"))
             for r in range(rounds):
                 # Seeds 3s, 3s+1, 3s+2: the same shapes, other token ids for each front.
                 seeds = range(r * per_round, (r + 1) * per_round)
-                await _batch(
-                    session, gateway_url, gateway_headers, [3 * s for s in seeds], args, kvplane, gateway_pids
-                )
-                await _batch(
-                    session,
-                    example_url,
-                    no_headers,
-                    [3 * s + 1 for s in seeds],
-                    args,
-                    example,
-                    {"example proxy": example_proxy.pid},
-                )
-                await _batch(
-                    session,
-                    proxy_url,
-                    no_headers,
-                    [3 * s + 2 for s in seeds],
-                    args,
-                    bare,
-                    {"proxy": proxy.pid},
-                )
+                for k, (url, headers, result, pids) in enumerate(fronts):
+                    await _batch(session, url, headers, [3 * s + k for s in seeds], args, result, pids)
         return Fronts(kvplane, example, bare)
     finally:
         await _stop(example_proxy)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvplane.bench.example_proxy import PREFILL_KV_PARAMS, decode_body, engine_headers, prefill_body
+from kvplane.bench.example_proxy import decode_body, engine_headers, prefill_body
 
 
 def _request() -> dict[str, Any]:
@@ -22,7 +22,14 @@ def _request() -> dict[str, Any]:
 def test_prefill_body_asks_for_one_unstreamed_token_and_keeps_the_kv_for_a_remote_decode() -> None:
     body = _request()
     p_body = prefill_body(body)
-    assert p_body["kv_transfer_params"] == dict(PREFILL_KV_PARAMS)
+    assert p_body["kv_transfer_params"] == {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
     assert p_body["kv_transfer_params"]["do_remote_decode"] is True
     assert p_body["stream"] is False and p_body["max_tokens"] == 1
     assert "stream_options" not in p_body and "min_tokens" not in p_body
