@@ -5,7 +5,9 @@ Routes: `POST /v1/chat/completions`, `POST /v1/completions` (streaming or not),
 
 Each turn: Route (gRPC) -> the P leg (`max_tokens=1`, routing's
 kv_transfer_params) -> the D leg with P's params, streamed through event by
-event -> ReportTurn in the background. Responses carry `x-kvplane-decision`
+event (only the events that can hold what the turn needs are parsed:
+decode_events.py) -> ReportTurn in the background. It runs on uvloop
+(`event_loop`, or `--event-loop asyncio`). Responses carry `x-kvplane-decision`
 (routing's decision, `fallback` without routing, `retry_no_handle` after a
 failed P leg), `x-kvplane-route-id` and `x-kvplane-conversation`.
 
