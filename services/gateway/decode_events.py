@@ -27,7 +27,7 @@ from kvplane.services.common.handles import KEY_DIGESTS
 from kvplane.services.gateway.progress import TurnProgress, absorb
 from kvplane.services.gateway.sse import SseEvent, encode
 
-# Decode engines (by node and incarnation) whose last answer is remembered.
+# Decode engines whose last answer is remembered.
 _MAX_ENGINES = 4096
 _HANDLE_KEY = b'"kv_transfer_params"'
 _CHOICES_KEY = b'"choices"'
@@ -37,17 +37,17 @@ class DigestingEngines:
     """Per decode engine: did its last answer's handle bring digests of the tokens it retains?"""
 
     def __init__(self, limit: int = _MAX_ENGINES) -> None:
-        self._digests: BoundedMap[tuple[str, str], bool] = BoundedMap(limit)
+        self._digests: BoundedMap[tuple[str, str, str], bool] = BoundedMap(limit)
 
     def digests(self, engine: Endpoint) -> bool:
-        return self._digests.get((engine.node_id, engine.incarnation)) is True
+        return self._digests.get(_key(engine)) is True
 
     def learn(self, engine: Endpoint, decode_params: dict[str, Any] | None) -> None:
         """Remembers what a finished turn's handle brought (nothing learned from a turn without one)."""
         if decode_params:
             digests = decode_params.get(KEY_DIGESTS)
             brought = isinstance(digests, str) and bool(digests)
-            self._digests.put((engine.node_id, engine.incarnation), brought)
+            self._digests.put(_key(engine), brought)
 
     def ask_for_token_ids(self, engine: Endpoint, *, client_asked: bool, prompt_known: bool) -> bool:
         """Whether D's request asks for token ids: the client wants them, or the report may need the
@@ -80,3 +80,8 @@ class DecodeEvents:
         if absorb(payload, self.progress, self.keep_ids, collect_output_ids=self._collect):
             raw = encode(payload)
         return raw, bool(payload.get("choices"))
+
+
+def _key(engine: Endpoint) -> tuple[str, str, str]:
+    """An engine: its node and incarnation, and its URL (fallback engines share one node id)."""
+    return (engine.node_id, engine.incarnation, engine.http_url)

@@ -49,9 +49,10 @@ def test_an_engine_is_asked_for_token_ids_until_its_handles_are_known_to_bring_d
     assert not engines.ask_for_token_ids(D, client_asked=False, prompt_known=True)
     assert engines.ask_for_token_ids(D, client_asked=True, prompt_known=True)
     assert engines.ask_for_token_ids(D, client_asked=False, prompt_known=False)
-    # A new incarnation of the node is another engine.
-    again = Endpoint("d0", "http://d0", "inc-2")
-    assert engines.ask_for_token_ids(again, client_asked=False, prompt_known=True)
+    # A new incarnation of the node is another engine; so is another URL under one node id (the
+    # gateway's fallback engines).
+    for other in (Endpoint("d0", "http://d0", "inc-2"), Endpoint("d0", "http://d1", "inc-1")):
+        assert engines.ask_for_token_ids(other, client_asked=False, prompt_known=True)
     # A turn that ended without a handle teaches nothing; one without digests does.
     engines.learn(D, None)
     assert engines.digests(D)
