@@ -19,7 +19,9 @@ process at concurrency 1 and 64:
              conversation whose two previous prompts this replica routed
              (each the history less one or two 96-token answers), with a
              retained handle of the whole history. The prompt's digest chain
-             continues the previous prompt's, and the policy decides as it
+             continues the previous prompt's (the phase runs first, while
+             the replica's prompt cache still holds those prompts; later
+             phases' prompts would push them out), and the policy decides as it
              would (pull, or recompute on the prefill node that holds the
              earlier prompt): the decisions are printed under the table.
 
@@ -516,8 +518,15 @@ async def routing_round(
                 r = await client.route(seen[seen_offset + i], MODEL, prompt_token_ids=prompt)
                 decided[r.decision] += 1
 
-            await drive("warm", 4, 200, do_recompute, [me])
             pids = [me, server.pid, etcd.proc.pid]
+            # First, while the replica's prompt cache (16 Mi tokens) still holds every seen
+            # conversation's last prompt: the later phases' prompts would push them out.
+            for conc, calls in ((1, calls_c1), (64, calls_c64)):
+                decided.clear()
+                res = await drive("route seen", conc, calls, do_seen, pids)
+                results.append((tag, replace(res, decisions=tuple(sorted(decided.items())))))
+                seen_offset += calls
+            await drive("warm", 4, 200, do_recompute, [me])
             for conc, calls in ((1, calls_c1), (64, calls_c64)):
                 results.append((tag, await drive("route len-only", conc, calls, do_length_only, pids)))
             for conc, calls in ((1, calls_c1), (64, calls_c64)):
@@ -530,11 +539,6 @@ async def routing_round(
                         raise RuntimeError(f"only {pulls} of {calls} {name} routes pulled")
                     results.append((tag, res))
                     offset += calls
-            for conc, calls in ((1, calls_c1), (64, calls_c64)):
-                decided.clear()
-                res = await drive("route seen", conc, calls, do_seen, pids)
-                results.append((tag, replace(res, decisions=tuple(sorted(decided.items())))))
-                seen_offset += calls
     finally:
         _stop(server)
     return results
