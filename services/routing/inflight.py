@@ -77,8 +77,8 @@ class _NodeQueue:
     blocks: int
     queued: int
     running: int
-    # The earliest and latest routing times among them (aged-out work forces a refold, but
-    # on a node without a FIFO whose items were folded in routing order, see `_shed`).
+    # The earliest routing time among them, or a lower bound of it once work has left. Aged-out
+    # work is taken out of a fold without a FIFO (`_shed`); in a FIFO's it forces a refold.
     first_routed_ms: float
     finish: float
     # The stretches, the report's queue first: starts, ends, and prefix sums of their tokens.
