@@ -69,11 +69,12 @@ class DecodeEvents:
         self._every_event = asked_ids and (not keep_ids or collect_ids)
 
     def forward(self, event: SseEvent) -> tuple[bytes, bool]:
-        """The bytes to send the client for `event`, and whether it carries a choice (a token)."""
+        """The bytes to send the client for `event`, and whether it carries a choice (a token);
+        an event not parsed says no, which matters only until the first token is seen."""
         raw = event.raw
         first_token = self.progress.ttft_s is None and _CHOICES_KEY in raw
         if not (self._every_event or first_token or _HANDLE_KEY in raw):
-            return raw, _CHOICES_KEY in raw
+            return raw, False
         payload = event.json()
         if payload is None:
             return raw, False

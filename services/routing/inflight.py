@@ -96,7 +96,6 @@ class _NodeQueue:
         if self.prices is not None or item.prefill_tokens or item.prefill_ms > 0:
             return False
         self.count -= 1
-        self.tokens -= item.prefill_tokens
         self.blocks -= item.kv_blocks
         self.queued -= item.queued_requests
         self.running -= item.running_requests
