@@ -38,7 +38,8 @@ import aiohttp
 import grpc
 
 from kvplane.services.common.handles import KEY_CONVERSATION, KEY_TENANT, fresh_prefill_params
-from kvplane.services.common.local_etcd import LocalEtcd, free_port
+from kvplane.services.common.local_etcd import LocalEtcd
+from kvplane.services.common.ports import free_port
 from kvplane.services.devstack import (
     ManagedProcess,
     engine_env,

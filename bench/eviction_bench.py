@@ -25,8 +25,9 @@ from dataclasses import dataclass
 import grpc
 
 from kvplane.services.common.handles import CacheHandle, VllmHandle
-from kvplane.services.common.local_etcd import LocalEtcd, free_port
+from kvplane.services.common.local_etcd import LocalEtcd
 from kvplane.services.common.nodes import Fingerprint, Node, NodeRole
+from kvplane.services.common.ports import free_port
 from kvplane.services.common.process import ServiceProcess
 from kvplane.services.common.settings import KvplaneSettings
 from kvplane.services.common.store import Store, StoreSettings

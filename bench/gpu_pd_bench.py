@@ -56,7 +56,8 @@ from kvplane.bench.vllm_pd import (
 )
 from kvplane.services.common import convert
 from kvplane.services.common.handles import KEY_CONVERSATION, KEY_HANDLE_ID, KEY_TENANT
-from kvplane.services.common.local_etcd import LocalEtcd, free_port, late_bound_port
+from kvplane.services.common.local_etcd import LocalEtcd
+from kvplane.services.common.ports import free_port
 from kvplane.v1 import metadata_pb2, metadata_pb2_grpc
 
 TENANT = "bench"
@@ -245,7 +246,7 @@ def engines_for(
 ) -> list[EngineProcess]:
     engines = []
     for name, role in (("p", "prefill"), ("d", "decode")):
-        http_port = late_bound_port()
+        http_port = free_port()
         kvplane: dict[str, str | bool] = {
             "metadata_target": f"127.0.0.1:{metadata_port}",
             "node_id": f"{name}-0",
@@ -262,7 +263,7 @@ def engines_for(
                 name=name,
                 model=model,
                 http_port=http_port,
-                side_channel_port=late_bound_port(),
+                side_channel_port=free_port(),
                 kv_config=kv_transfer_config(
                     kvplane=kvplane,
                     bidirectional=True,

@@ -54,7 +54,8 @@ from typing import Any
 
 import grpc
 
-from kvplane.services.common.local_etcd import LocalEtcd, free_port
+from kvplane.services.common.local_etcd import LocalEtcd
+from kvplane.services.common.ports import free_port
 
 HISTORY_TOKENS = 4096
 NEW_TOKENS = 64

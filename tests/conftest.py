@@ -9,8 +9,9 @@ import grpc
 import pytest
 
 from kvplane.client.credentials import ClientCredentials
-from kvplane.services.common.local_etcd import LocalEtcd, free_port
+from kvplane.services.common.local_etcd import LocalEtcd
 from kvplane.services.common.nodes import Fingerprint, Node, NodeRole
+from kvplane.services.common.ports import free_port
 from kvplane.services.common.process import ServiceProcess
 from kvplane.services.common.settings import KvplaneSettings
 from kvplane.services.common.store import Store, StoreSettings

@@ -10,10 +10,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -22,44 +20,11 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from kvplane.services.common.ports import free_port
+
 
 class EtcdNotFound(RuntimeError):
     """No etcd binary on PATH."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-# Where the kernel's ephemeral ports start when /proc does not say (Linux's default).
-_EPHEMERAL_LOW = 32768
-
-
-def late_bound_port(host: str = "127.0.0.1") -> int:
-    """A free port below the kernel's ephemeral range, for a server that binds it only much later
-    (a vLLM engine's HTTP and NIXL side-channel ports, bound after its model loads).
-
-    A `free_port` is an ephemeral port: until its server binds it, any outgoing connection may
-    take it as its source port, or another process binding port 0 may get it.
-    """
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = _EPHEMERAL_LOW
-    floor = 10_000 if low > 12_000 else 1024
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    for _ in range(200):
-        port = random.randrange(floor, low)
-        with socket.socket(family, socket.SOCK_STREAM) as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-            return port
-    return free_port(host)
 
 
 def _wait_healthy(url: str, deadline: float, proc: subprocess.Popen[bytes], log: Path) -> None:

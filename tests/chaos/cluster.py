@@ -21,7 +21,8 @@ from pathlib import Path
 import aiohttp
 import grpc
 
-from kvplane.services.common.local_etcd import LocalEtcdCluster, free_port
+from kvplane.services.common.local_etcd import LocalEtcdCluster
+from kvplane.services.common.ports import free_port
 from kvplane.services.common.store import Store, StoreSettings
 from kvplane.services.devstack import (
     ManagedProcess,

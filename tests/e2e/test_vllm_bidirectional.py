@@ -38,7 +38,7 @@ from kvplane.bench.vllm_pd import (
     wait_published,
 )
 from kvplane.services.common import convert
-from kvplane.services.common.local_etcd import free_port
+from kvplane.services.common.ports import free_port
 from kvplane.services.common.process import ServiceProcess
 from kvplane.v1 import eviction_pb2, eviction_pb2_grpc, metadata_pb2, metadata_pb2_grpc
 from tests.conftest import MESH_SECRET

@@ -19,7 +19,8 @@ from aetcd import rpc
 from kvplane.services.common import convert
 from kvplane.services.common.errors import StoreUnavailable
 from kvplane.services.common.etcd_credentials import EtcdCredentials
-from kvplane.services.common.local_etcd import LocalEtcd, free_port
+from kvplane.services.common.local_etcd import LocalEtcd
+from kvplane.services.common.ports import free_port
 from kvplane.services.common.store import Store, StoreSettings
 from kvplane.v1 import metadata_pb2, metadata_pb2_grpc
 from tests.conftest import MESH_SECRET, make_node, node_headers

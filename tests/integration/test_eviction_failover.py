@@ -24,7 +24,8 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvplane.services.common.errors import NotFound
-from kvplane.services.common.local_etcd import LocalEtcd, free_port
+from kvplane.services.common.local_etcd import LocalEtcd
+from kvplane.services.common.ports import free_port
 from kvplane.services.common.process import ServiceProcess
 from kvplane.services.common.store import Store
 from kvplane.services.eviction.app import LEADER_HEALTH_NAME

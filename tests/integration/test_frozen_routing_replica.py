@@ -18,7 +18,8 @@ from pydantic import SecretStr
 
 from kvplane.client import RoutingClient, RoutingUnavailable
 from kvplane.client.routing_client import ROUTING_SERVICE
-from kvplane.services.common.local_etcd import LocalEtcd, free_port
+from kvplane.services.common.local_etcd import LocalEtcd
+from kvplane.services.common.ports import free_port
 from kvplane.services.common.settings import GatewayKey, GatewaySection
 from kvplane.services.common.telemetry import Telemetry
 from kvplane.services.gateway.app import Gateway

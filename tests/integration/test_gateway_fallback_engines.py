@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 from pydantic import SecretStr
 
-from kvplane.services.common.local_etcd import free_port
+from kvplane.services.common.ports import free_port
 from kvplane.services.common.settings import GatewayKey, GatewaySection
 from kvplane.services.common.telemetry import Telemetry
 from kvplane.services.gateway.app import Gateway

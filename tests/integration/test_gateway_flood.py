@@ -24,7 +24,8 @@ from typing import Any
 import pytest
 from pydantic import SecretStr
 
-from kvplane.services.common.local_etcd import LocalEtcd, free_port
+from kvplane.services.common.local_etcd import LocalEtcd
+from kvplane.services.common.ports import free_port
 from tests.support.gateway_stack import MODEL, GatewayStack, gateway_stack
 from tests.support.polling import eventually
 

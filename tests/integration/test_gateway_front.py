@@ -23,7 +23,7 @@ from aiohttp import web
 from pydantic import SecretStr
 
 from kvplane.services.common.handles import KEY_DIGESTS
-from kvplane.services.common.local_etcd import free_port
+from kvplane.services.common.ports import free_port
 from kvplane.services.common.settings import GatewayKey, GatewaySection
 from kvplane.services.common.telemetry import Telemetry
 from kvplane.services.gateway.app import Gateway

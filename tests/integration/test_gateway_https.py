@@ -14,7 +14,7 @@ import pytest
 from cryptography import x509
 from pydantic import SecretStr
 
-from kvplane.services.common.local_etcd import free_port
+from kvplane.services.common.ports import free_port
 from kvplane.services.common.settings import GatewayKey, GatewaySection
 from kvplane.services.common.telemetry import Telemetry
 from kvplane.services.gateway.app import Gateway

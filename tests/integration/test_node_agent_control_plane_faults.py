@@ -16,8 +16,9 @@ import pytest
 from aetcd import rpc
 
 from kvplane.connector.node_agent import NodeAgent, NodeAgentSettings
-from kvplane.services.common.local_etcd import LocalEtcd, free_port
+from kvplane.services.common.local_etcd import LocalEtcd
 from kvplane.services.common.nodes import NodeLoad
+from kvplane.services.common.ports import free_port
 from kvplane.services.common.store import Store
 from kvplane.services.devstack import ManagedProcess, StartupError, grpc_health_probe
 from tests.conftest import AUTH_ENV, MESH_CREDENTIALS, make_node

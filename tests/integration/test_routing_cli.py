@@ -13,8 +13,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvplane.client import RoutingClient
-from kvplane.services.common.local_etcd import LocalEtcd, free_port
+from kvplane.services.common.local_etcd import LocalEtcd
 from kvplane.services.common.nodes import NodeRole
+from kvplane.services.common.ports import free_port
 from kvplane.services.common.store import Store, StoreSettings
 from tests.conftest import AUTH_ENV, tenant_headers
 from tests.support.polling import eventually

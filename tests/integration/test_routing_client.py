@@ -11,8 +11,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from kvplane.client import RoutingClient, RoutingUnavailable
-from kvplane.services.common.local_etcd import LocalEtcd, free_port
+from kvplane.services.common.local_etcd import LocalEtcd
 from kvplane.services.common.nodes import NodeRole
+from kvplane.services.common.ports import free_port
 from kvplane.services.common.store import Store, StoreSettings
 from kvplane.services.common.telemetry import Telemetry
 from tests.conftest import tenant_headers

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from kvplane.services.common.local_etcd import free_port
+from kvplane.services.common.ports import free_port
 from kvplane.services.common.telemetry import Telemetry
 
 

@@ -12,8 +12,9 @@ from typing import Any
 from kvplane.client import RoutingClient
 from kvplane.connector.digests import digest_tokens, encode
 from kvplane.services.common.handles import KEY_DIGESTS, KEY_HANDLE_ID, CacheHandle, VllmHandle
-from kvplane.services.common.local_etcd import LocalEtcd, free_port
+from kvplane.services.common.local_etcd import LocalEtcd
 from kvplane.services.common.nodes import Fingerprint, Node, NodeLoad, NodeRole
+from kvplane.services.common.ports import free_port
 from kvplane.services.common.process import ServiceProcess
 from kvplane.services.common.settings import KvplaneSettings
 from kvplane.services.common.store import Store, StoreSettings

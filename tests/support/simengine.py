@@ -7,7 +7,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,18 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from kvplane.services.common.handles import fresh_prefill_params
+from kvplane.services.common.ports import free_port
 from tests.conftest import MESH_SECRET
 
 MODEL = "kvplane-sim"
 # Fast enough for tests, slow enough that decode steps are real sleeps.
 FAST = ["--speedup", "50", "--block-size", "16", "--num-blocks", "512", "--bytes-per-block", "4096"]
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.05) -> Any:

@@ -13,7 +13,8 @@ import grpc
 from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
 
 import kvplane.v1
-from kvplane.services.common.local_etcd import LocalEtcd, free_port
+from kvplane.services.common.local_etcd import LocalEtcd
+from kvplane.services.common.ports import free_port
 from kvplane.services.common.process import ServiceProcess
 from kvplane.services.common.settings import KvplaneSettings
 from kvplane.services.common.telemetry import Telemetry

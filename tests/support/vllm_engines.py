@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kvplane.bench.vllm_pd import EngineProcess, kv_transfer_config
-from kvplane.services.common.local_etcd import late_bound_port
+from kvplane.services.common.ports import free_port
 
 TTL_S = 240
 
@@ -26,7 +26,7 @@ def cpu_pd_engines(
     role ("prefill", "decode"); `extra_args`: more vLLM flags for both."""
     engines = []
     for name, role in (("p", "prefill"), ("d", "decode")):
-        http_port = late_bound_port()
+        http_port = free_port()
         kvplane = {
             "metadata_target": metadata_target,
             "node_id": f"{name}-0",
@@ -44,7 +44,7 @@ def cpu_pd_engines(
                 name=name,
                 model=model,
                 http_port=http_port,
-                side_channel_port=late_bound_port(),
+                side_channel_port=free_port(),
                 # P keeps its blocks 120 s for D's read (vLLM: 30 s): on 2 shared cores D can be
                 # slow to start reading, and a lapsed lease turns the pull into a recompute.
                 kv_config=kv_transfer_config(kvplane=kvplane, bidirectional=True, ttl_s=TTL_S, lease_s=120),
