@@ -16,7 +16,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from kvplane.services.common.local_etcd import LocalEtcd
@@ -24,6 +24,9 @@ from tests.support.gateway_stack import MODEL, GatewayStack, gateway_stack
 
 EXAMPLES = 80
 CALL_DEADLINE_S = 60.0
+# The engines' context. Any count up to it is valid and is decoded in full (2 ms a token on the
+# test's D): a 32k context let a valid draw run past the decode leg's 30 s limit.
+MAX_MODEL_LEN = 2048
 
 json_values = st.recursive(
     st.none()
@@ -99,11 +102,17 @@ calls = (
 @pytest.fixture(scope="module")
 async def stack(etcd: LocalEtcd, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[GatewayStack]:
     log_dir = tmp_path_factory.mktemp("gwfuzz")
-    async with gateway_stack(etcd, f"/kvplane-gwfuzz/{uuid.uuid4().hex}/", log_dir) as s:
+    async with gateway_stack(
+        etcd, f"/kvplane-gwfuzz/{uuid.uuid4().hex}/", log_dir, max_model_len=MAX_MODEL_LEN
+    ) as s:
         # The engines' limits, as a deployment configures them: what they would refuse, the gateway refuses.
         s.gateway.settings.vocab_size = 151_936
-        s.gateway.settings.max_model_len = 32_768
+        assert s.gateway.settings.max_model_len == MAX_MODEL_LEN
         yield s
+
+
+def _completion(prompt: list[int], max_tokens: int) -> bytes:
+    return json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens}).encode()
 
 
 async def _call(stack: GatewayStack, path: str, data: bytes) -> tuple[int, bytes, float, int]:
@@ -137,6 +146,9 @@ async def test_no_input_gets_a_5xx_and_nothing_refused_reaches_routing_or_an_eng
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     )
     @given(call=calls)
+    # The longest valid generation, decoded in full, and one token more than the context holds.
+    @example(call=("/v1/completions", _completion([29999], MAX_MODEL_LEN - 1)))
+    @example(call=("/v1/completions", _completion([29999], MAX_MODEL_LEN)))
     def one(call: tuple[str, bytes]) -> None:
         path, data = call
         future = asyncio.run_coroutine_threadsafe(_call(stack, path, data), loop)

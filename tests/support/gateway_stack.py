@@ -300,12 +300,18 @@ STACK_TOKENS = {name: f"{name}-{uuid.uuid4().hex}" for name in ("gw-p", "gw-d", 
 
 @asynccontextmanager
 async def gateway_stack(
-    etcd: LocalEtcd, prefix: str, log_dir: Path, *, traced: bool = False
+    etcd: LocalEtcd,
+    prefix: str,
+    log_dir: Path,
+    *,
+    traced: bool = False,
+    max_model_len: int | None = None,
 ) -> AsyncIterator[GatewayStack]:
     """Starts everything; stops every process and server on exit, even after a failure.
 
     `traced`: the services trace as in production (OpenTelemetry's variables, default sampling)
-    instead of not at all.
+    instead of not at all. `max_model_len`: the engines' context, which the gateway then
+    enforces too (default: the sim-engine's).
     """
 
     def telemetry(service: str) -> Telemetry:
@@ -363,6 +369,8 @@ async def gateway_stack(
         await proxy.start()
         cleanups.append(proxy.stop)
         common = [*ENGINE_FLAGS, *control, "--side-channel-port", "0"]
+        if max_model_len is not None:
+            common += ["--max-model-len", str(max_model_len)]
         engines.append(
             _spawn(
                 "P",
@@ -402,6 +410,7 @@ async def gateway_stack(
                 decode_timeout_s=30.0,
                 decode_idle_timeout_s=5.0,
                 models=[MODEL],
+                **({"max_model_len": max_model_len} if max_model_len is not None else {}),
             ),
             Telemetry.create("kvplane-gateway", exporter=spans),
         )
