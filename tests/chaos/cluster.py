@@ -1,5 +1,6 @@
-"""The chaos cluster: a 3-member etcd on loopback, metadata, routing and eviction as
-separate processes, 2 prefill and 2 decode sim-engines, and 2 gateways.
+"""The chaos cluster: a 3-member etcd on loopback, metadata, two routing replicas and eviction
+as separate processes, 2 prefill and 2 decode sim-engines, and 2 gateways that know both
+routing replicas.
 
 Every process can be killed (SIGKILL) and started again, or frozen (SIGSTOP). One decode
 engine (d1) reaches the control plane through a proxy that can cut it off.
@@ -201,13 +202,15 @@ async def _start_processes(cluster: ChaosCluster) -> None:
     run_dir = cluster.run_dir
     node_ids = ["p0", "p1", "d0", "d1"]
     config = str(_services_config(cluster, node_ids))
-    ports = {name: free_port() for name in ("metadata", "routing", "eviction")}
+    # Process name: the service it serves.
+    services = {"metadata": "metadata", "routing": "routing", "routing-b": "routing", "eviction": "eviction"}
+    ports = {name: free_port() for name in services}
     targets = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
     cluster.metadata_target = targets["metadata"]
-    for name in ("metadata", "routing", "eviction"):
+    for name, service in services.items():
         managed = ManagedProcess(
             name,
-            _kvplane("serve", name, "--config", config, "--listen", targets[name], "--metrics-port", "0"),
+            _kvplane("serve", service, "--config", config, "--listen", targets[name], "--metrics-port", "0"),
             run_dir / f"{name}.log",
         )
         cluster.procs[name] = Proc(managed, grpc_health_probe(targets[name]), "service")
@@ -261,7 +264,7 @@ async def _start_processes(cluster: ChaosCluster) -> None:
             name,
             _kvplane(
                 *("gateway", "--config", str(gateway_config), "--listen", f"127.0.0.1:{port}"),
-                *("--routing", targets["routing"], "--model", MODEL),
+                *("--routing", f"{targets['routing']},{targets['routing-b']}", "--model", MODEL),
                 *(
                     "--fallback-prefill",
                     cluster.engine_urls["p0"],

@@ -4,6 +4,7 @@ a service frozen, clients that hang up at moments spread over a turn. It prints 
 and fails on any breach of the targets:
 
 - no failed turn, other than streams in flight on the killed gateway or engine;
+- while one of the two routing replicas is dead, the other routes, and turns still pull;
 - a turn served within 1 s of every fault (the first turn that arrives after it takes at most
   1 s longer than a median turn without faults);
 - while etcd is faulted, no turn more than 2 s slower than the slowest turn without faults;
@@ -40,6 +41,9 @@ LEDGER_TIMEOUT_S = 30.0
 FIRST_TURN_WITHIN_S = 1.0
 # While etcd is faulted no turn may take longer than this beyond the slowest baseline turn, s.
 ETCD_EXTRA_S = 2.0
+# How long one routing replica stays dead: long enough for whole turns to run meanwhile.
+ROUTING_DOWN_S = 6.0
+ROUTING_DOWN = f"SIGKILL routing (1 of 2) {ROUTING_DOWN_S:.0f} s"
 
 
 @dataclass
@@ -85,10 +89,10 @@ async def _restart(cluster: ChaosCluster, name: str, after_s: float) -> None:
     await wait_ready(proc, 120)
 
 
-def _kill_and_restart(name: str) -> Callable[[ChaosCluster], Awaitable[set[int] | None]]:
+def _kill_and_restart(name: str, dead_s: float = 1.0) -> Callable[[ChaosCluster], Awaitable[set[int] | None]]:
     async def fault(cluster: ChaosCluster) -> set[int] | None:
         cluster.procs[name].kill()
-        await _restart(cluster, name, 1.0)
+        await _restart(cluster, name, dead_s)
         kind = cluster.procs[name].kind
         if kind == "gateway":
             return {int(name == "gateway-b")}  # streams on this gateway may fail
@@ -176,7 +180,7 @@ async def _clients_hang_up(cluster: ChaosCluster) -> set[int] | None:
 
 FAULTS: list[tuple[str, Callable[[ChaosCluster], Awaitable[set[int] | None]]]] = [
     ("SIGKILL metadata", _kill_and_restart("metadata")),
-    ("SIGKILL routing", _kill_and_restart("routing")),
+    (ROUTING_DOWN, _kill_and_restart("routing", ROUTING_DOWN_S)),
     ("SIGKILL eviction", _kill_and_restart("eviction")),
     ("SIGKILL gateway-a", _kill_and_restart("gateway-a")),
     ("SIGKILL prefill p0", _kill_and_restart("p0")),
@@ -184,9 +188,15 @@ FAULTS: list[tuple[str, Callable[[ChaosCluster], Awaitable[set[int] | None]]]] =
     ("SIGKILL etcd leader", _etcd_leader),
     ("etcd stopped 10 s", _etcd_stopped),
     ("d1 cut from control plane", _partition_engine),
-    ("SIGSTOP routing 5 s", _freeze_routing),
+    ("SIGSTOP routing (1 of 2) 5 s", _freeze_routing),
     ("clients hang up mid-turn", _clients_hang_up),
 ]
+
+
+def _pulls_while_down(records: list[TurnRecord], start: float) -> tuple[int, int]:
+    """Turns that ran wholly while the routing replica was dead, and how many of them pulled."""
+    inside = [r for r in records if r.ok and r.start >= start and r.end <= start + ROUTING_DOWN_S]
+    return len(inside), sum(r.decision.startswith("pull") for r in inside)
 
 
 def _row(
@@ -230,6 +240,7 @@ async def test_faults_under_load_fail_no_turn_and_strand_nothing(cluster: ChaosC
     store: Store = cluster.store()
     await store.connect()
     rows: list[Row] = []
+    down_turns = down_pulls = 0
     try:
         async with aiohttp.ClientSession() as session:
             start = time.monotonic()
@@ -249,6 +260,9 @@ async def test_faults_under_load_fail_no_turn_and_strand_nothing(cluster: ChaosC
                 ledger = await settled_ledger(cluster, store, session, LEDGER_TIMEOUT_S)
                 rows.append(_row(name, load.records, start, end, excusable, ledger, turn_s))
                 print(rows[-1].line(), flush=True)
+                if name == ROUTING_DOWN:
+                    down_turns, down_pulls = _pulls_while_down(load.records, start)
+                    print(f"one routing replica dead: {down_turns} turns, {down_pulls} pulled", flush=True)
     finally:
         stop.set()
         await asyncio.wait_for(runner, 90)
@@ -256,6 +270,10 @@ async def test_faults_under_load_fail_no_turn_and_strand_nothing(cluster: ChaosC
     table = "\n".join([HEADER, *(row.line() for row in rows)])
     print("\nFault table (seconds; turns counted by when they ran):\n" + table, flush=True)
     breaches = []
+    if down_pulls == 0:
+        breaches.append(
+            f"{ROUTING_DOWN}: no turn pulled while the other replica routed ({down_turns} turns ran)"
+        )
     baseline = rows[0]
     if baseline.first_pull_s != baseline.first_pull_s:  # NaN: no turn pulled
         breaches.append("the baseline load never pulled: the checks below would prove nothing")
