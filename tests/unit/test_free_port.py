@@ -6,6 +6,9 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
+import pytest
+
+from kvplane.services.common import ports
 from kvplane.services.common.ports import free_port
 
 
@@ -28,3 +31,15 @@ def test_an_ipv6_loopback_port_is_free_there() -> None:
     port = free_port("::1")
     with socket.socket(socket.AF_INET6) as s:
         s.bind(("::1", port))
+
+
+def test_with_no_room_below_the_ephemeral_range_the_kernels_ports_are_used(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(ports, "_ephemeral_low", lambda: 1024)
+    picked = [free_port() for _ in range(50)]
+    assert len(set(picked)) == len(picked)
+    for port in picked:
+        assert port >= 1024
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
