@@ -1,8 +1,13 @@
 """An async client of the routing service for gateways.
 
 - Every call has a deadline (`timeout_s`, or the caller's own).
-- UNAVAILABLE is retried on the next replica, round-robin, until the
-  attempts or the deadline run out; any other status is final.
+- A Route goes first to its conversation's home replica (`home_replica`: a
+  stable hash of tenant and conversation, the same in every gateway), so that
+  one replica's prompt-chain cache and record of what each P was sent see all
+  of a conversation's turns; a burst of conversations still spreads over the
+  replicas. Other calls rotate round-robin.
+- UNAVAILABLE is retried on the next replica until the attempts or the
+  deadline run out; any other status is final.
 - A replica silent for `hedge_after_s` has its health checked: a frozen
   process still accepts TCP, so only a deadline tells it from a slow one,
   and a health check (no etcd, no auth) is the cheap call to time. One that
@@ -25,6 +30,7 @@ import asyncio
 import itertools
 import json
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +49,12 @@ ROUTING_SERVICE = routing_pb2.DESCRIPTOR.services_by_name["RoutingService"].full
 DECISION_NAMES = {
     value: name.removeprefix("DECISION_").lower() for name, value in routing_pb2.Decision.items()
 }
+
+
+def home_replica(tenant: str, conversation: str, replicas: int) -> int:
+    """The index of the replica a conversation's Routes go to first. CRC-32, not Python's
+    `hash`, which is salted per process: every gateway must pick the same one."""
+    return zlib.crc32(f"{tenant}\x00{conversation}".encode()) % replicas
 
 
 class RoutingUnavailable(Exception):
@@ -181,7 +193,8 @@ class RoutingClient:
         return result
 
     def _order(self, prefer: int) -> list[int]:
-        """Replicas to ask, in order: `prefer` first, then round-robin; suspects left out."""
+        """Replicas to ask, in order: `prefer` (else the next in turn) first, then the ones
+        after it; suspects left out."""
         count = len(self._stubs)
         start = prefer if 0 <= prefer < count else next(self._next)
         order = [(start + step) % count for step in range(count)]
@@ -293,6 +306,7 @@ class RoutingClient:
         response, replica = await self._call_on_replica(
             lambda stub, left: stub.Route(request, timeout=left, metadata=self.metadata),
             timeout_s,
+            prefer=home_replica(tenant, conversation, len(self._stubs)),
             hedge=True,
         )
         return RouteResult.from_pb(response, replica)

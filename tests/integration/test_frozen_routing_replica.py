@@ -27,7 +27,10 @@ from kvplane.v1 import routing_pb2
 from tests.conftest import tenant_headers
 from tests.integration.test_gateway_front import KEY, ScriptedEngine
 from tests.support.polling import eventually
-from tests.support.routing_cluster import MODEL, RoutingCluster, prefill_and_decode
+from tests.support.routing_cluster import MODEL, RoutingCluster, homed_at, prefill_and_decode
+
+# A conversation whose Routes go first to the frozen replica (index 0 of 2).
+AT_FROZEN = homed_at(0, 2)
 
 
 class FrozenRouting:
@@ -133,7 +136,7 @@ async def test_route_goes_to_the_next_replica_when_the_first_never_answers(
         timeout_s=60.0,
         hedge_after_s=0.1,
     ) as client:
-        first = await asyncio.wait_for(client.route("c", MODEL, prompt_tokens=10, request_id="r1"), 20)
+        first = await asyncio.wait_for(client.route(AT_FROZEN, MODEL, prompt_tokens=10, request_id="r1"), 20)
         assert first.replica == 1 and first.decision == "recompute_no_handle"
         assert frozen.routes == 1
         # The frozen replica also missed its health check.
@@ -142,7 +145,7 @@ async def test_route_goes_to_the_next_replica_when_the_first_never_answers(
         )
         # Later Routes skip it without asking it (nor waiting a hedge delay on it).
         for i in range(4):
-            later = await client.route("c", MODEL, prompt_tokens=10, request_id=f"r{i + 2}")
+            later = await client.route(AT_FROZEN, MODEL, prompt_tokens=10, request_id=f"r{i + 2}")
             assert later.replica == 1
         assert frozen.routes == 1
         assert frozen.health_checks >= 1
@@ -158,13 +161,13 @@ async def test_a_suspect_replica_is_asked_again_once_it_answers_a_health_check(
         hedge_after_s=0.1,
         probe_interval_s=0.05,
     ) as client:
-        await asyncio.wait_for(client.route("c", MODEL, prompt_tokens=10), 20)
+        await asyncio.wait_for(client.route(AT_FROZEN, MODEL, prompt_tokens=10), 20)
         await eventually(lambda: _true(bool(client.suspect_replicas)), what="the frozen replica suspect")
         frozen.thaw()
         await eventually(lambda: _true(not client.suspect_replicas), what="the thawed replica trusted")
-        # Round-robin reaches it again; its refusal moves the call on to the other replica.
+        # The conversation's home is asked again; its refusal moves the call on to the other replica.
         for _ in range(4):
-            assert (await client.route("c", MODEL, prompt_tokens=10)).replica == 1
+            assert (await client.route(AT_FROZEN, MODEL, prompt_tokens=10)).replica == 1
         assert frozen.routes > 1
 
 

@@ -17,7 +17,15 @@ from kvplane.services.common.ports import free_port
 from kvplane.services.common.store import Store, StoreSettings
 from kvplane.services.common.telemetry import Telemetry
 from tests.conftest import tenant_headers
-from tests.support.routing_cluster import HISTORY_TOKENS, MODEL, RoutingCluster, decode_params, node, tokens
+from tests.support.routing_cluster import (
+    HISTORY_TOKENS,
+    MODEL,
+    RoutingCluster,
+    decode_params,
+    homed_at,
+    node,
+    tokens,
+)
 
 
 @pytest.fixture
@@ -42,8 +50,27 @@ async def test_unavailable_replica_is_skipped_for_the_next(cluster: RoutingClust
         [dead, cluster.target(0)], metadata=tenant_headers("acme"), timeout_s=5.0, attempts=2
     ) as client:
         for _ in range(3):
-            result = await client.route("c", MODEL, prompt_tokens=10)
-            assert result.decision == "recompute_no_handle"
+            # Its home is the dead replica.
+            result = await client.route(homed_at(0, 2), MODEL, prompt_tokens=10)
+            assert result.decision == "recompute_no_handle" and result.replica == 1
+
+
+async def test_a_conversations_routes_go_to_its_home_replica_and_conversations_spread(
+    cluster: RoutingCluster,
+) -> None:
+    for _ in range(3):
+        await cluster.add_replica()
+    await cluster.wait_nodes()
+    async with cluster.client("acme") as client:
+        homes: dict[str, set[int]] = {}
+        # 11 conversations: not a multiple of the replicas, so that rotation would not send a
+        # conversation's turns to one replica by chance.
+        for turn in range(3):
+            for i in range(11):
+                result = await client.route(f"conv-{i}", MODEL, prompt_tokens=10 + turn)
+                homes.setdefault(f"conv-{i}", set()).add(result.replica)
+    assert all(len(replicas) == 1 for replicas in homes.values()), homes
+    assert set().union(*homes.values()) == {0, 1, 2}, homes
 
 
 async def test_all_replicas_down_fails_within_the_deadline(cluster: RoutingCluster) -> None:

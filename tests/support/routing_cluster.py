@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvplane.client import RoutingClient
+from kvplane.client.routing_client import home_replica
 from kvplane.connector.digests import digest_tokens, encode
 from kvplane.services.common.handles import KEY_DIGESTS, KEY_HANDLE_ID, CacheHandle, VllmHandle
 from kvplane.services.common.local_etcd import LocalEtcd
@@ -51,6 +52,11 @@ def node(
         kv_bytes_per_token=kv_bytes_per_token,
         labels=labels or {},
     )
+
+
+def homed_at(index: int, replicas: int, tenant: str = "") -> str:
+    """A conversation whose Routes go first to replica `index` of `replicas`."""
+    return next(c for i in range(1000) if home_replica(tenant, c := f"c-{i}", replicas) == index)
 
 
 def tokens(n: int, seed: int = 1) -> list[int]:
