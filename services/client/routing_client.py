@@ -10,9 +10,12 @@
   deadline run out; any other status is final.
 - A replica silent for `hedge_after_s` has its health checked: a frozen
   process still accepts TCP, so only a deadline tells it from a slow one,
-  and a health check (no etcd, no auth) is the cheap call to time. One that
-  misses it too is suspect (`suspect_replicas`): its call is abandoned, and
-  calls skip it at once until it answers a health check in the background.
+  and a health check (no etcd, no auth) is the cheap call to time. The
+  check judges liveness, not speed: its deadline (`probe_timeout_s`, 2 s)
+  is one a replica that is only busy still meets, since hedging already
+  covers speed. One that is refused, errs or misses it is suspect
+  (`suspect_replicas`): its call is abandoned, and calls skip it at once
+  until it answers a health check in the background.
   With every replica suspect a call fails at once, so that a gateway falls
   back without waiting. A Route silent that long also goes to the next
   replica at once; the first answer wins.
@@ -117,13 +120,14 @@ class RoutingClient:
         channel_options: Sequence[tuple[str, Any]] = (),
         credentials: ClientCredentials | None = None,
         hedge_after_s: float | None = None,
-        probe_timeout_s: float = 0.3,
+        probe_timeout_s: float = 2.0,
         probe_interval_s: float = 0.25,
     ) -> None:
         """`hedge_after_s`: a replica silent this long has its health checked, and a Route also
         goes to the next replica (None: neither; calls wait out their deadline).
-        `probe_timeout_s`: the deadline of a health check. `probe_interval_s`: between health
-        checks of a suspect replica."""
+        `probe_timeout_s`: the deadline of a health check, long enough for a busy replica: it
+        tells a frozen one from a live one, not a slow one from a fast one. `probe_interval_s`:
+        between health checks of a suspect replica."""
         if not targets:
             raise ValueError("at least one routing target is required")
         if attempts < 1:

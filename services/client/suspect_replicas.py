@@ -3,9 +3,10 @@
 A frozen process (SIGSTOP, a stalled VM) still accepts TCP connections and queues
 requests, so only a deadline tells it from a working one. The deadline is put on the
 cheapest call there is: the standard gRPC health check, open without credentials and
-answered without etcd. A replica that is only slow (etcd, load) answers it within
-milliseconds; one that misses it is suspect: calls skip it at once instead of waiting on
-it again, and a background probe asks again until it says SERVING.
+answered without etcd. Its deadline judges liveness, not speed: a replica that is only
+slow (etcd, a busy machine) answers it well within it; one that misses it is suspect:
+calls skip it at once instead of waiting on it again, and a background probe asks again
+until it says SERVING.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class SuspectReplicas:
         names: Sequence[str],
         service: str,
         *,
-        probe_timeout_s: float = 0.3,
+        probe_timeout_s: float = 2.0,
         probe_interval_s: float = 0.25,
     ) -> None:
         self._stubs = [health_pb2_grpc.HealthStub(channel) for channel in channels]

@@ -307,9 +307,13 @@ class GatewaySection(Section):
     routing_timeout_s: float = Field(2.0, gt=0)
     # A routing replica silent this long has its health checked (a frozen process still accepts
     # TCP, so only a deadline tells), and the Route goes to the next replica as well, first answer
-    # wins. A replica that misses the check (0.3 s) is skipped, and the turn falls back at once when
-    # none is left: a turn's target is to be served within 1 s of any fault. Seconds.
+    # wins (hedging covers speed). Seconds.
     routing_hedge_after_s: float = Field(0.2, gt=0)
+    # The health check's deadline: it judges liveness, not speed. A replica that is refused or
+    # errs is suspect at once; one that stays silent this long is frozen or gone, and is skipped
+    # by every later turn until it answers (with none left, turns fall back at once). A replica
+    # that is only busy answers within it. Seconds.
+    routing_liveness_timeout_s: float = Field(2.0, gt=0)
     routing_attempts: int = Field(2, ge=1)
     # API keys clients present (Authorization: Bearer, or x-api-key), each mapped to its tenant.
     api_keys: list[GatewayKey] = Field(default_factory=list)

@@ -245,6 +245,7 @@ class Gateway:
             timeout_s=s.routing_timeout_s,
             attempts=s.routing_attempts,
             hedge_after_s=s.routing_hedge_after_s,
+            probe_timeout_s=s.routing_liveness_timeout_s,
             tracer_provider=self.telemetry.tracer_provider,
         )
         # One pool for every engine; the default limit of 100 connections would queue turns.

@@ -36,14 +36,15 @@ AT_FROZEN = homed_at(0, 2)
 class FrozenRouting:
     """Accepts Route and health calls and answers none of them until thawed.
 
-    `slow_s`: instead, a live replica that answers health checks at once and each Route after
-    this long (etcd is slow, say).
+    `slow_s`: instead, a live replica that answers each Route after this long (etcd is slow,
+    say), and health checks after `health_s` (at once by default; later on a busy machine).
     """
 
-    def __init__(self, slow_s: float | None = None) -> None:
+    def __init__(self, slow_s: float | None = None, health_s: float = 0.0) -> None:
         self.routes = 0
         self.health_checks = 0
         self._slow_s = slow_s
+        self._health_s = health_s
         self._thawed = asyncio.Event()
         self._server = grpc.aio.server()
         self.target = ""
@@ -103,6 +104,8 @@ class FrozenRouting:
         self.health_checks += 1
         if self._slow_s is None:
             await self._thawed.wait()
+        elif self._health_s:
+            await asyncio.sleep(self._health_s)  # a busy event loop, not a frozen one
         return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
 
 
@@ -183,6 +186,22 @@ async def test_a_slow_replica_that_answers_health_checks_keeps_its_call() -> Non
         await slow.stop()
 
 
+async def test_a_busy_replica_whose_health_check_is_slow_is_not_taken_for_dead() -> None:
+    # Its health check answers in 0.6 s, as a replica on a loaded machine may: slow, but alive.
+    # The check judges liveness (its default deadline, 2 s), so the replica keeps its call and
+    # later calls still go to it.
+    busy = FrozenRouting(slow_s=0.8, health_s=0.6)
+    await busy.start()
+    try:
+        async with RoutingClient([busy.target], timeout_s=30.0, hedge_after_s=0.1) as client:
+            for _ in range(2):
+                answer = await client.route("c", MODEL, prompt_tokens=10)
+                assert answer.route_id == "slow"
+            assert busy.health_checks == 2 and not client.suspect_replicas
+    finally:
+        await busy.stop()
+
+
 async def test_with_every_replica_suspect_a_route_fails_at_once(frozen: FrozenRouting) -> None:
     async with RoutingClient(
         [frozen.target], timeout_s=60.0, hedge_after_s=0.1, probe_timeout_s=0.2
@@ -209,6 +228,7 @@ async def test_gateway_falls_back_within_its_route_budget_and_then_skips_the_fro
             # Route's own deadline is far longer, so the turn's wait shows which one ended it.
             routing_timeout_s=60.0,
             routing_hedge_after_s=0.1,
+            routing_liveness_timeout_s=0.3,
             api_keys=[GatewayKey(token=SecretStr(KEY), tenant="acme")],
             fallback_prefill_url=prefill.url,
             fallback_decode_url=decode.url,
