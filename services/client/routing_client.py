@@ -293,9 +293,14 @@ class RoutingClient:
         tenant: str = "",
         timeout_s: float | None = None,
         failed_node_ids: Sequence[str] = (),
+        awaited_handle_id: str = "",
+        awaited_handle_tokens: int = 0,
     ) -> RouteResult:
         """Routes one turn; `failed_node_ids` names nodes whose leg of this very turn just
-        failed (a retry), so that routing neither chooses them again nor, for others, soon."""
+        failed (a retry), so that routing neither chooses them again nor, for others, soon.
+        `awaited_handle_id` (and its tokens): the handle the previous turn's decode engine
+        announced in its last chunk, which routing waits for (bounded) if it needs it and its
+        publish has not landed yet."""
         request = routing_pb2.RouteRequest(
             conversation=conversation,
             model=model,
@@ -306,6 +311,8 @@ class RoutingClient:
             request_id=request_id,
             tenant=tenant,
             failed_node_ids=failed_node_ids,
+            awaited_handle_id=awaited_handle_id,
+            awaited_handle_tokens=awaited_handle_tokens,
         )
         response, replica = await self._call_on_replica(
             lambda stub, left: stub.Route(request, timeout=left, metadata=self.metadata),
@@ -373,10 +380,18 @@ class RoutingClient:
         return str(response.handle_id)
 
     async def end_conversation(
-        self, conversation: str, *, tenant: str = "", timeout_s: float | None = None
+        self,
+        conversation: str,
+        *,
+        tenant: str = "",
+        timeout_s: float | None = None,
+        awaited_handle_id: str = "",
     ) -> bool:
-        """Releases the conversation's retained KV now; True if a handle was released."""
-        request = routing_pb2.EndConversationRequest(conversation=conversation, tenant=tenant)
+        """Releases the conversation's retained KV now; True if a handle was released.
+        `awaited_handle_id`: the handle the last turn announced, released once its publish lands."""
+        request = routing_pb2.EndConversationRequest(
+            conversation=conversation, tenant=tenant, awaited_handle_id=awaited_handle_id
+        )
         response: routing_pb2.EndConversationResponse = await self._call(
             lambda stub, left: stub.EndConversation(request, timeout=left, metadata=self.metadata), timeout_s
         )

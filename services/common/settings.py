@@ -233,6 +233,10 @@ class RoutingSection(Section):
     max_tracked_conversations: int = Field(100_000, ge=0)
     # Routes remembered for ReportTurn (per replica).
     max_tracked_routes: int = Field(100_000, ge=0)
+    # Longest a Route waits for the engine's publish of the handle its caller says the previous
+    # turn retained (RouteRequest.awaited_handle_id), and only when no prefill node is believed to
+    # hold the history already, seconds. Also bounds EndConversation's wait for that publish.
+    publish_wait_s: float = Field(0.3, ge=0)
 
 
 def engine_url_list(value: Any) -> list[str]:

@@ -16,8 +16,7 @@ class GatewayMetrics:
     # "fallback" without routing, "retry_no_handle" after a failed P leg) and outcome.
     turns: Counter
     ttft: Histogram
-    # Latency of each leg: route, prefill, decode, report, end_conversation, and the wait of a turn
-    # for its predecessor's report (previous_report_wait); by outcome.
+    # Latency of each leg: route, prefill, decode, report, end_conversation; by outcome.
     legs: Histogram
     retries: Counter
     requests: Counter

@@ -1,8 +1,10 @@
-"""ReportTurn after every turn, off the client's path, and what the next turn of a conversation needs
-from it.
+"""ReportTurn after every turn, off the client's path, and the handle each conversation's next turn
+awaits.
 
-Reports run as tasks: a client's stream ends before its turn is reported. The next turn of the same
-conversation waits for that report (bounded), since routing can only offer the handle once it knows it.
+Reports run as tasks: a client's stream ends before its turn is reported, and no turn waits for the
+previous turn's report. What the next turn needs from the last one is the handle D announced in its
+last chunk (`announce`): its Route names it, and routing waits for its publish (bounded) only if the
+turn needs it.
 """
 
 from __future__ import annotations
@@ -10,15 +12,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Any
 
 import grpc
 
 from kvplane.client import RouteResult, RoutingClient, RoutingUnavailable
+from kvplane.services.common.bounded_map import BoundedMap
+from kvplane.services.common.handles import KEY_HANDLE_ID
 from kvplane.services.common.settings import GatewaySection
 from kvplane.services.gateway.metrics import GatewayMetrics
 from kvplane.services.gateway.progress import TurnProgress, TurnRequest
 
 log = logging.getLogger(__name__)
+
+# Conversations whose last announced handle is remembered (an id and a count each).
+_MAX_ANNOUNCED = 100_000
 
 
 class TurnReporter:
@@ -29,45 +37,39 @@ class TurnReporter:
         self.routing = routing
         self.metrics = metrics
         self._reports: set[asyncio.Task[str]] = set()
-        # The report still in flight for each conversation's last turn (tenant, conversation).
-        self._last_report: dict[tuple[str, str], asyncio.Task[str]] = {}
+        # Per conversation (tenant, conversation), the handle its last turn's D announced: id, tokens.
+        self._announced: BoundedMap[tuple[str, str], tuple[str, int]] = BoundedMap(_MAX_ANNOUNCED)
 
     async def drain(self, timeout_s: float) -> None:
         """Waits for reports still in flight (at shutdown)."""
         if self._reports:
             await asyncio.wait(set(self._reports), timeout=timeout_s)
 
-    async def after_previous(self, turn: TurnRequest) -> None:
-        """Lets the report of the conversation's previous turn land before this turn is routed.
+    def announce(self, turn: TurnRequest, decode_params: dict[str, Any] | None) -> None:
+        """D's last chunk named the handle it retains: the conversation's next turn awaits it.
 
-        The client's stream ends before that report is sent, and an agent may send its next turn at
-        once: routed first, that turn would find no handle and recompute the whole history. Routing
-        answers a report only once its view holds the handle the report names, so after this wait
-        the next Route finds it.
-        """
-        task = self._last_report.get((turn.identity.tenant, turn.identity.conversation))
-        if task is None or task.done():
+        Called as soon as the chunk is read, before the client sees it, so that a next turn sent
+        the moment this one ends finds it."""
+        handle_id = decode_params.get(KEY_HANDLE_ID) if decode_params else None
+        if not isinstance(handle_id, str) or not handle_id or decode_params is None:
             return
-        start = time.perf_counter()
-        _, pending = await asyncio.wait({task}, timeout=self.settings.report_timeout_s)
-        outcome = "timeout" if pending else "ok"
-        self.metrics.legs.labels("previous_report_wait", outcome).observe(time.perf_counter() - start)
+        tokens = decode_params.get("remote_num_tokens")
+        count = tokens if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0 else 0
+        self._announced.put((turn.identity.tenant, turn.identity.conversation), (handle_id, count))
+
+    def awaited(self, turn: TurnRequest) -> tuple[str, int]:
+        """The handle (id, tokens) the conversation's last turn announced; ("", 0) if none."""
+        return self._announced.get((turn.identity.tenant, turn.identity.conversation)) or ("", 0)
 
     def report_later(
         self, turn: TurnRequest, route: RouteResult, progress: TurnProgress, *, success: bool
     ) -> None:
+        if not success:
+            # A failed turn's announcement may name blocks D never kept.
+            self._announced.pop((turn.identity.tenant, turn.identity.conversation))
         task = asyncio.create_task(self._report(turn, route, progress, success))
         self._reports.add(task)
         task.add_done_callback(self._reports.discard)
-
-        key = (turn.identity.tenant, turn.identity.conversation)
-        self._last_report[key] = task
-
-        def forget(done: asyncio.Task[str]) -> None:
-            if self._last_report.get(key) is done:
-                del self._last_report[key]
-
-        task.add_done_callback(forget)
 
     async def _report(
         self, turn: TurnRequest, route: RouteResult, progress: TurnProgress, success: bool
@@ -109,11 +111,14 @@ class TurnReporter:
         """A request without a conversation id has no next turn: free D's blocks now, not at the TTL."""
         start = time.perf_counter()
         outcome = "error"
+        key = (turn.identity.tenant, turn.identity.conversation)
+        awaited, _ = self._announced.pop(key) or ("", 0)
         try:
             released = await self.routing.end_conversation(
                 turn.identity.conversation,
                 tenant=turn.identity.tenant,
                 timeout_s=self.settings.report_timeout_s,
+                awaited_handle_id=awaited,
             )
             outcome = "released" if released else "none"
         except (RoutingUnavailable, grpc.aio.AioRpcError) as exc:

@@ -150,7 +150,6 @@ class TurnRunner:
                 except RequestRejected as exc:
                     body = json.dumps(error_body(exc.status, exc.message, param=exc.param)).encode()
                     raise TurnFailed(exc.status, exc.message, body) from None
-            await self.reporter.after_previous(turn)
             route = await self._route(turn, prompt)
             try:
                 return await self._attempt(request, turn, prompt, route, last_try=False)
@@ -233,6 +232,7 @@ class TurnRunner:
     async def _call_route(
         self, turn: TurnRequest, prompt: RoutedPrompt, failed: tuple[str, ...] = ()
     ) -> RouteResult:
+        awaited_id, awaited_tokens = self.reporter.awaited(turn)
         return await self.routing.route(
             turn.identity.conversation,
             turn.model,
@@ -241,6 +241,8 @@ class TurnRunner:
             request_id=uuid.uuid4().hex,
             tenant=turn.identity.tenant,
             failed_node_ids=failed,
+            awaited_handle_id=awaited_id,
+            awaited_handle_tokens=awaited_tokens,
         )
 
     def _fallback(self, turn: TurnRequest, why: str, avoid_urls: tuple[str, ...] = ()) -> RouteResult:
@@ -415,6 +417,7 @@ class TurnRunner:
             finally:
                 self.metrics.legs.labels("decode", outcome).observe(time.perf_counter() - start)
         absorb(answer, progress, turn.client_token_ids)
+        self.reporter.announce(turn, progress.decode_params)
         self.digesting.learn(route.decode, progress.decode_params)
         progress.ttft_s = time.perf_counter() - turn.arrival
         response = web.json_response(answer, headers=self._headers(route, progress, turn))
@@ -465,10 +468,15 @@ class TurnRunner:
                 }
             )
             outcome, finished = "ok", False
+            announced: dict[str, Any] | None = None
             try:
                 await _to_client(response.prepare(request))
                 async for event in sse.events(upstream.content.iter_any()):
                     raw, token = stream.forward(event)
+                    if progress.decode_params is not announced:
+                        # D's handle, before the client sees the chunk: its next turn may come at once.
+                        announced = progress.decode_params
+                        self.reporter.announce(turn, announced)
                     # One write per event: aiohttp sends it at once, so tokens reach the client as made.
                     await _to_client(response.write(raw))
                     if progress.ttft_s is None and token:

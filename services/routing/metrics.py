@@ -16,6 +16,8 @@ class RoutingMetrics:
     tokens: Counter
     life_left_at_checkout: Histogram
     route_seconds: Histogram
+    publish_waits: Histogram
+    publish_waiting: Gauge
     reports: Counter
     recompute_seconds_per_token: Gauge
     prefill_fixed_seconds: Gauge
@@ -49,6 +51,19 @@ class RoutingMetrics:
                 "Time to answer Route, including the check-out transaction",
                 registry=registry,
                 buckets=_ROUTE_BUCKETS,
+            ),
+            publish_waits=Histogram(
+                "kvplane_route_publish_wait_seconds",
+                "Time a Route waited for the engine's publish of the handle its caller awaited, by "
+                "outcome (published, timeout); a Route whose prefill node holds the history does not wait",
+                ["outcome"],
+                registry=registry,
+                buckets=_ROUTE_BUCKETS,
+            ),
+            publish_waiting=Gauge(
+                "kvplane_route_publish_waiting",
+                "Routes and EndConversations waiting now for the engine's publish of an awaited handle",
+                registry=registry,
             ),
             reports=Counter(
                 "kvplane_turn_reports_total",

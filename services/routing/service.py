@@ -24,6 +24,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -83,8 +84,9 @@ from kvplane.v1 import routing_pb2, routing_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-# Longest a ReportTurn waits for the engine's own publish of the turn's handle, seconds.
-PUBLISH_WAIT_S = 2.0
+# Longest EndConversation waits for the engine's own publish of the handle the conversation's
+# last turn announced (off the turn path: the client has its answer), seconds.
+END_PUBLISH_WAIT_S = 2.0
 
 SERVICE_NAME = routing_pb2.DESCRIPTOR.services_by_name["RoutingService"].full_name
 
@@ -132,6 +134,14 @@ class RouteRecord:
     decision: Decision
     # A pull between a prefill engine and a holder that had not met before.
     first_contact: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class AwaitedHandle:
+    """The handle a caller saw the previous turn's decode engine announce (its id and tokens)."""
+
+    handle_id: str
+    tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,6 +217,7 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
         validation.ident(request.request_id, "request_id", required=False)
         prompt = _prompt(request)
         failed = self._failed_nodes(request, principal)
+        awaited = validation.ident(request.awaited_handle_id, "awaited_handle_id", required=False)
         outcome = await self.route(
             tenant,
             conversation,
@@ -214,6 +225,7 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
             prompt,
             time_budget_s=context.time_remaining(),
             failed_node_ids=failed,
+            awaited=AwaitedHandle(awaited, request.awaited_handle_tokens) if awaited else None,
         )
         span = trace.get_current_span()
         if span.is_recording():
@@ -261,23 +273,35 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
         *,
         time_budget_s: float | None = None,
         failed_node_ids: frozenset[str] = frozenset(),
+        awaited: AwaitedHandle | None = None,
     ) -> RouteOutcome:
         """Decides one turn and, for a pull, checks the handle out. No protobuf here.
 
         `time_budget_s` is what is left of the caller's deadline: the check-out
         gets no more than that, so a short deadline yields a recompute, not an error.
+        `awaited`: the handle the caller saw the previous turn's engine announce
+        (`_await_publish`).
         """
-        now = _now_ms()
-        if self.view.healthy:
-            self._view_live_ms = now
         key = (tenant, conversation)
         record = self.view.handle(tenant, conversation)
         all_states = self._node_states()
         if all_states and not any(st.node.fingerprint.model == model for st in all_states):
             # Nodes are known, none serves this model: the request's own error, not an outage.
             raise NotFound(f"model {model!r} is not served by any node")
-        states = usable_nodes(all_states, self.view.suspects, failed_node_ids)
         prompt = self._chains.with_chain(key, prompt, self._digest_block_size(record, all_states))
+        prefill_cached = self._prefill_record.cached_tokens(
+            key, prompt.tokens, prompt.block_digests, prompt.digest_block_size
+        )
+        if awaited is not None and (record is None or record.handle.handle_id != awaited.handle_id):
+            started = time.monotonic()
+            record = await self._await_publish(key, awaited, prompt, prefill_cached, time_budget_s) or record
+            if time_budget_s is not None:
+                time_budget_s -= time.monotonic() - started
+            all_states = self._node_states()
+        now = _now_ms()
+        if self.view.healthy:
+            self._view_live_ms = now
+        states = usable_nodes(all_states, self.view.suspects, failed_node_ids)
         snapshot = RouteSnapshot(
             model=model,
             conversation=conversation,
@@ -288,9 +312,7 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
             last_prefill_node_id=self._last_prefill.get(key) or "",
             contacted=self._contacted,
             loads_as_of_unix_ms=now if self.view.healthy else self._loads_as_of(),
-            prefill_cached_tokens=self._prefill_record.cached_tokens(
-                key, prompt.tokens, prompt.block_digests, prompt.digest_block_size
-            ),
+            prefill_cached_tokens=prefill_cached,
             tie_salt=self._replica_salt,
         )
         try:
@@ -343,6 +365,58 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
         self.metrics.tokens.labels("recomputed").inc(max(0, prompt.tokens - reused))
         handle_pb = checked.handle_pb if checked is not None else b""
         return RouteOutcome(route_id, plan, decision, reason, params, reused, handle, handle_pb)
+
+    async def _await_publish(
+        self,
+        key: tuple[str, str],
+        awaited: AwaitedHandle,
+        prompt: Prompt,
+        prefill_cached: Mapping[str, int],
+        time_budget_s: float | None,
+    ) -> HandleRecord | None:
+        """The awaited handle once the view holds it, or None; waits only when it pays.
+
+        D's connector publishes its handle as the turn ends, asynchronously, and a caller may
+        send the next turn at once: routed before the publish lands, the turn would find no
+        handle. Nothing holds the turn for the previous turn's report; only a turn that needs
+        the handle waits for it, bounded by `publish_wait_s` and the caller's deadline. A
+        prefill node believed to hold the history already (its prefix cache) needs no pull,
+        so then the turn goes on at once.
+        """
+        held = max(prefill_cached.values(), default=0)
+        wanted = min(awaited.tokens, prompt.tokens - 1) if awaited.tokens > 0 else prompt.tokens - 1
+        if held + self.policy.config.pull.threshold_tokens >= wanted:
+            return None
+        wait_s = self.settings.publish_wait_s
+        if time_budget_s is not None:
+            # Leave the check-out and the answer their share of the caller's deadline.
+            wait_s = min(wait_s, time_budget_s / 2)
+        if wait_s <= 0:
+            return None
+        tenant, conversation = key
+
+        start = time.perf_counter()
+        landed = await self._wait_published(tenant, conversation, awaited.handle_id, wait_s)
+        outcome = "published" if landed else "timeout"
+        self.metrics.publish_waits.labels(outcome).observe(time.perf_counter() - start)
+        return self.view.handle(tenant, conversation) if landed else None
+
+    async def _wait_published(self, tenant: str, conversation: str, handle_id: str, wait_s: float) -> bool:
+        """Whether the view holds `handle_id` for the conversation, waiting up to `wait_s` for it."""
+
+        def published() -> bool:
+            current = self.view.handle(tenant, conversation)
+            return current is not None and current.handle.handle_id == handle_id
+
+        if published():
+            return True
+        if wait_s <= 0:
+            return False
+        self.metrics.publish_waiting.inc()
+        try:
+            return await self.view.wait_for(published, wait_s)
+        finally:
+            self.metrics.publish_waiting.dec()
 
     def _account(
         self, route_id: str, key: tuple[str, str], snapshot: RouteSnapshot, plan: RoutePlan, pulled: bool
@@ -474,13 +548,16 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
         handle_id = ""
         if request.success and request.decode_kv_transfer_params_json:
             params = _decode_params(request.decode_kv_transfer_params_json, tenant, conversation)
-            if principal.kind is PrincipalKind.TENANT:
-                # A tenant could name any blocks on any engine here, and so make P
-                # read another tenant's KV. Handles from tenant callers are taken
-                # only from the engine's connector, which publishes them itself.
-                handle_id = await self._published_by_engine(tenant, conversation, params, context)
+            if principal.kind is PrincipalKind.TENANT or _announced_handle_id(params):
+                # The engine's connector publishes its handles itself (it announces each one's id
+                # in D's params): one writer per handle, and nothing here waits for it. A tenant
+                # could name any blocks on any engine here, and so make P read another tenant's
+                # KV: handles from tenant callers are only ever taken from the engine.
+                handle_id = self._published_by_engine(tenant, conversation, params)
             else:
-                handle_id = await self._publish(tenant, conversation, params, request)
+                # The named fallback: D without kvplane's connector announces no handle and
+                # publishes nothing, so the operator's report is the only source of its handle.
+                handle_id = await self._publish_from_report(tenant, conversation, params, request)
         if not request.success and request.prefill_kv_transfer_params_json:
             await self._release_prefill(request, route, principal, tenant, conversation)
         self.metrics.reports.labels(
@@ -512,28 +589,13 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
             # P's own lease frees the blocks later: the report itself must not fail for this.
             log.warning("could not queue the release of %s's held prefill: %s", hold.node_id, exc)
 
-    async def _published_by_engine(
-        self, tenant: str, conversation: str, params: dict[str, Any], context: Context
-    ) -> str:
-        """The id of the handle D's connector published for this turn, once the view has it.
-
-        The engine publishes asynchronously, so the report may arrive first. Waiting here,
-        within the report's deadline, lets a caller that reports before routing the next
-        turn of the conversation (as the gateway does) find the handle in place.
-        """
-        wanted = params.get(KEY_HANDLE_ID)
-        if not isinstance(wanted, str) or not wanted:
-            return ""
-
-        def published() -> bool:
-            current = self.view.handle(tenant, conversation)
-            return current is not None and current.handle.handle_id == wanted
-
-        remaining = context.time_remaining()
-        wait_s = min(PUBLISH_WAIT_S, remaining - 0.05 if remaining is not None else PUBLISH_WAIT_S)
-        if published() or (wait_s > 0 and await self.view.wait_for(published, wait_s)):
-            return wanted
-        return ""
+    def _published_by_engine(self, tenant: str, conversation: str, params: dict[str, Any]) -> str:
+        """The id of the handle D's connector announced for this turn if the view holds it
+        already, else empty: the engine publishes asynchronously, and the next turn's Route
+        (which names the handle it awaits) is what waits for it, not the report."""
+        wanted = _announced_handle_id(params)
+        current = self.view.handle(tenant, conversation)
+        return wanted if wanted and current is not None and current.handle.handle_id == wanted else ""
 
     def _learn(self, request: routing_pb2.ReportTurnRequest, route: RouteRecord) -> None:
         observation = TurnObservation(
@@ -557,14 +619,11 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
         self.metrics.reused_seconds_per_token.set(self.costs.reused_ms_per_token / 1000)
         self.metrics.transfer_bytes_per_second.set(self.costs.transfer_bytes_per_ms * 1000)
 
-    async def _publish(
+    async def _publish_from_report(
         self, tenant: str, conversation: str, params: dict[str, Any], request: routing_pb2.ReportTurnRequest
     ) -> str:
-        """Publishes D's new handle unless the engine's connector already did."""
+        """Publishes the handle of a D that announces none (no kvplane connector) from its params."""
         handle = self._handle_from_report(tenant, conversation, params, request)
-        current = self.view.handle(tenant, conversation)
-        if current is not None and current.handle.handle_id == handle.handle_id:
-            return handle.handle_id  # the connector's own publish got there first
         outcome = await self.store.publish_handle(handle)
         return outcome.handle.handle_id
 
@@ -595,11 +654,10 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
         elif request.retained_token_ids:
             retained = request.retained_token_ids[: vllm.remote_num_tokens]
             digests = token_digests.digest_tokens(retained, holder.block_size)
-        handle_id = params.get(KEY_HANDLE_ID)
         now = _now_ms()
         life_ms = int((self.settings.decode_kv_ttl_s - self.settings.expiry_margin_s) * 1000)
         handle = CacheHandle(
-            handle_id=handle_id if isinstance(handle_id, str) and handle_id else uuid.uuid4().hex,
+            handle_id=uuid.uuid4().hex,
             tenant=tenant,
             conversation=conversation,
             holder_node_id=holder.node_id,
@@ -628,9 +686,15 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
     ) -> routing_pb2.EndConversationResponse:
         tenant = self._caller(context).acts_for(request.tenant)
         conversation = validation.conversation(request.conversation)
+        awaited = validation.ident(request.awaited_handle_id, "awaited_handle_id", required=False)
         self._last_prefill.pop((tenant, conversation))
         self._prefill_record.forget((tenant, conversation))
         self._chains.forget((tenant, conversation))
+        if awaited:
+            # The last turn's engine may still be publishing the handle: released once it lands.
+            remaining = context.time_remaining()
+            wait_s = END_PUBLISH_WAIT_S if remaining is None else min(END_PUBLISH_WAIT_S, remaining / 2)
+            await self._wait_published(tenant, conversation, awaited, wait_s)
         cached = self.view.handle(tenant, conversation)
         try:
             await self.store.release(tenant, conversation, ReleaseReason.CONVERSATION_ENDED, expected=cached)
@@ -643,6 +707,12 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
             except (NotFound, HandleNotRetained):
                 return routing_pb2.EndConversationResponse(released=False)
         return routing_pb2.EndConversationResponse(released=True)
+
+
+def _announced_handle_id(params: Mapping[str, Any]) -> str:
+    """The id of the handle D's kvplane connector announced in its params (it publishes it)."""
+    wanted = params.get(KEY_HANDLE_ID)
+    return wanted if isinstance(wanted, str) else ""
 
 
 def _decode_params(text: str, tenant: str, conversation: str) -> dict[str, Any]:

@@ -346,7 +346,8 @@ async def test_report_turn_digests_retained_token_ids_when_the_engine_sent_none(
 ) -> None:
     c = conv()
     history = tokens(HISTORY_TOKENS)
-    params = decode_params(cluster.nodes["d0"], history, with_digests=False)
+    # A D without kvplane's connector: the report is the handle's only source.
+    params = decode_params(cluster.nodes["d0"], history, kvplane_connector=False)
     handle_id = await cluster.report("acme", c, params, retained_token_ids=history)
     await cluster.wait_handle("acme", c, handle_id)
     edited = [*history[:10], 0, *history[11:], 5]
@@ -474,7 +475,8 @@ async def test_invalid_requests_are_invalid_argument(cluster: RoutingCluster, cl
         await cluster.report("acme", conv(), {"remote_engine_id": "x"})
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        await cluster.report("acme", conv(), decode_params(cluster.nodes["d0"], tokens(64)), model="other")
+        plain = decode_params(cluster.nodes["d0"], tokens(64), kvplane_connector=False)
+        await cluster.report("acme", conv(), plain, model="other")
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from kvplane.client import RoutingClient
 from kvplane.client.routing_client import home_replica
-from kvplane.connector.digests import digest_tokens, encode
+from kvplane.connector.digests import decode, digest_tokens, encode
 from kvplane.services.common.handles import KEY_DIGESTS, KEY_HANDLE_ID, CacheHandle, VllmHandle
 from kvplane.services.common.local_etcd import LocalEtcd
 from kvplane.services.common.nodes import Fingerprint, Node, NodeLoad, NodeRole
@@ -64,9 +64,15 @@ def tokens(n: int, seed: int = 1) -> list[int]:
 
 
 def decode_params(
-    holder: Node, retained: Sequence[int], *, with_digests: bool = True, **extra: Any
+    holder: Node,
+    retained: Sequence[int],
+    *,
+    with_digests: bool = True,
+    kvplane_connector: bool = True,
+    **extra: Any,
 ) -> dict[str, Any]:
-    """What a decode engine's connector returns at a natural finish."""
+    """What a decode engine's connector returns at a natural finish. Without `kvplane_connector`,
+    vLLM's own NixlConnector: no handle id announced (nothing publishes it) and no digests."""
     blocks = -(-len(retained) // holder.block_size)
     params: dict[str, Any] = {
         "do_remote_decode": True,
@@ -86,7 +92,9 @@ def decode_params(
         "some_future_vllm_key": {"nested": [1, 2]},
         KEY_HANDLE_ID: uuid.uuid4().hex,
     }
-    if with_digests:
+    if not kvplane_connector:
+        del params[KEY_HANDLE_ID]
+    elif with_digests:
         params[KEY_DIGESTS] = encode(digest_tokens(retained, holder.block_size))
     params.update(extra)
     return params
@@ -111,7 +119,12 @@ def handle_for(
 
 
 def routing_settings(
-    endpoint: str, prefix: str, *, listen_host: str = "127.0.0.1", policy_file: str = ""
+    endpoint: str,
+    prefix: str,
+    *,
+    listen_host: str = "127.0.0.1",
+    policy_file: str = "",
+    routing: dict[str, Any] | None = None,
 ) -> KvplaneSettings:
     listen = f"[{listen_host}]" if ":" in listen_host else listen_host
     return KvplaneSettings.model_validate(
@@ -124,7 +137,7 @@ def routing_settings(
                 "settle_timeout_s": 2.0,
             },
             "telemetry": {"metrics_port": 0, "json_logs": False},
-            "routing": {"checkout_timeout_s": 1.0, "policy_file": policy_file},
+            "routing": {"checkout_timeout_s": 1.0, "policy_file": policy_file, **(routing or {})},
             "auth": TEST_AUTH,
         }
     )
@@ -142,13 +155,22 @@ class RoutingCluster:
     leases: dict[str, int] = field(default_factory=dict)
 
     async def add_replica(
-        self, listen_host: str = "127.0.0.1", telemetry: Telemetry | None = None, policy_file: str = ""
+        self,
+        listen_host: str = "127.0.0.1",
+        telemetry: Telemetry | None = None,
+        policy_file: str = "",
+        routing: dict[str, Any] | None = None,
     ) -> ServiceProcess:
+        """A routing replica; `routing` overrides settings of its RoutingSection."""
         from kvplane.services.routing.app import install
 
         process = ServiceProcess(
             routing_settings(
-                self.etcd.endpoint, self.prefix, listen_host=listen_host, policy_file=policy_file
+                self.etcd.endpoint,
+                self.prefix,
+                listen_host=listen_host,
+                policy_file=policy_file,
+                routing=routing,
             ),
             [install],
             telemetry or Telemetry.disabled(),
@@ -170,9 +192,24 @@ class RoutingCluster:
         return RoutingClient(targets, metadata=OPERATOR_HEADERS, **kwargs)
 
     async def report(
-        self, tenant: str, conversation: str, params: dict[str, Any], *indexes: int, **kwargs: Any
+        self,
+        tenant: str,
+        conversation: str,
+        params: dict[str, Any],
+        *indexes: int,
+        engine_publishes: bool = True,
+        **kwargs: Any,
     ) -> str:
-        """D's finish reported by a trusted gateway; returns the published handle's id."""
+        """D's finish reported by a trusted gateway; returns the published handle's id.
+
+        Params that announce a handle id come from kvplane's connector, which publishes the handle
+        itself: with `engine_publishes`, it is published here first, as the engine would, and
+        awaited in every view. Routing publishes from the report only a handle no engine announced.
+        """
+        wanted = params.get(KEY_HANDLE_ID)
+        if engine_publishes and isinstance(wanted, str) and wanted and kwargs.get("success", True):
+            await self.publish(self.handle_from_params(tenant, conversation, params))
+            await self.wait_handle(tenant, conversation, wanted)
         async with self.gateway(*indexes) as gateway:
             return await gateway.report_turn(
                 kwargs.pop("route", None),
@@ -205,6 +242,24 @@ class RoutingCluster:
 
     async def publish(self, handle: CacheHandle) -> CacheHandle:
         return (await self.store.publish_handle(handle)).handle
+
+    def handle_from_params(self, tenant: str, conversation: str, params: dict[str, Any]) -> CacheHandle:
+        """The handle D's connector publishes for `params` (its finish-time kv_transfer_params)."""
+        vllm = VllmHandle.from_kv_transfer_params(params)
+        holder = next(n for n in self.nodes.values() if n.engine_id == vllm.remote_engine_id)
+        encoded = params.get(KEY_DIGESTS)
+        return CacheHandle(
+            handle_id=params[KEY_HANDLE_ID],
+            tenant=tenant,
+            conversation=conversation,
+            holder_node_id=holder.node_id,
+            holder_incarnation=holder.incarnation,
+            vllm=vllm,
+            wall_expiry_unix_ms=int(time.time() * 1000) + 120_000,
+            retained_bytes=vllm.remote_num_tokens * holder.kv_bytes_per_token,
+            digests=decode(encoded) if isinstance(encoded, str) and encoded else None,
+            model=MODEL,
+        )
 
     async def wait_views(self, predicate: Any, what: str, timeout_s: float = 10.0) -> None:
         """Waits until every replica's view satisfies `predicate(view)`."""
@@ -239,9 +294,10 @@ def with_load_time(load: NodeLoad) -> NodeLoad:
 
 @asynccontextmanager
 async def prefill_and_decode(
-    etcd: LocalEtcd, prefix: str, replicas: int = 1
+    etcd: LocalEtcd, prefix: str, replicas: int = 1, routing: dict[str, Any] | None = None
 ) -> AsyncIterator[RoutingCluster]:
-    """Prefill node p0, decode node d0 and `replicas` routing replicas whose views hold both."""
+    """Prefill node p0, decode node d0 and `replicas` routing replicas whose views hold both
+    (`routing`: overrides of their RoutingSection)."""
     store = Store(StoreSettings(endpoints=(etcd.endpoint,), prefix=prefix))
     await store.connect()
     cluster = RoutingCluster(etcd, prefix, store)
@@ -249,7 +305,7 @@ async def prefill_and_decode(
         await cluster.register(node("p0", NodeRole.PREFILL))
         await cluster.register(node("d0", NodeRole.DECODE))
         for _ in range(replicas):
-            await cluster.add_replica()
+            await cluster.add_replica(routing=routing)
         await cluster.wait_nodes()
         yield cluster
     finally:

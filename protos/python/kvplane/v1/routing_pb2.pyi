@@ -99,6 +99,8 @@ class RouteRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     TENANT_FIELD_NUMBER: _builtins.int
     FAILED_NODE_IDS_FIELD_NUMBER: _builtins.int
+    AWAITED_HANDLE_ID_FIELD_NUMBER: _builtins.int
+    AWAITED_HANDLE_TOKENS_FIELD_NUMBER: _builtins.int
     conversation: _builtins.str
     """Conversation id, 1 to 512 bytes."""
     model: _builtins.str
@@ -111,6 +113,16 @@ class RouteRequest(_message.Message):
     """Caller's request id, echoed in traces. Up to 128 bytes."""
     tenant: _builtins.str
     """Tenant, for node or operator callers only; see MetadataService."""
+    awaited_handle_id: _builtins.str
+    """The handle the previous turn's decode engine announced in its last chunk
+    (kv_transfer_params' kvplane_handle_id), when the caller saw one. The engine
+    publishes it asynchronously: if routing's view does not hold it yet and no
+    prefill node is believed to hold the history, the route waits a bounded time
+    (RoutingSection.publish_wait_s) for the publish instead of recomputing. Up to
+    128 bytes.
+    """
+    awaited_handle_tokens: _builtins.int
+    """Tokens that handle retains (its remote_num_tokens), 0 when unknown."""
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The prompt's token ids, when the caller has them; lets the router check
@@ -143,10 +155,12 @@ class RouteRequest(_message.Message):
         request_id: _builtins.str = ...,
         tenant: _builtins.str = ...,
         failed_node_ids: _abc.Iterable[_builtins.str] | None = ...,
+        awaited_handle_id: _builtins.str = ...,
+        awaited_handle_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["conversation", b"conversation", "failed_node_ids", b"failed_node_ids", "model", b"model", "prompt_block_digests", b"prompt_block_digests", "prompt_digest_block_size", b"prompt_digest_block_size", "prompt_token_ids", b"prompt_token_ids", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["awaited_handle_id", b"awaited_handle_id", "awaited_handle_tokens", b"awaited_handle_tokens", "conversation", b"conversation", "failed_node_ids", b"failed_node_ids", "model", b"model", "prompt_block_digests", b"prompt_block_digests", "prompt_digest_block_size", b"prompt_digest_block_size", "prompt_token_ids", b"prompt_token_ids", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -360,19 +374,26 @@ class EndConversationRequest(_message.Message):
 
     CONVERSATION_FIELD_NUMBER: _builtins.int
     TENANT_FIELD_NUMBER: _builtins.int
+    AWAITED_HANDLE_ID_FIELD_NUMBER: _builtins.int
     conversation: _builtins.str
     """Conversation id."""
     tenant: _builtins.str
     """Tenant, for node or operator callers only."""
+    awaited_handle_id: _builtins.str
+    """The handle the conversation's last turn announced (see RouteRequest): its
+    publish may still be on the way, and is waited for (bounded) so that it is
+    released too. Up to 128 bytes.
+    """
     def __init__(
         self,
         *,
         conversation: _builtins.str = ...,
         tenant: _builtins.str = ...,
+        awaited_handle_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["conversation", b"conversation", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["awaited_handle_id", b"awaited_handle_id", "conversation", b"conversation", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,131 @@
+"""Nothing on the turn path waits that need not: the next turn names the handle the last turn's
+engine announced, and routing waits for its publish only when the turn needs it; ReportTurn never
+waits and never writes a handle the engine announced (the engine is its one writer).
+
+The replicas here wait up to 60 s for a publish, far past every deadline the tests poll with, so a
+wait that should not happen fails a test instead of slowing it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+
+from kvplane.client import RoutingClient
+from kvplane.services.common.handles import KEY_HANDLE_ID
+from kvplane.services.common.local_etcd import LocalEtcd
+from tests.support.polling import eventually
+from tests.support.routing_cluster import (
+    HISTORY_TOKENS,
+    MODEL,
+    RoutingCluster,
+    decode_params,
+    prefill_and_decode,
+    tokens,
+)
+
+LONG_WAIT_S = 60.0
+# Far below LONG_WAIT_S: a call that returns within it did not wait for a publish.
+PROMPT_ANSWER_S = 20.0
+
+
+@pytest.fixture
+async def cluster(etcd: LocalEtcd, prefix: str) -> AsyncIterator[RoutingCluster]:
+    async with prefill_and_decode(etcd, prefix, routing={"publish_wait_s": LONG_WAIT_S}) as c:
+        yield c
+
+
+@pytest.fixture
+async def client(cluster: RoutingCluster) -> AsyncIterator[RoutingClient]:
+    async with cluster.client("acme", timeout_s=2 * LONG_WAIT_S) as c:
+        yield c
+
+
+def conv() -> str:
+    return f"c-{uuid.uuid4().hex[:8]}"
+
+
+def waiting(cluster: RoutingCluster) -> float:
+    value = cluster.replicas[0].telemetry.registry.get_sample_value("kvplane_route_publish_waiting")
+    return value or 0.0
+
+
+async def test_a_route_awaiting_an_unpublished_handle_waits_for_it_and_pulls(
+    cluster: RoutingCluster, client: RoutingClient
+) -> None:
+    c = conv()
+    history = tokens(HISTORY_TOKENS)
+    # The first turn's prompt was short and its answer long: P's prefix cache holds little of the
+    # history, so the next turn needs D's handle.
+    await client.route(c, MODEL, prompt_token_ids=history[:500])
+    params = decode_params(cluster.nodes["d0"], history)
+    route = asyncio.create_task(
+        client.route(
+            c,
+            MODEL,
+            prompt_token_ids=[*history, 7, 8],
+            awaited_handle_id=params[KEY_HANDLE_ID],
+            awaited_handle_tokens=len(history),
+        )
+    )
+    # The Route reached routing before the engine's publish: it waits for it.
+    await eventually(lambda: _true(waiting(cluster) == 1), what="the Route waiting for the publish")
+    await cluster.publish(cluster.handle_from_params("acme", c, params))
+    result = await asyncio.wait_for(route, PROMPT_ANSWER_S)
+    assert result.decision == "pull"
+    assert waiting(cluster) == 0
+
+
+async def test_a_route_whose_prefill_node_holds_the_history_does_not_wait(
+    cluster: RoutingCluster, client: RoutingClient
+) -> None:
+    c = conv()
+    history = tokens(HISTORY_TOKENS)
+    # P was sent the whole history last turn: its prefix cache holds it, a pull adds nothing.
+    await client.route(c, MODEL, prompt_token_ids=history)
+    result = await asyncio.wait_for(
+        client.route(
+            c,
+            MODEL,
+            prompt_token_ids=[*history, 7, 8],
+            awaited_handle_id=uuid.uuid4().hex,  # never published
+            awaited_handle_tokens=len(history) + 1,
+        ),
+        PROMPT_ANSWER_S,
+    )
+    assert result.decision == "recompute_no_handle"
+    assert result.prefill.node_id == "p0"
+    registry = cluster.replicas[0].telemetry.registry
+    assert not registry.get_sample_value("kvplane_route_publish_wait_seconds_count", {"outcome": "timeout"})
+
+
+async def test_report_turn_returns_at_once_and_never_writes_a_handle_the_engine_announced(
+    cluster: RoutingCluster,
+) -> None:
+    c = conv()
+    params = decode_params(cluster.nodes["d0"], tokens(HISTORY_TOKENS))
+    # The engine has not published yet: the report neither waits for it nor writes it itself.
+    handle_id = await asyncio.wait_for(
+        cluster.report("acme", c, params, engine_publishes=False), PROMPT_ANSWER_S
+    )
+    assert handle_id == ""
+    assert await cluster.store.get_handle("acme", c) is None
+
+
+async def test_end_conversation_releases_a_handle_whose_publish_lands_while_it_waits(
+    cluster: RoutingCluster, client: RoutingClient
+) -> None:
+    c = conv()
+    params = decode_params(cluster.nodes["d0"], tokens(HISTORY_TOKENS))
+    ended = asyncio.create_task(client.end_conversation(c, awaited_handle_id=params[KEY_HANDLE_ID]))
+    await eventually(lambda: _true(waiting(cluster) == 1), what="EndConversation waiting for the publish")
+    await cluster.publish(cluster.handle_from_params("acme", c, params))
+    assert await asyncio.wait_for(ended, PROMPT_ANSWER_S) is True
+    assert await cluster.store.get_handle("acme", c) is None
+
+
+async def _true(value: bool) -> bool:
+    return value
