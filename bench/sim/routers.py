@@ -32,7 +32,7 @@ from kvplane.services.routing.policy import (
     RoutingPolicy,
     TurnObservation,
 )
-from kvplane.services.routing.prefill_record import PrefillCacheRecord
+from kvplane.services.routing.prefill_record import PrefillCacheRecord, SentReceipt
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +46,8 @@ class RouteChoice:
     pulled_tokens: int = 0
     # False when the pull imports KV computed for other tokens (no prefix check).
     prefix_ok: bool = True
+    # kvplane's record of what P was believed to hold, for P's report to correct (as the service).
+    receipt: SentReceipt | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -391,11 +393,11 @@ class PolicyRouter:
             decode_after_prefill=False,
         )
         self._inflight.add(*work)
-        self._prefill_record.sent(key, plan.prefill, turn.prompt_tokens, prompt, block)
+        receipt = self._prefill_record.sent(key, plan.prefill, turn.prompt_tokens, prompt, block)
         if pulls:
             # The pull is offered up to the verified prefix; P reads what its cache lacks.
-            return RouteChoice(p, d, verdict.decision.value, handle, verdict.reusable_tokens)
-        return RouteChoice(p, d, verdict.decision.value)
+            return RouteChoice(p, d, verdict.decision.value, handle, verdict.reusable_tokens, receipt=receipt)
+        return RouteChoice(p, d, verdict.decision.value, receipt=receipt)
 
     def observe(self, turn: Turn, choice: RouteChoice, outcome: TurnOutcome) -> None:
         self.costs = self.costs.observe(
@@ -411,6 +413,10 @@ class PolicyRouter:
         )
         if choice.pull is not None and outcome.pulled_tokens > 0:
             self._contacted.add((choice.prefill.node.node_id, choice.pull.decode.node.engine_id))
+        if choice.receipt is not None:
+            # P's cache hits correct the record, as ReportTurn does in the service.
+            node = choice.prefill.node
+            self._prefill_record.observed(node, choice.receipt, outcome.cached_tokens, self.digest_block_size)
 
     def on_publish(self, conversation: Conversation, handle: SimHandle, now: float) -> None:
         return None

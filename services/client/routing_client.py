@@ -332,7 +332,7 @@ class RoutingClient:
         ttft_ms: float = 0.0,
         prompt_tokens: int = 0,
         pulled_tokens: int = 0,
-        cached_tokens: int = 0,
+        cached_tokens: int | None = None,
         transfer_ms: float = 0.0,
         prefill_ms: float = 0.0,
         retained_token_ids: Sequence[int] = (),
@@ -345,7 +345,8 @@ class RoutingClient:
         """Reports a finished turn; returns the id of the handle published for the next turn.
 
         `prefill_kv_transfer_params`: on a failed turn, what the route's P returned; P's blocks
-        held for D are then released at once.
+        held for D are then released at once. `cached_tokens`: P's own prefix-cache hits, None
+        when P did not report them (routing then learns nothing of P's cache from the turn).
         """
         prefill_params = None if success else prefill_kv_transfer_params
         request = routing_pb2.ReportTurnRequest(

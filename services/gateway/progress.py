@@ -46,9 +46,11 @@ class TurnProgress:
         return self.sources.pulled if self.sources is not None and self.sources.pulled is not None else 0
 
     @property
-    def cached_tokens(self) -> int:
-        """Prompt tokens P found in its own prefix cache (0 when P did not say)."""
-        return self.sources.prefill_cache if self.sources is not None else 0
+    def cached_tokens(self) -> int | None:
+        """Prompt tokens P found in its own prefix cache (None when P did not say)."""
+        if self.sources is None or not self.sources.cache_reported:
+            return None
+        return self.sources.prefill_cache
 
     def retained_token_ids(self) -> list[int]:
         """D retains prompt + output - 1 tokens (the last output token has no KV yet)."""
@@ -79,6 +81,8 @@ class PromptSources:
     pulled: int | None
     prefill_cache: int
     computed: int
+    # P's usage said how many prompt tokens it did not compute (`prompt_tokens_details`).
+    cache_reported: bool = True
 
     @property
     def unattributed(self) -> int:
@@ -99,12 +103,18 @@ def prompt_sources(answer: Mapping[str, Any]) -> PromptSources:
     usage = answer.get("usage")
     prompt = _int(usage.get("prompt_tokens")) if isinstance(usage, Mapping) else 0
     cached = min(cached_tokens(answer), prompt)
+    details = usage.get("prompt_tokens_details") if isinstance(usage, Mapping) else None
+    said = isinstance(details, Mapping) and _is_count(details.get("cached_tokens"))
     params = answer.get("kv_transfer_params")
     reported = params.get(KEY_PULLED_TOKENS) if isinstance(params, Mapping) else None
     if reported is None or isinstance(reported, bool) or not isinstance(reported, int):
-        return PromptSources(prompt, None, 0, prompt - cached)
+        return PromptSources(prompt, None, 0, prompt - cached, cache_reported=False)
     pulled = max(0, min(reported, cached))
-    return PromptSources(prompt, pulled, cached - pulled, prompt - cached)
+    return PromptSources(prompt, pulled, cached - pulled, prompt - cached, cache_reported=said)
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _int(value: Any) -> int:

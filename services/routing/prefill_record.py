@@ -16,6 +16,18 @@ a node's oldest prompts once they add up to more than its KV capacity, as
 an LRU cache would), or another router may have sent it other work. A wrong
 hint costs time, never correctness: vLLM matches its cache by token hashes.
 
+P corrects it on every turn. Each node has a clock of the tokens it was
+sent that it did not hold (what its cache had to take in), and each prompt
+recorded on it the clock's value then: its age. P's report of a turn (its
+prefix-cache hits) says whether the prompt recorded before was still held
+at that age. A miss shows the cache holds less than age + prompt (running
+requests take blocks too, other routers fill it, prefix caching may be
+off, the engine may have restarted); a hit that the record did not count
+on shows it holds more. The node's effective capacity is set from that
+evidence at once, and a prompt counts as held only while its age plus its
+own tokens fit in it. So the record stays an LRU, of the size P's reports
+show, not of the size P registered.
+
 Pure bookkeeping: no I/O, no clock reads. The routing service and the
 simulator's `PolicyRouter` both keep one.
 """
@@ -40,6 +52,11 @@ class SentPrompt:
     chain: Sequence[int] = ()
     block_size: int = 0
     digests: token_digests.TokenDigests | None = None
+    # The node's clock of tokens taken in (`PrefillCacheRecord`) when this prompt was sent.
+    sent_at: int = 0
+    # Tokens the conversation's latest prompt was found to share with this one (`cached_tokens`),
+    # -1 before any was checked.
+    shared_with_next: int = -1
 
     def proof(self) -> token_digests.TokenDigests | None:
         """The checkpoint digests, None when the prompt was sent by length (or its chain was lost)."""
@@ -60,6 +77,21 @@ def prompt_digests(block_chain: Sequence[int], block_size: int) -> token_digests
     return token_digests.TokenDigests(block_size, len(chain), tuple(chain[p - 1] for p in points))
 
 
+@dataclass(frozen=True, slots=True)
+class SentReceipt:
+    """What the record held for a route's prefill node when the prompt was sent: kept with the route
+    until P reports the turn (`PrefillCacheRecord.observed`)."""
+
+    node_id: str
+    # The conversation's prompt recorded on the node before (0: none), its age then in tokens
+    # taken in since, the tokens the new prompt shares with it, and of those the tokens the
+    # record believed the node still held.
+    previous_tokens: int
+    age_tokens: int
+    shared_tokens: int
+    believed_tokens: int
+
+
 class PrefillCacheRecord:
     """Per conversation, the last prompts sent to up to `nodes_per_conversation` prefill nodes."""
 
@@ -72,6 +104,10 @@ class PrefillCacheRecord:
         # Per node, the conversations whose prompt it holds, oldest first, with their tokens.
         self._by_node: dict[str, OrderedDict[Hashable, int]] = {}
         self._node_tokens: dict[str, int] = {}
+        # Per node: the tokens it was sent that it did not hold (a clock), and the capacity in
+        # tokens its reports show (absent: not learned yet; bounded by what it registered).
+        self._taken_in: dict[str, int] = {}
+        self._capacity: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self._by_conversation)
@@ -83,10 +119,28 @@ class PrefillCacheRecord:
         prompt_tokens: int,
         block_chain: Sequence[int] = (),
         block_size: int = 0,
-    ) -> None:
-        """`node` was sent the conversation's prompt: it will hold its whole blocks."""
-        entry = SentPrompt(node.node_id, prompt_tokens, block_chain if block_size > 0 else (), block_size)
+    ) -> SentReceipt:
+        """`node` was sent the conversation's prompt: it will hold its whole blocks.
+
+        The receipt goes back to `observed` with P's report of the turn."""
+        node_id = node.node_id
         previous = self._by_conversation.pop(conversation, ())
+        before = next((e for e in previous if e.node_id == node_id), None)
+        clock = self._taken_in.get(node_id, 0)
+        if before is None:
+            receipt = SentReceipt(node_id, 0, 0, 0, 0)
+        else:
+            shared = before.shared_with_next
+            if shared < 0:
+                shared = min(before.tokens, prompt_tokens)
+            held = min(shared, self._still_held(before))
+            receipt = SentReceipt(node_id, before.tokens, clock - before.sent_at, shared, held)
+        # What the node's cache takes in: the prompt but for what it is believed to hold.
+        clock += max(0, prompt_tokens - receipt.believed_tokens)
+        self._taken_in[node_id] = clock
+        entry = SentPrompt(
+            node_id, prompt_tokens, block_chain if block_size > 0 else (), block_size, sent_at=clock
+        )
         kept = [e for e in previous if e.node_id != node.node_id]
         for gone in kept[self.nodes_per_conversation - 1 :]:
             self._drop_from_node(conversation, gone.node_id)
@@ -96,6 +150,34 @@ class PrefillCacheRecord:
             oldest, entries = self._by_conversation.popitem(last=False)
             for e in entries:
                 self._drop_from_node(oldest, e.node_id)
+        return receipt
+
+    def observed(self, node: Node, receipt: SentReceipt, cached_tokens: int, block_size: int) -> None:
+        """P reported the turn: `cached_tokens` of its prompt came from its own prefix cache.
+
+        Compared with what the node was believed to hold of the conversation's previous prompt at
+        its age, the report bounds the node's effective capacity from above (a miss) or below (a
+        hit), at once. A prompt that was not recorded on the node says nothing."""
+        if receipt.shared_tokens <= 0 or receipt.node_id != node.node_id:
+            return
+        node_id = node.node_id
+        registered = _capacity_tokens(node)
+        cached = max(0, cached_tokens)
+        # P counts whole blocks only, and computes a prompt's last token itself.
+        slack = max(1, block_size)
+        # vLLM evicts a prompt's blocks tail first: `cached` of it were left at that age.
+        shown = receipt.age_tokens + cached
+        if cached + slack <= receipt.shared_tokens:
+            # Evicted (or never cached) by that age: the cache holds that much, no more.
+            self._capacity[node_id] = shown
+        elif receipt.believed_tokens + slack <= cached:
+            # Held though the record had given it up: the cache holds at least that.
+            grown = max(self._capacity.get(node_id, 0), shown)
+            self._capacity[node_id] = min(grown, registered) if registered > 0 else grown
+
+    def capacity_tokens(self, node_id: str) -> int | None:
+        """The node's effective capacity its reports show, None until they show one."""
+        return self._capacity.get(node_id)
 
     def forget(self, conversation: Hashable) -> None:
         for e in self._by_conversation.pop(conversation, ()):
@@ -121,8 +203,6 @@ class PrefillCacheRecord:
         proven: list[SentPrompt] = []
         for e in entries:
             digests = e.proof()
-            # Keep the checkpoints, not the chain: a few hundred bytes, whatever the prompt's length.
-            proven.append(e if e.digests is digests else replace(e, chain=(), digests=digests))
             if digests is not None and block_chain and block_size == digests.block_size:
                 blocks = token_digests.verified_prefix_blocks_from_chain(digests, block_chain)
                 tokens = blocks * block_size
@@ -130,10 +210,21 @@ class PrefillCacheRecord:
                 tokens = min(e.tokens, prompt_tokens)
             else:
                 tokens = 0  # nothing to prove it with
+            # Keep the checkpoints, not the chain: a few hundred bytes, whatever the prompt's length.
+            proven.append(replace(e, chain=(), digests=digests, shared_with_next=tokens))
+            tokens = min(tokens, self._still_held(e))
             if tokens > 0:
                 held[e.node_id] = tokens
         self._by_conversation[conversation] = tuple(proven)
         return held
+
+    def _still_held(self, entry: SentPrompt) -> int:
+        """Tokens of `entry` the node's effective capacity still holds at its age (LRU order)."""
+        capacity = self._capacity.get(entry.node_id)
+        if capacity is None:
+            return entry.tokens
+        age = self._taken_in.get(entry.node_id, 0) - entry.sent_at
+        return max(0, min(entry.tokens, capacity - age))
 
     def _hold(self, conversation: Hashable, node: Node, tokens: int) -> None:
         node_id = node.node_id

@@ -76,7 +76,7 @@ from kvplane.services.routing.policy import (
     load_policy,
 )
 from kvplane.services.routing.policy.decision import NoEligibleNodes
-from kvplane.services.routing.prefill_record import PrefillCacheRecord
+from kvplane.services.routing.prefill_record import PrefillCacheRecord, SentReceipt
 from kvplane.services.routing.prefill_release import prefill_hold, release_prefill
 from kvplane.services.routing.prompt_chains import PromptChains
 from kvplane.services.routing.suspect_nodes import MAX_FAILED_NODES, SuspectMarker, usable_nodes
@@ -134,6 +134,8 @@ class RouteRecord:
     decision: Decision
     # A pull between a prefill engine and a holder that had not met before.
     first_contact: bool = False
+    # What the record believed P held of the conversation, for P's report to correct.
+    receipt: SentReceipt | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -340,7 +342,7 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
         params = self._prefill_params(tenant, conversation, handle, clip_to_tokens=clip)
         reused = plan.verdict.reusable_tokens if handle is not None else 0
         self._last_prefill.put(key, plan.prefill.node_id)
-        self._account(route_id, key, snapshot, plan, handle is not None)
+        receipt = self._account(route_id, key, snapshot, plan, handle is not None)
         holder_engine = snapshot.handle.vllm.remote_engine_id if snapshot.handle is not None else ""
         first_contact = False
         if handle is not None:
@@ -358,6 +360,7 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
                 plan.decode.kv_bytes_per_token,
                 decision,
                 first_contact,
+                receipt,
             ),
         )
         self.metrics.routes.labels("pull" if decision.pulls else "recompute", decision.value).inc()
@@ -420,7 +423,7 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
 
     def _account(
         self, route_id: str, key: tuple[str, str], snapshot: RouteSnapshot, plan: RoutePlan, pulled: bool
-    ) -> None:
+    ) -> SentReceipt:
         """Records the route's work on its nodes, and what P's prefix cache will hold."""
         self._inflight.add(
             *routed_work(
@@ -435,7 +438,7 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
             )
         )
         prompt = snapshot.prompt
-        self._prefill_record.sent(
+        return self._prefill_record.sent(
             key, plan.prefill, prompt.tokens, prompt.block_digests, prompt.digest_block_size
         )
 
@@ -611,6 +614,11 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
         )
         self.costs = self.costs.observe(observation)
         self._publish_cost_gauges()
+        prefill = self.view.nodes.get(route.prefill_node_id)
+        if request.success and request.HasField("cached_tokens") and route.receipt and prefill:
+            # What P found in its own cache corrects what this replica believes it holds, at once.
+            node = prefill.node
+            self._prefill_record.observed(node, route.receipt, request.cached_tokens, node.block_size)
 
     def _publish_cost_gauges(self) -> None:
         # The cost model works in ms; metrics are in base units.

@@ -129,3 +129,28 @@ async def test_end_conversation_releases_a_handle_whose_publish_lands_while_it_w
 
 async def _true(value: bool) -> bool:
     return value
+
+
+async def test_p_reporting_no_cache_hits_makes_the_next_turn_pull_what_it_lacks(
+    cluster: RoutingCluster, client: RoutingClient
+) -> None:
+    """P runs without prefix caching: routing believed it held the history, P's reports say it holds
+    nothing, and the next turn pulls D's handle instead of recomputing the whole history."""
+    c = conv()
+    d0 = cluster.nodes["d0"]
+    history = tokens(HISTORY_TOKENS + 200)
+    prompt = history[:4000]
+    decisions = []
+    for turn in range(3):
+        route = await client.route(c, MODEL, prompt_token_ids=prompt)
+        decisions.append(route.decision)
+        retained = history[: len(prompt) + 40]  # a short answer
+        # P computed every token of the prompt (nothing from its own cache, nothing pulled).
+        pulled = len(prompt) - 1 if route.decision == "pull" else 0
+        await cluster.report(
+            "acme", c, decode_params(d0, retained), route=route, cached_tokens=0, pulled_tokens=pulled
+        )
+        prompt = [*retained, *history[len(retained) : len(retained) + 20]]
+    # Turn 2 trusted the record (P holds all but the answer: below the pull threshold); P's report
+    # of it corrected the record, so turn 3 pulls.
+    assert decisions == ["recompute_no_handle", "recompute_below_threshold", "pull"]

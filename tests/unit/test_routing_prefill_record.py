@@ -5,7 +5,7 @@ from __future__ import annotations
 from kvplane.connector.digests import chain, digest_tokens
 from kvplane.services.common.nodes import NodeRole
 from kvplane.services.routing.policy.snapshot import Prompt
-from kvplane.services.routing.prefill_record import PrefillCacheRecord, prompt_digests
+from kvplane.services.routing.prefill_record import PrefillCacheRecord, SentReceipt, prompt_digests
 from kvplane.services.routing.prompt_chains import PromptChains
 from tests.unit.routing_policy_fixtures import history, mk_node
 
@@ -94,3 +94,70 @@ def test_checkpoints_from_a_lazy_chain_equal_the_digests_of_the_tokens() -> None
     tokens = history(4160)
     lazy = PromptChains().with_chain("c", Prompt(len(tokens), tokens, (), 0), 16).block_digests
     assert prompt_digests(lazy, 16) == prompt_digests(chain(tokens, 16), 16) == digest_tokens(tokens, 16)
+
+
+# -- P's reports correct the record --------------------------------------------------------------
+
+
+def sent_turn(record: PrefillCacheRecord, node: object, prompt: list[int], key: object = KEY) -> SentReceipt:
+    """A route as the service makes it: the record is asked what P holds, then told what was sent."""
+    held(record, prompt, key)
+    return record.sent(key, node, len(prompt), chain(prompt, 16), 16)  # type: ignore[arg-type]
+
+
+def test_a_miss_p_reports_shrinks_what_the_record_believes_it_holds_at_once() -> None:
+    big = mk_node("p0", NodeRole.PREFILL, kv_capacity_bytes=100_000 * 4096, kv_bytes_per_token=4096)
+    record = PrefillCacheRecord()
+    sent_turn(record, big, H, key=("t", "c0"))
+    for i in range(1, 4):  # 12,000 tokens of other conversations after it
+        sent_turn(record, big, history(4000, seed=i), key=("t", f"c{i}"))
+    assert held(record, history(4000, seed=1), key=("t", "c1")) == {"p0": 4000}
+    receipt = sent_turn(record, big, [*H, *history(300, seed=9)], key=("t", "c0"))
+    assert (receipt.age_tokens, receipt.shared_tokens, receipt.believed_tokens) == (12_000, 4000, 4000)
+    # P found none of c0's history in its cache: it holds less than 12,000 tokens' worth, whatever
+    # it registered. c1's prompt, sent longer ago than that, is given up too.
+    record.observed(big, receipt, 0, 16)
+    assert record.capacity_tokens("p0") == 12_000
+    assert held(record, history(4000, seed=1), key=("t", "c1")).get("p0", 0) < 4000
+    assert held(record, history(4000, seed=3), key=("t", "c3")) == {"p0": 4000}
+
+
+def test_with_p_prefix_caching_off_the_record_soon_believes_nothing() -> None:
+    record = PrefillCacheRecord()
+    prompt = H[:1000]
+    receipt = sent_turn(record, P0, prompt)
+    assert receipt.shared_tokens == 0  # a first turn: nothing to learn from its report
+    record.observed(P0, receipt, 0, 16)
+    assert record.capacity_tokens("p0") is None
+    for turn in range(3):
+        prompt = [*prompt, *history(200, seed=10 + turn)]
+        receipt = sent_turn(record, P0, prompt)
+        record.observed(P0, receipt, 0, 16)  # P computed everything again
+        assert held(record, [*prompt, 5]) == {}
+
+
+def test_a_hit_the_record_had_given_up_raises_the_capacity_again() -> None:
+    record = PrefillCacheRecord()
+    prompt = H[:1000]
+    sent_turn(record, P0, prompt)
+    prompt = [*prompt, *history(200, seed=3)]
+    record.observed(P0, sent_turn(record, P0, prompt), 0, 16)  # a miss: the record gives up
+    assert held(record, [*prompt, 5]) == {}
+    prompt = [*prompt, *history(200, seed=4)]
+    receipt = sent_turn(record, P0, prompt)
+    assert receipt.believed_tokens == 0
+    # P had it all the same (the miss was a restart, say): the record believes it again, as far
+    # as P showed it (1,200 tokens held at age 0).
+    record.observed(P0, receipt, 1200, 16)
+    assert record.capacity_tokens("p0") == 1200
+    assert held(record, [*prompt, 5]) == {"p0": 1200}
+
+
+def test_a_report_that_matches_the_record_changes_nothing() -> None:
+    record = PrefillCacheRecord()
+    prompt = H[:1000]
+    sent_turn(record, P0, prompt)
+    prompt = [*prompt, *history(200, seed=3)]
+    record.observed(P0, sent_turn(record, P0, prompt), 992, 16)
+    assert record.capacity_tokens("p0") is None
+    assert held(record, [*prompt, 5]) == {"p0": 1200}

@@ -300,7 +300,9 @@ class ReportTurnRequest(_message.Message):
     """Served model name."""
     cached_tokens: _builtins.int
     """Prompt tokens P found in its own prefix cache (neither pulled nor computed),
-    in tokens; 0 if unknown.
+    in tokens; unset if P did not say (vLLM reports it with
+    --enable-prompt-tokens-details). Routing corrects its record of what P's
+    prefix cache holds from it on every turn it routed.
     """
     prefill_kv_transfer_params_json: _builtins.str
     """When the turn failed after its P leg (D refused or failed it, or was never
@@ -332,15 +334,17 @@ class ReportTurnRequest(_message.Message):
         error: _builtins.str = ...,
         tenant: _builtins.str = ...,
         model: _builtins.str = ...,
-        cached_tokens: _builtins.int = ...,
+        cached_tokens: _builtins.int | None = ...,
         prefill_kv_transfer_params_json: _builtins.str = ...,
         prefill_node_id: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_cached_tokens", b"_cached_tokens", "cached_tokens", b"cached_tokens"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "conversation", b"conversation", "decode_kv_transfer_params_json", b"decode_kv_transfer_params_json", "error", b"error", "model", b"model", "prefill_kv_transfer_params_json", b"prefill_kv_transfer_params_json", "prefill_ms", b"prefill_ms", "prefill_node_id", b"prefill_node_id", "prompt_tokens", b"prompt_tokens", "pulled_tokens", b"pulled_tokens", "retained_token_ids", b"retained_token_ids", "route_id", b"route_id", "success", b"success", "tenant", b"tenant", "transfer_ms", b"transfer_ms", "ttft_ms", b"ttft_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cached_tokens", b"_cached_tokens", "cached_tokens", b"cached_tokens", "conversation", b"conversation", "decode_kv_transfer_params_json", b"decode_kv_transfer_params_json", "error", b"error", "model", b"model", "prefill_kv_transfer_params_json", b"prefill_kv_transfer_params_json", "prefill_ms", b"prefill_ms", "prefill_node_id", b"prefill_node_id", "prompt_tokens", b"prompt_tokens", "pulled_tokens", b"pulled_tokens", "retained_token_ids", b"retained_token_ids", "route_id", b"route_id", "success", b"success", "tenant", b"tenant", "transfer_ms", b"transfer_ms", "ttft_ms", b"ttft_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__cached_tokens: _TypeAlias = _typing.Literal["cached_tokens"]  # noqa: Y015
+    _WhichOneofArgType__cached_tokens: _TypeAlias = _typing.Literal["_cached_tokens", b"_cached_tokens"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__cached_tokens) -> _WhichOneofReturnType__cached_tokens | None: ...
 
 Global___ReportTurnRequest: _TypeAlias = ReportTurnRequest  # noqa: Y015
 
