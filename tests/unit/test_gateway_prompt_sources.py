@@ -47,3 +47,15 @@ def test_a_malformed_report_counts_as_no_report() -> None:
 
 def test_an_answer_without_usage_counts_nothing() -> None:
     assert sum(prompt_sources({"choices": []}).counts().values()) == 0
+
+
+def test_p_cache_hits_are_reported_to_routing_only_when_p_said_them() -> None:
+    from kvplane.services.gateway.progress import TurnProgress
+
+    said = TurnProgress("pull", sources=prompt_sources(_answer(prompt=1000, cached=0, pulled=0)))
+    assert said.cached_tokens == 0  # P said: none of the prompt was in its cache
+    silent = {"usage": {"prompt_tokens": 1000}, "kv_transfer_params": {KEY_PULLED_TOKENS: 0}}
+    # vLLM without --enable-prompt-tokens-details says nothing: routing must not read it as a miss.
+    assert TurnProgress("pull", sources=prompt_sources(silent)).cached_tokens is None
+    unattributed = TurnProgress("pull", sources=prompt_sources(_answer(prompt=1000, cached=960)))
+    assert unattributed.cached_tokens is None  # pulled and cached cannot be told apart
