@@ -193,6 +193,8 @@ class EngineProcess:
             str(self.block_size),
             "--max-num-seqs",
             "8",
+            # P's own prefix-cache hits in its usage, which routing's record of P's cache learns from.
+            "--enable-prompt-tokens-details",
             "--kv-transfer-config",
             self.kv_config,
             *self.extra_args,
