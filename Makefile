@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 PROTO_SRC := protos
 PROTO_OUT := protos/python
 
-.PHONY: help setup dev protos protos-check typecheck-tree lint test test-slow run serve live-bench bench wheel-check constraints clean
+.PHONY: help setup dev protos protos-check typecheck-tree lint test test-slow run serve live-bench bench compare wheel-check constraints clean
 
 help:
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
@@ -83,6 +83,11 @@ live-bench: setup ## kvplane bench --start-stack: a live benchmark through the g
 
 bench: setup ## Benchmarks; regenerates the README's Performance section
 	$(BIN)/python -m kvplane.bench.all
+
+# `make compare COMPARE_ARGS="--workload A --concurrency 1,8 --repeats 1"` (all options: --help).
+COMPARE_ARGS ?=
+compare: setup ## kvplane's gateway, vllm-router, vLLM's example proxy and zero-hop clients on the same engines
+	$(BIN)/python -m kvplane.bench.compare $(COMPARE_ARGS)
 
 wheel-check: ## Build the wheel and import it from a fresh venv
 	./deploy/scripts/wheel_check.sh

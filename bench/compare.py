@@ -1,0 +1,434 @@
+"""Fronts compared live on the same engines, in one interleaved run.
+
+    python -m kvplane.bench.compare [--workload A|B|both] [--concurrency 1,8,32] [--repeats 2]
+
+Starts one kvplane stack as the dev stack does (etcd, `kvplane serve all`, 2 prefill and 2
+decode sim-engines timed like Qwen3-32B, the gateway), vllm-router in P/D mode and vLLM's
+example P/D proxy on those engines, and runs the same multi-turn chats through each front:
+kvplane's gateway, vllm-router, the example proxy, and two zero-hop clients that send the P and
+D legs straight to the engines (one carries D's handle into the next turn, one does not). See
+`compare_fronts` for each front, `compare_workload` for the chats.
+
+The fronts take turns in blocks (one front's chats of one repeat at one concurrency), their
+order rotated each repeat; every front gets the same conversation shapes and arrivals, with its
+own token ids. A warm-up block per front (two-turn chats) runs first and is reported apart.
+
+Workloads:
+  A  P's prefix caches on, at the dev stack's size (16,384 blocks of 16 tokens): they hold
+     the histories of every conversation in flight;
+  B  P's prefix cache off (`--no-enable-prefix-caching`, vLLM's flag): P keeps no history, so a
+     later turn either pulls it from D or computes it again.
+Each workload has a stack of its own (its engines started with its flags).
+
+Printed per workload, and written as JSON with every block and turn: per front and
+concurrency, TTFT of later turns against the zero-hop client with reuse, turns/s, failures,
+kvplane's fallbacks, where P found the later turns' prompt tokens, CPU per turn of each process
+of the front (and of this client and the engines), etcd requests and writes per turn, and
+etcd's writes per engine-second while nothing runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from kvplane.bench import compare_report as report
+from kvplane.bench.compare_fronts import (
+    ALL_FRONTS,
+    EXAMPLE_PROXY,
+    KVPLANE,
+    REFERENCE,
+    VLLM_ROUTER,
+    VLLM_ROUTER_VERSION,
+    ZERO_HOP,
+    ZERO_HOP_REUSE,
+    Front,
+    HttpFront,
+    ZeroHopFront,
+    example_proxy_process,
+    vllm_router_binary,
+    vllm_router_process,
+    wait_serving,
+)
+from kvplane.bench.compare_run import BlockResult, Engines, IdleWindow, idle_window, run_block
+from kvplane.bench.compare_workload import Workload, plan, rotation
+from kvplane.services.devstack import DEMO_API_KEY, ManagedProcess, Stack, start_stack
+
+WORKLOADS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "A": ("P's prefix caches on, large enough to hold the histories", ()),
+    "B": (
+        "P's prefix cache off (--no-enable-prefix-caching): P keeps no history",
+        ("--no-enable-prefix-caching",),
+    ),
+}
+PREFILL_NODES = DECODE_NODES = 2
+
+
+@dataclass(frozen=True)
+class CompareConfig:
+    workloads: tuple[str, ...] = ("A", "B")
+    concurrency: tuple[int, ...] = (1, 8, 32)
+    repeats: int = 2
+    fronts: tuple[str, ...] = ALL_FRONTS
+    workload: Workload = dataclasses.field(default_factory=Workload)
+    warmup_conversations: int = 2
+    idle_s: float = 5.0
+    speedup: float = 1.0
+    turn_timeout_s: float = 300.0
+    run_dir: Path | None = None
+
+
+@dataclass
+class WorkloadRun:
+    """One workload's results."""
+
+    key: str
+    description: str
+    fronts: dict[str, list[str]]  # front -> its processes' names
+    skipped: dict[str, str]  # front -> why it did not run
+    idle: IdleWindow | None
+    warmup: list[BlockResult]
+    blocks: list[BlockResult]
+    rows: list[report.Row]
+    wall_s: float
+
+
+Progress = Callable[[str], None]
+
+
+def _stderr(message: str) -> None:
+    print(f"==> {message}", file=sys.stderr, flush=True)
+
+
+async def _start_served(
+    session: aiohttp.ClientSession, name: str, stack: Stack, run_dir: Path, served: list[ManagedProcess]
+) -> HttpFront:
+    """vllm-router or the example proxy, started on the stack's engines and serving."""
+    if name == VLLM_ROUTER:
+        binary = vllm_router_binary()
+        if binary is None:
+            raise LookupError(
+                f"vllm-router is not installed (pip install vllm-router=={VLLM_ROUTER_VERSION})"
+            )
+        url, proc = vllm_router_process(
+            binary, stack.prefill_urls, stack.decode_urls, run_dir / "vllm-router.log"
+        )
+        health = f"{url}/health"
+    else:
+        url, proc = example_proxy_process(
+            stack.prefill_urls, stack.decode_urls, run_dir / "example-proxy.log"
+        )
+        health = f"{url}/healthcheck"
+    served.append(proc)
+    proc.start()
+    await wait_serving(session, proc, health)
+    assert proc.proc is not None
+    return HttpFront(name, url, {proc.name: proc.proc.pid}, api_key=DEMO_API_KEY)
+
+
+def _stack_pids(stack: Stack) -> tuple[dict[str, int], dict[str, int]]:
+    """kvplane's processes (gateway, serve all, etcd) and the engines' (engine p0, ...)."""
+    kvplane: dict[str, int] = {}
+    engines: dict[str, int] = {}
+    counts = {"prefill": 0, "decode": 0}
+    for p in stack.processes:
+        if p.proc is None:
+            continue
+        if p.name == "gateway":
+            kvplane["gateway"] = p.proc.pid
+        elif p.name == "kvplane serve all":
+            kvplane["serve all"] = p.proc.pid
+        elif p.name.endswith("sim-engine"):
+            role = p.name.split()[0]
+            engines[f"{report.ENGINE_PREFIX}{role[0]}{counts[role]}"] = p.proc.pid
+            counts[role] += 1
+    if stack.etcd.proc is not None:
+        kvplane["etcd"] = stack.etcd.proc.pid
+    return kvplane, engines
+
+
+async def run_workload(key: str, config: CompareConfig, run_dir: Path, progress: Progress) -> WorkloadRun:
+    description, prefill_args = WORKLOADS[key]
+    started = time.monotonic()
+    stack = await start_stack(
+        run_dir,
+        speedup=config.speedup,
+        prefill_args=prefill_args,
+        prefill_nodes=PREFILL_NODES,
+        decode_nodes=DECODE_NODES,
+        progress=lambda m: progress(f"[{key}] {m}"),
+    )
+    served: list[ManagedProcess] = []
+    try:
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(
+            connector=connector, timeout=aiohttp.ClientTimeout(total=None)
+        ) as session:
+            kvplane_pids, engine_pids = _stack_pids(stack)
+            fronts: dict[str, Front] = {}
+            skipped: dict[str, str] = {}
+            for name in config.fronts:
+                if name == KVPLANE:
+                    fronts[name] = HttpFront(KVPLANE, stack.gateway_url, kvplane_pids, api_key=DEMO_API_KEY)
+                elif name in (VLLM_ROUTER, EXAMPLE_PROXY):
+                    progress(f"[{key}] starting {name}")
+                    try:
+                        fronts[name] = await _start_served(session, name, stack, run_dir, served)
+                    except (LookupError, RuntimeError) as exc:
+                        skipped[name] = str(exc)
+                        progress(f"[{key}] {name} skipped: {exc}")
+                elif name in (ZERO_HOP_REUSE, ZERO_HOP):
+                    fronts[name] = ZeroHopFront(
+                        name, stack.prefill_urls, stack.decode_urls, reuse=name == ZERO_HOP_REUSE
+                    )
+            pids = {**engine_pids, report.CLIENT: os.getpid()}
+            for front in fronts.values():
+                pids.update(front.processes())
+            engines = Engines(
+                stack.prefill_urls, stack.decode_urls, stack.etcd.client_url, stack.gateway_url, pids
+            )
+            warmup = await _warm_up(session, engines, fronts, config, progress, key)
+            idle = None
+            if config.idle_s > 0:
+                progress(f"[{key}] idle window: {config.idle_s:.0f} s without traffic")
+                idle = await idle_window(session, engines, config.idle_s)
+            blocks = await _blocks(session, engines, fronts, config, progress, key)
+            processes = {name: list(front.processes()) for name, front in fronts.items()}
+            return WorkloadRun(
+                key,
+                description,
+                processes,
+                skipped,
+                idle,
+                warmup,
+                blocks,
+                report.rows(blocks, processes, idle),
+                time.monotonic() - started,
+            )
+    finally:
+        for proc in reversed(served):
+            proc.stop()
+        stack.stop()
+
+
+async def _warm_up(
+    session: aiohttp.ClientSession,
+    engines: Engines,
+    fronts: dict[str, Front],
+    config: CompareConfig,
+    progress: Progress,
+    key: str,
+) -> list[BlockResult]:
+    """Two-turn chats through every front (connections, caches, code paths), not in the rows."""
+    if config.warmup_conversations < 1:
+        return []
+    warm = dataclasses.replace(
+        config.workload, turns=min(2, config.workload.turns), min_conversations=config.warmup_conversations
+    )
+    out = []
+    for position, (name, front) in enumerate(fronts.items()):
+        block = await run_block(
+            session, engines, front, plan(warm, name, 2, -1), position, turn_timeout_s=config.turn_timeout_s
+        )
+        progress(f"[{key}] warm-up {name}: {report.ttft_summary(block.turns)}")
+        out.append(block)
+    return out
+
+
+async def _blocks(
+    session: aiohttp.ClientSession,
+    engines: Engines,
+    fronts: dict[str, Front],
+    config: CompareConfig,
+    progress: Progress,
+    key: str,
+) -> list[BlockResult]:
+    out = []
+    names = list(fronts)
+    total = len(config.concurrency) * config.repeats * len(names)
+    for concurrency in config.concurrency:
+        for repeat in range(config.repeats):
+            for position, name in enumerate(rotation(names, repeat)):
+                block = await run_block(
+                    session,
+                    engines,
+                    fronts[name],
+                    plan(config.workload, name, concurrency, repeat),
+                    position,
+                    turn_timeout_s=config.turn_timeout_s,
+                )
+                out.append(block)
+                progress(
+                    f"[{key}] block {len(out)}/{total} c={concurrency} repeat {repeat} {name}: "
+                    f"{report.ttft_summary(block.turns)}, {block.wall_s:.1f} s"
+                )
+    return out
+
+
+def _machine() -> dict[str, Any]:
+    try:
+        load = Path("/proc/loadavg").read_text().split()[:3]
+    except OSError:
+        load = []
+    return {
+        "cpus": os.cpu_count(),
+        "loadavg": load,
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+    }
+
+
+def document(config: CompareConfig, runs: Sequence[WorkloadRun], argv: Sequence[str]) -> dict[str, Any]:
+    """The JSON: the configuration, the machine, and every workload's rows, blocks and turns."""
+    return {
+        "command": list(argv),
+        "config": {
+            **{k: v for k, v in dataclasses.asdict(config).items() if k not in ("workload", "run_dir")},
+            "workload": dataclasses.asdict(config.workload),
+            "reference": REFERENCE,
+            "engines": {
+                "prefill": PREFILL_NODES,
+                "decode": DECODE_NODES,
+                "timing": "Qwen3-32B (sim-engine default)",
+            },
+        },
+        "machine": _machine(),
+        "workloads": {
+            run.key: {
+                "description": run.description,
+                "fronts": run.fronts,
+                "skipped": run.skipped,
+                "wall_s": run.wall_s,
+                "idle": dataclasses.asdict(run.idle) if run.idle else None,
+                "rows": [report.row_json(r) for r in run.rows],
+                "warmup": [dataclasses.asdict(b) for b in run.warmup],
+                "blocks": [dataclasses.asdict(b) for b in run.blocks],
+            }
+            for run in runs
+        },
+    }
+
+
+def render(config: CompareConfig, runs: Sequence[WorkloadRun]) -> str:
+    machine = _machine()
+    w = config.workload
+    out = [
+        f"{w.turns}-turn chats, first prompt ~{w.first_tokens} tokens, +{w.answer_tokens} answer and "
+        f"~{w.user_tokens} user tokens a turn (last prompt ~{w.last_prompt_tokens()}), "
+        f"{w.think_s:g} s between turns; "
+        f"concurrency {', '.join(map(str, config.concurrency))}; {config.repeats} repeats; "
+        f"{PREFILL_NODES}P + {DECODE_NODES}D sim-engines (Qwen3-32B timing, speedup {config.speedup:g}); "
+        f"{machine['cpus']} CPUs, load average {' '.join(machine['loadavg'])} at the end",
+    ]
+    for run in runs:
+        out += ["", report.render(f"Workload {run.key}: {run.description}", run.rows, run.idle)]
+        for name, why in run.skipped.items():
+            out.append(f"{name} did not run: {why}")
+        out.append(f"workload {run.key} took {run.wall_s:.0f} s")
+    return "\n".join(out)
+
+
+async def run(config: CompareConfig, progress: Progress = _stderr) -> list[WorkloadRun]:
+    """Every configured workload, one after another, each on a stack of its own."""
+    base = config.run_dir or Path(tempfile.mkdtemp(prefix="kvplane-compare-"))
+    try:
+        return [await run_workload(key, config, base / key, progress) for key in config.workloads]
+    finally:
+        if config.run_dir is None:
+            shutil.rmtree(base, ignore_errors=True)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    values = tuple(int(v) for v in text.split(",") if v.strip())
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError("a comma-separated list of positive integers")
+    return values
+
+
+def _fronts(text: str) -> tuple[str, ...]:
+    names = tuple(v.strip() for v in text.split(",") if v.strip())
+    unknown = [n for n in names if n not in ALL_FRONTS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"fronts are among {', '.join(ALL_FRONTS)}")
+    return names
+
+
+def parse_args(argv: Sequence[str]) -> tuple[CompareConfig, str]:
+    parser = argparse.ArgumentParser(
+        prog="python -m kvplane.bench.compare",
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    w = Workload()
+    parser.add_argument("--workload", choices=["A", "B", "both"], default="both")
+    parser.add_argument("--concurrency", type=_ints, default=(1, 8, 32), help="conversations in flight")
+    parser.add_argument("--repeats", type=int, default=2, help="repeats of every (front, concurrency) block")
+    parser.add_argument("--fronts", type=_fronts, default=ALL_FRONTS, help=f"among {','.join(ALL_FRONTS)}")
+    parser.add_argument("--turns", type=int, default=w.turns)
+    parser.add_argument("--first-tokens", type=int, default=w.first_tokens, help="first prompt, tokens")
+    parser.add_argument("--user-tokens", type=int, default=w.user_tokens, help="new user tokens a turn")
+    parser.add_argument("--answer-tokens", type=int, default=w.answer_tokens, help="output tokens a turn")
+    parser.add_argument("--min-conversations", type=int, default=w.min_conversations, help="per block")
+    parser.add_argument("--stagger-s", type=float, default=w.stagger_s, help="first arrivals spread over")
+    parser.add_argument("--think-s", type=float, default=w.think_s, help="pause between a chat's turns")
+    parser.add_argument("--seed", type=int, default=w.seed)
+    parser.add_argument("--warmup-conversations", type=int, default=2, help="per front; 0: no warm-up")
+    parser.add_argument("--idle-s", type=float, default=5.0, help="idle window for etcd's background writes")
+    parser.add_argument("--speedup", type=float, default=1.0, help="divides the engines' modelled times")
+    parser.add_argument("--turn-timeout-s", type=float, default=300.0)
+    parser.add_argument("--run-dir", type=Path, help="keep every process's log here (default: removed)")
+    parser.add_argument("--json", default="compare.json", help="where the JSON goes")
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    workload = Workload(
+        turns=args.turns,
+        first_tokens=args.first_tokens,
+        user_tokens=args.user_tokens,
+        answer_tokens=args.answer_tokens,
+        min_conversations=args.min_conversations,
+        stagger_s=args.stagger_s,
+        think_s=args.think_s,
+        seed=args.seed,
+    )
+    config = CompareConfig(
+        workloads=("A", "B") if args.workload == "both" else (args.workload,),
+        concurrency=args.concurrency,
+        repeats=args.repeats,
+        fronts=args.fronts,
+        workload=workload,
+        warmup_conversations=args.warmup_conversations,
+        idle_s=args.idle_s,
+        speedup=args.speedup,
+        turn_timeout_s=args.turn_timeout_s,
+        run_dir=args.run_dir,
+    )
+    return config, args.json
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    config, json_path = parse_args(argv)
+    runs = asyncio.run(run(config))
+    print(render(config, runs))
+    report.dump(json_path, document(config, runs, ["python", "-m", "kvplane.bench.compare", *argv]))
+    print(f"\nJSON: {json_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,241 @@
+"""The fronts the comparison drives, each on the same engines.
+
+- `kvplane`: kvplane's gateway (Route, P leg, streamed D leg, ReportTurn).
+- `vllm-router`: vllm-router (PyPI) in `--vllm-pd-disaggregation` mode with its defaults
+  (cache-aware policy for P and D), started as its users start it: `vllm-router --prefill URL
+  ... --decode URL ...`.
+- `example-proxy`: vLLM's multi-turn P/D example proxy as rebuilt in
+  `kvplane.bench.example_proxy`, on uvicorn (round-robin P and D).
+- `zero-hop-reuse`: no front at all. The client sends the P leg and then the D leg straight to
+  the engines and carries D's retained handle (the `kv_transfer_params` of D's last chunk)
+  into the next turn's P leg: the best any front could do with the handle.
+- `zero-hop`: the same client with fresh params on every P leg (no handle carried).
+
+Both zero-hop clients give conversation i the engines P[i mod nP] and D[i mod nD] for all its
+turns, so that the one difference between them is the handle. The three HTTP fronts receive
+the same request and the same headers (an API key and `X-Session-ID`, the conversation).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import aiohttp
+
+from kvplane.services.common.handles import fresh_prefill_params
+from kvplane.services.common.ports import free_port
+from kvplane.services.devstack import ManagedProcess
+
+KVPLANE, VLLM_ROUTER, EXAMPLE_PROXY = "kvplane", "vllm-router", "example-proxy"
+ZERO_HOP_REUSE, ZERO_HOP = "zero-hop-reuse", "zero-hop"
+ALL_FRONTS = (KVPLANE, VLLM_ROUTER, EXAMPLE_PROXY, ZERO_HOP_REUSE, ZERO_HOP)
+# The front every other is paired against.
+REFERENCE = ZERO_HOP_REUSE
+VLLM_ROUTER_VERSION = "0.1.17"
+
+
+class FrontError(RuntimeError):
+    """A turn the front did not complete (HTTP error, error event, short answer)."""
+
+
+@dataclass
+class Conversation:
+    """What a client keeps between the turns of one conversation."""
+
+    conversation_id: str
+    index: int
+    # D's retained handle from the previous turn (zero-hop-reuse only).
+    handle: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class TurnOutcome:
+    ttft_ms: float
+    output: list[int]
+    # kvplane's routing decision (x-kvplane-decision); empty for the other fronts.
+    decision: str = ""
+
+
+class Front(Protocol):
+    """One way of running a turn on the shared engines."""
+
+    name: str
+
+    def processes(self) -> dict[str, int]:
+        """The front's own processes (name -> pid), whose CPU is charged to it."""
+        ...
+
+    async def turn(
+        self, session: aiohttp.ClientSession, conversation: Conversation, body: dict[str, Any]
+    ) -> TurnOutcome: ...
+
+
+@dataclass(frozen=True)
+class StreamResult:
+    status: int
+    decision: str
+    ttft_ms: float
+    output: list[int]
+    kv_transfer_params: dict[str, Any] | None
+
+
+async def stream_completion(
+    session: aiohttp.ClientSession,
+    url: str,
+    body: Mapping[str, Any],
+    headers: Mapping[str, str],
+    started: float,
+) -> StreamResult:
+    """POSTs a streamed completion and reads it to its end.
+
+    TTFT is taken from `started` (the turn's start, which for a zero-hop client is before its
+    P leg) to the first chunk with a token. D's `kv_transfer_params` come from the chunk that
+    carries them (the one with `finish_reason`).
+    """
+    ttft = 0.0
+    output: list[int] = []
+    params: dict[str, Any] | None = None
+    async with session.post(url, json=body, headers=dict(headers)) as resp:
+        if resp.status != 200:
+            raise FrontError(f"{url}: HTTP {resp.status}: {(await resp.text())[:300]}")
+        decision = resp.headers.get("x-kvplane-decision", "")
+        async for raw in resp.content:
+            line = raw.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise FrontError(f"{url}: error event: {json.dumps(chunk['error'])[:300]}")
+            for choice in chunk.get("choices") or ():
+                ids = choice.get("token_ids") or []
+                if ids and not ttft:
+                    ttft = (time.perf_counter() - started) * 1e3
+                output += ids
+            if chunk.get("kv_transfer_params"):
+                params = chunk["kv_transfer_params"]
+        return StreamResult(resp.status, decision, ttft, output, params)
+
+
+@dataclass
+class HttpFront:
+    """A front with an OpenAI endpoint: kvplane's gateway, vllm-router, the example proxy."""
+
+    name: str
+    url: str
+    pids: dict[str, int]
+    api_key: str = ""
+
+    def processes(self) -> dict[str, int]:
+        return dict(self.pids)
+
+    async def turn(
+        self, session: aiohttp.ClientSession, conversation: Conversation, body: dict[str, Any]
+    ) -> TurnOutcome:
+        headers = {"X-Session-ID": conversation.conversation_id}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        started = time.perf_counter()
+        result = await stream_completion(session, f"{self.url}/v1/completions", body, headers, started)
+        return TurnOutcome(result.ttft_ms, result.output, result.decision)
+
+
+@dataclass
+class ZeroHopFront:
+    """P leg then D leg straight to the engines, with or without D's handle carried over."""
+
+    name: str
+    prefills: Sequence[str]
+    decodes: Sequence[str]
+    reuse: bool
+
+    def processes(self) -> dict[str, int]:
+        return {}
+
+    async def turn(
+        self, session: aiohttp.ClientSession, conversation: Conversation, body: dict[str, Any]
+    ) -> TurnOutcome:
+        prefill = self.prefills[conversation.index % len(self.prefills)]
+        decode = self.decodes[conversation.index % len(self.decodes)]
+        handle = conversation.handle if self.reuse else None
+        conversation.handle = None  # a handle is read once, whatever this turn does
+        p_body = {
+            **body,
+            "stream": False,
+            "max_tokens": 1,
+            "kv_transfer_params": handle or fresh_prefill_params(),
+        }
+        started = time.perf_counter()
+        async with session.post(f"{prefill}/v1/completions", json=p_body) as resp:
+            if resp.status != 200:
+                raise FrontError(f"prefill {prefill}: HTTP {resp.status}: {(await resp.text())[:300]}")
+            p_params = (await resp.json()).get("kv_transfer_params")
+        d_body = {**body, "kv_transfer_params": p_params}
+        result = await stream_completion(session, f"{decode}/v1/completions", d_body, {}, started)
+        params = result.kv_transfer_params
+        if self.reuse and params and params.get("do_remote_decode"):
+            conversation.handle = params
+        return TurnOutcome(result.ttft_ms, result.output)
+
+
+# -- served fronts: processes of their own --------------------------------------------
+
+
+def vllm_router_binary() -> str | None:
+    """The `vllm-router` command beside this interpreter (the bench extra installs it), or on PATH."""
+    beside = Path(sys.executable).with_name("vllm-router")
+    return str(beside) if beside.exists() else shutil.which("vllm-router")
+
+
+def vllm_router_process(
+    binary: str, prefills: Sequence[str], decodes: Sequence[str], log: Path
+) -> tuple[str, ManagedProcess]:
+    """vllm-router in P/D mode with its defaults; its Prometheus listener on a free port."""
+    port = free_port()
+    argv = [binary, "--host", "127.0.0.1", "--port", str(port), "--vllm-pd-disaggregation"]
+    for url in prefills:
+        argv += ["--prefill", url]
+    for url in decodes:
+        argv += ["--decode", url]
+    # Not a behaviour setting: the default port (29000) would collide with another run's router.
+    argv += ["--prometheus-port", str(free_port())]
+    return f"http://127.0.0.1:{port}", ManagedProcess("vllm-router", argv, log)
+
+
+def example_proxy_process(
+    prefills: Sequence[str], decodes: Sequence[str], log: Path
+) -> tuple[str, ManagedProcess]:
+    """vLLM's example P/D proxy (kvplane.bench.example_proxy), on uvicorn."""
+    port = free_port()
+    argv = [sys.executable, "-m", "kvplane.bench.example_proxy", str(port), "--prefill", *prefills]
+    argv += ["--decode", *decodes]
+    return f"http://127.0.0.1:{port}", ManagedProcess("example proxy", argv, log)
+
+
+async def wait_serving(
+    session: aiohttp.ClientSession, proc: ManagedProcess, url: str, timeout_s: float = 90.0
+) -> None:
+    """Until `url` answers 200, the process dies, or the deadline passes."""
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while time.monotonic() < deadline:
+        if not proc.alive():
+            raise RuntimeError(f"{proc.name} exited during start-up:\n{proc.log_tail()}")
+        try:
+            async with session.get(url, timeout=aiohttp.ClientTimeout(total=2)) as resp:
+                if resp.status == 200:
+                    return
+                last = f"HTTP {resp.status}"
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            last = repr(exc)
+        await asyncio.sleep(0.2)  # polling interval of a start-up wait with a deadline
+    raise RuntimeError(
+        f"{proc.name} did not serve {url} within {timeout_s:.0f}s ({last}):\n{proc.log_tail()}"
+    )

@@ -1,0 +1,207 @@
+"""What the comparison reads around each block: counters before and after, and the engines' state.
+
+Every reading is a cumulative counter, so a block's share is the difference of two readings,
+which is sound only because blocks run one after another:
+
+- CPU seconds of each process (utime + stime of all its threads, from /proc);
+- the prefill engines' prompt tokens by source (`vllm:prompt_tokens_by_source_total`: pulled
+  from D, P's own prefix cache, computed), summed over the prefill engines;
+- etcd's requests (gRPC messages received by its KV, Lease and Watch services, by method) and
+  writes (revisions from puts and deletes), from its Prometheus endpoint;
+- kvplane's gateway: time spent in each leg of a turn (Route, P, D), summed, with counts.
+
+Between blocks the engines are brought back to the same state: idle, and with no decode handle
+retained from an earlier block (fronts that never read D's handles would otherwise leave them
+holding memory until their TTL, and the next block would pay for it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvplane.bench.live import prompt_token_sources
+from kvplane.bench.route_bench import cpu_seconds
+
+ETCD_SERVICES = ("etcdserverpb.KV", "etcdserverpb.Lease", "etcdserverpb.Watch")
+# etcd 3.4 and later; the debugging names are kept beside them in 3.4.
+ETCD_WRITES = ("etcd_mvcc_put_total", "etcd_mvcc_delete_total")
+GATEWAY_LEGS = ("route", "prefill", "decode")
+# Polling of the waits between blocks.
+POLL_S = 0.1
+# A process has settled once its CPU moves less than this over one SETTLE_WINDOW_S.
+SETTLE_CPU_S = 0.03
+SETTLE_WINDOW_S = 0.3
+
+Counters = dict[str, float]
+
+
+def samples(text: str) -> Iterable[tuple[str, dict[str, str], float]]:
+    """(name, labels, value) of every sample of a Prometheus text page."""
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            yield sample.name, sample.labels, float(sample.value)
+
+
+async def _text(session: aiohttp.ClientSession, url: str) -> str:
+    async with session.get(url, timeout=aiohttp.ClientTimeout(total=10)) as resp:
+        resp.raise_for_status()
+        return await resp.text()
+
+
+def cpu(pids: Mapping[str, int]) -> Counters:
+    """CPU seconds so far of each named process (a process that has gone reads as nan)."""
+    out: Counters = {}
+    for name, pid in pids.items():
+        try:
+            out[name] = cpu_seconds(pid)
+        except (OSError, ValueError, IndexError):
+            out[name] = float("nan")
+    return out
+
+
+async def prefill_sources(session: aiohttp.ClientSession, prefills: Sequence[str]) -> Counters:
+    """Prompt tokens by source, summed over the prefill engines (vLLM's labels)."""
+    return await prompt_token_sources(session, prefills)
+
+
+def etcd_counts(text: str) -> Counters:
+    """etcd's `requests`, `writes` and requests by method (`rpc:<Method>`) from its metrics page."""
+    out: Counters = {"requests": 0.0, "writes": 0.0}
+    for name, labels, value in samples(text):
+        if name == "grpc_server_msg_received_total" and labels.get("grpc_service") in ETCD_SERVICES:
+            out["requests"] += value
+            key = f"rpc:{labels.get('grpc_method', '?')}"
+            out[key] = out.get(key, 0.0) + value
+        elif name in ETCD_WRITES:
+            out["writes"] += value
+    return out
+
+
+async def etcd(session: aiohttp.ClientSession, client_url: str) -> Counters:
+    return etcd_counts(await _text(session, f"{client_url}/metrics"))
+
+
+def gateway_leg_counts(text: str) -> Counters:
+    """Seconds and count of each leg (all outcomes): `route_s`, `route_n`, `prefill_s`, ..."""
+    out: Counters = {}
+    for name, labels, value in samples(text):
+        leg = labels.get("leg", "")
+        if leg not in GATEWAY_LEGS:
+            continue
+        if name == "kvplane_gateway_leg_seconds_sum":
+            out[f"{leg}_s"] = out.get(f"{leg}_s", 0.0) + value
+        elif name == "kvplane_gateway_leg_seconds_count":
+            out[f"{leg}_n"] = out.get(f"{leg}_n", 0.0) + value
+    return out
+
+
+async def gateway_legs(session: aiohttp.ClientSession, gateway_url: str) -> Counters:
+    return gateway_leg_counts(await _text(session, f"{gateway_url}/metrics"))
+
+
+def delta(after: Mapping[str, float], before: Mapping[str, float]) -> Counters:
+    return {k: v - before.get(k, 0.0) for k, v in after.items()}
+
+
+# -- the engines between blocks ---------------------------------------------------------
+
+
+async def _state(session: aiohttp.ClientSession, url: str) -> dict[str, object]:
+    async with session.get(f"{url}/sim/state", timeout=aiohttp.ClientTimeout(total=10)) as resp:
+        resp.raise_for_status()
+        state: dict[str, object] = await resp.json()
+        return state
+
+
+async def _busy(session: aiohttp.ClientSession, url: str) -> bool:
+    load = (await _state(session, url)).get("load")
+    if not isinstance(load, dict):
+        return True
+    return bool(load.get("queued_requests") or load.get("running_requests"))
+
+
+async def wait_idle(session: aiohttp.ClientSession, engines: Sequence[str], timeout_s: float = 60.0) -> None:
+    """Until no engine has a request queued or running."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        busy = [url for url in engines if await _busy(session, url)]
+        if not busy:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"engines still busy after {timeout_s:.0f}s: {busy}")
+        await asyncio.sleep(POLL_S)  # polling with a deadline
+
+
+async def release_decode_handles(
+    session: aiohttp.ClientSession, decodes: Sequence[str], timeout_s: float = 30.0
+) -> int:
+    """Frees every handle the decode engines retain (as their TTL would); returns how many."""
+    released = 0
+    deadline = time.monotonic() + timeout_s
+    for url in decodes:
+        while True:
+            held = [
+                r["request_id"]
+                for r in _retained(await _state(session, url))
+                if r.get("kind") == "decode_handle" and isinstance(r.get("request_id"), str)
+            ]
+            if not held:
+                break
+            for request_id in held:
+                async with session.post(f"{url}/sim/release_early", json={"request_id": request_id}) as resp:
+                    resp.raise_for_status()
+                    released += bool((await resp.json()).get("released"))
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{url} still retains {len(held)} handles after {timeout_s:.0f}s")
+    return released
+
+
+def _retained(state: Mapping[str, object]) -> list[dict[str, object]]:
+    retained = state.get("retained")
+    return [r for r in retained if isinstance(r, dict)] if isinstance(retained, list) else []
+
+
+async def settle(pids: Mapping[str, int], timeout_s: float = 10.0) -> bool:
+    """Until every process's CPU moves less than SETTLE_CPU_S over a window (background work such
+    as kvplane's ReportTurn done); False when the deadline passed first."""
+    if not pids:
+        return True
+    deadline = time.monotonic() + timeout_s
+    before = cpu(pids)
+    while time.monotonic() < deadline:
+        await asyncio.sleep(SETTLE_WINDOW_S)  # one sampling window of the CPU counters
+        now = cpu(pids)
+        if all(now[k] - before[k] < SETTLE_CPU_S for k in pids):
+            return True
+        before = now
+    return False
+
+
+@dataclass(frozen=True)
+class Reading:
+    """Every counter at one moment."""
+
+    at: float  # time.monotonic()
+    cpu: Counters
+    sources: Counters
+    etcd: Counters
+    gateway: Counters
+
+
+async def read_all(
+    session: aiohttp.ClientSession,
+    pids: Mapping[str, int],
+    prefills: Sequence[str],
+    etcd_url: str,
+    gateway_url: str,
+) -> Reading:
+    sources, etcd_now, legs = await asyncio.gather(
+        prefill_sources(session, prefills), etcd(session, etcd_url), gateway_legs(session, gateway_url)
+    )
+    return Reading(time.monotonic(), cpu(pids), sources, etcd_now, legs)

@@ -1,0 +1,314 @@
+"""The comparison's rows (one per front and concurrency), its printed tables and its JSON.
+
+TTFT is the client's: from sending the turn (a zero-hop client: its P leg) to the first token.
+It is reported for the turns that can reuse KV (turns 2 and later) and, apart, for first turns
+(the same work on every front). Each front is paired with the zero-hop client that carries D's
+handle (`zero-hop-reuse`) in the same run: the ratio of the two medians (and 99th
+percentiles) over all repeats, and the lowest and highest ratio of single repeats.
+
+Reuse is read from the prefill engines: of the prompt tokens of turns 2 and later, the share
+pulled from D and the share found in P's own prefix cache (first turns are fresh token ids and
+reuse nothing). `split` checks that the engines' pulled + cached + computed tokens equal the
+prompt tokens the client sent in completed turns.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kvplane.bench.compare_fronts import KVPLANE, REFERENCE
+from kvplane.bench.compare_run import BlockResult, IdleWindow, TurnRecord
+from kvplane.bench.live import CACHED, COMPUTED, PULLED
+
+CLIENT, ENGINES = "client", "engines"
+ENGINE_PREFIX = "engine "
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (the maximum for q=0.99 under 100 values); nan when empty."""
+    ordered = sorted(values)
+    if not ordered:
+        return math.nan
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b > 0 and not math.isnan(a) and not math.isnan(b) else math.nan
+
+
+@dataclass(frozen=True)
+class Row:
+    """One front at one concurrency, over every repeat."""
+
+    front: str
+    concurrency: int
+    repeats: int
+    turns_planned: int
+    turns_ok: int
+    failed: int
+    fallback: int
+    later_turns: int  # completed turns 2+ (the TTFT sample)
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    first_turn_p50_ms: float
+    p50_vs_reference: float
+    p50_vs_reference_min: float
+    p50_vs_reference_max: float
+    p99_vs_reference: float
+    p99_vs_reference_min: float
+    p99_vs_reference_max: float
+    turns_per_s: float
+    later_prompt_tokens: int
+    pulled_tokens: float
+    prefix_cache_tokens: float
+    computed_tokens: float
+    split_adds_up: bool
+    cpu_ms_per_turn: dict[str, float]
+    etcd_requests_per_turn: float
+    etcd_requests_per_turn_above_idle: float
+    etcd_writes_per_turn: float
+    etcd_writes_per_turn_above_idle: float
+    route_ms: float  # kvplane's mean Route call, as its gateway timed it
+    decisions: dict[str, int] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def pulled_share(self) -> float:
+        return self.pulled_tokens / self.later_prompt_tokens if self.later_prompt_tokens else math.nan
+
+    @property
+    def prefix_cache_share(self) -> float:
+        return self.prefix_cache_tokens / self.later_prompt_tokens if self.later_prompt_tokens else math.nan
+
+
+def _later_ttft(turns: Sequence[TurnRecord]) -> list[float]:
+    return [t.ttft_ms for t in turns if t.ok and t.turn > 0]
+
+
+def _vs_reference(
+    blocks: Sequence[BlockResult], reference: Sequence[BlockResult], q: float
+) -> tuple[float, float, float]:
+    """Pooled ratio of the q-th percentiles, then the lowest and highest ratio of one repeat."""
+    mine = [x for b in blocks for x in _later_ttft(b.turns)]
+    theirs = [x for b in reference for x in _later_ttft(b.turns)]
+    pooled = _ratio(percentile(mine, q), percentile(theirs, q))
+    ref_by_repeat = {b.repeat: b for b in reference}
+    per_repeat = [
+        _ratio(percentile(_later_ttft(b.turns), q), percentile(_later_ttft(ref_by_repeat[b.repeat].turns), q))
+        for b in blocks
+        if b.repeat in ref_by_repeat
+    ]
+    per_repeat = [r for r in per_repeat if not math.isnan(r)]
+    return pooled, min(per_repeat, default=math.nan), max(per_repeat, default=math.nan)
+
+
+def build_row(
+    front: str,
+    processes: Sequence[str],
+    blocks: Sequence[BlockResult],
+    reference: Sequence[BlockResult],
+    idle: IdleWindow | None,
+) -> Row:
+    """The row of one front at one concurrency from its blocks (and the reference's)."""
+    turns = [t for b in blocks for t in b.turns]
+    ok = [t for t in turns if t.ok]
+    later = _later_ttft(turns)
+    first = [t.ttft_ms for t in ok if t.turn == 0]
+    n_ok = max(1, len(ok))
+    sources: Counter[str] = Counter()
+    for b in blocks:
+        sources.update(b.sources)
+    cpu: Counter[str] = Counter()
+    for b in blocks:
+        cpu.update(b.cpu_s)
+    cpu_ms = {name: cpu[name] / n_ok * 1e3 for name in (*processes, CLIENT)}
+    cpu_ms[ENGINES] = sum(v for k, v in cpu.items() if k.startswith(ENGINE_PREFIX)) / n_ok * 1e3
+    measured = sum(b.measured_s for b in blocks)
+    requests = sum(b.etcd.get("requests", 0.0) for b in blocks)
+    writes = sum(b.etcd.get("writes", 0.0) for b in blocks)
+    idle_requests = idle.etcd_per_s("requests") * measured if idle else 0.0
+    idle_writes = idle.etcd_per_s("writes") * measured if idle else 0.0
+    route_s = sum(b.gateway.get("route_s", 0.0) for b in blocks)
+    route_n = sum(b.gateway.get("route_n", 0.0) for b in blocks)
+    seen = sources.get(PULLED, 0.0) + sources.get(CACHED, 0.0) + sources.get(COMPUTED, 0.0)
+    decisions: Counter[str] = Counter()
+    for b in blocks:
+        decisions.update(b.decisions())
+    p50 = _vs_reference(blocks, reference, 0.5)
+    p99 = _vs_reference(blocks, reference, 0.99)
+    return Row(
+        front=front,
+        concurrency=blocks[0].concurrency if blocks else 0,
+        repeats=len(blocks),
+        turns_planned=len(turns),
+        turns_ok=len(ok),
+        failed=len(turns) - len(ok),
+        fallback=decisions.get("fallback", 0),
+        later_turns=len(later),
+        ttft_p50_ms=percentile(later, 0.5),
+        ttft_p99_ms=percentile(later, 0.99),
+        first_turn_p50_ms=percentile(first, 0.5),
+        p50_vs_reference=p50[0],
+        p50_vs_reference_min=p50[1],
+        p50_vs_reference_max=p50[2],
+        p99_vs_reference=p99[0],
+        p99_vs_reference_min=p99[1],
+        p99_vs_reference_max=p99[2],
+        turns_per_s=len(ok) / wall if (wall := sum(b.wall_s for b in blocks)) > 0 else math.nan,
+        later_prompt_tokens=sum(t.prompt_tokens for t in ok if t.turn > 0),
+        pulled_tokens=sources.get(PULLED, 0.0),
+        prefix_cache_tokens=sources.get(CACHED, 0.0),
+        computed_tokens=sources.get(COMPUTED, 0.0),
+        split_adds_up=abs(seen - sum(t.prompt_tokens for t in ok)) < 0.5,
+        cpu_ms_per_turn=cpu_ms,
+        etcd_requests_per_turn=requests / n_ok,
+        etcd_requests_per_turn_above_idle=(requests - idle_requests) / n_ok,
+        etcd_writes_per_turn=writes / n_ok,
+        etcd_writes_per_turn_above_idle=(writes - idle_writes) / n_ok,
+        route_ms=route_s / route_n * 1e3 if route_n else math.nan,
+        decisions=dict(decisions),
+        errors=sorted({t.error for t in turns if t.error})[:5],
+    )
+
+
+def rows(
+    blocks: Sequence[BlockResult],
+    processes: Mapping[str, Sequence[str]],
+    idle: IdleWindow | None,
+) -> list[Row]:
+    """Every (front, concurrency) that ran, fronts in `processes`' order, lowest concurrency first."""
+    out = []
+    for concurrency in sorted({b.concurrency for b in blocks}):
+        at = [b for b in blocks if b.concurrency == concurrency]
+        reference = [b for b in at if b.front == REFERENCE]
+        for front, names in processes.items():
+            mine = sorted((b for b in at if b.front == front), key=lambda b: b.repeat)
+            if mine:
+                out.append(build_row(front, names, mine, reference, idle))
+    return out
+
+
+# -- printing ---------------------------------------------------------------------------
+
+
+def _f(value: float, digits: int = 1) -> str:
+    return "-" if math.isnan(value) else f"{value:,.{digits}f}"
+
+
+def _x(value: float, low: float, high: float) -> str:
+    if math.isnan(value):
+        return "-"
+    spread = "" if math.isnan(low) else f" [{low:.2f}-{high:.2f}]"
+    return f"{value:.2f}x{spread}"
+
+
+def _pct(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:.1%}"
+
+
+def latency_table(table: Sequence[Row]) -> str:
+    lines = [
+        "| front | conc | turns ok/planned | failed | fallback | TTFT p50 ms (t2+) | p99 ms "
+        "| p50 vs zero-hop-reuse [per-repeat range] | p99 vs zero-hop-reuse | turn-1 TTFT p50 ms "
+        "| turns/s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in table:
+        lines.append(
+            f"| {r.front} | {r.concurrency} | {r.turns_ok}/{r.turns_planned} | {r.failed} | {r.fallback} "
+            f"| {_f(r.ttft_p50_ms)} | {_f(r.ttft_p99_ms)} "
+            f"| {_x(r.p50_vs_reference, r.p50_vs_reference_min, r.p50_vs_reference_max)} "
+            f"| {_x(r.p99_vs_reference, r.p99_vs_reference_min, r.p99_vs_reference_max)} "
+            f"| {_f(r.first_turn_p50_ms)} | {_f(r.turns_per_s, 2)} |"
+        )
+    return "\n".join(lines)
+
+
+def cost_table(table: Sequence[Row]) -> str:
+    lines = [
+        "| front | conc | t2+ tokens reused: pulled from D | from P's prefix cache | split adds up "
+        "| CPU ms/turn, front's processes | client | engines | etcd req/turn (above idle) "
+        "| etcd writes/turn (above idle) | Route ms |",
+        "|---|---:|---:|---:|:-:|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in table:
+        own = ", ".join(
+            f"{name} {ms:.2f}" for name, ms in r.cpu_ms_per_turn.items() if name not in (CLIENT, ENGINES)
+        )
+        lines.append(
+            f"| {r.front} | {r.concurrency} | {_pct(r.pulled_share)} | {_pct(r.prefix_cache_share)} "
+            f"| {'yes' if r.split_adds_up else 'NO'} | {own or 'none'} "
+            f"| {r.cpu_ms_per_turn.get(CLIENT, math.nan):.2f} "
+            f"| {r.cpu_ms_per_turn.get(ENGINES, math.nan):.2f} "
+            f"| {_f(r.etcd_requests_per_turn)} ({_f(r.etcd_requests_per_turn_above_idle)}) "
+            f"| {_f(r.etcd_writes_per_turn)} ({_f(r.etcd_writes_per_turn_above_idle)}) "
+            f"| {_f(r.route_ms, 2) if r.front == KVPLANE else '-'} |"
+        )
+    return "\n".join(lines)
+
+
+def idle_line(idle: IdleWindow) -> str:
+    per_engine_s = idle.etcd_per_s("writes") / max(1, idle.engines)
+    return (
+        f"idle ({idle.seconds:.1f} s, no traffic): etcd {idle.etcd_per_s('requests'):.1f} requests/s, "
+        f"{idle.etcd_per_s('writes'):.1f} writes/s = {per_engine_s:.2f} writes per engine-second "
+        f"({idle.engines} engines)"
+    )
+
+
+def decisions_line(table: Sequence[Row]) -> str:
+    parts = []
+    for r in table:
+        if r.front == KVPLANE and r.decisions:
+            mix = ", ".join(f"{k} {v}" for k, v in sorted(r.decisions.items()))
+            parts.append(f"c={r.concurrency}: {mix}")
+    return "kvplane decisions: " + "; ".join(parts) if parts else ""
+
+
+def render(title: str, table: Sequence[Row], idle: IdleWindow | None) -> str:
+    out = [f"## {title}", "", latency_table(table), "", cost_table(table), ""]
+    if idle is not None:
+        out.append(idle_line(idle))
+    if line := decisions_line(table):
+        out.append(line)
+    for r in table:
+        if r.errors:
+            out.append(f"{r.front} c={r.concurrency} errors: {'; '.join(r.errors)}")
+    return "\n".join(out)
+
+
+def _clean(value: Any) -> Any:
+    """JSON without NaN (null instead)."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_clean(v) for v in value]
+    return value
+
+
+def row_json(row: Row) -> dict[str, Any]:
+    out = asdict(row)
+    out["pulled_share"] = row.pulled_share
+    out["prefix_cache_share"] = row.prefix_cache_share
+    return dict(_clean(out))
+
+
+def dump(path: str, document: Mapping[str, Any]) -> None:
+    with open(path, "w") as f:
+        json.dump(_clean(dict(document)), f, indent=1)
+
+
+def ttft_summary(turns: Sequence[TurnRecord]) -> str:
+    """One line of a block's progress: turns and TTFT of later turns."""
+    later = _later_ttft(turns)
+    ok = sum(t.ok for t in turns)
+    med = statistics.median(later) if later else math.nan
+    return f"{ok}/{len(turns)} turns, TTFT p50 (t2+) {_f(med)} ms"

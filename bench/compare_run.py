@@ -1,0 +1,213 @@
+"""Running blocks: one front's conversations of one repeat at one concurrency, measured apart.
+
+A block starts from the same engine state for every front (engines idle, no decode handle left
+from an earlier block, the front's processes settled), reads every counter, runs its
+conversations with at most `concurrency` in flight, waits until the front's background work has
+settled (kvplane reports each turn after its stream ends), and reads the counters again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from kvplane.bench import compare_metrics as metrics
+from kvplane.bench.compare_fronts import Conversation, Front, FrontError
+from kvplane.bench.compare_workload import BlockPlan, ConversationShape, draw, request_body
+
+NOT_SENT = "not sent: an earlier turn of the conversation failed"
+
+
+@dataclass(frozen=True)
+class TurnRecord:
+    """One planned turn, completed or not."""
+
+    front: str
+    concurrency: int
+    repeat: int
+    conversation: int
+    turn: int  # 0 is the first turn
+    prompt_tokens: int
+    ok: bool
+    ttft_ms: float = 0.0
+    decision: str = ""
+    error: str = ""
+    # Seconds from the block's start.
+    sent_s: float = 0.0
+    done_s: float = 0.0
+
+
+@dataclass
+class BlockResult:
+    """A block's turns and the counters' differences over it."""
+
+    front: str
+    concurrency: int
+    repeat: int
+    position: int  # the front's place in its repeat's order
+    turns: list[TurnRecord] = field(default_factory=list)
+    wall_s: float = 0.0  # from the block's start to its last turn's end
+    measured_s: float = 0.0  # between the two readings (settling included)
+    settled: bool = True
+    released_handles: int = 0
+    cpu_s: dict[str, float] = field(default_factory=dict)
+    sources: dict[str, float] = field(default_factory=dict)
+    etcd: dict[str, float] = field(default_factory=dict)
+    gateway: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def ok_turns(self) -> int:
+        return sum(t.ok for t in self.turns)
+
+    def decisions(self) -> Counter[str]:
+        return Counter(t.decision for t in self.turns if t.ok and t.decision)
+
+
+@dataclass(frozen=True)
+class Engines:
+    """The shared engines and the processes watched around every block."""
+
+    prefills: Sequence[str]
+    decodes: Sequence[str]
+    etcd_url: str
+    gateway_url: str
+    # Every process whose CPU is read (all fronts', the engines', this client's).
+    pids: Mapping[str, int]
+
+    @property
+    def all(self) -> list[str]:
+        return [*self.prefills, *self.decodes]
+
+
+async def _conversation(
+    session: aiohttp.ClientSession,
+    front: Front,
+    plan: BlockPlan,
+    shape: ConversationShape,
+    started: float,
+    timeout_s: float,
+) -> list[TurnRecord]:
+    rng = plan.tokens(shape.index)
+    prompt = draw(rng, shape.first_tokens)
+    state = Conversation(plan.conversation_id(shape.index), shape.index)
+    out: list[TurnRecord] = []
+    turns = 1 + len(shape.user_tokens)
+    base = (plan.front, plan.concurrency, plan.repeat, shape.index)
+    for turn in range(turns):
+        sent = time.perf_counter() - started
+        try:
+            outcome = await asyncio.wait_for(
+                front.turn(session, state, request_body(prompt, plan.answer_tokens)), timeout_s
+            )
+            if len(outcome.output) != plan.answer_tokens:
+                raise FrontError(f"{len(outcome.output)} output tokens, not {plan.answer_tokens}")
+        except Exception as exc:  # any failure fails the turn, never the run
+            done = time.perf_counter() - started
+            out.append(
+                TurnRecord(*base, turn, len(prompt), False, error=repr(exc)[:300], sent_s=sent, done_s=done)
+            )
+            out += [TurnRecord(*base, t, 0, False, error=NOT_SENT) for t in range(turn + 1, turns)]
+            return out
+        done = time.perf_counter() - started
+        out.append(
+            TurnRecord(
+                *base, turn, len(prompt), True, outcome.ttft_ms, outcome.decision, sent_s=sent, done_s=done
+            )
+        )
+        if turn + 1 < turns:
+            prompt = [*prompt, *outcome.output, *draw(rng, shape.user_tokens[turn])]
+            if plan.think_s > 0:
+                await asyncio.sleep(plan.think_s)  # the user's pause, the same for every front
+    return out
+
+
+async def drive(
+    session: aiohttp.ClientSession, front: Front, plan: BlockPlan, timeout_s: float
+) -> tuple[list[TurnRecord], float]:
+    """Runs the block's conversations, `concurrency` at a time; returns the turns and the wall time.
+
+    Each of `concurrency` workers takes the next conversation as soon as its last one ends; the
+    first conversations start at their planned offsets (the same for every front).
+    """
+    started = time.perf_counter()
+    queue = iter(plan.shapes)
+    records: list[TurnRecord] = []
+
+    async def worker() -> None:
+        for shape in queue:
+            wait = started + shape.start_s - time.perf_counter()
+            if wait > 0:
+                await asyncio.sleep(wait)  # the planned arrival of this conversation
+            records.extend(await _conversation(session, front, plan, shape, started, timeout_s))
+
+    await asyncio.gather(*(worker() for _ in range(min(plan.concurrency, len(plan.shapes)))))
+    last = max((t.done_s for t in records), default=0.0)
+    records.sort(key=lambda t: (t.conversation, t.turn))
+    return records, last
+
+
+async def prepare(session: aiohttp.ClientSession, engines: Engines, front: Front) -> int:
+    """The same starting state for every block; returns the decode handles it released."""
+    await metrics.wait_idle(session, engines.all)
+    released = await metrics.release_decode_handles(session, engines.decodes)
+    await metrics.settle(front.processes())
+    return released
+
+
+async def run_block(
+    session: aiohttp.ClientSession,
+    engines: Engines,
+    front: Front,
+    plan: BlockPlan,
+    position: int,
+    *,
+    turn_timeout_s: float = 300.0,
+) -> BlockResult:
+    """One measured block."""
+    result = BlockResult(plan.front, plan.concurrency, plan.repeat, position)
+    result.released_handles = await prepare(session, engines, front)
+    args = (session, engines.pids, engines.prefills, engines.etcd_url, engines.gateway_url)
+    before = await metrics.read_all(*args)
+    result.turns, result.wall_s = await drive(session, front, plan, turn_timeout_s)
+    await metrics.wait_idle(session, engines.all)
+    result.settled = await metrics.settle(front.processes())
+    after = await metrics.read_all(*args)
+    result.measured_s = after.at - before.at
+    result.cpu_s = metrics.delta(after.cpu, before.cpu)
+    result.sources = metrics.delta(after.sources, before.sources)
+    result.etcd = metrics.delta(after.etcd, before.etcd)
+    result.gateway = metrics.delta(after.gateway, before.gateway)
+    return result
+
+
+@dataclass(frozen=True)
+class IdleWindow:
+    """Counters over a window with no traffic: what the stack does by itself."""
+
+    seconds: float
+    engines: int
+    cpu_s: dict[str, float]
+    etcd: dict[str, float]
+
+    def etcd_per_s(self, key: str) -> float:
+        return self.etcd.get(key, 0.0) / self.seconds if self.seconds > 0 else 0.0
+
+
+async def idle_window(session: aiohttp.ClientSession, engines: Engines, seconds: float) -> IdleWindow:
+    await metrics.wait_idle(session, engines.all)
+    await metrics.release_decode_handles(session, engines.decodes)
+    args = (session, engines.pids, engines.prefills, engines.etcd_url, engines.gateway_url)
+    before = await metrics.read_all(*args)
+    await asyncio.sleep(seconds)  # the measurement window itself
+    after = await metrics.read_all(*args)
+    return IdleWindow(
+        after.at - before.at,
+        len(engines.all),
+        metrics.delta(after.cpu, before.cpu),
+        metrics.delta(after.etcd, before.etcd),
+    )
