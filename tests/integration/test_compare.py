@@ -1,0 +1,120 @@
+"""The fronts comparison (kvplane.bench.compare) at a tiny size, on real processes.
+
+Both workloads, two conversations of two turns per front at concurrency 1, one repeat, on
+engines sped up 20 times. The checks are on behaviour, never on timing: every front completes
+every turn, the prefill engines' token sources add up to what the client sent, handles are
+pulled only by the fronts that carry them, and the JSON holds a row for every front.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from kvplane.bench import compare
+from kvplane.bench.compare_fronts import (
+    ALL_FRONTS,
+    EXAMPLE_PROXY,
+    KVPLANE,
+    REFERENCE,
+    VLLM_ROUTER,
+    ZERO_HOP,
+    vllm_router_binary,
+)
+from kvplane.bench.compare_report import CLIENT, ENGINES, Row, dump
+from kvplane.bench.compare_workload import Workload
+
+ROUTER_INSTALLED = vllm_router_binary() is not None
+FRONTS = ALL_FRONTS if ROUTER_INSTALLED else tuple(f for f in ALL_FRONTS if f != VLLM_ROUTER)
+CONFIG = compare.CompareConfig(
+    workloads=("A", "B"),
+    concurrency=(1,),
+    repeats=1,
+    fronts=FRONTS,
+    workload=Workload(turns=2, first_tokens=300, user_tokens=100, answer_tokens=16, stagger_s=0.0),
+    warmup_conversations=1,
+    idle_s=1.0,
+    speedup=20.0,
+    turn_timeout_s=60.0,
+)
+
+
+@pytest.fixture(scope="module")
+async def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, compare.WorkloadRun]:
+    config = dataclasses.replace(CONFIG, run_dir=tmp_path_factory.mktemp("compare"))
+    return {run.key: run for run in await compare.run(config, progress=lambda _m: None)}
+
+
+def _row(run: compare.WorkloadRun, front: str) -> Row:
+    (row,) = [r for r in run.rows if r.front == front]
+    return row
+
+
+@pytest.mark.parametrize("key", ["A", "B"])
+def test_every_front_completes_every_turn(runs: dict[str, compare.WorkloadRun], key: str) -> None:
+    run = runs[key]
+    assert run.skipped == {}
+    assert [r.front for r in run.rows] == list(FRONTS)
+    for row in run.rows:
+        assert (row.turns_planned, row.turns_ok, row.failed, row.fallback) == (4, 4, 0, 0), row
+        assert row.later_turns == 2 and row.ttft_p50_ms > 0
+    for block in run.warmup + run.blocks:
+        assert all(t.ok for t in block.turns), block.turns
+
+
+@pytest.mark.parametrize("key", ["A", "B"])
+def test_the_reuse_split_adds_up(runs: dict[str, compare.WorkloadRun], key: str) -> None:
+    for row in runs[key].rows:
+        assert row.split_adds_up, row
+        assert row.pulled_tokens + row.prefix_cache_tokens <= row.later_prompt_tokens
+
+
+def test_only_the_fronts_that_carry_a_handle_pull(runs: dict[str, compare.WorkloadRun]) -> None:
+    # Workload B: P keeps no history, so what a later turn reuses can only come from D.
+    run = runs["B"]
+    assert _row(run, REFERENCE).pulled_tokens > 0
+    for front in FRONTS:
+        assert _row(run, front).prefix_cache_tokens == 0, front
+    for front in (ZERO_HOP, EXAMPLE_PROXY, *((VLLM_ROUTER,) if ROUTER_INSTALLED else ())):
+        assert _row(run, front).pulled_tokens == 0, front
+    # Workload A: the zero-hop client keeps a conversation on one P, whose prefix cache holds it.
+    assert _row(runs["A"], ZERO_HOP).prefix_cache_tokens > 0
+
+
+def test_costs_are_charged_to_each_front_s_processes(runs: dict[str, compare.WorkloadRun]) -> None:
+    run = runs["A"]
+    assert set(run.fronts[KVPLANE]) == {"gateway", "serve all", "etcd"}
+    assert run.fronts[EXAMPLE_PROXY] == ["example proxy"] and run.fronts[ZERO_HOP] == []
+    for row in run.rows:
+        assert {CLIENT, ENGINES, *run.fronts[row.front]} == set(row.cpu_ms_per_turn)
+    # kvplane's turns go through etcd (handles, check-outs); its gateway timed each Route.
+    assert _row(run, KVPLANE).etcd_requests_per_turn > 0 and _row(run, KVPLANE).route_ms > 0
+    assert run.idle is not None and run.idle.etcd.get("writes", 0) > 0  # the engines' load reports
+    assert _row(run, REFERENCE).p50_vs_reference == pytest.approx(1.0)
+
+
+def test_the_json_has_every_row(runs: dict[str, compare.WorkloadRun], tmp_path: Path) -> None:
+    path = tmp_path / "compare.json"
+    document = compare.document(CONFIG, list(runs.values()), ["test"])
+    dump(str(path), document)
+    loaded = json.loads(path.read_text())
+    for key in ("A", "B"):
+        section = loaded["workloads"][key]
+        assert [r["front"] for r in section["rows"]] == list(FRONTS)
+        assert len(section["blocks"]) == len(FRONTS)
+        assert all(len(b["turns"]) == 4 for b in section["blocks"])
+    text = compare.render(CONFIG, list(runs.values()))
+    for front in FRONTS:
+        assert f"| {front} | 1 |" in text
+
+
+def test_vllm_router_completes_every_turn(runs: dict[str, compare.WorkloadRun]) -> None:
+    if not ROUTER_INSTALLED:
+        pytest.skip("vllm-router is not installed (the bench extra pins vllm-router==0.1.17)")
+    for run in runs.values():
+        row = _row(run, VLLM_ROUTER)
+        assert (row.turns_ok, row.failed) == (4, 0)
+        assert set(row.cpu_ms_per_turn) == {"vllm-router", CLIENT, ENGINES}

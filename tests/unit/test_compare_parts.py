@@ -1,0 +1,87 @@
+"""The comparison's pure parts: the workload's fairness, the rotation, percentiles, metric parsing."""
+
+from __future__ import annotations
+
+from kvplane.bench.compare_metrics import etcd_counts, gateway_leg_counts
+from kvplane.bench.compare_report import percentile
+from kvplane.bench.compare_workload import Workload, draw, plan, rotation
+
+FRONTS = ["kvplane", "vllm-router", "example-proxy", "zero-hop-reuse", "zero-hop"]
+
+
+def test_every_front_gets_the_same_shapes_and_arrivals_with_its_own_tokens() -> None:
+    workload = Workload(seed=3)
+    plans = [plan(workload, front, 8, 1) for front in FRONTS]
+    assert all(p.shapes == plans[0].shapes for p in plans)
+    assert len(plans[0].shapes) == 8 and plans[0].planned_turns == 8 * workload.turns
+    firsts = {tuple(draw(p.tokens(0), 32)) for p in plans}
+    assert len(firsts) == len(FRONTS)
+    # Another repeat is another draw of shapes, and the same front gets other tokens there.
+    assert plan(workload, "kvplane", 8, 2).shapes != plans[0].shapes
+    assert draw(plan(workload, "kvplane", 8, 2).tokens(0), 32) != draw(plans[0].tokens(0), 32)
+
+
+def test_only_the_first_conversations_in_flight_wait_for_their_arrival() -> None:
+    shapes = plan(Workload(min_conversations=6, stagger_s=2.0), "kvplane", 4, 0).shapes
+    assert all(0 <= s.start_s <= 2.0 for s in shapes[:4]) and any(s.start_s > 0 for s in shapes[:4])
+    assert [s.start_s for s in shapes[4:]] == [0.0, 0.0]
+    assert all(s.start_s == 0.0 for s in plan(Workload(), "kvplane", 1, 0).shapes)
+
+
+def test_lengths_stay_near_the_configured_ones() -> None:
+    workload = Workload()
+    for shape in plan(workload, "kvplane", 32, 0).shapes:
+        assert abs(shape.first_tokens - workload.first_tokens) <= 0.1 * workload.first_tokens + 1
+        assert len(shape.user_tokens) == workload.turns - 1
+    assert workload.last_prompt_tokens() == 1400 + 4 * (128 + 897)
+
+
+def test_rotation_puts_each_front_in_each_place_once_over_as_many_repeats() -> None:
+    orders = [rotation(FRONTS, r) for r in range(len(FRONTS))]
+    for position in range(len(FRONTS)):
+        assert sorted(order[position] for order in orders) == sorted(FRONTS)
+    assert rotation(FRONTS, len(FRONTS)) == FRONTS
+
+
+def test_percentile_is_nearest_rank() -> None:
+    values = [float(v) for v in range(1, 101)]
+    assert percentile(values, 0.5) == 50 and percentile(values, 0.99) == 99
+    assert percentile([3.0, 1.0, 2.0], 0.99) == 3 and percentile([7.0], 0.5) == 7
+
+
+ETCD_PAGE = """\
+# TYPE grpc_server_msg_received_total counter
+grpc_server_msg_received_total{grpc_method="Range",grpc_service="etcdserverpb.KV",grpc_type="unary"} 10
+grpc_server_msg_received_total{grpc_method="Txn",grpc_service="etcdserverpb.KV",grpc_type="unary"} 4
+grpc_server_msg_received_total{grpc_method="LeaseKeepAlive",grpc_service="etcdserverpb.Lease"} 2
+grpc_server_msg_received_total{grpc_method="Check",grpc_service="grpc.health.v1.Health",grpc_type="unary"} 9
+# TYPE etcd_mvcc_put_total counter
+etcd_mvcc_put_total 5
+# TYPE etcd_mvcc_delete_total counter
+etcd_mvcc_delete_total 2
+# TYPE etcd_debugging_mvcc_put_total counter
+etcd_debugging_mvcc_put_total 5
+"""
+
+
+def test_etcd_requests_and_writes() -> None:
+    counts = etcd_counts(ETCD_PAGE)
+    assert counts["requests"] == 16  # health checks are not etcd requests
+    assert counts["writes"] == 7  # the debugging copy of the put counter is not counted twice
+    assert counts["rpc:Txn"] == 4 and "rpc:Check" not in counts
+
+
+def test_gateway_legs_sum_every_outcome() -> None:
+    page = """\
+# TYPE kvplane_gateway_leg_seconds histogram
+kvplane_gateway_leg_seconds_bucket{leg="route",outcome="ok",le="+Inf"} 3
+kvplane_gateway_leg_seconds_count{leg="route",outcome="ok"} 3
+kvplane_gateway_leg_seconds_sum{leg="route",outcome="ok"} 0.006
+kvplane_gateway_leg_seconds_count{leg="route",outcome="unavailable"} 1
+kvplane_gateway_leg_seconds_sum{leg="route",outcome="unavailable"} 0.002
+kvplane_gateway_leg_seconds_count{leg="report",outcome="ok"} 3
+kvplane_gateway_leg_seconds_sum{leg="report",outcome="ok"} 0.1
+"""
+    legs = gateway_leg_counts(page)
+    assert legs["route_n"] == 4 and abs(legs["route_s"] - 0.008) < 1e-9
+    assert "report_n" not in legs
