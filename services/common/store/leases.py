@@ -24,8 +24,9 @@ from kvplane.services.common.store.etcd import (
 class Leases:
     def __init__(self, etcd: EtcdClient) -> None:
         self.etcd = etcd
-        # Handle leases are shared per expiry second: one grant serves every
-        # handle that expires in the same second.
+        # Leases for keys that end with a wall-clock expiry (handles, tombstones) are shared by
+        # expiry bucket: one grant serves every key whose expiry falls in the bucket, so grants
+        # come at most once per bucket, not once per publish. Keyed by the bucket's end second.
         self._by_second: dict[int, int] = {}
         self._lock = asyncio.Lock()
 
@@ -72,8 +73,16 @@ class Leases:
         except Ambiguous as exc:
             raise StoreUnavailable(f"etcd lease revoke: {exc.cause.details()}") from exc
 
-    async def for_expiry(self, expiry_unix_ms: int, granularity_s: int = 1) -> int:
-        """A lease that ends within `granularity_s` after `expiry_unix_ms`."""
+    async def for_expiry(self, expiry_unix_ms: int, granularity_s: int | None = None) -> int:
+        """A shared lease that ends at or after `expiry_unix_ms`, within `granularity_s`.
+
+        The lease never ends before the expiry, so it covers its keys for their whole life;
+        it may outlive it by up to one bucket. By default the bucket is a thirty-second of the
+        life left (1 to 15 s): a handle kept 480 s outlives its expiry by at most 15 s, and
+        nothing reads a handle past its expiry (routing hands out only handles with life left).
+        """
+        if granularity_s is None:
+            granularity_s = bucket_s(expiry_unix_ms - int(time.time() * 1000))
         second = -(-expiry_unix_ms // (1000 * granularity_s)) * granularity_s
         async with self._lock:
             now_s = time.time()
@@ -94,6 +103,15 @@ class Leases:
     def forget_all(self) -> None:
         """Stops handing out every shared lease (they were revoked behind our back)."""
         self._by_second.clear()
+
+
+# The largest expiry bucket, seconds (`Leases.for_expiry`).
+MAX_BUCKET_S = 15
+
+
+def bucket_s(life_ms: int) -> int:
+    """The expiry bucket for a key with `life_ms` left: a thirty-second of it, 1 to 15 s."""
+    return max(1, min(MAX_BUCKET_S, life_ms // 32_000))
 
 
 def _grant(conn: Connection) -> Callable[..., Any]:
