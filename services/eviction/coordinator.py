@@ -259,6 +259,10 @@ class EvictionCoordinator:
             h = record.handle
             if only_node and h.holder_node_id != only_node:
                 continue
+            if h.wall_expiry_unix_ms <= now_unix_ms:
+                # Past its expiry, its key lives only until its shared lease's bucket ends: the
+                # engine frees the blocks itself, and nothing hands the handle out any more.
+                continue
             if self.releaser.recent.get(key) == h.handle_id:
                 continue
             info = HandleInfo(
