@@ -116,9 +116,9 @@ class KeyLayout:
         node, inc, req = key.decode("utf-8")[len(self.prefix) + len("by-node/") :].split("/")
         return unescape(node), unescape(inc), unescape(req)
 
-    # claims/{tenant}/{conversation}/{claim id}: a check-out, short lease.
-    # claimed/{node}/{incarnation}/{request}: the claim key of a checked-out
-    # handle, by holder, so that the holder's release report consumes it.
+    # claimed/{node}/{incarnation}/{request}: the claim, a check-out in flight of the
+    # handle on those blocks, bound to the handle's lease. Keyed by the blocks, so that
+    # the holder's report that it freed them consumes the claim without reading it first.
     def claimed_prefix(self, node_id: str | None = None, incarnation: str = "") -> bytes:
         if node_id is None:
             return self._key("claimed", "")
@@ -132,13 +132,13 @@ class KeyLayout:
         return unescape(node), unescape(inc), unescape(req)
 
     def all_claims_prefix(self) -> bytes:
-        return self._key("claims", "")
+        """Every claim, whoever holds the blocks."""
+        return self.claimed_prefix()
 
-    def claims_prefix(self, tenant: str, conversation: str) -> bytes:
-        return self._key("claims", escape(tenant), escape(conversation), "")
-
-    def claim(self, tenant: str, conversation: str, claim_id: str) -> bytes:
-        return self._key("claims", escape(tenant), escape(conversation), escape(claim_id))
+    # checkouts/{tenant}/{conversation}: the key of the conversation's latest claim, written
+    # with it (same lease); a claim consumed or released since leaves it pointing at nothing.
+    def checkout(self, tenant: str, conversation: str) -> bytes:
+        return self._key("checkouts", escape(tenant), escape(conversation))
 
     # releases/{node}/{command id}: a release waiting for the node's ack,
     # bound to the released handle's lease (moot once the engine's own TTL

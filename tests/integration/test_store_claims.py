@@ -88,7 +88,7 @@ async def test_a_check_out_stores_and_returns_the_handle_exactly_as_it_was_read(
 
     returned = convert.handle_from_pb(handle_pb2.CacheHandle.FromString(checked.handle_pb))
     assert returned == record.handle == checked.handle
-    claim_key = store.keys.claim("acme", "c-whole", checked.claim_id)
+    claim_key = store.keys.claimed(node.node_id, node.incarnation, "req-whole")
     stored = await store.etcd.read("test_claim", rpc.RangeRequest(key=claim_key))
     claim = convert.claim_from_pb(handle_pb2.Claim.FromString(stored.kvs[0].value))
     assert (claim.claim_id, claim.route_id, claim.handle) == (checked.claim_id, "route-1", record.handle)

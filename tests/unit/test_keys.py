@@ -74,7 +74,8 @@ def test_the_view_range_holds_handles_loads_and_nodes_and_nothing_else() -> None
     low, high = layout.handles_prefix(), prefix_range_end(layout.nodes_prefix())
     inside = [layout.handle("t", "c"), layout.load("n"), layout.node("n"), layout.handle("~", "\uffff")]
     outside = [
-        layout.claim("t", "c", "x"),
+        layout.checkout("t", "c"),
+        layout.claimed("n", "i", "r"),
         layout.by_node("n", "i", "r"),
         layout.release("n", "c"),
         layout.election("eviction"),

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Iterable
 from aetcd import rpc
 
 from kvplane.services.common.errors import HandleNotRetained, NotFound
-from kvplane.services.common.handles import CacheHandle, PendingRelease, ReleaseReason
+from kvplane.services.common.handles import CacheHandle, HandleState, PendingRelease, ReleaseReason
 from kvplane.services.common.keys import KeyLayout
 from kvplane.services.common.nodes import Node, NodeLoad
 from kvplane.services.common.store.claim_store import ClaimStore
@@ -150,8 +150,13 @@ class Store:
         return await self.handles.get_record(tenant, conversation)
 
     async def get_handle(self, tenant: str, conversation: str) -> HandleView | None:
-        """The retained handle, else the newest live claim's handle."""
-        return await self.handles.get(tenant, conversation)
+        """The retained handle, else the handle of the conversation's latest check-out while
+        its claim lives."""
+        record = await self.handles.get_record(tenant, conversation)
+        if record is not None:
+            return HandleView(record.handle, HandleState.RETAINED)
+        claim = await self.claims.latest(tenant, conversation)
+        return HandleView(claim.handle, HandleState.CHECKED_OUT) if claim is not None else None
 
     async def publish_handle(self, handle: CacheHandle) -> PublishOutcome:
         """Stores `handle` as its conversation's handle, superseding an older one."""
@@ -210,10 +215,7 @@ class Store:
     async def release_freed(self, node_id: str, incarnation: str, request_ids: Iterable[str]) -> int:
         """Drops handles whose blocks the engine itself freed, and consumes the claims
         on them (a read, or D's own TTL); returns how many retained handles went."""
-        ids = list(request_ids)
-        removed = await self.releases.release_freed(node_id, incarnation, ids)
-        await self.claims.consumed(node_id, incarnation, ids)
-        return removed
+        return await self.releases.release_freed(node_id, incarnation, request_ids)
 
     async def release_unused_claims(self, deadline_ms: int, now: int | None = None) -> list[PendingRelease]:
         """Queues a release for every claim nobody consumed within `deadline_ms`."""

@@ -1,24 +1,25 @@
 """Claims: the single-use check-out of a retained handle, its consumption,
 and the release of a claim nobody used.
 
-A claim is consumed when its holder reports the blocks freed (P read them,
-or D dropped them). One still there past the claim deadline means the turn
-never reached P (the client left, the gateway died): the holder still pins
-the blocks, so a release command is queued, fenced on the claim being
-unchanged, exactly as for a retained handle.
+A claim lives at `claimed/{node}/{incarnation}/{request}`, keyed by the
+blocks it hands out, so that the holder's report that it freed them (P read
+them, or D dropped them) consumes it in the report's one transaction, with
+no read first (`ReleaseStore.release_freed`). One still there past the claim
+deadline means the turn never reached P (the client left, the gateway died):
+the holder still pins the blocks, so a release command is queued, fenced on
+the claim being unchanged, exactly as for a retained handle.
 """
 
 from __future__ import annotations
 
 import functools
 import uuid
-from collections.abc import Iterable
 
 from aetcd import rpc
 
 from kvplane.services.common import convert
-from kvplane.services.common.errors import HandleNotRetained
-from kvplane.services.common.handles import PendingRelease, ReleaseReason
+from kvplane.services.common.errors import HandleNotRetained, NotFound
+from kvplane.services.common.handles import Claim, PendingRelease, ReleaseReason
 from kvplane.services.common.keys import KeyLayout, prefix_range_end
 from kvplane.services.common.store import fencing
 from kvplane.services.common.store.etcd import Ambiguous, EtcdClient, LeaseNotFound
@@ -39,17 +40,24 @@ class ClaimStore:
         """Hands the handle read as `record` to one caller, at most once.
 
         One transaction: the handle key's mod_revision still equals the one
-        read; then delete the handle and its index, and write a claim under
-        the handle's own lease. HandleNotRetained if another caller won.
+        read; then delete the handle and its index, write the claim on its
+        blocks and point the conversation's check-out at it, all under the
+        handle's own lease. HandleNotRetained if another caller won; NotFound
+        for a handle past its wall-clock expiry.
         """
         handle = record.handle
+        if handle.wall_expiry_unix_ms <= now_ms():
+            # Its lease may outlive it by an expiry bucket; its blocks may be gone already.
+            raise NotFound(f"the handle of conversation {conversation!r} has expired")
         claim_id = claim_id or uuid.uuid4().hex
         # The handle is converted to protobuf once: the claim stores it, the caller answers with it.
         handle_pb = convert.handle_to_pb(handle)
         claim = handle_pb2.Claim(
             claim_id=claim_id, handle=handle_pb, route_id=route_id, claimed_unix_ms=now_ms()
         )
-        claim_key = self.keys.claim(tenant, conversation, claim_id)
+        claim_key = self.keys.claimed(
+            handle.holder_node_id, handle.holder_incarnation, handle.vllm.remote_request_id
+        )
         # The claim shares the handle's lease: it lives no longer than the
         # blocks could, and the check-out needs no lease grant of its own.
         claim_lease = record.lease
@@ -63,13 +71,7 @@ class ClaimStore:
                 )
             ),
             fencing.put(claim_key, claim.SerializeToString(), claim_lease),
-            fencing.put(
-                self.keys.claimed(
-                    handle.holder_node_id, handle.holder_incarnation, handle.vllm.remote_request_id
-                ),
-                claim_key,
-                claim_lease,
-            ),
+            fencing.put(self.keys.checkout(tenant, conversation), claim_key, claim_lease),
         ]
         try:
             resp = await self.etcd.txn(
@@ -78,34 +80,39 @@ class ClaimStore:
             won = bool(resp.succeeded)
         except Ambiguous as exc:
             resp = await self.etcd.resend(exc, lambda: self.etcd.txn("check_out", compare, ops))
-            won = bool(resp.succeeded) or await self.etcd.exists(claim_key)
+            won = bool(resp.succeeded) or await self._is_ours(claim_key, claim_id)
         if not won:
             raise HandleNotRetained(f"handle of conversation {conversation!r} was taken or replaced")
         self.telemetry.store.handle_transitions.labels("checked_out", "").inc()
         return CheckOut(handle, claim_id, int(resp.header.revision), handle_pb.SerializeToString())
 
-    async def consumed(self, node_id: str, incarnation: str, request_ids: Iterable[str]) -> int:
-        """Drops the claims on blocks their holder reports freed; returns how many."""
-        prefix = self.keys.claimed_prefix(node_id, incarnation)
-        wanted = set(request_ids)
+    async def _is_ours(self, claim_key: bytes, claim_id: str) -> bool:
+        """Whether the claim on these blocks is `claim_id` (settling an ambiguous check-out:
+        blocks are claimed once, so an attempt of ours applied if the claim is ours). A claim
+        consumed meanwhile reads as not ours: the caller recomputes, and no P is sent to blocks
+        that are gone."""
+        resp = await self.etcd.read("read_back", rpc.RangeRequest(key=claim_key))
+        claim = _claim(resp.kvs[0].value) if resp.kvs else None
+        return claim is not None and claim.claim_id == claim_id
+
+    async def latest(self, tenant: str, conversation: str) -> Claim | None:
+        """The conversation's latest check-out, while its claim lives."""
         resp = await self.etcd.read(
-            "claimed_scan", rpc.RangeRequest(key=prefix, range_end=prefix_range_end(prefix))
+            "get_checkout", rpc.RangeRequest(key=self.keys.checkout(tenant, conversation))
         )
-        dropped = 0
-        for kv in resp.kvs:
-            if self.keys.claimed_parts(bytes(kv.key))[2] in wanted:
-                await self.etcd.write(
-                    "claim_consumed", [], [fencing.delete(bytes(kv.value)), fencing.delete(bytes(kv.key))]
-                )
-                dropped += 1
-        return dropped
+        if not resp.kvs:
+            return None
+        claimed = await self.etcd.read("get_claim", rpc.RangeRequest(key=bytes(resp.kvs[0].value)))
+        if not claimed.kvs:
+            return None
+        return _claim(claimed.kvs[0].value)
 
     async def release_unused(self, deadline_ms: int, now_ms: int) -> list[PendingRelease]:
         """Queues a release for every claim older than `deadline_ms` that nobody consumed.
 
         Each is one transaction fenced on the claim key's mod_revision: it
-        deletes the claim and its index and queues the command, so a claim
-        consumed meanwhile, or released by another replica, is left alone.
+        deletes the claim and queues the command, so a claim consumed
+        meanwhile, or released by another replica, is left alone.
         """
         prefix = self.keys.all_claims_prefix()
         resp = await self.etcd.read(
@@ -113,16 +120,13 @@ class ClaimStore:
         )
         released: list[PendingRelease] = []
         for kv in resp.kvs:
-            claim = convert.claim_from_pb(handle_pb2.Claim.FromString(kv.value))
-            if now_ms - claim.claimed_unix_ms < deadline_ms:
+            claim = _claim(kv.value)
+            if claim is None or now_ms - claim.claimed_unix_ms < deadline_ms:
                 continue
             h = claim.handle
             pending = PendingRelease(uuid.uuid4().hex, h, ReleaseReason.CLAIM_UNUSED, now_ms)
             ops = [
                 fencing.delete(bytes(kv.key)),
-                fencing.delete(
-                    self.keys.claimed(h.holder_node_id, h.holder_incarnation, h.vllm.remote_request_id)
-                ),
                 fencing.put(
                     self.keys.release(h.holder_node_id, pending.command_id),
                     convert.pending_to_pb(pending).SerializeToString(),
@@ -147,3 +151,11 @@ class ClaimStore:
                 ).inc()
                 released.append(pending)
         return released
+
+
+def _claim(value: bytes) -> Claim | None:
+    """The claim stored in `value`; None for a value that is not one."""
+    try:
+        return convert.claim_from_pb(handle_pb2.Claim.FromString(value))
+    except Exception:
+        return None

@@ -10,21 +10,20 @@ from aetcd import rpc
 
 from kvplane.services.common import convert
 from kvplane.services.common.errors import NodeNotRegistered, StoreUnavailable
-from kvplane.services.common.handles import CacheHandle, HandleState, PendingRelease, ReleaseReason
+from kvplane.services.common.handles import CacheHandle, PendingRelease, ReleaseReason
 from kvplane.services.common.keys import KeyLayout, prefix_range_end
 from kvplane.services.common.store import fencing
 from kvplane.services.common.store.etcd import Ambiguous, EtcdClient, LeaseNotFound
 from kvplane.services.common.store.leases import Leases
 from kvplane.services.common.store.records import (
     HandleRecord,
-    HandleView,
     PublishOutcome,
     decode_handle,
     now_ms,
 )
 from kvplane.services.common.store.release_store import ReleaseStore
 from kvplane.services.common.telemetry import Telemetry
-from kvplane.v1 import handle_pb2, node_pb2
+from kvplane.v1 import node_pb2
 
 
 class HandleStore:
@@ -45,27 +44,6 @@ class HandleStore:
             return None
         kv = resp.kvs[0]
         return HandleRecord(decode_handle(kv.value), kv.mod_revision, kv.lease)
-
-    async def get(self, tenant: str, conversation: str) -> HandleView | None:
-        """The retained handle, else the newest live claim's handle."""
-        record = await self.get_record(tenant, conversation)
-        if record is not None:
-            return HandleView(record.handle, HandleState.RETAINED)
-        prefix = self.keys.claims_prefix(tenant, conversation)
-        resp = await self.etcd.read(
-            "get_claims",
-            rpc.RangeRequest(
-                key=prefix,
-                range_end=prefix_range_end(prefix),
-                sort_target=rpc.RangeRequest.MOD,
-                sort_order=rpc.RangeRequest.DESCEND,
-                limit=1,
-            ),
-        )
-        if not resp.kvs:
-            return None
-        claim = convert.claim_from_pb(handle_pb2.Claim.FromString(resp.kvs[0].value))
-        return HandleView(claim.handle, HandleState.CHECKED_OUT)
 
     async def publish(self, handle: CacheHandle) -> PublishOutcome:
         """Stores `handle` as its conversation's handle.

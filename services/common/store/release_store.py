@@ -14,7 +14,7 @@ from kvplane.services.common.errors import HandleNotRetained
 from kvplane.services.common.handles import PendingRelease, ReleaseReason
 from kvplane.services.common.keys import KeyLayout, prefix_range_end
 from kvplane.services.common.store import fencing
-from kvplane.services.common.store.etcd import Ambiguous, EtcdClient
+from kvplane.services.common.store.etcd import Ambiguous, EtcdClient, LeaseNotFound
 from kvplane.services.common.store.leases import Leases
 from kvplane.services.common.store.records import HandleRecord, now_ms
 from kvplane.services.common.telemetry import Telemetry
@@ -23,6 +23,9 @@ from kvplane.v1 import handle_pb2
 # How long the record that an engine freed some blocks is kept, ms: past any engine's TTL
 # (vLLM's default is 480 s), after which no handle of those blocks can be live anyway.
 FREED_TOMBSTONE_MS = 600_000
+# Request ids per freed-report transaction: a put and a delete each (etcd takes at most 128
+# operations per transaction, --max-txn-ops).
+_FREED_BATCH = 64
 
 
 class ReleaseStore:
@@ -77,28 +80,52 @@ class ReleaseStore:
         return pending
 
     async def release_freed(self, node_id: str, incarnation: str, request_ids: Iterable[str]) -> int:
-        """Drops handles whose blocks the engine itself freed (TTL, read, abort).
+        """Records that the engine itself freed these blocks (a read, its TTL, an abort), and
+        drops whatever named them: the claim a read consumed, a handle still retained.
 
-        No command is queued: the blocks are already gone. Returns how many
-        retained handles this removed.
+        No command is queued: the blocks are already gone. Returns how many retained handles
+        this removed. One transaction per 64 ids in the common case (`_freed_batch`).
         """
-        ids = list(request_ids)
-        if ids:
-            # Tombstones first: from here on no publish can name these blocks.
-            lease = await self.leases.for_expiry(now_ms() + FREED_TOMBSTONE_MS)
-            puts = [fencing.put(self.keys.freed(node_id, incarnation, r), b"", lease) for r in ids]
-            # etcd takes at most 128 operations per transaction (--max-txn-ops).
-            for start in range(0, len(puts), 64):
-                await self.etcd.write("freed_tombstones", [], puts[start : start + 64])
+        ids = list(dict.fromkeys(request_ids))
         removed = 0
-        for request_id in ids:
-            index = self.keys.by_node(node_id, incarnation, request_id)
-            resp = await self.etcd.read("get_index", rpc.RangeRequest(key=index))
-            if not resp.kvs:
-                continue
-            if await self.drop_indexed(resp.kvs[0]):
-                removed += 1
-                self.count(ReleaseReason.FREED_BY_ENGINE.value)
+        for start in range(0, len(ids), _FREED_BATCH):
+            removed += await self._freed_batch(node_id, incarnation, ids[start : start + _FREED_BATCH])
+        return removed
+
+    async def _freed_batch(self, node_id: str, incarnation: str, ids: list[str]) -> int:
+        """One transaction, fenced on no retained handle naming the blocks (their per-node
+        index entries are absent: the index is written and deleted with its handle): the
+        tombstones, from which on no publish can name the blocks, and the deletion of the
+        claims on them. A handle still retained (the engine freed blocks before anyone took
+        them) fails the fence; the tombstones are written anyway, that handle is dropped
+        through its index, and the claims deleted after."""
+        indexes = [self.keys.by_node(node_id, incarnation, r) for r in ids]
+        claims = [fencing.delete(self.keys.claimed(node_id, incarnation, r)) for r in ids]
+        for attempt in range(2):
+            lease = await self.leases.for_expiry(now_ms() + FREED_TOMBSTONE_MS)
+            tombstones = [fencing.put(self.keys.freed(node_id, incarnation, r), b"", lease) for r in ids]
+            try:
+                resp = await self.etcd.write(
+                    "release_freed",
+                    [fencing.absent(index) for index in indexes],
+                    [*tombstones, *claims],
+                    [*tombstones, *(fencing.get(index) for index in indexes)],
+                )
+                break
+            except LeaseNotFound:
+                # The shared lease was revoked behind our back: a new one, once.
+                self.leases.forget(lease)
+                if attempt:
+                    raise
+        if resp.succeeded:
+            return 0
+        removed = 0
+        for reply in resp.responses[len(tombstones) :]:
+            for kv in reply.response_range.kvs:
+                if await self.drop_indexed(kv):
+                    removed += 1
+                    self.count(ReleaseReason.FREED_BY_ENGINE.value)
+        await self.etcd.write("release_freed_claims", [], claims)
         return removed
 
     async def drop_indexed(self, index_kv: Any) -> bool:
@@ -143,23 +170,20 @@ class ReleaseStore:
         retained handle nor a claim references: nothing will ever read or
         release them, so the engine should free them now."""
         index = self.keys.by_node_prefix(node_id, incarnation)
-        claims = self.keys.all_claims_prefix()
+        claimed = self.keys.claimed_prefix(node_id, incarnation)
         resp = await self.etcd.read_txn(
             "reconcile_read",
             [
                 rpc.RequestOp(
                     request_range=rpc.RangeRequest(
-                        key=index, range_end=prefix_range_end(index), keys_only=True
+                        key=prefix, range_end=prefix_range_end(prefix), keys_only=True
                     )
-                ),
-                rpc.RequestOp(request_range=rpc.RangeRequest(key=claims, range_end=prefix_range_end(claims))),
+                )
+                for prefix in (index, claimed)
             ],
         )
         referenced = {self.keys.by_node_parts(kv.key)[2] for kv in resp.responses[0].response_range.kvs}
-        for kv in resp.responses[1].response_range.kvs:
-            claimed = convert.claim_from_pb(handle_pb2.Claim.FromString(kv.value)).handle
-            if (claimed.holder_node_id, claimed.holder_incarnation) == (node_id, incarnation):
-                referenced.add(claimed.vllm.remote_request_id)
+        referenced |= {self.keys.claimed_parts(kv.key)[2] for kv in resp.responses[1].response_range.kvs}
         return [r for r in request_ids if r not in referenced]
 
     async def pending_releases(self, node_id: str) -> list[tuple[PendingRelease, int]]:
