@@ -22,7 +22,7 @@ class _Reaper:
 
 
 def install(ctx: ProcessContext) -> Sequence[Component]:
-    servicer = MetadataService(ctx.store, ctx.settings.metadata, ctx.telemetry)
+    servicer = MetadataService(ctx.store, ctx.settings.metadata, ctx.telemetry, ctx.view)
     ctx.server.add(SERVICE_NAME, metadata_pb2_grpc.add_MetadataServiceServicer_to_server, servicer)
     m = ctx.settings.metadata
     return [

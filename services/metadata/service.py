@@ -23,7 +23,7 @@ from kvplane.services.common.handles import CacheHandle, HandleFormatError, Rele
 from kvplane.services.common.nodes import Node, NodeLoad
 from kvplane.services.common.server import Context, caller
 from kvplane.services.common.settings import MetadataSection
-from kvplane.services.common.store import Compacted, Store, WatchEvent
+from kvplane.services.common.store import Compacted, NodeRecord, PublishHint, Store, WatchEvent
 from kvplane.services.common.telemetry import Telemetry
 from kvplane.v1 import handle_pb2, metadata_pb2, metadata_pb2_grpc, node_pb2
 
@@ -36,10 +36,26 @@ _INTERNAL = (PrincipalKind.NODE, PrincipalKind.OPERATOR)
 class MetadataService(metadata_pb2_grpc.MetadataServiceServicer):
     """Implements kvplane.v1.MetadataService over the etcd store."""
 
-    def __init__(self, store: Store, settings: MetadataSection, telemetry: Telemetry) -> None:
+    def __init__(
+        self, store: Store, settings: MetadataSection, telemetry: Telemetry, view: ClusterView | None = None
+    ) -> None:
         self.store = store
         self.settings = settings
         self.telemetry = telemetry
+        # The process's watch-fed view: what it holds of a node or a conversation saves the
+        # read before a keep-alive, a load report or a publish (each write stays fenced).
+        self.view = view
+
+    def _node_hint(self, node_id: str) -> NodeRecord | None:
+        view = self.view
+        return view.nodes.get(node_id) if view is not None and view.healthy else None
+
+    def _publish_hint(self, handle: CacheHandle) -> PublishHint | None:
+        view = self.view
+        if view is None or not view.healthy:
+            return None
+        node = view.nodes.get(handle.holder_node_id)
+        return PublishHint(node, view.handle(handle.tenant, handle.conversation))
 
     def _caller(self, context: Context) -> Principal:
         return caller(self, context)
@@ -68,7 +84,9 @@ class MetadataService(metadata_pb2_grpc.MetadataServiceServicer):
         principal.require(PrincipalKind.NODE)
         principal.as_node(validation.ident(request.node_id, "node_id"), "node_id")
         validation.ident(request.incarnation, "incarnation")
-        ttl = await self.store.keep_alive(request.node_id, request.incarnation, request.lease_id)
+        ttl = await self.store.keep_alive(
+            request.node_id, request.incarnation, request.lease_id, self._node_hint(request.node_id)
+        )
         return metadata_pb2.KeepAliveResponse(lease_ttl_s=ttl)
 
     @rpc_method
@@ -79,7 +97,7 @@ class MetadataService(metadata_pb2_grpc.MetadataServiceServicer):
         principal.require(PrincipalKind.NODE)
         principal.as_node(validation.ident(request.load.node_id, "load.node_id"), "load.node_id")
         validation.ident(request.load.incarnation, "load.incarnation")
-        await self.store.report_load(_valid_load(request.load))
+        await self.store.report_load(_valid_load(request.load), self._node_hint(request.load.node_id))
         return metadata_pb2.ReportLoadResponse()
 
     @rpc_method
@@ -133,7 +151,7 @@ class MetadataService(metadata_pb2_grpc.MetadataServiceServicer):
             principal.as_node(handle.holder_node_id, f"handles[{i}].holder_node_id")
         results = []
         for handle in handles:
-            outcome = await self.store.publish_handle(handle)
+            outcome = await self.store.publish_handle(handle, self._publish_hint(handle))
             results.append(
                 metadata_pb2.PublishResult(
                     handle_id=outcome.handle.handle_id,

@@ -13,6 +13,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from kvplane.services.common import convert
 from kvplane.services.common.local_etcd import LocalEtcd
+from kvplane.services.common.nodes import NodeLoad
 from kvplane.services.common.process import ServiceProcess
 from kvplane.services.common.telemetry import Telemetry
 from kvplane.services.metadata.app import install
@@ -303,3 +304,46 @@ async def test_serve_all_health_reflection_metrics_and_checkout_trace(etcd: Loca
         assert 'kvplane_handle_transitions_total{reason="",transition="checked_out"} 1.0' in body
     finally:
         await process.stop()
+
+
+async def test_keep_alives_load_reports_and_publishes_read_nothing_the_view_holds(
+    metadata_process: ServiceProcess, metadata_channel: grpc.aio.Channel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stub = metadata_pb2_grpc.MetadataServiceStub(metadata_channel)
+    node = make_node("d0")
+    registered = await stub.RegisterNode(
+        metadata_pb2.RegisterNodeRequest(node=convert.node_to_pb(node), lease_ttl_s=30), metadata=NODE_HEADERS
+    )
+    view = metadata_process.ctx.view
+    assert await view.wait_for(lambda: view.live_node("d0", node.incarnation) is not None, 10.0)
+    handle_id = await _publish(stub, make_handle(node, conversation="c-view", request_id="r1"))
+    assert await view.wait_for(lambda: view.handle("acme", "c-view") is not None, 10.0)
+    calls: list[str] = []
+    real = metadata_process.store.etcd.call
+
+    async def counted(op: str, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(op)
+        return await real(op, *args, **kwargs)
+
+    monkeypatch.setattr(metadata_process.store.etcd, "call", counted)
+
+    await stub.KeepAlive(
+        metadata_pb2.KeepAliveRequest(
+            node_id="d0", incarnation=node.incarnation, lease_id=registered.lease_id
+        ),
+        metadata=NODE_HEADERS,
+    )
+    assert calls == [], "the lease refresh is the keep-alive's only etcd request"
+    load = metadata_pb2.ReportLoadRequest(
+        load=convert.load_to_pb(NodeLoad("d0", node.incarnation, running_requests=2, reported_unix_ms=1))
+    )
+    await stub.ReportLoad(load, metadata=NODE_HEADERS)
+    assert calls == ["report_load"]
+    calls.clear()
+    # The next turn's handle supersedes the one the view holds, in one transaction.
+    second = make_handle(node, conversation="c-view", request_id="r2")
+    resp = await stub.PublishHandles(
+        metadata_pb2.PublishHandlesRequest(handles=[convert.handle_to_pb(second)]), metadata=NODE_HEADERS
+    )
+    assert resp.results[0].superseded_handle_id == handle_id
+    assert [op for op in calls if op != "lease_grant"] == ["publish"]

@@ -34,6 +34,7 @@ from kvplane.services.common.store.records import (
     HandleRecord,
     HandleView,
     NodeRecord,
+    PublishHint,
     PublishOutcome,
     now_ms,
 )
@@ -52,6 +53,7 @@ __all__ = [
     "HandleView",
     "LeaseNotFound",
     "NodeRecord",
+    "PublishHint",
     "PublishOutcome",
     "Store",
     "StoreSettings",
@@ -120,11 +122,15 @@ class Store:
     async def get_node(self, node_id: str) -> NodeRecord | None:
         return await self.nodes.get(node_id)
 
-    async def keep_alive(self, node_id: str, incarnation: str, lease_id: int) -> int:
-        return await self.nodes.keep_alive(node_id, incarnation, lease_id)
+    async def keep_alive(
+        self, node_id: str, incarnation: str, lease_id: int, hint: NodeRecord | None = None
+    ) -> int:
+        """Refreshes the node's lease; `hint`, a view's record of the node, saves a read."""
+        return await self.nodes.keep_alive(node_id, incarnation, lease_id, hint)
 
-    async def report_load(self, load: NodeLoad) -> None:
-        await self.nodes.report_load(load)
+    async def report_load(self, load: NodeLoad, hint: NodeRecord | None = None) -> None:
+        """Stores the node's load; `hint`, a view's record of the node, saves a read."""
+        await self.nodes.report_load(load, hint)
 
     async def set_draining(self, node_id: str, draining: bool = True) -> Node:
         return await self.nodes.set_draining(node_id, draining)
@@ -158,9 +164,12 @@ class Store:
         claim = await self.claims.latest(tenant, conversation)
         return HandleView(claim.handle, HandleState.CHECKED_OUT) if claim is not None else None
 
-    async def publish_handle(self, handle: CacheHandle) -> PublishOutcome:
-        """Stores `handle` as its conversation's handle, superseding an older one."""
-        return await self.handles.publish(handle)
+    async def publish_handle(self, handle: CacheHandle, hint: PublishHint | None = None) -> PublishOutcome:
+        """Stores `handle` as its conversation's handle, superseding an older one.
+
+        `hint`: what a watch-fed view holds of the holder and the conversation, which saves
+        the read (see HandleStore.publish)."""
+        return await self.handles.publish(handle, hint)
 
     async def list_handles(
         self, *, tenant: str = "", node_id: str = "", page_size: int = 100, page_token: bytes = b""

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import functools
 import uuid
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Any
 
 from aetcd import rpc
 
@@ -17,6 +18,7 @@ from kvplane.services.common.store.etcd import Ambiguous, EtcdClient, LeaseNotFo
 from kvplane.services.common.store.leases import Leases
 from kvplane.services.common.store.records import (
     HandleRecord,
+    PublishHint,
     PublishOutcome,
     decode_handle,
     now_ms,
@@ -45,12 +47,19 @@ class HandleStore:
         kv = resp.kvs[0]
         return HandleRecord(decode_handle(kv.value), kv.mod_revision, kv.lease)
 
-    async def publish(self, handle: CacheHandle) -> PublishOutcome:
+    async def publish(self, handle: CacheHandle, hint: PublishHint | None = None) -> PublishOutcome:
         """Stores `handle` as its conversation's handle.
 
         A handle it replaces is released in the same transaction (reason
         SUPERSEDED): its blocks hold an older, shorter prefix. The holder must
-        be registered with the handle's incarnation.
+        be registered with the handle's incarnation, and must not have
+        reported the blocks freed.
+
+        One transaction, fenced on the holder's node key, the conversation's
+        handle key and the blocks' tombstone as last seen. They are read first,
+        unless `hint` (a watch-fed view's) says what they hold; a transaction
+        that finds them changed reads them back in its failure branch, so a
+        stale hint costs one more transaction, not a read besides.
         """
         if not handle.handle_id:
             handle = handle.with_id(uuid.uuid4().hex)
@@ -64,38 +73,36 @@ class HandleStore:
         freed = self.keys.freed(
             handle.holder_node_id, handle.holder_incarnation, handle.vllm.remote_request_id
         )
+        node_key = self.keys.node(handle.holder_node_id)
+        reads = [fencing.get(key), fencing.get(node_key), fencing.get(freed)]
+        seen = _Seen.of_hint(hint) if hint is not None and hint.node is not None else None
         for _ in range(16):
-            node_key = self.keys.node(handle.holder_node_id)
-            current = await self.etcd.read_txn(
-                "publish_read", [fencing.get(key), fencing.get(node_key), fencing.get(freed)]
-            )
-            if current.responses[2].response_range.kvs:
+            if seen is None:
+                seen = _Seen.of_reads((await self.etcd.read_txn("publish_read", reads)).responses)
+            if seen.freed:
                 return PublishOutcome(handle, 0, None, freed=True)
-            node_kvs = current.responses[1].response_range.kvs
-            if not node_kvs:
-                raise NodeNotRegistered(f"holder {handle.holder_node_id!r} is not registered")
-            node = node_pb2.Node.FromString(node_kvs[0].value)
-            if node.incarnation != handle.holder_incarnation:
+            if seen.node_incarnation != handle.holder_incarnation:
+                if seen.hinted:
+                    seen = None  # the view may lag a registration: ask etcd
+                    continue
                 raise NodeNotRegistered(
                     f"holder {handle.holder_node_id!r} incarnation {handle.holder_incarnation!r} "
                     "is not registered"
                 )
+            old = seen.handle
+            if old is not None and old.handle.handle_id == handle.handle_id:
+                return PublishOutcome(old.handle, old.mod_revision, None)  # a re-sent publish
             lease = await self.leases.for_expiry(handle.wall_expiry_unix_ms)
-            compare = [fencing.same_revision(node_key, node_kvs[0].mod_revision), fencing.absent(freed)]
+            compare = [fencing.same_revision(node_key, seen.node_revision), fencing.absent(freed)]
             ops = [fencing.put(key, value, lease), fencing.put(index, key, lease)]
             superseded: PendingRelease | None = None
-            old_kvs = current.responses[0].response_range.kvs
-            if old_kvs:
-                old_kv = old_kvs[0]
-                old = decode_handle(old_kv.value)
-                if old.handle_id == handle.handle_id:
-                    return PublishOutcome(old, old_kv.mod_revision, None)  # a re-sent publish
-                compare.append(fencing.same_revision(key, old_kv.mod_revision))
-                superseded = PendingRelease(uuid.uuid4().hex, old, ReleaseReason.SUPERSEDED, now_ms())
+            if old is not None:
+                compare.append(fencing.same_revision(key, old.mod_revision))
+                superseded = PendingRelease(uuid.uuid4().hex, old.handle, ReleaseReason.SUPERSEDED, now_ms())
                 # The old index entry goes, unless the new handle reuses its key.
                 ops += [
                     op
-                    for op in self.releases.release_ops(superseded, old_kv.lease)
+                    for op in self.releases.release_ops(superseded, old.lease)
                     if not (op.HasField("request_delete_range") and op.request_delete_range.key == index)
                 ]
             else:
@@ -103,26 +110,28 @@ class HandleStore:
             resent = False
             try:
                 try:
-                    resp = await self.etcd.txn("publish", compare, ops, conversation=handle.conversation)
+                    resp = await self.etcd.txn(
+                        "publish", compare, ops, failure=reads, conversation=handle.conversation
+                    )
                 except Ambiguous as exc:
                     resent = True
-                    send = functools.partial(self.etcd.txn, "publish", compare, ops)
+                    send = functools.partial(self.etcd.txn, "publish", compare, ops, failure=reads)
                     resp = await self.etcd.resend(exc, send)
             except LeaseNotFound:
                 # The lease is gone (the re-sent attempt's too): a new one on the next round.
                 self.leases.forget(lease)
-                continue
-            if resent and not resp.succeeded:
-                # Re-sent after an unseen success: the handle is ours if its id is.
-                again = await self.get_record(handle.tenant, handle.conversation)
-                if again is not None and again.handle.handle_id == handle.handle_id:
-                    return PublishOutcome(again.handle, again.mod_revision, superseded)
+                seen = None
                 continue
             if resp.succeeded:
                 self.telemetry.store.handle_transitions.labels("published", "").inc()
                 if superseded is not None:
                     self.releases.count(superseded.reason.value)
                 return PublishOutcome(handle, int(resp.header.revision), superseded)
+            # Something changed since it was seen: the failure branch read it all back.
+            seen = _Seen.of_reads(resp.responses)
+            if resent and seen.handle is not None and seen.handle.handle.handle_id == handle.handle_id:
+                # Re-sent after an unseen success: the handle is ours.
+                return PublishOutcome(seen.handle.handle, seen.handle.mod_revision, superseded)
         raise StoreUnavailable(f"conversation {handle.conversation!r} kept changing while publishing")
 
     async def list(
@@ -149,3 +158,36 @@ class HandleStore:
                     return out, start if more else b""
             if not resp.more:
                 return out, b""
+
+
+@dataclass(frozen=True, slots=True)
+class _Seen:
+    """What a publish is fenced on: the conversation's handle, the holder's registration
+    (incarnation and the node key's mod_revision; empty: not registered) and whether the
+    blocks were reported freed. `hinted`: from a view, not read from etcd."""
+
+    handle: HandleRecord | None
+    node_incarnation: str
+    node_revision: int
+    freed: bool
+    hinted: bool = False
+
+    @classmethod
+    def of_reads(cls, responses: Any) -> _Seen:
+        """From the ranges of the handle key, the node key and the tombstone, in that order."""
+        handle_kvs = responses[0].response_range.kvs
+        node_kvs = responses[1].response_range.kvs
+        handle = None
+        if handle_kvs:
+            kv = handle_kvs[0]
+            handle = HandleRecord(decode_handle(kv.value), int(kv.mod_revision), int(kv.lease))
+        incarnation, revision = "", 0
+        if node_kvs:
+            incarnation = node_pb2.Node.FromString(node_kvs[0].value).incarnation
+            revision = int(node_kvs[0].mod_revision)
+        return cls(handle, incarnation, revision, bool(responses[2].response_range.kvs))
+
+    @classmethod
+    def of_hint(cls, hint: PublishHint) -> _Seen:
+        assert hint.node is not None
+        return cls(hint.handle, hint.node.node.incarnation, hint.node.mod_revision, False, hinted=True)

@@ -39,8 +39,10 @@ class Leases:
             resp = await self.etcd.resend(exc, lambda: self.etcd.call("lease_grant", _grant, request))
         return int(resp.ID)
 
-    async def refresh(self, lease_id: int) -> int:
-        """Keeps a lease alive once; returns the remaining TTL. NotFound if it is gone."""
+    async def refresh(self, lease_id: int, op: str = "lease_keepalive") -> int:
+        """Keeps a lease alive once; returns the remaining TTL. NotFound if it is gone.
+
+        `op` names the request in metrics and traces (a node's keep-alive, an election's)."""
         conn = await self.etcd.current()
         timeout = self.etcd.settings.request_timeout_s
 
@@ -52,7 +54,7 @@ class Leases:
             call.cancel()
             return reply
 
-        with self.etcd.telemetry.etcd_span("lease_keepalive"):
+        with self.etcd.telemetry.etcd_span(op):
             try:
                 reply = await asyncio.wait_for(one(), timeout)
             except (TimeoutError, grpc.aio.AioRpcError) as exc:

@@ -56,21 +56,48 @@ class NodeStore:
             raise NodeNotRegistered(f"node {node_id!r} incarnation {incarnation!r} is not registered")
         return record
 
-    async def keep_alive(self, node_id: str, incarnation: str, lease_id: int) -> int:
-        record = await self.registered(node_id, incarnation)
-        if record.lease != lease_id:
-            raise NotFound(f"lease {lease_id:x} is not node {node_id!r}'s")
-        return await self.leases.refresh(lease_id)
+    async def keep_alive(
+        self, node_id: str, incarnation: str, lease_id: int, hint: NodeRecord | None = None
+    ) -> int:
+        """Refreshes the node's lease once; returns its remaining TTL.
 
-    async def report_load(self, load: NodeLoad) -> None:
-        record = await self.registered(load.node_id, load.incarnation)
-        put = fencing.put(
-            self.keys.load(load.node_id), convert.load_to_pb(load).SerializeToString(), record.lease
-        )
-        same_node = fencing.same_revision(self.keys.node(load.node_id), record.mod_revision)
-        resp = await self.etcd.write("report_load", [same_node], [put])
-        if not resp.succeeded:
-            raise NodeNotRegistered(f"node {load.node_id!r} changed while reporting load")
+        `hint` (a watch-fed view's record of the node) that names this incarnation and lease
+        saves the read: the refresh itself fails (NotFound) once the lease is gone.
+        """
+        if hint is None or hint.node.incarnation != incarnation or hint.lease != lease_id:
+            record = await self.registered(node_id, incarnation)
+            if record.lease != lease_id:
+                raise NotFound(f"lease {lease_id:x} is not node {node_id!r}'s")
+        return await self.leases.refresh(lease_id, "node_keepalive")
+
+    async def report_load(self, load: NodeLoad, hint: NodeRecord | None = None) -> None:
+        """Stores the node's load under its lease, fenced on its registration being unchanged.
+
+        `hint` (a watch-fed view's record of the node) saves the read; a registration that
+        changed since (drained, say) is read back in the transaction's failure branch.
+        """
+        record = hint if hint is not None and hint.node.incarnation == load.incarnation else None
+        node_key = self.keys.node(load.node_id)
+        value = convert.load_to_pb(load).SerializeToString()
+        for _ in range(4):
+            if record is None:
+                record = await self.registered(load.node_id, load.incarnation)
+            resp = await self.etcd.write(
+                "report_load",
+                [fencing.same_revision(node_key, record.mod_revision)],
+                [fencing.put(self.keys.load(load.node_id), value, record.lease)],
+                [fencing.get(node_key)],
+            )
+            if resp.succeeded:
+                return
+            kvs = resp.responses[0].response_range.kvs
+            if not kvs:
+                break
+            node = convert.node_from_pb(node_pb2.Node.FromString(kvs[0].value))
+            if node.incarnation != load.incarnation:
+                break
+            record = NodeRecord(node, int(kvs[0].lease), int(kvs[0].mod_revision))
+        raise NodeNotRegistered(f"node {load.node_id!r} incarnation {load.incarnation!r} is not registered")
 
     async def set_draining(self, node_id: str, draining: bool = True) -> Node:
         for _ in range(8):

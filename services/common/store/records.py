@@ -47,6 +47,16 @@ class PublishOutcome:
 
 
 @dataclass(frozen=True, slots=True)
+class PublishHint:
+    """What a watch-fed view holds for a publish: the holder's registration (None: not
+    seen) and the conversation's retained handle (None: none). A publish fences on it
+    instead of reading first; a stale hint only costs a second transaction."""
+
+    node: NodeRecord | None
+    handle: HandleRecord | None
+
+
+@dataclass(frozen=True, slots=True)
 class CheckOut:
     handle: CacheHandle
     claim_id: str
