@@ -22,7 +22,12 @@ What the agent does, all on its own thread:
 - after every registration, reconciles: asks the control plane which of the handles the engine
   retains (`retained_fn()`) nothing references any more (their records were purged while the
   node was away) and frees those through `on_release`;
-- reports load (ReportLoad) every `load_interval_s`, from `load_fn()`;
+- samples `load_fn()` every `load_interval_s` and reports it (ReportLoad) when it changed
+  materially since the last report (a request count, queued prefill tokens, retained bytes, or
+  free KV blocks by 1% of the total), at once after every registration, and otherwise every
+  `load_heartbeat_s` (10 s): an idle engine writes its load to etcd a tenth of a second, not
+  twice a second. The node's liveness is its lease; the heartbeat only shows that the agent's
+  load path still runs (the `live` routing filter allows three heartbeats);
 - sends publishes (PublishHandles) and releases (ReportReleased) from one bounded queue, in
   order, batching consecutive items of one kind. A publish that keeps failing is retried (the
   node registers again when the control plane no longer knows it; metadata takes a new lease
@@ -122,8 +127,11 @@ class NodeAgentSettings:
     # Lease time-to-live requested at registration, in seconds (2 to 300). Long enough to outlive
     # a control-plane restart: a dead engine is avoided at once anyway (suspect marks).
     lease_ttl_s: int = 30
-    # Seconds between load reports.
+    # Seconds between samples of the engine's load: a change is reported this soon, and load
+    # reports are never closer together than this.
     load_interval_s: float = 0.5
+    # Longest gap between two load reports while the load does not change, in seconds.
+    load_heartbeat_s: float = 10.0
     # Most items one PublishHandles or ReportReleased call carries.
     batch_max: int = 64
     # Items the queue holds; beyond that the oldest is dropped and counted.
@@ -157,6 +165,8 @@ class NodeAgentSettings:
             raise ValueError("batch_max, queue_max and seen_commands_max must be positive")
         if self.load_interval_s <= 0 or self.rpc_timeout_s <= 0 or self.demand_refresh_s <= 0:
             raise ValueError("load_interval_s, rpc_timeout_s and demand_refresh_s must be positive")
+        if self.load_heartbeat_s < self.load_interval_s:
+            raise ValueError("load_heartbeat_s must be at least load_interval_s")
         if self.publish_give_up_s <= 0:
             raise ValueError("publish_give_up_s must be positive")
         if not 0 < self.backoff_initial_s <= self.backoff_max_s:
@@ -194,6 +204,21 @@ class _Item:
     trace_context: tuple[tuple[str, str], ...] = ()
     # time.monotonic() of the first failed send; 0: none failed yet.
     failing_since: float = 0.0
+
+
+def load_changed(last: NodeLoad, now: NodeLoad) -> bool:
+    """Whether `now` differs from the load last reported enough to report it before the
+    heartbeat: any change of a request count, of queued prefill tokens, of retained bytes or
+    of the block total, or free KV blocks moved by 1% of the total (at least one block)."""
+    if (
+        now.queued_requests != last.queued_requests
+        or now.running_requests != last.running_requests
+        or now.queued_prefill_tokens != last.queued_prefill_tokens
+        or now.retained_bytes != last.retained_bytes
+        or now.total_kv_blocks != last.total_kv_blocks
+    ):
+        return True
+    return abs(now.free_kv_blocks - last.free_kv_blocks) >= max(1, now.total_kv_blocks // 100)
 
 
 class _Backoff:
@@ -627,27 +652,38 @@ class NodeAgent:
     # ------------------------------------------------------------------ load
 
     async def _load_loop(self) -> None:
+        last: NodeLoad | None = None  # the load last reported, for this registration
+        last_sent = 0.0  # time.monotonic() of that report
+        registration = -1
         while not self._is_stopping():
             await self._session_ready.wait()
+            if registration != self._registrations:
+                # A new registration starts with no load stored: report at once.
+                registration, last = self._registrations, None
             try:
                 load = dataclasses.replace(
-                    self._load_fn(),
-                    node_id=self._node_template.node_id,
-                    incarnation=self._incarnation,
-                    reported_unix_ms=int(time.time() * 1000),
+                    self._load_fn(), node_id=self._node_template.node_id, incarnation=self._incarnation
                 )
             except Exception:
                 log.exception("load_fn failed; skipping this report")
             else:
-                try:
-                    await self._meta.ReportLoad(
-                        metadata_pb2.ReportLoadRequest(load=convert.load_to_pb(load)),
-                        timeout=self._settings.rpc_timeout_s,
-                        metadata=self._call_metadata,
-                    )
-                    self._load_reports += 1
-                except grpc.aio.AioRpcError as err:
-                    self._note_error("ReportLoad", err)
+                now = time.monotonic()
+                if (
+                    last is None
+                    or load_changed(last, load)
+                    or now - last_sent >= self._settings.load_heartbeat_s
+                ):
+                    stamped = dataclasses.replace(load, reported_unix_ms=int(time.time() * 1000))
+                    try:
+                        await self._meta.ReportLoad(
+                            metadata_pb2.ReportLoadRequest(load=convert.load_to_pb(stamped)),
+                            timeout=self._settings.rpc_timeout_s,
+                            metadata=self._call_metadata,
+                        )
+                        self._load_reports += 1
+                        last, last_sent = load, now
+                    except grpc.aio.AioRpcError as err:
+                        self._note_error("ReportLoad", err)
             await self._sleep_or_stop(self._settings.load_interval_s)
 
     # ------------------------------------------------------------------ publishes and releases

@@ -42,7 +42,8 @@ KVPLANE_HTTP_URL give defaults):
     require_digests                    P refuses a pull whose handle has no digests (true)
     expiry_margin_s                    taken off D's deadline for the wall-clock expiry (1.0)
     metrics_port                       serve the connector's Prometheus metrics here (0: off)
-    lease_ttl_s, load_interval_s       the node agent's lease and load period (10, 0.5)
+    lease_ttl_s, load_interval_s       the node agent's lease and load sampling period (10, 0.5)
+    load_heartbeat_s                   longest gap between load reports of an unchanged load (10)
     nixl_progress_thread               false: NIXL agents without their busy progress thread
     idle_step_pause_s                  pause in steps that schedule nothing (0: off)
     kv_free_watermark_blocks           free blocks to ask the control plane for on top of what
@@ -178,6 +179,7 @@ class ConnectorSettings:
     metrics_port: int = 0
     lease_ttl_s: int = 10
     load_interval_s: float = 0.5
+    load_heartbeat_s: float = 10.0
     # Worker side: whether NIXL runs its progress thread. NIXL's Python agent starts it with a
     # zero polling delay, so it keeps one core busy per engine for the engine's whole life.
     # Without it, transfers and notifications progress when the worker polls NIXL, which it does
@@ -249,6 +251,7 @@ class ConnectorSettings:
                 metrics_port=int(raw.get("metrics_port", 0)),
                 lease_ttl_s=int(raw.get("lease_ttl_s", 10)),
                 load_interval_s=float(raw.get("load_interval_s", 0.5)),
+                load_heartbeat_s=float(raw.get("load_heartbeat_s", 10.0)),
                 nixl_progress_thread=bool(raw.get("nixl_progress_thread", True)),
                 idle_step_pause_s=float(raw.get("idle_step_pause_s", 0.0)),
                 kv_free_watermark_blocks=int(raw.get("kv_free_watermark_blocks", 0)),
@@ -415,6 +418,7 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
             eviction_target=s.eviction_target,
             lease_ttl_s=s.lease_ttl_s,
             load_interval_s=s.load_interval_s,
+            load_heartbeat_s=max(s.load_heartbeat_s, s.load_interval_s),
             credentials=s.credentials(),
         )
         self.kvplane_agent = NodeAgent(

@@ -10,7 +10,8 @@ does inside vLLM, with the same helpers:
   is published through the node agent, and reported released when freed.
 
 ``start_node_agent`` registers the engine as a node (same incarnation as the
-engine's lease stamps), reports its load, applies release and drain commands
+engine's lease stamps), reports its load when it changes (and every
+``load_heartbeat_s`` while it does not), applies release and drain commands
 through the engine's thread-safe ``EngineControl``, and reports the engine's
 KV demand (``SimEngine.kv_demand_blocks``) the moment requests start or stop
 waiting for KV memory, as the vLLM connector does from its scheduler hooks.
@@ -170,6 +171,7 @@ def start_node_agent(engine: SimEngine, http_url: str, observer: ConnectorObserv
             metadata_target=s.control_plane,
             eviction_target=s.eviction,
             load_interval_s=s.load_interval_s,
+            load_heartbeat_s=max(s.load_heartbeat_s, s.load_interval_s),
             credentials=s.credentials(),
         ),
         node_for(engine, http_url),

@@ -77,8 +77,10 @@ class SimEngineSettings:
     require_digests: bool = True
     # Subtracted from D's deadline when a handle's wall-clock expiry is published (seconds).
     expiry_margin_s: float = 1.0
-    # Seconds between load reports to the control plane.
+    # Seconds between samples of the engine's load; a change is reported this soon.
     load_interval_s: float = 0.5
+    # Longest gap between two load reports while the load does not change, seconds.
+    load_heartbeat_s: float = 10.0
     # Credentials the node agent presents to the control plane (kvplane.client.credentials):
     # a bearer token or a file holding it; TLS: the servers' CA, and a client certificate for
     # mTLS; a mesh secret only where no mesh proxy adds it (development).
@@ -229,6 +231,7 @@ def build_arg_parser(
     p.add_argument("--require-digests", action=argparse.BooleanOptionalAction, default=d.require_digests)
     p.add_argument("--expiry-margin-s", type=float, default=d.expiry_margin_s)
     p.add_argument("--load-interval-s", type=float, default=d.load_interval_s)
+    p.add_argument("--load-heartbeat-s", type=float, default=d.load_heartbeat_s)
     p.add_argument(
         "--auth-token", default=d.auth_token, help="bearer token for the control plane (prefer the file)"
     )

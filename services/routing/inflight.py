@@ -1,7 +1,8 @@
 """Work a router has sent to nodes that their load reports do not show yet.
 
-A node reports its load every half second or so; turns that arrive together
-between two reports would all see the same idle node and pile onto it. The
+A node reports its load when it changes, at most every half second (and an
+unchanged one every ten); turns that arrive together between two reports
+would all see the same idle node and pile onto it. The
 ledger remembers what this router sent each node since (prompt tokens to
 compute on a prefill node, KV blocks and a running request on a decode
 node), adds it to the node's last report, and forgets it once a report taken

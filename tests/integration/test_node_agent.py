@@ -298,3 +298,87 @@ async def test_missing_eviction_service_does_not_stop_publishing(
     )
     agent.publish(make_handle(node, conversation="conv-noevict", request_id="r-ne"))
     await eventually(lambda: get_handle(metadata_channel, "conv-noevict"), what="handle published")
+
+
+class ChangingLoad:
+    """A load_fn whose value the test sets, counting the agent's samples."""
+
+    def __init__(self, node_id: str) -> None:
+        self._lock = threading.Lock()
+        self.samples = 0
+        self.load = NodeLoad(node_id, "", running_requests=1, free_kv_blocks=500, total_kv_blocks=1000)
+
+    def __call__(self) -> NodeLoad:
+        with self._lock:
+            self.samples += 1
+            return self.load
+
+    def set(self, **changes: int) -> None:
+        with self._lock:
+            self.load = dataclasses.replace(self.load, **changes)
+
+
+def start_with_load(
+    agents: list[NodeAgent], settings: NodeAgentSettings, node: Node, load: ChangingLoad
+) -> NodeAgent:
+    agent = NodeAgent(settings, node, load, Recorder().on_release)
+    agent.start()
+    agents.append(agent)
+    return agent
+
+
+async def test_an_idle_agent_reports_its_load_once_however_often_it_samples_it(
+    metadata_process: ServiceProcess, metadata_channel: grpc.aio.Channel, agents: list[NodeAgent]
+) -> None:
+    load = ChangingLoad("d-idle")
+    settings = fast_settings(target_of(metadata_process), load_interval_s=0.02, load_heartbeat_s=3600.0)
+    agent = start_with_load(agents, settings, make_node("d-idle", incarnation=""), load)
+
+    async def sampled(n: int) -> bool:
+        return load.samples >= n
+
+    await eventually(lambda: sampled(40), what="40 samples of an unchanged load")
+    assert agent.stats().load_reports == 1, "an unchanged load is reported once, at registration"
+
+    # A change is reported at the next sample; a change smaller than 1% of the blocks is not.
+    load.set(free_kv_blocks=495)
+    before = load.samples
+    await eventually(lambda: sampled(before + 10), what="10 more samples")
+    assert agent.stats().load_reports == 1
+    load.set(running_requests=2)
+
+    async def reported() -> bool:
+        loads = [s.load for s in await list_nodes(metadata_channel) if s.node.node_id == "d-idle"]
+        return bool(loads) and loads[0].running_requests == 2
+
+    await eventually(reported, what="the changed load in etcd")
+    assert agent.stats().load_reports == 2
+
+
+async def test_a_quiet_agent_still_reports_its_load_every_heartbeat(
+    metadata_process: ServiceProcess, metadata_channel: grpc.aio.Channel, agents: list[NodeAgent]
+) -> None:
+    load = ChangingLoad("d-quiet")
+    settings = fast_settings(target_of(metadata_process), load_interval_s=0.02, load_heartbeat_s=0.2)
+    agent = start_with_load(agents, settings, make_node("d-quiet", incarnation=""), load)
+
+    async def reports(n: int) -> bool:
+        return agent.stats().load_reports >= n
+
+    async def stamp() -> int:
+        statuses = await list_nodes(metadata_channel)
+        return next(s.load.reported_unix_ms for s in statuses if s.node.node_id == "d-quiet")
+
+    await eventually(lambda: reports(2), what="a heartbeat report of an unchanged load")
+    first = await stamp()
+    count = agent.stats().load_reports
+
+    async def newer() -> bool:
+        return agent.stats().load_reports > count and await stamp() > first
+
+    await eventually(newer, what="the next heartbeat, stamped later")
+
+
+def test_a_heartbeat_shorter_than_the_sampling_period_is_refused() -> None:
+    with pytest.raises(ValueError, match="load_heartbeat_s"):
+        NodeAgentSettings(metadata_target="x:1", load_interval_s=1.0, load_heartbeat_s=0.5)

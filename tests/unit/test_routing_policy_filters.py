@@ -84,6 +84,15 @@ def test_live_filter_drops_nodes_whose_load_reports_stopped(
     assert f.keep(NodeState(node, load), ctx()) is kept
 
 
+def test_live_filter_keeps_a_quiet_node_between_its_load_heartbeats() -> None:
+    # An idle node's agent reports only every load_heartbeat_s (10 s) while nothing changes.
+    node = mk_node()
+    quiet = mk_load(node, reported_unix_ms=NOW - 25_000)
+    assert LiveFilter().keep(NodeState(node, quiet), ctx())
+    stopped = mk_load(node, reported_unix_ms=NOW - 31_000)
+    assert not LiveFilter().keep(NodeState(node, stopped), ctx())
+
+
 def test_live_filter_judges_report_age_as_of_the_last_live_view() -> None:
     # etcd has been unreachable for a minute: reports stopped for every node alike.
     node = mk_node()

@@ -1,0 +1,48 @@
+"""Which load changes the node agent reports before its heartbeat."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from kvplane.connector.node_agent import load_changed
+from kvplane.services.common.nodes import NodeLoad
+
+BASE = NodeLoad(
+    "d0",
+    "inc",
+    queued_requests=2,
+    queued_prefill_tokens=4096,
+    running_requests=8,
+    free_kv_blocks=5000,
+    total_kv_blocks=10_000,
+    retained_bytes=1 << 30,
+    reported_unix_ms=1,
+)
+
+
+@pytest.mark.parametrize(
+    ("changes", "reported"),
+    [
+        ({}, False),
+        ({"reported_unix_ms": 2}, False),  # the same load, later: the heartbeat's to send
+        ({"queued_requests": 3}, True),
+        ({"queued_prefill_tokens": 4097}, True),
+        ({"running_requests": 7}, True),
+        ({"retained_bytes": (1 << 30) - 1}, True),
+        ({"total_kv_blocks": 10_001}, True),
+        ({"free_kv_blocks": 5099}, False),  # under 1% of the blocks
+        ({"free_kv_blocks": 4900}, True),
+        ({"free_kv_blocks": 5100}, True),
+    ],
+)
+def test_a_load_is_reported_at_once_when_it_changed_materially(
+    changes: dict[str, int], reported: bool
+) -> None:
+    assert load_changed(BASE, dataclasses.replace(BASE, **changes)) is reported
+
+
+def test_one_free_block_counts_on_a_small_cache() -> None:
+    small = NodeLoad("d0", "inc", free_kv_blocks=7, total_kv_blocks=9)
+    assert load_changed(small, dataclasses.replace(small, free_kv_blocks=6))
