@@ -50,7 +50,7 @@ typecheck-tree:
 lint: setup typecheck-tree ## ruff, mypy (strict) and buf lint
 	$(BIN)/ruff check services connector bench tests
 	$(BIN)/ruff format --check services connector bench tests
-	MYPYPATH=.typecheck $(BIN)/mypy -p kvplane.services -p kvplane.client -p kvplane.connector -p kvplane.bench
+	MYPYPATH=.typecheck $(BIN)/mypy -p kvplane.services -p kvplane.services.client -p kvplane.connector -p kvplane.bench
 	cd $(PROTO_SRC) && ../node_modules/.bin/buf lint
 
 test: setup ## The default test suite (real etcd, real gRPC, real NIXL)

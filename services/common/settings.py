@@ -18,7 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from kvplane.client.credentials import ClientCredentials
+from kvplane.services.client.credentials import ClientCredentials
 from kvplane.services.common.auth import (
     Authenticator,
     CertificateAuthenticator,

@@ -13,7 +13,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kvplane.client import RoutingClient
+from kvplane.services.client import RoutingClient
 from kvplane.services.common.settings import GatewaySection
 from kvplane.services.common.telemetry import Telemetry
 from kvplane.services.gateway import cache_salt

@@ -13,7 +13,7 @@ import time
 
 import grpc
 
-from kvplane.client import RouteResult, RoutingClient, RoutingUnavailable
+from kvplane.services.client import RouteResult, RoutingClient, RoutingUnavailable
 from kvplane.services.common.settings import GatewaySection
 from kvplane.services.gateway.metrics import GatewayMetrics
 from kvplane.services.gateway.progress import TurnProgress, TurnRequest

@@ -17,7 +17,7 @@ import grpc
 import pytest
 import yaml
 
-from kvplane.client.credentials import ClientCredentials
+from kvplane.services.client.credentials import ClientCredentials
 from kvplane.services.common import convert
 from kvplane.services.common.local_etcd import LocalEtcd
 from kvplane.services.common.process import ServiceProcess
@@ -207,7 +207,7 @@ async def test_a_sim_engine_registers_over_mtls_with_its_certificate(
 async def test_the_gateways_routing_client_routes_over_mtls_with_its_certificate(
     mtls_plane: ServiceProcess, ca: TestCa
 ) -> None:
-    from kvplane.client import RoutingClient, RoutingUnavailable
+    from kvplane.services.client import RoutingClient, RoutingUnavailable
     from kvplane.services.common.settings import GatewaySection
 
     gateway_cert = ca.issue("gateway", uris=("kvplane://operator/gateway",))
@@ -327,7 +327,7 @@ def _secret_volume(directory: Path, ca: TestCa, issued: Issued) -> Path:
 async def test_the_charts_mtls_wiring_serves_its_clients_and_passes_its_own_probe(
     etcd: LocalEtcd, prefix: str, ca: TestCa, tmp_path: Path
 ) -> None:
-    from kvplane.client import RoutingClient, RoutingUnavailable
+    from kvplane.services.client import RoutingClient, RoutingUnavailable
     from kvplane.services.common.settings import GatewaySection
 
     containers = _chart_containers("mtls-values.yaml")
