@@ -86,7 +86,6 @@ from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-from kvplane.services.client.credentials import ClientCredentials
 from kvplane.connector import digests as token_digests
 from kvplane.connector import prefix_check, vllm_features
 from kvplane.connector.node_agent import NodeAgent, NodeAgentSettings
@@ -98,6 +97,7 @@ from kvplane.connector.vllm_stats import (
     KvplaneConnectorStats,
     KvplanePromMetrics,
 )
+from kvplane.services.client.credentials import ClientCredentials
 from kvplane.services.common.handles import (
     KEY_CONVERSATION,
     KEY_DIGESTS,
