@@ -18,9 +18,12 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-dev: $(BIN)/python ## Python environment with the project editable and dev tools
+# Strict editable: build/__editable__.kvplane-* links each source file where the wheel puts it, so
+# tools see `kvplane.*` as Python does; a module added or removed later needs this again (`make
+# setup` notices and relinks .venv by itself).
+dev: $(BIN)/python ## Python environment with the project editable (strict) and dev tools
 	./deploy/scripts/install_cpu_torch.sh $(VENV)
-	$(BIN)/pip install -q -c deploy/constraints.txt -e '.[dev]'
+	$(BIN)/pip install -q -c deploy/constraints.txt -e '.[dev]' --config-settings editable_mode=strict
 
 constraints: ## Rewrite deploy/constraints.txt from the working .venv (after changing a dependency)
 	{ sed -n '/^#/p' deploy/constraints.txt; \
@@ -87,5 +90,7 @@ bench: setup ## Benchmarks; regenerates the README's Performance section
 wheel-check: ## Build the wheel and import it from a fresh venv
 	./deploy/scripts/wheel_check.sh
 
+# Keeps build/__editable__.*: the editable install imports kvplane from there.
 clean:
-	rm -rf build dist *.egg-info .mypy_cache .ruff_cache
+	find build -mindepth 1 -maxdepth 1 ! -name '__editable__.*' -exec rm -rf {} + 2>/dev/null || true
+	rm -rf dist *.egg-info .mypy_cache .ruff_cache
