@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 PROTO_SRC := protos
 PROTO_OUT := protos/python
 
-.PHONY: help setup dev protos protos-check typecheck-tree lint test test-slow run serve live-bench bench wheel-check constraints clean
+.PHONY: help setup dev protos protos-check lint test test-slow run serve live-bench bench wheel-check constraints clean
 
 help:
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
@@ -40,20 +40,12 @@ protos: ## Regenerate the Python API from protos/
 protos-check: protos ## Fail if the generated code is not current
 	git diff --exit-code -- $(PROTO_OUT) || (echo "generated code is stale: run make protos" && exit 1)
 
-# mypy cannot follow the editable install's import hook, so it checks a
-# tree of links laid out as the installed package is.
-typecheck-tree:
-	rm -rf .typecheck && mkdir -p .typecheck/kvplane
-	ln -s ../../services .typecheck/kvplane/services
-	ln -s ../../services/client .typecheck/kvplane/client
-	ln -s ../../connector .typecheck/kvplane/connector
-	ln -s ../../bench .typecheck/kvplane/bench
-	ln -s ../../protos/python/kvplane/v1 .typecheck/kvplane/v1
-
-lint: setup typecheck-tree ## ruff, mypy (strict) and buf lint
+# mypy checks the packages as installed: the strict editable install's tree (setup) holds them
+# where the wheel does, each module under its one name.
+lint: setup ## ruff, mypy (strict) and buf lint
 	$(BIN)/ruff check services connector bench tests
 	$(BIN)/ruff format --check services connector bench tests
-	MYPYPATH=.typecheck $(BIN)/mypy -p kvplane.services -p kvplane.services.client -p kvplane.connector -p kvplane.bench
+	$(BIN)/mypy -p kvplane.services -p kvplane.connector -p kvplane.bench
 	cd $(PROTO_SRC) && ../node_modules/.bin/buf lint
 
 test: setup ## The default test suite (real etcd, real gRPC, real NIXL)
