@@ -18,7 +18,6 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from kvplane.services.client.credentials import ClientCredentials
 from kvplane.services.common.auth import (
     Authenticator,
     CertificateAuthenticator,
@@ -282,25 +281,15 @@ class GatewaySection(Section):
     listen: str = "127.0.0.1:8080"
     # Routing service replicas, host:port each.
     routing: list[str] = Field(default_factory=lambda: ["127.0.0.1:50051"])
-    # Credentials the gateway presents to routing: an operator token (or a file holding it);
-    # TLS to routing with its CA, and a client certificate for mTLS.
+    # Credentials the gateway presents to routing (`kvplane.services.gateway.app.routing_credentials`):
+    # an operator token (or a file holding it); TLS to routing with its CA, and a client certificate
+    # for mTLS.
     routing_token: SecretStr = SecretStr("")
     routing_token_file: str = ""
     routing_tls_ca_file: str = ""
     routing_tls_cert_file: str = ""
     routing_tls_key_file: str = ""
     routing_tls_server_name: str = ""
-
-    def routing_credentials(self) -> ClientCredentials:
-        """What the gateway presents to the routing service."""
-        return ClientCredentials(
-            token=self.routing_token.get_secret_value(),
-            token_file=self.routing_token_file,
-            tls_ca_file=self.routing_tls_ca_file,
-            tls_cert_file=self.routing_tls_cert_file,
-            tls_key_file=self.routing_tls_key_file,
-            tls_server_name=self.routing_tls_server_name,
-        )
 
     # A Route's whole deadline, seconds. Above routing's check-out timeout (1 s): a Route cut short
     # may already have taken the handle.
