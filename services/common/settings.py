@@ -32,7 +32,6 @@ from kvplane.services.common.etcd_credentials import EtcdCredentials
 from kvplane.services.common.secret_files import read_secret_file
 from kvplane.services.common.store import StoreSettings
 from kvplane.services.common.tls import ServerTlsFiles
-from kvplane.services.eviction.config import EvictionSection
 
 log = logging.getLogger(__name__)
 
@@ -217,6 +216,29 @@ class MetadataSection(Section):
     claim_deadline_s: float = Field(60.0, gt=0)
     # How often the claim reaper sweeps, seconds.
     claim_sweep_interval_s: float = Field(2.0, gt=0)
+
+
+class EvictionSection(BaseModel):
+    """`eviction:` in the settings file (KVPLANE_EVICTION__<FIELD> in the environment)."""
+
+    # The election key's name; replicas of one coordinator share it.
+    election_name: str = "eviction"
+    # This replica's id in the election; empty: host, pid and a random suffix.
+    replica_id: str = ""
+    # The leader's etcd lease TTL, seconds: a killed leader is replaced within it.
+    lease_ttl_s: int = Field(10, ge=2, le=300)
+    # How often policies are evaluated when nothing changes, seconds.
+    evaluate_interval_s: float = Field(1.0, gt=0)
+    # How often the leader sweeps for handles of unregistered nodes, seconds.
+    orphan_sweep_interval_s: float = Field(10.0, gt=0)
+    # Release transactions in flight at once.
+    release_concurrency: int = Field(16, ge=1, le=1024)
+    # Conversations silent this long count as ended for the gap statistics, seconds.
+    gap_horizon_s: float = Field(3600.0, gt=0)
+    # Retention policy YAML (see kvplane.services.eviction.policy.pipeline);
+    # `policy` inline wins over the file; neither: the built-in default.
+    policy_file: str = ""
+    policy: dict[str, Any] | None = None
 
 
 class RoutingSection(Section):
