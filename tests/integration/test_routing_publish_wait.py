@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from kvplane.client import RoutingClient
+from kvplane.services.client import RoutingClient
 from kvplane.services.common.handles import KEY_HANDLE_ID
 from kvplane.services.common.local_etcd import LocalEtcd
 from tests.support.polling import eventually
