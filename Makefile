@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 PROTO_SRC := protos
 PROTO_OUT := protos/python
 
-.PHONY: help setup dev protos protos-check typecheck-tree lint test test-slow run serve live-bench bench compare wheel-check constraints clean
+.PHONY: help setup dev protos protos-check lint test test-slow run serve live-bench bench compare wheel-check constraints clean
 
 help:
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
@@ -18,9 +18,12 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-dev: $(BIN)/python ## Python environment with the project editable and dev tools
+# Strict editable: build/__editable__.kvplane-* links each source file where the wheel puts it, so
+# tools see `kvplane.*` as Python does; a module added or removed later needs this again (`make
+# setup` notices and relinks .venv by itself).
+dev: $(BIN)/python ## Python environment with the project editable (strict) and dev tools
 	./deploy/scripts/install_cpu_torch.sh $(VENV)
-	$(BIN)/pip install -q -c deploy/constraints.txt -e '.[dev]'
+	$(BIN)/pip install -q -c deploy/constraints.txt -e '.[dev]' --config-settings editable_mode=strict
 
 constraints: ## Rewrite deploy/constraints.txt from the working .venv (after changing a dependency)
 	{ sed -n '/^#/p' deploy/constraints.txt; \
@@ -37,20 +40,12 @@ protos: ## Regenerate the Python API from protos/
 protos-check: protos ## Fail if the generated code is not current
 	git diff --exit-code -- $(PROTO_OUT) || (echo "generated code is stale: run make protos" && exit 1)
 
-# mypy cannot follow the editable install's import hook, so it checks a
-# tree of links laid out as the installed package is.
-typecheck-tree:
-	rm -rf .typecheck && mkdir -p .typecheck/kvplane
-	ln -s ../../services .typecheck/kvplane/services
-	ln -s ../../services/client .typecheck/kvplane/client
-	ln -s ../../connector .typecheck/kvplane/connector
-	ln -s ../../bench .typecheck/kvplane/bench
-	ln -s ../../protos/python/kvplane/v1 .typecheck/kvplane/v1
-
-lint: setup typecheck-tree ## ruff, mypy (strict) and buf lint
+# mypy checks the packages as installed: the strict editable install's tree (setup) holds them
+# where the wheel does, each module under its one name.
+lint: setup ## ruff, mypy (strict) and buf lint
 	$(BIN)/ruff check services connector bench tests
 	$(BIN)/ruff format --check services connector bench tests
-	MYPYPATH=.typecheck $(BIN)/mypy -p kvplane.services -p kvplane.client -p kvplane.connector -p kvplane.bench
+	$(BIN)/mypy -p kvplane.services -p kvplane.connector -p kvplane.bench
 	cd $(PROTO_SRC) && ../node_modules/.bin/buf lint
 
 test: setup ## The default test suite (real etcd, real gRPC, real NIXL)
@@ -92,5 +87,7 @@ compare: setup ## kvplane's gateway, vllm-router, vLLM's example proxy and zero-
 wheel-check: ## Build the wheel and import it from a fresh venv
 	./deploy/scripts/wheel_check.sh
 
+# Keeps build/__editable__.*: the editable install imports kvplane from there.
 clean:
-	rm -rf build dist *.egg-info .mypy_cache .ruff_cache
+	find build -mindepth 1 -maxdepth 1 ! -name '__editable__.*' -exec rm -rf {} + 2>/dev/null || true
+	rm -rf dist *.egg-info .mypy_cache .ruff_cache

@@ -451,7 +451,7 @@ async def routing_round(
     calls_c64: int,
 ) -> list[tuple[str, Result]]:
     """Recompute and pull phases against a fresh routing replica."""
-    from kvplane.client import RoutingClient
+    from kvplane.services.client import RoutingClient
 
     assert etcd.proc is not None
     me = os.getpid()

@@ -69,7 +69,7 @@ from typing import Any, Literal
 
 import grpc
 
-from kvplane.client.credentials import CallMetadata, ClientCredentials
+from kvplane.services.client.credentials import CallMetadata, ClientCredentials
 from kvplane.services.common import convert
 from kvplane.services.common.handles import CacheHandle
 from kvplane.services.common.nodes import Node, NodeLoad
@@ -153,7 +153,7 @@ class NodeAgentSettings:
     publish_give_up_s: float = 30.0
     # Bearer token for the control plane (shorthand for credentials.token).
     auth_token: str = dataclasses.field(default="", repr=False)
-    # Token, TLS and mesh secret presented to the control plane (kvplane.client.credentials).
+    # Token, TLS and mesh secret presented to the control plane (kvplane.services.client.credentials).
     credentials: ClientCredentials = dataclasses.field(default_factory=ClientCredentials)
 
     def __post_init__(self) -> None:

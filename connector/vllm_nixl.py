@@ -87,7 +87,6 @@ from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-from kvplane.client.credentials import ClientCredentials
 from kvplane.connector import digests as token_digests
 from kvplane.connector import prefix_check, vllm_features
 from kvplane.connector.node_agent import NodeAgent, NodeAgentSettings
@@ -99,6 +98,7 @@ from kvplane.connector.vllm_stats import (
     KvplaneConnectorStats,
     KvplanePromMetrics,
 )
+from kvplane.services.client.credentials import ClientCredentials
 from kvplane.services.common.handles import (
     KEY_CONVERSATION,
     KEY_DIGESTS,
@@ -194,7 +194,7 @@ class ConnectorSettings:
     # Scheduler side: free blocks asked for on top of what waiting requests need. 0: memory is
     # asked for only when a request waits for it, never kept empty ahead of need.
     kv_free_watermark_blocks: int = 0
-    # Credentials for the control plane (kvplane.client.credentials); see the module docstring.
+    # Credentials for the control plane (kvplane.services.client.credentials); see the module docstring.
     auth_token_file: str = ""
     tls_ca_file: str = ""
     tls_cert_file: str = ""

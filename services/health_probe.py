@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvplane.client.credentials import ClientCredentials
+from kvplane.services.client.credentials import ClientCredentials
 from kvplane.services.common.tls import TlsConfigError
 
 

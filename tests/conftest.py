@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Iterator
 import grpc
 import pytest
 
-from kvplane.client.credentials import ClientCredentials
+from kvplane.services.client.credentials import ClientCredentials
 from kvplane.services.common.local_etcd import LocalEtcd
 from kvplane.services.common.nodes import Fingerprint, Node, NodeRole
 from kvplane.services.common.ports import free_port

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from kvplane.bench.simengine.side_channel import normalize_host
 from kvplane.bench.simengine.timing_model import TimingModel
-from kvplane.client.credentials import ClientCredentials
+from kvplane.services.client.credentials import ClientCredentials
 
 Role = Literal["prefill", "decode", "both"]
 ROLES: tuple[Role, ...] = ("prefill", "decode", "both")
@@ -81,7 +81,7 @@ class SimEngineSettings:
     load_interval_s: float = 0.5
     # Longest gap between two load reports while the load does not change, seconds.
     load_heartbeat_s: float = 10.0
-    # Credentials the node agent presents to the control plane (kvplane.client.credentials):
+    # Credentials the node agent presents to the control plane (kvplane.services.client.credentials):
     # a bearer token or a file holding it; TLS: the servers' CA, and a client certificate for
     # mTLS; a mesh secret only where no mesh proxy adds it (development).
     auth_token: str = field(default="", repr=False)

@@ -33,14 +33,28 @@ if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
   .venv/bin/pip install -q --upgrade pip
 fi
+# kvplane is installed editable in strict mode: build/__editable__.kvplane-*/kvplane is a tree of
+# links to the source files, laid out as the wheel is, so mypy, IDEs and import linters see the
+# same `kvplane.*` modules that Python imports (the default mode's import hook is invisible to
+# them). A module added or removed since the last install is not in that tree: the stamp keeps
+# the list of source files the tree was made from, and a change relinks it. So does a plain
+# `pip install -e .` made by hand since (its import hook, a *_finder.py, replaces the tree).
 stamp=.venv/.kvplane-installed
+sources=$(find services connector bench protos/python -name __pycache__ -prune -o \
+  \( -name '*.py' -o -name '*.pyi' -o -name py.typed -o -name '*.yaml' \) -print | LC_ALL=C sort)
+editable=(--config-settings editable_mode=strict)
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ deploy/constraints.txt -nt "$stamp" ]; then
   # torch first, the CPU build: NIXL's wheel needs torch, and PyPI's is the CUDA build.
   ./deploy/scripts/install_cpu_torch.sh .venv
   # pyproject.toml states ranges; the constraints make this install the tested one, exactly.
-  echo "==> pip install -e .[dev] -c deploy/constraints.txt"
-  .venv/bin/pip install -q -c deploy/constraints.txt -e '.[dev]'
-  touch "$stamp"
+  echo "==> pip install -e .[dev] -c deploy/constraints.txt (strict editable)"
+  .venv/bin/pip install -q -c deploy/constraints.txt -e '.[dev]' "${editable[@]}"
+  printf '%s\n' "$sources" >"$stamp"
+elif [ "$(cat "$stamp")" != "$sources" ] || ! compgen -G 'build/__editable__.kvplane-*/kvplane' >/dev/null ||
+  compgen -G '.venv/lib/python*/site-packages/__editable___kvplane_*_finder.py' >/dev/null; then
+  echo "==> modules added or removed (or a non-strict install): relinking the editable install"
+  .venv/bin/pip install -q --no-deps -e . "${editable[@]}"
+  printf '%s\n' "$sources" >"$stamp"
 fi
 echo "==> ready: $(etcd --version | head -1), $(.venv/bin/python --version)"
 echo "    the kvplane command is .venv/bin/kvplane (\`source .venv/bin/activate\` puts it on PATH)"

@@ -63,7 +63,8 @@ EOF
 }
 
 # NIXL (vLLM imports it as `nixl`; the meta package's requirements name both the CUDA 12 and 13
-# backend wheels, one is enough) and kvplane from ROOT, editable with its dev extras; then the
+# backend wheels, one is enough) and kvplane from ROOT, editable (strict: ROOT's
+# build/__editable__.kvplane-* tree, shared with .venv) with its dev extras; then the
 # torch family is taken out again should a transitive requirement have brought it in.
 #   vllm_env_nixl_and_kvplane VENV ROOT NIXL_VERSION TORCH_VERSION
 vllm_env_nixl_and_kvplane() {
@@ -75,7 +76,7 @@ vllm_env_nixl_and_kvplane() {
   local status=0
   { "${pip[@]}" -c "$constraints" "nixl-cu12==$nixl_version" &&
     "${pip[@]}" --no-deps "nixl==$nixl_version" &&
-    "${pip[@]}" -c "$constraints" -e "$root[dev]"; } || status=$?
+    "${pip[@]}" -c "$constraints" -e "$root[dev]" --config-settings editable_mode=strict; } || status=$?
   rm -f "$constraints"
   ((status == 0)) || return "$status"
   local pkg

@@ -15,12 +15,28 @@ if [ -n "$leaked" ]; then
   echo "wheel leaks top-level modules: $leaked" >&2
   exit 1
 fi
+# Nothing in the wheel but the kvplane package and its metadata.
+outside=$("$work/venv/bin/python" - "$work"/dist/kvplane-*.whl <<'PY'
+import sys
+import zipfile
+
+tops = {name.split("/")[0] for name in zipfile.ZipFile(sys.argv[1]).namelist()}
+print(" ".join(sorted(t for t in tops if t != "kvplane" and not t.endswith(".dist-info"))))
+PY
+)
+if [ -n "$outside" ]; then
+  echo "wheel holds top-level entries besides kvplane: $outside" >&2
+  exit 1
+fi
 cd "$work"
 "$work/venv/bin/python" - <<'PY'
 import importlib
+import importlib.util
 for name in ["kvplane.services.metadata.service", "kvplane.services.common.store", "kvplane.v1.metadata_pb2",
-             "kvplane.connector.digests", "kvplane.services.cli"]:
+             "kvplane.connector.digests", "kvplane.services.cli", "kvplane.services.client.routing_client"]:
     module = importlib.import_module(name)
     assert "site-packages" in (module.__file__ or ""), module.__file__
-print("wheel ok: kvplane.* importable from site-packages; no top-level services/connector")
+# One name per module: the routing client is kvplane.services.client only.
+assert importlib.util.find_spec("kvplane.client") is None, "kvplane.client is a second name"
+print("wheel ok: kvplane.* importable from site-packages, one name each; no top-level services/connector")
 PY

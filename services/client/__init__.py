@@ -1,14 +1,14 @@
-"""kvplane.client: what an upstream gateway needs to route turns through kvplane."""
+"""kvplane.services.client: what an upstream gateway needs to route turns through kvplane."""
 
-from kvplane.client.credentials import ClientCredentials
-from kvplane.client.routing_client import (
+from kvplane.services.client.credentials import ClientCredentials
+from kvplane.services.client.routing_client import (
     Endpoint,
     RouteResult,
     RoutingClient,
     RoutingUnavailable,
 )
-from kvplane.client.tokenize import TokenizeFailed, is_token_ids, tokenize
-from kvplane.client.vllm_requests import MissingPrefillParams, decode_body, leg_url, prefill_body
+from kvplane.services.client.tokenize import TokenizeFailed, is_token_ids, tokenize
+from kvplane.services.client.vllm_requests import MissingPrefillParams, decode_body, leg_url, prefill_body
 
 __all__ = [
     "ClientCredentials",

@@ -1,7 +1,7 @@
 """What a kvplane client presents to the control plane: a bearer token, TLS, or both.
 
 Used by the node agent (the vLLM connector's and the sim-engine's), the gateway's
-routing client and `kvplane.client.RoutingClient`. Everything comes from
+routing client and `kvplane.services.client.RoutingClient`. Everything comes from
 configuration: a token or a file holding it, PEM files for TLS. From the
 environment (`from_env`, prefix `KVPLANE_CLIENT_` unless given):
 
@@ -28,8 +28,8 @@ from typing import Any
 
 import grpc
 
-from kvplane.client.reloading_channel import ReloadingChannel
-from kvplane.services.common.auth import MESH_SECRET_HEADER
+from kvplane.services.common.headers import MESH_SECRET_HEADER
+from kvplane.services.common.reloading_channel import ReloadingChannel
 from kvplane.services.common.secret_files import FileStamp, SecretFileError, file_stamp, read_secret_file
 from kvplane.services.common.tls import ClientTlsFiles
 

@@ -23,7 +23,7 @@
   knows the route, and only it learns costs from the report.
 - Each channel carries OpenTelemetry's client interceptor, so the caller's
   current span becomes the parent of the Route span (W3C traceparent).
-- `credentials` (`kvplane.client.credentials`) give the token and TLS; the
+- `credentials` (`kvplane.services.client.credentials`) give the token and TLS; the
   control plane refuses a call without them (UNAUTHENTICATED).
 """
 
@@ -42,8 +42,8 @@ import grpc
 from opentelemetry.instrumentation.grpc import aio_client_interceptors
 from opentelemetry.trace import TracerProvider
 
-from kvplane.client.credentials import CallMetadata, ClientCredentials
-from kvplane.client.suspect_replicas import SuspectReplicas
+from kvplane.services.client.credentials import CallMetadata, ClientCredentials
+from kvplane.services.client.suspect_replicas import SuspectReplicas
 from kvplane.v1 import routing_pb2, routing_pb2_grpc
 
 # The name the routing service is registered under in each server's health service.

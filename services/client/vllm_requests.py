@@ -16,7 +16,7 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
-from kvplane.client.routing_client import RouteResult
+from kvplane.services.client.routing_client import RouteResult
 from kvplane.services.common.handles import KEY_CONVERSATION, KEY_TENANT
 
 _ROUTING_KEYS = (KEY_TENANT, KEY_CONVERSATION)

@@ -34,15 +34,16 @@ from urllib.parse import unquote
 
 from kvplane.services.common import validation
 from kvplane.services.common.errors import InvalidArgument, PermissionDenied, Unauthenticated
+from kvplane.services.common.headers import (
+    MESH_SECRET_HEADER,
+    NODE_HEADER,
+    OPERATOR_HEADER,
+    ROLE_HEADER,
+    TENANT_HEADER,
+)
 from kvplane.services.common.secret_files import file_stamp
 
 log = logging.getLogger(__name__)
-
-MESH_SECRET_HEADER = "x-kvplane-mesh-secret"
-ROLE_HEADER = "x-kvplane-role"
-TENANT_HEADER = "x-kvplane-tenant"
-NODE_HEADER = "x-kvplane-node"
-OPERATOR_HEADER = "x-kvplane-operator"
 
 
 class PrincipalKind(enum.Enum):

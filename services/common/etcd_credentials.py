@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 from aetcd import rpc
 
-from kvplane.client.reloading_channel import ReloadingChannel
+from kvplane.services.common.reloading_channel import ReloadingChannel
 from kvplane.services.common.secret_files import SecretFileError, read_secret_file
 from kvplane.services.common.tls import ClientTlsFiles
 

@@ -18,7 +18,6 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from kvplane.client.credentials import ClientCredentials
 from kvplane.services.common.auth import (
     Authenticator,
     CertificateAuthenticator,
@@ -33,7 +32,6 @@ from kvplane.services.common.etcd_credentials import EtcdCredentials
 from kvplane.services.common.secret_files import read_secret_file
 from kvplane.services.common.store import StoreSettings
 from kvplane.services.common.tls import ServerTlsFiles
-from kvplane.services.eviction.config import EvictionSection
 
 log = logging.getLogger(__name__)
 
@@ -220,6 +218,29 @@ class MetadataSection(Section):
     claim_sweep_interval_s: float = Field(2.0, gt=0)
 
 
+class EvictionSection(BaseModel):
+    """`eviction:` in the settings file (KVPLANE_EVICTION__<FIELD> in the environment)."""
+
+    # The election key's name; replicas of one coordinator share it.
+    election_name: str = "eviction"
+    # This replica's id in the election; empty: host, pid and a random suffix.
+    replica_id: str = ""
+    # The leader's etcd lease TTL, seconds: a killed leader is replaced within it.
+    lease_ttl_s: int = Field(10, ge=2, le=300)
+    # How often policies are evaluated when nothing changes, seconds.
+    evaluate_interval_s: float = Field(1.0, gt=0)
+    # How often the leader sweeps for handles of unregistered nodes, seconds.
+    orphan_sweep_interval_s: float = Field(10.0, gt=0)
+    # Release transactions in flight at once.
+    release_concurrency: int = Field(16, ge=1, le=1024)
+    # Conversations silent this long count as ended for the gap statistics, seconds.
+    gap_horizon_s: float = Field(3600.0, gt=0)
+    # Retention policy YAML (see kvplane.services.eviction.policy.pipeline);
+    # `policy` inline wins over the file; neither: the built-in default.
+    policy_file: str = ""
+    policy: dict[str, Any] | None = None
+
+
 class RoutingSection(Section):
     # Routing policy YAML (services/routing/policy/config.py); empty: the packaged default.
     policy_file: str = ""
@@ -286,25 +307,15 @@ class GatewaySection(Section):
     listen: str = "127.0.0.1:8080"
     # Routing service replicas, host:port each.
     routing: list[str] = Field(default_factory=lambda: ["127.0.0.1:50051"])
-    # Credentials the gateway presents to routing: an operator token (or a file holding it);
-    # TLS to routing with its CA, and a client certificate for mTLS.
+    # Credentials the gateway presents to routing (`kvplane.services.gateway.app.routing_credentials`):
+    # an operator token (or a file holding it); TLS to routing with its CA, and a client certificate
+    # for mTLS.
     routing_token: SecretStr = SecretStr("")
     routing_token_file: str = ""
     routing_tls_ca_file: str = ""
     routing_tls_cert_file: str = ""
     routing_tls_key_file: str = ""
     routing_tls_server_name: str = ""
-
-    def routing_credentials(self) -> ClientCredentials:
-        """What the gateway presents to the routing service."""
-        return ClientCredentials(
-            token=self.routing_token.get_secret_value(),
-            token_file=self.routing_token_file,
-            tls_ca_file=self.routing_tls_ca_file,
-            tls_cert_file=self.routing_tls_cert_file,
-            tls_key_file=self.routing_tls_key_file,
-            tls_server_name=self.routing_tls_server_name,
-        )
 
     # A Route's whole deadline, seconds. Above routing's check-out timeout (1 s): a Route cut short
     # may already have taken the handle.

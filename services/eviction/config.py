@@ -1,4 +1,8 @@
-"""The eviction service's settings section and its policy configuration."""
+"""The eviction service's retention policy, as its settings section configures it.
+
+The section itself (`EvictionSection`) is part of the process settings
+(kvplane.services.common.settings), beside every other service's.
+"""
 
 from __future__ import annotations
 
@@ -6,43 +10,23 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, Field
 
+from kvplane.services.common.settings import EvictionSection
 from kvplane.services.eviction.policy import RetentionPipeline
 from kvplane.services.eviction.policy.base import PolicyConfigError
 
 
-class EvictionSection(BaseModel):
-    """`eviction:` in the settings file (KVPLANE_EVICTION__<FIELD> in the environment)."""
+def policy_config(section: EvictionSection) -> dict[str, Any] | None:
+    """The policy mapping: `policy` inline, else the file's, else None (the built-in default)."""
+    if section.policy is not None:
+        return section.policy
+    if not section.policy_file:
+        return None
+    loaded = yaml.safe_load(Path(section.policy_file).read_text())
+    if not isinstance(loaded, dict):
+        raise PolicyConfigError(f"{section.policy_file}: expected a mapping at the top level")
+    return loaded
 
-    # The election key's name; replicas of one coordinator share it.
-    election_name: str = "eviction"
-    # This replica's id in the election; empty: host, pid and a random suffix.
-    replica_id: str = ""
-    # The leader's etcd lease TTL, seconds: a killed leader is replaced within it.
-    lease_ttl_s: int = Field(10, ge=2, le=300)
-    # How often policies are evaluated when nothing changes, seconds.
-    evaluate_interval_s: float = Field(1.0, gt=0)
-    # How often the leader sweeps for handles of unregistered nodes, seconds.
-    orphan_sweep_interval_s: float = Field(10.0, gt=0)
-    # Release transactions in flight at once.
-    release_concurrency: int = Field(16, ge=1, le=1024)
-    # Conversations silent this long count as ended for the gap statistics, seconds.
-    gap_horizon_s: float = Field(3600.0, gt=0)
-    # Retention policy YAML (see kvplane.services.eviction.policy.pipeline);
-    # `policy` inline wins over the file; neither: the built-in default.
-    policy_file: str = ""
-    policy: dict[str, Any] | None = None
 
-    def policy_config(self) -> dict[str, Any] | None:
-        if self.policy is not None:
-            return self.policy
-        if not self.policy_file:
-            return None
-        loaded = yaml.safe_load(Path(self.policy_file).read_text())
-        if not isinstance(loaded, dict):
-            raise PolicyConfigError(f"{self.policy_file}: expected a mapping at the top level")
-        return loaded
-
-    def pipeline(self) -> RetentionPipeline:
-        return RetentionPipeline.from_config(self.policy_config())
+def retention_pipeline(section: EvictionSection) -> RetentionPipeline:
+    return RetentionPipeline.from_config(policy_config(section))

@@ -39,9 +39,10 @@ from typing import Any
 from kvplane.services.common.cluster_view import ClusterView, HandleChange, NodeChange
 from kvplane.services.common.errors import StoreUnavailable
 from kvplane.services.common.handles import ReleaseReason
+from kvplane.services.common.settings import EvictionSection
 from kvplane.services.common.store import Store, now_ms
 from kvplane.services.common.telemetry import Telemetry
-from kvplane.services.eviction.config import EvictionSection
+from kvplane.services.eviction.config import retention_pipeline
 from kvplane.services.eviction.election import LeaderElection, Term
 from kvplane.services.eviction.metrics import EvictionMetrics
 from kvplane.services.eviction.policy import (
@@ -101,7 +102,7 @@ class EvictionCoordinator:
         self.election = LeaderElection(store, settings.election_name, self.replica_id, settings.lease_ttl_s)
         self.metrics = EvictionMetrics.create(telemetry.registry)
         self.sessions = SessionRegistry(store, self.metrics)
-        self.pipeline = pipeline or settings.pipeline()
+        self.pipeline = pipeline or retention_pipeline(settings)
         self.tracker = TurnTracker(self.pipeline.values.gaps, horizon_s=settings.gap_horizon_s)
         self.releaser = Releaser(store, view, self.metrics, telemetry, settings.release_concurrency)
         self.term: Term | None = None

@@ -13,7 +13,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kvplane.client import RoutingClient
+from kvplane.services.client import ClientCredentials, RoutingClient
 from kvplane.services.common.settings import GatewaySection
 from kvplane.services.common.telemetry import Telemetry
 from kvplane.services.gateway import cache_salt
@@ -73,6 +73,18 @@ def _read_limits(settings: GatewaySection) -> ReadLimits:
 
 def _body_limits(settings: GatewaySection) -> BodyLimits:
     return BodyLimits(vocab_size=settings.vocab_size, max_model_len=settings.max_model_len)
+
+
+def routing_credentials(settings: GatewaySection) -> ClientCredentials:
+    """What the gateway presents to the routing service."""
+    return ClientCredentials(
+        token=settings.routing_token.get_secret_value(),
+        token_file=settings.routing_token_file,
+        tls_ca_file=settings.routing_tls_ca_file,
+        tls_cert_file=settings.routing_tls_cert_file,
+        tls_key_file=settings.routing_tls_key_file,
+        tls_server_name=settings.routing_tls_server_name,
+    )
 
 
 def _engine_error(exc: TurnFailed) -> web.Response:
@@ -241,7 +253,7 @@ class Gateway:
         host, port = split_host_port(s.listen)
         self._routing = RoutingClient(
             s.routing,
-            credentials=s.routing_credentials(),
+            credentials=routing_credentials(s),
             timeout_s=s.routing_timeout_s,
             attempts=s.routing_attempts,
             hedge_after_s=s.routing_hedge_after_s,

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvplane.client import Endpoint
+from kvplane.services.client import Endpoint
 from kvplane.services.common.bounded_map import BoundedMap
 from kvplane.services.common.handles import KEY_DIGESTS
 from kvplane.services.gateway.progress import TurnProgress, absorb

@@ -23,8 +23,8 @@ from typing import Any
 
 import aiohttp
 
-from kvplane.client.tokenize import TokenizeFailed, is_token_ids, tokenize
-from kvplane.client.tokenize import single_prompt as _single_prompt
+from kvplane.services.client.tokenize import TokenizeFailed, is_token_ids, tokenize
+from kvplane.services.client.tokenize import single_prompt as _single_prompt
 
 # An engine without /tokenize (404, 405) is not asked again for this long, seconds.
 _MISSING_RETRY_S = 60.0

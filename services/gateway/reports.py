@@ -16,7 +16,7 @@ from typing import Any
 
 import grpc
 
-from kvplane.client import RouteResult, RoutingClient, RoutingUnavailable
+from kvplane.services.client import RouteResult, RoutingClient, RoutingUnavailable
 from kvplane.services.common.bounded_map import BoundedMap
 from kvplane.services.common.handles import KEY_HANDLE_ID
 from kvplane.services.common.settings import GatewaySection

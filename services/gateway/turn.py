@@ -29,8 +29,8 @@ from aiohttp import web
 from opentelemetry import trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from kvplane.client import Endpoint, RouteResult, RoutingClient, RoutingUnavailable, leg_url
-from kvplane.client.vllm_requests import decode_body, prefill_body
+from kvplane.services.client import Endpoint, RouteResult, RoutingClient, RoutingUnavailable, leg_url
+from kvplane.services.client.vllm_requests import decode_body, prefill_body
 from kvplane.services.common.handles import KEY_CONVERSATION, KEY_TENANT, fresh_prefill_params
 from kvplane.services.common.settings import GatewaySection
 from kvplane.services.gateway import sse

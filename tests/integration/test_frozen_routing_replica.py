@@ -16,8 +16,8 @@ import pytest
 from grpc_health.v1 import health_pb2
 from pydantic import SecretStr
 
-from kvplane.client import RoutingClient, RoutingUnavailable
-from kvplane.client.routing_client import ROUTING_SERVICE
+from kvplane.services.client import RoutingClient, RoutingUnavailable
+from kvplane.services.client.routing_client import ROUTING_SERVICE
 from kvplane.services.common.local_etcd import LocalEtcd
 from kvplane.services.common.ports import free_port
 from kvplane.services.common.settings import GatewayKey, GatewaySection

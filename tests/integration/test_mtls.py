@@ -17,7 +17,7 @@ import grpc
 import pytest
 import yaml
 
-from kvplane.client.credentials import ClientCredentials
+from kvplane.services.client.credentials import ClientCredentials
 from kvplane.services.common import convert
 from kvplane.services.common.local_etcd import LocalEtcd
 from kvplane.services.common.process import ServiceProcess
@@ -207,8 +207,9 @@ async def test_a_sim_engine_registers_over_mtls_with_its_certificate(
 async def test_the_gateways_routing_client_routes_over_mtls_with_its_certificate(
     mtls_plane: ServiceProcess, ca: TestCa
 ) -> None:
-    from kvplane.client import RoutingClient, RoutingUnavailable
+    from kvplane.services.client import RoutingClient, RoutingUnavailable
     from kvplane.services.common.settings import GatewaySection
+    from kvplane.services.gateway.app import routing_credentials
 
     gateway_cert = ca.issue("gateway", uris=("kvplane://operator/gateway",))
     section = GatewaySection(
@@ -219,7 +220,7 @@ async def test_the_gateways_routing_client_routes_over_mtls_with_its_certificate
         routing_tls_server_name="localhost",
     )
     async with RoutingClient(
-        section.routing, credentials=section.routing_credentials(), timeout_s=5
+        section.routing, credentials=routing_credentials(section), timeout_s=5
     ) as client:
         # Authenticated as the operator over mTLS, Route ran: its answer is about nodes (none yet).
         with pytest.raises(RoutingUnavailable, match="no prefill/decode pair"):
@@ -327,8 +328,9 @@ def _secret_volume(directory: Path, ca: TestCa, issued: Issued) -> Path:
 async def test_the_charts_mtls_wiring_serves_its_clients_and_passes_its_own_probe(
     etcd: LocalEtcd, prefix: str, ca: TestCa, tmp_path: Path
 ) -> None:
-    from kvplane.client import RoutingClient, RoutingUnavailable
+    from kvplane.services.client import RoutingClient, RoutingUnavailable
     from kvplane.services.common.settings import GatewaySection
+    from kvplane.services.gateway.app import routing_credentials
 
     containers = _chart_containers("mtls-values.yaml")
     routing, gateway = containers["kvp-kvplane-routing"], containers["kvp-kvplane-gateway"]
@@ -377,7 +379,7 @@ async def test_the_charts_mtls_wiring_serves_its_clients_and_passes_its_own_prob
             },
         )
         async with RoutingClient(
-            section.routing, credentials=section.routing_credentials(), timeout_s=5
+            section.routing, credentials=routing_credentials(section), timeout_s=5
         ) as client:
             # Authenticated as the chart's gateway principal: Route ran, and found no engines yet.
             with pytest.raises(RoutingUnavailable, match="no prefill/decode pair"):

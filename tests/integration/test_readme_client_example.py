@@ -1,5 +1,5 @@
-"""The README's `kvplane.client` example, run as written against a live stack: Route → P → D → ReportTurn,
-and the next turn pulls what the first one left on D."""
+"""The README's `kvplane.services.client` example, run as written against a live stack:
+Route → P → D → ReportTurn, and the next turn pulls what the first one left on D."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvplane.client import RoutingClient
+from kvplane.services.client import RoutingClient
 from kvplane.services.common.local_etcd import LocalEtcd
 from kvplane.services.common.nodes import NodeRole
 from kvplane.services.common.ports import free_port

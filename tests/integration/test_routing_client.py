@@ -1,4 +1,4 @@
-"""kvplane.client against real routing replicas: failover, deadlines, trace propagation, metrics."""
+"""kvplane.services.client against real routing replicas: failover, deadlines, trace propagation, metrics."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from kvplane.client import RoutingClient, RoutingUnavailable
+from kvplane.services.client import RoutingClient, RoutingUnavailable
 from kvplane.services.common.local_etcd import LocalEtcd
 from kvplane.services.common.nodes import NodeRole
 from kvplane.services.common.ports import free_port

@@ -10,7 +10,7 @@ from typing import Any
 import grpc
 import pytest
 
-from kvplane.client import RouteResult
+from kvplane.services.client import RouteResult
 from kvplane.services.common.local_etcd import LocalEtcd
 from tests.support.routing_cluster import MODEL, RoutingCluster, prefill_and_decode, tokens
 

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from kvplane.client import RoutingClient
+from kvplane.services.client import RoutingClient
 from kvplane.services.common.handles import KEY_HANDLE_ID
 from kvplane.services.common.local_etcd import LocalEtcd
 from tests.support.polling import eventually
@@ -141,7 +141,7 @@ async def test_p_reporting_no_cache_hits_makes_the_next_turn_pull_what_it_lacks(
     history = tokens(HISTORY_TOKENS + 200)
     prompt = history[:4000]
     decisions = []
-    for turn in range(3):
+    for _ in range(3):
         route = await client.route(c, MODEL, prompt_token_ids=prompt)
         decisions.append(route.decision)
         retained = history[: len(prompt) + 40]  # a short answer

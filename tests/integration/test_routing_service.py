@@ -11,8 +11,8 @@ from urllib.parse import urlsplit
 import grpc
 import pytest
 
-from kvplane.client import RoutingClient, decode_body, prefill_body
 from kvplane.connector.prefix_check import PullOutcome, check_pull
+from kvplane.services.client import RoutingClient, decode_body, prefill_body
 from kvplane.services.common import convert
 from kvplane.services.common.handles import (
     KEY_CONVERSATION,

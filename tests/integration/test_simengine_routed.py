@@ -14,9 +14,9 @@ from typing import Any
 
 import grpc
 
-from kvplane.client import RoutingClient
-from kvplane.client.vllm_requests import decode_body, prefill_body
 from kvplane.services.cli import installers
+from kvplane.services.client import RoutingClient
+from kvplane.services.client.vllm_requests import decode_body, prefill_body
 from kvplane.services.common.local_etcd import LocalEtcd
 from kvplane.services.common.process import ServiceProcess
 from kvplane.services.common.telemetry import Telemetry

@@ -492,8 +492,8 @@ async def test_a_node_agent_whose_token_is_refused_says_so_at_warning_level(
 ) -> None:
     import logging
 
-    from kvplane.client.credentials import ClientCredentials
     from kvplane.connector.node_agent import NodeAgent, NodeAgentSettings
+    from kvplane.services.client.credentials import ClientCredentials
     from kvplane.services.common.nodes import NodeLoad
 
     node = make_node("node-a", incarnation="")

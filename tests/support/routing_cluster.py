@@ -9,9 +9,9 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvplane.client import RoutingClient
-from kvplane.client.routing_client import home_replica
 from kvplane.connector.digests import decode, digest_tokens, encode
+from kvplane.services.client import RoutingClient
+from kvplane.services.client.routing_client import home_replica
 from kvplane.services.common.handles import KEY_DIGESTS, KEY_HANDLE_ID, CacheHandle, VllmHandle
 from kvplane.services.common.local_etcd import LocalEtcd
 from kvplane.services.common.nodes import Fingerprint, Node, NodeLoad, NodeRole

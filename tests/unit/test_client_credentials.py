@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvplane.bench.simengine.settings import parse_settings
-from kvplane.client.credentials import ClientCredentials
+from kvplane.services.client.credentials import ClientCredentials
 
 
 def test_a_token_file_is_read_trimmed_and_sent_as_a_bearer_token(tmp_path: Path) -> None:
@@ -61,7 +61,7 @@ def test_the_sim_engine_takes_credentials_from_flags_and_environment_and_never_p
 def test_a_rotated_token_file_is_sent_from_the_next_call_on(tmp_path: Path) -> None:
     import os
 
-    from kvplane.client.credentials import CallMetadata
+    from kvplane.services.client.credentials import CallMetadata
 
     token = tmp_path / "token"
     token.write_text("first")

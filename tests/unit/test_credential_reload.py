@@ -158,7 +158,7 @@ def _written(path: Path, text: str) -> Path:
 async def test_a_client_channel_is_made_again_once_its_certificate_changes_and_kept_if_unreadable(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from kvplane.client.reloading_channel import ReloadingChannel
+    from kvplane.services.common.reloading_channel import ReloadingChannel
     from kvplane.services.common.tls import ClientTlsFiles
     from tests.support.certificates import TestCa
 
@@ -181,7 +181,7 @@ async def test_a_client_channel_is_made_again_once_its_certificate_changes_and_k
         # A key that vanishes mid-rotation keeps the working channel, with a warning.
         key.unlink()
         clock.now += 1.0
-        with caplog.at_level(logging.WARNING, logger="kvplane.client.reloading_channel"):
+        with caplog.at_level(logging.WARNING, logger="kvplane.services.common.reloading_channel"):
             assert channel.current() is renewed
         assert "keeping the current channel" in caplog.text and channel.reloads == 1
     finally:

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from kvplane.services.common.settings import KvplaneSettings
-from kvplane.services.eviction.config import EvictionSection
+from kvplane.services.common.settings import EvictionSection, KvplaneSettings
+from kvplane.services.eviction.config import retention_pipeline
 from kvplane.services.eviction.policy import PolicyConfigError
 from kvplane.services.eviction.policy.max_age import MaxAge
 from kvplane.services.eviction.policy.node_budget import NodeBudget
@@ -30,7 +30,7 @@ gaps:
 def test_policies_are_built_by_name_from_a_yaml_file(tmp_path: Path) -> None:
     path = tmp_path / "policy.yaml"
     path.write_text(POLICY_YAML)
-    pipeline = EvictionSection(policy_file=str(path)).pipeline()
+    pipeline = retention_pipeline(EvictionSection(policy_file=str(path)))
     assert [p.name for p in pipeline.policies] == ["max_age", "node_budget"]
     assert isinstance(pipeline.policies[0], MaxAge) and pipeline.policies[0].limit_s == 1740
     assert isinstance(pipeline.policies[1], NodeBudget) and pipeline.policies[1].high_fraction == 0.6
@@ -42,12 +42,13 @@ def test_inline_policy_wins_over_the_file(tmp_path: Path) -> None:
     path = tmp_path / "policy.yaml"
     path.write_text(POLICY_YAML)
     section = EvictionSection(policy_file=str(path), policy={"policies": [{"name": "low_value"}]})
-    assert [p.name for p in section.pipeline().policies] == ["low_value"]
+    assert [p.name for p in retention_pipeline(section).policies] == ["low_value"]
 
 
 def test_no_policy_configured_gives_the_default_pipeline() -> None:
     # No headroom watermarks by default: memory is released when a node asks for it.
-    assert [p.name for p in EvictionSection().pipeline().policies] == ["max_age", "demand", "low_value"]
+    default = retention_pipeline(EvictionSection())
+    assert [p.name for p in default.policies] == ["max_age", "demand", "low_value"]
 
 
 @pytest.mark.parametrize("text", ["- just a list", "policies:\n  - name: unheard_of\n"])
@@ -55,7 +56,7 @@ def test_a_bad_policy_file_is_rejected(tmp_path: Path, text: str) -> None:
     path = tmp_path / "policy.yaml"
     path.write_text(text)
     with pytest.raises(PolicyConfigError):
-        EvictionSection(policy_file=str(path)).pipeline()
+        retention_pipeline(EvictionSection(policy_file=str(path)))
 
 
 def test_the_section_is_part_of_the_process_settings(monkeypatch: pytest.MonkeyPatch) -> None:

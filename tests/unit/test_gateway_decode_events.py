@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from kvplane.client import Endpoint
+from kvplane.services.client import Endpoint
 from kvplane.services.common.handles import KEY_DIGESTS
 from kvplane.services.gateway.decode_events import DecodeEvents, DigestingEngines
 from kvplane.services.gateway.progress import TurnProgress

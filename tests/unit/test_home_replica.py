@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from kvplane.client.routing_client import home_replica
+from kvplane.services.client.routing_client import home_replica
 
 CONVERSATIONS = [(tenant, f"conversation-{i}") for tenant in ("acme", "globex", "") for i in range(20)]
 
@@ -15,7 +15,7 @@ CONVERSATIONS = [(tenant, f"conversation-{i}") for tenant in ("acme", "globex", 
 def test_another_process_picks_the_same_home_replicas() -> None:
     script = (
         "import json, sys\n"
-        "from kvplane.client.routing_client import home_replica\n"
+        "from kvplane.services.client.routing_client import home_replica\n"
         "pairs = json.loads(sys.argv[1])\n"
         "print(json.dumps([home_replica(t, c, 3) for t, c in pairs]))\n"
     )

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvplane.client import MissingPrefillParams, RouteResult, decode_body, leg_url, prefill_body
+from kvplane.services.client import MissingPrefillParams, RouteResult, decode_body, leg_url, prefill_body
 from kvplane.services.common.handles import KEY_CONVERSATION, KEY_TENANT
 from kvplane.v1 import routing_pb2
 
