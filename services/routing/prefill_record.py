@@ -211,7 +211,12 @@ class PrefillCacheRecord:
             else:
                 tokens = 0  # nothing to prove it with
             # Keep the checkpoints, not the chain: a few hundred bytes, whatever the prompt's length.
-            proven.append(replace(e, chain=(), digests=digests, shared_with_next=tokens))
+            if e.digests is digests and e.shared_with_next == tokens:
+                proven.append(e)  # unchanged: no copy on Route's path
+            elif e.digests is digests:
+                proven.append(replace(e, shared_with_next=tokens))
+            else:
+                proven.append(replace(e, chain=(), digests=digests, shared_with_next=tokens))
             tokens = min(tokens, self._still_held(e))
             if tokens > 0:
                 held[e.node_id] = tokens
