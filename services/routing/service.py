@@ -136,6 +136,8 @@ class RouteRecord:
     first_contact: bool = False
     # What the record believed P held of the conversation, for P's report to correct.
     receipt: SentReceipt | None = None
+    # The wait expected on P ahead of the turn when it was routed (ms).
+    queued_ms: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -361,6 +363,7 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
                 decision,
                 first_contact,
                 receipt,
+                _queued_ms(snapshot, plan.prefill.node_id, self.costs),
             ),
         )
         self.metrics.routes.labels("pull" if decision.pulls else "recompute", decision.value).inc()
@@ -611,6 +614,7 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
             kv_bytes_per_token=route.kv_bytes_per_token,
             success=request.success,
             first_contact=route.first_contact,
+            queued_ms=route.queued_ms,
         )
         self.costs = self.costs.observe(observation)
         self._publish_cost_gauges()
@@ -780,3 +784,9 @@ def clip_pull(params: dict[str, Any], tokens: int, block_size: int) -> None:
 
 def _with_host(vllm: VllmHandle, host: str) -> VllmHandle:
     return vllm if host == vllm.remote_host else replace(vllm, remote_host=host)
+
+
+def _queued_ms(snapshot: RouteSnapshot, node_id: str, costs: CostModel) -> float:
+    """The wait the snapshot shows on `node_id` ahead of a new turn (ms)."""
+    state = next((s for s in snapshot.nodes if s.node.node_id == node_id), None)
+    return costs.queue_ms(state) if state is not None else 0.0

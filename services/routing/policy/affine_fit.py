@@ -13,9 +13,13 @@ that each sample is one rank-one update and one small solve:
 - the prior (the configured coefficients) is the fit's starting point and
   weighs 1 before any sample, as a moving average's start does: after n
   samples it weighs (1 - alpha)^n (alpha 0.1: a third after 10 samples, 4%
-  after 30). It never weighs less than `min_prior_weight`, so a coefficient
-  the samples cannot tell apart from another (every turn one size, no turn
-  ever reused a token) stays at its prior instead of drifting on noise;
+  after 30). Each coefficient's prior never weighs less than
+  `min_prior_weight` times that coefficient's own weight in the samples: a
+  coefficient the samples cannot tell apart from another (every turn
+  computes one message's worth, so the fixed cost and the per-token rate
+  move together; no turn ever reused a token) stays near its prior instead
+  of drifting on noise, while one they do measure moves to within that
+  share of the truth;
 - counts are divided by `scale` before the fit, so the prior holds each
   coefficient as firmly as one sample of that size would, and the solve
   stays well conditioned whatever the units;
@@ -83,8 +87,11 @@ class AffineFit:
         zy = self.zy or (0.0,) * n
         zz = tuple(keep * zz[i * n + j] + a * z[i] * z[j] for i in range(n) for j in range(n))
         zy = tuple(keep * zy[i] + a * z[i] * y for i in range(n))
-        weight = max(self.prior_weight * keep, self.min_prior_weight)
-        scaled = _solve_bounded(zz, zy, weight, self._scaled(self.prior), self._scaled(self.floor))
+        weight = self.prior_weight * keep
+        # Each coefficient's pull toward its prior never falls below a share of its own samples'
+        # weight: where the samples cannot tell two coefficients apart, the prior decides.
+        weights = [max(weight, self.min_prior_weight * zz[i * n + i]) for i in range(n)]
+        scaled = _solve_bounded(zz, zy, weights, self._scaled(self.prior), self._scaled(self.floor))
         coef = tuple(c / s for c, s in zip(scaled, (1.0, *self.scale), strict=True))
         return replace(self, prior_weight=weight, zz=zz, zy=zy, coef=coef, samples=self.samples + 1)
 
@@ -95,18 +102,18 @@ class AffineFit:
 def _solve_bounded(
     zz: tuple[float, ...],
     zy: tuple[float, ...],
-    weight: float,
+    weights: list[float],
     prior: tuple[float, ...],
     floor: tuple[float, ...],
 ) -> list[float]:
-    """argmin of weight*|c - prior|^2 + c^T zz c - 2 c^T zy with c >= floor (an active set)."""
+    """argmin of sum_i weights_i*(c_i - prior_i)^2 + c^T zz c - 2 c^T zy with c >= floor (an active set)."""
     n = len(prior)
     held: dict[int, float] = {}
     while True:
         free = [i for i in range(n) if i not in held]
-        # (weight*I + zz) c = weight*prior + zy, over the free coefficients, the held ones fixed.
-        m = [[zz[i * n + j] + (weight if i == j else 0.0) for j in free] for i in free]
-        rhs = [weight * prior[i] + zy[i] - sum(zz[i * n + j] * v for j, v in held.items()) for i in free]
+        # (diag(weights) + zz) c = weights*prior + zy, over the free coefficients, the held ones fixed.
+        m = [[zz[i * n + j] + (weights[i] if i == j else 0.0) for j in free] for i in free]
+        rhs = [weights[i] * prior[i] + zy[i] - sum(zz[i * n + j] * v for j, v in held.items()) for i in free]
         solved = _gauss(m, rhs) if free else []
         c = [0.0] * n
         for i, v in held.items():

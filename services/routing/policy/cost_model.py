@@ -24,8 +24,14 @@ Learning (every successful reported turn with a prefill time):
   (computed, reused) token counts (`affine_fit`): each turn weighs `alpha`
   (0.1: a memory of about 10 turns), and the prior weighs as a moving
   average's start does, (1 - alpha)^n after n turns (0.1: a third after 10
-  turns, 4% after 30), never under a millionth of the samples' weight, so a
-  part the turns say nothing of (no turn reused a token) stays at its prior;
+  turns, 4% after 30), never under a hundredth of each coefficient's own
+  weight in the samples, so a part the turns cannot tell from another (a
+  chat whose every turn computes one message's worth over a longer history
+  cannot tell the fixed cost from the per-token rate) stays near its prior
+  instead of drifting on noise to a rate of nothing;
+- P's leg includes its wait behind the turns routed there before: the
+  router's expectation of that wait is taken off (`TurnObservation.queued_ms`),
+  and a leg that waited longer than it computed teaches nothing;
 - bandwidth is an exponentially weighted average of per-byte samples, and
   the handshake one of what first pulls between two engines took beyond a
   warm pull;
@@ -72,6 +78,9 @@ class TurnObservation:
     first_contact: bool = False
     # Prompt tokens P found in its own prefix cache: neither pulled nor computed.
     cached_tokens: int = 0
+    # The wait the router expected on P ahead of the turn when it routed it (ms): the
+    # work routed there before it. `prefill_ms` is P's whole leg, so it includes that wait.
+    queued_ms: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,8 +102,9 @@ class CostModel:
     alpha: float = 0.1
     # Samples further than this factor from the estimate are clamped to it.
     max_sample_factor: float = 4.0
-    # The least weight the prior keeps in the prefill fit, as a share of a full window of samples.
-    min_prior_weight: float = 1e-6
+    # The least weight each prefill coefficient's prior keeps, as a share of that coefficient's
+    # weight in the samples (`affine_fit`): a ridge where the turns cannot tell coefficients apart.
+    min_prior_weight: float = 0.01
     prefill_samples: int = 0
     transfer_samples: int = 0
     handshake_samples: int = 0
@@ -166,13 +176,17 @@ class CostModel:
         reused = max(0, obs.pulled_tokens) + max(0, obs.cached_tokens)
         # P computes at least the prompt's last token.
         computed = max(1, obs.prompt_tokens - reused)
-        # prefill_ms is P's own time; without it, a recompute turn's TTFT bounds it from above.
+        # prefill_ms is P's leg; without it, a recompute turn's TTFT bounds it from above.
         spent = obs.prefill_ms or (obs.ttft_ms if reused == 0 else 0.0)
+        spent = self._compute_share(spent, obs.queued_ms)
         if spent > 0 and obs.prompt_tokens > 0:
             fit = self.prefill_fit or self._prior_fit()
             counts = (float(computed), float(reused))
             fit = fit.update(counts, self._clamp(spent, fit.predict(counts)))
             fixed, per_token, per_reused = fit.coefficients
+            # Attending over a reused token is part of what computing it costs, never more:
+            # noisy turns that say otherwise would make every pull look like a loss.
+            per_reused = min(per_reused, per_token)
             model = replace(
                 model,
                 prefill_fit=fit,
@@ -204,6 +218,20 @@ class CostModel:
                 transfer_samples=model.transfer_samples + 1,
             )
         return model
+
+    def _compute_share(self, leg_ms: float, queued_ms: float) -> float:
+        """P's compute in a leg that also waited `queued_ms` behind earlier work; 0: unknown.
+
+        Learned from the whole leg, the waits of a busy P would read as compute: the
+        per-token rate would grow with load, every queue estimate built on it would grow
+        again, and recomputing would look dearer than it is. The expected wait is taken
+        off; a leg that waited longer than the rest of it teaches nothing, as the
+        estimate's own error would then be most of the sample.
+        """
+        if queued_ms <= 0:
+            return leg_ms
+        compute = leg_ms - queued_ms
+        return compute if compute >= queued_ms else 0.0
 
     def _prior_fit(self) -> AffineFit:
         return AffineFit(
