@@ -76,6 +76,7 @@ from kvplane.services.routing.policy import (
     load_policy,
 )
 from kvplane.services.routing.policy.decision import NoEligibleNodes
+from kvplane.services.routing.policy.pull_decision import pull_could_pay
 from kvplane.services.routing.prefill_record import PrefillCacheRecord, SentReceipt
 from kvplane.services.routing.prefill_release import prefill_hold, release_prefill
 from kvplane.services.routing.prompt_chains import PromptChains
@@ -391,7 +392,13 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
         """
         held = max(prefill_cached.values(), default=0)
         wanted = min(awaited.tokens, prompt.tokens - 1) if awaited.tokens > 0 else prompt.tokens - 1
-        if held + self.policy.config.pull.threshold_tokens >= wanted:
+        # What P lacks (the last answer, say) may be cheaper to recompute than to pull: then
+        # the handle would not be used, and waiting for it would only delay the turn.
+        holder_bytes = max(
+            (r.node.kv_bytes_per_token for r in self.view.nodes.values() if r.node.role.can_decode()),
+            default=0,
+        )
+        if not pull_could_pay(wanted - held, holder_bytes, self.costs, self.policy.config.pull):
             return None
         wait_s = self.settings.publish_wait_s
         if time_budget_s is not None:

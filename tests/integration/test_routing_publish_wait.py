@@ -17,6 +17,7 @@ import pytest
 from kvplane.services.client import RoutingClient
 from kvplane.services.common.handles import KEY_HANDLE_ID
 from kvplane.services.common.local_etcd import LocalEtcd
+from kvplane.services.routing.policy import PullSettings
 from tests.support.polling import eventually
 from tests.support.routing_cluster import (
     HISTORY_TOKENS,
@@ -100,6 +101,29 @@ async def test_a_route_whose_prefill_node_holds_the_history_does_not_wait(
     assert result.prefill.node_id == "p0"
     registry = cluster.replicas[0].telemetry.registry
     assert not registry.get_sample_value("kvplane_route_publish_wait_seconds_count", {"outcome": "timeout"})
+
+
+async def test_a_route_whose_prefill_node_lacks_only_what_is_cheaper_to_recompute_does_not_wait(
+    cluster: RoutingCluster, client: RoutingClient
+) -> None:
+    c = conv()
+    history = tokens(HISTORY_TOKENS)
+    # P holds the last prompt; the handle would add only the last answer, a few tokens past the
+    # pull threshold, whose transfer costs more than computing them.
+    answer = PullSettings().threshold_tokens + 16
+    await client.route(c, MODEL, prompt_token_ids=history[:-answer])
+    result = await asyncio.wait_for(
+        client.route(
+            c,
+            MODEL,
+            prompt_token_ids=[*history, 7, 8],
+            awaited_handle_id=uuid.uuid4().hex,  # never published
+            awaited_handle_tokens=len(history),
+        ),
+        PROMPT_ANSWER_S,
+    )
+    assert result.decision == "recompute_no_handle"
+    assert result.prefill.node_id == "p0"
 
 
 async def test_report_turn_returns_at_once_and_never_writes_a_handle_the_engine_announced(

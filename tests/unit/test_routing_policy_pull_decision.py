@@ -11,6 +11,7 @@ from kvplane.connector.digests import chain
 from kvplane.services.common.nodes import NodeRole
 from kvplane.services.routing.policy import CostModel, Decision, Prompt, PullSettings, decide_pull
 from kvplane.services.routing.policy.prefix_match import match_prefix
+from kvplane.services.routing.policy.pull_decision import pull_could_pay
 from tests.unit.routing_policy_fixtures import history, mk_handle, mk_node, snap, state
 
 HOLDER = mk_node("d0")
@@ -164,3 +165,21 @@ def test_a_pull_must_beat_the_compute_it_saves_net_of_attending_over_the_pulled_
     contacted = frozenset({("p0", HOLDER.engine_id)})
     assert verdict(costs=cheap_reuse, contacted=contacted).decision is Decision.PULL
     assert verdict(costs=dear_reuse, contacted=contacted).decision is Decision.RECOMPUTE_COST
+
+
+def test_a_pull_could_pay_only_past_the_threshold_and_the_break_even_of_its_transfer() -> None:
+    costs, settings = CostModel(), PullSettings()
+    kvb = 4096
+    # Under the threshold: recomputed whatever the cost.
+    assert not pull_could_pay(settings.threshold_tokens - 1, kvb, costs, settings)
+    # A last answer's worth: the transfer's fixed overhead exceeds the compute it saves.
+    assert not pull_could_pay(128, kvb, costs, settings)
+    # A history: the compute saved dwarfs the transfer.
+    assert pull_could_pay(8_000, kvb, costs, settings)
+    # The same rule as the verdict's: where one pulls, so does the other.
+    tokens = next(n for n in range(64, 20_000, 16) if pull_could_pay(n, kvb, costs, settings))
+    saved = costs.recompute_ms(tokens) - costs.reused_ms(tokens)
+    assert costs.transfer_ms(tokens, kvb) <= saved
+    assert costs.transfer_ms(tokens - 16, kvb) > costs.recompute_ms(tokens - 16) - costs.reused_ms(
+        tokens - 16
+    )

@@ -149,7 +149,7 @@ def decide_pull(
     recompute = costs.recompute_ms(missing)
     saved = recompute - costs.reused_ms(missing)
     transfer = costs.transfer_ms(missing, holder.kv_bytes_per_token, first_contact=first_contact)
-    if transfer > settings.max_transfer_fraction * saved:
+    if not _transfer_pays(transfer, saved, settings):
         return PullVerdict(
             declined or Decision.RECOMPUTE_COST,
             f"{missing} missing tokens{held}: transfer {transfer:.1f} ms vs {saved:.1f} ms of compute saved"
@@ -170,6 +170,24 @@ def decide_pull(
         life_left_ms=life_left,
         cached_tokens=cached,
     )
+
+
+def pull_could_pay(
+    missing_tokens: int, kv_bytes_per_token: int, costs: CostModel, settings: PullSettings
+) -> bool:
+    """Whether pulling `missing_tokens` that P lacks could beat recomputing them (rules 5 and 6).
+
+    For a caller that must decide before the handle is known (whether to wait for
+    its publish): a warm pull, with the bytes per token the holder is expected to have.
+    """
+    if missing_tokens < settings.threshold_tokens:
+        return False
+    saved = costs.recompute_ms(missing_tokens) - costs.reused_ms(missing_tokens)
+    return _transfer_pays(costs.transfer_ms(missing_tokens, kv_bytes_per_token), saved, settings)
+
+
+def _transfer_pays(transfer_ms: float, saved_ms: float, settings: PullSettings) -> bool:
+    return transfer_ms <= settings.max_transfer_fraction * saved_ms
 
 
 def cached_tokens(snapshot: RouteSnapshot, prefill: NodeState) -> int:
