@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from importlib import resources
 from typing import Any
 
 import pytest
@@ -20,7 +21,9 @@ from kvplane.services.routing.policy import (
     RoutePlan,
     RoutingPolicy,
     load_policy,
+    policy_from_yaml,
 )
+from kvplane.services.routing.policy.registry import PolicyConfigError
 from kvplane.services.routing.policy.turn_cost import estimate_prefill
 from kvplane.services.routing.service import clip_pull
 from tests.unit.routing_policy_fixtures import history, mk_handle, mk_node, snap, state
@@ -87,6 +90,37 @@ def test_the_node_holding_the_history_wins_over_an_idle_one_until_its_queue_cost
     # 100k queued tokens (3 s) cost more than pulling the history into idle p0.
     busy = route(policy, NEXT, queues={"p1_queue": 100_000}, **hint)
     assert busy.prefill.node_id == "p0" and busy.decision is Decision.PULL
+
+
+def with_margin(margin_ms: float) -> RoutingPolicy:
+    default = resources.files("kvplane.services.routing.policy").joinpath("default_policy.yaml")
+    text = default.read_text(encoding="utf-8").replace("move_margin_ms: 100", f"move_margin_ms: {margin_ms}")
+    return RoutingPolicy(policy_from_yaml(text))
+
+
+def test_a_conversation_stays_home_unless_moving_saves_more_than_the_margin(policy: RoutingPolicy) -> None:
+    hint = {"prefill_cached_tokens": {"p1": len(PREVIOUS)}}
+    # p1 holds the history and has ~2,700 tokens (~80 ms) more queued than idle p0; pulling the
+    # history into p0 would save more than its transfer costs, but not past the margin.
+    queued = {"p1_queue": 2_700}
+    stays = route(policy, NEXT, queues=queued, **hint)
+    assert stays.prefill.node_id == "p1" and stays.verdict.cached_tokens == len(PREVIOUS)
+    # Without a margin the same estimates move it.
+    moved = route(with_margin(0), NEXT, queues=queued, **hint)
+    assert moved.prefill.node_id == "p0" and moved.decision is Decision.PULL
+    # Past the margin it moves anyway (see the test above for a busy home).
+    assert route(policy, NEXT, queues={"p1_queue": 20_000}, **hint).prefill.node_id == "p0"
+
+
+def test_the_margin_applies_only_where_a_node_holds_part_of_the_prompt(policy: RoutingPolicy) -> None:
+    # Nothing cached anywhere: the shorter queue wins however small the difference.
+    plan = route(policy, NEXT, queues={"p0_queue": 300})
+    assert plan.prefill.node_id == "p1"
+
+
+def test_a_negative_move_margin_is_rejected() -> None:
+    with pytest.raises(PolicyConfigError):
+        with_margin(-1)
 
 
 def test_an_edited_message_pulls_the_verified_prefix_and_recomputes_the_rest(policy: RoutingPolicy) -> None:

@@ -11,6 +11,16 @@ not free. The pull is decided per node by the same rule the plan uses
 pull it, and one that would pull it over one that would recompute it, each
 by the time it saves and no more.
 
+A conversation stays on its home node (the one believed to hold the most of
+its prompt in its prefix cache) unless moving saves more than
+`move_margin_ms` beyond the pull the move costs. The estimates that argue
+for a move are uncertain by about one request's prefill: a load report
+samples a running request part-way, the work routed since is an estimate,
+and the learned cost model follows a noisy engine. A move on less than that
+trades a cache hit that is sure for a saving that may not be there, and it
+leaves a stale copy on the home node while filling the new node's cache.
+Nodes that hold nothing of the prompt compete on cost alone.
+
 Equal costs (idle nodes without a cached prefix) fall back to the leg's
 scorers, then to a keyed hash of (tie salt, conversation, node id): spread
 across conversations and across routing replicas, never piled onto the one
@@ -61,10 +71,31 @@ def estimate_prefill(
     return PrefillEstimate(verdict, queue, compute, queue + transfer + costs.prefill_ms(compute, covered))
 
 
+def home_node(snapshot: RouteSnapshot, candidates: Sequence[NodeState]) -> str:
+    """The candidate believed to hold the most of the prompt ("" if none holds any).
+
+    Equal holdings go to the node that served the conversation's previous turn.
+    """
+    held = snapshot.prefill_cached_tokens
+    best, best_key = "", (0, False)
+    for state in candidates:
+        node_id = state.node.node_id
+        key = (held.get(node_id, 0), node_id == snapshot.last_prefill_node_id)
+        if key[0] > 0 and key > best_key:
+            best, best_key = node_id, key
+    return best
+
+
 @register_picker
 @dataclass(frozen=True, slots=True)
 class LeastCostPicker:
     name: ClassVar[str] = "least-cost"
+    # What a move off the home node must save beyond its pull, in ms (see the module's docstring).
+    move_margin_ms: float = 100.0
+
+    def __post_init__(self) -> None:
+        if self.move_margin_ms < 0:
+            raise ValueError("move_margin_ms must not be negative")
 
     def rank(self, scored: Sequence[tuple[NodeState, float]], ctx: LegContext) -> list[NodeState]:
         snapshot = ctx.snapshot
@@ -72,6 +103,7 @@ class LeastCostPicker:
         settings = ctx.pull or PullSettings()
         holder = ctx.holder
         compatible = holder is not None and ctx.fingerprint == holder.fingerprint
+        home = home_node(snapshot, [state for state, _ in scored])
 
         def key(item: tuple[NodeState, float]) -> tuple[float, float, int, str]:
             state, score = item
@@ -79,6 +111,8 @@ class LeastCostPicker:
                 snapshot, state, holder, compatible, costs, settings, ctx.prefix
             ).total_ms
             node_id = state.node.node_id
+            if home and node_id != home:
+                total += self.move_margin_ms
             return (total, -score, tie_key(snapshot, node_id), node_id)
 
         return [state for state, _ in sorted(scored, key=key)]
