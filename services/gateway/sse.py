@@ -7,10 +7,11 @@ arrives, so the gateway can forward it without waiting for the next one.
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
+
+import orjson
 
 DONE = "[DONE]"
 
@@ -31,14 +32,14 @@ class SseEvent:
         if not self.data or self.done:
             return None
         try:
-            value = json.loads(self.data)
-        except ValueError:
+            value = orjson.loads(self.data)
+        except orjson.JSONDecodeError:
             return None
         return value if isinstance(value, dict) else None
 
 
 def encode(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
 
 
 async def events(chunks: AsyncIterable[bytes]) -> AsyncIterator[SseEvent]:
