@@ -117,6 +117,7 @@ class RoutingClient:
         timeout_s: float = 1.0,
         attempts: int = 3,
         tracer_provider: TracerProvider | None = None,
+        trace_calls: bool = True,
         channel_options: Sequence[tuple[str, Any]] = (),
         credentials: ClientCredentials | None = None,
         hedge_after_s: float | None = None,
@@ -127,7 +128,9 @@ class RoutingClient:
         goes to the next replica (None: neither; calls wait out their deadline).
         `probe_timeout_s`: the deadline of a health check, long enough for a busy replica: it
         tells a frozen one from a live one, not a slow one from a fast one. `probe_interval_s`:
-        between health checks of a suspect replica."""
+        between health checks of a suspect replica. `trace_calls`: carry the trace context
+        (and record client spans with `tracer_provider`, else the global one); a caller whose
+        spans go nowhere turns it off, sparing every call the tracing interceptor."""
         if not targets:
             raise ValueError("at least one routing target is required")
         if attempts < 1:
@@ -146,13 +149,13 @@ class RoutingClient:
             ("grpc.max_reconnect_backoff_ms", 2000),
             *channel_options,
         ]
+        interceptors = (
+            aio_client_interceptors(tracer_provider=tracer_provider)  # type: ignore[no-untyped-call]
+            if trace_calls
+            else []
+        )
         self._channels = [
-            credentials.channel(
-                target,
-                options=options,
-                interceptors=aio_client_interceptors(tracer_provider=tracer_provider),  # type: ignore[no-untyped-call]
-            )
-            for target in self.targets
+            credentials.channel(target, options=options, interceptors=interceptors) for target in self.targets
         ]
         self._stubs = [routing_pb2_grpc.RoutingServiceStub(c) for c in self._channels]
         self._next = itertools.count()

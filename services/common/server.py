@@ -60,10 +60,13 @@ class GrpcServer:
         self.authenticator = authenticator
         self.tls = tls
         self.reflection = reflection
-        self.server = grpc.aio.server(
-            interceptors=[aio_server_interceptor(tracer_provider=telemetry.tracer_provider)],  # type: ignore[no-untyped-call]
-            options=[("grpc.so_reuseport", 0)],
+        # A process that exports no spans joins no traces: the tracing interceptor would only cost.
+        interceptors = (
+            [aio_server_interceptor(tracer_provider=telemetry.tracer_provider)]  # type: ignore[no-untyped-call]
+            if telemetry.exports
+            else []
         )
+        self.server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._services: list[str] = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]

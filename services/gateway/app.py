@@ -259,6 +259,7 @@ class Gateway:
             hedge_after_s=s.routing_hedge_after_s,
             probe_timeout_s=s.routing_liveness_timeout_s,
             tracer_provider=self.telemetry.tracer_provider,
+            trace_calls=self.telemetry.exports,
         )
         # One pool for every engine; the default limit of 100 connections would queue turns.
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))

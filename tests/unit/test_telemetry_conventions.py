@@ -168,3 +168,23 @@ def test_every_process_registry_has_process_metrics() -> None:
     assert "process_cpu_seconds_total" in text
     assert "process_resident_memory_bytes" in text
     assert "python_info" in text
+
+
+def test_a_process_that_exports_nothing_records_no_new_trace_but_follows_a_sampled_caller(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_TRACES_SAMPLER"):
+        monkeypatch.delenv(name, raising=False)
+    telemetry = Telemetry.create("kvplane-routing")
+    assert not telemetry.exports
+    with telemetry.tracer.start_as_current_span("/kvplane.v1.RoutingService/Route") as span:
+        assert not span.is_recording()
+        # The context still carries a trace id, for the logs and for whatever it calls.
+        assert span.get_span_context().trace_id != 0
+    caller = trace.SpanContext(
+        trace_id=7, span_id=9, is_remote=True, trace_flags=trace.TraceFlags(trace.TraceFlags.SAMPLED)
+    )
+    parent = trace.set_span_in_context(trace.NonRecordingSpan(caller))
+    with telemetry.tracer.start_as_current_span("/kvplane.v1.RoutingService/Route", context=parent) as span:
+        assert span.is_recording() and span.get_span_context().trace_id == 7
+    assert Telemetry.create("kvplane-routing", exporter=InMemorySpanExporter()).exports
