@@ -104,6 +104,7 @@ from kvplane.services.common.handles import (
     KEY_DIGESTS,
     KEY_HANDLE_ID,
     KEY_PULLED_TOKENS,
+    KEY_RETAIN,
     KEY_TENANT,
     CacheHandle,
     HandleFormatError,
@@ -659,6 +660,13 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
         if not delay_free or not params or not params.get("do_remote_decode"):
             return params
         request_params = request.kv_transfer_params or {}
+        if request_params.get(KEY_RETAIN) is False and not self._draining:
+            # Routing found this turn's KV not worth keeping for the next one (P keeps the prompt,
+            # and the output would not pay for a pull): freed at the next step like a P lease,
+            # never published, and nothing is announced to the caller.
+            self._prefill_held.add(request.request_id)
+            self._queue_release(request.request_id)
+            return None
         tenant = request_params.get(KEY_TENANT)
         conversation = request_params.get(KEY_CONVERSATION)
         handle_id = request_params.get(KEY_HANDLE_ID) or uuid.uuid4().hex

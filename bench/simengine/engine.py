@@ -63,7 +63,7 @@ from kvplane.bench.simengine.side_channel import (
 )
 from kvplane.bench.simengine.token_oracle import TokenOracle
 from kvplane.bench.simengine.toy_tokenizer import BYTE_OFFSET, EOS_ID, think_close, think_open
-from kvplane.services.common.handles import KEY_PULLED_TOKENS
+from kvplane.services.common.handles import KEY_PULLED_TOKENS, KEY_RETAIN
 
 log = logging.getLogger(__name__)
 
@@ -325,7 +325,8 @@ class SimEngine:
         retain: RetainKind | None = None
         if kvp.get("do_remote_prefill"):
             leg = "decode"
-            retain = "decode_handle" if s.bidirectional else None
+            # Routing may find the turn's KV not worth keeping for the next one (kvplane_retain).
+            retain = "decode_handle" if s.bidirectional and kvp.get(KEY_RETAIN) is not False else None
         elif kvp.get("do_remote_decode"):
             leg, retain = "prefill", "prefill_lease"
         remote = None

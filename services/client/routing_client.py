@@ -84,6 +84,8 @@ class RouteResult:
     prefill_params: dict[str, Any]
     expected_reused_tokens: int
     response: routing_pb2.RouteResponse = field(repr=False)
+    # D need not keep this turn's KV for the next turn (RouteResponse.skip_decode_retention).
+    skip_decode_retention: bool = False
     # Index of the client's replica that answered; its ReportTurn goes there first (-1: none).
     replica: int = field(default=-1, compare=False)
 
@@ -103,6 +105,7 @@ class RouteResult:
             expected_reused_tokens=pb.expected_reused_tokens,
             response=pb,
             replica=replica,
+            skip_decode_retention=pb.skip_decode_retention,
         )
 
 
@@ -298,12 +301,14 @@ class RoutingClient:
         failed_node_ids: Sequence[str] = (),
         awaited_handle_id: str = "",
         awaited_handle_tokens: int = 0,
+        max_output_tokens: int | None = None,
     ) -> RouteResult:
         """Routes one turn; `failed_node_ids` names nodes whose leg of this very turn just
         failed (a retry), so that routing neither chooses them again nor, for others, soon.
         `awaited_handle_id` (and its tokens): the handle the previous turn's decode engine
         announced in its last chunk, which routing waits for (bounded) if it needs it and its
-        publish has not landed yet."""
+        publish has not landed yet. `max_output_tokens`: the turn's max_tokens, when known (D
+        keeps its KV for the next turn only where the output could be worth a pull)."""
         request = routing_pb2.RouteRequest(
             conversation=conversation,
             model=model,
@@ -316,6 +321,7 @@ class RoutingClient:
             failed_node_ids=failed_node_ids,
             awaited_handle_id=awaited_handle_id,
             awaited_handle_tokens=awaited_handle_tokens,
+            max_output_tokens=max_output_tokens,
         )
         response, replica = await self._call_on_replica(
             lambda stub, left: stub.Route(request, timeout=left, metadata=self.metadata),

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvplane.services.client.routing_client import RouteResult
-from kvplane.services.common.handles import KEY_CONVERSATION, KEY_TENANT
+from kvplane.services.common.handles import KEY_CONVERSATION, KEY_RETAIN, KEY_TENANT
 
 _ROUTING_KEYS = (KEY_TENANT, KEY_CONVERSATION)
 
@@ -49,6 +49,8 @@ def decode_body(
     for key in _ROUTING_KEYS:
         if key in route.prefill_params:
             params[key] = route.prefill_params[key]
+    if route.skip_decode_retention:
+        params[KEY_RETAIN] = False
     body = _copied(client_body)
     body["kv_transfer_params"] = params
     return body

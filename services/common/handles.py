@@ -43,6 +43,10 @@ VLLM_HANDLE_KEYS = frozenset(
 KEY_TENANT = "kvplane_tenant"
 KEY_CONVERSATION = "kvplane_conversation"
 KEY_HANDLE_ID = "kvplane_handle_id"
+# On D's request: false when D need not keep the turn's KV for the next turn (routing's
+# RouteResponse.skip_decode_retention); D's connector then frees the blocks at once and
+# publishes nothing. Absent: D keeps them, as vLLM's bidirectional transfer does.
+KEY_RETAIN = "kvplane_retain"
 KEY_DIGESTS = "kvplane_digests"
 KVPLANE_KEYS = frozenset({KEY_TENANT, KEY_CONVERSATION, KEY_HANDLE_ID, KEY_DIGESTS})
 # The prefill engine's own report, in the params it returns: prompt tokens whose KV it read from the

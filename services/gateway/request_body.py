@@ -190,8 +190,7 @@ def check_context(prompt_tokens: int, body: Mapping[str, Any], chat: bool, limit
     (once a text prompt is tokenized, its length is known before Route)."""
     if not limits.max_model_len:
         return
-    wanted = body.get("max_completion_tokens", body.get("max_tokens")) if chat else body.get("max_tokens")
-    wanted = wanted if isinstance(wanted, int) else 0
+    wanted = max_output_tokens(body, chat) or 0
     if prompt_tokens + wanted > limits.max_model_len:
         raise RequestRejected(
             400,
@@ -199,3 +198,9 @@ def check_context(prompt_tokens: int, body: Mapping[str, Any], chat: bool, limit
             f"{prompt_tokens + wanted} ({prompt_tokens} in the prompt, {wanted} in the completion)",
             "max_tokens",
         )
+
+
+def max_output_tokens(body: Mapping[str, Any], chat: bool) -> int | None:
+    """The most tokens the request may generate, None when it sets no bound (the context's rest)."""
+    wanted = body.get("max_completion_tokens", body.get("max_tokens")) if chat else body.get("max_tokens")
+    return wanted if isinstance(wanted, int) and not isinstance(wanted, bool) and wanted >= 0 else None

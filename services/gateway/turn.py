@@ -49,7 +49,7 @@ from kvplane.services.gateway.progress import (
 )
 from kvplane.services.gateway.prompts import RoutedPrompt, TokenizeEndpoints, UnknownModel, routed_prompt
 from kvplane.services.gateway.reports import TurnReporter
-from kvplane.services.gateway.request_body import BodyLimits, check_context
+from kvplane.services.gateway.request_body import BodyLimits, check_context, max_output_tokens
 from kvplane.services.gateway.suspects import SuspectEngines
 from kvplane.v1 import routing_pb2
 
@@ -243,6 +243,7 @@ class TurnRunner:
             failed_node_ids=failed,
             awaited_handle_id=awaited_id,
             awaited_handle_tokens=awaited_tokens,
+            max_output_tokens=max_output_tokens(turn.body, turn.chat),
         )
 
     def _fallback(self, turn: TurnRequest, why: str, avoid_urls: tuple[str, ...] = ()) -> RouteResult:

@@ -19,6 +19,7 @@ class RoutingMetrics:
     publish_waits: Histogram
     publish_waiting: Gauge
     reports: Counter
+    decode_retention: Counter
     recompute_seconds_per_token: Gauge
     prefill_fixed_seconds: Gauge
     reused_seconds_per_token: Gauge
@@ -31,6 +32,13 @@ class RoutingMetrics:
                 "kvplane_routes_total",
                 "Routed turns by decision (pull, recompute) and reason code",
                 ["decision", "reason"],
+                registry=registry,
+            ),
+            decode_retention=Counter(
+                "kvplane_route_decode_retention_total",
+                "Routed turns whose decode engine was told to keep its KV for the next turn (kept) "
+                "or that a pull of it would not pay (skipped)",
+                ["outcome"],
                 registry=registry,
             ),
             tokens=Counter(

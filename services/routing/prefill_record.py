@@ -108,6 +108,9 @@ class PrefillCacheRecord:
         # tokens its reports show (absent: not learned yet; bounded by what it registered).
         self._taken_in: dict[str, int] = {}
         self._capacity: dict[str, int] = {}
+        # Nodes whose latest report showed their prefix cache keeping a prompt the record
+        # believed held (a miss since takes a node out).
+        self._keeping: set[str] = set()
 
     def __len__(self) -> int:
         return len(self._by_conversation)
@@ -170,10 +173,28 @@ class PrefillCacheRecord:
         if cached + slack <= receipt.shared_tokens:
             # Evicted (or never cached) by that age: the cache holds that much, no more.
             self._capacity[node_id] = shown
-        elif receipt.believed_tokens + slack <= cached:
+            self._keeping.discard(node_id)
+            return
+        if receipt.believed_tokens > 0:
+            self._keeping.add(node_id)
+        if receipt.believed_tokens + slack <= cached:
             # Held though the record had given it up: the cache holds at least that.
             grown = max(self._capacity.get(node_id, 0), shown)
             self._capacity[node_id] = min(grown, registered) if registered > 0 else grown
+
+    def keeps_until_next_turn(self, node: Node, receipt: SentReceipt, prompt_tokens: int) -> bool:
+        """Whether `node` is expected to still hold this prompt at the conversation's next turn.
+
+        Only a node whose reports show its prefix cache keeping prompts from one turn to the
+        next is trusted, and only for a conversation it served last turn (`receipt`): until the
+        next turn it takes in, at most, twice what it took in between the last two, and the
+        prompt must fit in its capacity behind that.
+        """
+        node_id = node.node_id
+        if node_id not in self._keeping or receipt.node_id != node_id or receipt.shared_tokens <= 0:
+            return False
+        capacity = self._capacity.get(node_id) or _capacity_tokens(node)
+        return capacity > 0 and prompt_tokens + 2 * receipt.age_tokens <= capacity
 
     def capacity_tokens(self, node_id: str) -> int | None:
         """The node's effective capacity its reports show, None until they show one."""

@@ -77,6 +77,7 @@ from kvplane.services.routing.policy import (
 )
 from kvplane.services.routing.policy.decision import NoEligibleNodes
 from kvplane.services.routing.policy.pull_decision import pull_could_pay
+from kvplane.services.routing.policy.retention import decode_retention_pays
 from kvplane.services.routing.prefill_record import PrefillCacheRecord, SentReceipt
 from kvplane.services.routing.prefill_release import prefill_hold, release_prefill
 from kvplane.services.routing.prompt_chains import PromptChains
@@ -162,6 +163,8 @@ class RouteOutcome:
     handle: CacheHandle | None
     # The checked-out handle as serialized protobuf (the claim's encoding, reused).
     handle_pb: bytes = b""
+    # D need not keep this turn's KV for the next turn (`policy.retention`).
+    skip_decode_retention: bool = False
 
 
 def _now_ms() -> int:
@@ -223,6 +226,7 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
         prompt = _prompt(request)
         failed = self._failed_nodes(request, principal)
         awaited = validation.ident(request.awaited_handle_id, "awaited_handle_id", required=False)
+        max_output = request.max_output_tokens if request.HasField("max_output_tokens") else None
         outcome = await self.route(
             tenant,
             conversation,
@@ -231,6 +235,7 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
             time_budget_s=context.time_remaining(),
             failed_node_ids=failed,
             awaited=AwaitedHandle(awaited, request.awaited_handle_tokens) if awaited else None,
+            max_output_tokens=max_output,
         )
         span = trace.get_current_span()
         if span.is_recording():
@@ -253,6 +258,7 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
             decode=self._endpoint(outcome.plan.decode),
             prefill_kv_transfer_params_json=json.dumps(outcome.prefill_params, separators=(",", ":")),
             expected_reused_tokens=outcome.reused_tokens,
+            skip_decode_retention=outcome.skip_decode_retention,
         )
         if outcome.handle_pb:
             response.handle.MergeFromString(outcome.handle_pb)
@@ -279,13 +285,15 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
         time_budget_s: float | None = None,
         failed_node_ids: frozenset[str] = frozenset(),
         awaited: AwaitedHandle | None = None,
+        max_output_tokens: int | None = None,
     ) -> RouteOutcome:
         """Decides one turn and, for a pull, checks the handle out. No protobuf here.
 
         `time_budget_s` is what is left of the caller's deadline: the check-out
         gets no more than that, so a short deadline yields a recompute, not an error.
         `awaited`: the handle the caller saw the previous turn's engine announce
-        (`_await_publish`).
+        (`_await_publish`). `max_output_tokens`: the turn's bound on its output, if known
+        (whether D keeps its KV: `policy.retention`).
         """
         key = (tenant, conversation)
         record = self.view.handle(tenant, conversation)
@@ -371,7 +379,14 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
         self.metrics.tokens.labels("reused").inc(reused)
         self.metrics.tokens.labels("recomputed").inc(max(0, prompt.tokens - reused))
         handle_pb = checked.handle_pb if checked is not None else b""
-        return RouteOutcome(route_id, plan, decision, reason, params, reused, handle, handle_pb)
+        keeps = self._prefill_record.keeps_until_next_turn(plan.prefill, receipt, prompt.tokens)
+        skip_retention = not decode_retention_pays(
+            keeps, max_output_tokens, plan.decode.kv_bytes_per_token, self.costs, self.policy.config.pull
+        )
+        self.metrics.decode_retention.labels("skipped" if skip_retention else "kept").inc()
+        return RouteOutcome(
+            route_id, plan, decision, reason, params, reused, handle, handle_pb, skip_retention
+        )
 
     async def _await_publish(
         self,

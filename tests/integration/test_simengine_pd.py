@@ -129,6 +129,18 @@ def test_three_turns_pull_from_d_and_match_a_single_engine(cluster: dict[str, En
         prompt = prompt + out + tokens(100 + turn, 40)
 
 
+def test_d_told_not_to_keep_the_turns_kv_frees_it_and_returns_no_handle(cluster: dict[str, Engine]) -> None:
+    p, d = cluster["P1"], cluster["D1"]
+    prompt = tokens(7, 120)
+    pr = p_leg(p, prompt)
+    before = set(d.retained_ids())
+    dr = d_leg(d, prompt, {**pr["kv_transfer_params"], "kvplane_retain": False}, max_tokens=20)
+    # The answer is whole; only the handle for a next turn is missing.
+    assert len(dr["choices"][0]["token_ids"]) == 20
+    assert dr.get("kv_transfer_params") is None
+    assert set(d.retained_ids()) == before
+
+
 def test_second_read_of_a_handle_is_detected_and_recomputed(cluster: dict[str, Engine]) -> None:
     p1, p2, d = cluster["P1"], cluster["P2"], cluster["D1"]
     prompt = tokens(2, 200)

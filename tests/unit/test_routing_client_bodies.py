@@ -7,7 +7,7 @@ import json
 import pytest
 
 from kvplane.services.client import MissingPrefillParams, RouteResult, decode_body, leg_url, prefill_body
-from kvplane.services.common.handles import KEY_CONVERSATION, KEY_TENANT
+from kvplane.services.common.handles import KEY_CONVERSATION, KEY_RETAIN, KEY_TENANT
 from kvplane.v1 import routing_pb2
 
 P_PARAMS = {
@@ -81,6 +81,17 @@ def test_decode_body_carries_p_params_and_our_keys_and_drops_the_clients() -> No
     body = decode_body(client, route(), {"id": "x", "kv_transfer_params": returned})
     assert body["kv_transfer_params"] == {**returned, KEY_TENANT: "acme", KEY_CONVERSATION: "c1"}
     assert body["stream"] is True and body["max_tokens"] == 500
+
+
+def test_decode_body_tells_d_not_to_keep_the_turns_kv_when_routing_says_so() -> None:
+    returned = {"do_remote_prefill": True, "remote_engine_id": "e-p0", "remote_block_ids": [[7]]}
+    kept = decode_body({"model": "m"}, route(), {"kv_transfer_params": returned})
+    assert KEY_RETAIN not in kept["kv_transfer_params"]
+    response = routing_pb2.RouteResponse()
+    response.CopyFrom(route().response)
+    response.skip_decode_retention = True
+    skipped = decode_body({"model": "m"}, RouteResult.from_pb(response), {"kv_transfer_params": returned})
+    assert skipped["kv_transfer_params"][KEY_RETAIN] is False
 
 
 def test_decode_body_needs_p_params() -> None:

@@ -161,3 +161,44 @@ def test_a_report_that_matches_the_record_changes_nothing() -> None:
     record.observed(P0, sent_turn(record, P0, prompt), 992, 16)
     assert record.capacity_tokens("p0") is None
     assert held(record, [*prompt, 5]) == {"p0": 1200}
+
+
+def test_a_node_is_trusted_to_keep_a_prompt_to_the_next_turn_only_once_its_reports_show_it() -> None:
+    big = mk_node("p0", NodeRole.PREFILL, kv_capacity_bytes=100_000 * 4096, kv_bytes_per_token=4096)
+    record = PrefillCacheRecord()
+    prompt = H[:1000]
+    first = sent_turn(record, big, prompt)
+    # A first turn: no previous prompt on the node, nothing shown yet.
+    assert not record.keeps_until_next_turn(big, first, len(prompt))
+    prompt = [*prompt, *history(200, seed=3)]
+    second = sent_turn(record, big, prompt)
+    assert not record.keeps_until_next_turn(big, second, len(prompt))
+    # P's report shows the previous prompt kept: from now on the node is trusted.
+    record.observed(big, second, 992, 16)
+    assert record.keeps_until_next_turn(big, second, len(prompt))
+    # Another node, or a turn that did not follow this conversation's last prompt there, is not.
+    assert not record.keeps_until_next_turn(P1, second, len(prompt))
+    other = sent_turn(record, big, history(500, seed=8), key=("t", "other"))
+    assert not record.keeps_until_next_turn(big, other, 500)
+
+
+def test_a_miss_or_a_prompt_that_would_not_fit_behind_the_intake_loses_the_trust() -> None:
+    small = mk_node("p0", NodeRole.PREFILL, kv_capacity_bytes=5_000 * 4096, kv_bytes_per_token=4096)
+    record = PrefillCacheRecord()
+    prompt = H[:1000]
+    sent_turn(record, small, prompt)
+    prompt = [*prompt, *history(200, seed=3)]
+    receipt = sent_turn(record, small, prompt)
+    record.observed(small, receipt, 992, 16)
+    assert record.keeps_until_next_turn(small, receipt, len(prompt))
+    # 2,000 tokens of other conversations since its last turn: twice that, plus the prompt, is
+    # more than the node holds.
+    sent_turn(record, small, history(2000, seed=5), key=("t", "busy"))
+    prompt = [*prompt, *history(200, seed=4)]
+    receipt = sent_turn(record, small, prompt)
+    assert receipt.age_tokens == 2000
+    assert not record.keeps_until_next_turn(small, receipt, len(prompt))
+    # A miss takes the node out until a hit shows it keeping prompts again.
+    record.observed(small, receipt, 0, 16)
+    quiet = [*prompt, *history(100, seed=6)]
+    assert not record.keeps_until_next_turn(small, sent_turn(record, small, quiet), len(quiet))

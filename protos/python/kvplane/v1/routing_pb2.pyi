@@ -101,6 +101,7 @@ class RouteRequest(_message.Message):
     FAILED_NODE_IDS_FIELD_NUMBER: _builtins.int
     AWAITED_HANDLE_ID_FIELD_NUMBER: _builtins.int
     AWAITED_HANDLE_TOKENS_FIELD_NUMBER: _builtins.int
+    MAX_OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
     conversation: _builtins.str
     """Conversation id, 1 to 512 bytes."""
     model: _builtins.str
@@ -123,6 +124,12 @@ class RouteRequest(_message.Message):
     """
     awaited_handle_tokens: _builtins.int
     """Tokens that handle retains (its remote_num_tokens), 0 when unknown."""
+    max_output_tokens: _builtins.int
+    """The most tokens this turn may generate (the request's max_tokens), when the
+    caller knows it. Routing keeps D's KV for the next turn only where what P will
+    lack then (at most this output, when P keeps the prompt) could be worth a pull;
+    unset: the output may be long, and D keeps its KV.
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The prompt's token ids, when the caller has them; lets the router check
@@ -157,12 +164,15 @@ class RouteRequest(_message.Message):
         failed_node_ids: _abc.Iterable[_builtins.str] | None = ...,
         awaited_handle_id: _builtins.str = ...,
         awaited_handle_tokens: _builtins.int = ...,
+        max_output_tokens: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_output_tokens", b"_max_output_tokens", "max_output_tokens", b"max_output_tokens"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["awaited_handle_id", b"awaited_handle_id", "awaited_handle_tokens", b"awaited_handle_tokens", "conversation", b"conversation", "failed_node_ids", b"failed_node_ids", "model", b"model", "prompt_block_digests", b"prompt_block_digests", "prompt_digest_block_size", b"prompt_digest_block_size", "prompt_token_ids", b"prompt_token_ids", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_output_tokens", b"_max_output_tokens", "awaited_handle_id", b"awaited_handle_id", "awaited_handle_tokens", b"awaited_handle_tokens", "conversation", b"conversation", "failed_node_ids", b"failed_node_ids", "max_output_tokens", b"max_output_tokens", "model", b"model", "prompt_block_digests", b"prompt_block_digests", "prompt_digest_block_size", b"prompt_digest_block_size", "prompt_token_ids", b"prompt_token_ids", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__max_output_tokens: _TypeAlias = _typing.Literal["max_output_tokens"]  # noqa: Y015
+    _WhichOneofArgType__max_output_tokens: _TypeAlias = _typing.Literal["_max_output_tokens", b"_max_output_tokens"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_output_tokens) -> _WhichOneofReturnType__max_output_tokens | None: ...
 
 Global___RouteRequest: _TypeAlias = RouteRequest  # noqa: Y015
 
@@ -210,6 +220,7 @@ class RouteResponse(_message.Message):
     PREFILL_KV_TRANSFER_PARAMS_JSON_FIELD_NUMBER: _builtins.int
     EXPECTED_REUSED_TOKENS_FIELD_NUMBER: _builtins.int
     HANDLE_FIELD_NUMBER: _builtins.int
+    SKIP_DECODE_RETENTION_FIELD_NUMBER: _builtins.int
     route_id: _builtins.str
     """Id of this decision; pass it to ReportTurn."""
     decision: Global___Decision.ValueType
@@ -220,6 +231,13 @@ class RouteResponse(_message.Message):
     """The exact kv_transfer_params for the P leg, as a JSON object."""
     expected_reused_tokens: _builtins.int
     """Tokens whose KV P is expected to pull rather than compute."""
+    skip_decode_retention: _builtins.bool
+    """D need not keep this turn's KV for the next turn: the prefill node has shown
+    it keeps a conversation's prompts from one turn to the next, and the output
+    alone (at most max_output_tokens) would cost more to pull than to recompute.
+    The caller tells D's connector so (kv_transfer_params' kvplane_retain: false);
+    D then frees the blocks at once and publishes no handle. False: D keeps them.
+    """
     @_builtins.property
     def prefill(self) -> Global___Endpoint:
         """Prefill engine."""
@@ -243,10 +261,11 @@ class RouteResponse(_message.Message):
         prefill_kv_transfer_params_json: _builtins.str = ...,
         expected_reused_tokens: _builtins.int = ...,
         handle: _handle_pb2.CacheHandle | None = ...,
+        skip_decode_retention: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["decode", b"decode", "handle", b"handle", "prefill", b"prefill"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decision", b"decision", "decode", b"decode", "expected_reused_tokens", b"expected_reused_tokens", "handle", b"handle", "prefill", b"prefill", "prefill_kv_transfer_params_json", b"prefill_kv_transfer_params_json", "reason", b"reason", "route_id", b"route_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decision", b"decision", "decode", b"decode", "expected_reused_tokens", b"expected_reused_tokens", "handle", b"handle", "prefill", b"prefill", "prefill_kv_transfer_params_json", b"prefill_kv_transfer_params_json", "reason", b"reason", "route_id", b"route_id", "skip_decode_retention", b"skip_decode_retention"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,77 @@
+"""Routing tells D to keep a turn's KV for the next turn only where a pull of it could pay: once P's
+reports show it keeping the conversation's prompts, a turn with a short, bounded output is answered
+with skip_decode_retention."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+
+from kvplane.services.client import RoutingClient
+from kvplane.services.common.local_etcd import LocalEtcd
+from tests.support.routing_cluster import (
+    HISTORY_TOKENS,
+    MODEL,
+    RoutingCluster,
+    decode_params,
+    prefill_and_decode,
+    tokens,
+)
+
+ANSWER = 40  # tokens each turn generates here
+
+
+@pytest.fixture
+async def cluster(etcd: LocalEtcd, prefix: str) -> AsyncIterator[RoutingCluster]:
+    async with prefill_and_decode(etcd, prefix) as c:
+        yield c
+
+
+@pytest.fixture
+async def client(cluster: RoutingCluster) -> AsyncIterator[RoutingClient]:
+    async with cluster.client("acme") as c:
+        yield c
+
+
+async def chat(
+    cluster: RoutingCluster, client: RoutingClient, turns: int, *, max_output: int | None, cached: bool = True
+) -> list[bool]:
+    """`turns` turns of one conversation; what routing answered each in skip_decode_retention."""
+    c = f"c-{uuid.uuid4().hex[:8]}"
+    history = tokens(HISTORY_TOKENS)
+    prompt = history[:1000]
+    skipped = []
+    previous = 0
+    for _ in range(turns):
+        route = await client.route(c, MODEL, prompt_token_ids=prompt, max_output_tokens=max_output)
+        skipped.append(route.skip_decode_retention)
+        retained = history[: len(prompt) + ANSWER]
+        # P found the previous prompt in its own cache (whole blocks), when it keeps prompts.
+        hit = previous // 16 * 16 if cached else 0
+        params = decode_params(cluster.nodes["d0"], retained)
+        await cluster.report("acme", c, params, route=route, cached_tokens=hit, pulled_tokens=0)
+        previous = len(prompt)
+        prompt = [*retained, *history[len(retained) : len(retained) + 200]]
+    return skipped
+
+
+async def test_once_p_shows_it_keeps_prompts_a_short_output_is_not_kept_on_d(
+    cluster: RoutingCluster, client: RoutingClient
+) -> None:
+    # Turns 1 and 2: nothing shown yet. Turn 2's report shows P keeping turn 1's prompt.
+    assert await chat(cluster, client, 4, max_output=ANSWER) == [False, False, True, True]
+    registry = cluster.replicas[0].telemetry.registry
+    assert registry.get_sample_value("kvplane_route_decode_retention_total", {"outcome": "skipped"}) == 2
+
+
+async def test_an_unbounded_or_long_output_is_kept(cluster: RoutingCluster, client: RoutingClient) -> None:
+    assert not any(await chat(cluster, client, 4, max_output=None))
+    assert not any(await chat(cluster, client, 4, max_output=32_000))
+
+
+async def test_a_prefill_node_that_keeps_nothing_gets_every_turns_kv_kept_on_d(
+    cluster: RoutingCluster, client: RoutingClient
+) -> None:
+    assert not any(await chat(cluster, client, 4, max_output=ANSWER, cached=False))
