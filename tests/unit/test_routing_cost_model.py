@@ -22,11 +22,12 @@ def truth(computed: int, reused: int) -> float:
 
 
 def observed(computed: int, reused: int, *, pulled: int = 0) -> TurnObservation:
+    """P's leg for a turn: the pull's transfer (as the model estimates it), then the prefill."""
     return TurnObservation(
         prompt_tokens=computed + reused,
         pulled_tokens=pulled,
         cached_tokens=reused - pulled,
-        prefill_ms=truth(computed, reused),
+        prefill_ms=CostModel().transfer_ms(pulled) + truth(computed, reused),
     )
 
 
@@ -185,6 +186,24 @@ def test_a_reused_token_never_costs_more_than_a_computed_one() -> None:
         model = model.observe(leg)
     assert model.reused_ms_per_token <= model.recompute_ms_per_token
     assert model.recompute_ms(4_000) - model.reused_ms(4_000) >= 0
+
+
+def test_a_pulls_transfer_is_not_learned_as_the_cost_of_attending_over_the_pulled_tokens() -> None:
+    rng = random.Random(5)
+    model = CostModel()
+    for _ in range(300):
+        computed, pulled = rng.randrange(200, 2_000), rng.choice((0, rng.randrange(1_000, 20_000)))
+        transfer = model.transfer_ms(pulled, KVB) if pulled else 0.0
+        # P's leg: the pull (unreported: the model's own estimate), then the prefill.
+        leg = TurnObservation(
+            prompt_tokens=computed + pulled,
+            pulled_tokens=pulled,
+            prefill_ms=transfer + truth(computed, pulled),
+            kv_bytes_per_token=KVB,
+        )
+        model = model.observe(leg)
+    assert model.reused_ms_per_token == pytest.approx(0.004, abs=0.002)
+    assert model.recompute_ms_per_token == pytest.approx(0.05, rel=0.1)
 
 
 def test_a_leg_that_waited_longer_than_it_computed_teaches_nothing() -> None:

@@ -29,9 +29,11 @@ Learning (every successful reported turn with a prefill time):
   chat whose every turn computes one message's worth over a longer history
   cannot tell the fixed cost from the per-token rate) stays near its prior
   instead of drifting on noise to a rate of nothing;
-- P's leg includes its wait behind the turns routed there before: the
-  router's expectation of that wait is taken off (`TurnObservation.queued_ms`),
-  and a leg that waited longer than it computed teaches nothing;
+- P's leg includes its wait behind the turns routed there before and, for a
+  pull, the transfer: the router's expectation of the wait
+  (`TurnObservation.queued_ms`) and the transfer (reported, else estimated)
+  are taken off, and a leg that spent longer on them than computing teaches
+  nothing;
 - bandwidth is an exponentially weighted average of per-byte samples, and
   the handshake one of what first pulls between two engines took beyond a
   warm pull;
@@ -178,7 +180,13 @@ class CostModel:
         computed = max(1, obs.prompt_tokens - reused)
         # prefill_ms is P's leg; without it, a recompute turn's TTFT bounds it from above.
         spent = obs.prefill_ms or (obs.ttft_ms if reused == 0 else 0.0)
-        spent = self._compute_share(spent, obs.queued_ms)
+        # A pulled turn's leg holds the pull too: the reported one, else the model's estimate.
+        pull_ms = 0.0
+        if obs.pulled_tokens > 0:
+            pull_ms = obs.transfer_ms or self.transfer_ms(
+                obs.pulled_tokens, obs.kv_bytes_per_token, first_contact=obs.first_contact
+            )
+        spent = self._compute_share(spent, obs.queued_ms + pull_ms)
         if spent > 0 and obs.prompt_tokens > 0:
             fit = self.prefill_fit or self._prior_fit()
             counts = (float(computed), float(reused))
@@ -219,19 +227,22 @@ class CostModel:
             )
         return model
 
-    def _compute_share(self, leg_ms: float, queued_ms: float) -> float:
-        """P's compute in a leg that also waited `queued_ms` behind earlier work; 0: unknown.
+    def _compute_share(self, leg_ms: float, other_ms: float) -> float:
+        """P's compute in a leg that also spent `other_ms` waiting behind earlier work and
+        pulling; 0: unknown.
 
         Learned from the whole leg, the waits of a busy P would read as compute: the
         per-token rate would grow with load, every queue estimate built on it would grow
-        again, and recomputing would look dearer than it is. The expected wait is taken
-        off; a leg that waited longer than the rest of it teaches nothing, as the
-        estimate's own error would then be most of the sample.
+        again, and recomputing would look dearer than it is; a pull's transfer would read
+        as the cost of attending over the pulled tokens, and pulls would be charged their
+        transfer twice. The expected wait and transfer are taken off; a leg that spent
+        longer on them than on the rest teaches nothing, as the estimates' own error would
+        then be most of the sample.
         """
-        if queued_ms <= 0:
+        if other_ms <= 0:
             return leg_ms
-        compute = leg_ms - queued_ms
-        return compute if compute >= queued_ms else 0.0
+        compute = leg_ms - other_ms
+        return compute if compute >= other_ms else 0.0
 
     def _prior_fit(self) -> AffineFit:
         return AffineFit(
