@@ -111,6 +111,11 @@ class PrefillCacheRecord:
         # Nodes whose latest report showed their prefix cache keeping a prompt the record
         # believed held (a miss since takes a node out).
         self._keeping: set[str] = set()
+        # Misses per node, and the nodes that ever reported a prefix-cache hit: a node with
+        # misses (more than one: a single one may be an eviction) and never a hit has no prefix
+        # cache, or none that keeps anything from one turn to the next.
+        self._misses: dict[str, int] = {}
+        self._hit: set[str] = set()
 
     def __len__(self) -> int:
         return len(self._by_conversation)
@@ -161,9 +166,13 @@ class PrefillCacheRecord:
         Compared with what the node was believed to hold of the conversation's previous prompt at
         its age, the report bounds the node's effective capacity from above (a miss) or below (a
         hit), at once. A prompt that was not recorded on the node says nothing."""
-        if receipt.shared_tokens <= 0 or receipt.node_id != node.node_id:
+        if receipt.node_id != node.node_id:
             return
         node_id = node.node_id
+        if cached_tokens >= max(1, block_size):
+            self._hit.add(node_id)
+        if receipt.shared_tokens <= 0:
+            return
         registered = _capacity_tokens(node)
         cached = max(0, cached_tokens)
         # P counts whole blocks only, and computes a prompt's last token itself.
@@ -174,6 +183,7 @@ class PrefillCacheRecord:
             # Evicted (or never cached) by that age: the cache holds that much, no more.
             self._capacity[node_id] = shown
             self._keeping.discard(node_id)
+            self._misses[node_id] = self._misses.get(node_id, 0) + 1
             return
         if receipt.believed_tokens > 0:
             self._keeping.add(node_id)
@@ -245,7 +255,14 @@ class PrefillCacheRecord:
         return held
 
     def _still_held(self, entry: SentPrompt) -> int:
-        """Tokens of `entry` the node's effective capacity still holds at its age (LRU order)."""
+        """Tokens of `entry` the node's effective capacity still holds at its age (LRU order).
+
+        A node that missed more than once and never reported a hit holds nothing: a miss only
+        bounds the capacity by the age it was seen at, which on a busy node stays large even
+        where the cache keeps nothing at all (prefix caching off).
+        """
+        if self._misses.get(entry.node_id, 0) > 1 and entry.node_id not in self._hit:
+            return 0
         capacity = self._capacity.get(entry.node_id)
         if capacity is None:
             return entry.tokens

@@ -202,3 +202,22 @@ def test_a_miss_or_a_prompt_that_would_not_fit_behind_the_intake_loses_the_trust
     record.observed(small, receipt, 0, 16)
     quiet = [*prompt, *history(100, seed=6)]
     assert not record.keeps_until_next_turn(small, sent_turn(record, small, quiet), len(quiet))
+
+
+def test_a_busy_node_without_prefix_caching_is_soon_believed_to_hold_nothing() -> None:
+    """Conversations take turns on one node: every miss is seen at the age of the other
+    conversations' intake, so the capacity it shows stays large; never a hit says there is none."""
+    record = PrefillCacheRecord()
+    prompts = {f"c{i}": history(1000, seed=20 + i) for i in range(4)}
+    for turn in range(3):
+        for name, prompt in prompts.items():
+            prompt = [*prompt, *history(300, seed=40 + turn)]
+            prompts[name] = prompt
+            receipt = sent_turn(record, P0, prompt, key=("t", name))
+            record.observed(P0, receipt, 0, 16)  # P computed every token again
+    for name, prompt in prompts.items():
+        assert held(record, [*prompt, 5], key=("t", name)) == {}
+    # A hit from any conversation shows a cache again.
+    fresh = [*prompts["c0"], *history(100, seed=99)]
+    record.observed(P0, sent_turn(record, P0, fresh, key=("t", "c0")), 1296, 16)
+    assert held(record, [*prompts["c1"], 5], key=("t", "c1")).get("p0", 0) > 0
