@@ -34,7 +34,8 @@ from kvplane.services.gateway.prompts import estimate_tokens
 from kvplane.services.gateway.protocol_errors import JsonErrorAppRunner, json_http_errors
 from kvplane.services.gateway.request_body import BodyLimits, check_completion, single_prompt
 from kvplane.services.gateway.tenant_share import TenantShares
-from kvplane.services.gateway.turn import TurnFailed, TurnRunner
+from kvplane.services.gateway.turn import TurnRunner
+from kvplane.services.gateway.turn_errors import TurnFailed
 
 log = logging.getLogger(__name__)
 

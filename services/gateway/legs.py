@@ -1,8 +1,7 @@
 """HTTP calls to the engines: the prefill leg (one JSON answer) and the decode leg (a stream).
 
-Each leg has its own deadline. A failure says whether retrying can help: an
-engine that rejects the request itself (4xx) would reject it again, while a
-5xx, a timeout or a refused connection may be a stale handle or a bad moment.
+Each leg has its own deadline. A failure says what happened (the engine's status, or that
+nothing answered); what the turn does about it is `failover.py`'s to decide.
 """
 
 from __future__ import annotations
@@ -13,6 +12,21 @@ from typing import Any
 
 import aiohttp
 import orjson
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+_PROPAGATOR = TraceContextTextMapPropagator()
+
+
+def leg_path(chat: bool) -> str:
+    """The engine's endpoint for a turn: chat or plain completions, as the client asked."""
+    return "/v1/chat/completions" if chat else "/v1/completions"
+
+
+def trace_headers() -> dict[str, str]:
+    """`traceparent` (and `tracestate`) of the current span, for an engine leg."""
+    headers: dict[str, str] = {}
+    _PROPAGATOR.inject(headers)
+    return headers
 
 
 class LegFailed(Exception):
@@ -29,11 +43,6 @@ class LegFailed(Exception):
         self.body = body
         # Nothing answered (refused or reset connection): the engine may be down.
         self.unreachable = unreachable
-
-    @property
-    def retryable(self) -> bool:
-        """A client error (4xx) is the request's fault; retrying would fail the same way."""
-        return not 400 <= self.status < 500
 
     @property
     def outcome(self) -> str:

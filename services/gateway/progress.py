@@ -97,6 +97,12 @@ class PromptSources:
             out["pulled"] = self.pulled
         return out
 
+    def span_attributes(self) -> dict[str, int]:
+        """`kvplane.tokens.{prompt,pulled,prefill_cache,computed}` (or `.unattributed`) for a span."""
+        return {"kvplane.tokens.prompt": self.prompt} | {
+            f"kvplane.tokens.{source}": tokens for source, tokens in self.counts().items()
+        }
+
 
 def prompt_sources(answer: Mapping[str, Any]) -> PromptSources:
     """P's answer read as a PromptSources: its usage, and the pull it reports in kv_transfer_params."""

@@ -61,6 +61,18 @@ class TurnReporter:
         """The handle (id, tokens) the conversation's last turn announced; ("", 0) if none."""
         return self._announced.get((turn.identity.tenant, turn.identity.conversation)) or ("", 0)
 
+    def finish(
+        self, turn: TurnRequest, route: RouteResult, progress: TurnProgress, *, success: bool, error: str = ""
+    ) -> None:
+        """Counts the turn's outcome (and TTFT, when it succeeded) and reports it."""
+        outcome = "ok" if success else "failed"
+        self.metrics.turns.labels(progress.decision, outcome).inc()
+        if success and progress.ttft_s is not None:
+            self.metrics.ttft.labels(progress.decision).observe(progress.ttft_s)
+        if error and not progress.error:
+            progress.error = error
+        self.report_later(turn, route, progress, success=success)
+
     def report_later(
         self, turn: TurnRequest, route: RouteResult, progress: TurnProgress, *, success: bool
     ) -> None:

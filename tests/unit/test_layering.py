@@ -55,6 +55,7 @@ PURE_MODULES = frozenset(
         "kvplane.services.routing.prompt_chains",  # "Pure: no I/O"
         "kvplane.services.gateway.suspects",  # "Time is an argument ..., never read here"
         "kvplane.services.gateway.fallback",  # "`pick_engine` is a pure rule ... Time is an argument"
+        "kvplane.services.gateway.failover",  # "Pure: no I/O and no clock reads"
     }
 )
 # What pure code must not import: the store, network and process I/O, threads, waiting, the clock.
