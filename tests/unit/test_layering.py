@@ -109,8 +109,12 @@ CLIENT_EXCEPTIONS: dict[tuple[str, str], str] = {
     ("kvplane.services.client.credentials", "kvplane.services.common.reloading_channel"): TRANSPORT_REASON,
 }
 CONNECTOR_EXCEPTIONS: dict[tuple[str, str], str] = {
-    ("kvplane.connector.node_agent", "kvplane.services.client.credentials"): (
+    ("kvplane.connector.node_agent.settings", "kvplane.services.client.credentials"): (
         "the node agent is a client of metadata and eviction and presents a client's credentials; "
+        "the client package is held to the same rule"
+    ),
+    ("kvplane.connector.node_agent.control_plane", "kvplane.services.client.credentials"): (
+        "the node agent's calls carry the client's call metadata (a rotated token is read again); "
         "the client package is held to the same rule"
     ),
     ("kvplane.connector.vllm_nixl", "kvplane.services.client.credentials"): (

@@ -1,0 +1,124 @@
+"""The EvictionService.Commands stream: says hello, applies each ReleaseCommand by calling
+`on_release(remote_request_id)` (DrainCommand: `on_drain()`), at most once per command id, and
+acknowledges every command; the engine's demand (`demand.py`) shares the stream.
+
+Runs on the agent's thread; so do `on_release` and `on_drain`, which must be thread-safe, quick
+and must not block.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+
+from kvplane.connector.node_agent.control_plane import REFUSED, Backoff, ControlPlane
+from kvplane.connector.node_agent.demand import DemandReporter
+from kvplane.v1 import eviction_pb2
+
+log = logging.getLogger(__name__)
+
+
+class CommandStream:
+    """Keeps the command stream open and applies what comes down it."""
+
+    def __init__(
+        self,
+        plane: ControlPlane,
+        on_release: Callable[[str], None],
+        on_drain: Callable[[], None] | None,
+        demand: DemandReporter | None,
+    ) -> None:
+        self._plane = plane
+        self._on_release = on_release
+        self._on_drain = on_drain
+        self._demand = demand
+        self._seen: collections.OrderedDict[str, bool] = collections.OrderedDict()
+        self.applied = 0
+        self.duplicates = 0
+        self.opened = 0
+
+    async def run(self) -> None:
+        """Reconnects after every end of the stream, with backoff, until the agent stops."""
+        plane = self._plane
+        backoff = Backoff(plane.settings.backoff_initial_s, plane.settings.backoff_max_s)
+        while not plane.is_stopping():
+            await plane.session_ready.wait()
+            try:
+                received = await self._run_stream()
+                if received:
+                    backoff.reset()
+            except grpc.aio.AioRpcError as err:
+                if err.code() in REFUSED:
+                    plane.note_error("the eviction command stream", err)
+                else:
+                    if err.code() not in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAVAILABLE):
+                        log.info("eviction command stream: %s %s", err.code(), err.details())
+                    plane.rpc_errors += 1
+            # The stream ended or failed: reconnect after a pause either way.
+            await plane.sleep_or_stop(backoff.next_delay())
+
+    async def _run_stream(self) -> bool:
+        plane = self._plane
+        acks: asyncio.Queue[eviction_pb2.CommandsRequest | None] = asyncio.Queue()
+        await acks.put(
+            eviction_pb2.CommandsRequest(
+                hello=eviction_pb2.NodeHello(node_id=plane.node_id, incarnation=plane.incarnation)
+            )
+        )
+
+        async def outgoing() -> AsyncIterator[eviction_pb2.CommandsRequest]:
+            while (msg := await acks.get()) is not None:
+                yield msg
+
+        call = plane.evict.Commands(outgoing(), metadata=plane.call_metadata)
+        self.opened += 1
+        received = False
+        demand = (
+            asyncio.create_task(self._demand.send(acks), name="kvplane-agent-demand")
+            if self._demand is not None
+            else None
+        )
+        try:
+            async for command in call:
+                received = True
+                ok, error = self._apply(command)
+                await acks.put(
+                    eviction_pb2.CommandsRequest(
+                        ack=eviction_pb2.CommandAck(command_id=command.command_id, ok=ok, error=error)
+                    )
+                )
+        finally:
+            if demand is not None:
+                demand.cancel()
+            await acks.put(None)
+            call.cancel()
+        return received
+
+    def _apply(self, command: eviction_pb2.CommandsResponse) -> tuple[bool, str]:
+        """Apply one command at most once; return the ack's (ok, error)."""
+        if command.command_id in self._seen:
+            self._seen.move_to_end(command.command_id)
+            self.duplicates += 1
+            return True, ""
+        kind = command.WhichOneof("command")
+        try:
+            if kind == "release":
+                self._on_release(command.release.remote_request_id)
+            elif kind == "drain":
+                if self._on_drain is None:
+                    return False, "this engine cannot drain"
+                self._on_drain()
+            else:
+                return False, f"unknown command {kind!r}"
+        except Exception as exc:
+            log.exception("applying command %s failed", command.command_id)
+            return False, f"{type(exc).__name__}: {exc}"
+        self._seen[command.command_id] = True
+        while len(self._seen) > self._plane.settings.seen_commands_max:
+            self._seen.popitem(last=False)
+        self.applied += 1
+        return True, ""

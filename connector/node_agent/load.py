@@ -1,0 +1,87 @@
+"""Load reports: `load_fn()` sampled every `load_interval_s`, reported (ReportLoad) when it changed
+materially, at once after every registration, and otherwise every `load_heartbeat_s`.
+
+An idle engine writes its load to etcd a tenth of a second, not twice a second. The node's
+liveness is its lease; the heartbeat only shows that the agent's load path still runs (the `live`
+routing filter allows three heartbeats). Runs on the agent's thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+
+import grpc
+
+from kvplane.connector.node_agent.control_plane import ControlPlane
+from kvplane.services.common import convert
+from kvplane.services.common.nodes import NodeLoad
+from kvplane.v1 import metadata_pb2
+
+log = logging.getLogger(__name__)
+
+
+def load_changed(last: NodeLoad, now: NodeLoad) -> bool:
+    """Whether `now` differs from the load last reported enough to report it before the
+    heartbeat: any change of a request count, of queued prefill tokens, of retained bytes or
+    of the block total, or free KV blocks moved by 1% of the total (at least one block)."""
+    if (
+        now.queued_requests != last.queued_requests
+        or now.running_requests != last.running_requests
+        or now.queued_prefill_tokens != last.queued_prefill_tokens
+        or now.retained_bytes != last.retained_bytes
+        or now.total_kv_blocks != last.total_kv_blocks
+    ):
+        return True
+    return abs(now.free_kv_blocks - last.free_kv_blocks) >= max(1, now.total_kv_blocks // 100)
+
+
+class LoadReporter:
+    """Samples the engine's load and reports what routing needs to know."""
+
+    def __init__(self, plane: ControlPlane, load_fn: Callable[[], NodeLoad]) -> None:
+        self._plane = plane
+        # Called on the agent's thread: thread-safe, quick, never blocking.
+        self._load_fn = load_fn
+        self.reports = 0
+
+    async def run(self) -> None:
+        plane = self._plane
+        last: NodeLoad | None = None  # the load last reported, for this registration
+        last_sent = 0.0  # time.monotonic() of that report
+        registration = -1
+        while not plane.is_stopping():
+            await plane.session_ready.wait()
+            if registration != plane.registrations:
+                # A new registration starts with no load stored: report at once.
+                registration, last = plane.registrations, None
+            try:
+                sampled = self._load_fn()
+                load = dataclasses.replace(sampled, node_id=plane.node_id, incarnation=plane.incarnation)
+            except Exception:
+                log.exception("load_fn failed; skipping this report")
+            else:
+                now = time.monotonic()
+                heartbeat = now - last_sent >= plane.settings.load_heartbeat_s
+                due = last is None or load_changed(last, load) or heartbeat
+                if due and await self._report(load):
+                    last, last_sent = load, now
+            await plane.sleep_or_stop(plane.settings.load_interval_s)
+
+    async def _report(self, load: NodeLoad) -> bool:
+        """One ReportLoad, stamped now; False when it failed."""
+        plane = self._plane
+        stamped = dataclasses.replace(load, reported_unix_ms=int(time.time() * 1000))
+        try:
+            await plane.meta.ReportLoad(
+                metadata_pb2.ReportLoadRequest(load=convert.load_to_pb(stamped)),
+                timeout=plane.settings.rpc_timeout_s,
+                metadata=plane.call_metadata,
+            )
+        except grpc.aio.AioRpcError as err:
+            plane.note_error("ReportLoad", err)
+            return False
+        self.reports += 1
+        return True

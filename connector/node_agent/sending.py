@@ -1,0 +1,154 @@
+"""Publishes (PublishHandles) and release reports (ReportReleased), sent from the outbox in order,
+consecutive items of one kind batched.
+
+A publish that keeps failing is retried (the node registers again when the control plane no
+longer knows it; metadata takes a new lease when one is gone) until `publish_give_up_s` after its
+first failure, or until the handle's wall-clock expiry: then it is given up with a warning naming
+the handle, and its blocks are freed through `on_release` (nothing would ever reference them), so
+that one handle never holds up the queue behind it for good. Runs on the agent's thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+
+import grpc
+
+from kvplane.connector.node_agent.control_plane import NOT_REGISTERED, RETRYABLE, Backoff, ControlPlane
+from kvplane.connector.node_agent.outbox import Item, Outbox
+from kvplane.services.common import convert
+from kvplane.v1 import metadata_pb2
+
+log = logging.getLogger(__name__)
+
+
+class Sender:
+    """Empties the outbox into the control plane."""
+
+    def __init__(self, plane: ControlPlane, outbox: Outbox, on_release: Callable[[str], None]) -> None:
+        self._plane = plane
+        self._outbox = outbox
+        self._on_release = on_release
+        self.published = 0
+        self.released_reported = 0
+        self.publishes_given_up = 0
+
+    async def run(self) -> None:
+        plane, wake = self._plane, self._outbox.wake
+        assert wake is not None
+        backoff = Backoff(plane.settings.backoff_initial_s, plane.settings.backoff_max_s)
+        while not plane.is_stopping():
+            wake.clear()
+            await plane.session_ready.wait()
+            try:
+                sent = await self.send_one_batch()
+            except grpc.aio.AioRpcError as err:
+                plane.note_error("publish/release", err)
+                await plane.sleep_or_stop(backoff.next_delay())
+                continue
+            backoff.reset()
+            if not sent:
+                await wake.wait()
+
+    async def send_one_batch(self) -> bool:
+        """Send the head batch. False when the queue was empty. Puts the batch back on errors."""
+        async with self._plane.send_lock:
+            return await self._send_head_batch()
+
+    async def _send_head_batch(self) -> bool:
+        batch = self._outbox.take_batch()
+        if not batch:
+            return False
+        if batch[0].kind == "publish":
+            batch = self._give_up_stale(batch)
+            if not batch:
+                return True
+        try:
+            if batch[0].kind == "publish":
+                await self._publish_batch(batch)
+            else:
+                await self._release_batch(batch)
+        except grpc.aio.AioRpcError as err:
+            if err.code() in RETRYABLE or err.code() in NOT_REGISTERED:
+                now = time.monotonic()
+                failing = [dataclasses.replace(i, failing_since=i.failing_since or now) for i in batch]
+                self._outbox.put_back(failing)
+            else:
+                # INVALID_ARGUMENT and the like: resending cannot help.
+                self._outbox.drop(len(batch))
+                log.warning(
+                    "dropping %d %s item(s): %s %s", len(batch), batch[0].kind, err.code(), err.details()
+                )
+            raise
+        return True
+
+    def _give_up_stale(self, batch: list[Item]) -> list[Item]:
+        """The publishes still worth sending; the others are given up and their blocks freed.
+
+        A handle past its wall-clock expiry is never handed out, and one whose publish kept
+        failing for `publish_give_up_s` (re-registrations and new leases included) would
+        otherwise be retried for good, holding up every item queued behind it.
+        """
+        now, now_ms = time.monotonic(), int(time.time() * 1000)
+        keep: list[Item] = []
+        for item in batch:
+            handle = item.handle
+            assert handle is not None
+            if handle.wall_expiry_unix_ms <= now_ms:
+                why = "it expired before it could be published"
+            elif item.failing_since and now - item.failing_since >= self._plane.settings.publish_give_up_s:
+                why = f"publishing it kept failing for {now - item.failing_since:.1f} s"
+            else:
+                keep.append(item)
+                continue
+            log.warning(
+                "node %s gives up handle %s (tenant %s, conversation %s, request %s): %s; "
+                "its blocks are freed",
+                self._plane.node_id,
+                handle.handle_id or "(no id)",
+                handle.tenant,
+                handle.conversation,
+                handle.vllm.remote_request_id,
+                why,
+            )
+            self.publishes_given_up += 1
+            try:
+                self._on_release(handle.vllm.remote_request_id)
+            except Exception:
+                log.exception("freeing request %s failed", handle.vllm.remote_request_id)
+        return keep
+
+    async def _publish_batch(self, batch: list[Item]) -> None:
+        plane = self._plane
+        handles = []
+        for item in batch:
+            assert item.handle is not None
+            handle = dataclasses.replace(
+                item.handle, holder_node_id=plane.node_id, holder_incarnation=plane.incarnation
+            )
+            handles.append(convert.handle_to_pb(handle))
+        # A batch joins the trace of its first traced handle: batches hold one handle per finished
+        # turn at a time unless the control plane was unreachable for a while.
+        traced = next((item.trace_context for item in batch if item.trace_context), ())
+        await plane.meta.PublishHandles(
+            metadata_pb2.PublishHandlesRequest(handles=handles),
+            timeout=plane.settings.rpc_timeout_s,
+            metadata=(*plane.call_metadata, *traced),
+        )
+        self.published += len(batch)
+
+    async def _release_batch(self, batch: list[Item]) -> None:
+        plane = self._plane
+        await plane.meta.ReportReleased(
+            metadata_pb2.ReportReleasedRequest(
+                node_id=plane.node_id,
+                incarnation=plane.incarnation,
+                remote_request_ids=[item.remote_request_id for item in batch],
+            ),
+            timeout=plane.settings.rpc_timeout_s,
+            metadata=plane.call_metadata,
+        )
+        self.released_reported += len(batch)
