@@ -216,6 +216,17 @@ class ConnectorSettings:
             mesh_secret_file=self.mesh_secret_file,
         )
 
+    def agent_settings(self) -> NodeAgentSettings:
+        """The node agent's settings: where the control plane is, the lease, the load sampling."""
+        return NodeAgentSettings(
+            metadata_target=self.metadata_target,
+            eviction_target=self.eviction_target,
+            lease_ttl_s=self.lease_ttl_s,
+            load_interval_s=self.load_interval_s,
+            load_heartbeat_s=max(self.load_heartbeat_s, self.load_interval_s),
+            credentials=self.credentials(),
+        )
+
     @classmethod
     def from_config(
         cls, section: Mapping[str, Any] | None, env: Mapping[str, str] | None = None
@@ -391,39 +402,9 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
             return
         if not s.http_url:
             log.warning("kvplane: no http_url configured; the control plane will refuse to register the node")
-        scheduler = self.connector_scheduler
-        node = Node(
-            node_id=s.node_id or f"{socket.gethostname()}-{self.engine_id}",
-            incarnation="",
-            role=s.role,
-            engine_id=str(self.engine_id),
-            http_url=s.http_url,
-            side_channel_host=str(scheduler.side_channel_host),
-            side_channel_port=int(scheduler.side_channel_port),
-            fingerprint=Fingerprint(
-                model=self._model_name,
-                kv_dtype=_kv_dtype(vllm_config),
-                kv_layout=str(self.get_required_kvcache_layout(vllm_config) or ""),
-                extra=f"vllm-{vllm.__version__}",
-            ),
-            block_size=self._block_size,
-            kv_capacity_bytes=self._bytes_per_block * self._num_blocks,
-            kv_bytes_per_token=self._bytes_per_block // max(1, self._block_size),
-            dp_rank=int(vllm_config.parallel_config.data_parallel_index),
-            tp_size=int(scheduler.transfer_tp_size),
-            pp_size=int(vllm_config.parallel_config.pipeline_parallel_size),
-            dcp_size=int(vllm_config.parallel_config.decode_context_parallel_size),
-        )
-        agent_settings = NodeAgentSettings(
-            metadata_target=s.metadata_target,
-            eviction_target=s.eviction_target,
-            lease_ttl_s=s.lease_ttl_s,
-            load_interval_s=s.load_interval_s,
-            load_heartbeat_s=max(s.load_heartbeat_s, s.load_interval_s),
-            credentials=s.credentials(),
-        )
+        node = _engine_node(self, vllm_config)
         self.kvplane_agent = NodeAgent(
-            agent_settings,
+            s.agent_settings(),
             node,
             self._current_load,
             self._queue_release,
@@ -756,6 +737,34 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
     def held_request_ids(self) -> frozenset[str]:
         """Requests whose published blocks this engine still holds (scheduler thread)."""
         return frozenset(self._held)
+
+
+def _engine_node(connector: NixlConnector, vllm_config: VllmConfig) -> Node:
+    """The node this engine registers as (its incarnation is the agent's to stamp)."""
+    s = connector.kvplane_settings
+    scheduler = connector.connector_scheduler
+    return Node(
+        node_id=s.node_id or f"{socket.gethostname()}-{connector.engine_id}",
+        incarnation="",
+        role=s.role,
+        engine_id=str(connector.engine_id),
+        http_url=s.http_url,
+        side_channel_host=str(scheduler.side_channel_host),
+        side_channel_port=int(scheduler.side_channel_port),
+        fingerprint=Fingerprint(
+            model=connector._model_name,
+            kv_dtype=_kv_dtype(vllm_config),
+            kv_layout=str(connector.get_required_kvcache_layout(vllm_config) or ""),
+            extra=f"vllm-{vllm.__version__}",
+        ),
+        block_size=connector._block_size,
+        kv_capacity_bytes=connector._bytes_per_block * connector._num_blocks,
+        kv_bytes_per_token=connector._bytes_per_block // max(1, connector._block_size),
+        dp_rank=int(vllm_config.parallel_config.data_parallel_index),
+        tp_size=int(scheduler.transfer_tp_size),
+        pp_size=int(vllm_config.parallel_config.pipeline_parallel_size),
+        dcp_size=int(vllm_config.parallel_config.decode_context_parallel_size),
+    )
 
 
 def _trace_headers(request: Request) -> Mapping[str, str] | None:
