@@ -61,6 +61,9 @@ if [[ ! -d $VALIDATE/node_modules/@kubernetes-models/istio ]]; then
   (cd "$VALIDATE" && npm ci --no-audit --no-fund --silent) || { echo "npm ci failed in $VALIDATE" >&2; exit 2; }
 fi
 
+# The semantic checks: the deploy_checks package beside this script.
+CHECKS=(env PYTHONPATH="$VALIDATE" "$PY" -m deploy_checks)
+
 OUT=$(mktemp -d)
 trap 'rm -rf "$OUT"' EXIT
 
@@ -97,17 +100,17 @@ expect_services() {
 }
 run "compose profiles: sim-engines by default" expect_services "" "sim-decode sim-prefill "
 run "compose profiles: vllm swaps in vLLM engines" expect_services vllm "vllm-decode vllm-prefill "
-run "compose semantics: all profiles" "$PY" "$VALIDATE/deploy_checks.py" compose "$OUT/compose-all.json"
-run "compose semantics: serve-all override" "$PY" "$VALIDATE/deploy_checks.py" compose "$OUT/compose-serve-all.json"
-run "Dockerfile and compose build targets" "$PY" "$VALIDATE/deploy_checks.py" dockerfile "$OUT/compose-all.json"
+run "compose semantics: all profiles" "${CHECKS[@]}" compose "$OUT/compose-all.json"
+run "compose semantics: serve-all override" "${CHECKS[@]}" compose "$OUT/compose-serve-all.json"
+run "Dockerfile and compose build targets" "${CHECKS[@]}" dockerfile "$OUT/compose-all.json"
 
 # ---------------------------------------------------------------- helm
 step "helm: render and validate"
-run "helm chart" "$PY" "$VALIDATE/deploy_checks.py" helm "$OUT"
+run "helm chart" "${CHECKS[@]}" helm "$OUT"
 
 # ---------------------------------------------------------------- mesh
 step "mesh: Istio manifests"
-run "mesh manifests" "$PY" "$VALIDATE/deploy_checks.py" mesh "$OUT"
+run "mesh manifests" "${CHECKS[@]}" mesh "$OUT"
 
 # ---------------------------------------------------------------- CRD schemas
 step "crds: ServiceMonitor and Istio schemas (node $(node --version))"

@@ -20,6 +20,8 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.support.deploy_validators import load_deploy_checks
+
 ROOT = Path(__file__).resolve().parents[2]
 VALIDATE = ROOT / "deploy" / "scripts" / "validate"
 BIN = Path(sys.executable).parent
@@ -45,11 +47,7 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def checks() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("deploy_checks", VALIDATE / "deploy_checks.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_deploy_checks()
 
 
 @pytest.fixture(scope="module")

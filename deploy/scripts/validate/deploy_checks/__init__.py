@@ -1,0 +1,47 @@
+"""Offline checks of kvplane's deployment artifacts, beyond what their schemas say.
+
+    python -m deploy_checks compose RESOLVED.json     the compose stack, as `docker compose config
+                                                      --format json` resolved it (all profiles)
+    python -m deploy_checks dockerfile RESOLVED.json  deploy/docker/Dockerfile, and the compose
+                                                      build targets in it
+    python -m deploy_checks helm OUT_DIR              lint and render the chart for each values file,
+                                                      validate every built-in resource against the
+                                                      Kubernetes schemas, cross-check the manifests
+    python -m deploy_checks mesh OUT_DIR              the Istio manifests against the chart
+
+(run from deploy/scripts/validate, or with it on PYTHONPATH). One module per artifact:
+`compose_checks.py`, `dockerfile_checks.py`, `chart_checks.py` (the rendered chart),
+`mesh_checks.py` (its Istio manifests), over `manifests.py` (Kubernetes documents and schemas),
+`kvplane_code.py` (kvplane's own parsers and settings model) and `report.py`.
+
+`helm` and `mesh` write the custom resources they found to OUT_DIR/*-crds.json, for
+crd_schemas.mjs. validate_deploy.sh runs all of this; each command prints one line per check and
+exits 1 if any failed.
+
+Where possible a check runs kvplane's own code: flags go through the real argument parsers and
+settings through the real settings model, so a renamed flag or setting fails here, not at start-up.
+"""
+
+from .chart_checks import check_chart_semantics, check_helm, merged_values, render_chart
+from .compose_checks import check_compose
+from .dockerfile_checks import check_dockerfile
+from .manifests import docs_of, kubernetes_validate, pod_templates
+from .mesh_checks import ISTIO_FIELDS, check_mesh, grpc_service_paths, unknown_fields
+from .report import Report
+
+__all__ = [
+    "ISTIO_FIELDS",
+    "Report",
+    "check_chart_semantics",
+    "check_compose",
+    "check_dockerfile",
+    "check_helm",
+    "check_mesh",
+    "docs_of",
+    "grpc_service_paths",
+    "kubernetes_validate",
+    "merged_values",
+    "pod_templates",
+    "render_chart",
+    "unknown_fields",
+]

@@ -1,0 +1,166 @@
+"""The chart's Istio manifests, against the chart."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from .chart_checks import render_chart
+from .manifests import container_ports, matches, pod_templates
+from .report import ROOT, Report
+
+# Istio security.istio.io/v1 fields kvplane's manifests may use; the CRD schemas accept unknown
+# fields (the API server prunes them), so a misspelt field would otherwise pass unnoticed.
+ISTIO_FIELDS: dict[str, Any] = {
+    "PeerAuthentication": {"selector": {"matchLabels": None}, "mtls": {"mode": None}, "portLevelMtls": None},
+    "AuthorizationPolicy": {
+        "selector": {"matchLabels": None},
+        "action": None,
+        "rules": [
+            {
+                "from": [
+                    {
+                        "source": {
+                            k: None
+                            for k in (
+                                "principals",
+                                "notPrincipals",
+                                "requestPrincipals",
+                                "notRequestPrincipals",
+                                "namespaces",
+                                "notNamespaces",
+                                "ipBlocks",
+                                "notIpBlocks",
+                                "remoteIpBlocks",
+                                "notRemoteIpBlocks",
+                            )
+                        }
+                    }
+                ],
+                "to": [
+                    {
+                        "operation": {
+                            k: None
+                            for k in (
+                                "hosts",
+                                "notHosts",
+                                "ports",
+                                "notPorts",
+                                "methods",
+                                "notMethods",
+                                "paths",
+                                "notPaths",
+                            )
+                        }
+                    }
+                ],
+                "when": [{"key": None, "values": None, "notValues": None}],
+            }
+        ],
+    },
+}
+# Principals outside the chart that the policies name on purpose (see authorization-policies.yaml).
+EXTERNAL_PRINCIPALS = {
+    "cluster.local/ns/kvplane/sa/kvplane-operator",
+    "cluster.local/ns/istio-system/sa/istio-ingressgateway-service-account",
+}
+
+
+def unknown_fields(value: Any, shape: Any, path: str = "spec") -> list[str]:
+    if shape is None:
+        return []
+    if isinstance(shape, list):
+        return [
+            e for i, item in enumerate(value or []) for e in unknown_fields(item, shape[0], f"{path}[{i}]")
+        ]
+    if not isinstance(value, dict):
+        return [f"{path}: expected a mapping"]
+    out = [f"{path}.{k}" for k in value if k not in shape]
+    for k, v in value.items():
+        if k in shape:
+            out.extend(unknown_fields(v, shape[k], f"{path}.{k}"))
+    return out
+
+
+def grpc_service_paths() -> set[str]:
+    out = set()
+    for proto in (ROOT / "protos" / "kvplane" / "v1").glob("*.proto"):
+        text = proto.read_text()
+        package = re.search(r"^package\s+([\w.]+);", text, re.M)
+        for service in re.findall(r"^service\s+(\w+)", text, re.M):
+            out.add(f"/{package.group(1) if package else ''}.{service}/*")
+    return out
+
+
+def check_mesh(out: Path, report: Report) -> None:
+    # The chart's Istio policies (templates/mesh-policies.yaml), rendered as release "kvplane" in
+    # namespace "kvplane" with every workload on, checked against that same rendering.
+    chart_docs = render_chart(
+        {"engines": {"sim": {"enabled": True}, "vllm": {"enabled": True}}, "mesh": {"enabled": True}},
+        "kvplane",
+        "kvplane",
+    )
+    docs = [d for d in chart_docs if d["apiVersion"].startswith("security.istio.io/")]
+    report.check(len(docs) >= 9, f"mesh: the chart renders {len(docs)} Istio policies")
+    pods = [t for _, t in pod_templates(chart_docs)]
+    accounts = {
+        f"cluster.local/ns/kvplane/sa/{d['metadata']['name']}"
+        for d in chart_docs
+        if d["kind"] == "ServiceAccount"
+    }
+    grpc_paths = grpc_service_paths()
+    # The x-kvplane-* call metadata keys the services read (auth.py reads them from headers.py).
+    headers_source = (ROOT / "services" / "common" / "headers.py").read_text()
+    report.check(
+        all(t["metadata"]["labels"].get("sidecar.istio.io/inject") == "true" for t in pods),
+        "chart with mesh.enabled: every pod gets a sidecar",
+    )
+
+    strict = [d for d in docs if d["kind"] == "PeerAuthentication" and not d["spec"].get("selector")]
+    report.check(
+        len(strict) == 1 and strict[0]["spec"]["mtls"]["mode"] == "STRICT", "mesh: namespace-wide STRICT mTLS"
+    )
+    report.check(
+        any(d["kind"] == "AuthorizationPolicy" and d.get("spec") == {} for d in docs),
+        "mesh: a default-deny AuthorizationPolicy (empty spec)",
+    )
+    for doc in docs:
+        kind, name = doc["kind"], doc["metadata"]["name"]
+        label = f"mesh {kind} {name}"
+        report.check(doc["apiVersion"] == "security.istio.io/v1", f"{label}: security.istio.io/v1")
+        report.check(doc["metadata"].get("namespace") == "kvplane", f"{label}: namespace kvplane")
+        if kind not in ISTIO_FIELDS:
+            report.check(False, f"{label}: a kind this check knows")
+            continue
+        bad = unknown_fields(doc.get("spec", {}), ISTIO_FIELDS[kind])
+        report.check(not bad, f"{label}: only known fields", ", ".join(bad))
+        selector = doc.get("spec", {}).get("selector", {}).get("matchLabels")
+        selected = [t for t in pods if selector is None or matches(selector, t["metadata"]["labels"])]
+        report.check(bool(selected), f"{label}: selects chart pods")
+        for rule in doc.get("spec", {}).get("rules", []):
+            for src in rule.get("from", []):
+                for principal in src["source"].get("principals", []):
+                    report.check(
+                        principal in accounts or principal in EXTERNAL_PRINCIPALS,
+                        f"{label}: principal {principal} is a chart ServiceAccount",
+                    )
+            for to in rule.get("to", []):
+                op = to["operation"]
+                for port in op.get("ports", []):
+                    report.check(
+                        any(int(port) in container_ports(t) for t in selected),
+                        f"{label}: port {port} is served",
+                    )
+                for path in op.get("paths", []):
+                    if path.startswith("/kvplane."):
+                        report.check(path in grpc_paths, f"{label}: {path} is a kvplane gRPC service")
+            for cond in rule.get("when", []):
+                header = re.fullmatch(r"request\.headers\[(.+)\]", cond["key"])
+                if header and header.group(1).startswith("x-kvplane-"):
+                    report.check(
+                        f'"{header.group(1)}"' in headers_source,
+                        f"{label}: header {header.group(1)} is one the services read",
+                    )
+    (out / "mesh-crds.json").write_text(json.dumps(docs))
