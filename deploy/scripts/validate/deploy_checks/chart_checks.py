@@ -26,75 +26,106 @@ from .manifests import check_kubernetes_docs, container_ports, docs_of, matches,
 from .report import CHART, Report
 
 
+class Rendering:
+    """One rendering of the chart: its documents, and the pods they run."""
+
+    def __init__(self, docs: list[dict[str, Any]], values: dict[str, Any]) -> None:
+        self.docs = docs
+        self.pods = pod_templates(docs)
+        self.accounts = {d["metadata"]["name"] for d in docs if d["kind"] == "ServiceAccount"}
+        self.engine_labels = values["engines"]["podLabels"]
+        self.services_by_name = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
+        # The pods of CronJobs (etcd backups) are peers too, though no Service or PDB covers them.
+        self.job_pods = [d["spec"]["jobTemplate"]["spec"]["template"] for d in docs if d["kind"] == "CronJob"]
+
+    def pods_for(self, selector: Mapping[str, str]) -> list[dict[str, Any]]:
+        templates = [t for _, t in self.pods] + self.job_pods
+        return [t for t in templates if matches(selector, t["metadata"]["labels"])]
+
+
 def check_chart_semantics(
     label: str, docs: list[dict[str, Any]], values: dict[str, Any], report: Report
 ) -> None:
-    pods = pod_templates(docs)
-    accounts = {d["metadata"]["name"] for d in docs if d["kind"] == "ServiceAccount"}
-    engine_labels = values["engines"]["podLabels"]
-    services_by_name = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
+    r = Rendering(docs, values)
+    _check_workloads(r, label, report)
+    _check_services(r, label, report)
+    _check_disruption_budgets(r, label, report)
+    _check_network_policies(r, label, report)
+    _check_service_monitors(r, label, report)
+    _check_engine_isolation(r, label, values, report)
 
-    # The pods of CronJobs (etcd backups) are peers too, though no Service or PDB covers them.
-    job_pods = [d["spec"]["jobTemplate"]["spec"]["template"] for d in docs if d["kind"] == "CronJob"]
 
-    def pods_for(selector: Mapping[str, str]) -> list[dict[str, Any]]:
-        templates = [t for _, t in pods] + job_pods
-        return [t for t in templates if matches(selector, t["metadata"]["labels"])]
-
-    for workload, template in pods:
+def _check_workloads(r: Rendering, label: str, report: Report) -> None:
+    """Selectors, ServiceAccounts, probes, mounted files and each container's own configuration."""
+    for workload, template in r.pods:
         name = f"{label} {workload['kind']} {workload['metadata']['name']}"
         report.check(
             matches(workload["spec"]["selector"]["matchLabels"], template["metadata"]["labels"]),
             f"{name}: selector matches its pods",
         )
         report.check(
-            template["spec"].get("serviceAccountName") in accounts, f"{name}: runs as a chart ServiceAccount"
+            template["spec"].get("serviceAccountName") in r.accounts,
+            f"{name}: runs as a chart ServiceAccount",
         )
         ports = container_ports(template)
         for c in template["spec"]["containers"]:
-            for probe_kind in ("startupProbe", "readinessProbe", "livenessProbe"):
-                probe = c.get(probe_kind)
-                if not probe:
-                    continue
-                if "exec" in probe:
-                    check_health_probe(f"{name}: {probe_kind}", probe["exec"]["command"], c, ports, report)
-                    continue
-                port = (probe.get("grpc") or probe.get("httpGet") or probe.get("tcpSocket") or {}).get("port")
-                report.check(port in ports, f"{name}: {probe_kind} port {port} is a container port")
-            env = {e["name"]: e.get("value") for e in c.get("env", [])}
-            # Certificates, tokens and keys named by a variable must be in a volume the pod mounts.
-            mounts = [m["mountPath"].rstrip("/") + "/" for m in c.get("volumeMounts", [])]
-            for var, value in env.items():
-                if var.endswith("_FILE") and isinstance(value, str) and value.startswith("/"):
-                    report.check(
-                        any(value.startswith(m) for m in mounts),
-                        f"{name}: {var} ({value}) is in a mounted volume",
-                    )
-            if c["name"] in ("metadata", "routing", "eviction", "gateway"):
-                check_kvplane_container(name, c, env, docs, report)
-            if c["name"] == "engine":
-                check_sim_container(name, c, report)
-            if c["name"] == "vllm":
-                check_vllm_container(name, c, docs, report)
+            _check_container(r, name, c, ports, report)
         if workload["kind"] == "StatefulSet":
             report.check(
-                workload["spec"]["serviceName"] in services_by_name
-                and services_by_name[workload["spec"]["serviceName"]]["spec"].get("clusterIP") == "None",
+                workload["spec"]["serviceName"] in r.services_by_name
+                and r.services_by_name[workload["spec"]["serviceName"]]["spec"].get("clusterIP") == "None",
                 f"{name}: has its headless Service",
             )
 
-    for svc in services_by_name.values():
+
+def _check_container(
+    r: Rendering, name: str, c: dict[str, Any], ports: dict[str | int, int], report: Report
+) -> None:
+    """A container's probes name its ports (or run `kvplane health`), its files are mounted, and
+    kvplane's, the sim-engine's and vLLM's containers are configured as they must be."""
+    for probe_kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+        probe = c.get(probe_kind)
+        if not probe:
+            continue
+        if "exec" in probe:
+            check_health_probe(f"{name}: {probe_kind}", probe["exec"]["command"], c, ports, report)
+            continue
+        port = (probe.get("grpc") or probe.get("httpGet") or probe.get("tcpSocket") or {}).get("port")
+        report.check(port in ports, f"{name}: {probe_kind} port {port} is a container port")
+    env = {e["name"]: e.get("value") for e in c.get("env", [])}
+    # Certificates, tokens and keys named by a variable must be in a volume the pod mounts.
+    mounts = [m["mountPath"].rstrip("/") + "/" for m in c.get("volumeMounts", [])]
+    for var, value in env.items():
+        if var.endswith("_FILE") and isinstance(value, str) and value.startswith("/"):
+            report.check(
+                any(value.startswith(m) for m in mounts),
+                f"{name}: {var} ({value}) is in a mounted volume",
+            )
+    if c["name"] in ("metadata", "routing", "eviction", "gateway"):
+        check_kvplane_container(name, c, env, r.docs, report)
+    if c["name"] == "engine":
+        check_sim_container(name, c, report)
+    if c["name"] == "vllm":
+        check_vllm_container(name, c, r.docs, report)
+
+
+def _check_services(r: Rendering, label: str, report: Report) -> None:
+    """Every Service selects pods, and its target ports exist."""
+    for svc in r.services_by_name.values():
         name = f"{label} Service {svc['metadata']['name']}"
-        selected = pods_for(svc["spec"]["selector"])
+        selected = r.pods_for(svc["spec"]["selector"])
         if report.check(bool(selected), f"{name}: selects pods"):
             for port in svc["spec"]["ports"]:
                 target = port.get("targetPort", port["port"])
                 report.check(target in container_ports(selected[0]), f"{name}: targetPort {target} exists")
 
-    for pdb in (d for d in docs if d["kind"] == "PodDisruptionBudget"):
+
+def _check_disruption_budgets(r: Rendering, label: str, report: Report) -> None:
+    """Every PodDisruptionBudget covers one workload and leaves room for an eviction."""
+    for pdb in (d for d in r.docs if d["kind"] == "PodDisruptionBudget"):
         name = f"{label} PodDisruptionBudget {pdb['metadata']['name']}"
         owners = [
-            w for w, t in pods if matches(pdb["spec"]["selector"]["matchLabels"], t["metadata"]["labels"])
+            w for w, t in r.pods if matches(pdb["spec"]["selector"]["matchLabels"], t["metadata"]["labels"])
         ]
         if report.check(len(owners) == 1, f"{name}: covers one workload"):
             replicas = owners[0]["spec"]["replicas"]
@@ -105,35 +136,41 @@ def check_chart_semantics(
                     f"minAvailable={pdb['spec']['minAvailable']} replicas={replicas}",
                 )
 
-    for np in (d for d in docs if d["kind"] == "NetworkPolicy"):
+
+def _check_network_policies(r: Rendering, label: str, report: Report) -> None:
+    """Every NetworkPolicy selects pods; its chart peers select pods; its ports are served."""
+    for np in (d for d in r.docs if d["kind"] == "NetworkPolicy"):
         name = f"{label} NetworkPolicy {np['metadata']['name']}"
         selector = np["spec"]["podSelector"]["matchLabels"]
-        external_engines = selector == engine_labels and not pods_for(selector)
-        report.check(bool(pods_for(selector)) or external_engines, f"{name}: selects pods")
+        external_engines = selector == r.engine_labels and not r.pods_for(selector)
+        report.check(bool(r.pods_for(selector)) or external_engines, f"{name}: selects pods")
         for rule in np["spec"].get("ingress", []):
             for peer in rule.get("from", []):
                 sel = peer.get("podSelector", {}).get("matchLabels")
                 # Peers the chart itself names (values may add others, outside the chart).
                 chart_peer = sel is not None and (
-                    sel.get("app.kubernetes.io/name") == "kvplane" or sel == engine_labels
+                    sel.get("app.kubernetes.io/name") == "kvplane" or sel == r.engine_labels
                 )
                 if chart_peer and "namespaceSelector" not in peer:
                     report.check(
-                        bool(pods_for(sel)) or sel == engine_labels, f"{name}: peer {sel} selects pods"
+                        bool(r.pods_for(sel)) or sel == r.engine_labels, f"{name}: peer {sel} selects pods"
                     )
             for port in rule.get("ports", []):
-                targets = pods_for(selector)
+                targets = r.pods_for(selector)
                 if targets:
                     report.check(
                         any(port["port"] in container_ports(t) for t in targets),
                         f"{name}: port {port['port']} is served",
                     )
 
-    for sm in (d for d in docs if d["kind"] == "ServiceMonitor"):
+
+def _check_service_monitors(r: Rendering, label: str, report: Report) -> None:
+    """Every ServiceMonitor selects a Service and names its ports."""
+    for sm in (d for d in r.docs if d["kind"] == "ServiceMonitor"):
         name = f"{label} ServiceMonitor {sm['metadata']['name']}"
         selected = [
             s
-            for s in services_by_name.values()
+            for s in r.services_by_name.values()
             if matches(sm["spec"]["selector"]["matchLabels"], s["metadata"]["labels"])
         ]
         if report.check(len(selected) >= 1, f"{name}: selects a Service"):
@@ -141,11 +178,13 @@ def check_chart_semantics(
             for ep in sm["spec"]["endpoints"]:
                 report.check(ep["port"] in names, f"{name}: endpoint port {ep['port']} is a Service port")
 
-    # The engines' NetworkPolicy lets only engines reach any port but HTTP.
+
+def _check_engine_isolation(r: Rendering, label: str, values: dict[str, Any], report: Report) -> None:
+    """The engines' NetworkPolicy lets only engines reach any port but HTTP."""
     engines_np = [
         d
-        for d in docs
-        if d["kind"] == "NetworkPolicy" and d["spec"]["podSelector"]["matchLabels"] == engine_labels
+        for d in r.docs
+        if d["kind"] == "NetworkPolicy" and d["spec"]["podSelector"]["matchLabels"] == r.engine_labels
     ]
     if values["networkPolicy"]["enabled"]:
         ok = len(engines_np) == 1
@@ -157,7 +196,7 @@ def check_chart_semantics(
                     ok = (
                         ok
                         and all(
-                            p.get("podSelector", {}).get("matchLabels") == engine_labels and len(p) == 1
+                            p.get("podSelector", {}).get("matchLabels") == r.engine_labels and len(p) == 1
                             for p in peers
                         )
                         and bool(peers)
