@@ -84,30 +84,11 @@ def decide_pull(
     """
     handle = snapshot.handle
     cached = cached_tokens(snapshot, prefill)
-    if handle is None:
-        return PullVerdict(Decision.RECOMPUTE_NO_HANDLE, "no retained handle", cached_tokens=cached)
+    ruled_out = _no_source(snapshot, holder, compatible, cached)
+    if ruled_out is not None:
+        return ruled_out
+    assert handle is not None and holder is not None  # _no_source answers without either
     life_left = handle.life_left_ms(snapshot.now_unix_ms)
-    if holder is None:
-        return PullVerdict(
-            Decision.RECOMPUTE_HOLDER_DOWN,
-            f"holder {handle.holder_node_id} is gone, restarted or draining",
-            life_left_ms=life_left,
-            cached_tokens=cached,
-        )
-    if not compatible:
-        return PullVerdict(
-            Decision.RECOMPUTE_HOLDER_DOWN,
-            f"no prefill node shares holder {holder.node_id}'s compatibility fingerprint",
-            life_left_ms=life_left,
-            cached_tokens=cached,
-        )
-    if handle.model and handle.model != snapshot.model:
-        return PullVerdict(
-            Decision.RECOMPUTE_PREFIX_MISMATCH,
-            f"handle is for model {handle.model!r}",
-            life_left_ms=life_left,
-            cached_tokens=cached,
-        )
     if match is None:
         match = match_prefix(handle, snapshot.prompt, require_digests=settings.require_digests)
     # A clipped pull cuts every KV-cache group at one index, which only a single
@@ -134,6 +115,55 @@ def decide_pull(
         return PullVerdict(
             Decision.RECOMPUTE_PREFIX_MISMATCH, match.why, life_left_ms=life_left, cached_tokens=cached
         )
+    return _pull_or_cost(match, reusable, missing, cached, life_left, holder, first_contact, costs, settings)
+
+
+def _no_source(
+    snapshot: RouteSnapshot, holder: Node | None, compatible: bool, cached: int
+) -> PullVerdict | None:
+    """Checks 1 and 2, and a handle made for another model: the verdict when there is nothing to
+    pull from; None when the handle's holder can serve a pull."""
+    handle = snapshot.handle
+    if handle is None:
+        return PullVerdict(Decision.RECOMPUTE_NO_HANDLE, "no retained handle", cached_tokens=cached)
+    life_left = handle.life_left_ms(snapshot.now_unix_ms)
+    if holder is None:
+        return PullVerdict(
+            Decision.RECOMPUTE_HOLDER_DOWN,
+            f"holder {handle.holder_node_id} is gone, restarted or draining",
+            life_left_ms=life_left,
+            cached_tokens=cached,
+        )
+    if not compatible:
+        return PullVerdict(
+            Decision.RECOMPUTE_HOLDER_DOWN,
+            f"no prefill node shares holder {holder.node_id}'s compatibility fingerprint",
+            life_left_ms=life_left,
+            cached_tokens=cached,
+        )
+    if handle.model and handle.model != snapshot.model:
+        return PullVerdict(
+            Decision.RECOMPUTE_PREFIX_MISMATCH,
+            f"handle is for model {handle.model!r}",
+            life_left_ms=life_left,
+            cached_tokens=cached,
+        )
+    return None
+
+
+def _pull_or_cost(
+    match: PrefixMatch,
+    reusable: int,
+    missing: int,
+    cached: int,
+    life_left: int,
+    holder: Node,
+    first_contact: bool,
+    costs: CostModel,
+    settings: PullSettings,
+) -> PullVerdict:
+    """Checks 5 to 7, for a handle whose reusable tokens outlive the transfer: enough missing
+    tokens, and a transfer well under the compute it saves, make a pull."""
     # A prompt that diverges recomputes for its prefix's sake; say so whatever the detail.
     declined = Decision.RECOMPUTE_PREFIX_MISMATCH if not match.continues else None
     held = f"; P holds {cached}" if cached else ""
