@@ -99,24 +99,11 @@ class HandleStore:
             if old is not None:
                 compare.append(fencing.same_revision(key, old.mod_revision))
                 superseded = PendingRelease(uuid.uuid4().hex, old.handle, ReleaseReason.SUPERSEDED, now_ms())
-                # The old index entry goes, unless the new handle reuses its key.
-                ops += [
-                    op
-                    for op in self.releases.release_ops(superseded, old.lease)
-                    if not (op.HasField("request_delete_range") and op.request_delete_range.key == index)
-                ]
+                ops += self._supersede_ops(superseded, old.lease, index)
             else:
                 compare.append(fencing.absent(key))
-            resent = False
             try:
-                try:
-                    resp = await self.etcd.txn(
-                        "publish", compare, ops, failure=reads, conversation=handle.conversation
-                    )
-                except Ambiguous as exc:
-                    resent = True
-                    send = functools.partial(self.etcd.txn, "publish", compare, ops, failure=reads)
-                    resp = await self.etcd.resend(exc, send)
+                resp, resent = await self._publish_txn(compare, ops, reads, handle.conversation)
             except LeaseNotFound:
                 # The lease is gone (the re-sent attempt's too): a new one on the next round.
                 self.leases.forget(lease)
@@ -133,6 +120,28 @@ class HandleStore:
                 # Re-sent after an unseen success: the handle is ours.
                 return PublishOutcome(seen.handle.handle, seen.handle.mod_revision, superseded)
         raise StoreUnavailable(f"conversation {handle.conversation!r} kept changing while publishing")
+
+    def _supersede_ops(self, superseded: PendingRelease, lease: int, index: bytes) -> list[Any]:
+        """The release of the handle a publish replaces; its index entry goes, unless the new
+        handle reuses its key (`index`)."""
+        return [
+            op
+            for op in self.releases.release_ops(superseded, lease)
+            if not (op.HasField("request_delete_range") and op.request_delete_range.key == index)
+        ]
+
+    async def _publish_txn(
+        self, compare: list[Any], ops: list[Any], reads: list[Any], conversation: str
+    ) -> tuple[Any, bool]:
+        """The publish transaction's answer, and whether it had to be re-sent (an ambiguous first
+        attempt may have succeeded unseen)."""
+        try:
+            return await self.etcd.txn(
+                "publish", compare, ops, failure=reads, conversation=conversation
+            ), False
+        except Ambiguous as exc:
+            send = functools.partial(self.etcd.txn, "publish", compare, ops, failure=reads)
+            return await self.etcd.resend(exc, send), True
 
     async def list(
         self, *, tenant: str = "", node_id: str = "", page_size: int = 100, page_token: bytes = b""
