@@ -30,8 +30,8 @@ from typing import Any, Protocol
 
 import aiohttp
 
-from kvplane.services.common.handles import fresh_prefill_params
-from kvplane.services.common.ports import free_port
+from kvplane.services.common.model.handles import fresh_prefill_params
+from kvplane.services.common.runtime.ports import free_port
 from kvplane.services.devstack import ManagedProcess
 
 KVPLANE, VLLM_ROUTER, EXAMPLE_PROXY = "kvplane", "vllm-router", "example-proxy"

@@ -37,9 +37,9 @@ from typing import Any
 import aiohttp
 import grpc
 
-from kvplane.services.common.handles import KEY_CONVERSATION, KEY_TENANT, fresh_prefill_params
-from kvplane.services.common.local_etcd import LocalEtcd
-from kvplane.services.common.ports import free_port
+from kvplane.services.common.model.handles import KEY_CONVERSATION, KEY_TENANT, fresh_prefill_params
+from kvplane.services.common.runtime.ports import free_port
+from kvplane.services.dev.local_etcd import LocalEtcd
 from kvplane.services.devstack import (
     ManagedProcess,
     engine_env,

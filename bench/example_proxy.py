@@ -41,7 +41,7 @@ import uvloop
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from kvplane.services.common.handles import fresh_prefill_params
+from kvplane.services.common.model.handles import fresh_prefill_params
 
 # How often the start-up waits to see uvicorn listening, in seconds.
 READY_POLL_S = 0.02

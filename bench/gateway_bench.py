@@ -44,8 +44,8 @@ from aiohttp import web
 
 from kvplane.bench.live import stream_turn
 from kvplane.bench.route_bench import cpu_seconds
-from kvplane.services.common.handles import fresh_prefill_params
-from kvplane.services.common.ports import free_port
+from kvplane.services.common.model.handles import fresh_prefill_params
+from kvplane.services.common.runtime.ports import free_port
 
 MODEL = "sim-model"
 # A front's CPU counter has settled once it moves less than this in SETTLE_S (one clock tick is 10 ms).

@@ -54,10 +54,10 @@ from kvplane.bench.vllm_pd import (
     run_conversation,
     wait_published,
 )
-from kvplane.services.common import convert
-from kvplane.services.common.handles import KEY_CONVERSATION, KEY_HANDLE_ID, KEY_TENANT
-from kvplane.services.common.local_etcd import LocalEtcd
-from kvplane.services.common.ports import free_port
+from kvplane.services.common.model import convert
+from kvplane.services.common.model.handles import KEY_CONVERSATION, KEY_HANDLE_ID, KEY_TENANT
+from kvplane.services.common.runtime.ports import free_port
+from kvplane.services.dev.local_etcd import LocalEtcd
 from kvplane.v1 import metadata_pb2, metadata_pb2_grpc
 
 TENANT = "bench"

@@ -38,7 +38,7 @@ from typing import Any
 
 import aiohttp
 
-from kvplane.services.common.handles import fresh_prefill_params
+from kvplane.services.common.model.handles import fresh_prefill_params
 
 # The prefill engines' prompt-token sources (vLLM's `vllm:prompt_tokens_by_source` labels).
 PULLED, CACHED, COMPUTED = "external_kv_transfer", "local_cache_hit", "local_compute"

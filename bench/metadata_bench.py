@@ -24,14 +24,14 @@ import grpc
 from aetcd import rpc
 
 from kvplane.connector.digests import digest_tokens
-from kvplane.services.common import convert
-from kvplane.services.common.handles import CacheHandle, VllmHandle
-from kvplane.services.common.local_etcd import LocalEtcd
-from kvplane.services.common.nodes import Fingerprint, Node, NodeRole
-from kvplane.services.common.ports import free_port
+from kvplane.services.common.model import convert
+from kvplane.services.common.model.handles import CacheHandle, VllmHandle
+from kvplane.services.common.model.nodes import Fingerprint, Node, NodeRole
 from kvplane.services.common.process import ServiceProcess
+from kvplane.services.common.runtime.ports import free_port
+from kvplane.services.common.runtime.telemetry import Telemetry
 from kvplane.services.common.settings import KvplaneSettings
-from kvplane.services.common.telemetry import Telemetry
+from kvplane.services.dev.local_etcd import LocalEtcd
 from kvplane.services.metadata.app import install
 from kvplane.v1 import metadata_pb2, metadata_pb2_grpc
 

@@ -54,8 +54,8 @@ from typing import Any
 
 import grpc
 
-from kvplane.services.common.local_etcd import LocalEtcd
-from kvplane.services.common.ports import free_port
+from kvplane.services.common.runtime.ports import free_port
+from kvplane.services.dev.local_etcd import LocalEtcd
 
 HISTORY_TOKENS = 4096
 NEW_TOKENS = 64
@@ -108,8 +108,8 @@ async def _serve_routing(port: int, etcd: str, prefix: str, tracing: bool) -> No
     from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
     from kvplane.services.common.process import ServiceProcess
+    from kvplane.services.common.runtime.telemetry import Telemetry
     from kvplane.services.common.settings import KvplaneSettings
-    from kvplane.services.common.telemetry import Telemetry
     from kvplane.services.routing.app import install
 
     class EncodeAndDiscard(SpanExporter):
@@ -230,7 +230,7 @@ async def drive(
 
 
 async def register_nodes(etcd: str, prefix: str) -> list[Any]:
-    from kvplane.services.common.nodes import Fingerprint, Node, NodeLoad, NodeRole
+    from kvplane.services.common.model.nodes import Fingerprint, Node, NodeLoad, NodeRole
     from kvplane.services.common.store import Store, StoreSettings
 
     store = Store(StoreSettings(endpoints=(etcd,), prefix=prefix, request_timeout_s=10.0))
@@ -269,8 +269,8 @@ async def register_nodes(etcd: str, prefix: str) -> list[Any]:
 
 async def report_loads(etcd: str, prefix: str, nodes: Sequence[Any], interval_s: float = 1.0) -> None:
     """Reports every node's load each `interval_s`, as node agents do, until cancelled."""
-    from kvplane.services.common.errors import StoreUnavailable
-    from kvplane.services.common.nodes import NodeLoad
+    from kvplane.services.common.model.errors import StoreUnavailable
+    from kvplane.services.common.model.nodes import NodeLoad
     from kvplane.services.common.store import Store, StoreSettings
 
     store = Store(StoreSettings(endpoints=(etcd,), prefix=prefix, request_timeout_s=10.0))
@@ -299,9 +299,9 @@ async def publish_handles(
     etcd: str, prefix: str, holders: Sequence[object], conversations: Sequence[str]
 ) -> None:
     from kvplane.connector.digests import digest_tokens
-    from kvplane.services.common.errors import StoreUnavailable
-    from kvplane.services.common.handles import CacheHandle, VllmHandle
-    from kvplane.services.common.nodes import Node
+    from kvplane.services.common.model.errors import StoreUnavailable
+    from kvplane.services.common.model.handles import CacheHandle, VllmHandle
+    from kvplane.services.common.model.nodes import Node
     from kvplane.services.common.store import Store, StoreSettings
 
     store = Store(StoreSettings(endpoints=(etcd,), prefix=prefix, request_timeout_s=10.0))

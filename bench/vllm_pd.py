@@ -27,8 +27,8 @@ from typing import Any
 import grpc
 
 from kvplane.connector import digests as token_digests
-from kvplane.services.common import convert
-from kvplane.services.common.handles import (
+from kvplane.services.common.model import convert
+from kvplane.services.common.model.handles import (
     KEY_CONVERSATION,
     KEY_DIGESTS,
     KEY_HANDLE_ID,

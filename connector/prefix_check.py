@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvplane.connector import digests as token_digests
-from kvplane.services.common.handles import KEY_DIGESTS
+from kvplane.services.common.model.handles import KEY_DIGESTS
 
 # Where the outcome of the first check is recorded inside kv_transfer_params. It never leaves
 # the engine: the finish-time params vLLM returns are a new dict.

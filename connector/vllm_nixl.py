@@ -99,7 +99,7 @@ from kvplane.connector.vllm_stats import (
     KvplanePromMetrics,
 )
 from kvplane.services.client.credentials import ClientCredentials
-from kvplane.services.common.handles import (
+from kvplane.services.common.model.handles import (
     KEY_CONVERSATION,
     KEY_DIGESTS,
     KEY_HANDLE_ID,
@@ -110,8 +110,8 @@ from kvplane.services.common.handles import (
     HandleFormatError,
     VllmHandle,
 )
-from kvplane.services.common.nodes import Fingerprint, Node, NodeLoad, NodeRole
-from kvplane.services.common.telemetry import Telemetry
+from kvplane.services.common.model.nodes import Fingerprint, Node, NodeLoad, NodeRole
+from kvplane.services.common.runtime.telemetry import Telemetry
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlPullConnector

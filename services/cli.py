@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvplane.services.common.process import Installer, ServiceProcess
+from kvplane.services.common.runtime.telemetry import configure_logging
 from kvplane.services.common.settings import KvplaneSettings
-from kvplane.services.common.telemetry import configure_logging
 
 log = logging.getLogger("kvplane")
 

@@ -19,7 +19,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvplane.services.client.credentials import ClientCredentials
-from kvplane.services.common.tls import TlsConfigError
+from kvplane.services.common.runtime.tls import TlsConfigError
 
 
 def build_parser() -> argparse.ArgumentParser:

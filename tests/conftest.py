@@ -9,13 +9,13 @@ import grpc
 import pytest
 
 from kvplane.services.client.credentials import ClientCredentials
-from kvplane.services.common.local_etcd import LocalEtcd
-from kvplane.services.common.nodes import Fingerprint, Node, NodeRole
-from kvplane.services.common.ports import free_port
+from kvplane.services.common.model.nodes import Fingerprint, Node, NodeRole
 from kvplane.services.common.process import ServiceProcess
+from kvplane.services.common.runtime.ports import free_port
+from kvplane.services.common.runtime.telemetry import Telemetry
 from kvplane.services.common.settings import KvplaneSettings
 from kvplane.services.common.store import Store, StoreSettings
-from kvplane.services.common.telemetry import Telemetry
+from kvplane.services.dev.local_etcd import LocalEtcd
 
 
 @pytest.fixture(scope="session")

@@ -13,8 +13,8 @@ from typing import Any
 
 from kvplane.bench.sim.block_chain import BlockChain
 from kvplane.bench.sim.prefix_cache import PrefixCache
-from kvplane.services.common.handles import CacheHandle
-from kvplane.services.common.nodes import Fingerprint, Node, NodeLoad, NodeRole
+from kvplane.services.common.model.handles import CacheHandle
+from kvplane.services.common.model.nodes import Fingerprint, Node, NodeLoad, NodeRole
 from kvplane.services.eviction.policy import HandleInfo
 
 # vLLM's default KV block size; node free/total KV is reported in these blocks.

@@ -35,7 +35,7 @@ from kvplane.bench.sim.cluster import (
     build_node,
 )
 from kvplane.bench.sim.costs import SimCosts
-from kvplane.services.common.nodes import NodeRole
+from kvplane.services.common.model.nodes import NodeRole
 from kvplane.services.routing.policy import NodeState
 
 

@@ -22,7 +22,7 @@ from kvplane.bench.sim.block_chain import BlockChain, handle_digests
 from kvplane.bench.sim.cluster import DecodeState, PrefillState, SimHandle
 from kvplane.bench.sim.fleet import Conversation, Fleet
 from kvplane.bench.workloads.turns import Turn
-from kvplane.services.common.handles import CacheHandle, VllmHandle
+from kvplane.services.common.model.handles import CacheHandle, VllmHandle
 from kvplane.services.routing.inflight import InFlightLedger, RoutedWork, routed_work
 from kvplane.services.routing.policy import (
     CostModel,

@@ -35,7 +35,7 @@ from kvplane.bench.simengine.side_channel import format_host
 from kvplane.connector import digests as token_digests
 from kvplane.connector import prefix_check
 from kvplane.connector.node_agent import NodeAgent, NodeAgentSettings
-from kvplane.services.common.handles import (
+from kvplane.services.common.model.handles import (
     KEY_CONVERSATION,
     KEY_DIGESTS,
     KEY_HANDLE_ID,
@@ -44,7 +44,7 @@ from kvplane.services.common.handles import (
     HandleFormatError,
     VllmHandle,
 )
-from kvplane.services.common.nodes import Fingerprint, Node, NodeLoad, NodeRole
+from kvplane.services.common.model.nodes import Fingerprint, Node, NodeLoad, NodeRole
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from kvplane.bench.simengine.openai_api import build_app
 from kvplane.bench.simengine.settings import SimEngineSettings
 from kvplane.bench.simengine.side_channel import format_host
 from kvplane.bench.simengine.tracing import tracing_middleware
-from kvplane.services.common.telemetry import Telemetry
+from kvplane.services.common.runtime.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 

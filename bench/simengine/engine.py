@@ -63,7 +63,7 @@ from kvplane.bench.simengine.side_channel import (
 )
 from kvplane.bench.simengine.token_oracle import TokenOracle
 from kvplane.bench.simengine.toy_tokenizer import BYTE_OFFSET, EOS_ID, think_close, think_open
-from kvplane.services.common.handles import KEY_PULLED_TOKENS, KEY_RETAIN
+from kvplane.services.common.model.handles import KEY_PULLED_TOKENS, KEY_RETAIN
 
 log = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ from kvplane.connector.node_agent.outbox import Item, Outbox
 from kvplane.connector.node_agent.registration import Registration
 from kvplane.connector.node_agent.sending import Sender
 from kvplane.connector.node_agent.settings import AgentStats, NodeAgentError, NodeAgentSettings
-from kvplane.services.common.handles import CacheHandle
-from kvplane.services.common.nodes import Node, NodeLoad
+from kvplane.services.common.model.handles import CacheHandle
+from kvplane.services.common.model.nodes import Node, NodeLoad
 from kvplane.v1 import metadata_pb2
 
 log = logging.getLogger(__name__)

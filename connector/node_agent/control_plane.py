@@ -17,7 +17,7 @@ import grpc
 
 from kvplane.connector.node_agent.settings import NodeAgentSettings
 from kvplane.services.client.credentials import CallMetadata
-from kvplane.services.common.nodes import Node
+from kvplane.services.common.model.nodes import Node
 from kvplane.v1 import eviction_pb2_grpc, metadata_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -16,8 +16,8 @@ from collections.abc import Callable
 import grpc
 
 from kvplane.connector.node_agent.control_plane import ControlPlane
-from kvplane.services.common import convert
-from kvplane.services.common.nodes import NodeLoad
+from kvplane.services.common.model import convert
+from kvplane.services.common.model.nodes import NodeLoad
 from kvplane.v1 import metadata_pb2
 
 log = logging.getLogger(__name__)

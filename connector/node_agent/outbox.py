@@ -14,7 +14,7 @@ import threading
 from dataclasses import dataclass
 from typing import Literal
 
-from kvplane.services.common.handles import CacheHandle
+from kvplane.services.common.model.handles import CacheHandle
 
 # ReportReleased takes at most this many ids per call (metadata.proto).
 MAX_RELEASE_BATCH = 1024

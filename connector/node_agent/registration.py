@@ -19,7 +19,7 @@ import grpc
 
 from kvplane.connector.node_agent.control_plane import NOT_REGISTERED, Backoff, ControlPlane
 from kvplane.connector.node_agent.outbox import Outbox
-from kvplane.services.common import convert
+from kvplane.services.common.model import convert
 from kvplane.v1 import metadata_pb2
 
 log = logging.getLogger(__name__)

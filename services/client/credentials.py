@@ -28,10 +28,15 @@ from typing import Any
 
 import grpc
 
-from kvplane.services.common.headers import MESH_SECRET_HEADER
-from kvplane.services.common.reloading_channel import ReloadingChannel
-from kvplane.services.common.secret_files import FileStamp, SecretFileError, file_stamp, read_secret_file
-from kvplane.services.common.tls import ClientTlsFiles
+from kvplane.services.common.model.headers import MESH_SECRET_HEADER
+from kvplane.services.common.runtime.reloading_channel import ReloadingChannel
+from kvplane.services.common.runtime.secret_files import (
+    FileStamp,
+    SecretFileError,
+    file_stamp,
+    read_secret_file,
+)
+from kvplane.services.common.runtime.tls import ClientTlsFiles
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvplane.services.client.routing_client import RouteResult
-from kvplane.services.common.handles import KEY_CONVERSATION, KEY_RETAIN, KEY_TENANT
+from kvplane.services.common.model.handles import KEY_CONVERSATION, KEY_RETAIN, KEY_TENANT
 
 _ROUTING_KEYS = (KEY_TENANT, KEY_CONVERSATION)
 

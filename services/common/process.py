@@ -17,11 +17,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvplane.services.common.cluster_view import ClusterView
-from kvplane.services.common.server import GrpcServer, MetricsServer
+from kvplane.services.common.runtime.server import GrpcServer, MetricsServer
+from kvplane.services.common.runtime.telemetry import Telemetry
 from kvplane.services.common.settings import KvplaneSettings
 from kvplane.services.common.store import Store
-from kvplane.services.common.telemetry import Telemetry
+from kvplane.services.common.store.cluster_view import ClusterView
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from kvplane.services.common.auth import (
+from kvplane.services.common.runtime.auth import (
     Authenticator,
     CertificateAuthenticator,
     MeshAuthenticator,
@@ -28,10 +28,10 @@ from kvplane.services.common.auth import (
     TenantsSeeEngines,
     TokenAuthenticator,
 )
-from kvplane.services.common.etcd_credentials import EtcdCredentials
-from kvplane.services.common.secret_files import read_secret_file
+from kvplane.services.common.runtime.secret_files import read_secret_file
+from kvplane.services.common.runtime.tls import ServerTlsFiles
 from kvplane.services.common.store import StoreSettings
-from kvplane.services.common.tls import ServerTlsFiles
+from kvplane.services.common.store.etcd_credentials import EtcdCredentials
 
 log = logging.getLogger(__name__)
 

@@ -36,12 +36,12 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from kvplane.services.common.cluster_view import ClusterView, HandleChange, NodeChange
-from kvplane.services.common.errors import StoreUnavailable
-from kvplane.services.common.handles import ReleaseReason
+from kvplane.services.common.model.errors import StoreUnavailable
+from kvplane.services.common.model.handles import ReleaseReason
+from kvplane.services.common.runtime.telemetry import Telemetry
 from kvplane.services.common.settings import EvictionSection
 from kvplane.services.common.store import Store, now_ms
-from kvplane.services.common.telemetry import Telemetry
+from kvplane.services.common.store.cluster_view import ClusterView, HandleChange, NodeChange
 from kvplane.services.eviction.config import retention_pipeline
 from kvplane.services.eviction.election import LeaderElection, Term
 from kvplane.services.eviction.metrics import EvictionMetrics

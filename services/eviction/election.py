@@ -26,7 +26,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from kvplane.services.common.errors import NotFound, StoreUnavailable
+from kvplane.services.common.model.errors import NotFound, StoreUnavailable
 from kvplane.services.common.store import ElectionRecord, Store
 
 log = logging.getLogger(__name__)

@@ -15,11 +15,11 @@ from collections import OrderedDict, defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvplane.services.common.cluster_view import ClusterView
-from kvplane.services.common.errors import HandleNotRetained, NotFound, StoreUnavailable
-from kvplane.services.common.handles import PendingRelease
+from kvplane.services.common.model.errors import HandleNotRetained, NotFound, StoreUnavailable
+from kvplane.services.common.model.handles import PendingRelease
+from kvplane.services.common.runtime.telemetry import Telemetry
 from kvplane.services.common.store import Store, now_ms
-from kvplane.services.common.telemetry import Telemetry
+from kvplane.services.common.store.cluster_view import ClusterView
 from kvplane.services.eviction.election import Term
 from kvplane.services.eviction.metrics import EvictionMetrics
 from kvplane.services.eviction.policy import Release

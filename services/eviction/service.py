@@ -15,11 +15,11 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from kvplane.services.common import validation
-from kvplane.services.common.auth import PrincipalKind
-from kvplane.services.common.errors import InvalidArgument, KvplaneError, NotLeader
-from kvplane.services.common.grpc_errors import rpc_method
-from kvplane.services.common.server import caller
+from kvplane.services.common.model import validation
+from kvplane.services.common.model.errors import InvalidArgument, KvplaneError, NotLeader
+from kvplane.services.common.runtime.auth import PrincipalKind
+from kvplane.services.common.runtime.grpc_errors import rpc_method
+from kvplane.services.common.runtime.server import caller
 from kvplane.services.eviction.coordinator import EvictionCoordinator
 from kvplane.services.eviction.sessions import NodeSession, SessionClosed
 from kvplane.v1 import eviction_pb2, eviction_pb2_grpc

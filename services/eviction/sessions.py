@@ -17,9 +17,9 @@ import logging
 import time
 from dataclasses import dataclass
 
-from kvplane.services.common import convert
-from kvplane.services.common.errors import StoreUnavailable
-from kvplane.services.common.handles import PendingRelease
+from kvplane.services.common.model import convert
+from kvplane.services.common.model.errors import StoreUnavailable
+from kvplane.services.common.model.handles import PendingRelease
 from kvplane.services.common.store import Compacted, Store, now_ms
 from kvplane.services.eviction.metrics import EvictionMetrics
 from kvplane.v1 import eviction_pb2, handle_pb2

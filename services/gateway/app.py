@@ -14,8 +14,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvplane.services.client import ClientCredentials, RoutingClient
+from kvplane.services.common.runtime.telemetry import Telemetry
 from kvplane.services.common.settings import GatewaySection
-from kvplane.services.common.telemetry import Telemetry
 from kvplane.services.gateway import cache_salt
 from kvplane.services.gateway.admission import TENANT, ReadLimits, admission, expect_continue, json_body
 from kvplane.services.gateway.cache_salt import CacheSalts

@@ -11,8 +11,8 @@ from typing import Any
 
 import uvloop
 
+from kvplane.services.common.runtime.telemetry import Telemetry, configure_logging
 from kvplane.services.common.settings import KvplaneSettings
-from kvplane.services.common.telemetry import Telemetry, configure_logging
 from kvplane.services.gateway.app import Gateway
 
 log = logging.getLogger("kvplane.gateway")

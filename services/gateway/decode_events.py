@@ -22,8 +22,8 @@ from __future__ import annotations
 from typing import Any
 
 from kvplane.services.client import Endpoint
-from kvplane.services.common.bounded_map import BoundedMap
-from kvplane.services.common.handles import KEY_DIGESTS
+from kvplane.services.common.model.handles import KEY_DIGESTS
+from kvplane.services.common.runtime.bounded_map import BoundedMap
 from kvplane.services.gateway.progress import TurnProgress, absorb
 from kvplane.services.gateway.sse import SseEvent, encode
 

@@ -20,9 +20,9 @@ from typing import Any
 
 import yaml
 
-from kvplane.services.common import validation
-from kvplane.services.common.errors import InvalidArgument
-from kvplane.services.common.secret_files import file_stamp, read_secret_file
+from kvplane.services.common.model import validation
+from kvplane.services.common.model.errors import InvalidArgument
+from kvplane.services.common.runtime.secret_files import file_stamp, read_secret_file
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvplane.services.common.handles import KEY_DIGESTS, KEY_PULLED_TOKENS
+from kvplane.services.common.model.handles import KEY_DIGESTS, KEY_PULLED_TOKENS
 from kvplane.services.gateway.identity import Identity
 
 

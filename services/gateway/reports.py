@@ -17,8 +17,8 @@ from typing import Any
 import grpc
 
 from kvplane.services.client import RouteResult, RoutingClient, RoutingUnavailable
-from kvplane.services.common.bounded_map import BoundedMap
-from kvplane.services.common.handles import KEY_HANDLE_ID
+from kvplane.services.common.model.handles import KEY_HANDLE_ID
+from kvplane.services.common.runtime.bounded_map import BoundedMap
 from kvplane.services.common.settings import GatewaySection
 from kvplane.services.gateway.metrics import GatewayMetrics
 from kvplane.services.gateway.progress import TurnProgress, TurnRequest

@@ -14,7 +14,7 @@ from typing import Any
 import grpc
 
 from kvplane.services.client import Endpoint, RouteResult, RoutingClient, RoutingUnavailable
-from kvplane.services.common.handles import KEY_CONVERSATION, KEY_TENANT, fresh_prefill_params
+from kvplane.services.common.model.handles import KEY_CONVERSATION, KEY_TENANT, fresh_prefill_params
 from kvplane.services.gateway import failover
 from kvplane.services.gateway.fallback import FallbackEngines
 from kvplane.services.gateway.identity import Identity

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 
-from kvplane.services.common.errors import StoreUnavailable
+from kvplane.services.common.model.errors import StoreUnavailable
 from kvplane.services.common.store import Store
 
 log = logging.getLogger(__name__)

@@ -14,17 +14,22 @@ import time
 from collections.abc import AsyncIterator
 
 from kvplane.connector.digests import DigestFormatError, checkpoints
-from kvplane.services.common import convert, validation
-from kvplane.services.common.auth import Principal, PrincipalKind
-from kvplane.services.common.cluster_view import ClusterView, NodeChange
-from kvplane.services.common.errors import InvalidArgument, NodeNotRegistered, NotFound, StoreUnavailable
-from kvplane.services.common.grpc_errors import rpc_method
-from kvplane.services.common.handles import CacheHandle, HandleFormatError, ReleaseReason
-from kvplane.services.common.nodes import Node, NodeLoad
-from kvplane.services.common.server import Context, caller
+from kvplane.services.common.model import convert, validation
+from kvplane.services.common.model.errors import (
+    InvalidArgument,
+    NodeNotRegistered,
+    NotFound,
+    StoreUnavailable,
+)
+from kvplane.services.common.model.handles import CacheHandle, HandleFormatError, ReleaseReason
+from kvplane.services.common.model.nodes import Node, NodeLoad
+from kvplane.services.common.runtime.auth import Principal, PrincipalKind
+from kvplane.services.common.runtime.grpc_errors import rpc_method
+from kvplane.services.common.runtime.server import Context, caller
+from kvplane.services.common.runtime.telemetry import Telemetry
 from kvplane.services.common.settings import MetadataSection
 from kvplane.services.common.store import Compacted, NodeRecord, PublishHint, Store, WatchEvent
-from kvplane.services.common.telemetry import Telemetry
+from kvplane.services.common.store.cluster_view import ClusterView, NodeChange
 from kvplane.v1 import handle_pb2, metadata_pb2, metadata_pb2_grpc, node_pb2
 
 log = logging.getLogger(__name__)

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 from heapq import heappop, heappush
 from itertools import count
 
-from kvplane.services.common.nodes import NodeLoad
+from kvplane.services.common.model.nodes import NodeLoad
 from kvplane.services.routing.policy.cost_model import CostModel
 from kvplane.services.routing.policy.decision import RoutePlan
 from kvplane.services.routing.policy.snapshot import NodeState, RouteSnapshot

@@ -39,7 +39,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from kvplane.connector import digests as token_digests
-from kvplane.services.common.nodes import Node
+from kvplane.services.common.model.nodes import Node
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,10 +33,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvplane.services.common import convert, validation
-from kvplane.services.common.errors import InvalidArgument
-from kvplane.services.common.handles import CacheHandle, PendingRelease, ReleaseReason, VllmHandle
-from kvplane.services.common.nodes import NodeRole
+from kvplane.services.common.model import convert, validation
+from kvplane.services.common.model.errors import InvalidArgument
+from kvplane.services.common.model.handles import CacheHandle, PendingRelease, ReleaseReason, VllmHandle
+from kvplane.services.common.model.nodes import NodeRole
 from kvplane.services.common.store import NodeRecord, Store, fencing
 
 FIELD = "prefill_kv_transfer_params_json"

@@ -31,11 +31,8 @@ from typing import Any
 from opentelemetry import trace
 
 from kvplane.connector import digests as token_digests
-from kvplane.services.common import convert, validation
-from kvplane.services.common.auth import Principal, PrincipalKind
-from kvplane.services.common.bounded_map import BoundedMap
-from kvplane.services.common.cluster_view import ClusterView
-from kvplane.services.common.errors import (
+from kvplane.services.common.model import convert, validation
+from kvplane.services.common.model.errors import (
     HandleNotRetained,
     InvalidArgument,
     NodeNotRegistered,
@@ -43,8 +40,7 @@ from kvplane.services.common.errors import (
     PermissionDenied,
     StoreUnavailable,
 )
-from kvplane.services.common.grpc_errors import rpc_method
-from kvplane.services.common.handles import (
+from kvplane.services.common.model.handles import (
     KEY_CONVERSATION,
     KEY_DIGESTS,
     KEY_HANDLE_ID,
@@ -55,12 +51,16 @@ from kvplane.services.common.handles import (
     VllmHandle,
     fresh_prefill_params,
 )
-from kvplane.services.common.nodes import Node
-from kvplane.services.common.server import Context, caller
+from kvplane.services.common.model.nodes import Node
+from kvplane.services.common.model.suspects import NodeSuspect
+from kvplane.services.common.runtime.auth import Principal, PrincipalKind
+from kvplane.services.common.runtime.bounded_map import BoundedMap
+from kvplane.services.common.runtime.grpc_errors import rpc_method
+from kvplane.services.common.runtime.server import Context, caller
+from kvplane.services.common.runtime.telemetry import Telemetry
 from kvplane.services.common.settings import RoutingSection
 from kvplane.services.common.store import CheckOut, HandleRecord, Store
-from kvplane.services.common.suspects import NodeSuspect
-from kvplane.services.common.telemetry import Telemetry
+from kvplane.services.common.store.cluster_view import ClusterView
 from kvplane.services.routing.endpoints import AddressError, bare_host, http_base_url
 from kvplane.services.routing.inflight import InFlightLedger, routed_work
 from kvplane.services.routing.metrics import RoutingMetrics

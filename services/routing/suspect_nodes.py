@@ -1,5 +1,5 @@
 """Leaving out nodes that just failed: the turn's own failed legs, and the
-nodes any replica has marked suspect (kvplane.services.common.suspects).
+nodes any replica has marked suspect (kvplane.services.common.model.suspects).
 
 `usable_nodes` is pure, with the marks as an argument; `SuspectMarker`
 writes a mark for every replica, in the background, so that the route that
@@ -12,9 +12,9 @@ import asyncio
 import logging
 from collections.abc import Collection, Mapping
 
-from kvplane.services.common.errors import KvplaneError
+from kvplane.services.common.model.errors import KvplaneError
+from kvplane.services.common.model.suspects import NodeSuspect
 from kvplane.services.common.store import Store
-from kvplane.services.common.suspects import NodeSuspect
 from kvplane.services.routing.policy import NodeState
 
 log = logging.getLogger(__name__)

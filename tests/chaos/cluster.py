@@ -22,9 +22,9 @@ from pathlib import Path
 import aiohttp
 import grpc
 
-from kvplane.services.common.local_etcd import LocalEtcdCluster
-from kvplane.services.common.ports import free_port
+from kvplane.services.common.runtime.ports import free_port
 from kvplane.services.common.store import Store, StoreSettings
+from kvplane.services.dev.local_etcd import LocalEtcdCluster
 from kvplane.services.devstack import (
     ManagedProcess,
     StartupError,

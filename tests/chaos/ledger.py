@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from kvplane.services.common import convert
-from kvplane.services.common.errors import KvplaneError
+from kvplane.services.common.model import convert
+from kvplane.services.common.model.errors import KvplaneError
 from kvplane.services.common.store import Store, now_ms
 from kvplane.v1 import handle_pb2
 from tests.chaos.cluster import CLAIM_DEADLINE_S, ChaosCluster, engine_state

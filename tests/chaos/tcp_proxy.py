@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from kvplane.services.common.ports import free_port
+from kvplane.services.common.runtime.ports import free_port
 
 
 class CuttableProxy:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvplane.services.common.ports import free_port
+from kvplane.services.common.runtime.ports import free_port
 
 pytestmark = pytest.mark.e2e
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import aiohttp
 
-from kvplane.services.common.ports import free_port
+from kvplane.services.common.runtime.ports import free_port
 from kvplane.services.devstack import engine_env
 from tests.support.polling import eventually
 

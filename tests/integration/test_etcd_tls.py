@@ -16,12 +16,12 @@ import grpc
 import pytest
 from aetcd import rpc
 
-from kvplane.services.common import convert
-from kvplane.services.common.errors import StoreUnavailable
-from kvplane.services.common.etcd_credentials import EtcdCredentials
-from kvplane.services.common.local_etcd import LocalEtcd
-from kvplane.services.common.ports import free_port
+from kvplane.services.common.model import convert
+from kvplane.services.common.model.errors import StoreUnavailable
+from kvplane.services.common.runtime.ports import free_port
 from kvplane.services.common.store import Store, StoreSettings
+from kvplane.services.common.store.etcd_credentials import EtcdCredentials
+from kvplane.services.dev.local_etcd import LocalEtcd
 from kvplane.v1 import metadata_pb2, metadata_pb2_grpc
 from tests.conftest import MESH_SECRET, make_node, node_headers
 from tests.support.certificates import Issued, TestCa

@@ -10,11 +10,11 @@ from collections.abc import Sequence
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from kvplane.services.common.handles import CacheHandle
-from kvplane.services.common.local_etcd import LocalEtcd
-from kvplane.services.common.nodes import Node, NodeLoad
+from kvplane.services.common.model.handles import CacheHandle
+from kvplane.services.common.model.nodes import Node, NodeLoad
+from kvplane.services.common.runtime.telemetry import Telemetry
 from kvplane.services.common.store import Store
-from kvplane.services.common.telemetry import Telemetry
+from kvplane.services.dev.local_etcd import LocalEtcd
 from kvplane.services.eviction.policy import HandleInfo, NodeInfo, Snapshot, ValueModel
 from kvplane.v1 import handle_pb2
 from tests.conftest import make_node

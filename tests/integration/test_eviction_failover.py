@@ -23,11 +23,11 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvplane.services.common.errors import NotFound
-from kvplane.services.common.local_etcd import LocalEtcd
-from kvplane.services.common.ports import free_port
+from kvplane.services.common.model.errors import NotFound
 from kvplane.services.common.process import ServiceProcess
+from kvplane.services.common.runtime.ports import free_port
 from kvplane.services.common.store import Store
+from kvplane.services.dev.local_etcd import LocalEtcd
 from kvplane.services.eviction.app import LEADER_HEALTH_NAME
 from kvplane.v1 import eviction_pb2, eviction_pb2_grpc
 from tests.conftest import NODE_HEADERS, TEST_AUTH, make_node

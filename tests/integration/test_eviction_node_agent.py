@@ -12,11 +12,11 @@ import grpc
 import pytest
 
 from kvplane.connector.node_agent import NodeAgent, NodeAgentSettings
-from kvplane.services.common.local_etcd import LocalEtcd
-from kvplane.services.common.nodes import NodeLoad
+from kvplane.services.common.model.nodes import NodeLoad
 from kvplane.services.common.process import ServiceProcess
+from kvplane.services.common.runtime.telemetry import Telemetry
 from kvplane.services.common.store import Store
-from kvplane.services.common.telemetry import Telemetry
+from kvplane.services.dev.local_etcd import LocalEtcd
 from kvplane.services.eviction.app import install as install_eviction
 from kvplane.services.metadata.app import install as install_metadata
 from kvplane.services.routing.app import install as install_routing

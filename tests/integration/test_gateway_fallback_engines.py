@@ -10,9 +10,9 @@ import aiohttp
 import pytest
 from pydantic import SecretStr
 
-from kvplane.services.common.ports import free_port
+from kvplane.services.common.runtime.ports import free_port
+from kvplane.services.common.runtime.telemetry import Telemetry
 from kvplane.services.common.settings import GatewayKey, GatewaySection
-from kvplane.services.common.telemetry import Telemetry
 from kvplane.services.gateway.app import Gateway
 from tests.integration.test_gateway_front import KEY, ScriptedEngine
 from tests.support.gateway_stack import metric_sum

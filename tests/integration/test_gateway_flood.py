@@ -24,8 +24,8 @@ from typing import Any
 import pytest
 from pydantic import SecretStr
 
-from kvplane.services.common.local_etcd import LocalEtcd
-from kvplane.services.common.ports import free_port
+from kvplane.services.common.runtime.ports import free_port
+from kvplane.services.dev.local_etcd import LocalEtcd
 from tests.support.gateway_stack import MODEL, GatewayStack, gateway_stack
 from tests.support.polling import eventually
 

@@ -22,10 +22,10 @@ import pytest
 from aiohttp import web
 from pydantic import SecretStr
 
-from kvplane.services.common.handles import KEY_DIGESTS
-from kvplane.services.common.ports import free_port
+from kvplane.services.common.model.handles import KEY_DIGESTS
+from kvplane.services.common.runtime.ports import free_port
+from kvplane.services.common.runtime.telemetry import Telemetry
 from kvplane.services.common.settings import GatewayKey, GatewaySection
-from kvplane.services.common.telemetry import Telemetry
 from kvplane.services.gateway.app import Gateway
 from tests.support.gateway_stack import metric_sum
 from tests.support.polling import eventually

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
-from kvplane.services.common.local_etcd import LocalEtcd
+from kvplane.services.dev.local_etcd import LocalEtcd
 from tests.support.gateway_stack import MODEL, GatewayStack, gateway_stack
 
 EXAMPLES = 80

@@ -14,9 +14,9 @@ import pytest
 from cryptography import x509
 from pydantic import SecretStr
 
-from kvplane.services.common.ports import free_port
+from kvplane.services.common.runtime.ports import free_port
+from kvplane.services.common.runtime.telemetry import Telemetry
 from kvplane.services.common.settings import GatewayKey, GatewaySection
-from kvplane.services.common.telemetry import Telemetry
 from kvplane.services.gateway.app import Gateway
 from tests.support.certificates import TestCa
 from tests.support.polling import eventually

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from kvplane.services.common.handles import fresh_prefill_params
-from kvplane.services.common.local_etcd import LocalEtcd
+from kvplane.services.common.model.handles import fresh_prefill_params
+from kvplane.services.dev.local_etcd import LocalEtcd
 from tests.support.gateway_stack import MODEL, GatewayStack, gateway_stack
 
 # Every turn leaves D a retained handle until its TTL: 2 x 30 turns of 63 blocks fit D's 4,096 blocks.

@@ -19,7 +19,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from kvplane.services.common.local_etcd import LocalEtcd
+from kvplane.services.dev.local_etcd import LocalEtcd
 from kvplane.services.gateway.app import SHARES_KEY
 from tests.support.gateway_stack import MODEL, GatewayStack, gateway_stack
 from tests.support.polling import eventually
@@ -401,8 +401,8 @@ async def test_a_malformed_request_is_logged_in_one_line_not_as_a_server_error(
 
 
 async def test_a_rewritten_api_key_file_is_used_without_a_restart(tmp_path: Path) -> None:
+    from kvplane.services.common.runtime.telemetry import Telemetry
     from kvplane.services.common.settings import GatewaySection
-    from kvplane.services.common.telemetry import Telemetry
     from kvplane.services.gateway.app import Gateway
 
     keys = tmp_path / "api-keys.json"

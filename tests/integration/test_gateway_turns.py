@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from kvplane.services.common.local_etcd import LocalEtcd
+from kvplane.services.dev.local_etcd import LocalEtcd
 from tests.support.gateway_stack import DECODE_STEP_S, MODEL, GatewayStack, TurnResult, gateway_stack
 from tests.support.polling import eventually
 

@@ -17,11 +17,11 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvplane.services.common.errors import HandleNotRetained, NotFound
-from kvplane.services.common.handles import HandleState, ReleaseReason
-from kvplane.services.common.local_etcd import LocalEtcd
-from kvplane.services.common.nodes import Node
+from kvplane.services.common.model.errors import HandleNotRetained, NotFound
+from kvplane.services.common.model.handles import HandleState, ReleaseReason
+from kvplane.services.common.model.nodes import Node
 from kvplane.services.common.store import Store, StoreSettings
+from kvplane.services.dev.local_etcd import LocalEtcd
 from tests.conftest import make_node
 from tests.support.factories import make_handle
 

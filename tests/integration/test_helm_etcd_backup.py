@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from kvplane.services.common.local_etcd import LocalEtcd
+from kvplane.services.dev.local_etcd import LocalEtcd
 from tests.support.deploy_validators import load_deploy_checks
 
 MOUNT = "/backup"

@@ -11,11 +11,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from kvplane.services.common import convert
-from kvplane.services.common.local_etcd import LocalEtcd
-from kvplane.services.common.nodes import NodeLoad
+from kvplane.services.common.model import convert
+from kvplane.services.common.model.nodes import NodeLoad
 from kvplane.services.common.process import ServiceProcess
-from kvplane.services.common.telemetry import Telemetry
+from kvplane.services.common.runtime.telemetry import Telemetry
+from kvplane.services.dev.local_etcd import LocalEtcd
 from kvplane.services.metadata.app import install
 from kvplane.v1 import handle_pb2, metadata_pb2, metadata_pb2_grpc
 from tests.conftest import NODE_HEADERS, OPERATOR_HEADERS, make_node, settings_for, tenant_headers

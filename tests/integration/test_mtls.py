@@ -18,9 +18,9 @@ import pytest
 import yaml
 
 from kvplane.services.client.credentials import ClientCredentials
-from kvplane.services.common import convert
-from kvplane.services.common.local_etcd import LocalEtcd
+from kvplane.services.common.model import convert
 from kvplane.services.common.process import ServiceProcess
+from kvplane.services.dev.local_etcd import LocalEtcd
 from kvplane.v1 import metadata_pb2, metadata_pb2_grpc
 from tests.conftest import make_node
 from tests.support.certificates import Issued, TestCa

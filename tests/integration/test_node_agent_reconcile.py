@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvplane.connector.node_agent import NodeAgent, NodeAgentSettings
-from kvplane.services.common.nodes import NodeLoad
+from kvplane.services.common.model.nodes import NodeLoad
 from kvplane.services.common.process import ServiceProcess
 from kvplane.services.common.store import Store
 from tests.conftest import MESH_CREDENTIALS, make_node

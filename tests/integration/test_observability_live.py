@@ -13,8 +13,8 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from kvplane.services.common.local_etcd import LocalEtcd
-from kvplane.services.common.sampling import BACKGROUND_METHODS
+from kvplane.services.common.runtime.sampling import BACKGROUND_METHODS
+from kvplane.services.dev.local_etcd import LocalEtcd
 from tests.support.gateway_stack import MODEL, GatewayStack, TurnResult, gateway_stack
 from tests.support.otlp_receiver import OtlpReceiver, ReceivedSpan, receiver_as_collector
 from tests.support.polling import eventually

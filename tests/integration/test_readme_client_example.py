@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from kvplane.services.common.local_etcd import LocalEtcd
+from kvplane.services.dev.local_etcd import LocalEtcd
 from tests.support.gateway_stack import MODEL, STACK_TOKENS, GatewayStack, gateway_stack
 
 README = Path(__file__).resolve().parents[2] / "README.md"

@@ -13,10 +13,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvplane.services.client import RoutingClient
-from kvplane.services.common.local_etcd import LocalEtcd
-from kvplane.services.common.nodes import NodeRole
-from kvplane.services.common.ports import free_port
+from kvplane.services.common.model.nodes import NodeRole
+from kvplane.services.common.runtime.ports import free_port
 from kvplane.services.common.store import Store, StoreSettings
+from kvplane.services.dev.local_etcd import LocalEtcd
 from tests.conftest import AUTH_ENV, tenant_headers
 from tests.support.polling import eventually
 from tests.support.routing_cluster import MODEL, node

@@ -11,11 +11,11 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from kvplane.services.client import RoutingClient, RoutingUnavailable
-from kvplane.services.common.local_etcd import LocalEtcd
-from kvplane.services.common.nodes import NodeRole
-from kvplane.services.common.ports import free_port
+from kvplane.services.common.model.nodes import NodeRole
+from kvplane.services.common.runtime.ports import free_port
+from kvplane.services.common.runtime.telemetry import Telemetry
 from kvplane.services.common.store import Store, StoreSettings
-from kvplane.services.common.telemetry import Telemetry
+from kvplane.services.dev.local_etcd import LocalEtcd
 from tests.conftest import tenant_headers
 from tests.support.routing_cluster import (
     HISTORY_TOKENS,

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from kvplane.services.client import RoutingClient
-from kvplane.services.common.local_etcd import LocalEtcd
+from kvplane.services.dev.local_etcd import LocalEtcd
 from tests.support.routing_cluster import (
     HISTORY_TOKENS,
     MODEL,

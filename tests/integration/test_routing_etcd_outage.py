@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from kvplane.services.common.local_etcd import LocalEtcd
-from kvplane.services.common.nodes import NodeRole
+from kvplane.services.common.model.nodes import NodeRole
 from kvplane.services.common.store import Store, StoreSettings
+from kvplane.services.dev.local_etcd import LocalEtcd
 from kvplane.services.routing.policy.config import DEFAULT_POLICY_FILE
 from tests.support.polling import eventually
 from tests.support.routing_cluster import HISTORY_TOKENS, MODEL, RoutingCluster, decode_params, node, tokens

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from kvplane.services.client import RouteResult
-from kvplane.services.common.local_etcd import LocalEtcd
+from kvplane.services.dev.local_etcd import LocalEtcd
 from tests.support.routing_cluster import MODEL, RoutingCluster, prefill_and_decode, tokens
 
 

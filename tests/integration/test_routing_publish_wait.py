@@ -15,8 +15,8 @@ from collections.abc import AsyncIterator
 import pytest
 
 from kvplane.services.client import RoutingClient
-from kvplane.services.common.handles import KEY_HANDLE_ID
-from kvplane.services.common.local_etcd import LocalEtcd
+from kvplane.services.common.model.handles import KEY_HANDLE_ID
+from kvplane.services.dev.local_etcd import LocalEtcd
 from kvplane.services.routing.policy import PullSettings
 from tests.support.polling import eventually
 from tests.support.routing_cluster import (

@@ -13,18 +13,18 @@ import pytest
 
 from kvplane.connector.prefix_check import PullOutcome, check_pull
 from kvplane.services.client import RoutingClient, decode_body, prefill_body
-from kvplane.services.common import convert
-from kvplane.services.common.handles import (
+from kvplane.services.common.model import convert
+from kvplane.services.common.model.handles import (
     KEY_CONVERSATION,
     KEY_DIGESTS,
     KEY_HANDLE_ID,
     KEY_TENANT,
     fresh_prefill_params,
 )
-from kvplane.services.common.local_etcd import LocalEtcd
-from kvplane.services.common.nodes import NodeRole
+from kvplane.services.common.model.nodes import NodeRole
+from kvplane.services.common.runtime.telemetry import Telemetry
 from kvplane.services.common.store import Store, StoreSettings
-from kvplane.services.common.telemetry import Telemetry
+from kvplane.services.dev.local_etcd import LocalEtcd
 from kvplane.services.routing.endpoints import side_channel_url
 from kvplane.services.routing.policy import Prompt
 from kvplane.services.routing.service import RoutingService

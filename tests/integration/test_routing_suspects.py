@@ -10,9 +10,9 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from kvplane.services.common.local_etcd import LocalEtcd
-from kvplane.services.common.nodes import NodeRole
+from kvplane.services.common.model.nodes import NodeRole
 from kvplane.services.common.store import Store, StoreSettings
+from kvplane.services.dev.local_etcd import LocalEtcd
 from tests.support.routing_cluster import MODEL, RoutingCluster, node, tokens
 
 

@@ -7,8 +7,8 @@ import asyncio
 
 from aetcd import rpc
 
-from kvplane.services.common import convert
-from kvplane.services.common.handles import ReleaseReason
+from kvplane.services.common.model import convert
+from kvplane.services.common.model.handles import ReleaseReason
 from kvplane.services.common.store import Store, now_ms
 from kvplane.v1 import handle_pb2
 from tests.conftest import make_node

@@ -10,11 +10,11 @@ from typing import Any
 import grpc
 import pytest
 
-from kvplane.services.common.errors import HandleNotRetained, NodeNotRegistered, NotFound
-from kvplane.services.common.handles import HandleState, ReleaseReason
-from kvplane.services.common.local_etcd import LocalEtcd
+from kvplane.services.common.model.errors import HandleNotRetained, NodeNotRegistered, NotFound
+from kvplane.services.common.model.handles import HandleState, ReleaseReason
 from kvplane.services.common.store import Store, StoreSettings
 from kvplane.services.common.store.etcd import Ambiguous
+from kvplane.services.dev.local_etcd import LocalEtcd
 from tests.conftest import make_node
 from tests.support.factories import make_handle
 from tests.support.polling import eventually

@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from kvplane.services.common.errors import NotFound
-from kvplane.services.common.handles import CacheHandle, HandleState, ReleaseReason
-from kvplane.services.common.nodes import Node
+from kvplane.services.common.model.errors import NotFound
+from kvplane.services.common.model.handles import CacheHandle, HandleState, ReleaseReason
+from kvplane.services.common.model.nodes import Node
 from kvplane.services.common.store import HandleRecord, NodeRecord, PublishHint, Store, now_ms
 from kvplane.services.common.store.leases import MAX_BUCKET_S
 from tests.conftest import make_node

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from kvplane.services.common.ports import free_port
-from kvplane.services.common.telemetry import Telemetry
+from kvplane.services.common.runtime.ports import free_port
+from kvplane.services.common.runtime.telemetry import Telemetry
 
 
 def test_shutdown_with_an_unreachable_collector_returns_within_its_bound() -> None:

@@ -18,9 +18,9 @@ import pytest
 from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from kvplane.services.common import convert
-from kvplane.services.common.local_etcd import LocalEtcd
+from kvplane.services.common.model import convert
 from kvplane.services.common.process import ServiceProcess
+from kvplane.services.dev.local_etcd import LocalEtcd
 from kvplane.v1 import (
     eviction_pb2,
     eviction_pb2_grpc,
@@ -494,7 +494,7 @@ async def test_a_node_agent_whose_token_is_refused_says_so_at_warning_level(
 
     from kvplane.connector.node_agent import NodeAgent, NodeAgentSettings
     from kvplane.services.client.credentials import ClientCredentials
-    from kvplane.services.common.nodes import NodeLoad
+    from kvplane.services.common.model.nodes import NodeLoad
 
     node = make_node("node-a", incarnation="")
     agent = NodeAgent(

@@ -7,8 +7,8 @@ import uuid
 from collections.abc import Sequence
 
 from kvplane.connector.digests import digest_tokens
-from kvplane.services.common.handles import CacheHandle, VllmHandle
-from kvplane.services.common.nodes import Node
+from kvplane.services.common.model.handles import CacheHandle, VllmHandle
+from kvplane.services.common.model.nodes import Node
 
 
 def vllm_params(

@@ -27,11 +27,11 @@ from aiohttp import web
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from pydantic import SecretStr
 
-from kvplane.services.common.local_etcd import LocalEtcd
-from kvplane.services.common.ports import free_port
 from kvplane.services.common.process import ServiceProcess
+from kvplane.services.common.runtime.ports import free_port
+from kvplane.services.common.runtime.telemetry import Telemetry
 from kvplane.services.common.settings import GatewayKey, GatewaySection, KvplaneSettings
-from kvplane.services.common.telemetry import Telemetry
+from kvplane.services.dev.local_etcd import LocalEtcd
 from kvplane.services.gateway.app import Gateway
 
 MODEL = "kvplane-sim"

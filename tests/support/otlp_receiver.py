@@ -18,7 +18,7 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
-from kvplane.services.common.ports import free_port
+from kvplane.services.common.runtime.ports import free_port
 
 
 @dataclass(frozen=True)

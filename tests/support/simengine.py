@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvplane.services.common.handles import fresh_prefill_params
-from kvplane.services.common.ports import free_port
+from kvplane.services.common.model.handles import fresh_prefill_params
+from kvplane.services.common.runtime.ports import free_port
 from tests.conftest import MESH_SECRET
 
 MODEL = "kvplane-sim"

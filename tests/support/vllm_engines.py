@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kvplane.bench.vllm_pd import EngineProcess, kv_transfer_config
-from kvplane.services.common.ports import free_port
+from kvplane.services.common.runtime.ports import free_port
 
 TTL_S = 240
 

@@ -7,8 +7,8 @@ from dataclasses import replace
 from typing import Any
 
 from kvplane.connector.digests import digest_tokens
-from kvplane.services.common.handles import CacheHandle, VllmHandle
-from kvplane.services.common.nodes import Fingerprint, Node, NodeLoad, NodeRole
+from kvplane.services.common.model.handles import CacheHandle, VllmHandle
+from kvplane.services.common.model.nodes import Fingerprint, Node, NodeLoad, NodeRole
 from kvplane.services.routing.policy import Leg, LegContext, NodeState, Prompt, RouteSnapshot
 
 NOW = 1_700_000_000_000

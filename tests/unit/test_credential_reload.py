@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kvplane.services.common.auth import CallCredentials, PrincipalKind, ReloadingAuthenticator
-from kvplane.services.common.errors import Unauthenticated
+from kvplane.services.common.model.errors import Unauthenticated
+from kvplane.services.common.runtime.auth import CallCredentials, PrincipalKind, ReloadingAuthenticator
 from kvplane.services.common.settings import AuthSection
 from kvplane.services.gateway.identity import ReloadingApiKeys, Unauthorized
 
@@ -85,7 +85,7 @@ def test_a_half_written_tokens_file_keeps_the_previous_tokens_with_a_warning(
     auth = _authenticator(AuthSection(mode="token", tokens_file=str(tokens)), clock)
     _write(tokens, '[{"token": "half')
     clock.now += 1.0
-    with caplog.at_level(logging.WARNING, logger="kvplane.services.common.auth"):
+    with caplog.at_level(logging.WARNING, logger="kvplane.services.common.runtime.auth"):
         assert auth.authenticate(_call("kept-token")).tenant == "acme"
     assert "keeping the previous ones" in caplog.text
     assert "kept-token" not in caplog.text
@@ -158,8 +158,8 @@ def _written(path: Path, text: str) -> Path:
 async def test_a_client_channel_is_made_again_once_its_certificate_changes_and_kept_if_unreadable(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from kvplane.services.common.reloading_channel import ReloadingChannel
-    from kvplane.services.common.tls import ClientTlsFiles
+    from kvplane.services.common.runtime.reloading_channel import ReloadingChannel
+    from kvplane.services.common.runtime.tls import ClientTlsFiles
     from tests.support.certificates import TestCa
 
     ca = TestCa(tmp_path / "ca")
@@ -181,7 +181,7 @@ async def test_a_client_channel_is_made_again_once_its_certificate_changes_and_k
         # A key that vanishes mid-rotation keeps the working channel, with a warning.
         key.unlink()
         clock.now += 1.0
-        with caplog.at_level(logging.WARNING, logger="kvplane.services.common.reloading_channel"):
+        with caplog.at_level(logging.WARNING, logger="kvplane.services.common.runtime.reloading_channel"):
             assert channel.current() is renewed
         assert "keeping the current channel" in caplog.text and channel.reloads == 1
     finally:

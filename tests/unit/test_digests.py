@@ -10,7 +10,7 @@ import pytest
 from kvplane.connector import digests
 from kvplane.connector.digests import DigestFormatError, checkpoints, decode, digest_tokens, encode
 from kvplane.connector.digests import verified_prefix_blocks as verified
-from kvplane.services.common import convert
+from kvplane.services.common.model import convert
 
 
 def _tokens(n: int, seed: int = 0) -> list[int]:

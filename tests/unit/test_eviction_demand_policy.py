@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvplane.services.common.handles import ReleaseReason
+from kvplane.services.common.model.handles import ReleaseReason
 from kvplane.services.eviction.policy import HandleInfo, NodeInfo, RetentionPipeline, Snapshot, ValueModel
 from kvplane.services.eviction.policy.demand import OnDemand
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from kvplane.services.common.handles import ReleaseReason
+from kvplane.services.common.model.handles import ReleaseReason
 from kvplane.services.eviction.policy import (
     HandleInfo,
     NodeInfo,

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from kvplane.services.common import ports
-from kvplane.services.common.ports import free_port
+from kvplane.services.common.runtime import ports
+from kvplane.services.common.runtime.ports import free_port
 
 
 def test_the_port_is_free_and_below_the_ephemeral_range() -> None:

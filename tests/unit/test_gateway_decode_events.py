@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from kvplane.services.client import Endpoint
-from kvplane.services.common.handles import KEY_DIGESTS
+from kvplane.services.common.model.handles import KEY_DIGESTS
 from kvplane.services.gateway.decode_events import DecodeEvents, DigestingEngines
 from kvplane.services.gateway.progress import TurnProgress
 from kvplane.services.gateway.sse import SseEvent

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvplane.services.common.handles import KEY_DIGESTS
+from kvplane.services.common.model.handles import KEY_DIGESTS
 from kvplane.services.gateway.progress import TurnProgress, absorb, cached_tokens
 
 

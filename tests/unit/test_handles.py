@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from kvplane.services.common import convert
-from kvplane.services.common.handles import HandleFormatError, VllmHandle
+from kvplane.services.common.model import convert
+from kvplane.services.common.model.handles import HandleFormatError, VllmHandle
 
 D_HANDLE = {
     "do_remote_decode": True,

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvplane.services.common.keys import KeyLayout, escape, prefix_range_end, unescape
+from kvplane.services.common.model.keys import KeyLayout, escape, prefix_range_end, unescape
 
 HOSTILE = [
     "a/b",

@@ -29,16 +29,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 # The domain model: values, their rules and their protobuf form. Pure code, importing nothing of
-# kvplane but each other and kvplane.v1; what the client and the connector may build on.
+# kvplane but each other and kvplane.v1; what the client and the connector may build on. Every
+# module of services/common/model is listed (test_every_model_module_is_domain), with what it holds.
+MODEL = "kvplane.services.common.model"
 DOMAIN = frozenset(
     {
-        "kvplane.services.common.errors",  # error types (their gRPC status is mapped elsewhere)
-        "kvplane.services.common.handles",  # cache handles, claims, releases
-        "kvplane.services.common.nodes",  # nodes, their loads and fingerprints
-        "kvplane.services.common.suspects",  # suspect marks on nodes
-        "kvplane.services.common.validation",  # input limits over the domain values
-        "kvplane.services.common.convert",  # protobuf <-> domain values, at the API boundary
-        "kvplane.services.common.headers",  # call metadata keys: the API's part the protos cannot name
+        f"{MODEL}.errors",  # error types (their gRPC status is mapped elsewhere)
+        f"{MODEL}.handles",  # cache handles, claims, releases
+        f"{MODEL}.nodes",  # nodes, their loads and fingerprints
+        f"{MODEL}.suspects",  # suspect marks on nodes
+        f"{MODEL}.validation",  # input limits over the domain values
+        f"{MODEL}.convert",  # protobuf <-> domain values, at the API boundary
+        f"{MODEL}.headers",  # call metadata keys: the API's part the protos cannot name
+        f"{MODEL}.keys",  # where each fact lives in etcd: the key layout, as pure functions
+        MODEL,
         "kvplane.connector.digests",  # the token-block digests a handle carries
     }
 )
@@ -88,6 +92,9 @@ CLOCK_OWNERS = frozenset({"datetime", "date"})
 CLIENT = "kvplane.services.client"
 CONNECTOR = "kvplane.connector"
 COMMON = "kvplane.services.common"
+# services/common's layers, bottom to top: the domain model, the process runtime, the etcd store.
+# Above them, services/common's own top modules (the settings, a service process) compose them.
+COMMON_LAYERS = (MODEL, f"{COMMON}.runtime", f"{COMMON}.store")
 
 # Named exceptions, each (importer, imported module) with the reason it stands. Every entry must
 # still be used (test_every_exception_is_still_needed), so a fixed one cannot linger.
@@ -98,15 +105,18 @@ TRANSPORT_REASON = (
 )
 TRANSPORT = frozenset(
     {
-        "kvplane.services.common.secret_files",
-        "kvplane.services.common.tls",
-        "kvplane.services.common.reloading_channel",
+        "kvplane.services.common.runtime.secret_files",
+        "kvplane.services.common.runtime.tls",
+        "kvplane.services.common.runtime.reloading_channel",
     }
 )
 CLIENT_EXCEPTIONS: dict[tuple[str, str], str] = {
-    ("kvplane.services.client.credentials", "kvplane.services.common.secret_files"): TRANSPORT_REASON,
-    ("kvplane.services.client.credentials", "kvplane.services.common.tls"): TRANSPORT_REASON,
-    ("kvplane.services.client.credentials", "kvplane.services.common.reloading_channel"): TRANSPORT_REASON,
+    ("kvplane.services.client.credentials", "kvplane.services.common.runtime.secret_files"): TRANSPORT_REASON,
+    ("kvplane.services.client.credentials", "kvplane.services.common.runtime.tls"): TRANSPORT_REASON,
+    (
+        "kvplane.services.client.credentials",
+        "kvplane.services.common.runtime.reloading_channel",
+    ): TRANSPORT_REASON,
 }
 CONNECTOR_EXCEPTIONS: dict[tuple[str, str], str] = {
     ("kvplane.connector.node_agent.settings", "kvplane.services.client.credentials"): (
@@ -121,7 +131,7 @@ CONNECTOR_EXCEPTIONS: dict[tuple[str, str], str] = {
         "the connector's settings (vLLM's kv_connector_extra_config and the environment) make the "
         "node agent's credentials"
     ),
-    ("kvplane.connector.vllm_nixl", "kvplane.services.common.telemetry"): (
+    ("kvplane.connector.vllm_nixl", "kvplane.services.common.runtime.telemetry"): (
         "the engine process's tracer is made as every kvplane process's is (OTLP export, sampler, "
         "resource from OpenTelemetry's variables); moving Telemetry out of services/common is the "
         "restructuring of services/common, not this rule's"
@@ -353,6 +363,11 @@ def test_modules_documented_as_pure_are_held_to_it() -> None:
     assert not unlisted, f"documented as pure, add to PURE_MODULES: {unlisted}"
 
 
+def test_every_model_module_is_domain() -> None:
+    unlisted = sorted(name for name in modules() if _within(name, [MODEL]) and name not in DOMAIN)
+    assert not unlisted, f"add to DOMAIN, saying what it holds: {unlisted}"
+
+
 def test_the_domain_model_is_pure_and_imports_only_itself_and_the_api() -> None:
     assert modules().keys() >= DOMAIN, sorted(DOMAIN - modules().keys())
     violations = _io_and_clock(DOMAIN)
@@ -403,6 +418,20 @@ def test_services_common_imports_no_service_and_not_the_client() -> None:
         if _within(imp.importer, [COMMON])
         and _within(imp.target, ["kvplane.services", CONNECTOR])
         and not (_within(imp.target, [COMMON]) or imp.target == "kvplane.services" or imp.target in DOMAIN)
+    ]
+    assert not violations, "\n".join(violations)
+
+
+def test_services_common_layers_import_only_downwards() -> None:
+    """model <- runtime <- store <- the rest of common: no layer imports one above it."""
+    assert all(_within(layer, modules()) for layer in COMMON_LAYERS), COMMON_LAYERS
+    violations = [
+        f"{imp}: {layer} imports above itself"
+        for imp in imports()
+        for rank, layer in enumerate(COMMON_LAYERS)
+        if _within(imp.importer, [layer])
+        and _within(imp.target, [COMMON])
+        and not _within(imp.target, COMMON_LAYERS[: rank + 1])
     ]
     assert not violations, "\n".join(violations)
 

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from kvplane.connector.node_agent import load_changed
-from kvplane.services.common.nodes import NodeLoad
+from kvplane.services.common.model.nodes import NodeLoad
 
 BASE = NodeLoad(
     "d0",

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from kvplane.services.client import MissingPrefillParams, RouteResult, decode_body, leg_url, prefill_body
-from kvplane.services.common.handles import KEY_CONVERSATION, KEY_RETAIN, KEY_TENANT
+from kvplane.services.common.model.handles import KEY_CONVERSATION, KEY_RETAIN, KEY_TENANT
 from kvplane.v1 import routing_pb2
 
 P_PARAMS = {

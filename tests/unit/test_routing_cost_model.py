@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from kvplane.services.common.nodes import NodeRole
+from kvplane.services.common.model.nodes import NodeRole
 from kvplane.services.routing.policy import CostModel, NodeState, TurnObservation, policy_from_yaml
 from kvplane.services.routing.policy.affine_fit import AffineFit
 from kvplane.services.routing.policy.registry import PolicyConfigError

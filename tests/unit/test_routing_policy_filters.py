@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from kvplane.services.common.nodes import Fingerprint, NodeRole
+from kvplane.services.common.model.nodes import Fingerprint, NodeRole
 from kvplane.services.routing.policy import Leg
 from kvplane.services.routing.policy.filters.fingerprint import SameFingerprintFilter
 from kvplane.services.routing.policy.filters.live import LiveFilter

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvplane.services.common.nodes import Fingerprint, NodeRole
+from kvplane.services.common.model.nodes import Fingerprint, NodeRole
 from kvplane.services.routing.policy import (
     Decision,
     NoEligibleNodes,

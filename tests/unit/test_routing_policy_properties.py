@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvplane.services.common.nodes import Fingerprint, NodeRole
+from kvplane.services.common.model.nodes import Fingerprint, NodeRole
 from kvplane.services.routing.policy import Decision, NoEligibleNodes, Prompt, RoutingPolicy, load_policy
 from kvplane.services.routing.policy.snapshot import NodeState
 from tests.unit.routing_policy_fixtures import NOW, history, mk_handle, mk_load, mk_node, snap

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from kvplane.connector.digests import chain
-from kvplane.services.common.nodes import NodeRole
+from kvplane.services.common.model.nodes import NodeRole
 from kvplane.services.routing.policy import CostModel, Decision, Prompt, PullSettings, decide_pull
 from kvplane.services.routing.policy.prefix_match import match_prefix
 from kvplane.services.routing.policy.pull_decision import pull_could_pay

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvplane.services.common.nodes import NodeRole
+from kvplane.services.common.model.nodes import NodeRole
 from kvplane.services.routing.policy import Leg, Prompt
 from kvplane.services.routing.policy.picker import MaxScorePicker
 from kvplane.services.routing.policy.scorers.free_kv import FreeKvScorer

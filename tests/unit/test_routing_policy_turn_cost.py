@@ -10,8 +10,8 @@ import pytest
 
 from kvplane.connector import digests as token_digests
 from kvplane.connector.prefix_check import PullOutcome, check_pull
-from kvplane.services.common.handles import KEY_DIGESTS
-from kvplane.services.common.nodes import NodeRole
+from kvplane.services.common.model.handles import KEY_DIGESTS
+from kvplane.services.common.model.nodes import NodeRole
 from kvplane.services.routing.policy import (
     CostModel,
     Decision,

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from kvplane.services.common.errors import InvalidArgument
-from kvplane.services.common.nodes import NodeRole
+from kvplane.services.common.model.errors import InvalidArgument
+from kvplane.services.common.model.nodes import NodeRole
 from kvplane.services.common.store import NodeRecord
 from kvplane.services.routing.prefill_release import prefill_hold
 from tests.conftest import make_node

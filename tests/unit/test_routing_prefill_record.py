@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvplane.connector.digests import chain, digest_tokens
-from kvplane.services.common.nodes import NodeRole
+from kvplane.services.common.model.nodes import NodeRole
 from kvplane.services.routing.policy.snapshot import Prompt
 from kvplane.services.routing.prefill_record import PrefillCacheRecord, SentReceipt, prompt_digests
 from kvplane.services.routing.prompt_chains import PromptChains

@@ -35,8 +35,8 @@ def test_secrets_are_masked_in_the_start_up_dump() -> None:
 
 
 def test_a_node_token_binds_its_node_id_or_the_ids_its_prefix_covers() -> None:
-    from kvplane.services.common.auth import Principal, PrincipalKind
-    from kvplane.services.common.errors import PermissionDenied
+    from kvplane.services.common.model.errors import PermissionDenied
+    from kvplane.services.common.runtime.auth import Principal, PrincipalKind
 
     exact = Principal(PrincipalKind.NODE, "d0")
     assert exact.as_node("d0", "node_id") == "d0"

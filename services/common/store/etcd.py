@@ -21,11 +21,11 @@ from typing import Any
 import grpc
 from aetcd import rpc
 
-from kvplane.services.common.errors import NotFound, StoreUnavailable
-from kvplane.services.common.etcd_credentials import EtcdCredentials
+from kvplane.services.common.model.errors import NotFound, StoreUnavailable
+from kvplane.services.common.runtime.telemetry import Telemetry
+from kvplane.services.common.store.etcd_credentials import EtcdCredentials
 from kvplane.services.common.store.members import Member, parse_members
 from kvplane.services.common.store.settings import StoreSettings
-from kvplane.services.common.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 

@@ -9,10 +9,11 @@ from typing import Any
 
 from aetcd import rpc
 
-from kvplane.services.common import convert
-from kvplane.services.common.errors import NodeNotRegistered, StoreUnavailable
-from kvplane.services.common.handles import CacheHandle, PendingRelease, ReleaseReason
-from kvplane.services.common.keys import KeyLayout, prefix_range_end
+from kvplane.services.common.model import convert
+from kvplane.services.common.model.errors import NodeNotRegistered, StoreUnavailable
+from kvplane.services.common.model.handles import CacheHandle, PendingRelease, ReleaseReason
+from kvplane.services.common.model.keys import KeyLayout, prefix_range_end
+from kvplane.services.common.runtime.telemetry import Telemetry
 from kvplane.services.common.store import fencing
 from kvplane.services.common.store.etcd import Ambiguous, EtcdClient, LeaseNotFound
 from kvplane.services.common.store.leases import Leases
@@ -24,7 +25,6 @@ from kvplane.services.common.store.records import (
     now_ms,
 )
 from kvplane.services.common.store.release_store import ReleaseStore
-from kvplane.services.common.telemetry import Telemetry
 from kvplane.v1 import node_pb2
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import grpc
 from aetcd import rpc
 
-from kvplane.services.common.errors import NotFound, StoreUnavailable
+from kvplane.services.common.model.errors import NotFound, StoreUnavailable
 from kvplane.services.common.store.etcd import (
     REQUIRE_LEADER,
     Ambiguous,

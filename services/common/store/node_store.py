@@ -6,11 +6,11 @@ from dataclasses import replace
 
 from aetcd import rpc
 
-from kvplane.services.common import convert
-from kvplane.services.common.errors import NodeNotRegistered, NotFound, StoreUnavailable
-from kvplane.services.common.handles import ReleaseReason
-from kvplane.services.common.keys import KeyLayout, prefix_range_end
-from kvplane.services.common.nodes import Node, NodeLoad
+from kvplane.services.common.model import convert
+from kvplane.services.common.model.errors import NodeNotRegistered, NotFound, StoreUnavailable
+from kvplane.services.common.model.handles import ReleaseReason
+from kvplane.services.common.model.keys import KeyLayout, prefix_range_end
+from kvplane.services.common.model.nodes import Node, NodeLoad
 from kvplane.services.common.store import fencing
 from kvplane.services.common.store.etcd import Ambiguous, EtcdClient
 from kvplane.services.common.store.leases import Leases

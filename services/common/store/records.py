@@ -6,9 +6,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from kvplane.services.common import convert
-from kvplane.services.common.handles import CacheHandle, HandleState, PendingRelease
-from kvplane.services.common.nodes import Node
+from kvplane.services.common.model import convert
+from kvplane.services.common.model.handles import CacheHandle, HandleState, PendingRelease
+from kvplane.services.common.model.nodes import Node
 from kvplane.v1 import handle_pb2
 
 

@@ -9,15 +9,15 @@ from typing import Any
 
 from aetcd import rpc
 
-from kvplane.services.common import convert
-from kvplane.services.common.errors import HandleNotRetained
-from kvplane.services.common.handles import PendingRelease, ReleaseReason
-from kvplane.services.common.keys import KeyLayout, prefix_range_end
+from kvplane.services.common.model import convert
+from kvplane.services.common.model.errors import HandleNotRetained
+from kvplane.services.common.model.handles import PendingRelease, ReleaseReason
+from kvplane.services.common.model.keys import KeyLayout, prefix_range_end
+from kvplane.services.common.runtime.telemetry import Telemetry
 from kvplane.services.common.store import fencing
 from kvplane.services.common.store.etcd import Ambiguous, EtcdClient, LeaseNotFound
 from kvplane.services.common.store.leases import Leases
 from kvplane.services.common.store.records import HandleRecord, now_ms
-from kvplane.services.common.telemetry import Telemetry
 from kvplane.v1 import handle_pb2
 
 # How long the record that an engine freed some blocks is kept, ms: past any engine's TTL

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvplane.services.common.etcd_credentials import EtcdCredentials
+from kvplane.services.common.store.etcd_credentials import EtcdCredentials
 
 
 @dataclass(frozen=True, slots=True)
@@ -16,5 +16,5 @@ class StoreSettings:
     request_timeout_s: float = 2.0
     # How long an ambiguous write is re-sent before giving up, in seconds.
     settle_timeout_s: float = 10.0
-    # TLS and etcd user (kvplane.services.common.etcd_credentials); empty: plaintext, no user.
+    # TLS and etcd user (kvplane.services.common.store.etcd_credentials); empty: plaintext, no user.
     credentials: EtcdCredentials = field(default_factory=EtcdCredentials)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from kvplane.services.common.keys import KeyLayout
+from kvplane.services.common.model.keys import KeyLayout
+from kvplane.services.common.model.suspects import NodeSuspect
 from kvplane.services.common.store import fencing
 from kvplane.services.common.store.etcd import EtcdClient
 from kvplane.services.common.store.leases import Leases
-from kvplane.services.common.suspects import NodeSuspect
 
 
 class SuspectStore:

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import grpc
 from aetcd import rpc
 
-from kvplane.services.common.errors import StoreUnavailable
-from kvplane.services.common.keys import prefix_range_end
+from kvplane.services.common.model.errors import StoreUnavailable
+from kvplane.services.common.model.keys import prefix_range_end
 from kvplane.services.common.store.etcd import REQUIRE_LEADER, EtcdClient
 
 

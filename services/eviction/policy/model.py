@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
-from kvplane.services.common.handles import ReleaseReason
+from kvplane.services.common.model.handles import ReleaseReason
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from kvplane.services.common.handles import ReleaseReason
+from kvplane.services.common.model.handles import ReleaseReason
 from kvplane.services.eviction.policy.base import PolicyConfigError
 from kvplane.services.eviction.policy.model import HandleInfo, NodeInfo, Release, Snapshot
 from kvplane.services.eviction.policy.value import ValueModel

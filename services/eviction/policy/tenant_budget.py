@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from kvplane.services.common.handles import ReleaseReason
+from kvplane.services.common.model.handles import ReleaseReason
 from kvplane.services.eviction.policy.base import PolicyConfigError
 from kvplane.services.eviction.policy.model import HandleInfo, Release, Snapshot
 from kvplane.services.eviction.policy.value import ValueModel

@@ -50,7 +50,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from kvplane.services.common.nodes import NodeLoad
+from kvplane.services.common.model.nodes import NodeLoad
 from kvplane.services.routing.policy.affine_fit import AffineFit
 
 if TYPE_CHECKING:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from kvplane.services.common.nodes import Node
+from kvplane.services.common.model.nodes import Node
 
 
 class Decision(enum.Enum):

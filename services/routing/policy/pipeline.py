@@ -26,7 +26,7 @@ handle once per route.
 
 from __future__ import annotations
 
-from kvplane.services.common.nodes import Fingerprint, Node
+from kvplane.services.common.model.nodes import Fingerprint, Node
 from kvplane.services.routing.policy.config import LegPolicy, PolicyConfig
 from kvplane.services.routing.policy.cost_model import CostModel
 from kvplane.services.routing.policy.decision import NoEligibleNodes, RoutePlan

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvplane.connector import digests as token_digests
-from kvplane.services.common.handles import CacheHandle
+from kvplane.services.common.model.handles import CacheHandle
 from kvplane.services.routing.policy.snapshot import Prompt
 
 

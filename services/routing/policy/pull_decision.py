@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvplane.services.common.nodes import Node
+from kvplane.services.common.model.nodes import Node
 from kvplane.services.routing.policy.cost_model import CostModel
 from kvplane.services.routing.policy.decision import Decision, PullVerdict
 from kvplane.services.routing.policy.prefix_match import PrefixMatch, match_prefix

@@ -13,8 +13,8 @@ from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvplane.services.common.handles import CacheHandle
-from kvplane.services.common.nodes import Fingerprint, Node, NodeLoad
+from kvplane.services.common.model.handles import CacheHandle
+from kvplane.services.common.model.nodes import Fingerprint, Node, NodeLoad
 
 if TYPE_CHECKING:
     from kvplane.services.routing.policy.cost_model import CostModel

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kvplane.services.common.nodes import Node
+from kvplane.services.common.model.nodes import Node
 from kvplane.services.routing.policy.cost_model import CostModel
 from kvplane.services.routing.policy.decision import PullVerdict
 from kvplane.services.routing.policy.picker import tie_key

@@ -112,7 +112,7 @@ def check_mesh(out: Path, report: Report) -> None:
     }
     grpc_paths = grpc_service_paths()
     # The x-kvplane-* call metadata keys the services read (auth.py reads them from headers.py).
-    headers_source = (ROOT / "services" / "common" / "headers.py").read_text()
+    headers_source = (ROOT / "services" / "common" / "model" / "headers.py").read_text()
     report.check(
         all(t["metadata"]["labels"].get("sidecar.istio.io/inject") == "true" for t in pods),
         "chart with mesh.enabled: every pod gets a sidecar",

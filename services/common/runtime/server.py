@@ -32,10 +32,10 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry.instrumentation.grpc import aio_server_interceptor
 from prometheus_client import start_http_server
 
-from kvplane.services.common.auth import Authenticator, CallCredentials, Principal, metadata_dict
-from kvplane.services.common.errors import InvalidArgument, KvplaneError, Unauthenticated
-from kvplane.services.common.telemetry import Telemetry
-from kvplane.services.common.tls import ServerTlsFiles, certificate_ids
+from kvplane.services.common.model.errors import InvalidArgument, KvplaneError, Unauthenticated
+from kvplane.services.common.runtime.auth import Authenticator, CallCredentials, Principal, metadata_dict
+from kvplane.services.common.runtime.telemetry import Telemetry
+from kvplane.services.common.runtime.tls import ServerTlsFiles, certificate_ids
 
 log = logging.getLogger(__name__)
 

@@ -46,7 +46,7 @@ from prometheus_client import (
     ProcessCollector,
 )
 
-from kvplane.services.common.sampling import QuietBackground
+from kvplane.services.common.runtime.sampling import QuietBackground
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from kvplane.services.common.errors import (
+from kvplane.services.common.model.errors import (
     HandleNotRetained,
     InvalidArgument,
     KvplaneError,
@@ -26,7 +26,7 @@ from kvplane.services.common.errors import (
     StoreUnavailable,
     Unauthenticated,
 )
-from kvplane.services.common.server import Context
+from kvplane.services.common.runtime.server import Context
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ import ipaddress
 import re
 from urllib.parse import urlsplit
 
-from kvplane.services.common.errors import InvalidArgument
-from kvplane.services.common.handles import CacheHandle
+from kvplane.services.common.model.errors import InvalidArgument
+from kvplane.services.common.model.handles import CacheHandle
 
 MAX_TENANT = 128
 MAX_CONVERSATION = 512

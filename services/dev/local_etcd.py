@@ -20,7 +20,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from kvplane.services.common.ports import free_port
+from kvplane.services.common.runtime.ports import free_port
 
 
 class EtcdNotFound(RuntimeError):

@@ -16,11 +16,12 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvplane.services.common import convert
-from kvplane.services.common.errors import StoreUnavailable
-from kvplane.services.common.handles import CacheHandle
-from kvplane.services.common.keys import prefix_range_end, unescape
-from kvplane.services.common.nodes import Node, NodeLoad
+from kvplane.services.common.model import convert
+from kvplane.services.common.model.errors import StoreUnavailable
+from kvplane.services.common.model.handles import CacheHandle
+from kvplane.services.common.model.keys import prefix_range_end, unescape
+from kvplane.services.common.model.nodes import Node, NodeLoad
+from kvplane.services.common.model.suspects import NodeSuspect
 from kvplane.services.common.store import (
     Compacted,
     HandleRecord,
@@ -28,7 +29,6 @@ from kvplane.services.common.store import (
     Store,
     WatchEvent,
 )
-from kvplane.services.common.suspects import NodeSuspect
 from kvplane.v1 import handle_pb2, node_pb2
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ class ClusterView:
         self.nodes: dict[str, NodeRecord] = {}
         self.loads: dict[str, NodeLoad] = {}
         self.handles: dict[ConversationKey, HandleRecord] = {}
-        # Nodes that just failed a leg (see kvplane.services.common.suspects).
+        # Nodes that just failed a leg (see kvplane.services.common.model.suspects).
         self.suspects: dict[str, NodeSuspect] = {}
         self.revision = 0
         self.healthy = False

@@ -19,9 +19,9 @@ from typing import Any
 import grpc
 from aetcd import rpc
 
-from kvplane.services.common.reloading_channel import ReloadingChannel
-from kvplane.services.common.secret_files import SecretFileError, read_secret_file
-from kvplane.services.common.tls import ClientTlsFiles
+from kvplane.services.common.runtime.reloading_channel import ReloadingChannel
+from kvplane.services.common.runtime.secret_files import SecretFileError, read_secret_file
+from kvplane.services.common.runtime.tls import ClientTlsFiles
 
 log = logging.getLogger(__name__)
 

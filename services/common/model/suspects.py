@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvplane.services.common.nodes import Node, NodeLoad
+from kvplane.services.common.model.nodes import Node, NodeLoad
 from kvplane.v1 import node_pb2
 
 MAX_REASON_BYTES = 1024

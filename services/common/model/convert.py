@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from kvplane.connector.digests import TokenDigests
-from kvplane.services.common.handles import (
+from kvplane.services.common.model.handles import (
     CacheHandle,
     Claim,
     HandleState,
@@ -13,7 +13,7 @@ from kvplane.services.common.handles import (
     ReleaseReason,
     VllmHandle,
 )
-from kvplane.services.common.nodes import Fingerprint, Node, NodeLoad, NodeRole
+from kvplane.services.common.model.nodes import Fingerprint, Node, NodeLoad, NodeRole
 from kvplane.v1 import handle_pb2, node_pb2
 
 _ROLE_TO_PB = {

@@ -32,16 +32,16 @@ from dataclasses import dataclass
 from typing import Protocol
 from urllib.parse import unquote
 
-from kvplane.services.common import validation
-from kvplane.services.common.errors import InvalidArgument, PermissionDenied, Unauthenticated
-from kvplane.services.common.headers import (
+from kvplane.services.common.model import validation
+from kvplane.services.common.model.errors import InvalidArgument, PermissionDenied, Unauthenticated
+from kvplane.services.common.model.headers import (
     MESH_SECRET_HEADER,
     NODE_HEADER,
     OPERATOR_HEADER,
     ROLE_HEADER,
     TENANT_HEADER,
 )
-from kvplane.services.common.secret_files import file_stamp
+from kvplane.services.common.runtime.secret_files import file_stamp
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from typing import Any, cast
 
 import grpc
 
-from kvplane.services.common.secret_files import FileStamp, file_stamp
-from kvplane.services.common.tls import ClientTlsFiles, TlsConfigError
+from kvplane.services.common.runtime.secret_files import FileStamp, file_stamp
+from kvplane.services.common.runtime.tls import ClientTlsFiles, TlsConfigError
 
 log = logging.getLogger(__name__)
 

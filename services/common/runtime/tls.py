@@ -19,7 +19,7 @@ from pathlib import Path
 import grpc
 from cryptography import x509
 
-from kvplane.services.common.secret_files import file_stamp
+from kvplane.services.common.runtime.secret_files import file_stamp
 
 log = logging.getLogger(__name__)
 

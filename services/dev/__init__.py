@@ -1,0 +1,2 @@
+"""Development tooling that is not part of a deployed process: a local etcd for tests, benches and
+the dev stack."""
