@@ -26,14 +26,14 @@ import grpc
 
 from kvplane.services.common.model.handles import CacheHandle, VllmHandle
 from kvplane.services.common.model.nodes import Fingerprint, Node, NodeRole
-from kvplane.services.common.process import ServiceProcess
 from kvplane.services.common.runtime.ports import free_port
 from kvplane.services.common.runtime.telemetry import Telemetry
-from kvplane.services.common.settings import KvplaneSettings
 from kvplane.services.common.store import Store, StoreSettings
 from kvplane.services.dev.local_etcd import LocalEtcd
 from kvplane.services.eviction.app import install
 from kvplane.services.eviction.coordinator import EvictionCoordinator
+from kvplane.services.process import ServiceProcess
+from kvplane.services.settings import KvplaneSettings
 from kvplane.v1 import eviction_pb2, eviction_pb2_grpc
 
 MB = 1 << 20

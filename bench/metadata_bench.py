@@ -27,12 +27,12 @@ from kvplane.connector.digests import digest_tokens
 from kvplane.services.common.model import convert
 from kvplane.services.common.model.handles import CacheHandle, VllmHandle
 from kvplane.services.common.model.nodes import Fingerprint, Node, NodeRole
-from kvplane.services.common.process import ServiceProcess
 from kvplane.services.common.runtime.ports import free_port
 from kvplane.services.common.runtime.telemetry import Telemetry
-from kvplane.services.common.settings import KvplaneSettings
 from kvplane.services.dev.local_etcd import LocalEtcd
 from kvplane.services.metadata.app import install
+from kvplane.services.process import ServiceProcess
+from kvplane.services.settings import KvplaneSettings
 from kvplane.v1 import metadata_pb2, metadata_pb2_grpc
 
 # The benchmark's services run in mesh mode; calls carry the proxy's secret, as a mesh proxy would.

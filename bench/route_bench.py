@@ -107,10 +107,10 @@ async def _serve_routing(port: int, etcd: str, prefix: str, tracing: bool) -> No
     from opentelemetry.sdk.trace import ReadableSpan
     from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-    from kvplane.services.common.process import ServiceProcess
     from kvplane.services.common.runtime.telemetry import Telemetry
-    from kvplane.services.common.settings import KvplaneSettings
+    from kvplane.services.process import ServiceProcess
     from kvplane.services.routing.app import install
+    from kvplane.services.settings import KvplaneSettings
 
     class EncodeAndDiscard(SpanExporter):
         """Pays an OTLP exporter's encoding cost, sends nothing."""

@@ -12,9 +12,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from kvplane.services.common.process import Installer, ServiceProcess
 from kvplane.services.common.runtime.telemetry import configure_logging
-from kvplane.services.common.settings import KvplaneSettings
+from kvplane.services.process import Installer, ServiceProcess
+from kvplane.services.settings import KvplaneSettings
 
 log = logging.getLogger("kvplane")
 

@@ -10,12 +10,12 @@ import pytest
 
 from kvplane.services.client.credentials import ClientCredentials
 from kvplane.services.common.model.nodes import Fingerprint, Node, NodeRole
-from kvplane.services.common.process import ServiceProcess
 from kvplane.services.common.runtime.ports import free_port
 from kvplane.services.common.runtime.telemetry import Telemetry
-from kvplane.services.common.settings import KvplaneSettings
 from kvplane.services.common.store import Store, StoreSettings
 from kvplane.services.dev.local_etcd import LocalEtcd
+from kvplane.services.process import ServiceProcess
+from kvplane.services.settings import KvplaneSettings
 
 
 @pytest.fixture(scope="session")

@@ -7,9 +7,9 @@ from collections.abc import Sequence
 
 from grpc_health.v1 import health_pb2
 
-from kvplane.services.common.process import Component, ProcessContext
 from kvplane.services.eviction.coordinator import EvictionCoordinator
 from kvplane.services.eviction.service import SERVICE_NAME, EvictionService
+from kvplane.services.process import Component, ProcessContext
 from kvplane.v1 import eviction_pb2_grpc
 
 # A health-check service name that is SERVING only on the elected leader. A

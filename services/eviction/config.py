@@ -1,7 +1,7 @@
 """The eviction service's retention policy, as its settings section configures it.
 
-The section itself (`EvictionSection`) is part of the process settings
-(kvplane.services.common.settings), beside every other service's.
+The section itself (`EvictionSection`, `settings.py` beside this module) is composed into the
+process settings (kvplane.services.settings) with every other service's.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from typing import Any
 
 import yaml
 
-from kvplane.services.common.settings import EvictionSection
 from kvplane.services.eviction.policy import RetentionPipeline
 from kvplane.services.eviction.policy.base import PolicyConfigError
+from kvplane.services.eviction.settings import EvictionSection
 
 
 def policy_config(section: EvictionSection) -> dict[str, Any] | None:

@@ -39,7 +39,6 @@ from typing import Any
 from kvplane.services.common.model.errors import StoreUnavailable
 from kvplane.services.common.model.handles import ReleaseReason
 from kvplane.services.common.runtime.telemetry import Telemetry
-from kvplane.services.common.settings import EvictionSection
 from kvplane.services.common.store import Store, now_ms
 from kvplane.services.common.store.cluster_view import ClusterView, HandleChange, NodeChange
 from kvplane.services.eviction.config import retention_pipeline
@@ -55,6 +54,7 @@ from kvplane.services.eviction.policy import (
 )
 from kvplane.services.eviction.releaser import Releaser
 from kvplane.services.eviction.sessions import NodeSession, SessionRegistry
+from kvplane.services.eviction.settings import EvictionSection
 
 log = logging.getLogger(__name__)
 

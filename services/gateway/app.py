@@ -15,7 +15,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvplane.services.client import ClientCredentials, RoutingClient
 from kvplane.services.common.runtime.telemetry import Telemetry
-from kvplane.services.common.settings import GatewaySection
 from kvplane.services.gateway import cache_salt
 from kvplane.services.gateway.admission import TENANT, ReadLimits, admission, expect_continue, json_body
 from kvplane.services.gateway.cache_salt import CacheSalts
@@ -33,6 +32,7 @@ from kvplane.services.gateway.progress import TurnRequest
 from kvplane.services.gateway.prompts import estimate_tokens
 from kvplane.services.gateway.protocol_errors import JsonErrorAppRunner, json_http_errors
 from kvplane.services.gateway.request_body import BodyLimits, check_completion, single_prompt
+from kvplane.services.gateway.settings import GatewaySection
 from kvplane.services.gateway.tenant_share import TenantShares
 from kvplane.services.gateway.turn import TurnRunner
 from kvplane.services.gateway.turn_errors import TurnFailed

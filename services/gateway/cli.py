@@ -12,8 +12,8 @@ from typing import Any
 import uvloop
 
 from kvplane.services.common.runtime.telemetry import Telemetry, configure_logging
-from kvplane.services.common.settings import KvplaneSettings
 from kvplane.services.gateway.app import Gateway
+from kvplane.services.settings import KvplaneSettings
 
 log = logging.getLogger("kvplane.gateway")
 

@@ -20,7 +20,6 @@ from opentelemetry import trace
 
 from kvplane.services.client import RouteResult, leg_url
 from kvplane.services.client.vllm_requests import decode_body
-from kvplane.services.common.settings import GatewaySection
 from kvplane.services.gateway import failover, sse
 from kvplane.services.gateway.decode_events import DecodeEvents, DigestingEngines
 from kvplane.services.gateway.legs import (
@@ -34,6 +33,7 @@ from kvplane.services.gateway.legs import (
 from kvplane.services.gateway.metrics import GatewayMetrics
 from kvplane.services.gateway.progress import TurnProgress, TurnRequest, absorb
 from kvplane.services.gateway.reports import TurnReporter
+from kvplane.services.gateway.settings import GatewaySection
 from kvplane.services.gateway.turn_errors import CLIENT_GONE, ClientGone, DecodeUnreachable, TurnFailed
 
 log = logging.getLogger(__name__)

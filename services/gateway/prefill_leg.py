@@ -18,7 +18,6 @@ from opentelemetry import trace
 
 from kvplane.services.client import Endpoint, RouteResult, RoutingUnavailable, leg_url
 from kvplane.services.client.vllm_requests import prefill_body
-from kvplane.services.common.settings import GatewaySection
 from kvplane.services.gateway import failover
 from kvplane.services.gateway.failover import PrefillRetry
 from kvplane.services.gateway.legs import LegFailed, LegTimeouts, leg_path, post_json, trace_headers
@@ -27,6 +26,7 @@ from kvplane.services.gateway.progress import TurnProgress, TurnRequest, prompt_
 from kvplane.services.gateway.prompts import RoutedPrompt
 from kvplane.services.gateway.reports import TurnReporter
 from kvplane.services.gateway.routing_step import RoutingStep, fresh_params
+from kvplane.services.gateway.settings import GatewaySection
 from kvplane.services.gateway.turn_errors import CLIENT_GONE, TurnFailed
 
 log = logging.getLogger(__name__)

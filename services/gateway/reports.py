@@ -19,9 +19,9 @@ import grpc
 from kvplane.services.client import RouteResult, RoutingClient, RoutingUnavailable
 from kvplane.services.common.model.handles import KEY_HANDLE_ID
 from kvplane.services.common.runtime.bounded_map import BoundedMap
-from kvplane.services.common.settings import GatewaySection
 from kvplane.services.gateway.metrics import GatewayMetrics
 from kvplane.services.gateway.progress import TurnProgress, TurnRequest
+from kvplane.services.gateway.settings import GatewaySection
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,6 @@ from opentelemetry import trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from kvplane.services.client import RouteResult, RoutingClient
-from kvplane.services.common.settings import GatewaySection
 from kvplane.services.gateway import failover
 from kvplane.services.gateway.decode_leg import DecodeLeg
 from kvplane.services.gateway.fallback import FallbackEngines
@@ -38,6 +37,7 @@ from kvplane.services.gateway.prompts import RoutedPrompt, TokenizeEndpoints, Un
 from kvplane.services.gateway.reports import TurnReporter
 from kvplane.services.gateway.request_body import BodyLimits, check_context
 from kvplane.services.gateway.routing_step import RoutingStep
+from kvplane.services.gateway.settings import GatewaySection
 from kvplane.services.gateway.suspects import SuspectEngines
 from kvplane.services.gateway.turn_errors import DecodeUnreachable, TurnFailed
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvplane.services.common.process import Component, ProcessContext
 from kvplane.services.metadata.claim_reaper import ClaimReaper
 from kvplane.services.metadata.service import SERVICE_NAME, MetadataService, NodeReaper
+from kvplane.services.process import Component, ProcessContext
 from kvplane.v1 import metadata_pb2_grpc
 
 

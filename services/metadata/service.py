@@ -27,9 +27,9 @@ from kvplane.services.common.runtime.auth import Principal, PrincipalKind
 from kvplane.services.common.runtime.grpc_errors import rpc_method
 from kvplane.services.common.runtime.server import Context, caller
 from kvplane.services.common.runtime.telemetry import Telemetry
-from kvplane.services.common.settings import MetadataSection
 from kvplane.services.common.store import Compacted, NodeRecord, PublishHint, Store, WatchEvent
 from kvplane.services.common.store.cluster_view import ClusterView, NodeChange
+from kvplane.services.metadata.settings import MetadataSection
 from kvplane.v1 import handle_pb2, metadata_pb2, metadata_pb2_grpc, node_pb2
 
 log = logging.getLogger(__name__)

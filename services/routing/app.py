@@ -7,8 +7,8 @@ import contextlib
 import logging
 from collections.abc import Sequence
 
-from kvplane.services.common.process import Component, ProcessContext
 from kvplane.services.common.store.cluster_view import ClusterView
+from kvplane.services.process import Component, ProcessContext
 from kvplane.services.routing.service import SERVICE_NAME, RoutingService
 from kvplane.v1 import routing_pb2_grpc
 

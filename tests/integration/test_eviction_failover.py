@@ -24,11 +24,11 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvplane.services.common.model.errors import NotFound
-from kvplane.services.common.process import ServiceProcess
 from kvplane.services.common.runtime.ports import free_port
 from kvplane.services.common.store import Store
 from kvplane.services.dev.local_etcd import LocalEtcd
 from kvplane.services.eviction.app import LEADER_HEALTH_NAME
+from kvplane.services.process import ServiceProcess
 from kvplane.v1 import eviction_pb2, eviction_pb2_grpc
 from tests.conftest import NODE_HEADERS, TEST_AUTH, make_node
 from tests.support.eviction_nodes import CommandNode, coordinator_of, start_replica, target_of

@@ -13,12 +13,12 @@ import pytest
 
 from kvplane.connector.node_agent import NodeAgent, NodeAgentSettings
 from kvplane.services.common.model.nodes import NodeLoad
-from kvplane.services.common.process import ServiceProcess
 from kvplane.services.common.runtime.telemetry import Telemetry
 from kvplane.services.common.store import Store
 from kvplane.services.dev.local_etcd import LocalEtcd
 from kvplane.services.eviction.app import install as install_eviction
 from kvplane.services.metadata.app import install as install_metadata
+from kvplane.services.process import ServiceProcess
 from kvplane.services.routing.app import install as install_routing
 from kvplane.v1 import metadata_pb2, metadata_pb2_grpc, routing_pb2, routing_pb2_grpc
 from tests.conftest import MESH_CREDENTIALS, OPERATOR_HEADERS, make_node, settings_for, tenant_headers

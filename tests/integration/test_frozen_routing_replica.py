@@ -20,9 +20,9 @@ from kvplane.services.client import RoutingClient, RoutingUnavailable
 from kvplane.services.client.routing_client import ROUTING_SERVICE
 from kvplane.services.common.runtime.ports import free_port
 from kvplane.services.common.runtime.telemetry import Telemetry
-from kvplane.services.common.settings import GatewayKey, GatewaySection
 from kvplane.services.dev.local_etcd import LocalEtcd
 from kvplane.services.gateway.app import Gateway
+from kvplane.services.gateway.settings import GatewayKey, GatewaySection
 from kvplane.v1 import routing_pb2
 from tests.conftest import tenant_headers
 from tests.integration.test_gateway_front import KEY, ScriptedEngine

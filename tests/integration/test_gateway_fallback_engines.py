@@ -12,8 +12,8 @@ from pydantic import SecretStr
 
 from kvplane.services.common.runtime.ports import free_port
 from kvplane.services.common.runtime.telemetry import Telemetry
-from kvplane.services.common.settings import GatewayKey, GatewaySection
 from kvplane.services.gateway.app import Gateway
+from kvplane.services.gateway.settings import GatewayKey, GatewaySection
 from tests.integration.test_gateway_front import KEY, ScriptedEngine
 from tests.support.gateway_stack import metric_sum
 

@@ -25,8 +25,8 @@ from pydantic import SecretStr
 from kvplane.services.common.model.handles import KEY_DIGESTS
 from kvplane.services.common.runtime.ports import free_port
 from kvplane.services.common.runtime.telemetry import Telemetry
-from kvplane.services.common.settings import GatewayKey, GatewaySection
 from kvplane.services.gateway.app import Gateway
+from kvplane.services.gateway.settings import GatewayKey, GatewaySection
 from tests.support.gateway_stack import metric_sum
 from tests.support.polling import eventually
 

@@ -16,8 +16,8 @@ from pydantic import SecretStr
 
 from kvplane.services.common.runtime.ports import free_port
 from kvplane.services.common.runtime.telemetry import Telemetry
-from kvplane.services.common.settings import GatewayKey, GatewaySection
 from kvplane.services.gateway.app import Gateway
+from kvplane.services.gateway.settings import GatewayKey, GatewaySection
 from tests.support.certificates import TestCa
 from tests.support.polling import eventually
 

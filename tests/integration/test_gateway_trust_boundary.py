@@ -402,8 +402,8 @@ async def test_a_malformed_request_is_logged_in_one_line_not_as_a_server_error(
 
 async def test_a_rewritten_api_key_file_is_used_without_a_restart(tmp_path: Path) -> None:
     from kvplane.services.common.runtime.telemetry import Telemetry
-    from kvplane.services.common.settings import GatewaySection
     from kvplane.services.gateway.app import Gateway
+    from kvplane.services.gateway.settings import GatewaySection
 
     keys = tmp_path / "api-keys.json"
 

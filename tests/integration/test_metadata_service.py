@@ -13,10 +13,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from kvplane.services.common.model import convert
 from kvplane.services.common.model.nodes import NodeLoad
-from kvplane.services.common.process import ServiceProcess
 from kvplane.services.common.runtime.telemetry import Telemetry
 from kvplane.services.dev.local_etcd import LocalEtcd
 from kvplane.services.metadata.app import install
+from kvplane.services.process import ServiceProcess
 from kvplane.v1 import handle_pb2, metadata_pb2, metadata_pb2_grpc
 from tests.conftest import NODE_HEADERS, OPERATOR_HEADERS, make_node, settings_for, tenant_headers
 from tests.support.factories import make_handle

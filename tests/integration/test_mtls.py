@@ -19,8 +19,8 @@ import yaml
 
 from kvplane.services.client.credentials import ClientCredentials
 from kvplane.services.common.model import convert
-from kvplane.services.common.process import ServiceProcess
 from kvplane.services.dev.local_etcd import LocalEtcd
+from kvplane.services.process import ServiceProcess
 from kvplane.v1 import metadata_pb2, metadata_pb2_grpc
 from tests.conftest import make_node
 from tests.support.certificates import Issued, TestCa
@@ -208,8 +208,8 @@ async def test_the_gateways_routing_client_routes_over_mtls_with_its_certificate
     mtls_plane: ServiceProcess, ca: TestCa
 ) -> None:
     from kvplane.services.client import RoutingClient, RoutingUnavailable
-    from kvplane.services.common.settings import GatewaySection
     from kvplane.services.gateway.app import routing_credentials
+    from kvplane.services.gateway.settings import GatewaySection
 
     gateway_cert = ca.issue("gateway", uris=("kvplane://operator/gateway",))
     section = GatewaySection(
@@ -329,8 +329,8 @@ async def test_the_charts_mtls_wiring_serves_its_clients_and_passes_its_own_prob
     etcd: LocalEtcd, prefix: str, ca: TestCa, tmp_path: Path
 ) -> None:
     from kvplane.services.client import RoutingClient, RoutingUnavailable
-    from kvplane.services.common.settings import GatewaySection
     from kvplane.services.gateway.app import routing_credentials
+    from kvplane.services.gateway.settings import GatewaySection
 
     containers = _chart_containers("mtls-values.yaml")
     routing, gateway = containers["kvp-kvplane-routing"], containers["kvp-kvplane-gateway"]

@@ -13,8 +13,8 @@ import pytest
 
 from kvplane.connector.node_agent import NodeAgent, NodeAgentSettings
 from kvplane.services.common.model.nodes import Node, NodeLoad
-from kvplane.services.common.process import ServiceProcess
 from kvplane.services.common.runtime.ports import free_port
+from kvplane.services.process import ServiceProcess
 from kvplane.v1 import eviction_pb2, eviction_pb2_grpc, metadata_pb2, metadata_pb2_grpc
 from tests.conftest import MESH_CREDENTIALS, OPERATOR_HEADERS, make_node
 from tests.support.factories import make_handle

@@ -10,8 +10,8 @@ import pytest
 
 from kvplane.connector.node_agent import NodeAgent, NodeAgentSettings
 from kvplane.services.common.model.nodes import NodeLoad
-from kvplane.services.common.process import ServiceProcess
 from kvplane.services.common.store import Store
+from kvplane.services.process import ServiceProcess
 from tests.conftest import MESH_CREDENTIALS, make_node
 from tests.support.factories import make_handle
 from tests.support.polling import eventually

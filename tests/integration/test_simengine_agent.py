@@ -9,7 +9,7 @@ from typing import Any
 
 import grpc
 
-from kvplane.services.common.process import ServiceProcess
+from kvplane.services.process import ServiceProcess
 from kvplane.v1 import metadata_pb2, metadata_pb2_grpc
 from tests.conftest import OPERATOR_HEADERS
 from tests.support.polling import eventually

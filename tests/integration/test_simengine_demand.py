@@ -18,9 +18,9 @@ from typing import Any
 import grpc
 import pytest
 
-from kvplane.services.common.process import ServiceProcess
 from kvplane.services.common.runtime.telemetry import Telemetry
 from kvplane.services.dev.local_etcd import LocalEtcd
+from kvplane.services.process import ServiceProcess
 from kvplane.v1 import metadata_pb2, metadata_pb2_grpc
 from tests.conftest import settings_for, tenant_headers
 from tests.support.eviction_nodes import coordinator_of

@@ -17,9 +17,9 @@ import grpc
 from kvplane.services.cli import installers
 from kvplane.services.client import RoutingClient
 from kvplane.services.client.vllm_requests import decode_body, prefill_body
-from kvplane.services.common.process import ServiceProcess
 from kvplane.services.common.runtime.telemetry import Telemetry
 from kvplane.services.dev.local_etcd import LocalEtcd
+from kvplane.services.process import ServiceProcess
 from kvplane.v1 import metadata_pb2, metadata_pb2_grpc
 from tests.conftest import OPERATOR_HEADERS, settings_for, tenant_headers
 from tests.support.polling import eventually

@@ -19,8 +19,8 @@ from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvplane.services.common.model import convert
-from kvplane.services.common.process import ServiceProcess
 from kvplane.services.dev.local_etcd import LocalEtcd
+from kvplane.services.process import ServiceProcess
 from kvplane.v1 import (
     eviction_pb2,
     eviction_pb2_grpc,

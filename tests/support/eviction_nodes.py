@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from kvplane.services.common.process import ServiceProcess
 from kvplane.services.common.runtime.telemetry import Telemetry
 from kvplane.services.dev.local_etcd import LocalEtcd
 from kvplane.services.eviction.app import install
 from kvplane.services.eviction.coordinator import EvictionCoordinator
+from kvplane.services.process import ServiceProcess
 from kvplane.v1 import eviction_pb2, eviction_pb2_grpc
 from tests.conftest import node_headers, settings_for
 

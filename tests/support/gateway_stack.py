@@ -27,12 +27,13 @@ from aiohttp import web
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from pydantic import SecretStr
 
-from kvplane.services.common.process import ServiceProcess
 from kvplane.services.common.runtime.ports import free_port
 from kvplane.services.common.runtime.telemetry import Telemetry
-from kvplane.services.common.settings import GatewayKey, GatewaySection, KvplaneSettings
 from kvplane.services.dev.local_etcd import LocalEtcd
 from kvplane.services.gateway.app import Gateway
+from kvplane.services.gateway.settings import GatewayKey, GatewaySection
+from kvplane.services.process import ServiceProcess
+from kvplane.services.settings import KvplaneSettings
 
 MODEL = "kvplane-sim"
 KEYS = {"acme": "key-acme-0123456789", "globex": "key-globex-0123456789"}

@@ -14,12 +14,12 @@ from kvplane.services.client import RoutingClient
 from kvplane.services.client.routing_client import home_replica
 from kvplane.services.common.model.handles import KEY_DIGESTS, KEY_HANDLE_ID, CacheHandle, VllmHandle
 from kvplane.services.common.model.nodes import Fingerprint, Node, NodeLoad, NodeRole
-from kvplane.services.common.process import ServiceProcess
 from kvplane.services.common.runtime.ports import free_port
 from kvplane.services.common.runtime.telemetry import Telemetry
-from kvplane.services.common.settings import KvplaneSettings
 from kvplane.services.common.store import Store, StoreSettings
 from kvplane.services.dev.local_etcd import LocalEtcd
+from kvplane.services.process import ServiceProcess
+from kvplane.services.settings import KvplaneSettings
 from tests.conftest import OPERATOR_HEADERS, TEST_AUTH, tenant_headers
 
 MODEL = "tiny"

@@ -13,11 +13,11 @@ import grpc
 from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
 
 import kvplane.v1
-from kvplane.services.common.process import ServiceProcess
 from kvplane.services.common.runtime.ports import free_port
 from kvplane.services.common.runtime.telemetry import Telemetry
-from kvplane.services.common.settings import KvplaneSettings
 from kvplane.services.dev.local_etcd import LocalEtcd
+from kvplane.services.process import ServiceProcess
+from kvplane.services.settings import KvplaneSettings
 
 # Tokens of the token-mode plane: two nodes, two tenants, an operator.
 TOKENS = {

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvplane.services.common.settings import GatewaySection
 from kvplane.services.gateway.app import AddressError, Gateway, split_host_port
 from kvplane.services.gateway.cli import build_parser, overrides
+from kvplane.services.gateway.settings import GatewaySection
 
 
 def test_host_port_forms() -> None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from kvplane.services.common.settings import GatewaySection, engine_url_list
 from kvplane.services.gateway.cli import build_parser, overrides
 from kvplane.services.gateway.fallback import FallbackEngines, pick_engine
+from kvplane.services.gateway.settings import GatewaySection, engine_url_list
 from kvplane.services.gateway.suspects import SuspectEngines
 
 P = ["http://p0:8000", "http://p1:8000", "http://p2:8000"]

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvplane.services.common.settings import KvplaneSettings
+from kvplane.services.settings import KvplaneSettings
 
 
 def test_api_keys_from_the_environment_are_secrets(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pydantic
 import pytest
 
-from kvplane.services.common.settings import KvplaneSettings
+from kvplane.services.settings import KvplaneSettings
 
 
 def test_a_misspelt_key_in_a_section_is_an_error() -> None:

@@ -17,7 +17,7 @@ from .report import ROOT, Report
 
 
 def kvplane_settings_cls() -> Any:
-    from kvplane.services.common.settings import KvplaneSettings
+    from kvplane.services.settings import KvplaneSettings
 
     return KvplaneSettings
 

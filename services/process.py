@@ -19,9 +19,9 @@ from typing import Protocol
 
 from kvplane.services.common.runtime.server import GrpcServer, MetricsServer
 from kvplane.services.common.runtime.telemetry import Telemetry
-from kvplane.services.common.settings import KvplaneSettings
 from kvplane.services.common.store import Store
 from kvplane.services.common.store.cluster_view import ClusterView
+from kvplane.services.settings import KvplaneSettings
 
 log = logging.getLogger(__name__)
 

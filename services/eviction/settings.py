@@ -1,0 +1,30 @@
+"""`eviction:` in the settings file: the coordinator's election, its sweeps and its retention policy."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+
+class EvictionSection(BaseModel):
+    """`eviction:` in the settings file (KVPLANE_EVICTION__<FIELD> in the environment)."""
+
+    # The election key's name; replicas of one coordinator share it.
+    election_name: str = "eviction"
+    # This replica's id in the election; empty: host, pid and a random suffix.
+    replica_id: str = ""
+    # The leader's etcd lease TTL, seconds: a killed leader is replaced within it.
+    lease_ttl_s: int = Field(10, ge=2, le=300)
+    # How often policies are evaluated when nothing changes, seconds.
+    evaluate_interval_s: float = Field(1.0, gt=0)
+    # How often the leader sweeps for handles of unregistered nodes, seconds.
+    orphan_sweep_interval_s: float = Field(10.0, gt=0)
+    # Release transactions in flight at once.
+    release_concurrency: int = Field(16, ge=1, le=1024)
+    # Conversations silent this long count as ended for the gap statistics, seconds.
+    gap_horizon_s: float = Field(3600.0, gt=0)
+    # Retention policy YAML (see kvplane.services.eviction.policy.pipeline);
+    # `policy` inline wins over the file; neither: the built-in default.
+    policy_file: str = ""
+    policy: dict[str, Any] | None = None

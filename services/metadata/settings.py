@@ -1,0 +1,20 @@
+"""`metadata:` in the settings file (KVPLANE_METADATA__<FIELD> in the environment)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from kvplane.services.common.settings import (
+    Section,
+)
+
+
+class MetadataSection(Section):
+    default_lease_ttl_s: int = Field(10, ge=2, le=300)
+    # How often the node reaper sweeps for handles of vanished nodes, seconds.
+    reaper_interval_s: float = 5.0
+    # A checked-out handle nobody read within this long is released (its turn never reached P),
+    # seconds. Longer than a turn's wait in P's queue plus the gateway's prefill timeout.
+    claim_deadline_s: float = Field(60.0, gt=0)
+    # How often the claim reaper sweeps, seconds.
+    claim_sweep_interval_s: float = Field(2.0, gt=0)

@@ -1,0 +1,28 @@
+"""`routing:` in the settings file (KVPLANE_ROUTING__<FIELD> in the environment)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from kvplane.services.common.settings import (
+    Section,
+)
+
+
+class RoutingSection(Section):
+    # Routing policy YAML (services/routing/policy/config.py); empty: the packaged default.
+    policy_file: str = ""
+    # Longest a Route waits on the check-out transaction before recomputing, seconds.
+    checkout_timeout_s: float = Field(1.0, gt=0)
+    # D's decoder_kv_blocks_ttl: how long a handle published by ReportTurn lives, seconds.
+    decode_kv_ttl_s: float = Field(480.0, gt=0)
+    # Subtracted from that life to give the handle's wall-clock expiry, seconds.
+    expiry_margin_s: float = Field(5.0, ge=0)
+    # Conversations whose last prefill node is remembered (best effort, per replica).
+    max_tracked_conversations: int = Field(100_000, ge=0)
+    # Routes remembered for ReportTurn (per replica).
+    max_tracked_routes: int = Field(100_000, ge=0)
+    # Longest a Route waits for the engine's publish of the handle its caller says the previous
+    # turn retained (RouteRequest.awaited_handle_id), and only when no prefill node is believed to
+    # hold the history already, seconds. Also bounds EndConversation's wait for that publish.
+    publish_wait_s: float = Field(0.3, ge=0)
