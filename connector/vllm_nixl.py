@@ -78,7 +78,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -719,19 +719,9 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
                 self.kvplane_agent.notify_demand()
 
     def _snapshot_load(self, scheduler_output: SchedulerOutput) -> None:
-        free = total = 0
+        """Scheduler thread, every step: the load the agent reads (one atomic write)."""
         manager = getattr(self, "_kv_cache_manager", None)
-        if manager is not None:
-            pool = manager.block_pool
-            free, total = int(pool.get_num_free_blocks()), int(pool.num_gpu_blocks)
-        self._load = NodeLoad(
-            node_id="",
-            incarnation="",
-            running_requests=len(scheduler_output.num_scheduled_tokens or {}),
-            free_kv_blocks=free,
-            total_kv_blocks=total,
-            retained_bytes=sum(h.retained_bytes for h in self._held.values()),
-        )
+        self._load = _load_snapshot(manager, scheduler_output, self._held.values())
 
     @property
     def held_request_ids(self) -> frozenset[str]:
@@ -764,6 +754,23 @@ def _engine_node(connector: NixlConnector, vllm_config: VllmConfig) -> Node:
         tp_size=int(scheduler.transfer_tp_size),
         pp_size=int(vllm_config.parallel_config.pipeline_parallel_size),
         dcp_size=int(vllm_config.parallel_config.decode_context_parallel_size),
+    )
+
+
+def _load_snapshot(manager: Any, scheduler_output: SchedulerOutput, held: Iterable[_Held]) -> NodeLoad:
+    """The engine's load after a schedule: running requests, free and total KV blocks (from vLLM's
+    KV cache manager, when the scheduler has one), and the bytes its published handles retain."""
+    free = total = 0
+    if manager is not None:
+        pool = manager.block_pool
+        free, total = int(pool.get_num_free_blocks()), int(pool.num_gpu_blocks)
+    return NodeLoad(
+        node_id="",
+        incarnation="",
+        running_requests=len(scheduler_output.num_scheduled_tokens or {}),
+        free_kv_blocks=free,
+        total_kv_blocks=total,
+        retained_bytes=sum(h.retained_bytes for h in held),
     )
 
 
