@@ -15,7 +15,8 @@ from kvplane.services.common import convert
 from kvplane.services.common.handles import ReleaseReason
 from kvplane.services.common.local_etcd import LocalEtcd
 from kvplane.services.common.process import ServiceProcess
-from kvplane.services.common.store import Store, StoreSettings
+from kvplane.services.common.store import Store
+from kvplane.services.common.store.settings import StoreSettings
 from kvplane.v1 import eviction_pb2, eviction_pb2_grpc, handle_pb2
 from tests.conftest import NODE_HEADERS, make_node
 from tests.support.eviction_nodes import CommandNode, coordinator_of, start_replica, target_of

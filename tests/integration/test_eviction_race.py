@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from kvplane.services.common.errors import HandleNotRetained, NotFound
 from kvplane.services.common.handles import ReleaseReason
 from kvplane.services.common.local_etcd import LocalEtcd
-from kvplane.services.common.store import HandleRecord, Store
+from kvplane.services.common.store import Store
+from kvplane.services.common.store.records import HandleRecord
 from tests.conftest import make_node
 from tests.support.eviction_nodes import CommandNode, start_replica, target_of
 from tests.support.factories import make_handle

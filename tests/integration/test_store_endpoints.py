@@ -11,7 +11,8 @@ import pytest
 
 from kvplane.services.common.errors import StoreUnavailable
 from kvplane.services.common.local_etcd import LocalEtcdCluster
-from kvplane.services.common.store import Store, StoreSettings
+from kvplane.services.common.store import Store
+from kvplane.services.common.store.settings import StoreSettings
 from tests.conftest import make_node
 from tests.integration.test_etcd_tls import TlsEtcd, tls_etcd  # noqa: F401 (a fixture)
 from tests.support.factories import make_handle

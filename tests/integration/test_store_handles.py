@@ -13,8 +13,9 @@ import pytest
 from kvplane.services.common.errors import HandleNotRetained, NodeNotRegistered, NotFound
 from kvplane.services.common.handles import HandleState, ReleaseReason
 from kvplane.services.common.local_etcd import LocalEtcd
-from kvplane.services.common.store import Store, StoreSettings
+from kvplane.services.common.store import Store
 from kvplane.services.common.store.etcd import Ambiguous
+from kvplane.services.common.store.settings import StoreSettings
 from tests.conftest import make_node
 from tests.support.factories import make_handle
 from tests.support.polling import eventually
