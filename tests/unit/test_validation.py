@@ -72,12 +72,12 @@ def test_a_stored_handle_meets_every_bound_and_names_the_first_it_breaks() -> No
     _refused(
         lambda: validation.cache_handle(too_far, "handle", now_unix_ms=now), "handle.wall_expiry_unix_ms"
     )
-    no_blocks = dataclasses.replace(handle, vllm=dataclasses.replace(handle.vllm, remote_block_ids=[[]]))
+    no_blocks = dataclasses.replace(handle, vllm=dataclasses.replace(handle.vllm, remote_block_ids=((),)))
     _refused(
         lambda: validation.cache_handle(no_blocks, "handle", now_unix_ms=now),
         "handle.vllm.remote_block_ids[0]",
     )
-    negative = dataclasses.replace(handle, vllm=dataclasses.replace(handle.vllm, remote_block_ids=[[-1]]))
+    negative = dataclasses.replace(handle, vllm=dataclasses.replace(handle.vllm, remote_block_ids=((-1,),)))
     assert "out of range" in _refused(
         lambda: validation.cache_handle(negative, "handle", now_unix_ms=now),
         "handle.vllm.remote_block_ids[0]",
