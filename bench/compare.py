@@ -65,7 +65,8 @@ from kvplane.bench.compare_fronts import (
 )
 from kvplane.bench.compare_run import BlockResult, Engines, IdleWindow, idle_window, run_block
 from kvplane.bench.compare_workload import Workload, plan, rotation
-from kvplane.services.devstack import DEMO_API_KEY, ManagedProcess, Stack, start_stack
+from kvplane.services.devstack.processes import ManagedProcess
+from kvplane.services.devstack.stack import DEMO_API_KEY, Stack, start_stack
 
 WORKLOADS: dict[str, tuple[str, tuple[str, ...]]] = {
     "A": ("P's prefix caches on, large enough to hold the histories", ()),

@@ -32,7 +32,7 @@ import aiohttp
 
 from kvplane.services.common.model.handles import fresh_prefill_params
 from kvplane.services.common.runtime.ports import free_port
-from kvplane.services.devstack import ManagedProcess
+from kvplane.services.devstack.processes import ManagedProcess
 
 KVPLANE, VLLM_ROUTER, EXAMPLE_PROXY = "kvplane", "vllm-router", "example-proxy"
 ZERO_HOP_REUSE, ZERO_HOP = "zero-hop-reuse", "zero-hop"

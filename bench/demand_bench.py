@@ -40,18 +40,21 @@ import grpc
 from kvplane.services.common.model.handles import KEY_CONVERSATION, KEY_TENANT, fresh_prefill_params
 from kvplane.services.common.runtime.ports import free_port
 from kvplane.services.dev.local_etcd import LocalEtcd
-from kvplane.services.devstack import (
+from kvplane.services.devstack.processes import (
     ManagedProcess,
-    engine_env,
     grpc_health_probe,
     http_health_probe,
+    wait_ready,
 )
+from kvplane.services.devstack.stack import engine_env
 from kvplane.v1 import metadata_pb2, metadata_pb2_grpc
 
 TENANT = "bench"
 # The stack runs in mesh mode; this process and the engines present the proxy's secret, as a
 # mesh proxy would on their behalf.
 MESH_SECRET = "demand-bench-secret"
+# How long a process of the bench stack may take to come up, s.
+READY_TIMEOUT_S = 120.0
 SERVICES_ENV = {
     "KVPLANE_AUTH__MODE": "mesh",
     "KVPLANE_AUTH__MESH__SECRETS": json.dumps([MESH_SECRET]),
@@ -76,20 +79,6 @@ class Round:
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(300, 30000) for _ in range(n)]
-
-
-async def _ready(proc: ManagedProcess, probe: Any, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not proc.alive():
-            raise RuntimeError(f"{proc.name} exited:\n{proc.log_tail()}")
-        try:
-            if await probe():
-                return
-        except Exception:  # not up yet
-            pass
-        await asyncio.sleep(0.1)  # polling readiness until the deadline
-    raise RuntimeError(f"{proc.name} not ready after {timeout_s:.0f} s:\n{proc.log_tail()}")
 
 
 class Bench:
@@ -182,7 +171,7 @@ async def run(rounds: int, blocks: int, speedup: float, run_dir: Path) -> list[R
             )
             processes.append(services)
             services.start()
-            await _ready(services, grpc_health_probe(target))
+            await wait_ready(services, grpc_health_probe(target), READY_TIMEOUT_S)
             for role, port, extra in (
                 ("prefill", p_port, []),
                 ("decode", d_port, ["--num-blocks", str(blocks)]),
@@ -222,7 +211,7 @@ async def run(rounds: int, blocks: int, speedup: float, run_dir: Path) -> list[R
                 processes.append(engine)
                 engine.start()
             for engine, port in zip(processes[1:], (p_port, d_port), strict=True):
-                await _ready(engine, http_health_probe(f"http://{host}:{port}/health"))
+                await wait_ready(engine, http_health_probe(f"http://{host}:{port}/health"), READY_TIMEOUT_S)
             async with aiohttp.ClientSession() as session, grpc.aio.insecure_channel(target) as channel:
                 bench = Bench(session, f"http://{host}:{p_port}", f"http://{host}:{d_port}", target)
                 per_handle = -(-(PROMPT_TOKENS + RETAINED_OUTPUT - 1) // 16)

@@ -200,7 +200,7 @@ class Result:
 
 
 async def run(args: argparse.Namespace) -> Result:
-    from kvplane.services.devstack import DEMO_API_KEY, start_stack
+    from kvplane.services.devstack.stack import DEMO_API_KEY, start_stack
 
     stack = await start_stack(
         progress=lambda m: print(f"==> {m}", file=sys.stderr, flush=True),

@@ -212,7 +212,7 @@ class Fronts:
 
 
 async def run(args: argparse.Namespace) -> Fronts:
-    from kvplane.services.devstack import DEMO_API_KEY, start_stack
+    from kvplane.services.devstack.stack import DEMO_API_KEY, start_stack
 
     stack = await start_stack(progress=lambda m: print(f"==> {m}", file=sys.stderr, flush=True))
     proxy: asyncio.subprocess.Process | None = None

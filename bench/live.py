@@ -411,7 +411,7 @@ async def _run(args: argparse.Namespace) -> tuple[LiveResult, LiveResult | None]
 
     if not args.start_stack:
         return await both(args.gateway, args.api_key, _split(args.prefill), _split(args.decode))
-    from kvplane.services.devstack import DEMO_API_KEY, start_stack
+    from kvplane.services.devstack.stack import DEMO_API_KEY, start_stack
 
     stack = await start_stack(
         progress=lambda m: print(f"==> {m}", file=sys.stderr),

@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
 EXTRA_COMMANDS: dict[str, str] = {
     "sim-engine": "kvplane.services.cli:sim_engine_main",
     "gateway": "kvplane.services.gateway.cli:main",
-    "dev-stack": "kvplane.services.devstack:main",
+    "dev-stack": "kvplane.services.devstack.cli:main",
     "bench": "kvplane.bench.live:main",
     "sim": "kvplane.bench.sim.command:main",
     "health": "kvplane.services.health_probe:main",

@@ -18,12 +18,7 @@ import yaml
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from kvplane.services.common.settings import (
-    AuthSection,
-    EtcdSection,
-    GrpcSection,
-    TelemetrySection,
-)
+from kvplane.services.common.settings import AuthSection, EtcdSection, GrpcSection, TelemetrySection
 from kvplane.services.eviction.settings import EvictionSection
 from kvplane.services.gateway.settings import GatewaySection
 from kvplane.services.metadata.settings import MetadataSection

@@ -114,11 +114,24 @@ async def read_json(request: web.Request, limits: ReadLimits) -> Any:
             raise RequestRejected(400, f"the body is not valid UTF-8 (byte {bad.start})") from None
         if "surrogate" in str(exc):
             raise RequestRejected(400, "the body holds a lone surrogate escape: not valid UTF-8") from None
+        if (constant := _constant_at(raw, exc.pos)) is not None:
+            raise RequestRejected(
+                400, f"the body is not valid JSON: {constant} is not a JSON number"
+            ) from None
         if "depth limit" in str(exc):
             raise RequestRejected(400, f"the body nests deeper than {limits.max_depth} levels") from None
         raise RequestRejected(400, f"the body is not valid JSON: {exc}") from None
     _check_depth(value, limits.max_depth)
     return value
+
+
+def _constant_at(raw: bytes, pos: int) -> str | None:
+    """The non-JSON number (NaN, Infinity, -Infinity) where parsing stopped, if that is what it was."""
+    for constant in ("-Infinity", "Infinity", "NaN"):
+        for at in (pos - 1, pos):
+            if at >= 0 and raw.startswith(constant.encode(), at):
+                return constant
+    return None
 
 
 # Values that hold no others: a list of only these needs no look inside.

@@ -10,9 +10,7 @@ from urllib.parse import urlsplit
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import NoDecode
 
-from kvplane.services.common.settings import (
-    Section,
-)
+from kvplane.services.common.settings import Section
 
 
 def engine_url_list(value: Any) -> list[str]:

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from kvplane.services.common.settings import (
-    Section,
-)
+from kvplane.services.common.settings import Section
 
 
 class RoutingSection(Section):

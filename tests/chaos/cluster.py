@@ -8,13 +8,8 @@ engine (d1) reaches the control plane through a proxy that can cut it off.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
-import os
-import signal
 import sys
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,14 +20,14 @@ import grpc
 from kvplane.services.common.runtime.ports import free_port
 from kvplane.services.common.store import Store, StoreSettings
 from kvplane.services.dev.local_etcd import LocalEtcdCluster
-from kvplane.services.devstack import (
+from kvplane.services.devstack.credentials import GATEWAY, OPERATOR, DevCredentials
+from kvplane.services.devstack.processes import (
     ManagedProcess,
-    StartupError,
-    engine_env,
     grpc_health_probe,
     http_health_probe,
+    wait_ready,
 )
-from kvplane.services.devstack_credentials import GATEWAY, OPERATOR, DevCredentials
+from kvplane.services.devstack.stack import engine_env
 from kvplane.v1 import metadata_pb2, metadata_pb2_grpc
 from tests.chaos.tcp_proxy import CuttableProxy
 
@@ -67,35 +62,16 @@ class Proc:
 
     async def start(self, timeout_s: float = START_TIMEOUT_S) -> None:
         self.managed.start()
-        await wait_ready(self, timeout_s)
+        await wait_ready(self.managed, self.ready, timeout_s)
 
     def kill(self) -> None:
-        proc = self.managed.proc
-        if proc is not None and proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        self.managed.kill()
 
     def freeze(self) -> None:
-        if self.managed.proc is not None:
-            os.killpg(self.managed.proc.pid, signal.SIGSTOP)
+        self.managed.freeze()
 
     def thaw(self) -> None:
-        if self.managed.proc is not None:
-            os.killpg(self.managed.proc.pid, signal.SIGCONT)
-
-
-async def wait_ready(proc: Proc, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not proc.managed.alive():
-            raise StartupError(f"{proc.name} exited:\n{proc.managed.log_tail()}")
-        try:
-            if await proc.ready():
-                return
-        except Exception:  # not answering yet
-            pass
-        await asyncio.sleep(0.1)  # polling readiness until the deadline
-    raise StartupError(f"{proc.name} not ready after {timeout_s:.0f} s:\n{proc.managed.log_tail()}")
+        self.managed.thaw()
 
 
 @dataclass
@@ -127,8 +103,7 @@ class ChaosCluster:
     async def stop(self) -> None:
         try:
             for proc in reversed(list(self.procs.values())):
-                with contextlib.suppress(ProcessLookupError):
-                    proc.thaw()
+                proc.thaw()
                 proc.managed.stop(timeout_s=5)
             for proxy in (self.proxy, self.eviction_proxy):
                 if proxy is not None:
@@ -280,13 +255,9 @@ async def _start_processes(cluster: ChaosCluster) -> None:
     for proc in cluster.procs.values():
         proc.managed.start()
     for proc in cluster.procs.values():
-        await wait_ready(proc, START_TIMEOUT_S)
-    registered = Proc(
-        cluster.procs["metadata"].managed,
-        _nodes_registered(targets["metadata"], len(node_ids), cluster.operator_metadata()),
-        "service",
-    )
-    await wait_ready(registered, START_TIMEOUT_S)
+        await wait_ready(proc.managed, proc.ready, START_TIMEOUT_S)
+    registered = _nodes_registered(targets["metadata"], len(node_ids), cluster.operator_metadata())
+    await wait_ready(cluster.procs["metadata"].managed, registered, START_TIMEOUT_S)
 
 
 async def engine_state(session: aiohttp.ClientSession, url: str) -> dict[str, object]:

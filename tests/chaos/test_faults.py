@@ -29,7 +29,7 @@ import aiohttp
 import pytest
 
 from kvplane.services.common.store import Store
-from tests.chaos.cluster import CLAIM_DEADLINE_S, ChaosCluster, start_cluster, wait_ready
+from tests.chaos.cluster import CLAIM_DEADLINE_S, ChaosCluster, start_cluster
 from tests.chaos.ledger import Ledger, settled_ledger
 from tests.chaos.load import Load, TurnRecord
 
@@ -84,9 +84,7 @@ async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Cha
 
 async def _restart(cluster: ChaosCluster, name: str, after_s: float) -> None:
     await asyncio.sleep(after_s)  # how long the process stays dead
-    proc = cluster.procs[name]
-    proc.managed.start()
-    await wait_ready(proc, 120)
+    await cluster.procs[name].start(120)
 
 
 def _kill_and_restart(name: str, dead_s: float = 1.0) -> Callable[[ChaosCluster], Awaitable[set[int] | None]]:

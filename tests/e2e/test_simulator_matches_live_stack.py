@@ -21,7 +21,7 @@ from kvplane.bench.live import TurnResult, Workload, drive
 from kvplane.bench.sim import ClusterSpec, SimConfig, SimCosts
 from kvplane.bench.sim.agreement import Profile, agree, profile
 from kvplane.bench.workloads.turns import Turn
-from kvplane.services.devstack import DEMO_API_KEY, Stack, start_stack
+from kvplane.services.devstack.stack import DEMO_API_KEY, Stack, start_stack
 
 pytestmark = pytest.mark.e2e
 

@@ -22,7 +22,9 @@ import aiohttp
 import grpc
 import pytest
 
-from kvplane.services.devstack import DEMO_API_KEY, Stack, grpc_health_probe, run_demo, start_stack
+from kvplane.services.devstack.demo import run_demo
+from kvplane.services.devstack.processes import grpc_health_probe
+from kvplane.services.devstack.stack import DEMO_API_KEY, Stack, start_stack
 from kvplane.v1 import metadata_pb2, metadata_pb2_grpc
 from tests.support.polling import eventually
 

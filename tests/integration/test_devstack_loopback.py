@@ -11,7 +11,7 @@ from pathlib import Path
 import aiohttp
 
 from kvplane.services.common.runtime.ports import free_port
-from kvplane.services.devstack import engine_env
+from kvplane.services.devstack.stack import engine_env
 from tests.support.polling import eventually
 
 _LISTEN = "0A"

@@ -15,7 +15,8 @@ from kvplane.services.common.model.nodes import Node, NodeLoad
 from kvplane.services.common.runtime.telemetry import Telemetry
 from kvplane.services.common.store import Store
 from kvplane.services.dev.local_etcd import LocalEtcd
-from kvplane.services.eviction.policy import HandleInfo, NodeInfo, Snapshot, ValueModel
+from kvplane.services.eviction.policy.model import HandleInfo, NodeInfo, Snapshot
+from kvplane.services.eviction.policy.value import ValueModel
 from kvplane.v1 import handle_pb2
 from tests.conftest import make_node
 from tests.support.eviction_nodes import CommandNode, coordinator_of, start_replica, target_of

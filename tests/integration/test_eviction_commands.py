@@ -13,7 +13,8 @@ from aetcd import rpc
 
 from kvplane.services.common.model import convert
 from kvplane.services.common.model.handles import ReleaseReason
-from kvplane.services.common.store import Store, StoreSettings
+from kvplane.services.common.store import Store
+from kvplane.services.common.store.settings import StoreSettings
 from kvplane.services.dev.local_etcd import LocalEtcd
 from kvplane.services.process import ServiceProcess
 from kvplane.v1 import eviction_pb2, eviction_pb2_grpc, handle_pb2

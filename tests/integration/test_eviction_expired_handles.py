@@ -7,7 +7,8 @@ release would only send the engine a command for blocks it no longer holds.
 
 from __future__ import annotations
 
-from kvplane.services.common.store import Store, now_ms
+from kvplane.services.common.store import Store
+from kvplane.services.common.store.records import now_ms
 from kvplane.services.dev.local_etcd import LocalEtcd
 from tests.conftest import make_node
 from tests.support.eviction_nodes import coordinator_of, start_replica

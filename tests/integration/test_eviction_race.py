@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 from kvplane.services.common.model.errors import HandleNotRetained, NotFound
 from kvplane.services.common.model.handles import ReleaseReason
-from kvplane.services.common.store import HandleRecord, Store
+from kvplane.services.common.store import Store
+from kvplane.services.common.store.records import HandleRecord
 from kvplane.services.dev.local_etcd import LocalEtcd
 from tests.conftest import make_node
 from tests.support.eviction_nodes import CommandNode, start_replica, target_of

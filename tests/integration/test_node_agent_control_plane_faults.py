@@ -20,7 +20,7 @@ from kvplane.services.common.model.nodes import NodeLoad
 from kvplane.services.common.runtime.ports import free_port
 from kvplane.services.common.store import Store
 from kvplane.services.dev.local_etcd import LocalEtcd
-from kvplane.services.devstack import ManagedProcess, StartupError, grpc_health_probe
+from kvplane.services.devstack.processes import ManagedProcess, StartupError, grpc_health_probe
 from tests.conftest import AUTH_ENV, MESH_CREDENTIALS, make_node
 from tests.support.factories import make_handle
 from tests.support.polling import eventually

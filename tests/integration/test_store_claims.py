@@ -9,7 +9,8 @@ from aetcd import rpc
 
 from kvplane.services.common.model import convert
 from kvplane.services.common.model.handles import ReleaseReason
-from kvplane.services.common.store import Store, now_ms
+from kvplane.services.common.store import Store
+from kvplane.services.common.store.records import now_ms
 from kvplane.v1 import handle_pb2
 from tests.conftest import make_node
 from tests.support.factories import make_handle

@@ -10,7 +10,8 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 
 from kvplane.services.common.model.errors import StoreUnavailable
-from kvplane.services.common.store import Store, StoreSettings
+from kvplane.services.common.store import Store
+from kvplane.services.common.store.settings import StoreSettings
 from kvplane.services.dev.local_etcd import LocalEtcdCluster
 from tests.conftest import make_node
 from tests.integration.test_etcd_tls import TlsEtcd, tls_etcd  # noqa: F401 (a fixture)

@@ -12,8 +12,9 @@ import pytest
 
 from kvplane.services.common.model.errors import HandleNotRetained, NodeNotRegistered, NotFound
 from kvplane.services.common.model.handles import HandleState, ReleaseReason
-from kvplane.services.common.store import Store, StoreSettings
+from kvplane.services.common.store import Store
 from kvplane.services.common.store.etcd import Ambiguous
+from kvplane.services.common.store.settings import StoreSettings
 from kvplane.services.dev.local_etcd import LocalEtcd
 from tests.conftest import make_node
 from tests.support.factories import make_handle

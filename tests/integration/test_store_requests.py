@@ -19,8 +19,9 @@ import pytest
 from kvplane.services.common.model.errors import NotFound
 from kvplane.services.common.model.handles import CacheHandle, HandleState, ReleaseReason
 from kvplane.services.common.model.nodes import Node
-from kvplane.services.common.store import HandleRecord, NodeRecord, PublishHint, Store, now_ms
+from kvplane.services.common.store import Store
 from kvplane.services.common.store.leases import MAX_BUCKET_S
+from kvplane.services.common.store.records import HandleRecord, NodeRecord, PublishHint, now_ms
 from tests.conftest import make_node
 from tests.support.factories import make_handle
 

@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
-import subprocess
 import sys
 import time
 import uuid
@@ -30,6 +27,7 @@ from pydantic import SecretStr
 from kvplane.services.common.runtime.ports import free_port
 from kvplane.services.common.runtime.telemetry import Telemetry
 from kvplane.services.dev.local_etcd import LocalEtcd
+from kvplane.services.devstack.processes import ManagedProcess, http_health_probe, wait_ready
 from kvplane.services.gateway.app import Gateway
 from kvplane.services.gateway.settings import GatewayKey, GatewaySection
 from kvplane.services.process import ServiceProcess
@@ -121,10 +119,12 @@ class FaultProxy:
 
 @dataclass
 class EngineProcess:
-    name: str
-    proc: subprocess.Popen[bytes]
+    process: ManagedProcess
     url: str
-    log_path: Path
+
+    @property
+    def name(self) -> str:
+        return self.process.name
 
     async def get(self, session: aiohttp.ClientSession, path: str) -> bytes:
         async with session.get(self.url + path) as resp:
@@ -134,13 +134,7 @@ class EngineProcess:
         return metric_sum((await self.get(session, "/metrics")).decode(), name, **labels)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+        self.process.stop()
 
 
 def metric_sum(text: str, name: str, **labels: str) -> float:
@@ -157,32 +151,19 @@ def metric_sum(text: str, name: str, **labels: str) -> float:
 
 
 def _spawn(name: str, log_dir: Path, url: str, args: list[str]) -> EngineProcess:
-    log_path = log_dir / f"{name}.log"
-    with open(log_path, "wb") as logf:
-        proc = subprocess.Popen(
-            [sys.executable, *args],
-            stdout=logf,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env=dict(os.environ, PYTHONUNBUFFERED="1"),
-            cwd=Path(__file__).resolve().parents[2],
-        )
-    return EngineProcess(name, proc, url, log_path)
+    process = ManagedProcess(
+        name,
+        [sys.executable, *args],
+        log_dir / f"{name}.log",
+        env={"PYTHONUNBUFFERED": "1"},
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    process.start()
+    return EngineProcess(process, url)
 
 
-async def _wait_healthy(engine: EngineProcess, session: aiohttp.ClientSession, timeout_s: float = 90) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if engine.proc.poll() is not None:
-            raise AssertionError(f"{engine.name} exited: {engine.log_path.read_text()[-3000:]}")
-        try:
-            async with session.get(engine.url + "/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
-                if r.status == 200:
-                    return
-        except (aiohttp.ClientError, TimeoutError):
-            pass
-        await asyncio.sleep(0.1)  # polling until the deadline
-    raise AssertionError(f"{engine.name} did not become healthy in {timeout_s} s")
+async def _wait_healthy(engine: EngineProcess, timeout_s: float = 90) -> None:
+    await wait_ready(engine.process, http_health_probe(engine.url + "/health"), timeout_s)
 
 
 @dataclass
@@ -397,7 +378,7 @@ async def gateway_stack(
             )
         )
         for engine in engines:
-            await _wait_healthy(engine, session)
+            await _wait_healthy(engine)
         gateway = Gateway(
             GatewaySection(
                 listen=f"127.0.0.1:{free_port()}",

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import random
-import signal
-import subprocess
 import sys
 import time
 import urllib.error
@@ -19,6 +16,7 @@ from typing import Any
 
 from kvplane.services.common.model.handles import fresh_prefill_params
 from kvplane.services.common.runtime.ports import free_port
+from kvplane.services.devstack.processes import ManagedProcess
 from tests.conftest import MESH_SECRET
 
 MODEL = "kvplane-sim"
@@ -42,10 +40,12 @@ def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str, interval
 class Engine:
     """A running sim-engine process."""
 
-    name: str
-    proc: subprocess.Popen[bytes]
+    process: ManagedProcess
     port: int
-    log_path: Path
+
+    @property
+    def name(self) -> str:
+        return self.process.name
 
     @property
     def url(self) -> str:
@@ -104,28 +104,26 @@ class Engine:
         return events
 
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
+        return self.process.log_tail(chars=1 << 30)
 
 
 def start_engine(name: str, log_dir: Path, *flags: str) -> Engine:
     port = free_port()
-    log_path = log_dir / f"{name}.log"
-    with open(log_path, "wb") as logf:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kvplane.bench.simengine", "--port", str(port), *FAST, *flags],
-            stdout=logf,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            # The node agent's credentials for the test services (mesh mode, tests/conftest.py).
-            env=dict(os.environ, PYTHONUNBUFFERED="1", KVPLANE_SIM_MESH_SECRET=MESH_SECRET),
-        )
-    return Engine(name=name, proc=proc, port=port, log_path=log_path)
+    process = ManagedProcess(
+        name,
+        [sys.executable, "-m", "kvplane.bench.simengine", "--port", str(port), *FAST, *flags],
+        log_dir / f"{name}.log",
+        # The node agent's credentials for the test services (mesh mode, tests/conftest.py).
+        env={"PYTHONUNBUFFERED": "1", "KVPLANE_SIM_MESH_SECRET": MESH_SECRET},
+    )
+    process.start()
+    return Engine(process=process, port=port)
 
 
 def wait_healthy(engine: Engine, timeout_s: float = 60) -> None:
     def healthy() -> bool:
-        if engine.proc.poll() is not None:
-            raise AssertionError(f"{engine.name} exited with {engine.proc.returncode}:\n{engine.log()}")
+        if not engine.process.alive():
+            raise AssertionError(f"{engine.name} exited ({engine.process.exit_status()}):\n{engine.log()}")
         try:
             with urllib.request.urlopen(engine.url + "/health", timeout=2) as r:
                 return bool(r.status == 200)
@@ -136,13 +134,7 @@ def wait_healthy(engine: Engine, timeout_s: float = 60) -> None:
 
 
 def stop_engine(engine: Engine) -> None:
-    if engine.proc.poll() is None:
-        engine.proc.send_signal(signal.SIGTERM)
-        try:
-            engine.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            engine.proc.kill()
-            engine.proc.wait(timeout=10)
+    engine.process.stop()
 
 
 @contextlib.contextmanager

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from kvplane.services.devstack import _wait_ready
+from kvplane.services.devstack.processes import wait_ready
 
 
 class AliveProcess:
@@ -16,7 +16,10 @@ class AliveProcess:
     def alive(self) -> bool:
         return True
 
-    def log_tail(self) -> str:
+    def exit_status(self) -> str:
+        return "running"
+
+    def log_tail(self, chars: int = 3000) -> str:
         return ""
 
 
@@ -35,7 +38,7 @@ async def test_a_cancelled_wait_stops_though_the_probe_turned_the_cancellation_i
         status = await asyncio.create_task(call())
         raise RuntimeError(f"UNAVAILABLE ({status})")
 
-    waiting = asyncio.create_task(_wait_ready(AliveProcess(), probe, 60))  # type: ignore[arg-type]
+    waiting = asyncio.create_task(wait_ready(AliveProcess(), probe, 60))
     await asyncio.wait_for(probing.wait(), 10)
     waiting.cancel()
     with pytest.raises(asyncio.CancelledError):

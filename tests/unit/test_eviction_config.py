@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvplane.services.eviction.config import retention_pipeline
-from kvplane.services.eviction.policy import PolicyConfigError
+from kvplane.services.eviction.policy.base import PolicyConfigError
 from kvplane.services.eviction.policy.max_age import MaxAge
 from kvplane.services.eviction.policy.node_budget import NodeBudget
 from kvplane.services.eviction.settings import EvictionSection

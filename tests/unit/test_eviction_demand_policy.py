@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 
 from kvplane.services.common.model.handles import ReleaseReason
-from kvplane.services.eviction.policy import HandleInfo, NodeInfo, RetentionPipeline, Snapshot, ValueModel
 from kvplane.services.eviction.policy.demand import OnDemand
+from kvplane.services.eviction.policy.model import HandleInfo, NodeInfo, Snapshot
+from kvplane.services.eviction.policy.pipeline import RetentionPipeline
+from kvplane.services.eviction.policy.value import ValueModel
 
 NOW = 1_700_000_000_000
 MB = 1 << 20

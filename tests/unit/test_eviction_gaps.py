@@ -6,16 +6,17 @@ import random
 
 import pytest
 
-from kvplane.services.eviction.policy import (
+from kvplane.services.eviction.policy.gaps import (
+    BinLayout,
+    GapHistogram,
     GapPrior,
     GapStatistics,
-    HandleInfo,
-    NodeInfo,
-    Snapshot,
+    LogNormal,
     TurnTracker,
-    ValueModel,
+    fit_lognormal,
 )
-from kvplane.services.eviction.policy.gaps import BinLayout, GapHistogram, LogNormal, fit_lognormal
+from kvplane.services.eviction.policy.model import HandleInfo, NodeInfo, Snapshot
+from kvplane.services.eviction.policy.value import ValueModel
 
 NOW = 1_700_000_000_000
 

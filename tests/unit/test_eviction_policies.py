@@ -7,20 +7,15 @@ from dataclasses import dataclass
 import pytest
 
 from kvplane.services.common.model.handles import ReleaseReason
-from kvplane.services.eviction.policy import (
-    HandleInfo,
-    NodeInfo,
-    PolicyConfigError,
-    RetentionPipeline,
-    Snapshot,
-    ValueModel,
-    build_policy,
-)
+from kvplane.services.eviction.policy.base import PolicyConfigError
 from kvplane.services.eviction.policy.kv_pressure import KvPressure
 from kvplane.services.eviction.policy.low_value import LowValue
 from kvplane.services.eviction.policy.max_age import MaxAge
+from kvplane.services.eviction.policy.model import HandleInfo, NodeInfo, Snapshot
 from kvplane.services.eviction.policy.node_budget import NodeBudget
+from kvplane.services.eviction.policy.pipeline import RetentionPipeline, build_policy
 from kvplane.services.eviction.policy.tenant_budget import TenantBudget
+from kvplane.services.eviction.policy.value import ValueModel
 
 NOW = 1_700_000_000_000
 MB = 1 << 20

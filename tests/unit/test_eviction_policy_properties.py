@@ -7,7 +7,8 @@ from collections import defaultdict
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvplane.services.eviction.policy import HandleInfo, NodeInfo, RetentionPipeline, Snapshot
+from kvplane.services.eviction.policy.model import HandleInfo, NodeInfo, Snapshot
+from kvplane.services.eviction.policy.pipeline import RetentionPipeline
 
 NOW = 1_700_000_000_000
 MB = 1 << 20

@@ -151,7 +151,7 @@ BENCH_EXCEPTIONS: dict[tuple[str, str], str] = {
     ("kvplane.services.cli", "kvplane.bench.simengine.settings"): (
         "`kvplane sim-engine`, as above: the engine simulator still lives under bench/"
     ),
-    ("kvplane.services.devstack", "kvplane.bench.simengine.settings"): (
+    ("kvplane.services.devstack.stack", "kvplane.bench.simengine.settings"): (
         "the dev stack starts two sim-engines; the engine simulator still lives under bench/"
     ),
 }

@@ -1,0 +1,268 @@
+"""The dev stack's recipe: which processes, with which settings, started in which order.
+
+etcd (one member, its data in a temporary directory), `kvplane serve all`, prefill and decode
+sim-engines (real NIXL over loopback) and the gateway, each a `ManagedProcess` with its log in the
+run directory, the control plane in token mode as deployed. `start_stack()` returns when all are
+ready: `kvplane dev-stack`, the end-to-end tests and the live benchmarks start the stack with it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from kvplane.bench.simengine.settings import SimEngineSettings
+from kvplane.services.common.runtime.ports import free_port
+from kvplane.services.dev.local_etcd import LocalEtcd
+from kvplane.services.devstack.credentials import GATEWAY, DevCredentials
+from kvplane.services.devstack.processes import (
+    ManagedProcess,
+    grpc_health_probe,
+    http_health_probe,
+    wait_ready,
+)
+
+DEMO_API_KEY = "dev-key"
+DEMO_TENANT = "demo"
+
+
+def engine_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Environment for the stack's engines: UCX (under NIXL) listens on loopback only.
+
+    UCX otherwise opens its TCP listener on every network interface, and the KV it serves has no
+    authentication: in the dev stack every transfer is local, so nothing else may reach it. A
+    UCX_NET_DEVICES already set is left alone.
+    """
+    env = os.environ if environ is None else environ
+    return {} if "UCX_NET_DEVICES" in env else {"UCX_NET_DEVICES": "lo"}
+
+
+@dataclass
+class Stack:
+    """A running dev stack."""
+
+    run_dir: Path
+    etcd: LocalEtcd
+    grpc_target: str
+    gateway_url: str
+    prefill_url: str
+    decode_url: str
+    metrics_url: str
+    processes: list[ManagedProcess] = field(default_factory=list)
+    # Every engine's URL by role (the first of each is prefill_url / decode_url).
+    prefill_urls: list[str] = field(default_factory=list)
+    decode_urls: list[str] = field(default_factory=list)
+    # Call metadata of the stack's operator principal (the control plane runs in token mode).
+    operator_metadata: tuple[tuple[str, str], ...] = ()
+
+    def stop(self) -> None:
+        for proc in reversed(self.processes):
+            proc.stop()
+        self.etcd.cleanup()
+
+    def urls(self) -> dict[str, str]:
+        return {
+            "gateway (OpenAI API)": self.gateway_url,
+            "kvplane gRPC (metadata, routing, eviction)": self.grpc_target,
+            "kvplane metrics": self.metrics_url,
+            "prefill sim-engine": self.prefill_url,
+            "decode sim-engine": self.decode_url,
+            "etcd": f"http://{self.etcd.endpoint}",
+            "logs": str(self.run_dir),
+        }
+
+
+@dataclass(frozen=True)
+class StackPorts:
+    """Loopback ports to pin; 0 takes a free one (every run a new one)."""
+
+    gateway: int = 0
+    grpc: int = 0
+    metrics: int = 0
+    prefill: int = 0
+    decode: int = 0
+
+
+def _kvplane(*args: str) -> list[str]:
+    return [sys.executable, "-m", "kvplane.services.cli", *args]
+
+
+async def start_stack(
+    run_dir: Path | None = None,
+    *,
+    speedup: float = 1.0,
+    decoder_ttl_s: float = 480.0,
+    progress: Callable[[str], None] = lambda _msg: None,
+    timeout_s: float = 120.0,
+    prefill_args: Sequence[str] = (),
+    ports: StackPorts = StackPorts(),
+    prefill_nodes: int = 1,
+    decode_nodes: int = 1,
+) -> Stack:
+    """Starts etcd, `serve all`, P and D sim-engines and the gateway; returns when all are ready.
+
+    `prefill_args` go to the prefill engines' command lines (e.g. `--no-enable-prefix-caching`).
+    `prefill_nodes` and `decode_nodes` engines of each role (p0, p1, ...; d0, d1, ...).
+    """
+    run_dir = run_dir or Path(tempfile.mkdtemp(prefix="kvplane-run-"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    host = "127.0.0.1"
+    # Token mode, as deployed: every engine, the gateway and the probes present their own token.
+    credentials = DevCredentials(run_dir / "credentials")
+    node_ids = [f"p{i}" for i in range(prefill_nodes)] + [f"d{i}" for i in range(decode_nodes)]
+    progress("starting etcd")
+    etcd = LocalEtcd(host)
+    etcd.start()
+    grpc_port, metrics_port = ports.grpc or free_port(), ports.metrics or free_port()
+    p_port, d_port = ports.prefill or free_port(), ports.decode or free_port()
+    gw_port = ports.gateway or free_port()
+    stack = Stack(
+        run_dir=run_dir,
+        etcd=etcd,
+        grpc_target=f"{host}:{grpc_port}",
+        gateway_url=f"http://{host}:{gw_port}",
+        prefill_url=f"http://{host}:{p_port}",
+        decode_url=f"http://{host}:{d_port}",
+        metrics_url=f"http://{host}:{metrics_port}/metrics",
+        operator_metadata=credentials.operator_metadata(),
+    )
+    try:
+        services = ManagedProcess(
+            "kvplane serve all",
+            _kvplane(
+                "serve",
+                "all",
+                "--listen",
+                stack.grpc_target,
+                "--etcd",
+                etcd.endpoint,
+                "--metrics-port",
+                str(metrics_port),
+                "--config",
+                str(credentials.services_config(node_ids)),
+            ),
+            run_dir / "services.log",
+        )
+        stack.processes.append(services)
+        progress("starting kvplane serve all (metadata, routing, eviction)")
+        services.start()
+        await wait_ready(services, grpc_health_probe(stack.grpc_target), timeout_s)
+
+        engines = []
+        nodes = [("prefill", f"p{i}", p_port if i == 0 else free_port()) for i in range(prefill_nodes)]
+        nodes += [("decode", f"d{i}", d_port if i == 0 else free_port()) for i in range(decode_nodes)]
+        for role, node_id, port in nodes:
+            (stack.prefill_urls if role == "prefill" else stack.decode_urls).append(f"http://{host}:{port}")
+            engine = ManagedProcess(
+                f"{role} sim-engine",
+                _kvplane(
+                    "sim-engine",
+                    "--role",
+                    role,
+                    "--node-id",
+                    node_id,
+                    "--host",
+                    host,
+                    "--port",
+                    str(port),
+                    "--side-channel-host",
+                    host,
+                    "--side-channel-port",
+                    str(free_port()),
+                    "--control-plane",
+                    stack.grpc_target,
+                    "--auth-token-file",
+                    credentials.token_file(node_id),
+                    "--speedup",
+                    str(speedup),
+                    "--decoder-kv-blocks-ttl",
+                    str(decoder_ttl_s),
+                    "--model",
+                    "sim-model",
+                    # 256 MiB of KV: room for a few dozen long conversations.
+                    "--num-blocks",
+                    "16384",
+                    *(prefill_args if role == "prefill" else ()),
+                ),
+                run_dir / f"engine-{node_id}.log",
+                env=engine_env(),
+            )
+            stack.processes.append(engine)
+            progress(f"starting the {role} sim-engine")
+            engine.start()
+            engines.append((engine, f"http://{host}:{port}/health"))
+        for engine, health in engines:
+            await wait_ready(engine, http_health_probe(health), timeout_s)
+
+        gateway_config = run_dir / "gateway.yaml"
+        gateway_config.write_text(  # JSON is YAML
+            json.dumps(
+                {
+                    "gateway": {
+                        "api_keys": [{"token": DEMO_API_KEY, "tenant": DEMO_TENANT}],
+                        "routing_token_file": credentials.token_file(GATEWAY),
+                        # The engines' limits: what they would refuse, the gateway refuses before routing.
+                        "vocab_size": SimEngineSettings.vocab_size,
+                        "max_model_len": SimEngineSettings.max_model_len,
+                    }
+                }
+            )
+        )
+        gateway = ManagedProcess(
+            "gateway",
+            _kvplane(
+                "gateway",
+                "--config",
+                str(gateway_config),
+                "--listen",
+                f"{host}:{gw_port}",
+                "--routing",
+                stack.grpc_target,
+                "--model",
+                "sim-model",
+                "--fallback-prefill",
+                stack.prefill_url,
+                "--fallback-decode",
+                stack.decode_url,
+                # The engines' /tokenize gives routing the exact token ids of chat turns.
+                "--tokenize-url",
+                stack.prefill_url,
+            ),
+            run_dir / "gateway.log",
+        )
+        stack.processes.append(gateway)
+        progress("starting the gateway")
+        gateway.start()
+        await wait_ready(gateway, http_health_probe(f"{stack.gateway_url}/health"), timeout_s)
+        progress("waiting for the engines to register")
+        await wait_ready(
+            services,
+            _nodes_registered(stack.grpc_target, len(nodes), credentials.operator_metadata()),
+            timeout_s,
+        )
+        return stack
+    except BaseException:
+        stack.stop()
+        raise
+
+
+def _nodes_registered(
+    target: str, count: int, metadata: tuple[tuple[str, str], ...]
+) -> Callable[[], Awaitable[bool]]:
+    from kvplane.v1 import metadata_pb2, metadata_pb2_grpc
+
+    async def probe() -> bool:
+        async with grpc.aio.insecure_channel(target) as channel:
+            nodes = await metadata_pb2_grpc.MetadataServiceStub(channel).ListNodes(
+                metadata_pb2.ListNodesRequest(), timeout=1, metadata=metadata
+            )
+            return len(nodes.nodes) >= count
+
+    return probe

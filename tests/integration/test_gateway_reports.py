@@ -1,0 +1,63 @@
+"""The gateway's turn reports: the handle D announced is what the conversation's next turn awaits,
+a failed turn forgets it, and a report routing cannot take costs the turn nothing but a metric."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry
+
+from kvplane.services.client import RouteResult, RoutingClient
+from kvplane.services.common.runtime.ports import free_port
+from kvplane.services.gateway.identity import Identity
+from kvplane.services.gateway.metrics import GatewayMetrics
+from kvplane.services.gateway.progress import TurnProgress, TurnRequest
+from kvplane.services.gateway.reports import TurnReporter
+from kvplane.services.gateway.settings import GatewaySection
+from kvplane.v1 import routing_pb2
+
+
+def _turn(conversation: str = "c1", tenant: str = "acme") -> TurnRequest:
+    return TurnRequest(
+        Identity(tenant, conversation, "header"), {}, True, True, "m", False, time.perf_counter()
+    )
+
+
+def _reporter() -> tuple[TurnReporter, RoutingClient, CollectorRegistry]:
+    registry = CollectorRegistry()
+    # Nothing listens there: every report fails.
+    routing = RoutingClient([f"127.0.0.1:{free_port()}"], timeout_s=0.5, attempts=1)
+    settings = GatewaySection(report_timeout_s=0.5)
+    return TurnReporter(settings, routing, GatewayMetrics.create(registry)), routing, registry
+
+
+async def test_the_next_turn_awaits_the_handle_the_last_one_announced() -> None:
+    reporter, routing, _ = _reporter()
+    try:
+        assert reporter.awaited(_turn()) == ("", 0)
+        reporter.announce(_turn(), {"kvplane_handle_id": "h1", "remote_num_tokens": 320})
+        assert reporter.awaited(_turn()) == ("h1", 320)
+        assert reporter.awaited(_turn(tenant="globex")) == ("", 0), "per tenant and conversation"
+        reporter.announce(_turn(), {"remote_num_tokens": 5})  # no handle named: nothing changes
+        reporter.announce(_turn(), {"kvplane_handle_id": "h2", "remote_num_tokens": True})
+        assert reporter.awaited(_turn()) == ("h2", 0), "a count that is no count is unknown"
+    finally:
+        await routing.close()
+
+
+async def test_a_failed_turn_forgets_its_announcement_and_a_lost_report_is_counted() -> None:
+    reporter, routing, registry = _reporter()
+    try:
+        reporter.announce(_turn(), {"kvplane_handle_id": "h1", "remote_num_tokens": 32})
+        route = RouteResult.from_pb(routing_pb2.RouteResponse())
+        reporter.report_later(_turn(), route, TurnProgress("recompute_no_handle"), success=False)
+        assert reporter.awaited(_turn()) == ("", 0), "a failed turn's blocks may not exist"
+        await reporter.drain(30)
+        assert (
+            registry.get_sample_value(
+                "kvplane_gateway_leg_seconds_count", {"leg": "report", "outcome": "error"}
+            )
+            == 1
+        )
+    finally:
+        await routing.close()
