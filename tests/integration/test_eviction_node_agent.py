@@ -11,7 +11,8 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from kvplane.connector.node_agent import NodeAgent, NodeAgentSettings
+from kvplane.connector.node_agent.agent import NodeAgent
+from kvplane.connector.node_agent.settings import NodeAgentSettings
 from kvplane.services.common.model.nodes import NodeLoad
 from kvplane.services.common.runtime.telemetry import Telemetry
 from kvplane.services.common.store import Store

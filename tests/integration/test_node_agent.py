@@ -11,7 +11,8 @@ from collections.abc import AsyncIterator, Callable, Iterator
 import grpc
 import pytest
 
-from kvplane.connector.node_agent import NodeAgent, NodeAgentSettings
+from kvplane.connector.node_agent.agent import NodeAgent
+from kvplane.connector.node_agent.settings import NodeAgentSettings
 from kvplane.services.common.model.nodes import Node, NodeLoad
 from kvplane.services.common.runtime.ports import free_port
 from kvplane.services.process import ServiceProcess

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 from aetcd import rpc
 
-from kvplane.connector.node_agent import NodeAgent, NodeAgentSettings
+from kvplane.connector.node_agent.agent import NodeAgent
+from kvplane.connector.node_agent.settings import NodeAgentSettings
 from kvplane.services.common.model.nodes import NodeLoad
 from kvplane.services.common.runtime.ports import free_port
 from kvplane.services.common.store import Store

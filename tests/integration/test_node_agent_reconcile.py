@@ -8,7 +8,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvplane.connector.node_agent import NodeAgent, NodeAgentSettings
+from kvplane.connector.node_agent.agent import NodeAgent
+from kvplane.connector.node_agent.settings import NodeAgentSettings
 from kvplane.services.common.model.nodes import NodeLoad
 from kvplane.services.common.store import Store
 from kvplane.services.process import ServiceProcess

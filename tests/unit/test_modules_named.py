@@ -25,15 +25,10 @@ THROUGH_AGENT = "split out of NodeAgent by job; exercised through it (tests/inte
 THROUGH_TURN = "split out of the turn runner by job; exercised through the gateway's turn tests"
 THROUGH_ROUTING = "exercised through the routing service's tests, which import its package"
 UNNAMED: dict[str, str] = {
-    "kvplane.connector.node_agent.agent": THROUGH_AGENT,
     "kvplane.connector.node_agent.commands": THROUGH_AGENT,
-    "kvplane.connector.node_agent.control_plane": THROUGH_AGENT,
     "kvplane.connector.node_agent.demand": THROUGH_AGENT,
-    "kvplane.connector.node_agent.load": THROUGH_AGENT,
-    "kvplane.connector.node_agent.outbox": THROUGH_AGENT,
     "kvplane.connector.node_agent.registration": THROUGH_AGENT,
     "kvplane.connector.node_agent.sending": THROUGH_AGENT,
-    "kvplane.connector.node_agent.settings": THROUGH_AGENT,
     "kvplane.services.gateway.decode_leg": THROUGH_TURN,
     "kvplane.services.gateway.prefill_leg": THROUGH_TURN,
     "kvplane.services.gateway.routing_step": THROUGH_TURN,

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from kvplane.connector.node_agent import load_changed
+from kvplane.connector.node_agent.load import load_changed
 from kvplane.services.common.model.nodes import NodeLoad
 
 BASE = NodeLoad(

@@ -1,0 +1,68 @@
+"""The node agent's outbox: bounded, never blocking, batches of one kind in order."""
+
+from __future__ import annotations
+
+import random
+
+from kvplane.connector.node_agent.control_plane import Backoff
+from kvplane.connector.node_agent.outbox import MAX_RELEASE_BATCH, Item, Outbox
+
+
+def release(n: int) -> Item:
+    return Item("release", remote_request_id=f"r{n}")
+
+
+def publish(n: int) -> Item:
+    return Item("publish", remote_request_id=f"p{n}")
+
+
+def test_a_full_outbox_drops_its_oldest_item_and_counts_it() -> None:
+    box = Outbox(queue_max=3, batch_max=10)
+    for n in range(5):
+        box.put(release(n))
+    assert [i.remote_request_id for i in box.items()] == ["r2", "r3", "r4"]
+    assert box.counts() == (3, 2)
+
+
+def test_a_batch_is_the_leading_items_of_one_kind_in_order() -> None:
+    box = Outbox(queue_max=100, batch_max=10)
+    for item in (release(1), release(2), publish(3), release(4)):
+        box.put(item)
+    assert [i.remote_request_id for i in box.take_batch()] == ["r1", "r2"]
+    assert [i.remote_request_id for i in box.take_batch()] == ["p3"]
+    assert [i.remote_request_id for i in box.take_batch()] == ["r4"]
+    assert box.take_batch() == []
+
+
+def test_a_batch_keeps_to_the_outboxs_and_the_apis_limits() -> None:
+    box = Outbox(queue_max=5_000, batch_max=3)
+    for n in range(5):
+        box.put(release(n))
+    assert len(box.take_batch()) == 3
+    wide = Outbox(queue_max=5_000, batch_max=5_000)
+    for n in range(MAX_RELEASE_BATCH + 5):
+        wide.put(release(n))
+    assert len(wide.take_batch()) == MAX_RELEASE_BATCH
+
+
+def test_an_unsent_batch_goes_back_to_the_head_within_the_bound() -> None:
+    box = Outbox(queue_max=3, batch_max=2)
+    for n in range(3):
+        box.put(release(n))
+    batch = box.take_batch()
+    box.put(release(3))
+    box.put(release(4))
+    box.put_back(batch)
+    # Back at the head; the bound drops the oldest, which are the returned ones.
+    assert [i.remote_request_id for i in box.items()] == ["r2", "r3", "r4"]
+    assert box.counts() == (3, 2)
+
+
+def test_backoff_grows_to_its_ceiling_with_full_jitter_and_resets() -> None:
+    random.seed(4)
+    backoff = Backoff(initial_s=0.1, max_s=1.0)
+    delays = [backoff.next_delay() for _ in range(12)]
+    assert all(0.0 <= d <= 1.0 for d in delays)
+    assert delays[0] <= 0.1 and max(delays[:2]) <= 0.2
+    backoff.reset()
+    assert backoff.next_delay() <= 0.1
