@@ -30,7 +30,7 @@ import aiohttp
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvplane.bench.simengine.settings import SimEngineSettings
+from kvplane.connector.simengine.settings import SimEngineSettings
 from kvplane.services.common.runtime.ports import free_port
 from kvplane.services.dev.local_etcd import LocalEtcd
 from kvplane.services.devstack_credentials import GATEWAY, DevCredentials

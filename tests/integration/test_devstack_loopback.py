@@ -48,7 +48,7 @@ def _spawn_engine(port: int, log: Path) -> subprocess.Popen[bytes]:
     with open(log, "wb") as out:
         return subprocess.Popen(
             [
-                *(sys.executable, "-m", "kvplane.bench.simengine", "--role", "decode"),
+                *(sys.executable, "-m", "kvplane.connector.simengine", "--role", "decode"),
                 *("--port", str(port), "--side-channel-port", "0"),
                 *("--num-blocks", "64", "--bytes-per-block", "4096"),
             ],

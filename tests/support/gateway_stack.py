@@ -390,7 +390,7 @@ async def gateway_stack(
                 log_dir,
                 f"http://[::1]:{d_port}",
                 [
-                    *("-m", "kvplane.bench.simengine", "--role", "decode", "--host", "::1"),
+                    *("-m", "kvplane.connector.simengine", "--role", "decode", "--host", "::1"),
                     *("--port", str(d_port), "--node-id", "gw-d", "--decode-step-s", "0.1", *common),
                     *("--auth-token", STACK_TOKENS["gw-d"]),
                 ],

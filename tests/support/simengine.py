@@ -112,7 +112,7 @@ def start_engine(name: str, log_dir: Path, *flags: str) -> Engine:
     log_path = log_dir / f"{name}.log"
     with open(log_path, "wb") as logf:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "kvplane.bench.simengine", "--port", str(port), *FAST, *flags],
+            [sys.executable, "-m", "kvplane.connector.simengine", "--port", str(port), *FAST, *flags],
             stdout=logf,
             stderr=subprocess.STDOUT,
             start_new_session=True,

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from kvplane.bench.simengine import toy_tokenizer
-from kvplane.bench.simengine.kv_params import INCARNATION_KEY, holder_params, parse_remote
-from kvplane.bench.simengine.settings import SettingsError, SimEngineSettings, parse_settings
-from kvplane.bench.simengine.side_channel import format_host, normalize_host
-from kvplane.bench.simengine.timing_model import QWEN3_32B_TTFT_POINTS, TimingModel, fit_two_points
-from kvplane.bench.simengine.token_oracle import TokenOracle
+from kvplane.connector.simengine import toy_tokenizer
+from kvplane.connector.simengine.kv_params import INCARNATION_KEY, holder_params, parse_remote
+from kvplane.connector.simengine.settings import SettingsError, SimEngineSettings, parse_settings
+from kvplane.connector.simengine.side_channel import format_host, normalize_host
+from kvplane.connector.simengine.timing_model import QWEN3_32B_TTFT_POINTS, TimingModel, fit_two_points
+from kvplane.connector.simengine.token_oracle import TokenOracle
 
 
 def test_default_timing_passes_through_the_published_qwen3_32b_points() -> None:

@@ -27,14 +27,14 @@ from typing import Any
 
 from opentelemetry import propagate
 
-from kvplane.bench.simengine.engine import SimEngine
-from kvplane.bench.simengine.engine_hooks import EngineLoad
-from kvplane.bench.simengine.metrics import SimEngineMetrics
-from kvplane.bench.simengine.settings import SimEngineSettings
-from kvplane.bench.simengine.side_channel import format_host
 from kvplane.connector import digests as token_digests
 from kvplane.connector import prefix_check
 from kvplane.connector.node_agent import NodeAgent, NodeAgentSettings
+from kvplane.connector.simengine.engine import SimEngine
+from kvplane.connector.simengine.engine_hooks import EngineLoad
+from kvplane.connector.simengine.metrics import SimEngineMetrics
+from kvplane.connector.simengine.settings import SimEngineSettings
+from kvplane.connector.simengine.side_channel import format_host
 from kvplane.services.common.model.handles import (
     KEY_CONVERSATION,
     KEY_DIGESTS,

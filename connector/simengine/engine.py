@@ -38,7 +38,7 @@ from typing import Any, Literal
 
 from opentelemetry import trace
 
-from kvplane.bench.simengine.block_content import (
+from kvplane.connector.simengine.block_content import (
     BlockCheck,
     block_hashes,
     chain_hash,
@@ -47,13 +47,13 @@ from kvplane.bench.simengine.block_content import (
     root_hash,
     salt_key,
 )
-from kvplane.bench.simengine.block_pool import BlockPool, KvCacheFullError
-from kvplane.bench.simengine.engine_hooks import EngineLoad, EngineObserver, NullObserver
-from kvplane.bench.simengine.kv_params import RemoteBlocks, holder_params, parse_remote
-from kvplane.bench.simengine.metrics import SimEngineMetrics
-from kvplane.bench.simengine.nixl_transport import NixlTransport, RemoteAgent, TransferFailedError
-from kvplane.bench.simengine.settings import SimEngineSettings
-from kvplane.bench.simengine.side_channel import (
+from kvplane.connector.simengine.block_pool import BlockPool, KvCacheFullError
+from kvplane.connector.simengine.engine_hooks import EngineLoad, EngineObserver, NullObserver
+from kvplane.connector.simengine.kv_params import RemoteBlocks, holder_params, parse_remote
+from kvplane.connector.simengine.metrics import SimEngineMetrics
+from kvplane.connector.simengine.nixl_transport import NixlTransport, RemoteAgent, TransferFailedError
+from kvplane.connector.simengine.settings import SimEngineSettings
+from kvplane.connector.simengine.side_channel import (
     HandshakeError,
     LocalIdentity,
     PeerInfo,
@@ -61,8 +61,8 @@ from kvplane.bench.simengine.side_channel import (
     handshake,
     normalize_host,
 )
-from kvplane.bench.simengine.token_oracle import TokenOracle
-from kvplane.bench.simengine.toy_tokenizer import BYTE_OFFSET, EOS_ID, think_close, think_open
+from kvplane.connector.simengine.token_oracle import TokenOracle
+from kvplane.connector.simengine.toy_tokenizer import BYTE_OFFSET, EOS_ID, think_close, think_open
 from kvplane.services.common.model.handles import KEY_PULLED_TOKENS, KEY_RETAIN
 
 log = logging.getLogger(__name__)

@@ -10,8 +10,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from kvplane.bench.simengine.side_channel import normalize_host
-from kvplane.bench.simengine.timing_model import TimingModel
+from kvplane.connector.simengine.side_channel import normalize_host
+from kvplane.connector.simengine.timing_model import TimingModel
 from kvplane.services.client.credentials import ClientCredentials
 
 Role = Literal["prefill", "decode", "both"]

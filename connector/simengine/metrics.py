@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from kvplane.bench.simengine.engine_hooks import EngineLoad
+from kvplane.connector.simengine.engine_hooks import EngineLoad
 from kvplane.services.common.runtime.telemetry import add_process_metrics
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from kvplane.bench.simengine.block_pool import BlockPool
+from kvplane.connector.simengine.block_pool import BlockPool
 
 
 class NixlUnavailableError(Exception):
