@@ -1,4 +1,4 @@
-"""The simulated engine: scheduling, KV loads over NIXL, retention and its release.
+"""The simulated engine: its scheduler, and its face to the HTTP API and the node agent.
 
 It follows vLLM's NixlConnector semantics (PROTOCOL.md):
 
@@ -8,14 +8,14 @@ It follows vLLM's NixlConnector semantics (PROTOCOL.md):
 - A request with ``do_remote_prefill`` (the D leg) pulls P's blocks first.
   With bidirectional transfer on, at a natural finish it keeps its blocks for
   ``decoder_kv_blocks_ttl`` and returns its handle with ``do_remote_decode``.
-- A P request that names D's handle pulls ``missing = min(remote_num_tokens,
-  prompt_len) - local hit`` tokens, or recomputes when ``0 < missing <
-  kv_recompute_threshold`` or when D's deadline is within ``expiry_guard_s``;
-  either way it notifies D, which frees the blocks.
+- A P request that names D's handle pulls what its prefix cache lacks, or
+  recomputes; either way it notifies D, which frees the blocks.
 
-Every pulled block is verified (block_content.py). A block that fails is
-never used: the load counts as failed and the tokens are recomputed, as
-vLLM's ``kv_load_failure_policy="recompute"`` does.
+By job: this module schedules requests (queueing, the prefix cache, KV
+allocation and the demand it reports, one prefill at a time, decode steps);
+``remote_loads.py`` reads other engines' blocks over NIXL and verifies them;
+``retention.py`` keeps finished requests' blocks for remote readers and frees
+them (read, deadline, release command, drain).
 
 Compute is simulated with asyncio.sleep of the modelled duration: one prefill
 at a time (FIFO), decode steps concurrent.
@@ -25,54 +25,31 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import math
-import threading
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from opentelemetry import trace
 
-from kvplane.connector.simengine.block_content import (
-    BlockCheck,
-    block_hashes,
-    chain_hash,
-    full_block_hashes,
-    lease_stamp,
-    root_hash,
-    salt_key,
-)
+from kvplane.connector.simengine.block_content import chain_hash, full_block_hashes, root_hash, salt_key
 from kvplane.connector.simengine.block_pool import BlockPool, KvCacheFullError
 from kvplane.connector.simengine.engine_hooks import EngineLoad, EngineObserver, NullObserver
-from kvplane.connector.simengine.kv_params import RemoteBlocks, holder_params, parse_remote
+from kvplane.connector.simengine.kv_params import RemoteBlocks, parse_remote
 from kvplane.connector.simengine.metrics import SimEngineMetrics
-from kvplane.connector.simengine.nixl_transport import NixlTransport, RemoteAgent, TransferFailedError
+from kvplane.connector.simengine.nixl_transport import EngineNotStartedError, NixlTransport
+from kvplane.connector.simengine.remote_loads import Leg, RemoteLoads
+from kvplane.connector.simengine.retention import RetainKind, Retention
 from kvplane.connector.simengine.settings import SimEngineSettings
-from kvplane.connector.simengine.side_channel import (
-    HandshakeError,
-    LocalIdentity,
-    PeerInfo,
-    SideChannelServer,
-    handshake,
-    normalize_host,
-)
+from kvplane.connector.simengine.side_channel import LocalIdentity, SideChannelServer
 from kvplane.connector.simengine.token_oracle import TokenOracle
 from kvplane.connector.simengine.toy_tokenizer import BYTE_OFFSET, EOS_ID, think_close, think_open
-from kvplane.services.common.model.handles import KEY_PULLED_TOKENS, KEY_RETAIN
+from kvplane.services.common.model.handles import KEY_RETAIN
 
 log = logging.getLogger(__name__)
-
-RetainKind = Literal["decode_handle", "prefill_lease"]
-_RECENTLY_FREED_MAX = 4096
-
-
-class EngineNotStartedError(Exception):
-    """generate() was called before start()."""
 
 
 @dataclass(frozen=True)
@@ -111,33 +88,30 @@ class TokenEvent:
     finish: FinishInfo | None = None
 
 
-@dataclass(frozen=True)
-class LoadOutcome:
-    """What happened to a request's remote KV load."""
-
-    outcome: str
-    external_tokens: int
-
-
 @dataclass
-class _Retained:
-    request_id: str
-    kind: RetainKind
-    block_ids: list[int]
-    num_tokens: int
-    stamp: int
-    expiry: float  # perf_counter
-    nbytes: int
+class _Run:
+    """One request in flight: what it owns and where it is counted (freed on abort or error)."""
 
-
-@dataclass
-class _Peer:
-    info: PeerInfo
-    agent: RemoteAgent
+    prompt: list[int]
+    t_arrival: float
+    blocks: list[int] = field(default_factory=list)
+    # Counted among the queued requests, with this many prompt tokens still to compute.
+    queued: bool = True
+    queued_tokens: int = 0
+    running: bool = False
+    done: bool = False
+    prompt_chain: list[int] = field(default_factory=list)
+    salt: int = 0
+    hit_blocks: int = 0
+    # Prompt tokens from the prefix cache, and pulled from a remote engine.
+    hit: int = 0
+    external: int = 0
 
 
 class SimEngine:
-    """One simulated engine. All methods run on one event loop."""
+    """One simulated engine. All methods run on one event loop, but the thread-safe
+    ``EngineControl`` ones (``release_early``, ``drain``, ``load``, ``kv_demand_blocks``,
+    ``retained_handle_ids``), which the node agent calls from its own thread."""
 
     # Spans of the engine's own steps (the pull), children of the request's span; the server sets it.
     tracer: trace.Tracer = trace.NoOpTracer()
@@ -149,7 +123,6 @@ class SimEngine:
         self.engine_id = settings.resolved_engine_id()
         # Pass the node agent's incarnation so the registered node and the lease stamps agree.
         self.incarnation = incarnation or uuid.uuid4().hex
-        self.observer: EngineObserver = observer or NullObserver()
         self.pool = BlockPool(
             settings.num_blocks, settings.bytes_per_block, settings.block_size, root_hash(settings.model)
         )
@@ -160,21 +133,12 @@ class SimEngine:
             self._identity, settings.side_channel_host, settings.side_channel_port
         )
         self._transport: NixlTransport | None = None
-        self._retained: dict[str, _Retained] = {}
-        self._retained_bytes = 0
-        self._draining = False
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._recently_freed: OrderedDict[str, str] = OrderedDict()
-        self._peers: dict[tuple[str, int], _Peer] = {}
-        self._peer_locks: dict[tuple[str, int], asyncio.Lock] = {}
+        self.retention = Retention(settings, self.pool, self.metrics, self)
+        self.remote_loads = RemoteLoads(settings, self.pool, self.metrics, lambda: self._transport)
+        self.observer = observer or NullObserver()
         self._prefill_lock = asyncio.Lock()
-        self._blocks_freed = asyncio.Event()
         # KV demand (event-loop thread): blocks that requests wait for.
         self._kv_wanted = 0
-        # Release commands taken and not yet carried out: request id -> blocks. Written from
-        # the node agent's thread too, hence the lock.
-        self._freeing: dict[str, int] = {}
-        self._freeing_lock = threading.Lock()
         # Called (event-loop thread, must not block) when requests start or stop waiting for KV.
         self.demand_listener: Callable[[], None] | None = None
         self._queued = 0
@@ -182,15 +146,24 @@ class SimEngine:
         self._running = 0
         self._tasks: list[asyncio.Task[None]] = []
 
+    @property
+    def observer(self) -> EngineObserver:
+        """Hears of pulls to check (P) and of handles kept and freed (D)."""
+        return self.retention.observer
+
+    @observer.setter
+    def observer(self, observer: EngineObserver) -> None:
+        self.retention.observer = observer
+
     # -- lifecycle --------------------------------------------------------
 
     async def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
+        self.retention.bind(asyncio.get_running_loop())
         self._transport = NixlTransport(f"{self.engine_id}:{self.incarnation[:12]}", self.pool)
         await self.side_channel.start()
         self._tasks = [
-            asyncio.create_task(self._notification_loop(), name="simengine-notifs"),
-            asyncio.create_task(self._reaper_loop(), name="simengine-reaper"),
+            asyncio.create_task(self.retention.notification_loop(self._transport), name="simengine-notifs"),
+            asyncio.create_task(self.retention.reaper_loop(), name="simengine-reaper"),
         ]
 
     async def stop(self) -> None:
@@ -238,8 +211,8 @@ class SimEngine:
             running_requests=self._running,
             free_kv_blocks=self.pool.free_blocks,
             total_kv_blocks=self.pool.num_blocks,
-            retained_bytes=self._retained_bytes,
-            retained_handles=len(self._retained),
+            retained_bytes=self.retention.retained_bytes,
+            retained_handles=self.retention.count,
         )
 
     def adopt_incarnation(self, incarnation: str) -> None:
@@ -254,63 +227,22 @@ class SimEngine:
         release commands taken and not yet carried out: the control plane has
         already answered those.
         """
-        with self._freeing_lock:
-            freeing = sum(self._freeing.values())
+        freeing = self.retention.freeing_blocks()
         wanted = self._kv_wanted + self.settings.kv_free_watermark_blocks
         return max(0, wanted - self.pool.free_blocks - freeing)
 
     def release_early(self, request_id: str) -> bool:
-        held = self._retained.get(request_id)
-        if held is not None:
-            # Counted as on its way before the command is acknowledged: a demand report sent
-            # after the ack must not ask for these blocks again.
-            with self._freeing_lock:
-                self._freeing[request_id] = len(held.block_ids)
-        self._on_loop(self._release_if_held, request_id)
-        return held is not None
+        return self.retention.release_early(request_id)
 
     def drain(self) -> None:
-        self._draining = True
-        self._on_loop(self._release_all)
-
-    def _on_loop(self, fn: Any, *args: Any) -> None:
-        """Run fn now when on the engine's loop, else schedule it there (the agent has its own thread)."""
-        try:
-            current = asyncio.get_running_loop()
-        except RuntimeError:
-            current = None
-        if current is self._loop or self._loop is None:
-            fn(*args)
-        else:
-            self._loop.call_soon_threadsafe(fn, *args)
-
-    def _release_if_held(self, request_id: str) -> None:
-        if request_id in self._retained:
-            self._free(request_id, "early")
-        with self._freeing_lock:
-            self._freeing.pop(request_id, None)
-
-    def _release_all(self) -> None:
-        for request_id in list(self._retained):
-            self._free(request_id, "drain")
+        self.retention.drain()
 
     def retained_handle_ids(self) -> list[str]:
-        """Request ids of the decode handles held; from any thread (the values are copied in one step)."""
-        return [r.request_id for r in list(self._retained.values()) if r.kind == "decode_handle"]
+        """Request ids of the decode handles held; from any thread."""
+        return self.retention.handle_ids()
 
     def retained(self) -> list[dict[str, Any]]:
-        now = time.perf_counter()
-        return [
-            {
-                "request_id": r.request_id,
-                "kind": r.kind,
-                "num_tokens": r.num_tokens,
-                "num_blocks": len(r.block_ids),
-                "bytes": r.nbytes,
-                "expires_in_s": r.expiry - now,
-            }
-            for r in self._retained.values()
-        ]
+        return self.retention.describe()
 
     # -- requests ---------------------------------------------------------
 
@@ -318,83 +250,17 @@ class SimEngine:
         """Run one request, yielding its tokens. Closing the iterator early aborts it."""
         self._require_transport()
         s, bs = self.settings, self.settings.block_size
-        prompt = list(req.prompt_token_ids)
-        n = len(prompt)
-        kvp = req.kv_transfer_params or {}
-        leg: Literal["local", "prefill", "decode"] = "local"
-        retain: RetainKind | None = None
-        if kvp.get("do_remote_prefill"):
-            leg = "decode"
-            # Routing may find the turn's KV not worth keeping for the next one (kvplane_retain).
-            retain = "decode_handle" if s.bidirectional and kvp.get(KEY_RETAIN) is not False else None
-        elif kvp.get("do_remote_decode"):
-            leg, retain = "prefill", "prefill_lease"
-        remote = None
-        if leg != "local":
-            if leg == "prefill":
-                # The control plane's prefix check may clip D's handle first, as in the vLLM connector.
-                kvp = dict(kvp)
-                try:
-                    self.observer.check_pull(kvp, req.prompt_token_ids)
-                except Exception:
-                    log.exception("observer failed in check_pull")
-            remote = parse_remote(kvp)
-
-        t_arrival = time.perf_counter()
-        blocks: list[int] = []
-        running = False
-        done = False
+        leg, retain, remote = self._leg(req)
+        run = _Run(list(req.prompt_token_ids), time.perf_counter())
+        prompt, n = run.prompt, len(run.prompt)
         self._queued += 1
-        queued_tokens = n
+        run.queued_tokens = n
         self._queued_tokens += n
-        queued = True
         try:
-            # Keep at least one prompt token to compute: its logits give the first token.
-            prompt_chain = full_block_hashes(prompt, bs, self.pool.root)
-            salt = salt_key(req.cache_salt)
-            hit_blocks = self.pool.match_prefix(prompt_chain, salt) if s.enable_prefix_caching else []
-            hit_blocks = hit_blocks[: (n - 1) // bs]
-            self.pool.acquire(hit_blocks)
-            blocks = list(hit_blocks)
-            hit = len(hit_blocks) * bs
-            self._queued_tokens -= hit
-            queued_tokens -= hit
-            blocks += await self._allocate(math.ceil(n / bs) - len(blocks))
-            external = 0
-            if leg != "local" and remote is not None:
-                # Like vLLM's WAITING_FOR_REMOTE_KVS: the pull runs outside the compute queue.
-                hits = len(hit_blocks)
-                with self.tracer.start_as_current_span("kv.pull", attributes={"kvplane.leg": leg}) as span:
-                    result = await self._load_remote(leg, remote, prompt, prompt_chain, blocks, hits)
-                    span.set_attribute("kvplane.pull.outcome", result.outcome)
-                    span.set_attribute("kvplane.tokens.pulled", result.external_tokens)
-                external = result.external_tokens
-                self._queued_tokens -= external
-                queued_tokens -= external
-                self.metrics.load_outcome(leg, result.outcome)
-            async with self._prefill_lock:
-                self._queued -= 1
-                self._queued_tokens -= queued_tokens
-                queued = False
-                self._running += 1
-                running = True
-                computed = n - hit - external
-                await asyncio.sleep(s.timing.prefill_s(computed))
-                self.pool.write_tokens(blocks, prompt, n, len(hit_blocks), prompt_chain, salt)
-                self.metrics.count_prompt(hit, external, computed)
-                trace.get_current_span().set_attributes(
-                    {
-                        "kvplane.leg": leg,
-                        "kvplane.tokens.prompt": n,
-                        "kvplane.tokens.pulled": external,
-                        "kvplane.tokens.prefill_cache": hit,
-                        "kvplane.tokens.computed": computed,
-                    }
-                )
-
+            await self._prefill(req, run, leg, remote)
             # The oracle state: the chain of whole blocks, then the tokens after it.
-            last_full = prompt_chain[-1] if prompt_chain else self.pool.root
-            tail_start = len(prompt_chain) * bs
+            last_full = run.prompt_chain[-1] if run.prompt_chain else self.pool.root
+            tail_start = len(run.prompt_chain) * bs
             state = self.oracle.state_after(prompt[tail_start:], self.oracle.base(last_full))
             out: list[int] = []
             tok = self._next_token(req, 0, state)
@@ -407,44 +273,115 @@ class SimEngine:
                 else:
                     state = self.oracle.state_after((tok,), state)
                 if len(out) == 1:
-                    self.metrics.first_token(time.perf_counter() - t_arrival)
+                    self.metrics.first_token(time.perf_counter() - run.t_arrival)
                 stop = tok == EOS_ID and not req.ignore_eos
                 if stop or len(out) >= req.max_tokens or n + len(out) >= s.max_model_len:
-                    finish = self._finish(
-                        req,
-                        retain,
-                        prompt,
-                        prompt_chain,
-                        out,
-                        blocks,
-                        "stop" if stop else "length",
-                        hit + external,
-                        external,
-                    )
-                    blocks = []  # owned by the retained handle, or released
-                    done = True
-                    running = False
+                    finish = self._finish(req, retain, run, out, "stop" if stop else "length")
+                    run.blocks = []  # owned by the retained handle, or released
+                    run.done = True
+                    run.running = False
                     self._running -= 1
                     yield TokenEvent(tok, finish)
                     return
                 yield TokenEvent(tok)
                 # The next step computes KV for the token just emitted.
-                if n + len(out) > len(blocks) * bs:
-                    blocks += await self._allocate(1)
+                if n + len(out) > len(run.blocks) * bs:
+                    run.blocks += await self._allocate(1)
                 await asyncio.sleep(s.timing.decode_s(self._running))
                 tok = self._next_token(req, len(out), state)
         finally:
-            # Reached with blocks still owned only on abort or error: free, return nothing.
-            if queued:
-                self._queued -= 1
-                self._queued_tokens -= queued_tokens
-            if running:
-                self._running -= 1
-            if blocks:
-                self.pool.release(blocks)
-                self._blocks_freed.set()
-            if not done:
-                self.metrics.finished("abort", 0)
+            self._settle(run)
+
+    def _leg(self, req: GenerationRequest) -> tuple[Leg, RetainKind | None, RemoteBlocks | None]:
+        """Which leg of a P/D turn the request is, what it keeps at its finish, and whose blocks
+        it reads first (after the observer's prefix check on P)."""
+        kvp = req.kv_transfer_params or {}
+        leg: Leg = "local"
+        retain: RetainKind | None = None
+        if kvp.get("do_remote_prefill"):
+            leg = "decode"
+            # Routing may find the turn's KV not worth keeping for the next one (kvplane_retain).
+            keep = self.settings.bidirectional and kvp.get(KEY_RETAIN) is not False
+            retain = "decode_handle" if keep else None
+        elif kvp.get("do_remote_decode"):
+            leg, retain = "prefill", "prefill_lease"
+        remote = None
+        if leg != "local":
+            if leg == "prefill":
+                # The control plane's prefix check may clip D's handle first, as in the vLLM connector.
+                kvp = dict(kvp)
+                try:
+                    self.observer.check_pull(kvp, req.prompt_token_ids)
+                except Exception:
+                    log.exception("observer failed in check_pull")
+            remote = parse_remote(kvp)
+        return leg, retain, remote
+
+    async def _prefill(
+        self, req: GenerationRequest, run: _Run, leg: Leg, remote: RemoteBlocks | None
+    ) -> None:
+        """The prompt's KV: the prefix cache's, then the remote engine's, then computed in turn."""
+        s, bs = self.settings, self.settings.block_size
+        prompt, n = run.prompt, len(run.prompt)
+        # Keep at least one prompt token to compute: its logits give the first token.
+        run.prompt_chain = full_block_hashes(prompt, bs, self.pool.root)
+        run.salt = salt_key(req.cache_salt)
+        hit_blocks = self.pool.match_prefix(run.prompt_chain, run.salt) if s.enable_prefix_caching else []
+        hit_blocks = hit_blocks[: (n - 1) // bs]
+        self.pool.acquire(hit_blocks)
+        run.blocks = list(hit_blocks)
+        run.hit_blocks = len(hit_blocks)
+        hit = len(hit_blocks) * bs
+        self._queued_tokens -= hit
+        run.queued_tokens -= hit
+        run.blocks += await self._allocate(math.ceil(n / bs) - len(run.blocks))
+        external = 0
+        if leg != "local" and remote is not None:
+            # Like vLLM's WAITING_FOR_REMOTE_KVS: the pull runs outside the compute queue.
+            with self.tracer.start_as_current_span("kv.pull", attributes={"kvplane.leg": leg}) as span:
+                result = await self.remote_loads.load(
+                    leg, remote, prompt, run.prompt_chain, run.blocks, run.hit_blocks
+                )
+                span.set_attribute("kvplane.pull.outcome", result.outcome)
+                span.set_attribute("kvplane.tokens.pulled", result.external_tokens)
+            external = result.external_tokens
+            self._queued_tokens -= external
+            run.queued_tokens -= external
+            self.metrics.load_outcome(leg, result.outcome)
+        run.hit, run.external = hit, external
+        async with self._prefill_lock:
+            self._queued -= 1
+            self._queued_tokens -= run.queued_tokens
+            run.queued = False
+            self._running += 1
+            run.running = True
+            computed = n - hit - external
+            await asyncio.sleep(s.timing.prefill_s(computed))
+            self.pool.write_tokens(run.blocks, prompt, n, run.hit_blocks, run.prompt_chain, run.salt)
+            self.metrics.count_prompt(hit, external, computed)
+            trace.get_current_span().set_attributes(
+                {
+                    "kvplane.leg": leg,
+                    "kvplane.tokens.prompt": n,
+                    "kvplane.tokens.pulled": external,
+                    "kvplane.tokens.prefill_cache": hit,
+                    "kvplane.tokens.computed": computed,
+                }
+            )
+
+    def _settle(self, run: _Run) -> None:
+        """The request's end: reached with blocks still owned only on abort or error (they are
+        freed, and nothing is returned)."""
+        if run.queued:
+            self._queued -= 1
+            self._queued_tokens -= run.queued_tokens
+        if run.running:
+            self._running -= 1
+        if run.blocks:
+            self.pool.release(run.blocks)
+            self.retention.blocks_freed.set()
+        if not run.done:
+            self.metrics.finished("abort", 0)
 
     def _next_token(self, req: GenerationRequest, index: int, state: int) -> int:
         """Output token ``index``: the oracle's, inside the fixed think tags when reasoning."""
@@ -465,6 +402,7 @@ class SimEngine:
             return []
         deadline = time.perf_counter() + self.settings.kv_wait_timeout_s
         waiting = False
+        freed = self.retention.blocks_freed
         try:
             while True:
                 try:
@@ -477,9 +415,9 @@ class SimEngine:
                         waiting = True
                         self._kv_wanted += count
                         self._demand_changed()
-                    self._blocks_freed.clear()
+                    freed.clear()
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._blocks_freed.wait(), timeout=left)
+                        await asyncio.wait_for(freed.wait(), timeout=left)
         finally:
             if waiting:
                 self._kv_wanted -= count
@@ -496,244 +434,25 @@ class SimEngine:
         self,
         req: GenerationRequest,
         retain: RetainKind | None,
-        prompt: list[int],
-        prompt_chain: list[int],
+        run: _Run,
         out: list[int],
-        blocks: list[int],
         reason: Literal["stop", "length"],
-        cached_tokens: int,
-        pulled_tokens: int,
     ) -> FinishInfo:
-        s, bs = self.settings, self.settings.block_size
+        bs = self.settings.block_size
+        prompt = run.prompt
         all_tokens = prompt + out
         # The last token was sampled but never fed back, so it has no KV.
         num_kv = len(all_tokens) - 1
         keep = math.ceil(num_kv / bs)
+        blocks = run.blocks
         if blocks[keep:]:
             self.pool.release(blocks[keep:])
         blocks = blocks[:keep]
         self.pool.write_tokens(
-            blocks, all_tokens, num_kv, min(len(prompt) // bs, keep), prompt_chain, salt_key(req.cache_salt)
+            blocks, all_tokens, num_kv, min(len(prompt) // bs, keep), run.prompt_chain, run.salt
         )
         self.metrics.finished(reason, len(out))
-        params: dict[str, Any] | None = None
-        stamp = lease_stamp(self.engine_id, self.incarnation, req.request_id)
-        if retain == "decode_handle" and self._draining:
-            retain = None  # a draining engine keeps nothing for later turns
-        if retain is not None and blocks:
-            # Copies of shared blocks may use the pool down to a tenth free, no further.
-            lease = self.pool.lease(blocks, stamp, reserve_blocks=self.pool.num_blocks // 10)
-            blocks = lease.block_ids
-            self.metrics.shared_blocks(lease.copied, lease.restamped)
-            ttl = s.decoder_kv_blocks_ttl if retain == "decode_handle" else s.prefill_lease_s
-            expiry = time.perf_counter() + ttl
-            r = _Retained(
-                req.request_id, retain, blocks, num_kv, stamp, expiry, len(blocks) * s.bytes_per_block
-            )
-            self._retained[req.request_id] = r
-            self._retained_bytes += r.nbytes
-            params = holder_params(
-                as_decode_handle=retain == "decode_handle",
-                engine_id=self.engine_id,
-                incarnation=self.incarnation,
-                request_id=req.request_id,
-                block_ids=blocks,
-                host=s.advertised_side_channel_host,
-                port=self.side_channel_port,
-                num_tokens=num_kv,
-                expiry_time=expiry,
-            )
-            if retain == "prefill_lease":
-                # What was pulled, as the engine saw it: the gateway counts it apart from cache hits.
-                params[KEY_PULLED_TOKENS] = pulled_tokens
-            if retain == "decode_handle":
-                try:
-                    self.observer.on_handle_retained(
-                        params, all_tokens, r.nbytes, req.kv_transfer_params or {}
-                    )
-                except Exception:
-                    log.exception("observer failed in on_handle_retained")
-        elif blocks:
-            self.pool.release(blocks)
-            self._blocks_freed.set()
-        return FinishInfo(reason, tuple(out), cached_tokens, params, pulled_tokens)
-
-    # -- pulling ----------------------------------------------------------
-
-    async def _load_remote(
-        self,
-        leg: Literal["local", "prefill", "decode"],
-        remote: RemoteBlocks,
-        prompt: list[int],
-        prompt_chain: list[int],
-        blocks: list[int],
-        hit_blocks: int,
-    ) -> LoadOutcome:
-        s, bs = self.settings, self.settings.block_size
-        n = len(prompt)
-        hit = hit_blocks * bs
-        usable = min(remote.num_tokens if remote.num_tokens is not None else n, n)
-        if leg == "prefill":
-            usable = min(usable, n - 1)
-        missing = usable - hit
-        notif = json.dumps({"request_id": remote.request_id}).encode()
-        if leg == "prefill" and 0 < missing < s.kv_recompute_threshold:
-            await self._notify(remote, notif)
-            return LoadOutcome("recompute_threshold", 0)
-        if missing <= 0:
-            await self._notify(remote, notif)
-            return LoadOutcome("nothing_missing", 0)
-        peer = await self._peer(remote)
-        if peer is None:
-            return LoadOutcome("handshake_failed", 0)
-        info = peer.info
-        if (info.model, info.block_size, info.bytes_per_block) != (s.model, bs, s.bytes_per_block):
-            return LoadOutcome("incompatible", 0)
-        if remote.incarnation is not None and remote.incarnation != info.incarnation:
-            # The holder restarted: the handle names blocks of a previous life.
-            return LoadOutcome("stale_incarnation", 0)
-        if leg == "prefill" and remote.expiry_time is not None:
-            local_expiry = remote.expiry_time - info.clock_offset_s
-            if local_expiry - time.perf_counter() < s.expiry_guard_s:
-                self._send_notif(peer, notif)
-                return LoadOutcome("declined_expiry", 0)
-        first, last = hit_blocks, math.ceil(usable / bs)
-        count = last - first
-        if count > len(remote.block_ids):
-            self._send_notif(peer, notif)
-            return LoadOutcome("too_few_remote_blocks", 0)
-        # As vLLM does, the uncached tail maps onto the tail of the remote list.
-        src = list(remote.block_ids[len(remote.block_ids) - count :])
-        dst = blocks[first:last]
-        try:
-            seconds = await self._require_transport().read(peer.agent, dst, src, notif, s.transfer_timeout_s)
-        except TransferFailedError as e:
-            log.warning("READ from %s failed: %s", remote.engine_id, e)
-            self.metrics.transfer_failed()
-            self._drop_peer(remote)
-            return LoadOutcome("transfer_failed", 0)
-        self.metrics.transfer(seconds, count * s.bytes_per_block)
-        hashes = block_hashes(prompt, bs, self.pool.root, usable, prompt_chain)
-        stamp = lease_stamp(info.engine_id, info.incarnation, remote.request_id)
-        bad, check = self.pool.content.check_many(self.pool.array, dst, hashes[first:], first, stamp)
-        if check is not BlockCheck.OK:
-            self.metrics.verify_failure(check.value)
-            log.warning(
-                "pulled block %d of %s/%s failed verification (%s): recomputing",
-                first + bad,
-                remote.engine_id,
-                remote.request_id,
-                check.value,
-            )
-            return LoadOutcome("verify_failed", 0)
-        return LoadOutcome("pulled", usable - hit)
-
-    async def _peer(self, remote: RemoteBlocks) -> _Peer | None:
-        key = (normalize_host(remote.host), remote.port)
-        lock = self._peer_locks.setdefault(key, asyncio.Lock())
-        async with lock:
-            peer = self._peers.get(key)
-            if (
-                peer is not None
-                and peer.info.engine_id == remote.engine_id
-                and (remote.incarnation is None or remote.incarnation == peer.info.incarnation)
-            ):
-                return peer
-            if peer is not None:
-                self._drop_peer(remote)
-            try:
-                info = await handshake(
-                    remote.host, remote.port, remote.engine_id, self.settings.handshake_timeout_s
-                )
-                agent = self._require_transport().add_remote(
-                    info.agent_metadata, info.serialized_descs, info.num_blocks
-                )
-            except (HandshakeError, TransferFailedError) as e:
-                log.warning(
-                    "handshake with %s at %s:%d failed: %s", remote.engine_id, remote.host, remote.port, e
-                )
-                self.metrics.handshake("failed")
-                return None
-            except Exception as e:  # NIXL rejects bad metadata with its own exception types
-                log.warning("adding NIXL agent of %s failed: %s", remote.engine_id, e)
-                self.metrics.handshake("failed")
-                return None
-            self.metrics.handshake("ok")
-            peer = _Peer(info, agent)
-            self._peers[key] = peer
-            return peer
-
-    def _drop_peer(self, remote: RemoteBlocks) -> None:
-        peer = self._peers.pop((normalize_host(remote.host), remote.port), None)
-        if peer is not None and self._transport is not None:
-            self._transport.remove_remote(peer.agent)
-
-    async def _notify(self, remote: RemoteBlocks, notif: bytes) -> None:
-        peer = await self._peer(remote)
-        if peer is not None:
-            self._send_notif(peer, notif)
-
-    def _send_notif(self, peer: _Peer, notif: bytes) -> None:
-        try:
-            self._require_transport().send_notif(peer.agent, notif)
-        except TransferFailedError as e:
-            log.warning("read notification to %s failed: %s", peer.info.engine_id, e)
-
-    # -- holding ----------------------------------------------------------
-
-    def _free(self, request_id: str, reason: str) -> None:
-        r = self._retained.pop(request_id)
-        self._retained_bytes -= r.nbytes
-        self.pool.unlease(r.block_ids, r.stamp)
-        self.pool.release(r.block_ids)
-        self._recently_freed[request_id] = reason
-        while len(self._recently_freed) > _RECENTLY_FREED_MAX:
-            self._recently_freed.popitem(last=False)
-        self.metrics.freed(r.kind, reason)
-        self._blocks_freed.set()
-        if r.kind == "decode_handle":
-            try:
-                self.observer.on_blocks_freed(request_id)
-            except Exception:
-                log.exception("observer failed in on_blocks_freed")
-
-    def _on_notification(self, msg: bytes) -> None:
-        try:
-            request_id = json.loads(msg)["request_id"]
-        except (ValueError, KeyError, TypeError):
-            self.metrics.unmatched_notif("malformed")
-            return
-        if not isinstance(request_id, str):
-            self.metrics.unmatched_notif("malformed")
-        elif request_id in self._retained:
-            self._free(request_id, "read")
-        elif request_id in self._recently_freed:
-            # A second read of a consumed or expired handle: the reader got unleased blocks.
-            self.metrics.unmatched_notif(f"after_{self._recently_freed[request_id]}")
-        else:
-            self.metrics.unmatched_notif("unknown")
-
-    async def _notification_loop(self) -> None:
-        transport = self._require_transport()
-        while True:
-            try:
-                for _agent, msg in transport.poll_notifs():
-                    self._on_notification(msg)
-            except Exception:
-                # A lost poll must not stop every later free: log and keep polling.
-                log.exception("polling NIXL notifications failed")
-            # Polling drives UCX progress (no progress thread); poll briskly only while holding.
-            await asyncio.sleep(0.005 if self._retained else 0.05)
-
-    async def _reaper_loop(self) -> None:
-        while True:
-            now = time.perf_counter()
-            for r in [r for r in self._retained.values() if r.expiry <= now]:
-                try:
-                    self._free(r.request_id, "ttl")
-                    self.metrics.expired()
-                except Exception:
-                    log.exception("freeing expired %s failed", r.request_id)
-                    self._retained.pop(r.request_id, None)
-            nxt = min((r.expiry for r in self._retained.values()), default=now + 0.1)
-            await asyncio.sleep(min(max(nxt - time.perf_counter(), 0.001), 0.1))
+        params = self.retention.keep(
+            req.request_id, retain, blocks, num_kv, all_tokens, run.external, req.kv_transfer_params or {}
+        )
+        return FinishInfo(reason, tuple(out), run.hit + run.external, params, run.external)

@@ -32,6 +32,10 @@ class TransferFailedError(Exception):
     """A NIXL transfer ended in an error state or timed out."""
 
 
+class EngineNotStartedError(Exception):
+    """The engine's NIXL agent is used before the engine started (or after it stopped)."""
+
+
 def _load_nixl() -> Any:
     # nixl-cu12 is what kvplane[nixl] pins; the `nixl` meta package picks a CUDA flavour itself.
     for name in ("nixl_cu12._api", "nixl._api"):
