@@ -24,9 +24,9 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvplane.bench.simengine.engine import GenerationRequest, SimEngine
-from kvplane.bench.simengine.settings import SimEngineSettings
-from kvplane.bench.simengine.timing_model import TimingModel
+from kvplane.connector.simengine.engine import GenerationRequest, SimEngine
+from kvplane.connector.simengine.settings import SimEngineSettings
+from kvplane.connector.simengine.timing_model import TimingModel
 from kvplane.services.gateway.cache_salt import CacheSalts, Mode
 
 SYSTEM_TOKENS = 1024

@@ -68,12 +68,10 @@ from kvplane.bench.compare_workload import Workload, plan, rotation
 from kvplane.services.devstack.processes import ManagedProcess
 from kvplane.services.devstack.stack import DEMO_API_KEY, Stack, start_stack
 
-WORKLOADS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "A": ("P's prefix caches on, large enough to hold the histories", ()),
-    "B": (
-        "P's prefix cache off (--no-enable-prefix-caching): P keeps no history",
-        ("--no-enable-prefix-caching",),
-    ),
+# Each workload: what it is, and whether the prefill engines keep a prefix cache.
+WORKLOADS: dict[str, tuple[str, bool]] = {
+    "A": ("P's prefix caches on, large enough to hold the histories", True),
+    "B": ("P's prefix cache off (--no-enable-prefix-caching): P keeps no history", False),
 }
 PREFILL_NODES = DECODE_NODES = 2
 
@@ -162,12 +160,12 @@ def _stack_pids(stack: Stack) -> tuple[dict[str, int], dict[str, int]]:
 
 
 async def run_workload(key: str, config: CompareConfig, run_dir: Path, progress: Progress) -> WorkloadRun:
-    description, prefill_args = WORKLOADS[key]
+    description, prefill_prefix_caching = WORKLOADS[key]
     started = time.monotonic()
     stack = await start_stack(
         run_dir,
         speedup=config.speedup,
-        prefill_args=prefill_args,
+        prefill_prefix_caching=prefill_prefix_caching,
         prefill_nodes=PREFILL_NODES,
         decode_nodes=DECODE_NODES,
         progress=lambda m: progress(f"[{key}] {m}"),

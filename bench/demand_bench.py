@@ -37,6 +37,8 @@ from typing import Any
 import aiohttp
 import grpc
 
+from kvplane.connector.simengine.settings import Role, SimEngineSettings
+from kvplane.connector.simengine.timing_model import TimingModel
 from kvplane.services.common.model.handles import KEY_CONVERSATION, KEY_TENANT, fresh_prefill_params
 from kvplane.services.common.runtime.ports import free_port
 from kvplane.services.dev.local_etcd import LocalEtcd
@@ -172,39 +174,29 @@ async def run(rounds: int, blocks: int, speedup: float, run_dir: Path) -> list[R
             processes.append(services)
             services.start()
             await wait_ready(services, grpc_health_probe(target), READY_TIMEOUT_S)
-            for role, port, extra in (
-                ("prefill", p_port, []),
-                ("decode", d_port, ["--num-blocks", str(blocks)]),
-            ):
+            # D gets `blocks` of KV; P the default.
+            roles: tuple[tuple[Role, int, int], ...] = (
+                ("prefill", p_port, SimEngineSettings.num_blocks),
+                ("decode", d_port, blocks),
+            )
+            for role, port, num_blocks in roles:
+                sim = SimEngineSettings(
+                    role=role,
+                    node_id=role[0] + "0",
+                    http_host=host,
+                    http_port=port,
+                    side_channel_host=host,
+                    side_channel_port=free_port(),
+                    control_plane=target,
+                    model=MODEL,
+                    timing=TimingModel(speedup=speedup),
+                    block_size=16,
+                    num_blocks=num_blocks,
+                    mesh_secret=MESH_SECRET,
+                )
                 engine = ManagedProcess(
                     f"{role} sim-engine",
-                    [
-                        *kvplane,
-                        "sim-engine",
-                        "--role",
-                        role,
-                        "--node-id",
-                        role[0] + "0",
-                        "--host",
-                        host,
-                        "--port",
-                        str(port),
-                        "--side-channel-host",
-                        host,
-                        "--side-channel-port",
-                        str(free_port()),
-                        "--control-plane",
-                        target,
-                        "--model",
-                        MODEL,
-                        "--speedup",
-                        str(speedup),
-                        "--block-size",
-                        "16",
-                        "--mesh-secret",
-                        MESH_SECRET,
-                        *extra,
-                    ],
+                    [*kvplane, "sim-engine", *sim.argv()],
                     run_dir / f"{role}.log",
                     env=engine_env(),
                 )

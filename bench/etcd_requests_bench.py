@@ -205,7 +205,7 @@ async def run(args: argparse.Namespace) -> Result:
     stack = await start_stack(
         progress=lambda m: print(f"==> {m}", file=sys.stderr, flush=True),
         # Without P's prefix cache every later turn pulls its history from D: a check-out per turn.
-        prefill_args=() if args.prefill_prefix_cache else ("--no-enable-prefix-caching",),
+        prefill_prefix_caching=args.prefill_prefix_cache,
     )
     etcd_url = stack.etcd.client_url
     engines = len(stack.prefill_urls) + len(stack.decode_urls)

@@ -415,7 +415,7 @@ async def _run(args: argparse.Namespace) -> tuple[LiveResult, LiveResult | None]
 
     stack = await start_stack(
         progress=lambda m: print(f"==> {m}", file=sys.stderr),
-        prefill_args=() if args.prefix_cache else ("--no-enable-prefix-caching",),
+        prefill_prefix_caching=args.prefix_cache,
         prefill_nodes=args.prefill_nodes,
         decode_nodes=args.decode_nodes,
     )

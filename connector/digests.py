@@ -11,6 +11,10 @@ then blocks at powers of two back from the end. Edits near the end of a
 conversation (a stripped reasoning trace, a retried or edited last turn) are
 the common case, so resolution is finest there; a 32k-token handle stays near
 700 bytes.
+
+The tokens after the last whole block have no block digest: the decode engine adds a *tail
+digest* of them (`tail_digest`, at `KEY_TAIL_DIGEST`), so a prompt that continues every token of
+a handle verifies the partial last block too.
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ VERSION = 1
 _LINEAR_CHECKPOINTS = 64
 _DENSE_TAIL = 8
 _SEED_TAG = b"kvplane-token-digest-v1"
+# Digest of the handle's tokens after its last whole block, set by the decode side.
+KEY_TAIL_DIGEST = "kvplane_tail_digest"
+_TAIL_TAG = b"kvplane-tail-digest-v1"
 
 
 class DigestFormatError(ValueError):
@@ -117,6 +124,14 @@ def verified_prefix_blocks(digests: TokenDigests, prompt_token_ids: Sequence[int
     limit = min(digests.num_blocks, len(prompt_token_ids) // digests.block_size)
     prompt_chain = chain(np.asarray(prompt_token_ids)[: limit * digests.block_size], digests.block_size)
     return verified_prefix_blocks_from_chain(digests, prompt_chain)
+
+
+def tail_digest(token_ids: Sequence[int], block_size: int) -> str:
+    """Digest of the tokens after the last whole block (the block digests cover the rest)."""
+    whole = len(token_ids) // block_size
+    tail = token_ids[whole * block_size :]
+    raw = struct.pack(f"<I{len(tail)}I", len(tail), *tail)
+    return hashlib.blake2b(_TAIL_TAG + raw, digest_size=8).hexdigest()
 
 
 _HEADER = struct.Struct("<BII")

@@ -24,21 +24,17 @@ is recorded in the params and returned again without a second edit. No vLLM impo
 from __future__ import annotations
 
 import enum
-import hashlib
-import struct
 from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvplane.connector import digests as token_digests
+from kvplane.connector.digests import KEY_TAIL_DIGEST, tail_digest
 from kvplane.services.common.model.handles import KEY_DIGESTS
 
 # Where the outcome of the first check is recorded inside kv_transfer_params. It never leaves
 # the engine: the finish-time params vLLM returns are a new dict.
 CHECKED_KEY = "_kvplane_pull_checked"
-# Digest of the handle's tokens after its last whole block, set by the decode side.
-KEY_TAIL_DIGEST = "kvplane_tail_digest"
-_TAIL_TAG = b"kvplane-tail-digest-v1"
 
 
 class PullOutcome(enum.Enum):
@@ -67,14 +63,6 @@ class PullCheck:
 def is_pull_handle(params: MutableMapping[str, Any] | None) -> bool:
     """Whether these params ask this (prefill) engine to read a decode engine's blocks."""
     return bool(params and params.get("do_remote_decode") and params.get("remote_block_ids"))
-
-
-def tail_digest(token_ids: Sequence[int], block_size: int) -> str:
-    """Digest of the tokens after the last whole block (the block digests cover the rest)."""
-    whole = len(token_ids) // block_size
-    tail = token_ids[whole * block_size :]
-    raw = struct.pack(f"<I{len(tail)}I", len(tail), *tail)
-    return hashlib.blake2b(_TAIL_TAG + raw, digest_size=8).hexdigest()
 
 
 def check_pull(

@@ -87,7 +87,6 @@ from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-from kvplane.connector import digests as token_digests
 from kvplane.connector import prefix_check, vllm_features
 from kvplane.connector.node_agent import NodeAgent, NodeAgentSettings
 from kvplane.connector.request_spans import current_trace_context, request_span
@@ -99,17 +98,7 @@ from kvplane.connector.vllm_stats import (
     KvplanePromMetrics,
 )
 from kvplane.services.client.credentials import ClientCredentials
-from kvplane.services.common.model.handles import (
-    KEY_CONVERSATION,
-    KEY_DIGESTS,
-    KEY_HANDLE_ID,
-    KEY_PULLED_TOKENS,
-    KEY_RETAIN,
-    KEY_TENANT,
-    CacheHandle,
-    HandleFormatError,
-    VllmHandle,
-)
+from kvplane.services.common.model.handles import KEY_PULLED_TOKENS, KEY_RETAIN, EngineHandles
 from kvplane.services.common.model.nodes import Fingerprint, Node, NodeLoad, NodeRole
 from kvplane.services.common.runtime.telemetry import Telemetry
 
@@ -362,6 +351,10 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
         self._block_size = int(vllm_config.cache_config.block_size)
         self._bytes_per_block = _bytes_per_block(kv_cache_config) if kv_cache_config is not None else 0
         self._num_blocks = int(getattr(kv_cache_config, "num_blocks", 0) or 0)
+        # D's handles after a turn: the same builder as the sim-engine's.
+        self._handles = EngineHandles(
+            self._model_name, self._block_size, self._bytes_per_block, settings.expiry_margin_s
+        )
         # Scheduler-thread state.
         self._held: dict[str, _Held] = {}
         # P side: finished requests whose blocks wait for D's read (vLLM's lease), by request id.
@@ -648,54 +641,32 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
             self._prefill_held.add(request.request_id)
             self._queue_release(request.request_id)
             return None
-        tenant = request_params.get(KEY_TENANT)
-        conversation = request_params.get(KEY_CONVERSATION)
-        handle_id = request_params.get(KEY_HANDLE_ID) or uuid.uuid4().hex
-        retained_tokens = list(request.all_token_ids[: params.get("remote_num_tokens") or 0])
-        digests = token_digests.digest_tokens(retained_tokens, self._block_size)
-        params[KEY_HANDLE_ID] = handle_id
-        params[KEY_DIGESTS] = token_digests.encode(digests)
-        params[prefix_check.KEY_TAIL_DIGEST] = prefix_check.tail_digest(retained_tokens, self._block_size)
-        retained_bytes = self._bytes_per_block * len(params["remote_block_ids"][0])
+        finished = self._handles.finished(
+            params,
+            request_params,
+            request.all_token_ids,
+            new_id=uuid.uuid4().hex,
+            now_unix_s=time.time(),
+            engine_clock_s=time.perf_counter(),
+        )
+        handle_id, retained_bytes, handle = finished.handle_id, finished.retained_bytes, finished.handle
         if self._draining:
             self._held[request.request_id] = _Held(handle_id, retained_bytes)
             self._queue_release(request.request_id)
             return params
-        if not isinstance(tenant, str) or not isinstance(conversation, str) or not tenant or not conversation:
-            # Not routed by kvplane: the blocks follow vLLM's own rules only.
+        if finished.problem:
+            log.warning("kvplane: not publishing %s: %s", request.request_id, finished.problem)
+        if handle is None:
+            # Not routed by kvplane (or no handle): the blocks follow vLLM's own rules only.
             return params
-        try:
-            # In the engine the block ids are a tuple of lists; on the wire, JSON lists.
-            wire = {k: v for k, v in params.items() if k not in ("do_remote_decode", "do_remote_prefill")}
-            wire["remote_block_ids"] = [list(group) for group in params["remote_block_ids"]]
-            vllm_handle = VllmHandle.from_kv_transfer_params(wire)
-        except HandleFormatError as exc:
-            log.warning("kvplane: not publishing %s: %s", request.request_id, exc)
-            return params
-        now = time.time()
-        expiry = params.get("remote_blocks_expiry_time")
-        life_s = (float(expiry) - time.perf_counter()) if expiry is not None else 0.0
-        handle = CacheHandle(
-            handle_id=str(handle_id),
-            tenant=tenant,
-            conversation=conversation,
-            holder_node_id="",  # the agent stamps its node and incarnation
-            holder_incarnation="",
-            vllm=vllm_handle,
-            wall_expiry_unix_ms=int((now + life_s - self.kvplane_settings.expiry_margin_s) * 1000),
-            retained_bytes=retained_bytes,
-            digests=digests,
-            published_unix_ms=int(now * 1000),
-            model=self._model_name,
-        )
         self.kvplane_metrics.published.inc()
         if self.kvplane_agent is not None:
-            attributes = {"kvplane.handle_id": str(handle_id), "kvplane.retained_bytes": retained_bytes}
+            attributes = {"kvplane.handle_id": handle_id, "kvplane.retained_bytes": retained_bytes}
             with request_span(self._tracer, "kvplane.publish", _trace_headers(request), **attributes):
                 self.kvplane_agent.publish(handle, current_trace_context())
         # Held only once its publish is queued: a reconcile on the agent's thread that sees the
         # request also sees its publish (queued, or sent and referenced), never frees it unsent.
-        self._held[request.request_id] = _Held(str(handle_id), retained_bytes)
+        self._held[request.request_id] = _Held(handle_id, retained_bytes)
         return params
 
     def _update_demand(self, applied: dict[str, int]) -> None:

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import importlib
 import logging
-import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -115,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Commands implemented elsewhere, which parse their own arguments.
 EXTRA_COMMANDS: dict[str, str] = {
-    "sim-engine": "kvplane.services.cli:sim_engine_main",
+    "sim-engine": "kvplane.connector.simengine.command:main",
     "gateway": "kvplane.services.gateway.cli:main",
     "dev-stack": "kvplane.services.devstack.cli:main",
     "bench": "kvplane.bench.live:main",
@@ -151,26 +149,6 @@ async def _serve(settings: KvplaneSettings, names: Sequence[str]) -> None:
     # grpc.aio objects bind to the running loop, so build the process inside it.
     process = ServiceProcess(settings, installers(names), service_name=service_name(names))
     await process.run_until_signalled()
-
-
-def sim_engine_main(argv: Sequence[str]) -> int:
-    """`kvplane sim-engine`: one simulated vLLM engine until SIGINT or SIGTERM."""
-    from kvplane.bench.simengine.app import serve
-    from kvplane.bench.simengine.settings import parse_settings
-
-    settings = parse_settings(argv)
-    configure_logging("info", json_logs=True)
-
-    async def run() -> None:
-        task = asyncio.create_task(serve(settings))
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, task.cancel)
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-
-    asyncio.run(run())
-    return 0
 
 
 if __name__ == "__main__":

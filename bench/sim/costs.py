@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvplane.bench.simengine.timing_model import TimingModel
+from kvplane.connector.simengine.timing_model import TimingModel
 from kvplane.services.routing.policy.cost_model import DEFAULT_KV_BYTES_PER_TOKEN
 
 # Published: TTFT with a pull of a 24k-token history (Qwen3-32B, one P and one D).

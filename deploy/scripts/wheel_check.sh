@@ -33,7 +33,8 @@ cd "$work"
 import importlib
 import importlib.util
 for name in ["kvplane.services.metadata.service", "kvplane.services.common.store", "kvplane.v1.metadata_pb2",
-             "kvplane.connector.digests", "kvplane.services.cli", "kvplane.services.client.routing_client"]:
+             "kvplane.connector.digests", "kvplane.services.cli", "kvplane.services.client.routing_client",
+             "kvplane.connector.simengine.command"]:
     module = importlib.import_module(name)
     assert "site-packages" in (module.__file__ or ""), module.__file__
 # One name per module: the routing client is kvplane.services.client only.

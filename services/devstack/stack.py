@@ -12,13 +12,14 @@ import json
 import os
 import sys
 import tempfile
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
-from kvplane.bench.simengine.settings import SimEngineSettings
+from kvplane.connector.simengine.settings import Role, SimEngineSettings
+from kvplane.connector.simengine.timing_model import TimingModel
 from kvplane.services.common.runtime.ports import free_port
 from kvplane.services.dev.local_etcd import LocalEtcd
 from kvplane.services.devstack.credentials import GATEWAY, DevCredentials
@@ -101,14 +102,14 @@ async def start_stack(
     decoder_ttl_s: float = 480.0,
     progress: Callable[[str], None] = lambda _msg: None,
     timeout_s: float = 120.0,
-    prefill_args: Sequence[str] = (),
+    prefill_prefix_caching: bool = True,
     ports: StackPorts = StackPorts(),
     prefill_nodes: int = 1,
     decode_nodes: int = 1,
 ) -> Stack:
     """Starts etcd, `serve all`, P and D sim-engines and the gateway; returns when all are ready.
 
-    `prefill_args` go to the prefill engines' command lines (e.g. `--no-enable-prefix-caching`).
+    `prefill_prefix_caching` False starts the prefill engines with vLLM's prefix cache off.
     `prefill_nodes` and `decode_nodes` engines of each role (p0, p1, ...; d0, d1, ...).
     """
     run_dir = run_dir or Path(tempfile.mkdtemp(prefix="kvplane-run-"))
@@ -156,41 +157,31 @@ async def start_stack(
         await wait_ready(services, grpc_health_probe(stack.grpc_target), timeout_s)
 
         engines = []
-        nodes = [("prefill", f"p{i}", p_port if i == 0 else free_port()) for i in range(prefill_nodes)]
+        nodes: list[tuple[Role, str, int]] = [
+            ("prefill", f"p{i}", p_port if i == 0 else free_port()) for i in range(prefill_nodes)
+        ]
         nodes += [("decode", f"d{i}", d_port if i == 0 else free_port()) for i in range(decode_nodes)]
         for role, node_id, port in nodes:
             (stack.prefill_urls if role == "prefill" else stack.decode_urls).append(f"http://{host}:{port}")
+            sim = SimEngineSettings(
+                role=role,
+                node_id=node_id,
+                http_host=host,
+                http_port=port,
+                side_channel_host=host,
+                side_channel_port=free_port(),
+                control_plane=stack.grpc_target,
+                auth_token_file=credentials.token_file(node_id),
+                timing=TimingModel(speedup=speedup),
+                decoder_kv_blocks_ttl=decoder_ttl_s,
+                model="sim-model",
+                # 256 MiB of KV: room for a few dozen long conversations.
+                num_blocks=16384,
+                enable_prefix_caching=prefill_prefix_caching or role != "prefill",
+            )
             engine = ManagedProcess(
                 f"{role} sim-engine",
-                _kvplane(
-                    "sim-engine",
-                    "--role",
-                    role,
-                    "--node-id",
-                    node_id,
-                    "--host",
-                    host,
-                    "--port",
-                    str(port),
-                    "--side-channel-host",
-                    host,
-                    "--side-channel-port",
-                    str(free_port()),
-                    "--control-plane",
-                    stack.grpc_target,
-                    "--auth-token-file",
-                    credentials.token_file(node_id),
-                    "--speedup",
-                    str(speedup),
-                    "--decoder-kv-blocks-ttl",
-                    str(decoder_ttl_s),
-                    "--model",
-                    "sim-model",
-                    # 256 MiB of KV: room for a few dozen long conversations.
-                    "--num-blocks",
-                    "16384",
-                    *(prefill_args if role == "prefill" else ()),
-                ),
+                _kvplane("sim-engine", *sim.argv()),
                 run_dir / f"engine-{node_id}.log",
                 env=engine_env(),
             )

@@ -50,6 +50,7 @@ from kvplane.services.common.model.handles import (
     ReleaseReason,
     VllmHandle,
     fresh_prefill_params,
+    retained_handle,
 )
 from kvplane.services.common.model.nodes import Node
 from kvplane.services.common.model.suspects import NodeSuspect
@@ -689,19 +690,19 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
             retained = request.retained_token_ids[: vllm.remote_num_tokens]
             digests = token_digests.digest_tokens(retained, holder.block_size)
         now = _now_ms()
-        life_ms = int((self.settings.decode_kv_ttl_s - self.settings.expiry_margin_s) * 1000)
-        handle = CacheHandle(
-            handle_id=uuid.uuid4().hex,
+        handle = retained_handle(
+            vllm,
             tenant=tenant,
             conversation=conversation,
+            handle_id=uuid.uuid4().hex,
+            now_unix_ms=now,
+            life_s=self.settings.decode_kv_ttl_s,
+            expiry_margin_s=self.settings.expiry_margin_s,
+            bytes_per_block=holder.block_size * holder.kv_bytes_per_token,
+            model=holder.fingerprint.model,
+            digests=digests,
             holder_node_id=holder.node_id,
             holder_incarnation=holder.incarnation,
-            vllm=vllm,
-            wall_expiry_unix_ms=now + life_ms,
-            retained_bytes=vllm.num_blocks * holder.block_size * holder.kv_bytes_per_token,
-            digests=digests,
-            published_unix_ms=now,
-            model=holder.fingerprint.model,
         )
         # The same bounds PublishHandles applies: no method stores less checked input.
         return validation.cache_handle(handle, field, now_unix_ms=now)

@@ -17,6 +17,8 @@ from pathlib import Path
 import aiohttp
 import grpc
 
+from kvplane.connector.simengine.settings import Role, SimEngineSettings
+from kvplane.connector.simengine.timing_model import TimingModel
 from kvplane.services.common.runtime.ports import free_port
 from kvplane.services.common.store import Store, StoreSettings
 from kvplane.services.dev.local_etcd import LocalEtcdCluster
@@ -38,9 +40,9 @@ PREFIX = "/kvplane/v1/"
 # A checked-out handle nobody read is released this long after its check-out, seconds.
 CLAIM_DEADLINE_S = 10.0
 # Engines timed as the model they simulate: a pull then beats recomputing a long history.
-SPEEDUP = "1"
+SPEEDUP = 1.0
 # Longer than the whole run: no handle reaches the engines' TTL while the ledger is checked.
-DECODER_TTL_S = "900"
+DECODER_TTL_S = 900.0
 START_TIMEOUT_S = 180.0
 
 
@@ -194,26 +196,35 @@ async def _start_processes(cluster: ChaosCluster) -> None:
     evict_proxy = cluster.eviction_proxy = CuttableProxy("127.0.0.1", ports["eviction"])
     await evict_proxy.start()
     for node_id in node_ids:
-        role = "prefill" if node_id.startswith("p") else "decode"
+        role: Role = "prefill" if node_id.startswith("p") else "decode"
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         cluster.engine_urls[node_id] = url
         # d1 reaches the control plane through the cuttable proxies.
         control = cluster.proxy.address if node_id == "d1" else targets["metadata"]
         evict = evict_proxy.address if node_id == "d1" else targets["eviction"]
+        sim = SimEngineSettings(
+            role=role,
+            node_id=node_id,
+            http_host="127.0.0.1",
+            http_port=port,
+            side_channel_host="127.0.0.1",
+            side_channel_port=free_port(),
+            control_plane=control,
+            eviction=evict,
+            auth_token_file=cluster.credentials.token_file(node_id),
+            timing=TimingModel(speedup=SPEEDUP),
+            decoder_kv_blocks_ttl=DECODER_TTL_S,
+            model=MODEL,
+            num_blocks=16384,
+            load_interval_s=0.25,
+            # Without a prefix cache P holds no history between turns: each turn pulls it, or
+            # recomputes it, which is what the faults are to exercise.
+            enable_prefix_caching=role != "prefill",
+        )
         managed = ManagedProcess(
             node_id,
-            _kvplane(
-                *("sim-engine", "--role", role, "--node-id", node_id, "--host", "127.0.0.1"),
-                *("--port", str(port), "--side-channel-host", "127.0.0.1"),
-                *("--side-channel-port", str(free_port()), "--control-plane", control, "--eviction", evict),
-                *("--auth-token-file", cluster.credentials.token_file(node_id), "--speedup", SPEEDUP),
-                *("--decoder-kv-blocks-ttl", DECODER_TTL_S, "--model", MODEL, "--num-blocks", "16384"),
-                *("--load-interval-s", "0.25"),
-                # Without a prefix cache P holds no history between turns: each turn pulls it, or
-                # recomputes it, which is what the faults are to exercise.
-                *(("--no-enable-prefix-caching",) if role == "prefill" else ()),
-            ),
+            _kvplane("sim-engine", *sim.argv()),
             run_dir / f"engine-{node_id}.log",
             env=engine_env(),
         )

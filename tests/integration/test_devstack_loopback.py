@@ -10,6 +10,7 @@ from pathlib import Path
 
 import aiohttp
 
+from kvplane.connector.simengine.settings import SimEngineSettings
 from kvplane.services.common.runtime.ports import free_port
 from kvplane.services.devstack.stack import engine_env
 from tests.support.polling import eventually
@@ -45,13 +46,12 @@ def _listening_addresses(pid: int) -> list[str]:
 def _spawn_engine(port: int, log: Path) -> subprocess.Popen[bytes]:
     """A sim-engine in the dev stack's environment, with any UCX_NET_DEVICES of ours removed."""
     env = {k: v for k, v in os.environ.items() if k != "UCX_NET_DEVICES"}
+    settings = SimEngineSettings(
+        role="decode", http_port=port, side_channel_port=0, num_blocks=64, bytes_per_block=4096
+    )
     with open(log, "wb") as out:
         return subprocess.Popen(
-            [
-                *(sys.executable, "-m", "kvplane.bench.simengine", "--role", "decode"),
-                *("--port", str(port), "--side-channel-port", "0"),
-                *("--num-blocks", "64", "--bytes-per-block", "4096"),
-            ],
+            [sys.executable, "-m", "kvplane.connector.simengine", *settings.argv()],
             stdout=out,
             stderr=subprocess.STDOUT,
             env={**env, **engine_env(env)},

@@ -26,7 +26,7 @@ from tests.conftest import make_node
 from tests.support.certificates import Issued, TestCa
 from tests.support.deploy_validators import ROOT, load_deploy_checks
 from tests.support.polling import eventually
-from tests.support.simengine import engines, free_port
+from tests.support.simengine import engines, free_port, sim
 from tests.support.trust import all_methods, plane_settings, raw_call, start_plane, target
 
 
@@ -181,17 +181,22 @@ async def test_a_sim_engine_registers_over_mtls_with_its_certificate(
     mtls_plane: ServiceProcess, ca: TestCa, tmp_path: Path
 ) -> None:
     d = ca.issue("sim-d", uris=("kvplane://node/sim-d",))
-    flags = [
-        *("--role", "decode", "--node-id", "sim-d", "--side-channel-port", str(free_port())),
-        *("--control-plane", target(mtls_plane), "--load-interval-s", "0.1"),
-        *("--tls-ca-file", ca.ca_file, "--tls-cert-file", d.cert_file, "--tls-key-file", d.key_file),
-        *("--tls-server-name", "localhost"),
-    ]
+    settings = sim(
+        role="decode",
+        node_id="sim-d",
+        side_channel_port=free_port(),
+        control_plane=target(mtls_plane),
+        load_interval_s=0.1,
+        tls_ca_file=ca.ca_file,
+        tls_cert_file=d.cert_file,
+        tls_key_file=d.key_file,
+        tls_server_name="localhost",
+    )
     ops = _client(ca.ca_file, ca.issue("ops", uris=("kvplane://operator/ops",)))
     stack = contextlib.ExitStack()
     try:
         # Started off the event loop, which serves the control plane meanwhile.
-        await asyncio.to_thread(stack.enter_context, engines(tmp_path, {"D": flags}))
+        await asyncio.to_thread(stack.enter_context, engines(tmp_path, {"D": settings}))
         async with ops.channel(target(mtls_plane)) as channel:
             stub = metadata_pb2_grpc.MetadataServiceStub(channel)
 

@@ -13,7 +13,7 @@ from kvplane.services.process import ServiceProcess
 from kvplane.v1 import metadata_pb2, metadata_pb2_grpc
 from tests.conftest import OPERATOR_HEADERS
 from tests.support.polling import eventually
-from tests.support.simengine import Engine, d_leg, engines, free_port, loads, p_leg, tokens
+from tests.support.simengine import Engine, d_leg, engines, free_port, loads, p_leg, sim, tokens
 
 TENANT = "acme"
 
@@ -46,30 +46,10 @@ async def test_sim_engines_register_publish_and_report_released(
     metadata_process: ServiceProcess, metadata_channel: grpc.aio.Channel, tmp_path: Path
 ) -> None:
     target = f"127.0.0.1:{metadata_process.grpc_port}"
-    common = ["--control-plane", target, "--load-interval-s", "0.1"]
+    common: dict[str, Any] = {"control_plane": target, "load_interval_s": 0.1}
     specs = {
-        "P": [
-            "--role",
-            "prefill",
-            "--engine-id",
-            "p-sim",
-            "--node-id",
-            "p-sim",
-            "--side-channel-port",
-            str(free_port()),
-            *common,
-        ],
-        "D": [
-            "--role",
-            "decode",
-            "--engine-id",
-            "d-sim",
-            "--node-id",
-            "d-sim",
-            "--side-channel-port",
-            str(free_port()),
-            *common,
-        ],
+        "P": sim(role="prefill", engine_id="p-sim", node_id="p-sim", side_channel_port=free_port(), **common),
+        "D": sim(role="decode", engine_id="d-sim", node_id="d-sim", side_channel_port=free_port(), **common),
     }
     stack = contextlib.ExitStack()
     try:

@@ -25,7 +25,7 @@ from kvplane.v1 import metadata_pb2, metadata_pb2_grpc
 from tests.conftest import settings_for, tenant_headers
 from tests.support.eviction_nodes import coordinator_of
 from tests.support.polling import eventually
-from tests.support.simengine import MODEL, Engine, d_leg, engines, free_port, loads, p_leg, tokens
+from tests.support.simengine import MODEL, Engine, d_leg, engines, free_port, loads, p_leg, sim, tokens
 
 TENANT = "acme"
 # D holds 64 blocks of 16 tokens. Three 200 + 100 token turns retain 19 blocks each (57), so a
@@ -59,20 +59,10 @@ async def control_plane(etcd: LocalEtcd, prefix: str) -> AsyncIterator[ServicePr
 
 @contextlib.asynccontextmanager
 async def pd_pair(target: str, log_dir: Path) -> AsyncIterator[tuple[Engine, Engine]]:
-    common = ["--control-plane", target, "--load-interval-s", "0.2", "--kv-wait-timeout-s", "30"]
+    common: dict[str, Any] = {"control_plane": target, "load_interval_s": 0.2, "kv_wait_timeout_s": 30}
     specs = {
-        "P": ["--role", "prefill", "--node-id", "p0", "--side-channel-port", str(free_port()), *common],
-        "D": [
-            "--role",
-            "decode",
-            "--node-id",
-            "d0",
-            "--side-channel-port",
-            str(free_port()),
-            "--num-blocks",
-            str(D_BLOCKS),
-            *common,
-        ],
+        "P": sim(role="prefill", node_id="p0", side_channel_port=free_port(), **common),
+        "D": sim(role="decode", node_id="d0", side_channel_port=free_port(), num_blocks=D_BLOCKS, **common),
     }
     stack = contextlib.ExitStack()
     try:

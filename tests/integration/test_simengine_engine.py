@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from kvplane.bench.simengine.block_pool import KvCacheFullError
-from kvplane.bench.simengine.engine import FinishInfo, GenerationRequest, SimEngine
-from kvplane.bench.simengine.settings import SimEngineSettings
-from kvplane.bench.simengine.timing_model import TimingModel
+from kvplane.connector.simengine.block_pool import KvCacheFullError
+from kvplane.connector.simengine.engine import FinishInfo, GenerationRequest, SimEngine
+from kvplane.connector.simengine.settings import SimEngineSettings
+from kvplane.connector.simengine.timing_model import TimingModel
 from tests.support.simengine import free_port
 
 FAST = TimingModel(speedup=50)

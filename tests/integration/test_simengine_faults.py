@@ -5,11 +5,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from tests.support.simengine import d_leg, engines, free_port, loads, p_leg, reference, tokens
+from tests.support.simengine import d_leg, engines, free_port, loads, p_leg, reference, sim, tokens
 
 
 def test_a_killed_decode_engine_turns_the_next_pull_into_a_recompute(tmp_path: Path) -> None:
-    specs = {name: ["--side-channel-port", str(free_port())] for name in ("P", "D")}
+    specs = {name: sim(side_channel_port=free_port()) for name in ("P", "D")}
     with engines(tmp_path, specs) as started:
         p, d = started["P"], started["D"]
         prompt = tokens(41, 200)

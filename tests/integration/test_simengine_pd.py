@@ -26,6 +26,7 @@ from tests.support.simengine import (
     loads,
     p_leg,
     reference,
+    sim,
     sources,
     tokens,
     wait_for,
@@ -35,45 +36,30 @@ from tests.support.simengine import (
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Engine]]:
     log_dir: Path = tmp_path_factory.mktemp("simengine")
-    specs = {
-        "P1": [
-            "--role",
-            "prefill",
-            "--engine-id",
-            "p1",
-            "--side-channel-port",
-            str(free_port()),
-            "--expiry-guard-s",
-            "5",
-            "--kv-recompute-threshold",
-            "64",
-        ],
-        "P2": ["--role", "prefill", "--engine-id", "p2", "--side-channel-port", str(free_port())],
-        "D1": [
-            "--role",
-            "decode",
-            "--engine-id",
-            "d1",
-            "--side-channel-host",
-            "[::1]",
-            "--side-channel-port",
-            str(free_port("::1")),
-            "--decoder-kv-blocks-ttl",
-            "60",
-        ],
-        "D2": [
-            "--role",
-            "decode",
-            "--engine-id",
-            "d2",
-            "--side-channel-port",
-            str(free_port()),
-            "--decoder-kv-blocks-ttl",
-            "4",
-        ],
-    }
     # Chat answers reason first (completions are unaffected), so a client can strip the trace.
-    specs = {name: [*flags, "--reasoning-tokens", "24"] for name, flags in specs.items()}
+    reasoning = {"reasoning_tokens": 24}
+    specs = {
+        "P1": sim(
+            role="prefill",
+            engine_id="p1",
+            side_channel_port=free_port(),
+            expiry_guard_s=5,
+            kv_recompute_threshold=64,
+            **reasoning,
+        ),
+        "P2": sim(role="prefill", engine_id="p2", side_channel_port=free_port(), **reasoning),
+        "D1": sim(
+            role="decode",
+            engine_id="d1",
+            side_channel_host="[::1]",
+            side_channel_port=free_port("::1"),
+            decoder_kv_blocks_ttl=60,
+            **reasoning,
+        ),
+        "D2": sim(
+            role="decode", engine_id="d2", side_channel_port=free_port(), decoder_kv_blocks_ttl=4, **reasoning
+        ),
+    }
     with engines(log_dir, specs) as started:
         yield started
 

@@ -23,7 +23,7 @@ from kvplane.services.process import ServiceProcess
 from kvplane.v1 import metadata_pb2, metadata_pb2_grpc
 from tests.conftest import OPERATOR_HEADERS, settings_for, tenant_headers
 from tests.support.polling import eventually
-from tests.support.simengine import Engine, engines, free_port, reference, tokens
+from tests.support.simengine import Engine, engines, free_port, reference, sim, tokens
 
 MODEL = "kvplane-sim"
 DEFAULT_POLICY = (
@@ -54,19 +54,15 @@ async def test_routed_turns_pull_from_the_sim_decode_engine(
     stack = contextlib.ExitStack()
     try:
         # 32 MiB of KV each: a 4k-token handle stays well under eviction's default node budget.
-        common = [
-            "--control-plane",
-            target,
-            "--load-interval-s",
-            "0.1",
-            "--decoder-kv-blocks-ttl",
-            "120",
-            "--num-blocks",
-            "8192",
-        ]
+        common: dict[str, Any] = {
+            "control_plane": target,
+            "load_interval_s": 0.1,
+            "decoder_kv_blocks_ttl": 120,
+            "num_blocks": 8192,
+        }
         specs = {
-            "P": ["--role", "prefill", "--node-id", "p0", "--side-channel-port", str(free_port()), *common],
-            "D": ["--role", "decode", "--node-id", "d0", "--side-channel-port", str(free_port()), *common],
+            "P": sim(role="prefill", node_id="p0", side_channel_port=free_port(), **common),
+            "D": sim(role="decode", node_id="d0", side_channel_port=free_port(), **common),
         }
         cluster = await asyncio.to_thread(stack.enter_context, engines(tmp_path, specs))
         p, d = cluster["P"], cluster["D"]

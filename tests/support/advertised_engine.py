@@ -13,9 +13,9 @@ import asyncio
 import contextlib
 import signal
 
-from kvplane.bench.simengine.agent_link import ConnectorObserver, start_node_agent
-from kvplane.bench.simengine.app import SimEngineServer
-from kvplane.bench.simengine.settings import build_arg_parser, settings_from_args
+from kvplane.connector.simengine.agent_link import ConnectorObserver, start_node_agent
+from kvplane.connector.simengine.app import SimEngineServer
+from kvplane.connector.simengine.settings import build_arg_parser, settings_from_args
 
 
 async def _run() -> None:

@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,8 @@ from aiohttp import web
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from pydantic import SecretStr
 
+from kvplane.connector.simengine.settings import SimEngineSettings
+from kvplane.connector.simengine.timing_model import TimingModel
 from kvplane.services.common.runtime.ports import free_port
 from kvplane.services.common.runtime.telemetry import Telemetry
 from kvplane.services.dev.local_etcd import LocalEtcd
@@ -36,8 +38,12 @@ from kvplane.services.settings import KvplaneSettings
 MODEL = "kvplane-sim"
 KEYS = {"acme": "key-acme-0123456789", "globex": "key-globex-0123456789"}
 # 50x faster than the modelled GPU; decode steps of 2 ms, so that streaming is visibly incremental.
-ENGINE_FLAGS = ["--speedup", "50", "--block-size", "16", "--num-blocks", "4096", "--bytes-per-block", "4096"]
-DECODE_STEP_S = 0.1 / 50
+ENGINE = SimEngineSettings(
+    timing=TimingModel(speedup=50), block_size=16, num_blocks=4096, bytes_per_block=4096, side_channel_port=0
+)
+# D's decode step, in the engine's own time (s) and as run (s).
+D_TIMING = TimingModel(speedup=50, decode_step_s=0.1)
+DECODE_STEP_S = D_TIMING.decode_step_s / D_TIMING.speedup
 # The sim-engines are 50x faster than the cost model's GPU: make pulls clearly worth it, so that
 # every continuing turn pulls, whatever the model learns from the fast engines' reports.
 TEST_POLICY = """
@@ -345,24 +351,32 @@ async def gateway_stack(
         cleanups.append(metadata.stop)
         routing = ServiceProcess(routing_settings, [install_routing], telemetry("kvplane-routing"))
         await routing.start()
-        control = ["--control-plane", f"127.0.0.1:{metadata.grpc_port}", "--load-interval-s", "0.2"]
         p_port, d_port = free_port(), free_port("::1")
         proxy = FaultProxy(f"http://127.0.0.1:{p_port}")
         await proxy.start()
         cleanups.append(proxy.stop)
-        common = [*ENGINE_FLAGS, *control, "--side-channel-port", "0"]
-        if max_model_len is not None:
-            common += ["--max-model-len", str(max_model_len)]
+        common = replace(
+            ENGINE,
+            control_plane=f"127.0.0.1:{metadata.grpc_port}",
+            load_interval_s=0.2,
+            max_model_len=ENGINE.max_model_len if max_model_len is None else max_model_len,
+        )
+        p = replace(common, role="prefill", http_port=p_port, node_id="gw-p", auth_token=STACK_TOKENS["gw-p"])
+        d = replace(
+            common,
+            role="decode",
+            http_host="::1",
+            http_port=d_port,
+            node_id="gw-d",
+            timing=D_TIMING,
+            auth_token=STACK_TOKENS["gw-d"],
+        )
         engines.append(
             _spawn(
                 "P",
                 log_dir,
                 f"http://127.0.0.1:{p_port}",
-                [
-                    *("-m", "tests.support.advertised_engine", "--advertise-url", proxy.url),
-                    *("--role", "prefill", "--port", str(p_port), "--node-id", "gw-p", *common),
-                    *("--auth-token", STACK_TOKENS["gw-p"]),
-                ],
+                ["-m", "tests.support.advertised_engine", "--advertise-url", proxy.url, *p.argv()],
             )
         )
         engines.append(
@@ -370,11 +384,7 @@ async def gateway_stack(
                 "D",
                 log_dir,
                 f"http://[::1]:{d_port}",
-                [
-                    *("-m", "kvplane.bench.simengine", "--role", "decode", "--host", "::1"),
-                    *("--port", str(d_port), "--node-id", "gw-d", "--decode-step-s", "0.1", *common),
-                    *("--auth-token", STACK_TOKENS["gw-d"]),
-                ],
+                ["-m", "kvplane.connector.simengine", *d.argv()],
             )
         )
         for engine in engines:

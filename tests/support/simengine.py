@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import random
 import sys
@@ -14,14 +15,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvplane.connector.simengine.settings import SimEngineSettings
+from kvplane.connector.simengine.timing_model import TimingModel
 from kvplane.services.common.model.handles import fresh_prefill_params
 from kvplane.services.common.runtime.ports import free_port
 from kvplane.services.devstack.processes import ManagedProcess
 from tests.conftest import MESH_SECRET
 
 MODEL = "kvplane-sim"
-# Fast enough for tests, slow enough that decode steps are real sleeps.
-FAST = ["--speedup", "50", "--block-size", "16", "--num-blocks", "512", "--bytes-per-block", "4096"]
+
+
+def sim(**changes: Any) -> SimEngineSettings:
+    """A test engine's settings: fast enough for tests, slow enough that decode steps are real
+    sleeps, with `changes` (fields of SimEngineSettings; `speedup` sets the timing's)."""
+    timing = TimingModel(speedup=changes.pop("speedup", 50))
+    base: dict[str, Any] = {"timing": timing, "block_size": 16, "num_blocks": 512, "bytes_per_block": 4096}
+    return SimEngineSettings(**(base | changes))
 
 
 def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.05) -> Any:
@@ -107,11 +116,13 @@ class Engine:
         return self.process.log_tail(chars=1 << 30)
 
 
-def start_engine(name: str, log_dir: Path, *flags: str) -> Engine:
+def start_engine(name: str, log_dir: Path, settings: SimEngineSettings | None = None) -> Engine:
+    """Starts a sim-engine process with `settings` (default: `sim()`) on a free HTTP port."""
     port = free_port()
+    settings = dataclasses.replace(settings or sim(), http_port=port)
     process = ManagedProcess(
         name,
-        [sys.executable, "-m", "kvplane.bench.simengine", "--port", str(port), *FAST, *flags],
+        [sys.executable, "-m", "kvplane.connector.simengine", *settings.argv()],
         log_dir / f"{name}.log",
         # The node agent's credentials for the test services (mesh mode, tests/conftest.py).
         env={"PYTHONUNBUFFERED": "1", "KVPLANE_SIM_MESH_SECRET": MESH_SECRET},
@@ -138,12 +149,12 @@ def stop_engine(engine: Engine) -> None:
 
 
 @contextlib.contextmanager
-def engines(log_dir: Path, specs: dict[str, list[str]]) -> Iterator[dict[str, Engine]]:
+def engines(log_dir: Path, specs: dict[str, SimEngineSettings]) -> Iterator[dict[str, Engine]]:
     """Start all engines in parallel; stop every one of them on exit, even after a failure."""
     started: dict[str, Engine] = {}
     try:
-        for name, flags in specs.items():
-            started[name] = start_engine(name, log_dir, *flags)
+        for name, settings in specs.items():
+            started[name] = start_engine(name, log_dir, settings)
         for e in started.values():
             wait_healthy(e)
         yield started

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvplane.bench.simengine.settings import parse_settings
+from kvplane.connector.simengine.settings import parse_settings
 from kvplane.services.client.credentials import ClientCredentials
 
 

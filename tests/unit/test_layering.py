@@ -11,6 +11,8 @@ The rules (STYLE.md, DESIGN.md):
 - pure policy and bookkeeping code does no I/O and reads no clock: time is an argument;
 - the routing client and the connector import, of kvplane, only themselves, the domain model and
   the API (`kvplane.v1`), but for the exceptions named below with their reasons;
+- the sim-engine (`kvplane.connector.simengine`) imports, of kvplane, itself, the connector, the
+  domain model, the API and the process runtime named below; the connector never imports it;
 - services/common is imported by the services, never the reverse, nor does it import the client;
 - product code does not import the benchmarks (`kvplane.bench`);
 - every source file is importable under one name only.
@@ -91,6 +93,9 @@ CLOCK_OWNERS = frozenset({"datetime", "date"})
 
 CLIENT = "kvplane.services.client"
 CONNECTOR = "kvplane.connector"
+# The sim-engine: an engine that imitates vLLM with kvplane's connector, beside the connector it
+# imitates. It runs as its own process, so it is held to its own rule, not the connector's.
+SIMENGINE = "kvplane.connector.simengine"
 COMMON = "kvplane.services.common"
 # services/common's layers, bottom to top: the domain model, the process runtime, the etcd store.
 # Above them, services/common's own top modules (the settings, a service process) compose them.
@@ -137,22 +142,23 @@ CONNECTOR_EXCEPTIONS: dict[tuple[str, str], str] = {
         "restructuring of services/common, not this rule's"
     ),
 }
+# What the sim-engine imports of kvplane beyond itself, the connector, the domain and the API.
+SIMENGINE_RUNTIME: dict[str, str] = {
+    "kvplane.services.common.runtime.telemetry": (
+        "the engine process's tracer, logging and process metrics are made as every kvplane "
+        "process's are (as the vLLM connector's tracer is)"
+    ),
+    "kvplane.services.client.credentials": (
+        "its node agent presents a client's credentials, made from the engine's settings (as the "
+        "vLLM connector's are)"
+    ),
+}
 BENCH_EXCEPTIONS: dict[tuple[str, str], str] = {
     ("kvplane.services.cli", "kvplane.bench.live"): (
         "`kvplane bench` runs the live benchmark; loaded by name only when that subcommand runs"
     ),
     ("kvplane.services.cli", "kvplane.bench.sim.command"): (
         "`kvplane sim` runs the simulator; loaded by name only when that subcommand runs"
-    ),
-    ("kvplane.services.cli", "kvplane.bench.simengine.app"): (
-        "`kvplane sim-engine`: the engine simulator is a product part still under bench/ (the "
-        "restructuring issue moves it out); imported only when that subcommand runs"
-    ),
-    ("kvplane.services.cli", "kvplane.bench.simengine.settings"): (
-        "`kvplane sim-engine`, as above: the engine simulator still lives under bench/"
-    ),
-    ("kvplane.services.devstack.stack", "kvplane.bench.simengine.settings"): (
-        "the dev stack starts two sim-engines; the engine simulator still lives under bench/"
     ),
 }
 
@@ -277,12 +283,16 @@ def _io_and_clock(names: Iterable[str]) -> list[str]:
     return found
 
 
-def _outside_domain(package: str, exceptions: dict[tuple[str, str], str]) -> list[str]:
-    """Imports of kvplane by `package` that reach beyond itself, the domain and the API."""
+def _outside_domain(
+    package: str, exceptions: dict[tuple[str, str], str], apart: tuple[str, ...] = ()
+) -> list[str]:
+    """Imports of kvplane by `package` (but its subpackages `apart`, held to their own rules)
+    that reach beyond itself, the domain and the API."""
     return [
         str(imp)
         for imp in imports()
         if _within(imp.importer, [package])
+        and not _within(imp.importer, apart)
         and _within(imp.target, ["kvplane"])
         and not _within(imp.target, [package, API])
         and imp.target not in DOMAIN
@@ -390,7 +400,30 @@ def test_the_client_imports_only_the_domain_and_the_api() -> None:
 
 
 def test_the_connector_imports_only_the_domain_and_the_api() -> None:
-    violations = _outside_domain(CONNECTOR, CONNECTOR_EXCEPTIONS)
+    violations = _outside_domain(CONNECTOR, CONNECTOR_EXCEPTIONS, apart=(SIMENGINE,))
+    # The connector runs inside vLLM; the sim-engine imitates it, never the other way round.
+    violations += [
+        str(imp)
+        for imp in imports()
+        if _within(imp.importer, [CONNECTOR])
+        and not _within(imp.importer, [SIMENGINE])
+        and _within(imp.target, [SIMENGINE])
+    ]
+    assert not violations, "\n".join(violations)
+
+
+def test_the_sim_engine_imports_only_the_connector_the_domain_the_api_and_the_process_runtime() -> None:
+    """The sim-engine is a product part: no service, no benchmark; of services/common only the
+    domain and the runtime every kvplane process shares (SIMENGINE_RUNTIME)."""
+    violations = [
+        str(imp)
+        for imp in imports()
+        if _within(imp.importer, [SIMENGINE])
+        and _within(imp.target, ["kvplane"])
+        and not _within(imp.target, [CONNECTOR, API])
+        and imp.target not in DOMAIN
+        and imp.target not in SIMENGINE_RUNTIME
+    ]
     assert not violations, "\n".join(violations)
 
 
@@ -451,4 +484,6 @@ def test_every_exception_is_still_needed() -> None:
     used = {(imp.importer, imp.target) for imp in imports()}
     named = CLIENT_EXCEPTIONS.keys() | CONNECTOR_EXCEPTIONS.keys() | BENCH_EXCEPTIONS.keys()
     stale = sorted(named - used)
+    targets = {imp.target for imp in imports() if _within(imp.importer, [SIMENGINE])}
+    stale += sorted(set(SIMENGINE_RUNTIME) - targets)
     assert not stale, f"no longer imported, remove the exception: {stale}"

@@ -7,13 +7,8 @@ from typing import Any
 import pytest
 
 from kvplane.connector import digests as token_digests
-from kvplane.connector.prefix_check import (
-    CHECKED_KEY,
-    KEY_TAIL_DIGEST,
-    PullOutcome,
-    check_pull,
-    tail_digest,
-)
+from kvplane.connector.digests import KEY_TAIL_DIGEST, tail_digest
+from kvplane.connector.prefix_check import CHECKED_KEY, PullOutcome, check_pull
 
 BLOCK = 16
 HELD = [1, *range(5000, 5000 + 258)]  # 259 tokens: 16 whole blocks and 3 more

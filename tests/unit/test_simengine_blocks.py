@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvplane.bench.simengine.block_content import (
+from kvplane.connector.simengine.block_content import (
     BlockCheck,
     ContentModel,
     block_hashes,
@@ -13,7 +13,7 @@ from kvplane.bench.simengine.block_content import (
     lease_stamp,
     root_hash,
 )
-from kvplane.bench.simengine.block_pool import BlockPool, KvCacheFullError
+from kvplane.connector.simengine.block_pool import BlockPool, KvCacheFullError
 
 BS = 4
 ROOT = root_hash("m")

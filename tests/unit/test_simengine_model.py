@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from kvplane.bench.simengine import toy_tokenizer
-from kvplane.bench.simengine.kv_params import INCARNATION_KEY, holder_params, parse_remote
-from kvplane.bench.simengine.settings import SettingsError, SimEngineSettings, parse_settings
-from kvplane.bench.simengine.side_channel import format_host, normalize_host
-from kvplane.bench.simengine.timing_model import QWEN3_32B_TTFT_POINTS, TimingModel, fit_two_points
-from kvplane.bench.simengine.token_oracle import TokenOracle
+from kvplane.connector.simengine import toy_tokenizer
+from kvplane.connector.simengine.kv_params import INCARNATION_KEY, holder_params, parse_remote
+from kvplane.connector.simengine.settings import SettingsError, SimEngineSettings, parse_settings
+from kvplane.connector.simengine.side_channel import format_host, normalize_host
+from kvplane.connector.simengine.timing_model import QWEN3_32B_TTFT_POINTS, TimingModel, fit_two_points
+from kvplane.connector.simengine.token_oracle import TokenOracle
 
 
 def test_default_timing_passes_through_the_published_qwen3_32b_points() -> None:
@@ -176,3 +176,31 @@ def test_environment_sets_defaults_and_flags_win() -> None:
     assert parse_settings(["--bidirectional"], env=env).bidirectional is True
     with pytest.raises(SettingsError):
         parse_settings([], env={"KVPLANE_SIM_BIDIRECTIONAL": "maybe"})
+
+
+def test_argv_is_read_back_as_the_same_settings_and_names_only_what_differs() -> None:
+    changed = SimEngineSettings(
+        role="decode",
+        engine_id="d-1",
+        http_host="::1",
+        http_port=0,
+        side_channel_host="[::1]",
+        side_channel_port=0,
+        decoder_kv_blocks_ttl=4.5,
+        bidirectional=False,
+        enable_prefix_caching=False,
+        kvplane_connector=True,
+        timing=TimingModel(speedup=50, decode_step_s=0.1, prefill_per_token_s=1e-5),
+        node_id="d0",
+        control_plane="127.0.0.1:50051",
+        auth_token_file="/run/token",
+        num_blocks=16384,
+        seed=7,
+    )
+    argv = changed.argv()
+    assert parse_settings(argv, env={}) == changed
+    assert "--no-bidirectional" in argv and "--kvplane-connector" in argv
+    assert argv[argv.index("--speedup") + 1] == "50"
+    assert SimEngineSettings().argv() == []
+    # Only the flags that differ: the defaults stay the parser's (or the environment's).
+    assert SimEngineSettings(role="prefill").argv() == ["--role", "prefill"]

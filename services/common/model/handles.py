@@ -4,6 +4,10 @@ A handle has two parts. `VllmHandle` carries every key of the engine's
 `kv_transfer_params` losslessly, so the dict that reaches the prefill engine
 is exactly the one the decode engine emitted. `CacheHandle` adds what the
 control plane needs: owner, holder, wall-clock expiry, size and digests.
+
+`retained_handle` is the one builder of the handle D publishes after a turn: the vLLM
+connector and the sim-engine call it through `EngineHandles.finished` (at the finish, on D's
+clock), and routing's report fallback calls it for a D without kvplane's connector.
 """
 
 from __future__ import annotations
@@ -11,11 +15,12 @@ from __future__ import annotations
 import enum
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvplane.connector.digests import TokenDigests
+from kvplane.connector.digests import KEY_TAIL_DIGEST, TokenDigests, digest_tokens, tail_digest
+from kvplane.connector.digests import encode as encode_digests
 
 # Keys vLLM's NixlConnector puts in a handle (PROTOCOL.md). Everything else
 # in the dict is carried in `extra` and passed through untouched.
@@ -251,3 +256,122 @@ def fresh_prefill_params() -> dict[str, Any]:
         "remote_host": None,
         "remote_port": None,
     }
+
+
+# -- the one builder of the handle D publishes after a turn ----------------------------------------
+
+
+def routed_to(request_params: Mapping[str, Any]) -> tuple[str, str] | None:
+    """The tenant and conversation kvplane's router wrote into a request's params; None when the
+    request was not routed by kvplane (its blocks then follow vLLM's own rules only)."""
+    tenant = request_params.get(KEY_TENANT)
+    conversation = request_params.get(KEY_CONVERSATION)
+    if not (isinstance(tenant, str) and tenant and isinstance(conversation, str) and conversation):
+        return None
+    return tenant, conversation
+
+
+def retained_handle(
+    vllm: VllmHandle,
+    *,
+    tenant: str,
+    conversation: str,
+    handle_id: str,
+    now_unix_ms: int,
+    life_s: float,
+    expiry_margin_s: float,
+    bytes_per_block: int,
+    model: str,
+    digests: TokenDigests | None,
+    holder_node_id: str = "",
+    holder_incarnation: str = "",
+) -> CacheHandle:
+    """D's retained blocks as the handle to publish. `life_s`: how long D keeps them from
+    `now_unix_ms` (seconds); the wall expiry is that less `expiry_margin_s`. An empty holder is
+    stamped by the node agent that publishes it (its node and incarnation)."""
+    return CacheHandle(
+        handle_id=handle_id,
+        tenant=tenant,
+        conversation=conversation,
+        holder_node_id=holder_node_id,
+        holder_incarnation=holder_incarnation,
+        vllm=vllm,
+        wall_expiry_unix_ms=now_unix_ms + int((life_s - expiry_margin_s) * 1000),
+        retained_bytes=vllm.num_blocks * bytes_per_block,
+        digests=digests,
+        published_unix_ms=now_unix_ms,
+        model=model,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class FinishedHandle:
+    """What a decode engine holds, and publishes, for a request that finished keeping its blocks."""
+
+    handle_id: str
+    retained_bytes: int
+    # None when kvplane did not route the request, or when its params are no handle (`problem`).
+    handle: CacheHandle | None
+    problem: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineHandles:
+    """How one decode engine turns finished requests into handles: the vLLM connector and the
+    sim-engine each hold one, so both publish exactly the same handle for the same blocks."""
+
+    model: str
+    block_size: int  # tokens per block
+    bytes_per_block: int
+    # Taken off D's expiry in the published wall-clock expiry, seconds.
+    expiry_margin_s: float
+
+    def finished(
+        self,
+        params: MutableMapping[str, Any],
+        request_params: Mapping[str, Any],
+        all_token_ids: Sequence[int],
+        *,
+        new_id: str,
+        now_unix_s: float,
+        engine_clock_s: float,
+    ) -> FinishedHandle:
+        """At a finish that keeps blocks for a next turn. Stamps `params`, the ones D returns,
+        with kvplane's handle id (the router's, else `new_id`), the digests of the tokens whose KV
+        the blocks hold (the first `remote_num_tokens` of prompt + output, `all_token_ids`) and
+        their tail digest; then builds the handle. `engine_clock_s` is D's `perf_counter` now,
+        the clock of `remote_blocks_expiry_time`."""
+        handle_id = str(request_params.get(KEY_HANDLE_ID) or new_id)
+        retained = list(all_token_ids[: params.get("remote_num_tokens") or 0])
+        found = digest_tokens(retained, self.block_size)
+        params[KEY_HANDLE_ID] = handle_id
+        params[KEY_DIGESTS] = encode_digests(found)
+        params[KEY_TAIL_DIGEST] = tail_digest(retained, self.block_size)
+        wire = dict(params)
+        groups = params.get("remote_block_ids")
+        retained_bytes = 0
+        if isinstance(groups, list | tuple) and groups and all(isinstance(g, list | tuple) for g in groups):
+            # Inside vLLM the block ids are a tuple of lists; on the wire, JSON lists.
+            wire["remote_block_ids"] = [list(g) for g in groups]
+            retained_bytes = self.bytes_per_block * len(groups[0])
+        owner = routed_to(request_params)
+        if owner is None:
+            return FinishedHandle(handle_id, retained_bytes, None)
+        try:
+            vllm = VllmHandle.from_kv_transfer_params(wire)
+        except HandleFormatError as exc:
+            return FinishedHandle(handle_id, retained_bytes, None, str(exc))
+        expiry = vllm.remote_blocks_expiry_time
+        handle = retained_handle(
+            vllm,
+            tenant=owner[0],
+            conversation=owner[1],
+            handle_id=handle_id,
+            now_unix_ms=int(now_unix_s * 1000),
+            life_s=expiry - engine_clock_s if expiry is not None else 0.0,
+            expiry_margin_s=self.expiry_margin_s,
+            bytes_per_block=self.bytes_per_block,
+            model=self.model,
+            digests=found,
+        )
+        return FinishedHandle(handle_id, retained_bytes, handle)

@@ -161,7 +161,7 @@ def check_health_probe(
 
 
 def parse_sim_engine(argv: list[str]) -> Any:
-    from kvplane.bench.simengine.settings import build_arg_parser, settings_from_args
+    from kvplane.connector.simengine.settings import build_arg_parser, settings_from_args
 
     parser = build_arg_parser()
     parser.exit_on_error = False

@@ -1,6 +1,6 @@
 """Turn-2 prefill latency on sim-engines: pull from D versus recompute, with real NIXL reads.
 
-    python -m kvplane.bench.simengine.turn_bench --tokens 24000
+    python -m kvplane.bench.pull_recompute_bench --tokens 24000
 
 Four engines run in this process at real speed (speedup 1, the calibrated
 Qwen3-32B timing model): P, D and two more Ps without any cache. Turn 1 is
@@ -17,8 +17,8 @@ import time
 import uuid
 from typing import Any
 
-from kvplane.bench.simengine.engine import FinishInfo, GenerationRequest, SimEngine
-from kvplane.bench.simengine.settings import SimEngineSettings
+from kvplane.connector.simengine.engine import FinishInfo, GenerationRequest, SimEngine
+from kvplane.connector.simengine.settings import SimEngineSettings
 
 
 async def _leg(

@@ -6,8 +6,10 @@ does inside vLLM, with the same helpers:
 - P side: ``check_pull`` verifies D's handle against the prompt with
   ``kvplane.connector.prefix_check`` and clips it before the pull is sized;
 - D side: a retained handle gets kvplane's handle id, token digests and tail
-  digest; when the request carries kvplane's tenant and conversation keys it
-  is published through the node agent, and reported released when freed.
+  digest, and is built by ``kvplane.services.common.model.handles.EngineHandles``,
+  as the vLLM connector's are; when the request carries kvplane's tenant and
+  conversation keys it is published through the node agent, and reported
+  released when freed.
 
 ``start_node_agent`` registers the engine as a node (same incarnation as the
 engine's lease stamps), reports its load when it changes (and every
@@ -27,23 +29,14 @@ from typing import Any
 
 from opentelemetry import propagate
 
-from kvplane.bench.simengine.engine import SimEngine
-from kvplane.bench.simengine.engine_hooks import EngineLoad
-from kvplane.bench.simengine.metrics import SimEngineMetrics
-from kvplane.bench.simengine.settings import SimEngineSettings
-from kvplane.bench.simengine.side_channel import format_host
-from kvplane.connector import digests as token_digests
 from kvplane.connector import prefix_check
 from kvplane.connector.node_agent import NodeAgent, NodeAgentSettings
-from kvplane.services.common.model.handles import (
-    KEY_CONVERSATION,
-    KEY_DIGESTS,
-    KEY_HANDLE_ID,
-    KEY_TENANT,
-    CacheHandle,
-    HandleFormatError,
-    VllmHandle,
-)
+from kvplane.connector.simengine.engine import SimEngine
+from kvplane.connector.simengine.engine_hooks import EngineLoad
+from kvplane.connector.simengine.metrics import SimEngineMetrics
+from kvplane.connector.simengine.settings import SimEngineSettings
+from kvplane.connector.simengine.side_channel import format_host
+from kvplane.services.common.model.handles import EngineHandles
 from kvplane.services.common.model.nodes import Fingerprint, Node, NodeLoad, NodeRole
 
 log = logging.getLogger(__name__)
@@ -61,6 +54,10 @@ class ConnectorObserver:
         agent: NodeAgent | None = None,
     ) -> None:
         self._settings = settings
+        # D's handles after a turn: the same builder as the vLLM connector's.
+        self._handles = EngineHandles(
+            settings.model, settings.block_size, settings.bytes_per_block, settings.expiry_margin_s
+        )
         self._metrics = metrics
         self.agent = agent
         # request id -> handle id of published handles still held
@@ -80,41 +77,22 @@ class ConnectorObserver:
         retained_bytes: int,
         request_kv_transfer_params: Mapping[str, Any],
     ) -> None:
-        s = self._settings
-        params = kv_transfer_params
-        handle_id = request_kv_transfer_params.get(KEY_HANDLE_ID) or uuid.uuid4().hex
-        retained = list(all_token_ids[: int(params["remote_num_tokens"])])
-        digests = token_digests.digest_tokens(retained, s.block_size)
-        params[KEY_HANDLE_ID] = handle_id
-        params[KEY_DIGESTS] = token_digests.encode(digests)
-        params[prefix_check.KEY_TAIL_DIGEST] = prefix_check.tail_digest(retained, s.block_size)
-        tenant = request_kv_transfer_params.get(KEY_TENANT)
-        conversation = request_kv_transfer_params.get(KEY_CONVERSATION)
-        if not (isinstance(tenant, str) and tenant and isinstance(conversation, str) and conversation):
-            return  # not routed by kvplane: nothing to publish
-        wire = {k: v for k, v in params.items() if k not in ("do_remote_decode", "do_remote_prefill")}
-        try:
-            vllm_handle = VllmHandle.from_kv_transfer_params(wire)
-        except HandleFormatError as e:
-            log.warning("not publishing %s: %s", params.get("remote_request_id"), e)
-            return
-        now = time.time()
-        expiry = params.get("remote_blocks_expiry_time")
-        life_s = float(expiry) - time.perf_counter() if expiry is not None else 0.0
-        handle = CacheHandle(
-            handle_id=str(handle_id),
-            tenant=tenant,
-            conversation=conversation,
-            holder_node_id="",  # the agent stamps its node and incarnation
-            holder_incarnation="",
-            vllm=vllm_handle,
-            wall_expiry_unix_ms=int((now + life_s - s.expiry_margin_s) * 1000),
-            retained_bytes=retained_bytes,
-            digests=digests,
-            published_unix_ms=int(now * 1000),
-            model=s.model,
+        finished = self._handles.finished(
+            kv_transfer_params,
+            request_kv_transfer_params,
+            all_token_ids,
+            new_id=uuid.uuid4().hex,
+            now_unix_s=time.time(),
+            engine_clock_s=time.perf_counter(),
         )
-        self._held[vllm_handle.remote_request_id] = str(handle_id)
+        if finished.problem:
+            log.warning(
+                "not publishing %s: %s", kv_transfer_params.get("remote_request_id"), finished.problem
+            )
+        handle = finished.handle
+        if handle is None:
+            return  # not routed by kvplane: nothing to publish
+        self._held[handle.vllm.remote_request_id] = finished.handle_id
         if self.agent is not None:
             # Called inside the request's span: the publish joins the turn's trace.
             trace_context: dict[str, str] = {}

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from kvplane.bench.simengine.block_pool import BlockPool
+from kvplane.connector.simengine.block_pool import BlockPool
 
 
 class NixlUnavailableError(Exception):
@@ -30,6 +30,10 @@ class NixlUnavailableError(Exception):
 
 class TransferFailedError(Exception):
     """A NIXL transfer ended in an error state or timed out."""
+
+
+class EngineNotStartedError(Exception):
+    """The engine's NIXL agent is used before the engine started (or after it stopped)."""
 
 
 def _load_nixl() -> Any:

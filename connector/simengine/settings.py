@@ -10,8 +10,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from kvplane.bench.simengine.side_channel import normalize_host
-from kvplane.bench.simengine.timing_model import TimingModel
+from kvplane.connector.simengine.side_channel import normalize_host
+from kvplane.connector.simengine.timing_model import TimingModel
 from kvplane.services.client.credentials import ClientCredentials
 
 Role = Literal["prefill", "decode", "both"]
@@ -135,6 +135,30 @@ class SimEngineSettings:
     def resolved_engine_id(self) -> str:
         return self.engine_id or f"sim-{self.role}-{uuid.uuid4().hex[:12]}"
 
+    def argv(self) -> list[str]:
+        """The sim-engine's flags for these settings: those that differ from the defaults, as its
+        parser (`build_arg_parser`) reads them back (the KVPLANE_SIM_* environment, where set, fills
+        in the rest). Every command line that starts a sim-engine
+        (`kvplane sim-engine ...`, `python -m kvplane.connector.simengine ...`) is built here.
+
+        Secrets set here go on the command line, where other local users may read them: prefer
+        `auth_token_file` and `mesh_secret_file`, or the KVPLANE_SIM_* environment.
+        """
+        defaults = SimEngineSettings()
+        out: list[str] = []
+        # The parser owns the flags' spelling; argparse lists its actions only in `_actions`.
+        for action in build_arg_parser(env={})._actions:
+            if not action.option_strings or action.dest == "help":
+                continue
+            value, default = _setting(self, action.dest), _setting(defaults, action.dest)
+            if value == default:
+                continue
+            if isinstance(action, argparse.BooleanOptionalAction):
+                out.append(action.option_strings[0 if value else 1])
+            else:
+                out += [action.option_strings[0], str(value)]
+        return out
+
     def describe(self) -> str:
         """One line per setting, for the start-up log (nothing here is secret)."""
         lines = []
@@ -145,6 +169,12 @@ class SimEngineSettings:
         return "\n".join(lines)
 
 
+def _setting(settings: SimEngineSettings, dest: str) -> Any:
+    """A flag's value: a field of the settings, or of their timing model."""
+    return getattr(settings.timing, dest) if dest in _TIMING_FIELDS else getattr(settings, dest)
+
+
+_TIMING_FIELDS = frozenset(f.name for f in dataclasses.fields(TimingModel))
 # Never printed.
 SECRET_FIELDS = frozenset({"auth_token", "mesh_secret"})
 ENV_PREFIX = "KVPLANE_SIM_"

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvplane.bench.simengine.block_content import mix64
-from kvplane.bench.simengine.toy_tokenizer import BYTE_OFFSET, EOS_ID
+from kvplane.connector.simengine.block_content import mix64
+from kvplane.connector.simengine.toy_tokenizer import BYTE_OFFSET, EOS_ID
 
 # Generated text is lowercase words, so it re-tokenizes to the same ids.
 _ALPHABET = [BYTE_OFFSET + c for c in b"abcdefghijklmnopqrstuvwxyz     "]

@@ -8,12 +8,12 @@ import sys
 
 from aiohttp import web
 
-from kvplane.bench.simengine.engine import SimEngine
-from kvplane.bench.simengine.engine_hooks import EngineObserver
-from kvplane.bench.simengine.openai_api import build_app
-from kvplane.bench.simengine.settings import SimEngineSettings
-from kvplane.bench.simengine.side_channel import format_host
-from kvplane.bench.simengine.tracing import tracing_middleware
+from kvplane.connector.simengine.engine import SimEngine
+from kvplane.connector.simengine.engine_hooks import EngineObserver
+from kvplane.connector.simengine.openai_api import build_app
+from kvplane.connector.simengine.settings import SimEngineSettings
+from kvplane.connector.simengine.side_channel import format_host
+from kvplane.connector.simengine.tracing import tracing_middleware
 from kvplane.services.common.runtime.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ async def serve(
     With ``settings.control_plane`` (and no observer given) the engine gets
     kvplane's connector behaviour and registers through the node agent.
     """
-    from kvplane.bench.simengine.agent_link import ConnectorObserver, start_node_agent
+    from kvplane.connector.simengine.agent_link import ConnectorObserver, start_node_agent
 
     server = SimEngineServer(settings, observer, incarnation)
     link: ConnectorObserver | None = None

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvplane.bench.simengine.side_channel import normalize_host
+from kvplane.connector.simengine.side_channel import normalize_host
 
 # kvplane's own key: the holder's incarnation, so a reader can tell a
 # restarted engine that kept its engine id. Unknown keys pass through vLLM.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from kvplane.bench.simengine.engine_hooks import EngineLoad
+from kvplane.connector.simengine.engine_hooks import EngineLoad
 from kvplane.services.common.runtime.telemetry import add_process_metrics
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
@@ -24,6 +24,12 @@ class SimEngineMetrics:
         add_process_metrics(self.registry)
         self._labels = {"model_name": model, "engine": engine_index}
         names = ["model_name", "engine"]
+        self._add_vllm_counters(names)
+        self._add_kv_counters(names)
+        self._add_gauges(names)
+
+    def _add_vllm_counters(self, names: list[str]) -> None:
+        """What vLLM counts too, under vLLM's names."""
         r = self.registry
         self.prompt_tokens_by_source = Counter(
             "vllm:prompt_tokens_by_source",
@@ -58,6 +64,10 @@ class SimEngineMetrics:
             names,
             registry=r,
         )
+
+    def _add_kv_counters(self, names: list[str]) -> None:
+        """What only the simulator counts: its KV loads, frees, notifications and checks."""
+        r = self.registry
         self.notifs_unmatched = Counter(
             "kvplane_sim_notifications_unmatched",
             "Read notifications for requests not held (any more)",
@@ -98,6 +108,10 @@ class SimEngineMetrics:
             [*names, "action"],
             registry=r,
         )
+
+    def _add_gauges(self, names: list[str]) -> None:
+        """The engine's load, set at each scrape."""
+        r = self.registry
         self.running = Gauge("vllm:num_requests_running", "Requests running", names, registry=r)
         self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting", names, registry=r)
         self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use", names, registry=r)

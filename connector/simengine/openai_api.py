@@ -22,10 +22,10 @@ from typing import Any
 
 from aiohttp import web
 
-from kvplane.bench.simengine import toy_tokenizer
-from kvplane.bench.simengine.block_pool import KvCacheFullError
-from kvplane.bench.simengine.engine import FinishInfo, GenerationRequest, SimEngine, TokenEvent
-from kvplane.bench.simengine.toy_tokenizer import PromptError
+from kvplane.connector.simengine import toy_tokenizer
+from kvplane.connector.simengine.block_pool import KvCacheFullError
+from kvplane.connector.simengine.engine import FinishInfo, GenerationRequest, SimEngine, TokenEvent
+from kvplane.connector.simengine.toy_tokenizer import PromptError
 
 ENGINE_KEY: web.AppKey[SimEngine] = web.AppKey("engine", SimEngine)
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvplane.bench.simengine.block_content import ContentModel, Words, block_hashes
+from kvplane.connector.simengine.block_content import ContentModel, Words, block_hashes
 
 
 class KvCacheFullError(Exception):

@@ -1,0 +1,458 @@
+"""The simulated engine: its scheduler, and its face to the HTTP API and the node agent.
+
+It follows vLLM's NixlConnector semantics (PROTOCOL.md):
+
+- A request with ``do_remote_decode`` (the P leg) keeps its blocks after it
+  finishes and returns P's params; they stay until D's read notification or
+  ``prefill_lease_s``.
+- A request with ``do_remote_prefill`` (the D leg) pulls P's blocks first.
+  With bidirectional transfer on, at a natural finish it keeps its blocks for
+  ``decoder_kv_blocks_ttl`` and returns its handle with ``do_remote_decode``.
+- A P request that names D's handle pulls what its prefix cache lacks, or
+  recomputes; either way it notifies D, which frees the blocks.
+
+By job: this module schedules requests (queueing, the prefix cache, KV
+allocation and the demand it reports, one prefill at a time, decode steps);
+``remote_loads.py`` reads other engines' blocks over NIXL and verifies them;
+``retention.py`` keeps finished requests' blocks for remote readers and frees
+them (read, deadline, release command, drain).
+
+Compute is simulated with asyncio.sleep of the modelled duration: one prefill
+at a time (FIFO), decode steps concurrent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from opentelemetry import trace
+
+from kvplane.connector.simengine.block_content import chain_hash, full_block_hashes, root_hash, salt_key
+from kvplane.connector.simengine.block_pool import BlockPool, KvCacheFullError
+from kvplane.connector.simengine.engine_hooks import EngineLoad, EngineObserver, NullObserver
+from kvplane.connector.simengine.kv_params import RemoteBlocks, parse_remote
+from kvplane.connector.simengine.metrics import SimEngineMetrics
+from kvplane.connector.simengine.nixl_transport import EngineNotStartedError, NixlTransport
+from kvplane.connector.simengine.remote_loads import Leg, RemoteLoads
+from kvplane.connector.simengine.retention import RetainKind, Retention
+from kvplane.connector.simengine.settings import SimEngineSettings
+from kvplane.connector.simengine.side_channel import LocalIdentity, SideChannelServer
+from kvplane.connector.simengine.token_oracle import TokenOracle
+from kvplane.connector.simengine.toy_tokenizer import BYTE_OFFSET, EOS_ID, think_close, think_open
+from kvplane.services.common.model.handles import KEY_RETAIN
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One completion request, already tokenized."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    max_tokens: int
+    ignore_eos: bool = False
+    kv_transfer_params: Mapping[str, Any] | None = None
+    # Output opens with <think>, this many model tokens, </think> (chat reasoning).
+    reasoning_tokens: int = 0
+    # vLLM's `cache_salt`: the prefix cache is shared only between requests with the same salt.
+    cache_salt: str | None = None
+
+
+@dataclass(frozen=True)
+class FinishInfo:
+    """How a request ended; carried by its last token."""
+
+    finish_reason: Literal["stop", "length"]
+    output_token_ids: tuple[int, ...]
+    # Prompt tokens whose KV was not computed here (local cache hit + pulled).
+    cached_tokens: int
+    kv_transfer_params: dict[str, Any] | None
+    # Of those, the tokens whose KV was read from a remote engine over NIXL.
+    pulled_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token; ``finish`` is set on the last one."""
+
+    token_id: int
+    finish: FinishInfo | None = None
+
+
+@dataclass
+class _Run:
+    """One request in flight: what it owns and where it is counted (freed on abort or error)."""
+
+    prompt: list[int]
+    t_arrival: float
+    blocks: list[int] = field(default_factory=list)
+    # Counted among the queued requests, with this many prompt tokens still to compute.
+    queued: bool = True
+    queued_tokens: int = 0
+    running: bool = False
+    done: bool = False
+    prompt_chain: list[int] = field(default_factory=list)
+    salt: int = 0
+    hit_blocks: int = 0
+    # Prompt tokens from the prefix cache, and pulled from a remote engine.
+    hit: int = 0
+    external: int = 0
+
+
+class SimEngine:
+    """One simulated engine. All methods run on one event loop, but the thread-safe
+    ``EngineControl`` ones (``release_early``, ``drain``, ``load``, ``kv_demand_blocks``,
+    ``retained_handle_ids``), which the node agent calls from its own thread."""
+
+    # Spans of the engine's own steps (the pull), children of the request's span; the server sets it.
+    tracer: trace.Tracer = trace.NoOpTracer()
+
+    def __init__(
+        self, settings: SimEngineSettings, observer: EngineObserver | None = None, incarnation: str = ""
+    ) -> None:
+        self.settings = settings
+        self.engine_id = settings.resolved_engine_id()
+        # Pass the node agent's incarnation so the registered node and the lease stamps agree.
+        self.incarnation = incarnation or uuid.uuid4().hex
+        self.pool = BlockPool(
+            settings.num_blocks, settings.bytes_per_block, settings.block_size, root_hash(settings.model)
+        )
+        self.oracle = TokenOracle(settings.seed, settings.eos_probability)
+        self._think_open, self._think_close = think_open(), think_close()
+        self.metrics = SimEngineMetrics(settings.model)
+        self.side_channel = SideChannelServer(
+            self._identity, settings.side_channel_host, settings.side_channel_port
+        )
+        self._transport: NixlTransport | None = None
+        self.retention = Retention(settings, self.pool, self.metrics, self)
+        self.remote_loads = RemoteLoads(settings, self.pool, self.metrics, lambda: self._transport)
+        self.observer = observer or NullObserver()
+        self._prefill_lock = asyncio.Lock()
+        # KV demand (event-loop thread): blocks that requests wait for.
+        self._kv_wanted = 0
+        # Called (event-loop thread, must not block) when requests start or stop waiting for KV.
+        self.demand_listener: Callable[[], None] | None = None
+        self._queued = 0
+        self._queued_tokens = 0
+        self._running = 0
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def observer(self) -> EngineObserver:
+        """Hears of pulls to check (P) and of handles kept and freed (D)."""
+        return self.retention.observer
+
+    @observer.setter
+    def observer(self, observer: EngineObserver) -> None:
+        self.retention.observer = observer
+
+    # -- lifecycle --------------------------------------------------------
+
+    async def start(self) -> None:
+        self.retention.bind(asyncio.get_running_loop())
+        self._transport = NixlTransport(f"{self.engine_id}:{self.incarnation[:12]}", self.pool)
+        await self.side_channel.start()
+        self._tasks = [
+            asyncio.create_task(self.retention.notification_loop(self._transport), name="simengine-notifs"),
+            asyncio.create_task(self.retention.reaper_loop(), name="simengine-reaper"),
+        ]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._tasks = []
+        await self.side_channel.stop()
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
+
+    @property
+    def side_channel_port(self) -> int:
+        return self.side_channel.port
+
+    def _identity(self) -> LocalIdentity:
+        t = self._require_transport()
+        s = self.settings
+        return LocalIdentity(
+            engine_id=self.engine_id,
+            incarnation=self.incarnation,
+            model=s.model,
+            block_size=s.block_size,
+            bytes_per_block=s.bytes_per_block,
+            num_blocks=s.num_blocks,
+            registration_generation=0,
+            agent_metadata=t.metadata(),
+            serialized_descs=t.serialized_descs(),
+        )
+
+    def _require_transport(self) -> NixlTransport:
+        if self._transport is None:
+            raise EngineNotStartedError("the engine is not started")
+        return self._transport
+
+    # -- the control-plane seam (EngineControl) ---------------------------
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(
+            queued_requests=self._queued,
+            queued_prefill_tokens=self._queued_tokens,
+            running_requests=self._running,
+            free_kv_blocks=self.pool.free_blocks,
+            total_kv_blocks=self.pool.num_blocks,
+            retained_bytes=self.retention.retained_bytes,
+            retained_handles=self.retention.count,
+        )
+
+    def adopt_incarnation(self, incarnation: str) -> None:
+        """Take the node agent's incarnation; call before the engine serves traffic."""
+        self.incarnation = incarnation
+
+    def kv_demand_blocks(self) -> int:
+        """Blocks wanted beyond those free and those already being freed. Any thread.
+
+        What waiting requests need, plus the free-block watermark
+        (``kv_free_watermark_blocks``), less the free blocks and the blocks of
+        release commands taken and not yet carried out: the control plane has
+        already answered those.
+        """
+        freeing = self.retention.freeing_blocks()
+        wanted = self._kv_wanted + self.settings.kv_free_watermark_blocks
+        return max(0, wanted - self.pool.free_blocks - freeing)
+
+    def release_early(self, request_id: str) -> bool:
+        return self.retention.release_early(request_id)
+
+    def drain(self) -> None:
+        self.retention.drain()
+
+    def retained_handle_ids(self) -> list[str]:
+        """Request ids of the decode handles held; from any thread."""
+        return self.retention.handle_ids()
+
+    def retained(self) -> list[dict[str, Any]]:
+        return self.retention.describe()
+
+    # -- requests ---------------------------------------------------------
+
+    async def generate(self, req: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        """Run one request, yielding its tokens. Closing the iterator early aborts it."""
+        self._require_transport()
+        s, bs = self.settings, self.settings.block_size
+        leg, retain, remote = self._leg(req)
+        run = _Run(list(req.prompt_token_ids), time.perf_counter())
+        prompt, n = run.prompt, len(run.prompt)
+        self._queued += 1
+        run.queued_tokens = n
+        self._queued_tokens += n
+        try:
+            await self._prefill(req, run, leg, remote)
+            # The oracle state: the chain of whole blocks, then the tokens after it.
+            last_full = run.prompt_chain[-1] if run.prompt_chain else self.pool.root
+            tail_start = len(run.prompt_chain) * bs
+            state = self.oracle.state_after(prompt[tail_start:], self.oracle.base(last_full))
+            out: list[int] = []
+            tok = self._next_token(req, 0, state)
+            while True:
+                out.append(tok)
+                if (n + len(out)) % bs == 0:
+                    block = out[-bs:] if len(out) >= bs else prompt[n - (bs - len(out)) :] + out
+                    last_full = chain_hash(last_full, block)
+                    state = self.oracle.base(last_full)
+                else:
+                    state = self.oracle.state_after((tok,), state)
+                if len(out) == 1:
+                    self.metrics.first_token(time.perf_counter() - run.t_arrival)
+                stop = tok == EOS_ID and not req.ignore_eos
+                if stop or len(out) >= req.max_tokens or n + len(out) >= s.max_model_len:
+                    finish = self._finish(req, retain, run, out, "stop" if stop else "length")
+                    run.blocks = []  # owned by the retained handle, or released
+                    run.done = True
+                    run.running = False
+                    self._running -= 1
+                    yield TokenEvent(tok, finish)
+                    return
+                yield TokenEvent(tok)
+                # The next step computes KV for the token just emitted.
+                if n + len(out) > len(run.blocks) * bs:
+                    run.blocks += await self._allocate(1)
+                await asyncio.sleep(s.timing.decode_s(self._running))
+                tok = self._next_token(req, len(out), state)
+        finally:
+            self._settle(run)
+
+    def _leg(self, req: GenerationRequest) -> tuple[Leg, RetainKind | None, RemoteBlocks | None]:
+        """Which leg of a P/D turn the request is, what it keeps at its finish, and whose blocks
+        it reads first (after the observer's prefix check on P)."""
+        kvp = req.kv_transfer_params or {}
+        leg: Leg = "local"
+        retain: RetainKind | None = None
+        if kvp.get("do_remote_prefill"):
+            leg = "decode"
+            # Routing may find the turn's KV not worth keeping for the next one (kvplane_retain).
+            keep = self.settings.bidirectional and kvp.get(KEY_RETAIN) is not False
+            retain = "decode_handle" if keep else None
+        elif kvp.get("do_remote_decode"):
+            leg, retain = "prefill", "prefill_lease"
+        remote = None
+        if leg != "local":
+            if leg == "prefill":
+                # The control plane's prefix check may clip D's handle first, as in the vLLM connector.
+                kvp = dict(kvp)
+                try:
+                    self.observer.check_pull(kvp, req.prompt_token_ids)
+                except Exception:
+                    log.exception("observer failed in check_pull")
+            remote = parse_remote(kvp)
+        return leg, retain, remote
+
+    async def _prefill(
+        self, req: GenerationRequest, run: _Run, leg: Leg, remote: RemoteBlocks | None
+    ) -> None:
+        """The prompt's KV: the prefix cache's, then the remote engine's, then computed in turn."""
+        s, bs = self.settings, self.settings.block_size
+        prompt, n = run.prompt, len(run.prompt)
+        # Keep at least one prompt token to compute: its logits give the first token.
+        run.prompt_chain = full_block_hashes(prompt, bs, self.pool.root)
+        run.salt = salt_key(req.cache_salt)
+        hit_blocks = self.pool.match_prefix(run.prompt_chain, run.salt) if s.enable_prefix_caching else []
+        hit_blocks = hit_blocks[: (n - 1) // bs]
+        self.pool.acquire(hit_blocks)
+        run.blocks = list(hit_blocks)
+        run.hit_blocks = len(hit_blocks)
+        hit = len(hit_blocks) * bs
+        self._queued_tokens -= hit
+        run.queued_tokens -= hit
+        run.blocks += await self._allocate(math.ceil(n / bs) - len(run.blocks))
+        external = 0
+        if leg != "local" and remote is not None:
+            # Like vLLM's WAITING_FOR_REMOTE_KVS: the pull runs outside the compute queue.
+            with self.tracer.start_as_current_span("kv.pull", attributes={"kvplane.leg": leg}) as span:
+                result = await self.remote_loads.load(
+                    leg, remote, prompt, run.prompt_chain, run.blocks, run.hit_blocks
+                )
+                span.set_attribute("kvplane.pull.outcome", result.outcome)
+                span.set_attribute("kvplane.tokens.pulled", result.external_tokens)
+            external = result.external_tokens
+            self._queued_tokens -= external
+            run.queued_tokens -= external
+            self.metrics.load_outcome(leg, result.outcome)
+        run.hit, run.external = hit, external
+        async with self._prefill_lock:
+            self._queued -= 1
+            self._queued_tokens -= run.queued_tokens
+            run.queued = False
+            self._running += 1
+            run.running = True
+            computed = n - hit - external
+            await asyncio.sleep(s.timing.prefill_s(computed))
+            self.pool.write_tokens(run.blocks, prompt, n, run.hit_blocks, run.prompt_chain, run.salt)
+            self.metrics.count_prompt(hit, external, computed)
+            trace.get_current_span().set_attributes(
+                {
+                    "kvplane.leg": leg,
+                    "kvplane.tokens.prompt": n,
+                    "kvplane.tokens.pulled": external,
+                    "kvplane.tokens.prefill_cache": hit,
+                    "kvplane.tokens.computed": computed,
+                }
+            )
+
+    def _settle(self, run: _Run) -> None:
+        """The request's end: reached with blocks still owned only on abort or error (they are
+        freed, and nothing is returned)."""
+        if run.queued:
+            self._queued -= 1
+            self._queued_tokens -= run.queued_tokens
+        if run.running:
+            self._running -= 1
+        if run.blocks:
+            self.pool.release(run.blocks)
+            self.retention.blocks_freed.set()
+        if not run.done:
+            self.metrics.finished("abort", 0)
+
+    def _next_token(self, req: GenerationRequest, index: int, state: int) -> int:
+        """Output token ``index``: the oracle's, inside the fixed think tags when reasoning."""
+        if req.reasoning_tokens > 0:
+            if index < len(self._think_open):
+                return self._think_open[index]
+            index -= len(self._think_open)
+            if index < req.reasoning_tokens:
+                tok = self.oracle.next_token(state)
+                return BYTE_OFFSET + ord(" ") if tok == EOS_ID else tok  # reasoning never ends the answer
+            index -= req.reasoning_tokens
+            if index < len(self._think_close):
+                return self._think_close[index]
+        return self.oracle.next_token(state)
+
+    async def _allocate(self, count: int) -> list[int]:
+        if count <= 0:
+            return []
+        deadline = time.perf_counter() + self.settings.kv_wait_timeout_s
+        waiting = False
+        freed = self.retention.blocks_freed
+        try:
+            while True:
+                try:
+                    return self.pool.allocate(count)
+                except KvCacheFullError:
+                    left = deadline - time.perf_counter()
+                    if left <= 0:
+                        raise
+                    if not waiting:
+                        waiting = True
+                        self._kv_wanted += count
+                        self._demand_changed()
+                    freed.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(freed.wait(), timeout=left)
+        finally:
+            if waiting:
+                self._kv_wanted -= count
+                self._demand_changed()
+
+    def _demand_changed(self) -> None:
+        if self.demand_listener is not None:
+            try:
+                self.demand_listener()
+            except Exception:
+                log.exception("demand listener failed")
+
+    def _finish(
+        self,
+        req: GenerationRequest,
+        retain: RetainKind | None,
+        run: _Run,
+        out: list[int],
+        reason: Literal["stop", "length"],
+    ) -> FinishInfo:
+        bs = self.settings.block_size
+        prompt = run.prompt
+        all_tokens = prompt + out
+        # The last token was sampled but never fed back, so it has no KV.
+        num_kv = len(all_tokens) - 1
+        keep = math.ceil(num_kv / bs)
+        blocks = run.blocks
+        if blocks[keep:]:
+            self.pool.release(blocks[keep:])
+        blocks = blocks[:keep]
+        self.pool.write_tokens(
+            blocks, all_tokens, num_kv, min(len(prompt) // bs, keep), run.prompt_chain, run.salt
+        )
+        self.metrics.finished(reason, len(out))
+        params = self.retention.keep(
+            req.request_id, retain, blocks, num_kv, all_tokens, run.external, req.kv_transfer_params or {}
+        )
+        return FinishInfo(reason, tuple(out), run.hit + run.external, params, run.external)

@@ -1,0 +1,275 @@
+"""Retention: the blocks a finished request keeps for a remote reader, and every way they are freed.
+
+As vLLM's NixlConnector does (PROTOCOL.md):
+
+- a D leg that finishes naturally, with bidirectional transfer on, keeps its blocks as a handle
+  (``decode_handle``) for ``decoder_kv_blocks_ttl``; a draining engine keeps none;
+- a P leg keeps its blocks as a lease (``prefill_lease``) for ``prefill_lease_s``, for D's read.
+
+Either is freed by its reader's NIXL notification (``read``), its deadline (``ttl``), a release
+command (``early``) or a drain (``drain``). Held blocks carry a lease stamp of (engine id,
+incarnation, request id), so a reader can tell blocks leased to its handle from any others. The
+observer hears of every D handle kept and freed.
+
+Event-loop thread only, except ``release_early``, ``drain``, ``freeing_blocks`` and
+``handle_ids``, which the node agent calls from its own thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+from kvplane.connector.simengine.block_content import lease_stamp
+from kvplane.connector.simengine.block_pool import BlockPool
+from kvplane.connector.simengine.engine_hooks import EngineObserver, NullObserver
+from kvplane.connector.simengine.kv_params import holder_params
+from kvplane.connector.simengine.metrics import SimEngineMetrics
+from kvplane.connector.simengine.nixl_transport import NixlTransport
+from kvplane.connector.simengine.settings import SimEngineSettings
+from kvplane.services.common.model.handles import KEY_PULLED_TOKENS
+
+log = logging.getLogger(__name__)
+
+RetainKind = Literal["decode_handle", "prefill_lease"]
+_RECENTLY_FREED_MAX = 4096
+
+
+class Holder(Protocol):
+    """The engine that holds the blocks, as its params name it."""
+
+    engine_id: str
+    # New at every start; the node agent's, once it registers (part of every lease stamp).
+    incarnation: str
+
+    @property
+    def side_channel_port(self) -> int: ...
+
+
+@dataclass
+class _Retained:
+    request_id: str
+    kind: RetainKind
+    block_ids: list[int]
+    num_tokens: int
+    stamp: int
+    expiry: float  # perf_counter
+    nbytes: int
+
+
+class Retention:
+    """The blocks one engine holds for remote readers."""
+
+    def __init__(
+        self, settings: SimEngineSettings, pool: BlockPool, metrics: SimEngineMetrics, holder: Holder
+    ) -> None:
+        self.settings = settings
+        self.pool = pool
+        self.metrics = metrics
+        self.holder = holder
+        self.observer: EngineObserver = NullObserver()
+        # Set whenever blocks return to the pool: requests waiting for KV memory try again.
+        self.blocks_freed = asyncio.Event()
+        self._retained: dict[str, _Retained] = {}
+        self._retained_bytes = 0
+        self._draining = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._recently_freed: OrderedDict[str, str] = OrderedDict()
+        # Release commands taken and not yet carried out: request id -> blocks. Written from
+        # the node agent's thread too, hence the lock.
+        self._freeing: dict[str, int] = {}
+        self._freeing_lock = threading.Lock()
+
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The engine's event loop, where commands from other threads are carried out."""
+        self._loop = loop
+
+    @property
+    def retained_bytes(self) -> int:
+        return self._retained_bytes
+
+    @property
+    def count(self) -> int:
+        """Handles and leases held."""
+        return len(self._retained)
+
+    # -- keeping -----------------------------------------------------------
+
+    def keep(
+        self,
+        request_id: str,
+        kind: RetainKind | None,
+        blocks: list[int],
+        num_tokens: int,
+        all_tokens: Sequence[int],
+        pulled_tokens: int,
+        request_params: Mapping[str, Any],
+    ) -> dict[str, Any] | None:
+        """A finished request's blocks (KV for its first `num_tokens` tokens): kept as `kind`,
+        returning the params a reader needs, or back to the pool (`kind` None, or a draining
+        engine's D handle), returning None."""
+        s, h = self.settings, self.holder
+        if kind == "decode_handle" and self._draining:
+            kind = None  # a draining engine keeps nothing for later turns
+        if kind is None or not blocks:
+            if blocks:
+                self.pool.release(blocks)
+                self.blocks_freed.set()
+            return None
+        stamp = lease_stamp(h.engine_id, h.incarnation, request_id)
+        # Copies of shared blocks may use the pool down to a tenth free, no further.
+        lease = self.pool.lease(blocks, stamp, reserve_blocks=self.pool.num_blocks // 10)
+        blocks = lease.block_ids
+        self.metrics.shared_blocks(lease.copied, lease.restamped)
+        ttl = s.decoder_kv_blocks_ttl if kind == "decode_handle" else s.prefill_lease_s
+        expiry = time.perf_counter() + ttl
+        r = _Retained(request_id, kind, blocks, num_tokens, stamp, expiry, len(blocks) * s.bytes_per_block)
+        self._retained[request_id] = r
+        self._retained_bytes += r.nbytes
+        params = holder_params(
+            as_decode_handle=kind == "decode_handle",
+            engine_id=h.engine_id,
+            incarnation=h.incarnation,
+            request_id=request_id,
+            block_ids=blocks,
+            host=s.advertised_side_channel_host,
+            port=h.side_channel_port,
+            num_tokens=num_tokens,
+            expiry_time=expiry,
+        )
+        if kind == "prefill_lease":
+            # What was pulled, as the engine saw it: the gateway counts it apart from cache hits.
+            params[KEY_PULLED_TOKENS] = pulled_tokens
+        else:
+            try:
+                self.observer.on_handle_retained(params, all_tokens, r.nbytes, request_params)
+            except Exception:
+                log.exception("observer failed in on_handle_retained")
+        return params
+
+    # -- the control-plane seam (EngineControl) ---------------------------
+
+    def release_early(self, request_id: str) -> bool:
+        held = self._retained.get(request_id)
+        if held is not None:
+            # Counted as on its way before the command is acknowledged: a demand report sent
+            # after the ack must not ask for these blocks again.
+            with self._freeing_lock:
+                self._freeing[request_id] = len(held.block_ids)
+        self._on_loop(self._release_if_held, request_id)
+        return held is not None
+
+    def drain(self) -> None:
+        self._draining = True
+        self._on_loop(self._release_all)
+
+    def freeing_blocks(self) -> int:
+        """Blocks of release commands taken and not yet carried out. Any thread."""
+        with self._freeing_lock:
+            return sum(self._freeing.values())
+
+    def handle_ids(self) -> list[str]:
+        """Request ids of the decode handles held; from any thread (the values are copied in one step)."""
+        return [r.request_id for r in list(self._retained.values()) if r.kind == "decode_handle"]
+
+    def describe(self) -> list[dict[str, Any]]:
+        now = time.perf_counter()
+        return [
+            {
+                "request_id": r.request_id,
+                "kind": r.kind,
+                "num_tokens": r.num_tokens,
+                "num_blocks": len(r.block_ids),
+                "bytes": r.nbytes,
+                "expires_in_s": r.expiry - now,
+            }
+            for r in self._retained.values()
+        ]
+
+    def _on_loop(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run fn now when on the engine's loop, else schedule it there (the agent has its own thread)."""
+        try:
+            current = asyncio.get_running_loop()
+        except RuntimeError:
+            current = None
+        if current is self._loop or self._loop is None:
+            fn(*args)
+        else:
+            self._loop.call_soon_threadsafe(fn, *args)
+
+    def _release_if_held(self, request_id: str) -> None:
+        if request_id in self._retained:
+            self._free(request_id, "early")
+        with self._freeing_lock:
+            self._freeing.pop(request_id, None)
+
+    def _release_all(self) -> None:
+        for request_id in list(self._retained):
+            self._free(request_id, "drain")
+
+    # -- freeing ------------------------------------------------------------
+
+    def _free(self, request_id: str, reason: str) -> None:
+        r = self._retained.pop(request_id)
+        self._retained_bytes -= r.nbytes
+        self.pool.unlease(r.block_ids, r.stamp)
+        self.pool.release(r.block_ids)
+        self._recently_freed[request_id] = reason
+        while len(self._recently_freed) > _RECENTLY_FREED_MAX:
+            self._recently_freed.popitem(last=False)
+        self.metrics.freed(r.kind, reason)
+        self.blocks_freed.set()
+        if r.kind == "decode_handle":
+            try:
+                self.observer.on_blocks_freed(request_id)
+            except Exception:
+                log.exception("observer failed in on_blocks_freed")
+
+    def _on_notification(self, msg: bytes) -> None:
+        try:
+            request_id = json.loads(msg)["request_id"]
+        except (ValueError, KeyError, TypeError):
+            self.metrics.unmatched_notif("malformed")
+            return
+        if not isinstance(request_id, str):
+            self.metrics.unmatched_notif("malformed")
+        elif request_id in self._retained:
+            self._free(request_id, "read")
+        elif request_id in self._recently_freed:
+            # A second read of a consumed or expired handle: the reader got unleased blocks.
+            self.metrics.unmatched_notif(f"after_{self._recently_freed[request_id]}")
+        else:
+            self.metrics.unmatched_notif("unknown")
+
+    async def notification_loop(self, transport: NixlTransport) -> None:
+        """Frees what readers report read, until cancelled."""
+        while True:
+            try:
+                for _agent, msg in transport.poll_notifs():
+                    self._on_notification(msg)
+            except Exception:
+                # A lost poll must not stop every later free: log and keep polling.
+                log.exception("polling NIXL notifications failed")
+            # Polling drives UCX progress (no progress thread); poll briskly only while holding.
+            await asyncio.sleep(0.005 if self._retained else 0.05)
+
+    async def reaper_loop(self) -> None:
+        """Frees what reached its deadline unread, until cancelled."""
+        while True:
+            now = time.perf_counter()
+            for r in [r for r in self._retained.values() if r.expiry <= now]:
+                try:
+                    self._free(r.request_id, "ttl")
+                    self.metrics.expired()
+                except Exception:
+                    log.exception("freeing expired %s failed", r.request_id)
+                    self._retained.pop(r.request_id, None)
+            nxt = min((r.expiry for r in self._retained.values()), default=now + 0.1)
+            await asyncio.sleep(min(max(nxt - time.perf_counter(), 0.001), 0.1))
