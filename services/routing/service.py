@@ -209,6 +209,8 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
         # The last time a Route saw the view connected to etcd (ms since the epoch).
         self._view_live_ms = 0
         self._suspects = SuspectMarker(store)
+        # Releases of handles that P's cache made useless, under way (kept from the collector).
+        self._releasing: set[asyncio.Task[None]] = set()
 
     def _caller(self, context: Context) -> Principal:
         return caller(self, context)
@@ -385,9 +387,26 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
             keeps, max_output_tokens, plan.decode.kv_bytes_per_token, self.costs, self.policy.config.pull
         )
         self.metrics.decode_retention.labels("skipped" if skip_retention else "kept").inc()
+        if skip_retention and record is not None and checked is None:
+            # No later handle will supersede this one, and P holds more than it: free D's blocks.
+            self._release_later(tenant, conversation, record)
         return RouteOutcome(
             route_id, plan, decision, reason, params, reused, handle, handle_pb, skip_retention
         )
+
+    def _release_later(self, tenant: str, conversation: str, record: HandleRecord) -> None:
+        """Releases the conversation's handle off the turn's path, if it is still that one."""
+
+        async def release() -> None:
+            try:
+                await self.store.release(tenant, conversation, ReleaseReason.SUPERSEDED, expected=record)
+            except (HandleNotRetained, NotFound, StoreUnavailable) as exc:
+                # Taken, released or expired meanwhile, or etcd is away: its TTL frees it then.
+                log.debug("superseded handle of %s not released: %s", conversation, exc)
+
+        task = asyncio.create_task(release())
+        self._releasing.add(task)
+        task.add_done_callback(self._releasing.discard)
 
     async def _await_publish(
         self,

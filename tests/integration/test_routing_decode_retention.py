@@ -11,6 +11,7 @@ import pytest
 
 from kvplane.services.client import RoutingClient
 from kvplane.services.dev.local_etcd import LocalEtcd
+from tests.support.polling import eventually
 from tests.support.routing_cluster import (
     HISTORY_TOKENS,
     MODEL,
@@ -39,7 +40,20 @@ async def chat(
     cluster: RoutingCluster, client: RoutingClient, turns: int, *, max_output: int | None, cached: bool = True
 ) -> list[bool]:
     """`turns` turns of one conversation; what routing answered each in skip_decode_retention."""
-    c = f"c-{uuid.uuid4().hex[:8]}"
+    return await chat_in(
+        cluster, client, f"c-{uuid.uuid4().hex[:8]}", turns, max_output=max_output, cached=cached
+    )
+
+
+async def chat_in(
+    cluster: RoutingCluster,
+    client: RoutingClient,
+    c: str,
+    turns: int,
+    *,
+    max_output: int | None,
+    cached: bool = True,
+) -> list[bool]:
     history = tokens(HISTORY_TOKENS)
     prompt = history[:1000]
     skipped = []
@@ -50,8 +64,12 @@ async def chat(
         retained = history[: len(prompt) + ANSWER]
         # P found the previous prompt in its own cache (whole blocks), when it keeps prompts.
         hit = previous // 16 * 16 if cached else 0
-        params = decode_params(cluster.nodes["d0"], retained)
-        await cluster.report("acme", c, params, route=route, cached_tokens=hit, pulled_tokens=0)
+        if route.skip_decode_retention:
+            # D kept nothing and announced nothing: the report carries no handle.
+            await cluster.report("acme", c, {}, route=route, cached_tokens=hit, pulled_tokens=0)
+        else:
+            params = decode_params(cluster.nodes["d0"], retained)
+            await cluster.report("acme", c, params, route=route, cached_tokens=hit, pulled_tokens=0)
         previous = len(prompt)
         prompt = [*retained, *history[len(retained) : len(retained) + 200]]
     return skipped
@@ -64,6 +82,20 @@ async def test_once_p_shows_it_keeps_prompts_a_short_output_is_not_kept_on_d(
     assert await chat(cluster, client, 4, max_output=ANSWER) == [False, False, True, True]
     registry = cluster.replicas[0].telemetry.registry
     assert registry.get_sample_value("kvplane_route_decode_retention_total", {"outcome": "skipped"}) == 2
+
+
+async def test_the_handle_d_kept_before_is_released_once_p_holds_more_than_it(
+    cluster: RoutingCluster, client: RoutingClient
+) -> None:
+    c = f"c-{uuid.uuid4().hex[:8]}"
+    # Turn 2's handle is the last D keeps; turn 3 is told to keep nothing, and P holds turn 2's
+    # whole prompt: nothing will supersede that handle, so routing frees D's blocks.
+    assert await chat_in(cluster, client, c, 3, max_output=ANSWER) == [False, False, True]
+
+    async def released() -> bool:
+        return await cluster.store.get_handle("acme", c) is None
+
+    await eventually(released, what="the stale handle released")
 
 
 async def test_an_unbounded_or_long_output_is_kept(cluster: RoutingCluster, client: RoutingClient) -> None:
