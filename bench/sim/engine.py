@@ -19,9 +19,10 @@ Per turn:
    only what P lacks (`remote_num_tokens` minus the local hit), and P
    computes the rest (plus the attention over the held and pulled tokens,
    see `costs.py`). TTFT is arrival to the end of that compute, or later if
-   D is not yet admitting the turn.
-4. D reserves the turn's KV (prompt and answer) when it is routed. The
-   default engine model is vLLM's: `pressure="wait"`. Retained blocks stay
+   D cannot admit the turn then.
+4. D hears of the turn when P is done, as the gateway (and vLLM's proxies)
+   send a turn's D leg only once P answers, and reserves the turn's KV
+   (prompt and answer) then. The default engine model is vLLM's: `pressure="wait"`. Retained blocks stay
    pinned until read, released or expired, and a turn that does not fit
    waits (FIFO) for memory; its first token, hence its TTFT, waits with it.
    The what-if `pressure="evict"` is an engine that may drop retained KV
@@ -108,7 +109,6 @@ class _InFlight:
     """A turn past routing: its prefill on P, and D's reservation once admitted."""
 
     __slots__ = (
-        "admitted",
         "cached",
         "chain",
         "choice",
@@ -123,7 +123,6 @@ class _InFlight:
         "prefill",
         "prompt",
         "pulled",
-        "ready_s",
         "reserved",
         "transfer",
         "turn",
@@ -157,9 +156,6 @@ class _InFlight:
         # P's load as counted at routing (a guess from P's cache then), corrected when taken.
         self.estimate_tokens = 0
         self.estimate_s = 0.0
-        # When P finished the prompt (-1: not yet), and whether D has admitted the turn.
-        self.ready_s = -1.0
-        self.admitted = False
 
 
 RouterFactory = Callable[[Fleet], Router]
@@ -245,7 +241,7 @@ class Simulator:
         rec.reusable_tokens += min(shared, turn.prompt_tokens - 1) // block * block if shared else 0
 
         choice = self.router.route(turn, conversation, prompt, now)
-        p, d = choice.prefill, choice.decode
+        p = choice.prefill
         handle = choice.pull
         if handle is not None and handle.alive:
             handle.checked_out = True
@@ -255,21 +251,7 @@ class Simulator:
         conversation.chain = prompt.extended(turn.context_tokens // block - len(prompt), self._ids)
         conversation.last_prefill = p.node.node_id
         conversation.last_prompt = prompt
-        flight = _InFlight(turn, conversation, choice, prompt, need)
-        self._enqueue(p, flight, now)
-        if self.config.pressure == "evict":
-            if d.free < need:
-                self._make_room(d, need, now)
-                if d.free < need:
-                    rec.overcommitted_turns += 1
-            self._start(flight, now)
-        elif d.waiting or d.free < need:
-            rec.waited_turns += 1
-            d.waiting.append(flight)
-            self._admit(d, now)
-            self._signal_demand(d, now)
-        else:
-            self._start(flight, now)
+        self._enqueue(p, _InFlight(turn, conversation, choice, prompt, need), now)
 
     # -- the prefill node's scheduler -------------------------------------------------------------
 
@@ -391,10 +373,8 @@ class Simulator:
         p.jobs -= 1
         p.queued_tokens -= flight.computed
         p.served += 1
-        flight.ready_s = now
         turn = flight.turn
-        if flight.admitted:
-            self._first_token(flight, now)
+        self._to_decode(flight, now)
         # What P reports: its own prefill, whatever D's admission adds later.
         outcome = TurnOutcome(
             flight.pulled, flight.transfer, flight.compute, now - turn.arrival_s, flight.cached
@@ -404,14 +384,34 @@ class Simulator:
 
     # -- the decode node ---------------------------------------------------------------------------
 
+    def _to_decode(self, flight: _InFlight, now: float) -> None:
+        """P has answered: the turn's D leg is sent now, and D admits it or it waits for memory.
+
+        As the gateway and vLLM's proxies do, D hears of a turn only when P is done, so D's
+        memory is taken (or waited for) from then, not from routing.
+        """
+        d = flight.decode
+        need = flight.reserved
+        if self.config.pressure == "evict":
+            if d.free < need:
+                self._make_room(d, need, now)
+                if d.free < need:
+                    self.rec.overcommitted_turns += 1
+            self._start(flight, now)
+        elif d.waiting or d.free < need:
+            self.rec.waited_turns += 1
+            d.waiting.append(flight)
+            self._admit(d, now)
+            self._signal_demand(d, now)
+        else:
+            self._start(flight, now)
+
     def _start(self, flight: _InFlight, now: float) -> None:
-        """D admits the turn: its first token comes once P is done and D has its KV."""
+        """D admits the turn (P is done): its first token comes now."""
         d = flight.decode
         d.reserved += flight.reserved
         d.running += 1
-        flight.admitted = True
-        if flight.ready_s >= 0:
-            self._first_token(flight, now)
+        self._first_token(flight, now)
 
     def _first_token(self, flight: _InFlight, now: float) -> None:
         turn = flight.turn
