@@ -99,16 +99,17 @@ def simulator_for(baseline: Baseline, config: SimConfig, options: RunOptions | N
         config = replace(config, load_report_interval_s=baseline.report_interval_s)
 
     def router(fleet: Fleet) -> Router:
+        seed = options.seed
         if baseline.router == "none":
-            return NoReuseRouter(fleet)
+            return NoReuseRouter(fleet, seed)
         if baseline.router == "proxy":
-            return ExampleProxyRouter(fleet)
+            return ExampleProxyRouter(fleet, seed=seed)
         if baseline.router == "proxy-checked":
-            return ExampleProxyRouter(fleet, checked=True)
+            return ExampleProxyRouter(fleet, checked=True, seed=seed)
         if baseline.router == "affinity":
-            return PrefixAffinityRouter(fleet)
+            return PrefixAffinityRouter(fleet, seed)
         if baseline.router == "oracle":
-            return OracleRouter(fleet, config.digest_block_size)
+            return OracleRouter(fleet, config.digest_block_size, seed)
         policy = RoutingPolicy(
             load_policy(Path(baseline.routing_policy) if baseline.routing_policy else None)
         )

@@ -73,10 +73,14 @@ class Router(Protocol):
 
 
 class _RoundRobin:
-    def __init__(self, fleet: Fleet) -> None:
+    """Round-robin over P and D, from nodes the seed picks: a proxy's counters start wherever its
+    process found them, so runs with other seeds spread the same turns over other nodes."""
+
+    def __init__(self, fleet: Fleet, seed: int = 0) -> None:
         self.fleet = fleet
-        self._p = 0
-        self._d = 0
+        rng = random.Random(seed)
+        self._p = rng.randrange(len(fleet.prefill))
+        self._d = rng.randrange(len(fleet.decode))
 
     def next_pair(self) -> tuple[PrefillState, DecodeState]:
         p = self.fleet.prefill[self._p % len(self.fleet.prefill)]
@@ -89,8 +93,8 @@ class _RoundRobin:
 class NoReuseRouter:
     """Round-robin P and D; every turn recomputes its whole prompt."""
 
-    def __init__(self, fleet: Fleet) -> None:
-        self._rr = _RoundRobin(fleet)
+    def __init__(self, fleet: Fleet, seed: int = 0) -> None:
+        self._rr = _RoundRobin(fleet, seed)
 
     def route(self, turn: Turn, conversation: Conversation, prompt: BlockChain, now: float) -> RouteChoice:
         p, d = self._rr.next_pair()
@@ -119,8 +123,10 @@ class ExampleProxyRouter:
     recomputes on a mismatch instead (`recompute_prefix_mismatch`).
     """
 
-    def __init__(self, fleet: Fleet, cache_ttl_s: float = 450.0, *, checked: bool = False) -> None:
-        self._rr = _RoundRobin(fleet)
+    def __init__(
+        self, fleet: Fleet, cache_ttl_s: float = 450.0, *, checked: bool = False, seed: int = 0
+    ) -> None:
+        self._rr = _RoundRobin(fleet, seed)
         self.cache_ttl_s = cache_ttl_s
         self.checked = checked
         self._entries: dict[str, tuple[SimHandle, float]] = {}
@@ -183,9 +189,9 @@ class PrefixAffinityRouter:
     model starts from the same figures and learns from there.
     """
 
-    def __init__(self, fleet: Fleet) -> None:
+    def __init__(self, fleet: Fleet, seed: int = 0) -> None:
         self.fleet = fleet
-        self._rr = _RoundRobin(fleet)
+        self._rr = _RoundRobin(fleet, seed)
         self._inflight = InFlightLedger()
         self._routes = 0
         timing = fleet.costs.timing
@@ -243,10 +249,10 @@ class OracleRouter:
     conversation's real shared prefix), which no live router could know.
     """
 
-    def __init__(self, fleet: Fleet, block_size: int) -> None:
+    def __init__(self, fleet: Fleet, block_size: int, seed: int = 0) -> None:
         self.fleet = fleet
         self.block_size = block_size
-        self._rr = _RoundRobin(fleet)
+        self._rr = _RoundRobin(fleet, seed)
 
     def route(self, turn: Turn, conversation: Conversation, prompt: BlockChain, now: float) -> RouteChoice:
         fleet = self.fleet

@@ -27,8 +27,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvplane.bench.workloads.turns import Turn
@@ -210,8 +211,23 @@ def conversation_turns(requests: Iterable[TraceRequest], fmt: TraceFormat | None
         )
 
 
-def mooncake_turns(path: str | Path = DEFAULT_TRACE, fmt: TraceFormat | None = None) -> list[Turn]:
-    return list(conversation_turns(read_requests(path), fmt))
+def mooncake_turns(
+    path: str | Path = DEFAULT_TRACE, fmt: TraceFormat | None = None, seed: int | None = None
+) -> list[Turn]:
+    """The trace's turns in arrival order.
+
+    The trace stamps requests in whole milliseconds; with a `seed`, each request arrives at a
+    random point of its millisecond (requests stamped alike then come in a seeded order), so
+    runs with other seeds see other interleavings, as replays of the same trace would. None:
+    on the stamps, in trace order.
+    """
+    turns = list(conversation_turns(read_requests(path), fmt))
+    if seed is None:
+        return turns
+    rng = random.Random(seed)
+    jittered = [replace(t, arrival_s=t.arrival_s + rng.random() / 1000.0) for t in turns]
+    jittered.sort(key=lambda t: t.arrival_s)
+    return jittered
 
 
 @dataclass(frozen=True, slots=True)
