@@ -180,6 +180,8 @@ class Simulator:
         self._seq = 0
         self._ids = BlockIds()
         self._conversations: dict[str, Conversation] = {}
+        # A block id a workload names (`Turn.block_ids`) -> the latest prompt that sent that block.
+        self._named: dict[int, BlockChain] = {}
         self._handles: dict[int, SimHandle] = {}
         self._next_handle = 1
         self._contacted: set[tuple[int, int]] = set()
@@ -237,7 +239,12 @@ class Simulator:
             self._conversations[turn.conversation] = conversation
         shared = min(turn.reused_prefix_tokens, turn.previous_context_tokens) if turn.turn_index else 0
         base = conversation.chain.prefix(shared // block)
+        named = self._named_prefix(turn)
+        if len(named) > len(base):
+            base = named  # a prefix other conversations sent too (a system prompt, a document)
         prompt = base.extended(turn.prompt_tokens // block - len(base), self._ids)
+        for h in turn.block_ids:
+            self._named[h] = prompt
         rec.reusable_tokens += min(shared, turn.prompt_tokens - 1) // block * block if shared else 0
 
         choice = self.router.route(turn, conversation, prompt, now)
@@ -252,6 +259,16 @@ class Simulator:
         conversation.last_prefill = p.node.node_id
         conversation.last_prompt = prompt
         self._enqueue(p, _InFlight(turn, conversation, choice, prompt, need), now)
+
+    def _named_prefix(self, turn: Turn) -> BlockChain:
+        """The longest leading run of `turn.block_ids` an earlier prompt sent, as that prompt's
+        blocks: equal ids hold equal tokens in every conversation (see `Turn.block_ids`)."""
+        ids = turn.block_ids
+        for i in range(len(ids) - 1, -1, -1):
+            earlier = self._named.get(ids[i])
+            if earlier is not None:
+                return earlier.prefix((i + 1) * turn.block_id_tokens // self.config.digest_block_size)
+        return BlockChain()
 
     # -- the prefill node's scheduler -------------------------------------------------------------
 
