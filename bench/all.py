@@ -40,6 +40,7 @@ from kvplane.bench import report
 from kvplane.bench.findings import table_paragraph
 from kvplane.bench.sim import BASELINES, ClusterSpec, RunOptions, SimConfig, SimResult, simulator_for
 from kvplane.bench.sim.command import SimSpec, policy_json, run_policy, spec_turns
+from kvplane.bench.sim.retention import DEMAND_LATENCY_SOURCE, MEASURED_DEMAND_LATENCY_S
 from kvplane.bench.workloads import (
     DEFAULT_TRACE,
     AgenticWorkload,
@@ -181,6 +182,15 @@ def tables_markdown(specs: dict[str, SimSpec], results: dict[str, dict[str, SimR
     return "\n\n".join(parts)
 
 
+def demand_command() -> str:
+    """The command that measured the simulator's demand latency, as its results file records it."""
+    try:
+        data = json.loads((REPO / DEMAND_LATENCY_SOURCE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return "python -m kvplane.bench.demand_bench"
+    return str(data.get("command", "python -m kvplane.bench.demand_bench"))
+
+
 def perf_section(data: dict[str, Any], tables: str, plots_rel: str) -> str:
     trace = data["trace"]
     scale = data.get("scale")
@@ -196,9 +206,15 @@ def perf_section(data: dict[str, Any], tables: str, plots_rel: str) -> str:
         "",
         "The engine model is vLLM's unless a table says otherwise: KV that D retains for a remote read"
         " stays allocated until P reads it, the control plane releases it or D's TTL (480 s) ends, and"
-        " a turn whose KV does not fit waits for memory. Each P keeps a prefix cache (LRU over blocks,"
-        " filled by the prompts it computes or pulls); a turn computes only what its P neither holds"
-        " nor pulls, and a pull moves only what P lacks. kvplane's router knows only what a live"
+        " a turn whose KV does not fit waits for memory. D hears of a turn when P answers it, as the"
+        " gateway and vLLM's proxies send the D leg only then. Each P keeps a prefix cache (LRU over"
+        " blocks, filled by the prompts it computes or pulls, shared by every conversation whose"
+        " prompt holds the same blocks, such as the trace's system prompt); a turn computes only what"
+        " its P neither holds nor pulls, and a pull moves only what P lacks. When turns wait on a"
+        f" full D, kvplane's release answers {1000 * MEASURED_DEMAND_LATENCY_S:.1f} ms after the"
+        " demand: `MEASURED_DEMAND_LATENCY_S`, the p50 wait measured by"
+        f" `{demand_command()}` on the sim-engine stack ({DEMAND_LATENCY_SOURCE}); no bench has"
+        " measured it on vLLM's connector yet. kvplane's router knows only what a live"
         " routing service knows (load reports, its own record of what it routed, handles); the"
         " baselines' routers likewise, except `prefix-affinity`, which is given P's cache contents as"
         " engines publishing KV-cache events would give them.",
