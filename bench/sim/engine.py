@@ -315,7 +315,7 @@ class Simulator:
         # The first block whose KV is wrong: a poisoned cache hit, then what the pull imports.
         bad = poisoned_hit if poisoned_hit is not None and poisoned_hit * block < cached else None
         pulled = 0
-        if handle is not None:
+        if handle is not None and choice.pulled_tokens > 0:
             if handle.alive:
                 # vLLM's P reads only what it lacks: remote_num_tokens minus its local hit.
                 pulled = max(0, min(choice.pulled_tokens, turn.prompt_tokens - 1) - cached)

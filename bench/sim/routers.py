@@ -43,6 +43,7 @@ class RouteChoice:
     decode: DecodeState
     decision: str
     pull: SimHandle | None = None
+    # 0 with a `pull`: nothing to read, P only tells D to free the handle's blocks.
     pulled_tokens: int = 0
     # False when the pull imports KV computed for other tokens (no prefix check).
     prefix_ok: bool = True
@@ -120,7 +121,9 @@ class ExampleProxyRouter:
     the wrong tokens and the turn's output comes from the wrong KV
     (`pull_wrong_prefix`; none of it counts as reuse). `checked=True` adds a
     token-exact comparison of the prompt with the handle's tokens and
-    recomputes on a mismatch instead (`recompute_prefix_mismatch`).
+    recomputes on a mismatch instead (`recompute_prefix_mismatch`), handing
+    P the handle with nothing to read so that D frees its blocks then, as a
+    proxy that drops an entry would, rather than at D's TTL.
     """
 
     def __init__(
@@ -145,7 +148,8 @@ class ExampleProxyRouter:
         if prefix_ok:
             return RouteChoice(p, d, "pull", handle, pulled)
         if self.checked:
-            return RouteChoice(p, d, "recompute_prefix_mismatch")
+            # The handle is of no use: P is handed it with nothing to read, so D frees its blocks.
+            return RouteChoice(p, d, "recompute_prefix_mismatch", handle, 0)
         return RouteChoice(p, d, "pull_wrong_prefix", handle, pulled, prefix_ok=False)
 
     def observe(self, turn: Turn, choice: RouteChoice, outcome: TurnOutcome) -> None:
