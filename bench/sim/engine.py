@@ -31,7 +31,10 @@ Per turn:
    preemption).
 5. After decoding, D keeps the turn's KV as the conversation's handle until
    it is read, released by the control plane or freed by D's TTL (or, with
-   `pressure="evict"`, pushed out).
+   `pressure="evict"`, pushed out). Then the router hears P's report of the
+   turn (its cache hits, pulled and computed tokens), as routing gets
+   ReportTurn from the gateway after D's last token: until then its record
+   of P's cache is what it believed at routing, whatever P evicted since.
 
 When a pull starts. vLLM's prefill engine does not read a remote prefix when
 a request arrives: its scheduler asks the connector for external tokens
@@ -119,6 +122,7 @@ class _InFlight:
         "decode",
         "estimate_s",
         "estimate_tokens",
+        "outcome",
         "poisoned_from",
         "prefill",
         "prompt",
@@ -156,6 +160,8 @@ class _InFlight:
         # P's load as counted at routing (a guess from P's cache then), corrected when taken.
         self.estimate_tokens = 0
         self.estimate_s = 0.0
+        # P's report of the turn, for routing once the turn is over.
+        self.outcome: TurnOutcome | None = None
 
 
 RouterFactory = Callable[[Fleet], Router]
@@ -390,13 +396,12 @@ class Simulator:
         p.jobs -= 1
         p.queued_tokens -= flight.computed
         p.served += 1
-        turn = flight.turn
-        self._to_decode(flight, now)
-        # What P reports: its own prefill, whatever D's admission adds later.
-        outcome = TurnOutcome(
-            flight.pulled, flight.transfer, flight.compute, now - turn.arrival_s, flight.cached
+        # What P reports: its own prefill, whatever D's admission adds later. Routing hears it only
+        # when the turn is over (`_finish`), as the gateway reports a turn after D's last token.
+        flight.outcome = TurnOutcome(
+            flight.pulled, flight.transfer, flight.compute, now - flight.turn.arrival_s, flight.cached
         )
-        self.router.observe(turn, flight.choice, outcome)
+        self._to_decode(flight, now)
         self._schedule(p, now)
 
     # -- the decode node ---------------------------------------------------------------------------
@@ -449,6 +454,8 @@ class Simulator:
             self._start(head, now)
 
     def _finish(self, now: float, flight: _InFlight) -> None:
+        if flight.outcome is not None:
+            self.router.observe(flight.turn, flight.choice, flight.outcome)
         d = flight.decode
         d.reserved -= flight.reserved
         d.running -= 1
