@@ -39,6 +39,7 @@ from typing import Any
 from kvplane.bench import report
 from kvplane.bench.findings import table_paragraph
 from kvplane.bench.sim import BASELINES, ClusterSpec, RunOptions, SimConfig, SimResult, simulator_for
+from kvplane.bench.sim.baselines import MEASURED_ROUTE_S
 from kvplane.bench.sim.command import SimSpec, policy_json, run_policy, spec_turns
 from kvplane.bench.sim.retention import DEMAND_LATENCY_SOURCE, MEASURED_DEMAND_LATENCY_S
 from kvplane.bench.workloads import (
@@ -214,7 +215,12 @@ def perf_section(data: dict[str, Any], tables: str, plots_rel: str) -> str:
         f" full D, kvplane's release answers {1000 * MEASURED_DEMAND_LATENCY_S:.1f} ms after the"
         " demand: `MEASURED_DEMAND_LATENCY_S`, the p50 wait measured by"
         f" `{demand_command()}` on the sim-engine stack ({DEMAND_LATENCY_SOURCE}); no bench has"
-        " measured it on vLLM's connector yet. kvplane's router knows only what a live"
+        " measured it on vLLM's connector yet. A kvplane turn reaches P"
+        f" {1000 * MEASURED_ROUTE_S:.1f} ms after it arrives (`MEASURED_ROUTE_S`: the mean Route call"
+        " kvplane's gateway timed in the live comparison, `python -m kvplane.bench.compare`, at one"
+        " conversation in flight); routing hears P's report of a turn when the turn is over, and"
+        " knows of P's prefix cache only what it sent and what those reports said. kvplane's router"
+        " knows only what a live"
         " routing service knows (load reports, its own record of what it routed, handles); the"
         " baselines' routers likewise, except `prefix-affinity`, which is given P's cache contents as"
         " engines publishing KV-cache events would give them.",

@@ -11,7 +11,9 @@ Per turn:
    (its `remote_num_tokens`; single use: D frees the handle's blocks once P
    has read them). A handle routed to a pull is checked out: no other route
    gets it and no control-plane release frees it.
-2. The turn joins P's waiting queue. P is one compute stream whose
+2. The turn joins P's waiting queue once the front's own hop is over
+   (`SimConfig.control_path_s`: kvplane's gateway waits for its Route
+   answer before it sends the P leg). P is one compute stream whose
    scheduler takes turns in order, as vLLM's does (below).
 3. When P's scheduler takes the turn, P looks its prefix cache up first, as
    vLLM does: it holds the leading blocks of the prompts it computed or
@@ -67,7 +69,8 @@ from __future__ import annotations
 import heapq
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import cast
 
 from kvplane.bench.sim.block_chain import BlockChain, BlockIds
 from kvplane.bench.sim.cluster import ClusterSpec, DecodeState, PrefillState, SimHandle
@@ -78,7 +81,7 @@ from kvplane.bench.sim.retention import Retention
 from kvplane.bench.sim.routers import RouteChoice, Router, TurnOutcome
 from kvplane.bench.workloads.turns import Turn
 
-_DONE, _EXPIRE, _TICK, _DEMAND, _READ_DONE, _PREFILL_DONE = 0, 1, 2, 3, 4, 5
+_DONE, _EXPIRE, _TICK, _DEMAND, _READ_DONE, _PREFILL_DONE, _AT_PREFILL, _FOLLOW_UP = range(8)
 
 # Release reasons the fleet itself produces (the control plane's come from ReleaseReason).
 ENGINE_TTL = "engine_ttl"
@@ -98,10 +101,19 @@ class SimConfig:
     # What D does when a turn's KV does not fit: "wait" for pinned retained KV to be freed
     # (vLLM), or "evict" retained handles (the what-if; see ENGINE_MODELS).
     pressure: str = "wait"
+    # A client that sends a conversation's next turn only once the previous answer is done (as
+    # the live comparison's does): a turn that arrives earlier is held until then, and its TTFT
+    # counts from then. False: every turn arrives when the workload says (a trace's clients).
+    closed_loop: bool = False
+    # Seconds from a turn's arrival to its P leg reaching P: the front's own hop before P starts
+    # (kvplane's gateway: its Route call). The route is decided on arrival.
+    control_path_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.pressure not in ("evict", "wait"):
             raise ValueError("pressure must be 'evict' or 'wait'")
+        if self.control_path_s < 0:
+            raise ValueError("control_path_s must be >= 0")
 
 
 # The engine models by their user-facing names: `pressure` for each.
@@ -221,6 +233,10 @@ class Simulator:
                     self._read_done(payload, t)  # type: ignore[arg-type]
                 elif kind == _PREFILL_DONE:
                     self._prefill_done(payload, t)  # type: ignore[arg-type]
+                elif kind == _AT_PREFILL:
+                    self._reach_prefill(payload, t)  # type: ignore[arg-type]
+                elif kind == _FOLLOW_UP:
+                    self._arrive(replace(cast(Turn, payload), arrival_s=t))
                 else:
                     self._tick(t, upcoming is not None)
             elif upcoming is not None:
@@ -243,6 +259,11 @@ class Simulator:
         if conversation is None:
             conversation = Conversation()
             self._conversations[turn.conversation] = conversation
+        if self.config.closed_loop:
+            if conversation.in_flight:
+                conversation.follow_ups.append(turn)  # sent once the answer before it is done
+                return
+            conversation.in_flight = True
         shared = min(turn.reused_prefix_tokens, turn.previous_context_tokens) if turn.turn_index else 0
         base = conversation.chain.prefix(shared // block)
         named = self._named_prefix(turn)
@@ -264,7 +285,12 @@ class Simulator:
         conversation.chain = prompt.extended(turn.context_tokens // block - len(prompt), self._ids)
         conversation.last_prefill = p.node.node_id
         conversation.last_prompt = prompt
-        self._enqueue(p, _InFlight(turn, conversation, choice, prompt, need), now)
+        flight = _InFlight(turn, conversation, choice, prompt, need)
+        delay = self.config.control_path_s
+        if delay > 0:
+            self._push(now + delay, _AT_PREFILL, flight)  # the front's hop: Route, then the P leg
+        else:
+            self._enqueue(p, flight, now)
 
     def _named_prefix(self, turn: Turn) -> BlockChain:
         """The longest leading run of `turn.block_ids` an earlier prompt sent, as that prompt's
@@ -277,6 +303,10 @@ class Simulator:
         return BlockChain()
 
     # -- the prefill node's scheduler -------------------------------------------------------------
+
+    def _reach_prefill(self, flight: _InFlight, now: float) -> None:
+        """The front's hop is over: the P leg reaches P."""
+        self._enqueue(flight.prefill, flight, now)
 
     def _enqueue(self, p: PrefillState, flight: _InFlight, now: float) -> None:
         """The turn joins P's waiting queue; P's load counts it at once (a guess at its compute)."""
@@ -456,6 +486,7 @@ class Simulator:
     def _finish(self, now: float, flight: _InFlight) -> None:
         if flight.outcome is not None:
             self.router.observe(flight.turn, flight.choice, flight.outcome)
+        self._next_turn(flight.conversation, now)
         d = flight.decode
         d.reserved -= flight.reserved
         d.running -= 1
@@ -490,6 +521,14 @@ class Simulator:
             self._push(handle.expiry_s, _EXPIRE, handle)
         self.retention.on_publish(handle)
         self.router.on_publish(conversation, handle, now)
+
+    def _next_turn(self, conversation: Conversation, now: float) -> None:
+        """Closed loop: the conversation's next turn, held for this answer, is sent now."""
+        if not self.config.closed_loop:
+            return
+        conversation.in_flight = False
+        if conversation.follow_ups:
+            self._push(now, _FOLLOW_UP, conversation.follow_ups.popleft())
 
     def _tick(self, now: float, arrivals_left: bool) -> None:
         for handle_id, reason in self.retention.evaluate(now):
