@@ -72,7 +72,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import cast
 
-from kvplane.bench.sim.block_chain import BlockChain, BlockIds
+from kvplane.bench.sim.block_chain import BlockChain, BlockIds, NamedBlocks
 from kvplane.bench.sim.cluster import ClusterSpec, DecodeState, PrefillState, SimHandle
 from kvplane.bench.sim.costs import SimCosts
 from kvplane.bench.sim.fleet import Conversation, Fleet
@@ -198,8 +198,7 @@ class Simulator:
         self._seq = 0
         self._ids = BlockIds()
         self._conversations: dict[str, Conversation] = {}
-        # A block id a workload names (`Turn.block_ids`) -> the latest prompt that sent that block.
-        self._named: dict[int, BlockChain] = {}
+        self._named = NamedBlocks()
         self._handles: dict[int, SimHandle] = {}
         self._next_handle = 1
         self._contacted: set[tuple[int, int]] = set()
@@ -266,12 +265,11 @@ class Simulator:
             conversation.in_flight = True
         shared = min(turn.reused_prefix_tokens, turn.previous_context_tokens) if turn.turn_index else 0
         base = conversation.chain.prefix(shared // block)
-        named = self._named_prefix(turn)
+        named = self._named.prefix(turn.block_ids, turn.block_id_tokens // block)
         if len(named) > len(base):
             base = named  # a prefix other conversations sent too (a system prompt, a document)
         prompt = base.extended(turn.prompt_tokens // block - len(base), self._ids)
-        for h in turn.block_ids:
-            self._named[h] = prompt
+        self._named.sent(turn.block_ids, prompt)
         rec.reusable_tokens += min(shared, turn.prompt_tokens - 1) // block * block if shared else 0
 
         choice = self.router.route(turn, conversation, prompt, now)
@@ -291,16 +289,6 @@ class Simulator:
             self._push(now + delay, _AT_PREFILL, flight)  # the front's hop: Route, then the P leg
         else:
             self._enqueue(p, flight, now)
-
-    def _named_prefix(self, turn: Turn) -> BlockChain:
-        """The longest leading run of `turn.block_ids` an earlier prompt sent, as that prompt's
-        blocks: equal ids hold equal tokens in every conversation (see `Turn.block_ids`)."""
-        ids = turn.block_ids
-        for i in range(len(ids) - 1, -1, -1):
-            earlier = self._named.get(ids[i])
-            if earlier is not None:
-                return earlier.prefix((i + 1) * turn.block_id_tokens // self.config.digest_block_size)
-        return BlockChain()
 
     # -- the prefill node's scheduler -------------------------------------------------------------
 
