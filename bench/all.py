@@ -69,7 +69,8 @@ POLICY_LEGEND = (
     " happens to hold); `vllm-proxy` (vLLM's example proxy: round-robin, one single-use handle per"
     " conversation kept 450 s, D's TTL 480 s, no release, no prefix check, so a pull into an edited or"
     " cut history serves KV computed for other tokens); `vllm-proxy-checked` (the same with a"
-    " token-exact prefix check: a mismatch recomputes); `prefix-affinity` (llm-d-style precise"
+    " token-exact prefix check: a mismatch recomputes and frees the handle); `prefix-affinity`"
+    " (llm-d-style precise"
     " prefix-cache-aware routing: the turn goes to the P where it finishes first given that P's cached"
     " blocks and current queue; no D->P reuse, D keeps nothing); `kvplane` (the default routing and"
     " retention policies, run in process; D's TTL 480 s); `oracle` (unlimited KV on D and in P's"
@@ -227,7 +228,13 @@ def perf_section(data: dict[str, Any], tables: str, plots_rel: str) -> str:
         "",
         f"Mooncake conversation trace: {trace['requests']:,} requests, {trace['continuations']:,} continue"
         f" an earlier context, gap p50 {trace['gap_p50_s']:.0f} s, {100 * trace['gaps_over_480s']:.1f}%"
-        " of gaps over 480 s (the adapter reproduces `shared/traces/README.md`).",
+        " of gaps over 480 s (the adapter reproduces `shared/traces/README.md`). Turns are linked as"
+        " the trace defines them: a request that shares more than the system prompt's block with an"
+        " earlier one continues that request's conversation, unless the conversation has moved on"
+        " from it (another line over a shared prefix is a conversation of its own); prompts that"
+        " share leading blocks share them in P's prefix cache, whatever their conversations. Each"
+        " table's `--seed` places each request within its recorded millisecond and starts the"
+        " round-robin baselines' counters.",
         "",
         POLICY_LEGEND,
         "",
