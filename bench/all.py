@@ -39,7 +39,9 @@ from typing import Any
 from kvplane.bench import report
 from kvplane.bench.findings import table_paragraph
 from kvplane.bench.sim import BASELINES, ClusterSpec, RunOptions, SimConfig, SimResult, simulator_for
+from kvplane.bench.sim.baselines import MEASURED_ROUTE_S
 from kvplane.bench.sim.command import SimSpec, policy_json, run_policy, spec_turns
+from kvplane.bench.sim.retention import DEMAND_LATENCY_SOURCE, MEASURED_DEMAND_LATENCY_S
 from kvplane.bench.workloads import (
     DEFAULT_TRACE,
     AgenticWorkload,
@@ -67,7 +69,8 @@ POLICY_LEGEND = (
     " happens to hold); `vllm-proxy` (vLLM's example proxy: round-robin, one single-use handle per"
     " conversation kept 450 s, D's TTL 480 s, no release, no prefix check, so a pull into an edited or"
     " cut history serves KV computed for other tokens); `vllm-proxy-checked` (the same with a"
-    " token-exact prefix check: a mismatch recomputes); `prefix-affinity` (llm-d-style precise"
+    " token-exact prefix check: a mismatch recomputes and frees the handle); `prefix-affinity`"
+    " (llm-d-style precise"
     " prefix-cache-aware routing: the turn goes to the P where it finishes first given that P's cached"
     " blocks and current queue; no D->P reuse, D keeps nothing); `kvplane` (the default routing and"
     " retention policies, run in process; D's TTL 480 s); `oracle` (unlimited KV on D and in P's"
@@ -181,6 +184,15 @@ def tables_markdown(specs: dict[str, SimSpec], results: dict[str, dict[str, SimR
     return "\n\n".join(parts)
 
 
+def demand_command() -> str:
+    """The command that measured the simulator's demand latency, as its results file records it."""
+    try:
+        data = json.loads((REPO / DEMAND_LATENCY_SOURCE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return "python -m kvplane.bench.demand_bench"
+    return str(data.get("command", "python -m kvplane.bench.demand_bench"))
+
+
 def perf_section(data: dict[str, Any], tables: str, plots_rel: str) -> str:
     trace = data["trace"]
     scale = data.get("scale")
@@ -196,16 +208,33 @@ def perf_section(data: dict[str, Any], tables: str, plots_rel: str) -> str:
         "",
         "The engine model is vLLM's unless a table says otherwise: KV that D retains for a remote read"
         " stays allocated until P reads it, the control plane releases it or D's TTL (480 s) ends, and"
-        " a turn whose KV does not fit waits for memory. Each P keeps a prefix cache (LRU over blocks,"
-        " filled by the prompts it computes or pulls); a turn computes only what its P neither holds"
-        " nor pulls, and a pull moves only what P lacks. kvplane's router knows only what a live"
+        " a turn whose KV does not fit waits for memory. D hears of a turn when P answers it, as the"
+        " gateway and vLLM's proxies send the D leg only then. Each P keeps a prefix cache (LRU over"
+        " blocks, filled by the prompts it computes or pulls, shared by every conversation whose"
+        " prompt holds the same blocks, such as the trace's system prompt); a turn computes only what"
+        " its P neither holds nor pulls, and a pull moves only what P lacks. When turns wait on a"
+        f" full D, kvplane's release answers {1000 * MEASURED_DEMAND_LATENCY_S:.1f} ms after the"
+        " demand: `MEASURED_DEMAND_LATENCY_S`, the p50 wait measured by"
+        f" `{demand_command()}` on the sim-engine stack ({DEMAND_LATENCY_SOURCE}); no bench has"
+        " measured it on vLLM's connector yet. A kvplane turn reaches P"
+        f" {1000 * MEASURED_ROUTE_S:.1f} ms after it arrives (`MEASURED_ROUTE_S`: the mean Route call"
+        " kvplane's gateway timed in the live comparison, `python -m kvplane.bench.compare`, at one"
+        " conversation in flight); routing hears P's report of a turn when the turn is over, and"
+        " knows of P's prefix cache only what it sent and what those reports said. kvplane's router"
+        " knows only what a live"
         " routing service knows (load reports, its own record of what it routed, handles); the"
         " baselines' routers likewise, except `prefix-affinity`, which is given P's cache contents as"
         " engines publishing KV-cache events would give them.",
         "",
         f"Mooncake conversation trace: {trace['requests']:,} requests, {trace['continuations']:,} continue"
         f" an earlier context, gap p50 {trace['gap_p50_s']:.0f} s, {100 * trace['gaps_over_480s']:.1f}%"
-        " of gaps over 480 s (the adapter reproduces `shared/traces/README.md`).",
+        " of gaps over 480 s (the adapter reproduces `shared/traces/README.md`). Turns are linked as"
+        " the trace defines them: a request that shares more than the system prompt's block with an"
+        " earlier one continues that request's conversation, unless the conversation has moved on"
+        " from it (another line over a shared prefix is a conversation of its own); prompts that"
+        " share leading blocks share them in P's prefix cache, whatever their conversations. Each"
+        " table's `--seed` places each request within its recorded millisecond and starts the"
+        " round-robin baselines' counters.",
         "",
         POLICY_LEGEND,
         "",

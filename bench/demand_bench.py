@@ -17,6 +17,11 @@ The wait for memory is the first minus the second (demand to free, through the
 whole control plane). Everything shares the machine's cores:
 
     python -m kvplane.bench.demand_bench --rounds 20
+
+`--json PATH` writes the figures (ms) with the command that measured them; the
+simulator's demand latency (`kvplane.bench.sim.retention.MEASURED_DEMAND_LATENCY_S`)
+is the p50 wait of `bench/results/demand_bench.json`, measured at `--speedup 1`
+(the sim-engine at the simulated model's own timing).
 """
 
 from __future__ import annotations
@@ -229,6 +234,27 @@ def _ms(values: Sequence[float], q: float) -> float:
     return 1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def figures(results: Sequence[Round], blocks: int, speedup: float, command: str) -> dict[str, Any]:
+    """What `--json` writes: p50, p90 and max of each latency, in ms."""
+
+    def stats(values: Sequence[float]) -> dict[str, float]:
+        return {
+            "p50": round(_ms(values, 0.5), 1),
+            "p90": round(_ms(values, 0.9), 1),
+            "max": round(1000 * max(values), 1),
+        }
+
+    return {
+        "command": command,
+        "rounds": len(results),
+        "decode_blocks": blocks,
+        "speedup": speedup,
+        "full_ms": stats([r.full_s for r in results]),
+        "free_ms": stats([r.free_s for r in results]),
+        "wait_ms": stats([r.wait_s for r in results]),
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -236,6 +262,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--blocks", type=int, default=64, help="D's KV blocks (16 tokens each)")
     parser.add_argument("--speedup", type=float, default=50.0, help="sim-engine time divisor")
+    parser.add_argument("--json", type=Path, help="write the figures (ms) here")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="kvplane-demand-") as run_dir:
         results = asyncio.run(run(args.rounds, args.blocks, args.speedup, Path(run_dir)))
@@ -251,6 +278,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ):
         print(f"{name:<34} {_ms(values, 0.5):>8.1f} {_ms(values, 0.9):>8.1f} {1000 * max(values):>8.1f}")
     print(f"full / baseline, p50: {statistics.median(full) / statistics.median(free):.2f}x")
+    if args.json:
+        command = f"python -m kvplane.bench.demand_bench --rounds {args.rounds} --blocks {args.blocks}"
+        command += f" --speedup {args.speedup:g}"
+        data = figures(results, args.blocks, args.speedup, command)
+        args.json.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+        print(f"wrote {args.json}")
     return 0
 
 

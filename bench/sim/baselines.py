@@ -43,6 +43,12 @@ from kvplane.services.eviction.policy.pipeline import DEFAULT_CONFIG
 from kvplane.services.routing.policy import RoutingPolicy, load_policy
 
 UNLIMITED_BYTES = 1 << 62
+# Seconds kvplane's gateway spends in Route before it sends a turn's P leg: the mean Route call its
+# gateway timed in `python -m kvplane.bench.compare --workload A --concurrency 1,8 --repeats 1`
+# (2 P + 2 D sim-engines at Qwen3-32B timing, on the loaded 2-core machine; the "Route ms" column:
+# 9.02 ms at concurrency 1, 12.28 ms at 8). The other fronts' own hops are not modelled: the
+# comparison does not time them apart from the engines.
+MEASURED_ROUTE_S = 0.00902
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +65,8 @@ class Baseline:
     routing_policy: str = ""
     # Seconds between load reports (None: the config's; 0: always current).
     report_interval_s: float | None = None
+    # Seconds the front takes before a turn's P leg reaches P (None: the config's).
+    control_path_s: float | None = None
 
 
 BASELINES: dict[str, Baseline] = {
@@ -68,7 +76,7 @@ BASELINES: dict[str, Baseline] = {
         Baseline("vllm-proxy", "proxy", engine_ttl_s=480.0),
         Baseline("vllm-proxy-checked", "proxy-checked", engine_ttl_s=480.0),
         Baseline("prefix-affinity", "affinity", engine_ttl_s=0.0),
-        Baseline("kvplane", "policy", DEFAULT_CONFIG, engine_ttl_s=480.0),
+        Baseline("kvplane", "policy", DEFAULT_CONFIG, engine_ttl_s=480.0, control_path_s=MEASURED_ROUTE_S),
         Baseline("oracle", "oracle", engine_ttl_s=float("inf"), unlimited_memory=True),
     )
 }
@@ -97,18 +105,21 @@ def simulator_for(baseline: Baseline, config: SimConfig, options: RunOptions | N
     config = replace(config, cluster=cluster)
     if baseline.report_interval_s is not None:
         config = replace(config, load_report_interval_s=baseline.report_interval_s)
+    if baseline.control_path_s is not None:
+        config = replace(config, control_path_s=baseline.control_path_s)
 
     def router(fleet: Fleet) -> Router:
+        seed = options.seed
         if baseline.router == "none":
-            return NoReuseRouter(fleet)
+            return NoReuseRouter(fleet, seed)
         if baseline.router == "proxy":
-            return ExampleProxyRouter(fleet)
+            return ExampleProxyRouter(fleet, seed=seed)
         if baseline.router == "proxy-checked":
-            return ExampleProxyRouter(fleet, checked=True)
+            return ExampleProxyRouter(fleet, checked=True, seed=seed)
         if baseline.router == "affinity":
-            return PrefixAffinityRouter(fleet)
+            return PrefixAffinityRouter(fleet, seed)
         if baseline.router == "oracle":
-            return OracleRouter(fleet, config.digest_block_size)
+            return OracleRouter(fleet, config.digest_block_size, seed)
         policy = RoutingPolicy(
             load_policy(Path(baseline.routing_policy) if baseline.routing_policy else None)
         )

@@ -103,6 +103,28 @@ class BlockChain(Sequence[int]):
         )
 
 
+class NamedBlocks:
+    """Prompts whose blocks a workload names with chained ids (`Turn.block_ids`), so that prompts
+    of other conversations with equal leading ids get the same block values there."""
+
+    def __init__(self) -> None:
+        self._latest: dict[int, BlockChain] = {}  # id -> the latest prompt that sent its block
+
+    def sent(self, ids: Sequence[int], prompt: BlockChain) -> None:
+        """`prompt` holds the blocks named by `ids`, in order from its start."""
+        for h in ids:
+            self._latest[h] = prompt
+
+    def prefix(self, ids: Sequence[int], blocks_per_id: int) -> BlockChain:
+        """The longest leading run of `ids` an earlier prompt sent, as that prompt's blocks (ids
+        are chained: the prompt that sent the i-th id sent all before it)."""
+        for i in range(len(ids) - 1, -1, -1):
+            earlier = self._latest.get(ids[i])
+            if earlier is not None:
+                return earlier.prefix((i + 1) * blocks_per_id)
+        return BlockChain()
+
+
 @lru_cache(maxsize=65536)
 def _points(num_blocks: int) -> tuple[int, ...]:
     return checkpoints(num_blocks)

@@ -35,14 +35,18 @@ class ClusterSpec:
     # KV a prefill node keeps as its prefix cache (vLLM's enable_prefix_caching): the same
     # accelerators as D, less what the prefill batch in flight takes. 0: no prefix cache.
     prefill_cache_bytes: int = 64 << 30
+    # KV pool a prefill engine registers (its accelerators after the weights), which is all a
+    # router is told: what its prefix cache really keeps of it (above), a router learns only
+    # from P's reports. With the prefix cache off the engine still registers its pool.
+    prefill_kv_capacity_bytes: int = 80 << 30
     model: str = "Qwen/Qwen3-32B"
     zones: int = 1
 
     def __post_init__(self) -> None:
         if self.prefill_nodes < 1 or self.decode_nodes < 1 or self.decode_kv_capacity_bytes <= 0:
             raise ValueError("need at least one P and one D node with positive KV capacity")
-        if self.prefill_cache_bytes < 0:
-            raise ValueError("prefill_cache_bytes must be >= 0")
+        if self.prefill_cache_bytes < 0 or self.prefill_kv_capacity_bytes < 0:
+            raise ValueError("prefill_cache_bytes and prefill_kv_capacity_bytes must be >= 0")
 
 
 def build_node(role: NodeRole, index: int, spec: ClusterSpec, kv_bytes_per_token: int) -> Node:
@@ -60,7 +64,9 @@ def build_node(role: NodeRole, index: int, spec: ClusterSpec, kv_bytes_per_token
         # A prefill engine registers its KV pool too, which its prefix cache lives in: a router
         # bounds what it believes the node still caches by it.
         kv_capacity_bytes=(
-            spec.decode_kv_capacity_bytes if role is NodeRole.DECODE else spec.prefill_cache_bytes
+            spec.decode_kv_capacity_bytes
+            if role is NodeRole.DECODE
+            else max(spec.prefill_kv_capacity_bytes, spec.prefill_cache_bytes)
         ),
         kv_bytes_per_token=kv_bytes_per_token,
         labels={"zone": f"z{index % max(1, spec.zones)}"},

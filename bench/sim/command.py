@@ -84,7 +84,7 @@ class SimSpec:
 def load_turns(trace: str, workload: str, seed: int, max_turns: int) -> tuple[Turn, ...]:
     """The spec's turns, once per process."""
     if trace:
-        turns: Iterable[Turn] = mooncake_turns(trace)
+        turns: Iterable[Turn] = mooncake_turns(trace, seed=seed)
     elif workload == "agentic":
         turns = agentic_turns(
             AgenticWorkload(seed=seed, sessions_per_s=AGENTIC_SESSIONS_PER_S, duration_s=AGENTIC_DURATION_S)

@@ -11,7 +11,9 @@ Per turn:
    (its `remote_num_tokens`; single use: D frees the handle's blocks once P
    has read them). A handle routed to a pull is checked out: no other route
    gets it and no control-plane release frees it.
-2. The turn joins P's waiting queue. P is one compute stream whose
+2. The turn joins P's waiting queue once the front's own hop is over
+   (`SimConfig.control_path_s`: kvplane's gateway waits for its Route
+   answer before it sends the P leg). P is one compute stream whose
    scheduler takes turns in order, as vLLM's does (below).
 3. When P's scheduler takes the turn, P looks its prefix cache up first, as
    vLLM does: it holds the leading blocks of the prompts it computed or
@@ -19,9 +21,10 @@ Per turn:
    only what P lacks (`remote_num_tokens` minus the local hit), and P
    computes the rest (plus the attention over the held and pulled tokens,
    see `costs.py`). TTFT is arrival to the end of that compute, or later if
-   D is not yet admitting the turn.
-4. D reserves the turn's KV (prompt and answer) when it is routed. The
-   default engine model is vLLM's: `pressure="wait"`. Retained blocks stay
+   D cannot admit the turn then.
+4. D hears of the turn when P is done, as the gateway (and vLLM's proxies)
+   send a turn's D leg only once P answers, and reserves the turn's KV
+   (prompt and answer) then. The default engine model is vLLM's: `pressure="wait"`. Retained blocks stay
    pinned until read, released or expired, and a turn that does not fit
    waits (FIFO) for memory; its first token, hence its TTFT, waits with it.
    The what-if `pressure="evict"` is an engine that may drop retained KV
@@ -30,7 +33,10 @@ Per turn:
    preemption).
 5. After decoding, D keeps the turn's KV as the conversation's handle until
    it is read, released by the control plane or freed by D's TTL (or, with
-   `pressure="evict"`, pushed out).
+   `pressure="evict"`, pushed out). Then the router hears P's report of the
+   turn (its cache hits, pulled and computed tokens), as routing gets
+   ReportTurn from the gateway after D's last token: until then its record
+   of P's cache is what it believed at routing, whatever P evicted since.
 
 When a pull starts. vLLM's prefill engine does not read a remote prefix when
 a request arrives: its scheduler asks the connector for external tokens
@@ -63,9 +69,10 @@ from __future__ import annotations
 import heapq
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import cast
 
-from kvplane.bench.sim.block_chain import BlockChain, BlockIds
+from kvplane.bench.sim.block_chain import BlockChain, BlockIds, NamedBlocks
 from kvplane.bench.sim.cluster import ClusterSpec, DecodeState, PrefillState, SimHandle
 from kvplane.bench.sim.costs import SimCosts
 from kvplane.bench.sim.fleet import Conversation, Fleet
@@ -74,7 +81,7 @@ from kvplane.bench.sim.retention import Retention
 from kvplane.bench.sim.routers import RouteChoice, Router, TurnOutcome
 from kvplane.bench.workloads.turns import Turn
 
-_DONE, _EXPIRE, _TICK, _DEMAND, _READ_DONE, _PREFILL_DONE = 0, 1, 2, 3, 4, 5
+_DONE, _EXPIRE, _TICK, _DEMAND, _READ_DONE, _PREFILL_DONE, _AT_PREFILL, _FOLLOW_UP = range(8)
 
 # Release reasons the fleet itself produces (the control plane's come from ReleaseReason).
 ENGINE_TTL = "engine_ttl"
@@ -94,10 +101,19 @@ class SimConfig:
     # What D does when a turn's KV does not fit: "wait" for pinned retained KV to be freed
     # (vLLM), or "evict" retained handles (the what-if; see ENGINE_MODELS).
     pressure: str = "wait"
+    # A client that sends a conversation's next turn only once the previous answer is done (as
+    # the live comparison's does): a turn that arrives earlier is held until then, and its TTFT
+    # counts from then. False: every turn arrives when the workload says (a trace's clients).
+    closed_loop: bool = False
+    # Seconds from a turn's arrival to its P leg reaching P: the front's own hop before P starts
+    # (kvplane's gateway: its Route call). The route is decided on arrival.
+    control_path_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.pressure not in ("evict", "wait"):
             raise ValueError("pressure must be 'evict' or 'wait'")
+        if self.control_path_s < 0:
+            raise ValueError("control_path_s must be >= 0")
 
 
 # The engine models by their user-facing names: `pressure` for each.
@@ -108,7 +124,6 @@ class _InFlight:
     """A turn past routing: its prefill on P, and D's reservation once admitted."""
 
     __slots__ = (
-        "admitted",
         "cached",
         "chain",
         "choice",
@@ -119,11 +134,11 @@ class _InFlight:
         "decode",
         "estimate_s",
         "estimate_tokens",
+        "outcome",
         "poisoned_from",
         "prefill",
         "prompt",
         "pulled",
-        "ready_s",
         "reserved",
         "transfer",
         "turn",
@@ -157,9 +172,8 @@ class _InFlight:
         # P's load as counted at routing (a guess from P's cache then), corrected when taken.
         self.estimate_tokens = 0
         self.estimate_s = 0.0
-        # When P finished the prompt (-1: not yet), and whether D has admitted the turn.
-        self.ready_s = -1.0
-        self.admitted = False
+        # P's report of the turn, for routing once the turn is over.
+        self.outcome: TurnOutcome | None = None
 
 
 RouterFactory = Callable[[Fleet], Router]
@@ -184,6 +198,7 @@ class Simulator:
         self._seq = 0
         self._ids = BlockIds()
         self._conversations: dict[str, Conversation] = {}
+        self._named = NamedBlocks()
         self._handles: dict[int, SimHandle] = {}
         self._next_handle = 1
         self._contacted: set[tuple[int, int]] = set()
@@ -217,6 +232,10 @@ class Simulator:
                     self._read_done(payload, t)  # type: ignore[arg-type]
                 elif kind == _PREFILL_DONE:
                     self._prefill_done(payload, t)  # type: ignore[arg-type]
+                elif kind == _AT_PREFILL:
+                    self._reach_prefill(payload, t)  # type: ignore[arg-type]
+                elif kind == _FOLLOW_UP:
+                    self._arrive(replace(cast(Turn, payload), arrival_s=t))
                 else:
                     self._tick(t, upcoming is not None)
             elif upcoming is not None:
@@ -239,13 +258,22 @@ class Simulator:
         if conversation is None:
             conversation = Conversation()
             self._conversations[turn.conversation] = conversation
+        if self.config.closed_loop:
+            if conversation.in_flight:
+                conversation.follow_ups.append(turn)  # sent once the answer before it is done
+                return
+            conversation.in_flight = True
         shared = min(turn.reused_prefix_tokens, turn.previous_context_tokens) if turn.turn_index else 0
         base = conversation.chain.prefix(shared // block)
+        named = self._named.prefix(turn.block_ids, turn.block_id_tokens // block)
+        if len(named) > len(base):
+            base = named  # a prefix other conversations sent too (a system prompt, a document)
         prompt = base.extended(turn.prompt_tokens // block - len(base), self._ids)
+        self._named.sent(turn.block_ids, prompt)
         rec.reusable_tokens += min(shared, turn.prompt_tokens - 1) // block * block if shared else 0
 
         choice = self.router.route(turn, conversation, prompt, now)
-        p, d = choice.prefill, choice.decode
+        p = choice.prefill
         handle = choice.pull
         if handle is not None and handle.alive:
             handle.checked_out = True
@@ -256,22 +284,17 @@ class Simulator:
         conversation.last_prefill = p.node.node_id
         conversation.last_prompt = prompt
         flight = _InFlight(turn, conversation, choice, prompt, need)
-        self._enqueue(p, flight, now)
-        if self.config.pressure == "evict":
-            if d.free < need:
-                self._make_room(d, need, now)
-                if d.free < need:
-                    rec.overcommitted_turns += 1
-            self._start(flight, now)
-        elif d.waiting or d.free < need:
-            rec.waited_turns += 1
-            d.waiting.append(flight)
-            self._admit(d, now)
-            self._signal_demand(d, now)
+        delay = self.config.control_path_s
+        if delay > 0:
+            self._push(now + delay, _AT_PREFILL, flight)  # the front's hop: Route, then the P leg
         else:
-            self._start(flight, now)
+            self._enqueue(p, flight, now)
 
     # -- the prefill node's scheduler -------------------------------------------------------------
+
+    def _reach_prefill(self, flight: _InFlight, now: float) -> None:
+        """The front's hop is over: the P leg reaches P."""
+        self._enqueue(flight.prefill, flight, now)
 
     def _enqueue(self, p: PrefillState, flight: _InFlight, now: float) -> None:
         """The turn joins P's waiting queue; P's load counts it at once (a guess at its compute)."""
@@ -316,7 +339,7 @@ class Simulator:
         # The first block whose KV is wrong: a poisoned cache hit, then what the pull imports.
         bad = poisoned_hit if poisoned_hit is not None and poisoned_hit * block < cached else None
         pulled = 0
-        if handle is not None:
+        if handle is not None and choice.pulled_tokens > 0:
             if handle.alive:
                 # vLLM's P reads only what it lacks: remote_num_tokens minus its local hit.
                 pulled = max(0, min(choice.pulled_tokens, turn.prompt_tokens - 1) - cached)
@@ -391,27 +414,44 @@ class Simulator:
         p.jobs -= 1
         p.queued_tokens -= flight.computed
         p.served += 1
-        flight.ready_s = now
-        turn = flight.turn
-        if flight.admitted:
-            self._first_token(flight, now)
-        # What P reports: its own prefill, whatever D's admission adds later.
-        outcome = TurnOutcome(
-            flight.pulled, flight.transfer, flight.compute, now - turn.arrival_s, flight.cached
+        # What P reports: its own prefill, whatever D's admission adds later. Routing hears it only
+        # when the turn is over (`_finish`), as the gateway reports a turn after D's last token.
+        flight.outcome = TurnOutcome(
+            flight.pulled, flight.transfer, flight.compute, now - flight.turn.arrival_s, flight.cached
         )
-        self.router.observe(turn, flight.choice, outcome)
+        self._to_decode(flight, now)
         self._schedule(p, now)
 
     # -- the decode node ---------------------------------------------------------------------------
 
+    def _to_decode(self, flight: _InFlight, now: float) -> None:
+        """P has answered: the turn's D leg is sent now, and D admits it or it waits for memory.
+
+        As the gateway and vLLM's proxies do, D hears of a turn only when P is done, so D's
+        memory is taken (or waited for) from then, not from routing.
+        """
+        d = flight.decode
+        need = flight.reserved
+        if self.config.pressure == "evict":
+            if d.free < need:
+                self._make_room(d, need, now)
+                if d.free < need:
+                    self.rec.overcommitted_turns += 1
+            self._start(flight, now)
+        elif d.waiting or d.free < need:
+            self.rec.waited_turns += 1
+            d.waiting.append(flight)
+            self._admit(d, now)
+            self._signal_demand(d, now)
+        else:
+            self._start(flight, now)
+
     def _start(self, flight: _InFlight, now: float) -> None:
-        """D admits the turn: its first token comes once P is done and D has its KV."""
+        """D admits the turn (P is done): its first token comes now."""
         d = flight.decode
         d.reserved += flight.reserved
         d.running += 1
-        flight.admitted = True
-        if flight.ready_s >= 0:
-            self._first_token(flight, now)
+        self._first_token(flight, now)
 
     def _first_token(self, flight: _InFlight, now: float) -> None:
         turn = flight.turn
@@ -432,6 +472,9 @@ class Simulator:
             self._start(head, now)
 
     def _finish(self, now: float, flight: _InFlight) -> None:
+        if flight.outcome is not None:
+            self.router.observe(flight.turn, flight.choice, flight.outcome)
+        self._next_turn(flight.conversation, now)
         d = flight.decode
         d.reserved -= flight.reserved
         d.running -= 1
@@ -466,6 +509,14 @@ class Simulator:
             self._push(handle.expiry_s, _EXPIRE, handle)
         self.retention.on_publish(handle)
         self.router.on_publish(conversation, handle, now)
+
+    def _next_turn(self, conversation: Conversation, now: float) -> None:
+        """Closed loop: the conversation's next turn, held for this answer, is sent now."""
+        if not self.config.closed_loop:
+            return
+        conversation.in_flight = False
+        if conversation.follow_ups:
+            self._push(now, _FOLLOW_UP, conversation.follow_ups.popleft())
 
     def _tick(self, now: float, arrivals_left: bool) -> None:
         for handle_id, reason in self.retention.evaluate(now):

@@ -25,6 +25,9 @@ still holds a handle is the outcome of the pull, not an input to the route).
 
 from __future__ import annotations
 
+from collections import deque
+from typing import Any
+
 from kvplane.bench.sim.block_chain import BlockChain
 from kvplane.bench.sim.cluster import (
     ENGINE_BLOCK_TOKENS,
@@ -42,7 +45,7 @@ from kvplane.services.routing.policy import NodeState
 class Conversation:
     """What the fleet remembers of one conversation between its turns."""
 
-    __slots__ = ("chain", "handle", "last_prefill", "last_prompt")
+    __slots__ = ("chain", "follow_ups", "handle", "in_flight", "last_prefill", "last_prompt")
 
     def __init__(self) -> None:
         # Block chain of the latest turn's context (prompt, then answer).
@@ -52,6 +55,9 @@ class Conversation:
         # The prefill node of the latest turn ("" before the first) and that turn's prompt blocks.
         self.last_prefill = ""
         self.last_prompt = BlockChain()
+        # Closed loop (`SimConfig.closed_loop`): a turn is in flight, and the turns held behind it.
+        self.in_flight = False
+        self.follow_ups: deque[Any] = deque()
 
     def live_handle(self) -> SimHandle | None:
         handle = self.handle

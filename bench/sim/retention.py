@@ -28,12 +28,16 @@ from kvplane.services.eviction.policy import (
     TurnTracker,
 )
 
-# Seconds from a decode engine's KV demand to its freed blocks, on vLLM with kvplane: the
-# scheduler step that finds a request without blocks (tens of ms under load), the node agent's
-# message on its command stream and the leader's fenced etcd transaction and command back (about
-# 10-20 ms on one machine: `python -m kvplane.bench.demand_bench`), then the step that applies the
-# release and the one whose workers report the blocks freed.
-DEFAULT_DEMAND_LATENCY_S = 0.15
+# Seconds from a decode engine's KV demand to its freed blocks through kvplane, as measured: the p50
+# wait of a request on a full decode sim-engine (its node agent's demand on the command stream,
+# the leader's fenced etcd transaction and release command, the engine's scheduler steps that free
+# the blocks) against the same request with memory free, by
+# `python -m kvplane.bench.demand_bench --rounds 20 --blocks 64 --speedup 1 --json
+# bench/results/demand_bench.json` (the sim-engine at the simulated model's timing; p90 16.7 ms).
+# No bench has measured it on vLLM's connector yet.
+MEASURED_DEMAND_LATENCY_S = 0.0043
+DEMAND_LATENCY_SOURCE = "bench/results/demand_bench.json"
+DEFAULT_DEMAND_LATENCY_S = MEASURED_DEMAND_LATENCY_S
 
 
 class Retention(Protocol):

@@ -43,6 +43,7 @@ class RouteChoice:
     decode: DecodeState
     decision: str
     pull: SimHandle | None = None
+    # 0 with a `pull`: nothing to read, P only tells D to free the handle's blocks.
     pulled_tokens: int = 0
     # False when the pull imports KV computed for other tokens (no prefix check).
     prefix_ok: bool = True
@@ -73,10 +74,14 @@ class Router(Protocol):
 
 
 class _RoundRobin:
-    def __init__(self, fleet: Fleet) -> None:
+    """Round-robin over P and D, from nodes the seed picks: a proxy's counters start wherever its
+    process found them, so runs with other seeds spread the same turns over other nodes."""
+
+    def __init__(self, fleet: Fleet, seed: int = 0) -> None:
         self.fleet = fleet
-        self._p = 0
-        self._d = 0
+        rng = random.Random(seed)
+        self._p = rng.randrange(len(fleet.prefill))
+        self._d = rng.randrange(len(fleet.decode))
 
     def next_pair(self) -> tuple[PrefillState, DecodeState]:
         p = self.fleet.prefill[self._p % len(self.fleet.prefill)]
@@ -89,8 +94,8 @@ class _RoundRobin:
 class NoReuseRouter:
     """Round-robin P and D; every turn recomputes its whole prompt."""
 
-    def __init__(self, fleet: Fleet) -> None:
-        self._rr = _RoundRobin(fleet)
+    def __init__(self, fleet: Fleet, seed: int = 0) -> None:
+        self._rr = _RoundRobin(fleet, seed)
 
     def route(self, turn: Turn, conversation: Conversation, prompt: BlockChain, now: float) -> RouteChoice:
         p, d = self._rr.next_pair()
@@ -116,11 +121,15 @@ class ExampleProxyRouter:
     the wrong tokens and the turn's output comes from the wrong KV
     (`pull_wrong_prefix`; none of it counts as reuse). `checked=True` adds a
     token-exact comparison of the prompt with the handle's tokens and
-    recomputes on a mismatch instead (`recompute_prefix_mismatch`).
+    recomputes on a mismatch instead (`recompute_prefix_mismatch`), handing
+    P the handle with nothing to read so that D frees its blocks then, as a
+    proxy that drops an entry would, rather than at D's TTL.
     """
 
-    def __init__(self, fleet: Fleet, cache_ttl_s: float = 450.0, *, checked: bool = False) -> None:
-        self._rr = _RoundRobin(fleet)
+    def __init__(
+        self, fleet: Fleet, cache_ttl_s: float = 450.0, *, checked: bool = False, seed: int = 0
+    ) -> None:
+        self._rr = _RoundRobin(fleet, seed)
         self.cache_ttl_s = cache_ttl_s
         self.checked = checked
         self._entries: dict[str, tuple[SimHandle, float]] = {}
@@ -139,7 +148,8 @@ class ExampleProxyRouter:
         if prefix_ok:
             return RouteChoice(p, d, "pull", handle, pulled)
         if self.checked:
-            return RouteChoice(p, d, "recompute_prefix_mismatch")
+            # The handle is of no use: P is handed it with nothing to read, so D frees its blocks.
+            return RouteChoice(p, d, "recompute_prefix_mismatch", handle, 0)
         return RouteChoice(p, d, "pull_wrong_prefix", handle, pulled, prefix_ok=False)
 
     def observe(self, turn: Turn, choice: RouteChoice, outcome: TurnOutcome) -> None:
@@ -183,9 +193,9 @@ class PrefixAffinityRouter:
     model starts from the same figures and learns from there.
     """
 
-    def __init__(self, fleet: Fleet) -> None:
+    def __init__(self, fleet: Fleet, seed: int = 0) -> None:
         self.fleet = fleet
-        self._rr = _RoundRobin(fleet)
+        self._rr = _RoundRobin(fleet, seed)
         self._inflight = InFlightLedger()
         self._routes = 0
         timing = fleet.costs.timing
@@ -243,10 +253,10 @@ class OracleRouter:
     conversation's real shared prefix), which no live router could know.
     """
 
-    def __init__(self, fleet: Fleet, block_size: int) -> None:
+    def __init__(self, fleet: Fleet, block_size: int, seed: int = 0) -> None:
         self.fleet = fleet
         self.block_size = block_size
-        self._rr = _RoundRobin(fleet)
+        self._rr = _RoundRobin(fleet, seed)
 
     def route(self, turn: Turn, conversation: Conversation, prompt: BlockChain, now: float) -> RouteChoice:
         fleet = self.fleet

@@ -5,21 +5,39 @@ Each line of such a trace is one request::
     {"timestamp": <ms>, "input_length": <tokens>, "output_length": <tokens>,
      "hash_ids": [<one id per prompt block; equal prefixes give equal leading ids>]}
 
-It has no conversation ids. A request that starts with blocks an earlier
-request sent re-sends that context: it is the next turn of the conversation
-whose latest request holds the longest shared prefix. Block 0 is a system
-prompt that nearly every request shares, so a continuation needs at least
-`min_shared_blocks` shared leading blocks (3, as in shared/traces/README.md).
+It has no conversation ids; what it defines is which requests share which
+leading blocks. Ids are chained (the id at position k names the whole prefix
+up to k), so the longest prefix a request shares with anything earlier ends
+at its last id seen before, and one dict from id to its latest sender finds
+the request that holds it (shared/traces/README.md: a request re-sending an
+earlier request's leading blocks re-sends that context).
 
-Ids are chained (the id at position k names the whole prefix up to k), so
-the longest prefix a request shares with anything earlier ends at its last
-id seen before, and one dict from id to its latest request finds it.
+Linking, as the trace's README defines it:
+
+- Block 0 is a system prompt nearly every request shares: it alone links
+  nothing. A request sharing more than it (`min_shared_blocks`, 2) with an
+  earlier request re-sends that request's context.
+- It is the next turn of that request's conversation when that request is
+  still the conversation's latest: a conversation is one line of requests.
+- When the conversation has moved on since (its latest request no longer
+  holds this prefix), the request starts a conversation of its own that
+  shares the prefix: another session over the same system prompt or
+  document (the trace has such prefixes, tens of thousands of tokens long,
+  continued along several lines that interleave in time). Linking it to the
+  other line would merge users.
+
+Every turn carries its blocks' ids (`Turn.block_ids`), so prompts of
+different conversations that share a prefix share it in the simulator's
+prefix caches too.
 
 The trace records prompts, not answers. A request that re-sends every whole
 block of its conversation's previous prompt and is at least as long as that
 prompt plus its answer is taken to re-send the answer verbatim, as chat APIs
 do: it continues the whole previous context. Otherwise only the shared
 blocks count as reused.
+
+`trace_statistics` measures the README's own figures, which count a
+continuation as 3 shared leading blocks with any earlier request.
 """
 
 from __future__ import annotations
@@ -27,8 +45,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvplane.bench.workloads.turns import Turn
@@ -42,12 +61,17 @@ DEFAULT_TRACE = Path(
 )
 
 
+# The README's figures count a continuation as this many shared leading blocks.
+README_MIN_SHARED_BLOCKS = 3
+
+
 @dataclass(frozen=True, slots=True)
 class TraceFormat:
-    """How to read a trace: block size in tokens, and the continuation rule."""
+    """How to read a trace: block size in tokens, and the continuation rule (more than the
+    system prompt's one block)."""
 
     block_size: int = 512
-    min_shared_blocks: int = 3
+    min_shared_blocks: int = 2
     tenant: str = "default"
 
 
@@ -68,9 +92,9 @@ class Link:
     previous: int
     # Leading blocks shared with that request.
     shared_blocks: int
-    # Leading blocks shared with any earlier request (counted for continuations only).
+    # Leading blocks shared with any earlier request (a new line over a shared prefix too).
     resent_blocks: int
-    # Seconds since the longest shared prefix was last sent (continuations only).
+    # Seconds since the longest shared prefix was last sent (0 when nothing is shared).
     context_age_s: float
 
 
@@ -147,27 +171,33 @@ class ConversationLinker:
         self._latest: dict[int, int] = {}  # conversation -> its latest request
         self._requests: list[TraceRequest] = []
 
+    def longest_shared(self, request: TraceRequest) -> tuple[int, int]:
+        """Leading blocks `request` shares with any earlier request, and the latest such request
+        (-1 if none)."""
+        ids = request.hash_ids
+        for i in range(len(ids) - 1, -1, -1):
+            holder = self._holder.get(ids[i])
+            if holder is not None:
+                return i + 1, holder
+        return 0, -1
+
     def link(self, request: TraceRequest) -> Link:
         index = len(self._requests)
-        ids = request.hash_ids
-        longest = 0
-        for i in range(len(ids) - 1, -1, -1):
-            if ids[i] in self._holder:
-                longest = i + 1
-                break
+        longest, source = self.longest_shared(request)
         if longest >= self.fmt.min_shared_blocks:
-            source = self._holder[ids[longest - 1]]
             conversation = self._conversation_of[source]
-            previous = self._latest[conversation]
-            shared = _shared_prefix(ids, self._requests[previous].hash_ids)
             age_s = (request.timestamp_ms - self._requests[source].timestamp_ms) / 1000.0
-            link = Link(conversation, previous, shared, longest, age_s)
+            if self._latest[conversation] == source:
+                link = Link(conversation, source, longest, longest, age_s)
+            else:
+                # The conversation moved on from this prefix: another line over it starts here.
+                link = Link(len(self._latest), -1, 0, longest, age_s)
         else:
             link = Link(len(self._latest), -1, 0, 0, 0.0)
         self._conversation_of.append(link.conversation)
         self._latest[link.conversation] = index
         self._requests.append(request)
-        for h in ids:
+        for h in request.hash_ids:
             self._holder[h] = index
         return link
 
@@ -207,11 +237,28 @@ def conversation_turns(requests: Iterable[TraceRequest], fmt: TraceFormat | None
             reused_prefix_tokens=reused,
             previous_context_tokens=previous_context,
             tenant=fmt.tenant,
+            block_ids=request.hash_ids[: request.input_length // fmt.block_size],
+            block_id_tokens=fmt.block_size,
         )
 
 
-def mooncake_turns(path: str | Path = DEFAULT_TRACE, fmt: TraceFormat | None = None) -> list[Turn]:
-    return list(conversation_turns(read_requests(path), fmt))
+def mooncake_turns(
+    path: str | Path = DEFAULT_TRACE, fmt: TraceFormat | None = None, seed: int | None = None
+) -> list[Turn]:
+    """The trace's turns in arrival order.
+
+    The trace stamps requests in whole milliseconds; with a `seed`, each request arrives at a
+    random point of its millisecond (requests stamped alike then come in a seeded order), so
+    runs with other seeds see other interleavings, as replays of the same trace would. None:
+    on the stamps, in trace order.
+    """
+    turns = list(conversation_turns(read_requests(path), fmt))
+    if seed is None:
+        return turns
+    rng = random.Random(seed)
+    jittered = [replace(t, arrival_s=t.arrival_s + rng.random() / 1000.0) for t in turns]
+    jittered.sort(key=lambda t: t.arrival_s)
+    return jittered
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,6 +286,8 @@ def _quantile(sorted_values: Sequence[float], q: float) -> float:
 
 
 def trace_statistics(requests: Iterable[TraceRequest], fmt: TraceFormat | None = None) -> TraceStatistics:
+    """The README's figures: a continuation shares `README_MIN_SHARED_BLOCKS` leading blocks with
+    any earlier request (whatever conversation the linker then gives it)."""
     fmt = fmt or TraceFormat()
     linker = ConversationLinker(fmt)
     count = continuations = blocks = resent = 0
@@ -248,11 +297,12 @@ def trace_statistics(requests: Iterable[TraceRequest], fmt: TraceFormat | None =
         count += 1
         blocks += len(request.hash_ids)
         inputs.append(request.input_length)
-        link = linker.link(request)
-        if link.previous >= 0:
+        longest, source = linker.longest_shared(request)
+        if longest >= README_MIN_SHARED_BLOCKS:
             continuations += 1
-            resent += link.resent_blocks
-            gaps.append(link.context_age_s)
+            resent += longest
+            gaps.append((request.timestamp_ms - linker.request(source).timestamp_ms) / 1000.0)
+        linker.link(request)
     gaps.sort()
     inputs.sort()
     qs = (0.10, 0.50, 0.90, 0.99)

@@ -31,6 +31,11 @@ class Turn:
     reused_prefix_tokens: int = 0
     previous_context_tokens: int = 0
     tenant: str = "default"
+    # Ids of the prompt's leading whole blocks of `block_id_tokens` tokens each, chained as a
+    # trace's hash ids are: prompts of any conversations whose leading ids are equal hold the same
+    # tokens there (a system prompt, a shared document). Empty: nothing shared across conversations.
+    block_ids: tuple[int, ...] = ()
+    block_id_tokens: int = 0
 
     @property
     def context_tokens(self) -> int:

@@ -66,6 +66,8 @@ def simulated_fleet() -> SimConfig:
         decode_nodes=DECODE_NODES,
         decode_kv_capacity_bytes=kv,
         prefill_cache_bytes=kv,
+        # What each P registers: the same pool its prefix cache lives in.
+        prefill_kv_capacity_bytes=kv,
     )
     return SimConfig(cluster=cluster)
 

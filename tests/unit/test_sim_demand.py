@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kvplane.bench.demand_bench import Round, figures
 from kvplane.bench.sim import BASELINES, ClusterSpec, SimConfig, simulator_for
 from kvplane.bench.sim.baselines import Baseline
 from kvplane.bench.sim.engine import Simulator
-from kvplane.bench.sim.retention import DEFAULT_DEMAND_LATENCY_S
+from kvplane.bench.sim.retention import (
+    DEFAULT_DEMAND_LATENCY_S,
+    DEMAND_LATENCY_SOURCE,
+    MEASURED_DEMAND_LATENCY_S,
+)
 from kvplane.bench.workloads import AgenticWorkload, Turn, agentic_turns
 from kvplane.services.eviction.policy import RetentionPipeline
 
+REPO = Path(__file__).resolve().parents[2]
 # Decode nodes too small for the workload's retained KV: turns wait for memory (vLLM's pinned KV).
 CONFIG = SimConfig(
     cluster=ClusterSpec(prefill_nodes=2, decode_nodes=2, decode_kv_capacity_bytes=8 << 30), pressure="wait"
@@ -73,3 +81,18 @@ def test_a_pipeline_without_the_demand_plugin_leaves_waiting_turns_to_the_engine
     summary = simulator_for(ttl_only, CONFIG).run(_turns()).summary
     assert summary.waited_turns > 0
     assert "demand" not in summary.releases
+
+
+def test_the_default_demand_latency_is_the_benchmarks_measured_p50() -> None:
+    measured = json.loads((REPO / DEMAND_LATENCY_SOURCE).read_text(encoding="utf-8"))
+    assert measured["command"].startswith("python -m kvplane.bench.demand_bench")
+    assert measured["speedup"] == 1
+    assert DEFAULT_DEMAND_LATENCY_S == MEASURED_DEMAND_LATENCY_S
+    assert pytest.approx(measured["wait_ms"]["p50"] / 1000.0) == MEASURED_DEMAND_LATENCY_S
+
+
+def test_the_bench_writes_its_figures_in_ms() -> None:
+    rounds = [Round(0.110, 0.100), Round(0.120, 0.100), Round(0.105, 0.100)]
+    data = figures(rounds, 64, 1.0, "python -m kvplane.bench.demand_bench --rounds 3")
+    assert data["rounds"] == 3 and data["speedup"] == 1.0
+    assert data["wait_ms"] == {"p50": 10.0, "p90": 20.0, "max": 20.0}

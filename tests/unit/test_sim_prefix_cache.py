@@ -69,9 +69,9 @@ def test_a_pull_fills_the_prefill_nodes_cache() -> None:
     turns = _conversation(4000, 4400)
     sim = simulator_for(BASELINES["vllm-proxy"], config)
     s = sim.run(turns).summary
-    # Round-robin: turn 0 on p0, turn 1 on p1, which holds nothing and pulls the whole context.
+    # Round-robin: turn 1 on the other P, which holds nothing and pulls the whole context.
     assert s.cached_tokens == 0 and s.pulled_tokens == 4200
-    assert sim.fleet.prefill[1].cache.used_blocks == 4400 // BLOCK
+    assert sorted(p.cache.used_blocks for p in sim.fleet.prefill) == [4000 // BLOCK, 4400 // BLOCK]
 
 
 def test_the_oracle_uses_every_cache_hit_and_pulls_the_rest() -> None:

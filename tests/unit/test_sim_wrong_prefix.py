@@ -55,3 +55,12 @@ def test_a_prompt_that_is_a_prefix_of_the_handle_is_correct_reuse() -> None:
     s = _run("vllm-proxy", _second(3000, 3000))
     assert s.decisions["pull"] == 1 and s.wrong_prefix_turns == 0
     assert s.reused_tokens == 2999
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_checked_proxy_frees_the_handle_that_did_not_match(case: str) -> None:
+    prompt, reused, _, _ = CASES[case]
+    s = _run("vllm-proxy-checked", _second(prompt, reused))
+    # The first turn's handle went when P took the second turn; only the second's lived to D's TTL.
+    assert s.releases.get("engine_ttl", 0) == 1
+    assert s.consumed_handles == 0 and s.pulled_tokens == 0

@@ -39,7 +39,11 @@ def test_every_continuation_becomes_a_later_turn_of_a_conversation() -> None:
     turns = list(conversation_turns(read_requests(DEFAULT_TRACE)))
     assert len(turns) == 12_031
     later = [t for t in turns if t.turn_index > 0]
-    assert len(later) == 4_103
+    # 4,658 requests share more than the system prompt's block with an earlier one (4,103 share 3
+    # blocks, as the README counts); 13 of them open another line over a prefix whose conversation
+    # had moved on.
+    assert len(later) == 4_645
+    assert len({t.conversation for t in turns}) == 12_031 - 4_645
     assert all(0 < t.reused_prefix_tokens <= t.prompt_tokens for t in later)
     assert all(t.arrival_s <= u.arrival_s for t, u in itertools.pairwise(turns))
 
@@ -81,7 +85,35 @@ def test_a_verbatim_continuation_reuses_the_previous_prompt_and_answer(tmp_path:
 def test_the_continuation_rule_is_configurable(tmp_path: Path) -> None:
     rows = [(0, 40, 5, [0, 1, 2, 3]), (1000, 60, 5, [0, 1, 8, 9, 10, 11])]
     trace = _write(tmp_path / "t.jsonl", rows)
-    strict = list(conversation_turns(read_requests(trace), TraceFormat(block_size=10)))
-    loose = list(conversation_turns(read_requests(trace), TraceFormat(block_size=10, min_shared_blocks=2)))
+    loose = list(conversation_turns(read_requests(trace), TraceFormat(block_size=10)))
+    strict = list(conversation_turns(read_requests(trace), TraceFormat(block_size=10, min_shared_blocks=3)))
     assert strict[1].turn_index == 0
     assert loose[1].turn_index == 1 and loose[1].reused_prefix_tokens == 20
+
+
+def test_a_follow_up_to_a_short_history_continues_its_conversation(tmp_path: Path) -> None:
+    # The first prompt is the system prompt's block and one of its own: the follow-up re-sends both.
+    rows = [(0, 15, 4, [0, 1]), (3000, 30, 5, [0, 1, 2])]
+    turns = list(
+        conversation_turns(read_requests(_write(tmp_path / "t.jsonl", rows)), TraceFormat(block_size=10))
+    )
+    assert [t.conversation for t in turns] == ["c0", "c0"]
+    assert turns[1].turn_index == 1 and turns[1].reused_prefix_tokens == 19 and turns[1].continues_context
+
+
+def test_a_new_line_over_a_prefix_its_conversation_left_is_another_conversation(tmp_path: Path) -> None:
+    rows = [
+        (0, 40, 5, [0, 1, 2, 3]),
+        # c0 goes on with an edited history: it no longer holds block 3.
+        (1000, 50, 5, [0, 1, 2, 8, 9]),
+        # Another session re-sends the first request's four blocks: not c0's history any more.
+        (2000, 50, 5, [0, 1, 2, 3, 4]),
+    ]
+    turns = list(
+        conversation_turns(read_requests(_write(tmp_path / "t.jsonl", rows)), TraceFormat(block_size=10))
+    )
+    assert [t.conversation for t in turns] == ["c0", "c0", "c1"]
+    assert turns[2].turn_index == 0 and turns[2].reused_prefix_tokens == 0
+    # What it shares with the first request is named, for prefix caches across conversations.
+    assert turns[2].block_ids[:4] == turns[0].block_ids == (0, 1, 2, 3)
+    assert turns[2].block_id_tokens == 10

@@ -1,0 +1,194 @@
+"""The simulator's ranking of the fronts the live comparison runs, on the comparison's own workload.
+
+The live comparison (`kvplane.bench.compare`) drives multi-turn chats through kvplane's gateway,
+vllm-router and vLLM's example proxy on 2 P + 2 D sim-engines. The simulator has a counterpart
+of each front (`LIVE_COUNTERPARTS`: `prefix-affinity` stands for the cache-aware router, and
+`no-reuse`, round-robin P and D with P's prefix caches on, for the example proxy). `simulate`
+runs the same chats (`compare_workload.shapes`) through them, closed loop as the live client
+sends them: a conversation's next turn comes when its previous answer is done, and at most
+`concurrency` conversations are in flight. `disagreements` compares the two orders of the fronts,
+on TTFT of later turns and on the share of their prompt tokens reused, only where the live gap is
+clear of the live run's own spread.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from itertools import combinations
+
+from kvplane.bench.compare_workload import Workload, shapes
+from kvplane.bench.sim.baselines import BASELINES, simulator_for
+from kvplane.bench.sim.cluster import ClusterSpec
+from kvplane.bench.sim.costs import SimCosts
+from kvplane.bench.sim.engine import SimConfig
+from kvplane.bench.workloads.turns import Turn
+
+# Live front -> the simulator's baseline that stands for it.
+LIVE_COUNTERPARTS: dict[str, str] = {
+    "kvplane": "kvplane",
+    "vllm-router": "prefix-affinity",
+    "example-proxy": "no-reuse",
+}
+# The dev stack's engines (`kvplane.services.devstack`): 2 P + 2 D of 16,384 blocks of 16 tokens.
+STACK_NODES = 2
+STACK_KV_TOKENS = 16_384 * 16
+# A later turn is faster on one side in at least this share of pairs, or the gap is not clear.
+CLEAR_TTFT_DOMINANCE = 0.75
+# Reuse shares closer than this are not a clear gap (one block per front gives no spread of its own).
+CLEAR_REUSE_GAP = 0.05
+
+
+@dataclass(frozen=True)
+class FrontSample:
+    """One front's later turns: each TTFT (ms), and the share of their prompt tokens reused."""
+
+    later_ttft_ms: Sequence[float]
+    reuse_share: float
+
+
+def sim_engine_costs(speedup: float = 1.0) -> SimCosts:
+    """What work costs on the comparison's sim-engines, which differ from the published figures
+    the simulator's defaults are fitted to: a prefill takes the timing model's time for the
+    tokens it computes only (held and pulled tokens cost no compute), and a pull reads the
+    `sim-model`'s KV (16,384 bytes per 16-token block) over loopback NIXL, 3.7-4.8 GB/s as
+    measured on this kind of machine (shared/reference/README.md); its fixed cost is a guess."""
+    timing = SimCosts().timing.with_speedup(speedup)
+    return SimCosts(
+        timing=timing,
+        kv_bytes_per_token=16_384 // 16,
+        link_bytes_per_s=4e9,
+        transfer_overhead_s=0.002,
+        pulled_token_s=0.0,
+    )
+
+
+def sim_config(prefix_cache: bool, speedup: float = 1.0) -> SimConfig:
+    """The dev stack's fleet, as its sim-engines run it (Qwen3-32B timing divided by `speedup`),
+    driven closed loop as the comparison's client drives it."""
+    costs = sim_engine_costs(speedup)
+    kv = STACK_KV_TOKENS * costs.kv_bytes_per_token
+    cluster = ClusterSpec(
+        prefill_nodes=STACK_NODES,
+        decode_nodes=STACK_NODES,
+        decode_kv_capacity_bytes=kv,
+        prefill_cache_bytes=kv if prefix_cache else 0,
+        prefill_kv_capacity_bytes=kv,
+    )
+    return SimConfig(cluster=cluster, costs=costs, closed_loop=True)
+
+
+def comparison_turns(
+    workload: Workload, concurrency: int, repeat: int, costs: SimCosts
+) -> tuple[list[Turn], int]:
+    """The block's chats as turns, and the tokens of their first prompts.
+
+    The live client sends a turn when the previous answer is done; the simulator runs closed
+    loop too (`SimConfig.closed_loop`), so these arrivals are only the earliest each turn may
+    come: each turn is taken to last at least its modelled prefill and decode (with
+    `concurrency` requests decoding), which also starts a chat beyond the first `concurrency`
+    when one before it would have ended.
+    """
+    running = min(concurrency, workload.conversations(concurrency))
+    slots = [0.0] * running
+    turns: list[Turn] = []
+    first_tokens = 0
+    for shape in shapes(workload, concurrency, repeat):
+        free = heapq.heappop(slots)
+        t = max(free, shape.start_s)
+        prompt = shape.first_tokens
+        first_tokens += prompt
+        previous = 0
+        for index, user in enumerate((0, *shape.user_tokens)):
+            prompt = previous + user if index else prompt
+            turns.append(
+                Turn(
+                    t,
+                    f"c{shape.index}",
+                    index,
+                    prompt,
+                    workload.answer_tokens,
+                    reused_prefix_tokens=previous,
+                    previous_context_tokens=previous,
+                )
+            )
+            t += costs.prefill_s(prompt) + costs.decode_s(workload.answer_tokens, running)
+            t += workload.think_s
+            previous = prompt + workload.answer_tokens
+        heapq.heappush(slots, t)
+    turns.sort(key=lambda x: x.arrival_s)
+    return turns, first_tokens
+
+
+def simulate(
+    workload: Workload,
+    concurrency: int,
+    repeat: int = 0,
+    *,
+    prefix_cache: bool = True,
+    speedup: float = 1.0,
+    fronts: Sequence[str] = tuple(LIVE_COUNTERPARTS),
+) -> dict[str, FrontSample]:
+    """Each live front's counterpart over the block's chats."""
+    config = sim_config(prefix_cache, speedup)
+    turns, first_tokens = comparison_turns(workload, concurrency, repeat, config.costs)
+    firsts = Counter(t.prompt_tokens for t in turns if t.turn_index == 0)
+    out = {}
+    for front in fronts:
+        result = simulator_for(BASELINES[LIVE_COUNTERPARTS[front]], config).run(turns, front)
+        later = []
+        for tokens, ttft in zip(result.prompt_tokens, result.ttft_s, strict=True):
+            if firsts[tokens] > 0:
+                firsts[tokens] -= 1  # a first turn (by its prompt's length)
+            else:
+                later.append(ttft * 1000.0)
+        firsts = Counter(t.prompt_tokens for t in turns if t.turn_index == 0)
+        summary = result.summary
+        later_prompt = summary.prompt_tokens - first_tokens
+        out[front] = FrontSample(later, summary.reused_tokens / later_prompt if later_prompt else 0.0)
+    return out
+
+
+def dominance(a: Sequence[float], b: Sequence[float]) -> float:
+    """Share of pairs (x from a, y from b) with x < y (ties count half)."""
+    if not a or not b:
+        return 0.5
+    wins = sum((x < y) + 0.5 * (x == y) for x in a for y in b)
+    return wins / (len(a) * len(b))
+
+
+def disagreements(live: Mapping[str, FrontSample], sim: Mapping[str, FrontSample]) -> list[str]:
+    """Pairs of fronts whose live order is clear and the simulator's is the other way round.
+
+    TTFT: a front is clearly faster live when its later turns beat the other's in at least
+    `CLEAR_TTFT_DOMINANCE` of all pairs; the simulator agrees when it puts that front's median
+    first too. Reuse: a gap of more than `CLEAR_REUSE_GAP` live, and the same sign simulated.
+    """
+    out = []
+    for a, b in combinations(sorted(set(live) & set(sim)), 2):
+        faster = dominance(live[a].later_ttft_ms, live[b].later_ttft_ms)
+        if faster >= CLEAR_TTFT_DOMINANCE or faster <= 1 - CLEAR_TTFT_DOMINANCE:
+            first, second = (a, b) if faster >= CLEAR_TTFT_DOMINANCE else (b, a)
+            if _median(sim[first].later_ttft_ms) > _median(sim[second].later_ttft_ms):
+                out.append(
+                    f"TTFT: live {first} beats {second} in {max(faster, 1 - faster):.0%} of pairs,"
+                    f" simulated median {_median(sim[first].later_ttft_ms):.0f} ms against"
+                    f" {_median(sim[second].later_ttft_ms):.0f} ms"
+                )
+        gap = live[a].reuse_share - live[b].reuse_share
+        if abs(gap) > CLEAR_REUSE_GAP and (sim[a].reuse_share - sim[b].reuse_share) * gap <= 0:
+            out.append(
+                f"reuse: live {a} {live[a].reuse_share:.0%} against {b} {live[b].reuse_share:.0%},"
+                f" simulated {sim[a].reuse_share:.0%} against {sim[b].reuse_share:.0%}"
+            )
+    return out
+
+
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    n = len(ordered)
+    if not n:
+        return float("nan")
+    return ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2

@@ -1,0 +1,97 @@
+"""The simulator orders the fronts as a live comparison on the same chats does.
+
+A small live comparison (`kvplane.bench.compare`: kvplane's gateway, vllm-router when installed,
+and vLLM's example proxy, on 2 P + 2 D sim-engines at Qwen3-32B timing) runs three 4-turn chats
+per front, one at a time, on both workloads: A with P's prefix caches on, B with them off. The
+simulator runs the same chats through each front's counterpart (`prefix-affinity` stands for the
+cache-aware router, `no-reuse` for the round-robin example proxy; `kvplane.bench.sim.ranking`).
+
+The machine is loaded and a live run is one sample, so orders are compared only where the live
+gap is clear of the run's own spread: on TTFT, when one front's later turns beat the other's in
+at least 75% of all pairs of turns; on reuse, when the shares differ by more than 5 points. Where
+the live fronts are that close, either order agrees. Workload B must give at least one clear
+pair (kvplane pulls what no other front can reuse), so the check is never empty.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from kvplane.bench import compare
+from kvplane.bench.compare_fronts import EXAMPLE_PROXY, KVPLANE, VLLM_ROUTER, vllm_router_binary
+from kvplane.bench.compare_workload import Workload
+from kvplane.bench.sim.ranking import (
+    CLEAR_REUSE_GAP,
+    CLEAR_TTFT_DOMINANCE,
+    FrontSample,
+    disagreements,
+    dominance,
+    simulate,
+)
+
+FRONTS = (KVPLANE, EXAMPLE_PROXY) + ((VLLM_ROUTER,) if vllm_router_binary() is not None else ())
+# One chat at a time: the example proxy's round-robin then alternates a chat's turns between the
+# two P, live and simulated alike. With chats in flight together, whether a chat's next turn finds
+# its P again depends on how the turns interleave, which a single live run samples once.
+CONCURRENCY = 1
+WORKLOAD = Workload(turns=4, first_tokens=1400, user_tokens=900, answer_tokens=16, min_conversations=3)
+CONFIG = compare.CompareConfig(
+    workloads=("A", "B"),
+    concurrency=(CONCURRENCY,),
+    repeats=1,
+    fronts=FRONTS,
+    workload=WORKLOAD,
+    warmup_conversations=1,
+    idle_s=0.5,
+    speedup=1.0,
+    turn_timeout_s=60.0,
+)
+
+
+@pytest.fixture(scope="module")
+async def live(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, FrontSample]]:
+    config = dataclasses.replace(CONFIG, run_dir=tmp_path_factory.mktemp("sim-vs-live"))
+    out = {}
+    for run in await compare.run(config, progress=lambda _m: None):
+        assert run.skipped == {}
+        samples = {}
+        for row in run.rows:
+            assert row.failed == 0 and row.later_prompt_tokens > 0, row
+            later = [
+                t.ttft_ms for b in run.blocks if b.front == row.front for t in b.turns if t.ok and t.turn
+            ]
+            reused = row.pulled_tokens + row.prefix_cache_tokens
+            samples[row.front] = FrontSample(later, reused / row.later_prompt_tokens)
+        out[run.key] = samples
+    return out
+
+
+def _clear_pairs(samples: dict[str, FrontSample]) -> int:
+    fronts = sorted(samples)
+    clear = 0
+    for i, a in enumerate(fronts):
+        for b in fronts[i + 1 :]:
+            faster = dominance(samples[a].later_ttft_ms, samples[b].later_ttft_ms)
+            clear += max(faster, 1 - faster) >= CLEAR_TTFT_DOMINANCE
+            clear += abs(samples[a].reuse_share - samples[b].reuse_share) > CLEAR_REUSE_GAP
+    return clear
+
+
+@pytest.mark.parametrize("key", ["A", "B"])
+def test_the_simulator_orders_the_fronts_as_the_live_run_does(
+    live: dict[str, dict[str, FrontSample]], key: str
+) -> None:
+    measured = live[key]
+    simulated = simulate(WORKLOAD, CONCURRENCY, 0, prefix_cache=key == "A", fronts=FRONTS)
+    assert set(measured) == set(simulated) == set(FRONTS)
+    assert all(not math.isnan(s.reuse_share) for s in measured.values())
+    assert disagreements(measured, simulated) == [], (measured, simulated)
+
+
+def test_workload_b_gives_the_check_a_clear_gap(live: dict[str, dict[str, FrontSample]]) -> None:
+    b = live["B"]
+    assert b[KVPLANE].reuse_share > b[EXAMPLE_PROXY].reuse_share + CLEAR_REUSE_GAP
+    assert _clear_pairs(b) >= 1

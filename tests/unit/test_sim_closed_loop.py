@@ -1,0 +1,32 @@
+"""Closed loop: a conversation's next turn is sent only once the answer before it is done."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from kvplane.bench.sim import BASELINES, ClusterSpec, SimConfig, SimCosts, simulator_for
+from kvplane.bench.workloads.turns import Turn
+
+COSTS = SimCosts()
+CONFIG = SimConfig(cluster=ClusterSpec(prefill_nodes=1, decode_nodes=1, prefill_cache_bytes=0))
+TURNS = [
+    Turn(0.0, "a", 0, 2_000, 100),
+    # Due before the first answer is done (its prefill alone takes 0.16 s).
+    Turn(0.1, "a", 1, 3_000, 10, reused_prefix_tokens=2_100, previous_context_tokens=2_100),
+]
+
+
+def test_a_turn_due_before_the_previous_answer_is_sent_when_it_is_done() -> None:
+    config = dataclasses.replace(CONFIG, closed_loop=True)
+    result = simulator_for(BASELINES["no-reuse"], config).run(TURNS)
+    assert result.summary.turns == 2
+    # Sent at the first turn's end, to an idle P: its TTFT is its own prefill, nothing more.
+    assert result.ttft_s[1] == pytest.approx(COSTS.prefill_s(3_000))
+
+
+def test_open_loop_turns_arrive_when_the_workload_says() -> None:
+    result = simulator_for(BASELINES["no-reuse"], CONFIG).run(TURNS)
+    first_done = COSTS.prefill_s(2_000)
+    assert result.ttft_s[1] == pytest.approx(first_done + COSTS.prefill_s(3_000) - 0.1)

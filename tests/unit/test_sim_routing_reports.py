@@ -1,0 +1,57 @@
+"""Routing hears of a turn when it is over, as the gateway reports it after D's last token."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvplane.bench.sim import BASELINES, ClusterSpec, SimConfig, SimCosts, simulator_for
+from kvplane.bench.sim.routers import PolicyRouter
+from kvplane.bench.workloads.turns import Turn
+
+COSTS = SimCosts()
+CONFIG = SimConfig(cluster=ClusterSpec(prefill_nodes=1, decode_nodes=1))
+
+
+def test_the_report_reaches_routing_when_the_turns_answer_is_done(monkeypatch: pytest.MonkeyPatch) -> None:
+    heard: list[tuple[str, float]] = []
+    original = PolicyRouter.observe
+
+    def spy(self: PolicyRouter, turn: Turn, choice: Any, outcome: Any) -> None:
+        heard.append((turn.conversation, sim._now))
+        original(self, turn, choice, outcome)
+
+    monkeypatch.setattr(PolicyRouter, "observe", spy)
+    turns = [Turn(0.0, "a", 0, 3_000, 400), Turn(0.5, "b", 0, 2_000, 10)]
+    sim = simulator_for(BASELINES["kvplane"], CONFIG)
+    result = sim.run(turns)
+    ttft = dict(zip(result.prompt_tokens, result.ttft_s, strict=True))
+    ends = {t.conversation: t.arrival_s + ttft[t.prompt_tokens] for t in turns}
+    # Each turn's end: its first token plus its decode (the two overlap on D for a while).
+    assert heard[0][0] == "b" and heard[1][0] == "a"
+    assert dict(heard)["a"] > ends["a"] + COSTS.decode_s(390, 2)
+    assert dict(heard)["b"] == pytest.approx(ends["b"] + COSTS.decode_s(10, 2))
+
+
+def test_what_p_caches_reaches_routing_only_through_ps_reports(monkeypatch: pytest.MonkeyPatch) -> None:
+    """P registers its KV pool; its prefix cache is off, which routing learns from P's report."""
+    believed: list[int] = []
+    original = PolicyRouter.route
+
+    def spy(self: PolicyRouter, turn: Turn, conversation: Any, prompt: Any, now: float) -> Any:
+        record = self._prefill_record.cached_tokens(("default", "a"), turn.prompt_tokens, prompt, 16)
+        believed.append(record.get("p0", 0))
+        return original(self, turn, conversation, prompt, now)
+
+    monkeypatch.setattr(PolicyRouter, "route", spy)
+    no_cache = SimConfig(cluster=ClusterSpec(prefill_nodes=1, decode_nodes=1, prefill_cache_bytes=0))
+    turns = [
+        Turn(0.0, "a", 0, 2_000, 10),
+        Turn(20.0, "a", 1, 2_400, 10, reused_prefix_tokens=2_010, previous_context_tokens=2_010),
+        Turn(40.0, "a", 2, 2_800, 10, reused_prefix_tokens=2_410, previous_context_tokens=2_410),
+    ]
+    result = simulator_for(BASELINES["kvplane"], no_cache).run(turns)
+    assert result.summary.cached_tokens == 0
+    # Turn 1 was routed believing P held the first prompt; P's report of it said otherwise.
+    assert believed == [0, 2_000, 0]
