@@ -23,7 +23,7 @@ from kvplane.bench.sim.cluster import DecodeState, PrefillState, SimHandle
 from kvplane.bench.sim.fleet import Conversation, Fleet
 from kvplane.bench.workloads.turns import Turn
 from kvplane.services.common.model.handles import CacheHandle, VllmHandle
-from kvplane.services.routing.inflight import InFlightLedger, RoutedWork, routed_work
+from kvplane.services.routing.state.inflight import InFlightLedger, RoutedWork, routed_work
 from kvplane.services.routing.policy import (
     CostModel,
     NodeState,
@@ -32,7 +32,7 @@ from kvplane.services.routing.policy import (
     RoutingPolicy,
     TurnObservation,
 )
-from kvplane.services.routing.prefill_record import PrefillCacheRecord, SentReceipt
+from kvplane.services.routing.state.prefill_record import PrefillCacheRecord, SentReceipt
 
 
 @dataclass(frozen=True, slots=True)

@@ -62,7 +62,7 @@ from kvplane.services.common.runtime.telemetry import Telemetry
 from kvplane.services.common.store import CheckOut, HandleRecord, Store
 from kvplane.services.common.store.cluster_view import ClusterView
 from kvplane.services.routing.endpoints import AddressError, bare_host, http_base_url
-from kvplane.services.routing.inflight import InFlightLedger, routed_work
+from kvplane.services.routing.state.inflight import InFlightLedger, routed_work
 from kvplane.services.routing.metrics import RoutingMetrics
 from kvplane.services.routing.policy import (
     CostModel,
@@ -78,11 +78,12 @@ from kvplane.services.routing.policy import (
 from kvplane.services.routing.policy.decision import NoEligibleNodes
 from kvplane.services.routing.policy.pull_decision import pull_could_pay
 from kvplane.services.routing.policy.retention import decode_retention_pays
-from kvplane.services.routing.prefill_record import PrefillCacheRecord, SentReceipt
+from kvplane.services.routing.state.prefill_record import PrefillCacheRecord, SentReceipt
 from kvplane.services.routing.prefill_release import prefill_hold, release_prefill
-from kvplane.services.routing.prompt_chains import PromptChains
+from kvplane.services.routing.state.prompt_chains import PromptChains
 from kvplane.services.routing.settings import RoutingSection
-from kvplane.services.routing.suspect_nodes import MAX_FAILED_NODES, SuspectMarker, usable_nodes
+from kvplane.services.routing.state.suspects import usable_nodes
+from kvplane.services.routing.suspect_marker import MAX_FAILED_NODES, SuspectMarker
 from kvplane.v1 import routing_pb2, routing_pb2_grpc
 
 log = logging.getLogger(__name__)
