@@ -23,7 +23,6 @@ from kvplane.bench.sim.cluster import DecodeState, PrefillState, SimHandle
 from kvplane.bench.sim.fleet import Conversation, Fleet
 from kvplane.bench.workloads.turns import Turn
 from kvplane.services.common.model.handles import CacheHandle, VllmHandle
-from kvplane.services.routing.state.inflight import InFlightLedger, RoutedWork, routed_work
 from kvplane.services.routing.policy import (
     CostModel,
     NodeState,
@@ -32,6 +31,7 @@ from kvplane.services.routing.policy import (
     RoutingPolicy,
     TurnObservation,
 )
+from kvplane.services.routing.state.inflight import InFlightLedger, RoutedWork, routed_work
 from kvplane.services.routing.state.prefill_record import PrefillCacheRecord, SentReceipt
 
 

@@ -11,8 +11,8 @@ import asyncio
 import logging
 
 from kvplane.services.common.model.errors import KvplaneError
-from kvplane.services.common.store import Store
 from kvplane.services.common.model.suspects import NodeSuspect
+from kvplane.services.common.store import Store
 
 log = logging.getLogger(__name__)
 

@@ -4,6 +4,8 @@
 - `prefill_record.py`: what each prefill node's prefix cache probably holds, from what was sent.
 - `prompt_chains.py`: each conversation's prompt digest chain, hashed once per block.
 - `suspects.py`: which nodes a route leaves out (failed this turn, or marked suspect).
+- `routes.py`: the routes made (for their reports), each conversation's last prefill node,
+  and the engine pairs that have met.
 
-The routing service and the simulator's `PolicyRouter` keep them.
+The `Router` (`routing/router/`) keeps one of each.
 """
