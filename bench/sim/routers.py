@@ -31,6 +31,7 @@ from kvplane.services.routing.policy import (
     RoutingPolicy,
     TurnObservation,
 )
+from kvplane.services.routing.settings import RoutingSection
 from kvplane.services.routing.state.inflight import InFlightLedger, RoutedWork, routed_work
 from kvplane.services.routing.state.prefill_record import PrefillCacheRecord, SentReceipt
 
@@ -48,6 +49,11 @@ class RouteChoice:
     prefix_ok: bool = True
     # kvplane's record of what P was believed to hold, for P's report to correct (as the service).
     receipt: SentReceipt | None = None
+    # kvplane's route id, and whether its pull was the first between P and the holder.
+    route_id: str = ""
+    first_contact: bool = False
+    # The wait the router expected on P ahead of the turn (ms), which P's report is net of.
+    queued_ms: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -301,6 +307,9 @@ class PolicyRouter:
         self.costs: CostModel = policy.config.cost_model
         self.digest_block_size = digest_block_size
         self.candidates = candidates
+        # The routing service's settings, with the simulated engines' delivery: a routed turn
+        # reaches P at once, and the simulated D reserves the turn's KV as it is routed.
+        self.settings = RoutingSection(send_delay_ms=0, decode_after_prefill=False)
         self._rng = random.Random(seed)
         self._contacted: set[tuple[str, str]] = set()
         self.model = fleet.spec.model
@@ -382,24 +391,45 @@ class PolicyRouter:
         verdict = plan.verdict
         pulls = verdict.decision.pulls and handle is not None
         self._routes += 1
-        # The simulated D reserves the turn's KV as it is routed, so its reports show it at once.
+        route_id = str(self._routes)
         work = routed_work(
-            str(self._routes),
+            route_id,
             snapshot,
             plan,
             self.costs,
             pulled=pulls,
-            send_delay_ms=0,
-            decode_after_prefill=False,
+            send_delay_ms=self.settings.send_delay_ms,
+            decode_after_prefill=self.settings.decode_after_prefill,
         )
         self._inflight.add(*work)
         receipt = self._prefill_record.sent(key, plan.prefill, turn.prompt_tokens, prompt, block)
+        queued = next((s for s in snapshot.nodes if s.node.node_id == plan.prefill.node_id), None)
+        queued_ms = self.costs.queue_ms(queued) if queued is not None else 0.0
         if pulls:
+            assert handle is not None
+            # As the service: the engines meet when the handle is checked out for them.
+            pair = (plan.prefill.node_id, handle.decode.node.engine_id)
+            first_contact = pair not in self._contacted
+            self._contacted.add(pair)
             # The pull is offered up to the verified prefix; P reads what its cache lacks.
-            return RouteChoice(p, d, verdict.decision.value, handle, verdict.reusable_tokens, receipt=receipt)
-        return RouteChoice(p, d, verdict.decision.value, receipt=receipt)
+            return RouteChoice(
+                p,
+                d,
+                verdict.decision.value,
+                handle,
+                verdict.reusable_tokens,
+                receipt=receipt,
+                route_id=route_id,
+                first_contact=first_contact,
+                queued_ms=queued_ms,
+            )
+        return RouteChoice(
+            p, d, verdict.decision.value, receipt=receipt, route_id=route_id, queued_ms=queued_ms
+        )
 
     def observe(self, turn: Turn, choice: RouteChoice, outcome: TurnOutcome) -> None:
+        # As the service's ReportTurn: the turn's work leaves the ledger.
+        self._inflight.finished(choice.route_id)
         self.costs = self.costs.observe(
             TurnObservation(
                 prompt_tokens=turn.prompt_tokens,
@@ -409,10 +439,10 @@ class PolicyRouter:
                 ttft_ms=outcome.ttft_s * 1000.0,
                 kv_bytes_per_token=self.fleet.costs.kv_bytes_per_token,
                 cached_tokens=outcome.cached_tokens,
+                first_contact=choice.first_contact,
+                queued_ms=choice.queued_ms,
             )
         )
-        if choice.pull is not None and outcome.pulled_tokens > 0:
-            self._contacted.add((choice.prefill.node.node_id, choice.pull.decode.node.engine_id))
         if choice.receipt is not None:
             # P's cache hits correct the record, as ReportTurn does in the service.
             node = choice.prefill.node
