@@ -49,7 +49,6 @@ def settings_for(etcd: LocalEtcd, prefix: str, **sections: dict[str, object]) ->
         "grpc": {"listen": f"127.0.0.1:{free_port()}", "grace_s": 0.5},
         "etcd": {"endpoints": [etcd.endpoint], "prefix": prefix},
         "telemetry": {"metrics_port": free_port(), "json_logs": False},
-        "metadata": {"reaper_interval_s": 0.5},
         "auth": TEST_AUTH,
     }
     for key, value in sections.items():

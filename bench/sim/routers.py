@@ -15,24 +15,26 @@ What each router may read of the fleet is listed in `fleet.py`.
 from __future__ import annotations
 
 import random
+from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 from kvplane.bench.sim.block_chain import BlockChain, handle_digests
 from kvplane.bench.sim.cluster import DecodeState, PrefillState, SimHandle
 from kvplane.bench.sim.fleet import Conversation, Fleet
 from kvplane.bench.workloads.turns import Turn
+from kvplane.services.common.model.errors import HandleNotRetained
 from kvplane.services.common.model.handles import CacheHandle, VllmHandle
-from kvplane.services.routing.inflight import InFlightLedger, RoutedWork, routed_work
-from kvplane.services.routing.policy import (
-    CostModel,
-    NodeState,
-    Prompt,
-    RouteSnapshot,
-    RoutingPolicy,
-    TurnObservation,
-)
-from kvplane.services.routing.prefill_record import PrefillCacheRecord, SentReceipt
+from kvplane.services.common.model.nodes import Node
+from kvplane.services.common.model.suspects import NodeSuspect
+from kvplane.services.common.store.records import CheckOut, HandleRecord
+from kvplane.services.routing.policy import CostModel, NodeState, Prompt, RoutingPolicy
+from kvplane.services.routing.router import Router as KvplaneRouter
+from kvplane.services.routing.router import TurnReport, TurnRequest
+from kvplane.services.routing.settings import RoutingSection
+from kvplane.services.routing.state.inflight import InFlightLedger, RoutedWork
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,8 +49,8 @@ class RouteChoice:
     pulled_tokens: int = 0
     # False when the pull imports KV computed for other tokens (no prefix check).
     prefix_ok: bool = True
-    # kvplane's record of what P was believed to hold, for P's report to correct (as the service).
-    receipt: SentReceipt | None = None
+    # kvplane's route id: its `Router` keeps the rest for the turn's report.
+    route_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,40 +285,100 @@ class OracleRouter:
         return None
 
 
-class PolicyRouter:
-    """kvplane: the routing service's policy object, called in process.
+class _SimClock:
+    """Simulated time: the turn being routed arrives `now` seconds into the run."""
 
-    It knows what the live service knows, kept by the same code: the load
-    reports plus the work it routed since (`InFlightLedger`), and its own
-    record of the prompts it sent each prefill node (`PrefillCacheRecord`),
-    never the prefill nodes' real caches.
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+        self.now = 0.0
 
-    `candidates` > 0 shows the policy only the conversation's holder and
-    last prefill node plus that many other nodes of each role, drawn at
-    random per turn: a sharded router's view, which keeps a route's cost
-    flat in the fleet's size. 0 shows every node, as the service does.
+    def unix_ms(self) -> int:
+        return self.fleet.unix_ms(self.now)
+
+    def monotonic_s(self) -> float:
+        return self.now
+
+
+class _SingleUseCheckOut:
+    """The store's check-out, in memory: each handle is handed out once."""
+
+    def __init__(self) -> None:
+        self._taken: set[str] = set()
+
+    async def check_out(
+        self, tenant: str, conversation: str, route_id: str, expected: HandleRecord, timeout_s: float
+    ) -> CheckOut:
+        handle = expected.handle
+        if handle.handle_id in self._taken:
+            raise HandleNotRetained(f"handle {handle.handle_id} was checked out already")
+        self._taken.add(handle.handle_id)
+        return CheckOut(handle, claim_id=route_id, revision=expected.mod_revision)
+
+
+class _FleetCluster:
+    """The simulated fleet as the routing service's view would show it, for one turn at a time.
+
+    `candidates` > 0 shows only the conversation's holder and last prefill node plus that
+    many other nodes of each role, drawn at random per turn (see `PolicyRouter`).
     """
 
-    def __init__(
-        self,
-        fleet: Fleet,
-        policy: RoutingPolicy,
-        digest_block_size: int,
-        *,
-        candidates: int = 0,
-        seed: int = 0,
-    ) -> None:
+    def __init__(self, fleet: Fleet, digest_block_size: int, candidates: int, seed: int) -> None:
         self.fleet = fleet
-        self.policy = policy
-        self.costs: CostModel = policy.config.cost_model
         self.digest_block_size = digest_block_size
         self.candidates = candidates
-        self._rng = random.Random(seed)
-        self._contacted: set[tuple[str, str]] = set()
         self.model = fleet.spec.model
-        self._inflight = InFlightLedger()
-        self._prefill_record = PrefillCacheRecord()
-        self._routes = 0
+        self._rng = random.Random(seed)
+        self.suspects: Mapping[str, NodeSuspect] = {}
+        # The turn being routed: its conversation, that conversation's live handle, and when.
+        self.conversation = Conversation()
+        self.live: SimHandle | None = None
+        self.now = 0.0
+
+    @property
+    def healthy(self) -> bool:
+        return True
+
+    def turn(self, conversation: Conversation, now: float) -> SimHandle | None:
+        """Shows the fleet for a turn of `conversation` at `now`; its live handle, if any."""
+        self.conversation = conversation
+        self.live = conversation.live_handle()
+        self.now = now
+        return self.live
+
+    def handle(self, tenant: str, conversation: str) -> HandleRecord | None:
+        live = self.live
+        return HandleRecord(self._cache_handle(live), live.handle_id, 0) if live is not None else None
+
+    def node_states(self) -> tuple[NodeState, ...]:
+        fleet = self.fleet
+        now = self.now
+        k = self.candidates
+        n_p = len(fleet.prefill)
+        n_d = len(fleet.decode)
+        if k <= 0 or n_p + n_d <= 2 * k + 2:
+            return fleet.node_states(now)
+        rng = self._rng
+        picked = set(rng.sample(range(n_p), min(k, n_p)))
+        picked.update(n_p + i for i in rng.sample(range(n_d), min(k, n_d)))
+        if self.live is not None:
+            picked.add(n_p + self.live.decode.index)
+        last = fleet.prefill_by_id.get(self.conversation.last_prefill)
+        if last is not None:
+            picked.add(last.index)
+        # Only the nodes shown get a load report built: at 200 nodes that is most of the saving.
+        return tuple(fleet.node_state(i, now) for i in sorted(picked))
+
+    def node(self, node_id: str) -> Node | None:
+        fleet = self.fleet
+        found = fleet.prefill_by_id.get(node_id) or fleet.decode_by_id.get(node_id)
+        return found.node if found is not None else None
+
+    def newest_report_unix_ms(self) -> int:
+        return self.fleet.unix_ms(self.now)
+
+    async def await_handle(self, tenant: str, conversation: str, handle_id: str, wait_s: float) -> bool:
+        # The simulated engines publish before the next turn is routed: nothing to wait for.
+        return False
 
     def _cache_handle(self, handle: SimHandle) -> CacheHandle:
         cached = handle.cache_handle
@@ -346,87 +408,100 @@ class PolicyRouter:
             handle.cache_handle = cached
         return cached
 
-    def _nodes(
-        self, now: float, conversation: Conversation, handle: SimHandle | None
-    ) -> tuple[NodeState, ...]:
-        fleet = self.fleet
-        k = self.candidates
-        n_p = len(fleet.prefill)
-        n_d = len(fleet.decode)
-        if k <= 0 or n_p + n_d <= 2 * k + 2:
-            return fleet.node_states(now)
-        rng = self._rng
-        picked = set(rng.sample(range(n_p), min(k, n_p)))
-        picked.update(n_p + i for i in rng.sample(range(n_d), min(k, n_d)))
-        if handle is not None:
-            picked.add(n_p + handle.decode.index)
-        last = fleet.prefill_by_id.get(conversation.last_prefill)
-        if last is not None:
-            picked.add(last.index)
-        # Only the nodes shown get a load report built: at 200 nodes that is most of the saving.
-        return tuple(fleet.node_state(i, now) for i in sorted(picked))
+
+def _settled(step: Coroutine[Any, Any, T]) -> T:
+    """The result of a coroutine that never suspends: the Router over in-memory ports."""
+    try:
+        step.send(None)
+    except StopIteration as done:
+        result: T = done.value
+        return result
+    step.close()
+    raise RuntimeError("the router waited on something in the simulator")
+
+
+class PolicyRouter:
+    """kvplane: the routing service's own `Router` (kvplane.services.routing.router), in process.
+
+    The Router keeps what it keeps in the service, by the same code: the load
+    reports plus the work it routed since, and its own record of the prompts it
+    sent each prefill node, never the prefill nodes' real caches. Its ports are
+    the fleet (`_FleetCluster`), an in-memory single-use check-out and simulated
+    time; its settings are the service's (`RoutingSection`), with the simulated
+    engines' delivery: a routed turn reaches P at once, and the simulated D
+    reserves the turn's KV as it is routed.
+
+    `candidates` > 0 shows the policy only the conversation's holder and
+    last prefill node plus that many other nodes of each role, drawn at
+    random per turn: a sharded router's view, which keeps a route's cost
+    flat in the fleet's size. 0 shows every node, as the service does.
+    """
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        policy: RoutingPolicy,
+        digest_block_size: int,
+        *,
+        candidates: int = 0,
+        seed: int = 0,
+    ) -> None:
+        self.fleet = fleet
+        self.digest_block_size = digest_block_size
+        self.model = fleet.spec.model
+        self.settings = RoutingSection(send_delay_ms=0, decode_after_prefill=False)
+        self._cluster = _FleetCluster(fleet, digest_block_size, candidates, seed)
+        self._clock = _SimClock(fleet)
+        self._routes = 0
+        self.router = KvplaneRouter(
+            policy,
+            self.settings,
+            self._cluster,
+            _SingleUseCheckOut(),
+            self._clock,
+            new_route_id=self._route_id,
+        )
+
+    @property
+    def costs(self) -> CostModel:
+        return self.router.costs
+
+    def _route_id(self) -> str:
+        self._routes += 1
+        return str(self._routes)
 
     def route(self, turn: Turn, conversation: Conversation, prompt: BlockChain, now: float) -> RouteChoice:
-        handle = conversation.live_handle()
-        now_ms = self.fleet.unix_ms(now)
+        handle = self._cluster.turn(conversation, now)
+        self._clock.now = now
         block = self.digest_block_size
-        key = (turn.tenant, turn.conversation)
-        snapshot = RouteSnapshot(
-            model=self.model,
-            conversation=turn.conversation,
-            prompt=Prompt(turn.prompt_tokens, block_digests=prompt, digest_block_size=block),
-            nodes=self._inflight.current(
-                self._nodes(now, conversation, handle),
-                now_ms,
-                costs=self.costs,
-            ),
-            now_unix_ms=now_ms,
-            handle=self._cache_handle(handle) if handle is not None else None,
-            last_prefill_node_id=conversation.last_prefill,
-            contacted=self._contacted,
-            prefill_cached_tokens=self._prefill_record.cached_tokens(key, turn.prompt_tokens, prompt, block),
+        request = TurnRequest(
+            turn.tenant,
+            turn.conversation,
+            self.model,
+            Prompt(turn.prompt_tokens, block_digests=prompt, digest_block_size=block),
         )
-        plan = self.policy.route(snapshot, self.costs)
-        p = self.fleet.prefill_by_id[plan.prefill.node_id]
-        d = self.fleet.decode_by_id[plan.decode.node_id]
-        verdict = plan.verdict
-        pulls = verdict.decision.pulls and handle is not None
-        self._routes += 1
-        # The simulated D reserves the turn's KV as it is routed, so its reports show it at once.
-        work = routed_work(
-            str(self._routes),
-            snapshot,
-            plan,
-            self.costs,
-            pulled=pulls,
-            send_delay_ms=0,
-            decode_after_prefill=False,
-        )
-        self._inflight.add(*work)
-        receipt = self._prefill_record.sent(key, plan.prefill, turn.prompt_tokens, prompt, block)
-        if pulls:
+        outcome = _settled(self.router.route(request))
+        p = self.fleet.prefill_by_id[outcome.plan.prefill.node_id]
+        d = self.fleet.decode_by_id[outcome.plan.decode.node_id]
+        decision = outcome.decision.value
+        if outcome.handle is not None and handle is not None:
             # The pull is offered up to the verified prefix; P reads what its cache lacks.
-            return RouteChoice(p, d, verdict.decision.value, handle, verdict.reusable_tokens, receipt=receipt)
-        return RouteChoice(p, d, verdict.decision.value, receipt=receipt)
+            pulled = outcome.plan.verdict.reusable_tokens
+            return RouteChoice(p, d, decision, handle, pulled, route_id=outcome.route_id)
+        return RouteChoice(p, d, decision, route_id=outcome.route_id)
 
     def observe(self, turn: Turn, choice: RouteChoice, outcome: TurnOutcome) -> None:
-        self.costs = self.costs.observe(
-            TurnObservation(
-                prompt_tokens=turn.prompt_tokens,
-                pulled_tokens=outcome.pulled_tokens,
-                transfer_ms=outcome.transfer_s * 1000.0,
-                prefill_ms=outcome.prefill_s * 1000.0,
-                ttft_ms=outcome.ttft_s * 1000.0,
-                kv_bytes_per_token=self.fleet.costs.kv_bytes_per_token,
-                cached_tokens=outcome.cached_tokens,
-            )
+        report = TurnReport(
+            success=True,
+            prompt_tokens=turn.prompt_tokens,
+            pulled_tokens=outcome.pulled_tokens,
+            cached_tokens=outcome.cached_tokens,
+            transfer_ms=outcome.transfer_s * 1000.0,
+            prefill_ms=outcome.prefill_s * 1000.0,
+            ttft_ms=outcome.ttft_s * 1000.0,
         )
-        if choice.pull is not None and outcome.pulled_tokens > 0:
-            self._contacted.add((choice.prefill.node.node_id, choice.pull.decode.node.engine_id))
-        if choice.receipt is not None:
-            # P's cache hits correct the record, as ReportTurn does in the service.
-            node = choice.prefill.node
-            self._prefill_record.observed(node, choice.receipt, outcome.cached_tokens, self.digest_block_size)
+        # As ReportTurn in the service: the work leaves the ledger, the costs are learned.
+        self.router.report(choice.route_id, turn.tenant, turn.conversation, report)
 
     def on_publish(self, conversation: Conversation, handle: SimHandle, now: float) -> None:
         return None

@@ -5,20 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvplane.services.metadata.claim_reaper import ClaimReaper
-from kvplane.services.metadata.service import SERVICE_NAME, MetadataService, NodeReaper
+from kvplane.services.metadata.service import SERVICE_NAME, MetadataService
 from kvplane.services.process import Component, ProcessContext
 from kvplane.v1 import metadata_pb2_grpc
-
-
-class _Reaper:
-    def __init__(self, reaper: NodeReaper) -> None:
-        self.reaper = reaper
-
-    async def start(self) -> None:
-        self.reaper.start()
-
-    async def stop(self) -> None:
-        await self.reaper.stop()
 
 
 def install(ctx: ProcessContext) -> Sequence[Component]:
@@ -26,6 +15,5 @@ def install(ctx: ProcessContext) -> Sequence[Component]:
     ctx.server.add(SERVICE_NAME, metadata_pb2_grpc.add_MetadataServiceServicer_to_server, servicer)
     m = ctx.settings.metadata
     return [
-        _Reaper(NodeReaper(ctx.store, ctx.view, m.reaper_interval_s)),
         ClaimReaper(ctx.store, m.claim_deadline_s, m.claim_sweep_interval_s),
     ]

@@ -2,12 +2,12 @@
 
 Stateless apart from etcd: any replica answers any call, and a restart loses
 nothing. Protobuf stops at this boundary; the store works on domain types.
+A dead node's handles are purged by the eviction leader, their one owner
+(`kvplane.services.eviction.coordinator`), not here.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -28,7 +28,7 @@ from kvplane.services.common.runtime.grpc_errors import rpc_method
 from kvplane.services.common.runtime.server import Context, caller
 from kvplane.services.common.runtime.telemetry import Telemetry
 from kvplane.services.common.store import Compacted, NodeRecord, PublishHint, Store, WatchEvent
-from kvplane.services.common.store.cluster_view import ClusterView, NodeChange
+from kvplane.services.common.store.cluster_view import ClusterView
 from kvplane.services.metadata.settings import MetadataSection
 from kvplane.v1 import handle_pb2, metadata_pb2, metadata_pb2_grpc, node_pb2
 
@@ -420,48 +420,3 @@ def _valid_load(pb: node_pb2.NodeLoad) -> NodeLoad:
         validation.in_range(getattr(pb, name), f"load.{name}", 0, validation.MAX_COUNT)
     validation.in_range(pb.reported_unix_ms, "load.reported_unix_ms", 0, validation.MAX_COUNT)
     return convert.load_from_pb(pb)
-
-
-class NodeReaper:
-    """Purges the handles of nodes whose lease is gone.
-
-    Reacts to node deletions seen by the cluster view, and sweeps for orphans
-    every `interval_s` (a deletion missed while this process was down).
-    Several replicas may run it: every purge is an idempotent fenced txn.
-    """
-
-    def __init__(self, store: Store, view: ClusterView, interval_s: float) -> None:
-        self.store = store
-        self.view = view
-        self.interval_s = interval_s
-        self._task: asyncio.Task[None] | None = None
-        self._pending: set[asyncio.Task[int]] = set()
-        view.on_node_change(self._on_node_change)
-
-    def _on_node_change(self, change: NodeChange) -> None:
-        if change.current is None and change.previous is not None:
-            task = asyncio.create_task(
-                self.store.purge_node(change.node_id, change.previous.incarnation, ReleaseReason.HOLDER_DOWN)
-            )
-            self._pending.add(task)
-            task.add_done_callback(self._pending.discard)
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._sweep(), name="node-reaper")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        for task in list(self._pending):
-            task.cancel()
-
-    async def _sweep(self) -> None:
-        while True:
-            try:
-                for node_id, incarnation in await self.store.orphaned_nodes():
-                    await self.store.purge_node(node_id, incarnation, ReleaseReason.HOLDER_DOWN)
-            except StoreUnavailable as exc:
-                log.warning("node reaper: %s", exc)
-            await asyncio.sleep(self.interval_s)  # periodic sweep

@@ -9,8 +9,6 @@ from kvplane.services.common.settings import Section
 
 class MetadataSection(Section):
     default_lease_ttl_s: int = Field(10, ge=2, le=300)
-    # How often the node reaper sweeps for handles of vanished nodes, seconds.
-    reaper_interval_s: float = 5.0
     # A checked-out handle nobody read within this long is released (its turn never reached P),
     # seconds. Longer than a turn's wait in P's queue plus the gateway's prefill timeout.
     claim_deadline_s: float = Field(60.0, gt=0)

@@ -20,7 +20,7 @@ be matched to a live node is ignored, since a restarted P holds nothing):
    with no node named (a turn served by the gateway's fallback engines while
    routing was unreachable), the registered prefill node with that engine id.
 
-Who may ask (service.py): a tenant only for a route this replica made for it,
+Who may ask (reports.py): a tenant only for a route this replica made for it,
 to that node; the gateway (an operator) for any of its turns.
 """
 

@@ -24,3 +24,9 @@ class RoutingSection(Section):
     # turn retained (RouteRequest.awaited_handle_id), and only when no prefill node is believed to
     # hold the history already, seconds. Also bounds EndConversation's wait for that publish.
     publish_wait_s: float = Field(0.3, ge=0)
+    # From a Route to its request reaching the engine (the caller's hop to it), ms: a load
+    # report taken earlier cannot show the routed work yet.
+    send_delay_ms: int = Field(100, ge=0)
+    # Whether D takes the turn only once P is done with it (vLLM's disaggregated flow), so
+    # that only then its load reports show the turn's KV; false: D reserves it when routed.
+    decode_after_prefill: bool = True

@@ -136,7 +136,6 @@ def _services_config(cluster: ChaosCluster, node_ids: list[str]) -> Path:
     base = json.loads(cluster.credentials.services_config(node_ids).read_text())
     base["etcd"] = {"endpoints": cluster.etcd_endpoints, "prefix": PREFIX, "request_timeout_s": 1.0}
     base["metadata"] = {
-        "reaper_interval_s": 1.0,
         "claim_deadline_s": CLAIM_DEADLINE_S,
         "claim_sweep_interval_s": 1.0,
     }

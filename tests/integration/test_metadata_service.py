@@ -235,23 +235,6 @@ async def test_restarting_the_service_loses_nothing(etcd: LocalEtcd, prefix: str
         await second.stop()
 
 
-async def test_reaper_purges_handles_when_the_node_lease_expires(metadata_channel: grpc.aio.Channel) -> None:
-    stub = metadata_pb2_grpc.MetadataServiceStub(metadata_channel)
-    node = make_node()
-    await stub.RegisterNode(
-        metadata_pb2.RegisterNodeRequest(node=convert.node_to_pb(node), lease_ttl_s=2), metadata=NODE_HEADERS
-    )
-    for i in range(3):
-        await _publish(stub, make_handle(node, conversation=f"c{i}"))
-
-    async def all_gone() -> bool:
-        listed = await stub.ListHandles(metadata_pb2.ListHandlesRequest(), metadata=OPERATOR_HEADERS)
-        nodes = await stub.ListNodes(metadata_pb2.ListNodesRequest(), metadata=OPERATOR_HEADERS)
-        return not listed.handles and not nodes.nodes
-
-    await eventually(all_gone, timeout_s=15, what="node and handles purged")
-
-
 async def test_serve_all_health_reflection_metrics_and_checkout_trace(etcd: LocalEtcd, prefix: str) -> None:
     from kvplane.services.cli import available_services, installers
 

@@ -22,7 +22,9 @@ from kvplane.services.common.runtime.ports import free_port
 from kvplane.services.common.store import Store
 from kvplane.services.dev.local_etcd import LocalEtcd
 from kvplane.services.devstack.processes import ManagedProcess, StartupError, grpc_health_probe
+from kvplane.services.process import ServiceProcess
 from tests.conftest import AUTH_ENV, MESH_CREDENTIALS, make_node
+from tests.support.eviction_nodes import start_purging_leader
 from tests.support.factories import make_handle
 from tests.support.polling import eventually
 
@@ -52,8 +54,6 @@ class Metadata:
             json.dumps(
                 {
                     "etcd": {"endpoints": [etcd.endpoint], "prefix": prefix, "request_timeout_s": 1.0},
-                    # A lapsed registration would be purged within the test's wait.
-                    "metadata": {"reaper_interval_s": 0.5},
                     "telemetry": {"metrics_port": 0, "json_logs": False},
                 }
             )
@@ -93,6 +93,16 @@ async def metadata(etcd: LocalEtcd, prefix: str, tmp_path: Path) -> AsyncIterato
         yield service
     finally:
         service.process.stop()
+
+
+@pytest.fixture
+async def purger(etcd: LocalEtcd, prefix: str) -> AsyncIterator[ServiceProcess]:
+    """The eviction leader: what purges the handles of a node whose registration lapsed."""
+    process = await start_purging_leader(etcd, prefix)
+    try:
+        yield process
+    finally:
+        await process.stop()
 
 
 @pytest.fixture
@@ -140,7 +150,7 @@ async def _lease_ttl_left(store: Store, lease: int) -> int:
 
 
 async def test_a_node_keeps_its_registration_and_handles_across_a_metadata_restart(
-    metadata: Metadata, store: Store, agents: list[NodeAgent]
+    metadata: Metadata, purger: ServiceProcess, store: Store, agents: list[NodeAgent]
 ) -> None:
     engine = Engine()
     agent = _start_agent(agents, metadata.target, "d-keeps", engine)

@@ -4,7 +4,7 @@ re-registration, every retained handle the control plane no longer references.""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
@@ -12,8 +12,10 @@ from kvplane.connector.node_agent.agent import NodeAgent
 from kvplane.connector.node_agent.settings import NodeAgentSettings
 from kvplane.services.common.model.nodes import NodeLoad
 from kvplane.services.common.store import Store
+from kvplane.services.dev.local_etcd import LocalEtcd
 from kvplane.services.process import ServiceProcess
 from tests.conftest import MESH_CREDENTIALS, make_node
+from tests.support.eviction_nodes import start_purging_leader
 from tests.support.factories import make_handle
 from tests.support.polling import eventually
 
@@ -38,6 +40,16 @@ class FakeEngine:
 
 
 @pytest.fixture
+async def purger(etcd: LocalEtcd, prefix: str) -> AsyncIterator[ServiceProcess]:
+    """The eviction leader: what purges the handles of a node whose registration lapsed."""
+    process = await start_purging_leader(etcd, prefix)
+    try:
+        yield process
+    finally:
+        await process.stop()
+
+
+@pytest.fixture
 def agents() -> Iterator[list[NodeAgent]]:
     started: list[NodeAgent] = []
     yield started
@@ -46,7 +58,7 @@ def agents() -> Iterator[list[NodeAgent]]:
 
 
 async def test_handles_purged_while_the_node_was_away_are_freed_when_it_registers_again(
-    metadata_process: ServiceProcess, store: Store, agents: list[NodeAgent]
+    metadata_process: ServiceProcess, purger: ServiceProcess, store: Store, agents: list[NodeAgent]
 ) -> None:
     node = make_node("d-reconcile")
     engine = FakeEngine(set())
@@ -78,7 +90,7 @@ async def test_handles_purged_while_the_node_was_away_are_freed_when_it_register
     await store.check_out("acme", "c2")
 
     # The node's registration lapses (a control-plane outage longer than its lease);
-    # the metadata service purges its handles.
+    # the eviction leader purges its handles.
     record = await store.get_node(node.node_id)
     assert record is not None
     await store.revoke_lease(record.lease)

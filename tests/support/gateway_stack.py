@@ -312,7 +312,6 @@ async def gateway_stack(
     base = {
         "etcd": {"endpoints": [etcd.endpoint], "prefix": prefix, "request_timeout_s": 1.0},
         "telemetry": {"metrics_port": 0, "json_logs": False},
-        "metadata": {"reaper_interval_s": 0.5},
         # Token mode, as a deployment runs it: each engine's node token, the gateway's operator token.
         "auth": {
             "mode": "token",

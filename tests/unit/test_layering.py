@@ -53,15 +53,18 @@ API = "kvplane.v1"
 # Pure policy and bookkeeping: no I/O, no clock read. Every module below these packages, and the
 # modules whose docstrings say so (a module documenting "no I/O" or "time is an argument" must be
 # listed here: test_modules_documented_as_pure_are_held_to_it).
-PURE_PACKAGES = ("kvplane.services.routing.policy", "kvplane.services.eviction.policy")
+PURE_PACKAGES = (
+    "kvplane.services.routing.policy",
+    "kvplane.services.routing.state",
+    "kvplane.services.eviction.policy",
+)
 PURE_MODULES = frozenset(
     {
-        "kvplane.services.routing.inflight",  # "Pure bookkeeping: no I/O, no clock reads"
-        "kvplane.services.routing.prefill_record",  # "Pure bookkeeping: no I/O, no clock reads"
-        "kvplane.services.routing.prompt_chains",  # "Pure: no I/O"
         "kvplane.services.gateway.suspects",  # "Time is an argument ..., never read here"
         "kvplane.services.gateway.fallback",  # "`pick_engine` is a pure rule ... Time is an argument"
         "kvplane.services.gateway.failover",  # "Pure: no I/O and no clock reads"
+        "kvplane.services.routing.transfer_params",  # "Pure: vLLM's wire keys ... no I/O"
+        "kvplane.services.common.runtime.bounded_map",  # a size-bounded dict, kept by routing's pure state
     }
 )
 # What pure code must not import: the store, network and process I/O, threads, waiting, the clock.
@@ -388,6 +391,30 @@ def test_the_domain_model_is_pure_and_imports_only_itself_and_the_api() -> None:
         and _within(imp.target, ["kvplane"])
         and not (imp.target in DOMAIN or _within(imp.target, [API]))
     ]
+    assert not violations, "\n".join(violations)
+
+
+ROUTER = "kvplane.services.routing.router"
+# The store's record types (a handle with its revision, a check-out) are what the Router's ports
+# pass; the rest of the store is I/O.
+STORE_RECORDS = "kvplane.services.common.store.records"
+
+
+def test_the_router_takes_no_protobuf_and_does_no_io_of_its_own() -> None:
+    """The Router (DESIGN: one Router, called by the service and the simulator) works on domain
+    values and reaches the cluster, the check-out and the clock only through its ports."""
+    forbidden = (API, "grpc", "aetcd", "asyncio", "time")
+    assert any(_within(name, [ROUTER]) for name in modules())
+    violations = [
+        str(imp)
+        for imp in imports()
+        if _within(imp.importer, [ROUTER])
+        and (
+            _within(imp.target, forbidden)
+            or (_within(imp.target, ["kvplane.services.common.store"]) and imp.target != STORE_RECORDS)
+        )
+    ]
+    violations += [found for name in modules() if _within(name, [ROUTER]) for found in _clock_reads(name)]
     assert not violations, "\n".join(violations)
 
 

@@ -44,8 +44,6 @@ UNNAMED: dict[str, str] = {
     "kvplane.services.gateway.routing_step": THROUGH_TURN,
     "kvplane.services.gateway.turn_errors": THROUGH_TURN,
     "kvplane.services.gateway.turn": THROUGH_TURN,
-    "kvplane.services.routing.metrics": THROUGH_ROUTING,
-    "kvplane.services.routing.settings": THROUGH_ROUTING,
     "kvplane.services.routing.policy.cost_model": THROUGH_ROUTING,
     "kvplane.services.routing.policy.decision": THROUGH_ROUTING,
     "kvplane.services.routing.policy.filters": THROUGH_ROUTING,

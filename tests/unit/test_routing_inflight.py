@@ -9,8 +9,8 @@ from dataclasses import replace
 import pytest
 
 from kvplane.services.common.model.nodes import NodeRole
-from kvplane.services.routing.inflight import InFlightLedger, RoutedWork, routed_work, turn_work
 from kvplane.services.routing.policy import CostModel, NodeState, Prompt, RoutingPolicy, load_policy
+from kvplane.services.routing.state.inflight import InFlightLedger, RoutedWork, routed_work, turn_work
 from tests.unit.routing_policy_fixtures import NOW, mk_node, snap, state
 
 P0 = mk_node("p0", NodeRole.PREFILL)

@@ -25,7 +25,7 @@ from kvplane.services.routing.policy import (
 )
 from kvplane.services.routing.policy.registry import PolicyConfigError
 from kvplane.services.routing.policy.turn_cost import estimate_prefill
-from kvplane.services.routing.service import clip_pull
+from kvplane.services.routing.transfer_params import clip_pull
 from tests.unit.routing_policy_fixtures import history, mk_handle, mk_node, snap, state
 
 # Qwen3-32B-sized KV: 256 KiB a token, so pulls cost what they do on a real fleet.

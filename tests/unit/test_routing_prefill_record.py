@@ -5,8 +5,8 @@ from __future__ import annotations
 from kvplane.connector.digests import chain, digest_tokens
 from kvplane.services.common.model.nodes import NodeRole
 from kvplane.services.routing.policy.snapshot import Prompt
-from kvplane.services.routing.prefill_record import PrefillCacheRecord, SentReceipt, prompt_digests
-from kvplane.services.routing.prompt_chains import PromptChains
+from kvplane.services.routing.state.prefill_record import PrefillCacheRecord, SentReceipt, prompt_digests
+from kvplane.services.routing.state.prompt_chains import PromptChains
 from tests.unit.routing_policy_fixtures import history, mk_node
 
 P0 = mk_node("p0", NodeRole.PREFILL)
@@ -80,7 +80,7 @@ def test_the_record_is_bounded_and_forgets_on_request() -> None:
 
 def test_a_sent_prompt_whose_chain_was_lost_is_unproven() -> None:
     from kvplane.services.routing.policy import Prompt
-    from kvplane.services.routing.prompt_chains import PromptChains
+    from kvplane.services.routing.state.prompt_chains import PromptChains
 
     chains = PromptChains(max_tokens=5000)
     record = PrefillCacheRecord()

@@ -6,7 +6,7 @@ import pytest
 
 from kvplane.connector import digests as token_digests
 from kvplane.services.routing.policy import Prompt
-from kvplane.services.routing.prompt_chains import PromptChains
+from kvplane.services.routing.state.prompt_chains import PromptChains
 from tests.unit.routing_policy_fixtures import history
 
 H = history(4000)

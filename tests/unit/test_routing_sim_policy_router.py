@@ -11,9 +11,10 @@ from kvplane.bench.sim.block_chain import BlockChain, BlockIds
 from kvplane.bench.sim.cluster import ClusterSpec
 from kvplane.bench.sim.costs import SimCosts
 from kvplane.bench.sim.fleet import Conversation, Fleet
-from kvplane.bench.sim.routers import PolicyRouter
+from kvplane.bench.sim.routers import PolicyRouter, TurnOutcome
 from kvplane.bench.workloads.turns import Turn
 from kvplane.services.routing.policy import RoutingPolicy, load_policy
+from kvplane.services.routing.router import Router
 
 BLOCK = 16
 
@@ -72,3 +73,19 @@ def test_the_next_turn_goes_back_to_the_prefill_node_that_holds_its_prompt_witho
     second = first.extended(300 // BLOCK, ids)
     again = r.route(turn("c", 6300, 100.0), conversation, second, 100.0)
     assert again.prefill.node.node_id == where
+
+
+def test_the_simulator_routes_and_learns_through_the_routing_services_router() -> None:
+    f = fleet()
+    r = router(f)
+    assert isinstance(r.router, Router)
+    prior = r.costs.prefill_samples
+    ids = BlockIds()
+    t = turn("c", 4000)
+    choice = r.route(t, Conversation(), BlockChain().extended(4000 // BLOCK, ids), 10.01)
+    assert choice.route_id
+    # P's report of the turn teaches the Router's cost model, once, as ReportTurn does.
+    r.observe(t, choice, TurnOutcome(0, 0.0, 0.25, 0.3, 0))
+    assert r.costs is r.router.costs and r.costs.prefill_samples == prior + 1
+    r.observe(t, choice, TurnOutcome(0, 0.0, 0.25, 0.3, 0))
+    assert r.costs.prefill_samples == prior + 1

@@ -7,7 +7,7 @@ from dataclasses import replace
 from kvplane.services.common.model.nodes import NodeLoad, NodeRole
 from kvplane.services.common.model.suspects import NodeSuspect
 from kvplane.services.routing.policy import NodeState
-from kvplane.services.routing.suspect_nodes import usable_nodes
+from kvplane.services.routing.state.suspects import usable_nodes
 from tests.support.routing_cluster import node
 
 D0 = node("d0", NodeRole.DECODE)

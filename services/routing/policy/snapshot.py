@@ -34,7 +34,7 @@ class NodeState:
     """A live node and its load (None until it reports).
 
     The service and the simulator pass the latest report plus the work they
-    have routed to the node since (`kvplane.services.routing.inflight`), so
+    have routed to the node since (`kvplane.services.routing.state.inflight`), so
     the load is current, not as old as the report.
     """
 
@@ -91,7 +91,7 @@ class RouteSnapshot:
     # Prompt tokens each prefill node's prefix cache is believed to hold, by node
     # id (absent: none). A hint from the router's own record of what it sent
     # where, checked against the prompt's digests
-    # (`kvplane.services.routing.prefill_record`); a wrong hint costs time only.
+    # (`kvplane.services.routing.state.prefill_record`); a wrong hint costs time only.
     prefill_cached_tokens: Mapping[str, int] = field(default_factory=dict)
     # Mixed into tie-breaks beside the conversation: a routing replica's id, so
     # that replicas do not all break the same tie the same way.

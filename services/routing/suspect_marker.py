@@ -1,21 +1,18 @@
-"""Leaving out nodes that just failed: the turn's own failed legs, and the
-nodes any replica has marked suspect (kvplane.services.common.model.suspects).
+"""Marking nodes suspect for every replica: a gateway's report of a failed leg.
 
-`usable_nodes` is pure, with the marks as an argument; `SuspectMarker`
-writes a mark for every replica, in the background, so that the route that
-reported the failure never waits on etcd.
+`SuspectMarker` writes the mark in the background, so that the route that
+reported the failure never waits on etcd. Which nodes a route then leaves out
+is `state.suspects.usable_nodes`, pure.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Collection, Mapping
 
 from kvplane.services.common.model.errors import KvplaneError
 from kvplane.services.common.model.suspects import NodeSuspect
 from kvplane.services.common.store import Store
-from kvplane.services.routing.policy import NodeState
 
 log = logging.getLogger(__name__)
 
@@ -27,22 +24,6 @@ SUSPECT_TTL_S = 30
 _REMARK_AFTER_MS = 1000
 # How many node ids one Route may name as failed.
 MAX_FAILED_NODES = 8
-
-
-def usable_nodes(
-    states: tuple[NodeState, ...], suspects: Mapping[str, NodeSuspect], failed: Collection[str]
-) -> tuple[NodeState, ...]:
-    """The nodes a route may choose from: none that failed this turn or stands suspect."""
-    out = []
-    for state in states:
-        node = state.node
-        if node.node_id in failed:
-            continue
-        suspect = suspects.get(node.node_id)
-        if suspect is not None and suspect.stands(node, state.load):
-            continue
-        out.append(state)
-    return tuple(out)
 
 
 class SuspectMarker:

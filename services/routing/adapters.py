@@ -1,0 +1,94 @@
+"""The `Router`'s ports over the live cluster: the watch-fed view, the store's check-out, the
+system clock (`router/ports.py` says what each must do)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+
+from kvplane.services.common.model.nodes import Node
+from kvplane.services.common.model.suspects import NodeSuspect
+from kvplane.services.common.store import CheckOut, HandleRecord, Store
+from kvplane.services.common.store.cluster_view import ClusterView
+from kvplane.services.routing.metrics import RoutingMetrics
+from kvplane.services.routing.policy import NodeState
+
+
+class SystemClock:
+    """Wall-clock ms since the epoch, and the monotonic clock."""
+
+    def unix_ms(self) -> int:
+        return int(time.time() * 1000)
+
+    def monotonic_s(self) -> float:
+        return time.monotonic()
+
+
+class StoreCheckOut:
+    """The check-out as the store's fenced etcd transaction, bounded by a timeout."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    async def check_out(
+        self, tenant: str, conversation: str, route_id: str, expected: HandleRecord, timeout_s: float
+    ) -> CheckOut:
+        # asyncio.timeout, not wait_for: no extra task on the hot path.
+        async with asyncio.timeout(timeout_s):
+            return await self.store.check_out(tenant, conversation, route_id=route_id, expected=expected)
+
+
+class ViewCluster:
+    """The cluster as the replica's watch-fed view shows it."""
+
+    def __init__(self, view: ClusterView, metrics: RoutingMetrics) -> None:
+        self.view = view
+        self.metrics = metrics
+
+    @property
+    def healthy(self) -> bool:
+        return self.view.healthy
+
+    @property
+    def suspects(self) -> Mapping[str, NodeSuspect]:
+        return self.view.suspects
+
+    def handle(self, tenant: str, conversation: str) -> HandleRecord | None:
+        return self.view.handle(tenant, conversation)
+
+    def node_states(self) -> tuple[NodeState, ...]:
+        view = self.view
+        return tuple(NodeState(r.node, view.load(r.node)) for r in view.nodes.values())
+
+    def node(self, node_id: str) -> Node | None:
+        record = self.view.nodes.get(node_id)
+        return record.node if record is not None else None
+
+    def newest_report_unix_ms(self) -> int:
+        return max((load.reported_unix_ms for load in self.view.loads.values()), default=0)
+
+    async def await_handle(self, tenant: str, conversation: str, handle_id: str, wait_s: float) -> bool:
+        """As `wait_published`, timed by outcome (a Route's wait for the engine's publish)."""
+        start = time.perf_counter()
+        landed = await self.wait_published(tenant, conversation, handle_id, wait_s)
+        outcome = "published" if landed else "timeout"
+        self.metrics.publish_waits.labels(outcome).observe(time.perf_counter() - start)
+        return landed
+
+    async def wait_published(self, tenant: str, conversation: str, handle_id: str, wait_s: float) -> bool:
+        """Whether the view holds `handle_id` for the conversation, waiting up to `wait_s` for it."""
+
+        def published() -> bool:
+            current = self.view.handle(tenant, conversation)
+            return current is not None and current.handle.handle_id == handle_id
+
+        if published():
+            return True
+        if wait_s <= 0:
+            return False
+        self.metrics.publish_waiting.inc()
+        try:
+            return await self.view.wait_for(published, wait_s)
+        finally:
+            self.metrics.publish_waiting.dec()

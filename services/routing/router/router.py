@@ -1,0 +1,371 @@
+"""One routing replica's turns: snapshot → plan → account → learn.
+
+- snapshot: the turn's prompt (its digest chain, `state.prompt_chains`), the
+  conversation's handle, the usable nodes with the work this router sent them
+  since their last load report (`state.inflight`), and what it believes each
+  prefill node's cache holds (`state.prefill_record`);
+- plan: the routing policy (`policy/`, pure), then the check-out of the handle
+  for a pull, through the injected `HandleCheckOut`: a check-out that fails
+  makes the turn recompute, never fail;
+- account: the routed work on its nodes, the prompt sent to P, the route kept
+  for its report (`state.routes`);
+- learn: a reported turn updates the cost model and corrects the prefill record.
+
+The cluster, the check-out and the clock are ports (`ports.py`): the routing
+service wraps this class with its gRPC adapters, and the simulator calls the
+very same class over its fleet, so simulated and live routing cannot drift.
+No protobuf here: domain values in, domain values out.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+
+from kvplane.services.common.model.errors import HandleNotRetained, NotFound, StoreUnavailable
+from kvplane.services.common.model.nodes import Node
+from kvplane.services.common.store.records import CheckOut, HandleRecord
+from kvplane.services.routing.policy import (
+    CostModel,
+    Decision,
+    NodeState,
+    Prompt,
+    RoutePlan,
+    RouteSnapshot,
+    RoutingPolicy,
+    TurnObservation,
+)
+from kvplane.services.routing.policy.decision import NoEligibleNodes
+from kvplane.services.routing.policy.pull_decision import pull_could_pay
+from kvplane.services.routing.policy.retention import decode_retention_pays
+from kvplane.services.routing.router.ports import Clock, ClusterReader, HandleCheckOut
+from kvplane.services.routing.router.turns import AwaitedHandle, RouteOutcome, TurnReport, TurnRequest
+from kvplane.services.routing.settings import RoutingSection
+from kvplane.services.routing.state.inflight import InFlightLedger, routed_work
+from kvplane.services.routing.state.prefill_record import PrefillCacheRecord, SentReceipt
+from kvplane.services.routing.state.prompt_chains import PromptChains
+from kvplane.services.routing.state.routes import RouteBook, RouteRecord
+from kvplane.services.routing.state.suspects import usable_nodes
+from kvplane.services.routing.transfer_params import prefill_params
+
+log = logging.getLogger(__name__)
+
+# Part of a caller's deadline kept back from the check-out to send the answer.
+_ANSWER_MARGIN_S = 0.005
+# Token block size for prompt digests when neither a handle nor a node says otherwise.
+_DEFAULT_BLOCK_SIZE = 16
+
+
+class NoRoute(StoreUnavailable):
+    """No node that could serve the turn is known (UNAVAILABLE: another replica,
+    or a later try once nodes register, may succeed)."""
+
+
+def _new_route_id() -> str:
+    return uuid.uuid4().hex
+
+
+class Router:
+    """Routes turns and learns from their reports; the routing service's and the simulator's."""
+
+    def __init__(
+        self,
+        policy: RoutingPolicy,
+        settings: RoutingSection,
+        cluster: ClusterReader,
+        checkout: HandleCheckOut,
+        clock: Clock,
+        *,
+        tie_salt: str = "",
+        new_route_id: Callable[[], str] = _new_route_id,
+    ) -> None:
+        self.policy = policy
+        self.settings = settings
+        self.cluster = cluster
+        self.checkout = checkout
+        self.clock = clock
+        # Salts tie-breaks, so that replicas spread equal nodes differently.
+        self.tie_salt = tie_salt
+        self._new_route_id = new_route_id
+        # Replaced, never mutated: a route reads one consistent model.
+        self.costs: CostModel = policy.config.cost_model
+        self._book = RouteBook(
+            max_routes=settings.max_tracked_routes, max_conversations=settings.max_tracked_conversations
+        )
+        self._inflight = InFlightLedger(limit=max(1, settings.max_tracked_routes))
+        self._prefill_record = PrefillCacheRecord(
+            max_conversations=max(1, settings.max_tracked_conversations)
+        )
+        self._chains = PromptChains(max_conversations=max(1, settings.max_tracked_conversations))
+        # The last time a route saw the cluster view live (ms since the epoch).
+        self._view_live_ms = 0
+
+    # -- route --------------------------------------------------------------------------------
+
+    async def route(self, turn: TurnRequest) -> RouteOutcome:
+        """Decides one turn and, for a pull, checks the handle out.
+
+        `turn.time_budget_s` is what is left of the caller's deadline: the check-out
+        gets no more than that, so a short deadline yields a recompute, not an error.
+        """
+        key = (turn.tenant, turn.conversation)
+        snapshot, record, states, time_budget_s = await self._snapshot(turn)
+        plan = self._plan(snapshot, states)
+        route_id = self._new_route_id()
+        decision, reason = plan.decision, plan.verdict.reason
+        checked: CheckOut | None = None
+        if decision.pulls and record is not None:
+            checked, reason = await self._check_out(turn, route_id, record, time_budget_s)
+            if checked is None:
+                decision = Decision.RECOMPUTE_CONTENDED
+        handle = checked.handle if checked is not None else None
+        clip = plan.verdict.reusable_tokens if decision is Decision.PULL_PREFIX else 0
+        params = prefill_params(turn.tenant, turn.conversation, handle, clip_to_tokens=clip)
+        reused = plan.verdict.reusable_tokens if handle is not None else 0
+        receipt = self._account(route_id, key, snapshot, plan, handle is not None)
+        holder_engine = snapshot.handle.vllm.remote_engine_id if snapshot.handle is not None else ""
+        first_contact = False
+        if handle is not None:
+            first_contact = self._book.contact(plan.prefill.node_id, holder_engine)
+        self._book.routed(
+            route_id,
+            RouteRecord(
+                turn.tenant,
+                turn.conversation,
+                plan.prefill.node_id,
+                plan.decode.node_id,
+                holder_engine,
+                plan.decode.kv_bytes_per_token,
+                decision,
+                first_contact,
+                receipt,
+                _queued_ms(snapshot, plan.prefill.node_id, self.costs),
+            ),
+        )
+        keeps = self._prefill_record.keeps_until_next_turn(plan.prefill, receipt, turn.prompt.tokens)
+        skip_retention = not decode_retention_pays(
+            keeps, turn.max_output_tokens, plan.decode.kv_bytes_per_token, self.costs, self.policy.config.pull
+        )
+        return RouteOutcome(
+            route_id,
+            plan,
+            decision,
+            reason,
+            params,
+            reused,
+            handle,
+            handle_pb=checked.handle_pb if checked is not None else b"",
+            routed_unix_ms=snapshot.now_unix_ms,
+            skip_decode_retention=skip_retention,
+            superseded=record if skip_retention and record is not None and checked is None else None,
+        )
+
+    async def _snapshot(
+        self, turn: TurnRequest
+    ) -> tuple[RouteSnapshot, HandleRecord | None, tuple[NodeState, ...], float | None]:
+        """The policy's input, the handle it saw, every known node, and what is left of the budget."""
+        cluster = self.cluster
+        key = (turn.tenant, turn.conversation)
+        record = cluster.handle(turn.tenant, turn.conversation)
+        all_states = cluster.node_states()
+        if all_states and not any(st.node.fingerprint.model == turn.model for st in all_states):
+            # Nodes are known, none serves this model: the request's own error, not an outage.
+            raise NotFound(f"model {turn.model!r} is not served by any node")
+        prompt = self._chains.with_chain(key, turn.prompt, self._digest_block_size(record, all_states))
+        prefill_cached = self._prefill_record.cached_tokens(
+            key, prompt.tokens, prompt.block_digests, prompt.digest_block_size
+        )
+        time_budget_s = turn.time_budget_s
+        awaited = turn.awaited
+        if awaited is not None and (record is None or record.handle.handle_id != awaited.handle_id):
+            started = self.clock.monotonic_s()
+            waited = await self._await_publish(
+                key, awaited, prompt, prefill_cached, all_states, time_budget_s
+            )
+            record = waited or record
+            if time_budget_s is not None:
+                time_budget_s -= self.clock.monotonic_s() - started
+            all_states = cluster.node_states()
+        now = self.clock.unix_ms()
+        if cluster.healthy:
+            self._view_live_ms = now
+        states = usable_nodes(all_states, cluster.suspects, turn.failed_node_ids)
+        snapshot = RouteSnapshot(
+            model=turn.model,
+            conversation=turn.conversation,
+            prompt=prompt,
+            nodes=self._inflight.current(states, now, costs=self.costs),
+            now_unix_ms=now,
+            handle=record.handle if record is not None else None,
+            last_prefill_node_id=self._book.last_prefill(key),
+            contacted=self._book.contacted,
+            loads_as_of_unix_ms=now if cluster.healthy else self._loads_as_of(),
+            prefill_cached_tokens=prefill_cached,
+            tie_salt=self.tie_salt,
+        )
+        return snapshot, record, all_states, time_budget_s
+
+    def _plan(self, snapshot: RouteSnapshot, all_states: tuple[NodeState, ...]) -> RoutePlan:
+        """The policy's plan over the usable nodes, else over every known node."""
+        try:
+            return self.policy.route(snapshot, self.costs)
+        except NoEligibleNodes as exc:
+            if len(snapshot.nodes) == len(all_states):
+                raise NoRoute(str(exc)) from None
+        # Only failed or suspect nodes could serve the turn: trying one beats failing it.
+        nodes = self._inflight.current(all_states, snapshot.now_unix_ms, costs=self.costs)
+        try:
+            return self.policy.route(replace(snapshot, nodes=nodes), self.costs)
+        except NoEligibleNodes as again:
+            raise NoRoute(str(again)) from None
+
+    async def _await_publish(
+        self,
+        key: tuple[str, str],
+        awaited: AwaitedHandle,
+        prompt: Prompt,
+        prefill_cached: Mapping[str, int],
+        all_states: tuple[NodeState, ...],
+        time_budget_s: float | None,
+    ) -> HandleRecord | None:
+        """The awaited handle once the cluster view holds it, or None; waits only when it pays.
+
+        D's connector publishes its handle as the turn ends, asynchronously, and a caller may
+        send the next turn at once: routed before the publish lands, the turn would find no
+        handle. Nothing holds the turn for the previous turn's report; only a turn that needs
+        the handle waits for it, bounded by `publish_wait_s` and the caller's deadline. A
+        prefill node believed to hold the history already (its prefix cache) needs no pull,
+        so then the turn goes on at once.
+        """
+        held = max(prefill_cached.values(), default=0)
+        wanted = min(awaited.tokens, prompt.tokens - 1) if awaited.tokens > 0 else prompt.tokens - 1
+        # What P lacks (the last answer, say) may be cheaper to recompute than to pull: then
+        # the handle would not be used, and waiting for it would only delay the turn.
+        holder_bytes = max(
+            (s.node.kv_bytes_per_token for s in all_states if s.node.role.can_decode()),
+            default=0,
+        )
+        if not pull_could_pay(wanted - held, holder_bytes, self.costs, self.policy.config.pull):
+            return None
+        wait_s = self.settings.publish_wait_s
+        if time_budget_s is not None:
+            # Leave the check-out and the answer their share of the caller's deadline.
+            wait_s = min(wait_s, time_budget_s / 2)
+        if wait_s <= 0:
+            return None
+        tenant, conversation = key
+        landed = await self.cluster.await_handle(tenant, conversation, awaited.handle_id, wait_s)
+        return self.cluster.handle(tenant, conversation) if landed else None
+
+    async def _check_out(
+        self, turn: TurnRequest, route_id: str, record: HandleRecord, time_budget_s: float | None
+    ) -> tuple[CheckOut | None, str]:
+        """The check-out, or None with the reason the handle could not be checked out."""
+        if not self.cluster.healthy:
+            # A stale view may still hold a handle that is gone; without etcd the
+            # check-out cannot be made, so this turn recomputes.
+            return None, "etcd unreachable: recomputing from the cached view"
+        timeout_s = self.settings.checkout_timeout_s
+        if time_budget_s is not None:
+            # Keep a little of the caller's deadline to send the answer.
+            timeout_s = min(timeout_s, time_budget_s - _ANSWER_MARGIN_S)
+            if timeout_s <= 0:
+                return None, "caller's deadline too short to check the handle out"
+        try:
+            checked = await self.checkout.check_out(
+                turn.tenant, turn.conversation, route_id, record, timeout_s
+            )
+        except (HandleNotRetained, NotFound):
+            return None, "another turn of the conversation took the handle"
+        except (StoreUnavailable, TimeoutError) as exc:
+            # A timed-out check-out may still apply: then nobody reads the blocks
+            # and D frees them at its TTL. Never a double read.
+            log.warning("check-out failed, recomputing: %s", exc)
+            return None, "etcd unreachable: recomputing"
+        return checked, f"checked out handle {checked.handle.handle_id}"
+
+    # -- account ------------------------------------------------------------------------------
+
+    def _account(
+        self, route_id: str, key: tuple[str, str], snapshot: RouteSnapshot, plan: RoutePlan, pulled: bool
+    ) -> SentReceipt:
+        """Records the route's work on its nodes, and what P's prefix cache will hold."""
+        self._inflight.add(
+            *routed_work(
+                route_id,
+                snapshot,
+                plan,
+                self.costs,
+                pulled=pulled,
+                send_delay_ms=self.settings.send_delay_ms,
+                decode_after_prefill=self.settings.decode_after_prefill,
+            )
+        )
+        prompt = snapshot.prompt
+        return self._prefill_record.sent(
+            key, plan.prefill, prompt.tokens, prompt.block_digests, prompt.digest_block_size
+        )
+
+    def _digest_block_size(self, record: HandleRecord | None, states: tuple[NodeState, ...]) -> int:
+        """The block size to digest the prompt with: the handle's, else the prefill nodes'."""
+        if record is not None and record.handle.digests is not None:
+            return record.handle.digests.block_size
+        for state in states:
+            if state.node.role.can_prefill() and state.node.block_size > 0:
+                return state.node.block_size
+        return _DEFAULT_BLOCK_SIZE
+
+    def _loads_as_of(self) -> int:
+        """While etcd is unreachable: when the view was last known to be live."""
+        return max(self._view_live_ms, self.cluster.newest_report_unix_ms())
+
+    # -- learn --------------------------------------------------------------------------------
+
+    def report(self, route_id: str, tenant: str, conversation: str, report: TurnReport) -> RouteRecord | None:
+        """A turn is over: its work leaves the ledger, and the report teaches the cost model.
+
+        Only turns this router routed teach it, once each, so made-up reports cannot steer it.
+        Returns the route's record (None: not routed here, or reported already).
+        """
+        route = self._book.reported(route_id) if route_id else None
+        if route is None:
+            return None
+        # The turn is over: its work has left P's queue and D's batch.
+        self._inflight.finished(route_id)
+        if (route.tenant, route.conversation) == (tenant, conversation):
+            self._learn(report, route)
+        return route
+
+    def _learn(self, report: TurnReport, route: RouteRecord) -> None:
+        observation = TurnObservation(
+            prompt_tokens=report.prompt_tokens,
+            pulled_tokens=report.pulled_tokens,
+            cached_tokens=report.cached_tokens or 0,
+            transfer_ms=max(0.0, report.transfer_ms),
+            prefill_ms=max(0.0, report.prefill_ms),
+            ttft_ms=max(0.0, report.ttft_ms),
+            kv_bytes_per_token=route.kv_bytes_per_token,
+            success=report.success,
+            first_contact=route.first_contact,
+            queued_ms=route.queued_ms,
+        )
+        self.costs = self.costs.observe(observation)
+        prefill: Node | None = self.cluster.node(route.prefill_node_id)
+        if report.success and report.cached_tokens is not None and route.receipt and prefill:
+            # What P found in its own cache corrects what this router believes it holds, at once.
+            self._prefill_record.observed(prefill, route.receipt, report.cached_tokens, prefill.block_size)
+
+    def forget(self, tenant: str, conversation: str) -> None:
+        """The conversation ended: nothing of it is kept."""
+        key = (tenant, conversation)
+        self._book.forget(key)
+        self._prefill_record.forget(key)
+        self._chains.forget(key)
+
+
+def _queued_ms(snapshot: RouteSnapshot, node_id: str, costs: CostModel) -> float:
+    """The wait the snapshot shows on `node_id` ahead of a new turn (ms)."""
+    state = next((s for s in snapshot.nodes if s.node.node_id == node_id), None)
+    return costs.queue_ms(state) if state is not None else 0.0

@@ -1,0 +1,68 @@
+"""What a router remembers of the routes it made: each route until its report, each
+conversation's last prefill node, and the engine pairs that have met.
+
+A route's record lets its report teach the cost model (only turns this router
+routed do, once each) and correct the prefill record. A first pull between a
+prefill engine and a holder pays the NIXL handshake; later ones do not.
+
+Pure bookkeeping: no I/O, no clock reads. Bounded, least recently written out: best effort.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvplane.services.common.runtime.bounded_map import BoundedMap
+from kvplane.services.routing.policy import Decision
+from kvplane.services.routing.state.prefill_record import SentReceipt
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRecord:
+    """What a turn's report needs to know about the route this router made."""
+
+    tenant: str
+    conversation: str
+    prefill_node_id: str
+    decode_node_id: str
+    holder_engine_id: str
+    kv_bytes_per_token: int
+    decision: Decision
+    # A pull between a prefill engine and a holder that had not met before.
+    first_contact: bool = False
+    # What the record believed P held of the conversation, for P's report to correct.
+    receipt: SentReceipt | None = None
+    # The wait expected on P ahead of the turn when it was routed (ms).
+    queued_ms: float = 0.0
+
+
+class RouteBook:
+    """Routes awaiting their reports, last prefill nodes, and engine pairs that have met."""
+
+    def __init__(self, *, max_routes: int, max_conversations: int) -> None:
+        self._routes: BoundedMap[str, RouteRecord] = BoundedMap(max_routes)
+        self._last_prefill: BoundedMap[tuple[str, str], str] = BoundedMap(max_conversations)
+        # (prefill node id, holder engine id): asked for membership only (`RouteSnapshot.contacted`).
+        self.contacted: BoundedMap[tuple[str, str], None] = BoundedMap(max_conversations)
+
+    def last_prefill(self, conversation: tuple[str, str]) -> str:
+        """The prefill node of the conversation's previous turn ("" if not remembered)."""
+        return self._last_prefill.get(conversation) or ""
+
+    def contact(self, prefill_node_id: str, holder_engine_id: str) -> bool:
+        """Records that the two engines meet; True if it is their first time."""
+        pair = (prefill_node_id, holder_engine_id)
+        first = pair not in self.contacted
+        self.contacted.put(pair, None)
+        return first
+
+    def routed(self, route_id: str, record: RouteRecord) -> None:
+        self._last_prefill.put((record.tenant, record.conversation), record.prefill_node_id)
+        self._routes.put(route_id, record)
+
+    def reported(self, route_id: str) -> RouteRecord | None:
+        """The route's record, once: a second report of it finds none."""
+        return self._routes.pop(route_id)
+
+    def forget(self, conversation: tuple[str, str]) -> None:
+        self._last_prefill.pop(conversation)

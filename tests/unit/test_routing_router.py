@@ -1,0 +1,261 @@
+"""The Router on its own: no gRPC, no etcd. A fake cluster, check-out and clock stand in for the
+watch-fed view, the store's fenced transaction and the system clock."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+
+import pytest
+
+import kvplane.services.routing.router as router_package
+from kvplane.services.common.model.errors import HandleNotRetained, NotFound, StoreUnavailable
+from kvplane.services.common.model.handles import CacheHandle
+from kvplane.services.common.model.nodes import Node, NodeRole
+from kvplane.services.common.model.suspects import NodeSuspect
+from kvplane.services.common.store.records import CheckOut, HandleRecord
+from kvplane.services.routing.policy import Decision, NodeState, Prompt, RoutingPolicy, load_policy
+from kvplane.services.routing.router.ports import Clock, ClusterReader, HandleCheckOut
+from kvplane.services.routing.router.router import NoRoute, Router
+from kvplane.services.routing.router.turns import AwaitedHandle, TurnReport, TurnRequest
+from kvplane.services.routing.settings import RoutingSection
+from tests.unit.routing_policy_fixtures import MODEL, NOW, history, mk_handle, mk_load, mk_node
+
+HISTORY = 4000
+
+
+@dataclass
+class FakeClock:
+    now_ms: int = NOW
+    monotonic: float = 100.0
+
+    def unix_ms(self) -> int:
+        return self.now_ms
+
+    def monotonic_s(self) -> float:
+        return self.monotonic
+
+
+@dataclass
+class FakeCluster:
+    nodes: list[Node]
+    handles: dict[tuple[str, str], HandleRecord] = field(default_factory=dict)
+    suspects: Mapping[str, NodeSuspect] = field(default_factory=dict)
+    healthy: bool = True
+    # What a wait for a publish finds: the handle that lands meanwhile (None: nothing lands).
+    lands: HandleRecord | None = None
+    waits: list[float] = field(default_factory=list)
+
+    def handle(self, tenant: str, conversation: str) -> HandleRecord | None:
+        return self.handles.get((tenant, conversation))
+
+    def node_states(self) -> tuple[NodeState, ...]:
+        return tuple(NodeState(n, mk_load(n)) for n in self.nodes)
+
+    def node(self, node_id: str) -> Node | None:
+        return next((n for n in self.nodes if n.node_id == node_id), None)
+
+    def newest_report_unix_ms(self) -> int:
+        return NOW
+
+    async def await_handle(self, tenant: str, conversation: str, handle_id: str, wait_s: float) -> bool:
+        self.waits.append(wait_s)
+        if self.lands is None:
+            return False
+        self.handles[(tenant, conversation)] = self.lands
+        return True
+
+
+@dataclass
+class FakeCheckOut:
+    """Single use, as the store's: a handle is handed out once; `fails` makes every check-out fail."""
+
+    fails: Exception | None = None
+    calls: list[tuple[str, float]] = field(default_factory=list)
+    taken: set[str] = field(default_factory=set)
+
+    async def check_out(
+        self, tenant: str, conversation: str, route_id: str, expected: HandleRecord, timeout_s: float
+    ) -> CheckOut:
+        self.calls.append((route_id, timeout_s))
+        if self.fails is not None:
+            raise self.fails
+        if expected.handle.handle_id in self.taken:
+            raise HandleNotRetained("checked out already")
+        self.taken.add(expected.handle.handle_id)
+        return CheckOut(expected.handle, claim_id=route_id, revision=expected.mod_revision + 1)
+
+
+def fleet() -> list[Node]:
+    return [
+        mk_node("p0", NodeRole.PREFILL),
+        mk_node("p1", NodeRole.PREFILL),
+        mk_node("d0", NodeRole.DECODE),
+        mk_node("d1", NodeRole.DECODE),
+    ]
+
+
+def make_router(
+    cluster: FakeCluster, checkout: FakeCheckOut | None = None, clock: FakeClock | None = None
+) -> tuple[Router, FakeCheckOut, FakeClock]:
+    checkout = checkout or FakeCheckOut()
+    clock = clock or FakeClock()
+    ids = iter(f"route-{i}" for i in range(1000))
+    # The fakes stand in for the ports the service and the simulator implement.
+    ports: tuple[ClusterReader, HandleCheckOut, Clock] = (cluster, checkout, clock)
+    router = Router(
+        RoutingPolicy(load_policy()),
+        RoutingSection(),
+        *ports,
+        new_route_id=lambda: next(ids),
+    )
+    return router, checkout, clock
+
+
+def held(cluster: FakeCluster, retained: list[int], conversation: str = "c") -> HandleRecord:
+    """A handle of the conversation's history on d0, in the cluster's view."""
+    handle: CacheHandle = replace(mk_handle(cluster.nodes[2], retained), conversation=conversation)
+    record = HandleRecord(handle, mod_revision=7, lease=1)
+    cluster.handles[("t", conversation)] = record
+    return record
+
+
+def turn(tokens: list[int], conversation: str = "c", **kw: object) -> TurnRequest:
+    return TurnRequest("t", conversation, MODEL, Prompt(len(tokens), tokens), **kw)  # type: ignore[arg-type]
+
+
+async def test_a_turn_whose_prefill_node_holds_the_history_is_routed_there() -> None:
+    cluster = FakeCluster(fleet())
+    router, _, clock = make_router(cluster)
+    first = await router.route(turn(history(HISTORY)))
+    # Both prefill nodes report the same idle load, and the first turn is long done: only the
+    # record of what was sent tells them apart.
+    for _ in range(3):
+        clock.now_ms += 5_000
+        nxt = await router.route(turn([*history(HISTORY), *history(200, seed=3)]))
+        assert nxt.plan.prefill.node_id == first.plan.prefill.node_id
+        assert nxt.plan.verdict.cached_tokens >= HISTORY - 16
+
+
+async def test_a_pull_checks_the_handle_out_and_builds_the_prefill_params() -> None:
+    cluster = FakeCluster(fleet())
+    record = held(cluster, history(HISTORY))
+    router, checkout, _ = make_router(cluster)
+    outcome = await router.route(turn([*history(HISTORY), 1]))
+    assert outcome.decision is Decision.PULL, outcome.reason
+    assert outcome.handle == record.handle and outcome.reused_tokens == HISTORY
+    assert checkout.calls == [(outcome.route_id, RoutingSection().checkout_timeout_s)]
+    assert outcome.prefill_params["remote_engine_id"] == "e-d0"
+    assert outcome.routed_unix_ms == NOW
+
+
+@pytest.mark.parametrize(
+    ("failure", "reason"),
+    [
+        (HandleNotRetained("taken"), "another turn"),
+        (NotFound("gone"), "another turn"),
+        (StoreUnavailable("down"), "etcd unreachable"),
+        (TimeoutError(), "etcd unreachable"),
+    ],
+)
+async def test_a_failed_check_out_recomputes(failure: Exception, reason: str) -> None:
+    cluster = FakeCluster(fleet())
+    held(cluster, history(HISTORY))
+    router, checkout, _ = make_router(cluster, FakeCheckOut(fails=failure))
+    outcome = await router.route(turn([*history(HISTORY), 1]))
+    assert outcome.decision is Decision.RECOMPUTE_CONTENDED and reason in outcome.reason
+    assert outcome.handle is None and outcome.reused_tokens == 0
+    assert outcome.prefill_params["remote_block_ids"] is None
+    assert len(checkout.calls) == 1
+
+
+async def test_the_second_check_out_of_the_same_handle_recomputes() -> None:
+    cluster = FakeCluster(fleet())
+    held(cluster, history(HISTORY))
+    router, _, _ = make_router(cluster)
+    prompt = [*history(HISTORY), 1]
+    first = await router.route(turn(prompt))
+    second = await router.route(turn(prompt))
+    assert first.decision is Decision.PULL
+    # Now P's prefix cache is believed to hold the history: no pull is worth it, or it loses the race.
+    assert second.handle is None
+
+
+async def test_no_check_out_without_a_live_view_or_time_left_in_the_deadline() -> None:
+    cluster = FakeCluster(fleet(), healthy=False)
+    held(cluster, history(HISTORY))
+    router, checkout, _ = make_router(cluster)
+    cut_off = await router.route(turn([*history(HISTORY), 1]))
+    assert cut_off.decision is Decision.RECOMPUTE_CONTENDED and "etcd unreachable" in cut_off.reason
+    cluster.healthy = True
+    rushed = await router.route(turn([*history(HISTORY), 1], "other", time_budget_s=0.001))
+    assert rushed.decision is not Decision.PULL
+    held(cluster, history(HISTORY), "late")
+    rushed = await router.route(turn([*history(HISTORY), 1], "late", time_budget_s=0.001))
+    assert rushed.decision is Decision.RECOMPUTE_CONTENDED and "deadline" in rushed.reason
+    assert checkout.calls == []
+
+
+async def test_a_turn_awaiting_its_handle_waits_for_its_publish_within_the_budget() -> None:
+    cluster = FakeCluster(fleet())
+    handle = mk_handle(cluster.nodes[2], history(HISTORY))
+    cluster.lands = HandleRecord(handle, mod_revision=3, lease=1)
+    router, _, _ = make_router(cluster)
+    outcome = await router.route(
+        turn([*history(HISTORY), 1], time_budget_s=0.2, awaited=AwaitedHandle(handle.handle_id, HISTORY))
+    )
+    assert cluster.waits == [pytest.approx(0.1)]
+    assert outcome.decision is Decision.PULL and outcome.handle == handle
+
+
+async def test_a_report_of_its_route_teaches_the_cost_model_once() -> None:
+    cluster = FakeCluster(fleet())
+    router, _, _ = make_router(cluster)
+    prior = router.costs
+    outcome = await router.route(turn(history(HISTORY)))
+    report = TurnReport(success=True, prompt_tokens=HISTORY, cached_tokens=0, prefill_ms=900.0)
+    # Another conversation's report of the route teaches nothing.
+    assert router.report(outcome.route_id, "t", "someone-else", report) is not None
+    assert router.costs == prior
+    again = await router.route(turn(history(HISTORY, seed=5), "c2"))
+    record = router.report(again.route_id, "t", "c2", report)
+    assert record is not None and record.prefill_node_id == again.plan.prefill.node_id
+    assert router.costs.prefill_samples == prior.prefill_samples + 1
+    assert router.costs.prefill_fixed_ms != prior.prefill_fixed_ms
+    # Reported twice, or never routed here: no second lesson.
+    learned = router.costs
+    assert router.report(again.route_id, "t", "c2", report) is None
+    assert router.report("unknown", "t", "c2", report) is None
+    assert router.costs == learned
+
+
+async def test_failed_and_suspect_nodes_are_left_out_unless_nothing_else_could_serve() -> None:
+    cluster = FakeCluster(fleet())
+    router, _, _ = make_router(cluster)
+    outcome = await router.route(turn(history(100), failed_node_ids=frozenset({"p0", "d0"})))
+    assert (outcome.plan.prefill.node_id, outcome.plan.decode.node_id) == ("p1", "d1")
+    only = await router.route(turn(history(100), failed_node_ids=frozenset({"p0", "p1"})))
+    assert only.plan.prefill.node_id in ("p0", "p1")
+
+
+async def test_a_model_nobody_serves_is_not_found_and_no_node_is_no_route() -> None:
+    router, _, _ = make_router(FakeCluster(fleet()))
+    with pytest.raises(NotFound):
+        await router.route(TurnRequest("t", "c", "other-model", Prompt(10)))
+    empty, _, _ = make_router(FakeCluster([]))
+    with pytest.raises(NoRoute):
+        await empty.route(turn(history(10)))
+
+
+async def test_time_comes_from_the_injected_clock() -> None:
+    clock = FakeClock(now_ms=NOW + 60_000)
+    router, _, _ = make_router(FakeCluster(fleet()), clock=clock)
+    outcome = await router.route(turn(history(100)))
+    assert outcome.routed_unix_ms == NOW + 60_000
+
+
+def test_the_package_exports_the_router_its_ports_and_its_values() -> None:
+    exported = {name: getattr(router_package, name) for name in router_package.__all__}
+    assert exported["Router"] is Router and exported["NoRoute"] is NoRoute
+    assert exported["TurnRequest"] is TurnRequest and exported["TurnReport"] is TurnReport
+    assert {"Clock", "ClusterReader", "HandleCheckOut", "AwaitedHandle", "RouteOutcome"} <= exported.keys()

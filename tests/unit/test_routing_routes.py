@@ -1,0 +1,39 @@
+"""The Router's record of its routes: each reported once, the last prefill node per
+conversation, and the engine pairs that have met."""
+
+from __future__ import annotations
+
+from kvplane.services.routing.policy import Decision
+from kvplane.services.routing.state.routes import RouteBook, RouteRecord
+
+
+def record(conversation: str = "c", prefill: str = "p0") -> RouteRecord:
+    return RouteRecord("t", conversation, prefill, "d0", "e-d0", 4096, Decision.RECOMPUTE_NO_HANDLE)
+
+
+def test_a_route_is_reported_once_and_remembers_its_prefill_node() -> None:
+    book = RouteBook(max_routes=10, max_conversations=10)
+    book.routed("r1", record(prefill="p1"))
+    assert book.last_prefill(("t", "c")) == "p1"
+    assert book.reported("r1") == record(prefill="p1")
+    assert book.reported("r1") is None
+    # The report does not forget where the conversation went; its end does.
+    assert book.last_prefill(("t", "c")) == "p1"
+    book.forget(("t", "c"))
+    assert book.last_prefill(("t", "c")) == ""
+
+
+def test_the_first_meeting_of_two_engines_is_told_apart_from_later_ones() -> None:
+    book = RouteBook(max_routes=10, max_conversations=10)
+    assert book.contact("p0", "e-d0") is True
+    assert book.contact("p0", "e-d0") is False
+    assert book.contact("p1", "e-d0") is True
+    assert ("p0", "e-d0") in book.contacted
+
+
+def test_the_book_is_bounded_oldest_routes_out_first() -> None:
+    book = RouteBook(max_routes=2, max_conversations=2)
+    for i in range(3):
+        book.routed(f"r{i}", record(f"c{i}"))
+    assert book.reported("r0") is None and book.reported("r2") is not None
+    assert book.last_prefill(("t", "c0")) == ""
