@@ -485,8 +485,15 @@ class Simulator:
         turn = flight.turn
         conversation = flight.conversation
         previous = conversation.handle
-        if previous is not None and previous.alive and self.retention.releases_superseded:
+        keep = flight.choice.keep_decode_kv
+        if previous is not None and previous.alive and (self.retention.releases_superseded or not keep):
             self._drop(previous, SUPERSEDED, now)
+        if not keep:
+            # kvplane's skip_decode_retention: D frees the turn's KV at once, publishes nothing.
+            conversation.handle = None
+            if d.waiting:
+                self._admit(d, now)
+            return
         handle = SimHandle(
             self._next_handle,
             turn.tenant,

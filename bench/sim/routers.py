@@ -51,6 +51,8 @@ class RouteChoice:
     prefix_ok: bool = True
     # kvplane's route id: its `Router` keeps the rest for the turn's report.
     route_id: str = ""
+    # False: D keeps nothing of this turn for the next (kvplane's skip_decode_retention).
+    keep_decode_kv: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -479,16 +481,19 @@ class PolicyRouter:
             turn.conversation,
             self.model,
             Prompt(turn.prompt_tokens, block_digests=prompt, digest_block_size=block),
+            # As the gateway passes the request's max_tokens: here the turn's own output.
+            max_output_tokens=turn.output_tokens,
         )
         outcome = _settled(self.router.route(request))
         p = self.fleet.prefill_by_id[outcome.plan.prefill.node_id]
         d = self.fleet.decode_by_id[outcome.plan.decode.node_id]
         decision = outcome.decision.value
+        keep = not outcome.skip_decode_retention
         if outcome.handle is not None and handle is not None:
             # The pull is offered up to the verified prefix; P reads what its cache lacks.
             pulled = outcome.plan.verdict.reusable_tokens
-            return RouteChoice(p, d, decision, handle, pulled, route_id=outcome.route_id)
-        return RouteChoice(p, d, decision, route_id=outcome.route_id)
+            return RouteChoice(p, d, decision, handle, pulled, route_id=outcome.route_id, keep_decode_kv=keep)
+        return RouteChoice(p, d, decision, route_id=outcome.route_id, keep_decode_kv=keep)
 
     def observe(self, turn: Turn, choice: RouteChoice, outcome: TurnOutcome) -> None:
         report = TurnReport(

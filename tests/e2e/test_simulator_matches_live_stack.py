@@ -59,6 +59,22 @@ def simulated_turns(live: Sequence[TurnResult]) -> list[Turn]:
     return turns
 
 
+# A turn whose P holds the history and recomputes only the tail is recorded as one of these,
+# depending on whether the conversation's superseded handle was still visible when it was
+# routed (D keeps no KV a pull would not pay for, and routing releases the handle it leaves
+# behind off the turn's path): a race between live processes that discrete events do not
+# reproduce. The shares of pulls and of tokens from each source are compared as they are.
+TAIL_RECOMPUTES = ("recompute_no_handle", "recompute_below_threshold", "recompute_cost")
+
+
+def tail_recomputes_as_one(p: Profile) -> Profile:
+    shares = {k: v for k, v in p.decision_shares.items() if k not in TAIL_RECOMPUTES}
+    shares["recompute (P holds the history, or nothing to pull)"] = sum(
+        p.decision_shares.get(k, 0.0) for k in TAIL_RECOMPUTES
+    )
+    return Profile(shares, p.pulled_fraction, p.cached_fraction)
+
+
 def simulated_fleet() -> SimConfig:
     kv = ENGINE_KV_TOKENS * SimCosts().kv_bytes_per_token
     cluster = ClusterSpec(
@@ -140,6 +156,7 @@ async def test_simulator_and_live_stack_agree_on_decisions_and_reuse(stack: Stac
         simulated_turns(live_run.gateway_turns()), simulated_fleet(), routing_policy=str(policy_file)
     )
     assert live.decision_shares, "no live turns"
+    simulated, live = tail_recomputes_as_one(simulated), tail_recomputes_as_one(live)
     assert agree(simulated, live, TOLERANCE) == [], (simulated, live)
     # Not a vacuous agreement: most of the continuing turns' history was reused, one way or the other.
     assert live.cached_fraction is not None

@@ -40,7 +40,7 @@ def test_what_p_caches_reaches_routing_only_through_ps_reports(monkeypatch: pyte
     original = PolicyRouter.route
 
     def spy(self: PolicyRouter, turn: Turn, conversation: Any, prompt: Any, now: float) -> Any:
-        record = self._prefill_record.cached_tokens(("default", "a"), turn.prompt_tokens, prompt, 16)
+        record = self.router.prefill_record.cached_tokens(("default", "a"), turn.prompt_tokens, prompt, 16)
         believed.append(record.get("p0", 0))
         return original(self, turn, conversation, prompt, now)
 

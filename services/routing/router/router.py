@@ -102,6 +102,11 @@ class Router:
         # The last time a route saw the cluster view live (ms since the epoch).
         self._view_live_ms = 0
 
+    @property
+    def prefill_record(self) -> PrefillCacheRecord:
+        """What this router believes each prefill node's cache holds (read it, do not change it)."""
+        return self._prefill_record
+
     # -- route --------------------------------------------------------------------------------
 
     async def route(self, turn: TurnRequest) -> RouteOutcome:
