@@ -91,6 +91,10 @@ class StackPorts:
     decode: int = 0
 
 
+# Every process of the stack listens on loopback.
+_HOST = "127.0.0.1"
+
+
 def _kvplane(*args: str) -> list[str]:
     return [sys.executable, "-m", "kvplane.services.cli", *args]
 
@@ -114,7 +118,7 @@ async def start_stack(
     """
     run_dir = run_dir or Path(tempfile.mkdtemp(prefix="kvplane-run-"))
     run_dir.mkdir(parents=True, exist_ok=True)
-    host = "127.0.0.1"
+    host = _HOST
     # Token mode, as deployed: every engine, the gateway and the probes present their own token.
     credentials = DevCredentials(run_dir / "credentials")
     node_ids = [f"p{i}" for i in range(prefill_nodes)] + [f"d{i}" for i in range(decode_nodes)]
@@ -135,103 +139,16 @@ async def start_stack(
         operator_metadata=credentials.operator_metadata(),
     )
     try:
-        services = ManagedProcess(
-            "kvplane serve all",
-            _kvplane(
-                "serve",
-                "all",
-                "--listen",
-                stack.grpc_target,
-                "--etcd",
-                etcd.endpoint,
-                "--metrics-port",
-                str(metrics_port),
-                "--config",
-                str(credentials.services_config(node_ids)),
-            ),
-            run_dir / "services.log",
+        services = await _start_services(
+            stack, etcd, credentials, node_ids, metrics_port, progress, timeout_s
         )
-        stack.processes.append(services)
-        progress("starting kvplane serve all (metadata, routing, eviction)")
-        services.start()
-        await wait_ready(services, grpc_health_probe(stack.grpc_target), timeout_s)
-
-        engines = []
         nodes: list[tuple[Role, str, int]] = [
             ("prefill", f"p{i}", p_port if i == 0 else free_port()) for i in range(prefill_nodes)
         ]
         nodes += [("decode", f"d{i}", d_port if i == 0 else free_port()) for i in range(decode_nodes)]
-        for role, node_id, port in nodes:
-            (stack.prefill_urls if role == "prefill" else stack.decode_urls).append(f"http://{host}:{port}")
-            sim = SimEngineSettings(
-                role=role,
-                node_id=node_id,
-                http_host=host,
-                http_port=port,
-                side_channel_host=host,
-                side_channel_port=free_port(),
-                control_plane=stack.grpc_target,
-                auth_token_file=credentials.token_file(node_id),
-                timing=TimingModel(speedup=speedup),
-                decoder_kv_blocks_ttl=decoder_ttl_s,
-                model="sim-model",
-                # 256 MiB of KV: room for a few dozen long conversations.
-                num_blocks=16384,
-                enable_prefix_caching=prefill_prefix_caching or role != "prefill",
-            )
-            engine = ManagedProcess(
-                f"{role} sim-engine",
-                _kvplane("sim-engine", *sim.argv()),
-                run_dir / f"engine-{node_id}.log",
-                env=engine_env(),
-            )
-            stack.processes.append(engine)
-            progress(f"starting the {role} sim-engine")
-            engine.start()
-            engines.append((engine, f"http://{host}:{port}/health"))
-        for engine, health in engines:
-            await wait_ready(engine, http_health_probe(health), timeout_s)
-
-        gateway_config = run_dir / "gateway.yaml"
-        gateway_config.write_text(  # JSON is YAML
-            json.dumps(
-                {
-                    "gateway": {
-                        "api_keys": [{"token": DEMO_API_KEY, "tenant": DEMO_TENANT}],
-                        "routing_token_file": credentials.token_file(GATEWAY),
-                        # The engines' limits: what they would refuse, the gateway refuses before routing.
-                        "vocab_size": SimEngineSettings.vocab_size,
-                        "max_model_len": SimEngineSettings.max_model_len,
-                    }
-                }
-            )
-        )
-        gateway = ManagedProcess(
-            "gateway",
-            _kvplane(
-                "gateway",
-                "--config",
-                str(gateway_config),
-                "--listen",
-                f"{host}:{gw_port}",
-                "--routing",
-                stack.grpc_target,
-                "--model",
-                "sim-model",
-                "--fallback-prefill",
-                stack.prefill_url,
-                "--fallback-decode",
-                stack.decode_url,
-                # The engines' /tokenize gives routing the exact token ids of chat turns.
-                "--tokenize-url",
-                stack.prefill_url,
-            ),
-            run_dir / "gateway.log",
-        )
-        stack.processes.append(gateway)
-        progress("starting the gateway")
-        gateway.start()
-        await wait_ready(gateway, http_health_probe(f"{stack.gateway_url}/health"), timeout_s)
+        engine = EngineRecipe(speedup, decoder_ttl_s, prefill_prefix_caching)
+        await _start_engines(stack, credentials, nodes, engine, progress, timeout_s)
+        await _start_gateway(stack, credentials, gw_port, progress, timeout_s)
         progress("waiting for the engines to register")
         await wait_ready(
             services,
@@ -242,6 +159,138 @@ async def start_stack(
     except BaseException:
         stack.stop()
         raise
+
+
+@dataclass(frozen=True)
+class EngineRecipe:
+    """What every sim-engine of the stack shares."""
+
+    speedup: float
+    decoder_ttl_s: float
+    prefill_prefix_caching: bool
+
+
+async def _start_services(
+    stack: Stack,
+    etcd: LocalEtcd,
+    credentials: DevCredentials,
+    node_ids: list[str],
+    metrics_port: int,
+    progress: Callable[[str], None],
+    timeout_s: float,
+) -> ManagedProcess:
+    services = ManagedProcess(
+        "kvplane serve all",
+        _kvplane(
+            "serve",
+            "all",
+            "--listen",
+            stack.grpc_target,
+            "--etcd",
+            etcd.endpoint,
+            "--metrics-port",
+            str(metrics_port),
+            "--config",
+            str(credentials.services_config(node_ids)),
+        ),
+        stack.run_dir / "services.log",
+    )
+    stack.processes.append(services)
+    progress("starting kvplane serve all (metadata, routing, eviction)")
+    services.start()
+    await wait_ready(services, grpc_health_probe(stack.grpc_target), timeout_s)
+    return services
+
+
+async def _start_engines(
+    stack: Stack,
+    credentials: DevCredentials,
+    nodes: list[tuple[Role, str, int]],
+    recipe: EngineRecipe,
+    progress: Callable[[str], None],
+    timeout_s: float,
+) -> None:
+    host = _HOST
+    engines = []
+    for role, node_id, port in nodes:
+        (stack.prefill_urls if role == "prefill" else stack.decode_urls).append(f"http://{host}:{port}")
+        sim = SimEngineSettings(
+            role=role,
+            node_id=node_id,
+            http_host=host,
+            http_port=port,
+            side_channel_host=host,
+            side_channel_port=free_port(),
+            control_plane=stack.grpc_target,
+            auth_token_file=credentials.token_file(node_id),
+            timing=TimingModel(speedup=recipe.speedup),
+            decoder_kv_blocks_ttl=recipe.decoder_ttl_s,
+            model="sim-model",
+            # 256 MiB of KV: room for a few dozen long conversations.
+            num_blocks=16384,
+            enable_prefix_caching=recipe.prefill_prefix_caching or role != "prefill",
+        )
+        engine = ManagedProcess(
+            f"{role} sim-engine",
+            _kvplane("sim-engine", *sim.argv()),
+            stack.run_dir / f"engine-{node_id}.log",
+            env=engine_env(),
+        )
+        stack.processes.append(engine)
+        progress(f"starting the {role} sim-engine")
+        engine.start()
+        engines.append((engine, f"http://{host}:{port}/health"))
+    for engine, health in engines:
+        await wait_ready(engine, http_health_probe(health), timeout_s)
+
+
+async def _start_gateway(
+    stack: Stack,
+    credentials: DevCredentials,
+    gw_port: int,
+    progress: Callable[[str], None],
+    timeout_s: float,
+) -> None:
+    gateway_config = stack.run_dir / "gateway.yaml"
+    gateway_config.write_text(  # JSON is YAML
+        json.dumps(
+            {
+                "gateway": {
+                    "api_keys": [{"token": DEMO_API_KEY, "tenant": DEMO_TENANT}],
+                    "routing_token_file": credentials.token_file(GATEWAY),
+                    # The engines' limits: what they would refuse, the gateway refuses before routing.
+                    "vocab_size": SimEngineSettings.vocab_size,
+                    "max_model_len": SimEngineSettings.max_model_len,
+                }
+            }
+        )
+    )
+    gateway = ManagedProcess(
+        "gateway",
+        _kvplane(
+            "gateway",
+            "--config",
+            str(gateway_config),
+            "--listen",
+            f"{_HOST}:{gw_port}",
+            "--routing",
+            stack.grpc_target,
+            "--model",
+            "sim-model",
+            "--fallback-prefill",
+            stack.prefill_url,
+            "--fallback-decode",
+            stack.decode_url,
+            # The engines' /tokenize gives routing the exact token ids of chat turns.
+            "--tokenize-url",
+            stack.prefill_url,
+        ),
+        stack.run_dir / "gateway.log",
+    )
+    stack.processes.append(gateway)
+    progress("starting the gateway")
+    gateway.start()
+    await wait_ready(gateway, http_health_probe(f"{stack.gateway_url}/health"), timeout_s)
 
 
 def _nodes_registered(
