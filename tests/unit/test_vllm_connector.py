@@ -277,6 +277,25 @@ def test_natural_finish_publishes_handle_with_digests_and_bytes(new_engine: Any)
     assert d.connector.held_request_ids == {"d-1"}
 
 
+def test_a_turn_routing_says_not_to_keep_is_freed_at_the_next_step_and_never_published(
+    new_engine: Any,
+) -> None:
+    d = new_engine()
+    free_before = d.free_blocks()
+    d.add("d-skip", PROMPT_1, 40, {**routed(), "kvplane_retain": False})
+    params = d.run_until_finished("d-skip")
+    # Nothing is announced to the caller and nothing is published.
+    assert params is None
+    assert d.agent.pending() == ([], [])
+    assert d.connector.held_request_ids == frozenset()
+    # The blocks' deadline is set in the past in the next step; the workers free them.
+    d.step()
+    assert d.last_meta.reqs_to_send["d-skip"] < d.last_meta.scheduler_clock
+    d.step(finished_sending={"d-skip"})
+    assert d.free_blocks() == free_before
+    assert d.agent.pending() == ([], [])  # freed without a release report
+
+
 def test_aborted_request_publishes_nothing_and_frees_blocks(new_engine: Any) -> None:
     d = new_engine()
     free_before = d.free_blocks()
