@@ -36,7 +36,8 @@ CONFIG = compare.CompareConfig(
     fronts=FRONTS,
     workload=Workload(turns=2, first_tokens=300, user_tokens=100, answer_tokens=16, stagger_s=0.0),
     warmup_conversations=1,
-    idle_s=1.0,
+    # Longer than an idle engine's load heartbeat (10 s), so that the window sees its write.
+    idle_s=12.0,
     speedup=20.0,
     turn_timeout_s=60.0,
 )
@@ -92,7 +93,7 @@ def test_costs_are_charged_to_each_front_s_processes(runs: dict[str, compare.Wor
         assert {CLIENT, ENGINES, *run.fronts[row.front]} == set(row.cpu_ms_per_turn)
     # kvplane's turns go through etcd (handles, check-outs); its gateway timed each Route.
     assert _row(run, KVPLANE).etcd_requests_per_turn > 0 and _row(run, KVPLANE).route_ms > 0
-    assert run.idle is not None and run.idle.etcd.get("writes", 0) > 0  # the engines' load reports
+    assert run.idle is not None and run.idle.etcd.get("writes", 0) > 0  # the engines' load heartbeats
     assert _row(run, REFERENCE).p50_vs_reference == pytest.approx(1.0)
 
 
