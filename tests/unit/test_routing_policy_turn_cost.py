@@ -113,9 +113,19 @@ def test_a_conversation_stays_home_unless_moving_saves_more_than_the_margin(poli
 
 
 def test_the_margin_applies_only_where_a_node_holds_part_of_the_prompt(policy: RoutingPolicy) -> None:
-    # Nothing cached anywhere: the shorter queue wins however small the difference.
-    plan = route(policy, NEXT, queues={"p0_queue": 300})
+    # Nothing cached anywhere, though p0 served the conversation last: it is no home, and the
+    # shorter queue wins however small the difference.
+    plan = route(policy, NEXT, queues={"p0_queue": 300}, last_prefill_node_id="p0")
     assert plan.prefill.node_id == "p1"
+    # The same p0 holding the history is home, and keeps the conversation at that queue.
+    held = route(
+        policy,
+        NEXT,
+        queues={"p0_queue": 300},
+        last_prefill_node_id="p0",
+        prefill_cached_tokens={"p0": len(PREVIOUS)},
+    )
+    assert held.prefill.node_id == "p0"
 
 
 def test_a_negative_move_margin_is_rejected() -> None:
