@@ -44,6 +44,8 @@ DOMAIN = frozenset(
         f"{MODEL}.convert",  # protobuf <-> domain values, at the API boundary
         f"{MODEL}.headers",  # call metadata keys: the API's part the protos cannot name
         f"{MODEL}.keys",  # where each fact lives in etcd: the key layout, as pure functions
+        f"{MODEL}.block_hashes",  # vLLM's prefix-cache block hashes, predicted from token ids
+        f"{MODEL}.kv_events",  # vLLM's KV-cache event batches on the wire
         MODEL,
         "kvplane.connector.digests",  # the token-block digests a handle carries
     }
@@ -65,6 +67,8 @@ PURE_MODULES = frozenset(
         "kvplane.services.gateway.failover",  # "Pure: no I/O and no clock reads"
         "kvplane.services.routing.transfer_params",  # "Pure: vLLM's wire keys ... no I/O"
         "kvplane.services.common.runtime.bounded_map",  # a size-bounded dict, kept by routing's pure state
+        "kvplane.services.common.model.block_hashes",  # "Pure: no I/O."
+        "kvplane.services.common.model.kv_events",  # "Pure: no I/O."
     }
 )
 # What pure code must not import: the store, network and process I/O, threads, waiting, the clock.
