@@ -1,0 +1,2 @@
+"""An engine's KV-cache events, read where the engine runs: where they come from, and what the
+node agent makes of them."""
