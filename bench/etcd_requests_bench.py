@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from kvplane.bench.live import stream_turn
+from kvplane.bench.live import token_chat
 
 MODEL = "sim-model"
 # etcd's gRPC methods that are one request each (LeaseKeepAlive is counted by messages).
@@ -134,27 +134,23 @@ def requests_of(etcd: Mapping[str, float]) -> float:
     return sum(etcd.get(m, 0.0) for m in (*UNARY_METHODS, "LeaseKeepAlive"))
 
 
-def _prompt(seed: int, n: int) -> list[int]:
-    return [(seed * 7919 + i * 31) % 29_000 + 300 for i in range(n)]
-
-
 async def conversation(
     session: aiohttp.ClientSession, url: str, api_key: str, seed: int, args: argparse.Namespace
 ) -> Counter[str]:
     headers = {"authorization": f"Bearer {api_key}", "x-conversation-id": f"etcd-bench-{seed}"}
     decisions: Counter[str] = Counter()
-    prompt = _prompt(seed, args.prompt_tokens)
-    for turn in range(args.turns):
-        body = {
-            "model": MODEL,
-            "prompt": prompt,
-            "max_tokens": args.max_tokens,
-            "ignore_eos": True,
-            "return_token_ids": True,
-        }
-        decision, _, output = await stream_turn(session, url, body, headers)
+    async for decision, _, _ in token_chat(
+        session,
+        url,
+        headers,
+        seed=seed,
+        turns=args.turns,
+        prompt_tokens=args.prompt_tokens,
+        user_tokens=args.user_tokens,
+        max_tokens=args.max_tokens,
+        model=MODEL,
+    ):
         decisions[decision or "-"] += 1
-        prompt = [*prompt, *output, *_prompt(seed * 31 + turn + 1, args.user_tokens)]
     return decisions
 
 

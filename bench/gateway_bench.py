@@ -42,7 +42,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from kvplane.bench.live import stream_turn
+from kvplane.bench.live import token_chat
 from kvplane.bench.route_bench import cpu_seconds
 from kvplane.services.common.model.handles import fresh_prefill_params
 from kvplane.services.common.runtime.ports import free_port
@@ -108,10 +108,6 @@ class FrontResult:
         return seconds / max(1, self.turns) * 1000
 
 
-def _prompt(seed: int, n: int) -> list[int]:
-    return [(seed * 7919 + i * 31) % 29_000 + 300 for i in range(n)]
-
-
 async def _conversation(
     session: aiohttp.ClientSession,
     url: str,
@@ -120,16 +116,17 @@ async def _conversation(
     args: argparse.Namespace,
     result: FrontResult,
 ) -> None:
-    prompt = _prompt(seed, args.prompt_tokens)
-    for turn in range(args.turns):
-        body = {
-            "model": MODEL,
-            "prompt": prompt,
-            "max_tokens": args.max_tokens,
-            "ignore_eos": True,
-            "return_token_ids": True,
-        }
-        decision, ttft, output = await stream_turn(session, url, body, headers)
+    async for decision, ttft, output in token_chat(
+        session,
+        url,
+        headers,
+        seed=seed,
+        turns=args.turns,
+        prompt_tokens=args.prompt_tokens,
+        user_tokens=args.user_tokens,
+        max_tokens=args.max_tokens,
+        model=MODEL,
+    ):
         if len(output) != args.max_tokens:
             # A stream the client cannot read would make its front look cheap.
             raise RuntimeError(
@@ -138,7 +135,6 @@ async def _conversation(
         result.turns += 1
         result.ttft_ms.append(ttft)
         result.decisions[decision or "-"] += 1
-        prompt = [*prompt, *output, *_prompt(seed * 31 + turn + 1, args.user_tokens)]
 
 
 async def _settled(pids: Sequence[int]) -> list[float]:

@@ -32,7 +32,7 @@ import statistics
 import sys
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -127,6 +127,41 @@ async def stream_turn(
                     ttft = (time.perf_counter() - started) * 1e3
                 output += ids
     return decision, ttft, output
+
+
+def synthetic_ids(seed: int, n: int) -> list[int]:
+    """`n` token ids, a pure function of `seed`: the text of a synthetic chat's turn."""
+    return [(seed * 7919 + i * 31) % 29_000 + 300 for i in range(n)]
+
+
+async def token_chat(
+    session: aiohttp.ClientSession,
+    url: str,
+    headers: dict[str, str],
+    *,
+    seed: int,
+    turns: int,
+    prompt_tokens: int,
+    user_tokens: int,
+    max_tokens: int,
+    model: str,
+) -> AsyncIterator[tuple[str, float, list[int]]]:
+    """One chat in token ids: each turn's prompt is the last one, its output and new user ids.
+
+    Yields each turn's decision header, TTFT (ms) and output ids, as `stream_turn` returns them.
+    """
+    prompt = synthetic_ids(seed, prompt_tokens)
+    for turn in range(turns):
+        body = {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        decision, ttft, output = await stream_turn(session, url, body, headers)
+        yield decision, ttft, output
+        prompt = [*prompt, *output, *synthetic_ids(seed * 31 + turn + 1, user_tokens)]
 
 
 async def _direct_turn(
