@@ -11,8 +11,10 @@
 
 (run from deploy/scripts/validate, or with it on PYTHONPATH). One module per artifact:
 `compose_checks.py`, `dockerfile_checks.py`, `chart_checks.py` (the rendered chart),
-`mesh_checks.py` (its Istio manifests), over `manifests.py` (Kubernetes documents and schemas),
-`kvplane_code.py` (kvplane's own parsers and settings model) and `report.py`.
+`mesh_checks.py` (its Istio manifests, and every call the code makes decided against them:
+`client_calls.py` reads the calls, `istio_authz.py` decides them), over `manifests.py`
+(Kubernetes documents and schemas), `kvplane_code.py` (kvplane's own parsers and settings model)
+and `report.py`.
 
 `helm` and `mesh` write the custom resources they found to OUT_DIR/*-crds.json, for
 crd_schemas.mjs. validate_deploy.sh runs all of this; each command prints one line per check and
@@ -26,17 +28,26 @@ from .chart_checks import check_chart_semantics, check_helm, merged_values, rend
 from .compose_checks import check_compose
 from .dockerfile_checks import check_dockerfile
 from .manifests import docs_of, kubernetes_validate, pod_templates
-from .mesh_checks import ISTIO_FIELDS, check_mesh, grpc_service_paths, unknown_fields
+from .mesh_checks import (
+    ISTIO_FIELDS,
+    check_client_calls,
+    check_mesh,
+    client_requests,
+    grpc_service_paths,
+    unknown_fields,
+)
 from .report import Report
 
 __all__ = [
     "ISTIO_FIELDS",
     "Report",
     "check_chart_semantics",
+    "check_client_calls",
     "check_compose",
     "check_dockerfile",
     "check_helm",
     "check_mesh",
+    "client_requests",
     "docs_of",
     "grpc_service_paths",
     "kubernetes_validate",

@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from .chart_checks import render_chart
+from .client_calls import CallerCode, grpc_calls, http_paths
+from .istio_authz import Request, allowed
 from .manifests import container_ports, matches, pod_templates
 from .report import ROOT, Report
 
@@ -163,4 +165,77 @@ def check_mesh(out: Path, report: Report) -> None:
                         f'"{header.group(1)}"' in headers_source,
                         f"{label}: header {header.group(1)} is one the services read",
                     )
+    check_client_calls(chart_docs, report)
     (out / "mesh-crds.json").write_text(json.dumps(docs))
+
+
+# Who calls: each client's code, the workload it runs in, and the headers it sends on gRPC.
+GATEWAY_CODE = CallerCode("gateway", ("services/gateway", "services/client"))
+ENGINE_CODE = CallerCode("engine", ("connector",), exclude=("connector/simengine",))
+NODE_HEADERS = {"x-kvplane-role": "node", "x-kvplane-node": "kvplane-sim-prefill-0"}
+# Which component serves each kvplane gRPC service (the chart runs one Deployment per service).
+SERVICE_COMPONENT = {
+    "RoutingService": "routing",
+    "MetadataService": "metadata",
+    "EvictionService": "eviction",
+}
+COMPONENT = "app.kubernetes.io/component"
+
+
+def client_requests(
+    chart_docs: list[dict[str, Any]], namespace: str = "kvplane"
+) -> list[tuple[str, Request]]:
+    """Every request a kvplane client's code makes, as the destination's proxy would see it."""
+    templates = [t for _, t in pod_templates(chart_docs)]
+    by_component = {t["metadata"]["labels"].get(COMPONENT): t for t in templates}
+    engines = [t for t in templates if t["metadata"]["labels"].get("kvplane.io/engine") == "true"]
+
+    def principal(template: dict[str, Any]) -> str:
+        return f"cluster.local/ns/{namespace}/sa/{template['spec']['serviceAccountName']}"
+
+    def grpc_port(template: dict[str, Any]) -> int:
+        return container_ports(template)["grpc"]
+
+    out: list[tuple[str, Request]] = []
+    callers = [(GATEWAY_CODE, by_component["gateway"], {}), (ENGINE_CODE, engines[0], NODE_HEADERS)]
+    for code, caller, headers in callers:
+        calls = grpc_calls(code.files())
+        targets = [SERVICE_COMPONENT[s] for s in calls if s in SERVICE_COMPONENT]
+        for service, paths in sorted(calls.items()):
+            # A health check goes to the replicas the caller holds channels to.
+            components = targets if service == "Health" else [SERVICE_COMPONENT[service]]
+            for component in components:
+                dest = by_component[component]
+                for path in sorted(paths):
+                    request = Request(
+                        principal(caller),
+                        namespace,
+                        dest["metadata"]["labels"],
+                        grpc_port(dest),
+                        path,
+                        "POST",
+                        headers,
+                    )
+                    out.append((f"{code.name} -> {component} {path}", request))
+    for path in sorted(http_paths(GATEWAY_CODE.files())):
+        for engine in engines:
+            port = container_ports(engine)["http"]
+            request = Request(
+                principal(by_component["gateway"]),
+                namespace,
+                engine["metadata"]["labels"],
+                port,
+                path,
+                "POST",
+            )
+            out.append((f"gateway -> {engine['metadata']['labels'][COMPONENT]} HTTP {path}", request))
+    return out
+
+
+def check_client_calls(chart_docs: list[dict[str, Any]], report: Report) -> None:
+    """Every RPC and HTTP path a kvplane client's code calls is allowed by the rendered policies."""
+    policies = [d for d in chart_docs if d.get("kind") == "AuthorizationPolicy"]
+    requests = client_requests(chart_docs)
+    report.check(len(requests) >= 10, f"mesh: {len(requests)} client calls read from the code")
+    for label, request in requests:
+        report.check(allowed(policies, request), f"mesh allows {label}")
