@@ -45,7 +45,11 @@ class CacheSalts:
     def create(cls, mode: Mode, key: str, groups: Mapping[str, str]) -> CacheSalts:
         if mode != "off" and not key:
             # Fine for one gateway; several gateways in front of the same engines must share a key.
-            log.info("gateway.cache_salt_key is not set: this gateway salts with a random key")
+            log.warning(
+                "gateway.cache_salt_key is not set: this gateway salts with a random key, so "
+                "another gateway in front of the same engines would split every tenant's prefix "
+                "cache; give all gateways one key (the Helm chart shares one from a Secret)"
+            )
         return cls(mode, key.encode() if key else secrets.token_bytes(32), dict(groups))
 
     def salt(self, tenant: str) -> str | None:

@@ -99,6 +99,11 @@ sidecar.istio.io/inject: {{ ternary "true" "false" .Values.mesh.enabled | quote 
 {{- .Values.auth.tokensSecret.name | default (printf "%s-auth" (include "kvplane.fullname" .)) -}}
 {{- end -}}
 
+{{/* The Secret holding the gateways' shared cache-salt key: the values' own, or the chart's. */}}
+{{- define "kvplane.cacheSaltSecretName" -}}
+{{- .Values.gateway.cacheSaltKeySecret.name | default (printf "%s-cache-salt" (include "kvplane.fullname" .)) -}}
+{{- end -}}
+
 {{/*
 Tokens travel as files in /etc/kvplane-auth, from the tokens Secret: a Secret volume follows the
 Secret, and servers and clients read a changed token file again, so a token is rotated or

@@ -218,6 +218,7 @@ def check_kvplane_container(
         "KVPLANE_AUTH__TOKENS": "[]",
         "KVPLANE_GATEWAY__API_KEYS": "[]",
         "KVPLANE_GATEWAY__ROUTING_TOKEN": "a-token",
+        "KVPLANE_GATEWAY__CACHE_SALT_KEY": "a-key",
     }
     for var in secret_env:
         report.check(var in placeholders, f"{name}: secret variable {var} is a known setting")
