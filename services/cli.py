@@ -70,6 +70,11 @@ COMMAND_PURPOSES: dict[str, str] = {
     "bench": "live benchmark through a gateway (--start-stack starts one) against the engines directly",
     "sim": "replay a trace or a workload through routing and retention policies in the simulator",
     "health": "exit 0 when a kvplane gRPC server serves, over TLS or mTLS (Kubernetes exec probes)",
+    "nodes": "list registered engines, their state and latest load (operator)",
+    "handles": "list retained KV handles: whose, where, how much, until when (operator)",
+    "drain": "mark a node draining: no new turns go to it (operator)",
+    "status": "the eviction leader, its command backlog, and the nodes by role (operator)",
+    "end-conversation": "end a conversation: its retained KV is released now (operator)",
 }
 
 _EPILOG = """\
@@ -119,6 +124,11 @@ EXTRA_COMMANDS: dict[str, str] = {
     "bench": "kvplane.bench.live:main",
     "sim": "kvplane.bench.sim.command:main",
     "health": "kvplane.services.health_probe:main",
+    "nodes": "kvplane.services.ops.cli:nodes_main",
+    "handles": "kvplane.services.ops.cli:handles_main",
+    "drain": "kvplane.services.ops.cli:drain_main",
+    "status": "kvplane.services.ops.cli:status_main",
+    "end-conversation": "kvplane.services.ops.cli:end_conversation_main",
 }
 
 

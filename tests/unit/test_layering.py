@@ -68,6 +68,7 @@ PURE_MODULES = frozenset(
         "kvplane.services.routing.transfer_params",  # "Pure: vLLM's wire keys ... no I/O"
         "kvplane.services.common.runtime.bounded_map",  # a size-bounded dict, kept by routing's pure state
         "kvplane.services.common.model.block_hashes",  # "Pure: no I/O."
+        "kvplane.services.ops.views",  # "Pure: no I/O; the time ... is an argument"
         "kvplane.services.common.model.kv_events",  # "Pure: no I/O."
     }
 )
