@@ -8,11 +8,12 @@ import importlib
 import logging
 import sys
 from collections.abc import Sequence
-from typing import Any
+from importlib import metadata
+from typing import TYPE_CHECKING, Any
 
-from kvplane.services.common.runtime.telemetry import configure_logging
-from kvplane.services.process import Installer, ServiceProcess
-from kvplane.services.settings import KvplaneSettings
+if TYPE_CHECKING:  # the serving stack loads only for `serve`: `--help` and `--version` stay fast
+    from kvplane.services.process import Installer
+    from kvplane.services.settings import KvplaneSettings
 
 log = logging.getLogger("kvplane")
 
@@ -84,6 +85,13 @@ variables (OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_SERVICE_NAME, OTEL_TRACES_SAMPLER, 
 `kvplane COMMAND --help` describes each command's options and their defaults."""
 
 
+def _version() -> str:
+    try:
+        return metadata.version("kvplane")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvplane",
@@ -91,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"kvplane {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve = sub.add_parser(
         "serve",
@@ -139,6 +148,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         entry: Any = getattr(importlib.import_module(module_name), func)
         return int(entry(argv[1:]) or 0)
     args = build_parser().parse_args(argv)
+    from kvplane.services.common.runtime.telemetry import configure_logging
+    from kvplane.services.settings import KvplaneSettings
+
     settings = KvplaneSettings.load(args.config, _overrides(args))
     configure_logging(settings.telemetry.log_level, settings.telemetry.json_logs)
     if settings.auth.mode is None:
@@ -156,6 +168,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 async def _serve(settings: KvplaneSettings, names: Sequence[str]) -> None:
+    from kvplane.services.process import ServiceProcess
+
     # grpc.aio objects bind to the running loop, so build the process inside it.
     process = ServiceProcess(settings, installers(names), service_name=service_name(names))
     await process.run_until_signalled()

@@ -25,3 +25,28 @@ def test_serve_help_gives_the_defaults_of_its_options(capsys: pytest.CaptureFixt
         assert default in text
     for service in SERVICES:
         assert service in text
+
+
+def test_version_names_the_installed_release(capsys: pytest.CaptureFixture[str]) -> None:
+    from importlib import metadata
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"kvplane {metadata.version('kvplane')}"
+
+
+def test_help_loads_no_serving_stack() -> None:
+    # `kvplane --help` must answer at once: grpc, etcd and the settings model load only to serve.
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys; from kvplane.services.cli import main\n"
+        "try: main(['--help'])\n"
+        "except SystemExit: pass\n"
+        "print(sorted(m for m in ('grpc', 'aetcd', 'kvplane.services.process', 'kvplane.services.settings') "
+        "if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "[]"
