@@ -150,8 +150,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from kvplane.services.common.runtime.telemetry import configure_logging
     from kvplane.services.settings import KvplaneSettings
+    from kvplane.services.settings_errors import SettingsError
 
-    settings = KvplaneSettings.load(args.config, _overrides(args))
+    try:
+        settings = KvplaneSettings.load(args.config, _overrides(args))
+    except SettingsError as exc:
+        print(f"kvplane serve: {exc}", file=sys.stderr)
+        return 2
     configure_logging(settings.telemetry.log_level, settings.telemetry.json_logs)
     if settings.auth.mode is None:
         # Closed by default: there is no mode that serves without credentials.

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvplane.services.common.settings import AuthSection, EtcdSection, GrpcSection, TelemetrySection
@@ -23,6 +23,7 @@ from kvplane.services.eviction.settings import EvictionSection
 from kvplane.services.gateway.settings import GatewaySection
 from kvplane.services.metadata.settings import MetadataSection
 from kvplane.services.routing.settings import RoutingSection
+from kvplane.services.settings_errors import SettingsError, describe
 
 
 class KvplaneSettings(BaseSettings):
@@ -45,17 +46,26 @@ class KvplaneSettings(BaseSettings):
 
     @classmethod
     def load(cls, config_file: str | None = None, overrides: dict[str, Any] | None = None) -> KvplaneSettings:
-        """Defaults < file < environment < `overrides` (from flags)."""
+        """Defaults < file < environment < `overrides` (from flags).
+
+        Raises SettingsError, whose message is one line, for settings that do not load.
+        """
         path = config_file or os.environ.get("KVPLANE_CONFIG")
         file_values: dict[str, Any] = {}
         if path:
-            loaded = yaml.safe_load(Path(path).read_text())
+            try:
+                loaded = yaml.safe_load(Path(path).read_text())
+            except (OSError, yaml.YAMLError) as exc:
+                raise SettingsError(f"settings file {path}: {' '.join(str(exc).split())}") from None
             if not isinstance(loaded, dict):
-                raise ValueError(f"{path}: expected a mapping at the top level")
+                raise SettingsError(f"settings file {path}: expected a mapping at the top level")
             file_values = loaded
-        env_values = cls().model_dump(exclude_unset=True)
-        merged = _merge(_merge(file_values, env_values), overrides or {})
-        return cls.model_validate(merged)
+        try:
+            env_values = cls().model_dump(exclude_unset=True)
+            merged = _merge(_merge(file_values, env_values), overrides or {})
+            return cls.model_validate(merged)
+        except ValidationError as exc:
+            raise SettingsError(describe(exc, cls)) from None
 
     def masked_json(self) -> str:
         """The effective settings with secrets masked, for the start-up log."""

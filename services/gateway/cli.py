@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import signal
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,6 +15,7 @@ import uvloop
 from kvplane.services.common.runtime.telemetry import Telemetry, configure_logging
 from kvplane.services.gateway.app import Gateway
 from kvplane.services.settings import KvplaneSettings
+from kvplane.services.settings_errors import SettingsError
 
 log = logging.getLogger("kvplane.gateway")
 
@@ -95,7 +97,11 @@ async def serve(settings: KvplaneSettings) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    settings = KvplaneSettings.load(args.config, overrides(args))
+    try:
+        settings = KvplaneSettings.load(args.config, overrides(args))
+    except SettingsError as exc:
+        print(f"kvplane gateway: {exc}", file=sys.stderr)
+        return 2
     configure_logging(settings.telemetry.log_level, settings.telemetry.json_logs)
     log.info("starting", extra={"settings": settings.masked_json()})
     if settings.gateway.event_loop == "uvloop":

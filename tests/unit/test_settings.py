@@ -2,15 +2,53 @@
 
 from __future__ import annotations
 
-import pydantic
+import subprocess
+import sys
+
 import pytest
 
 from kvplane.services.settings import KvplaneSettings
+from kvplane.services.settings_errors import SettingsError
 
 
-def test_a_misspelt_key_in_a_section_is_an_error() -> None:
-    with pytest.raises(pydantic.ValidationError, match="modelz"):
+def test_a_misspelt_key_in_a_section_is_one_line_with_the_closest_name() -> None:
+    with pytest.raises(SettingsError) as err:
         KvplaneSettings.load(overrides={"gateway": {"modelz": ["x"]}})
+    assert str(err.value) == "unknown setting gateway.modelz (did you mean gateway.models?)"
+
+
+def test_a_misspelt_section_and_a_bad_value_are_named_with_their_variable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with pytest.raises(SettingsError, match=r"^unknown setting routng \(did you mean routing\?\)$"):
+        KvplaneSettings.load(overrides={"routng": {}})
+    monkeypatch.setenv("KVPLANE_ROUTING__CHECKOUT_TIMEOUT_S", "soon")
+    with pytest.raises(SettingsError) as err:
+        KvplaneSettings.load()
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("routing.checkout_timeout_s: ")
+    assert "'soon'" in message and "KVPLANE_ROUTING__CHECKOUT_TIMEOUT_S" in message
+
+
+def test_an_unreadable_settings_file_is_one_line(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(SettingsError, match="No such file"):
+        KvplaneSettings.load(str(tmp_path / "missing.yaml"))
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("routing: [unclosed\n")
+    with pytest.raises(SettingsError) as err:
+        KvplaneSettings.load(str(broken))
+    assert str(err.value).startswith(f"settings file {broken}: ") and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("command", ["serve", "gateway"])
+def test_commands_print_the_settings_problem_in_one_line_and_exit_2(tmp_path, command: str) -> None:  # type: ignore[no-untyped-def]
+    config = tmp_path / "kvplane.yaml"
+    config.write_text("routing:\n  checkout_timout_s: 1\n")
+    argv = [sys.executable, "-m", "kvplane.services.cli", command, *(["all"] if command == "serve" else [])]
+    done = subprocess.run([*argv, "--config", str(config)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    hint = "(did you mean routing.checkout_timeout_s?)"
+    assert done.stderr.strip() == f"kvplane {command}: unknown setting routing.checkout_timout_s {hint}"
 
 
 def test_flags_override_environment_which_overrides_the_file(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
