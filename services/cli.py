@@ -168,7 +168,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     names = available_services() if args.service == "all" else [args.service]
     log.info("starting", extra={"services": names, "settings": settings.masked_json()})
-    asyncio.run(_serve(settings, names))
+    from kvplane.services.common.runtime.server import BindFailed
+
+    try:
+        asyncio.run(_serve(settings, names))
+    except BindFailed as exc:
+        print(f"kvplane serve: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -86,17 +86,24 @@ class ServiceProcess:
         self.metrics_port = 0
 
     async def start(self) -> None:
-        await self.store.connect()
-        if self.ctx._view is not None:
-            self.ctx._view.start()
-        for component in self.components:
-            await component.start()
-        self.grpc_port = await self.server.start()
-        if self.settings.telemetry.metrics_port >= 0 and self.settings.telemetry.metrics_port != 0:
-            self.metrics = MetricsServer(
-                self.telemetry, self.settings.telemetry.metrics_host, self.settings.telemetry.metrics_port
-            )
-            self.metrics_port = self.metrics.start()
+        """Connects, starts the components, then listens; on a failure (a port in use) it stops
+        what it started before raising."""
+        try:
+            await self.store.connect()
+            if self.ctx._view is not None:
+                self.ctx._view.start()
+            for component in self.components:
+                await component.start()
+            self.grpc_port = await self.server.start()
+            if self.settings.telemetry.metrics_port >= 0 and self.settings.telemetry.metrics_port != 0:
+                self.metrics = MetricsServer(
+                    self.telemetry, self.settings.telemetry.metrics_host, self.settings.telemetry.metrics_port
+                )
+                self.metrics_port = self.metrics.start()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await self.stop()
+            raise
 
     async def stop(self) -> None:
         await self.server.stop(self.settings.grpc.grace_s)

@@ -14,6 +14,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvplane.services.client import ClientCredentials, RoutingClient
+from kvplane.services.common.runtime.server import BindFailed
 from kvplane.services.common.runtime.telemetry import Telemetry
 from kvplane.services.gateway import cache_salt
 from kvplane.services.gateway.admission import TENANT, ReadLimits, admission, expect_continue, json_body
@@ -286,7 +287,10 @@ class Gateway:
                 self._certificate_watch = asyncio.create_task(self._certificate.watch())
             context = self._certificate.context if self._certificate is not None else None
             self._site = web.TCPSite(self._runner, host, port, ssl_context=context)
-            await self._site.start()
+            try:
+                await self._site.start()
+            except OSError as exc:
+                raise BindFailed(s.listen, "the gateway's HTTP", exc.strerror) from None
         except BaseException:
             await self.stop()
             raise

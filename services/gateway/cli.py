@@ -12,6 +12,7 @@ from typing import Any
 
 import uvloop
 
+from kvplane.services.common.runtime.server import BindFailed
 from kvplane.services.common.runtime.telemetry import Telemetry, configure_logging
 from kvplane.services.gateway.app import Gateway
 from kvplane.services.settings import KvplaneSettings
@@ -104,8 +105,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     configure_logging(settings.telemetry.log_level, settings.telemetry.json_logs)
     log.info("starting", extra={"settings": settings.masked_json()})
-    if settings.gateway.event_loop == "uvloop":
-        uvloop.run(serve(settings))
-    else:
-        asyncio.run(serve(settings))
+    try:
+        if settings.gateway.event_loop == "uvloop":
+            uvloop.run(serve(settings))
+        else:
+            asyncio.run(serve(settings))
+    except BindFailed as exc:
+        print(f"kvplane gateway: {exc}", file=sys.stderr)
+        return 1
     return 0

@@ -39,6 +39,20 @@ from kvplane.services.common.runtime.tls import ServerTlsFiles, certificate_ids
 
 log = logging.getLogger(__name__)
 
+
+class BindFailed(OSError):
+    """A server could not listen where it was told to: one line naming the address and the role."""
+
+    def __init__(self, address: str, what: str, reason: str | None = None) -> None:
+        self.address = address
+        self.what = what
+        why = reason or "the address is in use or not available on this host"
+        super().__init__(f"cannot listen on {address} for {what}: {why}")
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
 # The context type of every servicer method.
 Context = grpc.aio.ServicerContext[Any, Any]
 
@@ -86,12 +100,17 @@ class GrpcServer:
     async def start(self) -> int:
         if self.reflection:
             reflection.enable_server_reflection([*self._services, reflection.SERVICE_NAME], self.server)
-        if self.tls is not None:
-            self.port = self.server.add_secure_port(self.listen, self.tls.server_credentials())
-        else:
-            self.port = self.server.add_insecure_port(self.listen)
+        names = [s.rsplit(".", 1)[-1] for s in self._services if s != "grpc.health.v1.Health"]
+        what = f"gRPC of {', '.join(names) or 'kvplane'}"
+        try:
+            if self.tls is not None:
+                self.port = self.server.add_secure_port(self.listen, self.tls.server_credentials())
+            else:
+                self.port = self.server.add_insecure_port(self.listen)
+        except RuntimeError:
+            raise BindFailed(self.listen, what) from None
         if self.port == 0:
-            raise OSError(f"cannot listen on {self.listen}")
+            raise BindFailed(self.listen, what)
         await self.server.start()
         for name in self._services:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -251,7 +270,12 @@ class MetricsServer:
         self._thread: threading.Thread | None = None
 
     def start(self) -> int:
-        self._server, self._thread = start_http_server(self.port, self.host, registry=self.telemetry.registry)
+        try:
+            self._server, self._thread = start_http_server(
+                self.port, self.host, registry=self.telemetry.registry
+            )
+        except OSError as exc:
+            raise BindFailed(f"{self.host}:{self.port}", "Prometheus metrics", exc.strerror) from None
         self.port = int(self._server.server_address[1])
         return self.port
 
