@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -84,6 +85,9 @@ class ServiceProcess:
         self.metrics: MetricsServer | None = None
         self.grpc_port = 0
         self.metrics_port = 0
+        # Whether this process reports SERVING: false while etcd goes unanswered (`_etcd_health`).
+        self.etcd_reachable = True
+        self._etcd_watch: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         """Connects, starts the components, then listens; on a failure (a port in use) it stops
@@ -100,12 +104,47 @@ class ServiceProcess:
                     self.telemetry, self.settings.telemetry.metrics_host, self.settings.telemetry.metrics_port
                 )
                 self.metrics_port = self.metrics.start()
+            self._etcd_watch = asyncio.create_task(self._etcd_health())
         except BaseException:
             with contextlib.suppress(Exception):
                 await self.stop()
             raise
 
+    async def _etcd_health(self, interval_s: float = 0.5) -> None:
+        """NOT_SERVING while etcd goes unanswered for `etcd.unreachable_after_s`, said once in
+        one line naming the endpoints; SERVING again once it answers."""
+        etcd = self.store.etcd
+        view_down_since: float | None = None
+        after_s = self.settings.etcd.unreachable_after_s
+        while True:
+            await asyncio.sleep(interval_s)
+            now = time.monotonic()
+            view = self.ctx._view
+            if view is not None and not view.healthy:
+                view_down_since = view_down_since if view_down_since is not None else now
+            else:
+                view_down_since = None
+            since = [t for t in (etcd.unreachable_since, view_down_since) if t is not None]
+            reachable = not since or now - min(since) < after_s
+            if reachable == self.etcd_reachable:
+                continue
+            self.etcd_reachable = reachable
+            await self.server.set_serving(reachable)
+            endpoints = ", ".join(self.settings.etcd.endpoints)
+            if reachable:
+                log.warning(f"etcd at {endpoints} answers again: serving")
+            else:
+                why = etcd.last_error or "its watch stream is down"
+                log.warning(
+                    f"etcd at {endpoints} unreachable for {now - min(since):.0f} s ({why}): NOT_SERVING"
+                )
+
     async def stop(self) -> None:
+        if self._etcd_watch is not None:
+            self._etcd_watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._etcd_watch
+            self._etcd_watch = None
         await self.server.stop(self.settings.grpc.grace_s)
         for component in reversed(self.components):
             with contextlib.suppress(Exception):

@@ -42,6 +42,9 @@ class EtcdSection(Section):
     prefix: str = "/kvplane/v1/"
     request_timeout_s: float = 2.0
     settle_timeout_s: float = 10.0
+    # A process whose etcd calls (or cluster watch) have gone unanswered this long reports
+    # NOT_SERVING on its health service (so `kvplane health` and probes fail) until etcd answers.
+    unreachable_after_s: float = Field(5.0, gt=0)
     # TLS to etcd: its CA (set: TLS), and a client certificate for --client-cert-auth (PEM files).
     tls_ca_file: str = ""
     tls_cert_file: str = ""

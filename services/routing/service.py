@@ -210,18 +210,17 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
         max_output_tokens: int | None = None,
     ) -> RouteOutcome:
         """The Router's decision for one turn, counted in the metrics. No protobuf here."""
-        outcome = await self.router.route(
-            TurnRequest(
-                tenant,
-                conversation,
-                model,
-                prompt,
-                time_budget_s,
-                failed_node_ids,
-                awaited,
-                max_output_tokens,
-            )
+        turn = TurnRequest(
+            tenant, conversation, model, prompt, time_budget_s, failed_node_ids, awaited, max_output_tokens
         )
+        try:
+            outcome = await self.router.route(turn)
+        except NoRoute as exc:
+            # With etcd out of reach the view may lack nodes: say so, not only "no pair".
+            if not self.view.healthy or self.store.etcd.unreachable_since is not None:
+                endpoints = ", ".join(self.store.etcd.settings.endpoints)
+                raise NoRoute(f"{exc} (etcd at {endpoints} is not answering: nodes may be missing)") from None
+            raise
         if outcome.handle is not None:
             life_left_s = outcome.handle.life_left_ms(outcome.routed_unix_ms) / 1000
             self.metrics.life_left_at_checkout.observe(max(0.0, life_left_s))

@@ -38,6 +38,10 @@ from kvplane.services.common.runtime.telemetry import Telemetry
 from kvplane.services.common.runtime.tls import ServerTlsFiles, certificate_ids
 
 log = logging.getLogger(__name__)
+_HEALTH = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+# The health service name that stays SERVING while the process runs (liveness probes), whatever
+# its dependencies do; "" and each service's name follow readiness (`set_serving`).
+LIVENESS = "liveness"
 
 
 class BindFailed(OSError):
@@ -83,7 +87,7 @@ class GrpcServer:
         self.server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self._services: list[str] = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
+        self._services: list[str] = [_HEALTH]
         self.port = 0
 
     def add(self, full_name: str, register: Callable[[Any, grpc.aio.Server], None], servicer: Any) -> None:
@@ -97,10 +101,18 @@ class GrpcServer:
             self.server.add_registered_method_handlers(service, guarded)
         self._services.append(full_name)
 
+    async def set_serving(self, serving: bool) -> None:
+        """Every service's health (and the server's as a whole): SERVING or NOT_SERVING."""
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in [*(s for s in self._services if s != _HEALTH), ""]:
+            await self.health.set(name, status)
+
     async def start(self) -> int:
         if self.reflection:
             reflection.enable_server_reflection([*self._services, reflection.SERVICE_NAME], self.server)
-        names = [s.rsplit(".", 1)[-1] for s in self._services if s != "grpc.health.v1.Health"]
+        names = [s.rsplit(".", 1)[-1] for s in self._services if s != _HEALTH]
         what = f"gRPC of {', '.join(names) or 'kvplane'}"
         try:
             if self.tls is not None:
@@ -112,9 +124,8 @@ class GrpcServer:
         if self.port == 0:
             raise BindFailed(self.listen, what)
         await self.server.start()
-        for name in self._services:
+        for name in [*self._services, "", LIVENESS]:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         log.info(
             "grpc listening",
             extra={

@@ -122,6 +122,10 @@ class EtcdClient:
         self._switch = asyncio.Lock()
         self._last_failover = -_FAILOVER_INTERVAL_S
         self._retired: set[asyncio.Task[None]] = set()
+        # Since when calls have gone unanswered (monotonic s; None: the last call was answered),
+        # and why: what a process's health reports (`ServiceProcess`).
+        self.unreachable_since: float | None = None
+        self.last_error = ""
 
     @property
     def kv(self) -> Any:
@@ -220,6 +224,15 @@ class EtcdClient:
                 await other.channel.close()
         return chosen
 
+    def note_unanswered(self, exc: grpc.aio.AioRpcError) -> None:
+        """Records a call no member answered (a refusal by etcd itself is an answer)."""
+        if exc.code() in _FAILOVER_CODES:
+            if self.unreachable_since is None:
+                self.unreachable_since = time.monotonic()
+            self.last_error = f"{exc.code().name}: {' '.join((exc.details() or '').split())}"
+        else:
+            self.unreachable_since = None
+
     async def failed(self, conn: Connection, code: grpc.StatusCode) -> None:
         """Reports that a call on `conn` went unanswered; moves to another member."""
         if len(self.members) == 1 or code not in _FAILOVER_CODES:
@@ -273,8 +286,11 @@ class EtcdClient:
             conn = await self.current()
             with self.telemetry.etcd_span(op, **attrs):
                 try:
-                    return await method(conn)(request, timeout=self.settings.request_timeout_s)
+                    reply = await method(conn)(request, timeout=self.settings.request_timeout_s)
+                    self.unreachable_since = None
+                    return reply
                 except grpc.aio.AioRpcError as exc:
+                    self.note_unanswered(exc)
                     await self.failed(conn, exc.code())
                     if exc.code() in _AMBIGUOUS:
                         if attempt + 1 < attempts and self._conn is not conn:

@@ -256,7 +256,9 @@ is used without a restart.
 {{/*
 A gRPC server's probe: Kubernetes' own gRPC probe without TLS; with TLS, which that probe cannot
 speak, `kvplane health` run in the container, presenting the server's own certificate when
-clients must present one (issue it for client auth too). (dict "root" $ "component" "routing")
+clients must present one (issue it for client auth too). (dict "root" $ "component" "routing"),
+with "service" "liveness" for the health service that stays SERVING while the process runs (liveness
+and startup: a process cut off from etcd is NOT_SERVING on "" and must not be restarted for it).
 */}}
 {{- define "kvplane.grpcProbe" -}}
 {{- $tls := .root.Values.grpc.tls -}}
@@ -274,10 +276,13 @@ exec:
     - --tls-key-file={{ $dir }}/tls.key
     {{- end }}
     - --timeout-s=4
+    {{- if .service }}
+    - --service={{ .service }}
+    {{- end }}
 # A Python process per check: give it time to start.
 timeoutSeconds: 8
 {{- else }}
-grpc: {port: {{ .root.Values.grpc.port }}}
+grpc: {port: {{ .root.Values.grpc.port }}{{ if .service }}, service: {{ .service }}{{ end }}}
 timeoutSeconds: 3
 {{- end }}
 {{- end -}}
