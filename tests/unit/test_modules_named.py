@@ -22,17 +22,11 @@ PRODUCT = ("kvplane.services", "kvplane.connector")
 
 # Product modules no test names yet, each with why it stands. Remove an entry with its test.
 THROUGH_AGENT = "split out of NodeAgent by job; exercised through it (tests/integration/test_node_agent*.py)"
-THROUGH_TURN = "split out of the turn runner by job; exercised through the gateway's turn tests"
 UNNAMED: dict[str, str] = {
     "kvplane.connector.node_agent.commands": THROUGH_AGENT,
     "kvplane.connector.node_agent.demand": THROUGH_AGENT,
     "kvplane.connector.node_agent.registration": THROUGH_AGENT,
     "kvplane.connector.node_agent.sending": THROUGH_AGENT,
-    "kvplane.services.gateway.decode_leg": THROUGH_TURN,
-    "kvplane.services.gateway.prefill_leg": THROUGH_TURN,
-    "kvplane.services.gateway.routing_step": THROUGH_TURN,
-    "kvplane.services.gateway.turn_errors": THROUGH_TURN,
-    "kvplane.services.gateway.turn": THROUGH_TURN,
 }
 
 
