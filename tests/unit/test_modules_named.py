@@ -21,13 +21,7 @@ from tests.unit.test_layering import ROOT, modules
 PRODUCT = ("kvplane.services", "kvplane.connector")
 
 # Product modules no test names yet, each with why it stands. Remove an entry with its test.
-THROUGH_AGENT = "split out of NodeAgent by job; exercised through it (tests/integration/test_node_agent*.py)"
-UNNAMED: dict[str, str] = {
-    "kvplane.connector.node_agent.commands": THROUGH_AGENT,
-    "kvplane.connector.node_agent.demand": THROUGH_AGENT,
-    "kvplane.connector.node_agent.registration": THROUGH_AGENT,
-    "kvplane.connector.node_agent.sending": THROUGH_AGENT,
-}
+UNNAMED: dict[str, str] = {}
 
 
 def product_modules() -> dict[str, Path]:
