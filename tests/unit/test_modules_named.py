@@ -21,35 +21,7 @@ from tests.unit.test_layering import ROOT, modules
 PRODUCT = ("kvplane.services", "kvplane.connector")
 
 # Product modules no test names yet, each with why it stands. Remove an entry with its test.
-THROUGH_AGENT = "split out of NodeAgent by job; exercised through it (tests/integration/test_node_agent*.py)"
-THROUGH_TURN = "split out of the turn runner by job; exercised through the gateway's turn tests"
-THROUGH_ROUTING = "exercised through the routing service's tests, which import its package"
-THROUGH_SIMENGINE = "run as the sim-engine process its tests start (tests/integration/test_simengine_*.py)"
-UNNAMED: dict[str, str] = {
-    "kvplane.connector.simengine.__main__": THROUGH_SIMENGINE,
-    "kvplane.connector.simengine.command": THROUGH_SIMENGINE,
-    "kvplane.connector.simengine.engine_hooks": THROUGH_SIMENGINE,
-    "kvplane.connector.simengine.metrics": THROUGH_SIMENGINE,
-    "kvplane.connector.simengine.nixl_transport": THROUGH_SIMENGINE,
-    "kvplane.connector.simengine.openai_api": THROUGH_SIMENGINE,
-    "kvplane.connector.simengine.remote_loads": THROUGH_SIMENGINE,
-    "kvplane.connector.simengine.retention": THROUGH_SIMENGINE,
-    "kvplane.connector.simengine.tracing": THROUGH_SIMENGINE,
-    "kvplane.connector.node_agent.commands": THROUGH_AGENT,
-    "kvplane.connector.node_agent.demand": THROUGH_AGENT,
-    "kvplane.connector.node_agent.registration": THROUGH_AGENT,
-    "kvplane.connector.node_agent.sending": THROUGH_AGENT,
-    "kvplane.services.gateway.decode_leg": THROUGH_TURN,
-    "kvplane.services.gateway.prefill_leg": THROUGH_TURN,
-    "kvplane.services.gateway.routing_step": THROUGH_TURN,
-    "kvplane.services.gateway.turn_errors": THROUGH_TURN,
-    "kvplane.services.gateway.turn": THROUGH_TURN,
-    "kvplane.services.routing.policy.cost_model": THROUGH_ROUTING,
-    "kvplane.services.routing.policy.decision": THROUGH_ROUTING,
-    "kvplane.services.routing.policy.filters": THROUGH_ROUTING,
-    "kvplane.services.routing.policy.pipeline": THROUGH_ROUTING,
-    "kvplane.services.routing.policy.scorers": THROUGH_ROUTING,
-}
+UNNAMED: dict[str, str] = {}
 
 
 def product_modules() -> dict[str, Path]:

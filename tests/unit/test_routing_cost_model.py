@@ -7,8 +7,9 @@ import random
 import pytest
 
 from kvplane.services.common.model.nodes import NodeRole
-from kvplane.services.routing.policy import CostModel, NodeState, TurnObservation, policy_from_yaml
+from kvplane.services.routing.policy import NodeState, policy_from_yaml
 from kvplane.services.routing.policy.affine_fit import AffineFit
+from kvplane.services.routing.policy.cost_model import CostModel, TurnObservation
 from kvplane.services.routing.policy.registry import PolicyConfigError
 from tests.unit.routing_policy_fixtures import mk_node, state
 

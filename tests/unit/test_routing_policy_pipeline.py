@@ -10,11 +10,11 @@ from kvplane.services.routing.policy import (
     NoEligibleNodes,
     PolicyConfigError,
     Prompt,
-    RoutingPolicy,
     load_policy,
     policy_from_mapping,
     policy_from_yaml,
 )
+from kvplane.services.routing.policy.pipeline import RoutingPolicy, live_holder
 from tests.unit.routing_policy_fixtures import NOW, history, mk_handle, mk_node, snap, state
 
 FP8 = Fingerprint("m", "fp8_e4m3", "NHD")
@@ -184,3 +184,24 @@ cost_model: {recompute_ms_per_token: 0.05}
 def test_bad_config_is_rejected_with_a_message(raw: dict[str, object], message: str) -> None:
     with pytest.raises(PolicyConfigError, match=message):
         policy_from_mapping(raw)
+
+
+def test_the_live_holder_is_the_handles_holder_in_the_life_it_was_made_in() -> None:
+    d0 = mk_node("d0")
+    handle = mk_handle(d0, H)
+    assert live_holder(snap([state(mk_node("d1")), state(d0)], handle=handle)) == d0
+    assert live_holder(snap([state(d0)])) is None, "no handle, no holder"
+    assert live_holder(snap([state(mk_node("d1"))], handle=handle)) is None, "the holder is gone"
+
+
+@pytest.mark.parametrize(
+    ("holder", "why"),
+    [
+        (mk_node("d0", incarnation="restarted"), "restarted since: its blocks are gone"),
+        (mk_node("d0", draining=True), "draining"),
+        (mk_node("d0", role=NodeRole.PREFILL), "cannot decode, so cannot be the decode leg that reuses them"),
+    ],
+)
+def test_a_holder_that_cannot_serve_its_handle_is_not_live(holder: object, why: str) -> None:
+    handle = mk_handle(mk_node("d0"), H)
+    assert live_holder(snap([state(holder)], handle=handle)) is None, why  # type: ignore[arg-type]

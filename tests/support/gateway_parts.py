@@ -1,0 +1,134 @@
+"""The pieces a gateway turn is made of, built apart for tests of one step: a scripted routing
+client, a turn request, and the settings, metrics and reporter the steps share."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from opentelemetry import trace
+from prometheus_client import CollectorRegistry
+
+from kvplane.services.client import Endpoint, RouteResult
+from kvplane.services.gateway.fallback import FallbackEngines
+from kvplane.services.gateway.identity import Identity
+from kvplane.services.gateway.metrics import GatewayMetrics
+from kvplane.services.gateway.progress import TurnRequest
+from kvplane.services.gateway.reports import TurnReporter
+from kvplane.services.gateway.settings import GatewaySection
+from kvplane.services.gateway.suspects import SuspectEngines
+from kvplane.v1 import routing_pb2
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+P_ROUTE_PARAMS = {"do_remote_decode": True, "kvplane_tenant": "acme", "kvplane_conversation": "c1"}
+
+
+def rpc_error(code: grpc.StatusCode, details: str = "") -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+def route(
+    prefill_url: str,
+    decode_url: str,
+    *,
+    route_id: str = "r1",
+    decision: str = "pull",
+    prefill_id: str = "p0",
+    decode_id: str = "d0",
+) -> RouteResult:
+    return RouteResult(
+        route_id=route_id,
+        decision=decision,
+        reason="scripted",
+        prefill=Endpoint(prefill_id, prefill_url, f"{prefill_id}-life"),
+        decode=Endpoint(decode_id, decode_url, f"{decode_id}-life"),
+        prefill_params=dict(P_ROUTE_PARAMS),
+        expected_reused_tokens=0,
+        response=routing_pb2.RouteResponse(),
+    )
+
+
+def turn(
+    *, stream: bool = False, body: dict[str, Any] | None = None, chat: bool = True, source: str = "header"
+) -> TurnRequest:
+    return TurnRequest(
+        identity=Identity("acme", "c1", source),
+        # The client's body: a streamed turn's says so, as the client sent it.
+        body={**(body or CHAT), **({"stream": True} if stream else {})},
+        chat=chat,
+        stream=stream,
+        model=str((body or CHAT).get("model", "m")),
+        client_token_ids=False,
+        arrival=time.perf_counter(),
+    )
+
+
+@dataclass
+class ScriptedRouting:
+    """Answers Route with the next of `routes` (a RouteResult, or an exception to raise) and records
+    every call; ReportTurn and EndConversation are recorded and answered at once."""
+
+    routes: list[RouteResult | Exception] = field(default_factory=list)
+    asked: list[dict[str, Any]] = field(default_factory=list)
+    reports: list[dict[str, Any]] = field(default_factory=list)
+    ended: list[str] = field(default_factory=list)
+
+    async def route(self, conversation: str, model: str, **kw: Any) -> RouteResult:
+        self.asked.append({"conversation": conversation, "model": model, **kw})
+        answer = self.routes.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    async def report_turn(self, route: RouteResult | None, conversation: str, **kw: Any) -> str:
+        self.reports.append({"route": route, "conversation": conversation, **kw})
+        return ""
+
+    async def end_conversation(self, conversation: str, **kw: Any) -> int:
+        self.ended.append(conversation)
+        return 0
+
+
+@dataclass
+class Parts:
+    settings: GatewaySection
+    routing: ScriptedRouting
+    metrics: GatewayMetrics
+    reporter: TurnReporter
+    tracer: trace.Tracer
+    registry: CollectorRegistry
+
+    def metric(self, name: str, **labels: str) -> float:
+        return self.registry.get_sample_value(name, labels) or 0.0
+
+    def leg_count(self, leg: str, outcome: str) -> float:
+        return self.metric("kvplane_gateway_leg_seconds_count", leg=leg, outcome=outcome)
+
+
+def parts(**settings: Any) -> Parts:
+    section = GatewaySection(**({"prefill_timeout_s": 5.0, "decode_timeout_s": 10.0} | settings))
+    routing = ScriptedRouting()
+    registry = CollectorRegistry()
+    metrics = GatewayMetrics.create(registry)
+    reporter = TurnReporter(section, routing, metrics)  # type: ignore[arg-type]
+    return Parts(section, routing, metrics, reporter, trace.get_tracer("test"), registry)
+
+
+def fallback_engines(p: Parts) -> FallbackEngines:
+    s = p.settings
+    return FallbackEngines(
+        s.fallback_prefill_url, s.fallback_decode_url, SuspectEngines(s.fallback_suspect_s)
+    )
+
+
+async def reported(p: Parts, count: int, timeout_s: float = 10.0) -> list[dict[str, Any]]:
+    """Waits for `count` ReportTurn calls (reports run as tasks, off the client's path)."""
+    deadline = time.monotonic() + timeout_s
+    while len(p.routing.reports) < count:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {count} report(s); got {p.routing.reports}")
+        await asyncio.sleep(0.01)
+    return p.routing.reports

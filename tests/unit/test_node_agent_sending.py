@@ -1,0 +1,140 @@
+"""The node agent's sender: publishes and release reports from the outbox, in order, batched by kind;
+what a failure does to the batch; and the publishes it gives up, freeing their blocks."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from kvplane.connector.node_agent.outbox import Item, Outbox
+from kvplane.connector.node_agent.sending import Sender
+from tests.unit.node_agent_fakes import NODE, handle, plane, rpc_error, until
+
+
+def publish(request_id: str, **kw: object) -> Item:
+    return Item("publish", handle=handle(request_id), **kw)  # type: ignore[arg-type]
+
+
+def release(request_id: str) -> Item:
+    return Item("release", remote_request_id=request_id)
+
+
+def outbox(*items: Item) -> Outbox:
+    box = Outbox(queue_max=100, batch_max=10)
+    for item in items:
+        box.put(item)
+    return box
+
+
+async def test_a_batch_of_publishes_is_one_call_naming_this_life_of_the_node_as_holder() -> None:
+    cp, meta, _ = plane()
+    freed: list[str] = []
+    sender = Sender(cp, outbox(publish("a"), publish("b"), release("c")), freed.append)
+    assert await sender.send_one_batch() is True
+    [request] = meta.PublishHandles.requests
+    assert [h.vllm.remote_request_id for h in request.handles] == ["a", "b"]
+    assert {(h.holder_node_id, h.holder_incarnation) for h in request.handles} == {(NODE.node_id, "life-1")}
+    assert sender.published == 2 and meta.ReportReleased.requests == [], "a batch is of one kind"
+    assert await sender.send_one_batch() is True
+    [released] = meta.ReportReleased.requests
+    assert (released.node_id, released.incarnation, list(released.remote_request_ids)) == (
+        "d0",
+        "life-1",
+        ["c"],
+    )
+    assert sender.released_reported == 1
+    assert await sender.send_one_batch() is False, "nothing left"
+    assert freed == []
+
+
+async def test_a_batch_joins_the_trace_of_its_first_traced_handle() -> None:
+    cp, meta, _ = plane()
+    traced = (("traceparent", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"),)
+    sender = Sender(cp, outbox(publish("a"), publish("b", trace_context=traced)), lambda _: None)
+    await sender.send_one_batch()
+    assert traced[0] in meta.PublishHandles.metadata[0]
+    assert set(cp.call_metadata) <= set(meta.PublishHandles.metadata[0]), "with the node's own credentials"
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND])
+async def test_a_batch_that_may_succeed_later_goes_back_to_the_head_marked_failing(
+    code: grpc.StatusCode,
+) -> None:
+    cp, meta, _ = plane()
+    box = outbox(publish("a"), publish("b"))
+    meta.PublishHandles.replies.append(rpc_error(code))
+    sender = Sender(cp, box, lambda _: None)
+    before = time.monotonic()
+    with pytest.raises(grpc.aio.AioRpcError):
+        await sender.send_one_batch()
+    assert [i.handle.vllm.remote_request_id for i in box.items() if i.handle] == ["a", "b"]
+    assert all(i.failing_since >= before for i in box.items())
+    assert await sender.send_one_batch() is True and sender.published == 2
+
+
+async def test_a_batch_resending_cannot_help_is_dropped_and_counted() -> None:
+    cp, meta, _ = plane()
+    box = outbox(release("a"), release("b"))
+    meta.ReportReleased.replies.append(rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "bad id"))
+    with pytest.raises(grpc.aio.AioRpcError):
+        await Sender(cp, box, lambda _: None).send_one_batch()
+    assert box.counts() == (0, 2)
+
+
+async def test_a_handle_that_expired_before_its_publish_is_given_up_and_its_blocks_freed() -> None:
+    cp, meta, _ = plane()
+    freed: list[str] = []
+    sender = Sender(
+        cp, outbox(Item("publish", handle=handle("old", life_s=-1)), publish("new")), freed.append
+    )
+    assert await sender.send_one_batch() is True
+    assert freed == ["old"] and sender.publishes_given_up == 1
+    assert [h.vllm.remote_request_id for h in meta.PublishHandles.requests[0].handles] == ["new"]
+
+
+async def test_a_publish_that_kept_failing_too_long_is_given_up_so_it_holds_up_nothing() -> None:
+    cp, meta, _ = plane(publish_give_up_s=5.0)
+    freed: list[str] = []
+    stuck = publish("stuck", failing_since=time.monotonic() - 6.0)
+    recent = publish("recent", failing_since=time.monotonic() - 1.0)
+    sender = Sender(cp, outbox(stuck, recent), freed.append)
+    assert await sender.send_one_batch() is True
+    assert freed == ["stuck"] and [
+        h.vllm.remote_request_id for h in meta.PublishHandles.requests[0].handles
+    ] == ["recent"]
+
+
+async def test_a_batch_given_up_whole_sends_nothing_and_a_failing_release_hook_stops_nothing() -> None:
+    cp, meta, _ = plane()
+
+    def broken(request_id: str) -> None:
+        raise RuntimeError("engine gone")
+
+    sender = Sender(cp, outbox(Item("publish", handle=handle("old", life_s=-1)), release("r")), broken)
+    assert await sender.send_one_batch() is True and meta.PublishHandles.requests == []
+    assert sender.publishes_given_up == 1
+    assert await sender.send_one_batch() is True and sender.released_reported == 1
+
+
+async def test_the_sender_waits_for_the_session_sends_what_is_queued_and_retries_after_errors() -> None:
+    cp, meta, _ = plane()
+    box = outbox(release("a"))
+    box.attach(asyncio.get_running_loop(), asyncio.Event())
+    meta.ReportReleased.replies.append(rpc_error(grpc.StatusCode.UNAVAILABLE))
+    sender = Sender(cp, box, lambda _: None)
+    task = asyncio.create_task(sender.run())
+    try:
+        await asyncio.sleep(0)
+        assert meta.ReportReleased.requests == [], "nothing is sent before the node is registered"
+        cp.session_ready.set()
+        await until(lambda: sender.released_reported == 1, "the release to be reported after one error")
+        assert cp.rpc_errors == 1
+        box.put(release("b"))
+        await until(lambda: sender.released_reported == 2, "a new item to wake the sender")
+    finally:
+        cp.stopping.set()  # type: ignore[union-attr]
+        box.wake.set()  # type: ignore[union-attr]
+        await asyncio.wait_for(task, 10)

@@ -1,0 +1,272 @@
+"""The sim-engine's retention: what a finished request keeps for a remote reader, and every way it is
+freed (a reader's notification, its deadline, a release command, a drain)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from kvplane.connector.simengine.block_content import root_hash
+from kvplane.connector.simengine.block_pool import BlockPool
+from kvplane.connector.simengine.metrics import SimEngineMetrics
+from kvplane.connector.simengine.retention import Retention
+from kvplane.connector.simengine.settings import SimEngineSettings
+from kvplane.services.common.model.handles import KEY_PULLED_TOKENS
+
+BS = 16
+NUM_BLOCKS = 64
+BLOCK_BYTES = 128
+
+
+@dataclass
+class Holder:
+    engine_id: str = "sim-decode-1"
+    incarnation: str = "life-1"
+    side_channel_port: int = 5600
+
+
+@dataclass
+class Observer:
+    """Records the handles it hears of, on which thread; `fail` makes every call raise."""
+
+    retained: list[dict[str, Any]] = field(default_factory=list)
+    freed: list[tuple[str, int]] = field(default_factory=list)
+    fail: bool = False
+
+    def check_pull(self, kv_transfer_params: dict[str, Any], prompt_token_ids: Sequence[int]) -> None:
+        return None
+
+    def on_handle_retained(
+        self,
+        kv_transfer_params: dict[str, Any],
+        all_token_ids: Sequence[int],
+        retained_bytes: int,
+        request_kv_transfer_params: Mapping[str, Any],
+    ) -> None:
+        if self.fail:
+            raise RuntimeError("observer down")
+        self.retained.append(dict(kv_transfer_params, retained_bytes=retained_bytes))
+
+    def on_blocks_freed(self, request_id: str) -> None:
+        if self.fail:
+            raise RuntimeError("observer down")
+        self.freed.append((request_id, threading.get_ident()))
+
+
+def make(**settings: Any) -> tuple[Retention, BlockPool, SimEngineMetrics, Observer]:
+    s = SimEngineSettings(block_size=BS, num_blocks=NUM_BLOCKS, bytes_per_block=BLOCK_BYTES, **settings)
+    pool = BlockPool(NUM_BLOCKS, BLOCK_BYTES, BS, root_hash(s.model))
+    metrics = SimEngineMetrics(s.model)
+    retention = Retention(s, pool, metrics, Holder())
+    observer = Observer()
+    retention.observer = observer
+    return retention, pool, metrics, observer
+
+
+def keep(retention: Retention, pool: BlockPool, request_id: str, kind: Any, blocks: int = 2) -> Any:
+    ids = pool.allocate(blocks)
+    tokens = list(range(blocks * BS))
+    return retention.keep(request_id, kind, ids, len(tokens), tokens, 5, {"kvplane_tenant": "t"})
+
+
+def frees(metrics: SimEngineMetrics, kind: str, reason: str) -> float:
+    labels = {"model_name": "kvplane-sim", "engine": "0", "kind": kind, "reason": reason}
+    return metrics.registry.get_sample_value("kvplane_sim_retained_frees_total", labels) or 0.0
+
+
+def unmatched(metrics: SimEngineMetrics, kind: str) -> float:
+    labels = {"model_name": "kvplane-sim", "engine": "0", "kind": kind}
+    return metrics.registry.get_sample_value("kvplane_sim_notifications_unmatched_total", labels) or 0.0
+
+
+async def until(predicate: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+# --- keeping ---------------------------------------------------------------------------------------
+
+
+def test_a_finished_decode_keeps_its_blocks_as_a_handle_naming_its_holder() -> None:
+    retention, pool, _, observer = make()
+    params = keep(retention, pool, "r1", "decode_handle")
+    assert params["do_remote_decode"] is True and params["remote_request_id"] == "r1"
+    assert params["remote_engine_id"] == "sim-decode-1" and params["remote_incarnation"] == "life-1"
+    assert params["remote_port"] == 5600 and params["remote_num_tokens"] == 2 * BS
+    assert (
+        len(params["remote_block_ids"][0]) == 2 and params["remote_blocks_expiry_time"] > time.perf_counter()
+    )
+    assert retention.count == 1 and retention.handle_ids() == ["r1"]
+    assert retention.retained_bytes == 2 * BLOCK_BYTES and pool.free_blocks == NUM_BLOCKS - 2
+    assert [p["remote_request_id"] for p in observer.retained] == ["r1"], "the observer hears of D's handle"
+    assert observer.retained[0]["retained_bytes"] == 2 * BLOCK_BYTES
+    [described] = retention.describe()
+    assert (
+        described["kind"] == "decode_handle"
+        and described["num_blocks"] == 2
+        and described["expires_in_s"] > 0
+    )
+
+
+def test_a_prefill_lease_says_what_was_pulled_and_is_no_handle() -> None:
+    retention, pool, _, observer = make()
+    params = keep(retention, pool, "p1", "prefill_lease")
+    assert params["do_remote_prefill"] is True and params[KEY_PULLED_TOKENS] == 5
+    assert "remote_blocks_expiry_time" not in params
+    assert retention.count == 1 and retention.handle_ids() == [] and observer.retained == []
+
+
+def test_a_request_that_keeps_nothing_gives_its_blocks_back() -> None:
+    retention, pool, _, _ = make()
+    assert keep(retention, pool, "r1", None) is None
+    assert pool.free_blocks == NUM_BLOCKS and retention.count == 0 and retention.blocks_freed.is_set()
+    assert retention.keep("r2", "decode_handle", [], 0, [], 0, {}) is None, "no blocks, nothing to keep"
+
+
+def test_a_draining_engine_frees_every_handle_and_keeps_no_new_one_but_still_leases_to_d() -> None:
+    retention, pool, metrics, observer = make()
+    keep(retention, pool, "r1", "decode_handle")
+    keep(retention, pool, "p1", "prefill_lease")
+    retention.drain()
+    assert retention.count == 0 and retention.retained_bytes == 0 and pool.free_blocks == NUM_BLOCKS
+    assert frees(metrics, "decode_handle", "drain") == 1 and frees(metrics, "prefill_lease", "drain") == 1
+    assert [r for r, _ in observer.freed] == ["r1"], "only D handles are the observer's"
+    assert keep(retention, pool, "r2", "decode_handle") is None and pool.free_blocks == NUM_BLOCKS
+    assert keep(retention, pool, "p2", "prefill_lease") is not None, "the P leg's D still reads its lease"
+
+
+def test_an_observer_that_fails_neither_stops_keeping_nor_freeing() -> None:
+    retention, pool, metrics, observer = make()
+    observer.fail = True
+    assert keep(retention, pool, "r1", "decode_handle") is not None
+    assert (
+        retention.release_early("r1")
+        and retention.count == 0
+        and frees(metrics, "decode_handle", "early") == 1
+    )
+
+
+# --- release commands ------------------------------------------------------------------------------
+
+
+def test_a_release_command_frees_the_handle_and_says_whether_it_was_held() -> None:
+    retention, pool, metrics, observer = make()
+    keep(retention, pool, "r1", "decode_handle")
+    assert retention.release_early("r1") is True
+    assert retention.count == 0 and pool.free_blocks == NUM_BLOCKS and retention.freeing_blocks() == 0
+    assert frees(metrics, "decode_handle", "early") == 1 and [r for r, _ in observer.freed] == ["r1"]
+    assert retention.release_early("r1") is False and retention.release_early("never") is False
+
+
+async def test_a_release_from_the_agents_thread_is_carried_out_on_the_engines_loop() -> None:
+    retention, pool, _, observer = make()
+    retention.bind(asyncio.get_running_loop())
+    keep(retention, pool, "r1", "decode_handle", blocks=3)
+    held = await asyncio.to_thread(retention.release_early, "r1")
+    assert held is True
+    await until(lambda: retention.count == 0, "the release to be carried out")
+    assert observer.freed == [("r1", threading.get_ident())], "freed on the loop's thread, not the agent's"
+    assert retention.freeing_blocks() == 0
+
+
+def test_blocks_of_a_release_not_yet_carried_out_count_as_on_their_way() -> None:
+    retention, pool, _, _ = make()
+    loop = asyncio.new_event_loop()  # bound, never run: the command waits there
+    try:
+        retention.bind(loop)
+        keep(retention, pool, "r1", "decode_handle", blocks=3)
+        assert retention.release_early("r1") is True
+        assert retention.freeing_blocks() == 3 and retention.count == 1
+    finally:
+        loop.close()
+
+
+# --- readers' notifications and deadlines ----------------------------------------------------------
+
+
+@dataclass
+class Notifications:
+    """A NIXL agent's notification queue; `fail_next` makes the next poll raise."""
+
+    queue: list[bytes] = field(default_factory=list)
+    fail_next: bool = False
+
+    def poll_notifs(self) -> list[tuple[str, bytes]]:
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("UCX hiccup")
+        out, self.queue = self.queue, []
+        return [("reader", m) for m in out]
+
+
+@pytest.fixture
+async def polled() -> AsyncIterator[tuple[Retention, BlockPool, SimEngineMetrics, Notifications]]:
+    retention, pool, metrics, _ = make()
+    notifications = Notifications()
+    task = asyncio.create_task(retention.notification_loop(notifications))  # type: ignore[arg-type]
+    try:
+        yield retention, pool, metrics, notifications
+    finally:
+        task.cancel()
+
+
+def _read(request_id: Any) -> bytes:
+    return json.dumps({"request_id": request_id}).encode()
+
+
+async def test_a_readers_notification_frees_what_it_read(
+    polled: tuple[Retention, BlockPool, SimEngineMetrics, Notifications],
+) -> None:
+    retention, pool, metrics, notifications = polled
+    keep(retention, pool, "r1", "decode_handle")
+    keep(retention, pool, "p1", "prefill_lease")
+    notifications.queue.append(_read("p1"))
+    await until(lambda: frees(metrics, "prefill_lease", "read") == 1, "the lease to be freed")
+    assert retention.handle_ids() == ["r1"]
+
+
+async def test_a_second_read_and_a_read_of_something_never_held_are_counted_apart(
+    polled: tuple[Retention, BlockPool, SimEngineMetrics, Notifications],
+) -> None:
+    retention, pool, metrics, notifications = polled
+    keep(retention, pool, "r1", "decode_handle")
+    notifications.queue += [_read("r1"), _read("r1"), _read("never"), _read(7), b"not json"]
+    await until(lambda: unmatched(metrics, "malformed") == 2, "every notification to be judged")
+    assert frees(metrics, "decode_handle", "read") == 1
+    assert unmatched(metrics, "after_read") == 1 and unmatched(metrics, "unknown") == 1
+
+
+async def test_a_failed_poll_does_not_stop_later_frees(
+    polled: tuple[Retention, BlockPool, SimEngineMetrics, Notifications],
+) -> None:
+    retention, pool, _, notifications = polled
+    keep(retention, pool, "r1", "decode_handle")
+    notifications.fail_next = True
+    await until(lambda: not notifications.fail_next, "the failing poll")
+    notifications.queue.append(_read("r1"))
+    await until(lambda: retention.count == 0, "the read after the failed poll to free the handle")
+
+
+async def test_what_no_reader_read_is_freed_at_its_deadline() -> None:
+    retention, pool, metrics, observer = make(decoder_kv_blocks_ttl=0.01, prefill_lease_s=3600)
+    keep(retention, pool, "r1", "decode_handle")
+    keep(retention, pool, "p1", "prefill_lease")
+    reaper = asyncio.create_task(retention.reaper_loop())
+    try:
+        await until(lambda: retention.handle_ids() == [], "the handle's deadline")
+    finally:
+        reaper.cancel()
+    assert frees(metrics, "decode_handle", "ttl") == 1 and [r for r, _ in observer.freed] == ["r1"]
+    expired = {"model_name": "kvplane-sim", "engine": "0"}
+    assert metrics.registry.get_sample_value("vllm:nixl_num_kv_expired_reqs_total", expired) == 1
+    assert retention.count == 1, "the lease's deadline is an hour away"
