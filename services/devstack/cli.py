@@ -4,7 +4,8 @@ It starts a single-member etcd with its data in a temporary directory,
 `kvplane serve all`, one prefill and one decode sim-engine (real NIXL), and
 the gateway, each as its own process with its log in the run directory. It
 shows start-up progress, runs a short multi-turn demo through the gateway,
-prints the URLs, and keeps everything up until Ctrl-C, then stops it all.
+prints the URLs, and keeps everything up until Ctrl-C, SIGTERM or SIGHUP (the terminal closing),
+then stops it all and removes its temporary files.
 """
 
 from __future__ import annotations
@@ -23,14 +24,28 @@ from kvplane.services.devstack.demo import demo_table, run_demo
 from kvplane.services.devstack.processes import StartupError
 from kvplane.services.devstack.stack import DEMO_API_KEY, StackPorts, start_stack
 
+# Ctrl-C, a stop, and the terminal closing: each stops the whole stack and removes what it made.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
 
 async def _run(args: argparse.Namespace) -> int:
     # Made here, not by start_stack, so that a Ctrl-C during start-up still says where the logs were.
     temporary = not args.run_dir
     run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="kvplane-run-"))
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+    for sig in STOP_SIGNALS:
+        # From the first moment: a signal during start-up stops what has started too.
+        loop.add_signal_handler(sig, task.cancel)
     try:
         return await _serve_stack(args, run_dir)
+    except asyncio.CancelledError:
+        print("\n==> stopping", flush=True)
+        return 0
     finally:
+        for sig in STOP_SIGNALS:
+            loop.remove_signal_handler(sig)
         if temporary and not args.keep_logs:
             shutil.rmtree(run_dir, ignore_errors=True)
             print(f"==> logs removed with {run_dir} (--keep-logs or --run-dir keeps them)", flush=True)
@@ -58,15 +73,10 @@ async def _serve_stack(args: argparse.Namespace, run_dir: Path) -> int:
         print(f"    -H 'Authorization: Bearer {DEMO_API_KEY}' \\")
         print("    -H 'X-Conversation-Id: mine' -H 'Content-Type: application/json' \\")
         print('    -d \'{"model":"sim-model","messages":[{"role":"user","content":"hello"}]}\'')
-        print("\nCtrl-C stops everything.", flush=True)
+        print("\nCtrl-C (or closing the terminal) stops everything.", flush=True)
         if args.exit_after_demo:
             return 0
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
-        print("\n==> stopping", flush=True)
+        await asyncio.Event().wait()  # until a stop signal cancels this task
         return 0
     finally:
         stack.stop()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import tempfile
 from collections.abc import Awaitable, Callable, Mapping
@@ -62,11 +63,15 @@ class Stack:
     decode_urls: list[str] = field(default_factory=list)
     # Call metadata of the stack's operator principal (the control plane runs in token mode).
     operator_metadata: tuple[tuple[str, str], ...] = ()
+    # Whether `start_stack` made the run directory (then `stop` removes it: logs and tokens).
+    owns_run_dir: bool = False
 
     def stop(self) -> None:
         for proc in reversed(self.processes):
             proc.stop()
         self.etcd.cleanup()
+        if self.owns_run_dir:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def urls(self) -> dict[str, str]:
         return {
@@ -116,6 +121,9 @@ async def start_stack(
     `prefill_prefix_caching` False starts the prefill engines with vLLM's prefix cache off.
     `prefill_nodes` and `decode_nodes` engines of each role (p0, p1, ...; d0, d1, ...).
     """
+    # A run directory made here holds the stack's tokens: `Stack.stop` removes it. One passed in is
+    # the caller's to keep.
+    owns_run_dir = run_dir is None
     run_dir = run_dir or Path(tempfile.mkdtemp(prefix="kvplane-run-"))
     run_dir.mkdir(parents=True, exist_ok=True)
     host = _HOST
@@ -137,6 +145,7 @@ async def start_stack(
         decode_url=f"http://{host}:{d_port}",
         metrics_url=f"http://{host}:{metrics_port}/metrics",
         operator_metadata=credentials.operator_metadata(),
+        owns_run_dir=owns_run_dir,
     )
     try:
         services = await _start_services(
