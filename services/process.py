@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kvplane.services.common.model.errors import StoreUnavailable
 from kvplane.services.common.runtime.server import GrpcServer, MetricsServer
 from kvplane.services.common.runtime.telemetry import Telemetry
 from kvplane.services.common.store import Store
@@ -112,7 +113,13 @@ class ServiceProcess:
 
     async def _etcd_health(self, interval_s: float = 0.5) -> None:
         """NOT_SERVING while etcd goes unanswered for `etcd.unreachable_after_s`, said once in
-        one line naming the endpoints; SERVING again once it answers."""
+        one line naming the endpoints; SERVING again once it answers.
+
+        A failed call or a broken watch only raises the suspicion: one cheap read
+        (`Store.revision`) then decides, so a single slow call on a loaded machine, after which
+        the process makes no call for a while, is not taken for an outage. The read is made only
+        while there is a suspicion: an idle process costs etcd nothing here.
+        """
         etcd = self.store.etcd
         view_down_since: float | None = None
         after_s = self.settings.etcd.unreachable_after_s
@@ -125,7 +132,15 @@ class ServiceProcess:
             else:
                 view_down_since = None
             since = [t for t in (etcd.unreachable_since, view_down_since) if t is not None]
-            reachable = not since or now - min(since) < after_s
+            if not since and self.etcd_reachable:
+                continue
+            try:
+                await self.store.revision()
+                answered = True
+            except StoreUnavailable:
+                answered = False
+            down_s = now - min(since) if since else 0.0
+            reachable = (answered and view_down_since is None) or down_s < after_s
             if reachable == self.etcd_reachable:
                 continue
             self.etcd_reachable = reachable
@@ -135,9 +150,7 @@ class ServiceProcess:
                 log.warning(f"etcd at {endpoints} answers again: serving")
             else:
                 why = etcd.last_error or "its watch stream is down"
-                log.warning(
-                    f"etcd at {endpoints} unreachable for {now - min(since):.0f} s ({why}): NOT_SERVING"
-                )
+                log.warning(f"etcd at {endpoints} unreachable for {down_s:.0f} s ({why}): NOT_SERVING")
 
     async def stop(self) -> None:
         if self._etcd_watch is not None:

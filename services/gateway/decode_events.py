@@ -31,6 +31,7 @@ from kvplane.services.gateway.sse import SseEvent, encode
 _MAX_ENGINES = 4096
 _HANDLE_KEY = b'"kv_transfer_params"'
 _CHOICES_KEY = b'"choices"'
+_USAGE_KEY = b'"prompt_tokens_details"'
 
 
 class DigestingEngines:
@@ -73,7 +74,7 @@ class DecodeEvents:
         an event not parsed says no, which matters only until the first token is seen."""
         raw = event.raw
         first_token = self.progress.ttft_s is None and _CHOICES_KEY in raw
-        if not (self._every_event or first_token or _HANDLE_KEY in raw):
+        if not (self._every_event or first_token or _HANDLE_KEY in raw or _USAGE_KEY in raw):
             return raw, False
         payload = event.json()
         if payload is None:

@@ -135,6 +135,21 @@ def cached_tokens(answer: Mapping[str, Any]) -> int:
     return cached if isinstance(cached, int) and not isinstance(cached, bool) else 0
 
 
+def _correct_usage(payload: dict[str, Any], progress: TurnProgress) -> bool:
+    """D's usage says P's work: D computes no prompt token (its KV all came from P), so its own
+    `cached_tokens` is the whole prompt; the client is told what P did not compute (its cache
+    hits and what it pulled). True if `payload` changed; unchanged when P did not say."""
+    usage = payload.get("usage")
+    sources = progress.sources
+    if not isinstance(usage, dict) or sources is None or not sources.cache_reported:
+        return False
+    details = usage.get("prompt_tokens_details")
+    if not isinstance(details, dict) or "cached_tokens" not in details:
+        return False
+    details["cached_tokens"] = sources.prompt - sources.computed
+    return True
+
+
 def absorb(
     payload: dict[str, Any], progress: TurnProgress, keep_token_ids: bool, *, collect_output_ids: bool = True
 ) -> bool:
@@ -142,7 +157,7 @@ def absorb(
 
     `collect_output_ids` False: the output's ids are not kept for the report (some events' alone
     would describe tokens D does not retain)."""
-    changed = False
+    changed = _correct_usage(payload, progress)
     if "kv_transfer_params" in payload:
         params = payload.pop("kv_transfer_params")
         if isinstance(params, dict) and params:

@@ -359,3 +359,29 @@ async def test_routing_restart_mid_conversation_fails_no_turn(stack: GatewayStac
         if result.decision != "fallback":
             break
     assert decisions[-1] == "pull", decisions
+
+
+# -- what the client is told of the prompt's tokens -------------------------------------------
+
+
+def _cached(usage: dict[str, Any]) -> int:
+    return int(usage["prompt_tokens_details"]["cached_tokens"])
+
+
+async def test_usage_cached_tokens_are_what_p_did_not_compute_not_ds_whole_prompt(stack: GatewayStack) -> None:
+    conv = conversation()
+    prompt = new_ids(320, seed=71)
+    first = await complete(stack, "acme", conv, prompt, return_token_ids=True)
+    # D imported the whole prompt from P and reports it all cached; P computed it all.
+    assert _cached(first.body["usage"]) == 0
+    history = [*prompt, *first.output_ids()]
+    follow_up = [*history, *new_ids(64, seed=72)]
+    second = await complete(
+        stack, "acme", conv, follow_up, stream=True, stream_options={"include_usage": True}, return_token_ids=True
+    )
+    (usage,) = [e["usage"] for _, e in second.events if e.get("usage")]
+    p_said = stack.proxy.seen[-1]
+    assert p_said.path.endswith("/v1/completions")
+    cached = _cached(usage)
+    # What P reused (its cache or the pull from D) is some of the history, never the new turn.
+    assert 0 < cached <= len(history) < usage["prompt_tokens"]
