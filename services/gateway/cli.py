@@ -24,8 +24,21 @@ log = logging.getLogger("kvplane.gateway")
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvplane gateway", description="OpenAI-compatible HTTP front of kvplane")
     p.add_argument("--config", help="YAML settings file (also KVPLANE_CONFIG); see the `gateway` section")
-    p.add_argument("--listen", help="HTTP listen address, host:port ([v6]:port)")
-    p.add_argument("--routing", help="routing replicas, host:port[,host:port]")
+    p.add_argument("--listen", help="HTTP listen address, host:port ([v6]:port) (default 127.0.0.1:8080)")
+    p.add_argument("--routing", help="routing replicas, host:port[,host:port] (default 127.0.0.1:50051)")
+    p.add_argument(
+        "--api-key",
+        action="append",
+        dest="api_keys",
+        metavar="TENANT=KEY",
+        help="a client API key and the tenant it acts as (repeatable; visible to local users in the "
+        "process list: prefer --api-keys-file in production)",
+    )
+    p.add_argument(
+        "--api-keys-file",
+        help='JSON list of {"token": ..., "tenant": ...}, read again when it changes (default: none)',
+    )
+    p.add_argument("--routing-token-file", help="the operator token the gateway presents to routing")
     p.add_argument(
         "--fallback-prefill",
         action="append",
@@ -44,6 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _api_key(value: str) -> dict[str, str]:
+    tenant, sep, token = value.partition("=")
+    if not sep or not tenant.strip() or not token.strip():
+        raise SettingsError("--api-key expects TENANT=KEY, both non-empty")
+    return {"tenant": tenant.strip(), "token": token.strip()}
+
+
 def overrides(args: argparse.Namespace) -> dict[str, Any]:
     gateway: dict[str, Any] = {}
     if args.listen:
@@ -57,11 +77,15 @@ def overrides(args: argparse.Namespace) -> dict[str, Any]:
         if getattr(args, flag) is not None:
             # Each flag may itself be comma-separated; the settings check every URL.
             gateway[key] = [u.strip() for value in getattr(args, flag) for u in value.split(",")]
+    if args.api_keys:
+        gateway["api_keys"] = [_api_key(value) for value in args.api_keys]
     for flag, key in (
         ("default_tenant", "default_tenant"),
         ("tokenize_url", "tokenize_url"),
         ("models", "models"),
         ("event_loop", "event_loop"),
+        ("api_keys_file", "api_keys_file"),
+        ("routing_token_file", "routing_token_file"),
     ):
         if getattr(args, flag) is not None:
             gateway[key] = getattr(args, flag)
