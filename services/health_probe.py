@@ -1,10 +1,14 @@
-"""`kvplane health`: asks a kvplane gRPC server whether it serves, over TLS or mTLS if need be.
+"""`kvplane health`: asks a kvplane gRPC server whether it serves, over TLS or mTLS if need be, or
+HTTP servers whether they answer.
 
 Kubernetes' built-in gRPC probe speaks plaintext only, so a control plane serving TLS is probed
 by running this command in its container (an exec probe). It calls the standard gRPC health
 service, which needs no principal; the TLS handshake still needs the CA and, for mTLS, a client
-certificate. Exit status: 0 when the server (or the named service) is SERVING, 1 otherwise, with
-the reason on stderr.
+certificate. A target that is an http:// or https:// URL is fetched instead (an engine's or the
+gateway's /health), `{hostname}` in it replaced by the container's host name; with several
+targets, all must answer. The images' health checks (compose) run this, one argument list with
+no shell and no inline code. Exit status: 0 when every target serves, 1 otherwise, with the
+reason on stderr.
 """
 
 from __future__ import annotations
@@ -12,7 +16,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import socket
 import sys
+import urllib.error
+import urllib.request
 from collections.abc import Mapping, Sequence
 
 import grpc
@@ -29,7 +36,13 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Credentials may also come from KVPLANE_CLIENT_TLS_CA_FILE, ..._TLS_CERT_FILE, "
         "..._TLS_KEY_FILE and ..._TLS_SERVER_NAME; a flag wins.",
     )
-    p.add_argument("target", help="host:port of the gRPC server (a probe: 127.0.0.1:<port>)")
+    p.add_argument(
+        "targets",
+        nargs="+",
+        metavar="target",
+        help="host:port of a gRPC server (a probe: 127.0.0.1:<port>), or an http(s):// URL that must "
+        "answer 2xx ({hostname}: this host's name); several: all must serve",
+    )
     p.add_argument("--service", default="", help='health service name ("": the server as a whole)')
     p.add_argument("--tls-ca-file", default="", help="CA of the server's certificate; set: TLS")
     p.add_argument("--tls-cert-file", default="", help="client certificate, for a server requiring mTLS")
@@ -68,11 +81,30 @@ def main(argv: Sequence[str], env: Mapping[str, str] | None = None) -> int:
     except (TypeError, ValueError) as exc:
         print(f"kvplane health: {exc}", file=sys.stderr)
         return 1
-    status = asyncio.run(check(args.target, args.service, credentials, args.timeout_s))
-    if status == "SERVING":
-        return 0
-    print(f"kvplane health: {args.target} {args.service or '(server)'}: {status}", file=sys.stderr)
-    return 1
+    failed = 0
+    for target in args.targets:
+        if target.startswith(("http://", "https://")):
+            url = target.replace("{hostname}", socket.gethostname())
+            status = check_http(url, args.timeout_s)
+            what = url
+        else:
+            status = asyncio.run(check(target, args.service, credentials, args.timeout_s))
+            what = f"{target} {args.service or '(server)'}"
+        if status != "SERVING":
+            print(f"kvplane health: {what}: {status}", file=sys.stderr)
+            failed += 1
+    return 1 if failed else 0
+
+
+def check_http(url: str, timeout_s: float) -> str:
+    """SERVING when `url` answers 2xx, else why not."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as reply:
+            return "SERVING" if 200 <= reply.status < 300 else f"HTTP {reply.status}"
+    except urllib.error.HTTPError as exc:
+        return f"HTTP {exc.code}"
+    except (urllib.error.URLError, OSError) as exc:
+        return f"unreachable: {getattr(exc, 'reason', exc)}"
 
 
 def _environ() -> Mapping[str, str]:

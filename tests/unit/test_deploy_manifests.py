@@ -138,6 +138,41 @@ def test_engine_advertising_all_interfaces_is_caught(
     assert report.failures == ["compose sim-prefill: binds and advertises its own name (sim-prefill)"]
 
 
+def test_an_inline_code_health_check_is_caught(
+    checks: ModuleType, resolved_compose: dict[str, Any], tmp_path: Path
+) -> None:
+    # Podman's Docker API splits this at spaces: the check never runs and the service never gets
+    # healthy. `kvplane health` is in every image.
+    bad = copy.deepcopy(resolved_compose)
+    bad["services"]["gateway"]["healthcheck"]["test"] = [
+        "CMD",
+        "python",
+        "-c",
+        "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8080/health')",
+    ]
+    path = tmp_path / "resolved.json"
+    path.write_text(json.dumps(bad))
+    report = _report(checks)
+    checks.check_compose(path, report)
+    assert report.failures == [
+        "compose gateway: health check is one argument list without spaces (no inline code)"
+    ]
+
+
+def test_every_compose_health_check_runs_kvplane_health_or_the_images_own_tool(
+    resolved_compose: dict[str, Any],
+) -> None:
+    tools = {
+        svc["healthcheck"]["test"][1] for svc in resolved_compose["services"].values() if "healthcheck" in svc
+    }
+    assert tools <= {"kvplane", "etcdctl", "wget"}, tools
+
+
+def test_sim_engines_send_release_commands_to_the_eviction_service(resolved_compose: dict[str, Any]) -> None:
+    for name in ("sim-prefill", "sim-decode"):
+        assert "--eviction=eviction:50051" in resolved_compose["services"][name]["command"]
+
+
 def test_unknown_service_flag_in_compose_is_caught(
     checks: ModuleType, resolved_compose: dict[str, Any], tmp_path: Path
 ) -> None:

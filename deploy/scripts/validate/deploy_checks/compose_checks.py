@@ -94,7 +94,14 @@ def _check_wiring(stack: Stack, name: str, svc: dict[str, Any], report: Report) 
             f"host_ip={port.get('host_ip')!r}",
         )
     if name not in ("otel-collector", "jaeger"):  # images without a shell: see compose.yaml
-        report.check(bool(svc.get("healthcheck", {}).get("test")), f"compose {name}: has a health check")
+        test = svc.get("healthcheck", {}).get("test")
+        report.check(bool(test), f"compose {name}: has a health check")
+        # Podman's Docker API splits a CMD's arguments at spaces: inline code breaks there.
+        report.check(
+            isinstance(test, list) and test[:1] == ["CMD"] and not any(" " in str(a) for a in test[1:]),
+            f"compose {name}: health check is one argument list without spaces (no inline code)",
+            str(test),
+        )
     for dep, spec in (svc.get("depends_on") or {}).items():
         # `required: false` names a service that an override may leave out (serve-all).
         if dep not in services and spec.get("required") is False:

@@ -139,11 +139,12 @@ def check_health_probe(
     except (SystemExit, argparse.ArgumentError) as exc:
         report.check(False, f"{name}: `kvplane health` flags parse", repr(exc))
         return
-    host, _, port = args.target.rpartition(":")
-    report.check(
-        host in ("localhost", "127.0.0.1", "[::1]") and port.isdigit() and int(port) in ports.values(),
-        f"{name}: probes a port of its container on loopback ({args.target})",
-    )
+    for target in args.targets:
+        host, _, port = target.rpartition(":")
+        report.check(
+            host in ("localhost", "127.0.0.1", "[::1]") and port.isdigit() and int(port) in ports.values(),
+            f"{name}: probes a port of its container on loopback ({target})",
+        )
     env = {e["name"]: e.get("value") for e in c.get("env", [])}
     mounts = {m["mountPath"] for m in c.get("volumeMounts", [])}
     files = [args.tls_ca_file, args.tls_cert_file, args.tls_key_file]
