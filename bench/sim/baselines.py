@@ -16,6 +16,10 @@
   whole-block prefix pulled, every P cache hit used, P picked from the
   nodes' real queues: a bound that reads the simulator's ground truth.
 
+Each front pays its own hop before P (`control_path_s`): kvplane its Route call, the example
+proxies and `prefix-affinity` what vLLM's example proxy and vllm-router add in the live
+comparison (the constants below). `no-reuse` and `oracle` have no front.
+
 Routing and retention policies are loaded by the same functions the
 services use (`load_policy`, `RetentionPipeline.from_config`), so a policy
 file can be swapped in by path.
@@ -43,12 +47,26 @@ from kvplane.services.eviction.policy.pipeline import DEFAULT_CONFIG
 from kvplane.services.routing.policy import RoutingPolicy, load_policy
 
 UNLIMITED_BYTES = 1 << 62
-# Seconds kvplane's gateway spends in Route before it sends a turn's P leg: the mean Route call its
-# gateway timed in `python -m kvplane.bench.compare --workload A --concurrency 1,8 --repeats 1`
-# (2 P + 2 D sim-engines at Qwen3-32B timing, on the loaded 2-core machine; the "Route ms" column:
-# 9.02 ms at concurrency 1, 12.28 ms at 8). The other fronts' own hops are not modelled: the
-# comparison does not time them apart from the engines.
-MEASURED_ROUTE_S = 0.00902
+# Each front's hop (seconds): the time it adds to a turn before P and between P and D, on top of
+# the engines' own work, derived from the live comparison's record (bench/results/compare.json,
+# `python -m kvplane.bench.compare --workload both --concurrency 1,8,32 --repeats 2`, 2 P + 2 D
+# sim-engines at Qwen3-32B timing on the loaded 2-core machine) by `front_hops.front_hop_ms`: at
+# one conversation in flight, the front's later-turn TTFT p50 minus the zero-hop client's with the
+# closest prompt-token split, less the prefill of the tokens it computed beyond that client's,
+# averaged over workloads A and B; never less than what is timed on the front's path, nor below 0.
+# tests/unit/test_sim_front_hops.py holds these to that record.
+#
+# kvplane: its mean Route call as its gateway timed it (workload A, "Route ms": 3.01 ms at one in
+# flight, 3.21 at 8, 4.68 at 32); its TTFT excess over the zero-hop client is less (-7.1 ms on A,
+# +8.4 on B: +0.7 ms).
+MEASURED_ROUTE_S = 0.00301
+# vllm-router 0.1.17 (a Rust binary): its TTFT excess is +3.3 ms on A and -6.4 ms on B (the same
+# tokens computed as the zero-hop client on both): no hop above the noise.
+VLLM_ROUTER_HOP_S = 0.0
+# vLLM's example proxy (FastAPI on uvicorn, httpx to the engines): +21.8 ms on B (the same tokens
+# as the zero-hop client), -8.4 ms on A after its round-robin's 1,122 extra tokens computed per
+# later turn (31.6 ms of prefill): 6.7 ms.
+EXAMPLE_PROXY_HOP_S = 0.0067
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +83,7 @@ class Baseline:
     routing_policy: str = ""
     # Seconds between load reports (None: the config's; 0: always current).
     report_interval_s: float | None = None
-    # Seconds the front takes before a turn's P leg reaches P (None: the config's).
+    # Seconds the front adds to a turn (its hop; modelled before P): None, the config's.
     control_path_s: float | None = None
 
 
@@ -73,9 +91,11 @@ BASELINES: dict[str, Baseline] = {
     b.name: b
     for b in (
         Baseline("no-reuse", "none", engine_ttl_s=0.0),
-        Baseline("vllm-proxy", "proxy", engine_ttl_s=480.0),
-        Baseline("vllm-proxy-checked", "proxy-checked", engine_ttl_s=480.0),
-        Baseline("prefix-affinity", "affinity", engine_ttl_s=0.0),
+        Baseline("vllm-proxy", "proxy", engine_ttl_s=480.0, control_path_s=EXAMPLE_PROXY_HOP_S),
+        Baseline(
+            "vllm-proxy-checked", "proxy-checked", engine_ttl_s=480.0, control_path_s=EXAMPLE_PROXY_HOP_S
+        ),
+        Baseline("prefix-affinity", "affinity", engine_ttl_s=0.0, control_path_s=VLLM_ROUTER_HOP_S),
         Baseline("kvplane", "policy", DEFAULT_CONFIG, engine_ttl_s=480.0, control_path_s=MEASURED_ROUTE_S),
         Baseline("oracle", "oracle", engine_ttl_s=float("inf"), unlimited_memory=True),
     )
