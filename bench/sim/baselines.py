@@ -11,14 +11,20 @@
 - `prefix-affinity`: precise prefix-cache-aware routing to P (llm-d style:
   P's cached blocks from KV events, its queue from load reports plus the
   work the router sent since); no D->P reuse, D keeps nothing.
+- `cache-aware`: vllm-router's default policy in P/D mode, as its users run
+  it: each role's node from the router's own record of the prompts it sent
+  (longest prefix match above 30% of the prompt, else the node it sent the
+  least), by in-flight requests only when far out of balance; no D->P reuse,
+  D keeps nothing.
 - `kvplane`: kvplane's default routing and retention policies, D's TTL 480 s.
 - `oracle`: unlimited KV on D and in P's caches, no TTL, every shared
   whole-block prefix pulled, every P cache hit used, P picked from the
   nodes' real queues: a bound that reads the simulator's ground truth.
 
 Each front pays its own hop before P (`control_path_s`): kvplane its Route call, the example
-proxies and `prefix-affinity` what vLLM's example proxy and vllm-router add in the live
-comparison (the constants below). `no-reuse` and `oracle` have no front.
+proxies and `cache-aware` what vLLM's example proxy and vllm-router add in the live comparison
+(the constants below). `no-reuse`, `prefix-affinity` (no llm-d front was measured) and `oracle`
+pay none.
 
 Routing and retention policies are loaded by the same functions the
 services use (`load_policy`, `RetentionPipeline.from_config`), so a policy
@@ -36,6 +42,7 @@ from kvplane.bench.sim.engine import SimConfig, Simulator
 from kvplane.bench.sim.fleet import Fleet
 from kvplane.bench.sim.retention import DEFAULT_DEMAND_LATENCY_S, EngineOnly, PipelineRetention, Retention
 from kvplane.bench.sim.routers import (
+    CacheAwareRouter,
     ExampleProxyRouter,
     NoReuseRouter,
     OracleRouter,
@@ -72,7 +79,7 @@ EXAMPLE_PROXY_HOP_S = 0.0067
 @dataclass(frozen=True, slots=True)
 class Baseline:
     name: str
-    # "none", "proxy", "proxy-checked", "affinity", "policy" or "oracle".
+    # "none", "proxy", "proxy-checked", "affinity", "cache-aware", "policy" or "oracle".
     router: str
     # None: no control-plane retention; otherwise a RetentionPipeline config.
     retention: Mapping[str, Any] | None = None
@@ -95,7 +102,8 @@ BASELINES: dict[str, Baseline] = {
         Baseline(
             "vllm-proxy-checked", "proxy-checked", engine_ttl_s=480.0, control_path_s=EXAMPLE_PROXY_HOP_S
         ),
-        Baseline("prefix-affinity", "affinity", engine_ttl_s=0.0, control_path_s=VLLM_ROUTER_HOP_S),
+        Baseline("prefix-affinity", "affinity", engine_ttl_s=0.0),
+        Baseline("cache-aware", "cache-aware", engine_ttl_s=0.0, control_path_s=VLLM_ROUTER_HOP_S),
         Baseline("kvplane", "policy", DEFAULT_CONFIG, engine_ttl_s=480.0, control_path_s=MEASURED_ROUTE_S),
         Baseline("oracle", "oracle", engine_ttl_s=float("inf"), unlimited_memory=True),
     )
@@ -138,6 +146,8 @@ def simulator_for(baseline: Baseline, config: SimConfig, options: RunOptions | N
             return ExampleProxyRouter(fleet, checked=True, seed=seed)
         if baseline.router == "affinity":
             return PrefixAffinityRouter(fleet, seed)
+        if baseline.router == "cache-aware":
+            return CacheAwareRouter(fleet)
         if baseline.router == "oracle":
             return OracleRouter(fleet, config.digest_block_size, seed)
         policy = RoutingPolicy(

@@ -2,7 +2,7 @@
 
 The live comparison (`kvplane.bench.compare`) drives multi-turn chats through kvplane's gateway,
 vllm-router and vLLM's example proxy on 2 P + 2 D sim-engines. The simulator has a counterpart
-of each front (`LIVE_COUNTERPARTS`: `prefix-affinity` stands for the cache-aware router, and
+of each front (`LIVE_COUNTERPARTS`: `cache-aware`, vllm-router's default policy, for vllm-router, and
 `no-reuse`, round-robin P and D with P's prefix caches on, for the example proxy). `simulate`
 runs the same chats (`compare_workload.shapes`) through them, closed loop as the live client
 sends them: a conversation's next turn comes when its previous answer is done, and at most
@@ -37,7 +37,7 @@ from kvplane.bench.workloads.turns import Turn
 # Live front -> the simulator's baseline that stands for it.
 LIVE_COUNTERPARTS: dict[str, str] = {
     "kvplane": "kvplane",
-    "vllm-router": "prefix-affinity",
+    "vllm-router": "cache-aware",
     "example-proxy": "no-reuse",
 }
 # Live front -> its own hop (s), as measured in the comparison (see baselines.py).

@@ -12,8 +12,9 @@ better than live by more than the tolerance.
 A small live comparison (`kvplane.bench.compare`: kvplane's gateway, vllm-router when installed,
 and vLLM's example proxy, on 2 P + 2 D sim-engines at Qwen3-32B timing) runs three 4-turn chats
 per front, one at a time, on both workloads: A with P's prefix caches on, B with them off. The
-simulator runs the same chats through each front's counterpart (`prefix-affinity` stands for the
-cache-aware router, `no-reuse` for the round-robin example proxy; `kvplane.bench.sim.ranking`).
+simulator runs the same chats through each front's counterpart (`cache-aware`, vllm-router's
+default policy, for vllm-router, `no-reuse` for the round-robin example proxy;
+`kvplane.bench.sim.ranking`).
 
 The machine is loaded and a live run is one sample, so orders are compared only where the live
 gap is clear of the run's own spread: on TTFT, when one front's later turns beat the other's in
@@ -107,15 +108,6 @@ def _clear_pairs(samples: dict[str, FrontSample]) -> int:
 A_ROUTER_HOP = pytest.mark.xfail(
     reason="one live block orders two fronts that are level within the repeats' spread", strict=False
 )
-# Workload A at 32 in flight: `prefix-affinity` picks the P where a turn finishes first, so under
-# load it moves conversations off the P that holds their history (67.6% of later prompts reused,
-# below the round-robin proxy's 70.4%), where vllm-router's cache-aware policy kept them (73.9%
-# live, as kvplane's 73.8%); the simulator so puts kvplane's TTFT ahead of the router's, which is
-# clearly ahead live (1.00x [1.00-1.02] against 1.06x [1.06-1.08]).
-A32_STAND_IN = pytest.mark.xfail(
-    reason="prefix-affinity gives up the P that holds a conversation under load; vllm-router does not",
-    strict=True,
-)
 
 
 def _recorded(key: str, concurrency: int) -> tuple[dict[str, RecordedFront], float]:
@@ -139,7 +131,7 @@ def _recorded(key: str, concurrency: int) -> tuple[dict[str, RecordedFront], flo
 
 @pytest.mark.parametrize(
     ("key", "concurrency"),
-    [("A", 1), ("A", 8), pytest.param("A", 32, marks=A32_STAND_IN), ("B", 1), ("B", 8), ("B", 32)],
+    [("A", 1), ("A", 8), ("A", 32), ("B", 1), ("B", 8), ("B", 32)],
 )
 def test_the_simulator_orders_the_fronts_as_the_recorded_comparison_does(key: str, concurrency: int) -> None:
     document = json.loads(RECORD.read_text())

@@ -35,7 +35,7 @@ def test_the_constants_are_the_recorded_comparisons() -> None:
 
 def test_the_baselines_pay_their_fronts_hops() -> None:
     assert BASELINES["kvplane"].control_path_s == MEASURED_ROUTE_S
-    assert BASELINES["prefix-affinity"].control_path_s == VLLM_ROUTER_HOP_S
+    assert BASELINES["cache-aware"].control_path_s == VLLM_ROUTER_HOP_S
     assert BASELINES["vllm-proxy"].control_path_s == BASELINES["vllm-proxy-checked"].control_path_s
     assert BASELINES["vllm-proxy"].control_path_s == EXAMPLE_PROXY_HOP_S
 
