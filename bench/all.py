@@ -39,8 +39,9 @@ from typing import Any
 from kvplane.bench import report
 from kvplane.bench.findings import table_paragraph
 from kvplane.bench.sim import BASELINES, ClusterSpec, RunOptions, SimConfig, SimResult, simulator_for
-from kvplane.bench.sim.baselines import MEASURED_ROUTE_S
+from kvplane.bench.sim.baselines import EXAMPLE_PROXY_HOP_S, MEASURED_ROUTE_S, VLLM_ROUTER_HOP_S
 from kvplane.bench.sim.command import SimSpec, policy_json, run_policy, spec_turns
+from kvplane.bench.sim.front_hops import COMPARE_SOURCE
 from kvplane.bench.sim.retention import DEMAND_LATENCY_SOURCE, MEASURED_DEMAND_LATENCY_S
 from kvplane.bench.workloads import (
     DEFAULT_TRACE,
@@ -72,7 +73,10 @@ POLICY_LEGEND = (
     " token-exact prefix check: a mismatch recomputes and frees the handle); `prefix-affinity`"
     " (llm-d-style precise"
     " prefix-cache-aware routing: the turn goes to the P where it finishes first given that P's cached"
-    " blocks and current queue; no D->P reuse, D keeps nothing); `kvplane` (the default routing and"
+    " blocks and current queue; no D->P reuse, D keeps nothing); `cache-aware` (vllm-router's default"
+    " policy in P/D mode: P and D each from the router's own record of the prompts it sent, the"
+    " longest prefix match over 30% of the prompt, else the node it sent the least; no D->P reuse, D"
+    " keeps nothing); `kvplane` (the default routing and"
     " retention policies, run in process; D's TTL 480 s); `oracle` (unlimited KV on D and in P's"
     " caches, no TTL, every shared whole-block prefix pulled and every P cache hit used: a bound, not a"
     " contender)."
@@ -216,10 +220,18 @@ def perf_section(data: dict[str, Any], tables: str, plots_rel: str) -> str:
         f" full D, kvplane's release answers {1000 * MEASURED_DEMAND_LATENCY_S:.1f} ms after the"
         " demand: `MEASURED_DEMAND_LATENCY_S`, the p50 wait measured by"
         f" `{demand_command()}` on the sim-engine stack ({DEMAND_LATENCY_SOURCE}); no bench has"
-        " measured it on vLLM's connector yet. A kvplane turn reaches P"
+        " measured it on vLLM's connector yet. Each front pays its own hop, the time it adds to a"
+        " turn, before P: a kvplane turn reaches P"
         f" {1000 * MEASURED_ROUTE_S:.1f} ms after it arrives (`MEASURED_ROUTE_S`: the mean Route call"
         " kvplane's gateway timed in the live comparison, `python -m kvplane.bench.compare`, at one"
-        " conversation in flight); routing hears P's report of a turn when the turn is over, and"
+        " conversation in flight), `vllm-proxy`'s and `vllm-proxy-checked`'s turns"
+        f" {1000 * EXAMPLE_PROXY_HOP_S:.1f} ms (`EXAMPLE_PROXY_HOP_S`, vLLM's example proxy) and"
+        f" `cache-aware`'s {1000 * VLLM_ROUTER_HOP_S:.1f} ms (`VLLM_ROUTER_HOP_S`, vllm-router:"
+        " none measurable): each front's later-turn TTFT p50 at one conversation in flight in that"
+        f" comparison ({COMPARE_SOURCE}) minus the zero-hop client's with the closest prompt-token"
+        " split, less the prefill of the tokens it computed beyond that client's, averaged over its"
+        " workloads A and B, and never below what is timed on the front's path"
+        " (`kvplane.bench.sim.front_hops`); routing hears P's report of a turn when the turn is over, and"
         " knows of P's prefix cache only what it sent and what those reports said. kvplane's router"
         " knows only what a live"
         " routing service knows (load reports, its own record of what it routed, handles); the"

@@ -11,10 +11,20 @@
 - `prefix-affinity`: precise prefix-cache-aware routing to P (llm-d style:
   P's cached blocks from KV events, its queue from load reports plus the
   work the router sent since); no D->P reuse, D keeps nothing.
+- `cache-aware`: vllm-router's default policy in P/D mode, as its users run
+  it: each role's node from the router's own record of the prompts it sent
+  (longest prefix match above 30% of the prompt, else the node it sent the
+  least), by in-flight requests only when far out of balance; no D->P reuse,
+  D keeps nothing.
 - `kvplane`: kvplane's default routing and retention policies, D's TTL 480 s.
 - `oracle`: unlimited KV on D and in P's caches, no TTL, every shared
   whole-block prefix pulled, every P cache hit used, P picked from the
   nodes' real queues: a bound that reads the simulator's ground truth.
+
+Each front pays its own hop before P (`control_path_s`): kvplane its Route call, the example
+proxies and `cache-aware` what vLLM's example proxy and vllm-router add in the live comparison
+(the constants below). `no-reuse`, `prefix-affinity` (no llm-d front was measured) and `oracle`
+pay none.
 
 Routing and retention policies are loaded by the same functions the
 services use (`load_policy`, `RetentionPipeline.from_config`), so a policy
@@ -32,6 +42,7 @@ from kvplane.bench.sim.engine import SimConfig, Simulator
 from kvplane.bench.sim.fleet import Fleet
 from kvplane.bench.sim.retention import DEFAULT_DEMAND_LATENCY_S, EngineOnly, PipelineRetention, Retention
 from kvplane.bench.sim.routers import (
+    CacheAwareRouter,
     ExampleProxyRouter,
     NoReuseRouter,
     OracleRouter,
@@ -43,18 +54,32 @@ from kvplane.services.eviction.policy.pipeline import DEFAULT_CONFIG
 from kvplane.services.routing.policy import RoutingPolicy, load_policy
 
 UNLIMITED_BYTES = 1 << 62
-# Seconds kvplane's gateway spends in Route before it sends a turn's P leg: the mean Route call its
-# gateway timed in `python -m kvplane.bench.compare --workload A --concurrency 1,8 --repeats 1`
-# (2 P + 2 D sim-engines at Qwen3-32B timing, on the loaded 2-core machine; the "Route ms" column:
-# 9.02 ms at concurrency 1, 12.28 ms at 8). The other fronts' own hops are not modelled: the
-# comparison does not time them apart from the engines.
-MEASURED_ROUTE_S = 0.00902
+# Each front's hop (seconds): the time it adds to a turn before P and between P and D, on top of
+# the engines' own work, derived from the live comparison's record (bench/results/compare.json,
+# `python -m kvplane.bench.compare --workload both --concurrency 1,8,32 --repeats 2`, 2 P + 2 D
+# sim-engines at Qwen3-32B timing on the loaded 2-core machine) by `front_hops.front_hop_ms`: at
+# one conversation in flight, the front's later-turn TTFT p50 minus the zero-hop client's with the
+# closest prompt-token split, less the prefill of the tokens it computed beyond that client's,
+# averaged over workloads A and B; never less than what is timed on the front's path, nor below 0.
+# tests/unit/test_sim_front_hops.py holds these to that record.
+#
+# kvplane: its mean Route call as its gateway timed it (workload A, "Route ms": 3.01 ms at one in
+# flight, 3.21 at 8, 4.68 at 32); its TTFT excess over the zero-hop client is less (-7.1 ms on A,
+# +8.4 on B: +0.7 ms).
+MEASURED_ROUTE_S = 0.00301
+# vllm-router 0.1.17 (a Rust binary): its TTFT excess is +3.3 ms on A and -6.4 ms on B (the same
+# tokens computed as the zero-hop client on both): no hop above the noise.
+VLLM_ROUTER_HOP_S = 0.0
+# vLLM's example proxy (FastAPI on uvicorn, httpx to the engines): +21.8 ms on B (the same tokens
+# as the zero-hop client), -8.4 ms on A after its round-robin's 1,122 extra tokens computed per
+# later turn (31.6 ms of prefill): 6.7 ms.
+EXAMPLE_PROXY_HOP_S = 0.0067
 
 
 @dataclass(frozen=True, slots=True)
 class Baseline:
     name: str
-    # "none", "proxy", "proxy-checked", "affinity", "policy" or "oracle".
+    # "none", "proxy", "proxy-checked", "affinity", "cache-aware", "policy" or "oracle".
     router: str
     # None: no control-plane retention; otherwise a RetentionPipeline config.
     retention: Mapping[str, Any] | None = None
@@ -65,7 +90,7 @@ class Baseline:
     routing_policy: str = ""
     # Seconds between load reports (None: the config's; 0: always current).
     report_interval_s: float | None = None
-    # Seconds the front takes before a turn's P leg reaches P (None: the config's).
+    # Seconds the front adds to a turn (its hop; modelled before P): None, the config's.
     control_path_s: float | None = None
 
 
@@ -73,9 +98,12 @@ BASELINES: dict[str, Baseline] = {
     b.name: b
     for b in (
         Baseline("no-reuse", "none", engine_ttl_s=0.0),
-        Baseline("vllm-proxy", "proxy", engine_ttl_s=480.0),
-        Baseline("vllm-proxy-checked", "proxy-checked", engine_ttl_s=480.0),
+        Baseline("vllm-proxy", "proxy", engine_ttl_s=480.0, control_path_s=EXAMPLE_PROXY_HOP_S),
+        Baseline(
+            "vllm-proxy-checked", "proxy-checked", engine_ttl_s=480.0, control_path_s=EXAMPLE_PROXY_HOP_S
+        ),
         Baseline("prefix-affinity", "affinity", engine_ttl_s=0.0),
+        Baseline("cache-aware", "cache-aware", engine_ttl_s=0.0, control_path_s=VLLM_ROUTER_HOP_S),
         Baseline("kvplane", "policy", DEFAULT_CONFIG, engine_ttl_s=480.0, control_path_s=MEASURED_ROUTE_S),
         Baseline("oracle", "oracle", engine_ttl_s=float("inf"), unlimited_memory=True),
     )
@@ -118,6 +146,8 @@ def simulator_for(baseline: Baseline, config: SimConfig, options: RunOptions | N
             return ExampleProxyRouter(fleet, checked=True, seed=seed)
         if baseline.router == "affinity":
             return PrefixAffinityRouter(fleet, seed)
+        if baseline.router == "cache-aware":
+            return CacheAwareRouter(fleet)
         if baseline.router == "oracle":
             return OracleRouter(fleet, config.digest_block_size, seed)
         policy = RoutingPolicy(

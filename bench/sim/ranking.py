@@ -2,13 +2,15 @@
 
 The live comparison (`kvplane.bench.compare`) drives multi-turn chats through kvplane's gateway,
 vllm-router and vLLM's example proxy on 2 P + 2 D sim-engines. The simulator has a counterpart
-of each front (`LIVE_COUNTERPARTS`: `prefix-affinity` stands for the cache-aware router, and
+of each front (`LIVE_COUNTERPARTS`: `cache-aware`, vllm-router's default policy, for vllm-router, and
 `no-reuse`, round-robin P and D with P's prefix caches on, for the example proxy). `simulate`
 runs the same chats (`compare_workload.shapes`) through them, closed loop as the live client
 sends them: a conversation's next turn comes when its previous answer is done, and at most
-`concurrency` conversations are in flight. `disagreements` compares the two orders of the fronts,
-on TTFT of later turns and on the share of their prompt tokens reused, only where the live gap is
-clear of the live run's own spread.
+`concurrency` conversations are in flight, and each pays its front's own hop (`FRONT_HOPS_S`).
+`disagreements` compares the two orders of the fronts, on TTFT of later turns and on the share of
+their prompt tokens reused, only where the live gap is clear of the live run's own spread;
+`order_disagreements` compares them with the recorded comparison's p50s (`RecordedFront`), where
+a live tie may come out either way in the simulator, within a tolerance.
 """
 
 from __future__ import annotations
@@ -16,11 +18,17 @@ from __future__ import annotations
 import heapq
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from itertools import combinations
+from dataclasses import dataclass, replace
+from itertools import combinations, permutations
 
 from kvplane.bench.compare_workload import Workload, shapes
-from kvplane.bench.sim.baselines import BASELINES, simulator_for
+from kvplane.bench.sim.baselines import (
+    BASELINES,
+    EXAMPLE_PROXY_HOP_S,
+    MEASURED_ROUTE_S,
+    VLLM_ROUTER_HOP_S,
+    simulator_for,
+)
 from kvplane.bench.sim.cluster import ClusterSpec
 from kvplane.bench.sim.costs import SimCosts
 from kvplane.bench.sim.engine import SimConfig
@@ -29,8 +37,14 @@ from kvplane.bench.workloads.turns import Turn
 # Live front -> the simulator's baseline that stands for it.
 LIVE_COUNTERPARTS: dict[str, str] = {
     "kvplane": "kvplane",
-    "vllm-router": "prefix-affinity",
+    "vllm-router": "cache-aware",
     "example-proxy": "no-reuse",
+}
+# Live front -> its own hop (s), as measured in the comparison (see baselines.py).
+FRONT_HOPS_S: dict[str, float] = {
+    "kvplane": MEASURED_ROUTE_S,
+    "vllm-router": VLLM_ROUTER_HOP_S,
+    "example-proxy": EXAMPLE_PROXY_HOP_S,
 }
 # The dev stack's engines (`kvplane.services.devstack`): 2 P + 2 D of 16,384 blocks of 16 tokens.
 STACK_NODES = 2
@@ -39,6 +53,13 @@ STACK_KV_TOKENS = 16_384 * 16
 CLEAR_TTFT_DOMINANCE = 0.75
 # Reuse shares closer than this are not a clear gap (one block per front gives no spread of its own).
 CLEAR_REUSE_GAP = 0.05
+# How far the simulator may order two fronts the other way round from the recorded comparison,
+# the live gap (between the fronts' spreads over the repeats) and the simulated one summed: on
+# TTFT p50 as a share of the zero-hop client's p50, and on the share of prompt tokens reused. A
+# live gap wider than this must come out in the same order. 5%: the simulator's TTFT is the
+# engines' modelled work alone (about half the live TTFT at one in flight), so a few ms of
+# unmodelled per-turn cost move its order of fronts that live are level.
+ORDER_TOLERANCE = 0.05
 
 
 @dataclass(frozen=True)
@@ -137,7 +158,8 @@ def simulate(
     firsts = Counter(t.prompt_tokens for t in turns if t.turn_index == 0)
     out = {}
     for front in fronts:
-        result = simulator_for(BASELINES[LIVE_COUNTERPARTS[front]], config).run(turns, front)
+        baseline = replace(BASELINES[LIVE_COUNTERPARTS[front]], control_path_s=FRONT_HOPS_S[front])
+        result = simulator_for(baseline, config).run(turns, front)
         later = []
         for tokens, ttft in zip(result.prompt_tokens, result.ttft_s, strict=True):
             if firsts[tokens] > 0:
@@ -148,6 +170,92 @@ def simulate(
         summary = result.summary
         later_prompt = summary.prompt_tokens - first_tokens
         out[front] = FrontSample(later, summary.reused_tokens / later_prompt if later_prompt else 0.0)
+    return out
+
+
+def simulate_repeats(
+    workload: Workload,
+    concurrency: int,
+    repeats: int,
+    *,
+    prefix_cache: bool = True,
+    fronts: Sequence[str] = tuple(LIVE_COUNTERPARTS),
+) -> dict[str, FrontSample]:
+    """`simulate` over each repeat's chats, pooled as the comparison pools its blocks: every later
+    turn's TTFT, and the reuse share averaged over the repeats (their prompts are alike)."""
+    runs = [
+        simulate(workload, concurrency, r, prefix_cache=prefix_cache, fronts=fronts) for r in range(repeats)
+    ]
+    return {
+        front: FrontSample(
+            [x for run in runs for x in run[front].later_ttft_ms],
+            sum(run[front].reuse_share for run in runs) / len(runs),
+        )
+        for front in fronts
+    }
+
+
+@dataclass(frozen=True)
+class RecordedFront:
+    """One front at one concurrency as the recorded comparison gives it: TTFT p50 of later turns
+    against the zero-hop client's, pooled over the repeats and its lowest and highest in one
+    repeat, and the share of their prompt tokens reused."""
+
+    p50_ratio: float
+    p50_ratio_low: float
+    p50_ratio_high: float
+    reuse_share: float
+
+    @property
+    def spread(self) -> tuple[float, float]:
+        """The ratios the repeats leave possible (the pooled one may lie outside one repeat's)."""
+        return min(self.p50_ratio, self.p50_ratio_low), max(self.p50_ratio, self.p50_ratio_high)
+
+
+def live_lead(a: RecordedFront, b: RecordedFront) -> float:
+    """How far a's TTFT p50 is ahead of b's live, as a share of the zero-hop client's p50: the gap
+    between their spreads over the repeats (negative: a is behind), 0 where the spreads overlap."""
+    a_low, a_high = a.spread
+    b_low, b_high = b.spread
+    if a_high < b_low:
+        return b_low - a_high
+    if b_high < a_low:
+        return b_high - a_low
+    return 0.0
+
+
+def order_disagreements(
+    live: Mapping[str, RecordedFront], sim: Mapping[str, FrontSample], reference_ms: float
+) -> list[str]:
+    """Pairs the simulator orders the other way round from live by more than `ORDER_TOLERANCE`.
+
+    For every ordered pair (a, b): live, a's pooled p50 is behind b's or level with it, and the
+    simulator puts a ahead (TTFT p50 as a share of `reference_ms`, the zero-hop client's live
+    p50), with the live gap (between the repeats' spreads, `live_lead`: 0 where they overlap)
+    and the simulated one together above the tolerance. So a pair the repeats keep apart by more
+    than the tolerance must come out in the same order, and a tie within the repeats' spread may
+    come out the other way by at most the tolerance. Reuse likewise, on the shares, whose record
+    has no spread over repeats.
+    """
+    out = []
+    for a, b in permutations(sorted(set(live) & set(sim)), 2):
+        lead = live_lead(live[a], live[b])
+        sim_a, sim_b = _median(sim[a].later_ttft_ms), _median(sim[b].later_ttft_ms)
+        sim_lead = (sim_b - sim_a) / reference_ms
+        behind = live[a].p50_ratio >= live[b].p50_ratio
+        if behind and sim_lead > 0 and sim_lead - lead > ORDER_TOLERANCE:
+            out.append(
+                f"TTFT: live {a} {live[a].p50_ratio:.2f}x against {b} {live[b].p50_ratio:.2f}x,"
+                f" simulated {sim_a:.0f} ms against {sim_b:.0f} ms ({sim_lead - lead:.1%} of the"
+                f" zero-hop client's {reference_ms:.0f} ms the other way)"
+            )
+        reuse_lead = live[a].reuse_share - live[b].reuse_share
+        sim_reuse_lead = sim[a].reuse_share - sim[b].reuse_share
+        if reuse_lead <= 0 < sim_reuse_lead and sim_reuse_lead - reuse_lead > ORDER_TOLERANCE:
+            out.append(
+                f"reuse: live {a} {live[a].reuse_share:.1%} against {b} {live[b].reuse_share:.1%},"
+                f" simulated {sim[a].reuse_share:.1%} against {sim[b].reuse_share:.1%}"
+            )
     return out
 
 

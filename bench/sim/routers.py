@@ -6,7 +6,8 @@
 through `CostModel.observe`, as ReportTurn does. The others are the
 baselines: round-robin with no reuse, vLLM's example proxy (round-robin and
 a fixed-lifetime, single-use handle per conversation, with or without a
-prefix check), precise prefix-cache-aware routing to P (no D->P reuse), and
+prefix check), precise prefix-cache-aware routing to P (no D->P reuse), vllm-router's
+cache-aware policy (its own record of what it routed; no D->P reuse), and
 an oracle that knows the prefix and never lacks memory.
 
 What each router may read of the fleet is listed in `fleet.py`.
@@ -22,6 +23,7 @@ from typing import Any, Protocol, TypeVar
 from kvplane.bench.sim.block_chain import BlockChain, handle_digests
 from kvplane.bench.sim.cluster import DecodeState, PrefillState, SimHandle
 from kvplane.bench.sim.fleet import Conversation, Fleet
+from kvplane.bench.sim.prefix_cache import PrefixCache
 from kvplane.bench.workloads.turns import Turn
 from kvplane.services.common.model.errors import HandleNotRetained
 from kvplane.services.common.model.handles import CacheHandle, VllmHandle
@@ -243,6 +245,81 @@ class PrefixAffinityRouter:
 
     def observe(self, turn: Turn, choice: RouteChoice, outcome: TurnOutcome) -> None:
         return None
+
+    def on_publish(self, conversation: Conversation, handle: SimHandle, now: float) -> None:
+        return None
+
+
+class CacheAwarePicker:
+    """vllm-router's `cache_aware` choice among the nodes of one role, as its defaults run it.
+
+    Per node, an approximate tree of the prompts the router sent it (never the engine's cache):
+    a turn goes to the node whose tree matches the longest prefix of its prompt when that match
+    is over `cache_threshold` of the prompt, else to the node with the smallest tree; only when
+    the router's in-flight requests are out of balance (the busiest node has more than
+    `balance_abs` more than the idlest and more than `balance_rel` times as many) does it take
+    the idlest node instead. The tree is kept in blocks; its budget is the router's character
+    budget at `CHARS_PER_TOKEN`.
+    """
+
+    # vllm-router 0.1.17's defaults (`vllm-router --help`).
+    CACHE_THRESHOLD = 0.3
+    BALANCE_ABS = 64
+    BALANCE_REL = 1.5
+    MAX_TREE_CHARS = 33_554_432
+    # Characters per token in the router's text tree: the usual 4 of English text.
+    CHARS_PER_TOKEN = 4
+
+    def __init__(self, nodes: int, block_tokens: int) -> None:
+        budget = self.MAX_TREE_CHARS // (self.CHARS_PER_TOKEN * block_tokens)
+        self.trees = [PrefixCache(budget) for _ in range(nodes)]
+        self.in_flight = [0] * nodes
+
+    def pick(self, prompt: BlockChain) -> tuple[int, str]:
+        """The node's index, and why: "balance", "prefix_match" or "smallest_tree"."""
+        load = self.in_flight
+        busiest, idlest = max(load), min(load)
+        if busiest - idlest > self.BALANCE_ABS and busiest > idlest * self.BALANCE_REL:
+            chosen, why = load.index(idlest), "balance"
+        else:
+            hits = [tree.hit_blocks(prompt) for tree in self.trees]
+            best = max(range(len(hits)), key=lambda i: (hits[i], -i))
+            if len(prompt) and hits[best] / len(prompt) > self.CACHE_THRESHOLD:
+                chosen, why = best, "prefix_match"
+            else:
+                sizes = [tree.used_blocks for tree in self.trees]
+                chosen, why = sizes.index(min(sizes)), "smallest_tree"
+        self.trees[chosen].insert(prompt)
+        load[chosen] += 1
+        return chosen, why
+
+    def done(self, node: int) -> None:
+        self.in_flight[node] -= 1
+
+
+class CacheAwareRouter:
+    """vllm-router in P/D mode with its default `cache_aware` policy, for P and for D alike.
+
+    What vllm-router's users run (`vllm-router --vllm-pd-disaggregation --prefill ... --decode
+    ...`): each role's node is picked by `CacheAwarePicker` from the router's own record of what it
+    sent, so a conversation stays on the P that computed its history, whatever P's cache holds
+    or how long P's queue is (until the in-flight requests are far out of balance). No D->P
+    reuse; D keeps nothing.
+    """
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+        self._p = CacheAwarePicker(len(fleet.prefill), fleet.block_tokens)
+        self._d = CacheAwarePicker(len(fleet.decode), fleet.block_tokens)
+
+    def route(self, turn: Turn, conversation: Conversation, prompt: BlockChain, now: float) -> RouteChoice:
+        p, why = self._p.pick(prompt)
+        d, _ = self._d.pick(prompt)
+        return RouteChoice(self.fleet.prefill[p], self.fleet.decode[d], f"cache_aware_{why}")
+
+    def observe(self, turn: Turn, choice: RouteChoice, outcome: TurnOutcome) -> None:
+        self._p.done(choice.prefill.index)
+        self._d.done(choice.decode.index)
 
     def on_publish(self, conversation: Conversation, handle: SimHandle, now: float) -> None:
         return None

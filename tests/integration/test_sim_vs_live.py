@@ -1,10 +1,20 @@
 """The simulator orders the fronts as a live comparison on the same chats does.
 
+The recorded comparison (`bench/results/compare.json`, the README's "Live comparison": 5-turn
+chats at 1, 8 and 32 conversations in flight, 2 repeats, both workloads) is run through the
+simulator, every front paying its own measured hop (`ranking.FRONT_HOPS_S`), and the two orders
+of the fronts on TTFT p50 and on reuse are compared with `ranking.order_disagreements`: a pair the
+repeats keep apart by more than `ORDER_TOLERANCE` (5% of the zero-hop client's p50; 5 points of
+reuse) must come out in the same order, and a pair level within the repeats' spread may come out
+the other way by at most that much. So the check fails whenever the simulator ranks a front
+better than live by more than the tolerance.
+
 A small live comparison (`kvplane.bench.compare`: kvplane's gateway, vllm-router when installed,
 and vLLM's example proxy, on 2 P + 2 D sim-engines at Qwen3-32B timing) runs three 4-turn chats
 per front, one at a time, on both workloads: A with P's prefix caches on, B with them off. The
-simulator runs the same chats through each front's counterpart (`prefix-affinity` stands for the
-cache-aware router, `no-reuse` for the round-robin example proxy; `kvplane.bench.sim.ranking`).
+simulator runs the same chats through each front's counterpart (`cache-aware`, vllm-router's
+default policy, for vllm-router, `no-reuse` for the round-robin example proxy;
+`kvplane.bench.sim.ranking`).
 
 The machine is loaded and a live run is one sample, so orders are compared only where the live
 gap is clear of the run's own spread: on TTFT, when one front's later turns beat the other's in
@@ -16,21 +26,29 @@ pair (kvplane pulls what no other front can reuse), so the check is never empty.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+from pathlib import Path
 
 import pytest
 
 from kvplane.bench import compare
 from kvplane.bench.compare_fronts import EXAMPLE_PROXY, KVPLANE, VLLM_ROUTER, vllm_router_binary
 from kvplane.bench.compare_workload import Workload
+from kvplane.bench.sim.front_hops import COMPARE_SOURCE
 from kvplane.bench.sim.ranking import (
     CLEAR_REUSE_GAP,
     CLEAR_TTFT_DOMINANCE,
     FrontSample,
+    RecordedFront,
     disagreements,
     dominance,
+    order_disagreements,
     simulate,
+    simulate_repeats,
 )
+
+RECORD = Path(__file__).resolve().parents[2] / COMPARE_SOURCE
 
 FRONTS = (KVPLANE, EXAMPLE_PROXY) + ((VLLM_ROUTER,) if vllm_router_binary() is not None else ())
 # One chat at a time: the example proxy's round-robin then alternates a chat's turns between the
@@ -80,13 +98,52 @@ def _clear_pairs(samples: dict[str, FrontSample]) -> int:
     return clear
 
 
-# Workload A at one chat in flight: live, kvplane's turns come out ahead of vllm-router's; the
-# simulator charges kvplane its measured Route time but models no hop for the other fronts, and
-# orders the two the other way. A known disagreement, kept visible here until the simulator
-# models each front's own control-path latency.
+# Workload A at one chat in flight, one live block, no tolerance: kvplane and vllm-router are level
+# live, and one block's order of the two is noise (recorded over two repeats: kvplane 0.91x-0.94x
+# of the zero-hop client's p50, vllm-router 0.92x-1.03x); the simulator puts vllm-router 3 ms
+# ahead (kvplane's 3.0 ms Route call against no hop measurable for vllm-router), so a block where
+# kvplane's turns beat the router's in 75% of pairs fails here. The recorded comparison's order
+# at 1, 8 and 32 in flight is checked, with its repeats' spread and a tolerance, by
+# test_the_simulator_orders_the_fronts_as_the_recorded_comparison_does.
 A_ROUTER_HOP = pytest.mark.xfail(
-    reason="the simulator models kvplane's Route time but no hop for the other fronts", strict=False
+    reason="one live block orders two fronts that are level within the repeats' spread", strict=False
 )
+
+
+def _recorded(key: str, concurrency: int) -> tuple[dict[str, RecordedFront], float]:
+    rows = {
+        r["front"]: r
+        for r in json.loads(RECORD.read_text())["workloads"][key]["rows"]
+        if r["concurrency"] == concurrency
+    }
+    live = {
+        front: RecordedFront(
+            r["p50_vs_reference"],
+            r["p50_vs_reference_min"],
+            r["p50_vs_reference_max"],
+            (r["pulled_tokens"] + r["prefix_cache_tokens"]) / r["later_prompt_tokens"],
+        )
+        for front, r in rows.items()
+        if front in (KVPLANE, VLLM_ROUTER, EXAMPLE_PROXY)
+    }
+    return live, rows["zero-hop-reuse"]["ttft_p50_ms"]
+
+
+@pytest.mark.parametrize(
+    ("key", "concurrency"),
+    [("A", 1), ("A", 8), ("A", 32), ("B", 1), ("B", 8), ("B", 32)],
+)
+def test_the_simulator_orders_the_fronts_as_the_recorded_comparison_does(key: str, concurrency: int) -> None:
+    document = json.loads(RECORD.read_text())
+    config = document["config"]
+    workload = Workload(**config["workload"])
+    live, reference_ms = _recorded(key, concurrency)
+    fronts = tuple(sorted(live))
+    assert len(fronts) == 3
+    simulated = simulate_repeats(
+        workload, concurrency, config["repeats"], prefix_cache=key == "A", fronts=fronts
+    )
+    assert order_disagreements(live, simulated, reference_ms) == [], (live, simulated)
 
 
 @pytest.mark.parametrize("key", [pytest.param("A", marks=A_ROUTER_HOP), "B"])

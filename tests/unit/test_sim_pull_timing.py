@@ -7,6 +7,7 @@ pulls all of it (a read of about 0.27 s).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 import pytest
@@ -14,6 +15,8 @@ import pytest
 from kvplane.bench.sim import BASELINES, ClusterSpec, SimConfig, SimCosts, SimResult, Simulator, simulator_for
 from kvplane.bench.workloads.turns import Turn
 
+# vLLM's example proxy without its hop before P: the times here are P's scheduling alone.
+PROXY = dataclasses.replace(BASELINES["vllm-proxy"], control_path_s=0.0)
 CONFIG = SimConfig(cluster=ClusterSpec(prefill_nodes=1, decode_nodes=1, prefill_cache_bytes=0))
 COSTS = SimCosts()
 HISTORY = Turn(0.0, "c", 0, 47_800, 200)
@@ -36,7 +39,7 @@ def _pull_s() -> float:
 def test_a_pull_behind_a_queued_prompt_starts_its_read_only_when_the_prefill_node_takes_it() -> None:
     ahead = Turn(60.0, "x", 0, 24_000, 10)
     pulling = _pulling(60.001)
-    result = simulator_for(BASELINES["vllm-proxy"], CONFIG).run([HISTORY, ahead, pulling])
+    result = simulator_for(PROXY, CONFIG).run([HISTORY, ahead, pulling])
     assert result.summary.decisions["pull"] == 1 and result.summary.pulled_tokens == CONTEXT
     taken = ahead.arrival_s + COSTS.prefill_s(ahead.prompt_tokens)
     # The read did not overlap the prompt ahead of it: P took the turn when that prompt was done.
@@ -49,7 +52,7 @@ def test_the_prefill_node_serves_another_turn_while_a_read_is_in_flight() -> Non
     pulling = _pulling(60.0)
     short = Turn(60.001, "x", 0, 1_000, 10)
     assert COSTS.prefill_s(short.prompt_tokens) < COSTS.transfer_s(CONTEXT, True)
-    result = simulator_for(BASELINES["vllm-proxy"], CONFIG).run([HISTORY, pulling, short])
+    result = simulator_for(PROXY, CONFIG).run([HISTORY, pulling, short])
     ttft = _ttft_by_prompt(result)
     # The short turn ran while P waited for the read: it waited for nothing.
     assert ttft[short.prompt_tokens] == pytest.approx(COSTS.prefill_s(short.prompt_tokens))
@@ -61,7 +64,7 @@ def test_a_landed_read_is_computed_before_turns_that_arrived_after_it_was_taken(
     pulling = _pulling(60.0)
     long_one = Turn(60.001, "x", 0, 20_000, 10)
     later = Turn(60.002, "y", 0, 1_000, 10)
-    result = simulator_for(BASELINES["vllm-proxy"], CONFIG).run([HISTORY, pulling, long_one, later])
+    result = simulator_for(PROXY, CONFIG).run([HISTORY, pulling, long_one, later])
     ttft = _ttft_by_prompt(result)
     long_done = long_one.arrival_s + COSTS.prefill_s(long_one.prompt_tokens)
     pulled_done = long_done + COSTS.prefill_s(400) + COSTS.pulled_compute_s(CONTEXT)
@@ -73,7 +76,7 @@ def test_a_landed_read_is_computed_before_turns_that_arrived_after_it_was_taken(
 
 
 def test_the_decode_node_keeps_the_handle_pinned_until_the_read_is_done() -> None:
-    sim: Simulator = simulator_for(BASELINES["vllm-proxy"], CONFIG)
+    sim: Simulator = simulator_for(PROXY, CONFIG)
     pulling = _pulling(60.0)
     mid_read = pulling.arrival_s + 0.5 * COSTS.transfer_s(CONTEXT, True)
     seen: list[tuple[int, int]] = []

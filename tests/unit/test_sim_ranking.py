@@ -7,12 +7,18 @@ import pytest
 from kvplane.bench.compare_workload import Workload, shapes
 from kvplane.bench.sim.costs import SimCosts
 from kvplane.bench.sim.ranking import (
+    FRONT_HOPS_S,
+    ORDER_TOLERANCE,
     FrontSample,
+    RecordedFront,
     comparison_turns,
     disagreements,
     dominance,
+    order_disagreements,
     simulate,
 )
+
+BASELINE_HOPS = dict(FRONT_HOPS_S)
 
 WORKLOAD = Workload(turns=3, first_tokens=1400, user_tokens=900, answer_tokens=16, min_conversations=4)
 
@@ -69,3 +75,53 @@ def test_only_a_clear_live_gap_is_held_against_the_simulator() -> None:
     found = disagreements(live, reversed_)
     assert len(found) == 2
     assert found[0].startswith("TTFT: live a beats b") and found[1].startswith("reuse: live a 70% against c")
+
+
+def _front(ratio: float, low: float, high: float, reuse: float = 0.7) -> RecordedFront:
+    return RecordedFront(ratio, low, high, reuse)
+
+
+def test_a_tie_within_the_repeats_may_come_out_either_way_by_the_tolerance_only() -> None:
+    # Level live: the spreads over the repeats overlap.
+    live = {"a": _front(0.93, 0.91, 0.94), "b": _front(0.96, 0.92, 1.03)}
+    within = {"a": FrontSample([103.0], 0.7), "b": FrontSample([100.0], 0.7)}  # b ahead by 3%
+    assert order_disagreements(live, within, reference_ms=100.0) == []
+    beyond = {"a": FrontSample([107.0], 0.7), "b": FrontSample([100.0], 0.7)}  # b ahead by 7%
+    found = order_disagreements(live, beyond, reference_ms=100.0)
+    assert len(found) == 1 and found[0].startswith("TTFT: live b 0.96x against a 0.93x")
+
+
+def test_a_gap_the_repeats_keep_apart_must_keep_its_order() -> None:
+    live = {"a": _front(1.00, 1.00, 1.02), "b": _front(1.06, 1.06, 1.08)}  # a ahead by 4 points
+    assert (
+        order_disagreements(live, {"a": FrontSample([100.0], 0.7), "b": FrontSample([101.0], 0.7)}, 100.0)
+        == []
+    )
+    # b ahead by 1.5% simulated: with the live gap, 5.5% the other way.
+    flipped = {"a": FrontSample([101.5], 0.7), "b": FrontSample([100.0], 0.7)}
+    assert len(order_disagreements(live, flipped, 100.0)) == 1
+    assert ORDER_TOLERANCE == 0.05
+
+
+def test_reuse_is_held_to_the_recorded_shares() -> None:
+    live = {"a": _front(1.0, 1.0, 1.0, 0.739), "b": _front(1.0, 1.0, 1.0, 0.686)}
+    agreeing = {"a": FrontSample([100.0], 0.71), "b": FrontSample([100.0], 0.70)}
+    assert order_disagreements(live, agreeing, 100.0) == []
+    level = dict(live, b=_front(1.0, 1.0, 1.0, 0.72))  # 1.9 points apart live
+    within = {"a": FrontSample([100.0], 0.70), "b": FrontSample([100.0], 0.72)}  # 2 points the other way
+    assert order_disagreements(level, within, 100.0) == []
+    reversed_ = {"a": FrontSample([100.0], 0.676), "b": FrontSample([100.0], 0.704)}
+    found = order_disagreements(live, reversed_, 100.0)
+    assert found == ["reuse: live b 68.6% against a 73.9%, simulated 70.4% against 67.6%"]
+
+
+def test_every_front_pays_its_own_hop(monkeypatch: pytest.MonkeyPatch) -> None:
+    one = Workload(turns=2, first_tokens=1400, user_tokens=900, answer_tokens=16, min_conversations=1)
+    with_hops = simulate(one, 1, prefix_cache=False)
+    assert FRONT_HOPS_S["example-proxy"] > FRONT_HOPS_S["vllm-router"] >= 0
+    for front in FRONT_HOPS_S:
+        monkeypatch.setitem(FRONT_HOPS_S, front, 0.0)
+    without = simulate(one, 1, prefix_cache=False)
+    for front, sample in with_hops.items():
+        hop_ms = 1000.0 * BASELINE_HOPS[front]
+        assert sample.later_ttft_ms[0] == pytest.approx(without[front].later_ttft_ms[0] + hop_ms)
