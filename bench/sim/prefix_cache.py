@@ -37,10 +37,13 @@ from kvplane.bench.sim.block_chain import BlockChain
 class PrefixCache:
     """Up to `capacity_blocks` blocks of prompt KV, least recently used out first."""
 
-    __slots__ = ("_held", "_poisoned", "_used", "capacity_blocks")
+    __slots__ = ("_held", "_poisoned", "_used", "capacity_blocks", "journal")
 
     def __init__(self, capacity_blocks: int) -> None:
         self.capacity_blocks = max(0, capacity_blocks)
+        # When kept (not None): every change to a run's held length, (first value, blocks held
+        # now; 0: gone), in order: what the engine's KV events (BlockStored, BlockRemoved) say.
+        self.journal: list[tuple[int, int]] | None = None
         # First value of a run -> leading blocks of that run held; LRU first, MRU last.
         self._held: OrderedDict[int, int] = OrderedDict()
         # First value of a run -> offset in the run from which its held blocks hold wrong KV.
@@ -97,6 +100,8 @@ class PrefixCache:
             if length > have:
                 held[base] = length
                 self._used += length - have
+                if self.journal is not None:
+                    self.journal.append((base, length))
             if base in held:
                 held.move_to_end(base)
         self._evict()
@@ -111,9 +116,13 @@ class PrefixCache:
                 self._poisoned.pop(base, None)
                 self._used -= have
                 excess -= have
+                if self.journal is not None:
+                    self.journal.append((base, 0))
             else:
                 held[base] = have - excess  # drops that run's tail blocks only
                 self._used -= excess
                 excess = 0
+                if self.journal is not None:
+                    self.journal.append((base, held[base]))
                 if self._poisoned.get(base, have) >= held[base]:
                     self._poisoned.pop(base, None)  # its poisoned tail went
