@@ -24,7 +24,7 @@ import sys
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from multiprocessing.sharedctypes import Synchronized
 from pathlib import Path
@@ -32,6 +32,7 @@ from typing import Any, TextIO
 
 from kvplane.bench.sim.baselines import BASELINES, RunOptions, simulator_for
 from kvplane.bench.sim.cluster import ClusterSpec
+from kvplane.bench.sim.costs import SimCosts
 from kvplane.bench.sim.engine import ENGINE_MODELS, SimConfig
 from kvplane.bench.sim.results import SimResult, SimSummary
 from kvplane.bench.sim.retention import DEFAULT_DEMAND_LATENCY_S
@@ -62,6 +63,8 @@ class SimSpec:
     demand_latency_s: float = DEFAULT_DEMAND_LATENCY_S
     # The first this many turns only (0: all); for smoke runs.
     max_turns: int = 0
+    # Multiplies every arrival time: 2 offers the same turns at half the rate.
+    time_scale: float = 1.0
 
     def config(self) -> SimConfig:
         cluster = ClusterSpec(
@@ -81,7 +84,9 @@ class SimSpec:
 
 
 @lru_cache(maxsize=4)
-def load_turns(trace: str, workload: str, seed: int, max_turns: int) -> tuple[Turn, ...]:
+def load_turns(
+    trace: str, workload: str, seed: int, max_turns: int, time_scale: float = 1.0
+) -> tuple[Turn, ...]:
     """The spec's turns, once per process."""
     if trace:
         turns: Iterable[Turn] = mooncake_turns(trace, seed=seed)
@@ -92,11 +97,63 @@ def load_turns(trace: str, workload: str, seed: int, max_turns: int) -> tuple[Tu
     else:
         raise ValueError(f"no trace and no known workload (one of {', '.join(WORKLOADS)})")
     out = tuple(turns)
+    if time_scale != 1.0:
+        out = tuple(replace(t, arrival_s=t.arrival_s * time_scale) for t in out)
     return out[:max_turns] if max_turns > 0 else out
 
 
 def spec_turns(spec: SimSpec) -> tuple[Turn, ...]:
-    return load_turns(spec.trace, spec.workload, spec.seed, spec.max_turns)
+    return load_turns(spec.trace, spec.workload, spec.seed, spec.max_turns, spec.time_scale)
+
+
+def prefill_load(turns: Sequence[Turn], prefill_nodes: int, costs: SimCosts | None = None) -> float:
+    """The prefill work the turns offer, as a fraction of what `prefill_nodes` can do over the
+    turns' span, if nothing were reused: above 1, queues grow for as long as the load lasts,
+    whatever the policy (reuse lowers it, by at most the share of tokens reused)."""
+    if not turns or prefill_nodes <= 0:
+        return 0.0
+    costs = costs or SimCosts()
+    span = max(t.arrival_s for t in turns) - min(t.arrival_s for t in turns)
+    work = sum(costs.prefill_s(t.prompt_tokens) for t in turns)
+    return work / (max(span, 1.0) * prefill_nodes)
+
+
+def decode_memory_load(turns: Sequence[Turn], spec: SimSpec, costs: SimCosts | None = None) -> float:
+    """The KV memory the turns' decoding holds on average (Little's law: each turn's prompt and
+    output KV for its decode time), as a fraction of the decode nodes' KV; retained KV comes on
+    top. Above 1, turns wait for decode memory for the whole run."""
+    if not turns:
+        return 0.0
+    costs = costs or SimCosts()
+    span = max(t.arrival_s for t in turns) - min(t.arrival_s for t in turns)
+    step_s = costs.timing.decode_s(1)
+    held = sum(
+        (t.prompt_tokens + t.output_tokens) * costs.kv_bytes_per_token * t.output_tokens * step_s
+        for t in turns
+    )
+    return held / (max(span, 1.0) * spec.decode * spec.kv_gib_per_decode * GIB)
+
+
+def overload_warning(turns: Sequence[Turn], spec: SimSpec) -> str | None:
+    """A warning when the fleet could not keep up with the turns: without reuse, P's work
+    (a policy that reuses too little then falls behind, and its TTFTs measure the queue, not the
+    policy), or D's memory for decoding alone."""
+    memory = decode_memory_load(turns, spec)
+    if memory > 1.0:
+        return (
+            f"warning: the turns' decoding alone needs {memory:.1f}x the KV memory of {spec.decode} D "
+            f"({spec.kv_gib_per_decode:g} GiB each) on average: turns wait for decode memory for the "
+            f"whole run; slow the arrivals with --time-scale {memory:.1f} or add --decode nodes"
+        )
+    load = prefill_load(turns, spec.prefill)
+    if load <= 1.0:
+        return None
+    return (
+        f"warning: without reuse the turns offer {load:.1f}x the prefill work {spec.prefill} P can do "
+        f"over the trace's span: a policy that reuses less than {1 - 1 / load:.0%} of prompt tokens "
+        f"falls behind for the whole run and its TTFTs measure the queue; slow the arrivals with "
+        f"--time-scale {load:.1f} or add --prefill nodes"
+    )
 
 
 # Turns simulated so far by every worker, for the progress bar; set by `_init_worker`.
@@ -252,6 +309,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0: {text}")
+    return value
+
+
 def _non_negative(text: str) -> float:
     value = float(text)
     if value < 0:
@@ -300,7 +364,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds from a decode node's KV demand to its freed blocks through kvplane"
         f" (default {DEFAULT_DEMAND_LATENCY_S})",
     )
-    parser.add_argument("--seed", type=int, default=1, help="seed of the workload and of sampled routes")
+    parser.add_argument(
+        "--time-scale",
+        type=_positive,
+        default=1.0,
+        help="multiply every arrival time by this: 2 offers the same turns at half the rate (default 1)",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=1, help="seed of the workload and of sampled routes (default 1)"
+    )
     parser.add_argument("--json", type=Path, help="write each policy's figures here")
     return parser
 
@@ -320,6 +392,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p_cache_gib=args.p_cache_gib,
         seed=args.seed,
         demand_latency_s=args.demand_latency_s,
+        time_scale=args.time_scale,
     )
     try:
         turns = spec_turns(spec)
@@ -337,6 +410,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         f" {spec.engine_model} engine model",
         flush=True,
     )
+    warning = overload_warning(turns, spec)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     workers = max(1, min(len(names), os.cpu_count() or 1))
     progress = sys.stderr if sys.stderr.isatty() else None
     results = run_jobs([(spec, n) for n in names], workers, progress)

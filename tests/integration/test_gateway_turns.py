@@ -368,7 +368,9 @@ def _cached(usage: dict[str, Any]) -> int:
     return int(usage["prompt_tokens_details"]["cached_tokens"])
 
 
-async def test_usage_cached_tokens_are_what_p_did_not_compute_not_ds_whole_prompt(stack: GatewayStack) -> None:
+async def test_usage_cached_tokens_are_what_p_did_not_compute_not_ds_whole_prompt(
+    stack: GatewayStack,
+) -> None:
     conv = conversation()
     prompt = new_ids(320, seed=71)
     first = await complete(stack, "acme", conv, prompt, return_token_ids=True)
@@ -377,7 +379,13 @@ async def test_usage_cached_tokens_are_what_p_did_not_compute_not_ds_whole_promp
     history = [*prompt, *first.output_ids()]
     follow_up = [*history, *new_ids(64, seed=72)]
     second = await complete(
-        stack, "acme", conv, follow_up, stream=True, stream_options={"include_usage": True}, return_token_ids=True
+        stack,
+        "acme",
+        conv,
+        follow_up,
+        stream=True,
+        stream_options={"include_usage": True},
+        return_token_ids=True,
     )
     (usage,) = [e["usage"] for _, e in second.events if e.get("usage")]
     p_said = stack.proxy.seen[-1]

@@ -69,6 +69,7 @@ PURE_MODULES = frozenset(
         "kvplane.services.common.runtime.bounded_map",  # a size-bounded dict, kept by routing's pure state
         "kvplane.services.common.model.block_hashes",  # "Pure: no I/O."
         "kvplane.services.ops.views",  # "Pure: no I/O; the time ... is an argument"
+        "kvplane.bench.sim.cache_events",  # "Pure: no I/O; time is an argument."
         "kvplane.services.common.model.kv_events",  # "Pure: no I/O."
     }
 )
