@@ -40,6 +40,34 @@ def test_holder_is_chosen_as_decode_when_it_has_room(policy: RoutingPolicy) -> N
     assert policy.route(snap(full, handle=mk_handle(d0, H), prompt=PROMPT)).decode.node_id == "d1"
 
 
+def test_without_a_handle_a_conversation_stays_on_its_last_decode_node_until_another_is_clearly_lighter(
+    policy: RoutingPolicy,
+) -> None:
+    # D's prefix cache still holds the last turn's blocks, so staying reads only the new suffix
+    # from P; a D that moves every turn reads the whole history and queues behind the other
+    # P's turns.
+    d0, d1 = mk_node("d0"), mk_node("d1")
+    kv = {"total_kv_blocks": 16_384}
+    p0 = state(mk_node("p0", NodeRole.PREFILL))
+
+    def decode(last: str, d0_running: int, d1_running: int) -> str:
+        nodes = [
+            p0,
+            state(d0, running_requests=d0_running, free_kv_blocks=16_384 - 350 * d0_running, **kv),
+            state(d1, running_requests=d1_running, free_kv_blocks=16_384 - 350 * d1_running, **kv),
+        ]
+        return policy.route(snap(nodes, prompt=PROMPT, last_decode_node_id=last)).decode.node_id
+
+    # One or two requests more on the last D: the conversation stays.
+    for last, other in (("d0", "d1"), ("d1", "d0")):
+        running = {last: 16, other: 14}
+        assert decode(last, running["d0"], running["d1"]) == last
+    # A clearly lighter D wins it.
+    assert decode("d0", 24, 8) == "d1"
+    # A first turn goes to the lighter D.
+    assert decode("", 16, 15) == "d1"
+
+
 def test_prefill_where_the_turn_costs_least_wins_its_cache_against_a_short_queue(
     policy: RoutingPolicy,
 ) -> None:

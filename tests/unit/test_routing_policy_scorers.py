@@ -10,6 +10,7 @@ from kvplane.services.routing.policy.picker import MaxScorePicker
 from kvplane.services.routing.policy.scorers.free_kv import FreeKvScorer
 from kvplane.services.routing.policy.scorers.holder_affinity import HolderAffinityScorer
 from kvplane.services.routing.policy.scorers.holder_locality import HolderLocalityScorer
+from kvplane.services.routing.policy.scorers.last_decode import LastDecodeScorer
 from kvplane.services.routing.policy.scorers.last_prefill import LastPrefillScorer
 from kvplane.services.routing.policy.scorers.queued_prefill import QueuedPrefillScorer
 from kvplane.services.routing.policy.scorers.running_load import RunningLoadScorer
@@ -91,6 +92,27 @@ def test_queued_prefill_halves_at_its_scale(queued: int | None, expected: float)
 def test_last_prefill_affinity(last: str, node_id: str, expected: float) -> None:
     c = ctx(Leg.PREFILL, snapshot=snap(last_prefill_node_id=last))
     assert LastPrefillScorer().score(NodeState(mk_node(node_id, NodeRole.PREFILL)), c) == expected
+
+
+@pytest.mark.parametrize(
+    ("case", "last", "node_id", "load", "expected"),
+    [
+        ("last D, unknown load", "d0", "d0", None, 1.0),
+        ("last D, roomy", "d0", "d0", {"free_kv_blocks": 1000, "total_kv_blocks": 2000}, 1.0),
+        # 1100 prompt tokens + 1024 reserved = 2124 tokens = 133 blocks of 16 needed.
+        ("last D, just enough", "d0", "d0", {"free_kv_blocks": 133, "total_kv_blocks": 1000}, 1.0),
+        ("last D, too little", "d0", "d0", {"free_kv_blocks": 132, "total_kv_blocks": 1000}, 0.0),
+        ("another D", "d0", "d1", None, 0.0),
+        ("no previous turn", "", "d0", None, 0.0),
+    ],
+)
+def test_last_decode_affinity_prefers_the_last_decode_node_only_with_room(
+    case: str, last: str, node_id: str, load: dict[str, int] | None, expected: float
+) -> None:
+    node = mk_node(node_id)
+    s = NodeState(node, mk_load(node, **load) if load else None)
+    c = ctx(Leg.DECODE, snapshot=snap(last_decode_node_id=last, prompt=Prompt(1100)))
+    assert LastDecodeScorer().score(s, c) == expected, case
 
 
 @pytest.mark.parametrize(

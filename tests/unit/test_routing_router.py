@@ -45,12 +45,14 @@ class FakeCluster:
     # What a wait for a publish finds: the handle that lands meanwhile (None: nothing lands).
     lands: HandleRecord | None = None
     waits: list[float] = field(default_factory=list)
+    # Reported load fields by node id (absent: idle).
+    loads: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def handle(self, tenant: str, conversation: str) -> HandleRecord | None:
         return self.handles.get((tenant, conversation))
 
     def node_states(self) -> tuple[NodeState, ...]:
-        return tuple(NodeState(n, mk_load(n)) for n in self.nodes)
+        return tuple(NodeState(n, mk_load(n, **self.loads.get(n.node_id, {}))) for n in self.nodes)
 
     def node(self, node_id: str) -> Node | None:
         return next((n for n in self.nodes if n.node_id == node_id), None)
@@ -135,6 +137,27 @@ async def test_a_turn_whose_prefill_node_holds_the_history_is_routed_there() -> 
         nxt = await router.route(turn([*history(HISTORY), *history(200, seed=3)]))
         assert nxt.plan.prefill.node_id == first.plan.prefill.node_id
         assert nxt.plan.verdict.cached_tokens >= HISTORY - 16
+
+
+async def test_a_conversation_without_a_handle_stays_on_the_decode_node_of_its_last_turn() -> None:
+    # Nothing retained on D (P's cache holds the history): D's prefix cache still does, and
+    # conversations that stay keep each D's admissions from piling up behind the other P's.
+    cluster = FakeCluster(fleet())
+    router, _, clock = make_router(cluster)
+    first = {c: await router.route(turn(history(HISTORY, seed=i), c)) for i, c in enumerate(("a", "b"))}
+    assert {o.plan.decode.node_id for o in first.values()} == {"d0", "d1"}
+    for round_ in range(1, 4):
+        clock.now_ms += 5_000
+        for i, (c, outcome) in enumerate(first.items()):
+            last = outcome.plan.decode.node_id
+            # The last D reports a couple of requests more than the other: not enough to move.
+            cluster.loads = {
+                d: {"running_requests": 16 if d == last else 14, "total_kv_blocks": 16_384}
+                | {"free_kv_blocks": 16_384 - 350 * (16 if d == last else 14)}
+                for d in ("d0", "d1")
+            }
+            prompt = [*history(HISTORY, seed=i), *history(200 * round_, seed=50 + i)]
+            assert (await router.route(turn(prompt, c))).plan.decode.node_id == last, c
 
 
 async def test_a_pull_checks_the_handle_out_and_builds_the_prefill_params() -> None:

@@ -1,5 +1,5 @@
-"""The Router's record of its routes: each reported once, the last prefill node per
-conversation, and the engine pairs that have met."""
+"""The Router's record of its routes: each reported once, the last prefill and decode nodes
+per conversation, and the engine pairs that have met."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from kvplane.services.routing.policy import Decision
 from kvplane.services.routing.state.routes import RouteBook, RouteRecord
 
 
-def record(conversation: str = "c", prefill: str = "p0") -> RouteRecord:
-    return RouteRecord("t", conversation, prefill, "d0", "e-d0", 4096, Decision.RECOMPUTE_NO_HANDLE)
+def record(conversation: str = "c", prefill: str = "p0", decode: str = "d0") -> RouteRecord:
+    return RouteRecord("t", conversation, prefill, decode, "e-d0", 4096, Decision.RECOMPUTE_NO_HANDLE)
 
 
 def test_a_route_is_reported_once_and_remembers_its_prefill_node() -> None:
@@ -21,6 +21,18 @@ def test_a_route_is_reported_once_and_remembers_its_prefill_node() -> None:
     assert book.last_prefill(("t", "c")) == "p1"
     book.forget(("t", "c"))
     assert book.last_prefill(("t", "c")) == ""
+
+
+def test_a_route_remembers_its_decode_node_until_the_conversation_ends() -> None:
+    book = RouteBook(max_routes=10, max_conversations=10)
+    assert book.last_decode(("t", "c")) == ""
+    book.routed("r1", record(prefill="p1", decode="d1"))
+    book.routed("r2", record("c2", prefill="p0", decode="d0"))
+    assert (book.last_prefill(("t", "c")), book.last_decode(("t", "c"))) == ("p1", "d1")
+    book.reported("r1")
+    assert book.last_decode(("t", "c")) == "d1"
+    book.forget(("t", "c"))
+    assert book.last_decode(("t", "c")) == "" and book.last_decode(("t", "c2")) == "d0"
 
 
 def test_the_first_meeting_of_two_engines_is_told_apart_from_later_ones() -> None:

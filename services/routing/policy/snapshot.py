@@ -79,6 +79,8 @@ class RouteSnapshot:
     # The prefill node that served the conversation's previous turn, if known;
     # its local prefix cache may still hold the history.
     last_prefill_node_id: str = ""
+    # The decode node that served the conversation's previous turn, if known.
+    last_decode_node_id: str = ""
     # (prefill node id, holder engine id) pairs that have completed a NIXL
     # handshake before; a first contact pays the handshake. Only membership
     # is asked, so the service can pass its bounded record without copying.

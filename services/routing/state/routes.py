@@ -1,5 +1,5 @@
 """What a router remembers of the routes it made: each route until its report, each
-conversation's last prefill node, and the engine pairs that have met.
+conversation's last prefill and decode nodes, and the engine pairs that have met.
 
 A route's record lets its report teach the cost model (only turns this router
 routed do, once each) and correct the prefill record. A first pull between a
@@ -37,17 +37,24 @@ class RouteRecord:
 
 
 class RouteBook:
-    """Routes awaiting their reports, last prefill nodes, and engine pairs that have met."""
+    """Routes awaiting their reports, last prefill and decode nodes, and engine pairs that have met."""
 
     def __init__(self, *, max_routes: int, max_conversations: int) -> None:
         self._routes: BoundedMap[str, RouteRecord] = BoundedMap(max_routes)
-        self._last_prefill: BoundedMap[tuple[str, str], str] = BoundedMap(max_conversations)
+        # (prefill node id, decode node id) of each conversation's last routed turn.
+        self._last: BoundedMap[tuple[str, str], tuple[str, str]] = BoundedMap(max_conversations)
         # (prefill node id, holder engine id): asked for membership only (`RouteSnapshot.contacted`).
         self.contacted: BoundedMap[tuple[str, str], None] = BoundedMap(max_conversations)
 
     def last_prefill(self, conversation: tuple[str, str]) -> str:
         """The prefill node of the conversation's previous turn ("" if not remembered)."""
-        return self._last_prefill.get(conversation) or ""
+        last = self._last.get(conversation)
+        return last[0] if last else ""
+
+    def last_decode(self, conversation: tuple[str, str]) -> str:
+        """The decode node of the conversation's previous turn ("" if not remembered)."""
+        last = self._last.get(conversation)
+        return last[1] if last else ""
 
     def contact(self, prefill_node_id: str, holder_engine_id: str) -> bool:
         """Records that the two engines meet; True if it is their first time."""
@@ -57,7 +64,7 @@ class RouteBook:
         return first
 
     def routed(self, route_id: str, record: RouteRecord) -> None:
-        self._last_prefill.put((record.tenant, record.conversation), record.prefill_node_id)
+        self._last.put((record.tenant, record.conversation), (record.prefill_node_id, record.decode_node_id))
         self._routes.put(route_id, record)
 
     def reported(self, route_id: str) -> RouteRecord | None:
@@ -65,4 +72,4 @@ class RouteBook:
         return self._routes.pop(route_id)
 
     def forget(self, conversation: tuple[str, str]) -> None:
-        self._last_prefill.pop(conversation)
+        self._last.pop(conversation)

@@ -4,9 +4,18 @@ from kvplane.services.routing.policy.scorers import (
     free_kv,
     holder_affinity,
     holder_locality,
+    last_decode,
     last_prefill,
     queued_prefill,
     running_load,
 )
 
-__all__ = ["free_kv", "holder_affinity", "holder_locality", "last_prefill", "queued_prefill", "running_load"]
+__all__ = [
+    "free_kv",
+    "holder_affinity",
+    "holder_locality",
+    "last_decode",
+    "last_prefill",
+    "queued_prefill",
+    "running_load",
+]
