@@ -70,6 +70,7 @@ PURE_MODULES = frozenset(
         "kvplane.services.common.model.block_hashes",  # "Pure: no I/O."
         "kvplane.services.ops.views",  # "Pure: no I/O; the time ... is an argument"
         "kvplane.bench.sim.cache_events",  # "Pure: no I/O; time is an argument."
+        "kvplane.bench.sim.block_chain",  # block values as runs: pure data
         "kvplane.services.common.model.kv_events",  # "Pure: no I/O."
     }
 )
