@@ -97,6 +97,8 @@ def test_tls_probes_run_kvplane_health_with_the_servers_certificate(checks: Modu
                 "--tls-cert-file=/etc/kvplane-tls/tls.crt",
                 "--tls-key-file=/etc/kvplane-tls/tls.key",
                 "--timeout-s=4",
+                # Liveness and startup ask the health service an etcd outage leaves SERVING.
+                *(["--service=liveness"] if kind != "readinessProbe" else []),
             ]
             assert probe["timeoutSeconds"] > 4
 
@@ -125,7 +127,8 @@ def test_without_tls_probes_stay_grpc_and_no_certificate_is_mounted(checks: Modu
         assert _tls_secret(pod) is None
         assert not any("TLS" in var and "ETCD" not in var for var in _env(c))
         if d["metadata"]["name"].removeprefix("kvp-kvplane-") in SERVICES:
-            assert c["livenessProbe"]["grpc"] == {"port": 50051}
+            assert c["livenessProbe"]["grpc"] == {"port": 50051, "service": "liveness"}
+            assert c["readinessProbe"]["grpc"] == {"port": 50051}
 
 
 def test_tokens_are_files_each_pod_mounting_only_its_own_key(checks: ModuleType) -> None:
