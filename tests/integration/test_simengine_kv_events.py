@@ -11,11 +11,12 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from kvplane.connector.simengine.engine import FinishInfo, GenerationRequest, SimEngine
+from kvplane.connector.simengine.kv_cache_routes import kv_cache_routes
 from kvplane.connector.simengine.kv_events_config import KVEventsConfig
-from kvplane.connector.simengine.openai_api import build_app
 from kvplane.connector.simengine.settings import SimEngineSettings
 from kvplane.connector.simengine.timing_model import TimingModel
 from kvplane.services.common.model.block_hashes import BlockHasher
@@ -211,7 +212,9 @@ async def test_sha256_cbor_engines_publish_cbor_hashes(make_engine: Any) -> None
 async def test_events_are_off_unless_configured_and_their_hooks_then_refuse() -> None:
     engine = SimEngine(SimEngineSettings(side_channel_port=free_port()))
     assert engine.kv_events is None and engine.settings.kv_events_source() is None
-    async with TestClient(TestServer(build_app(engine))) as client:
+    app = web.Application()
+    app.add_routes(kv_cache_routes(engine))
+    async with TestClient(TestServer(app)) as client:
         response = await client.post("/sim/kv_events/pause")
         assert response.status == 409
         response = await client.post("/reset_prefix_cache")
