@@ -95,10 +95,11 @@ class KVEventPublisher:
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
-        for fd in (self._wake_r, self._wake_w):
-            if fd >= 0:
-                os.close(fd)
-        self._wake_r = self._wake_w = -1
+        with self._lock:  # a late publish must not write to a closed (maybe reused) descriptor
+            for fd in (self._wake_r, self._wake_w):
+                if fd >= 0:
+                    os.close(fd)
+            self._wake_r = self._wake_w = -1
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
@@ -156,8 +157,8 @@ class KVEventPublisher:
     # -- the publisher thread ------------------------------------------------------
 
     def _wake(self) -> None:
-        if self._wake_w >= 0:
-            with contextlib.suppress(BlockingIOError, OSError):
+        with self._lock, contextlib.suppress(BlockingIOError, OSError):
+            if self._wake_w >= 0:
                 os.write(self._wake_w, b"\0")
 
     def _run(self) -> None:
