@@ -10,7 +10,7 @@ a freed partial or unhashed block is poisoned at once.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,6 +52,8 @@ class BlockPool:
         # Free blocks that still back a prefix-cache entry, least recently freed first.
         self._free_cached: OrderedDict[int, None] = OrderedDict()
         self._lease: list[int] = [0] * num_blocks
+        # Told the id of every block whose prefix-cache entry is dropped (evicted or rewritten).
+        self.on_uncached: Callable[[int], None] | None = None
 
     # -- accounting -------------------------------------------------------
 
@@ -108,12 +110,30 @@ class BlockPool:
         return out
 
     def _evict(self, b: int) -> None:
-        h = self._hash[b]
-        if h is not None and self._cached.get(h) == b:
-            del self._cached[h]
+        self._uncache(b)
         self._hash[b] = None
         self._lease[b] = 0
         self.content.poison(self.array[b])
+
+    def _uncache(self, b: int) -> None:
+        h = self._hash[b]
+        if h is not None and self._cached.get(h) == b:
+            del self._cached[h]
+            if self.on_uncached is not None:
+                self.on_uncached(b)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cache entry, as vLLM's reset does: only while no block is in use
+        (False otherwise, and nothing changes). Tells `on_uncached` nothing: a reset is one event."""
+        if any(self._refs):
+            return False
+        for b in self._free_cached:
+            self._hash[b] = None
+            self.content.poison(self.array[b])
+            self._free_plain[b] = None
+        self._free_cached.clear()
+        self._cached.clear()
+        return True
 
     def release(self, block_ids: Sequence[int]) -> None:
         for b in block_ids:
@@ -139,13 +159,15 @@ class BlockPool:
         first_block: int = 0,
         known_full: Sequence[int] = (),
         salt: int = 0,
+        cached: list[int] | None = None,
     ) -> list[int]:
         """Write the content of blocks[first_block:] for tokens[:num_tokens]; cache whole blocks
         under `salt` (see match_prefix).
 
         Blocks before ``first_block`` were matched from the prefix cache and
         are shared, so they are never written. ``known_full`` are whole-block
-        hashes of the same tokens computed earlier. Returns every block's hash.
+        hashes of the same tokens computed earlier. Returns every block's hash;
+        ``cached``, when given, gets the index of every block that entered the cache.
         """
         hashes = block_hashes(tokens, self.block_size, self.root, num_tokens, known_full)
         if len(hashes) > len(block_ids):
@@ -158,13 +180,13 @@ class BlockPool:
             b = block_ids[i]
             self._lease[b] = 0
             full = (i + 1) * self.block_size <= num_tokens
-            old = self._hash[b]
-            if old is not None and self._cached.get(old) == b:
-                del self._cached[old]
+            self._uncache(b)
             self._hash[b] = None
             if full and hashes[i] ^ salt not in self._cached:
                 self._cached[hashes[i] ^ salt] = b
                 self._hash[b] = hashes[i] ^ salt
+                if cached is not None:
+                    cached.append(i)
         return hashes
 
     # -- leases -----------------------------------------------------------

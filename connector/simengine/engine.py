@@ -38,6 +38,8 @@ from opentelemetry import trace
 from kvplane.connector.simengine.block_content import chain_hash, full_block_hashes, root_hash, salt_key
 from kvplane.connector.simengine.block_pool import BlockPool, KvCacheFullError
 from kvplane.connector.simengine.engine_hooks import EngineLoad, EngineObserver, NullObserver
+from kvplane.connector.simengine.kv_event_publisher import KVEventPublisher
+from kvplane.connector.simengine.kv_event_recorder import KVEventRecorder, RequestBlocks
 from kvplane.connector.simengine.kv_params import RemoteBlocks, parse_remote
 from kvplane.connector.simengine.metrics import SimEngineMetrics
 from kvplane.connector.simengine.nixl_transport import EngineNotStartedError, NixlTransport
@@ -65,6 +67,8 @@ class GenerationRequest:
     reasoning_tokens: int = 0
     # vLLM's `cache_salt`: the prefix cache is shared only between requests with the same salt.
     cache_salt: str | None = None
+    # vLLM's session id (the `session_id` field or the X-Session-ID header), named in KV events.
+    session_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -102,6 +106,8 @@ class _Run:
     done: bool = False
     prompt_chain: list[int] = field(default_factory=list)
     salt: int = 0
+    # Its blocks as vLLM's KV events name them (events on).
+    event_blocks: RequestBlocks | None = None
     hit_blocks: int = 0
     # Prompt tokens from the prefix cache, and pulled from a remote engine.
     hit: int = 0
@@ -145,6 +151,15 @@ class SimEngine:
         self._queued_tokens = 0
         self._running = 0
         self._tasks: list[asyncio.Task[None]] = []
+        # vLLM's KV-cache events (--kv-events-config); the publisher binds at start().
+        source = settings.kv_events_source()
+        self.kv_events: KVEventPublisher | None = None
+        self._events: KVEventRecorder | None = None
+        if settings.kv_events_config.enabled:
+            self.kv_events = KVEventPublisher(settings.kv_events_config)
+        if self.kv_events is not None and source is not None:
+            self._events = KVEventRecorder(source.hasher(), self.kv_events.publish)
+            self.pool.on_uncached = self._events.evicted
 
     @property
     def observer(self) -> EngineObserver:
@@ -161,6 +176,12 @@ class SimEngine:
         self.retention.bind(asyncio.get_running_loop())
         self._transport = NixlTransport(f"{self.engine_id}:{self.incarnation[:12]}", self.pool)
         await self.side_channel.start()
+        if self.kv_events is not None:
+            try:
+                self.kv_events.start()  # binds: an endpoint in use fails the start here
+            except BaseException:
+                await self.stop()
+                raise
         self._tasks = [
             asyncio.create_task(self.retention.notification_loop(self._transport), name="simengine-notifs"),
             asyncio.create_task(self.retention.reaper_loop(), name="simengine-reaper"),
@@ -174,6 +195,8 @@ class SimEngine:
                 await t
         self._tasks = []
         await self.side_channel.stop()
+        if self.kv_events is not None:
+            await asyncio.to_thread(self.kv_events.close)
         if self._transport is not None:
             self._transport.close()
             self._transport = None
@@ -243,6 +266,15 @@ class SimEngine:
 
     def retained(self) -> list[dict[str, Any]]:
         return self.retention.describe()
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's reset: drop the whole prefix cache (AllBlocksCleared), only while no block is
+        in use (a running request or a retained handle); False then. Event-loop thread."""
+        if not self.pool.reset_prefix_cache():
+            return False
+        if self._events is not None:
+            self._events.cleared()
+        return True
 
     # -- requests ---------------------------------------------------------
 
@@ -326,6 +358,8 @@ class SimEngine:
         # Keep at least one prompt token to compute: its logits give the first token.
         run.prompt_chain = full_block_hashes(prompt, bs, self.pool.root)
         run.salt = salt_key(req.cache_salt)
+        if self._events is not None:
+            run.event_blocks = self._events.request(req.cache_salt, req.session_id)
         hit_blocks = self.pool.match_prefix(run.prompt_chain, run.salt) if s.enable_prefix_caching else []
         hit_blocks = hit_blocks[: (n - 1) // bs]
         self.pool.acquire(hit_blocks)
@@ -357,7 +391,7 @@ class SimEngine:
             run.running = True
             computed = n - hit - external
             await asyncio.sleep(s.timing.prefill_s(computed))
-            self.pool.write_tokens(run.blocks, prompt, n, run.hit_blocks, run.prompt_chain, run.salt)
+            self._write(run, run.blocks, prompt, n, run.hit_blocks)
             self.metrics.count_prompt(hit, external, computed)
             trace.get_current_span().set_attributes(
                 {
@@ -368,6 +402,14 @@ class SimEngine:
                     "kvplane.tokens.computed": computed,
                 }
             )
+
+    def _write(self, run: _Run, blocks: list[int], tokens: list[int], num_tokens: int, first: int) -> None:
+        """Write the KV of tokens[:num_tokens] from block `first` on; whole blocks enter the
+        prefix cache (and, with KV events on, a BlockStored)."""
+        cached: list[int] = []
+        self.pool.write_tokens(blocks, tokens, num_tokens, first, run.prompt_chain, run.salt, cached)
+        if self._events is not None and run.event_blocks is not None:
+            self._events.stored(run.event_blocks, tokens, blocks, cached)
 
     def _settle(self, run: _Run) -> None:
         """The request's end: reached with blocks still owned only on abort or error (they are
@@ -448,9 +490,7 @@ class SimEngine:
         if blocks[keep:]:
             self.pool.release(blocks[keep:])
         blocks = blocks[:keep]
-        self.pool.write_tokens(
-            blocks, all_tokens, num_kv, min(len(prompt) // bs, keep), run.prompt_chain, run.salt
-        )
+        self._write(run, blocks, all_tokens, num_kv, min(len(prompt) // bs, keep))
         self.metrics.finished(reason, len(out))
         params = self.retention.keep(
             req.request_id, retain, blocks, num_kv, all_tokens, run.external, req.kv_transfer_params or {}

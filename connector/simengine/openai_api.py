@@ -6,7 +6,9 @@ response, and at the top level of the streaming chunk that carries
 is written as soon as its token exists.
 
 Besides the OpenAI routes, ``GET /sim/state`` and ``POST /sim/release_early``
-expose the engine's load and retained handles for tests and tooling.
+expose the engine's load and retained handles for tests and tooling;
+``kv_cache_routes.py`` adds vLLM's ``POST /reset_prefix_cache`` and the KV event
+fault hooks.
 """
 
 from __future__ import annotations
@@ -25,9 +27,12 @@ from aiohttp import web
 from kvplane.connector.simengine import toy_tokenizer
 from kvplane.connector.simengine.block_pool import KvCacheFullError
 from kvplane.connector.simengine.engine import FinishInfo, GenerationRequest, SimEngine, TokenEvent
+from kvplane.connector.simengine.kv_cache_routes import kv_cache_routes
 from kvplane.connector.simengine.toy_tokenizer import PromptError
 
 ENGINE_KEY: web.AppKey[SimEngine] = web.AppKey("engine", SimEngine)
+# vLLM's header naming the session a request belongs to (its KV events carry it).
+SESSION_ID_HEADER = "X-Session-ID"
 
 
 class RequestError(Exception):
@@ -99,8 +104,20 @@ def _chat_ids(body: Mapping[str, Any]) -> list[int]:
         raise RequestError(str(e), param="messages") from e
 
 
+def _session_id(body: Mapping[str, Any], header: str | None) -> str | None:
+    """vLLM's order: the body's `session_id`, then the X-Session-ID header."""
+    value = body.get("session_id")
+    if value is not None and not isinstance(value, str):
+        raise RequestError("session_id must be a string", param="session_id")
+    return value or header or None
+
+
 def parse_request(
-    engine: SimEngine, body: Any, chat: bool, request_id_header: str | None = None
+    engine: SimEngine,
+    body: Any,
+    chat: bool,
+    request_id_header: str | None = None,
+    session_id_header: str | None = None,
 ) -> ParsedRequest:
     s = engine.settings
     if not isinstance(body, dict):
@@ -155,6 +172,7 @@ def parse_request(
             kv_transfer_params=kvp,
             reasoning_tokens=reasoning,
             cache_salt=salt,
+            session_id=_session_id(body, session_id_header),
         ),
         stream=stream,
         include_usage=stream and _bool(opts, "include_usage"),
@@ -306,7 +324,8 @@ async def _completion(request: web.Request, chat: bool) -> web.StreamResponse:
     except ValueError:
         return _error("the body is not valid JSON", 400)
     try:
-        p = parse_request(engine, body, chat, request.headers.get("X-Request-Id"))
+        headers = request.headers
+        p = parse_request(engine, body, chat, headers.get("X-Request-Id"), headers.get(SESSION_ID_HEADER))
     except RequestError as e:
         return _error(str(e), e.status, e.param)
     r = _Responder(engine, p)
@@ -437,6 +456,7 @@ async def sim_state(request: web.Request) -> web.Response:
             "bytes_per_block": s.bytes_per_block,
             "load": dataclasses.asdict(engine.load()),
             "retained": engine.retained(),
+            "kv_events": None if engine.kv_events is None else engine.kv_events.state(),
         }
     )
 
@@ -465,4 +485,5 @@ def build_app(engine: SimEngine) -> web.Application:
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/sim/state", sim_state)
     app.router.add_post("/sim/release_early", sim_release_early)
+    app.add_routes(kv_cache_routes(engine))
     return app

@@ -10,9 +10,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from kvplane.connector.kv_events.source import KVEventsSource
+from kvplane.connector.kv_events.vllm_config import local_source
+from kvplane.connector.simengine.kv_events_config import KVEventsConfig
 from kvplane.connector.simengine.side_channel import normalize_host
 from kvplane.connector.simengine.timing_model import TimingModel
 from kvplane.services.client.credentials import ClientCredentials
+from kvplane.services.common.model.block_hashes import HASH_ALGOS
 
 Role = Literal["prefill", "decode", "both"]
 ROLES: tuple[Role, ...] = ("prefill", "decode", "both")
@@ -48,6 +52,10 @@ class SimEngineSettings:
     # vLLM's --enable-prefix-caching. Off, P keeps no history between turns, so it pulls every
     # token D holds instead of only D's tail beyond its own cache.
     enable_prefix_caching: bool = True
+    # vLLM's --kv-events-config (kv_events_config.py): KV-cache events on ZMQ; off by default.
+    kv_events_config: KVEventsConfig = field(default_factory=KVEventsConfig)
+    # vLLM's --prefix-caching-hash-algo: how the block hashes in those events are computed.
+    prefix_caching_hash_algo: str = "sha256"
     timing: TimingModel = field(default_factory=TimingModel)
     seed: int = 0
     eos_probability: float = 0.0
@@ -107,6 +115,9 @@ class SimEngineSettings:
             raise ValueError("decoder_kv_blocks_ttl and prefill_lease_s must be positive")
         if not 0 <= self.http_port < 65536 or not 0 <= self.side_channel_port < 65536:
             raise ValueError("ports must be within 0..65535")
+        if self.prefix_caching_hash_algo not in HASH_ALGOS:
+            raise ValueError(f"prefix_caching_hash_algo must be one of {HASH_ALGOS}")
+        self.kv_events_source()  # refuses events its node agent could not read
         object.__setattr__(self, "side_channel_host", normalize_host(self.side_channel_host))
         object.__setattr__(self, "http_host", normalize_host(self.http_host))
         object.__setattr__(self, "advertise_host", normalize_host(self.advertise_host))
@@ -122,6 +133,21 @@ class SimEngineSettings:
             tls_server_name=self.tls_server_name,
             mesh_secret=self.mesh_secret,
             mesh_secret_file=self.mesh_secret_file,
+        )
+
+    def kv_events_source(self) -> KVEventsSource | None:
+        """Where the node agent reads this engine's KV events, and how it predicts their hashes
+        (the seed as vLLM resolves it, from this process's PYTHONHASHSEED); None when the engine
+        publishes none (events or prefix caching off)."""
+        events = self.kv_events_config
+        if not events.enabled or not self.enable_prefix_caching:
+            return None
+        return local_source(
+            events.endpoint,
+            events.replay_endpoint,
+            topic=events.topic,
+            block_size=self.block_size,
+            hash_algo=self.prefix_caching_hash_algo,
         )
 
     @property
@@ -205,6 +231,13 @@ def _env_defaults(env: Mapping[str, str]) -> dict[str, Any]:
     return out
 
 
+def _kv_events_config(text: str) -> KVEventsConfig:
+    try:
+        return KVEventsConfig.parse(text)
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def build_arg_parser(
     parser: argparse.ArgumentParser | None = None, env: Mapping[str, str] | None = None
 ) -> argparse.ArgumentParser:
@@ -238,6 +271,13 @@ def build_arg_parser(
     p.add_argument(
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching
     )
+    p.add_argument(
+        "--kv-events-config",
+        type=_kv_events_config,
+        default=d.kv_events_config,
+        help="vLLM's KV event publisher, as JSON (vLLM's keys, plus encoding: map or array)",
+    )
+    p.add_argument("--prefix-caching-hash-algo", choices=HASH_ALGOS, default=d.prefix_caching_hash_algo)
     p.add_argument("--prefill-base-s", type=float, default=t.prefill_base_s)
     p.add_argument("--prefill-per-token-s", type=float, default=t.prefill_per_token_s)
     p.add_argument("--prefill-per-token-sq-s", type=float, default=t.prefill_per_token_sq_s)
