@@ -1,7 +1,15 @@
-"""The dev stack's demo: multi-turn chats through the gateway, and where each prompt's KV came from."""
+"""The dev stack's demo: multi-turn chats through the gateway, and where each prompt's KV came from.
+
+While P's own prefix cache holds a conversation's history, routing lets P use it, pulls only what
+beats recomputing, and (once it sees that P keeps the history) tells D to keep no copy; before the
+second turn of the last chat the demo resets P's prefix cache (vLLM's `/reset_prefix_cache`, as
+an engine restart or eviction would leave it), so that turn's history is pulled from D, which
+retained the first turn. Each decision is printed with what it means.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Sequence
@@ -24,6 +32,32 @@ class DemoTurn:
     prefill_cache_tokens: int
     computed_tokens: int
     text: str
+    # The demo reset P's prefix cache just before this turn.
+    reset_before: bool = False
+
+
+# What each decision the gateway reports (`x-kvplane-decision`) means.
+DECISION_MEANINGS = {
+    "pull": "P read the conversation's retained KV from D over NIXL",
+    "pull_prefix": "P read the verified part of D's retained KV, and computed the rest",
+    "recompute_no_handle": "nothing retained yet (a first turn)",
+    "recompute_below_threshold": "P's own prefix cache holds nearly all of it: too little left to pull",
+    "recompute_cost": "recomputing the missing part is faster than pulling it",
+    "recompute_expiring": "D's retained KV expires too soon to read",
+    "recompute_holder_down": "the engine holding the KV is gone, restarted or draining",
+    "recompute_prefix_mismatch": "the prompt does not continue what D retains",
+    "recompute_contended": "another turn of the conversation holds the KV, or etcd is unreachable",
+}
+
+
+async def _reset_prefix_cache(session: aiohttp.ClientSession, engine_url: str) -> bool:
+    """vLLM's /reset_prefix_cache on P: refused while blocks are in use, so tried a few times."""
+    for _ in range(50):
+        async with session.post(f"{engine_url}/reset_prefix_cache") as resp:
+            if resp.status == 200 and (await resp.json()).get("success"):
+                return True
+        await asyncio.sleep(0.1)
+    return False
 
 
 async def run_demo(
@@ -42,6 +76,10 @@ async def run_demo(
             conversation = f"demo-{c}"
             messages = [{"role": "system", "content": "You are a terse assistant."}]
             for t in range(1, turns + 1):
+                # The second turn: after it, routing knows P keeps the history and D keeps no copy.
+                reset = c == conversations - 1 and t == 2
+                if reset:
+                    reset = await _reset_prefix_cache(session, stack.prefill_url)
                 user = " ".join(f"question {c}.{t} about item {i}" for i in range(60 * t))
                 messages.append({"role": "user", "content": user})
                 body = {
@@ -84,7 +122,9 @@ async def run_demo(
                 prompt_tokens = int(usage.get("prompt_tokens", 0)) if usage else 0
                 messages.append({"role": "assistant", "content": text})
                 out.append(
-                    DemoTurn(conversation, t, prompt_tokens, ttft, decision, pulled, cached, computed, text)
+                    DemoTurn(
+                        conversation, t, prompt_tokens, ttft, decision, pulled, cached, computed, text, reset
+                    )
                 )
     return out
 
@@ -109,11 +149,19 @@ def demo_table(turns: Sequence[DemoTurn]) -> str:
     lines = ["{:<14}{:>5}{:>8}{:>9}  {:<28}{:>8}{:>9}{:>9}".format(*header)]
     for t in turns:
         lines.append(
-            f"{t.conversation:<14}{t.turn:>5}{t.prompt_tokens:>8}{t.ttft_ms:>9.0f}  {t.decision:<28}"
+            f"{t.conversation:<14}{t.turn:>4}{'*' if t.reset_before else ' '}{t.prompt_tokens:>8}"
+            f"{t.ttft_ms:>9.0f}  {t.decision:<28}"
             f"{t.pulled_tokens:>8}{t.prefill_cache_tokens:>9}{t.computed_tokens:>9}"
         )
     lines.append(
         "pulled: read from the decode engine over NIXL; P cache: the prefill engine's own prefix cache;\n"
         "computed: prefilled. The three add up to the prompt."
     )
+    if any(t.reset_before for t in turns):
+        lines.append(
+            "*: P's prefix cache was reset just before this turn (as a restart or eviction leaves it)."
+        )
+    lines.append("decisions:")
+    for decision in dict.fromkeys(t.decision for t in turns):
+        lines.append(f"  {decision}: {DECISION_MEANINGS.get(decision, 'see the README glossary')}")
     return "\n".join(lines)
