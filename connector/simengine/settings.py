@@ -238,6 +238,60 @@ def _kv_events_config(text: str) -> KVEventsConfig:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+# What each flag of `kvplane sim-engine` sets, where its own add_argument says nothing.
+FLAG_HELP: dict[str, str] = {
+    "role": "prefill, decode, or both (P and D in one engine)",
+    "model": "the model name it serves (and /v1/models lists)",
+    "http_host": "address of the OpenAI-compatible HTTP server",
+    "http_port": "port of the HTTP server",
+    "side_channel_host": "address of the NIXL side channel (handshakes)",
+    "side_channel_port": "port of the NIXL side channel; 0: a free one",
+    "num_blocks": "KV-cache blocks of the engine",
+    "bytes_per_block": "bytes of KV per block (what a pull moves over NIXL)",
+    "decoder_kv_blocks_ttl": "seconds D keeps a finished turn's blocks (vLLM's decoder_kv_blocks_ttl)",
+    "prefill_lease_s": "seconds P keeps blocks for D's read before freeing them anyway",
+    "kv_recompute_threshold": "fewer tokens than this are recomputed rather than pulled (vLLM's threshold)",
+    "expiry_guard_s": "P declines a pull this close to D's expiry, seconds (vLLM's 5 s gate)",
+    "bidirectional": "D retains a finished turn's KV for P to pull (vLLM's bidirectional_kv_xfer)",
+    "enable_prefix_caching": "vLLM's prefix cache on P; off, P keeps no history between turns",
+    "prefix_caching_hash_algo": "vLLM's --prefix-caching-hash-algo: the block hashes of the KV events",
+    "prefill_base_s": "modelled prefill time of a prompt, fixed part, seconds (Qwen3-32B on H100)",
+    "prefill_per_token_s": "modelled prefill time per computed token, seconds",
+    "prefill_per_token_sq_s": "modelled prefill time per computed token squared, seconds",
+    "decode_step_s": "modelled decode step, seconds",
+    "decode_step_per_running_s": "added to a decode step per running request, seconds",
+    "seed": "seed of the generated tokens",
+    "eos_probability": "chance a generated token ends the answer early (0: answers run to max_tokens)",
+    "vocab_size": "token ids are below this",
+    "max_model_len": "longest prompt plus output, tokens",
+    "default_max_tokens": "output tokens of a request that names no max_tokens",
+    "handshake_timeout_s": "seconds a NIXL handshake may take",
+    "transfer_timeout_s": "seconds a NIXL read may take",
+    "kv_wait_timeout_s": "seconds a request waits for free KV blocks before a 503",
+    "kv_free_watermark_blocks": "free blocks asked of the control plane beyond what waiting requests need",
+    "node_id": "node id registered with kvplane (default: the engine id)",
+    "kvplane_connector": "behave as vLLM with kvplane's connector: digests on D, prefix check on P "
+    "(implied by --control-plane)",
+    "require_digests": "with the connector: recompute rather than pull a handle without digests",
+    "expiry_margin_s": "taken off D's deadline in a published handle's expiry, seconds",
+    "load_interval_s": "seconds between samples of the engine's load",
+    "load_heartbeat_s": "longest gap between two load reports of an unchanged load, seconds",
+    "mesh_secret_file": "file holding the mesh proxy secret (development only)",
+}
+
+
+def _describe(parser: argparse.ArgumentParser) -> None:
+    """Every flag says what it sets and its default (%(default)s, an environment value included)."""
+    for action in parser._actions:
+        if action.dest == "help":
+            continue
+        text = action.help or FLAG_HELP.get(action.dest, "")
+        secret = action.dest in ("auth_token", "mesh_secret")  # never printed, even from the environment
+        if not secret and "default" not in text and action.default not in (None, "", argparse.SUPPRESS):
+            text = f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
+        action.help = text.replace("%", "%%").replace("%%(default)s", "%(default)s")
+
+
 def build_arg_parser(
     parser: argparse.ArgumentParser | None = None, env: Mapping[str, str] | None = None
 ) -> argparse.ArgumentParser:
@@ -313,6 +367,7 @@ def build_arg_parser(
     p.add_argument("--mesh-secret", default=d.mesh_secret, help="mesh proxy secret (development only)")
     p.add_argument("--mesh-secret-file", default=d.mesh_secret_file)
     p.set_defaults(**_env_defaults(os.environ if env is None else env))
+    _describe(p)
     return p
 
 
