@@ -103,6 +103,12 @@ async def read_json(request: web.Request, limits: ReadLimits) -> Any:
         raise RequestRejected(408, f"the body did not arrive within {limits.body_timeout_s} s") from None
     except web.HTTPRequestEntityTooLarge:
         raise RequestRejected(413, f"the body is over the limit of {limits.max_body_bytes} bytes") from None
+    return parse_json(raw, limits)
+
+
+def parse_json(raw: bytes, limits: ReadLimits) -> Any:
+    """A whole body's JSON value, within the nesting limit; raises RequestRejected (400) for every
+    way it can be malformed. For any front that has the body's bytes in hand."""
     try:
         # orjson: strict JSON (no NaN or Infinity, no lone surrogate escapes), in C: the
         # prompt's thousands of token ids are most of a body.

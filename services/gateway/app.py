@@ -16,27 +16,18 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from kvplane.services.client import ClientCredentials, RoutingClient
 from kvplane.services.common.runtime.server import BindFailed
 from kvplane.services.common.runtime.telemetry import Telemetry
-from kvplane.services.gateway import cache_salt
 from kvplane.services.gateway.admission import TENANT, ReadLimits, admission, expect_continue, json_body
 from kvplane.services.gateway.cache_salt import CacheSalts
 from kvplane.services.gateway.https import ServerCertificate
-from kvplane.services.gateway.identity import (
-    ApiKeys,
-    BadConversation,
-    Identity,
-    ReloadingApiKeys,
-    take_conversation,
-)
+from kvplane.services.gateway.identity import ApiKeys
 from kvplane.services.gateway.metrics import GatewayMetrics
 from kvplane.services.gateway.openai_errors import RequestRejected, error_response, rejection
-from kvplane.services.gateway.progress import TurnRequest
-from kvplane.services.gateway.prompts import estimate_tokens
 from kvplane.services.gateway.protocol_errors import JsonErrorAppRunner, json_http_errors
-from kvplane.services.gateway.request_body import BodyLimits, check_completion, single_prompt
 from kvplane.services.gateway.settings import GatewaySection
 from kvplane.services.gateway.tenant_share import TenantShares
 from kvplane.services.gateway.turn import TurnRunner
 from kvplane.services.gateway.turn_errors import TurnFailed
+from kvplane.services.gateway.turn_request import admit_turn, configured_api_keys
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +64,6 @@ def _read_limits(settings: GatewaySection) -> ReadLimits:
     return ReadLimits(settings.max_body_bytes, settings.body_timeout_s, settings.max_json_depth)
 
 
-def _body_limits(settings: GatewaySection) -> BodyLimits:
-    return BodyLimits(vocab_size=settings.vocab_size, max_model_len=settings.max_model_len)
-
-
 def routing_credentials(settings: GatewaySection) -> ClientCredentials:
     """What the gateway presents to the routing service."""
     return ClientCredentials(
@@ -109,37 +96,20 @@ async def _completion(request: web.Request, chat: bool) -> web.StreamResponse:
     if isinstance(body, web.Response):
         return body
     try:
-        conversation, source = take_conversation(request.headers, body)
-        check_completion(body, chat, _body_limits(settings))
-    except BadConversation as exc:
-        return error_response(400, str(exc), param="conversation_id")
+        admitted = admit_turn(
+            request.headers,
+            body,
+            chat=chat,
+            tenant=request[TENANT],
+            settings=settings,
+            salts=request.app[SALTS_KEY],
+            arrival=arrival,
+        )
     except RequestRejected as exc:
         return rejection(exc)
-    identity = Identity(request[TENANT], conversation, source)
-    salt = request.app[SALTS_KEY].salt(identity.tenant)
-    if salt is not None:
-        # Overwrites any salt the client sent: a tenant's cache is its own, whatever it asks.
-        body[cache_salt.BODY_KEY] = salt
-    # Only the router may name blocks: an engine trusts whatever it is given.
-    body.pop("kv_transfer_params", None)
-    model = body.get("model") or (settings.models[0] if settings.models else "")
-    if not isinstance(model, str) or not model:
-        return error_response(400, "model is required", param="model")
-    stream = body.get("stream") is True
-    turn = TurnRequest(
-        identity=identity,
-        body=body,
-        chat=chat,
-        stream=stream,
-        model=model,
-        client_token_ids=body.get("return_token_ids") is True,
-        arrival=arrival,
-    )
-    prompt = single_prompt(body.get("prompt"))
-    # check_completion has made a list prompt a list of token ids.
-    tokens = len(prompt) if not chat and isinstance(prompt, list) else estimate_tokens(body, chat)
+    turn, tokens = admitted.turn, admitted.share_tokens
     try:
-        with request.app[SHARES_KEY].hold(identity.tenant, tokens):
+        with request.app[SHARES_KEY].hold(turn.identity.tenant, tokens):
             return await request.app[RUNNER_KEY].serve(request, turn)
     except RequestRejected as exc:
         return rejection(exc)
@@ -194,12 +164,7 @@ async def count_requests(request: web.Request, handler: Handler) -> web.StreamRe
 def build_app(
     settings: GatewaySection, runner: TurnRunner, telemetry: Telemetry, metrics_: GatewayMetrics
 ) -> web.Application:
-    keys = {entry.token.get_secret_value(): entry.tenant for entry in settings.api_keys}
-    api_keys = (
-        ReloadingApiKeys(keys, settings.api_keys_file, settings.default_tenant)
-        if settings.api_keys_file
-        else ApiKeys(keys, settings.default_tenant)
-    )
+    api_keys = configured_api_keys(settings)
     admit = admission(api_keys, _read_limits(settings), AUTHENTICATED_PATHS)
     app = web.Application(
         client_max_size=settings.max_body_bytes, middlewares=[count_requests, json_http_errors, admit]

@@ -42,19 +42,25 @@ def encode(payload: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(payload) + b"\n\n"
 
 
-async def events(chunks: AsyncIterable[bytes]) -> AsyncIterator[SseEvent]:
-    """Groups the stream's bytes into events, however they are split: lines, or whatever each
-    read returned (one read often holds a whole event, sometimes several). Each event is yielded
-    as soon as its blank line arrives; a trailing partial event is yielded too.
+class SseParser:
+    """Groups a stream's bytes into events as they arrive, however they are split: lines, or
+    whatever each read returned (one read often holds a whole event, sometimes several).
 
-    Reading whole chunks rather than line by line spares an await and a decode per line: the
-    gateway does this for every token it streams.
+    `feed` returns every event whose blank line has arrived; `close` returns a trailing partial
+    event. Reading whole chunks rather than line by line spares an await and a decode per line:
+    the gateway does this for every token it streams. For any caller that has the chunks in
+    hand (an HTTP response, or an Envoy ext_proc body message).
     """
-    raw = bytearray()
-    data: list[bytes] = []
-    pending = b""  # the start of a line whose end has not arrived yet
-    async for chunk in chunks:
-        buffer = pending + chunk if pending else chunk
+
+    def __init__(self) -> None:
+        self._raw = bytearray()
+        self._data: list[bytes] = []
+        self._pending = b""  # the start of a line whose end has not arrived yet
+
+    def feed(self, chunk: bytes) -> list[SseEvent]:
+        out: list[SseEvent] = []
+        raw, data = self._raw, self._data
+        buffer = self._pending + chunk if self._pending else chunk
         start = 0
         while (end := buffer.find(b"\n", start)) >= 0:
             line = buffer[start : end + 1]
@@ -67,22 +73,43 @@ async def events(chunks: AsyncIterable[bytes]) -> AsyncIterator[SseEvent]:
                     data.append(value[1:] if value.startswith(b" ") else value)
                 continue
             if raw.strip():
-                yield SseEvent(bytes(raw), _text(data))
+                out.append(SseEvent(bytes(raw), _text(data)))
             raw.clear()
             data.clear()
-        pending = buffer[start:]
-    if pending:  # the stream ended inside a line
-        raw += pending
-        text = pending.rstrip(b"\r\n")
-        if text.startswith(b"data:"):
-            value = text[5:]
-            data.append(value[1:] if value.startswith(b" ") else value)
-        elif not text and raw.strip():
-            yield SseEvent(bytes(raw), _text(data))
-            raw.clear()
-            data.clear()
-    if raw.strip():
-        yield SseEvent(bytes(raw) + b"\n", _text(data))
+        self._pending = buffer[start:]
+        return out
+
+    def close(self) -> list[SseEvent]:
+        """The events left when the stream ends (it may end inside a line)."""
+        out: list[SseEvent] = []
+        raw, data, pending = self._raw, self._data, self._pending
+        self._pending = b""
+        if pending:
+            raw += pending
+            text = pending.rstrip(b"\r\n")
+            if text.startswith(b"data:"):
+                value = text[5:]
+                data.append(value[1:] if value.startswith(b" ") else value)
+            elif not text and raw.strip():
+                out.append(SseEvent(bytes(raw), _text(data)))
+                raw.clear()
+                data.clear()
+        if raw.strip():
+            out.append(SseEvent(bytes(raw) + b"\n", _text(data)))
+        raw.clear()
+        data.clear()
+        return out
+
+
+async def events(chunks: AsyncIterable[bytes]) -> AsyncIterator[SseEvent]:
+    """The events of a stream of chunks, each yielded as soon as its blank line arrives; a
+    trailing partial event is yielded too (`SseParser`)."""
+    parser = SseParser()
+    async for chunk in chunks:
+        for event in parser.feed(chunk):
+            yield event
+    for event in parser.close():
+        yield event
 
 
 def _text(data: list[bytes]) -> str:
