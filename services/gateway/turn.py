@@ -83,7 +83,7 @@ class TurnRunner:
             "gateway.turn", context=parent, kind=trace.SpanKind.SERVER
         ) as span:
             span.set_attribute("kvplane.conversation", turn.identity.conversation)
-            prompt = await self._prompt(turn)
+            prompt = await self.prompt(turn)
             route = await self.routing.route(turn, prompt)
             try:
                 return await self._attempt(request, turn, prompt, route, attempt=1)
@@ -106,7 +106,7 @@ class TurnRunner:
             )
             return await self._attempt(request, turn, prompt, route, attempt=failover.MAX_ATTEMPTS)
 
-    async def _prompt(self, turn: TurnRequest) -> RoutedPrompt:
+    async def prompt(self, turn: TurnRequest) -> RoutedPrompt:
         """The prompt as routing sees it, refused here when D would refuse it."""
         s = self.settings
         try:
