@@ -67,6 +67,8 @@ COMMAND_PURPOSES: dict[str, str] = {
     "serve": "run the control plane: metadata, routing, eviction, or `all` three in one process",
     "sim-engine": "one simulated vLLM engine: OpenAI API, real NIXL transfers, registers with kvplane",
     "gateway": "the OpenAI-compatible front: Route, prefill leg, streamed decode leg, ReportTurn",
+    "epp": "a Gateway API Inference Extension endpoint picker: Envoy ext_proc, kvplane's routing",
+    "sidecar": "beside a decode engine: the P leg the picker's signed route names, then the local D leg",
     "dev-stack": "etcd, `serve all`, two sim-engines and the gateway on loopback, then a demo (make run)",
     "bench": "live benchmark through a gateway (--start-stack starts one) against the engines directly",
     "sim": "replay a trace or a workload through routing and retention policies in the simulator",
@@ -129,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
 EXTRA_COMMANDS: dict[str, str] = {
     "sim-engine": "kvplane.connector.simengine.command:main",
     "gateway": "kvplane.services.gateway.cli:main",
+    "epp": "kvplane.services.epp.cli:main",
+    "sidecar": "kvplane.services.sidecar.cli:main",
     "dev-stack": "kvplane.services.devstack.cli:main",
     "bench": "kvplane.bench.live:main",
     "sim": "kvplane.bench.sim.command:main",

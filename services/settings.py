@@ -19,11 +19,13 @@ from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvplane.services.common.settings import AuthSection, EtcdSection, GrpcSection, TelemetrySection
+from kvplane.services.epp.settings import EppSection
 from kvplane.services.eviction.settings import EvictionSection
 from kvplane.services.gateway.settings import GatewaySection
 from kvplane.services.metadata.settings import MetadataSection
 from kvplane.services.routing.settings import RoutingSection
 from kvplane.services.settings_errors import SettingsError, describe
+from kvplane.services.sidecar.settings import SidecarSection
 
 
 class KvplaneSettings(BaseSettings):
@@ -37,6 +39,8 @@ class KvplaneSettings(BaseSettings):
     eviction: EvictionSection = Field(default_factory=EvictionSection)
     routing: RoutingSection = Field(default_factory=RoutingSection)
     gateway: GatewaySection = Field(default_factory=GatewaySection)
+    epp: EppSection = Field(default_factory=EppSection)
+    sidecar: SidecarSection = Field(default_factory=SidecarSection)
 
     @model_validator(mode="after")
     def _mtls_needs_a_client_ca(self) -> KvplaneSettings:

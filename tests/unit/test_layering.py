@@ -65,6 +65,7 @@ PURE_MODULES = frozenset(
         "kvplane.services.gateway.suspects",  # "Time is an argument ..., never read here"
         "kvplane.services.gateway.fallback",  # "`pick_engine` is a pure rule ... Time is an argument"
         "kvplane.services.gateway.failover",  # "Pure: no I/O and no clock reads"
+        "kvplane.services.epp.destinations",  # "Pure: no I/O."
         "kvplane.services.routing.transfer_params",  # "Pure: vLLM's wire keys ... no I/O"
         "kvplane.services.common.runtime.bounded_map",  # a size-bounded dict, kept by routing's pure state
         "kvplane.services.common.model.block_hashes",  # "Pure: no I/O."

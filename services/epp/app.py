@@ -1,0 +1,132 @@
+"""The picker's gRPC server: Envoy's ExternalProcessor, and the health service Kubernetes and Envoy
+probe (`liveness`, `readiness`, and the ext_proc service's own name)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+
+from kvplane.services.client import RoutingClient
+from kvplane.services.common.runtime.telemetry import Telemetry
+from kvplane.services.epp.exchange import Exchange
+from kvplane.services.epp.picker_state import PickerState
+from kvplane.services.epp.settings import EppSection
+from kvplane.services.gateway.app import routing_credentials
+from kvplane.services.gateway.cache_salt import CacheSalts
+from kvplane.services.gateway.metrics import GatewayMetrics
+from kvplane.services.gateway.settings import GatewaySection
+from kvplane.services.gateway.tenant_share import TenantShares
+from kvplane.services.gateway.turn import TurnRunner
+from kvplane.services.gateway.turn_request import configured_api_keys
+from kvplane.services.sidecar.settings import SidecarSection
+
+log = logging.getLogger(__name__)
+
+EXT_PROC_SERVICE = ep.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name
+HEALTH_NAMES = ("", "liveness", "readiness", EXT_PROC_SERVICE)
+
+
+class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+    """Envoy's ext_proc service: one Exchange per stream."""
+
+    def __init__(self, state: PickerState) -> None:
+        self.state = state
+
+    async def Process(
+        self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[Any]:
+        exchange = Exchange(self.state)
+        try:
+            async for message in request_iterator:
+                for response in await exchange.handle(message):
+                    yield response
+        finally:
+            exchange.close()
+
+
+class Picker:
+    """The picker's server, routing client and engine session; start() and stop() bracket its life."""
+
+    def __init__(
+        self,
+        epp: EppSection,
+        gateway: GatewaySection,
+        sidecar: SidecarSection,
+        telemetry: Telemetry | None = None,
+    ) -> None:
+        self.epp = epp
+        self.gateway = gateway
+        self.sidecar = sidecar
+        self.telemetry = telemetry or Telemetry.create("kvplane-epp")
+        self.metrics = GatewayMetrics.create(self.telemetry.registry)
+        self._server: grpc.aio.Server | None = None
+        self._routing: RoutingClient | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self.health = HealthServicer()
+        self.state: PickerState | None = None
+        self.port = 0
+
+    async def start(self) -> None:
+        g = self.gateway
+        if not self.sidecar.route_key.get_secret_value():
+            raise ValueError("sidecar.route_key is required: the sidecars verify the picker's routes with it")
+        self._routing = RoutingClient(
+            g.routing,
+            credentials=routing_credentials(g),
+            timeout_s=g.routing_timeout_s,
+            attempts=g.routing_attempts,
+            hedge_after_s=g.routing_hedge_after_s,
+            probe_timeout_s=g.routing_liveness_timeout_s,
+            tracer_provider=self.telemetry.tracer_provider,
+            trace_calls=self.telemetry.exports,
+        )
+        # The tokenize calls' pool (the engine legs are the sidecars').
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        turns = TurnRunner(g, self._routing, self._session, self.metrics, self.telemetry.tracer)
+        self.state = PickerState(
+            epp=self.epp,
+            gateway=g,
+            turns=turns,
+            keys=configured_api_keys(g),
+            salts=CacheSalts.create(g.cache_salt, g.cache_salt_key.get_secret_value(), g.tenant_groups),
+            shares=TenantShares(g.max_inflight_tokens_per_tenant),
+            route_key=self.sidecar.route_key.get_secret_value().encode(),
+            route_ttl_s=self.sidecar.route_ttl_s,
+            tracer=self.telemetry.tracer,
+        )
+        self._server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        ep_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(self.state), self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        self.port = self._server.add_insecure_port(self.epp.listen)
+        await self._server.start()
+        for name in HEALTH_NAMES:
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("endpoint picker serving", extra={"listen": self.epp.listen, "port": self.port})
+
+    @property
+    def address(self) -> str:
+        host = self.epp.listen.rpartition(":")[0]
+        return f"{host}:{self.port}"
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        for name in HEALTH_NAMES:
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self._server is not None:
+            await self._server.stop(grace_s)
+            self._server = None
+        if self.state is not None:
+            await self.state.turns.drain_reports(self.gateway.report_timeout_s)
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+        if self._routing is not None:
+            await self._routing.close()
+            self._routing = None

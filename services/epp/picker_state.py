@@ -1,0 +1,35 @@
+"""What every request through the picker shares: the gateway's turn steps, keys, salts and shares."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from opentelemetry import trace
+
+from kvplane.services.epp.settings import EppSection
+from kvplane.services.gateway.admission import ReadLimits
+from kvplane.services.gateway.cache_salt import CacheSalts
+from kvplane.services.gateway.identity import ApiKeys
+from kvplane.services.gateway.settings import GatewaySection
+from kvplane.services.gateway.tenant_share import TenantShares
+from kvplane.services.gateway.turn import TurnRunner
+
+
+@dataclass(frozen=True)
+class PickerState:
+    epp: EppSection
+    gateway: GatewaySection
+    # The gateway's own turn steps: its prompt, Route (with fallback engines), reporter, and what it
+    # knows about each decode engine's digests. Its legs are the sidecars' to run.
+    turns: TurnRunner
+    keys: ApiKeys
+    salts: CacheSalts
+    shares: TenantShares
+    route_key: bytes
+    route_ttl_s: float
+    tracer: trace.Tracer
+
+    @property
+    def read_limits(self) -> ReadLimits:
+        g = self.gateway
+        return ReadLimits(g.max_body_bytes, g.body_timeout_s, g.max_json_depth)

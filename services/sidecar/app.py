@@ -1,0 +1,227 @@
+"""The sidecar's HTTP server: the two completion routes and /health."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from opentelemetry import trace
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from kvplane.services.common.runtime.telemetry import Telemetry
+from kvplane.services.gateway import failover, sse
+from kvplane.services.gateway.admission import ReadLimits, parse_json
+from kvplane.services.gateway.app import split_host_port
+from kvplane.services.gateway.legs import LegFailed
+from kvplane.services.gateway.openai_errors import RequestRejected, error_response, rejection
+from kvplane.services.gateway.settings import GatewaySection
+from kvplane.services.gateway.turn_errors import TurnFailed
+from kvplane.services.sidecar.prefill_report import PrefillReport
+from kvplane.services.sidecar.settings import SidecarSection
+from kvplane.services.sidecar.signed_route import (
+    PREFILL_REPORT_HEADER,
+    PREFILLER_HEADER,
+    ROUTE_HEADER,
+    BadRoute,
+    SignedRoute,
+    host_port,
+    verify,
+)
+from kvplane.services.sidecar.turn import DecodeRequest, SidecarLegs
+
+log = logging.getLogger(__name__)
+
+_PROPAGATOR = TraceContextTextMapPropagator()
+_HANDLE_KEY = b'"kv_transfer_params"'
+# A signed route names P's blocks: larger than aiohttp's default header limit (8 KiB).
+_MAX_FIELD_BYTES = 1 << 20
+
+
+class Sidecar:
+    """The sidecar's server and engine session; start() and stop() bracket its life."""
+
+    def __init__(self, settings: SidecarSection, limits: GatewaySection, telemetry: Telemetry | None = None):
+        self.settings = settings
+        self.limits = limits
+        self.telemetry = telemetry or Telemetry.create("kvplane-sidecar")
+        self._key = settings.route_key.get_secret_value().encode()
+        self._runner: web.AppRunner | None = None
+        self._site: web.TCPSite | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self.legs: SidecarLegs | None = None
+
+    @property
+    def port(self) -> int:
+        server = self._site._server if self._site is not None else None  # aiohttp has no public getter
+        if isinstance(server, asyncio.Server) and server.sockets:
+            return int(server.sockets[0].getsockname()[1])
+        return split_host_port(self.settings.listen)[1]
+
+    @property
+    def address(self) -> str:
+        host = split_host_port(self.settings.listen)[0]
+        return f"{f'[{host}]' if ':' in host else host}:{self.port}"
+
+    async def start(self) -> None:
+        host, port = split_host_port(self.settings.listen)
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        self.legs = SidecarLegs(self.limits, self.settings.decode_url, self._session, self.telemetry.tracer)
+        app = web.Application(client_max_size=self.limits.max_body_bytes)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_get("/health", _health)
+        self._runner = web.AppRunner(
+            app, access_log=None, handler_cancellation=True, max_field_size=_MAX_FIELD_BYTES
+        )
+        await self._runner.setup()
+        self._site = web.TCPSite(self._runner, host, port)
+        await self._site.start()
+        log.info("sidecar serving", extra={"address": self.address, "decode": self.settings.decode_url})
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = self._site = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._turn(request, chat=True)
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._turn(request, chat=False)
+
+    def _signed(self, request: web.Request, raw: bytes) -> SignedRoute | None:
+        """The picker's route, when the request carries one that verifies; None otherwise."""
+        header = request.headers.get(ROUTE_HEADER)
+        if not header:
+            return None
+        try:
+            return verify(self._key, header, body=raw, now=time.time())
+        except (BadRoute, ValueError, KeyError, TypeError) as exc:
+            log.warning("route header refused, serving with the decode engine alone: %s", exc)
+            return None
+
+    async def _turn(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        g = self.limits
+        limits = ReadLimits(g.max_body_bytes, g.body_timeout_s, g.max_json_depth)
+        try:
+            async with asyncio.timeout(limits.body_timeout_s):
+                raw = await request.read()
+            body = parse_json(raw, limits)
+        except TimeoutError:
+            return error_response(408, "the body did not arrive in time", close=True)
+        except web.HTTPRequestEntityTooLarge:
+            return error_response(413, f"the body is over {limits.max_body_bytes} bytes", close=True)
+        except RequestRejected as exc:
+            return rejection(exc)
+        if not isinstance(body, dict):
+            return error_response(400, "the body must be a JSON object")
+        signed = self._signed(request, raw)
+        parent = _PROPAGATOR.extract(request.headers)
+        assert self.legs is not None
+        with self.telemetry.tracer.start_as_current_span(
+            "sidecar.turn", context=parent, kind=trace.SpanKind.SERVER
+        ):
+            try:
+                decode = await self._prefill(request, signed, body, chat)
+            except TurnFailed as exc:
+                return _failed(exc.status, exc.message, exc.body, None)
+            if body.get("stream") is True:
+                return await self._stream(request, decode, chat, keep_handle=signed is not None)
+            return await self._whole(decode, chat, keep_handle=signed is not None)
+
+    async def _prefill(
+        self, request: web.Request, signed: SignedRoute | None, body: dict[str, Any], chat: bool
+    ) -> DecodeRequest:
+        assert self.legs is not None
+        prefiller = request.headers.get(PREFILLER_HEADER, "")
+        if signed is None or not prefiller:
+            return DecodeRequest(self.legs.alone(body, signed), None)
+        if prefiller != host_port(signed.route.prefill.http_url):
+            log.warning("x-prefiller-host-port %r is not the signed route's P: serving D alone", prefiller)
+            return DecodeRequest(self.legs.alone(body, signed), None)
+        return await self.legs.prefill(signed, body, chat)
+
+    async def _whole(self, decode: DecodeRequest, chat: bool, *, keep_handle: bool) -> web.StreamResponse:
+        assert self.legs is not None
+        try:
+            answer = await self.legs.decode_whole(decode.body, chat)
+        except LegFailed as exc:
+            return _failed(failover.client_status(exc), str(exc), exc.body, decode.report)
+        if not keep_handle:
+            answer.pop("kv_transfer_params", None)
+        return web.json_response(answer, headers=_report_headers(decode.report))
+
+    async def _stream(
+        self, request: web.Request, decode: DecodeRequest, chat: bool, *, keep_handle: bool
+    ) -> web.StreamResponse:
+        assert self.legs is not None
+        try:
+            upstream = await self.legs.decode_stream(decode.body, chat)
+        except LegFailed as exc:
+            return _failed(failover.client_status(exc), str(exc), exc.body, decode.report)
+        response = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                **_report_headers(decode.report),
+            }
+        )
+        finished = False
+        try:
+            await response.prepare(request)
+            parser = sse.SseParser()
+            async for chunk in upstream.content.iter_any():
+                # The picker reads D's handle from the stream; without one, nobody may see it.
+                out = chunk if keep_handle else _without_handle(parser.feed(chunk))
+                if out:
+                    await response.write(out)
+            if not keep_handle and (rest := _without_handle(parser.close())):
+                await response.write(rest)
+            await response.write_eof()
+            finished = True
+        except (aiohttp.ClientError, TimeoutError, ConnectionResetError) as exc:
+            log.warning("decode stream failed: %r", exc)
+        finally:
+            # Closing an unfinished upstream aborts D's request, which frees its blocks.
+            if finished:
+                upstream.release()
+            else:
+                upstream.close()
+        return response
+
+
+def _without_handle(events: list[sse.SseEvent]) -> bytes:
+    out = bytearray()
+    for event in events:
+        payload = event.json() if _HANDLE_KEY in event.raw else None
+        if payload is not None and "kv_transfer_params" in payload:
+            del payload["kv_transfer_params"]
+            out += sse.encode(payload)
+        else:
+            out += event.raw
+    return bytes(out)
+
+
+def _report_headers(report: PrefillReport | None) -> dict[str, str]:
+    return {PREFILL_REPORT_HEADER: report.encode()} if report is not None else {}
+
+
+def _failed(status: int, message: str, body: bytes, report: PrefillReport | None) -> web.Response:
+    """An engine's own error answer passed through; anything else described in OpenAI's format."""
+    if body:
+        response = web.Response(body=body, status=status, content_type="application/json")
+    else:
+        response = error_response(status, message)
+    response.headers.update(_report_headers(report))
+    return response
+
+
+async def _health(request: web.Request) -> web.StreamResponse:
+    return web.json_response({"status": "ok"})
