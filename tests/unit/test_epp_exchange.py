@@ -3,6 +3,7 @@ refusals before and after the body, the routed answer, and the answer's way back
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -225,3 +226,33 @@ def test_immediate_answers_are_openai_errors() -> None:
     answer = envoy_messages.immediate(429, "slow down")
     assert answer.immediate_response.status.code == 429
     assert json.loads(answer.immediate_response.body)["error"]["type"] == "RateLimitError"
+
+
+async def test_a_trusted_header_names_the_tenant_when_the_operator_says_so(state: PickerState) -> None:
+    trusted = dataclasses.replace(state, epp=state.epp.model_copy(update={"tenant_source": "header"}))
+    routed_to(trusted, ROUTE)
+    exchange = Exchange(trusted)
+    assert await exchange.handle(headers(**{"x-kvplane-tenant": "globex"})) == []
+    assert exchange.tenant == "globex"
+    # The API key is not the source then: it is neither checked nor removed.
+    assert status_of(await Exchange(trusted).handle(headers(**AUTH))) == 401
+
+
+async def test_a_tenant_past_its_share_of_tokens_in_flight_is_answered_429(state: PickerState) -> None:
+    bounded = dataclasses.replace(state, shares=TenantShares(4))
+    routed_to(bounded, ROUTE, ROUTE)
+    first = Exchange(bounded)
+    await first.handle(headers(**AUTH))
+    assert not (await first.handle(body(b'{"model": "m", "prompt": [1, 2, 3]}')))[0].HasField(
+        "immediate_response"
+    )
+    second = Exchange(bounded)
+    await second.handle(headers(**AUTH))
+    assert status_of(await second.handle(body(b'{"model": "m", "prompt": [4, 5]}'))) == 429
+    # The first turn's end frees its share.
+    first.close()
+    third = Exchange(bounded)
+    await third.handle(headers(**AUTH))
+    assert not (await third.handle(body(b'{"model": "m", "prompt": [4, 5]}')))[0].HasField(
+        "immediate_response"
+    )
