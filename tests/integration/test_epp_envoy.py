@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from pydantic import SecretStr
 
 from kvplane.services.common.runtime.ports import free_port
@@ -48,6 +49,8 @@ class EnvoyStack:
     sidecar: Sidecar
     picker: Picker
     envoy: Envoy
+    # Every span the picker and the sidecar end.
+    spans: InMemorySpanExporter
 
     async def post(
         self, base: str, body: dict[str, Any], headers: dict[str, str], path: str = "/v1/completions"
@@ -76,14 +79,15 @@ async def es(etcd: LocalEtcd, tmp_path_factory: pytest.TempPathFactory) -> Async
         side = SidecarSection(
             listen=f"127.0.0.1:{free_port()}", decode_url=stack.decode.url, route_key=SecretStr(ROUTE_KEY)
         )
-        sidecar = Sidecar(side, limits, Telemetry.disabled())
+        spans = InMemorySpanExporter()
+        sidecar = Sidecar(side, limits, Telemetry.create("kvplane-sidecar", exporter=spans))
         await sidecar.start()
         epp = EppSection(listen=f"127.0.0.1:{free_port()}", sidecars={stack.decode.url: sidecar.address})
-        picker = Picker(epp, limits, side, Telemetry.disabled())
+        picker = Picker(epp, limits, side, Telemetry.create("kvplane-epp", exporter=spans))
         await picker.start()
         envoy = await start_envoy(ENVOY, picker.port, [sidecar.address], log_dir)
         try:
-            yield EnvoyStack(stack, sidecar, picker, envoy)
+            yield EnvoyStack(stack, sidecar, picker, envoy, spans)
         finally:
             envoy.stop()
             await picker.stop(0.1)
@@ -144,6 +148,34 @@ async def test_a_conversation_through_envoy_pulls_as_through_the_gateway(es: Env
     assert [d for d, _ in through_gateway] == ["recompute_no_handle", "pull", "pull"]
     assert through_envoy == through_gateway
     assert await verify_failures(es.stack) == 0
+    # The picker counts its turns as the gateway does.
+    pulls = es.picker.telemetry.registry.get_sample_value(
+        "kvplane_gateway_turns_total", {"decision": "pull", "outcome": "ok"}
+    )
+    assert pulls is not None and pulls >= 2
+
+
+async def test_the_clients_trace_continues_through_the_picker_and_the_sidecar(es: EnvoyStack) -> None:
+    trace_id = uuid.uuid4().hex
+    parent = f"00-{trace_id}-{uuid.uuid4().hex[:16]}-01"
+    headers = es.stack.headers("acme", conversation(), traceparent=parent)
+    result = await es.post(es.envoy.url(), completion(new_ids(64, 9)), headers)
+    assert result.status == 200, result.raw
+
+    async def turn_spans() -> dict[str, Any]:
+        found = {
+            s.name: s
+            for s in es.spans.get_finished_spans()
+            if s.context is not None and f"{s.context.trace_id:032x}" == trace_id
+        }
+        return (
+            found if {"epp.turn", "sidecar.turn", "sidecar.prefill", "sidecar.decode"} <= set(found) else {}
+        )
+
+    spans = await eventually(turn_spans, timeout_s=15)
+    picker, sidecar = spans["epp.turn"], spans["sidecar.turn"]
+    assert sidecar.parent is not None and sidecar.parent.span_id == picker.context.span_id
+    assert picker.attributes["kvplane.decision"] == "recompute_no_handle"
 
 
 async def test_a_streamed_conversation_arrives_whole_and_pulls(es: EnvoyStack) -> None:
