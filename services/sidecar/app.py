@@ -11,15 +11,17 @@ import aiohttp
 from aiohttp import web
 from opentelemetry import trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvplane.services.common.runtime.telemetry import Telemetry
 from kvplane.services.gateway import failover, sse
 from kvplane.services.gateway.admission import ReadLimits, parse_json
 from kvplane.services.gateway.app import split_host_port
 from kvplane.services.gateway.legs import LegFailed
+from kvplane.services.gateway.metrics import GatewayMetrics
 from kvplane.services.gateway.openai_errors import RequestRejected, error_response, rejection
 from kvplane.services.gateway.settings import GatewaySection
-from kvplane.services.gateway.turn_errors import TurnFailed
+from kvplane.services.gateway.turn_errors import CLIENT_GONE, TurnFailed
 from kvplane.services.sidecar.prefill_report import PrefillReport
 from kvplane.services.sidecar.settings import SidecarSection
 from kvplane.services.sidecar.signed_route import (
@@ -49,6 +51,8 @@ class Sidecar:
         self.limits = limits
         self.telemetry = telemetry or Telemetry.create("kvplane-sidecar")
         self._key = settings.route_key.get_secret_value().encode()
+        # The gateway's metrics, of the legs this sidecar runs (the picker counts the turns).
+        self.metrics = GatewayMetrics.create(self.telemetry.registry)
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
         self._session: aiohttp.ClientSession | None = None
@@ -69,11 +73,14 @@ class Sidecar:
     async def start(self) -> None:
         host, port = split_host_port(self.settings.listen)
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-        self.legs = SidecarLegs(self.limits, self.settings.decode_url, self._session, self.telemetry.tracer)
+        self.legs = SidecarLegs(
+            self.limits, self.settings.decode_url, self._session, self.telemetry.tracer, self.metrics
+        )
         app = web.Application(client_max_size=self.limits.max_body_bytes)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/health", _health)
+        app.router.add_get("/metrics", self._metrics)
         self._runner = web.AppRunner(
             app, access_log=None, handler_cancellation=True, max_field_size=_MAX_FIELD_BYTES
         )
@@ -89,6 +96,10 @@ class Sidecar:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+    async def _metrics(self, request: web.Request) -> web.StreamResponse:
+        body = generate_latest(self.telemetry.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         return await self._turn(request, chat=True)
@@ -162,9 +173,11 @@ class Sidecar:
         self, request: web.Request, decode: DecodeRequest, chat: bool, *, keep_handle: bool
     ) -> web.StreamResponse:
         assert self.legs is not None
+        start = time.perf_counter()
         try:
             upstream = await self.legs.decode_stream(decode.body, chat)
         except LegFailed as exc:
+            self.metrics.legs.labels("decode", exc.outcome).observe(time.perf_counter() - start)
             return _failed(failover.client_status(exc), str(exc), exc.body, decode.report)
         response = web.StreamResponse(
             headers={
@@ -173,7 +186,7 @@ class Sidecar:
                 **_report_headers(decode.report),
             }
         )
-        finished = False
+        finished, outcome = False, "ok"
         try:
             await response.prepare(request)
             parser = sse.SseParser()
@@ -187,8 +200,13 @@ class Sidecar:
             await response.write_eof()
             finished = True
         except (aiohttp.ClientError, TimeoutError, ConnectionResetError) as exc:
+            outcome = "stream_failed"
             log.warning("decode stream failed: %r", exc)
+        except asyncio.CancelledError:
+            outcome = CLIENT_GONE
+            raise
         finally:
+            self.metrics.legs.labels("decode", outcome).observe(time.perf_counter() - start)
             # Closing an unfinished upstream aborts D's request, which frees its blocks.
             if finished:
                 upstream.release()

@@ -9,9 +9,11 @@ another P, and D, beside it, is always there.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,8 +32,9 @@ from kvplane.services.gateway.legs import (
     post_json,
     trace_headers,
 )
+from kvplane.services.gateway.metrics import GatewayMetrics
 from kvplane.services.gateway.settings import GatewaySection
-from kvplane.services.gateway.turn_errors import TurnFailed
+from kvplane.services.gateway.turn_errors import CLIENT_GONE, TurnFailed
 from kvplane.services.sidecar.prefill_report import PrefillReport
 from kvplane.services.sidecar.signed_route import SignedRoute
 
@@ -49,12 +52,33 @@ class SidecarLegs:
     """Runs a turn's legs; one per sidecar, used from its event loop only."""
 
     def __init__(
-        self, limits: GatewaySection, decode_url: str, session: aiohttp.ClientSession, tracer: trace.Tracer
+        self,
+        limits: GatewaySection,
+        decode_url: str,
+        session: aiohttp.ClientSession,
+        tracer: trace.Tracer,
+        metrics: GatewayMetrics,
     ) -> None:
         self.limits = limits
         self.decode_url = decode_url
         self.session = session
         self.tracer = tracer
+        self.metrics = metrics
+
+    @contextlib.contextmanager
+    def timed(self, leg: str) -> Iterator[None]:
+        """Observes the leg's time in `kvplane_gateway_leg_seconds`, by outcome, as the gateway does."""
+        start, outcome = time.perf_counter(), "ok"
+        try:
+            yield
+        except LegFailed as exc:
+            outcome = exc.outcome
+            raise
+        except asyncio.CancelledError:
+            outcome = CLIENT_GONE
+            raise
+        finally:
+            self.metrics.legs.labels(leg, outcome).observe(time.perf_counter() - start)
 
     async def prefill(self, signed: SignedRoute, body: Mapping[str, Any], chat: bool) -> DecodeRequest:
         """Runs the P leg and returns D's request; raises TurnFailed when P rejected the request."""
@@ -65,14 +89,15 @@ class SidecarLegs:
         with self.tracer.start_as_current_span("sidecar.prefill", kind=trace.SpanKind.CLIENT) as span:
             span.set_attribute("kvplane.node", route.prefill.node_id)
             try:
-                answer = await post_json(
-                    self.session,
-                    "prefill",
-                    leg_url(route.prefill.http_url, leg_path(chat)),
-                    request,
-                    trace_headers(),
-                    LegTimeouts(self.limits.connect_timeout_s, self.limits.prefill_timeout_s),
-                )
+                with self.timed("prefill"):
+                    answer = await post_json(
+                        self.session,
+                        "prefill",
+                        leg_url(route.prefill.http_url, leg_path(chat)),
+                        request,
+                        trace_headers(),
+                        LegTimeouts(self.limits.connect_timeout_s, self.limits.prefill_timeout_s),
+                    )
             except LegFailed as exc:
                 if failover.prefill_retry(exc, routed=True) is PrefillRetry.GIVE_UP:
                     raise TurnFailed(exc.status, str(exc), exc.body) from None
@@ -99,7 +124,10 @@ class SidecarLegs:
 
     async def decode_whole(self, body: Mapping[str, Any], chat: bool) -> dict[str, Any]:
         """D's whole answer; raises LegFailed."""
-        with self.tracer.start_as_current_span("sidecar.decode", kind=trace.SpanKind.CLIENT):
+        with (
+            self.tracer.start_as_current_span("sidecar.decode", kind=trace.SpanKind.CLIENT),
+            self.timed("decode"),
+        ):
             return await post_json(
                 self.session,
                 "decode",
@@ -110,13 +138,15 @@ class SidecarLegs:
             )
 
     async def decode_stream(self, body: Mapping[str, Any], chat: bool) -> aiohttp.ClientResponse:
-        """D's open stream; the caller reads and releases it. Raises LegFailed."""
+        """D's open stream; the caller reads and releases it (its time is the caller's to observe).
+        Raises LegFailed."""
         s = self.limits
-        return await open_stream(
-            self.session,
-            "decode",
-            leg_url(self.decode_url, leg_path(chat)),
-            body,
-            trace_headers(),
-            LegTimeouts(s.connect_timeout_s, s.decode_timeout_s, s.decode_idle_timeout_s),
-        )
+        with self.tracer.start_as_current_span("sidecar.decode", kind=trace.SpanKind.CLIENT):
+            return await open_stream(
+                self.session,
+                "decode",
+                leg_url(self.decode_url, leg_path(chat)),
+                body,
+                trace_headers(),
+                LegTimeouts(s.connect_timeout_s, s.decode_timeout_s, s.decode_idle_timeout_s),
+            )

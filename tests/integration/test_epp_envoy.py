@@ -29,7 +29,7 @@ from kvplane.services.sidecar.app import Sidecar
 from kvplane.services.sidecar.settings import SidecarSection
 from kvplane.services.sidecar.signed_route import PREFILLER_HEADER, ROUTE_HEADER
 from tests.support.envoy import Envoy, envoy_binary, start_envoy
-from tests.support.gateway_stack import KEYS, MODEL, GatewayStack, TurnResult, gateway_stack
+from tests.support.gateway_stack import KEYS, MODEL, GatewayStack, TurnResult, gateway_stack, metric_sum
 from tests.support.polling import eventually
 
 ENVOY = envoy_binary()
@@ -183,6 +183,11 @@ async def test_a_streamed_conversation_arrives_whole_and_pulls(es: EnvoyStack) -
     assert [d for d, _ in through_envoy] == ["recompute_no_handle", "pull", "pull"]
     assert all(tokens > 0 for _, tokens in through_envoy[1:])
     assert await verify_failures(es.stack) == 0
+    # The sidecar's legs, on its /metrics, as the gateway's.
+    async with es.stack.session.get(f"http://{es.sidecar.address}/metrics") as resp:
+        text = await resp.text()
+    assert metric_sum(text, "kvplane_gateway_leg_seconds_count", leg="prefill", outcome="ok") >= 3
+    assert metric_sum(text, "kvplane_gateway_leg_seconds_count", leg="decode", outcome="ok") >= 3
 
 
 @pytest.mark.parametrize("size", [10, 70_000, 1_200_000])

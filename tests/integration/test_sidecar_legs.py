@@ -12,6 +12,7 @@ from aiohttp import web
 from kvplane.services.client import Endpoint, RouteResult
 from kvplane.services.common.runtime.ports import free_port
 from kvplane.services.common.runtime.telemetry import Telemetry
+from kvplane.services.gateway.metrics import GatewayMetrics
 from kvplane.services.gateway.settings import GatewaySection
 from kvplane.services.gateway.turn_errors import TurnFailed
 from kvplane.services.sidecar.signed_route import SignedRoute
@@ -51,9 +52,16 @@ async def legs() -> AsyncIterator[tuple[SidecarLegs, FakePrefill, SignedRoute]]:
         expected_reused_tokens=0,
         response=routing_pb2.RouteResponse(),
     )
+    telemetry = Telemetry.disabled()
     async with aiohttp.ClientSession() as session:
         yield (
-            SidecarLegs(GatewaySection(), "http://127.0.0.1:1", session, Telemetry.disabled().tracer),
+            SidecarLegs(
+                GatewaySection(),
+                "http://127.0.0.1:1",
+                session,
+                telemetry.tracer,
+                GatewayMetrics.create(telemetry.registry),
+            ),
             fake,
             SignedRoute(route, return_token_ids=True),
         )
@@ -73,6 +81,7 @@ async def test_p_runs_with_the_routes_params_and_d_gets_ps(
     assert decode.body["kv_transfer_params"]["kvplane_tenant"] == "acme"
     assert decode.body["return_token_ids"] is True and decode.body["max_tokens"] == 50
     assert decode.report is not None and decode.report.params == {"remote_block_ids": [4]}
+    assert sidecar.metrics.legs.labels("prefill", "ok")._sum.get() > 0
 
 
 async def test_a_request_p_rejects_fails_with_ps_answer(
