@@ -72,6 +72,8 @@ def _endpoint(e: Endpoint) -> list[str]:
 
 def sign(key: bytes, route: RouteResult, *, body: bytes, return_token_ids: bool, expires_at: float) -> str:
     """The header value for `route`, valid for `body` until `expires_at` (Unix time, s)."""
+    if not key:
+        raise ValueError("an empty key signs nothing a client could not sign too")
     payload = orjson.dumps(
         {
             "id": route.route_id,
@@ -90,7 +92,11 @@ def sign(key: bytes, route: RouteResult, *, body: bytes, return_token_ids: bool,
 
 
 def verify(key: bytes, value: str, *, body: bytes, now: float) -> SignedRoute:
-    """The route in a header value; raises BadRoute unless it is the picker's, for `body`, unexpired."""
+    """The route in a header value; raises BadRoute unless it is the picker's, for `body`, unexpired.
+
+    No key verifies nothing: an HMAC under an empty key is one anybody can make."""
+    if not key:
+        raise BadRoute("no route key is configured (sidecar.route_key)")
     encoded, _, mac = value.partition(".")
     try:
         payload, given = _unb64(encoded), _unb64(mac)

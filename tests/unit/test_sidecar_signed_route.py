@@ -66,3 +66,11 @@ def test_host_port_spells_the_prefiller_as_llm_d_does() -> None:
     assert host_port("http://10.0.0.1:8100") == "10.0.0.1:8100"
     assert host_port("http://[::1]:8200/") == "[::1]:8200"
     assert host_port("https://p.example") == "p.example:443"
+
+
+def test_without_a_key_no_route_is_signed_or_believed() -> None:
+    with pytest.raises(ValueError):
+        sign(b"", ROUTE, body=b"{}", return_token_ids=False, expires_at=100.0)
+    forged = sign(b"x", ROUTE, body=b"{}", return_token_ids=False, expires_at=100.0)
+    with pytest.raises(BadRoute, match="no route key"):
+        verify(b"", forged, body=b"{}", now=0.0)
