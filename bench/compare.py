@@ -84,7 +84,7 @@ class CompareConfig:
     fronts: tuple[str, ...] = ALL_FRONTS
     workload: Workload = dataclasses.field(default_factory=Workload)
     warmup_conversations: int = 2
-    idle_s: float = 5.0
+    idle_s: float = 20.0
     speedup: float = 1.0
     turn_timeout_s: float = 300.0
     run_dir: Path | None = None
@@ -197,7 +197,12 @@ async def run_workload(key: str, config: CompareConfig, run_dir: Path, progress:
             for front in fronts.values():
                 pids.update(front.processes())
             engines = Engines(
-                stack.prefill_urls, stack.decode_urls, stack.etcd.client_url, stack.gateway_url, pids
+                stack.prefill_urls,
+                stack.decode_urls,
+                stack.etcd.client_url,
+                stack.gateway_url,
+                pids,
+                stack.metrics_url,
             )
             warmup = await _warm_up(session, engines, fronts, config, progress, key)
             idle = None
@@ -386,7 +391,12 @@ def parse_args(argv: Sequence[str]) -> tuple[CompareConfig, str]:
     parser.add_argument("--think-s", type=float, default=w.think_s, help="pause between a chat's turns")
     parser.add_argument("--seed", type=int, default=w.seed)
     parser.add_argument("--warmup-conversations", type=int, default=2, help="per front; 0: no warm-up")
-    parser.add_argument("--idle-s", type=float, default=5.0, help="idle window for etcd's background writes")
+    parser.add_argument(
+        "--idle-s",
+        type=float,
+        default=CompareConfig.idle_s,
+        help="idle window for etcd's background writes (spans at least two 10 s engine heartbeats)",
+    )
     parser.add_argument("--speedup", type=float, default=1.0, help="divides the engines' modelled times")
     parser.add_argument("--turn-timeout-s", type=float, default=300.0)
     parser.add_argument("--run-dir", type=Path, help="keep every process's log here (default: removed)")

@@ -8,6 +8,8 @@ which is sound only because blocks run one after another:
   from D, P's own prefix cache, computed), summed over the prefill engines;
 - etcd's requests (gRPC messages received by its KV, Lease and Watch services, by method) and
   writes (revisions from puts and deletes), from its Prometheus endpoint;
+- kvplane's services: the etcd requests they sent, by what each was for (`op:check_out`,
+  `op:publish`, `op:report_load`, ...), from their own metrics (`kvplane_etcd_request_seconds`);
 - kvplane's gateway: time spent in each leg of a turn (Route, P, D), summed, with counts.
 
 Between blocks the engines are brought back to the same state: idle, and with no decode handle
@@ -32,6 +34,8 @@ ETCD_SERVICES = ("etcdserverpb.KV", "etcdserverpb.Lease", "etcdserverpb.Watch")
 # etcd 3.4 and later; the debugging names are kept beside them in 3.4.
 ETCD_WRITES = ("etcd_mvcc_put_total", "etcd_mvcc_delete_total")
 GATEWAY_LEGS = ("route", "prefill", "decode")
+# kvplane's services time every etcd request they send, labelled by what it was for.
+SERVICES_ETCD = "kvplane_etcd_request_seconds_count"
 # Polling of the waits between blocks.
 POLL_S = 0.1
 # A process has settled once its CPU moves less than this over one SETTLE_WINDOW_S.
@@ -85,6 +89,20 @@ def etcd_counts(text: str) -> Counters:
 
 async def etcd(session: aiohttp.ClientSession, client_url: str) -> Counters:
     return etcd_counts(await _text(session, f"{client_url}/metrics"))
+
+
+def services_etcd_ops(text: str) -> Counters:
+    """The etcd requests kvplane's services sent, by operation (`op:<name>`, every outcome)."""
+    out: Counters = {}
+    for name, labels, value in samples(text):
+        if name == SERVICES_ETCD:
+            key = f"op:{labels.get('op', '?')}"
+            out[key] = out.get(key, 0.0) + value
+    return out
+
+
+async def services_etcd(session: aiohttp.ClientSession, metrics_url: str) -> Counters:
+    return services_etcd_ops(await _text(session, metrics_url)) if metrics_url else {}
 
 
 def gateway_leg_counts(text: str) -> Counters:
@@ -200,8 +218,13 @@ async def read_all(
     prefills: Sequence[str],
     etcd_url: str,
     gateway_url: str,
+    services_metrics_url: str = "",
 ) -> Reading:
-    sources, etcd_now, legs = await asyncio.gather(
-        prefill_sources(session, prefills), etcd(session, etcd_url), gateway_legs(session, gateway_url)
+    """Every counter now; the services' etcd requests by operation join etcd's own (`op:*`)."""
+    sources, etcd_now, ops, legs = await asyncio.gather(
+        prefill_sources(session, prefills),
+        etcd(session, etcd_url),
+        services_etcd(session, services_metrics_url),
+        gateway_legs(session, gateway_url),
     )
-    return Reading(time.monotonic(), cpu(pids), sources, etcd_now, legs)
+    return Reading(time.monotonic(), cpu(pids), sources, {**etcd_now, **ops}, legs)

@@ -10,6 +10,17 @@ Reuse is read from the prefill engines: of the prompt tokens of turns 2 and late
 pulled from D and the share found in P's own prefix cache (first turns are fresh token ids and
 reuse nothing). `split` checks that the engines' pulled + cached + computed tokens equal the
 prompt tokens the client sent in completed turns.
+
+etcd's requests per turn are counted three ways, none flatter than the others claim:
+- all of them over the front's blocks (`etcd_requests_per_turn`);
+- above the idle window's rate (`..._above_idle`): the rate of a stack with no traffic at all;
+- above the rate during the other fronts' blocks at the same concurrency (`..._above_others`):
+  the same engines and services under the same load through a front that never uses etcd. That
+  background holds the engines' lease keep-alives and heartbeats, and also the load reports
+  their changing load causes, which kvplane's turns cause as much: this figure is what
+  kvplane's turn path itself adds (check-outs, publishes, releases), not all it costs.
+Beside them, the requests per turn by etcd method (`rpc:*`, all of them) and by what kvplane's
+services sent each one for (`op:*`, all of them).
 """
 
 from __future__ import annotations
@@ -77,6 +88,12 @@ class Row:
     route_ms: float  # kvplane's mean Route call, as its gateway timed it
     decisions: dict[str, int] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
+    # Above the rate of the other fronts' blocks at this concurrency (nan: no such block).
+    etcd_requests_per_turn_above_others: float = math.nan
+    etcd_writes_per_turn_above_others: float = math.nan
+    # All of the block's etcd requests per turn, by etcd method and by kvplane's operation.
+    etcd_rpcs_per_turn: dict[str, float] = field(default_factory=dict)
+    etcd_ops_per_turn: dict[str, float] = field(default_factory=dict)
 
     @property
     def pulled_share(self) -> float:
@@ -108,14 +125,32 @@ def _vs_reference(
     return pooled, min(per_repeat, default=math.nan), max(per_repeat, default=math.nan)
 
 
+def _etcd_rate(blocks: Sequence[BlockResult], key: str) -> float:
+    """etcd's `key` per second over `blocks` (nan: none measured)."""
+    seconds = sum(b.measured_s for b in blocks)
+    return sum(b.etcd.get(key, 0.0) for b in blocks) / seconds if seconds > 0 else math.nan
+
+
+def _per_turn(blocks: Sequence[BlockResult], prefix: str, turns: int) -> dict[str, float]:
+    """The blocks' nonzero etcd counters named `prefix`*, per turn, prefix dropped."""
+    total: Counter[str] = Counter()
+    for b in blocks:
+        total.update({k: v for k, v in b.etcd.items() if k.startswith(prefix)})
+    return {k[len(prefix) :]: v / turns for k, v in sorted(total.items()) if v > 0}
+
+
 def build_row(
     front: str,
     processes: Sequence[str],
     blocks: Sequence[BlockResult],
     reference: Sequence[BlockResult],
     idle: IdleWindow | None,
+    background: Sequence[BlockResult] = (),
 ) -> Row:
-    """The row of one front at one concurrency from its blocks (and the reference's)."""
+    """The row of one front at one concurrency from its blocks (and the reference's).
+
+    `background`: blocks of fronts that never use etcd, at the same concurrency, whose etcd
+    rate is the background the `..._above_others` figures subtract."""
     turns = [t for b in blocks for t in b.turns]
     ok = [t for t in turns if t.ok]
     later = _later_ttft(turns)
@@ -174,6 +209,10 @@ def build_row(
         route_ms=route_s / route_n * 1e3 if route_n else math.nan,
         decisions=dict(decisions),
         errors=sorted({t.error for t in turns if t.error})[:5],
+        etcd_requests_per_turn_above_others=(requests - _etcd_rate(background, "requests") * measured) / n_ok,
+        etcd_writes_per_turn_above_others=(writes - _etcd_rate(background, "writes") * measured) / n_ok,
+        etcd_rpcs_per_turn=_per_turn(blocks, "rpc:", n_ok),
+        etcd_ops_per_turn=_per_turn(blocks, "op:", n_ok),
     )
 
 
@@ -189,8 +228,10 @@ def rows(
         reference = [b for b in at if b.front == REFERENCE]
         for front, names in processes.items():
             mine = sorted((b for b in at if b.front == front), key=lambda b: b.repeat)
+            # kvplane is the one front that uses etcd: the others' blocks are the background.
+            background = [b for b in at if b.front not in (front, KVPLANE)]
             if mine:
-                out.append(build_row(front, names, mine, reference, idle))
+                out.append(build_row(front, names, mine, reference, idle, background))
     return out
 
 
@@ -233,8 +274,9 @@ def latency_table(table: Sequence[Row]) -> str:
 def cost_table(table: Sequence[Row]) -> str:
     lines = [
         "| front | conc | t2+ tokens reused: pulled from D | from P's prefix cache | split adds up "
-        "| CPU ms/turn, front's processes | client | engines | etcd req/turn (above idle) "
-        "| etcd writes/turn (above idle) | Route ms |",
+        "| CPU ms/turn, front's processes | client | engines "
+        "| etcd req/turn (above idle) [above other fronts] "
+        "| etcd writes/turn (above idle) [above other fronts] | Route ms |",
         "|---|---:|---:|---:|:-:|---|---:|---:|---:|---:|---:|",
     ]
     for r in table:
@@ -247,7 +289,9 @@ def cost_table(table: Sequence[Row]) -> str:
             f"| {r.cpu_ms_per_turn.get(CLIENT, math.nan):.2f} "
             f"| {r.cpu_ms_per_turn.get(ENGINES, math.nan):.2f} "
             f"| {_f(r.etcd_requests_per_turn)} ({_f(r.etcd_requests_per_turn_above_idle)}) "
+            f"[{_f(r.etcd_requests_per_turn_above_others)}] "
             f"| {_f(r.etcd_writes_per_turn)} ({_f(r.etcd_writes_per_turn_above_idle)}) "
+            f"[{_f(r.etcd_writes_per_turn_above_others)}] "
             f"| {_f(r.route_ms, 2) if r.front == KVPLANE else '-'} |"
         )
     return "\n".join(lines)
@@ -260,6 +304,18 @@ def idle_line(idle: IdleWindow) -> str:
         f"{idle.etcd_per_s('writes'):.1f} writes/s = {per_engine_s:.2f} writes per engine-second "
         f"({idle.engines} engines)"
     )
+
+
+def etcd_lines(table: Sequence[Row]) -> list[str]:
+    """kvplane's etcd requests per turn, by etcd method and by what its services sent them for."""
+    out = []
+    for r in table:
+        if r.front == KVPLANE and (r.etcd_rpcs_per_turn or r.etcd_ops_per_turn):
+            rpcs = ", ".join(f"{k} {v:.2f}" for k, v in r.etcd_rpcs_per_turn.items())
+            ops = ", ".join(f"{k} {v:.2f}" for k, v in r.etcd_ops_per_turn.items())
+            out.append(f"kvplane c={r.concurrency} etcd requests/turn by method: {rpcs or '-'}")
+            out.append(f"kvplane c={r.concurrency} etcd requests/turn by operation: {ops or '-'}")
+    return out
 
 
 def decisions_line(table: Sequence[Row]) -> str:
@@ -275,6 +331,7 @@ def render(title: str, table: Sequence[Row], idle: IdleWindow | None) -> str:
     out = [f"## {title}", "", latency_table(table), "", cost_table(table), ""]
     if idle is not None:
         out.append(idle_line(idle))
+    out += etcd_lines(table)
     if line := decisions_line(table):
         out.append(line)
     for r in table:

@@ -78,6 +78,8 @@ class Engines:
     gateway_url: str
     # Every process whose CPU is read (all fronts', the engines', this client's).
     pids: Mapping[str, int]
+    # kvplane's services' Prometheus page (their etcd requests by operation); empty: not read.
+    services_metrics_url: str = ""
 
     @property
     def all(self) -> list[str]:
@@ -171,7 +173,14 @@ async def run_block(
     """One measured block."""
     result = BlockResult(plan.front, plan.concurrency, plan.repeat, position)
     result.released_handles = await prepare(session, engines, front)
-    args = (session, engines.pids, engines.prefills, engines.etcd_url, engines.gateway_url)
+    args = (
+        session,
+        engines.pids,
+        engines.prefills,
+        engines.etcd_url,
+        engines.gateway_url,
+        engines.services_metrics_url,
+    )
     before = await metrics.read_all(*args)
     result.turns, result.wall_s = await drive(session, front, plan, turn_timeout_s)
     await metrics.wait_idle(session, engines.all)
@@ -201,7 +210,14 @@ class IdleWindow:
 async def idle_window(session: aiohttp.ClientSession, engines: Engines, seconds: float) -> IdleWindow:
     await metrics.wait_idle(session, engines.all)
     await metrics.release_decode_handles(session, engines.decodes)
-    args = (session, engines.pids, engines.prefills, engines.etcd_url, engines.gateway_url)
+    args = (
+        session,
+        engines.pids,
+        engines.prefills,
+        engines.etcd_url,
+        engines.gateway_url,
+        engines.services_metrics_url,
+    )
     before = await metrics.read_all(*args)
     await asyncio.sleep(seconds)  # the measurement window itself
     after = await metrics.read_all(*args)

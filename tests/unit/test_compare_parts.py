@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from kvplane.bench.compare_metrics import etcd_counts, gateway_leg_counts
+from kvplane.bench.compare_fronts import KVPLANE
+from kvplane.bench.compare_metrics import etcd_counts, gateway_leg_counts, services_etcd_ops
 from kvplane.bench.compare_report import percentile
+from kvplane.bench.compare_report import rows as report_rows
+from kvplane.bench.compare_run import BlockResult, TurnRecord
 from kvplane.bench.compare_workload import Workload, draw, plan, rotation
 
 FRONTS = ["kvplane", "vllm-router", "example-proxy", "zero-hop-reuse", "zero-hop"]
@@ -85,3 +88,40 @@ kvplane_gateway_leg_seconds_sum{leg="report",outcome="ok"} 0.1
     legs = gateway_leg_counts(page)
     assert legs["route_n"] == 4 and abs(legs["route_s"] - 0.008) < 1e-9
     assert "report_n" not in legs
+
+
+def test_services_etcd_requests_by_operation_sum_every_outcome() -> None:
+    page = """\
+# TYPE kvplane_etcd_request_seconds histogram
+kvplane_etcd_request_seconds_count{op="check_out",outcome="ok"} 3
+kvplane_etcd_request_seconds_sum{op="check_out",outcome="ok"} 0.01
+kvplane_etcd_request_seconds_count{op="check_out",outcome="error"} 1
+kvplane_etcd_request_seconds_sum{op="check_out",outcome="error"} 0.01
+kvplane_etcd_request_seconds_count{op="publish",outcome="ok"} 2
+kvplane_etcd_request_seconds_sum{op="publish",outcome="ok"} 0.01
+"""
+    assert services_etcd_ops(page) == {"op:check_out": 4, "op:publish": 2}
+
+
+def _block(front: str, requests: float, seconds: float, turns: int) -> BlockResult:
+    block = BlockResult(front, 32, 0, 0)
+    block.turns = [TurnRecord(front, 32, 0, i, 0, 100, True, 1.0) for i in range(turns)]
+    block.measured_s = seconds
+    block.etcd = {"requests": requests, "writes": requests, "rpc:Txn": requests, "op:publish": turns}
+    return block
+
+
+def test_etcd_above_other_fronts_subtracts_their_rate_over_kvplanes_time() -> None:
+    blocks = [
+        _block(KVPLANE, requests=400, seconds=20, turns=100),
+        # 2 requests/s while fronts that never use etcd ran on the same engines
+        _block("example-proxy", requests=30, seconds=15, turns=100),
+        _block("zero-hop-reuse", requests=10, seconds=5, turns=100),
+    ]
+    rows = {r.front: r for r in report_rows(blocks, {f: [] for f in (KVPLANE, "example-proxy")}, None)}
+    kv = rows[KVPLANE]
+    assert kv.etcd_requests_per_turn == 4.0  # every request still counted in the raw figure
+    assert kv.etcd_requests_per_turn_above_others == (400 - 2 * 20) / 100
+    assert kv.etcd_rpcs_per_turn == {"Txn": 4.0} and kv.etcd_ops_per_turn == {"publish": 1.0}
+    # A front that never uses etcd is measured against the others like it, never against kvplane.
+    assert rows["example-proxy"].etcd_requests_per_turn_above_others == (30 - 10 / 5 * 15) / 100
