@@ -20,7 +20,12 @@
   back without waiting. A Route silent that long also goes to the next
   replica at once; the first answer wins.
 - A turn's ReportTurn goes first to the replica that routed it: that replica
-  knows the route, and only it learns costs from the report.
+  knows the route, and only it learns costs from the report. A report the
+  caller holds (`hold_report`, `held_reports.py`) rides on the next Route to
+  that replica instead, or goes with the others held for it in one
+  ReportTurns within `report_hold_s`: one gRPC call fewer per turn on each
+  side. A replica that predates them (its Route applies none, or ReportTurns
+  is UNIMPLEMENTED) gets each held report in a ReportTurn of its own.
 - Each channel carries OpenTelemetry's client interceptor, so the caller's
   current span becomes the parent of the Route span (W3C traceparent).
 - `credentials` (`kvplane.services.client.credentials`) give the token and TLS; the
@@ -32,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import logging
 import time
 import zlib
 from collections.abc import Callable, Sequence
@@ -43,8 +49,11 @@ from opentelemetry.instrumentation.grpc import aio_client_interceptors
 from opentelemetry.trace import TracerProvider
 
 from kvplane.services.client.credentials import CallMetadata, ClientCredentials
+from kvplane.services.client.held_reports import HeldReports, Report
 from kvplane.services.client.suspect_replicas import SuspectReplicas
 from kvplane.v1 import routing_pb2, routing_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 # The name the routing service is registered under in each server's health service.
 ROUTING_SERVICE = routing_pb2.DESCRIPTOR.services_by_name["RoutingService"].full_name
@@ -126,6 +135,7 @@ class RoutingClient:
         hedge_after_s: float | None = None,
         probe_timeout_s: float = 2.0,
         probe_interval_s: float = 0.25,
+        report_hold_s: float = 0.25,
     ) -> None:
         """`hedge_after_s`: a replica silent this long has its health checked, and a Route also
         goes to the next replica (None: neither; calls wait out their deadline).
@@ -133,7 +143,8 @@ class RoutingClient:
         tells a frozen one from a live one, not a slow one from a fast one. `probe_interval_s`:
         between health checks of a suspect replica. `trace_calls`: carry the trace context
         (and record client spans with `tracer_provider`, else the global one); a caller whose
-        spans go nowhere turns it off, sparing every call the tracing interceptor."""
+        spans go nowhere turns it off, sparing every call the tracing interceptor.
+        `report_hold_s`: the longest a held report waits for a Route to ride on."""
         if not targets:
             raise ValueError("at least one routing target is required")
         if attempts < 1:
@@ -169,6 +180,9 @@ class RoutingClient:
             probe_timeout_s=probe_timeout_s,
             probe_interval_s=probe_interval_s,
         )
+        self._held = HeldReports(len(self.targets), report_hold_s, self.send_held_reports)
+        # Replicas that predate held reports: each is sent to them in a ReportTurn of its own.
+        self._unbatched: set[int] = set()
 
     @property
     def metadata(self) -> tuple[tuple[str, str], ...]:
@@ -181,6 +195,7 @@ class RoutingClient:
         return frozenset(self.targets[i] for i in self._suspects.indexes)
 
     async def close(self) -> None:
+        await self._held.close()
         await self._suspects.close()
         for channel in self._channels:
             await channel.close()
@@ -323,12 +338,34 @@ class RoutingClient:
             awaited_handle_tokens=awaited_handle_tokens,
             max_output_tokens=max_output_tokens,
         )
-        response, replica = await self._call_on_replica(
-            lambda stub, left: stub.Route(request, timeout=left, metadata=self.metadata),
-            timeout_s,
-            prefer=home_replica(tenant, conversation, len(self._stubs)),
-            hedge=True,
-        )
+        carried: dict[int, list[Report]] = {}
+
+        def invoke(stub: routing_pb2_grpc.RoutingServiceStub, left: float) -> Any:
+            index = next(i for i, s in enumerate(self._stubs) if s is stub)
+            reports = [] if index in self._unbatched else self._held.take(index)
+            sent = request
+            if reports:
+                carried[index] = reports
+                sent = routing_pb2.RouteRequest()
+                sent.CopyFrom(request)
+                sent.reports.extend(reports)
+            return stub.Route(sent, timeout=left, metadata=self.metadata)
+
+        try:
+            response, replica = await self._call_on_replica(
+                invoke, timeout_s, prefer=home_replica(tenant, conversation, len(self._stubs)), hedge=True
+            )
+        except BaseException:
+            for index, reports in carried.items():
+                self._held.put_back(index, reports)
+            raise
+        for index, reports in carried.items():
+            # A hedge that lost may or may not have applied its reports: applying one twice is
+            # harmless (held_reports.py). A replica that took none predates them.
+            if index != replica or not response.reports_taken:
+                if index == replica:
+                    self._unbatched.add(index)
+                self._held.put_back(index, reports)
         return RouteResult.from_pb(response, replica)
 
     async def report_turn(
@@ -357,16 +394,11 @@ class RoutingClient:
         held for D are then released at once. `cached_tokens`: P's own prefix-cache hits, None
         when P did not report them (routing then learns nothing of P's cache from the turn).
         """
-        prefill_params = None if success else prefill_kv_transfer_params
-        request = routing_pb2.ReportTurnRequest(
-            route_id=route.route_id if route is not None else "",
-            conversation=conversation,
+        request = report_request(
+            route,
+            conversation,
             success=success,
-            decode_kv_transfer_params_json=(
-                json.dumps(decode_kv_transfer_params, separators=(",", ":"))
-                if decode_kv_transfer_params
-                else ""
-            ),
+            decode_kv_transfer_params=decode_kv_transfer_params,
             ttft_ms=ttft_ms,
             prompt_tokens=prompt_tokens,
             pulled_tokens=pulled_tokens,
@@ -375,19 +407,58 @@ class RoutingClient:
             prefill_ms=prefill_ms,
             retained_token_ids=retained_token_ids,
             error=error,
-            tenant=tenant,
             model=model,
-            prefill_kv_transfer_params_json=(
-                json.dumps(prefill_params, separators=(",", ":")) if prefill_params else ""
-            ),
-            prefill_node_id=route.prefill.node_id if route is not None and prefill_params else "",
+            tenant=tenant,
+            prefill_kv_transfer_params=prefill_kv_transfer_params,
         )
+        return await self.send_report(request, route.replica if route is not None else -1, timeout_s)
+
+    async def send_report(self, request: Report, replica: int = -1, timeout_s: float | None = None) -> str:
+        """Sends one report (`report_request`'s) in a ReportTurn, to `replica` first; returns
+        the id of the handle published for the next turn."""
         response: routing_pb2.ReportTurnResponse = await self._call(
             lambda stub, left: stub.ReportTurn(request, timeout=left, metadata=self.metadata),
             timeout_s,
-            prefer=route.replica if route is not None else -1,
+            prefer=replica,
         )
         return str(response.handle_id)
+
+    def hold_report(self, route: RouteResult, report: Report) -> None:
+        """Holds `report` (`report_request`'s) of a turn `route` routed, to ride on the next
+        Route to its replica, or in one ReportTurns within `report_hold_s`. Only a report that
+        is harmless to apply twice may be held (`held_reports.py`)."""
+        replica = route.replica if 0 <= route.replica < len(self._stubs) else 0
+        self._held.hold(replica, report)
+
+    async def send_held_reports(self, timeout_s: float | None = None) -> int:
+        """Sends every held report now (ReportTurns per replica); returns how many were sent.
+        A report whose call fails is dropped, as a failed ReportTurn's is: it costs a sample."""
+        sent = 0
+        for index in self._held.replicas_holding():
+            while reports := self._held.take(index):
+                try:
+                    await self._send_batch(index, reports, timeout_s)
+                    sent += len(reports)
+                except (RoutingUnavailable, grpc.aio.AioRpcError) as exc:
+                    log.warning("%d held turn reports not sent: %s", len(reports), exc)
+        return sent
+
+    async def _send_batch(self, index: int, reports: list[Report], timeout_s: float | None) -> None:
+        if index not in self._unbatched:
+            batch = routing_pb2.ReportTurnsRequest(reports=reports)
+            try:
+                await self._call(
+                    lambda stub, left: stub.ReportTurns(batch, timeout=left, metadata=self.metadata),
+                    timeout_s,
+                    prefer=index,
+                )
+                return
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() is not grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                self._unbatched.add(index)
+        for report in reports:
+            await self.send_report(report, index, timeout_s)
 
     async def end_conversation(
         self,
@@ -406,6 +477,51 @@ class RoutingClient:
             lambda stub, left: stub.EndConversation(request, timeout=left, metadata=self.metadata), timeout_s
         )
         return bool(response.released)
+
+
+def report_request(
+    route: RouteResult | None,
+    conversation: str,
+    *,
+    success: bool,
+    decode_kv_transfer_params: dict[str, Any] | None = None,
+    ttft_ms: float = 0.0,
+    prompt_tokens: int = 0,
+    pulled_tokens: int = 0,
+    cached_tokens: int | None = None,
+    transfer_ms: float = 0.0,
+    prefill_ms: float = 0.0,
+    retained_token_ids: Sequence[int] = (),
+    error: str = "",
+    model: str = "",
+    tenant: str = "",
+    prefill_kv_transfer_params: dict[str, Any] | None = None,
+) -> Report:
+    """A finished turn's report, as ReportTurn (or `RoutingClient.hold_report`) takes it;
+    the arguments are `RoutingClient.report_turn`'s."""
+    prefill_params = None if success else prefill_kv_transfer_params
+    return routing_pb2.ReportTurnRequest(
+        route_id=route.route_id if route is not None else "",
+        conversation=conversation,
+        success=success,
+        decode_kv_transfer_params_json=(
+            json.dumps(decode_kv_transfer_params, separators=(",", ":")) if decode_kv_transfer_params else ""
+        ),
+        ttft_ms=ttft_ms,
+        prompt_tokens=prompt_tokens,
+        pulled_tokens=pulled_tokens,
+        cached_tokens=cached_tokens,
+        transfer_ms=transfer_ms,
+        prefill_ms=prefill_ms,
+        retained_token_ids=retained_token_ids,
+        error=error,
+        tenant=tenant,
+        model=model,
+        prefill_kv_transfer_params_json=(
+            json.dumps(prefill_params, separators=(",", ":")) if prefill_params else ""
+        ),
+        prefill_node_id=route.prefill.node_id if route is not None and prefill_params else "",
+    )
 
 
 def _cancel(tasks: list[asyncio.Task[Any]], calls: dict[asyncio.Task[Any], tuple[int, float]]) -> None:

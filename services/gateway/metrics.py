@@ -20,6 +20,8 @@ class GatewayMetrics:
     legs: Histogram
     retries: Counter
     requests: Counter
+    # Reports held to ride on a Route or a ReportTurns, not sent in a ReportTurn of their own.
+    reports_held: Counter
     # Prompt tokens of P legs that answered, by where P got their KV, as P reported it.
     prompt_tokens: Counter
 
@@ -50,6 +52,11 @@ class GatewayMetrics:
                 "kvplane_gateway_retries_total",
                 "Prefill legs retried without the handle, and routing fallbacks, by reason",
                 ["reason"],
+                registry=registry,
+            ),
+            reports_held=Counter(
+                "kvplane_gateway_reports_held_total",
+                "Turn reports held to ride on the next Route or one ReportTurns, not sent alone",
                 registry=registry,
             ),
             requests=Counter(

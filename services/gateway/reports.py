@@ -2,7 +2,14 @@
 awaits.
 
 Reports run as tasks: a client's stream ends before its turn is reported, and no turn waits for the
-previous turn's report. What the next turn needs from the last one is the handle D announced in its
+previous turn's report. A turn that went as routed, whose D announced the handle it publishes
+itself (or retained none), is not reported in a call of its own: its report is held to ride on
+the next Route to its replica, or in one ReportTurns with the others held (`held_reports.py`).
+Its conversation's next Route, if it comes first, carries it, so routing learns a turn before it
+decides the next. Failed turns (their P's blocks are released at once), turns whose handle comes
+from the report, and ephemeral conversations (ended right after) are reported at once.
+
+What the next turn needs from the last one is the handle D announced in its
 last chunk (`announce`): its Route names it, and routing waits for its publish (bounded) only if the
 turn needs it.
 """
@@ -17,6 +24,7 @@ from typing import Any
 import grpc
 
 from kvplane.services.client import RouteResult, RoutingClient, RoutingUnavailable
+from kvplane.services.client.routing_client import report_request
 from kvplane.services.common.model.handles import KEY_HANDLE_ID
 from kvplane.services.common.runtime.bounded_map import BoundedMap
 from kvplane.services.gateway.metrics import GatewayMetrics
@@ -41,7 +49,8 @@ class TurnReporter:
         self._announced: BoundedMap[tuple[str, str], tuple[str, int]] = BoundedMap(_MAX_ANNOUNCED)
 
     async def drain(self, timeout_s: float) -> None:
-        """Waits for reports still in flight (at shutdown)."""
+        """Sends the reports held, and waits for reports still in flight (at shutdown)."""
+        await self.routing.send_held_reports(timeout_s)
         if self._reports:
             await asyncio.wait(set(self._reports), timeout=timeout_s)
 
@@ -79,9 +88,45 @@ class TurnReporter:
         if not success:
             # A failed turn's announcement may name blocks D never kept.
             self._announced.pop((turn.identity.tenant, turn.identity.conversation))
+        elif self._holdable(turn, route, progress):
+            fields = self._fields(turn, progress, success)
+            self.routing.hold_report(route, report_request(route, turn.identity.conversation, **fields))
+            self.metrics.reports_held.inc()
+            return
         task = asyncio.create_task(self._report(turn, route, progress, success))
         self._reports.add(task)
         task.add_done_callback(self._reports.discard)
+
+    @staticmethod
+    def _holdable(turn: TurnRequest, route: RouteResult, progress: TurnProgress) -> bool:
+        """Whether a successful turn's report may wait for a Route to ride on: it went as routed,
+        and D publishes its handle itself (or retained none), so the report only teaches routing
+        and applying it twice is harmless; an ephemeral conversation is ended right after its
+        report, at once."""
+        params = progress.decode_params
+        announced = params is None or isinstance(params.get(KEY_HANDLE_ID), str)
+        return (
+            bool(route.route_id) and route.replica >= 0 and announced and turn.identity.source != "ephemeral"
+        )
+
+    @staticmethod
+    def _fields(turn: TurnRequest, progress: TurnProgress, success: bool) -> dict[str, Any]:
+        """What the turn's report says (`RoutingClient.report_turn`'s and `report_request`'s
+        keyword arguments)."""
+        return {
+            "success": success,
+            "decode_kv_transfer_params": progress.decode_params if success else None,
+            "ttft_ms": (progress.ttft_s or 0.0) * 1000,
+            "prompt_tokens": len(progress.prompt_ids or ()),
+            "pulled_tokens": progress.pulled_tokens,
+            "cached_tokens": progress.cached_tokens,
+            "prefill_ms": progress.prefill_s * 1000,
+            "retained_token_ids": progress.retained_ids_for_routing(success),
+            "error": progress.error[:1000],
+            "model": turn.model,
+            "tenant": turn.identity.tenant,
+            "prefill_kv_transfer_params": None if success else progress.prefill_params,
+        }
 
     async def _report(
         self, turn: TurnRequest, route: RouteResult, progress: TurnProgress, success: bool
@@ -94,19 +139,8 @@ class TurnReporter:
             handle_id = await self.routing.report_turn(
                 route if route.route_id else None,
                 turn.identity.conversation,
-                success=success,
-                decode_kv_transfer_params=progress.decode_params if success else None,
-                ttft_ms=(progress.ttft_s or 0.0) * 1000,
-                prompt_tokens=len(progress.prompt_ids or ()),
-                pulled_tokens=progress.pulled_tokens,
-                cached_tokens=progress.cached_tokens,
-                prefill_ms=progress.prefill_s * 1000,
-                retained_token_ids=progress.retained_ids_for_routing(success),
-                error=progress.error[:1000],
-                model=turn.model,
-                tenant=turn.identity.tenant,
                 timeout_s=self.settings.report_timeout_s,
-                prefill_kv_transfer_params=None if success else progress.prefill_params,
+                **self._fields(turn, progress, success),
             )
         except (RoutingUnavailable, grpc.aio.AioRpcError) as exc:
             # The engine's connector publishes the handle itself; a lost report only costs a sample.

@@ -28,6 +28,7 @@ from kvplane.services.common.model import convert, validation
 from kvplane.services.common.model.errors import (
     HandleNotRetained,
     InvalidArgument,
+    KvplaneError,
     NotFound,
     StoreUnavailable,
 )
@@ -69,6 +70,8 @@ SERVICE_NAME = routing_pb2.DESCRIPTOR.services_by_name["RoutingService"].full_na
 MAX_MODEL = 256
 MAX_PROMPT_IDS = 1 << 20
 MAX_ERROR = 1024
+# Most reports one ReportTurns call, or one Route, carries (routing.proto).
+MAX_BATCHED_REPORTS = 64
 # Nodes (by id, incarnation and URL) whose encoded Endpoint is kept.
 _MAX_ENDPOINTS = 4096
 
@@ -149,6 +152,9 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
         failed = self._failed_nodes(request, principal)
         awaited = validation.ident(request.awaited_handle_id, "awaited_handle_id", required=False)
         max_output = request.max_output_tokens if request.HasField("max_output_tokens") else None
+        validation.count(len(request.reports), "reports", 0, MAX_BATCHED_REPORTS)
+        # Held-back reports first: a conversation's last turn is learnt before its next is routed.
+        await self._apply_carried(principal, request.reports)
         outcome = await self.route(
             tenant,
             conversation,
@@ -181,6 +187,7 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
             prefill_kv_transfer_params_json=json.dumps(outcome.prefill_params, separators=(",", ":")),
             expected_reused_tokens=outcome.reused_tokens,
             skip_decode_retention=outcome.skip_decode_retention,
+            reports_taken=len(request.reports),
         )
         if outcome.handle_pb:
             response.handle.MergeFromString(outcome.handle_pb)
@@ -268,7 +275,29 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
     async def ReportTurn(
         self, request: routing_pb2.ReportTurnRequest, context: Context
     ) -> routing_pb2.ReportTurnResponse:
+        handle_id = await self._report(self._caller(context), request)
+        return routing_pb2.ReportTurnResponse(handle_id=handle_id)
+
+    @rpc_method
+    async def ReportTurns(
+        self, request: routing_pb2.ReportTurnsRequest, context: Context
+    ) -> routing_pb2.ReportTurnsResponse:
         principal = self._caller(context)
+        validation.count(len(request.reports), "reports", 1, MAX_BATCHED_REPORTS)
+        handle_ids = [await self._report(principal, report) for report in request.reports]
+        return routing_pb2.ReportTurnsResponse(handle_ids=handle_ids)
+
+    async def _apply_carried(self, principal: Principal, reports: Any) -> None:
+        """Applies the reports a Route carries; one that fails is logged and skipped: a report
+        costs the cost model a sample at most, never the turn its caller is routing."""
+        for report in reports:
+            try:
+                await self._report(principal, report)
+            except KvplaneError as exc:
+                log.warning("report of %r carried by a Route skipped: %s", report.conversation[:64], exc)
+
+    async def _report(self, principal: Principal, request: routing_pb2.ReportTurnRequest) -> str:
+        """One turn's report (ReportTurn's, or one of a batch's): learnt, and D's handle named."""
         tenant = principal.acts_for(request.tenant)
         conversation = validation.conversation(request.conversation)
         validation.ident(request.route_id, "route_id", required=False)
@@ -283,7 +312,7 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
         self.metrics.reports.labels(
             "success" if request.success else "failure", str(bool(handle_id)).lower()
         ).inc()
-        return routing_pb2.ReportTurnResponse(handle_id=handle_id)
+        return handle_id
 
     def _publish_cost_gauges(self) -> None:
         # The cost model works in ms; metrics are in base units.

@@ -61,3 +61,49 @@ async def test_a_failed_turn_forgets_its_announcement_and_a_lost_report_is_count
         )
     finally:
         await routing.close()
+
+
+def _routed(replica: int = 0) -> RouteResult:
+    return RouteResult.from_pb(routing_pb2.RouteResponse(route_id="r1"), replica)
+
+
+def _held(registry: CollectorRegistry) -> float:
+    return registry.get_sample_value("kvplane_gateway_reports_held_total") or 0.0
+
+
+async def test_a_routed_turn_whose_engine_publishes_its_handle_is_held_for_the_next_route() -> None:
+    reporter, routing, registry = _reporter()
+    try:
+        progress = TurnProgress("pull")
+        progress.decode_params = {"kvplane_handle_id": "h1", "remote_num_tokens": 32}
+        reporter.report_later(_turn(), _routed(), progress, success=True)
+        assert _held(registry) == 1 and not reporter._reports, "no ReportTurn call of its own"
+        # D kept nothing (or said nothing): only learning, held as well.
+        reporter.report_later(_turn("c2"), _routed(), TurnProgress("recompute_cost"), success=True)
+        assert _held(registry) == 2
+    finally:
+        await routing.close()
+
+
+async def test_reports_that_act_at_once_are_sent_at_once() -> None:
+    reporter, routing, registry = _reporter()
+    try:
+        # D without kvplane's connector: the report is its handle's only source.
+        progress = TurnProgress("pull")
+        progress.decode_params = {"remote_block_ids": [[1]], "remote_num_tokens": 16}
+        reporter.report_later(_turn(), _routed(), progress, success=True)
+        # A fallback turn was not routed; an ephemeral conversation is ended right after.
+        reporter.report_later(
+            _turn("c2"),
+            RouteResult.from_pb(routing_pb2.RouteResponse()),
+            TurnProgress("fallback"),
+            success=True,
+        )
+        ephemeral = TurnRequest(
+            Identity("acme", "e1", "ephemeral"), {}, True, True, "m", False, time.perf_counter()
+        )
+        reporter.report_later(ephemeral, _routed(), TurnProgress("recompute_no_handle"), success=True)
+        assert _held(registry) == 0 and len(reporter._reports) == 3
+        await reporter.drain(30)
+    finally:
+        await routing.close()

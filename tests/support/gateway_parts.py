@@ -4,6 +4,7 @@ client, a turn request, and the settings, metrics and reporter the steps share."
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,7 +70,8 @@ def turn(
 @dataclass
 class ScriptedRouting:
     """Answers Route with the next of `routes` (a RouteResult, or an exception to raise) and records
-    every call; ReportTurn and EndConversation are recorded and answered at once."""
+    every call; ReportTurn and EndConversation are recorded and answered at once, and a held
+    report is recorded as a ReportTurn's arguments would be (with `held`)."""
 
     routes: list[RouteResult | Exception] = field(default_factory=list)
     asked: list[dict[str, Any]] = field(default_factory=list)
@@ -87,9 +89,36 @@ class ScriptedRouting:
         self.reports.append({"route": route, "conversation": conversation, **kw})
         return ""
 
+    def hold_report(self, route: RouteResult, report: routing_pb2.ReportTurnRequest) -> None:
+        self.reports.append(
+            {"route": route, "conversation": report.conversation, "held": True, **_said(report)}
+        )
+
+    async def send_held_reports(self, timeout_s: float | None = None) -> int:
+        return 0
+
     async def end_conversation(self, conversation: str, **kw: Any) -> int:
         self.ended.append(conversation)
         return 0
+
+
+def _said(report: routing_pb2.ReportTurnRequest) -> dict[str, Any]:
+    """A report's fields under `RoutingClient.report_turn`'s argument names."""
+    decode, prefill = report.decode_kv_transfer_params_json, report.prefill_kv_transfer_params_json
+    return {
+        "success": report.success,
+        "decode_kv_transfer_params": json.loads(decode) if decode else None,
+        "prefill_kv_transfer_params": json.loads(prefill) if prefill else None,
+        "ttft_ms": report.ttft_ms,
+        "prompt_tokens": report.prompt_tokens,
+        "pulled_tokens": report.pulled_tokens,
+        "cached_tokens": report.cached_tokens if report.HasField("cached_tokens") else None,
+        "prefill_ms": report.prefill_ms,
+        "retained_token_ids": list(report.retained_token_ids),
+        "error": report.error,
+        "model": report.model,
+        "tenant": report.tenant,
+    }
 
 
 @dataclass

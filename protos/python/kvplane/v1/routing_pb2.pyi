@@ -102,6 +102,7 @@ class RouteRequest(_message.Message):
     AWAITED_HANDLE_ID_FIELD_NUMBER: _builtins.int
     AWAITED_HANDLE_TOKENS_FIELD_NUMBER: _builtins.int
     MAX_OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
+    REPORTS_FIELD_NUMBER: _builtins.int
     conversation: _builtins.str
     """Conversation id, 1 to 512 bytes."""
     model: _builtins.str
@@ -150,6 +151,15 @@ class RouteRequest(_message.Message):
         Up to 8 node ids.
         """
 
+    @_builtins.property
+    def reports(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReportTurnRequest]:
+        """Finished turns the caller held back instead of sending each in its own
+        ReportTurn: applied in order, each as ReportTurn applies it, before this turn
+        is routed, so a conversation's report always comes before its next decision.
+        Their answers are not returned; a report that is not valid is skipped and
+        never fails the route. Up to 64.
+        """
+
     def __init__(
         self,
         *,
@@ -165,10 +175,11 @@ class RouteRequest(_message.Message):
         awaited_handle_id: _builtins.str = ...,
         awaited_handle_tokens: _builtins.int = ...,
         max_output_tokens: _builtins.int | None = ...,
+        reports: _abc.Iterable[Global___ReportTurnRequest] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_max_output_tokens", b"_max_output_tokens", "max_output_tokens", b"max_output_tokens"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_output_tokens", b"_max_output_tokens", "awaited_handle_id", b"awaited_handle_id", "awaited_handle_tokens", b"awaited_handle_tokens", "conversation", b"conversation", "failed_node_ids", b"failed_node_ids", "max_output_tokens", b"max_output_tokens", "model", b"model", "prompt_block_digests", b"prompt_block_digests", "prompt_digest_block_size", b"prompt_digest_block_size", "prompt_token_ids", b"prompt_token_ids", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_output_tokens", b"_max_output_tokens", "awaited_handle_id", b"awaited_handle_id", "awaited_handle_tokens", b"awaited_handle_tokens", "conversation", b"conversation", "failed_node_ids", b"failed_node_ids", "max_output_tokens", b"max_output_tokens", "model", b"model", "prompt_block_digests", b"prompt_block_digests", "prompt_digest_block_size", b"prompt_digest_block_size", "prompt_token_ids", b"prompt_token_ids", "prompt_tokens", b"prompt_tokens", "reports", b"reports", "request_id", b"request_id", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_output_tokens: _TypeAlias = _typing.Literal["max_output_tokens"]  # noqa: Y015
     _WhichOneofArgType__max_output_tokens: _TypeAlias = _typing.Literal["_max_output_tokens", b"_max_output_tokens"]  # noqa: Y015
@@ -221,6 +232,7 @@ class RouteResponse(_message.Message):
     EXPECTED_REUSED_TOKENS_FIELD_NUMBER: _builtins.int
     HANDLE_FIELD_NUMBER: _builtins.int
     SKIP_DECODE_RETENTION_FIELD_NUMBER: _builtins.int
+    REPORTS_TAKEN_FIELD_NUMBER: _builtins.int
     route_id: _builtins.str
     """Id of this decision; pass it to ReportTurn."""
     decision: Global___Decision.ValueType
@@ -237,6 +249,11 @@ class RouteResponse(_message.Message):
     alone (at most max_output_tokens) would cost more to pull than to recompute.
     The caller tells D's connector so (kv_transfer_params' kvplane_retain: false);
     D then frees the blocks at once and publishes no handle. False: D keeps them.
+    """
+    reports_taken: _builtins.int
+    """How many of the request's `reports` this replica took: applied, or skipped
+    as not valid. A replica that predates them answers 0, and the caller then
+    sends them with ReportTurn.
     """
     @_builtins.property
     def prefill(self) -> Global___Endpoint:
@@ -262,10 +279,11 @@ class RouteResponse(_message.Message):
         expected_reused_tokens: _builtins.int = ...,
         handle: _handle_pb2.CacheHandle | None = ...,
         skip_decode_retention: _builtins.bool = ...,
+        reports_taken: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["decode", b"decode", "handle", b"handle", "prefill", b"prefill"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decision", b"decision", "decode", b"decode", "expected_reused_tokens", b"expected_reused_tokens", "handle", b"handle", "prefill", b"prefill", "prefill_kv_transfer_params_json", b"prefill_kv_transfer_params_json", "reason", b"reason", "route_id", b"route_id", "skip_decode_retention", b"skip_decode_retention"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decision", b"decision", "decode", b"decode", "expected_reused_tokens", b"expected_reused_tokens", "handle", b"handle", "prefill", b"prefill", "prefill_kv_transfer_params_json", b"prefill_kv_transfer_params_json", "reason", b"reason", "reports_taken", b"reports_taken", "route_id", b"route_id", "skip_decode_retention", b"skip_decode_retention"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -388,6 +406,56 @@ class ReportTurnResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReportTurnResponse: _TypeAlias = ReportTurnResponse  # noqa: Y015
+
+@_typing.final
+class ReportTurnsRequest(_message.Message):
+    """ReportTurns input."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPORTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def reports(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReportTurnRequest]:
+        """The turns, each as ReportTurn takes it. 1 to 64."""
+
+    def __init__(
+        self,
+        *,
+        reports: _abc.Iterable[Global___ReportTurnRequest] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reports", b"reports"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReportTurnsRequest: _TypeAlias = ReportTurnsRequest  # noqa: Y015
+
+@_typing.final
+class ReportTurnsResponse(_message.Message):
+    """ReportTurns output."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HANDLE_IDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def handle_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Per report, in order: the id of the handle published for the next turn;
+        empty if none.
+        """
+
+    def __init__(
+        self,
+        *,
+        handle_ids: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["handle_ids", b"handle_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReportTurnsResponse: _TypeAlias = ReportTurnsResponse  # noqa: Y015
 
 @_typing.final
 class EndConversationRequest(_message.Message):

@@ -46,6 +46,11 @@ class RoutingServiceStub:
                 request_serializer=kvplane_dot_v1_dot_routing__pb2.ReportTurnRequest.SerializeToString,
                 response_deserializer=kvplane_dot_v1_dot_routing__pb2.ReportTurnResponse.FromString,
                 _registered_method=True)
+        self.ReportTurns = channel.unary_unary(
+                '/kvplane.v1.RoutingService/ReportTurns',
+                request_serializer=kvplane_dot_v1_dot_routing__pb2.ReportTurnsRequest.SerializeToString,
+                response_deserializer=kvplane_dot_v1_dot_routing__pb2.ReportTurnsResponse.FromString,
+                _registered_method=True)
         self.EndConversation = channel.unary_unary(
                 '/kvplane.v1.RoutingService/EndConversation',
                 request_serializer=kvplane_dot_v1_dot_routing__pb2.EndConversationRequest.SerializeToString,
@@ -74,6 +79,13 @@ class RoutingServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportTurns(self, request, context):
+        """Reports several routed turns at once, each as ReportTurn would, in order.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def EndConversation(self, request, context):
         """Ends a conversation: its retained KV is released now, not at the TTL.
         """
@@ -93,6 +105,11 @@ def add_RoutingServiceServicer_to_server(servicer, server):
                     servicer.ReportTurn,
                     request_deserializer=kvplane_dot_v1_dot_routing__pb2.ReportTurnRequest.FromString,
                     response_serializer=kvplane_dot_v1_dot_routing__pb2.ReportTurnResponse.SerializeToString,
+            ),
+            'ReportTurns': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportTurns,
+                    request_deserializer=kvplane_dot_v1_dot_routing__pb2.ReportTurnsRequest.FromString,
+                    response_serializer=kvplane_dot_v1_dot_routing__pb2.ReportTurnsResponse.SerializeToString,
             ),
             'EndConversation': grpc.unary_unary_rpc_method_handler(
                     servicer.EndConversation,
@@ -156,6 +173,33 @@ class RoutingService:
             '/kvplane.v1.RoutingService/ReportTurn',
             kvplane_dot_v1_dot_routing__pb2.ReportTurnRequest.SerializeToString,
             kvplane_dot_v1_dot_routing__pb2.ReportTurnResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportTurns(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvplane.v1.RoutingService/ReportTurns',
+            kvplane_dot_v1_dot_routing__pb2.ReportTurnsRequest.SerializeToString,
+            kvplane_dot_v1_dot_routing__pb2.ReportTurnsResponse.FromString,
             options,
             channel_credentials,
             insecure,

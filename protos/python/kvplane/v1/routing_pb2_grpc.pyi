@@ -42,6 +42,8 @@ class RoutingServiceStub:
     """
     ReportTurn: _grpc.UnaryUnaryMultiCallable[_routing_pb2.ReportTurnRequest, _routing_pb2.ReportTurnResponse]
     """Reports how a routed turn went: D's new handle and the timings."""
+    ReportTurns: _grpc.UnaryUnaryMultiCallable[_routing_pb2.ReportTurnsRequest, _routing_pb2.ReportTurnsResponse]
+    """Reports several routed turns at once, each as ReportTurn would, in order."""
     EndConversation: _grpc.UnaryUnaryMultiCallable[_routing_pb2.EndConversationRequest, _routing_pb2.EndConversationResponse]
     """Ends a conversation: its retained KV is released now, not at the TTL."""
 
@@ -59,6 +61,8 @@ class RoutingServiceAsyncStub(RoutingServiceStub):
     """
     ReportTurn: _aio.UnaryUnaryMultiCallable[_routing_pb2.ReportTurnRequest, _routing_pb2.ReportTurnResponse]  # type: ignore[assignment]
     """Reports how a routed turn went: D's new handle and the timings."""
+    ReportTurns: _aio.UnaryUnaryMultiCallable[_routing_pb2.ReportTurnsRequest, _routing_pb2.ReportTurnsResponse]  # type: ignore[assignment]
+    """Reports several routed turns at once, each as ReportTurn would, in order."""
     EndConversation: _aio.UnaryUnaryMultiCallable[_routing_pb2.EndConversationRequest, _routing_pb2.EndConversationResponse]  # type: ignore[assignment]
     """Ends a conversation: its retained KV is released now, not at the TTL."""
 
@@ -85,6 +89,14 @@ class RoutingServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_routing_pb2.ReportTurnResponse, _abc.Awaitable[_routing_pb2.ReportTurnResponse]]:
         """Reports how a routed turn went: D's new handle and the timings."""
+
+    @_abc_1.abstractmethod
+    def ReportTurns(
+        self,
+        request: _routing_pb2.ReportTurnsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_routing_pb2.ReportTurnsResponse, _abc.Awaitable[_routing_pb2.ReportTurnsResponse]]:
+        """Reports several routed turns at once, each as ReportTurn would, in order."""
 
     @_abc_1.abstractmethod
     def EndConversation(
