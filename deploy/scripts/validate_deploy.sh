@@ -10,10 +10,12 @@
 #            against the schema again; commands and settings through kvplane's own parsers
 #   helm     lint and render with Helm's Go engine (helm-python-sdk) for each values file in
 #            deploy/helm/kvplane/ci; every built-in resource against the strict Kubernetes
-#            schemas of 1.29 and 1.37 (kubernetes-validate); cross-references between resources
+#            schemas of 1.29 and 1.37 (kubernetes-validate); cross-references between resources;
+#            the dashboard, alert rules, autoscalers, gateway drain and engine objects (ops_checks)
 #   mesh     the Istio manifests: their CRD schemas, known fields, and the identities, labels,
 #            ports and gRPC paths they name against the rendered chart
-#   crds     ServiceMonitors and Istio resources against their CRD schemas (node, @kubernetes-models)
+#   crds     ServiceMonitors, the PrometheusRule and Istio resources against their CRD schemas (node,
+#            @kubernetes-models)
 #
 # The Python validators come with the dev extras (pip install -e '.[dev]'); the CRD schemas are
 # installed from deploy/scripts/validate/package-lock.json with `npm ci` when missing.
@@ -113,8 +115,8 @@ step "mesh: Istio manifests"
 run "mesh manifests" "${CHECKS[@]}" mesh "$OUT"
 
 # ---------------------------------------------------------------- CRD schemas
-step "crds: ServiceMonitor and Istio schemas (node $(node --version))"
-run "ServiceMonitor schemas" node "$VALIDATE/crd_schemas.mjs" "$OUT/helm-crds.json"
+step "crds: ServiceMonitor, PrometheusRule and Istio schemas (node $(node --version))"
+run "ServiceMonitor and PrometheusRule schemas" node "$VALIDATE/crd_schemas.mjs" "$OUT/helm-crds.json"
 run "Istio schemas" node "$VALIDATE/crd_schemas.mjs" "$OUT/mesh-crds.json"
 
 echo

@@ -11,7 +11,7 @@ import { readFileSync } from "node:fs";
 const MODELS = {
   "security.istio.io/v1": ["@kubernetes-models/istio/security.istio.io/v1", ["AuthorizationPolicy", "PeerAuthentication", "RequestAuthentication"]],
   "networking.istio.io/v1": ["@kubernetes-models/istio/networking.istio.io/v1", ["DestinationRule", "VirtualService", "Sidecar"]],
-  "monitoring.coreos.com/v1": ["@kubernetes-models/prometheus-operator/monitoring.coreos.com/v1", ["ServiceMonitor", "PodMonitor"]],
+  "monitoring.coreos.com/v1": ["@kubernetes-models/prometheus-operator/monitoring.coreos.com/v1", ["ServiceMonitor", "PodMonitor", "PrometheusRule"]],
 };
 
 async function modelFor(apiVersion, kind) {

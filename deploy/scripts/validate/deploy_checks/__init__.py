@@ -11,7 +11,9 @@
 
 (run from deploy/scripts/validate, or with it on PYTHONPATH). One module per artifact:
 `compose_checks.py`, `dockerfile_checks.py`, `chart_checks.py` (the rendered chart),
-`mesh_checks.py` (its Istio manifests, and every call the code makes decided against them:
+`ops_checks.py` (the dashboard, alert rules, autoscalers, the gateway's drain and the engines'
+Services, budgets, monitors and OTEL settings; `promql.py` reads the metric names their queries
+use), `mesh_checks.py` (its Istio manifests, and every call the code makes decided against them:
 `client_calls.py` reads the calls, `istio_authz.py` decides them), over `manifests.py`
 (Kubernetes documents and schemas), `kvplane_code.py` (kvplane's own parsers and settings model)
 and `report.py`.
@@ -36,10 +38,13 @@ from .mesh_checks import (
     grpc_service_paths,
     unknown_fields,
 )
+from .ops_checks import check_operations
+from .promql import PromQLError, metric_names
 from .report import Report
 
 __all__ = [
     "ISTIO_FIELDS",
+    "PromQLError",
     "Report",
     "check_chart_semantics",
     "check_client_calls",
@@ -47,11 +52,13 @@ __all__ = [
     "check_dockerfile",
     "check_helm",
     "check_mesh",
+    "check_operations",
     "client_requests",
     "docs_of",
     "grpc_service_paths",
     "kubernetes_validate",
     "merged_values",
+    "metric_names",
     "pod_templates",
     "render_chart",
     "unknown_fields",

@@ -23,6 +23,7 @@ from .kvplane_code import (
     without_section,
 )
 from .manifests import check_kubernetes_docs, container_ports, docs_of, matches, pod_templates
+from .ops_checks import check_operations
 from .report import CHART, Report
 
 
@@ -37,6 +38,13 @@ class Rendering:
         self.services_by_name = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
         # The pods of CronJobs (etcd backups) are peers too, though no Service or PDB covers them.
         self.job_pods = [d["spec"]["jobTemplate"]["spec"]["template"] for d in docs if d["kind"] == "CronJob"]
+
+    def hpa_floor(self, deployment: str) -> int:
+        """The minReplicas of the HPA that scales `deployment`; 1 if none does."""
+        for d in self.docs:
+            if d["kind"] == "HorizontalPodAutoscaler" and d["spec"]["scaleTargetRef"]["name"] == deployment:
+                return int(d["spec"].get("minReplicas", 1))
+        return 1
 
     def pods_for(self, selector: Mapping[str, str]) -> list[dict[str, Any]]:
         templates = [t for _, t in self.pods] + self.job_pods
@@ -128,7 +136,8 @@ def _check_disruption_budgets(r: Rendering, label: str, report: Report) -> None:
             w for w, t in r.pods if matches(pdb["spec"]["selector"]["matchLabels"], t["metadata"]["labels"])
         ]
         if report.check(len(owners) == 1, f"{name}: covers one workload"):
-            replicas = owners[0]["spec"]["replicas"]
+            # An autoscaled Deployment leaves its replicas to its HPA: its floor is the HPA's.
+            replicas = owners[0]["spec"].get("replicas") or r.hpa_floor(owners[0]["metadata"]["name"])
             if "minAvailable" in pdb["spec"]:
                 report.check(
                     pdb["spec"]["minAvailable"] < replicas or replicas == 1,
@@ -410,6 +419,7 @@ def check_helm(out: Path, report: Report) -> None:
         crds.extend(check_kubernetes_docs(f"[{label}]", docs, report))
         check_chart_semantics(f"[{label}]", docs, merged_values(overrides), report)
         check_etcd_backup(f"[{label}]", docs, merged_values(overrides), report)
+        check_operations(f"[{label}]", docs, merged_values(overrides), report)
 
     # Values the chart must refuse.
     refusals: list[tuple[str, dict[str, Any]]] = [
@@ -430,6 +440,11 @@ def check_helm(out: Path, report: Report) -> None:
             },
         ),
         ("gRPC TLS without the services' Secret", {"grpc": {"tls": {"enabled": True}}}),
+        (
+            "an autoscaler whose minReplicas is above its maxReplicas",
+            {"autoscaling": {"routing": {"enabled": True, "minReplicas": 5, "maxReplicas": 4}}},
+        ),
+        ("an engine PDB with both bounds", {"engines": {"pdb": {"minAvailable": 1, "maxUnavailable": 1}}}),
         (
             "gRPC TLS without the gateway's Secret",
             {"grpc": {"tls": {"enabled": True, "serverSecret": "s"}}},

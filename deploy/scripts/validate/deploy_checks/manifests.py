@@ -62,7 +62,7 @@ def kubernetes_validate(doc: dict[str, Any], version: str) -> str:
     return ""
 
 
-BUILTIN_GROUPS = ("v1", "apps/v1", "batch/v1", "policy/v1", "networking.k8s.io/v1")
+BUILTIN_GROUPS = ("v1", "apps/v1", "autoscaling/v2", "batch/v1", "policy/v1", "networking.k8s.io/v1")
 
 
 def check_kubernetes_docs(label: str, docs: list[dict[str, Any]], report: Report) -> list[dict[str, Any]]:
