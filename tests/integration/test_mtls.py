@@ -96,6 +96,27 @@ async def test_the_client_certificate_names_the_principal(mtls_plane: ServicePro
     assert [n.node.node_id for n in nodes.nodes] == ["d0"]
 
 
+async def test_a_certificate_with_two_kvplane_identities_is_refused_whatever_their_order(
+    mtls_plane: ServiceProcess, ca: TestCa
+) -> None:
+    # Which identity counted used to be the first one listed: an operator before a node won.
+    for uris in (
+        ("kvplane://operator/evil", "kvplane://node/d0"),
+        ("kvplane://node/d0", "kvplane://operator/evil"),
+    ):
+        two = _client(ca.ca_file, ca.issue("two-ids", uris=uris))
+        assert await _register(two, target(mtls_plane), "d0") == grpc.StatusCode.UNAUTHENTICATED
+
+
+async def test_an_escaped_or_wildcard_name_in_a_certificate_names_nobody(
+    mtls_plane: ServiceProcess, ca: TestCa
+) -> None:
+    # `d%2A` used to decode to the wildcard `d*`, which covered node d1; `%00` and `%2F` passed too.
+    for uri in ("kvplane://node/d%2A", "kvplane://node/d*", "kvplane://node/d%00", "kvplane://node/d%2F1"):
+        bad = _client(ca.ca_file, ca.issue("bad-name", uris=(uri,)))
+        assert await _register(bad, target(mtls_plane), "d1") == grpc.StatusCode.UNAUTHENTICATED, uri
+
+
 async def test_a_certificate_from_another_ca_or_none_at_all_is_refused(
     mtls_plane: ServiceProcess, ca: TestCa, tmp_path: Path
 ) -> None:

@@ -26,11 +26,11 @@ import dataclasses
 import enum
 import hmac
 import logging
+import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
-from urllib.parse import unquote
 
 from kvplane.services.common.model import validation
 from kvplane.services.common.model.errors import InvalidArgument, PermissionDenied, Unauthenticated
@@ -225,13 +225,25 @@ class TokenAuthenticator:
 
 
 class CertificateAuthenticator:
-    """The principal a verified client certificate names (`kvplane://{kind}/{name}`)."""
+    """The principal a verified client certificate names (`kvplane://{kind}/{name}`).
+
+    A certificate names exactly one kvplane identity: with several, which one counts would be a
+    matter of their order, so such a certificate is refused. The name is taken as written (never
+    percent-decoded) and must be a plain name (`valid_identity_name`): no wildcard, no separator,
+    no control character can come from a certificate.
+    """
 
     def authenticate(self, call: CallCredentials) -> Principal:
-        for identity in call.certificate_ids:
+        identities = kvplane_identities(call.certificate_ids)
+        if len(identities) > 1:
+            raise Unauthenticated(
+                f"the client certificate names {len(identities)} kvplane identities; exactly one is allowed"
+            )
+        for identity in identities:
             principal = principal_from_identity(identity)
             if principal is not None:
                 return principal
+            raise Unauthenticated("the client certificate's kvplane identity is not a valid principal")
         if call.certificate_ids:
             raise Unauthenticated("the client certificate names no kvplane principal")
         raise Unauthenticated("no credentials: present a client certificate")
@@ -249,6 +261,9 @@ class MeshAuthenticator:
         self._proxies = frozenset(proxy_identities)
 
     def _from_proxy(self, call: CallCredentials) -> bool:
+        identities = kvplane_identities(call.certificate_ids)
+        if len(identities) > 1:
+            raise Unauthenticated("the client certificate names several kvplane identities")
         for identity in call.certificate_ids:
             if identity in self._proxies or identity.startswith("kvplane://mesh/"):
                 return True
@@ -289,14 +304,28 @@ def _header_id(value: str, header: str, *, tenant: bool = False) -> str:
         raise Unauthenticated(str(exc)) from None
 
 
+_IDENTITY_SCHEME = "kvplane://"
+# A name a certificate may carry: letters, digits and . _ : @ -, starting with a letter or digit.
+_IDENTITY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
+
+
+def kvplane_identities(certificate_ids: Sequence[str]) -> list[str]:
+    """The certificate's URI names in kvplane's scheme."""
+    return [i for i in certificate_ids if i.startswith(_IDENTITY_SCHEME)]
+
+
+def valid_identity_name(name: str) -> bool:
+    """Whether `name` is a plain principal name: no wildcard, separator, escape or control character."""
+    return _IDENTITY_NAME.fullmatch(name) is not None
+
+
 def principal_from_identity(identity: str) -> Principal | None:
-    """`kvplane://tenant/acme` -> a tenant principal; None for anything else."""
-    scheme = "kvplane://"
-    if not identity.startswith(scheme):
+    """`kvplane://tenant/acme` -> a tenant principal; None for anything else, a name that is not
+    plain included (`kvplane://node/d%2A` is not the wildcard `d*`: it names nothing)."""
+    if not identity.startswith(_IDENTITY_SCHEME):
         return None
-    kind_name, _, raw = identity[len(scheme) :].partition("/")
-    name = unquote(raw, errors="strict") if raw else ""
-    if not name or "/" in raw:
+    kind_name, _, name = identity[len(_IDENTITY_SCHEME) :].partition("/")
+    if not valid_identity_name(name):
         return None
     try:
         kind = PrincipalKind(kind_name)
