@@ -13,14 +13,37 @@ from aiohttp import web
 _TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
+    403: "PermissionDeniedError",
     404: "NotFoundError",
+    405: "MethodNotAllowedError",
     408: "RequestTimeoutError",
+    409: "ConflictError",
+    411: "LengthRequiredError",
     413: "RequestTooLargeError",
+    414: "URITooLongError",
     415: "UnsupportedMediaTypeError",
     417: "ExpectationFailedError",
+    422: "UnprocessableEntityError",
     429: "RateLimitError",
+    431: "RequestHeaderFieldsTooLargeError",
+    500: "InternalServerError",
+    502: "BadGatewayError",
     503: "ServiceUnavailableError",
+    504: "GatewayTimeoutError",
 }
+
+
+def error_type(status: int) -> str:
+    """OpenAI's error type for a status: a client error is never typed as the gateway's fault."""
+    if status in _TYPES:
+        return _TYPES[status]
+    return (
+        "BadRequestError"
+        if 400 <= status < 500
+        else "InternalServerError"
+        if status < 502
+        else "BadGatewayError"
+    )
 
 
 class RequestRejected(Exception):
@@ -34,7 +57,7 @@ class RequestRejected(Exception):
 
 
 def error_body(status: int, message: str, kind: str = "", param: str | None = None) -> dict[str, Any]:
-    kind = kind or _TYPES.get(status, "BadGatewayError")
+    kind = kind or error_type(status)
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 

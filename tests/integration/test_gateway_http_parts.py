@@ -115,7 +115,9 @@ async def test_unknown_paths_and_methods_are_answered_in_json(front: str) -> Non
             assert resp.status == 404 and (await resp.json())["error"]["code"] == 404
         async with session.get(f"{front}/v1/echo", headers={"Authorization": "Bearer key-acme"}) as resp:
             assert resp.status == 405 and resp.headers["Allow"] == "POST"
-            assert (await resp.json())["error"]["code"] == 405
+            error = (await resp.json())["error"]
+            # The client's error, typed as such, not as the gateway's (BadGatewayError).
+            assert error["code"] == 405 and error["type"] == "MethodNotAllowedError"
 
 
 async def test_a_malformed_request_line_is_answered_in_json(front: str) -> None:
