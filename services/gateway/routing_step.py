@@ -93,9 +93,11 @@ class RoutingStep:
     def fallback_route(self, turn: TurnRequest, why: str, avoid_urls: tuple[str, ...] = ()) -> RouteResult:
         """A recompute on the next fallback P and D; 503 when none are configured."""
         if not self.fallback.configured:
+            # The why names internal addresses: it goes to the log, not to the client.
+            log.warning("routing unavailable (%s) and no fallback engines are configured", why)
             raise TurnFailed(
                 failover.NO_ENGINE_STATUS,
-                f"routing is unavailable and no fallback engines are configured ({why})",
+                "routing is unavailable and no fallback engines are configured; try again shortly",
             )
         now = time.monotonic()
         prefill = self.fallback.prefill(now, avoid_urls)

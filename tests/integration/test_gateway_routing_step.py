@@ -94,13 +94,18 @@ async def test_a_request_routing_rejects_fails_with_the_clients_error_not_a_fall
     assert p.metric("kvplane_gateway_retries_total", reason="routing_unavailable") == 0
 
 
-async def test_without_fallback_engines_an_unplaceable_turn_is_a_503() -> None:
+async def test_without_fallback_engines_an_unplaceable_turn_is_a_503_that_names_no_address(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     p = parts()
-    p.routing.routes.append(RoutingUnavailable("no replica answered"))
+    p.routing.routes.append(RoutingUnavailable("no replica answered (10.0.3.7:50051 went silent)"))
     with pytest.raises(TurnFailed) as failed:
         await step(p).route(turn(), PROMPT)
     assert failed.value.status == failover.NO_ENGINE_STATUS == 503
-    assert "no fallback engines are configured (no replica answered)" in failed.value.message
+    assert "no fallback engines are configured" in failed.value.message
+    # The routing replica's address is the operator's to see, in the log; never the client's.
+    assert "10.0.3.7" not in failed.value.message
+    assert any("10.0.3.7:50051" in r.getMessage() for r in caplog.records)
 
 
 def test_fallback_params_are_turn_ones_with_kvplanes_keys_so_d_still_publishes() -> None:
