@@ -7,6 +7,7 @@ the one typed settings object a process loads.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 from typing import Literal
 
@@ -37,6 +38,18 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def _loopback_endpoint(endpoint: str) -> bool:
+    """Whether an etcd endpoint (host:port, [v6]:port, with or without a scheme) is on loopback."""
+    host = endpoint.strip().split("://", 1)[-1].rstrip("/")
+    host = host[1:].partition("]")[0] if host.startswith("[") else host.rpartition(":")[0]
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 class EtcdSection(Section):
     endpoints: list[str] = Field(default_factory=lambda: ["127.0.0.1:2379"])
     prefix: str = "/kvplane/v1/"
@@ -54,6 +67,28 @@ class EtcdSection(Section):
     user: str = ""
     password: SecretStr = SecretStr("")
     password_file: str = ""
+    # Development only: send the etcd password without TLS to a member that is not on loopback.
+    allow_plaintext_password: bool = False
+
+    @model_validator(mode="after")
+    def _no_silent_plaintext(self) -> EtcdSection:
+        """An https:// endpoint without trust roots, or a password in clear over the network, is
+        refused: never downgraded to plaintext without a word."""
+        if not self.tls_ca_file:
+            https = [e for e in self.endpoints if e.strip().lower().startswith("https://")]
+            if https:
+                raise ValueError(
+                    f"etcd endpoint {https[0]} asks for TLS but etcd.tls_ca_file is not set: "
+                    "give the CA of etcd's certificate (nothing is sent in clear instead)"
+                )
+            remote = [e for e in self.endpoints if not _loopback_endpoint(e)]
+            has_password = bool(self.password.get_secret_value() or self.password_file)
+            if has_password and remote and not self.allow_plaintext_password:
+                raise ValueError(
+                    f"the etcd password would go in clear to {remote[0]}: set etcd.tls_ca_file "
+                    "(TLS), or etcd.allow_plaintext_password for development"
+                )
+        return self
 
     def store_settings(self) -> StoreSettings:
         password = self.password.get_secret_value()

@@ -90,3 +90,21 @@ def test_serve_settings_have_no_default_authentication_mode() -> None:
     assert settings.auth.mode is None
     with pytest.raises(ValueError, match=r"auth\.mode is required"):
         settings.auth.authenticator()
+
+
+@pytest.mark.parametrize("endpoint", ["https://etcd.example:2379", "HTTPS://10.0.0.5:2379"])
+def test_an_https_etcd_endpoint_without_trust_roots_is_refused_not_downgraded(endpoint: str) -> None:
+    with pytest.raises(SettingsError, match=r"asks for TLS but etcd\.tls_ca_file is not set"):
+        KvplaneSettings.load(overrides={"etcd": {"endpoints": [endpoint]}})
+    settings = KvplaneSettings.load(overrides={"etcd": {"endpoints": [endpoint], "tls_ca_file": "/ca.pem"}})
+    assert settings.etcd.endpoints == [endpoint]
+
+
+def test_an_etcd_password_is_never_sent_in_clear_off_loopback() -> None:
+    remote = {"endpoints": ["etcd-0.etcd:2379"], "user": "kvplane", "password": "s3cret-pass"}
+    with pytest.raises(SettingsError, match=r"password would go in clear to etcd-0\.etcd:2379"):
+        KvplaneSettings.load(overrides={"etcd": remote})
+    # Over TLS, on loopback, or with the development switch, it is allowed.
+    KvplaneSettings.load(overrides={"etcd": {**remote, "tls_ca_file": "/ca.pem"}})
+    KvplaneSettings.load(overrides={"etcd": {**remote, "endpoints": ["127.0.0.1:2379", "[::1]:2379"]}})
+    KvplaneSettings.load(overrides={"etcd": {**remote, "allow_plaintext_password": True}})
