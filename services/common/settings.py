@@ -125,6 +125,19 @@ class TelemetrySection(Section):
     json_logs: bool = True
 
 
+# The shortest bearer token accepted: shorter ones can be guessed.
+MIN_TOKEN_CHARS = 16
+
+
+def _strong(token: str, name: str) -> str:
+    if len(token) < MIN_TOKEN_CHARS:
+        raise ValueError(
+            f"token entry {name!r}: a token of {len(token)} characters can be guessed; use at least "
+            f"{MIN_TOKEN_CHARS} (e.g. `openssl rand -hex 24`)"
+        )
+    return token
+
+
 class TokenEntry(Section):
     # The bearer token itself, or a file holding it (read again when it changes; surrounding
     # whitespace dropped).
@@ -139,11 +152,18 @@ class TokenEntry(Section):
     def _one_source(self) -> TokenEntry:
         if bool(self.token.get_secret_value()) == bool(self.token_file):
             raise ValueError(f"token entry {self.name!r}: set exactly one of token and token_file")
+        if self.kind == "node" and (not self.name.rstrip("*") or "*" in self.name.rstrip("*")):
+            # `d*` covers one Deployment's pods; `*` alone would be every node.
+            raise ValueError(
+                f"token entry {self.name!r}: a node token's name is a node id, or a prefix ending in *"
+            )
+        if self.token.get_secret_value():
+            _strong(self.token.get_secret_value(), self.name)
         return self
 
     def secret(self) -> str:
         if self.token_file:
-            return read_secret_file(self.token_file, f"token of {self.name!r}")
+            return _strong(read_secret_file(self.token_file, f"token of {self.name!r}"), self.name)
         return self.token.get_secret_value()
 
 
@@ -196,14 +216,19 @@ class AuthSection(Section):
 
     def _token_authenticator(self) -> tuple[Authenticator, list[str]]:
         entries = [*self.tokens, *self._file_entries()]
-        principals = {
-            entry.secret(): Principal(
+        principals: dict[str, Principal] = {}
+        names: dict[str, str] = {}
+        for entry in entries:
+            secret = entry.secret()
+            if secret in principals:
+                # Which of the two would win is an accident of order: refuse both.
+                raise ValueError(f"token entries {names[secret]!r} and {entry.name!r} share one token")
+            names[secret] = entry.name
+            principals[secret] = Principal(
                 PrincipalKind(entry.kind),
                 entry.name,
                 (entry.tenant or entry.name) if entry.kind == "tenant" else "",
             )
-            for entry in entries
-        }
         files = [self.tokens_file, *(e.token_file for e in entries)]
         return TokenAuthenticator(principals), [f for f in files if f]
 

@@ -45,54 +45,54 @@ def _authenticator(section: AuthSection, clock: Clock) -> ReloadingAuthenticator
 
 def test_a_rewritten_tokens_file_adds_and_revokes_tokens_at_the_next_check(tmp_path: Path) -> None:
     tokens = tmp_path / "tokens.json"
-    _write(tokens, json.dumps([{"token": "old-token", "kind": "node", "name": "d0"}]))
+    _write(tokens, json.dumps([{"token": "old-token-0123456789", "kind": "node", "name": "d0"}]))
     clock = Clock()
     auth = _authenticator(AuthSection(mode="token", tokens_file=str(tokens)), clock)
-    assert auth.authenticate(_call("old-token")).name == "d0"
+    assert auth.authenticate(_call("old-token-0123456789")).name == "d0"
 
-    _write(tokens, json.dumps([{"token": "new-token", "kind": "operator", "name": "ops"}]))
+    _write(tokens, json.dumps([{"token": "new-token-0123456789", "kind": "operator", "name": "ops"}]))
     # Checked at most once a second: until then the old set serves.
-    assert auth.authenticate(_call("old-token")).name == "d0"
+    assert auth.authenticate(_call("old-token-0123456789")).name == "d0"
     clock.now += 1.0
-    principal = auth.authenticate(_call("new-token"))
+    principal = auth.authenticate(_call("new-token-0123456789"))
     assert (principal.kind, principal.name) == (PrincipalKind.OPERATOR, "ops")
     with pytest.raises(Unauthenticated):
-        auth.authenticate(_call("old-token"))
+        auth.authenticate(_call("old-token-0123456789"))
 
 
 def test_a_rotated_token_file_of_one_entry_is_read_again(tmp_path: Path) -> None:
     secret = tmp_path / "gateway-token"
-    _write(secret, "first-secret\n")
+    _write(secret, "first-secret-0123456789\n")
     clock = Clock()
     section = AuthSection(
         mode="token", tokens=[{"token_file": str(secret), "kind": "operator", "name": "gw"}]
     )
     auth = _authenticator(section, clock)
-    assert auth.authenticate(_call("first-secret")).name == "gw"
-    _write(secret, "second-secret\n")
+    assert auth.authenticate(_call("first-secret-0123456789")).name == "gw"
+    _write(secret, "second-secret-0123456789\n")
     clock.now += 1.0
-    assert auth.authenticate(_call("second-secret")).name == "gw"
+    assert auth.authenticate(_call("second-secret-0123456789")).name == "gw"
     with pytest.raises(Unauthenticated):
-        auth.authenticate(_call("first-secret"))
+        auth.authenticate(_call("first-secret-0123456789"))
 
 
 def test_a_half_written_tokens_file_keeps_the_previous_tokens_with_a_warning(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     tokens = tmp_path / "tokens.json"
-    _write(tokens, json.dumps([{"token": "kept-token", "kind": "tenant", "name": "acme"}]))
+    _write(tokens, json.dumps([{"token": "kept-token-0123456789", "kind": "tenant", "name": "acme"}]))
     clock = Clock()
     auth = _authenticator(AuthSection(mode="token", tokens_file=str(tokens)), clock)
     _write(tokens, '[{"token": "half')
     clock.now += 1.0
     with caplog.at_level(logging.WARNING, logger="kvplane.services.common.runtime.auth"):
-        assert auth.authenticate(_call("kept-token")).tenant == "acme"
+        assert auth.authenticate(_call("kept-token-0123456789")).tenant == "acme"
     assert "keeping the previous ones" in caplog.text
-    assert "kept-token" not in caplog.text
+    assert "kept-token-0123456789" not in caplog.text
     # Once the file is whole again, it is used.
-    _write(tokens, json.dumps([{"token": "whole-token", "kind": "tenant", "name": "acme"}]))
+    _write(tokens, json.dumps([{"token": "whole-token-0123456789", "kind": "tenant", "name": "acme"}]))
     clock.now += 1.0
-    assert auth.authenticate(_call("whole-token")).tenant == "acme"
+    assert auth.authenticate(_call("whole-token-0123456789")).tenant == "acme"
 
 
 def test_an_unreadable_tokens_file_at_start_up_fails_loudly(tmp_path: Path) -> None:
@@ -186,3 +186,43 @@ async def test_a_client_channel_is_made_again_once_its_certificate_changes_and_k
         assert "keeping the current channel" in caplog.text and channel.reloads == 1
     finally:
         await channel.close()
+
+
+def test_a_tokens_file_others_may_write_is_refused_and_one_they_may_read_is_warned_of(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    tokens = tmp_path / "tokens.json"
+    _write(tokens, json.dumps([{"token": "owner-only-0123456789", "kind": "operator", "name": "ops"}]))
+    tokens.chmod(0o666)  # anyone could add an operator token here
+    with pytest.raises(ValueError, match="writable by group or others"):
+        AuthSection(mode="token", tokens_file=str(tokens)).authenticator()
+    tokens.chmod(0o644)
+    with caplog.at_level(logging.WARNING, logger="kvplane.services.common.runtime.secret_files"):
+        AuthSection(mode="token", tokens_file=str(tokens)).authenticator()
+    assert "readable by others" in caplog.text
+    tokens.chmod(0o600)
+    caplog.clear()
+    AuthSection(mode="token", tokens_file=str(tokens)).authenticator()
+    assert "readable by others" not in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("entries", "says"),
+    [
+        (
+            [
+                {"token": "same-token-0123456789", "name": "a"},
+                {"token": "same-token-0123456789", "name": "b"},
+            ],
+            "share one token",
+        ),
+        ([{"token": "short", "name": "a"}], "can be guessed"),
+        ([{"token": "node-token-0123456789", "kind": "node", "name": "*"}], "prefix ending in"),
+        ([{"token": "node-token-0123456789", "kind": "node", "name": "d*x"}], "prefix ending in"),
+    ],
+)
+def test_duplicate_short_and_wildcard_tokens_are_refused_at_load(
+    entries: list[dict[str, str]], says: str
+) -> None:
+    with pytest.raises(ValueError, match=says):
+        AuthSection(mode="token", tokens=entries).authenticator()  # type: ignore[arg-type]
