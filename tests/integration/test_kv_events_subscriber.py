@@ -147,5 +147,3 @@ async def test_a_replay_with_a_huge_backlog_is_read_only_to_the_gap_s_end() -> N
 
 async def _true(value: bool) -> bool:
     return value
-
-
