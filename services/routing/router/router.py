@@ -228,7 +228,10 @@ class Router:
         if caches is None or not len(caches) or not turn.prompt.token_ids:
             return recorded
         nodes = [(s.node.node_id, s.node.incarnation) for s in states if s.node.role.can_prefill()]
-        seen = caches.cached_tokens(nodes, turn.prompt.token_ids, turn.cache_salt, self.clock.monotonic_s())
+        key = (turn.tenant, turn.conversation)
+        seen = caches.cached_tokens(
+            nodes, turn.prompt.token_ids, turn.cache_salt, self.clock.monotonic_s(), conversation=key
+        )
         if not seen:
             return recorded
         merged = dict(recorded)
@@ -395,6 +398,8 @@ class Router:
         self._book.forget(key)
         self._prefill_record.forget(key)
         self._chains.forget(key)
+        if self.engine_caches is not None:
+            self.engine_caches.forget_conversation(key)
 
 
 def _queued_ms(snapshot: RouteSnapshot, node_id: str, costs: CostModel) -> float:

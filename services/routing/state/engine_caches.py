@@ -26,10 +26,11 @@ an argument (monotonic seconds).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kvplane.services.common.model.block_hashes import BlockHasher, UnknownHashAlgo, external_id
+from kvplane.services.common.model.block_hashes import BlockHasher, UnknownHashAlgo
+from kvplane.services.routing.state.prompt_hashes import HashWalk, PromptHashes
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +92,7 @@ class EngineCaches:
         self.stats = EngineCachesStats()
         self._views: OrderedDict[str, _View] = OrderedDict()
         self._hashers: dict[tuple[int, str, str], BlockHasher] = {}
+        self._prompt_hashes = PromptHashes()
 
     def __len__(self) -> int:
         return len(self._views)
@@ -151,10 +153,12 @@ class EngineCaches:
         token_ids: Sequence[int],
         cache_salt: str | None,
         now_s: float,
+        conversation: Hashable | None = None,
     ) -> Mapping[str, int]:
         """For each (node id, incarnation) with a fresh view: the tokens of the prompt's prefix it
         holds, as vLLM would find it (whole blocks, never the prompt's last token; 0: none). Nodes
-        without a fresh view are absent."""
+        without a fresh view are absent. With `conversation`, the hashes its previous prompt had
+        are reused where the tokens agree (`prompt_hashes`)."""
         by_config: dict[HashConfig, list[tuple[str, set[int]]]] = {}
         for node_id, incarnation in nodes:
             if self.fresh(node_id, incarnation, now_s):
@@ -166,8 +170,17 @@ class EngineCaches:
             if hasher is None:
                 continue
             usable = max(0, len(token_ids) - 1) // config.block_size
-            held.update(_prefix_blocks(hasher, config, views, token_ids, cache_salt, usable))
+            if conversation is None:
+                walk = HashWalk(hasher, token_ids, cache_salt)
+            else:
+                walk = self._prompt_hashes.walk(conversation, hasher, token_ids, cache_salt)
+            held.update(_prefix_blocks(walk, config.checkpoint_blocks, views, usable))
+            if conversation is not None:
+                self._prompt_hashes.keep(conversation, walk, cache_salt)
         return held
+
+    def forget_conversation(self, conversation: Hashable) -> None:
+        self._prompt_hashes.forget(conversation)
 
     def _hasher(self, config: HashConfig) -> BlockHasher | None:
         key = (config.block_size, config.algo, config.seed)
@@ -183,29 +196,22 @@ class EngineCaches:
 
 
 def _prefix_blocks(
-    hasher: BlockHasher,
-    config: HashConfig,
-    views: list[tuple[str, set[int]]],
-    token_ids: Sequence[int],
-    cache_salt: str | None,
-    usable_blocks: int,
+    walk: HashWalk, k: int, views: list[tuple[str, set[int]]], usable_blocks: int
 ) -> dict[str, int]:
-    """Tokens of the prompt's leading blocks each view holds, hashing no further than any holds."""
-    size, k = config.block_size, config.checkpoint_blocks
-    held = {node_id: 0 for node_id, _ in views}
-    live = list(views)
-    # Only the checkpoint blocks are hashed into ids to look up; the chain runs through all.
-    parent = hasher.none_hash
-    salt_keys = (("cache_salt", cache_salt),) if cache_salt else None
-    for depth in range(1, usable_blocks + 1):
-        start = (depth - 1) * size
-        parent = hasher.chain_from(parent, token_ids[start : start + size], salt_keys if depth == 1 else None)
-        if depth % k:
-            continue
-        block_id = external_id(parent)
-        live = [(node_id, blocks) for node_id, blocks in live if block_id in blocks]
-        for node_id, _ in live:
-            held[node_id] = depth * size
-        if not live:
-            break
+    """Tokens of the prompt's leading blocks each view holds (a view of every k-th block: at its
+    checkpoints), hashing no further than some view holds (in growing chunks)."""
+    held: dict[str, int] = {}
+    for node_id, blocks in views:
+        matched, depth, chunk = 0, k, 16 * k
+        while depth <= usable_blocks:
+            upto = min(usable_blocks, depth + chunk)
+            walk.block_id(upto)  # computes the ids through `upto`
+            ids = walk.ids
+            missing = next((d for d in range(depth, upto + 1, k) if ids[d - 1] not in blocks), 0)
+            if missing:
+                matched = missing - k
+                break
+            matched = upto - upto % k
+            depth, chunk = matched + k, chunk * 2
+        held[node_id] = matched * walk.hasher.block_size
     return held
