@@ -4,7 +4,7 @@ Engine-agnostic: the vLLM connector uses it, and so does the engine simulator. T
 small and stable:
 
     agent = NodeAgent(settings, node, load_fn, on_release, on_drain=None, demand_fn=None,
-                      retained_fn=None)
+                      retained_fn=None, kv_events=None)
     agent.start()                        # own thread, own asyncio loop; returns at once
     agent.incarnation                    # new uuid at every start()
     agent.publish(handle)                # never blocks: enqueue a retained handle
@@ -43,6 +43,12 @@ What the agent does, all on its own thread:
   `notify_demand()`, after every (re)connect, and again every `demand_refresh_s` while it lasts.
   Acks and demand share one ordered stream, so a demand report sent after an ack already counts
   the release acknowledged;
+- given the engine's KV-cache event source (`kv_events`, a `KVEventsSource`), reads its events
+  (`kvplane.connector.kv_events.subscriber`: gaps replayed, resets on an unfillable gap, a
+  restart or `AllBlocksCleared`) into the node's block set, and streams that set to every routing
+  replica in `routing_targets` (RoutingService.StreamPrefixCache: a snapshot per connect, then
+  coalesced deltas and keep-alives), so that routing scores this prefill node by what its cache
+  really holds;
 - retries everything with exponential backoff and full jitter.
 
 Callbacks (`load_fn`, `on_release`, `on_drain`, `demand_fn`) run on the agent's thread: they must be
@@ -54,7 +60,8 @@ counted.
 The package holds one module per job: `agent.py` (the engine-facing API and the agent's thread),
 `outbox.py` (the bounded queue the engine fills), `registration.py` (registration, keep-alive and
 reconciliation), `load.py` (load reports), `sending.py` (publishes and release reports),
-`commands.py` (the eviction command stream) and `demand.py` (KV demand on that stream), over
+`commands.py` (the eviction command stream), `demand.py` (KV demand on that stream) and
+`prefix_cache.py` (the block set's streams to routing), over
 `control_plane.py` (the stubs, the call metadata and the registration state they share) and
 `settings.py`.
 """

@@ -3,7 +3,9 @@
 The engine calls `publish`, `report_released`, `notify_demand`, `pending` and `stats` from any
 thread; none of them waits for the network. Everything else runs on the agent's own thread and
 asyncio loop: registration (`registration.py`), load reports (`load.py`), the outbox's sender
-(`sending.py`) and the eviction command stream (`commands.py`, with `demand.py`).
+(`sending.py`), the eviction command stream (`commands.py`, with `demand.py`) and, given the
+engine's KV-cache event source, its subscriber (`kvplane.connector.kv_events.subscriber`) and the
+prefix-cache streams to routing (`prefix_cache.py`).
 """
 
 from __future__ import annotations
@@ -16,11 +18,15 @@ import threading
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 
+from kvplane.connector.kv_events.block_set import BlockSet
+from kvplane.connector.kv_events.source import KVEventsSource
+from kvplane.connector.kv_events.subscriber import KVEventsSubscriber
 from kvplane.connector.node_agent.commands import CommandStream
 from kvplane.connector.node_agent.control_plane import CHANNEL_OPTIONS, ControlPlane
 from kvplane.connector.node_agent.demand import DemandReporter
 from kvplane.connector.node_agent.load import LoadReporter
 from kvplane.connector.node_agent.outbox import Item, Outbox
+from kvplane.connector.node_agent.prefix_cache import PrefixCacheStream
 from kvplane.connector.node_agent.registration import Registration
 from kvplane.connector.node_agent.sending import Sender
 from kvplane.connector.node_agent.settings import AgentStats, NodeAgentError, NodeAgentSettings
@@ -50,6 +56,7 @@ class NodeAgent:
         on_drain: Callable[[], None] | None = None,
         demand_fn: Callable[[], int] | None = None,
         retained_fn: Callable[[], Iterable[str]] | None = None,
+        kv_events: KVEventsSource | None = None,
     ) -> None:
         self._settings = settings
         self._node_template = node
@@ -60,6 +67,20 @@ class NodeAgent:
         self._sender = Sender(self._plane, self._outbox, on_release)
         self._demand = DemandReporter(self._plane, demand_fn) if demand_fn is not None else None
         self._commands = CommandStream(self._plane, on_release, on_drain, self._demand)
+        # The engine's KV-cache events (None: not read), and their streams to routing replicas.
+        self._blocks: BlockSet | None = None
+        self._subscriber: KVEventsSubscriber | None = None
+        self._prefix_streams: list[PrefixCacheStream] = []
+        if kv_events is not None:
+            self._blocks = BlockSet(
+                max_blocks=settings.prefix_cache_max_blocks,
+                checkpoint_blocks=settings.prefix_cache_checkpoint_blocks,
+            )
+            self._subscriber = KVEventsSubscriber(kv_events, self._blocks)
+            self._prefix_streams = [
+                PrefixCacheStream(self._plane, target, self._blocks, kv_events)
+                for target in settings.routing_targets
+            ]
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping: asyncio.Event | None = None
@@ -148,7 +169,23 @@ class NodeAgent:
             rpc_errors=plane.rpc_errors,
             reconciled_freed=self._registration.reconciled_freed,
             publishes_given_up=self._sender.publishes_given_up,
+            **self._kv_event_stats(),
         )
+
+    def _kv_event_stats(self) -> dict[str, int]:
+        sub, blocks = self._subscriber, self._blocks
+        if sub is None or blocks is None:
+            return {}
+        return {
+            "kv_event_batches": sub.stats.batches,
+            "kv_events": sub.stats.events,
+            "kv_unknown_events": sub.stats.unknown_events,
+            "kv_gaps_filled": sub.stats.gaps_filled,
+            "kv_resets": blocks.stats.resets,
+            "kv_restarts": sub.stats.restarts,
+            "kv_blocks": len(blocks),
+            "prefix_cache_messages": sum(p.messages for p in self._prefix_streams),
+        }
 
     # ------------------------------------------------------------------ the thread
 
@@ -188,6 +225,12 @@ class NodeAgent:
             asyncio.create_task(self._load.run(), name="kvplane-agent-load"),
             asyncio.create_task(self._sender.run(), name="kvplane-agent-queue"),
             asyncio.create_task(self._commands.run(), name="kvplane-agent-commands"),
+        ]
+        if self._subscriber is not None:
+            tasks.append(asyncio.create_task(self._subscriber.run(), name="kvplane-agent-kv-events"))
+        tasks += [
+            asyncio.create_task(stream.run(), name=f"kvplane-agent-prefix-cache-{stream.target}")
+            for stream in self._prefix_streams
         ]
         try:
             await self._stopping.wait()

@@ -47,6 +47,19 @@ class NodeAgentSettings:
     deregister_on_stop: bool = True
     # Seconds a publish may keep failing before it is given up and its blocks freed.
     publish_give_up_s: float = 30.0
+    # host:port of every routing replica the engine's prefix cache (its KV-cache events, when
+    # the agent is given a source) is streamed to; empty: events are read but not forwarded.
+    routing_targets: tuple[str, ...] = ()
+    # Shortest interval between two prefix-cache deltas to one replica, in seconds.
+    prefix_cache_interval_s: float = 0.1
+    # Longest interval between two prefix-cache messages while nothing changes, in seconds
+    # (routing's staleness bound, routing.prefix_cache_stale_after_s, must be well above it).
+    prefix_cache_keepalive_s: float = 0.5
+    # Send only blocks at every k-th depth of their chain (1: every block): k times less memory
+    # and traffic at routing, prefixes matched to k blocks.
+    prefix_cache_checkpoint_blocks: int = 1
+    # Blocks the agent's view of its engine's cache holds at most (beyond: missed removals; reset).
+    prefix_cache_max_blocks: int = 4_000_000
     # Bearer token for the control plane (shorthand for credentials.token).
     auth_token: str = dataclasses.field(default="", repr=False)
     # Token, TLS and mesh secret presented to the control plane (kvplane.services.client.credentials).
@@ -65,6 +78,10 @@ class NodeAgentSettings:
             raise ValueError("load_heartbeat_s must be at least load_interval_s")
         if self.publish_give_up_s <= 0:
             raise ValueError("publish_give_up_s must be positive")
+        if not 0 < self.prefix_cache_interval_s <= self.prefix_cache_keepalive_s:
+            raise ValueError("need 0 < prefix_cache_interval_s <= prefix_cache_keepalive_s")
+        if self.prefix_cache_checkpoint_blocks < 1 or self.prefix_cache_max_blocks < 1:
+            raise ValueError("prefix_cache_checkpoint_blocks and prefix_cache_max_blocks must be positive")
         if not 0 < self.backoff_initial_s <= self.backoff_max_s:
             raise ValueError("need 0 < backoff_initial_s <= backoff_max_s")
 
@@ -89,3 +106,15 @@ class AgentStats:
     reconciled_freed: int = 0
     # Publishes given up (failing past publish_give_up_s, or expired), their blocks freed.
     publishes_given_up: int = 0
+    # The engine's KV-cache events (all 0 without a source): batches and events read, events of
+    # an unknown type, gaps filled by replay, resets of the block set (AllBlocksCleared, a gap
+    # that could not be filled, an engine restart, an overflow), engine restarts seen, blocks
+    # held now, and prefix-cache messages sent to routing replicas.
+    kv_event_batches: int = 0
+    kv_events: int = 0
+    kv_unknown_events: int = 0
+    kv_gaps_filled: int = 0
+    kv_resets: int = 0
+    kv_restarts: int = 0
+    kv_blocks: int = 0
+    prefix_cache_messages: int = 0

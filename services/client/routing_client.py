@@ -317,13 +317,16 @@ class RoutingClient:
         awaited_handle_id: str = "",
         awaited_handle_tokens: int = 0,
         max_output_tokens: int | None = None,
+        cache_salt: str = "",
     ) -> RouteResult:
         """Routes one turn; `failed_node_ids` names nodes whose leg of this very turn just
         failed (a retry), so that routing neither chooses them again nor, for others, soon.
         `awaited_handle_id` (and its tokens): the handle the previous turn's decode engine
         announced in its last chunk, which routing waits for (bounded) if it needs it and its
         publish has not landed yet. `max_output_tokens`: the turn's max_tokens, when known (D
-        keeps its KV for the next turn only where the output could be worth a pull)."""
+        keeps its KV for the next turn only where the output could be worth a pull).
+        `cache_salt`: the salt the turn's engine requests carry, so that routing predicts the
+        prefill engines' block hashes as they compute them."""
         request = routing_pb2.RouteRequest(
             conversation=conversation,
             model=model,
@@ -337,6 +340,7 @@ class RoutingClient:
             awaited_handle_id=awaited_handle_id,
             awaited_handle_tokens=awaited_handle_tokens,
             max_output_tokens=max_output_tokens,
+            cache_salt=cache_salt,
         )
         carried: dict[int, list[Report]] = {}
 

@@ -9,13 +9,14 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 import grpc
 
 from kvplane.services.client import Endpoint, RouteResult, RoutingClient, RoutingUnavailable
 from kvplane.services.common.model.handles import KEY_CONVERSATION, KEY_TENANT, fresh_prefill_params
-from kvplane.services.gateway import failover
+from kvplane.services.gateway import cache_salt, failover
 from kvplane.services.gateway.fallback import FallbackEngines
 from kvplane.services.gateway.identity import Identity
 from kvplane.services.gateway.metrics import GatewayMetrics
@@ -88,6 +89,7 @@ class RoutingStep:
             awaited_handle_id=awaited_id,
             awaited_handle_tokens=awaited_tokens,
             max_output_tokens=max_output_tokens(turn.body, turn.chat),
+            cache_salt=_salt(turn.body),
         )
 
     def fallback_route(self, turn: TurnRequest, why: str, avoid_urls: tuple[str, ...] = ()) -> RouteResult:
@@ -129,3 +131,9 @@ def fresh_params(identity: Identity) -> dict[str, Any]:
     params[KEY_TENANT] = identity.tenant
     params[KEY_CONVERSATION] = identity.conversation
     return params
+
+
+def _salt(body: Mapping[str, Any]) -> str:
+    """The cache_salt the gateway set on the turn's engine requests ("" when isolation is off)."""
+    salt = body.get(cache_salt.BODY_KEY)
+    return salt if isinstance(salt, str) else ""

@@ -6,6 +6,8 @@ decides the turn, checks its handle out and learns from its report; what a
 report says of D's handle and of a failed turn's P is `reports.py`'s. The
 Router's ports are the replica's watch-fed view, the etcd store's check-out
 and the system clock (`adapters.py`). Protobuf stops at this boundary.
+StreamPrefixCache feeds the Router's view of prefill engines' caches from their
+own KV-cache events (`prefix_cache_stream.py`).
 
 The hot path (Route) reads only the watch-fed cluster view; the check-out
 transaction is its one etcd round trip, and only when the policy decides to
@@ -20,6 +22,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 from opentelemetry import trace
@@ -42,6 +45,7 @@ from kvplane.services.common.runtime.server import Context, caller
 from kvplane.services.common.runtime.telemetry import Telemetry
 from kvplane.services.common.store import HandleRecord, Store
 from kvplane.services.common.store.cluster_view import ClusterView
+from kvplane.services.routing import prefix_cache_stream
 from kvplane.services.routing.adapters import StoreCheckOut, SystemClock, ViewCluster
 from kvplane.services.routing.endpoints import AddressError, http_base_url
 from kvplane.services.routing.metrics import RoutingMetrics
@@ -56,6 +60,7 @@ from kvplane.services.routing.router import (
     TurnRequest,
 )
 from kvplane.services.routing.settings import RoutingSection
+from kvplane.services.routing.state.engine_caches import EngineCaches
 from kvplane.services.routing.suspect_marker import MAX_FAILED_NODES, SuspectMarker
 from kvplane.v1 import routing_pb2, routing_pb2_grpc
 
@@ -72,6 +77,7 @@ MAX_PROMPT_IDS = 1 << 20
 MAX_ERROR = 1024
 # Most reports one ReportTurns call, or one Route, carries (routing.proto).
 MAX_BATCHED_REPORTS = 64
+MAX_CACHE_SALT = 256
 # Nodes (by id, incarnation and URL) whose encoded Endpoint is kept.
 _MAX_ENDPOINTS = 4096
 
@@ -121,6 +127,11 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
             SystemClock(),
             # Salts tie-breaks, so that replicas spread equal nodes differently.
             tie_salt=uuid.uuid4().hex[:8],
+            engine_caches=EngineCaches(
+                stale_after_s=settings.prefix_cache_stale_after_s,
+                max_nodes=settings.prefix_cache_max_nodes,
+                max_blocks=settings.prefix_cache_max_blocks,
+            ),
         )
         self._reports = TurnReports(store, view, settings)
         self._publish_cost_gauges()
@@ -152,6 +163,7 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
         failed = self._failed_nodes(request, principal)
         awaited = validation.ident(request.awaited_handle_id, "awaited_handle_id", required=False)
         max_output = request.max_output_tokens if request.HasField("max_output_tokens") else None
+        salt = validation.text(request.cache_salt, "cache_salt", max_bytes=MAX_CACHE_SALT, required=False)
         validation.count(len(request.reports), "reports", 0, MAX_BATCHED_REPORTS)
         # Held-back reports first: a conversation's last turn is learnt before its next is routed.
         await self._apply_carried(principal, request.reports)
@@ -164,6 +176,7 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
             failed_node_ids=failed,
             awaited=AwaitedHandle(awaited, request.awaited_handle_tokens) if awaited else None,
             max_output_tokens=max_output,
+            cache_salt=salt or None,
         )
         span = trace.get_current_span()
         if span.is_recording():
@@ -215,10 +228,19 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
         failed_node_ids: frozenset[str] = frozenset(),
         awaited: AwaitedHandle | None = None,
         max_output_tokens: int | None = None,
+        cache_salt: str | None = None,
     ) -> RouteOutcome:
         """The Router's decision for one turn, counted in the metrics. No protobuf here."""
         turn = TurnRequest(
-            tenant, conversation, model, prompt, time_budget_s, failed_node_ids, awaited, max_output_tokens
+            tenant,
+            conversation,
+            model,
+            prompt,
+            time_budget_s,
+            failed_node_ids,
+            awaited,
+            max_output_tokens,
+            cache_salt,
         )
         try:
             outcome = await self.router.route(turn)
@@ -268,6 +290,19 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
                     why = f"a leg failed (reported by {principal.name})"
                     self._suspects.mark(NodeSuspect(node_id, record.node.incarnation, now, why))
         return failed
+
+    # -- StreamPrefixCache ------------------------------------------------------------
+
+    @rpc_method
+    async def StreamPrefixCache(
+        self, request_iterator: AsyncIterator[routing_pb2.StreamPrefixCacheRequest], context: Context
+    ) -> routing_pb2.StreamPrefixCacheResponse:
+        caches = self.router.engine_caches
+        assert caches is not None  # the service always keeps one
+        applied = await prefix_cache_stream.receive(
+            self._caller(context), request_iterator, caches, self.router.clock.monotonic_s
+        )
+        return routing_pb2.StreamPrefixCacheResponse(applied=applied)
 
     # -- ReportTurn ---------------------------------------------------------------
 

@@ -30,3 +30,10 @@ class RoutingSection(Section):
     # Whether D takes the turn only once P is done with it (vLLM's disaggregated flow), so
     # that only then its load reports show the turn's KV; false: D reserves it when routed.
     decode_after_prefill: bool = True
+    # A prefill node's prefix-cache view from its engine's events (StreamPrefixCache) is used
+    # only when a message came within this many seconds; else the router's own record, seconds.
+    prefix_cache_stale_after_s: float = Field(2.0, gt=0)
+    # Nodes whose prefix-cache view a replica keeps, and block ids per node (a view that
+    # outgrows it is dropped until the node's next snapshot).
+    prefix_cache_max_nodes: int = Field(10_000, gt=0)
+    prefix_cache_max_blocks: int = Field(4_000_000, gt=0)

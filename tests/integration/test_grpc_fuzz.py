@@ -38,7 +38,15 @@ T = TypeVar("T")
 
 # Methods only a node may call: fuzzed as node-a, the rest as the operator, so that requests
 # get past authorization to validation.
-NODE_METHODS = {"RegisterNode", "KeepAlive", "ReportLoad", "PublishHandles", "ReportReleased", "Commands"}
+NODE_METHODS = {
+    "RegisterNode",
+    "KeepAlive",
+    "ReportLoad",
+    "PublishHandles",
+    "ReportReleased",
+    "Commands",
+    "StreamPrefixCache",
+}
 # Streams may stay open on valid input; they get a short deadline, and running out of it is fine.
 STREAM_DEADLINE_S = 0.5
 UNARY_DEADLINE_S = 10.0

@@ -477,8 +477,8 @@ async def test_corrupt_wire_bytes_and_invalid_utf8_are_invalid_argument(
     if method.name == "Commands":
         # Only the leader reads a command stream's messages.
         await eventually(lambda: _true(coordinator_of(token_plane).is_leader), what="leadership")
-    # As the operator (the node, for its stream), so the request itself is what is judged.
-    who = bearer("node-a") if method.name == "Commands" else bearer("ops")
+    # As the operator (the node, for its streams), so the request itself is what is judged.
+    who = bearer("node-a") if method.name in ("Commands", "StreamPrefixCache") else bearer("ops")
     for payload in (b"\xff\xff\xff\xff", b"\x0a\xff", _invalid_utf8(method)):
         if payload is None:
             continue

@@ -73,6 +73,7 @@ PURE_MODULES = frozenset(
         "kvplane.bench.sim.cache_events",  # "Pure: no I/O; time is an argument."
         "kvplane.bench.sim.block_chain",  # block values as runs: pure data
         "kvplane.services.common.model.kv_events",  # "Pure: no I/O."
+        "kvplane.connector.kv_events.block_set",  # "Pure: no I/O, no clock."
     }
 )
 # What pure code must not import: the store, network and process I/O, threads, waiting, the clock.
@@ -81,6 +82,7 @@ IO_MODULES = (
     "grpc",
     "aetcd",
     "aiohttp",
+    "zmq",
     "asyncio",
     "uvloop",
     "socket",

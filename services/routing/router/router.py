@@ -3,7 +3,8 @@
 - snapshot: the turn's prompt (its digest chain, `state.prompt_chains`), the
   conversation's handle, the usable nodes with the work this router sent them
   since their last load report (`state.inflight`), and what it believes each
-  prefill node's cache holds (`state.prefill_record`);
+  prefill node's cache holds: its engine's own events where they are fresh
+  (`state.engine_caches`), else this router's record (`state.prefill_record`);
 - plan: the routing policy (`policy/`, pure), then the check-out of the handle
   for a pull, through the injected `HandleCheckOut`: a check-out that fails
   makes the turn recompute, never fail;
@@ -43,6 +44,7 @@ from kvplane.services.routing.policy.retention import decode_retention_pays
 from kvplane.services.routing.router.ports import Clock, ClusterReader, HandleCheckOut
 from kvplane.services.routing.router.turns import AwaitedHandle, RouteOutcome, TurnReport, TurnRequest
 from kvplane.services.routing.settings import RoutingSection
+from kvplane.services.routing.state.engine_caches import EngineCaches
 from kvplane.services.routing.state.inflight import InFlightLedger, routed_work
 from kvplane.services.routing.state.prefill_record import PrefillCacheRecord, SentReceipt
 from kvplane.services.routing.state.prompt_chains import PromptChains
@@ -80,6 +82,7 @@ class Router:
         *,
         tie_salt: str = "",
         new_route_id: Callable[[], str] = _new_route_id,
+        engine_caches: EngineCaches | None = None,
     ) -> None:
         self.policy = policy
         self.settings = settings
@@ -89,6 +92,8 @@ class Router:
         # Salts tie-breaks, so that replicas spread equal nodes differently.
         self.tie_salt = tie_salt
         self._new_route_id = new_route_id
+        # What prefill engines' events say their caches hold (None: no events; the record only).
+        self.engine_caches = engine_caches
         # Replaced, never mutated: a route reads one consistent model.
         self.costs: CostModel = policy.config.cost_model
         self._book = RouteBook(
@@ -179,9 +184,10 @@ class Router:
             # Nodes are known, none serves this model: the request's own error, not an outage.
             raise NotFound(f"model {turn.model!r} is not served by any node")
         prompt = self._chains.with_chain(key, turn.prompt, self._digest_block_size(record, all_states))
-        prefill_cached = self._prefill_record.cached_tokens(
+        recorded = self._prefill_record.cached_tokens(
             key, prompt.tokens, prompt.block_digests, prompt.digest_block_size
         )
+        prefill_cached = self._engine_views(recorded, all_states, turn)
         time_budget_s = turn.time_budget_s
         awaited = turn.awaited
         if awaited is not None and (record is None or record.handle.handle_id != awaited.handle_id):
@@ -212,6 +218,29 @@ class Router:
             tie_salt=self.tie_salt,
         )
         return snapshot, record, all_states, time_budget_s
+
+    def _engine_views(
+        self, recorded: Mapping[str, int], states: tuple[NodeState, ...], turn: TurnRequest
+    ) -> Mapping[str, int]:
+        """The record's guess of each prefill node's cache, replaced where its engine's events
+        are fresh by the exact prefix they show (`state.engine_caches`)."""
+        caches = self.engine_caches
+        if caches is None or not len(caches) or not turn.prompt.token_ids:
+            return recorded
+        nodes = [(s.node.node_id, s.node.incarnation) for s in states if s.node.role.can_prefill()]
+        key = (turn.tenant, turn.conversation)
+        seen = caches.cached_tokens(
+            nodes, turn.prompt.token_ids, turn.cache_salt, self.clock.monotonic_s(), conversation=key
+        )
+        if not seen:
+            return recorded
+        merged = dict(recorded)
+        for node_id, tokens in seen.items():
+            if tokens > 0:
+                merged[node_id] = tokens
+            else:
+                merged.pop(node_id, None)
+        return merged
 
     def _plan(self, snapshot: RouteSnapshot, all_states: tuple[NodeState, ...]) -> RoutePlan:
         """The policy's plan over the usable nodes, else over every known node."""
@@ -369,6 +398,8 @@ class Router:
         self._book.forget(key)
         self._prefill_record.forget(key)
         self._chains.forget(key)
+        if self.engine_caches is not None:
+            self.engine_caches.forget_conversation(key)
 
 
 def _queued_ms(snapshot: RouteSnapshot, node_id: str, costs: CostModel) -> float:

@@ -35,6 +35,8 @@ class TurnRequest:
     awaited: AwaitedHandle | None = None
     # The turn's bound on its output, if known (whether D keeps its KV: `policy.retention`).
     max_output_tokens: int | None = None
+    # The cache_salt the turn's engine requests carry (None: unsalted): predicts P's block hashes.
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -91,8 +91,12 @@ def grpc_service_paths() -> set[str]:
     for proto in (ROOT / "protos" / "kvplane" / "v1").glob("*.proto"):
         text = proto.read_text()
         package = re.search(r"^package\s+([\w.]+);", text, re.M)
-        for service in re.findall(r"^service\s+(\w+)", text, re.M):
-            out.add(f"/{package.group(1) if package else ''}.{service}/*")
+        prefix = package.group(1) if package else ""
+        for service, body in re.findall(r"^service\s+(\w+)\s*\{(.*?)^\}", text, re.M | re.S):
+            out.add(f"/{prefix}.{service}/*")
+            # A policy may also allow one method alone (engines may call routing's
+            # StreamPrefixCache and nothing else of it).
+            out.update(f"/{prefix}.{service}/{rpc}" for rpc in re.findall(r"^\s*rpc\s+(\w+)", body, re.M))
     return out
 
 

@@ -103,6 +103,7 @@ class RouteRequest(_message.Message):
     AWAITED_HANDLE_TOKENS_FIELD_NUMBER: _builtins.int
     MAX_OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
     REPORTS_FIELD_NUMBER: _builtins.int
+    CACHE_SALT_FIELD_NUMBER: _builtins.int
     conversation: _builtins.str
     """Conversation id, 1 to 512 bytes."""
     model: _builtins.str
@@ -130,6 +131,11 @@ class RouteRequest(_message.Message):
     caller knows it. Routing keeps D's KV for the next turn only where what P will
     lack then (at most this output, when P keeps the prompt) could be worth a pull;
     unset: the output may be long, and D keeps its KV.
+    """
+    cache_salt: _builtins.str
+    """The cache_salt the caller sets on the engines' requests of this turn (vLLM's
+    per-tenant prefix-cache isolation), empty for none. Routing predicts the
+    prompt's prefix-cache block hashes with it. Up to 256 bytes.
     """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -176,10 +182,11 @@ class RouteRequest(_message.Message):
         awaited_handle_tokens: _builtins.int = ...,
         max_output_tokens: _builtins.int | None = ...,
         reports: _abc.Iterable[Global___ReportTurnRequest] | None = ...,
+        cache_salt: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_max_output_tokens", b"_max_output_tokens", "max_output_tokens", b"max_output_tokens"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_output_tokens", b"_max_output_tokens", "awaited_handle_id", b"awaited_handle_id", "awaited_handle_tokens", b"awaited_handle_tokens", "conversation", b"conversation", "failed_node_ids", b"failed_node_ids", "max_output_tokens", b"max_output_tokens", "model", b"model", "prompt_block_digests", b"prompt_block_digests", "prompt_digest_block_size", b"prompt_digest_block_size", "prompt_token_ids", b"prompt_token_ids", "prompt_tokens", b"prompt_tokens", "reports", b"reports", "request_id", b"request_id", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_output_tokens", b"_max_output_tokens", "awaited_handle_id", b"awaited_handle_id", "awaited_handle_tokens", b"awaited_handle_tokens", "cache_salt", b"cache_salt", "conversation", b"conversation", "failed_node_ids", b"failed_node_ids", "max_output_tokens", b"max_output_tokens", "model", b"model", "prompt_block_digests", b"prompt_block_digests", "prompt_digest_block_size", b"prompt_digest_block_size", "prompt_token_ids", b"prompt_token_ids", "prompt_tokens", b"prompt_tokens", "reports", b"reports", "request_id", b"request_id", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_output_tokens: _TypeAlias = _typing.Literal["max_output_tokens"]  # noqa: Y015
     _WhichOneofArgType__max_output_tokens: _TypeAlias = _typing.Literal["_max_output_tokens", b"_max_output_tokens"]  # noqa: Y015
@@ -511,3 +518,102 @@ class EndConversationResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___EndConversationResponse: _TypeAlias = EndConversationResponse  # noqa: Y015
+
+@_typing.final
+class StreamPrefixCacheRequest(_message.Message):
+    """One message of a node's prefix-cache stream (StreamPrefixCache)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_FIELD_NUMBER: _builtins.int
+    STORED_BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    REMOVED_BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    BLOCK_SIZE_FIELD_NUMBER: _builtins.int
+    HASH_ALGO_FIELD_NUMBER: _builtins.int
+    HASH_SEED_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_BLOCKS_FIELD_NUMBER: _builtins.int
+    SEQUENCE_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_CONTINUES_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    """The reporting node's id; the same in every message of a stream."""
+    incarnation: _builtins.str
+    """The node's incarnation (its registration's): a view of another incarnation
+    is not used.
+    """
+    snapshot: _builtins.bool
+    """True: the block ids below replace everything routing holds for the node
+    (sent first on every stream, and after the node's own view was reset).
+    False: a delta applied to what it holds (removed first, then stored).
+    """
+    block_size: _builtins.int
+    """Tokens per block of the engine's KV cache, in tokens."""
+    hash_algo: _builtins.str
+    """The engine's prefix-caching hash algorithm (sha256 or sha256_cbor)."""
+    hash_seed: _builtins.str
+    """The seed of the first block's parent hash (vLLM's fixed one unless the
+    engine runs with PYTHONHASHSEED).
+    """
+    checkpoint_blocks: _builtins.int
+    """Only blocks at every checkpoint_blocks-th depth of their chain are sent (the
+    block at depth d, counted from 1, when d is a multiple); 1: every block.
+    """
+    sequence: _builtins.int
+    """Messages sent on this stream before this one (0 for the first)."""
+    snapshot_continues: _builtins.bool
+    """More messages of the same snapshot follow at once (a large snapshot is
+    split); routing treats the view as complete only after the last part.
+    """
+    @_builtins.property
+    def stored_block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Block ids (vLLM's 64-bit block-hash ids) the node now holds."""
+
+    @_builtins.property
+    def removed_block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Block ids the node no longer holds."""
+
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+        incarnation: _builtins.str = ...,
+        snapshot: _builtins.bool = ...,
+        stored_block_ids: _abc.Iterable[_builtins.int] | None = ...,
+        removed_block_ids: _abc.Iterable[_builtins.int] | None = ...,
+        block_size: _builtins.int = ...,
+        hash_algo: _builtins.str = ...,
+        hash_seed: _builtins.str = ...,
+        checkpoint_blocks: _builtins.int = ...,
+        sequence: _builtins.int = ...,
+        snapshot_continues: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "checkpoint_blocks", b"checkpoint_blocks", "hash_algo", b"hash_algo", "hash_seed", b"hash_seed", "incarnation", b"incarnation", "node_id", b"node_id", "removed_block_ids", b"removed_block_ids", "sequence", b"sequence", "snapshot", b"snapshot", "snapshot_continues", b"snapshot_continues", "stored_block_ids", b"stored_block_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StreamPrefixCacheRequest: _TypeAlias = StreamPrefixCacheRequest  # noqa: Y015
+
+@_typing.final
+class StreamPrefixCacheResponse(_message.Message):
+    """StreamPrefixCache output."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    APPLIED_FIELD_NUMBER: _builtins.int
+    applied: _builtins.int
+    """Messages of the stream routing applied."""
+    def __init__(
+        self,
+        *,
+        applied: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied", b"applied"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StreamPrefixCacheResponse: _TypeAlias = StreamPrefixCacheResponse  # noqa: Y015

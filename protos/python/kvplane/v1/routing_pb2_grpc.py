@@ -56,6 +56,11 @@ class RoutingServiceStub:
                 request_serializer=kvplane_dot_v1_dot_routing__pb2.EndConversationRequest.SerializeToString,
                 response_deserializer=kvplane_dot_v1_dot_routing__pb2.EndConversationResponse.FromString,
                 _registered_method=True)
+        self.StreamPrefixCache = channel.stream_unary(
+                '/kvplane.v1.RoutingService/StreamPrefixCache',
+                request_serializer=kvplane_dot_v1_dot_routing__pb2.StreamPrefixCacheRequest.SerializeToString,
+                response_deserializer=kvplane_dot_v1_dot_routing__pb2.StreamPrefixCacheResponse.FromString,
+                _registered_method=True)
 
 
 class RoutingServiceServicer:
@@ -93,6 +98,16 @@ class RoutingServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StreamPrefixCache(self, request_iterator, context):
+        """A node's prefix cache as its engine's KV-cache events show it: the node agent
+        streams a full snapshot on every (re)connect, then coalesced deltas at a
+        bounded rate, with a keep-alive when nothing changed. Node principals only,
+        each for its own node id. The answer comes when the stream ends.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RoutingServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -115,6 +130,11 @@ def add_RoutingServiceServicer_to_server(servicer, server):
                     servicer.EndConversation,
                     request_deserializer=kvplane_dot_v1_dot_routing__pb2.EndConversationRequest.FromString,
                     response_serializer=kvplane_dot_v1_dot_routing__pb2.EndConversationResponse.SerializeToString,
+            ),
+            'StreamPrefixCache': grpc.stream_unary_rpc_method_handler(
+                    servicer.StreamPrefixCache,
+                    request_deserializer=kvplane_dot_v1_dot_routing__pb2.StreamPrefixCacheRequest.FromString,
+                    response_serializer=kvplane_dot_v1_dot_routing__pb2.StreamPrefixCacheResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -227,6 +247,33 @@ class RoutingService:
             '/kvplane.v1.RoutingService/EndConversation',
             kvplane_dot_v1_dot_routing__pb2.EndConversationRequest.SerializeToString,
             kvplane_dot_v1_dot_routing__pb2.EndConversationResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StreamPrefixCache(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/kvplane.v1.RoutingService/StreamPrefixCache',
+            kvplane_dot_v1_dot_routing__pb2.StreamPrefixCacheRequest.SerializeToString,
+            kvplane_dot_v1_dot_routing__pb2.StreamPrefixCacheResponse.FromString,
             options,
             channel_credentials,
             insecure,

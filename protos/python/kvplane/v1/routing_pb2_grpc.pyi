@@ -46,6 +46,12 @@ class RoutingServiceStub:
     """Reports several routed turns at once, each as ReportTurn would, in order."""
     EndConversation: _grpc.UnaryUnaryMultiCallable[_routing_pb2.EndConversationRequest, _routing_pb2.EndConversationResponse]
     """Ends a conversation: its retained KV is released now, not at the TTL."""
+    StreamPrefixCache: _grpc.StreamUnaryMultiCallable[_routing_pb2.StreamPrefixCacheRequest, _routing_pb2.StreamPrefixCacheResponse]
+    """A node's prefix cache as its engine's KV-cache events show it: the node agent
+    streams a full snapshot on every (re)connect, then coalesced deltas at a
+    bounded rate, with a keep-alive when nothing changed. Node principals only,
+    each for its own node id. The answer comes when the stream ends.
+    """
 
 @_typing.type_check_only
 class RoutingServiceAsyncStub(RoutingServiceStub):
@@ -65,6 +71,12 @@ class RoutingServiceAsyncStub(RoutingServiceStub):
     """Reports several routed turns at once, each as ReportTurn would, in order."""
     EndConversation: _aio.UnaryUnaryMultiCallable[_routing_pb2.EndConversationRequest, _routing_pb2.EndConversationResponse]  # type: ignore[assignment]
     """Ends a conversation: its retained KV is released now, not at the TTL."""
+    StreamPrefixCache: _aio.StreamUnaryMultiCallable[_routing_pb2.StreamPrefixCacheRequest, _routing_pb2.StreamPrefixCacheResponse]  # type: ignore[assignment]
+    """A node's prefix cache as its engine's KV-cache events show it: the node agent
+    streams a full snapshot on every (re)connect, then coalesced deltas at a
+    bounded rate, with a keep-alive when nothing changed. Node principals only,
+    each for its own node id. The answer comes when the stream ends.
+    """
 
 class RoutingServiceServicer(metaclass=_abc_1.ABCMeta):
     """Per-turn routing for upstream gateways. Stateless: any replica answers
@@ -105,5 +117,17 @@ class RoutingServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_routing_pb2.EndConversationResponse, _abc.Awaitable[_routing_pb2.EndConversationResponse]]:
         """Ends a conversation: its retained KV is released now, not at the TTL."""
+
+    @_abc_1.abstractmethod
+    def StreamPrefixCache(
+        self,
+        request_iterator: _MaybeAsyncIterator[_routing_pb2.StreamPrefixCacheRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_routing_pb2.StreamPrefixCacheResponse, _abc.Awaitable[_routing_pb2.StreamPrefixCacheResponse]]:
+        """A node's prefix cache as its engine's KV-cache events show it: the node agent
+        streams a full snapshot on every (re)connect, then coalesced deltas at a
+        bounded rate, with a keep-alive when nothing changed. Node principals only,
+        each for its own node id. The answer comes when the stream ends.
+        """
 
 def add_RoutingServiceServicer_to_server(servicer: RoutingServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
