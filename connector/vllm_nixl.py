@@ -88,6 +88,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_serv
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from kvplane.connector import prefix_check, vllm_features
+from kvplane.connector.kv_events.vllm_config import source_from_vllm_config
 from kvplane.connector.node_agent import NodeAgent, NodeAgentSettings
 from kvplane.connector.request_spans import current_trace_context, request_span
 from kvplane.connector.vllm_features import IncompatibleVllm
@@ -152,12 +153,21 @@ _CREDENTIAL_KEYS = (
 )
 
 
+def _targets(value: Any) -> tuple[str, ...]:
+    """host:port targets from a list or a comma-separated string."""
+    items = value.split(",") if isinstance(value, str) else list(value or ())
+    return tuple(str(t).strip() for t in items if str(t).strip())
+
+
 @dataclass(frozen=True, slots=True)
 class ConnectorSettings:
     """kvplane's part of the engine configuration."""
 
     metadata_target: str = ""
     eviction_target: str = ""
+    # Routing replicas (host:port) the node agent streams this engine's prefix cache to, from its
+    # KV events (vLLM's --kv-events-config, on loopback or ipc); empty: not streamed.
+    routing_targets: tuple[str, ...] = ()
     node_id: str = ""
     role: NodeRole = NodeRole.BOTH
     http_url: str = ""
@@ -214,6 +224,7 @@ class ConnectorSettings:
             load_interval_s=self.load_interval_s,
             load_heartbeat_s=max(self.load_heartbeat_s, self.load_interval_s),
             credentials=self.credentials(),
+            routing_targets=self.routing_targets,
         )
 
     @classmethod
@@ -225,6 +236,7 @@ class ConnectorSettings:
         raw: dict[str, Any] = {
             "metadata_target": env.get("KVPLANE_METADATA_TARGET", ""),
             "eviction_target": env.get("KVPLANE_EVICTION_TARGET", ""),
+            "routing_targets": env.get("KVPLANE_ROUTING_TARGETS", ""),
             "node_id": env.get("KVPLANE_NODE_ID", ""),
             "http_url": env.get("KVPLANE_HTTP_URL", ""),
         }
@@ -244,6 +256,7 @@ class ConnectorSettings:
             return cls(
                 metadata_target=str(raw["metadata_target"]),
                 eviction_target=str(raw["eviction_target"]),
+                routing_targets=_targets(raw.get("routing_targets", "")),
                 node_id=str(raw["node_id"]),
                 role=raw["role"],
                 http_url=str(raw["http_url"]),
@@ -396,6 +409,13 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
         if not s.http_url:
             log.warning("kvplane: no http_url configured; the control plane will refuse to register the node")
         node = _engine_node(self, vllm_config)
+        # The engine's own KV events (if it publishes them), read locally by the agent; events
+        # kvplane cannot read (an xxhash algorithm, a remote endpoint) leave routing its record.
+        try:
+            kv_events = source_from_vllm_config(vllm_config)
+        except ValueError as exc:
+            log.warning("kvplane: the engine's KV events are not read: %s", exc)
+            kv_events = None
         self.kvplane_agent = NodeAgent(
             s.agent_settings(),
             node,
@@ -404,6 +424,7 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
             on_drain=self._queue_drain,
             demand_fn=self._current_demand,
             retained_fn=self._retained_request_ids,
+            kv_events=kv_events,
         )
         self.kvplane_agent.start()
         log.info(

@@ -151,6 +151,7 @@ def start_node_agent(engine: SimEngine, http_url: str, observer: ConnectorObserv
             load_interval_s=s.load_interval_s,
             load_heartbeat_s=max(s.load_heartbeat_s, s.load_interval_s),
             credentials=s.credentials(),
+            routing_targets=tuple(t.strip() for t in s.routing.split(",") if t.strip()),
         ),
         node_for(engine, http_url),
         lambda: node_load(engine.load()),
@@ -158,6 +159,7 @@ def start_node_agent(engine: SimEngine, http_url: str, observer: ConnectorObserv
         on_drain=engine.drain,
         demand_fn=engine.kv_demand_blocks,
         retained_fn=engine.retained_handle_ids,
+        kv_events=s.kv_events_source(),
     )
     engine.demand_listener = agent.notify_demand
     agent.start()

@@ -76,6 +76,9 @@ class SimEngineSettings:
     control_plane: str = ""
     # host:port of kvplane's eviction service; empty: the control-plane address (`serve all`).
     eviction: str = ""
+    # Routing replicas (host:port, comma-separated) the node agent streams this engine's prefix
+    # cache to, from its KV events (--kv-events-config); empty: not streamed.
+    routing: str = ""
     # Node id registered with the control plane; empty: the engine id.
     node_id: str = ""
     # Behave like vLLM with kvplane's connector module: digests on D's handles, prefix check on P.
@@ -350,6 +353,12 @@ def build_arg_parser(
     p.add_argument("--kv-free-watermark-blocks", type=int, default=d.kv_free_watermark_blocks)
     p.add_argument("--control-plane", default=d.control_plane, help="metadata service host:port")
     p.add_argument("--eviction", default=d.eviction, help="eviction host:port (default: --control-plane)")
+    p.add_argument(
+        "--routing",
+        default=d.routing,
+        help="routing replicas host:port[,host:port] the node agent streams this engine's prefix cache to, "
+        "from its KV events (default: none)",
+    )
     p.add_argument("--node-id", default=d.node_id)
     p.add_argument("--kvplane-connector", action=argparse.BooleanOptionalAction, default=d.kvplane_connector)
     p.add_argument("--require-digests", action=argparse.BooleanOptionalAction, default=d.require_digests)

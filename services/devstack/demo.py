@@ -55,6 +55,9 @@ async def _reset_prefix_cache(session: aiohttp.ClientSession, engine_url: str) -
     for _ in range(50):
         async with session.post(f"{engine_url}/reset_prefix_cache") as resp:
             if resp.status == 200 and (await resp.json()).get("success"):
+                # The engine's AllBlocksCleared event reaches routing through its node agent within
+                # a few hundred ms (coalesced every 100 ms): the next turn is routed after that.
+                await asyncio.sleep(1.0)
                 return True
         await asyncio.sleep(0.1)
     return False

@@ -16,9 +16,11 @@ import tempfile
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 
+from kvplane.connector.simengine.kv_events_config import KVEventsConfig
 from kvplane.connector.simengine.settings import Role, SimEngineSettings
 from kvplane.connector.simengine.timing_model import TimingModel
 from kvplane.services.common.runtime.ports import free_port
@@ -115,10 +117,12 @@ async def start_stack(
     ports: StackPorts = StackPorts(),
     prefill_nodes: int = 1,
     decode_nodes: int = 1,
+    kv_events: bool = True,
 ) -> Stack:
     """Starts etcd, `serve all`, P and D sim-engines and the gateway; returns when all are ready.
 
     `prefill_prefix_caching` False starts the prefill engines with vLLM's prefix cache off.
+    `kv_events` False: routing knows P's caches from its own record only, not from their events.
     `prefill_nodes` and `decode_nodes` engines of each role (p0, p1, ...; d0, d1, ...).
     """
     # A run directory made here holds the stack's tokens: `Stack.stop` removes it. One passed in is
@@ -155,7 +159,7 @@ async def start_stack(
             ("prefill", f"p{i}", p_port if i == 0 else free_port()) for i in range(prefill_nodes)
         ]
         nodes += [("decode", f"d{i}", d_port if i == 0 else free_port()) for i in range(decode_nodes)]
-        engine = EngineRecipe(speedup, decoder_ttl_s, prefill_prefix_caching)
+        engine = EngineRecipe(speedup, decoder_ttl_s, prefill_prefix_caching, kv_events)
         await _start_engines(stack, credentials, nodes, engine, progress, timeout_s)
         await _start_gateway(stack, credentials, gw_port, progress, timeout_s)
         progress("waiting for the engines to register")
@@ -177,6 +181,9 @@ class EngineRecipe:
     speedup: float
     decoder_ttl_s: float
     prefill_prefix_caching: bool
+    # Prefill engines publish KV events (on ipc in the run directory) that their node agents
+    # stream to routing, as vLLM with --kv-events-config does.
+    kv_events: bool = True
 
 
 async def _start_services(
@@ -238,6 +245,7 @@ async def _start_engines(
             # 256 MiB of KV: room for a few dozen long conversations.
             num_blocks=16384,
             enable_prefix_caching=recipe.prefill_prefix_caching or role != "prefill",
+            **(_kv_events(stack, node_id) if recipe.kv_events and role == "prefill" else {}),
         )
         engine = ManagedProcess(
             f"{role} sim-engine",
@@ -251,6 +259,17 @@ async def _start_engines(
         engines.append((engine, f"http://{host}:{port}/health"))
     for engine, health in engines:
         await wait_ready(engine, http_health_probe(health), timeout_s)
+
+
+def _kv_events(stack: Stack, node_id: str) -> dict[str, Any]:
+    """A prefill engine's KV events on ipc sockets in the run directory, streamed to routing."""
+    config = KVEventsConfig(
+        enable_kv_cache_events=True,
+        publisher="zmq",
+        endpoint=f"ipc://{stack.run_dir / f'kv-events-{node_id}'}",
+        replay_endpoint=f"ipc://{stack.run_dir / f'kv-replay-{node_id}'}",
+    )
+    return {"kv_events_config": config, "routing": stack.grpc_target}
 
 
 async def _start_gateway(
@@ -270,6 +289,9 @@ async def _start_gateway(
                     # The engines' limits: what they would refuse, the gateway refuses before routing.
                     "vocab_size": SimEngineSettings.vocab_size,
                     "max_model_len": SimEngineSettings.max_model_len,
+                    # Text and chat prompts are tokenized by an engine (vLLM's /tokenize), so that
+                    # routing sees their token ids: their digests and their prefix-cache block hashes.
+                    "tokenize_url": stack.prefill_url,
                 }
             }
         )

@@ -18,3 +18,12 @@ def test_a_token_from_the_environment_is_never_shown() -> None:
     text = build_arg_parser(env=env).format_help()
     assert "token-from-env-0123" not in text
     assert "(default: 9001)" in " ".join(text.split())  # other environment defaults are shown
+
+
+def test_routing_targets_go_through_the_command_line_to_the_agent() -> None:
+    from kvplane.connector.simengine.settings import SimEngineSettings, settings_from_args
+
+    settings = SimEngineSettings(routing="r0:50051,r1:50051")
+    assert settings.argv() == ["--routing", "r0:50051,r1:50051"]
+    parsed = build_arg_parser(env={}).parse_args(settings.argv())
+    assert settings_from_args(parsed).routing == "r0:50051,r1:50051"

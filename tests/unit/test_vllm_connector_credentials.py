@@ -32,3 +32,15 @@ def test_the_token_itself_comes_only_from_the_environment() -> None:
     assert "t0k" not in repr(settings)
     with pytest.raises(ConnectorConfigError, match="auth_token_file"):
         ConnectorSettings.from_config({"metadata_target": "cp:50051", "auth_token": "t0k"}, env={})
+
+
+def test_routing_targets_for_the_prefix_cache_stream_reach_the_node_agent() -> None:
+    listed = ConnectorSettings.from_config(
+        {"metadata_target": "cp:50051", "routing_targets": ["r0:50051", "r1:50051"]}
+    )
+    assert listed.agent_settings().routing_targets == ("r0:50051", "r1:50051")
+    from_env = ConnectorSettings.from_config(
+        {"metadata_target": "cp:50051"}, env={"KVPLANE_ROUTING_TARGETS": "r0:50051, r1:50051"}
+    )
+    assert from_env.agent_settings().routing_targets == ("r0:50051", "r1:50051")
+    assert ConnectorSettings.from_config({"metadata_target": "cp:50051"}, env={}).routing_targets == ()
