@@ -77,7 +77,9 @@ POLICY_LEGEND = (
     " policy in P/D mode: P and D each from the router's own record of the prompts it sent, the"
     " longest prefix match over 30% of the prompt, else the node it sent the least; no D->P reuse, D"
     " keeps nothing); `kvplane` (the default routing and"
-    " retention policies, run in process; D's TTL 480 s); `oracle` (unlimited KV on D and in P's"
+    " retention policies, run in process; D's TTL 480 s; P's caches known from its own record);"
+    " `kvplane-events` (the same, with P's caches known from the engines' KV events, delivered at"
+    " once); `kvplane-events-lossy` (events 105 ms late, 1% of them lost for good); `oracle` (unlimited KV on D and in P's"
     " caches, no TTL, every shared whole-block prefix pulled and every P cache hit used: a bound, not a"
     " contender)."
 )

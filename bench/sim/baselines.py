@@ -74,6 +74,9 @@ VLLM_ROUTER_HOP_S = 0.0
 # as the zero-hop client), -8.4 ms on A after its round-robin's 1,122 extra tokens computed per
 # later turn (31.6 ms of prefill): 6.7 ms.
 EXAMPLE_PROXY_HOP_S = 0.0067
+# From an engine's cache change to routing's view of it: the node agent's coalescing interval
+# (100 ms, `connector.node_agent.prefix_cache`) at worst, plus its stream's hop.
+EVENT_LAG_S = 0.105
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +95,10 @@ class Baseline:
     report_interval_s: float | None = None
     # Seconds the front adds to a turn (its hop; modelled before P): None, the config's.
     control_path_s: float | None = None
+    # `policy` only: prefill engines' KV events reach routing this late (s), each lost with
+    # `event_loss`; None: no events (routing knows P's caches from its own record alone).
+    event_lag_s: float | None = None
+    event_loss: float = 0.0
 
 
 BASELINES: dict[str, Baseline] = {
@@ -105,6 +112,25 @@ BASELINES: dict[str, Baseline] = {
         Baseline("prefix-affinity", "affinity", engine_ttl_s=0.0),
         Baseline("cache-aware", "cache-aware", engine_ttl_s=0.0, control_path_s=VLLM_ROUTER_HOP_S),
         Baseline("kvplane", "policy", DEFAULT_CONFIG, engine_ttl_s=480.0, control_path_s=MEASURED_ROUTE_S),
+        # kvplane with prefill engines' KV events: delivered at once, and with a realistic lag
+        # (the node agent coalesces deltas every 100 ms; a stream hop) and 1% of them lost.
+        Baseline(
+            "kvplane-events",
+            "policy",
+            DEFAULT_CONFIG,
+            engine_ttl_s=480.0,
+            control_path_s=MEASURED_ROUTE_S,
+            event_lag_s=0.0,
+        ),
+        Baseline(
+            "kvplane-events-lossy",
+            "policy",
+            DEFAULT_CONFIG,
+            engine_ttl_s=480.0,
+            control_path_s=MEASURED_ROUTE_S,
+            event_lag_s=EVENT_LAG_S,
+            event_loss=0.01,
+        ),
         Baseline("oracle", "oracle", engine_ttl_s=float("inf"), unlimited_memory=True),
     )
 }
@@ -159,6 +185,7 @@ def simulator_for(baseline: Baseline, config: SimConfig, options: RunOptions | N
             config.digest_block_size,
             candidates=options.route_candidates,
             seed=options.seed,
+            events=None if baseline.event_lag_s is None else (baseline.event_lag_s, baseline.event_loss),
         )
 
     def retention(fleet: Fleet) -> Retention:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvplane.bench.sim.block_chain import BlockChain
+from kvplane.bench.sim.cache_events import CacheEventFeed
 from kvplane.bench.sim.prefix_cache import PrefixCache
 from kvplane.services.common.model.handles import CacheHandle
 from kvplane.services.common.model.nodes import Fingerprint, Node, NodeLoad, NodeRole
@@ -89,6 +90,7 @@ class PrefillState:
         "backlog_s",
         "busy",
         "cache",
+        "feed",
         "free_at",
         "index",
         "jobs",
@@ -105,6 +107,8 @@ class PrefillState:
         self.node = node
         self.index = index
         self.cache = PrefixCache(cache_blocks)
+        # What this engine's KV events deliver to a router (None: the router reads none).
+        self.feed: CacheEventFeed | None = None
         # Turns routed here and not yet taken by the scheduler, in arrival order.
         self.waiting: deque[Any] = deque()
         # Turns whose read has landed, in landing order: scheduled first, as vLLM drains

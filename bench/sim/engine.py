@@ -405,6 +405,10 @@ class Simulator:
         p.free_at = now + flight.compute
         p.backlog_s -= flight.estimate_s
         p.cache.insert(flight.prompt, flight.poisoned_from)
+        if p.feed is not None and p.cache.journal:
+            # Its KV events: what it stored, and what that evicted.
+            p.feed.publish(now, p.cache.journal)
+            p.cache.journal.clear()
         self._push(p.free_at, _PREFILL_DONE, flight)
 
     def _prefill_done(self, flight: _InFlight, now: float) -> None:

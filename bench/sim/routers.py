@@ -16,11 +16,12 @@ What each router may read of the fleet is listed in `fleet.py`.
 from __future__ import annotations
 
 import random
-from collections.abc import Coroutine, Mapping
+from collections.abc import Coroutine, Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from kvplane.bench.sim.block_chain import BlockChain, handle_digests
+from kvplane.bench.sim.cache_events import CacheEventFeed
 from kvplane.bench.sim.cluster import DecodeState, PrefillState, SimHandle
 from kvplane.bench.sim.fleet import Conversation, Fleet
 from kvplane.bench.sim.prefix_cache import PrefixCache
@@ -364,6 +365,45 @@ class OracleRouter:
         return None
 
 
+class _FeedViews:
+    """Routing's engine views in the simulator: each prefill cache's journal, delivered by a
+    `CacheEventFeed` (late, lossy); the prompt's block values stand for its block hashes."""
+
+    def __init__(self, fleet: Fleet, lag_s: float, loss: float, seed: int) -> None:
+        self.block_tokens = fleet.block_tokens
+        self._feeds: dict[str, CacheEventFeed] = {}
+        for i, p in enumerate(fleet.prefill):
+            p.cache.journal = []
+            p.feed = CacheEventFeed(lag_s, loss, random.Random(f"{seed}/{i}"))
+            self._feeds[p.node.node_id] = p.feed
+
+    def __len__(self) -> int:
+        return len(self._feeds)
+
+    def prefix_tokens(
+        self,
+        nodes: Iterable[tuple[str, str]],
+        prompt: Prompt,
+        cache_salt: str | None,
+        now_s: float,
+        conversation: Hashable | None = None,
+    ) -> Mapping[str, int]:
+        chain = prompt.block_digests
+        if not isinstance(chain, BlockChain):
+            return {}
+        out: dict[str, int] = {}
+        for node_id, _ in nodes:
+            feed = self._feeds.get(node_id)
+            if feed is not None:
+                out[node_id] = min(
+                    feed.hit_blocks(chain, now_s) * self.block_tokens, max(0, prompt.tokens - 1)
+                )
+        return out
+
+    def forget_conversation(self, conversation: Hashable) -> None:
+        return None
+
+
 class _SimClock:
     """Simulated time: the turn being routed arrives `now` seconds into the run."""
 
@@ -524,7 +564,10 @@ class PolicyRouter:
         *,
         candidates: int = 0,
         seed: int = 0,
+        events: tuple[float, float] | None = None,
     ) -> None:
+        """`events`: (lag s, loss): prefill engines publish KV events that reach the Router that
+        late, each lost with that probability, as routing's engine views (`cache_events`)."""
         self.fleet = fleet
         self.digest_block_size = digest_block_size
         self.model = fleet.spec.model
@@ -539,6 +582,7 @@ class PolicyRouter:
             _SingleUseCheckOut(),
             self._clock,
             new_route_id=self._route_id,
+            engine_caches=_FeedViews(fleet, *events, seed) if events is not None else None,
         )
 
     @property

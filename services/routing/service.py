@@ -119,6 +119,12 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
         self.telemetry = telemetry
         self.metrics = RoutingMetrics.create(telemetry.registry)
         self._cluster = ViewCluster(view, self.metrics)
+        # What the node agents' streams say each prefill engine's cache holds (StreamPrefixCache).
+        self.engine_caches = EngineCaches(
+            stale_after_s=settings.prefix_cache_stale_after_s,
+            max_nodes=settings.prefix_cache_max_nodes,
+            max_blocks=settings.prefix_cache_max_blocks,
+        )
         self.router = Router(
             policy or RoutingPolicy(load_policy(settings.policy_file or None)),
             settings,
@@ -127,11 +133,7 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
             SystemClock(),
             # Salts tie-breaks, so that replicas spread equal nodes differently.
             tie_salt=uuid.uuid4().hex[:8],
-            engine_caches=EngineCaches(
-                stale_after_s=settings.prefix_cache_stale_after_s,
-                max_nodes=settings.prefix_cache_max_nodes,
-                max_blocks=settings.prefix_cache_max_blocks,
-            ),
+            engine_caches=self.engine_caches,
         )
         self._reports = TurnReports(store, view, settings)
         self._publish_cost_gauges()
@@ -297,10 +299,8 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
     async def StreamPrefixCache(
         self, request_iterator: AsyncIterator[routing_pb2.StreamPrefixCacheRequest], context: Context
     ) -> routing_pb2.StreamPrefixCacheResponse:
-        caches = self.router.engine_caches
-        assert caches is not None  # the service always keeps one
         applied = await prefix_cache_stream.receive(
-            self._caller(context), request_iterator, caches, self.router.clock.monotonic_s
+            self._caller(context), request_iterator, self.engine_caches, self.router.clock.monotonic_s
         )
         return routing_pb2.StreamPrefixCacheResponse(applied=applied)
 

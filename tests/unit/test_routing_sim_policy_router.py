@@ -89,3 +89,30 @@ def test_the_simulator_routes_and_learns_through_the_routing_services_router() -
     assert r.costs is r.router.costs and r.costs.prefill_samples == prior + 1
     r.observe(t, choice, TurnOutcome(0, 0.0, 0.25, 0.3, 0))
     assert r.costs.prefill_samples == prior + 1
+
+
+def test_with_events_a_prefill_cache_the_router_never_sent_to_is_seen_after_the_lag() -> None:
+    # Another router (or an earlier process) filled p2's cache with this conversation's history: the
+    # record knows nothing of it; the engine's events tell the router, once they arrive.
+    f = fleet()
+    r = PolicyRouter(f, RoutingPolicy(load_policy()), BLOCK, events=(0.5, 0.0))
+    ids = BlockIds()
+    history = BlockChain().extended(8000 // BLOCK, ids)
+    holder = f.prefill[2]
+    holder.cache.insert(history)
+    assert holder.feed is not None and holder.cache.journal
+    holder.feed.publish(9.0, holder.cache.journal)
+    holder.cache.journal.clear()
+    prompt = history.extended(500 // BLOCK, ids)
+    views = r.router.engine_caches
+    assert views is not None
+    nodes = [(p.node.node_id, p.node.incarnation) for p in f.prefill]
+    from kvplane.services.routing.policy import Prompt
+
+    early = views.prefix_tokens(nodes, Prompt(8500, block_digests=prompt), None, 9.4)
+    late = views.prefix_tokens(nodes, Prompt(8500, block_digests=prompt), None, 9.5)
+    assert early[holder.node.node_id] == 0
+    assert late[holder.node.node_id] == 8000 and late[f.prefill[0].node.node_id] == 0
+    # And the route follows the events to the node that holds the history.
+    choice = r.route(turn("c", 8500, 10.0), Conversation(), prompt, 10.0)
+    assert choice.prefill.node.node_id == holder.node.node_id

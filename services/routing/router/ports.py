@@ -7,13 +7,14 @@ check-out and simulated time (`kvplane.bench.sim.routers`). Domain types only: n
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Hashable, Iterable, Mapping
 from typing import Protocol
 
 from kvplane.services.common.model.nodes import Node
 from kvplane.services.common.model.suspects import NodeSuspect
 from kvplane.services.common.store.records import CheckOut, HandleRecord
 from kvplane.services.routing.policy import NodeState
+from kvplane.services.routing.policy.snapshot import Prompt
 
 
 class Clock(Protocol):
@@ -71,4 +72,29 @@ class ClusterReader(Protocol):
 
     async def await_handle(self, tenant: str, conversation: str, handle_id: str, wait_s: float) -> bool:
         """Whether the conversation's handle is `handle_id`, waiting up to `wait_s` for its publish."""
+        ...
+
+
+class PrefixCacheViews(Protocol):
+    """What prefill engines' own KV events say their prefix caches hold (the service: views fed by
+    the node agents' streams, `state.engine_caches`; the simulator: its caches' event feeds)."""
+
+    def __len__(self) -> int:
+        """Views held (0: none; the router then keeps to its record)."""
+        ...
+
+    def prefix_tokens(
+        self,
+        nodes: Iterable[tuple[str, str]],
+        prompt: Prompt,
+        cache_salt: str | None,
+        now_s: float,
+        conversation: Hashable | None = None,
+    ) -> Mapping[str, int]:
+        """For each (node id, incarnation) with a fresh view: the tokens of the prompt's prefix it
+        holds (0: none). Nodes without a fresh view are absent."""
+        ...
+
+    def forget_conversation(self, conversation: Hashable) -> None:
+        """The conversation ended: anything kept for its prompts goes."""
         ...

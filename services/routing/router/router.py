@@ -41,10 +41,9 @@ from kvplane.services.routing.policy import (
 from kvplane.services.routing.policy.decision import NoEligibleNodes
 from kvplane.services.routing.policy.pull_decision import pull_could_pay
 from kvplane.services.routing.policy.retention import decode_retention_pays
-from kvplane.services.routing.router.ports import Clock, ClusterReader, HandleCheckOut
+from kvplane.services.routing.router.ports import Clock, ClusterReader, HandleCheckOut, PrefixCacheViews
 from kvplane.services.routing.router.turns import AwaitedHandle, RouteOutcome, TurnReport, TurnRequest
 from kvplane.services.routing.settings import RoutingSection
-from kvplane.services.routing.state.engine_caches import EngineCaches
 from kvplane.services.routing.state.inflight import InFlightLedger, routed_work
 from kvplane.services.routing.state.prefill_record import PrefillCacheRecord, SentReceipt
 from kvplane.services.routing.state.prompt_chains import PromptChains
@@ -82,7 +81,7 @@ class Router:
         *,
         tie_salt: str = "",
         new_route_id: Callable[[], str] = _new_route_id,
-        engine_caches: EngineCaches | None = None,
+        engine_caches: PrefixCacheViews | None = None,
     ) -> None:
         self.policy = policy
         self.settings = settings
@@ -225,13 +224,11 @@ class Router:
         """The record's guess of each prefill node's cache, replaced where its engine's events
         are fresh by the exact prefix they show (`state.engine_caches`)."""
         caches = self.engine_caches
-        if caches is None or not len(caches) or not turn.prompt.token_ids:
+        if caches is None or not len(caches):
             return recorded
         nodes = [(s.node.node_id, s.node.incarnation) for s in states if s.node.role.can_prefill()]
         key = (turn.tenant, turn.conversation)
-        seen = caches.cached_tokens(
-            nodes, turn.prompt.token_ids, turn.cache_salt, self.clock.monotonic_s(), conversation=key
-        )
+        seen = caches.prefix_tokens(nodes, turn.prompt, turn.cache_salt, self.clock.monotonic_s(), key)
         if not seen:
             return recorded
         merged = dict(recorded)

@@ -30,6 +30,7 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvplane.services.common.model.block_hashes import BlockHasher, UnknownHashAlgo
+from kvplane.services.routing.policy.snapshot import Prompt
 from kvplane.services.routing.state.prompt_hashes import HashWalk, PromptHashes
 
 
@@ -178,6 +179,19 @@ class EngineCaches:
             if conversation is not None:
                 self._prompt_hashes.keep(conversation, walk, cache_salt)
         return held
+
+    def prefix_tokens(
+        self,
+        nodes: Iterable[tuple[str, str]],
+        prompt: Prompt,
+        cache_salt: str | None,
+        now_s: float,
+        conversation: Hashable | None = None,
+    ) -> Mapping[str, int]:
+        """`cached_tokens` for a prompt whose token ids are known; nothing for one without."""
+        if not prompt.token_ids:
+            return {}
+        return self.cached_tokens(nodes, prompt.token_ids, cache_salt, now_s, conversation)
 
     def forget_conversation(self, conversation: Hashable) -> None:
         self._prompt_hashes.forget(conversation)
