@@ -79,9 +79,9 @@ POLICY_LEGEND = (
     " keeps nothing); `kvplane` (the default routing and"
     " retention policies, run in process; D's TTL 480 s; P's caches known from its own record);"
     " `kvplane-events` (the same, with P's caches known from the engines' KV events, delivered at"
-    " once); `kvplane-events-lossy` (events 105 ms late, 1% of them lost for good); `oracle` (unlimited KV on D and in P's"
-    " caches, no TTL, every shared whole-block prefix pulled and every P cache hit used: a bound, not a"
-    " contender)."
+    " once); `kvplane-events-lossy` (events 105 ms late, 1% of them lost for good); `oracle`"
+    " (unlimited KV on D and in P's caches, no TTL, every shared whole-block prefix pulled and"
+    " every P cache hit used: a bound, not a contender)."
 )
 
 
