@@ -5,6 +5,7 @@ the body reader's limits, JSON answers to what aiohttp refuses itself, the engin
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import os
 import ssl
@@ -91,6 +92,26 @@ async def test_a_request_without_a_valid_key_is_refused_before_its_body(front: s
 async def test_a_body_declared_over_the_limit_is_refused_unread(front: str) -> None:
     status, answer = await _post(f"{front}/v1/echo", b"[" + b"1," * 600 + b"1]")
     assert status == 413 and "the limit is 1024" in answer["error"]["message"]
+
+
+@pytest.mark.parametrize("body", [gzip.compress(b'{"prompt": [' + b"0," * 50_000 + b"0]}"), b'{"plain": 1}'])
+async def test_a_compressed_body_is_refused_unread_and_a_mislabelled_one_is_no_500(
+    front: str, body: bytes
+) -> None:
+    # 100 KB of token ids gzip to a few hundred bytes: a body's inflation would be the attacker's
+    # lever. A plain body sent as gzip used to get a 500 and an error-level traceback.
+    headers = {
+        "Content-Type": "application/json",
+        "Authorization": "Bearer key-acme",
+        "Content-Encoding": "gzip",
+    }
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{front}/v1/echo", data=body, headers=headers) as resp,
+    ):
+        answer = await resp.json(content_type=None)
+    assert resp.status == 415 and "not accepted" in answer["error"]["message"]
+    assert answer["error"]["type"] == "UnsupportedMediaTypeError"
 
 
 @pytest.mark.parametrize(
