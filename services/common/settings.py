@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import os
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, model_validator
 
 from kvplane.services.common.runtime.auth import (
     Authenticator,
@@ -24,7 +25,7 @@ from kvplane.services.common.runtime.auth import (
     TenantsSeeEngines,
     TokenAuthenticator,
 )
-from kvplane.services.common.runtime.secret_files import read_secret_file
+from kvplane.services.common.runtime.secret_files import SecretFileError, read_secret_file
 from kvplane.services.common.runtime.tls import ServerTlsFiles
 from kvplane.services.common.store import StoreSettings
 from kvplane.services.common.store.etcd_credentials import EtcdCredentials
@@ -190,6 +191,8 @@ class AuthSection(Section):
     # Whether tenants may call Route and CheckOutHandle themselves, which answer with engine
     # addresses. Off: tenants reach kvplane only through the gateway (an operator principal).
     tenants_see_engines: bool = False
+    # Whether the tokens file was read whole once (then deleting or emptying it revokes its tokens).
+    _tokens_file_loaded: bool = PrivateAttr(default=False)
 
     def authenticator(self) -> Authenticator:
         inner = self._authenticator()
@@ -233,15 +236,33 @@ class AuthSection(Section):
         return TokenAuthenticator(principals), [f for f in files if f]
 
     def _file_entries(self) -> list[TokenEntry]:
+        """The tokens file's entries. Once loaded, a file that is deleted or emptied revokes every
+        token it listed (the inline `tokens` stay), said at error level on every check until it is
+        back: deleting the file is how all of its tokens are revoked at once. At start-up such a
+        file fails loudly instead; a half-written one keeps the previous tokens (ReloadingAuthenticator)."""
         if not self.tokens_file:
             return []
         try:
-            listed = yaml.safe_load(read_secret_file(self.tokens_file, "auth.tokens_file"))
+            text = read_secret_file(self.tokens_file, "auth.tokens_file")
+        except SecretFileError as exc:
+            gone = not os.path.exists(self.tokens_file) or "is empty" in str(exc)
+            if not (gone and self._tokens_file_loaded):
+                raise
+            log.error(
+                "auth.tokens_file %r is deleted or empty: every token it listed is revoked "
+                "(inline tokens stay)",
+                self.tokens_file,
+            )
+            return []
+        try:
+            listed = yaml.safe_load(text)
         except yaml.YAMLError as exc:
             raise ValueError(f"auth.tokens_file {self.tokens_file!r}: not JSON or YAML: {exc}") from None
         if not isinstance(listed, list):
             raise ValueError(f"auth.tokens_file {self.tokens_file!r}: expected a list of token entries")
-        return [TokenEntry.model_validate(item) for item in listed]
+        entries = [TokenEntry.model_validate(item) for item in listed]
+        self._tokens_file_loaded = True
+        return entries
 
 
 class ServerTlsSection(Section):

@@ -226,3 +226,32 @@ def test_duplicate_short_and_wildcard_tokens_are_refused_at_load(
 ) -> None:
     with pytest.raises(ValueError, match=says):
         AuthSection(mode="token", tokens=entries).authenticator()  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("how", ["emptied", "deleted"])
+def test_a_tokens_file_emptied_or_deleted_revokes_its_tokens_loudly_and_inline_ones_stay(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, how: str
+) -> None:
+    tokens = tmp_path / "tokens.json"
+    _write(tokens, json.dumps([{"token": "file-token-0123456789", "kind": "operator", "name": "ops"}]))
+    tokens.chmod(0o600)
+    clock = Clock()
+    section = AuthSection(
+        mode="token",
+        tokens_file=str(tokens),
+        tokens=[{"token": "inline-token-0123456789", "kind": "tenant", "name": "acme"}],  # type: ignore[list-item]
+    )
+    auth = _authenticator(section, clock)
+    assert auth.authenticate(_call("file-token-0123456789")).name == "ops"
+    if how == "emptied":
+        _write(tokens, "")
+    else:
+        tokens.unlink()
+    clock.now += 1.0
+    with (
+        caplog.at_level(logging.ERROR, logger="kvplane.services.common.settings"),
+        pytest.raises(Unauthenticated),
+    ):
+        auth.authenticate(_call("file-token-0123456789"))
+    assert "every token it listed is revoked" in caplog.text
+    assert auth.authenticate(_call("inline-token-0123456789")).tenant == "acme"
