@@ -283,6 +283,20 @@ FLAG_HELP: dict[str, str] = {
 }
 
 
+def _add_credential_flags(p: argparse.ArgumentParser, d: SimEngineSettings) -> None:
+    """What the node agent presents to the control plane."""
+    p.add_argument(
+        "--auth-token", default=d.auth_token, help="bearer token for the control plane (prefer the file)"
+    )
+    p.add_argument("--auth-token-file", default=d.auth_token_file, help="file holding the bearer token")
+    p.add_argument("--tls-ca-file", default=d.tls_ca_file, help="CA of the control plane's certificates")
+    p.add_argument("--tls-cert-file", default=d.tls_cert_file, help="client certificate (mTLS)")
+    p.add_argument("--tls-key-file", default=d.tls_key_file, help="client certificate's key (mTLS)")
+    p.add_argument("--tls-server-name", default=d.tls_server_name, help="name to check the server against")
+    p.add_argument("--mesh-secret", default=d.mesh_secret, help="mesh proxy secret (development only)")
+    p.add_argument("--mesh-secret-file", default=d.mesh_secret_file)
+
+
 def _describe(parser: argparse.ArgumentParser) -> None:
     """Every flag says what it sets and its default (%(default)s, an environment value included)."""
     for action in parser._actions:
@@ -365,16 +379,7 @@ def build_arg_parser(
     p.add_argument("--expiry-margin-s", type=float, default=d.expiry_margin_s)
     p.add_argument("--load-interval-s", type=float, default=d.load_interval_s)
     p.add_argument("--load-heartbeat-s", type=float, default=d.load_heartbeat_s)
-    p.add_argument(
-        "--auth-token", default=d.auth_token, help="bearer token for the control plane (prefer the file)"
-    )
-    p.add_argument("--auth-token-file", default=d.auth_token_file, help="file holding the bearer token")
-    p.add_argument("--tls-ca-file", default=d.tls_ca_file, help="CA of the control plane's certificates")
-    p.add_argument("--tls-cert-file", default=d.tls_cert_file, help="client certificate (mTLS)")
-    p.add_argument("--tls-key-file", default=d.tls_key_file, help="client certificate's key (mTLS)")
-    p.add_argument("--tls-server-name", default=d.tls_server_name, help="name to check the server against")
-    p.add_argument("--mesh-secret", default=d.mesh_secret, help="mesh proxy secret (development only)")
-    p.add_argument("--mesh-secret-file", default=d.mesh_secret_file)
+    _add_credential_flags(p, d)
     p.set_defaults(**_env_defaults(os.environ if env is None else env))
     _describe(p)
     return p

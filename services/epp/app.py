@@ -19,7 +19,7 @@ from kvplane.services.common.runtime.telemetry import Telemetry
 from kvplane.services.epp.exchange import Exchange
 from kvplane.services.epp.picker_state import PickerState
 from kvplane.services.epp.settings import EppSection
-from kvplane.services.gateway.app import routing_credentials
+from kvplane.services.gateway.app import routing_client
 from kvplane.services.gateway.cache_salt import CacheSalts
 from kvplane.services.gateway.metrics import GatewayMetrics
 from kvplane.services.gateway.settings import GatewaySection
@@ -78,16 +78,7 @@ class Picker:
         g = self.gateway
         if not self.sidecar.route_key.get_secret_value():
             raise ValueError("sidecar.route_key is required: the sidecars verify the picker's routes with it")
-        self._routing = RoutingClient(
-            g.routing,
-            credentials=routing_credentials(g),
-            timeout_s=g.routing_timeout_s,
-            attempts=g.routing_attempts,
-            hedge_after_s=g.routing_hedge_after_s,
-            probe_timeout_s=g.routing_liveness_timeout_s,
-            tracer_provider=self.telemetry.tracer_provider,
-            trace_calls=self.telemetry.exports,
-        )
+        self._routing = routing_client(g, self.telemetry)
         # The tokenize calls' pool (the engine legs are the sidecars').
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         turns = TurnRunner(g, self._routing, self._session, self.metrics, self.telemetry.tracer)

@@ -76,6 +76,20 @@ def routing_credentials(settings: GatewaySection) -> ClientCredentials:
     )
 
 
+def routing_client(settings: GatewaySection, telemetry: Telemetry) -> RoutingClient:
+    """The routing client a front (the gateway, the picker) calls routing with, from its settings."""
+    return RoutingClient(
+        settings.routing,
+        credentials=routing_credentials(settings),
+        timeout_s=settings.routing_timeout_s,
+        attempts=settings.routing_attempts,
+        hedge_after_s=settings.routing_hedge_after_s,
+        probe_timeout_s=settings.routing_liveness_timeout_s,
+        tracer_provider=telemetry.tracer_provider,
+        trace_calls=telemetry.exports,
+    )
+
+
 def _engine_error(exc: TurnFailed) -> web.Response:
     """An engine's own error answer is passed through; anything else is described."""
     if exc.body:
@@ -218,16 +232,7 @@ class Gateway:
     async def start(self) -> None:
         s = self.settings
         host, port = split_host_port(s.listen)
-        self._routing = RoutingClient(
-            s.routing,
-            credentials=routing_credentials(s),
-            timeout_s=s.routing_timeout_s,
-            attempts=s.routing_attempts,
-            hedge_after_s=s.routing_hedge_after_s,
-            probe_timeout_s=s.routing_liveness_timeout_s,
-            tracer_provider=self.telemetry.tracer_provider,
-            trace_calls=self.telemetry.exports,
-        )
+        self._routing = routing_client(s, self.telemetry)
         # One pool for every engine; the default limit of 100 connections would queue turns.
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         self.turns = TurnRunner(s, self._routing, self._session, self.metrics, self.telemetry.tracer)
