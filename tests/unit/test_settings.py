@@ -64,7 +64,10 @@ def test_flags_override_environment_which_overrides_the_file(tmp_path, monkeypat
 def test_secrets_are_masked_in_the_start_up_dump() -> None:
     settings = KvplaneSettings.load(
         overrides={
-            "auth": {"mode": "token", "tokens": [{"token": "s3cret-value-0123456789", "name": "a", "tenant": "a"}]}
+            "auth": {
+                "mode": "token",
+                "tokens": [{"token": "s3cret-value-0123456789", "name": "a", "tenant": "a"}],
+            }
         }
     )
     dumped = settings.masked_json()
