@@ -63,17 +63,14 @@ UNLIMITED_BYTES = 1 << 62
 # averaged over workloads A and B; never less than what is timed on the front's path, nor below 0.
 # tests/unit/test_sim_front_hops.py holds these to that record.
 #
-# kvplane: its mean Route call as its gateway timed it (workload A, "Route ms": 3.01 ms at one in
-# flight, 3.21 at 8, 4.68 at 32); its TTFT excess over the zero-hop client is less (-7.1 ms on A,
-# +8.4 on B: +0.7 ms).
-MEASURED_ROUTE_S = 0.00301
-# vllm-router 0.1.17 (a Rust binary): its TTFT excess is +3.3 ms on A and -6.4 ms on B (the same
-# tokens computed as the zero-hop client on both): no hop above the noise.
-VLLM_ROUTER_HOP_S = 0.0
-# vLLM's example proxy (FastAPI on uvicorn, httpx to the engines): +21.8 ms on B (the same tokens
-# as the zero-hop client), -8.4 ms on A after its round-robin's 1,122 extra tokens computed per
-# later turn (31.6 ms of prefill): 6.7 ms.
-EXAMPLE_PROXY_HOP_S = 0.0067
+# At commit 538fe24 (the quiet run of the README's live comparison), at one conversation in flight:
+# kvplane 33.2 ms (its TTFT excess over the zero-hop client, A and B averaged; its gateway's own
+# Route timing averaged 39 ms on A and 14 ms on B over 5 turns each, one slow first Route weighing
+# on so few), vllm-router 25.8 ms, the example proxy 39.5 ms after its round-robin's extra prefill.
+# At one in flight, repeats differ by about 10 ms: these are rough.
+MEASURED_ROUTE_S = 0.03316
+VLLM_ROUTER_HOP_S = 0.02585
+EXAMPLE_PROXY_HOP_S = 0.03948
 # From an engine's cache change to routing's view of it: the node agent's coalescing interval
 # (100 ms, `connector.node_agent.prefix_cache`) at worst, plus its stream's hop.
 EVENT_LAG_S = 0.105
