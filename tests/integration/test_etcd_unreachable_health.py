@@ -4,8 +4,7 @@ endpoint, and a Route that fails names etcd; SERVING again once etcd answers."""
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 
 import grpc
 import pytest
@@ -16,19 +15,10 @@ from kvplane.services.dev.local_etcd import LocalEtcd
 from kvplane.services.process import ServiceProcess
 from kvplane.v1 import routing_pb2, routing_pb2_grpc
 from tests.conftest import OPERATOR_HEADERS, settings_for
+from tests.support.polling import eventually
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-
-
-async def _until(check: Callable[[], Awaitable[bool]], what: str, timeout_s: float = 60.0) -> None:
-    import asyncio
-
-    deadline = time.monotonic() + timeout_s
-    while not await check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout_s} s: {what}")
-        await asyncio.sleep(0.1)
 
 
 async def test_health_follows_etcd_and_the_log_names_its_endpoint(caplog: pytest.LogCaptureFixture) -> None:
@@ -55,7 +45,11 @@ async def test_health_follows_etcd_and_the_log_names_its_endpoint(caplog: pytest
 
                 assert await status() == SERVING
                 etcd.pause()  # SIGSTOP: connections hang, as with a partition
-                await _until(lambda: _is(status(), NOT_SERVING), "NOT_SERVING once etcd stops answering")
+                await eventually(
+                    lambda: _is(status(), NOT_SERVING),
+                    timeout_s=60,
+                    what="NOT_SERVING once etcd stops answering",
+                )
                 assert await status("kvplane.v1.RoutingService") == NOT_SERVING
                 # Liveness is the process's, not etcd's: nothing restarts the control plane for it.
                 assert await status("liveness") == SERVING
@@ -71,7 +65,9 @@ async def test_health_follows_etcd_and_the_log_names_its_endpoint(caplog: pytest
                 assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
                 assert f"etcd at {etcd.endpoint} is not answering" in (failed.value.details() or "")
                 etcd.resume()
-                await _until(lambda: _is(status(), SERVING), "SERVING once etcd answers again")
+                await eventually(
+                    lambda: _is(status(), SERVING), timeout_s=60, what="SERVING once etcd answers again"
+                )
         finally:
             etcd.resume()
             await process.stop()
