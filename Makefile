@@ -24,8 +24,7 @@ $(BIN)/python:
 dev: $(BIN)/python ## Python environment with the project editable (strict) and dev tools
 	./deploy/scripts/install_cpu_torch.sh $(VENV)
 	$(BIN)/pip install -q -c deploy/constraints.txt -e '.[dev]' --config-settings editable_mode=strict
-	# xds-protos overwrites these packages' modules with old copies of its own (setup.sh says more).
-	$(BIN)/pip install -q --no-deps --force-reinstall -c deploy/constraints.txt opentelemetry-proto googleapis-common-protos
+	./deploy/scripts/restore_bundled_protos.sh $(VENV)
 
 constraints: ## Rewrite deploy/constraints.txt from the working .venv (after changing a dependency)
 	{ sed -n '/^#/p' deploy/constraints.txt; \

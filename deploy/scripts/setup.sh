@@ -49,12 +49,8 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ deploy/constraints.
   # pyproject.toml states ranges; the constraints make this install the tested one, exactly.
   echo "==> pip install -e .[dev] -c deploy/constraints.txt (strict editable)"
   .venv/bin/pip install -q -c deploy/constraints.txt -e '.[dev]' "${editable[@]}"
-  # xds-protos (Envoy's ext_proc stubs, for `kvplane epp`) carries its own, years-old copies of
-  # opentelemetry-proto's and googleapis-common-protos' modules, written over theirs in whichever
-  # order pip installed them: the OTLP exporter then finds no ResourceSpans.scope_spans. Theirs
-  # are put back (tests/unit/test_bundled_protos.py checks).
-  .venv/bin/pip install -q --no-deps --force-reinstall -c deploy/constraints.txt \
-    opentelemetry-proto googleapis-common-protos
+  # xds-protos writes old copies over two packages' modules; theirs are put back (the script says more).
+  ./deploy/scripts/restore_bundled_protos.sh .venv
   printf '%s\n' "$sources" >"$stamp"
 elif [ "$(cat "$stamp")" != "$sources" ] || ! compgen -G 'build/__editable__.kvplane-*/kvplane' >/dev/null ||
   compgen -G '.venv/lib/python*/site-packages/__editable___kvplane_*_finder.py' >/dev/null; then

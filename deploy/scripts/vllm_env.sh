@@ -79,6 +79,8 @@ vllm_env_nixl_and_kvplane() {
     "${pip[@]}" -c "$constraints" -e "$root[dev]" --config-settings editable_mode=strict; } || status=$?
   rm -f "$constraints"
   ((status == 0)) || return "$status"
+  # The dev extras bring xds-protos, which writes over the OTLP exporter's protos.
+  "$root/deploy/scripts/restore_bundled_protos.sh" "$venv"
   local pkg
   for pkg in torchvision torchaudio torchcodec; do
     if "$venv/bin/pip" show -q "$pkg" 2>/dev/null; then
