@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvplane.bench.live import prompt_token_sources
+from kvplane.bench.live import COMPUTED, prompt_token_sources
 from kvplane.bench.route_bench import cpu_seconds
 
 ETCD_SERVICES = ("etcdserverpb.KV", "etcdserverpb.Lease", "etcdserverpb.Watch")
@@ -69,9 +69,20 @@ def cpu(pids: Mapping[str, int]) -> Counters:
     return out
 
 
+# Prompt tokens computed by the i-th prefill engine are counted under f"{COMPUTED_ON}{i}".
+COMPUTED_ON = "computed_on:"
+
+
 async def prefill_sources(session: aiohttp.ClientSession, prefills: Sequence[str]) -> Counters:
-    """Prompt tokens by source, summed over the prefill engines (vLLM's labels)."""
-    return await prompt_token_sources(session, prefills)
+    """Prompt tokens by source, summed over the prefill engines (vLLM's labels), and the tokens
+    each prefill engine computed (how evenly a front spread the prefill work)."""
+    out: Counters = {}
+    for i, url in enumerate(prefills):
+        mine = await prompt_token_sources(session, [url])
+        for source, tokens in mine.items():
+            out[source] = out.get(source, 0.0) + tokens
+        out[f"{COMPUTED_ON}{i}"] = mine.get(COMPUTED, 0.0)
+    return out
 
 
 def etcd_counts(text: str) -> Counters:

@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvplane.bench.compare_fronts import KVPLANE, REFERENCE
+from kvplane.bench.compare_metrics import COMPUTED_ON
 from kvplane.bench.compare_run import BlockResult, IdleWindow, TurnRecord
 from kvplane.bench.live import CACHED, COMPUTED, PULLED
 
@@ -94,6 +95,15 @@ class Row:
     # All of the block's etcd requests per turn, by etcd method and by kvplane's operation.
     etcd_rpcs_per_turn: dict[str, float] = field(default_factory=dict)
     etcd_ops_per_turn: dict[str, float] = field(default_factory=dict)
+    # Prompt tokens each prefill engine computed, in the engines' order.
+    computed_by_prefill: list[float] = field(default_factory=list)
+
+    @property
+    def prefill_spread(self) -> float:
+        """The busiest prefill engine's computed tokens over the mean (1.0: evenly spread)."""
+        tokens = self.computed_by_prefill
+        mean = sum(tokens) / len(tokens) if tokens else 0.0
+        return max(tokens) / mean if mean > 0 else math.nan
 
     @property
     def pulled_share(self) -> float:
@@ -213,7 +223,16 @@ def build_row(
         etcd_writes_per_turn_above_others=(writes - _etcd_rate(background, "writes") * measured) / n_ok,
         etcd_rpcs_per_turn=_per_turn(blocks, "rpc:", n_ok),
         etcd_ops_per_turn=_per_turn(blocks, "op:", n_ok),
+        computed_by_prefill=[sources[k] for k in sorted(filter(_is_engine_key, sources), key=_engine_index)],
     )
+
+
+def _is_engine_key(key: str) -> bool:
+    return key.startswith(COMPUTED_ON)
+
+
+def _engine_index(key: str) -> int:
+    return int(key.removeprefix(COMPUTED_ON))
 
 
 def rows(
@@ -276,8 +295,9 @@ def cost_table(table: Sequence[Row]) -> str:
         "| front | conc | t2+ tokens reused: pulled from D | from P's prefix cache | split adds up "
         "| CPU ms/turn, front's processes | client | engines "
         "| etcd req/turn (above idle) [above other fronts] "
-        "| etcd writes/turn (above idle) [above other fronts] | Route ms |",
-        "|---|---:|---:|---:|:-:|---|---:|---:|---:|---:|---:|",
+        "| etcd writes/turn (above idle) [above other fronts] | Route ms "
+        "| busiest P's computed tokens vs the mean |",
+        "|---|---:|---:|---:|:-:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in table:
         own = ", ".join(
@@ -292,7 +312,7 @@ def cost_table(table: Sequence[Row]) -> str:
             f"[{_f(r.etcd_requests_per_turn_above_others)}] "
             f"| {_f(r.etcd_writes_per_turn)} ({_f(r.etcd_writes_per_turn_above_idle)}) "
             f"[{_f(r.etcd_writes_per_turn_above_others)}] "
-            f"| {_f(r.route_ms, 2) if r.front == KVPLANE else '-'} |"
+            f"| {_f(r.route_ms, 2) if r.front == KVPLANE else '-'} | {_f(r.prefill_spread, 2)} |"
         )
     return "\n".join(lines)
 

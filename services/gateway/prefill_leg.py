@@ -109,7 +109,9 @@ class PrefillLeg:
     async def once(self, turn: TurnRequest, route: RouteResult, progress: TurnProgress) -> dict[str, Any]:
         """One try of the P leg; what P said about the prompt's sources goes into `progress`."""
         body = prefill_body(turn.body, route)
-        body["return_token_ids"] = True
+        # Nothing reads token ids from P's answer (the client sees D's): not asking spares P and the
+        # gateway a prompt's worth of ids in JSON each turn, even when the client asked D for them.
+        body.pop("return_token_ids", None)
         start = time.perf_counter()
         outcome = "ok"
         with self.tracer.start_as_current_span("gateway.prefill", kind=trace.SpanKind.CLIENT) as span:

@@ -19,7 +19,16 @@ from kvplane.services.gateway.routing_step import RoutingStep, fresh_params
 from kvplane.services.gateway.suspects import engine_key
 from kvplane.services.gateway.turn_errors import TurnFailed
 from tests.integration.test_gateway_front import P_PARAMS, ScriptedEngine
-from tests.support.gateway_parts import P_ROUTE_PARAMS, Parts, fallback_engines, parts, reported, route, turn
+from tests.support.gateway_parts import (
+    CHAT,
+    P_ROUTE_PARAMS,
+    Parts,
+    fallback_engines,
+    parts,
+    reported,
+    route,
+    turn,
+)
 
 PROMPT = RoutedPrompt(tokens=3, token_ids=(1, 2, 3))
 D_URL = "http://127.0.0.1:9"  # never called by a P leg
@@ -58,11 +67,13 @@ async def test_p_is_asked_for_one_token_with_routings_params_and_answers_with_ds
     a, _ = engines
     p = parts()
     progress = TurnProgress("pull")
-    answer = await leg(p, session).once(turn(stream=True), route(a.url, D_URL), progress)
+    # The client asking for token ids is D's to answer, not P's.
+    client_turn = turn(stream=True, body={**CHAT, "return_token_ids": True})
+    answer = await leg(p, session).once(client_turn, route(a.url, D_URL), progress)
     assert answer["kv_transfer_params"] == P_PARAMS and progress.prefill_params == P_PARAMS
     [(path, body, _)] = a.seen
     assert path == "/v1/chat/completions" and body["max_tokens"] == 1 and body["stream"] is False
-    assert body["return_token_ids"] is True and body["kv_transfer_params"] == P_ROUTE_PARAMS
+    assert "return_token_ids" not in body and body["kv_transfer_params"] == P_ROUTE_PARAMS
     assert body["messages"] == turn().body["messages"]
     assert progress.sources is not None and progress.prefill_s > 0
     assert p.leg_count("prefill", "ok") == 1

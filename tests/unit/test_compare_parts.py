@@ -125,3 +125,20 @@ def test_etcd_above_other_fronts_subtracts_their_rate_over_kvplanes_time() -> No
     assert kv.etcd_rpcs_per_turn == {"Txn": 4.0} and kv.etcd_ops_per_turn == {"publish": 1.0}
     # A front that never uses etcd is measured against the others like it, never against kvplane.
     assert rows["example-proxy"].etcd_requests_per_turn_above_others == (30 - 10 / 5 * 15) / 100
+
+
+def test_prefill_spread_is_the_busiest_engines_computed_tokens_over_the_mean() -> None:
+    block = _block(KVPLANE, requests=0, seconds=10, turns=4)
+    # Ten engines would sort "computed_on:10" before "computed_on:2" as text: the order is numeric.
+    block.sources = {f"computed_on:{i}": float(100 * (i + 1)) for i in range(11)} | {"local_compute": 6600.0}
+    other = _block(KVPLANE, requests=0, seconds=10, turns=4)
+    other.repeat = 1
+    other.sources = {f"computed_on:{i}": 0.0 for i in range(11)}
+    (row,) = report_rows([block, other], {KVPLANE: []}, None)
+    assert row.computed_by_prefill == [100.0 * (i + 1) for i in range(11)]
+    assert row.prefill_spread == 1100 / 600
+
+
+def test_prefill_spread_is_unknown_without_per_engine_counts() -> None:
+    (row,) = report_rows([_block(KVPLANE, requests=0, seconds=10, turns=4)], {KVPLANE: []}, None)
+    assert row.computed_by_prefill == [] and row.prefill_spread != row.prefill_spread  # nan
