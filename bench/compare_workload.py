@@ -16,7 +16,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-MODEL = "sim-model"
+from kvplane.services.devstack.names import DEMO_MODEL
+
+MODEL = DEMO_MODEL
 # Token ids are drawn from this range: clear of the sim-engine's byte tokens (3..258) and its
 # specials, and well inside any vocabulary the engines accept.
 TOKEN_LOW, TOKEN_HIGH = 1000, 30_000

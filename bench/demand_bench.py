@@ -47,6 +47,7 @@ from kvplane.connector.simengine.timing_model import TimingModel
 from kvplane.services.common.model.handles import KEY_CONVERSATION, KEY_TENANT, fresh_prefill_params
 from kvplane.services.common.runtime.ports import free_port
 from kvplane.services.dev.local_etcd import LocalEtcd
+from kvplane.services.devstack.names import DEMO_MODEL
 from kvplane.services.devstack.processes import (
     ManagedProcess,
     grpc_health_probe,
@@ -69,7 +70,7 @@ SERVICES_ENV = {
     "KVPLANE_AUTH__TENANTS_SEE_ENGINES": "true",
 }
 TENANT_HEADERS = (("x-kvplane-mesh-secret", MESH_SECRET), ("x-kvplane-tenant", TENANT))
-MODEL = "sim-model"
+MODEL = DEMO_MODEL
 PROMPT_TOKENS = 200
 RETAINED_OUTPUT = 100
 

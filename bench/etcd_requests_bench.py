@@ -34,8 +34,9 @@ from dataclasses import dataclass
 import aiohttp
 
 from kvplane.bench.live import token_chat
+from kvplane.services.devstack.names import DEMO_MODEL
 
-MODEL = "sim-model"
+MODEL = DEMO_MODEL
 # etcd's gRPC methods that are one request each (LeaseKeepAlive is counted by messages).
 UNARY_METHODS = ("Range", "Txn", "Put", "DeleteRange", "LeaseGrant", "LeaseRevoke")
 # kvplane operations each engine causes whether or not turns run: its load reports and the

@@ -46,8 +46,9 @@ from kvplane.bench.live import token_chat
 from kvplane.bench.route_bench import cpu_seconds
 from kvplane.services.common.model.handles import fresh_prefill_params
 from kvplane.services.common.runtime.ports import free_port
+from kvplane.services.devstack.names import DEMO_MODEL
 
-MODEL = "sim-model"
+MODEL = DEMO_MODEL
 # A front's CPU counter has settled once it moves less than this in SETTLE_S (one clock tick is 10 ms).
 SETTLE_CPU_S = 0.011
 SETTLE_S = 0.3

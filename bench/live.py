@@ -39,6 +39,7 @@ from typing import Any
 import aiohttp
 
 from kvplane.services.common.model.handles import fresh_prefill_params
+from kvplane.services.devstack.names import DEMO_MODEL
 
 # The prefill engines' prompt-token sources (vLLM's `vllm:prompt_tokens_by_source` labels).
 PULLED, CACHED, COMPUTED = "external_kv_transfer", "local_cache_hit", "local_compute"
@@ -276,7 +277,7 @@ async def drive(
     *,
     prefill: str | Sequence[str] = "",
     decode: str | Sequence[str] = "",
-    model: str = "sim-model",
+    model: str = DEMO_MODEL,
     progress: bool = False,
 ) -> LiveResult:
     """Runs the workload through the gateway.
@@ -328,7 +329,7 @@ async def drive_direct(
     decode: Sequence[str],
     workload: Workload,
     *,
-    model: str = "sim-model",
+    model: str = DEMO_MODEL,
     progress: bool = False,
 ) -> LiveResult:
     """The same workload sent straight to the engines by a client without reuse.
@@ -474,7 +475,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="prefill engine URLs, comma-separated: token sources, direct baseline",
     )
     parser.add_argument("--decode", default="", help="decode engine URLs, comma-separated: direct baseline")
-    parser.add_argument("--model", default="sim-model")
+    parser.add_argument("--model", default=DEMO_MODEL)
     parser.add_argument("--start-stack", action="store_true", help="start a dev stack and benchmark it")
     parser.add_argument(
         "--prefill-nodes", type=int, default=2, help="with --start-stack: prefill sim-engines"

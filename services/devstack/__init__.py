@@ -6,5 +6,6 @@
 - `stack`: the recipe: etcd, `kvplane serve all`, the sim-engines and the gateway, with their
   settings; `start_stack()` for tests and benchmarks.
 - `demo`: the multi-turn demo run through the gateway, and its table.
+- `names`: what the stack names its parts (the model), importable without the stack.
 - `cli`: `kvplane dev-stack`'s command line.
 """

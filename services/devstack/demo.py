@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from kvplane.services.devstack.names import DEMO_MODEL
 from kvplane.services.devstack.stack import DEMO_API_KEY, Stack
 
 
@@ -86,7 +87,7 @@ async def run_demo(
                 user = " ".join(f"question {c}.{t} about item {i}" for i in range(60 * t))
                 messages.append({"role": "user", "content": user})
                 body = {
-                    "model": "sim-model",
+                    "model": DEMO_MODEL,
                     "messages": messages,
                     "max_tokens": max_tokens,
                     "stream": True,

@@ -26,6 +26,7 @@ from kvplane.connector.simengine.timing_model import TimingModel
 from kvplane.services.common.runtime.ports import free_port
 from kvplane.services.dev.local_etcd import LocalEtcd
 from kvplane.services.devstack.credentials import GATEWAY, DevCredentials
+from kvplane.services.devstack.names import DEMO_MODEL
 from kvplane.services.devstack.processes import (
     ManagedProcess,
     grpc_health_probe,
@@ -241,7 +242,7 @@ async def _start_engines(
             auth_token_file=credentials.token_file(node_id),
             timing=TimingModel(speedup=recipe.speedup),
             decoder_kv_blocks_ttl=recipe.decoder_ttl_s,
-            model="sim-model",
+            model=DEMO_MODEL,
             # 256 MiB of KV: room for a few dozen long conversations.
             num_blocks=16384,
             enable_prefix_caching=recipe.prefill_prefix_caching or role != "prefill",
@@ -307,7 +308,7 @@ async def _start_gateway(
             "--routing",
             stack.grpc_target,
             "--model",
-            "sim-model",
+            DEMO_MODEL,
             "--fallback-prefill",
             stack.prefill_url,
             "--fallback-decode",

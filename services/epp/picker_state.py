@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from opentelemetry import trace
 
 from kvplane.services.epp.settings import EppSection
+from kvplane.services.gateway import admission
 from kvplane.services.gateway.admission import ReadLimits
 from kvplane.services.gateway.cache_salt import CacheSalts
 from kvplane.services.gateway.identity import ApiKeys
@@ -31,5 +32,4 @@ class PickerState:
 
     @property
     def read_limits(self) -> ReadLimits:
-        g = self.gateway
-        return ReadLimits(g.max_body_bytes, g.body_timeout_s, g.max_json_depth)
+        return admission.read_limits(self.gateway)

@@ -15,6 +15,15 @@ Reading turns every way a body can be malformed into a 4xx: invalid UTF-8,
 invalid JSON, NaN or Infinity, nesting deeper than the limit, and escaped
 lone surrogates (valid JSON, but no UTF-8 encoding exists for them, and an
 engine call would fail on them later).
+
+A body's parse is bounded before it starts. Parsing runs on the event loop, and moving it to a
+thread would not help: the parser holds the GIL for the whole call, so every other request would
+wait just the same. What bounds it is the number of values it may build: a body of 16 MiB can hold
+8 million token ids (seconds of CPU and most of a GiB), while a prompt cannot usefully hold more
+than the context length. So the body's separators (`,`, `[`, `{`) are counted first, in C and at
+memory speed, and a body with more than `max_values` is refused (413) before `json.loads` sees it.
+The count is an upper bound (a comma inside a string counts too), so the limit is set well above
+what any legitimate body holds: twice the context length plus 65,536 (`read_limits`).
 """
 
 from __future__ import annotations
@@ -29,11 +38,25 @@ from aiohttp import HttpVersion11, web
 
 from kvplane.services.gateway.identity import ApiKeys, Unauthorized
 from kvplane.services.gateway.openai_errors import RequestRejected, error_response, rejection
+from kvplane.services.gateway.request_body import MAX_PROMPT_TOKENS
+from kvplane.services.gateway.settings import GatewaySection
 
 # The tenant the request's API key names, set before its handler runs.
 TENANT: web.RequestKey[str] = web.RequestKey("kvplane_tenant", str)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def json_values_for_context(max_model_len: int) -> int:
+    """The default value cap: twice the context length plus 65,536 (a prompt of token ids at the
+    context length, messages, settings, and commas inside text, with room to spare); without a
+    known context length, twice `MAX_PROMPT_TOKENS` plus 65,536."""
+    return 2 * (max_model_len or MAX_PROMPT_TOKENS) + (1 << 16)
+
+
+DEFAULT_MAX_VALUES = json_values_for_context(0)
+# Bodies up to this size are parsed without counting first: their parse is cheap whatever they hold.
+_COUNT_FROM_BYTES = 1 << 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +67,14 @@ class ReadLimits:
     body_timeout_s: float
     # Deepest nesting of JSON arrays and objects accepted.
     max_depth: int
+    # Most JSON values a body may hold, counted before it is parsed (see the module's docstring).
+    max_values: int = DEFAULT_MAX_VALUES
+
+
+def read_limits(settings: GatewaySection) -> ReadLimits:
+    """The body limits of a front with these gateway settings (the gateway, the picker, the sidecar)."""
+    values = settings.max_json_values or json_values_for_context(settings.max_model_len)
+    return ReadLimits(settings.max_body_bytes, settings.body_timeout_s, settings.max_json_depth, values)
 
 
 def _refusal(request: web.Request, keys: ApiKeys, limits: ReadLimits) -> web.Response | None:
@@ -119,7 +150,16 @@ async def read_json(request: web.Request, limits: ReadLimits) -> Any:
 
 def parse_json(raw: bytes, limits: ReadLimits) -> Any:
     """A whole body's JSON value, within the nesting limit; raises RequestRejected (400) for every
-    way it can be malformed. For any front that has the body's bytes in hand."""
+    way it can be malformed, and 413 for one that holds more values than the limit. For any front
+    that has the body's bytes in hand."""
+    if len(raw) > _COUNT_FROM_BYTES:
+        values = raw.count(b",") + raw.count(b"[") + raw.count(b"{") + 1
+        if values > limits.max_values:
+            raise RequestRejected(
+                413,
+                f"the body holds about {values} JSON values; the limit is {limits.max_values} "
+                "(set from the engines' context length)",
+            )
     try:
         # orjson: strict JSON (no NaN or Infinity, no lone surrogate escapes), in C: the
         # prompt's thousands of token ids are most of a body.

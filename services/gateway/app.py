@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from kvplane.services.client import ClientCredentials, RoutingClient
 from kvplane.services.common.runtime.server import BindFailed
 from kvplane.services.common.runtime.telemetry import Telemetry
-from kvplane.services.gateway.admission import TENANT, ReadLimits, admission, expect_continue, json_body
+from kvplane.services.gateway.admission import TENANT, admission, expect_continue, json_body, read_limits
 from kvplane.services.gateway.cache_salt import CacheSalts
 from kvplane.services.gateway.https import ServerCertificate
 from kvplane.services.gateway.identity import ApiKeys
@@ -58,10 +58,6 @@ def split_host_port(address: str) -> tuple[str, int]:
     if not sep or not port.isdigit() or not host:
         raise AddressError(f"{address!r} is not host:port (bracket IPv6 literals)")
     return host.strip("[]"), int(port)
-
-
-def _read_limits(settings: GatewaySection) -> ReadLimits:
-    return ReadLimits(settings.max_body_bytes, settings.body_timeout_s, settings.max_json_depth)
 
 
 def routing_credentials(settings: GatewaySection) -> ClientCredentials:
@@ -106,7 +102,7 @@ async def _completion(request: web.Request, chat: bool) -> web.StreamResponse:
     arrival = time.perf_counter()
     settings = request.app[SETTINGS_KEY]
     # The admission middleware has authenticated the caller from its headers: only now is the body read.
-    body = await json_body(request, _read_limits(settings))
+    body = await json_body(request, read_limits(settings))
     if isinstance(body, web.Response):
         return body
     try:
@@ -179,7 +175,7 @@ def build_app(
     settings: GatewaySection, runner: TurnRunner, telemetry: Telemetry, metrics_: GatewayMetrics
 ) -> web.Application:
     api_keys = configured_api_keys(settings)
-    admit = admission(api_keys, _read_limits(settings), AUTHENTICATED_PATHS)
+    admit = admission(api_keys, read_limits(settings), AUTHENTICATED_PATHS)
     app = web.Application(
         client_max_size=settings.max_body_bytes, middlewares=[count_requests, json_http_errors, admit]
     )
@@ -192,7 +188,7 @@ def build_app(
     app[TELEMETRY_KEY] = telemetry
     app[SETTINGS_KEY] = settings
     app[METRICS_KEY] = metrics_
-    expect = expect_continue(api_keys, _read_limits(settings))
+    expect = expect_continue(api_keys, read_limits(settings))
     app.router.add_post("/v1/chat/completions", chat_completions, expect_handler=expect)
     app.router.add_post("/v1/completions", completions, expect_handler=expect)
     app.router.add_get("/v1/models", models)

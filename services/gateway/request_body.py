@@ -34,6 +34,8 @@ MAX_MODEL_NAME = 256
 TOKEN_ID_LIMIT = 1 << 32
 MAX_TOKENS_LIMIT = (1 << 31) - 1
 SEED_LIMIT = 1 << 63
+# A prompt's most token ids unless configured otherwise.
+MAX_PROMPT_TOKENS = 1 << 20
 
 _INT_FIELDS = ("max_tokens", "max_completion_tokens", "min_tokens")
 _NUMBER_FIELDS = (
@@ -64,7 +66,7 @@ class BodyLimits:
     # The engines' context length, tokens; 0: unknown, the engines check it.
     max_model_len: int = 0
     # Most token ids in a prompt.
-    max_prompt_tokens: int = 1 << 20
+    max_prompt_tokens: int = MAX_PROMPT_TOKENS
 
 
 def has_control(text: str) -> bool:

@@ -136,6 +136,10 @@ class GatewaySection(Section):
     body_timeout_s: float = Field(30.0, gt=0)
     # Deepest nesting of JSON arrays and objects accepted in a body.
     max_json_depth: int = Field(32, ge=2)
+    # Most JSON values (numbers, strings, arrays, objects) a body may hold, counted before it is
+    # parsed, so that no body costs more to parse than a prompt at the context length. 0: twice
+    # max_model_len plus 65,536 (twice 2^20 plus 65,536 while max_model_len is unknown).
+    max_json_values: int = Field(0, ge=0)
     # The engines' vocabulary size, to refuse out-of-range token ids up front; 0: unknown (ids < 2^32).
     vocab_size: int = Field(0, ge=0)
     # The engines' context length in tokens, to refuse up front what D would reject; 0: unknown.

@@ -15,7 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvplane.services.common.runtime.telemetry import Telemetry
 from kvplane.services.gateway import failover, sse
-from kvplane.services.gateway.admission import ReadLimits, parse_json
+from kvplane.services.gateway.admission import parse_json, read_limits
 from kvplane.services.gateway.app import split_host_port
 from kvplane.services.gateway.legs import LegFailed
 from kvplane.services.gateway.metrics import GatewayMetrics
@@ -119,8 +119,7 @@ class Sidecar:
             return None
 
     async def _turn(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
-        g = self.limits
-        limits = ReadLimits(g.max_body_bytes, g.body_timeout_s, g.max_json_depth)
+        limits = read_limits(self.limits)
         try:
             async with asyncio.timeout(limits.body_timeout_s):
                 raw = await request.read()

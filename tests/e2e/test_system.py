@@ -23,6 +23,7 @@ import grpc
 import pytest
 
 from kvplane.services.devstack.demo import run_demo
+from kvplane.services.devstack.names import DEMO_MODEL
 from kvplane.services.devstack.processes import grpc_health_probe
 from kvplane.services.devstack.stack import DEMO_API_KEY, Stack, start_stack
 from kvplane.v1 import metadata_pb2, metadata_pb2_grpc
@@ -91,7 +92,7 @@ async def turn(
 ) -> tuple[str, list[int]]:
     """One completion through the gateway; returns the decision and the output token ids."""
     body: dict[str, Any] = {
-        "model": "sim-model",
+        "model": DEMO_MODEL,
         "prompt": prompt,
         "max_tokens": MAX_TOKENS,
         "temperature": 0,

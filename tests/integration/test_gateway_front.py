@@ -485,3 +485,17 @@ async def test_gateway_command_serves_until_sigterm(tmp_path: Path, loop: str | 
             proc.wait()
         await prefill.stop()
         await decode.stop()
+
+
+async def test_a_body_of_more_json_values_than_any_prompt_is_refused_before_parsing(front: Front) -> None:
+    # 2.2 million token ids (4.4 MB, under the 16 MiB body limit): more than twice the most prompt
+    # tokens the gateway accepts without a known context length, plus room. Refused unparsed.
+    raw = b'{"model": "m", "prompt": [' + b"0," * 2_200_000 + b'0], "max_tokens": 1}'
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    async with front.session.post(front.gateway.url + "/v1/completions", data=raw, headers=headers) as resp:
+        assert resp.status == 413
+        answer = await resp.json()
+    assert "JSON values" in answer["error"]["message"] and "context length" in answer["error"]["message"]
+    assert not front.prefill.seen and not front.decode.seen
+    ok = await front.post("/v1/chat/completions", dict(CHAT))
+    assert ok.status == 200, "the gateway serves the next request as before"
