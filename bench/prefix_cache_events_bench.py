@@ -38,7 +38,7 @@ from kvplane.services.common.model.kv_events import (
     decode_batch,
     encode_batch,
 )
-from kvplane.services.routing.prefix_cache_stream import update_from_pb
+from kvplane.services.routing.prefix_cache_stream import message_from_pb
 from kvplane.services.routing.state.engine_caches import CacheUpdate, EngineCaches, HashConfig
 from kvplane.v1 import routing_pb2
 
@@ -144,7 +144,8 @@ def routing_cost(messages: list[bytes]) -> float:
 
     def run() -> None:
         for i, raw in enumerate(messages):
-            update = update_from_pb(routing_pb2.StreamPrefixCacheRequest.FromString(raw))
+            update = message_from_pb(routing_pb2.StreamPrefixCacheRequest.FromString(raw)).cache
+            assert update is not None, "every message of this benchmark carries blocks"
             caches.apply(update, float(i))
 
     return _cpu(run)

@@ -165,8 +165,8 @@ class ConnectorSettings:
 
     metadata_target: str = ""
     eviction_target: str = ""
-    # Routing replicas (host:port) the node agent streams this engine's prefix cache to, from its
-    # KV events (vLLM's --kv-events-config, on loopback or ipc); empty: not streamed.
+    # Routing replicas (host:port) the node agent streams this engine's load to, and its prefix
+    # cache from its KV events (vLLM's --kv-events-config, on loopback or ipc); empty: neither.
     routing_targets: tuple[str, ...] = ()
     node_id: str = ""
     role: NodeRole = NodeRole.BOTH

@@ -63,28 +63,34 @@ class NodeAgent:
         self._plane = ControlPlane(settings, node)
         self._outbox = Outbox(settings.queue_max, settings.batch_max)
         self._registration = Registration(self._plane, self._outbox, on_release, retained_fn)
-        self._load = LoadReporter(self._plane, load_fn)
+        # The streams to routing replicas: the load always, the prefix cache when the engine's
+        # KV-cache events are read (None: not read). While every stream is live, etcd gets only the
+        # load's memory changes (`load.py`).
+        self._prefix_streams: list[PrefixCacheStream] = []
+        self._load = LoadReporter(self._plane, load_fn, streamed=self._all_streams_live)
         self._sender = Sender(self._plane, self._outbox, on_release)
         self._demand = DemandReporter(self._plane, demand_fn) if demand_fn is not None else None
         self._commands = CommandStream(self._plane, on_release, on_drain, self._demand)
-        # The engine's KV-cache events (None: not read), and their streams to routing replicas.
         self._blocks: BlockSet | None = None
         self._subscriber: KVEventsSubscriber | None = None
-        self._prefix_streams: list[PrefixCacheStream] = []
         if kv_events is not None:
             self._blocks = BlockSet(
                 max_blocks=settings.prefix_cache_max_blocks,
                 checkpoint_blocks=settings.prefix_cache_checkpoint_blocks,
             )
             self._subscriber = KVEventsSubscriber(kv_events, self._blocks)
-            self._prefix_streams = [
-                PrefixCacheStream(self._plane, target, self._blocks, kv_events)
-                for target in settings.routing_targets
-            ]
+        self._prefix_streams = [
+            PrefixCacheStream(self._plane, target, self._load, self._blocks, kv_events)
+            for target in settings.routing_targets
+        ]
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping: asyncio.Event | None = None
         self._started = threading.Event()
+
+    def _all_streams_live(self) -> bool:
+        streams = self._prefix_streams
+        return bool(streams) and all(stream.live for stream in streams)
 
     # ------------------------------------------------------------------ engine-facing API
 

@@ -1,9 +1,16 @@
-"""Load reports: `load_fn()` sampled every `load_interval_s`, reported (ReportLoad) when it changed
-materially, at once after every registration, and otherwise every `load_heartbeat_s`.
+"""Load reports: `load_fn()` sampled every `load_interval_s`; each sample is handed to the node's
+streams to routing (`prefix_cache.py`, which send it when it changed), and reported to etcd
+(ReportLoad) at once after every registration, every `load_heartbeat_s`, and when it changed:
 
-An idle engine writes its load to etcd a tenth of a second, not twice a second. The node's
-liveness is its lease; the heartbeat only shows that the agent's load path still runs (the `live`
-routing filter allows three heartbeats). Runs on the agent's thread.
+- while every routing replica the node streams to has a live stream, only a change of its
+  memory counts (`memory_changed`): routing has the request counts from the stream, and etcd's
+  other reader, the eviction coordinator, needs the memory figures alone;
+- otherwise (no routing targets, or a stream down) any material change (`load_changed`).
+
+So a busy engine writes etcd at the pace of its memory, not of its requests (which was every
+half second), and an idle one once a heartbeat. The node's liveness is its lease; the heartbeat
+only shows that the agent's load path still runs (the `live` routing filter allows three
+heartbeats). Runs on the agent's thread.
 """
 
 from __future__ import annotations
@@ -38,13 +45,35 @@ def load_changed(last: NodeLoad, now: NodeLoad) -> bool:
     return abs(now.free_kv_blocks - last.free_kv_blocks) >= max(1, now.total_kv_blocks // 100)
 
 
-class LoadReporter:
-    """Samples the engine's load and reports what routing needs to know."""
+def memory_changed(last: NodeLoad, now: NodeLoad) -> bool:
+    """Whether `now`'s memory differs from the load last reported enough to report it before the
+    heartbeat: the block total changed, free KV blocks moved by 5% of the total (at least one
+    block), or retained bytes moved by a tenth (or to or from none)."""
+    if now.total_kv_blocks != last.total_kv_blocks:
+        return True
+    if abs(now.free_kv_blocks - last.free_kv_blocks) >= max(1, now.total_kv_blocks // 20):
+        return True
+    if (now.retained_bytes == 0) != (last.retained_bytes == 0):
+        return True
+    return abs(now.retained_bytes - last.retained_bytes) * 10 > max(now.retained_bytes, last.retained_bytes)
 
-    def __init__(self, plane: ControlPlane, load_fn: Callable[[], NodeLoad]) -> None:
+
+class LoadReporter:
+    """Samples the engine's load, hands it to the streams to routing, and reports it to etcd."""
+
+    def __init__(
+        self,
+        plane: ControlPlane,
+        load_fn: Callable[[], NodeLoad],
+        streamed: Callable[[], bool] = lambda: False,
+    ) -> None:
         self._plane = plane
         # Called on the agent's thread: thread-safe, quick, never blocking.
         self._load_fn = load_fn
+        # Whether every routing replica gets the load on a live stream now.
+        self._streamed = streamed
+        # The latest sample, stamped, for the streams (None until the first).
+        self.latest: NodeLoad | None = None
         self.reports = 0
 
     async def run(self) -> None:
@@ -59,24 +88,30 @@ class LoadReporter:
                 registration, last = plane.registrations, None
             try:
                 sampled = self._load_fn()
-                load = dataclasses.replace(sampled, node_id=plane.node_id, incarnation=plane.incarnation)
+                load = dataclasses.replace(
+                    sampled,
+                    node_id=plane.node_id,
+                    incarnation=plane.incarnation,
+                    reported_unix_ms=int(time.time() * 1000),
+                )
             except Exception:
                 log.exception("load_fn failed; skipping this report")
             else:
+                self.latest = load
                 now = time.monotonic()
                 heartbeat = now - last_sent >= plane.settings.load_heartbeat_s
-                due = last is None or load_changed(last, load) or heartbeat
+                changed = memory_changed if self._streamed() else load_changed
+                due = last is None or heartbeat or changed(last, load)
                 if due and await self._report(load):
                     last, last_sent = load, now
             await plane.sleep_or_stop(plane.settings.load_interval_s)
 
     async def _report(self, load: NodeLoad) -> bool:
-        """One ReportLoad, stamped now; False when it failed."""
+        """One ReportLoad of the stamped sample; False when it failed."""
         plane = self._plane
-        stamped = dataclasses.replace(load, reported_unix_ms=int(time.time() * 1000))
         try:
             await plane.meta.ReportLoad(
-                metadata_pb2.ReportLoadRequest(load=convert.load_to_pb(stamped)),
+                metadata_pb2.ReportLoadRequest(load=convert.load_to_pb(load)),
                 timeout=plane.settings.rpc_timeout_s,
                 metadata=plane.call_metadata,
             )

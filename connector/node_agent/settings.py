@@ -47,8 +47,9 @@ class NodeAgentSettings:
     deregister_on_stop: bool = True
     # Seconds a publish may keep failing before it is given up and its blocks freed.
     publish_give_up_s: float = 30.0
-    # host:port of every routing replica the engine's prefix cache (its KV-cache events, when
-    # the agent is given a source) is streamed to; empty: events are read but not forwarded.
+    # host:port of every routing replica the engine's load, and its prefix cache (its KV-cache
+    # events, when the agent is given a source), are streamed to; empty: the load goes to etcd
+    # alone and events are read but not forwarded.
     routing_targets: tuple[str, ...] = ()
     # Shortest interval between two prefix-cache deltas to one replica, in seconds.
     prefix_cache_interval_s: float = 0.1

@@ -76,8 +76,8 @@ class SimEngineSettings:
     control_plane: str = ""
     # host:port of kvplane's eviction service; empty: the control-plane address (`serve all`).
     eviction: str = ""
-    # Routing replicas (host:port, comma-separated) the node agent streams this engine's prefix
-    # cache to, from its KV events (--kv-events-config); empty: not streamed.
+    # Routing replicas (host:port, comma-separated) the node agent streams this engine's load to,
+    # and its prefix cache from its KV events (--kv-events-config); empty: neither is streamed.
     routing: str = ""
     # Node id registered with the control plane; empty: the engine id.
     node_id: str = ""
@@ -370,8 +370,8 @@ def build_arg_parser(
     p.add_argument(
         "--routing",
         default=d.routing,
-        help="routing replicas host:port[,host:port] the node agent streams this engine's prefix cache to, "
-        "from its KV events (default: none)",
+        help="routing replicas host:port[,host:port] the node agent streams this engine's load to, and "
+        "its prefix cache from its KV events (default: none)",
     )
     p.add_argument("--node-id", default=d.node_id)
     p.add_argument("--kvplane-connector", action=argparse.BooleanOptionalAction, default=d.kvplane_connector)

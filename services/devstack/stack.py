@@ -183,7 +183,7 @@ class EngineRecipe:
     decoder_ttl_s: float
     prefill_prefix_caching: bool
     # Prefill engines publish KV events (on ipc in the run directory) that their node agents
-    # stream to routing, as vLLM with --kv-events-config does.
+    # stream to routing, as vLLM with --kv-events-config does. Every engine streams its load.
     kv_events: bool = True
 
 
@@ -246,6 +246,8 @@ async def _start_engines(
             # 256 MiB of KV: room for a few dozen long conversations.
             num_blocks=16384,
             enable_prefix_caching=recipe.prefill_prefix_caching or role != "prefill",
+            # Every engine streams its load to routing; prefill engines their KV events too.
+            routing=stack.grpc_target,
             **(_kv_events(stack, node_id) if recipe.kv_events and role == "prefill" else {}),
         )
         engine = ManagedProcess(
@@ -263,14 +265,15 @@ async def _start_engines(
 
 
 def _kv_events(stack: Stack, node_id: str) -> dict[str, Any]:
-    """A prefill engine's KV events on ipc sockets in the run directory, streamed to routing."""
+    """A prefill engine's KV events on ipc sockets in the run directory (its agent streams them to
+    routing)."""
     config = KVEventsConfig(
         enable_kv_cache_events=True,
         publisher="zmq",
         endpoint=f"ipc://{stack.run_dir / f'kv-events-{node_id}'}",
         replay_endpoint=f"ipc://{stack.run_dir / f'kv-replay-{node_id}'}",
     )
-    return {"kv_events_config": config, "routing": stack.grpc_target}
+    return {"kv_events_config": config}
 
 
 async def _start_gateway(

@@ -22,7 +22,7 @@ from kvplane.services.common.model.errors import (
     StoreUnavailable,
 )
 from kvplane.services.common.model.handles import CacheHandle, HandleFormatError, ReleaseReason
-from kvplane.services.common.model.nodes import Node, NodeLoad
+from kvplane.services.common.model.nodes import Node
 from kvplane.services.common.runtime.auth import Principal, PrincipalKind
 from kvplane.services.common.runtime.grpc_errors import rpc_method
 from kvplane.services.common.runtime.server import Context, caller
@@ -102,7 +102,8 @@ class MetadataService(metadata_pb2_grpc.MetadataServiceServicer):
         principal.require(PrincipalKind.NODE)
         principal.as_node(validation.ident(request.load.node_id, "load.node_id"), "load.node_id")
         validation.ident(request.load.incarnation, "load.incarnation")
-        await self.store.report_load(_valid_load(request.load), self._node_hint(request.load.node_id))
+        load = convert.checked_load_from_pb(request.load)
+        await self.store.report_load(load, self._node_hint(request.load.node_id))
         return metadata_pb2.ReportLoadResponse()
 
     @rpc_method
@@ -406,17 +407,3 @@ def _valid_handle(pb: handle_pb2.CacheHandle, field: str) -> CacheHandle:
     except (HandleFormatError, DigestFormatError, ValueError) as exc:
         raise InvalidArgument(field, str(exc)) from None
     return validation.cache_handle(handle, field, now_unix_ms=int(time.time() * 1000))
-
-
-def _valid_load(pb: node_pb2.NodeLoad) -> NodeLoad:
-    for name in (
-        "queued_requests",
-        "queued_prefill_tokens",
-        "running_requests",
-        "free_kv_blocks",
-        "total_kv_blocks",
-        "retained_bytes",
-    ):
-        validation.in_range(getattr(pb, name), f"load.{name}", 0, validation.MAX_COUNT)
-    validation.in_range(pb.reported_unix_ms, "load.reported_unix_ms", 0, validation.MAX_COUNT)
-    return convert.load_from_pb(pb)

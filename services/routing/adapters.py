@@ -13,6 +13,7 @@ from kvplane.services.common.store import CheckOut, HandleRecord, Store
 from kvplane.services.common.store.cluster_view import ClusterView
 from kvplane.services.routing.metrics import RoutingMetrics
 from kvplane.services.routing.policy import NodeState
+from kvplane.services.routing.state.streamed_loads import StreamedLoads
 
 
 class SystemClock:
@@ -40,11 +41,15 @@ class StoreCheckOut:
 
 
 class ViewCluster:
-    """The cluster as the replica's watch-fed view shows it."""
+    """The cluster as the replica's watch-fed view shows it, with the loads nodes stream to this
+    replica in place of the stored ones while they are fresh (`state.streamed_loads`)."""
 
-    def __init__(self, view: ClusterView, metrics: RoutingMetrics) -> None:
+    def __init__(
+        self, view: ClusterView, metrics: RoutingMetrics, streamed: StreamedLoads | None = None
+    ) -> None:
         self.view = view
         self.metrics = metrics
+        self.streamed = streamed
 
     @property
     def healthy(self) -> bool:
@@ -58,15 +63,23 @@ class ViewCluster:
         return self.view.handle(tenant, conversation)
 
     def node_states(self) -> tuple[NodeState, ...]:
-        view = self.view
-        return tuple(NodeState(r.node, view.load(r.node)) for r in view.nodes.values())
+        view, streamed = self.view, self.streamed
+        if streamed is None or not len(streamed):
+            return tuple(NodeState(r.node, view.load(r.node)) for r in view.nodes.values())
+        now_s = time.monotonic()
+        return tuple(
+            NodeState(r.node, streamed.load(r.node, view.load(r.node), now_s)) for r in view.nodes.values()
+        )
 
     def node(self, node_id: str) -> Node | None:
         record = self.view.nodes.get(node_id)
         return record.node if record is not None else None
 
     def newest_report_unix_ms(self) -> int:
-        return max((load.reported_unix_ms for load in self.view.loads.values()), default=0)
+        stored = max((load.reported_unix_ms for load in self.view.loads.values()), default=0)
+        if self.streamed is None:
+            return stored
+        return max(stored, self.streamed.newest_report_unix_ms(time.monotonic()))
 
     async def await_handle(self, tenant: str, conversation: str, handle_id: str, wait_s: float) -> bool:
         """As `wait_published`, timed by outcome (a Route's wait for the engine's publish)."""

@@ -1,4 +1,5 @@
-"""StreamPrefixCache's receiving end: a node's prefix-cache messages into the replica's view.
+"""StreamPrefixCache's receiving end: a node's prefix-cache messages into the replica's view, and
+its load into the replica's streamed loads (`state.streamed_loads` says why loads travel here).
 
 How the node agents' block sets reach routing, and why this way: every node agent streams its own
 engine's forwarded block ids (`kvplane.connector.kv_events.block_set`) to every routing replica
@@ -21,11 +22,14 @@ the first message names the node, and every later message must name the same nod
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
-from kvplane.services.common.model import validation
+from kvplane.services.common.model import convert, validation
 from kvplane.services.common.model.errors import InvalidArgument
+from kvplane.services.common.model.nodes import NodeLoad
 from kvplane.services.common.runtime.auth import Principal, PrincipalKind
 from kvplane.services.routing.state.engine_caches import CacheUpdate, EngineCaches, HashConfig
+from kvplane.services.routing.state.streamed_loads import StreamedLoads
 from kvplane.v1 import routing_pb2
 
 # Block ids one message may carry (a snapshot is split into parts of at most this many).
@@ -35,11 +39,39 @@ MAX_HASH_SEED = 256
 MAX_BLOCK_SIZE = 1 << 16
 
 
-def update_from_pb(message: routing_pb2.StreamPrefixCacheRequest) -> CacheUpdate:
-    """The message as a domain value; raises InvalidArgument for an invalid one."""
+@dataclass(frozen=True, slots=True)
+class StreamMessage:
+    """One message of a node's stream: its cache update (None: a node that streams its load
+    alone) and its load (None: unchanged since the stream's last)."""
+
+    node_id: str
+    incarnation: str
+    cache: CacheUpdate | None
+    load: NodeLoad | None
+
+
+def message_from_pb(message: routing_pb2.StreamPrefixCacheRequest) -> StreamMessage:
+    """The message as domain values; raises InvalidArgument for an invalid one."""
     node_id = validation.ident(message.node_id, "node_id")
     incarnation = validation.ident(message.incarnation, "incarnation")
+    load = None
+    if message.HasField("load"):
+        load = convert.checked_load_from_pb(message.load)
+        if load.node_id != node_id or load.incarnation != incarnation:
+            raise InvalidArgument("load", "must name the stream's node and incarnation")
     ids = len(message.stored_block_ids) + len(message.removed_block_ids)
+    if message.block_size == 0:
+        # A node without KV-cache events: its load and keep-alives only.
+        if ids or message.snapshot or message.snapshot_continues:
+            raise InvalidArgument("block_size", "must be set in a message that carries blocks")
+        return StreamMessage(node_id, incarnation, None, load)
+    return StreamMessage(node_id, incarnation, _cache_update(message, node_id, incarnation, ids), load)
+
+
+def _cache_update(
+    message: routing_pb2.StreamPrefixCacheRequest, node_id: str, incarnation: str, ids: int
+) -> CacheUpdate:
+    """The message's cache update; raises InvalidArgument for an invalid one."""
     if ids > MAX_BLOCK_IDS_PER_MESSAGE:
         limit = MAX_BLOCK_IDS_PER_MESSAGE
         raise InvalidArgument("stored_block_ids", f"and removed_block_ids hold more than {limit} ids")
@@ -66,18 +98,21 @@ async def receive(
     principal: Principal,
     messages: AsyncIterator[routing_pb2.StreamPrefixCacheRequest],
     caches: EngineCaches,
+    loads: StreamedLoads,
     now_s: Callable[[], float],
 ) -> int:
-    """Applies a node's stream to `caches` until it ends; returns the messages applied."""
+    """Applies a node's stream to `caches` and `loads` until it ends; returns the messages applied."""
     principal.require(PrincipalKind.NODE)
     node_id = ""
     applied = 0
-    async for message in messages:
-        update = update_from_pb(message)
+    async for pb in messages:
+        message = message_from_pb(pb)
         if not node_id:
-            node_id = principal.as_node(update.node_id, "node_id")
-        elif update.node_id != node_id:
+            node_id = principal.as_node(message.node_id, "node_id")
+        elif message.node_id != node_id:
             raise InvalidArgument("node_id", "must be the same in every message of a stream")
-        if caches.apply(update, now_s()):
+        now = now_s()
+        loads.heard(node_id, message.incarnation, message.load, now)
+        if message.cache is None or caches.apply(message.cache, now):
             applied += 1
     return applied

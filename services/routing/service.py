@@ -61,6 +61,7 @@ from kvplane.services.routing.router import (
 )
 from kvplane.services.routing.settings import RoutingSection
 from kvplane.services.routing.state.engine_caches import EngineCaches
+from kvplane.services.routing.state.streamed_loads import StreamedLoads
 from kvplane.services.routing.suspect_marker import MAX_FAILED_NODES, SuspectMarker
 from kvplane.v1 import routing_pb2, routing_pb2_grpc
 
@@ -118,7 +119,10 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
         self.settings = settings
         self.telemetry = telemetry
         self.metrics = RoutingMetrics.create(telemetry.registry)
-        self._cluster = ViewCluster(view, self.metrics)
+        # The loads nodes stream here (StreamPrefixCache), fresher than etcd's.
+        stale_s, max_nodes = settings.prefix_cache_stale_after_s, settings.prefix_cache_max_nodes
+        self.streamed_loads = StreamedLoads(stale_s, max_nodes)
+        self._cluster = ViewCluster(view, self.metrics, self.streamed_loads)
         # What the node agents' streams say each prefill engine's cache holds (StreamPrefixCache).
         self.engine_caches = EngineCaches(
             stale_after_s=settings.prefix_cache_stale_after_s,
@@ -300,7 +304,11 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
         self, request_iterator: AsyncIterator[routing_pb2.StreamPrefixCacheRequest], context: Context
     ) -> routing_pb2.StreamPrefixCacheResponse:
         applied = await prefix_cache_stream.receive(
-            self._caller(context), request_iterator, self.engine_caches, self.router.clock.monotonic_s
+            self._caller(context),
+            request_iterator,
+            self.engine_caches,
+            self.streamed_loads,
+            self.router.clock.monotonic_s,
         )
         return routing_pb2.StreamPrefixCacheResponse(applied=applied)
 

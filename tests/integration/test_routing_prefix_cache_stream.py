@@ -4,8 +4,10 @@ replicas and etcd, and the node agent reading a real ZMQ publisher and streaming
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import grpc
 import pytest
@@ -191,4 +193,57 @@ async def test_the_node_agent_streams_its_engine_s_events_and_routing_follows_th
             assert await prefill_of(client, PROMPT, salt="salt-other") != "p-ev"
         stats = agent.stats()
         assert stats.kv_event_batches == 1 and stats.kv_blocks == len(PROMPT) // BLOCK
-        assert stats.prefix_cache_messages >= 1 + 37
+
+        async def every_delta_sent() -> bool:
+            # Routing may follow the events before the last of the deltas has gone.
+            return agent.stats().prefix_cache_messages >= 1 + 37
+
+        await eventually(every_delta_sent, what="the snapshot and the 37 deltas sent")
+
+
+async def test_a_node_without_kv_events_streams_its_load_and_etcd_hears_only_its_memory(
+    cluster: RoutingCluster,
+    metadata_process: ServiceProcess,
+    agents: list[NodeAgent],
+) -> None:
+    # p0 and p1 both have prefill work queued; the agent's node starts with far more.
+    await cluster.report_load("p0", queued_prefill_tokens=3000, total_kv_blocks=100, free_kv_blocks=50)
+    load = NodeLoad("p-ld", "", queued_prefill_tokens=100_000, total_kv_blocks=100, free_kv_blocks=50)
+    current = [load]
+    # A heartbeat longer than the test: etcd hears the load at registration and on memory changes.
+    settings = fast_settings(
+        target_of(metadata_process), routing_targets=(cluster.target(0),), load_heartbeat_s=600
+    )
+    agent = NodeAgent(
+        settings, make_node("p-ld", role=NodeRole.PREFILL, incarnation=""), lambda: current[0], lambda _: None
+    )
+    agent.start()
+    agents.append(agent)
+
+    def stored_queue(v: Any) -> int | None:
+        record = v.nodes.get("p-ld")
+        stored = v.load(record.node) if record is not None else None
+        return stored.queued_prefill_tokens if stored is not None else None
+
+    await cluster.wait_views(lambda v: stored_queue(v) == 100_000, "the agent's node and its first load")
+    async with cluster.client("acme") as client:
+        assert await prefill_of(client, PROMPT) != "p-ld"
+        # Its queue drains: only request counts changed, so only the stream says so.
+        current[0] = dataclasses.replace(load, queued_prefill_tokens=0)
+
+        async def to_agent_node() -> bool:
+            return await prefill_of(client, PROMPT) == "p-ld"
+
+        await eventually(to_agent_node, what="routing to follow the streamed load")
+    assert [stored_queue(r.ctx.view) for r in cluster.replicas] == [100_000] * len(cluster.replicas)
+    assert agent.stats().load_reports == 1
+    # Its memory moves by a tenth of its blocks: that reaches etcd as well.
+    current[0] = dataclasses.replace(load, queued_prefill_tokens=0, free_kv_blocks=40)
+    await cluster.wait_views(lambda v: stored_queue(v) == 0, "the memory change in etcd")
+
+    async def second_report_counted() -> bool:
+        return agent.stats().load_reports >= 2
+
+    # The report counts once its call returns, which may be after the view saw it.
+    await eventually(second_report_counted, what="the second report counted")
+    assert agent.stats().load_reports == 2

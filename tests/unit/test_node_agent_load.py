@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from kvplane.connector.node_agent.load import load_changed
+from kvplane.connector.node_agent.load import load_changed, memory_changed
 from kvplane.services.common.model.nodes import NodeLoad
 
 BASE = NodeLoad(
@@ -46,3 +46,28 @@ def test_a_load_is_reported_at_once_when_it_changed_materially(
 def test_one_free_block_counts_on_a_small_cache() -> None:
     small = NodeLoad("d0", "inc", free_kv_blocks=7, total_kv_blocks=9)
     assert load_changed(small, dataclasses.replace(small, free_kv_blocks=6))
+
+
+@pytest.mark.parametrize(
+    ("changes", "reported"),
+    [
+        ({}, False),
+        # Request counts are the stream's to carry, not etcd's.
+        ({"queued_requests": 3, "running_requests": 1, "queued_prefill_tokens": 0}, False),
+        ({"free_kv_blocks": 5499}, False),  # under 5% of the blocks
+        ({"free_kv_blocks": 5500}, True),
+        ({"total_kv_blocks": 10_001}, True),
+        ({"retained_bytes": (1 << 30) + (1 << 26)}, False),  # 6% more
+        ({"retained_bytes": (1 << 30) + (1 << 27)}, True),  # 11% more
+        ({"retained_bytes": 0}, True),
+    ],
+)
+def test_while_routing_gets_the_load_on_its_streams_etcd_hears_only_memory_changes(
+    changes: dict[str, int], reported: bool
+) -> None:
+    assert memory_changed(BASE, dataclasses.replace(BASE, **changes)) is reported
+
+
+def test_retained_bytes_appearing_count_as_a_memory_change() -> None:
+    empty = dataclasses.replace(BASE, retained_bytes=0)
+    assert memory_changed(empty, dataclasses.replace(empty, retained_bytes=1))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from kvplane.connector.digests import TokenDigests
+from kvplane.services.common.model import validation
 from kvplane.services.common.model.handles import (
     CacheHandle,
     Claim,
@@ -130,6 +131,21 @@ def load_to_pb(load: NodeLoad) -> node_pb2.NodeLoad:
         retained_bytes=load.retained_bytes,
         reported_unix_ms=load.reported_unix_ms,
     )
+
+
+def checked_load_from_pb(pb: node_pb2.NodeLoad) -> NodeLoad:
+    """A load a node sent, as a domain value; raises InvalidArgument for a count out of range."""
+    for name in (
+        "queued_requests",
+        "queued_prefill_tokens",
+        "running_requests",
+        "free_kv_blocks",
+        "total_kv_blocks",
+        "retained_bytes",
+    ):
+        validation.in_range(getattr(pb, name), f"load.{name}", 0, validation.MAX_COUNT)
+    validation.in_range(pb.reported_unix_ms, "load.reported_unix_ms", 0, validation.MAX_COUNT)
+    return load_from_pb(pb)
 
 
 def load_from_pb(pb: node_pb2.NodeLoad) -> NodeLoad:

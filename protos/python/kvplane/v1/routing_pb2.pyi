@@ -9,6 +9,7 @@ from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from kvplane.v1 import handle_pb2 as _handle_pb2
+from kvplane.v1 import node_pb2 as _node_pb2
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -536,6 +537,7 @@ class StreamPrefixCacheRequest(_message.Message):
     CHECKPOINT_BLOCKS_FIELD_NUMBER: _builtins.int
     SEQUENCE_FIELD_NUMBER: _builtins.int
     SNAPSHOT_CONTINUES_FIELD_NUMBER: _builtins.int
+    LOAD_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """The reporting node's id; the same in every message of a stream."""
     incarnation: _builtins.str
@@ -573,6 +575,15 @@ class StreamPrefixCacheRequest(_message.Message):
     def removed_block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Block ids the node no longer holds."""
 
+    @_builtins.property
+    def load(self) -> _node_pb2.NodeLoad:
+        """The node's load, when it changed since the stream's last one (always in the
+        stream's first message). Routing uses it in place of the load stored in
+        etcd while the stream is fresh; etcd then gets the node's load only when
+        its memory changed materially, and at the heartbeat. A node streaming its
+        load alone sends block_size 0 and no block ids.
+        """
+
     def __init__(
         self,
         *,
@@ -587,10 +598,11 @@ class StreamPrefixCacheRequest(_message.Message):
         checkpoint_blocks: _builtins.int = ...,
         sequence: _builtins.int = ...,
         snapshot_continues: _builtins.bool = ...,
+        load: _node_pb2.NodeLoad | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["load", b"load"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "checkpoint_blocks", b"checkpoint_blocks", "hash_algo", b"hash_algo", "hash_seed", b"hash_seed", "incarnation", b"incarnation", "node_id", b"node_id", "removed_block_ids", b"removed_block_ids", "sequence", b"sequence", "snapshot", b"snapshot", "snapshot_continues", b"snapshot_continues", "stored_block_ids", b"stored_block_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "checkpoint_blocks", b"checkpoint_blocks", "hash_algo", b"hash_algo", "hash_seed", b"hash_seed", "incarnation", b"incarnation", "load", b"load", "node_id", b"node_id", "removed_block_ids", b"removed_block_ids", "sequence", b"sequence", "snapshot", b"snapshot", "snapshot_continues", b"snapshot_continues", "stored_block_ids", b"stored_block_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -99,10 +99,12 @@ class RoutingServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def StreamPrefixCache(self, request_iterator, context):
-        """A node's prefix cache as its engine's KV-cache events show it: the node agent
-        streams a full snapshot on every (re)connect, then coalesced deltas at a
-        bounded rate, with a keep-alive when nothing changed. Node principals only,
-        each for its own node id. The answer comes when the stream ends.
+        """A node's prefix cache as its engine's KV-cache events show it, and its load:
+        the node agent streams a full snapshot on every (re)connect, then coalesced
+        deltas at a bounded rate, its load whenever it changed, and a keep-alive
+        when nothing did. A node without KV-cache events streams its load alone.
+        Node principals only, each for its own node id. The answer comes when the
+        stream ends.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -47,10 +47,12 @@ class RoutingServiceStub:
     EndConversation: _grpc.UnaryUnaryMultiCallable[_routing_pb2.EndConversationRequest, _routing_pb2.EndConversationResponse]
     """Ends a conversation: its retained KV is released now, not at the TTL."""
     StreamPrefixCache: _grpc.StreamUnaryMultiCallable[_routing_pb2.StreamPrefixCacheRequest, _routing_pb2.StreamPrefixCacheResponse]
-    """A node's prefix cache as its engine's KV-cache events show it: the node agent
-    streams a full snapshot on every (re)connect, then coalesced deltas at a
-    bounded rate, with a keep-alive when nothing changed. Node principals only,
-    each for its own node id. The answer comes when the stream ends.
+    """A node's prefix cache as its engine's KV-cache events show it, and its load:
+    the node agent streams a full snapshot on every (re)connect, then coalesced
+    deltas at a bounded rate, its load whenever it changed, and a keep-alive
+    when nothing did. A node without KV-cache events streams its load alone.
+    Node principals only, each for its own node id. The answer comes when the
+    stream ends.
     """
 
 @_typing.type_check_only
@@ -72,10 +74,12 @@ class RoutingServiceAsyncStub(RoutingServiceStub):
     EndConversation: _aio.UnaryUnaryMultiCallable[_routing_pb2.EndConversationRequest, _routing_pb2.EndConversationResponse]  # type: ignore[assignment]
     """Ends a conversation: its retained KV is released now, not at the TTL."""
     StreamPrefixCache: _aio.StreamUnaryMultiCallable[_routing_pb2.StreamPrefixCacheRequest, _routing_pb2.StreamPrefixCacheResponse]  # type: ignore[assignment]
-    """A node's prefix cache as its engine's KV-cache events show it: the node agent
-    streams a full snapshot on every (re)connect, then coalesced deltas at a
-    bounded rate, with a keep-alive when nothing changed. Node principals only,
-    each for its own node id. The answer comes when the stream ends.
+    """A node's prefix cache as its engine's KV-cache events show it, and its load:
+    the node agent streams a full snapshot on every (re)connect, then coalesced
+    deltas at a bounded rate, its load whenever it changed, and a keep-alive
+    when nothing did. A node without KV-cache events streams its load alone.
+    Node principals only, each for its own node id. The answer comes when the
+    stream ends.
     """
 
 class RoutingServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -124,10 +128,12 @@ class RoutingServiceServicer(metaclass=_abc_1.ABCMeta):
         request_iterator: _MaybeAsyncIterator[_routing_pb2.StreamPrefixCacheRequest],
         context: _ServicerContext,
     ) -> _typing.Union[_routing_pb2.StreamPrefixCacheResponse, _abc.Awaitable[_routing_pb2.StreamPrefixCacheResponse]]:
-        """A node's prefix cache as its engine's KV-cache events show it: the node agent
-        streams a full snapshot on every (re)connect, then coalesced deltas at a
-        bounded rate, with a keep-alive when nothing changed. Node principals only,
-        each for its own node id. The answer comes when the stream ends.
+        """A node's prefix cache as its engine's KV-cache events show it, and its load:
+        the node agent streams a full snapshot on every (re)connect, then coalesced
+        deltas at a bounded rate, its load whenever it changed, and a keep-alive
+        when nothing did. A node without KV-cache events streams its load alone.
+        Node principals only, each for its own node id. The answer comes when the
+        stream ends.
         """
 
 def add_RoutingServiceServicer_to_server(servicer: RoutingServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
