@@ -175,18 +175,28 @@ def test_turns_that_all_compute_the_same_tokens_leave_the_per_token_rate_near_it
     assert model.prefill_ms(5_000) == pytest.approx(101.6 + 0.0282 * 5_000, rel=0.3)
 
 
-def test_a_reused_token_never_costs_more_than_a_computed_one() -> None:
+@pytest.mark.parametrize("share", [0.5, 0.25])
+def test_a_reused_token_never_costs_more_than_its_share_of_a_computed_one(share: float) -> None:
     # Turns whose time grows with the history far faster than with what they compute (a host
-    # whose CPU is shared, say) would fit a reused token dearer than a computed one.
-    model = CostModel()
+    # whose CPU is shared, say, or pulls whose transfer was not all taken off) would fit a reused
+    # token as dear as a computed one: a pull would then save nothing, routing would stop
+    # pulling, and no later turn would correct it.
+    model = CostModel(max_reused_share=share)
     for i in range(200):
         computed, reused = 1_000 + i % 7, 500 * (i % 10)
         leg = TurnObservation(
             prompt_tokens=computed + reused, cached_tokens=reused, prefill_ms=100 + 0.2 * reused
         )
         model = model.observe(leg)
-    assert model.reused_ms_per_token <= model.recompute_ms_per_token
-    assert model.recompute_ms(4_000) - model.reused_ms(4_000) >= 0
+    assert model.reused_ms_per_token == pytest.approx(model.recompute_ms_per_token * share)
+    saved = model.recompute_ms(4_000) - model.reused_ms(4_000)
+    assert saved == pytest.approx(model.recompute_ms(4_000) * (1 - share))
+
+
+def test_the_reused_share_is_checked() -> None:
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match="max_reused_share"):
+            CostModel(max_reused_share=bad)
 
 
 def test_a_pulls_transfer_is_not_learned_as_the_cost_of_attending_over_the_pulled_tokens() -> None:

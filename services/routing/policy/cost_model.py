@@ -39,7 +39,14 @@ Learning (every successful reported turn with a prefill time):
   warm pull;
 - each sample is clamped to `max_sample_factor` of the current estimate, so
   that one odd report (a cold engine, a stalled link) cannot swing
-  decisions; a factor of 1 holds the model at its configured estimates.
+  decisions; a factor of 1 holds the model at its configured estimates;
+- the learned cost of a reused token is held to at most `max_reused_share`
+  of a computed one's (0.5). A reused token skips its projections and MLP;
+  only the new tokens' attention over it remains, which computing it pays
+  too. A fit that says more is a pull's transfer or wait that was not fully
+  taken off, on a busy machine; believed, it makes every pull look like a
+  loss, and once routing stops pulling no turn corrects it (a turn that
+  reuses nothing says nothing about reused tokens).
 
 The model is a frozen value: `observe` returns the updated model, so the
 simulator replays reports through the same code deterministically.
@@ -104,6 +111,8 @@ class CostModel:
     alpha: float = 0.1
     # Samples further than this factor from the estimate are clamped to it.
     max_sample_factor: float = 4.0
+    # The learned cost of a reused token is at most this share of a computed token's.
+    max_reused_share: float = 0.5
     # The least weight each prefill coefficient's prior keeps, as a share of that coefficient's
     # weight in the samples (`affine_fit`): a ridge where the turns cannot tell coefficients apart.
     min_prior_weight: float = 0.01
@@ -122,6 +131,8 @@ class CostModel:
             raise ValueError("alpha must be in (0, 1]")
         if self.max_sample_factor < 1:
             raise ValueError("max_sample_factor must be at least 1")
+        if not 0 < self.max_reused_share <= 1:
+            raise ValueError("max_reused_share must be in (0, 1]")
         if not 0 < self.min_prior_weight <= 1:
             raise ValueError("min_prior_weight must be in (0, 1]")
 
@@ -192,9 +203,9 @@ class CostModel:
             counts = (float(computed), float(reused))
             fit = fit.update(counts, self._clamp(spent, fit.predict(counts)))
             fixed, per_token, per_reused = fit.coefficients
-            # Attending over a reused token is part of what computing it costs, never more:
-            # noisy turns that say otherwise would make every pull look like a loss.
-            per_reused = min(per_reused, per_token)
+            # Attending over a reused token is a part of what computing it costs (see the
+            # module's docstring).
+            per_reused = min(per_reused, per_token * self.max_reused_share)
             model = replace(
                 model,
                 prefill_fit=fit,
