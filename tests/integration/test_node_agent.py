@@ -353,6 +353,12 @@ async def test_an_idle_agent_reports_its_load_once_however_often_it_samples_it(
         return bool(loads) and loads[0].running_requests == 2
 
     await eventually(reported, what="the changed load in etcd")
+
+    async def counted() -> bool:
+        return agent.stats().load_reports >= 2
+
+    # etcd may show the report before the agent's call has returned and counted it.
+    await eventually(counted, what="the second report counted")
     assert agent.stats().load_reports == 2
 
 
