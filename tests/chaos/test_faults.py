@@ -41,8 +41,9 @@ LEDGER_TIMEOUT_S = 30.0
 FIRST_TURN_WITHIN_S = 1.0
 # While etcd is faulted no turn may take longer than this beyond the slowest baseline turn, s.
 ETCD_EXTRA_S = 2.0
-# How long one routing replica stays dead: long enough for whole turns to run meanwhile.
-ROUTING_DOWN_S = 6.0
+# How long one routing replica stays dead: long enough for whole turns to run meanwhile. Turns
+# take about 3 s, so 6 s held only 4-5 whole turns, and whether one of so few pulled was chance.
+ROUTING_DOWN_S = 12.0
 ROUTING_DOWN = f"SIGKILL routing (1 of 2) {ROUTING_DOWN_S:.0f} s"
 
 
