@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from opentelemetry import trace
 
@@ -30,6 +31,7 @@ class PickerState:
     route_ttl_s: float
     tracer: trace.Tracer
 
-    @property
+    @cached_property
     def read_limits(self) -> ReadLimits:
+        """The body limits, built once (every request reads them)."""
         return admission.read_limits(self.gateway)

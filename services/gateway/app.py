@@ -16,7 +16,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from kvplane.services.client import ClientCredentials, RoutingClient
 from kvplane.services.common.runtime.server import BindFailed
 from kvplane.services.common.runtime.telemetry import Telemetry
-from kvplane.services.gateway.admission import TENANT, admission, expect_continue, json_body, read_limits
+from kvplane.services.gateway.admission import (
+    TENANT,
+    ReadLimits,
+    admission,
+    expect_continue,
+    json_body,
+    read_limits,
+)
 from kvplane.services.gateway.cache_salt import CacheSalts
 from kvplane.services.gateway.https import ServerCertificate
 from kvplane.services.gateway.identity import ApiKeys
@@ -35,6 +42,7 @@ RUNNER_KEY: web.AppKey[TurnRunner] = web.AppKey("runner", TurnRunner)
 KEYS_KEY: web.AppKey[ApiKeys] = web.AppKey("keys", ApiKeys)
 TELEMETRY_KEY: web.AppKey[Telemetry] = web.AppKey("telemetry", Telemetry)
 SETTINGS_KEY: web.AppKey[GatewaySection] = web.AppKey("settings", GatewaySection)
+LIMITS_KEY: web.AppKey[ReadLimits] = web.AppKey("read_limits", ReadLimits)
 METRICS_KEY: web.AppKey[GatewayMetrics] = web.AppKey("metrics", GatewayMetrics)
 SALTS_KEY: web.AppKey[CacheSalts] = web.AppKey("cache_salts", CacheSalts)
 SHARES_KEY: web.AppKey[TenantShares] = web.AppKey("tenant_shares", TenantShares)
@@ -102,7 +110,7 @@ async def _completion(request: web.Request, chat: bool) -> web.StreamResponse:
     arrival = time.perf_counter()
     settings = request.app[SETTINGS_KEY]
     # The admission middleware has authenticated the caller from its headers: only now is the body read.
-    body = await json_body(request, read_limits(settings))
+    body = await json_body(request, request.app[LIMITS_KEY])
     if isinstance(body, web.Response):
         return body
     try:
@@ -175,7 +183,8 @@ def build_app(
     settings: GatewaySection, runner: TurnRunner, telemetry: Telemetry, metrics_: GatewayMetrics
 ) -> web.Application:
     api_keys = configured_api_keys(settings)
-    admit = admission(api_keys, read_limits(settings), AUTHENTICATED_PATHS)
+    limits = read_limits(settings)
+    admit = admission(api_keys, limits, AUTHENTICATED_PATHS)
     app = web.Application(
         client_max_size=settings.max_body_bytes, middlewares=[count_requests, json_http_errors, admit]
     )
@@ -187,8 +196,9 @@ def build_app(
     app[RUNNER_KEY] = runner
     app[TELEMETRY_KEY] = telemetry
     app[SETTINGS_KEY] = settings
+    app[LIMITS_KEY] = limits
     app[METRICS_KEY] = metrics_
-    expect = expect_continue(api_keys, read_limits(settings))
+    expect = expect_continue(api_keys, limits)
     app.router.add_post("/v1/chat/completions", chat_completions, expect_handler=expect)
     app.router.add_post("/v1/completions", completions, expect_handler=expect)
     app.router.add_get("/v1/models", models)

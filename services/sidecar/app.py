@@ -49,6 +49,7 @@ class Sidecar:
     def __init__(self, settings: SidecarSection, limits: GatewaySection, telemetry: Telemetry | None = None):
         self.settings = settings
         self.limits = limits
+        self._read_limits = read_limits(limits)
         self.telemetry = telemetry or Telemetry.create("kvplane-sidecar")
         self._key = settings.route_key.get_secret_value().encode()
         # The gateway's metrics, of the legs this sidecar runs (the picker counts the turns).
@@ -119,7 +120,7 @@ class Sidecar:
             return None
 
     async def _turn(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
-        limits = read_limits(self.limits)
+        limits = self._read_limits
         try:
             async with asyncio.timeout(limits.body_timeout_s):
                 raw = await request.read()
