@@ -274,4 +274,17 @@ echo "prefill engine: $((${after%.*} - ${before%.*})) prompt tokens pulled over 
 ((${after%.*} > ${before%.*})) || die "the prefill engine reports no pulled tokens"
 ((${nixl_reads%.*} > 0)) || die "the prefill engine reports no NIXL reads"
 
+phase "routing hears the engines' streams"
+# Each node agent streams its engine's load (and P its prefix cache, from its KV events) to
+# routing; without them routing knows P's cache only from its own record.
+routing_metrics() {
+  podman exec "${PROJECT}_gateway_1" python -c \
+    "import urllib.request, sys; sys.stdout.write(urllib.request.urlopen('http://routing:9464/metrics', timeout=5).read().decode())"
+}
+streams=$(routing_metrics | awk '/^kvplane_routing_node_streams / {print $NF + 0}')
+cache_messages=$(routing_metrics | awk '/^kvplane_routing_node_stream_messages_total\{kind="cache"\}/ {print $NF + 0}')
+echo "routing: ${streams:-0} node streams open, ${cache_messages:-0} prefix-cache messages"
+((${streams:-0} == 2)) || die "routing should hold one stream from each of the 2 engines"
+((${cache_messages%.*} > 0)) || die "routing heard no prefix-cache events from the prefill engine"
+
 phase "down"

