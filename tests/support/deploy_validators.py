@@ -7,6 +7,7 @@ import importlib.util
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "deploy" / "scripts" / "validate" / "deploy_checks"
@@ -29,3 +30,11 @@ def load_deploy_checks() -> ModuleType:
         del sys.modules["deploy_checks"]
         raise
     return module
+
+
+def is_kvplane_workload(doc: dict[str, Any]) -> bool:
+    """The chart's kvplane processes and engines: its Deployments and routing's StatefulSet (etcd's
+    StatefulSet runs etcd, not kvplane)."""
+    if doc["kind"] == "Deployment":
+        return True
+    return doc["kind"] == "StatefulSet" and doc["metadata"]["name"].endswith("-routing")

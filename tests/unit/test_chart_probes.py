@@ -25,7 +25,7 @@ def test_liveness_asks_the_health_service_an_etcd_outage_leaves_serving(tls: boo
     services = [
         d
         for d in docs
-        if d["kind"] == "Deployment"
+        if d["kind"] in ("Deployment", "StatefulSet")
         and d["metadata"]["name"].rsplit("-", 1)[-1] in {"metadata", "routing", "eviction"}
     ]
     assert len(services) == 3

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.support.deploy_validators import load_deploy_checks
+from tests.support.deploy_validators import is_kvplane_workload, load_deploy_checks
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART_CI = ROOT / "deploy" / "helm" / "kvplane" / "ci"
@@ -32,7 +32,7 @@ def checks() -> ModuleType:
 def _render(checks: ModuleType, values_file: str) -> dict[str, dict[str, Any]]:
     values = yaml.safe_load((CHART_CI / values_file).read_text())
     docs = checks.render_chart(values, "kvp", "kvplane")
-    return {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
+    return {d["metadata"]["name"]: d for d in docs if is_kvplane_workload(d)}
 
 
 def _pod(deployment: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -121,7 +121,7 @@ def test_tls_without_client_certificates_keeps_tokens_and_checks_one_server_name
 def test_without_tls_probes_stay_grpc_and_no_certificate_is_mounted(checks: ModuleType) -> None:
     docs = checks.render_chart({"engines": {"sim": {"enabled": True}}}, "kvp", "kvplane")
     for d in docs:
-        if d["kind"] != "Deployment":
+        if not is_kvplane_workload(d):
             continue
         pod, c = _pod(d)
         assert _tls_secret(pod) is None
@@ -136,7 +136,7 @@ def test_tokens_are_files_each_pod_mounting_only_its_own_key(checks: ModuleType)
     docs = checks.render_chart(values, "kvp", "kvplane")
     keys: dict[str, list[str]] = {}
     for d in docs:
-        if d["kind"] != "Deployment":
+        if not is_kvplane_workload(d):
             continue
         pod, c = _pod(d)
         name = d["metadata"]["name"].removeprefix("kvp-kvplane-")
@@ -194,13 +194,13 @@ def test_a_certificate_variable_pointing_outside_every_mount_is_caught(checks: M
     values = yaml.safe_load((CHART_CI / "mtls-values.yaml").read_text())
     docs = checks.render_chart(values, "kvp", "kvplane")
     routing = next(
-        d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "kvp-kvplane-routing"
+        d for d in docs if is_kvplane_workload(d) and d["metadata"]["name"] == "kvp-kvplane-routing"
     )
     container = routing["spec"]["template"]["spec"]["containers"][0]
     container["volumeMounts"] = [m for m in container["volumeMounts"] if m["name"] != "grpc-tls"]
     report = checks.Report()
     checks.check_chart_semantics("[test]", docs, checks.merged_values(values), report)
     assert (
-        "[test] Deployment kvp-kvplane-routing: KVPLANE_GRPC__TLS__CERT_FILE (/etc/kvplane-tls/tls.crt) "
+        "[test] StatefulSet kvp-kvplane-routing: KVPLANE_GRPC__TLS__CERT_FILE (/etc/kvplane-tls/tls.crt) "
         "is in a mounted volume" in report.failures
     )

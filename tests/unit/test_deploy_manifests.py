@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.support.deploy_validators import load_deploy_checks
+from tests.support.deploy_validators import is_kvplane_workload, load_deploy_checks
 
 ROOT = Path(__file__).resolve().parents[2]
 VALIDATE = ROOT / "deploy" / "scripts" / "validate"
@@ -191,7 +191,7 @@ def test_unknown_service_flag_in_compose_is_caught(
 def test_strict_kubernetes_schema_rejects_a_misspelt_probe(
     checks: ModuleType, default_chart: list[dict[str, Any]]
 ) -> None:
-    deployment = copy.deepcopy(next(d for d in default_chart if d["kind"] == "Deployment"))
+    deployment = copy.deepcopy(next(d for d in default_chart if is_kvplane_workload(d)))
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     container["livenessprobe"] = container.pop("livenessProbe")
     assert "livenessprobe" in checks.kubernetes_validate(deployment, "1.37.0")
@@ -251,12 +251,12 @@ def test_chart_runs_token_auth_by_default_with_its_own_secret(checks: ModuleType
             for i in v["secret"]["items"]
         ]
         for d in docs
-        if d["kind"] == "Deployment"
+        if is_kvplane_workload(d)
     }
     env = {
         (d["metadata"]["name"], e["name"]): e.get("value")
         for d in docs
-        if d["kind"] == "Deployment"
+        if is_kvplane_workload(d)
         for c in d["spec"]["template"]["spec"]["containers"]
         for e in c.get("env", [])
     }
@@ -314,14 +314,14 @@ def test_a_misspelt_setting_in_chart_values_is_caught(checks: ModuleType) -> Non
     report = _report(checks)
     checks.check_chart_semantics("[test]", docs, checks.merged_values(values), report)
     expected = "`kvplane serve routing` and its settings (ConfigMap + env) load"
-    assert f"[test] Deployment kvp-kvplane-routing: {expected}" in report.failures
+    assert f"[test] StatefulSet kvp-kvplane-routing: {expected}" in report.failures
 
 
 VLLM_VALUES: dict[str, Any] = {"engines": {"vllm": {"enabled": True}}}
 
 
 def _worker(docs: list[dict[str, Any]], role: str) -> dict[str, Any]:
-    deployment = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"].endswith(role))
+    deployment = next(d for d in docs if is_kvplane_workload(d) and d["metadata"]["name"].endswith(role))
     container: dict[str, Any] = deployment["spec"]["template"]["spec"]["containers"][0]
     return container
 
@@ -458,7 +458,7 @@ def test_etcd_tls_gives_every_service_the_ca_and_its_client_certificate(checks: 
         deployment = next(
             d
             for d in docs
-            if d["kind"] == "Deployment" and d["metadata"]["name"] == f"kvp-kvplane-{component}"
+            if is_kvplane_workload(d) and d["metadata"]["name"] == f"kvp-kvplane-{component}"
         )
         pod = deployment["spec"]["template"]["spec"]
         container = pod["containers"][0]
@@ -482,4 +482,5 @@ def test_etcd_tls_without_its_secrets_is_refused(checks: ModuleType) -> None:
     with pytest.raises(helm_python.HelmError, match="clientSecret"):
         checks.render_chart(external, "kvp", "kvplane")
     external["etcd"]["tls"]["clientSecret"] = "c"  # type: ignore[index]
-    assert not any(d["kind"] == "StatefulSet" for d in checks.render_chart(external, "kvp", "kvplane"))
+    rendered = checks.render_chart(external, "kvp", "kvplane")
+    assert not any(d["kind"] == "StatefulSet" and d["metadata"]["name"].endswith("-etcd") for d in rendered)

@@ -25,7 +25,7 @@ helm_python = pytest.importorskip(
 VALUES: dict[str, Any] = {
     "engines": {"sim": {"enabled": True}, "vllm": {"enabled": True}},
     "telemetry": {"otlpEndpoint": "otel-collector.observability:4317"},
-    "autoscaling": {"gateway": {"enabled": True}, "routing": {"enabled": True}},
+    "autoscaling": {"gateway": {"enabled": True}},
 }
 
 
@@ -127,12 +127,12 @@ def test_an_autoscaler_of_a_deployment_that_keeps_its_replicas_is_caught(
     checks: ModuleType, chart: list[dict[str, Any]]
 ) -> None:
     docs = copy.deepcopy(chart)
-    _one(docs, "Deployment", "-routing")["spec"]["replicas"] = 3
+    _one(docs, "Deployment", "-gateway")["spec"]["replicas"] = 3
     assert _failures(checks, docs) == [
-        "[test] HorizontalPodAutoscaler kvp-kvplane-routing: the Deployment leaves its replicas to the HPA"
+        "[test] HorizontalPodAutoscaler kvp-kvplane-gateway: the Deployment leaves its replicas to the HPA"
     ]
-    _one(docs, "HorizontalPodAutoscaler", "-routing")["spec"]["scaleTargetRef"]["name"] = "kvp-kvplane-router"
-    assert "[test] HorizontalPodAutoscaler kvp-kvplane-routing: scales a chart Deployment" in _failures(
+    _one(docs, "HorizontalPodAutoscaler", "-gateway")["spec"]["scaleTargetRef"]["name"] = "kvp-kvplane-gw"
+    assert "[test] HorizontalPodAutoscaler kvp-kvplane-gateway: scales a chart Deployment" in _failures(
         checks, docs
     )
 

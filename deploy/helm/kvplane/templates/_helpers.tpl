@@ -286,3 +286,24 @@ grpc: {port: {{ .root.Values.grpc.port }}{{ if .service }}, service: {{ .service
 timeoutSeconds: 3
 {{- end }}
 {{- end -}}
+
+{{/*
+Every routing replica's own address, comma-separated: <fullname>-routing-<i>.<fullname>-routing-pods
+.<namespace>.svc:<port>, one per services.routing.replicas (a StatefulSet behind a headless Service).
+Gateways and engines hold the whole list: a gateway sends each conversation to its home replica and
+hedges to another, and every node agent streams its engine's load and prefix cache to every replica.
+*/}}
+{{- define "kvplane.routingTargets" -}}
+{{- $name := printf "%s-routing" (include "kvplane.fullname" .) -}}
+{{- $targets := list -}}
+{{- range $i := until (int .Values.services.routing.replicas) -}}
+{{- $targets = append $targets (printf "%s-%d.%s-pods.%s.svc:%d" $name $i $name $.Release.Namespace (int $.Values.grpc.port)) -}}
+{{- end -}}
+{{- join "," $targets -}}
+{{- end -}}
+
+{{/* A prefill engine's KV-cache events (vLLM's --kv-events-config): ipc sockets in the pod's /tmp,
+read by the engine's own node agent only, so the events open no port. */}}
+{{- define "kvplane.kvEventsConfig" -}}
+{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "ipc:///tmp/kv-events", "replay_endpoint": "ipc:///tmp/kv-events-replay"}
+{{- end -}}

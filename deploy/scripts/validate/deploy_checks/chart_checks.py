@@ -61,6 +61,7 @@ def check_chart_semantics(
     _check_network_policies(r, label, report)
     _check_service_monitors(r, label, report)
     _check_engine_isolation(r, label, values, report)
+    _check_routing_targets(r, label, report)
 
 
 def _check_workloads(r: Rendering, label: str, report: Report) -> None:
@@ -83,6 +84,56 @@ def _check_workloads(r: Rendering, label: str, report: Report) -> None:
                 workload["spec"]["serviceName"] in r.services_by_name
                 and r.services_by_name[workload["spec"]["serviceName"]]["spec"].get("clusterIP") == "None",
                 f"{name}: has its headless Service",
+            )
+
+
+def routing_replicas(r: Rendering) -> list[str]:
+    """host:port of each routing replica by its own name (<pod>.<headless Service>.<namespace>.svc)."""
+    workloads = [
+        w
+        for w, t in r.pods
+        if w["kind"] == "StatefulSet" and t["metadata"]["labels"].get("app.kubernetes.io/component") == "routing"
+    ]
+    if len(workloads) != 1:
+        return []
+    sts = workloads[0]
+    headless = r.services_by_name.get(sts["spec"]["serviceName"], {})
+    ports = [p["port"] for p in headless.get("spec", {}).get("ports", []) if p.get("name") == "grpc"]
+    namespace = sts["metadata"].get("namespace", "kvplane")
+    name, svc = sts["metadata"]["name"], sts["spec"]["serviceName"]
+    return [f"{name}-{i}.{svc}.{namespace}.svc:{port}" for i in range(int(sts["spec"]["replicas"])) for port in ports]
+
+
+def _routing_targets_of(c: dict[str, Any]) -> list[str] | None:
+    """The routing replicas a gateway, sim-engine or vLLM container is given; None: not such a container."""
+    env = {e["name"]: e.get("value") for e in c.get("env", [])}
+    if "KVPLANE_GATEWAY__ROUTING" in env:
+        return [str(t) for t in json.loads(env["KVPLANE_GATEWAY__ROUTING"])]
+    args = [str(a) for a in c.get("args", [])]
+    if c["name"] == "engine":
+        given = [a.split("=", 1)[1] for a in args if a.startswith("--routing=")]
+        return given[0].split(",") if given else []
+    if c["name"] == "vllm":
+        kv = [a.split("=", 1)[1] for a in args if a.startswith("--kv-transfer-config=")]
+        section = json.loads(kv[0]).get("kv_connector_extra_config", {}).get("kvplane", {}) if kv else {}
+        return [t for t in str(section.get("routing_targets", "")).split(",") if t]
+    return None
+
+
+def _check_routing_targets(r: Rendering, label: str, report: Report) -> None:
+    """Every gateway and engine lists each routing replica by its own name, and nothing else: the
+    home replica and hedging need the list, and each engine's stream must reach every replica."""
+    replicas = routing_replicas(r)
+    report.check(bool(replicas), f"{label}: routing is a StatefulSet with a headless Service and a grpc port")
+    for workload, template in r.pods:
+        for c in template["spec"]["containers"]:
+            targets = _routing_targets_of(c)
+            if targets is None:
+                continue
+            report.check(
+                targets == replicas,
+                f"{label} {workload['kind']} {workload['metadata']['name']}: routing targets are every routing replica",
+                f"{targets} != {replicas}",
             )
 
 
@@ -442,8 +493,10 @@ def check_helm(out: Path, report: Report) -> None:
         ("gRPC TLS without the services' Secret", {"grpc": {"tls": {"enabled": True}}}),
         (
             "an autoscaler whose minReplicas is above its maxReplicas",
-            {"autoscaling": {"routing": {"enabled": True, "minReplicas": 5, "maxReplicas": 4}}},
+            {"autoscaling": {"gateway": {"enabled": True, "minReplicas": 5, "maxReplicas": 4}}},
         ),
+        # Gateways and engines list routing's replicas by name: one an autoscaler added would be in no list.
+        ("an autoscaler for routing", {"autoscaling": {"routing": {"enabled": True}}}),
         ("an engine PDB with both bounds", {"engines": {"pdb": {"minAvailable": 1, "maxUnavailable": 1}}}),
         (
             "gRPC TLS without the gateway's Secret",
