@@ -456,9 +456,7 @@ def test_etcd_tls_gives_every_service_the_ca_and_its_client_certificate(checks: 
     docs = checks.render_chart(ETCD_TLS_VALUES, "kvp", "kvplane")
     for component in ("metadata", "routing", "eviction"):
         deployment = next(
-            d
-            for d in docs
-            if is_kvplane_workload(d) and d["metadata"]["name"] == f"kvp-kvplane-{component}"
+            d for d in docs if is_kvplane_workload(d) and d["metadata"]["name"] == f"kvp-kvplane-{component}"
         )
         pod = deployment["spec"]["template"]["spec"]
         container = pod["containers"][0]

@@ -92,7 +92,8 @@ def routing_replicas(r: Rendering) -> list[str]:
     workloads = [
         w
         for w, t in r.pods
-        if w["kind"] == "StatefulSet" and t["metadata"]["labels"].get("app.kubernetes.io/component") == "routing"
+        if w["kind"] == "StatefulSet"
+        and t["metadata"]["labels"].get("app.kubernetes.io/component") == "routing"
     ]
     if len(workloads) != 1:
         return []
@@ -101,7 +102,11 @@ def routing_replicas(r: Rendering) -> list[str]:
     ports = [p["port"] for p in headless.get("spec", {}).get("ports", []) if p.get("name") == "grpc"]
     namespace = sts["metadata"].get("namespace", "kvplane")
     name, svc = sts["metadata"]["name"], sts["spec"]["serviceName"]
-    return [f"{name}-{i}.{svc}.{namespace}.svc:{port}" for i in range(int(sts["spec"]["replicas"])) for port in ports]
+    return [
+        f"{name}-{i}.{svc}.{namespace}.svc:{port}"
+        for i in range(int(sts["spec"]["replicas"]))
+        for port in ports
+    ]
 
 
 def _routing_targets_of(c: dict[str, Any]) -> list[str] | None:
