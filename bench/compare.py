@@ -50,7 +50,9 @@ from kvplane.bench.compare_fronts import (
     ALL_FRONTS,
     EXAMPLE_PROXY,
     KVPLANE,
+    KVPLANE_OWN_RECORD,
     REFERENCE,
+    SELECTABLE_FRONTS,
     VLLM_ROUTER,
     VLLM_ROUTER_VERSION,
     ZERO_HOP,
@@ -138,9 +140,18 @@ async def _start_served(
     return HttpFront(name, url, {proc.name: proc.proc.pid}, api_key=DEMO_API_KEY)
 
 
-def _stack_pids(stack: Stack) -> tuple[dict[str, int], dict[str, int]]:
-    """kvplane's processes (gateway, serve all, etcd) and the engines' (engine p0, ...)."""
+@dataclass(frozen=True)
+class StackPids:
+    """The processes of the stack, by what they serve."""
+
+    kvplane: dict[str, int]  # gateway, serve all, etcd
+    own_record: dict[str, int]  # its gateway and routing replica, serve all (metadata, eviction), etcd
+    engines: dict[str, int]  # engine p0, ...
+
+
+def _stack_pids(stack: Stack) -> StackPids:
     kvplane: dict[str, int] = {}
+    own_record: dict[str, int] = {}
     engines: dict[str, int] = {}
     counts = {"prefill": 0, "decode": 0}
     for p in stack.processes:
@@ -149,14 +160,18 @@ def _stack_pids(stack: Stack) -> tuple[dict[str, int], dict[str, int]]:
         if p.name == "gateway":
             kvplane["gateway"] = p.proc.pid
         elif p.name == "kvplane serve all":
-            kvplane["serve all"] = p.proc.pid
+            kvplane["serve all"] = own_record["serve all"] = p.proc.pid
+        elif p.name == "own-record gateway":
+            own_record["gateway"] = p.proc.pid
+        elif p.name.startswith("kvplane serve routing"):
+            own_record["serve routing"] = p.proc.pid
         elif p.name.endswith("sim-engine"):
             role = p.name.split()[0]
             engines[f"{report.ENGINE_PREFIX}{role[0]}{counts[role]}"] = p.proc.pid
             counts[role] += 1
     if stack.etcd.proc is not None:
-        kvplane["etcd"] = stack.etcd.proc.pid
-    return kvplane, engines
+        kvplane["etcd"] = own_record["etcd"] = stack.etcd.proc.pid
+    return StackPids(kvplane, own_record, engines)
 
 
 async def run_workload(key: str, config: CompareConfig, run_dir: Path, progress: Progress) -> WorkloadRun:
@@ -169,6 +184,7 @@ async def run_workload(key: str, config: CompareConfig, run_dir: Path, progress:
         prefill_nodes=PREFILL_NODES,
         decode_nodes=DECODE_NODES,
         progress=lambda m: progress(f"[{key}] {m}"),
+        own_record_routing=KVPLANE_OWN_RECORD in config.fronts,
     )
     served: list[ManagedProcess] = []
     try:
@@ -176,12 +192,18 @@ async def run_workload(key: str, config: CompareConfig, run_dir: Path, progress:
         async with aiohttp.ClientSession(
             connector=connector, timeout=aiohttp.ClientTimeout(total=None)
         ) as session:
-            kvplane_pids, engine_pids = _stack_pids(stack)
+            pids_of = _stack_pids(stack)
             fronts: dict[str, Front] = {}
             skipped: dict[str, str] = {}
             for name in config.fronts:
                 if name == KVPLANE:
-                    fronts[name] = HttpFront(KVPLANE, stack.gateway_url, kvplane_pids, api_key=DEMO_API_KEY)
+                    fronts[name] = HttpFront(
+                        KVPLANE, stack.gateway_url, pids_of.kvplane, api_key=DEMO_API_KEY
+                    )
+                elif name == KVPLANE_OWN_RECORD:
+                    fronts[name] = HttpFront(
+                        name, stack.own_record_gateway_url, pids_of.own_record, api_key=DEMO_API_KEY
+                    )
                 elif name in (VLLM_ROUTER, EXAMPLE_PROXY):
                     progress(f"[{key}] starting {name}")
                     try:
@@ -193,14 +215,14 @@ async def run_workload(key: str, config: CompareConfig, run_dir: Path, progress:
                     fronts[name] = ZeroHopFront(
                         name, stack.prefill_urls, stack.decode_urls, reuse=name == ZERO_HOP_REUSE
                     )
-            pids = {**engine_pids, report.CLIENT: os.getpid()}
+            pids = {**pids_of.engines, report.CLIENT: os.getpid()}
             for front in fronts.values():
                 pids.update(front.processes())
             engines = Engines(
                 stack.prefill_urls,
                 stack.decode_urls,
                 stack.etcd.client_url,
-                stack.gateway_url,
+                {KVPLANE: stack.gateway_url, KVPLANE_OWN_RECORD: stack.own_record_gateway_url},
                 pids,
                 stack.metrics_url,
             )
@@ -364,9 +386,9 @@ def _ints(text: str) -> tuple[int, ...]:
 
 def _fronts(text: str) -> tuple[str, ...]:
     names = tuple(v.strip() for v in text.split(",") if v.strip())
-    unknown = [n for n in names if n not in ALL_FRONTS]
+    unknown = [n for n in names if n not in SELECTABLE_FRONTS]
     if unknown or not names:
-        raise argparse.ArgumentTypeError(f"fronts are among {', '.join(ALL_FRONTS)}")
+        raise argparse.ArgumentTypeError(f"fronts are among {', '.join(SELECTABLE_FRONTS)}")
     return names
 
 
@@ -381,7 +403,12 @@ def parse_args(argv: Sequence[str]) -> tuple[CompareConfig, str]:
     parser.add_argument("--workload", choices=["A", "B", "both"], default="both")
     parser.add_argument("--concurrency", type=_ints, default=(1, 8, 32), help="conversations in flight")
     parser.add_argument("--repeats", type=int, default=2, help="repeats of every (front, concurrency) block")
-    parser.add_argument("--fronts", type=_fronts, default=ALL_FRONTS, help=f"among {','.join(ALL_FRONTS)}")
+    parser.add_argument(
+        "--fronts",
+        type=_fronts,
+        default=ALL_FRONTS,
+        help=f"among {','.join(SELECTABLE_FRONTS)} (default: all but {KVPLANE_OWN_RECORD})",
+    )
     parser.add_argument("--turns", type=int, default=w.turns)
     parser.add_argument("--first-tokens", type=int, default=w.first_tokens, help="first prompt, tokens")
     parser.add_argument("--user-tokens", type=int, default=w.user_tokens, help="new user tokens a turn")

@@ -37,6 +37,12 @@ from kvplane.services.devstack.processes import ManagedProcess
 KVPLANE, VLLM_ROUTER, EXAMPLE_PROXY = "kvplane", "vllm-router", "example-proxy"
 ZERO_HOP_REUSE, ZERO_HOP = "zero-hop-reuse", "zero-hop"
 ALL_FRONTS = (KVPLANE, VLLM_ROUTER, EXAMPLE_PROXY, ZERO_HOP_REUSE, ZERO_HOP)
+# kvplane on the same engines through a routing replica that ignores their KV events (its own
+# record of P's caches only): what the events bring, measured in the same run. Not run by default.
+KVPLANE_OWN_RECORD = "kvplane-own-record"
+SELECTABLE_FRONTS = (*ALL_FRONTS, KVPLANE_OWN_RECORD)
+# The fronts that are kvplane (they use etcd; their gateways time Route).
+KVPLANE_FRONTS = (KVPLANE, KVPLANE_OWN_RECORD)
 # The front every other is paired against.
 REFERENCE = ZERO_HOP_REUSE
 VLLM_ROUTER_VERSION = "0.1.17"

@@ -131,7 +131,8 @@ def gateway_leg_counts(text: str) -> Counters:
 
 
 async def gateway_legs(session: aiohttp.ClientSession, gateway_url: str) -> Counters:
-    return gateway_leg_counts(await _text(session, f"{gateway_url}/metrics"))
+    """A kvplane gateway's Route timings; none for "" (a block of another front, the idle window)."""
+    return gateway_leg_counts(await _text(session, f"{gateway_url}/metrics")) if gateway_url else {}
 
 
 def delta(after: Mapping[str, float], before: Mapping[str, float]) -> Counters:

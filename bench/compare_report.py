@@ -33,7 +33,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvplane.bench.compare_fronts import KVPLANE, REFERENCE
+from kvplane.bench.compare_fronts import KVPLANE_FRONTS, REFERENCE
 from kvplane.bench.compare_metrics import COMPUTED_ON
 from kvplane.bench.compare_run import BlockResult, IdleWindow, TurnRecord
 from kvplane.bench.live import CACHED, COMPUTED, PULLED
@@ -247,8 +247,8 @@ def rows(
         reference = [b for b in at if b.front == REFERENCE]
         for front, names in processes.items():
             mine = sorted((b for b in at if b.front == front), key=lambda b: b.repeat)
-            # kvplane is the one front that uses etcd: the others' blocks are the background.
-            background = [b for b in at if b.front not in (front, KVPLANE)]
+            # kvplane's fronts are the ones that use etcd: the others' blocks are the background.
+            background = [b for b in at if b.front != front and b.front not in KVPLANE_FRONTS]
             if mine:
                 out.append(build_row(front, names, mine, reference, idle, background))
     return out
@@ -312,7 +312,7 @@ def cost_table(table: Sequence[Row]) -> str:
             f"[{_f(r.etcd_requests_per_turn_above_others)}] "
             f"| {_f(r.etcd_writes_per_turn)} ({_f(r.etcd_writes_per_turn_above_idle)}) "
             f"[{_f(r.etcd_writes_per_turn_above_others)}] "
-            f"| {_f(r.route_ms, 2) if r.front == KVPLANE else '-'} | {_f(r.prefill_spread, 2)} |"
+            f"| {_f(r.route_ms, 2) if r.front in KVPLANE_FRONTS else '-'} | {_f(r.prefill_spread, 2)} |"
         )
     return "\n".join(lines)
 
@@ -330,20 +330,20 @@ def etcd_lines(table: Sequence[Row]) -> list[str]:
     """kvplane's etcd requests per turn, by etcd method and by what its services sent them for."""
     out = []
     for r in table:
-        if r.front == KVPLANE and (r.etcd_rpcs_per_turn or r.etcd_ops_per_turn):
+        if r.front in KVPLANE_FRONTS and (r.etcd_rpcs_per_turn or r.etcd_ops_per_turn):
             rpcs = ", ".join(f"{k} {v:.2f}" for k, v in r.etcd_rpcs_per_turn.items())
             ops = ", ".join(f"{k} {v:.2f}" for k, v in r.etcd_ops_per_turn.items())
-            out.append(f"kvplane c={r.concurrency} etcd requests/turn by method: {rpcs or '-'}")
-            out.append(f"kvplane c={r.concurrency} etcd requests/turn by operation: {ops or '-'}")
+            out.append(f"{r.front} c={r.concurrency} etcd requests/turn by method: {rpcs or '-'}")
+            out.append(f"{r.front} c={r.concurrency} etcd requests/turn by operation: {ops or '-'}")
     return out
 
 
 def decisions_line(table: Sequence[Row]) -> str:
     parts = []
     for r in table:
-        if r.front == KVPLANE and r.decisions:
+        if r.front in KVPLANE_FRONTS and r.decisions:
             mix = ", ".join(f"{k} {v}" for k, v in sorted(r.decisions.items()))
-            parts.append(f"c={r.concurrency}: {mix}")
+            parts.append(f"{r.front} c={r.concurrency}: {mix}")
     return "kvplane decisions: " + "; ".join(parts) if parts else ""
 
 

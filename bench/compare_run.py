@@ -75,7 +75,8 @@ class Engines:
     prefills: Sequence[str]
     decodes: Sequence[str]
     etcd_url: str
-    gateway_url: str
+    # kvplane fronts' gateways by front (their Route timings are read around their blocks).
+    gateway_urls: Mapping[str, str]
     # Every process whose CPU is read (all fronts', the engines', this client's).
     pids: Mapping[str, int]
     # kvplane's services' Prometheus page (their etcd requests by operation); empty: not read.
@@ -178,7 +179,7 @@ async def run_block(
         engines.pids,
         engines.prefills,
         engines.etcd_url,
-        engines.gateway_url,
+        engines.gateway_urls.get(plan.front, ""),
         engines.services_metrics_url,
     )
     before = await metrics.read_all(*args)
@@ -210,14 +211,7 @@ class IdleWindow:
 async def idle_window(session: aiohttp.ClientSession, engines: Engines, seconds: float) -> IdleWindow:
     await metrics.wait_idle(session, engines.all)
     await metrics.release_decode_handles(session, engines.decodes)
-    args = (
-        session,
-        engines.pids,
-        engines.prefills,
-        engines.etcd_url,
-        engines.gateway_url,
-        engines.services_metrics_url,
-    )
+    args = (session, engines.pids, engines.prefills, engines.etcd_url, "", engines.services_metrics_url)
     before = await metrics.read_all(*args)
     await asyncio.sleep(seconds)  # the measurement window itself
     after = await metrics.read_all(*args)

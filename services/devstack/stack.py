@@ -68,6 +68,10 @@ class Stack:
     operator_metadata: tuple[tuple[str, str], ...] = ()
     # Whether `start_stack` made the run directory (then `stop` removes it: logs and tokens).
     owns_run_dir: bool = False
+    # With `own_record_routing`: a second routing replica that ignores the engines' KV events,
+    # and a gateway routing through it, on the same engines ("" without).
+    own_record_grpc_target: str = ""
+    own_record_gateway_url: str = ""
 
     def stop(self) -> None:
         for proc in reversed(self.processes):
@@ -119,12 +123,16 @@ async def start_stack(
     prefill_nodes: int = 1,
     decode_nodes: int = 1,
     kv_events: bool = True,
+    own_record_routing: bool = False,
 ) -> Stack:
     """Starts etcd, `serve all`, P and D sim-engines and the gateway; returns when all are ready.
 
     `prefill_prefix_caching` False starts the prefill engines with vLLM's prefix cache off.
     `kv_events` False: routing knows P's caches from its own record only, not from their events.
     `prefill_nodes` and `decode_nodes` engines of each role (p0, p1, ...; d0, d1, ...).
+    `own_record_routing`: also a `serve routing` replica with `routing.engine_cache_events` off
+    (the engines stream to it too, loads only believed) and a second gateway through it: the same
+    engines routed with and without their KV events, for comparisons in one run.
     """
     # A run directory made here holds the stack's tokens: `Stack.stop` removes it. One passed in is
     # the caller's to keep.
@@ -156,13 +164,22 @@ async def start_stack(
         services = await _start_services(
             stack, etcd, credentials, node_ids, metrics_port, progress, timeout_s
         )
+        if own_record_routing:
+            await _start_own_record_routing(stack, etcd, credentials, node_ids, progress, timeout_s)
         nodes: list[tuple[Role, str, int]] = [
             ("prefill", f"p{i}", p_port if i == 0 else free_port()) for i in range(prefill_nodes)
         ]
         nodes += [("decode", f"d{i}", d_port if i == 0 else free_port()) for i in range(decode_nodes)]
         engine = EngineRecipe(speedup, decoder_ttl_s, prefill_prefix_caching, kv_events)
         await _start_engines(stack, credentials, nodes, engine, progress, timeout_s)
-        await _start_gateway(stack, credentials, gw_port, progress, timeout_s)
+        await _start_gateway(stack, credentials, gw_port, stack.grpc_target, "gateway", progress, timeout_s)
+        if own_record_routing:
+            port = free_port()
+            stack.own_record_gateway_url = f"http://{host}:{port}"
+            name = "own-record gateway"
+            await _start_gateway(
+                stack, credentials, port, stack.own_record_grpc_target, name, progress, timeout_s
+            )
         progress("waiting for the engines to register")
         await wait_ready(
             services,
@@ -219,6 +236,39 @@ async def _start_services(
     return services
 
 
+async def _start_own_record_routing(
+    stack: Stack,
+    etcd: LocalEtcd,
+    credentials: DevCredentials,
+    node_ids: list[str],
+    progress: Callable[[str], None],
+    timeout_s: float,
+) -> None:
+    """A routing replica that believes the engines' streamed loads but not their KV events."""
+    stack.own_record_grpc_target = f"{_HOST}:{free_port()}"
+    routing = ManagedProcess(
+        "kvplane serve routing (own record)",
+        _kvplane(
+            "serve",
+            "routing",
+            "--listen",
+            stack.own_record_grpc_target,
+            "--etcd",
+            etcd.endpoint,
+            "--metrics-port",
+            "0",
+            "--config",
+            str(credentials.services_config(node_ids)),
+        ),
+        stack.run_dir / "routing-own-record.log",
+        env={"KVPLANE_ROUTING__ENGINE_CACHE_EVENTS": "false"},
+    )
+    stack.processes.append(routing)
+    progress("starting a routing replica without the engines' KV events")
+    routing.start()
+    await wait_ready(routing, grpc_health_probe(stack.own_record_grpc_target), timeout_s)
+
+
 async def _start_engines(
     stack: Stack,
     credentials: DevCredentials,
@@ -247,7 +297,7 @@ async def _start_engines(
             num_blocks=16384,
             enable_prefix_caching=recipe.prefill_prefix_caching or role != "prefill",
             # Every engine streams its load to routing; prefill engines their KV events too.
-            routing=stack.grpc_target,
+            routing=",".join(t for t in (stack.grpc_target, stack.own_record_grpc_target) if t),
             **(_kv_events(stack, node_id) if recipe.kv_events and role == "prefill" else {}),
         )
         engine = ManagedProcess(
@@ -280,10 +330,13 @@ async def _start_gateway(
     stack: Stack,
     credentials: DevCredentials,
     gw_port: int,
+    routing_target: str,
+    name: str,
     progress: Callable[[str], None],
     timeout_s: float,
 ) -> None:
-    gateway_config = stack.run_dir / "gateway.yaml"
+    log_name = name.replace(" ", "-")
+    gateway_config = stack.run_dir / f"{log_name}.yaml"
     gateway_config.write_text(  # JSON is YAML
         json.dumps(
             {
@@ -301,7 +354,7 @@ async def _start_gateway(
         )
     )
     gateway = ManagedProcess(
-        "gateway",
+        name,
         _kvplane(
             "gateway",
             "--config",
@@ -309,7 +362,7 @@ async def _start_gateway(
             "--listen",
             f"{_HOST}:{gw_port}",
             "--routing",
-            stack.grpc_target,
+            routing_target,
             "--model",
             DEMO_MODEL,
             "--fallback-prefill",
@@ -320,12 +373,12 @@ async def _start_gateway(
             "--tokenize-url",
             stack.prefill_url,
         ),
-        stack.run_dir / "gateway.log",
+        stack.run_dir / f"{log_name}.log",
     )
     stack.processes.append(gateway)
-    progress("starting the gateway")
+    progress(f"starting the {name}")
     gateway.start()
-    await wait_ready(gateway, http_health_probe(f"{stack.gateway_url}/health"), timeout_s)
+    await wait_ready(gateway, http_health_probe(f"http://{_HOST}:{gw_port}/health"), timeout_s)
 
 
 def _nodes_registered(

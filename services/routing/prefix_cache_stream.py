@@ -101,9 +101,13 @@ async def receive(
     loads: StreamedLoads,
     now_s: Callable[[], float],
     on_message: Callable[[bool], None] = lambda carries_cache: None,
+    *,
+    apply_caches: bool = True,
 ) -> int:
     """Applies a node's stream to `caches` and `loads` until it ends; returns the messages applied.
-    `on_message` hears of each valid message: whether it carried cache events (or load alone)."""
+    `on_message` hears of each valid message: whether it carried cache events (or load alone).
+    `apply_caches` False: the loads only (`routing.engine_cache_events` off); messages are still
+    validated, and a cache message counts as applied."""
     principal.require(PrincipalKind.NODE)
     node_id = ""
     applied = 0
@@ -116,6 +120,6 @@ async def receive(
         now = now_s()
         on_message(message.cache is not None)
         loads.heard(node_id, message.incarnation, message.load, now)
-        if message.cache is None or caches.apply(message.cache, now):
+        if message.cache is None or not apply_caches or caches.apply(message.cache, now):
             applied += 1
     return applied

@@ -313,6 +313,7 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
                 self.streamed_loads,
                 self.router.clock.monotonic_s,
                 lambda cache: metrics.node_stream_messages.labels("cache" if cache else "load").inc(),
+                apply_caches=self.settings.engine_cache_events,
             )
         finally:
             metrics.node_streams.dec()

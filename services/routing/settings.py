@@ -33,6 +33,11 @@ class RoutingSection(Section):
     # A prefill node's prefix-cache view from its engine's events (StreamPrefixCache) is used
     # only when a message came within this many seconds; else the router's own record, seconds.
     prefix_cache_stale_after_s: float = Field(2.0, gt=0)
+    # Whether the prefill engines' KV-cache events (their node agents' StreamPrefixCache) feed
+    # this replica's view of their caches. false: the router's own record alone, as without
+    # events (their streamed loads still count); to set a misbehaving publisher aside, or to
+    # measure what the events bring against the same engines.
+    engine_cache_events: bool = True
     # Nodes whose prefix-cache view a replica keeps, and block ids per node (a view that
     # outgrows it is dropped until the node's next snapshot).
     prefix_cache_max_nodes: int = Field(10_000, gt=0)

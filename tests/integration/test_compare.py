@@ -1,9 +1,10 @@
 """The fronts comparison (kvplane.bench.compare) at a tiny size, on real processes.
 
-Both workloads, two conversations of two turns per front at concurrency 1, one repeat, on
-engines sped up 20 times. The checks are on behaviour, never on timing: every front completes
-every turn, the prefill engines' token sources add up to what the client sent, handles are
-pulled only by the fronts that carry them, and the JSON holds a row for every front.
+Both workloads, two conversations of two turns per front (kvplane-own-record too) at
+concurrency 1, one repeat, on engines sped up 20 times. The checks are on behaviour, never on
+timing: every front completes every turn, the prefill engines' token sources add up to what the
+client sent, handles are pulled only by the fronts that carry them, and the JSON holds a row for
+every front.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from kvplane.bench.compare_fronts import (
     ALL_FRONTS,
     EXAMPLE_PROXY,
     KVPLANE,
+    KVPLANE_OWN_RECORD,
     REFERENCE,
     VLLM_ROUTER,
     ZERO_HOP,
@@ -28,7 +30,8 @@ from kvplane.bench.compare_report import CLIENT, ENGINES, Row, dump
 from kvplane.bench.compare_workload import Workload
 
 ROUTER_INSTALLED = vllm_router_binary() is not None
-FRONTS = ALL_FRONTS if ROUTER_INSTALLED else tuple(f for f in ALL_FRONTS if f != VLLM_ROUTER)
+# Every front, and kvplane through a routing replica that ignores the engines' KV events.
+FRONTS = (*(f for f in ALL_FRONTS if ROUTER_INSTALLED or f != VLLM_ROUTER), KVPLANE_OWN_RECORD)
 CONFIG = compare.CompareConfig(
     workloads=("A", "B"),
     concurrency=(1,),
@@ -88,6 +91,9 @@ def test_only_the_fronts_that_carry_a_handle_pull(runs: dict[str, compare.Worklo
 def test_costs_are_charged_to_each_front_s_processes(runs: dict[str, compare.WorkloadRun]) -> None:
     run = runs["A"]
     assert set(run.fronts[KVPLANE]) == {"gateway", "serve all", "etcd"}
+    # The own-record front: its gateway and routing replica, and the metadata and eviction it uses.
+    assert set(run.fronts[KVPLANE_OWN_RECORD]) == {"gateway", "serve routing", "serve all", "etcd"}
+    assert _row(run, KVPLANE_OWN_RECORD).route_ms > 0
     assert run.fronts[EXAMPLE_PROXY] == ["example proxy"] and run.fronts[ZERO_HOP] == []
     for row in run.rows:
         assert {CLIENT, ENGINES, *run.fronts[row.front]} == set(row.cpu_ms_per_turn)

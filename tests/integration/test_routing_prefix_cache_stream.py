@@ -114,6 +114,26 @@ async def test_a_fresh_view_sends_the_turn_to_the_node_that_holds_its_prefix_unt
         assert ack.applied == 2
 
 
+async def test_a_replica_with_engine_cache_events_off_routes_on_its_own_record(
+    etcd: LocalEtcd, prefix: str
+) -> None:
+    # A view that stays fresh for the whole test: with events on, p1 would draw the turn.
+    routing = {"engine_cache_events": False, "prefix_cache_stale_after_s": 300}
+    async with prefill_and_decode(etcd, prefix, routing=routing) as cluster:
+        await cluster.register(node("p1", NodeRole.PREFILL))
+        await cluster.wait_nodes()
+        await cluster.report_load("p1", queued_prefill_tokens=3000, total_kv_blocks=100, free_kv_blocks=50)
+        stream = NodeStream(cluster, "p1")
+        stream.send(True, BlockHasher(BLOCK).ids(PROMPT))
+        # The ack comes once the replica has handled every message: the snapshot was taken in
+        # (and counted) but not believed.
+        assert (await stream.close()).applied == 1
+        registry = cluster.replicas[0].ctx.telemetry.registry
+        assert registry.get_sample_value(STREAM_MESSAGES, {"kind": "cache"}) == 1
+        async with cluster.client("acme") as client:
+            assert await prefill_of(client, PROMPT) == "p0"
+
+
 async def test_a_node_streams_only_for_its_own_node_id_and_tenants_not_at_all(
     cluster: RoutingCluster,
 ) -> None:
