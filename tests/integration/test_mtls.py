@@ -24,7 +24,7 @@ from kvplane.services.process import ServiceProcess
 from kvplane.v1 import metadata_pb2, metadata_pb2_grpc
 from tests.conftest import make_node
 from tests.support.certificates import Issued, TestCa
-from tests.support.deploy_validators import ROOT, load_deploy_checks
+from tests.support.deploy_validators import ROOT, is_kvplane_workload, load_deploy_checks
 from tests.support.polling import eventually
 from tests.support.simengine import engines, free_port, sim
 from tests.support.trust import all_methods, plane_settings, raw_call, start_plane, target
@@ -330,7 +330,7 @@ async def test_a_running_client_presents_its_rotated_certificate_without_a_new_c
 
 
 def _chart_containers(values_file: str) -> dict[str, dict[str, Any]]:
-    """The containers of the chart rendered with one of its CI values files, by Deployment."""
+    """The containers of the chart rendered with one of its CI values files, by workload."""
     pytest.importorskip("helm_python", reason="deploy validators not installed: pip install -e '.[dev]'")
     checks = load_deploy_checks()
     values = yaml.safe_load((ROOT / "deploy/helm/kvplane/ci" / values_file).read_text())
@@ -338,7 +338,7 @@ def _chart_containers(values_file: str) -> dict[str, dict[str, Any]]:
     return {
         d["metadata"]["name"]: d["spec"]["template"]["spec"]["containers"][0]
         for d in docs
-        if d["kind"] == "Deployment"
+        if is_kvplane_workload(d)
     }
 
 
@@ -360,10 +360,10 @@ async def test_the_charts_mtls_wiring_serves_its_clients_and_passes_its_own_prob
 
     containers = _chart_containers("mtls-values.yaml")
     routing, gateway = containers["kvp-kvplane-routing"], containers["kvp-kvplane-gateway"]
-    # The services' Secret names the Services clients dial; the gateway's names its principal.
-    server_dir = _secret_volume(
-        tmp_path / "server", ca, ca.issue("svc", server=True, dns=("kvp-kvplane-routing",))
-    )
+    # The services' Secret names the Services clients dial and the routing replicas' own names;
+    # the gateway's names its principal.
+    names = ("kvp-kvplane-routing", "*.kvp-kvplane-routing-pods.kvplane.svc")
+    server_dir = _secret_volume(tmp_path / "server", ca, ca.issue("svc", server=True, dns=names))
     gateway_dir = _secret_volume(
         tmp_path / "gateway", ca, ca.issue("gw", uris=("kvplane://operator/gateway",))
     )
