@@ -144,8 +144,10 @@ async def _start_served(
 class StackPids:
     """The processes of the stack, by what they serve."""
 
-    kvplane: dict[str, int]  # gateway, serve all, etcd
-    own_record: dict[str, int]  # its gateway and routing replica, serve all (metadata, eviction), etcd
+    # gateway, serve all, etcd; with the own-record front, the gateway's routing replica too
+    kvplane: dict[str, int]
+    # its gateway and routing replica, serve all (metadata, eviction), etcd
+    own_record: dict[str, int]
     engines: dict[str, int]  # engine p0, ...
 
 
@@ -163,7 +165,9 @@ def _stack_pids(stack: Stack) -> StackPids:
             kvplane["serve all"] = own_record["serve all"] = p.proc.pid
         elif p.name == "own-record gateway":
             own_record["gateway"] = p.proc.pid
-        elif p.name.startswith("kvplane serve routing"):
+        elif p.name == "kvplane serve routing (events)":
+            kvplane["serve routing"] = p.proc.pid
+        elif p.name == "kvplane serve routing (own record)":
             own_record["serve routing"] = p.proc.pid
         elif p.name.endswith("sim-engine"):
             role = p.name.split()[0]

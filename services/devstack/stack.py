@@ -8,6 +8,7 @@ ready: `kvplane dev-stack`, the end-to-end tests and the live benchmarks start t
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -68,10 +69,19 @@ class Stack:
     operator_metadata: tuple[tuple[str, str], ...] = ()
     # Whether `start_stack` made the run directory (then `stop` removes it: logs and tokens).
     owns_run_dir: bool = False
-    # With `own_record_routing`: a second routing replica that ignores the engines' KV events,
-    # and a gateway routing through it, on the same engines ("" without).
+    # The routing replica the gateway asks: `serve all`'s (grpc_target), or with
+    # `own_record_routing` a `serve routing` replica of its own.
+    gateway_routing_target: str = ""
+    # With `own_record_routing`: a routing replica that ignores the engines' KV events, and a
+    # gateway routing through it, on the same engines ("" without).
     own_record_grpc_target: str = ""
     own_record_gateway_url: str = ""
+
+    @property
+    def routing_targets(self) -> list[str]:
+        """Every routing replica of the stack: each engine streams its load and events to all."""
+        targets = (self.grpc_target, self.gateway_routing_target, self.own_record_grpc_target)
+        return list(dict.fromkeys(t for t in targets if t))
 
     def stop(self) -> None:
         for proc in reversed(self.processes):
@@ -130,9 +140,12 @@ async def start_stack(
     `prefill_prefix_caching` False starts the prefill engines with vLLM's prefix cache off.
     `kv_events` False: routing knows P's caches from its own record only, not from their events.
     `prefill_nodes` and `decode_nodes` engines of each role (p0, p1, ...; d0, d1, ...).
-    `own_record_routing`: also a `serve routing` replica with `routing.engine_cache_events` off
-    (the engines stream to it too, loads only believed) and a second gateway through it: the same
-    engines routed with and without their KV events, for comparisons in one run.
+    `own_record_routing`: the same engines routed with and without their KV events, for
+    comparisons in one run. Two `serve routing` replicas besides `serve all` (which then routes
+    for no gateway): one as usual, which the gateway asks, and one with
+    `routing.engine_cache_events` off (loads still believed), which a second gateway asks. Every
+    engine streams to all three. Each gateway's routing runs alone in its process, so the two
+    differ in the events only.
     """
     # A run directory made here holds the stack's tokens: `Stack.stop` removes it. One passed in is
     # the caller's to keep.
@@ -164,15 +177,19 @@ async def start_stack(
         services = await _start_services(
             stack, etcd, credentials, node_ids, metrics_port, progress, timeout_s
         )
+        stack.gateway_routing_target = stack.grpc_target
         if own_record_routing:
-            await _start_own_record_routing(stack, etcd, credentials, node_ids, progress, timeout_s)
+            replica = functools.partial(_start_routing_replica, stack, etcd, credentials, node_ids)
+            stack.gateway_routing_target = await replica("events", True, progress, timeout_s)
+            stack.own_record_grpc_target = await replica("own record", False, progress, timeout_s)
         nodes: list[tuple[Role, str, int]] = [
             ("prefill", f"p{i}", p_port if i == 0 else free_port()) for i in range(prefill_nodes)
         ]
         nodes += [("decode", f"d{i}", d_port if i == 0 else free_port()) for i in range(decode_nodes)]
         engine = EngineRecipe(speedup, decoder_ttl_s, prefill_prefix_caching, kv_events)
         await _start_engines(stack, credentials, nodes, engine, progress, timeout_s)
-        await _start_gateway(stack, credentials, gw_port, stack.grpc_target, "gateway", progress, timeout_s)
+        target = stack.gateway_routing_target
+        await _start_gateway(stack, credentials, gw_port, target, "gateway", progress, timeout_s)
         if own_record_routing:
             port = free_port()
             stack.own_record_gateway_url = f"http://{host}:{port}"
@@ -236,23 +253,25 @@ async def _start_services(
     return services
 
 
-async def _start_own_record_routing(
+async def _start_routing_replica(
     stack: Stack,
     etcd: LocalEtcd,
     credentials: DevCredentials,
     node_ids: list[str],
+    label: str,
+    engine_cache_events: bool,
     progress: Callable[[str], None],
     timeout_s: float,
-) -> None:
-    """A routing replica that believes the engines' streamed loads but not their KV events."""
-    stack.own_record_grpc_target = f"{_HOST}:{free_port()}"
+) -> str:
+    """A `serve routing` replica of its own, named `kvplane serve routing (<label>)`; its target."""
+    target = f"{_HOST}:{free_port()}"
     routing = ManagedProcess(
-        "kvplane serve routing (own record)",
+        f"kvplane serve routing ({label})",
         _kvplane(
             "serve",
             "routing",
             "--listen",
-            stack.own_record_grpc_target,
+            target,
             "--etcd",
             etcd.endpoint,
             "--metrics-port",
@@ -260,13 +279,14 @@ async def _start_own_record_routing(
             "--config",
             str(credentials.services_config(node_ids)),
         ),
-        stack.run_dir / "routing-own-record.log",
-        env={"KVPLANE_ROUTING__ENGINE_CACHE_EVENTS": "false"},
+        stack.run_dir / f"routing-{label.replace(' ', '-')}.log",
+        env={"KVPLANE_ROUTING__ENGINE_CACHE_EVENTS": "true" if engine_cache_events else "false"},
     )
     stack.processes.append(routing)
-    progress("starting a routing replica without the engines' KV events")
+    progress(f"starting a routing replica ({label})")
     routing.start()
-    await wait_ready(routing, grpc_health_probe(stack.own_record_grpc_target), timeout_s)
+    await wait_ready(routing, grpc_health_probe(target), timeout_s)
+    return target
 
 
 async def _start_engines(
@@ -297,7 +317,7 @@ async def _start_engines(
             num_blocks=16384,
             enable_prefix_caching=recipe.prefill_prefix_caching or role != "prefill",
             # Every engine streams its load to routing; prefill engines their KV events too.
-            routing=",".join(t for t in (stack.grpc_target, stack.own_record_grpc_target) if t),
+            routing=",".join(stack.routing_targets),
             **(_kv_events(stack, node_id) if recipe.kv_events and role == "prefill" else {}),
         )
         engine = ManagedProcess(
