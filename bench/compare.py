@@ -146,7 +146,7 @@ class StackPids:
 
     # gateway, serve all, etcd; with the own-record front, the gateway's routing replica too
     kvplane: dict[str, int]
-    # its gateway and routing replica, serve all (metadata, eviction), etcd
+    # its gateway and routing replica (named apart from kvplane's), serve all (metadata, eviction), etcd
     own_record: dict[str, int]
     engines: dict[str, int]  # engine p0, ...
 
@@ -164,11 +164,11 @@ def _stack_pids(stack: Stack) -> StackPids:
         elif p.name == "kvplane serve all":
             kvplane["serve all"] = own_record["serve all"] = p.proc.pid
         elif p.name == "own-record gateway":
-            own_record["gateway"] = p.proc.pid
+            own_record["own-record gateway"] = p.proc.pid
         elif p.name == "kvplane serve routing (events)":
             kvplane["serve routing"] = p.proc.pid
         elif p.name == "kvplane serve routing (own record)":
-            own_record["serve routing"] = p.proc.pid
+            own_record["own-record routing"] = p.proc.pid
         elif p.name.endswith("sim-engine"):
             role = p.name.split()[0]
             engines[f"{report.ENGINE_PREFIX}{role[0]}{counts[role]}"] = p.proc.pid
@@ -221,7 +221,12 @@ async def run_workload(key: str, config: CompareConfig, run_dir: Path, progress:
                     )
             pids = {**pids_of.engines, report.CLIENT: os.getpid()}
             for front in fronts.values():
-                pids.update(front.processes())
+                for process_name, pid in front.processes().items():
+                    # One name, one process: CPU is read by name, and charged to each front by it.
+                    if pids.setdefault(process_name, pid) != pid:
+                        raise ValueError(
+                            f"two processes named {process_name!r}: {front.name}'s and another's"
+                        )
             engines = Engines(
                 stack.prefill_urls,
                 stack.decode_urls,
