@@ -40,6 +40,9 @@ LEDGER_TIMEOUT_S = 30.0
 # A turn must be answered within this long of a fault.
 FIRST_TURN_WITHIN_S = 1.0
 # While etcd is faulted no turn may take longer than this beyond the slowest baseline turn, s.
+# It is also the first-turn bound when etcd's leader is killed: a turn that pulls needs one write
+# (its check-out), and the remaining members elect a leader only after their election timeout,
+# which etcd draws between 1 s and 2 s (the default 1,000 ms, randomised up to twice that).
 ETCD_EXTRA_S = 2.0
 # How long one routing replica stays dead: long enough for whole turns to run meanwhile. Turns
 # take about 3 s, so 6 s held only 4-5 whole turns, and whether one of so few pulled was chance.
@@ -285,7 +288,8 @@ async def test_faults_under_load_fail_no_turn_and_strand_nothing(cluster: ChaosC
             breaches.append(f"{row.fault}: slowest turn {row.slowest_s:.2f} s")
         if row.failed:
             breaches.append(f"{row.fault}: {row.failed} failed turns: {row.errors}")
-        if row.first_turn_s > FIRST_TURN_WITHIN_S:
+        first_within = ETCD_EXTRA_S if row.fault.startswith("SIGKILL etcd") else FIRST_TURN_WITHIN_S
+        if row.first_turn_s > first_within:
             breaches.append(f"{row.fault}: the first turn after it took {row.first_turn_s:.2f} s extra")
         if not row.ledger.clean:
             breaches.append(f"{row.fault}: {row.ledger}")
