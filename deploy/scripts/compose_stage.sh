@@ -281,8 +281,16 @@ routing_metrics() {
   podman exec "${PROJECT}_gateway_1" python -c \
     "import urllib.request, sys; sys.stdout.write(urllib.request.urlopen('http://routing:9464/metrics', timeout=5).read().decode())"
 }
-streams=$(routing_metrics | awk '/^kvplane_routing_node_streams / {print $NF + 0}')
-cache_messages=$(routing_metrics | awk '/^kvplane_routing_node_stream_messages_total\{kind="cache"\}/ {print $NF + 0}')
+# A stream being replaced after an error may be counted beside its successor for a moment.
+deadline=$(($(date +%s) + 30))
+while :; do
+  page=$(routing_metrics)
+  streams=$(awk '/^kvplane_routing_node_streams / {print $NF + 0}' <<<"$page")
+  cache_messages=$(awk '/^kvplane_routing_node_stream_messages_total\{kind="cache"\}/ {print $NF + 0}' <<<"$page")
+  ((${streams:-0} == 2 && ${cache_messages:-0} > 0)) && break
+  (($(date +%s) > deadline)) && break
+  sleep 1
+done
 echo "routing: ${streams:-0} node streams open, ${cache_messages:-0} prefix-cache messages"
 ((${streams:-0} == 2)) || die "routing should hold one stream from each of the 2 engines"
 ((${cache_messages%.*} > 0)) || die "routing heard no prefix-cache events from the prefill engine"
