@@ -67,6 +67,7 @@ from kvplane.bench.compare_fronts import (
 )
 from kvplane.bench.compare_run import BlockResult, Engines, IdleWindow, idle_window, run_block
 from kvplane.bench.compare_workload import Workload, plan, rotation
+from kvplane.services.devstack.cli import STOP_SIGNALS
 from kvplane.services.devstack.processes import ManagedProcess
 from kvplane.services.devstack.stack import DEMO_API_KEY, Stack, start_stack
 
@@ -465,10 +466,31 @@ def parse_args(argv: Sequence[str]) -> tuple[CompareConfig, str]:
     return config, args.json
 
 
+async def run_until_stopped(config: CompareConfig) -> list[WorkloadRun] | None:
+    """`run`, stopped by Ctrl-C, SIGTERM or SIGHUP as the dev stack is: what has started is
+    stopped (the stack's processes live in sessions of their own, so nothing else would stop
+    them) and None is returned."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, task.cancel)
+    try:
+        return await run(config)
+    except asyncio.CancelledError:
+        return None
+    finally:
+        for sig in STOP_SIGNALS:
+            loop.remove_signal_handler(sig)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     config, json_path = parse_args(argv)
-    runs = asyncio.run(run(config))
+    runs = asyncio.run(run_until_stopped(config))
+    if runs is None:
+        _stderr("stopped: every process it started is stopped; no results")
+        return 1
     print(render(config, runs))
     report.dump(json_path, document(config, runs, ["python", "-m", "kvplane.bench.compare", *argv]))
     print(f"\nJSON: {json_path}")

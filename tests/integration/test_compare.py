@@ -9,8 +9,11 @@ every front.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
+import signal
+import sys
 from pathlib import Path
 
 import pytest
@@ -28,6 +31,7 @@ from kvplane.bench.compare_fronts import (
 )
 from kvplane.bench.compare_report import CLIENT, ENGINES, Row, dump
 from kvplane.bench.compare_workload import Workload
+from tests.support.polling import eventually
 
 ROUTER_INSTALLED = vllm_router_binary() is not None
 # Every front, and kvplane through a routing replica that ignores the engines' KV events.
@@ -129,3 +133,49 @@ def test_vllm_router_completes_every_turn(runs: dict[str, compare.WorkloadRun]) 
         row = _row(run, VLLM_ROUTER)
         assert (row.turns_ok, row.failed) == (4, 0)
         assert set(row.cpu_ms_per_turn) == {"vllm-router", CLIENT, ENGINES}
+
+
+def _processes_naming(text: str, but: int) -> list[int]:
+    """Live processes (other than `but`) whose command line holds `text`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == but:
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue  # gone meanwhile
+        if text.encode() in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+async def test_sigterm_stops_every_process_the_comparison_started(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = ["--workload", "A", "--concurrency", "1", "--repeats", "1", "--fronts", ZERO_HOP]
+    args += ["--min-conversations", "4", "--warmup-conversations", "0", "--idle-s", "0"]
+    args += ["--run-dir", str(run_dir), "--json", str(tmp_path / "out.json")]
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "kvplane.bench.compare",
+        *args,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    try:
+
+        async def stack_up() -> bool:
+            # serve all and the four engines name files in the run directory.
+            return len(_processes_naming(str(run_dir), but=proc.pid)) >= 5
+
+        await eventually(stack_up, timeout_s=120, what="the comparison's stack to start")
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), timeout=120) == 1
+        # The stack's processes run in sessions of their own: only the comparison stops them.
+        assert _processes_naming(str(run_dir), but=proc.pid) == []
+        assert not (tmp_path / "out.json").exists()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
