@@ -67,8 +67,7 @@ from kvplane.bench.compare_fronts import (
 )
 from kvplane.bench.compare_run import BlockResult, Engines, IdleWindow, idle_window, run_block
 from kvplane.bench.compare_workload import Workload, plan, rotation
-from kvplane.services.devstack.cli import STOP_SIGNALS
-from kvplane.services.devstack.processes import ManagedProcess
+from kvplane.services.devstack.processes import ManagedProcess, stop_signals_cancel
 from kvplane.services.devstack.stack import DEMO_API_KEY, Stack, start_stack
 
 # Each workload: what it is, and whether the prefill engines keep a prefix cache.
@@ -470,18 +469,11 @@ async def run_until_stopped(config: CompareConfig) -> list[WorkloadRun] | None:
     """`run`, stopped by Ctrl-C, SIGTERM or SIGHUP as the dev stack is: what has started is
     stopped (the stack's processes live in sessions of their own, so nothing else would stop
     them) and None is returned."""
-    loop = asyncio.get_running_loop()
-    task = asyncio.current_task()
-    assert task is not None
-    for sig in STOP_SIGNALS:
-        loop.add_signal_handler(sig, task.cancel)
     try:
-        return await run(config)
+        with stop_signals_cancel():
+            return await run(config)
     except asyncio.CancelledError:
         return None
-    finally:
-        for sig in STOP_SIGNALS:
-            loop.remove_signal_handler(sig)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -21,31 +20,23 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvplane.services.devstack.demo import demo_table, run_demo
-from kvplane.services.devstack.processes import StartupError
+from kvplane.services.devstack.processes import StartupError, stop_signals_cancel
 from kvplane.services.devstack.stack import DEMO_API_KEY, StackPorts, start_stack
 
 # Ctrl-C, a stop, and the terminal closing: each stops the whole stack and removes what it made.
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 async def _run(args: argparse.Namespace) -> int:
     # Made here, not by start_stack, so that a Ctrl-C during start-up still says where the logs were.
     temporary = not args.run_dir
     run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="kvplane-run-"))
-    loop = asyncio.get_running_loop()
-    task = asyncio.current_task()
-    assert task is not None
-    for sig in STOP_SIGNALS:
-        # From the first moment: a signal during start-up stops what has started too.
-        loop.add_signal_handler(sig, task.cancel)
     try:
-        return await _serve_stack(args, run_dir)
+        with stop_signals_cancel():
+            return await _serve_stack(args, run_dir)
     except asyncio.CancelledError:
         print("\n==> stopping", flush=True)
         return 0
     finally:
-        for sig in STOP_SIGNALS:
-            loop.remove_signal_handler(sig)
         if temporary and not args.keep_logs:
             shutil.rmtree(run_dir, ignore_errors=True)
             print(f"==> logs removed with {run_dir} (--keep-logs or --run-dir keeps them)", flush=True)

@@ -3,7 +3,9 @@
 Each child runs in its own session, so its own process group: a Ctrl-C at the terminal reaches
 the supervisor only, which then stops the children in its own order, and stopping a child stops
 whatever it started too. `wait_ready` polls a child's readiness probe until a deadline and reports
-a child that exited meanwhile, with its exit status and the end of its log.
+a child that exited meanwhile, with its exit status and the end of its log. Since no signal reaches
+the children, `stop_signals_cancel` turns Ctrl-C, SIGTERM and SIGHUP into a cancellation of the
+supervising task, whose `finally` blocks stop them.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -22,6 +24,25 @@ from typing import Protocol
 import aiohttp
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+# What stops a supervisor: Ctrl-C, `kill`, and the terminal closing.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def stop_signals_cancel() -> Iterator[None]:
+    """Inside: a stop signal cancels the running task, from the first moment (a signal during
+    start-up stops what has started too); the task's `finally` blocks stop its children."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, task.cancel)
+    try:
+        yield
+    finally:
+        for sig in STOP_SIGNALS:
+            loop.remove_signal_handler(sig)
 
 
 class StartupError(RuntimeError):

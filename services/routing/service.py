@@ -303,8 +303,9 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
     async def StreamPrefixCache(
         self, request_iterator: AsyncIterator[routing_pb2.StreamPrefixCacheRequest], context: Context
     ) -> routing_pb2.StreamPrefixCacheResponse:
-        metrics = self.metrics
-        metrics.node_streams.inc()
+        counted = self.metrics.node_stream_messages
+        cache_messages, load_messages = counted.labels("cache"), counted.labels("load")
+        self.metrics.node_streams.inc()
         try:
             applied = await prefix_cache_stream.receive(
                 self._caller(context),
@@ -312,11 +313,11 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
                 self.engine_caches,
                 self.streamed_loads,
                 self.router.clock.monotonic_s,
-                lambda cache: metrics.node_stream_messages.labels("cache" if cache else "load").inc(),
+                lambda cache: (cache_messages if cache else load_messages).inc(),
                 apply_caches=self.settings.engine_cache_events,
             )
         finally:
-            metrics.node_streams.dec()
+            self.metrics.node_streams.dec()
         return routing_pb2.StreamPrefixCacheResponse(applied=applied)
 
     # -- ReportTurn ---------------------------------------------------------------

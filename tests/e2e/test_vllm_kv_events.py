@@ -105,6 +105,16 @@ def published(
     return Published(engine, source, reader)
 
 
+def tcp_events() -> dict[str, Any]:
+    """vLLM's --kv-events-config on its wildcard TCP endpoints, each on a free port."""
+    return {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{free_port()}",
+        "replay_endpoint": f"tcp://*:{free_port()}",
+    }
+
+
 def replay_until(reader: EventReader, wanted: set[int], timeout_s: float = 60) -> list[Batch]:
     """Every buffered batch, once the stored block ids in them include `wanted` (vLLM publishes
     at the end of the scheduler step, which may come after the HTTP answer)."""
@@ -162,20 +172,7 @@ def check_engine(p: Published, rnd: random.Random) -> None:
 async def test_kvplane_predicts_the_block_hashes_two_vllm_engines_publish(
     tiny_model: Path, tmp_path: Path, ipc: str
 ) -> None:
-    tcp = published(
-        "a",
-        tiny_model,
-        tmp_path,
-        {
-            "enable_kv_cache_events": True,
-            "publisher": "zmq",
-            "endpoint": f"tcp://*:{free_port()}",
-            "replay_endpoint": f"tcp://*:{free_port()}",
-            "topic": "kv-a",
-        },
-        "sha256",
-        env={},
-    )
+    tcp = published("a", tiny_model, tmp_path, {**tcp_events(), "topic": "kv-a"}, "sha256", env={})
     cbor = published(
         "b",
         tiny_model,
@@ -215,19 +212,7 @@ async def test_routing_follows_a_vllm_engine_s_events_to_the_prefix_it_holds(
     cluster: RoutingCluster,
     metadata_process: ServiceProcess,
 ) -> None:
-    engine = published(
-        "r",
-        tiny_model,
-        tmp_path,
-        {
-            "enable_kv_cache_events": True,
-            "publisher": "zmq",
-            "endpoint": f"tcp://*:{free_port()}",
-            "replay_endpoint": f"tcp://*:{free_port()}",
-        },
-        "sha256",
-        env={},
-    )
+    engine = published("r", tiny_model, tmp_path, tcp_events(), "sha256", env={})
     engine.reader.close()  # the node agent is the subscriber here
     node = dataclasses.replace(
         make_node("p-vllm", role=NodeRole.PREFILL, incarnation="", model=MODEL), block_size=BLOCK
