@@ -5,7 +5,8 @@
 Starts one kvplane stack as the dev stack does (etcd, `kvplane serve all`, 2 prefill and 2
 decode sim-engines timed like Qwen3-32B, the gateway), vllm-router in P/D mode and vLLM's
 example P/D proxy on those engines, and runs the same multi-turn chats through each front:
-kvplane's gateway, vllm-router, the example proxy, and two zero-hop clients that send the P and
+kvplane's gateway (asking `serve all`'s routing over gRPC, and one routing in its own process),
+vllm-router, the example proxy, and two zero-hop clients that send the P and
 D legs straight to the engines (one carries D's handle into the next turn, one does not). See
 `compare_fronts` for each front, `compare_workload` for the chats.
 
@@ -50,6 +51,7 @@ from kvplane.bench.compare_fronts import (
     ALL_FRONTS,
     EXAMPLE_PROXY,
     KVPLANE,
+    KVPLANE_COLOCATED,
     KVPLANE_OWN_RECORD,
     REFERENCE,
     SELECTABLE_FRONTS,
@@ -148,12 +150,15 @@ class StackPids:
     kvplane: dict[str, int]
     # its gateway and routing replica (named apart from kvplane's), serve all (metadata, eviction), etcd
     own_record: dict[str, int]
+    # the gateway routing in its own process, serve all (metadata, eviction), etcd
+    colocated: dict[str, int]
     engines: dict[str, int]  # engine p0, ...
 
 
 def _stack_pids(stack: Stack) -> StackPids:
     kvplane: dict[str, int] = {}
     own_record: dict[str, int] = {}
+    colocated: dict[str, int] = {}
     engines: dict[str, int] = {}
     counts = {"prefill": 0, "decode": 0}
     for p in stack.processes:
@@ -162,7 +167,9 @@ def _stack_pids(stack: Stack) -> StackPids:
         if p.name == "gateway":
             kvplane["gateway"] = p.proc.pid
         elif p.name == "kvplane serve all":
-            kvplane["serve all"] = own_record["serve all"] = p.proc.pid
+            kvplane["serve all"] = own_record["serve all"] = colocated["serve all"] = p.proc.pid
+        elif p.name == "colocated gateway":
+            colocated["colocated gateway"] = p.proc.pid
         elif p.name == "own-record gateway":
             own_record["own-record gateway"] = p.proc.pid
         elif p.name == "kvplane serve routing (events)":
@@ -174,8 +181,8 @@ def _stack_pids(stack: Stack) -> StackPids:
             engines[f"{report.ENGINE_PREFIX}{role[0]}{counts[role]}"] = p.proc.pid
             counts[role] += 1
     if stack.etcd.proc is not None:
-        kvplane["etcd"] = own_record["etcd"] = stack.etcd.proc.pid
-    return StackPids(kvplane, own_record, engines)
+        kvplane["etcd"] = own_record["etcd"] = colocated["etcd"] = stack.etcd.proc.pid
+    return StackPids(kvplane, own_record, colocated, engines)
 
 
 async def run_workload(key: str, config: CompareConfig, run_dir: Path, progress: Progress) -> WorkloadRun:
@@ -189,6 +196,7 @@ async def run_workload(key: str, config: CompareConfig, run_dir: Path, progress:
         decode_nodes=DECODE_NODES,
         progress=lambda m: progress(f"[{key}] {m}"),
         own_record_routing=KVPLANE_OWN_RECORD in config.fronts,
+        colocated_routing=KVPLANE_COLOCATED in config.fronts,
     )
     served: list[ManagedProcess] = []
     try:
@@ -203,6 +211,10 @@ async def run_workload(key: str, config: CompareConfig, run_dir: Path, progress:
                 if name == KVPLANE:
                     fronts[name] = HttpFront(
                         KVPLANE, stack.gateway_url, pids_of.kvplane, api_key=DEMO_API_KEY
+                    )
+                elif name == KVPLANE_COLOCATED:
+                    fronts[name] = HttpFront(
+                        name, stack.colocated_gateway_url, pids_of.colocated, api_key=DEMO_API_KEY
                     )
                 elif name == KVPLANE_OWN_RECORD:
                     fronts[name] = HttpFront(
@@ -231,7 +243,11 @@ async def run_workload(key: str, config: CompareConfig, run_dir: Path, progress:
                 stack.prefill_urls,
                 stack.decode_urls,
                 stack.etcd.client_url,
-                {KVPLANE: stack.gateway_url, KVPLANE_OWN_RECORD: stack.own_record_gateway_url},
+                {
+                    KVPLANE: stack.gateway_url,
+                    KVPLANE_COLOCATED: stack.colocated_gateway_url,
+                    KVPLANE_OWN_RECORD: stack.own_record_gateway_url,
+                },
                 pids,
                 stack.metrics_url,
             )

@@ -1,6 +1,9 @@
 """The fronts the comparison drives, each on the same engines.
 
-- `kvplane`: kvplane's gateway (Route, P leg, streamed D leg, ReportTurn).
+- `kvplane`: kvplane's gateway (Route, P leg, streamed D leg, ReportTurn), asking routing over
+  gRPC (`serve all`'s replica).
+- `kvplane-colocated`: kvplane's gateway with routing in its own process
+  (`gateway.routing_in_process`): the same turn without the Route hop.
 - `vllm-router`: vllm-router (PyPI) in `--vllm-pd-disaggregation` mode with its defaults
   (cache-aware policy for P and D), started as its users start it: `vllm-router --prefill URL
   ... --decode URL ...`.
@@ -35,14 +38,15 @@ from kvplane.services.common.runtime.ports import free_port
 from kvplane.services.devstack.processes import ManagedProcess
 
 KVPLANE, VLLM_ROUTER, EXAMPLE_PROXY = "kvplane", "vllm-router", "example-proxy"
+KVPLANE_COLOCATED = "kvplane-colocated"
 ZERO_HOP_REUSE, ZERO_HOP = "zero-hop-reuse", "zero-hop"
-ALL_FRONTS = (KVPLANE, VLLM_ROUTER, EXAMPLE_PROXY, ZERO_HOP_REUSE, ZERO_HOP)
+ALL_FRONTS = (KVPLANE, KVPLANE_COLOCATED, VLLM_ROUTER, EXAMPLE_PROXY, ZERO_HOP_REUSE, ZERO_HOP)
 # kvplane on the same engines through a routing replica that ignores their KV events (its own
 # record of P's caches only): what the events bring, measured in the same run. Not run by default.
 KVPLANE_OWN_RECORD = "kvplane-own-record"
 SELECTABLE_FRONTS = (*ALL_FRONTS, KVPLANE_OWN_RECORD)
 # The fronts that are kvplane (they use etcd; their gateways time Route).
-KVPLANE_FRONTS = (KVPLANE, KVPLANE_OWN_RECORD)
+KVPLANE_FRONTS = (KVPLANE, KVPLANE_COLOCATED, KVPLANE_OWN_RECORD)
 # The front every other is paired against.
 REFERENCE = ZERO_HOP_REUSE
 VLLM_ROUTER_VERSION = "0.1.17"

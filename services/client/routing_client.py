@@ -136,6 +136,7 @@ class RoutingClient:
         probe_timeout_s: float = 2.0,
         probe_interval_s: float = 0.25,
         report_hold_s: float = 0.25,
+        stubs: Sequence[Any] | None = None,
     ) -> None:
         """`hedge_after_s`: a replica silent this long has its health checked, and a Route also
         goes to the next replica (None: neither; calls wait out their deadline).
@@ -144,9 +145,14 @@ class RoutingClient:
         between health checks of a suspect replica. `trace_calls`: carry the trace context
         (and record client spans with `tracer_provider`, else the global one); a caller whose
         spans go nowhere turns it off, sparing every call the tracing interceptor.
-        `report_hold_s`: the longest a held report waits for a Route to ride on."""
+        `report_hold_s`: the longest a held report waits for a Route to ride on.
+        `stubs`: one RoutingService stub per target to call instead of a channel to it (a
+        servicer in the same process); such calls are neither traced here nor health-checked,
+        so `hedge_after_s` must be None."""
         if not targets:
             raise ValueError("at least one routing target is required")
+        if stubs is not None and (len(stubs) != len(targets) or hedge_after_s is not None):
+            raise ValueError("stubs: one per target, and no hedging (they have no health service)")
         if attempts < 1:
             raise ValueError("attempts must be at least 1")
         if hedge_after_s is not None and hedge_after_s <= 0:
@@ -168,10 +174,19 @@ class RoutingClient:
             if trace_calls
             else []
         )
-        self._channels = [
-            credentials.channel(target, options=options, interceptors=interceptors) for target in self.targets
-        ]
-        self._stubs = [routing_pb2_grpc.RoutingServiceStub(c) for c in self._channels]
+        self._channels = (
+            []
+            if stubs is not None
+            else [
+                credentials.channel(target, options=options, interceptors=interceptors)
+                for target in self.targets
+            ]
+        )
+        self._stubs: list[Any] = (
+            list(stubs)
+            if stubs is not None
+            else [routing_pb2_grpc.RoutingServiceStub(c) for c in self._channels]
+        )
         self._next = itertools.count()
         self._suspects = SuspectReplicas(
             self._channels,

@@ -76,11 +76,20 @@ class Stack:
     # gateway routing through it, on the same engines ("" without).
     own_record_grpc_target: str = ""
     own_record_gateway_url: str = ""
+    # With `colocated_routing`: a gateway that routes in its own process, and that process's
+    # routing replica, which the engines stream to ("" without).
+    colocated_gateway_url: str = ""
+    colocated_grpc_target: str = ""
 
     @property
     def routing_targets(self) -> list[str]:
         """Every routing replica of the stack: each engine streams its load and events to all."""
-        targets = (self.grpc_target, self.gateway_routing_target, self.own_record_grpc_target)
+        targets = (
+            self.grpc_target,
+            self.gateway_routing_target,
+            self.own_record_grpc_target,
+            self.colocated_grpc_target,
+        )
         return list(dict.fromkeys(t for t in targets if t))
 
     def stop(self) -> None:
@@ -134,6 +143,7 @@ async def start_stack(
     decode_nodes: int = 1,
     kv_events: bool = True,
     own_record_routing: bool = False,
+    colocated_routing: bool = False,
 ) -> Stack:
     """Starts etcd, `serve all`, P and D sim-engines and the gateway; returns when all are ready.
 
@@ -146,6 +156,8 @@ async def start_stack(
     `routing.engine_cache_events` off (loads still believed), which a second gateway asks. Every
     engine streams to all three. Each gateway's routing runs alone in its process, so the two
     differ in the events only.
+    `colocated_routing`: one more gateway, named "colocated gateway", that routes in its own
+    process (`gateway.routing_in_process`); the engines stream to it as to every replica.
     """
     # A run directory made here holds the stack's tokens: `Stack.stop` removes it. One passed in is
     # the caller's to keep.
@@ -182,6 +194,12 @@ async def start_stack(
             replica = functools.partial(_start_routing_replica, stack, etcd, credentials, node_ids)
             stack.gateway_routing_target = await replica("events", True, progress, timeout_s)
             stack.own_record_grpc_target = await replica("own record", False, progress, timeout_s)
+        if colocated_routing:
+            # Started before the engines, whose streams go to every routing replica from the start.
+            port = free_port()
+            stack.colocated_gateway_url = f"http://{host}:{port}"
+            stack.colocated_grpc_target = f"{host}:{free_port()}"
+            await _start_colocated_gateway(stack, credentials, node_ids, port, progress, timeout_s)
         nodes: list[tuple[Role, str, int]] = [
             ("prefill", f"p{i}", p_port if i == 0 else free_port()) for i in range(prefill_nodes)
         ]
@@ -355,24 +373,64 @@ async def _start_gateway(
     progress: Callable[[str], None],
     timeout_s: float,
 ) -> None:
+    """A gateway that asks the routing replica at `routing_target`."""
+    await _run_gateway(
+        stack,
+        {"gateway": {"routing_token_file": credentials.token_file(GATEWAY)}},
+        ["--routing", routing_target],
+        gw_port,
+        name,
+        progress,
+        timeout_s,
+    )
+
+
+async def _start_colocated_gateway(
+    stack: Stack,
+    credentials: DevCredentials,
+    node_ids: list[str],
+    gw_port: int,
+    progress: Callable[[str], None],
+    timeout_s: float,
+) -> None:
+    """A gateway that routes in its own process, on `stack.colocated_grpc_target`; it
+    authenticates the engines' streams as `serve all` does."""
+    services = json.loads(credentials.services_config(node_ids).read_text())
+    await _run_gateway(
+        stack,
+        {"auth": services["auth"], "gateway": {"routing_in_process": True}},
+        ["--grpc-listen", stack.colocated_grpc_target, "--etcd", stack.etcd.endpoint],
+        gw_port,
+        "colocated gateway",
+        progress,
+        timeout_s,
+    )
+
+
+async def _run_gateway(
+    stack: Stack,
+    config: dict[str, Any],
+    routing_args: list[str],
+    gw_port: int,
+    name: str,
+    progress: Callable[[str], None],
+    timeout_s: float,
+) -> None:
+    """Starts `kvplane gateway` with the stack's keys, limits and engines, `config` merged into its
+    settings file, and `routing_args` on its command line; returns when it serves."""
     log_name = name.replace(" ", "-")
     gateway_config = stack.run_dir / f"{log_name}.yaml"
-    gateway_config.write_text(  # JSON is YAML
-        json.dumps(
-            {
-                "gateway": {
-                    "api_keys": [{"token": DEMO_API_KEY, "tenant": DEMO_TENANT}],
-                    "routing_token_file": credentials.token_file(GATEWAY),
-                    # The engines' limits: what they would refuse, the gateway refuses before routing.
-                    "vocab_size": SimEngineSettings.vocab_size,
-                    "max_model_len": SimEngineSettings.max_model_len,
-                    # Text and chat prompts are tokenized by an engine (vLLM's /tokenize), so that
-                    # routing sees their token ids: their digests and their prefix-cache block hashes.
-                    "tokenize_url": stack.prefill_url,
-                }
-            }
-        )
-    )
+    section = {
+        "api_keys": [{"token": DEMO_API_KEY, "tenant": DEMO_TENANT}],
+        # The engines' limits: what they would refuse, the gateway refuses before routing.
+        "vocab_size": SimEngineSettings.vocab_size,
+        "max_model_len": SimEngineSettings.max_model_len,
+        # Text and chat prompts are tokenized by an engine (vLLM's /tokenize), so that
+        # routing sees their token ids: their digests and their prefix-cache block hashes.
+        "tokenize_url": stack.prefill_url,
+        **config.get("gateway", {}),
+    }
+    gateway_config.write_text(json.dumps({**config, "gateway": section}))  # JSON is YAML
     gateway = ManagedProcess(
         name,
         _kvplane(
@@ -381,17 +439,13 @@ async def _start_gateway(
             str(gateway_config),
             "--listen",
             f"{_HOST}:{gw_port}",
-            "--routing",
-            routing_target,
+            *routing_args,
             "--model",
             DEMO_MODEL,
             "--fallback-prefill",
             stack.prefill_url,
             "--fallback-decode",
             stack.decode_url,
-            # The engines' /tokenize gives routing the exact token ids of chat turns.
-            "--tokenize-url",
-            stack.prefill_url,
         ),
         stack.run_dir / f"{log_name}.log",
     )

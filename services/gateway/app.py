@@ -210,13 +210,20 @@ def build_app(
 class Gateway:
     """The gateway's server, routing client and engine session; start() and stop() bracket its life."""
 
-    def __init__(self, settings: GatewaySection, telemetry: Telemetry | None = None) -> None:
+    def __init__(
+        self,
+        settings: GatewaySection,
+        telemetry: Telemetry | None = None,
+        routing: RoutingClient | None = None,
+    ) -> None:
+        """`routing`: the client the gateway routes with (the gateway closes it); None: one to
+        the replicas `settings.routing` names."""
         self.settings = settings
         self.telemetry = telemetry or Telemetry.create("kvplane-gateway")
         self.metrics = GatewayMetrics.create(self.telemetry.registry)
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
-        self._routing: RoutingClient | None = None
+        self._routing: RoutingClient | None = routing
         self._session: aiohttp.ClientSession | None = None
         self.turns: TurnRunner | None = None
         self._certificate: ServerCertificate | None = None
@@ -238,7 +245,7 @@ class Gateway:
     async def start(self) -> None:
         s = self.settings
         host, port = split_host_port(s.listen)
-        self._routing = routing_client(s, self.telemetry)
+        self._routing = self._routing or routing_client(s, self.telemetry)
         # One pool for every engine; the default limit of 100 connections would queue turns.
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         self.turns = TurnRunner(s, self._routing, self._session, self.metrics, self.telemetry.tracer)
@@ -270,7 +277,7 @@ class Gateway:
         except BaseException:
             await self.stop()
             raise
-        log.info("gateway serving", extra={"url": self.url, "routing": list(s.routing)})
+        log.info("gateway serving", extra={"url": self.url, "routing": list(self._routing.targets)})
 
     async def stop(self) -> None:
         if self._certificate_watch is not None:

@@ -12,9 +12,12 @@ from typing import Any
 
 import uvloop
 
+from kvplane.services.client import RoutingClient
 from kvplane.services.common.runtime.server import BindFailed
 from kvplane.services.common.runtime.telemetry import Telemetry, configure_logging
 from kvplane.services.gateway.app import Gateway
+from kvplane.services.gateway.colocated_routing import ColocatedRouting
+from kvplane.services.process import ServiceProcess
 from kvplane.services.settings import KvplaneSettings
 from kvplane.services.settings_errors import SettingsError
 
@@ -38,6 +41,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-keys-file",
         help='JSON list of {"token": ..., "tenant": ...}, read again when it changes (default: none)',
     )
+    p.add_argument(
+        "--routing-in-process",
+        action="store_true",
+        default=None,
+        help="route in this process: it is a routing replica itself (etcd from --etcd, engines' "
+        "streams on --grpc-listen; needs auth, as `kvplane serve` does)",
+    )
+    p.add_argument("--grpc-listen", help="with --routing-in-process: its gRPC listen address, host:port")
+    p.add_argument("--etcd", help="with --routing-in-process: comma-separated etcd endpoints, host:port")
     p.add_argument("--routing-token-file", help="the operator token the gateway presents to routing")
     p.add_argument(
         "--fallback-prefill",
@@ -86,10 +98,15 @@ def overrides(args: argparse.Namespace) -> dict[str, Any]:
         ("event_loop", "event_loop"),
         ("api_keys_file", "api_keys_file"),
         ("routing_token_file", "routing_token_file"),
+        ("routing_in_process", "routing_in_process"),
     ):
         if getattr(args, flag) is not None:
             gateway[key] = getattr(args, flag)
     out: dict[str, Any] = {"gateway": gateway} if gateway else {}
+    if args.grpc_listen:
+        out["grpc"] = {"listen": args.grpc_listen}
+    if args.etcd:
+        out["etcd"] = {"endpoints": [e.strip() for e in args.etcd.split(",") if e.strip()]}
     if args.otlp_endpoint is not None:
         out["telemetry"] = {"otlp_endpoint": args.otlp_endpoint}
     return out
@@ -103,8 +120,27 @@ async def serve(settings: KvplaneSettings) -> None:
         sample_ratio=settings.telemetry.sample_ratio,
         trace_background=settings.telemetry.trace_background,
     )
-    gateway = Gateway(settings.gateway, telemetry)
-    await gateway.start()
+    replica: ServiceProcess | None = None
+    routing: RoutingClient | None = None
+    if settings.gateway.routing_in_process:
+        colocated = ColocatedRouting()
+        # The gateway's /metrics serves the replica's metrics as well: no port of their own.
+        quiet = settings.telemetry.model_copy(update={"metrics_port": 0})
+        replica = ServiceProcess(
+            settings.model_copy(update={"telemetry": quiet}),
+            [colocated.install],
+            telemetry,
+            service_name="kvplane-gateway",
+        )
+        await replica.start()
+        routing = colocated.client(timeout_s=settings.gateway.routing_timeout_s)
+    gateway = Gateway(settings.gateway, telemetry, routing)
+    try:
+        await gateway.start()
+    except BaseException:
+        if replica is not None:
+            await replica.stop()
+        raise
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -117,6 +153,8 @@ async def serve(settings: KvplaneSettings) -> None:
     finally:
         log.info("stopping")
         await gateway.stop()
+        if replica is not None:
+            await replica.stop()
         telemetry.shutdown()
 
 
@@ -126,6 +164,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = KvplaneSettings.load(args.config, overrides(args))
     except SettingsError as exc:
         print(f"kvplane gateway: {exc}", file=sys.stderr)
+        return 2
+    if settings.gateway.routing_in_process and settings.auth.mode is None:
+        print(
+            "kvplane gateway: routing in process serves the engines' streams, and auth.mode is "
+            "required for that (token, mtls or mesh; KVPLANE_AUTH__MODE or the config file's auth "
+            "section). See THREAT_MODEL.md.",
+            file=sys.stderr,
+        )
         return 2
     configure_logging(settings.telemetry.log_level, settings.telemetry.json_logs)
     log.info("starting", extra={"settings": settings.masked_json()})

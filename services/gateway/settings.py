@@ -60,6 +60,11 @@ class GatewaySection(Section):
     listen: str = "127.0.0.1:8080"
     # Routing service replicas, host:port each.
     routing: list[str] = Field(default_factory=lambda: ["127.0.0.1:50051"])
+    # Routing in the gateway's own process (`colocated_routing.py`): the gateway is itself a
+    # routing replica, fed by etcd (`etcd`) and by the engines' streams on `grpc.listen`, and
+    # routes its turns without a gRPC hop; `routing` and the routing_* credentials go unused.
+    # It needs `auth`, as `kvplane serve` does: the engines' streams are authenticated.
+    routing_in_process: bool = False
     # Credentials the gateway presents to routing (`kvplane.services.gateway.app.routing_credentials`):
     # an operator token (or a file holding it); TLS to routing with its CA, and a client certificate
     # for mTLS.

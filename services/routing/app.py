@@ -38,7 +38,13 @@ class _ViewReady:
         return None
 
 
-def install(ctx: ProcessContext) -> Sequence[Component]:
+def install_servicer(ctx: ProcessContext) -> tuple[RoutingService, Sequence[Component]]:
+    """Registers a routing servicer on the process's server; the servicer (for callers in the
+    same process) and the components to start."""
     servicer = RoutingService(ctx.store, ctx.view, ctx.settings.routing, ctx.telemetry)
     ctx.server.add(SERVICE_NAME, routing_pb2_grpc.add_RoutingServiceServicer_to_server, servicer)
-    return [_ViewReady(ctx.view)]
+    return servicer, [_ViewReady(ctx.view)]
+
+
+def install(ctx: ProcessContext) -> Sequence[Component]:
+    return install_servicer(ctx)[1]

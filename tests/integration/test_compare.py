@@ -23,6 +23,7 @@ from kvplane.bench.compare_fronts import (
     ALL_FRONTS,
     EXAMPLE_PROXY,
     KVPLANE,
+    KVPLANE_COLOCATED,
     KVPLANE_OWN_RECORD,
     REFERENCE,
     VLLM_ROUTER,
@@ -88,6 +89,8 @@ def test_only_the_fronts_that_carry_a_handle_pull(runs: dict[str, compare.Worklo
         assert _row(run, front).prefix_cache_tokens == 0, front
     for front in (ZERO_HOP, EXAMPLE_PROXY, *((VLLM_ROUTER,) if ROUTER_INSTALLED else ())):
         assert _row(run, front).pulled_tokens == 0, front
+    # Routing in the gateway's process pulls as the replica behind the other gateway does.
+    assert _row(run, KVPLANE_COLOCATED).pulled_tokens > 0
     # Workload A: the zero-hop client keeps a conversation on one P, whose prefix cache holds it.
     assert _row(runs["A"], ZERO_HOP).prefix_cache_tokens > 0
 
@@ -100,6 +103,9 @@ def test_costs_are_charged_to_each_front_s_processes(runs: dict[str, compare.Wor
     own = {"own-record gateway", "own-record routing", "serve all", "etcd"}
     assert set(run.fronts[KVPLANE_OWN_RECORD]) == own
     assert _row(run, KVPLANE_OWN_RECORD).route_ms > 0
+    # The colocated gateway routes in its own process: no routing process is charged beside it.
+    assert set(run.fronts[KVPLANE_COLOCATED]) == {"colocated gateway", "serve all", "etcd"}
+    assert _row(run, KVPLANE_COLOCATED).route_ms > 0
     assert run.fronts[EXAMPLE_PROXY] == ["example proxy"] and run.fronts[ZERO_HOP] == []
     for row in run.rows:
         assert {CLIENT, ENGINES, *run.fronts[row.front]} == set(row.cpu_ms_per_turn)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvplane.services.gateway.cli import build_parser, overrides
+from kvplane.services.gateway.cli import build_parser, main, overrides
 from kvplane.services.settings import KvplaneSettings
 from kvplane.services.settings_errors import SettingsError
 
@@ -36,3 +36,24 @@ def test_file_flags_and_defaults_are_described() -> None:
     assert gateway["api_keys_file"] == "/run/keys.json" and gateway["routing_token_file"] == "/run/token"
     text = " ".join(build_parser().format_help().split())
     assert "default 127.0.0.1:8080" in text and "default 127.0.0.1:50051" in text
+
+
+def test_routing_in_process_flags_reach_the_settings() -> None:
+    args = build_parser().parse_args(
+        ["--routing-in-process", "--grpc-listen", "127.0.0.1:50061", "--etcd", "e1:2379, e2:2379"]
+    )
+    settings = KvplaneSettings.load(None, overrides(args))
+    assert settings.gateway.routing_in_process is True
+    assert settings.grpc.listen == "127.0.0.1:50061"
+    assert settings.etcd.endpoints == ["e1:2379", "e2:2379"]
+    # Without the flag the gateway asks routing replicas, as before.
+    assert (
+        KvplaneSettings.load(None, overrides(build_parser().parse_args([]))).gateway.routing_in_process
+        is False
+    )
+
+
+def test_routing_in_process_without_auth_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    # Its process serves the engines' streams: closed by default, as `kvplane serve` is.
+    assert main(["--routing-in-process", "--listen", "127.0.0.1:0"]) == 2
+    assert "auth.mode is required" in capsys.readouterr().err

@@ -20,7 +20,7 @@ import contextlib
 import contextvars
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 from wsgiref.simple_server import WSGIServer
 
@@ -148,6 +148,17 @@ class GrpcServer:
 _PRINCIPAL: contextvars.ContextVar[Principal | None] = contextvars.ContextVar(
     "kvplane_principal", default=None
 )
+
+
+@contextlib.contextmanager
+def acting_as(principal: Principal) -> Iterator[None]:
+    """Within the block, `caller(context)` returns `principal`: what the guard does for a call
+    off the wire, for a caller in the same process."""
+    token = _PRINCIPAL.set(principal)
+    try:
+        yield
+    finally:
+        _PRINCIPAL.reset(token)
 
 
 def call_credentials(context: Context) -> CallCredentials:
