@@ -18,7 +18,10 @@ Workloads:
   A  P's prefix caches on, at the dev stack's size (16,384 blocks of 16 tokens): they hold
      the histories of every conversation in flight;
   B  P's prefix cache off (`--no-enable-prefix-caching`, vLLM's flag): P keeps no history, so a
-     later turn either pulls it from D or computes it again.
+     later turn either pulls it from D or computes it again;
+  C  P's prefix caches on but small (1,024 blocks each, about three histories): from 8 in
+     flight on, P evicts histories between turns, and only its KV events say which
+     (`--workload all` runs it after A and B).
 Each workload has a stack of its own (its engines started with its flags).
 
 Printed per workload, and written as JSON with every block and turn: per front and
@@ -70,12 +73,31 @@ from kvplane.bench.compare_fronts import (
 from kvplane.bench.compare_run import BlockResult, Engines, IdleWindow, idle_window, run_block
 from kvplane.bench.compare_workload import Workload, plan, rotation
 from kvplane.services.devstack.processes import ManagedProcess, stop_signals_cancel
-from kvplane.services.devstack.stack import DEMO_API_KEY, Stack, start_stack
+from kvplane.services.devstack.stack import DEMO_API_KEY, STACK_ENGINE_BLOCKS, Stack, start_stack
 
-# Each workload: what it is, and whether the prefill engines keep a prefix cache.
-WORKLOADS: dict[str, tuple[str, bool]] = {
-    "A": ("P's prefix caches on, large enough to hold the histories", True),
-    "B": ("P's prefix cache off (--no-enable-prefix-caching): P keeps no history", False),
+
+@dataclass(frozen=True)
+class WorkloadEngines:
+    """What a workload is, and how its prefill engines keep (or do not keep) the histories."""
+
+    description: str
+    prefill_prefix_caching: bool = True
+    # KV blocks (16 tokens each) of each prefill engine.
+    prefill_num_blocks: int = STACK_ENGINE_BLOCKS
+
+
+WORKLOADS: dict[str, WorkloadEngines] = {
+    "A": WorkloadEngines("P's prefix caches on, large enough to hold the histories"),
+    "B": WorkloadEngines(
+        "P's prefix cache off (--no-enable-prefix-caching): P keeps no history",
+        prefill_prefix_caching=False,
+    ),
+    # 1,024 blocks hold about three 5,500-token histories per P: from 8 in flight on, P's LRU
+    # evicts histories between a conversation's turns, without any report of it but its events.
+    "C": WorkloadEngines(
+        "P's prefix caches on, smaller than the histories in flight (1,024 blocks per P)",
+        prefill_num_blocks=1024,
+    ),
 }
 PREFILL_NODES = DECODE_NODES = 2
 
@@ -186,12 +208,14 @@ def _stack_pids(stack: Stack) -> StackPids:
 
 
 async def run_workload(key: str, config: CompareConfig, run_dir: Path, progress: Progress) -> WorkloadRun:
-    description, prefill_prefix_caching = WORKLOADS[key]
+    engines_of = WORKLOADS[key]
+    description = engines_of.description
     started = time.monotonic()
     stack = await start_stack(
         run_dir,
         speedup=config.speedup,
-        prefill_prefix_caching=prefill_prefix_caching,
+        prefill_prefix_caching=engines_of.prefill_prefix_caching,
+        prefill_num_blocks=engines_of.prefill_num_blocks,
         prefill_nodes=PREFILL_NODES,
         decode_nodes=DECODE_NODES,
         progress=lambda m: progress(f"[{key}] {m}"),
@@ -425,7 +449,12 @@ def parse_args(argv: Sequence[str]) -> tuple[CompareConfig, str]:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     w = Workload()
-    parser.add_argument("--workload", choices=["A", "B", "both"], default="both")
+    parser.add_argument(
+        "--workload",
+        choices=[*WORKLOADS, "both", "all"],
+        default="both",
+        help="both: A and B; all: every workload",
+    )
     parser.add_argument("--concurrency", type=_ints, default=(1, 8, 32), help="conversations in flight")
     parser.add_argument("--repeats", type=int, default=2, help="repeats of every (front, concurrency) block")
     parser.add_argument(
@@ -467,7 +496,7 @@ def parse_args(argv: Sequence[str]) -> tuple[CompareConfig, str]:
         seed=args.seed,
     )
     config = CompareConfig(
-        workloads=("A", "B") if args.workload == "both" else (args.workload,),
+        workloads={"both": ("A", "B"), "all": tuple(WORKLOADS)}.get(args.workload, (args.workload,)),
         concurrency=args.concurrency,
         repeats=args.repeats,
         fronts=args.fronts,

@@ -122,6 +122,9 @@ class StackPorts:
     decode: int = 0
 
 
+# KV blocks of each engine (16 tokens each, 256 MiB of KV): room for a few dozen long conversations.
+STACK_ENGINE_BLOCKS = 16384
+
 # Every process of the stack listens on loopback.
 _HOST = "127.0.0.1"
 
@@ -144,10 +147,12 @@ async def start_stack(
     kv_events: bool = True,
     own_record_routing: bool = False,
     colocated_routing: bool = False,
+    prefill_num_blocks: int = STACK_ENGINE_BLOCKS,
 ) -> Stack:
     """Starts etcd, `serve all`, P and D sim-engines and the gateway; returns when all are ready.
 
-    `prefill_prefix_caching` False starts the prefill engines with vLLM's prefix cache off.
+    `prefill_prefix_caching` False starts the prefill engines with vLLM's prefix cache off;
+    `prefill_num_blocks` sizes their KV (a small one evicts histories between turns).
     `kv_events` False: routing knows P's caches from its own record only, not from their events.
     `prefill_nodes` and `decode_nodes` engines of each role (p0, p1, ...; d0, d1, ...).
     `own_record_routing`: the same engines routed with and without their KV events, for
@@ -204,7 +209,7 @@ async def start_stack(
             ("prefill", f"p{i}", p_port if i == 0 else free_port()) for i in range(prefill_nodes)
         ]
         nodes += [("decode", f"d{i}", d_port if i == 0 else free_port()) for i in range(decode_nodes)]
-        engine = EngineRecipe(speedup, decoder_ttl_s, prefill_prefix_caching, kv_events)
+        engine = EngineRecipe(speedup, decoder_ttl_s, prefill_prefix_caching, kv_events, prefill_num_blocks)
         await _start_engines(stack, credentials, nodes, engine, progress, timeout_s)
         target = stack.gateway_routing_target
         await _start_gateway(stack, credentials, gw_port, target, "gateway", progress, timeout_s)
@@ -237,6 +242,7 @@ class EngineRecipe:
     # Prefill engines publish KV events (on ipc in the run directory) that their node agents
     # stream to routing, as vLLM with --kv-events-config does. Every engine streams its load.
     kv_events: bool = True
+    prefill_num_blocks: int = STACK_ENGINE_BLOCKS
 
 
 async def _start_services(
@@ -331,8 +337,7 @@ async def _start_engines(
             timing=TimingModel(speedup=recipe.speedup),
             decoder_kv_blocks_ttl=recipe.decoder_ttl_s,
             model=DEMO_MODEL,
-            # 256 MiB of KV: room for a few dozen long conversations.
-            num_blocks=16384,
+            num_blocks=recipe.prefill_num_blocks if role == "prefill" else STACK_ENGINE_BLOCKS,
             enable_prefix_caching=recipe.prefill_prefix_caching or role != "prefill",
             # Every engine streams its load to routing; prefill engines their KV events too.
             routing=",".join(stack.routing_targets),

@@ -60,7 +60,7 @@ async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack
     # `serve all` reads its settings from the environment it inherits, also when a test restarts it.
     with pytest.MonkeyPatch.context() as env:
         env.setenv("KVPLANE_ROUTING__POLICY_FILE", str(policy))
-        running = await start_stack(run_dir, speedup=1.0, timeout_s=240)
+        running = await start_stack(run_dir, speedup=1.0, timeout_s=240, colocated_routing=True)
         try:
             yield running
         finally:
@@ -89,8 +89,10 @@ async def turn(
     stream: bool,
     key: str = DEMO_API_KEY,
     extra: dict[str, Any] | None = None,
+    gateway_url: str = "",
 ) -> tuple[str, list[int]]:
-    """One completion through the gateway; returns the decision and the output token ids."""
+    """One completion through the gateway (`gateway_url`, else the stack's); returns the decision
+    and the output token ids."""
     body: dict[str, Any] = {
         "model": DEMO_MODEL,
         "prompt": prompt,
@@ -102,7 +104,8 @@ async def turn(
         **(extra or {}),
     }
     headers = {"Authorization": f"Bearer {key}", "X-Conversation-Id": conv.name}
-    async with session.post(f"{stack.gateway_url}/v1/completions", json=body, headers=headers) as resp:
+    url = f"{gateway_url or stack.gateway_url}/v1/completions"
+    async with session.post(url, json=body, headers=headers) as resp:
         assert resp.status == 200, await resp.text()
         decision = resp.headers.get("x-kvplane-decision", "")
         output: list[int] = []
@@ -136,13 +139,21 @@ async def engine_counter(session: aiohttp.ClientSession, url: str, name: str, **
 
 
 async def run_conversation(
-    session: aiohttp.ClientSession, stack: Stack, conv: Conversation, turns: int, *, stream: bool
+    session: aiohttp.ClientSession,
+    stack: Stack,
+    conv: Conversation,
+    turns: int,
+    *,
+    stream: bool,
+    gateway_url: str = "",
 ) -> None:
     # Long enough that pulling beats recomputing by the calibrated cost model,
     # even on the first contact with the holder (handshake included).
     conv.prompt = conv.next_user(3000)
     for _ in range(turns):
-        decision, output = await turn(session, stack, conv, conv.prompt, stream=stream)
+        decision, output = await turn(
+            session, stack, conv, conv.prompt, stream=stream, gateway_url=gateway_url
+        )
         conv.decisions.append(decision)
         conv.prompt = conv.prompt + output + conv.next_user(150)
 
@@ -170,6 +181,40 @@ async def test_twenty_concurrent_five_turn_conversations_pull_and_verify(stack: 
             session, stack.prefill_url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
         )
         assert pulled - pulled_before >= 20 * 4 * 64
+
+
+async def _metric_lines(session: aiohttp.ClientSession, url: str, *names: str) -> list[str]:
+    async with session.get(f"{url}/metrics") as resp:
+        return [line for line in (await resp.text()).splitlines() if line.startswith(names)]
+
+
+async def test_a_gateway_routing_in_its_own_process_pulls_and_verifies(stack: Stack) -> None:
+    # The colocated gateway is a routing replica itself: the engines stream to it, and its turns
+    # are routed there (its own metrics count them), not by serve all's replica.
+    url = stack.colocated_gateway_url
+    async with aiohttp.ClientSession() as session:
+        failures_before = await engine_counter(
+            session, stack.prefill_url, "kvplane_sim_kv_verify_failures_total"
+        )
+        convs = [Conversation(f"colocated-{i}", random.Random(500 + i)) for i in range(4)]
+        await asyncio.gather(
+            *[
+                run_conversation(session, stack, c, 4, stream=(i % 2 == 0), gateway_url=url)
+                for i, c in enumerate(convs)
+            ]
+        )
+        for conv in convs:
+            assert conv.decisions[0].startswith("recompute"), conv.decisions
+            assert conv.decisions[1:] == ["pull"] * 3, (conv.name, conv.decisions)
+        assert (
+            await engine_counter(session, stack.prefill_url, "kvplane_sim_kv_verify_failures_total")
+            == failures_before
+        )
+        routed = await engine_counter(session, url, "kvplane_routes_total", decision="pull")
+        assert routed >= 4 * 3
+        assert await _metric_lines(session, url, "kvplane_routing_node_streams ") == [
+            "kvplane_routing_node_streams 2.0"
+        ]
 
 
 async def test_stripped_reasoning_never_uses_an_unverified_block(stack: Stack) -> None:
@@ -322,5 +367,11 @@ async def test_make_run_demo_runs_on_the_started_stack(stack: Stack) -> None:
 
 def test_stack_logs_are_kept_in_the_run_dir(stack: Stack) -> None:
     names = {p.name for p in stack.processes}
-    assert names == {"kvplane serve all", "prefill sim-engine", "decode sim-engine", "gateway"}
+    assert names == {
+        "kvplane serve all",
+        "prefill sim-engine",
+        "decode sim-engine",
+        "gateway",
+        "colocated gateway",
+    }
     assert all(Path(p.log_path).exists() for p in stack.processes)

@@ -1,6 +1,6 @@
 """The fronts comparison (kvplane.bench.compare) at a tiny size, on real processes.
 
-Both workloads, two conversations of two turns per front (kvplane-own-record too) at
+Every workload, two conversations of two turns per front (kvplane-own-record too) at
 concurrency 1, one repeat, on engines sped up 20 times. The checks are on behaviour, never on
 timing: every front completes every turn, the prefill engines' token sources add up to what the
 client sent, handles are pulled only by the fronts that carry them, and the JSON holds a row for
@@ -38,7 +38,7 @@ ROUTER_INSTALLED = vllm_router_binary() is not None
 # Every front, and kvplane through a routing replica that ignores the engines' KV events.
 FRONTS = (*(f for f in ALL_FRONTS if ROUTER_INSTALLED or f != VLLM_ROUTER), KVPLANE_OWN_RECORD)
 CONFIG = compare.CompareConfig(
-    workloads=("A", "B"),
+    workloads=("A", "B", "C"),
     concurrency=(1,),
     repeats=1,
     fronts=FRONTS,
@@ -62,7 +62,7 @@ def _row(run: compare.WorkloadRun, front: str) -> Row:
     return row
 
 
-@pytest.mark.parametrize("key", ["A", "B"])
+@pytest.mark.parametrize("key", ["A", "B", "C"])
 def test_every_front_completes_every_turn(runs: dict[str, compare.WorkloadRun], key: str) -> None:
     run = runs[key]
     assert run.skipped == {}
@@ -74,7 +74,7 @@ def test_every_front_completes_every_turn(runs: dict[str, compare.WorkloadRun], 
         assert all(t.ok for t in block.turns), block.turns
 
 
-@pytest.mark.parametrize("key", ["A", "B"])
+@pytest.mark.parametrize("key", ["A", "B", "C"])
 def test_the_reuse_split_adds_up(runs: dict[str, compare.WorkloadRun], key: str) -> None:
     for row in runs[key].rows:
         assert row.split_adds_up, row
@@ -122,7 +122,7 @@ def test_the_json_has_every_row(runs: dict[str, compare.WorkloadRun], tmp_path: 
     document = compare.document(CONFIG, list(runs.values()), ["test"])
     dump(str(path), document)
     loaded = json.loads(path.read_text())
-    for key in ("A", "B"):
+    for key in ("A", "B", "C"):
         section = loaded["workloads"][key]
         assert [r["front"] for r in section["rows"]] == list(FRONTS)
         assert len(section["blocks"]) == len(FRONTS)
