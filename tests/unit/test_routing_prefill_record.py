@@ -204,6 +204,35 @@ def test_a_miss_or_a_prompt_that_would_not_fit_behind_the_intake_loses_the_trust
     assert not record.keeps_until_next_turn(small, sent_turn(record, small, quiet), len(quiet))
 
 
+def test_other_conversations_cache_hits_count_against_keeping_a_prompt() -> None:
+    # Four conversations share a node that holds 16,000 tokens. Each of their later turns takes in
+    # only its new 300 tokens, but touches its whole history: an LRU keeps the most recently
+    # touched blocks, so by a conversation's next turn the other three have pushed it out.
+    node = mk_node("p0", NodeRole.PREFILL, kv_capacity_bytes=16_000 * 4096, kv_bytes_per_token=4096)
+    record = PrefillCacheRecord()
+    prompts = {f"c{i}": history(3000, seed=60 + i) for i in range(4)}
+    receipts = {}
+    for turn in range(2):
+        for name, prompt in prompts.items():
+            prompt = [*prompt, *history(300, seed=70 + turn)]
+            prompts[name] = prompt
+            receipts[name] = receipt = sent_turn(record, node, prompt, key=("t", name))
+            if turn:
+                record.observed(node, receipt, receipt.shared_tokens // 16 * 16, 16)
+    receipt = receipts["c3"]
+    assert receipt.age_tokens < 1200  # the intake: the others' new tokens
+    assert receipt.touched_tokens > 9000  # what they touched
+    assert not record.keeps_until_next_turn(node, receipt, len(prompts["c3"]))
+    # Alone on a node that size, the same conversation would be kept.
+    alone = PrefillCacheRecord()
+    prompt = history(3000, seed=60)
+    sent_turn(alone, node, prompt)
+    prompt = [*prompt, *history(300, seed=71)]
+    receipt = sent_turn(alone, node, prompt)
+    alone.observed(node, receipt, receipt.shared_tokens // 16 * 16, 16)
+    assert alone.keeps_until_next_turn(node, receipt, len(prompt))
+
+
 def test_a_busy_node_without_prefix_caching_is_soon_believed_to_hold_nothing() -> None:
     """Conversations take turns on one node: every miss is seen at the age of the other
     conversations' intake, so the capacity it shows stays large; never a hit says there is none."""

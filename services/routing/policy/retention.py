@@ -12,7 +12,8 @@ So D keeps its KV unless both hold:
 
 - the prefill node is expected to still hold the prompt at the next turn
   (`PrefillCacheRecord.keeps_until_next_turn`: its reports show it keeping prompts, and the
-  prompt fits behind twice the intake seen between the conversation's last two turns);
+  prompt fits behind twice the prompt tokens the node was sent between the conversation's last
+  two turns, cached or not: other conversations' hits push this one's blocks out of an LRU too);
 - the output is bounded (`max_output_tokens`) below what a pull could pay for
   (`pull_decision.pull_could_pay`, the rule the next turn's verdict would apply).
 

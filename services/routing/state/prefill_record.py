@@ -54,6 +54,8 @@ class SentPrompt:
     digests: token_digests.TokenDigests | None = None
     # The node's clock of tokens taken in (`PrefillCacheRecord`) when this prompt was sent.
     sent_at: int = 0
+    # The node's clock of prompt tokens sent to it, cached or not, once this prompt was.
+    touched_at: int = 0
     # Tokens the conversation's latest prompt was found to share with this one (`cached_tokens`),
     # -1 before any was checked.
     shared_with_next: int = -1
@@ -90,6 +92,10 @@ class SentReceipt:
     age_tokens: int
     shared_tokens: int
     believed_tokens: int
+    # The prompt tokens of other turns the node was sent since the conversation's previous
+    # prompt, whether it held them or not: each touch moves a cached block to the young end of
+    # vLLM's LRU, so these, not the intake alone, push the conversation's blocks towards eviction.
+    touched_tokens: int = 0
 
 
 class PrefillCacheRecord:
@@ -104,9 +110,11 @@ class PrefillCacheRecord:
         # Per node, the conversations whose prompt it holds, oldest first, with their tokens.
         self._by_node: dict[str, OrderedDict[Hashable, int]] = {}
         self._node_tokens: dict[str, int] = {}
-        # Per node: the tokens it was sent that it did not hold (a clock), and the capacity in
-        # tokens its reports show (absent: not learned yet; bounded by what it registered).
+        # Per node: the tokens it was sent that it did not hold (a clock), every prompt token it
+        # was sent (a clock), and the capacity in tokens its reports show (absent: not learned
+        # yet; bounded by what it registered).
         self._taken_in: dict[str, int] = {}
+        self._touched: dict[str, int] = {}
         self._capacity: dict[str, int] = {}
         # Nodes whose latest report showed their prefix cache keeping a prompt the record
         # believed held (a miss since takes a node out).
@@ -142,12 +150,20 @@ class PrefillCacheRecord:
             if shared < 0:
                 shared = min(before.tokens, prompt_tokens)
             held = min(shared, self._still_held(before))
-            receipt = SentReceipt(node_id, before.tokens, clock - before.sent_at, shared, held)
+            touched = self._touched.get(node_id, 0) - before.touched_at
+            receipt = SentReceipt(node_id, before.tokens, clock - before.sent_at, shared, held, touched)
         # What the node's cache takes in: the prompt but for what it is believed to hold.
         clock += max(0, prompt_tokens - receipt.believed_tokens)
         self._taken_in[node_id] = clock
+        touched_at = self._touched.get(node_id, 0) + prompt_tokens
+        self._touched[node_id] = touched_at
         entry = SentPrompt(
-            node_id, prompt_tokens, block_chain if block_size > 0 else (), block_size, sent_at=clock
+            node_id,
+            prompt_tokens,
+            block_chain if block_size > 0 else (),
+            block_size,
+            sent_at=clock,
+            touched_at=touched_at,
         )
         kept = [e for e in previous if e.node_id != node.node_id]
         for gone in kept[self.nodes_per_conversation - 1 :]:
@@ -197,14 +213,16 @@ class PrefillCacheRecord:
 
         Only a node whose reports show its prefix cache keeping prompts from one turn to the
         next is trusted, and only for a conversation it served last turn (`receipt`): until the
-        next turn it takes in, at most, twice what it took in between the last two, and the
-        prompt must fit in its capacity behind that.
+        next turn it is sent, at most, twice the prompt tokens it was sent between the last two
+        (`SentReceipt.touched_tokens`: held or not, each moves its blocks ahead of this prompt's
+        in the LRU), and the prompt must fit in its capacity behind those.
         """
         node_id = node.node_id
         if node_id not in self._keeping or receipt.node_id != node_id or receipt.shared_tokens <= 0:
             return False
         capacity = self._capacity.get(node_id) or _capacity_tokens(node)
-        return capacity > 0 and prompt_tokens + 2 * receipt.age_tokens <= capacity
+        behind = max(receipt.touched_tokens, receipt.age_tokens)
+        return capacity > 0 and prompt_tokens + 2 * behind <= capacity
 
     def capacity_tokens(self, node_id: str) -> int | None:
         """The node's effective capacity its reports show, None until they show one."""
