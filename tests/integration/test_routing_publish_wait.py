@@ -80,9 +80,21 @@ async def test_a_route_awaiting_an_unpublished_handle_waits_for_it_and_pulls(
     assert waiting(cluster) == 0
 
 
+async def prove_keeping(cluster: RoutingCluster, client: RoutingClient) -> None:
+    """p0's report of a later turn shows its prefix cache kept the earlier prompt: from then on
+    routing knows, not guesses, what p0 holds of a prompt it was sent."""
+    c = conv()
+    first = tokens(1000, seed=9)
+    await client.route(c, MODEL, prompt_token_ids=first)
+    route = await client.route(c, MODEL, prompt_token_ids=[*first, *tokens(100, seed=10)])
+    assert route.prefill.node_id == "p0"
+    await cluster.report("acme", c, decode_params(cluster.nodes["d0"], first), route=route, cached_tokens=992)
+
+
 async def test_a_route_whose_prefill_node_holds_the_history_does_not_wait(
     cluster: RoutingCluster, client: RoutingClient
 ) -> None:
+    await prove_keeping(cluster, client)
     c = conv()
     history = tokens(HISTORY_TOKENS)
     # P was sent the whole history last turn: its prefix cache holds it, a pull adds nothing.
@@ -106,6 +118,7 @@ async def test_a_route_whose_prefill_node_holds_the_history_does_not_wait(
 async def test_a_route_whose_prefill_node_lacks_only_what_is_cheaper_to_recompute_does_not_wait(
     cluster: RoutingCluster, client: RoutingClient
 ) -> None:
+    await prove_keeping(cluster, client)
     c = conv()
     history = tokens(HISTORY_TOKENS)
     # P holds the last prompt; the handle would add only the last answer, a few tokens past the
@@ -124,6 +137,32 @@ async def test_a_route_whose_prefill_node_lacks_only_what_is_cheaper_to_recomput
     )
     assert result.decision == "recompute_no_handle"
     assert result.prefill.node_id == "p0"
+
+
+async def test_a_guess_that_the_prefill_node_holds_the_history_does_not_spare_the_wait(
+    cluster: RoutingCluster, client: RoutingClient
+) -> None:
+    # No report has shown p0's cache keeping anything (a fresh fleet, or P without prefix
+    # caching): routing's record of what it sent p0 is a guess, and the announced handle is
+    # waited for rather than the history recomputed on the guess's word.
+    c = conv()
+    history = tokens(HISTORY_TOKENS)
+    await client.route(c, MODEL, prompt_token_ids=history)
+    params = decode_params(cluster.nodes["d0"], history)
+    route = asyncio.create_task(
+        client.route(
+            c,
+            MODEL,
+            prompt_token_ids=[*history, 7, 8],
+            awaited_handle_id=params[KEY_HANDLE_ID],
+            awaited_handle_tokens=len(history) + 1,
+        )
+    )
+    await eventually(lambda: _true(waiting(cluster) == 1), what="the Route waiting for the publish")
+    await cluster.publish(cluster.handle_from_params("acme", c, params))
+    result = await asyncio.wait_for(route, PROMPT_ANSWER_S)
+    assert result.decision != "recompute_no_handle", result.reason
+    assert waiting(cluster) == 0
 
 
 async def test_report_turn_returns_at_once_and_never_writes_a_handle_the_engine_announced(

@@ -186,14 +186,20 @@ class Router:
         recorded = self._prefill_record.cached_tokens(
             key, prompt.tokens, prompt.block_digests, prompt.digest_block_size
         )
-        prefill_cached = self._engine_views(recorded, all_states, turn)
+        prefill_cached, seen = self._engine_views(recorded, all_states, turn)
         time_budget_s = turn.time_budget_s
         awaited = turn.awaited
         if awaited is not None and (record is None or record.handle.handle_id != awaited.handle_id):
             started = self.clock.monotonic_s()
-            waited = await self._await_publish(
-                key, awaited, prompt, prefill_cached, all_states, time_budget_s
-            )
+            # Only what P is known to hold spares the wait: its events, or a record its reports
+            # have shown right. A guess that P holds the history, wrong, costs the history's
+            # recompute; waiting for the announced handle costs its publish, milliseconds.
+            known = {
+                node_id: tokens
+                for node_id, tokens in prefill_cached.items()
+                if node_id in seen or self._prefill_record.shows_keeping(node_id)
+            }
+            waited = await self._await_publish(key, awaited, prompt, known, all_states, time_budget_s)
             record = waited or record
             if time_budget_s is not None:
                 time_budget_s -= self.clock.monotonic_s() - started
@@ -220,24 +226,25 @@ class Router:
 
     def _engine_views(
         self, recorded: Mapping[str, int], states: tuple[NodeState, ...], turn: TurnRequest
-    ) -> Mapping[str, int]:
+    ) -> tuple[Mapping[str, int], frozenset[str]]:
         """The record's guess of each prefill node's cache, replaced where its engine's events
-        are fresh by the exact prefix they show (`state.engine_caches`)."""
+        are fresh by the exact prefix they show (`state.engine_caches`); and the nodes whose
+        events did."""
         caches = self.engine_caches
         if caches is None or not len(caches):
-            return recorded
+            return recorded, frozenset()
         nodes = [(s.node.node_id, s.node.incarnation) for s in states if s.node.role.can_prefill()]
         key = (turn.tenant, turn.conversation)
         seen = caches.prefix_tokens(nodes, turn.prompt, turn.cache_salt, self.clock.monotonic_s(), key)
         if not seen:
-            return recorded
+            return recorded, frozenset()
         merged = dict(recorded)
         for node_id, tokens in seen.items():
             if tokens > 0:
                 merged[node_id] = tokens
             else:
                 merged.pop(node_id, None)
-        return merged
+        return merged, frozenset(seen)
 
     def _plan(self, snapshot: RouteSnapshot, all_states: tuple[NodeState, ...]) -> RoutePlan:
         """The policy's plan over the usable nodes, else over every known node."""
@@ -268,8 +275,8 @@ class Router:
         send the next turn at once: routed before the publish lands, the turn would find no
         handle. Nothing holds the turn for the previous turn's report; only a turn that needs
         the handle waits for it, bounded by `publish_wait_s` and the caller's deadline. A
-        prefill node believed to hold the history already (its prefix cache) needs no pull,
-        so then the turn goes on at once.
+        prefill node known to hold the history already (its prefix cache, as its events show it
+        or as its reports have proven the record) needs no pull, so then the turn goes on at once.
         """
         held = max(prefill_cached.values(), default=0)
         wanted = min(awaited.tokens, prompt.tokens - 1) if awaited.tokens > 0 else prompt.tokens - 1

@@ -224,6 +224,11 @@ class PrefillCacheRecord:
         behind = max(receipt.touched_tokens, receipt.age_tokens)
         return capacity > 0 and prompt_tokens + 2 * behind <= capacity
 
+    def shows_keeping(self, node_id: str) -> bool:
+        """Whether the node's latest report showed its prefix cache keeping a prompt the record
+        believed held: its beliefs are then proven, not guessed."""
+        return node_id in self._keeping
+
     def capacity_tokens(self, node_id: str) -> int | None:
         """The node's effective capacity its reports show, None until they show one."""
         return self._capacity.get(node_id)
