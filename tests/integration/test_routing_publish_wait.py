@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from kvplane.services.client import RoutingClient
+from kvplane.services.client import RouteResult, RoutingClient
 from kvplane.services.common.model.handles import KEY_HANDLE_ID
 from kvplane.services.dev.local_etcd import LocalEtcd
 from kvplane.services.routing.policy import PullSettings
@@ -62,6 +62,15 @@ async def test_a_route_awaiting_an_unpublished_handle_waits_for_it_and_pulls(
     # The first turn's prompt was short and its answer long: P's prefix cache holds little of the
     # history, so the next turn needs D's handle.
     await client.route(c, MODEL, prompt_token_ids=history[:500])
+    result = await route_that_waits_for_the_publish(cluster, client, c, history)
+    assert result.decision == "pull"
+
+
+async def route_that_waits_for_the_publish(
+    cluster: RoutingCluster, client: RoutingClient, c: str, history: list[int]
+) -> RouteResult:
+    """The conversation's next Route, naming the handle D announced for `history`: it must be
+    seen waiting before the engine's publish lands, and answer once it has."""
     params = decode_params(cluster.nodes["d0"], history)
     route = asyncio.create_task(
         client.route(
@@ -72,12 +81,11 @@ async def test_a_route_awaiting_an_unpublished_handle_waits_for_it_and_pulls(
             awaited_handle_tokens=len(history),
         )
     )
-    # The Route reached routing before the engine's publish: it waits for it.
     await eventually(lambda: _true(waiting(cluster) == 1), what="the Route waiting for the publish")
     await cluster.publish(cluster.handle_from_params("acme", c, params))
     result = await asyncio.wait_for(route, PROMPT_ANSWER_S)
-    assert result.decision == "pull"
     assert waiting(cluster) == 0
+    return result
 
 
 async def prove_keeping(cluster: RoutingCluster, client: RoutingClient) -> None:
@@ -148,21 +156,8 @@ async def test_a_guess_that_the_prefill_node_holds_the_history_does_not_spare_th
     c = conv()
     history = tokens(HISTORY_TOKENS)
     await client.route(c, MODEL, prompt_token_ids=history)
-    params = decode_params(cluster.nodes["d0"], history)
-    route = asyncio.create_task(
-        client.route(
-            c,
-            MODEL,
-            prompt_token_ids=[*history, 7, 8],
-            awaited_handle_id=params[KEY_HANDLE_ID],
-            awaited_handle_tokens=len(history) + 1,
-        )
-    )
-    await eventually(lambda: _true(waiting(cluster) == 1), what="the Route waiting for the publish")
-    await cluster.publish(cluster.handle_from_params("acme", c, params))
-    result = await asyncio.wait_for(route, PROMPT_ANSWER_S)
+    result = await route_that_waits_for_the_publish(cluster, client, c, history)
     assert result.decision != "recompute_no_handle", result.reason
-    assert waiting(cluster) == 0
 
 
 async def test_report_turn_returns_at_once_and_never_writes_a_handle_the_engine_announced(
