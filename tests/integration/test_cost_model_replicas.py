@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from kvplane.services.client.routing_client import home_replica
 from kvplane.services.dev.local_etcd import LocalEtcd
 from kvplane.services.process import ServiceProcess
 from tests.support.routing_cluster import MODEL, RoutingCluster, prefill_and_decode, tokens
@@ -34,9 +35,13 @@ async def test_both_replicas_learn_from_reports_of_a_client_that_rotates_between
     prompt = 2048
     # Prefill four times slower than the prior says: its fixed part and its part per token.
     observed_s = 4 * max(_estimate(r, FIXED) + _estimate(r) * prompt for r in cluster.replicas)
+    # Four conversations homed at each replica: random ones all land on one replica now and then.
+    run = uuid.uuid4().hex[:8]
+    candidates = (f"c-{run}-{i}" for i in range(1000))
+    homes = [(c, home_replica("acme", c, 2)) for c in candidates]
+    conversations = [c for c, home in homes if home == 0][:4] + [c for c, home in homes if home == 1][:4]
     async with cluster.gateway() as gateway:
-        for _ in range(8):
-            conversation = f"c-{uuid.uuid4().hex[:8]}"
+        for conversation in conversations:
             route = await gateway.route(conversation, MODEL, prompt_token_ids=tokens(prompt), tenant="acme")
             await gateway.report_turn(
                 route,
