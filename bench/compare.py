@@ -2,10 +2,10 @@
 
     python -m kvplane.bench.compare [--workload A|B|both] [--concurrency 1,8,32] [--repeats 2]
 
-Starts one kvplane stack as the dev stack does (etcd, `kvplane serve all`, 2 prefill and 2
+Starts one kvplane stack as the dev stack does (etcd, kvplane's services, 2 prefill and 2
 decode sim-engines timed like Qwen3-32B, the gateway), vllm-router in P/D mode and vLLM's
 example P/D proxy on those engines, and runs the same multi-turn chats through each front:
-kvplane's gateway (asking `serve all`'s routing over gRPC, and one routing in its own process),
+kvplane's gateway (asking a `serve routing` replica over gRPC, and one routing in its own process),
 vllm-router, the example proxy, and two zero-hop clients that send the P and
 D legs straight to the engines (one carries D's handle into the next turn, one does not). See
 `compare_fronts` for each front, `compare_workload` for the chats.
@@ -168,11 +168,11 @@ async def _start_served(
 class StackPids:
     """The processes of the stack, by what they serve."""
 
-    # gateway, serve all, etcd; with the own-record front, the gateway's routing replica too
+    # gateway, its routing replica, serve metadata,eviction, etcd
     kvplane: dict[str, int]
-    # its gateway and routing replica (named apart from kvplane's), serve all (metadata, eviction), etcd
+    # its gateway and routing replica (named apart from kvplane's), serve metadata,eviction, etcd
     own_record: dict[str, int]
-    # the gateway routing in its own process, serve all (metadata, eviction), etcd
+    # the gateway routing in its own process, serve metadata,eviction, etcd
     colocated: dict[str, int]
     engines: dict[str, int]  # engine p0, ...
 
@@ -188,8 +188,9 @@ def _stack_pids(stack: Stack) -> StackPids:
             continue
         if p.name == "gateway":
             kvplane["gateway"] = p.proc.pid
-        elif p.name == "kvplane serve all":
-            kvplane["serve all"] = own_record["serve all"] = colocated["serve all"] = p.proc.pid
+        elif p.name == "kvplane serve metadata,eviction":
+            name = "serve metadata,eviction"
+            kvplane[name] = own_record[name] = colocated[name] = p.proc.pid
         elif p.name == "colocated gateway":
             colocated["colocated gateway"] = p.proc.pid
         elif p.name == "own-record gateway":
@@ -221,6 +222,9 @@ async def run_workload(key: str, config: CompareConfig, run_dir: Path, progress:
         progress=lambda m: progress(f"[{key}] {m}"),
         own_record_routing=KVPLANE_OWN_RECORD in config.fronts,
         colocated_routing=KVPLANE_COLOCATED in config.fronts,
+        # Each front is charged what its deployment runs: metadata and eviction (which every
+        # kvplane front needs) apart from the routing replicas (which only some do).
+        routing_apart=True,
     )
     served: list[ManagedProcess] = []
     try:

@@ -1,7 +1,7 @@
 """The fronts the comparison drives, each on the same engines.
 
 - `kvplane`: kvplane's gateway (Route, P leg, streamed D leg, ReportTurn), asking routing over
-  gRPC (`serve all`'s replica).
+  gRPC (a `serve routing` replica of its own).
 - `kvplane-colocated`: kvplane's gateway with routing in its own process
   (`gateway.routing_in_process`): the same turn without the Route hop.
 - `vllm-router`: vllm-router (PyPI) in `--vllm-pd-disaggregation` mode with its defaults

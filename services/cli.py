@@ -33,6 +33,21 @@ def installers(names: Sequence[str]) -> list[Installer]:
     return out
 
 
+def _service_names(value: str) -> list[str]:
+    """`serve`'s argument: `all`, or service names joined by commas, each once."""
+    names = [name.strip() for name in value.split(",")]
+    if names == ["all"]:
+        return names
+    unknown = [name for name in names if name not in SERVICES]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown service {unknown[0]!r}: choose from {', '.join(SERVICES)} (joined by commas), or all"
+        )
+    if len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"{value!r} names a service twice")
+    return names
+
+
 def available_services() -> list[str]:
     found = []
     for name, module in SERVICES.items():
@@ -110,7 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    serve.add_argument("service", choices=[*SERVICES, "all"])
+    serve.add_argument(
+        "service",
+        type=_service_names,
+        metavar="SERVICE",
+        help=f"{', '.join(SERVICES)}, several joined by commas (metadata,eviction), or all",
+    )
     serve.add_argument("--config", help="YAML settings file (also KVPLANE_CONFIG)")
     serve.add_argument("--listen", help="gRPC listen address, host:port (default 127.0.0.1:50051)")
     serve.add_argument("--etcd", help="comma-separated etcd endpoints, host:port (default 127.0.0.1:2379)")
@@ -170,12 +190,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    names = available_services() if args.service == "all" else [args.service]
+    names = available_services() if args.service == ["all"] else args.service
     log.info("starting", extra={"services": names, "settings": settings.masked_json()})
     from kvplane.services.common.runtime.server import BindFailed
 
     try:
-        asyncio.run(_serve(settings, names))
+        if settings.grpc.event_loop == "uvloop":
+            import uvloop
+
+            uvloop.run(_serve(settings, names))
+        else:
+            asyncio.run(_serve(settings, names))
     except BindFailed as exc:
         print(f"kvplane serve: {exc}", file=sys.stderr)
         return 1

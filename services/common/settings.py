@@ -281,6 +281,10 @@ class ServerTlsSection(Section):
 class GrpcSection(Section):
     listen: str = "127.0.0.1:50051"
     grace_s: float = 5.0
+    # The event loop `kvplane serve` runs on. On uvloop (libuv) the services' per-turn CPU is lower
+    # than on asyncio's own loop, whose selector and callback dispatch are Python
+    # (bench/compare.py's CPU per turn of `serve`); `asyncio` is there to rule it out.
+    event_loop: Literal["uvloop", "asyncio"] = "uvloop"
     tls: ServerTlsSection = Field(default_factory=ServerTlsSection)
     # gRPC server reflection lists every method and message; off unless wanted (debugging).
     reflection: bool = False

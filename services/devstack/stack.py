@@ -80,12 +80,15 @@ class Stack:
     # routing replica, which the engines stream to ("" without).
     colocated_gateway_url: str = ""
     colocated_grpc_target: str = ""
+    # Whether grpc_target serves routing too (`serve all`), or metadata and eviction only
+    # (`routing_apart`).
+    grpc_serves_routing: bool = True
 
     @property
     def routing_targets(self) -> list[str]:
         """Every routing replica of the stack: each engine streams its load and events to all."""
         targets = (
-            self.grpc_target,
+            self.grpc_target if self.grpc_serves_routing else "",
             self.gateway_routing_target,
             self.own_record_grpc_target,
             self.colocated_grpc_target,
@@ -102,7 +105,11 @@ class Stack:
     def urls(self) -> dict[str, str]:
         return {
             "gateway (OpenAI API)": self.gateway_url,
-            "kvplane gRPC (metadata, routing, eviction)": self.grpc_target,
+            (
+                "kvplane gRPC (metadata, routing, eviction)"
+                if self.grpc_serves_routing
+                else "kvplane gRPC (metadata, eviction)"
+            ): self.grpc_target,
             "kvplane metrics": self.metrics_url,
             "prefill sim-engine": self.prefill_url,
             "decode sim-engine": self.decode_url,
@@ -147,6 +154,7 @@ async def start_stack(
     kv_events: bool = True,
     own_record_routing: bool = False,
     colocated_routing: bool = False,
+    routing_apart: bool = False,
     prefill_num_blocks: int = STACK_ENGINE_BLOCKS,
 ) -> Stack:
     """Starts etcd, `serve all`, P and D sim-engines and the gateway; returns when all are ready.
@@ -163,6 +171,10 @@ async def start_stack(
     differ in the events only.
     `colocated_routing`: one more gateway, named "colocated gateway", that routes in its own
     process (`gateway.routing_in_process`); the engines stream to it as to every replica.
+    `routing_apart`: each process is what one deployment runs, so that a comparison charges every
+    front the processes it needs and no other: `serve metadata,eviction` in place of `serve all`,
+    and the gateway's routing in a `serve routing` replica of its own (with `own_record_routing`,
+    its "events" replica).
     """
     # A run directory made here holds the stack's tokens: `Stack.stop` removes it. One passed in is
     # the caller's to keep.
@@ -191,13 +203,15 @@ async def start_stack(
         owns_run_dir=owns_run_dir,
     )
     try:
+        stack.grpc_serves_routing = not routing_apart
         services = await _start_services(
             stack, etcd, credentials, node_ids, metrics_port, progress, timeout_s
         )
         stack.gateway_routing_target = stack.grpc_target
-        if own_record_routing:
-            replica = functools.partial(_start_routing_replica, stack, etcd, credentials, node_ids)
+        replica = functools.partial(_start_routing_replica, stack, etcd, credentials, node_ids)
+        if own_record_routing or routing_apart:
             stack.gateway_routing_target = await replica("events", True, progress, timeout_s)
+        if own_record_routing:
             stack.own_record_grpc_target = await replica("own record", False, progress, timeout_s)
         if colocated_routing:
             # Started before the engines, whose streams go to every routing replica from the start.
@@ -254,11 +268,12 @@ async def _start_services(
     progress: Callable[[str], None],
     timeout_s: float,
 ) -> ManagedProcess:
+    served = "all" if stack.grpc_serves_routing else "metadata,eviction"
     services = ManagedProcess(
-        "kvplane serve all",
+        f"kvplane serve {served}",
         _kvplane(
             "serve",
-            "all",
+            served,
             "--listen",
             stack.grpc_target,
             "--etcd",
@@ -271,7 +286,11 @@ async def _start_services(
         stack.run_dir / "services.log",
     )
     stack.processes.append(services)
-    progress("starting kvplane serve all (metadata, routing, eviction)")
+    progress(
+        "starting kvplane serve all (metadata, routing, eviction)"
+        if stack.grpc_serves_routing
+        else "starting kvplane serve metadata,eviction"
+    )
     services.start()
     await wait_ready(services, grpc_health_probe(stack.grpc_target), timeout_s)
     return services

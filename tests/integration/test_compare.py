@@ -95,14 +95,16 @@ def test_only_the_fronts_that_carry_a_handle_pull(runs: dict[str, compare.Worklo
 
 def test_costs_are_charged_to_each_front_s_processes(runs: dict[str, compare.WorkloadRun]) -> None:
     run = runs["A"]
-    # Beside the own-record front each kvplane front has a routing replica of its own (`serve
-    # routing`), and both use serve all's metadata and eviction: they differ in the events only.
-    assert set(run.fronts[KVPLANE]) == {"gateway", "serve routing", "serve all", "etcd"}
-    own = {"own-record gateway", "own-record routing", "serve all", "etcd"}
+    # Each front is charged what its deployment runs. The gateway asks a routing replica of its own
+    # (`serve routing`); the own-record front's twin differs in the events only; every kvplane
+    # front shares metadata and eviction (`serve metadata,eviction`, which routes for no one).
+    services = "serve metadata,eviction"
+    assert set(run.fronts[KVPLANE]) == {"gateway", "serve routing", services, "etcd"}
+    own = {"own-record gateway", "own-record routing", services, "etcd"}
     assert set(run.fronts[KVPLANE_OWN_RECORD]) == own
     assert _row(run, KVPLANE_OWN_RECORD).route_ms > 0
     # The colocated gateway routes in its own process: no routing process is charged beside it.
-    assert set(run.fronts[KVPLANE_COLOCATED]) == {"colocated gateway", "serve all", "etcd"}
+    assert set(run.fronts[KVPLANE_COLOCATED]) == {"colocated gateway", services, "etcd"}
     assert _row(run, KVPLANE_COLOCATED).route_ms > 0
     assert run.fronts[EXAMPLE_PROXY] == ["example proxy"] and run.fronts[ZERO_HOP] == []
     for row in run.rows:
@@ -170,7 +172,7 @@ async def test_sigterm_stops_every_process_the_comparison_started(tmp_path: Path
     try:
 
         async def stack_up() -> bool:
-            # serve all and the four engines name files in the run directory.
+            # kvplane's services and the four engines name files in the run directory.
             return len(_processes_naming(str(run_dir), but=proc.pid)) >= 5
 
         await eventually(stack_up, timeout_s=120, what="the comparison's stack to start")

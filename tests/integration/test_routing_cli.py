@@ -1,7 +1,9 @@
-"""`kvplane serve routing` as a real process: it answers Route and reports SERVING."""
+"""`kvplane serve routing` as a real process: it answers Route and reports SERVING; `serve` with
+services joined by commas serves those and no other."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -22,8 +24,9 @@ from tests.support.polling import eventually
 from tests.support.routing_cluster import MODEL, node
 
 
-@pytest.fixture
-def serve_routing(etcd: LocalEtcd, prefix: str) -> Iterator[tuple[int, str]]:
+@contextlib.contextmanager
+def _serving(etcd: LocalEtcd, prefix: str, services: str) -> Iterator[int]:
+    """`kvplane serve <services>` on a free port, stopped at the end; its port."""
     port = free_port()
     env_prefix = {"KVPLANE_ETCD__PREFIX": prefix}
     proc = subprocess.Popen(
@@ -32,7 +35,7 @@ def serve_routing(etcd: LocalEtcd, prefix: str) -> Iterator[tuple[int, str]]:
             "-m",
             "kvplane.services.cli",
             "serve",
-            "routing",
+            services,
             "--listen",
             f"127.0.0.1:{port}",
             "--etcd",
@@ -45,7 +48,7 @@ def serve_routing(etcd: LocalEtcd, prefix: str) -> Iterator[tuple[int, str]]:
         stderr=subprocess.DEVNULL,
     )
     try:
-        yield port, prefix
+        yield port
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -53,6 +56,45 @@ def serve_routing(etcd: LocalEtcd, prefix: str) -> Iterator[tuple[int, str]]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture
+def serve_routing(etcd: LocalEtcd, prefix: str) -> Iterator[tuple[int, str]]:
+    with _serving(etcd, prefix, "routing") as port:
+        yield port, prefix
+
+
+async def _health(port: int, service: str) -> health_pb2.HealthCheckResponse.ServingStatus.ValueType:
+    """The process's health status for `service`; SERVICE_UNKNOWN when it does not serve it."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        try:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=1
+            )
+        except grpc.aio.AioRpcError as err:
+            if err.code() == grpc.StatusCode.NOT_FOUND:
+                return health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+            raise
+        return reply.status
+
+
+async def test_serve_runs_the_services_joined_by_commas_and_no_other(etcd: LocalEtcd, prefix: str) -> None:
+    with _serving(etcd, prefix, "metadata,eviction") as port:
+
+        async def serving() -> bool:
+            try:
+                statuses = [await _health(port, f"kvplane.v1.{s}Service") for s in ("Metadata", "Eviction")]
+            except grpc.aio.AioRpcError:
+                return False  # not listening yet
+            return statuses == [health_pb2.HealthCheckResponse.SERVING] * 2
+
+        await eventually(serving, timeout_s=30, interval_s=0.1, what="metadata and eviction SERVING")
+        unknown = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+        assert await _health(port, "kvplane.v1.RoutingService") == unknown
+        async with RoutingClient([f"127.0.0.1:{port}"], metadata=tenant_headers("acme")) as client:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await client.route("c", MODEL, prompt_tokens=10)
+            assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
 async def test_serve_routing_answers_route_and_health(
