@@ -80,6 +80,8 @@ class TurnReporter:
             self.metrics.ttft.labels(progress.decision).observe(progress.ttft_s)
         if error and not progress.error:
             progress.error = error
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("turn", extra=turn_record(turn, route, progress, outcome))
         self.report_later(turn, route, progress, success=success)
 
     def report_later(
@@ -171,3 +173,26 @@ class TurnReporter:
             log.warning("EndConversation failed for %s: %s", turn.identity.conversation, exc)
         finally:
             self.metrics.legs.labels("end_conversation", outcome).observe(time.perf_counter() - start)
+
+
+def turn_record(
+    turn: TurnRequest, route: RouteResult, progress: TurnProgress, outcome: str
+) -> dict[str, Any]:
+    """One turn as the gateway's debug log gives it: where it went, what P found, and how long
+    its first token took, so that an operator can see why a turn was slow."""
+    computed = progress.sources.computed if progress.sources is not None else None
+    return {
+        "conversation": turn.identity.conversation,
+        "tenant": turn.identity.tenant,
+        "decision": progress.decision,
+        "outcome": outcome,
+        "prefill_node": route.prefill.node_id,
+        "decode_node": route.decode.node_id,
+        "prompt_tokens": len(progress.prompt_ids or ()),
+        "cached_tokens": progress.cached_tokens,
+        "pulled_tokens": progress.pulled_tokens,
+        "computed_tokens": computed,
+        "prefill_ms": round(progress.prefill_s * 1000, 1),
+        "ttft_ms": None if progress.ttft_s is None else round(progress.ttft_s * 1000, 1),
+        "error": progress.error[:200],
+    }

@@ -1,20 +1,24 @@
 """The gateway's turn reports: the handle D announced is what the conversation's next turn awaits,
-a failed turn forgets it, and a report routing cannot take costs the turn nothing but a metric."""
+a failed turn forgets it, a report routing cannot take costs the turn nothing but a metric, and
+each finished turn is one debug line."""
 
 from __future__ import annotations
 
+import logging
 import time
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from kvplane.services.client import RouteResult, RoutingClient
 from kvplane.services.common.runtime.ports import free_port
 from kvplane.services.gateway.identity import Identity
 from kvplane.services.gateway.metrics import GatewayMetrics
-from kvplane.services.gateway.progress import TurnProgress, TurnRequest
+from kvplane.services.gateway.progress import PromptSources, TurnProgress, TurnRequest
 from kvplane.services.gateway.reports import TurnReporter
 from kvplane.services.gateway.settings import GatewaySection
 from kvplane.v1 import routing_pb2
+from tests.support.gateway_parts import route as route_to
 
 
 def _turn(conversation: str = "c1", tenant: str = "acme") -> TurnRequest:
@@ -105,5 +109,38 @@ async def test_reports_that_act_at_once_are_sent_at_once() -> None:
         reporter.report_later(ephemeral, _routed(), TurnProgress("recompute_no_handle"), success=True)
         assert _held(registry) == 0 and len(reporter._reports) == 3
         await reporter.drain(30)
+    finally:
+        await routing.close()
+
+
+async def test_each_finished_turn_is_one_debug_line_saying_where_it_went(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    reporter, routing, _ = _reporter()
+    try:
+        route = route_to("http://p", "http://d", decision="recompute_cost", prefill_id="p1", decode_id="d0")
+        progress = TurnProgress("recompute_cost", [1] * 96)
+        progress.sources = PromptSources(prompt=96, pulled=0, prefill_cache=64, computed=32)
+        progress.ttft_s = 0.25
+        with caplog.at_level(logging.INFO, logger="kvplane.services.gateway.reports"):
+            reporter.finish(_turn(), route, progress, success=True)
+        assert not [r for r in caplog.records if r.getMessage() == "turn"], "off unless debugging"
+        with caplog.at_level(logging.DEBUG, logger="kvplane.services.gateway.reports"):
+            reporter.finish(_turn("c2"), route, progress, success=False, error="decode stream failed")
+        (line,) = [r for r in caplog.records if r.getMessage() == "turn"]
+        said = {key: getattr(line, key) for key in ("conversation", "decision", "outcome", "prefill_node")}
+        assert said == {
+            "conversation": "c2",
+            "decision": "recompute_cost",
+            "outcome": "failed",
+            "prefill_node": "p1",
+        }
+        assert (line.decode_node, line.prompt_tokens, line.cached_tokens, line.computed_tokens) == (
+            "d0",
+            96,
+            64,
+            32,
+        )
+        assert (line.ttft_ms, line.error) == (250.0, "decode stream failed")
     finally:
         await routing.close()
