@@ -56,21 +56,25 @@ from kvplane.services.routing.policy import RoutingPolicy, load_policy
 UNLIMITED_BYTES = 1 << 62
 # Each front's hop (seconds): the time it adds to a turn before P and between P and D, on top of
 # the engines' own work, derived from the live comparison's record (bench/results/compare.json,
-# `python -m kvplane.bench.compare --workload both --concurrency 1,8,32 --repeats 2`, 2 P + 2 D
-# sim-engines at Qwen3-32B timing on the loaded 2-core machine) by `front_hops.front_hop_ms`: at
-# one conversation in flight, the front's later-turn TTFT p50 minus the zero-hop client's with the
-# closest prompt-token split, less the prefill of the tokens it computed beyond that client's,
-# averaged over workloads A and B; never less than what is timed on the front's path, nor below 0.
-# tests/unit/test_sim_front_hops.py holds these to that record.
+# `python -m kvplane.bench.compare --workload both --concurrency 1,8,32 --repeats 2
+# --min-conversations 1`, every front, 2 P + 2 D sim-engines at Qwen3-32B timing on the 2-core
+# machine) by `front_hops.front_hop_ms`: at one conversation in flight, the front's later-turn
+# TTFT p50 minus the zero-hop client's with the closest prompt-token split, less the prefill of
+# the tokens it computed beyond that client's, averaged over workloads A and B; never less than
+# what is timed on the front's path, nor below 0. tests/unit/test_sim_front_hops.py holds these
+# to that record.
 #
-# At commit 538fe24 (the quiet run of the README's live comparison), at one conversation in flight:
-# kvplane 33.2 ms (its TTFT excess over the zero-hop client, A and B averaged; its gateway's own
-# Route timing averaged 39 ms on A and 14 ms on B over 5 turns each, one slow first Route weighing
-# on so few), vllm-router 25.8 ms, the example proxy 39.5 ms after its round-robin's extra prefill.
-# At one in flight, repeats differ by about 10 ms: these are rough.
-MEASURED_ROUTE_S = 0.03316
-VLLM_ROUTER_HOP_S = 0.02585
-EXAMPLE_PROXY_HOP_S = 0.03948
+# At commit 72f18b8, at one conversation in flight: kvplane's gateway 5.0 ms (its own timing of
+# the Route call over gRPC; its TTFT excess averages 0.8 ms: +16.5 ms on A, -14.9 ms on B),
+# the gateway routing in its own process 6.4 ms (its Route call 2.1 ms; the excess +15.6 and
+# -2.9 ms), vllm-router 0 (+18.6 and -29.3 ms), the example proxy 17.1 ms (+19.2 and +15.0 ms).
+# One block at one in flight is four later turns, and repeats differ by 10-30 ms: these say which
+# front adds tens of ms and which does not. The record before (538fe24) gave 33.2, 25.9 and 39.5
+# ms for kvplane, vllm-router and the proxy, when kvplane's Route call itself took 14-39 ms.
+MEASURED_ROUTE_S = 0.004993
+COLOCATED_ROUTE_S = 0.006368
+VLLM_ROUTER_HOP_S = 0.0
+EXAMPLE_PROXY_HOP_S = 0.017096
 # From an engine's cache change to routing's view of it: the node agent's coalescing interval
 # (100 ms, `connector.node_agent.prefix_cache`) at worst, plus its stream's hop.
 EVENT_LAG_S = 0.105

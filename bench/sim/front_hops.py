@@ -8,7 +8,8 @@ flight (no queueing), a front's later-turn TTFT p50 minus that of the zero-hop c
 P leg then D leg straight to the engines) whose prompt-token split is closest to the front's,
 less the prefill of the tokens the front computed beyond that client's (per later turn, by the
 sim-engine's timing model), averaged over the workloads. A hop is never less than what is timed
-on the front's path (kvplane: its mean Route call at one in flight, workload A), nor below 0.
+on the front's path (kvplane's gateways: their mean Route call at one in flight, workload A), nor
+below 0.
 
 The per-turn noise of one live block at one in flight is about 10 ms, so these figures say which
 front adds tens of ms and which does not, not a ms more or less.
@@ -48,14 +49,20 @@ def ttft_excess_ms(
     return float(mine["ttft_p50_ms"] - ref["ttft_p50_ms"] - extra_ms)
 
 
-def route_ms(document: Mapping[str, Any], workload: str = "A", concurrency: int = 1) -> float:
-    """kvplane's mean Route call as its gateway timed it (ms)."""
-    return float(_rows(document, workload, concurrency)["kvplane"]["route_ms"])
+# Fronts whose gateway times its Route call (over gRPC, or in its own process).
+TIMED_ROUTE_FRONTS = ("kvplane", "kvplane-colocated")
+
+
+def route_ms(
+    document: Mapping[str, Any], workload: str = "A", concurrency: int = 1, front: str = "kvplane"
+) -> float:
+    """A kvplane front's mean Route call as its gateway timed it (ms)."""
+    return float(_rows(document, workload, concurrency)[front]["route_ms"])
 
 
 def front_hop_ms(document: Mapping[str, Any], front: str) -> float:
     """The front's hop (ms): its mean TTFT excess over the workloads, at least what is timed."""
     workloads = sorted(document["workloads"])
     excess = sum(ttft_excess_ms(document, front, w) for w in workloads) / len(workloads)
-    timed = route_ms(document) if front == "kvplane" else 0.0
+    timed = route_ms(document, front=front) if front in TIMED_ROUTE_FRONTS else 0.0
     return max(timed, excess, 0.0)

@@ -1,12 +1,14 @@
 """The simulator's ranking of the fronts the live comparison runs, on the comparison's own workload.
 
-The live comparison (`kvplane.bench.compare`) drives multi-turn chats through kvplane's gateway,
-vllm-router and vLLM's example proxy on 2 P + 2 D sim-engines. The simulator has a counterpart
-of each front (`LIVE_COUNTERPARTS`: `cache-aware`, vllm-router's default policy, for vllm-router, and
-`no-reuse`, round-robin P and D with P's prefix caches on, for the example proxy). `simulate`
-runs the same chats (`compare_workload.shapes`) through them, closed loop as the live client
-sends them: a conversation's next turn comes when its previous answer is done, and at most
-`concurrency` conversations are in flight, and each pays its front's own hop (`FRONT_HOPS_S`).
+The live comparison (`kvplane.bench.compare`) drives multi-turn chats through kvplane's gateways
+(routing over gRPC, and in the gateway's own process), vllm-router and vLLM's example proxy on
+2 P + 2 D sim-engines. The simulator has a counterpart of each front (`LIVE_COUNTERPARTS`:
+`kvplane` with each gateway's hop for both kvplane fronts, `cache-aware`, vllm-router's default
+policy, for vllm-router, and `no-reuse`, round-robin P and D with P's prefix caches on, for the
+example proxy). `simulate` runs the same chats (`compare_workload.shapes`) through them, closed
+loop as the live client sends them: a conversation's next turn comes when its previous answer
+is done, and at most `concurrency` conversations are in flight, and each pays its front's own
+hop (`FRONT_HOPS_S`).
 `disagreements` compares the two orders of the fronts, on TTFT of later turns and on the share of
 their prompt tokens reused, only where the live gap is clear of the live run's own spread;
 `order_disagreements` compares them with the recorded comparison's p50s (`RecordedFront`), where
@@ -24,6 +26,7 @@ from itertools import combinations, permutations
 from kvplane.bench.compare_workload import Workload, shapes
 from kvplane.bench.sim.baselines import (
     BASELINES,
+    COLOCATED_ROUTE_S,
     EXAMPLE_PROXY_HOP_S,
     MEASURED_ROUTE_S,
     VLLM_ROUTER_HOP_S,
@@ -37,12 +40,15 @@ from kvplane.bench.workloads.turns import Turn
 # Live front -> the simulator's baseline that stands for it.
 LIVE_COUNTERPARTS: dict[str, str] = {
     "kvplane": "kvplane",
+    # The same routing in the gateway's own process: the same policy, its own hop.
+    "kvplane-colocated": "kvplane",
     "vllm-router": "cache-aware",
     "example-proxy": "no-reuse",
 }
 # Live front -> its own hop (s), as measured in the comparison (see baselines.py).
 FRONT_HOPS_S: dict[str, float] = {
     "kvplane": MEASURED_ROUTE_S,
+    "kvplane-colocated": COLOCATED_ROUTE_S,
     "vllm-router": VLLM_ROUTER_HOP_S,
     "example-proxy": EXAMPLE_PROXY_HOP_S,
 }

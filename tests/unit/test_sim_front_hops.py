@@ -8,8 +8,15 @@ from typing import Any
 
 import pytest
 
-from kvplane.bench.sim.baselines import BASELINES, EXAMPLE_PROXY_HOP_S, MEASURED_ROUTE_S, VLLM_ROUTER_HOP_S
+from kvplane.bench.sim.baselines import (
+    BASELINES,
+    COLOCATED_ROUTE_S,
+    EXAMPLE_PROXY_HOP_S,
+    MEASURED_ROUTE_S,
+    VLLM_ROUTER_HOP_S,
+)
 from kvplane.bench.sim.front_hops import COMPARE_SOURCE, front_hop_ms, ttft_excess_ms
+from kvplane.bench.sim.ranking import FRONT_HOPS_S
 from kvplane.connector.simengine.timing_model import TimingModel
 
 RECORD = Path(__file__).resolve().parents[2] / COMPARE_SOURCE
@@ -29,12 +36,14 @@ def _row(front: str, p50: float, computed: int, route_ms: float | None = None) -
 def test_the_constants_are_the_recorded_comparisons() -> None:
     document = json.loads(RECORD.read_text())
     assert front_hop_ms(document, "kvplane") == pytest.approx(1000.0 * MEASURED_ROUTE_S, abs=0.01)
+    assert front_hop_ms(document, "kvplane-colocated") == pytest.approx(1000.0 * COLOCATED_ROUTE_S, abs=0.01)
     assert front_hop_ms(document, "vllm-router") == pytest.approx(1000.0 * VLLM_ROUTER_HOP_S, abs=0.01)
     assert front_hop_ms(document, "example-proxy") == pytest.approx(1000.0 * EXAMPLE_PROXY_HOP_S, abs=0.05)
 
 
 def test_the_baselines_pay_their_fronts_hops() -> None:
     assert BASELINES["kvplane"].control_path_s == MEASURED_ROUTE_S
+    assert FRONT_HOPS_S["kvplane-colocated"] == COLOCATED_ROUTE_S
     assert BASELINES["cache-aware"].control_path_s == VLLM_ROUTER_HOP_S
     assert BASELINES["vllm-proxy"].control_path_s == BASELINES["vllm-proxy-checked"].control_path_s
     assert BASELINES["vllm-proxy"].control_path_s == EXAMPLE_PROXY_HOP_S
@@ -55,9 +64,12 @@ def test_the_excess_is_over_the_closest_zero_hop_client_less_the_extra_prefill()
 def test_a_hop_is_at_least_what_is_timed_and_never_negative() -> None:
     rows = [
         _row("kvplane", 240.0, 1_000, route_ms=3.0),
+        _row("kvplane-colocated", 240.0, 1_000, route_ms=1.5),
         _row("router", 245.0, 1_000),
         _row("zero-hop", 250.0, 1_000),
     ]
     document = {"workloads": {"A": {"rows": rows}}}
     assert front_hop_ms(document, "kvplane") == 3.0
+    # Each kvplane gateway is held to its own timed Route.
+    assert front_hop_ms(document, "kvplane-colocated") == 1.5
     assert front_hop_ms(document, "router") == 0.0
