@@ -6,8 +6,8 @@ run through the simulator, every front paying its own measured hop (`ranking.FRO
 the two orders of the fronts on TTFT p50 and on reuse are compared with
 `ranking.order_disagreements`: a pair the repeats keep apart by more than `ORDER_TOLERANCE` (5% of
 the zero-hop client's p50; 5 points of reuse) must come out in the same order, and a pair level
-within the repeats' spread may come out the other way by at most that much. So the check fails whenever the simulator ranks a front
-better than live by more than the tolerance.
+within the repeats' spread may come out the other way by at most that much. So the check fails
+whenever the simulator ranks a front better than live by more than the tolerance.
 
 A small live comparison (`kvplane.bench.compare`: kvplane's gateway, vllm-router when installed,
 and vLLM's example proxy, on 2 P + 2 D sim-engines at Qwen3-32B timing) runs three 4-turn chats
