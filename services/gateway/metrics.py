@@ -43,7 +43,7 @@ class GatewayMetrics:
             ),
             legs=Histogram(
                 "kvplane_gateway_leg_seconds",
-                "Latency of each leg of a turn (route, prefill, decode, report), by outcome",
+                "Latency of each leg of a turn (tokenize, route, prefill, decode, report), by outcome",
                 ["leg", "outcome"],
                 registry=registry,
                 buckets=_LEG_BUCKETS,

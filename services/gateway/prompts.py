@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,21 +75,31 @@ async def routed_prompt(
     tokenize_url: str,
     timeout_s: float,
     endpoints: TokenizeEndpoints | None = None,
+    timed: Callable[[str, float], None] | None = None,
 ) -> RoutedPrompt:
-    """The prompt for Route; a text completions prompt in `body` becomes its token ids when known."""
+    """The prompt for Route; a text completions prompt in `body` becomes its token ids when known.
+
+    `timed(outcome, seconds)` hears how long the engine's /tokenize took ("ok" or "error"), when
+    it was asked."""
     if not chat:
         prompt = _single_prompt(body)
         if is_token_ids(prompt):
             return RoutedPrompt(tuple(prompt), len(prompt))
     if tokenize_url and (endpoints is None or endpoints.usable(tokenize_url)):
+        start = time.perf_counter()
         try:
             ids = await tokenize(session, tokenize_url, body, chat, timeout_s)
         except TokenizeFailed as exc:
+            if timed is not None:
+                timed("error", time.perf_counter() - start)
             if exc.unknown_model:
                 raise UnknownModel(f"model {body.get('model')!r} is not served", exc.body) from None
             if endpoints is not None and exc.status in (404, 405):
                 endpoints.missing(tokenize_url)
             ids = ()
+        else:
+            if timed is not None:
+                timed("ok", time.perf_counter() - start)
         if ids:
             if not chat:
                 body["prompt"] = list(ids)

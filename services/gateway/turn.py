@@ -111,7 +111,13 @@ class TurnRunner:
         s = self.settings
         try:
             prompt = await routed_prompt(
-                self.session, turn.body, turn.chat, s.tokenize_url, s.prefill_timeout_s, self.tokenizers
+                self.session,
+                turn.body,
+                turn.chat,
+                s.tokenize_url,
+                s.prefill_timeout_s,
+                self.tokenizers,
+                timed=lambda outcome, seconds: self.metrics.legs.labels("tokenize", outcome).observe(seconds),
             )
         except UnknownModel as exc:
             raise TurnFailed(404, str(exc), exc.body) from None
