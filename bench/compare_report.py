@@ -92,8 +92,6 @@ class Row:
     # Above the rate of the other fronts' blocks at this concurrency (nan: no such block).
     etcd_requests_per_turn_above_others: float = math.nan
     etcd_writes_per_turn_above_others: float = math.nan
-    # kvplane's mean /tokenize call to the engine before Route, as its gateway timed it.
-    tokenize_ms: float = math.nan
     # All of the block's etcd requests per turn, by etcd method and by kvplane's operation.
     etcd_rpcs_per_turn: dict[str, float] = field(default_factory=dict)
     etcd_ops_per_turn: dict[str, float] = field(default_factory=dict)
@@ -183,8 +181,6 @@ def build_row(
     idle_writes = idle.etcd_per_s("writes") * measured if idle else 0.0
     route_s = sum(b.gateway.get("route_s", 0.0) for b in blocks)
     route_n = sum(b.gateway.get("route_n", 0.0) for b in blocks)
-    tokenize_s = sum(b.gateway.get("tokenize_s", 0.0) for b in blocks)
-    tokenize_n = sum(b.gateway.get("tokenize_n", 0.0) for b in blocks)
     seen = sources.get(PULLED, 0.0) + sources.get(CACHED, 0.0) + sources.get(COMPUTED, 0.0)
     decisions: Counter[str] = Counter()
     for b in blocks:
@@ -225,7 +221,6 @@ def build_row(
         errors=sorted({t.error for t in turns if t.error})[:5],
         etcd_requests_per_turn_above_others=(requests - _etcd_rate(background, "requests") * measured) / n_ok,
         etcd_writes_per_turn_above_others=(writes - _etcd_rate(background, "writes") * measured) / n_ok,
-        tokenize_ms=tokenize_s / tokenize_n * 1e3 if tokenize_n else math.nan,
         etcd_rpcs_per_turn=_per_turn(blocks, "rpc:", n_ok),
         etcd_ops_per_turn=_per_turn(blocks, "op:", n_ok),
         computed_by_prefill=[sources[k] for k in sorted(filter(_is_engine_key, sources), key=_engine_index)],
@@ -300,9 +295,9 @@ def cost_table(table: Sequence[Row]) -> str:
         "| front | conc | t2+ tokens reused: pulled from D | from P's prefix cache | split adds up "
         "| CPU ms/turn, front's processes | client | engines "
         "| etcd req/turn (above idle) [above other fronts] "
-        "| etcd writes/turn (above idle) [above other fronts] | tokenize ms | Route ms "
+        "| etcd writes/turn (above idle) [above other fronts] | Route ms "
         "| busiest P's computed tokens vs the mean |",
-        "|---|---:|---:|---:|:-:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|:-:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in table:
         own = ", ".join(
@@ -317,7 +312,6 @@ def cost_table(table: Sequence[Row]) -> str:
             f"[{_f(r.etcd_requests_per_turn_above_others)}] "
             f"| {_f(r.etcd_writes_per_turn)} ({_f(r.etcd_writes_per_turn_above_idle)}) "
             f"[{_f(r.etcd_writes_per_turn_above_others)}] "
-            f"| {_f(r.tokenize_ms, 2) if r.front in KVPLANE_FRONTS else '-'} "
             f"| {_f(r.route_ms, 2) if r.front in KVPLANE_FRONTS else '-'} | {_f(r.prefill_spread, 2)} |"
         )
     return "\n".join(lines)

@@ -109,10 +109,8 @@ def test_costs_are_charged_to_each_front_s_processes(runs: dict[str, compare.Wor
     assert run.fronts[EXAMPLE_PROXY] == ["example proxy"] and run.fronts[ZERO_HOP] == []
     for row in run.rows:
         assert {CLIENT, ENGINES, *run.fronts[row.front]} == set(row.cpu_ms_per_turn)
-    # kvplane's turns go through etcd (handles, check-outs); its gateway timed each Route, and
-    # each /tokenize call before it.
+    # kvplane's turns go through etcd (handles, check-outs); its gateway timed each Route.
     assert _row(run, KVPLANE).etcd_requests_per_turn > 0 and _row(run, KVPLANE).route_ms > 0
-    assert _row(run, KVPLANE).tokenize_ms > 0 and _row(run, KVPLANE_COLOCATED).tokenize_ms > 0
     # ...each named by what the services sent it for (a pull's check-out, D's publish).
     assert _row(run, KVPLANE).etcd_ops_per_turn.get("publish", 0) > 0
     assert run.idle is not None and run.idle.etcd.get("writes", 0) > 0  # the engines' load heartbeats
