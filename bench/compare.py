@@ -277,7 +277,7 @@ async def run_workload(key: str, config: CompareConfig, run_dir: Path, progress:
                     KVPLANE_OWN_RECORD: stack.own_record_gateway_url,
                 },
                 pids,
-                stack.metrics_url,
+                stack.etcd_client_metrics_urls,
             )
             warmup = await _warm_up(session, engines, fronts, config, progress, key)
             idle = None

@@ -8,8 +8,10 @@ which is sound only because blocks run one after another:
   from D, P's own prefix cache, computed), summed over the prefill engines;
 - etcd's requests (gRPC messages received by its KV, Lease and Watch services, by method) and
   writes (revisions from puts and deletes), from its Prometheus endpoint;
-- kvplane's services: the etcd requests they sent, by what each was for (`op:check_out`,
-  `op:publish`, `op:report_load`, ...), from their own metrics (`kvplane_etcd_request_seconds`);
+- kvplane's processes that talk to etcd (the services, every routing replica, a gateway routing
+  in its own process): the etcd requests they sent, by what each was for (`op:check_out`,
+  `op:publish`, `op:report_load`, ...), summed over their own metrics
+  (`kvplane_etcd_request_seconds`);
 - kvplane's gateway: time spent in each leg of a turn (Route, P, D), summed, with counts.
 
 Between blocks the engines are brought back to the same state: idle, and with no decode handle
@@ -112,8 +114,14 @@ def services_etcd_ops(text: str) -> Counters:
     return out
 
 
-async def services_etcd(session: aiohttp.ClientSession, metrics_url: str) -> Counters:
-    return services_etcd_ops(await _text(session, metrics_url)) if metrics_url else {}
+async def services_etcd(session: aiohttp.ClientSession, metrics_urls: Sequence[str]) -> Counters:
+    """The etcd requests every one of kvplane's processes at `metrics_urls` sent, by operation."""
+    texts = await asyncio.gather(*(_text(session, url) for url in metrics_urls))
+    out: Counters = {}
+    for text in texts:
+        for key, value in services_etcd_ops(text).items():
+            out[key] = out.get(key, 0.0) + value
+    return out
 
 
 def gateway_leg_counts(text: str) -> Counters:
@@ -230,13 +238,13 @@ async def read_all(
     prefills: Sequence[str],
     etcd_url: str,
     gateway_url: str,
-    services_metrics_url: str = "",
+    services_metrics_urls: Sequence[str] = (),
 ) -> Reading:
     """Every counter now; the services' etcd requests by operation join etcd's own (`op:*`)."""
     sources, etcd_now, ops, legs = await asyncio.gather(
         prefill_sources(session, prefills),
         etcd(session, etcd_url),
-        services_etcd(session, services_metrics_url),
+        services_etcd(session, services_metrics_urls),
         gateway_legs(session, gateway_url),
     )
     return Reading(time.monotonic(), cpu(pids), sources, {**etcd_now, **ops}, legs)

@@ -79,8 +79,9 @@ class Engines:
     gateway_urls: Mapping[str, str]
     # Every process whose CPU is read (all fronts', the engines', this client's).
     pids: Mapping[str, int]
-    # kvplane's services' Prometheus page (their etcd requests by operation); empty: not read.
-    services_metrics_url: str = ""
+    # The Prometheus pages of kvplane's processes that talk to etcd (their etcd requests by
+    # operation): the services, every routing replica, a gateway routing in its own process.
+    services_metrics_urls: Sequence[str] = ()
 
     @property
     def all(self) -> list[str]:
@@ -180,7 +181,7 @@ async def run_block(
         engines.prefills,
         engines.etcd_url,
         engines.gateway_urls.get(plan.front, ""),
-        engines.services_metrics_url,
+        engines.services_metrics_urls,
     )
     before = await metrics.read_all(*args)
     result.turns, result.wall_s = await drive(session, front, plan, turn_timeout_s)
@@ -211,7 +212,7 @@ class IdleWindow:
 async def idle_window(session: aiohttp.ClientSession, engines: Engines, seconds: float) -> IdleWindow:
     await metrics.wait_idle(session, engines.all)
     await metrics.release_decode_handles(session, engines.decodes)
-    args = (session, engines.pids, engines.prefills, engines.etcd_url, "", engines.services_metrics_url)
+    args = (session, engines.pids, engines.prefills, engines.etcd_url, "", engines.services_metrics_urls)
     before = await metrics.read_all(*args)
     await asyncio.sleep(seconds)  # the measurement window itself
     after = await metrics.read_all(*args)

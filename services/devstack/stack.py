@@ -83,6 +83,17 @@ class Stack:
     # Whether grpc_target serves routing too (`serve all`), or metadata and eviction only
     # (`routing_apart`).
     grpc_serves_routing: bool = True
+    # The Prometheus pages of the `serve routing` replicas started apart from `serve all`.
+    routing_metrics_urls: list[str] = field(default_factory=list)
+
+    @property
+    def etcd_client_metrics_urls(self) -> list[str]:
+        """The Prometheus page of every kvplane process that talks to etcd: the services, every
+        routing replica, and a gateway that routes in its own process."""
+        urls = [self.metrics_url, *self.routing_metrics_urls]
+        if self.colocated_gateway_url:
+            urls.append(f"{self.colocated_gateway_url}/metrics")
+        return urls
 
     @property
     def routing_targets(self) -> list[str]:
@@ -308,6 +319,7 @@ async def _start_routing_replica(
 ) -> str:
     """A `serve routing` replica of its own, named `kvplane serve routing (<label>)`; its target."""
     target = f"{_HOST}:{free_port()}"
+    metrics_port = free_port()
     routing = ManagedProcess(
         f"kvplane serve routing ({label})",
         _kvplane(
@@ -318,7 +330,7 @@ async def _start_routing_replica(
             "--etcd",
             etcd.endpoint,
             "--metrics-port",
-            "0",
+            str(metrics_port),
             "--config",
             str(credentials.services_config(node_ids)),
         ),
@@ -326,6 +338,7 @@ async def _start_routing_replica(
         env={"KVPLANE_ROUTING__ENGINE_CACHE_EVENTS": "true" if engine_cache_events else "false"},
     )
     stack.processes.append(routing)
+    stack.routing_metrics_urls.append(f"http://{_HOST}:{metrics_port}/metrics")
     progress(f"starting a routing replica ({label})")
     routing.start()
     await wait_ready(routing, grpc_health_probe(target), timeout_s)

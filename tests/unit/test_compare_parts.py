@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import aiohttp
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
 from kvplane.bench.compare_fronts import KVPLANE
-from kvplane.bench.compare_metrics import etcd_counts, gateway_leg_counts, services_etcd_ops
+from kvplane.bench.compare_metrics import etcd_counts, gateway_leg_counts, services_etcd, services_etcd_ops
 from kvplane.bench.compare_report import percentile
 from kvplane.bench.compare_report import rows as report_rows
 from kvplane.bench.compare_run import BlockResult, TurnRecord
@@ -101,6 +105,25 @@ kvplane_etcd_request_seconds_count{op="publish",outcome="ok"} 2
 kvplane_etcd_request_seconds_sum{op="publish",outcome="ok"} 0.01
 """
     assert services_etcd_ops(page) == {"op:check_out": 4, "op:publish": 2}
+
+
+async def test_etcd_requests_by_operation_add_up_over_every_process_that_sends_them() -> None:
+    # The services publish; a routing replica apart checks handles out: both count.
+    pages = {
+        "/services": 'kvplane_etcd_request_seconds_count{op="publish",outcome="ok"} 2\n',
+        "/routing": 'kvplane_etcd_request_seconds_count{op="check_out",outcome="ok"} 3\n'
+        'kvplane_etcd_request_seconds_count{op="publish",outcome="ok"} 1\n',
+    }
+
+    async def page(request: web.Request) -> web.Response:
+        return web.Response(text=pages[request.path])
+
+    app = web.Application()
+    app.router.add_get("/{name}", page)
+    async with TestServer(app, host="127.0.0.1") as server, aiohttp.ClientSession() as session:
+        urls = [str(server.make_url(path)) for path in pages]
+        assert await services_etcd(session, urls) == {"op:publish": 3, "op:check_out": 3}
+        assert await services_etcd(session, []) == {}
 
 
 def _block(front: str, requests: float, seconds: float, turns: int) -> BlockResult:
