@@ -212,9 +212,9 @@ async def start_stack(
         metrics_url=f"http://{host}:{metrics_port}/metrics",
         operator_metadata=credentials.operator_metadata(),
         owns_run_dir=owns_run_dir,
+        grpc_serves_routing=not routing_apart,
     )
     try:
-        stack.grpc_serves_routing = not routing_apart
         services = await _start_services(
             stack, etcd, credentials, node_ids, metrics_port, progress, timeout_s
         )
@@ -297,11 +297,7 @@ async def _start_services(
         stack.run_dir / "services.log",
     )
     stack.processes.append(services)
-    progress(
-        "starting kvplane serve all (metadata, routing, eviction)"
-        if stack.grpc_serves_routing
-        else "starting kvplane serve metadata,eviction"
-    )
+    progress(f"starting kvplane serve {served}")
     services.start()
     await wait_ready(services, grpc_health_probe(stack.grpc_target), timeout_s)
     return services

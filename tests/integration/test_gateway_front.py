@@ -406,6 +406,8 @@ async def test_text_prompts_are_sent_as_token_ids_when_a_tokenizer_is_configured
     assert front.prefill.seen[0][0] == "/tokenize"
     assert front.prefill.seen[-1][1]["prompt"] == [97, 98, 99]
     assert front.decode.seen[-1][1]["prompt"] == [97, 98, 99]
+    # The call is a timed leg of the turn.
+    assert await front.metric("kvplane_gateway_leg_seconds_count", leg="tokenize", outcome="ok") == 1
 
 
 async def test_an_engine_without_tokenize_is_not_asked_on_every_turn(front: Front) -> None:
@@ -416,6 +418,7 @@ async def test_an_engine_without_tokenize_is_not_asked_on_every_turn(front: Fron
         assert resp.status == 200
     assert [path for path, _, _ in front.prefill.seen].count("/tokenize") == 1
     assert front.prefill.seen[-1][1]["prompt"] == "abc"
+    assert await front.metric("kvplane_gateway_leg_seconds_count", leg="tokenize", outcome="error") == 1
 
 
 async def test_an_unknown_model_is_404_for_that_request_alone_and_tokenizing_goes_on(front: Front) -> None:
