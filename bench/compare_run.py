@@ -105,9 +105,8 @@ async def _conversation(
     for turn in range(turns):
         sent = time.perf_counter() - started
         try:
-            outcome = await asyncio.wait_for(
-                front.turn(session, state, request_body(prompt, plan.answer_tokens)), timeout_s
-            )
+            async with asyncio.timeout(timeout_s):
+                outcome = await front.turn(session, state, request_body(prompt, plan.answer_tokens))
             if len(outcome.output) != plan.answer_tokens:
                 raise FrontError(f"{len(outcome.output)} output tokens, not {plan.answer_tokens}")
         except Exception as exc:  # any failure fails the turn, never the run

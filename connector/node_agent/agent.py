@@ -247,7 +247,8 @@ class NodeAgent:
             # check the stop flag, so a bounded wait is enough.
             await asyncio.wait(tasks, timeout=1.0)
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._shutdown_flush(), timeout=s.stop_flush_s)
+                async with asyncio.timeout(s.stop_flush_s):
+                    await self._shutdown_flush()
             await meta_channel.close(grace=None)
             if evict_channel is not meta_channel:
                 await evict_channel.close(grace=None)

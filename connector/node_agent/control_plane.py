@@ -142,4 +142,5 @@ class ControlPlane:
         stopping = self.stopping
         assert stopping is not None
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stopping.wait(), timeout=delay_s)
+            async with asyncio.timeout(delay_s):
+                await stopping.wait()

@@ -67,4 +67,5 @@ class DemandReporter:
             last = blocks
             wake.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(wake.wait(), self._plane.settings.demand_refresh_s)
+                async with asyncio.timeout(self._plane.settings.demand_refresh_s):
+                    await wake.wait()

@@ -95,7 +95,8 @@ class Registration:
                 # Refresh at a third of the lease so two lost refreshes are survivable.
                 interval = max(0.2, self._granted_ttl_s / 3.0)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(plane.reregister.wait(), timeout=interval)
+                    async with asyncio.timeout(interval):
+                        await plane.reregister.wait()
             retry_now = False
             if not plane.session_ready.is_set():
                 continue

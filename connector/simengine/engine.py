@@ -459,7 +459,8 @@ class SimEngine:
                         self._demand_changed()
                     freed.clear()
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(freed.wait(), timeout=left)
+                        async with asyncio.timeout(left):
+                            await freed.wait()
         finally:
             if waiting:
                 self._kv_wanted -= count

@@ -130,7 +130,8 @@ class SideChannelServer:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            header, _ = await asyncio.wait_for(_read_frame(reader), timeout=10)
+            async with asyncio.timeout(10):
+                header, _ = await _read_frame(reader)
             me = self._identity()
             expect = header.get("expect_engine_id")
             if header.get("op") != "handshake":

@@ -232,7 +232,8 @@ class EvictionCoordinator:
             # loop while it judges, keep rounds to a third of the loop's time.
             await asyncio.sleep(max(_MIN_EVALUATE_GAP_S, 2 * self.last_evaluation_s))
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), interval)
+                async with asyncio.timeout(interval):
+                    await self._wake.wait()
 
     def snapshot(self, now_unix_ms: int, only_node: str = "") -> tuple[Snapshot, list[Release]]:
         """The policy snapshot of the view, and releases for draining nodes.

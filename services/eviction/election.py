@@ -111,7 +111,8 @@ class LeaderElection:
                     return
 
         with contextlib.suppress(TimeoutError, StoreUnavailable):
-            await asyncio.wait_for(deleted(), self.ttl_s / 2)
+            async with asyncio.timeout(self.ttl_s / 2):
+                await deleted()
 
     async def _keep_alive(self, term: Term) -> None:
         interval = max(0.2, term.ttl_s / 3)

@@ -30,7 +30,8 @@ class _ViewReady:
 
     async def start(self) -> None:
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.view.ready.wait(), _VIEW_READY_WAIT_S)
+            async with asyncio.timeout(_VIEW_READY_WAIT_S):
+                await self.view.ready.wait()
         if not self.view.ready.is_set():
             log.warning("routing starts before the cluster view loaded")
 

@@ -103,7 +103,8 @@ class ClusterView:
         """Waits until `predicate()` holds on the view (for tests and start-up)."""
         async with self._changed:
             try:
-                await asyncio.wait_for(self._changed.wait_for(predicate), timeout_s)
+                async with asyncio.timeout(timeout_s):
+                    await self._changed.wait_for(predicate)
                 return True
             except TimeoutError:
                 return False

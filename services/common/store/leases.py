@@ -56,7 +56,8 @@ class Leases:
 
         with self.etcd.telemetry.etcd_span(op):
             try:
-                reply = await asyncio.wait_for(one(), timeout)
+                async with asyncio.timeout(timeout):
+                    reply = await one()
             except (TimeoutError, grpc.aio.AioRpcError) as exc:
                 code = (
                     exc.code() if isinstance(exc, grpc.aio.AioRpcError) else grpc.StatusCode.DEADLINE_EXCEEDED
