@@ -21,6 +21,11 @@ etcd's requests per turn are counted three ways, none flatter than the others cl
   kvplane's turn path itself adds (check-outs, publishes, releases), not all it costs.
 Beside them, the requests per turn by etcd method (`rpc:*`, all of them) and by what kvplane's
 services sent each one for (`op:*`, all of them).
+
+CPU per turn is charged to each front's own processes (kvplane: its gateway, its services, etcd;
+a router or a proxy: its one process), all of it, and together also above the idle window's rate:
+a control plane that keeps leases and load reports costs something per second whether turns come
+or not, which at one conversation in flight is most of what a turn is charged.
 """
 
 from __future__ import annotations
@@ -97,6 +102,11 @@ class Row:
     etcd_ops_per_turn: dict[str, float] = field(default_factory=dict)
     # Prompt tokens each prefill engine computed, in the engines' order.
     computed_by_prefill: list[float] = field(default_factory=list)
+    # CPU per turn of the front's own processes together (kvplane: gateway, services, etcd), and
+    # the same less what those processes spend with no traffic at all over as long (the idle
+    # window's rate): the cost of a turn apart from the cost of being up.
+    front_cpu_ms_per_turn: float = math.nan
+    front_cpu_ms_per_turn_above_idle: float = math.nan
 
     @property
     def prefill_spread(self) -> float:
@@ -175,6 +185,8 @@ def build_row(
     cpu_ms = {name: cpu[name] / n_ok * 1e3 for name in (*processes, CLIENT)}
     cpu_ms[ENGINES] = sum(v for k, v in cpu.items() if k.startswith(ENGINE_PREFIX)) / n_ok * 1e3
     measured = sum(b.measured_s for b in blocks)
+    front_cpu_s = sum(cpu[name] for name in processes)
+    idle_cpu_s = sum(idle.cpu_per_s(name) for name in processes) * measured if idle else math.nan
     requests = sum(b.etcd.get("requests", 0.0) for b in blocks)
     writes = sum(b.etcd.get("writes", 0.0) for b in blocks)
     idle_requests = idle.etcd_per_s("requests") * measured if idle else 0.0
@@ -224,6 +236,8 @@ def build_row(
         etcd_rpcs_per_turn=_per_turn(blocks, "rpc:", n_ok),
         etcd_ops_per_turn=_per_turn(blocks, "op:", n_ok),
         computed_by_prefill=[sources[k] for k in sorted(filter(_is_engine_key, sources), key=_engine_index)],
+        front_cpu_ms_per_turn=front_cpu_s / n_ok * 1e3,
+        front_cpu_ms_per_turn_above_idle=(front_cpu_s - idle_cpu_s) / n_ok * 1e3,
     )
 
 
@@ -293,11 +307,11 @@ def latency_table(table: Sequence[Row]) -> str:
 def cost_table(table: Sequence[Row]) -> str:
     lines = [
         "| front | conc | t2+ tokens reused: pulled from D | from P's prefix cache | split adds up "
-        "| CPU ms/turn, front's processes | client | engines "
+        "| CPU ms/turn, front's processes | together (above idle) | client | engines "
         "| etcd req/turn (above idle) [above other fronts] "
         "| etcd writes/turn (above idle) [above other fronts] | Route ms "
         "| busiest P's computed tokens vs the mean |",
-        "|---|---:|---:|---:|:-:|---|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|:-:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in table:
         own = ", ".join(
@@ -306,6 +320,7 @@ def cost_table(table: Sequence[Row]) -> str:
         lines.append(
             f"| {r.front} | {r.concurrency} | {_pct(r.pulled_share)} | {_pct(r.prefix_cache_share)} "
             f"| {'yes' if r.split_adds_up else 'NO'} | {own or 'none'} "
+            f"| {_f(r.front_cpu_ms_per_turn)} ({_f(r.front_cpu_ms_per_turn_above_idle)}) "
             f"| {r.cpu_ms_per_turn.get(CLIENT, math.nan):.2f} "
             f"| {r.cpu_ms_per_turn.get(ENGINES, math.nan):.2f} "
             f"| {_f(r.etcd_requests_per_turn)} ({_f(r.etcd_requests_per_turn_above_idle)}) "
@@ -319,10 +334,12 @@ def cost_table(table: Sequence[Row]) -> str:
 
 def idle_line(idle: IdleWindow) -> str:
     per_engine_s = idle.etcd_per_s("writes") / max(1, idle.engines)
+    named = [name for name in idle.cpu_s if not name.startswith(ENGINE_PREFIX)]
+    cpu = ", ".join(f"{name} {idle.cpu_per_s(name) * 1e3:.1f}" for name in named)
     return (
         f"idle ({idle.seconds:.1f} s, no traffic): etcd {idle.etcd_per_s('requests'):.1f} requests/s, "
         f"{idle.etcd_per_s('writes'):.1f} writes/s = {per_engine_s:.2f} writes per engine-second "
-        f"({idle.engines} engines)"
+        f"({idle.engines} engines); CPU ms/s: {cpu}"
     )
 
 

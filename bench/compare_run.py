@@ -207,6 +207,10 @@ class IdleWindow:
     def etcd_per_s(self, key: str) -> float:
         return self.etcd.get(key, 0.0) / self.seconds if self.seconds > 0 else 0.0
 
+    def cpu_per_s(self, process: str) -> float:
+        """CPU seconds per second `process` spent with no traffic (0 for one not measured)."""
+        return self.cpu_s.get(process, 0.0) / self.seconds if self.seconds > 0 else 0.0
+
 
 async def idle_window(session: aiohttp.ClientSession, engines: Engines, seconds: float) -> IdleWindow:
     await metrics.wait_idle(session, engines.all)

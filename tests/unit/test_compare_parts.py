@@ -10,7 +10,7 @@ from kvplane.bench.compare_fronts import KVPLANE
 from kvplane.bench.compare_metrics import etcd_counts, gateway_leg_counts, services_etcd, services_etcd_ops
 from kvplane.bench.compare_report import percentile
 from kvplane.bench.compare_report import rows as report_rows
-from kvplane.bench.compare_run import BlockResult, TurnRecord
+from kvplane.bench.compare_run import BlockResult, IdleWindow, TurnRecord
 from kvplane.bench.compare_workload import Workload, draw, plan, rotation
 
 FRONTS = ["kvplane", "vllm-router", "example-proxy", "zero-hop-reuse", "zero-hop"]
@@ -165,3 +165,16 @@ def test_prefill_spread_is_the_busiest_engines_computed_tokens_over_the_mean() -
 def test_prefill_spread_is_unknown_without_per_engine_counts() -> None:
     (row,) = report_rows([_block(KVPLANE, requests=0, seconds=10, turns=4)], {KVPLANE: []}, None)
     assert row.computed_by_prefill == [] and row.prefill_spread != row.prefill_spread  # nan
+
+
+def test_front_cpu_is_its_processes_together_and_above_their_idle_rate() -> None:
+    block = _block(KVPLANE, requests=0, seconds=10, turns=4)
+    block.cpu_s = {"gateway": 0.2, "etcd": 0.3, "engine p0": 5.0, "client": 1.0}
+    # 20 s of nothing: the gateway spent 0.02 s, etcd 0.1 s (5 ms/s), an engine 1 s.
+    idle = IdleWindow(20.0, 1, {"gateway": 0.02, "etcd": 0.1, "engine p0": 1.0}, {})
+    (row,) = report_rows([block], {KVPLANE: ["gateway", "etcd"]}, idle)
+    assert row.front_cpu_ms_per_turn == (0.2 + 0.3) / 4 * 1e3  # neither the engines nor the client
+    # Over the block's 10 s the two would have spent 0.01 + 0.05 s with no traffic.
+    assert abs(row.front_cpu_ms_per_turn_above_idle - (0.5 - 0.06) / 4 * 1e3) < 1e-9
+    (unknown,) = report_rows([block], {KVPLANE: ["gateway", "etcd"]}, None)
+    assert unknown.front_cpu_ms_per_turn_above_idle != unknown.front_cpu_ms_per_turn_above_idle  # nan
