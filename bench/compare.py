@@ -56,8 +56,11 @@ from kvplane.bench.compare_fronts import (
     KVPLANE,
     KVPLANE_COLOCATED,
     KVPLANE_OWN_RECORD,
+    KVPLANE_SPREAD,
+    KVPLANE_SPREAD_OWN_RECORD,
     REFERENCE,
     SELECTABLE_FRONTS,
+    SPREAD_FRONTS,
     VLLM_ROUTER,
     VLLM_ROUTER_VERSION,
     ZERO_HOP,
@@ -161,7 +164,7 @@ async def _start_served(
     proc.start()
     await wait_serving(session, proc, health)
     assert proc.proc is not None
-    return HttpFront(name, url, {proc.name: proc.proc.pid}, api_key=DEMO_API_KEY)
+    return HttpFront(name, [url], {proc.name: proc.proc.pid}, api_key=DEMO_API_KEY)
 
 
 @dataclass(frozen=True)
@@ -174,6 +177,10 @@ class StackPids:
     own_record: dict[str, int]
     # the gateway routing in its own process, serve metadata,eviction, etcd
     colocated: dict[str, int]
+    # two gateways routing in their own processes (reading KV events), serve metadata,eviction, etcd
+    spread: dict[str, int]
+    # the same with the events set aside
+    spread_own_record: dict[str, int]
     engines: dict[str, int]  # engine p0, ...
 
 
@@ -181,6 +188,8 @@ def _stack_pids(stack: Stack) -> StackPids:
     kvplane: dict[str, int] = {}
     own_record: dict[str, int] = {}
     colocated: dict[str, int] = {}
+    spread: dict[str, int] = {}
+    spread_own_record: dict[str, int] = {}
     engines: dict[str, int] = {}
     counts = {"prefill": 0, "decode": 0}
     for p in stack.processes:
@@ -191,8 +200,13 @@ def _stack_pids(stack: Stack) -> StackPids:
         elif p.name == "kvplane serve metadata,eviction":
             name = "serve metadata,eviction"
             kvplane[name] = own_record[name] = colocated[name] = p.proc.pid
+            spread[name] = spread_own_record[name] = p.proc.pid
         elif p.name == "colocated gateway":
             colocated["colocated gateway"] = p.proc.pid
+        elif p.name.startswith("spread gateway "):
+            spread[p.name] = p.proc.pid
+        elif p.name.startswith("spread own-record gateway "):
+            spread_own_record[p.name] = p.proc.pid
         elif p.name == "own-record gateway":
             own_record["own-record gateway"] = p.proc.pid
         elif p.name == "kvplane serve routing (events)":
@@ -204,8 +218,9 @@ def _stack_pids(stack: Stack) -> StackPids:
             engines[f"{report.ENGINE_PREFIX}{role[0]}{counts[role]}"] = p.proc.pid
             counts[role] += 1
     if stack.etcd.proc is not None:
-        kvplane["etcd"] = own_record["etcd"] = colocated["etcd"] = stack.etcd.proc.pid
-    return StackPids(kvplane, own_record, colocated, engines)
+        for charged in (kvplane, own_record, colocated, spread, spread_own_record):
+            charged["etcd"] = stack.etcd.proc.pid
+    return StackPids(kvplane, own_record, colocated, spread, spread_own_record, engines)
 
 
 async def run_workload(key: str, config: CompareConfig, run_dir: Path, progress: Progress) -> WorkloadRun:
@@ -222,6 +237,7 @@ async def run_workload(key: str, config: CompareConfig, run_dir: Path, progress:
         progress=lambda m: progress(f"[{key}] {m}"),
         own_record_routing=KVPLANE_OWN_RECORD in config.fronts,
         colocated_routing=KVPLANE_COLOCATED in config.fronts,
+        spread_gateways=any(front in config.fronts for front in SPREAD_FRONTS),
         # Each front is charged what its deployment runs: metadata and eviction (which every
         # kvplane front needs) apart from the routing replicas (which only some do).
         routing_apart=True,
@@ -233,21 +249,25 @@ async def run_workload(key: str, config: CompareConfig, run_dir: Path, progress:
             connector=connector, timeout=aiohttp.ClientTimeout(total=None)
         ) as session:
             pids_of = _stack_pids(stack)
+            gateway_urls = {
+                KVPLANE: [stack.gateway_url],
+                KVPLANE_COLOCATED: [stack.colocated_gateway_url],
+                KVPLANE_OWN_RECORD: [stack.own_record_gateway_url],
+                KVPLANE_SPREAD: stack.spread_gateway_urls,
+                KVPLANE_SPREAD_OWN_RECORD: stack.spread_own_record_gateway_urls,
+            }
+            charged = {
+                KVPLANE: pids_of.kvplane,
+                KVPLANE_COLOCATED: pids_of.colocated,
+                KVPLANE_OWN_RECORD: pids_of.own_record,
+                KVPLANE_SPREAD: pids_of.spread,
+                KVPLANE_SPREAD_OWN_RECORD: pids_of.spread_own_record,
+            }
             fronts: dict[str, Front] = {}
             skipped: dict[str, str] = {}
             for name in config.fronts:
-                if name == KVPLANE:
-                    fronts[name] = HttpFront(
-                        KVPLANE, stack.gateway_url, pids_of.kvplane, api_key=DEMO_API_KEY
-                    )
-                elif name == KVPLANE_COLOCATED:
-                    fronts[name] = HttpFront(
-                        name, stack.colocated_gateway_url, pids_of.colocated, api_key=DEMO_API_KEY
-                    )
-                elif name == KVPLANE_OWN_RECORD:
-                    fronts[name] = HttpFront(
-                        name, stack.own_record_gateway_url, pids_of.own_record, api_key=DEMO_API_KEY
-                    )
+                if name in gateway_urls:
+                    fronts[name] = HttpFront(name, gateway_urls[name], charged[name], api_key=DEMO_API_KEY)
                 elif name in (VLLM_ROUTER, EXAMPLE_PROXY):
                     progress(f"[{key}] starting {name}")
                     try:
@@ -271,11 +291,7 @@ async def run_workload(key: str, config: CompareConfig, run_dir: Path, progress:
                 stack.prefill_urls,
                 stack.decode_urls,
                 stack.etcd.client_url,
-                {
-                    KVPLANE: stack.gateway_url,
-                    KVPLANE_COLOCATED: stack.colocated_gateway_url,
-                    KVPLANE_OWN_RECORD: stack.own_record_gateway_url,
-                },
+                gateway_urls,
                 pids,
                 stack.etcd_client_metrics_urls,
             )

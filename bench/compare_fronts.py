@@ -13,6 +13,11 @@
   the engines and carries D's retained handle (the `kv_transfer_params` of D's last chunk)
   into the next turn's P leg: the best any front could do with the handle.
 - `zero-hop`: the same client with fresh params on every P leg (no handle carried).
+- `kvplane-spread` and `kvplane-spread-own-record` (not run by default): two gateways that each
+  route in their own process, as gateway replicas behind a load balancer without affinity; turn t
+  of conversation i goes to gateway (i + t) mod 2, so every later turn meets a routing record
+  that did not route the turn before. The first pair reads the engines' KV events, the second
+  sets them aside: what the events bring where one gateway's record cannot know.
 
 Both zero-hop clients give conversation i the engines P[i mod nP] and D[i mod nD] for all its
 turns, so that the one difference between them is the handle. The three HTTP fronts receive
@@ -44,9 +49,11 @@ ALL_FRONTS = (KVPLANE, KVPLANE_COLOCATED, VLLM_ROUTER, EXAMPLE_PROXY, ZERO_HOP_R
 # kvplane on the same engines through a routing replica that ignores their KV events (its own
 # record of P's caches only): what the events bring, measured in the same run. Not run by default.
 KVPLANE_OWN_RECORD = "kvplane-own-record"
-SELECTABLE_FRONTS = (*ALL_FRONTS, KVPLANE_OWN_RECORD)
+KVPLANE_SPREAD, KVPLANE_SPREAD_OWN_RECORD = "kvplane-spread", "kvplane-spread-own-record"
+SPREAD_FRONTS = (KVPLANE_SPREAD, KVPLANE_SPREAD_OWN_RECORD)
+SELECTABLE_FRONTS = (*ALL_FRONTS, KVPLANE_OWN_RECORD, *SPREAD_FRONTS)
 # The fronts that are kvplane (they use etcd; their gateways time Route).
-KVPLANE_FRONTS = (KVPLANE, KVPLANE_COLOCATED, KVPLANE_OWN_RECORD)
+KVPLANE_FRONTS = (KVPLANE, KVPLANE_COLOCATED, KVPLANE_OWN_RECORD, *SPREAD_FRONTS)
 # The front every other is paired against.
 REFERENCE = ZERO_HOP_REUSE
 VLLM_ROUTER_VERSION = "0.1.17"
@@ -64,6 +71,8 @@ class Conversation:
     index: int
     # D's retained handle from the previous turn (zero-hop-reuse only).
     handle: dict[str, Any] | None = None
+    # Turns sent so far (a front with several URLs spreads them by it).
+    turns_sent: int = 0
 
 
 @dataclass(frozen=True)
@@ -136,10 +145,13 @@ async def stream_completion(
 
 @dataclass
 class HttpFront:
-    """A front with an OpenAI endpoint: kvplane's gateway, vllm-router, the example proxy."""
+    """A front with an OpenAI endpoint: kvplane's gateway, vllm-router, the example proxy.
+
+    With several URLs (replicas of one front), turn t of conversation i goes to URL (i + t) mod n.
+    """
 
     name: str
-    url: str
+    urls: Sequence[str]
     pids: dict[str, int]
     api_key: str = ""
 
@@ -152,8 +164,10 @@ class HttpFront:
         headers = {"X-Session-ID": conversation.conversation_id}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
+        url = self.urls[(conversation.index + conversation.turns_sent) % len(self.urls)]
+        conversation.turns_sent += 1
         started = time.perf_counter()
-        result = await stream_completion(session, f"{self.url}/v1/completions", body, headers, started)
+        result = await stream_completion(session, f"{url}/v1/completions", body, headers, started)
         return TurnOutcome(result.ttft_ms, result.output, result.decision)
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -138,9 +139,13 @@ def gateway_leg_counts(text: str) -> Counters:
     return out
 
 
-async def gateway_legs(session: aiohttp.ClientSession, gateway_url: str) -> Counters:
-    """A kvplane gateway's Route timings; none for "" (a block of another front, the idle window)."""
-    return gateway_leg_counts(await _text(session, f"{gateway_url}/metrics")) if gateway_url else {}
+async def gateway_legs(session: aiohttp.ClientSession, gateway_urls: Sequence[str]) -> Counters:
+    """kvplane gateways' Route timings, summed; none for no gateway (a block of another front,
+    the idle window)."""
+    total: Counter[str] = Counter()
+    for page in await asyncio.gather(*(_text(session, f"{url}/metrics") for url in gateway_urls)):
+        total.update(gateway_leg_counts(page))
+    return dict(total)
 
 
 def delta(after: Mapping[str, float], before: Mapping[str, float]) -> Counters:
@@ -237,7 +242,7 @@ async def read_all(
     pids: Mapping[str, int],
     prefills: Sequence[str],
     etcd_url: str,
-    gateway_url: str,
+    gateway_urls: Sequence[str],
     services_metrics_urls: Sequence[str] = (),
 ) -> Reading:
     """Every counter now; the services' etcd requests by operation join etcd's own (`op:*`)."""
@@ -245,6 +250,6 @@ async def read_all(
         prefill_sources(session, prefills),
         etcd(session, etcd_url),
         services_etcd(session, services_metrics_urls),
-        gateway_legs(session, gateway_url),
+        gateway_legs(session, gateway_urls),
     )
     return Reading(time.monotonic(), cpu(pids), sources, {**etcd_now, **ops}, legs)

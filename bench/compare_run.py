@@ -76,7 +76,7 @@ class Engines:
     decodes: Sequence[str]
     etcd_url: str
     # kvplane fronts' gateways by front (their Route timings are read around their blocks).
-    gateway_urls: Mapping[str, str]
+    gateway_urls: Mapping[str, Sequence[str]]
     # Every process whose CPU is read (all fronts', the engines', this client's).
     pids: Mapping[str, int]
     # The Prometheus pages of kvplane's processes that talk to etcd (their etcd requests by
@@ -179,7 +179,7 @@ async def run_block(
         engines.pids,
         engines.prefills,
         engines.etcd_url,
-        engines.gateway_urls.get(plan.front, ""),
+        engines.gateway_urls.get(plan.front, ()),
         engines.services_metrics_urls,
     )
     before = await metrics.read_all(*args)
@@ -215,7 +215,7 @@ class IdleWindow:
 async def idle_window(session: aiohttp.ClientSession, engines: Engines, seconds: float) -> IdleWindow:
     await metrics.wait_idle(session, engines.all)
     await metrics.release_decode_handles(session, engines.decodes)
-    args = (session, engines.pids, engines.prefills, engines.etcd_url, "", engines.services_metrics_urls)
+    args = (session, engines.pids, engines.prefills, engines.etcd_url, (), engines.services_metrics_urls)
     before = await metrics.read_all(*args)
     await asyncio.sleep(seconds)  # the measurement window itself
     after = await metrics.read_all(*args)

@@ -80,6 +80,12 @@ class Stack:
     # routing replica, which the engines stream to ("" without).
     colocated_gateway_url: str = ""
     colocated_grpc_target: str = ""
+    # With `spread_gateways`: two pairs of gateways that route in their own processes, as
+    # replicas behind a load balancer with no affinity would; the first pair reads the engines'
+    # KV events, the second sets them aside (each gateway knows P's caches from what it routed).
+    spread_gateway_urls: list[str] = field(default_factory=list)
+    spread_own_record_gateway_urls: list[str] = field(default_factory=list)
+    spread_grpc_targets: list[str] = field(default_factory=list)
     # Whether grpc_target serves routing too (`serve all`), or metadata and eviction only
     # (`routing_apart`).
     grpc_serves_routing: bool = True
@@ -93,6 +99,9 @@ class Stack:
         urls = [self.metrics_url, *self.routing_metrics_urls]
         if self.colocated_gateway_url:
             urls.append(f"{self.colocated_gateway_url}/metrics")
+        urls += [
+            f"{url}/metrics" for url in (*self.spread_gateway_urls, *self.spread_own_record_gateway_urls)
+        ]
         return urls
 
     @property
@@ -103,6 +112,7 @@ class Stack:
             self.gateway_routing_target,
             self.own_record_grpc_target,
             self.colocated_grpc_target,
+            *self.spread_grpc_targets,
         )
         return list(dict.fromkeys(t for t in targets if t))
 
@@ -166,6 +176,7 @@ async def start_stack(
     own_record_routing: bool = False,
     colocated_routing: bool = False,
     routing_apart: bool = False,
+    spread_gateways: bool = False,
     prefill_num_blocks: int = STACK_ENGINE_BLOCKS,
 ) -> Stack:
     """Starts etcd, `serve all`, P and D sim-engines and the gateway; returns when all are ready.
@@ -182,6 +193,10 @@ async def start_stack(
     differ in the events only.
     `colocated_routing`: one more gateway, named "colocated gateway", that routes in its own
     process (`gateway.routing_in_process`); the engines stream to it as to every replica.
+    `spread_gateways`: four more gateways that route in their own processes, "spread gateway a"
+    and "b" (KV events read) and "spread own-record gateway a" and "b" (events set aside): a
+    conversation whose turns alternate between the two of a pair meets, on every turn, a
+    routing record that did not route its previous turn.
     `routing_apart`: each process is what one deployment runs, so that a comparison charges every
     front the processes it needs and no other: `serve metadata,eviction` in place of `serve all`,
     and the gateway's routing in a `serve routing` replica of its own (with `own_record_routing`,
@@ -229,7 +244,21 @@ async def start_stack(
             port = free_port()
             stack.colocated_gateway_url = f"http://{host}:{port}"
             stack.colocated_grpc_target = f"{host}:{free_port()}"
-            await _start_colocated_gateway(stack, credentials, node_ids, port, progress, timeout_s)
+            colocated = ColocatedGateway("colocated gateway", port, stack.colocated_grpc_target)
+            await _start_colocated_gateway(stack, credentials, node_ids, colocated, progress, timeout_s)
+        if spread_gateways:
+            for events, urls in (
+                (True, stack.spread_gateway_urls),
+                (False, stack.spread_own_record_gateway_urls),
+            ):
+                for member in "ab":
+                    kind = "spread gateway" if events else "spread own-record gateway"
+                    gateway = ColocatedGateway(
+                        f"{kind} {member}", free_port(), f"{host}:{free_port()}", events
+                    )
+                    urls.append(f"http://{host}:{gateway.port}")
+                    stack.spread_grpc_targets.append(gateway.grpc_target)
+                    await _start_colocated_gateway(stack, credentials, node_ids, gateway, progress, timeout_s)
         nodes: list[tuple[Role, str, int]] = [
             ("prefill", f"p{i}", p_port if i == 0 else free_port()) for i in range(prefill_nodes)
         ]
@@ -418,23 +447,38 @@ async def _start_gateway(
     )
 
 
+@dataclass(frozen=True)
+class ColocatedGateway:
+    """A gateway that routes in its own process: its name, its HTTP port, the target its routing
+    replica serves the engines' streams on, and whether that replica reads their KV events."""
+
+    name: str
+    port: int
+    grpc_target: str
+    engine_cache_events: bool = True
+
+
 async def _start_colocated_gateway(
     stack: Stack,
     credentials: DevCredentials,
     node_ids: list[str],
-    gw_port: int,
+    gateway: ColocatedGateway,
     progress: Callable[[str], None],
     timeout_s: float,
 ) -> None:
-    """A gateway that routes in its own process, on `stack.colocated_grpc_target`; it
-    authenticates the engines' streams as `serve all` does."""
+    """Starts `gateway`; it authenticates the engines' streams as `serve all` does."""
     services = json.loads(credentials.services_config(node_ids).read_text())
+    config = {
+        "auth": services["auth"],
+        "gateway": {"routing_in_process": True},
+        "routing": {"engine_cache_events": gateway.engine_cache_events},
+    }
     await _run_gateway(
         stack,
-        {"auth": services["auth"], "gateway": {"routing_in_process": True}},
-        ["--grpc-listen", stack.colocated_grpc_target, "--etcd", stack.etcd.endpoint],
-        gw_port,
-        "colocated gateway",
+        config,
+        ["--grpc-listen", gateway.grpc_target, "--etcd", stack.etcd.endpoint],
+        gateway.port,
+        gateway.name,
         progress,
         timeout_s,
     )

@@ -1,6 +1,7 @@
 """The fronts comparison (kvplane.bench.compare) at a tiny size, on real processes.
 
-Every workload, two conversations of two turns per front (kvplane-own-record too) at
+Every workload, two conversations of two turns per front (kvplane-own-record and the two
+spread pairs too) at
 concurrency 1, one repeat, on engines sped up 20 times. The checks are on behaviour, never on
 timing: every front completes every turn, the prefill engines' token sources add up to what the
 client sent, handles are pulled only by the fronts that carry them, and the JSON holds a row for
@@ -25,7 +26,10 @@ from kvplane.bench.compare_fronts import (
     KVPLANE,
     KVPLANE_COLOCATED,
     KVPLANE_OWN_RECORD,
+    KVPLANE_SPREAD,
+    KVPLANE_SPREAD_OWN_RECORD,
     REFERENCE,
+    SPREAD_FRONTS,
     VLLM_ROUTER,
     ZERO_HOP,
     vllm_router_binary,
@@ -35,8 +39,13 @@ from kvplane.bench.compare_workload import Workload
 from tests.support.polling import eventually
 
 ROUTER_INSTALLED = vllm_router_binary() is not None
-# Every front, and kvplane through a routing replica that ignores the engines' KV events.
-FRONTS = (*(f for f in ALL_FRONTS if ROUTER_INSTALLED or f != VLLM_ROUTER), KVPLANE_OWN_RECORD)
+# Every front, kvplane through a routing replica that ignores the engines' KV events, and the
+# two pairs of gateways a conversation's turns alternate between.
+FRONTS = (
+    *(f for f in ALL_FRONTS if ROUTER_INSTALLED or f != VLLM_ROUTER),
+    KVPLANE_OWN_RECORD,
+    *SPREAD_FRONTS,
+)
 CONFIG = compare.CompareConfig(
     workloads=("A", "B", "C"),
     concurrency=(1,),
@@ -106,6 +115,12 @@ def test_costs_are_charged_to_each_front_s_processes(runs: dict[str, compare.Wor
     # The colocated gateway routes in its own process: no routing process is charged beside it.
     assert set(run.fronts[KVPLANE_COLOCATED]) == {"colocated gateway", services, "etcd"}
     assert _row(run, KVPLANE_COLOCATED).route_ms > 0
+    # A spread front is charged both its gateways, each routing in its own process.
+    pair = {"spread gateway a", "spread gateway b"}
+    assert set(run.fronts[KVPLANE_SPREAD]) == {*pair, services, "etcd"}
+    own_pair = {"spread own-record gateway a", "spread own-record gateway b"}
+    assert set(run.fronts[KVPLANE_SPREAD_OWN_RECORD]) == {*own_pair, services, "etcd"}
+    assert _row(run, KVPLANE_SPREAD).route_ms > 0 and _row(run, KVPLANE_SPREAD_OWN_RECORD).route_ms > 0
     assert run.fronts[EXAMPLE_PROXY] == ["example proxy"] and run.fronts[ZERO_HOP] == []
     for row in run.rows:
         assert {CLIENT, ENGINES, *run.fronts[row.front]} == set(row.cpu_ms_per_turn)

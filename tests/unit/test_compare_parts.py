@@ -6,8 +6,14 @@ import aiohttp
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from kvplane.bench.compare_fronts import KVPLANE
-from kvplane.bench.compare_metrics import etcd_counts, gateway_leg_counts, services_etcd, services_etcd_ops
+from kvplane.bench.compare_fronts import KVPLANE, Conversation, HttpFront
+from kvplane.bench.compare_metrics import (
+    etcd_counts,
+    gateway_leg_counts,
+    gateway_legs,
+    services_etcd,
+    services_etcd_ops,
+)
 from kvplane.bench.compare_report import percentile
 from kvplane.bench.compare_report import rows as report_rows
 from kvplane.bench.compare_run import BlockResult, IdleWindow, TurnRecord
@@ -178,3 +184,51 @@ def test_front_cpu_is_its_processes_together_and_above_their_idle_rate() -> None
     assert abs(row.front_cpu_ms_per_turn_above_idle - (0.5 - 0.06) / 4 * 1e3) < 1e-9
     (unknown,) = report_rows([block], {KVPLANE: ["gateway", "etcd"]}, None)
     assert unknown.front_cpu_ms_per_turn_above_idle != unknown.front_cpu_ms_per_turn_above_idle  # nan
+
+
+async def test_a_front_with_several_gateways_alternates_each_conversation_s_turns() -> None:
+    seen: list[tuple[str, str]] = []
+
+    def gateway(name: str) -> web.Application:
+        async def completions(request: web.Request) -> web.StreamResponse:
+            seen.append((request.headers["X-Session-ID"], name))
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            await response.write(b'data: {"choices": [{"token_ids": [7]}]}\n\ndata: [DONE]\n\n')
+            return response
+
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        return app
+
+    async with (
+        TestServer(gateway("a"), host="127.0.0.1") as a,
+        TestServer(gateway("b"), host="127.0.0.1") as b,
+        aiohttp.ClientSession() as session,
+    ):
+        front = HttpFront("spread", [str(a.make_url("")).rstrip("/"), str(b.make_url("")).rstrip("/")], {})
+        first, second = Conversation("c0", 0), Conversation("c1", 1)
+        for _ in range(3):
+            for conversation in (first, second):
+                assert (await front.turn(session, conversation, {})).output == [7]
+    # Every later turn of a conversation meets the gateway that did not route its last one.
+    assert [name for conv, name in seen if conv == "c0"] == ["a", "b", "a"]
+    assert [name for conv, name in seen if conv == "c1"] == ["b", "a", "b"]
+
+
+async def test_route_timings_add_up_over_every_gateway_of_a_front() -> None:
+    page = (
+        'kvplane_gateway_leg_seconds_count{leg="route",outcome="ok"} 2\n'
+        'kvplane_gateway_leg_seconds_sum{leg="route",outcome="ok"} 0.5\n'
+    )
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(text=page)
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    async with TestServer(app, host="127.0.0.1") as server, aiohttp.ClientSession() as session:
+        url = str(server.make_url("")).rstrip("/")
+        one, two = await gateway_legs(session, [url]), await gateway_legs(session, [url, url])
+        assert one and two == {key: 2 * value for key, value in one.items()}
+        assert await gateway_legs(session, []) == {}
