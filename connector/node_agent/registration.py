@@ -100,6 +100,10 @@ class Registration:
             retry_now = False
             if not plane.session_ready.is_set():
                 continue
+            # Still registered: the wake-up (if any) asked for this keep-alive, which answers it.
+            # Left set, the next wait would return at once, and keep-alives would follow one another
+            # with no pause.
+            plane.reregister.clear()
             try:
                 await plane.meta.KeepAlive(
                     metadata_pb2.KeepAliveRequest(
