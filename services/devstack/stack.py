@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import secrets
 import shutil
 import sys
 import tempfile
@@ -69,6 +70,9 @@ class Stack:
     operator_metadata: tuple[tuple[str, str], ...] = ()
     # Whether `start_stack` made the run directory (then `stop` removes it: logs and tokens).
     owns_run_dir: bool = False
+    # The key of the prefix-cache salt every gateway of the stack shares: gateways salting with
+    # keys of their own would split each tenant's cache in P, as the gateway warns.
+    cache_salt_key: str = field(default_factory=lambda: secrets.token_hex(32), repr=False)
     # The routing replica the gateway asks: `serve all`'s (grpc_target), or with
     # `own_record_routing` a `serve routing` replica of its own.
     gateway_routing_target: str = ""
@@ -505,6 +509,7 @@ async def _run_gateway(
         # Text and chat prompts are tokenized by an engine (vLLM's /tokenize), so that
         # routing sees their token ids: their digests and their prefix-cache block hashes.
         "tokenize_url": stack.prefill_url,
+        "cache_salt_key": stack.cache_salt_key,
         **config.get("gateway", {}),
     }
     gateway_config.write_text(json.dumps({**config, "gateway": section}))  # JSON is YAML

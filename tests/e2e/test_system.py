@@ -210,6 +210,25 @@ async def test_a_gateway_routing_in_its_own_process_pulls_and_verifies(stack: St
         assert await engine_counter(session, url, "kvplane_routing_node_streams") == 2
 
 
+async def test_a_conversation_moving_between_the_stacks_gateways_finds_its_history_in_ps_cache(
+    stack: Stack,
+) -> None:
+    # Each gateway salts P's prefix cache per tenant (cache_salt); the stack's gateways share the
+    # salt's key, so a turn through the other gateway is the same tenant to P.
+    cached = "vllm:prompt_tokens_by_source_total"
+    async with aiohttp.ClientSession() as session:
+        conv = Conversation("two-gateways", random.Random(4242))
+        conv.prompt = conv.next_user(2000)
+        _, out = await turn(session, stack, conv, conv.prompt, stream=False)
+        before = await engine_counter(session, stack.prefill_url, cached, source="local_cache_hit")
+        second = conv.prompt + out + conv.next_user(200)
+        await turn(session, stack, conv, second, stream=True, gateway_url=stack.colocated_gateway_url)
+        hits = await engine_counter(session, stack.prefill_url, cached, source="local_cache_hit") - before
+        # Every whole block of the first prompt, which P computed, is found in its cache (16-token
+        # blocks; the last may be left to compute).
+        assert hits >= (len(conv.prompt) // 16 - 1) * 16, hits
+
+
 async def test_stripped_reasoning_never_uses_an_unverified_block(stack: Stack) -> None:
     async with aiohttp.ClientSession() as session:
         conv = Conversation("stripped", random.Random(99))
