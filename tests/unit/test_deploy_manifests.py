@@ -173,6 +173,16 @@ def test_sim_engines_send_release_commands_to_the_eviction_service(resolved_comp
         assert "--eviction=eviction:50051" in resolved_compose["services"][name]["command"]
 
 
+def test_compose_gateways_salt_ps_cache_with_one_key(resolved_compose: dict[str, Any]) -> None:
+    # A key of each gateway's own would split every tenant's prefix cache in P between them.
+    keys = {
+        name: svc["environment"].get("KVPLANE_GATEWAY__CACHE_SALT_KEY")
+        for name, svc in resolved_compose["services"].items()
+        if svc.get("command") == ["gateway"]
+    }
+    assert len(keys) == 2 and len(set(keys.values())) == 1 and all(keys.values()), keys
+
+
 def test_unknown_service_flag_in_compose_is_caught(
     checks: ModuleType, resolved_compose: dict[str, Any], tmp_path: Path
 ) -> None:
