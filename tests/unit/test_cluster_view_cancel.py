@@ -46,7 +46,7 @@ async def test_a_cancel_landing_at_any_turn_around_the_change_ends_the_waiter() 
         view.start()
         try:
             assert await view.wait_for(view.ready.is_set, 10.0)
-            waiter = asyncio.create_task(view.wait_for(lambda: view.revision >= 2, 30.0))
+            waiter = asyncio.create_task(view.wait_for(lambda v=view: v.revision >= 2, 30.0))
             await asyncio.sleep(0)
             store.batches.put_nowait([a_load_deleted(store, 2)])
             for _ in range(turns):
