@@ -14,6 +14,7 @@ from kvplane.services.common.model.errors import HandleNotRetained, NodeNotRegis
 from kvplane.services.common.model.handles import HandleState, ReleaseReason
 from kvplane.services.common.store import Store
 from kvplane.services.common.store.etcd import Ambiguous
+from kvplane.services.common.store.records import HandleReplaced
 from kvplane.services.common.store.settings import StoreSettings
 from kvplane.services.dev.local_etcd import LocalEtcd
 from tests.conftest import make_node
@@ -53,6 +54,25 @@ async def test_hundred_concurrent_checkouts_of_one_handle_give_exactly_one_succe
     losers = [r for r in results if isinstance(r, BaseException)]
     assert len(winners) == 1
     assert all(isinstance(e, HandleNotRetained) for e in losers)
+
+
+async def test_a_check_out_of_a_replaced_handle_names_the_one_retained_now(store: Store) -> None:
+    node = make_node()
+    await store.register_node(node, 30)
+    await store.publish_handle(make_handle(node, request_id="turn-1"))
+    old = await store.get_handle_record("acme", "conv-1")
+    assert old is not None
+    newer = (await store.publish_handle(make_handle(node, request_id="turn-2", tokens=range(1, 513)))).handle
+    with pytest.raises(HandleReplaced) as raised:
+        await store.check_out("acme", "conv-1", route_id="r1", expected=old)
+    # The failed check-out's own read, at its revision: it can be checked out at once.
+    assert raised.value.current.handle == newer
+    checked = await store.check_out("acme", "conv-1", route_id="r2", expected=raised.value.current)
+    assert checked.handle == newer
+    # Taken, not replaced: the same record again is plainly not retained.
+    with pytest.raises(HandleNotRetained) as again:
+        await store.check_out("acme", "conv-1", route_id="r3", expected=raised.value.current)
+    assert not isinstance(again.value, HandleReplaced)
 
 
 async def test_checked_out_handle_cannot_be_released(store: Store) -> None:

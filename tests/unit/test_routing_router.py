@@ -13,7 +13,7 @@ from kvplane.services.common.model.errors import HandleNotRetained, NotFound, St
 from kvplane.services.common.model.handles import CacheHandle
 from kvplane.services.common.model.nodes import Node, NodeRole
 from kvplane.services.common.model.suspects import NodeSuspect
-from kvplane.services.common.store.records import CheckOut, HandleRecord
+from kvplane.services.common.store.records import CheckOut, HandleRecord, HandleReplaced
 from kvplane.services.routing.policy import Decision, NodeState, Prompt, RoutingPolicy, load_policy
 from kvplane.services.routing.router.ports import Clock, ClusterReader, HandleCheckOut
 from kvplane.services.routing.router.router import NoRoute, Router
@@ -75,6 +75,8 @@ class FakeCheckOut:
     fails: Exception | None = None
     calls: list[tuple[str, float]] = field(default_factory=list)
     taken: set[str] = field(default_factory=set)
+    # Handles etcd has replaced, by id, with the one it retains now (a view behind etcd).
+    replaced: dict[str, HandleRecord] = field(default_factory=dict)
 
     async def check_out(
         self, tenant: str, conversation: str, route_id: str, expected: HandleRecord, timeout_s: float
@@ -82,6 +84,8 @@ class FakeCheckOut:
         self.calls.append((route_id, timeout_s))
         if self.fails is not None:
             raise self.fails
+        if expected.handle.handle_id in self.replaced:
+            raise HandleReplaced("replaced", self.replaced[expected.handle.handle_id])
         if expected.handle.handle_id in self.taken:
             raise HandleNotRetained("checked out already")
         self.taken.add(expected.handle.handle_id)
@@ -189,6 +193,36 @@ async def test_a_failed_check_out_recomputes(failure: Exception, reason: str) ->
     assert outcome.decision is Decision.RECOMPUTE_CONTENDED and reason in outcome.reason
     assert outcome.handle is None and outcome.reused_tokens == 0
     assert outcome.prefill_params["remote_block_ids"] is None
+    assert len(checkout.calls) == 1
+
+
+async def test_a_check_out_that_finds_a_newer_handle_plans_again_on_it_and_pulls_it() -> None:
+    # The view holds the handle of the turn before last; etcd holds the last turn's, published
+    # while another replica carried that turn. The check-out's failure names it: one more plan,
+    # one more check-out, and the turn pulls the history it would have recomputed.
+    cluster = FakeCluster(fleet())
+    stale = held(cluster, history(HISTORY))
+    longer = [*history(HISTORY), *history(320, seed=5)]
+    newer_handle = replace(mk_handle(cluster.nodes[2], longer), handle_id="h2")
+    newer = HandleRecord(newer_handle, mod_revision=9, lease=1)
+    router, checkout, _ = make_router(cluster, FakeCheckOut(replaced={stale.handle.handle_id: newer}))
+    outcome = await router.route(turn([*longer, 1]))
+    assert outcome.decision is Decision.PULL, outcome.reason
+    assert outcome.handle == newer.handle and outcome.reused_tokens > HISTORY
+    assert len(checkout.calls) == 2
+
+
+async def test_a_newer_handle_that_does_not_cover_the_prompt_is_not_checked_out() -> None:
+    # etcd's handle belongs to an edited history: planning again on it recomputes, and no second
+    # check-out is tried.
+    cluster = FakeCluster(fleet())
+    stale = held(cluster, history(HISTORY))
+    other = replace(mk_handle(cluster.nodes[2], history(HISTORY, seed=77)), handle_id="h2")
+    router, checkout, _ = make_router(
+        cluster, FakeCheckOut(replaced={stale.handle.handle_id: HandleRecord(other, 9, 1)})
+    )
+    outcome = await router.route(turn([*history(HISTORY), 1]))
+    assert not outcome.decision.pulls and outcome.handle is None, outcome
     assert len(checkout.calls) == 1
 
 

@@ -24,8 +24,23 @@ from kvplane.services.common.model.keys import KeyLayout, prefix_range_end
 from kvplane.services.common.runtime.telemetry import Telemetry
 from kvplane.services.common.store import fencing
 from kvplane.services.common.store.etcd import Ambiguous, EtcdClient, LeaseNotFound
-from kvplane.services.common.store.records import CheckOut, HandleRecord, now_ms
+from kvplane.services.common.store.records import (
+    CheckOut,
+    HandleRecord,
+    HandleReplaced,
+    decode_handle,
+    now_ms,
+)
 from kvplane.v1 import handle_pb2
+
+
+def _current_handle(resp: rpc.TxnResponse) -> HandleRecord | None:
+    """The handle a failed check-out's read found (None: the conversation retains none)."""
+    kvs = resp.responses[0].response_range.kvs if resp.responses else []
+    if not kvs:
+        return None
+    kv = kvs[0]
+    return HandleRecord(decode_handle(kv.value), int(kv.mod_revision), int(kv.lease))
 
 
 class ClaimStore:
@@ -42,8 +57,10 @@ class ClaimStore:
         One transaction: the handle key's mod_revision still equals the one
         read; then delete the handle and its index, write the claim on its
         blocks and point the conversation's check-out at it, all under the
-        handle's own lease. HandleNotRetained if another caller won; NotFound
-        for a handle past its wall-clock expiry.
+        handle's own lease. HandleNotRetained if another caller won, or
+        HandleReplaced (with the handle etcd holds, read in the same transaction) if the
+        conversation's handle is another one now; NotFound for a handle past its wall-clock
+        expiry.
         """
         handle = record.handle
         if handle.wall_expiry_unix_ms <= now_ms():
@@ -63,6 +80,8 @@ class ClaimStore:
         claim_lease = record.lease
         key = self.keys.handle(tenant, conversation)
         compare = [fencing.same_revision(key, record.mod_revision)]
+        # On a lost compare, what the key holds now comes back in the same round trip.
+        failure = [fencing.get(key)]
         ops = [
             fencing.delete(key),
             fencing.delete(
@@ -75,13 +94,16 @@ class ClaimStore:
         ]
         try:
             resp = await self.etcd.txn(
-                "check_out", compare, ops, conversation=conversation, claim_id=claim_id
+                "check_out", compare, ops, failure, conversation=conversation, claim_id=claim_id
             )
             won = bool(resp.succeeded)
         except Ambiguous as exc:
-            resp = await self.etcd.resend(exc, lambda: self.etcd.txn("check_out", compare, ops))
+            resp = await self.etcd.resend(exc, lambda: self.etcd.txn("check_out", compare, ops, failure))
             won = bool(resp.succeeded) or await self._is_ours(claim_key, claim_id)
         if not won:
+            current = _current_handle(resp) if not resp.succeeded else None
+            if current is not None and current.handle.handle_id != handle.handle_id:
+                raise HandleReplaced(f"conversation {conversation!r} retains another handle now", current)
             raise HandleNotRetained(f"handle of conversation {conversation!r} was taken or replaced")
         self.telemetry.store.handle_transitions.labels("checked_out", "").inc()
         return CheckOut(handle, claim_id, int(resp.header.revision), handle_pb.SerializeToString())

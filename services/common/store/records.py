@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 
 from kvplane.services.common.model import convert
+from kvplane.services.common.model.errors import HandleNotRetained
 from kvplane.services.common.model.handles import CacheHandle, HandleState, PendingRelease
 from kvplane.services.common.model.nodes import Node
 from kvplane.v1 import handle_pb2
@@ -27,6 +28,15 @@ class HandleRecord:
     handle: CacheHandle
     mod_revision: int
     lease: int
+
+
+class HandleReplaced(HandleNotRetained):
+    """A check-out found another handle retained for the conversation than the one it expected:
+    the caller read a view that etcd had moved past (the conversation's next turn published)."""
+
+    def __init__(self, message: str, current: HandleRecord) -> None:
+        super().__init__(message)
+        self.current = current
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,8 +37,10 @@ class HandleCheckOut(Protocol):
     ) -> CheckOut:
         """The handle, claimed for `route_id`, if `expected` is still what is retained.
 
-        Raises HandleNotRetained or NotFound when another turn took it (or it went), and
-        StoreUnavailable or TimeoutError when the claim could not be made within `timeout_s`.
+        Raises HandleNotRetained or NotFound when another turn took it (or it went),
+        HandleReplaced (with the current handle) when the conversation retains another one
+        now, and StoreUnavailable or TimeoutError when the claim could not be made within
+        `timeout_s`.
         """
         ...
 

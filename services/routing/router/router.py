@@ -27,7 +27,7 @@ from dataclasses import replace
 
 from kvplane.services.common.model.errors import HandleNotRetained, NotFound, StoreUnavailable
 from kvplane.services.common.model.nodes import Node
-from kvplane.services.common.store.records import CheckOut, HandleRecord
+from kvplane.services.common.store.records import CheckOut, HandleRecord, HandleReplaced
 from kvplane.services.routing.policy import (
     CostModel,
     Decision,
@@ -126,8 +126,18 @@ class Router:
         decision, reason = plan.decision, plan.verdict.reason
         checked: CheckOut | None = None
         if decision.pulls and record is not None:
-            checked, reason = await self._check_out(turn, route_id, record, time_budget_s)
-            if checked is None:
+            checked, reason, current = await self._check_out(turn, route_id, record, time_budget_s)
+            if current is not None:
+                # The view was behind etcd (the conversation's last turn published a handle this
+                # replica had not seen yet, as when another gateway carried that turn): plan again,
+                # once, on the handle etcd holds.
+                record = current
+                snapshot = replace(snapshot, handle=current.handle)
+                plan = self._plan(snapshot, states)
+                decision, reason = plan.decision, plan.verdict.reason
+                if decision.pulls:
+                    checked, reason, _ = await self._check_out(turn, route_id, record, time_budget_s)
+            if decision.pulls and checked is None:
                 decision = Decision.RECOMPUTE_CONTENDED
         handle = checked.handle if checked is not None else None
         clip = plan.verdict.reusable_tokens if decision is Decision.PULL_PREFIX else 0
@@ -300,30 +310,33 @@ class Router:
 
     async def _check_out(
         self, turn: TurnRequest, route_id: str, record: HandleRecord, time_budget_s: float | None
-    ) -> tuple[CheckOut | None, str]:
-        """The check-out, or None with the reason the handle could not be checked out."""
+    ) -> tuple[CheckOut | None, str, HandleRecord | None]:
+        """The check-out, or None with the reason the handle could not be checked out, and the
+        handle the conversation retains instead when that is why (HandleReplaced)."""
         if not self.cluster.healthy:
             # A stale view may still hold a handle that is gone; without etcd the
             # check-out cannot be made, so this turn recomputes.
-            return None, "etcd unreachable: recomputing from the cached view"
+            return None, "etcd unreachable: recomputing from the cached view", None
         timeout_s = self.settings.checkout_timeout_s
         if time_budget_s is not None:
             # Keep a little of the caller's deadline to send the answer.
             timeout_s = min(timeout_s, time_budget_s - _ANSWER_MARGIN_S)
             if timeout_s <= 0:
-                return None, "caller's deadline too short to check the handle out"
+                return None, "caller's deadline too short to check the handle out", None
         try:
             checked = await self.checkout.check_out(
                 turn.tenant, turn.conversation, route_id, record, timeout_s
             )
+        except HandleReplaced as exc:
+            return None, "the conversation retains a newer handle than this replica saw", exc.current
         except (HandleNotRetained, NotFound):
-            return None, "another turn of the conversation took the handle"
+            return None, "another turn of the conversation took the handle", None
         except (StoreUnavailable, TimeoutError) as exc:
             # A timed-out check-out may still apply: then nobody reads the blocks
             # and D frees them at its TTL. Never a double read.
             log.warning("check-out failed, recomputing: %s", exc)
-            return None, "etcd unreachable: recomputing"
-        return checked, f"checked out handle {checked.handle.handle_id}"
+            return None, "etcd unreachable: recomputing", None
+        return checked, f"checked out handle {checked.handle.handle_id}", None
 
     # -- account ------------------------------------------------------------------------------
 
