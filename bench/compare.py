@@ -7,8 +7,10 @@ decode sim-engines timed like Qwen3-32B, the gateway), vllm-router in P/D mode a
 example P/D proxy on those engines, and runs the same multi-turn chats through each front:
 kvplane's gateway (asking a `serve routing` replica over gRPC, and one routing in its own process),
 vllm-router, the example proxy, and two zero-hop clients that send the P and
-D legs straight to the engines (one carries D's handle into the next turn, one does not). See
-`compare_fronts` for each front, `compare_workload` for the chats.
+D legs straight to the engines (one carries D's handle into the next turn, one does not). On
+request (`--fronts`), also kvplane through a routing replica that sets the engines' KV events
+aside, and two pairs of gateways a conversation's turns alternate between, with and without the
+events. See `compare_fronts` for each front, `compare_workload` for the chats.
 
 The fronts take turns in blocks (one front's chats of one repeat at one concurrency), their
 order rotated each repeat; every front gets the same conversation shapes and arrivals, with its
@@ -27,8 +29,9 @@ Each workload has a stack of its own (its engines started with its flags).
 Printed per workload, and written as JSON with every block and turn: per front and
 concurrency, TTFT of later turns against the zero-hop client with reuse, turns/s, failures,
 kvplane's fallbacks, where P found the later turns' prompt tokens, CPU per turn of each process
-of the front (and of this client and the engines), etcd requests and writes per turn, and
-etcd's writes per engine-second while nothing runs.
+of the front (and of this client and the engines), the front's CPU per turn together and above
+its processes' idle rate, etcd requests and writes per turn, and etcd's writes per engine-second
+while nothing runs.
 """
 
 from __future__ import annotations
@@ -481,7 +484,7 @@ def parse_args(argv: Sequence[str]) -> tuple[CompareConfig, str]:
         "--fronts",
         type=_fronts,
         default=ALL_FRONTS,
-        help=f"among {','.join(SELECTABLE_FRONTS)} (default: all but {KVPLANE_OWN_RECORD})",
+        help=f"among {','.join(SELECTABLE_FRONTS)} (default: {','.join(ALL_FRONTS)})",
     )
     parser.add_argument("--turns", type=int, default=w.turns)
     parser.add_argument("--first-tokens", type=int, default=w.first_tokens, help="first prompt, tokens")
