@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import aiohttp
@@ -59,6 +59,16 @@ async def _text(session: aiohttp.ClientSession, url: str) -> str:
     async with session.get(url, timeout=aiohttp.ClientTimeout(total=10)) as resp:
         resp.raise_for_status()
         return await resp.text()
+
+
+async def _summed(
+    session: aiohttp.ClientSession, urls: Sequence[str], parse: Callable[[str], Counters]
+) -> Counters:
+    """`parse` of every page at `urls`, added up key by key."""
+    total: Counter[str] = Counter()
+    for page in await asyncio.gather(*(_text(session, url) for url in urls)):
+        total.update(parse(page))
+    return dict(total)
 
 
 def cpu(pids: Mapping[str, int]) -> Counters:
@@ -117,12 +127,7 @@ def services_etcd_ops(text: str) -> Counters:
 
 async def services_etcd(session: aiohttp.ClientSession, metrics_urls: Sequence[str]) -> Counters:
     """The etcd requests every one of kvplane's processes at `metrics_urls` sent, by operation."""
-    texts = await asyncio.gather(*(_text(session, url) for url in metrics_urls))
-    out: Counters = {}
-    for text in texts:
-        for key, value in services_etcd_ops(text).items():
-            out[key] = out.get(key, 0.0) + value
-    return out
+    return await _summed(session, metrics_urls, services_etcd_ops)
 
 
 def gateway_leg_counts(text: str) -> Counters:
@@ -142,10 +147,7 @@ def gateway_leg_counts(text: str) -> Counters:
 async def gateway_legs(session: aiohttp.ClientSession, gateway_urls: Sequence[str]) -> Counters:
     """kvplane gateways' Route timings, summed; none for no gateway (a block of another front,
     the idle window)."""
-    total: Counter[str] = Counter()
-    for page in await asyncio.gather(*(_text(session, f"{url}/metrics") for url in gateway_urls)):
-        total.update(gateway_leg_counts(page))
-    return dict(total)
+    return await _summed(session, [f"{url}/metrics" for url in gateway_urls], gateway_leg_counts)
 
 
 def delta(after: Mapping[str, float], before: Mapping[str, float]) -> Counters:
