@@ -14,8 +14,8 @@
 #            the dashboard, alert rules, autoscalers, gateway drain and engine objects (ops_checks)
 #   mesh     the Istio manifests: their CRD schemas, known fields, and the identities, labels,
 #            ports and gRPC paths they name against the rendered chart
-#   crds     ServiceMonitors, the PrometheusRule and Istio resources against their CRD schemas (node,
-#            @kubernetes-models)
+#   crds     ServiceMonitors, the PrometheusRule, Istio resources, the HTTPRoute and the InferencePool
+#            against their CRD schemas (node: @kubernetes-models, and validate/schemas/ with Ajv)
 #
 # The Python validators come with the dev extras (pip install -e '.[dev]'); the CRD schemas are
 # installed from deploy/scripts/validate/package-lock.json with `npm ci` when missing.
@@ -59,9 +59,12 @@ if [[ ${#missing[@]} -gt 0 ]]; then
     "$(IFS=', '; echo "${missing[*]}")" >&2
   exit 2
 fi
-if [[ ! -d $VALIDATE/node_modules/@kubernetes-models/istio ]]; then
-  (cd "$VALIDATE" && npm ci --no-audit --no-fund --silent) || { echo "npm ci failed in $VALIDATE" >&2; exit 2; }
-fi
+for module in @kubernetes-models/istio @kubernetes-models/prometheus-operator @kubernetes-models/gateway-api ajv; do
+  if [[ ! -d $VALIDATE/node_modules/$module ]]; then
+    (cd "$VALIDATE" && npm ci --no-audit --no-fund --silent) || { echo "npm ci failed in $VALIDATE" >&2; exit 2; }
+    break
+  fi
+done
 
 # The semantic checks: the deploy_checks package beside this script.
 CHECKS=(env PYTHONPATH="$VALIDATE" "$PY" -m deploy_checks)
@@ -115,8 +118,8 @@ step "mesh: Istio manifests"
 run "mesh manifests" "${CHECKS[@]}" mesh "$OUT"
 
 # ---------------------------------------------------------------- CRD schemas
-step "crds: ServiceMonitor, PrometheusRule and Istio schemas (node $(node --version))"
-run "ServiceMonitor and PrometheusRule schemas" node "$VALIDATE/crd_schemas.mjs" "$OUT/helm-crds.json"
+step "crds: ServiceMonitor, PrometheusRule, HTTPRoute, InferencePool and Istio schemas (node $(node --version))"
+run "ServiceMonitor, PrometheusRule, HTTPRoute and InferencePool schemas" node "$VALIDATE/crd_schemas.mjs" "$OUT/helm-crds.json"
 run "Istio schemas" node "$VALIDATE/crd_schemas.mjs" "$OUT/mesh-crds.json"
 
 echo
