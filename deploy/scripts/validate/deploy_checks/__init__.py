@@ -13,7 +13,8 @@
 `compose_checks.py`, `dockerfile_checks.py`, `chart_checks.py` (the rendered chart),
 `ops_checks.py` (the dashboard, alert rules, autoscalers, the gateway's drain and the engines'
 Services, budgets, monitors and OTEL settings; `promql.py` reads the metric names their queries
-use), `mesh_checks.py` (its Istio manifests, and every call the code makes decided against them:
+use), `pool_checks.py` (the InferencePool path: the pool, its picker and the decode sidecars),
+`mesh_checks.py` (its Istio manifests, and every call the code makes decided against them:
 `client_calls.py` reads the calls, `istio_authz.py` decides them), over `manifests.py`
 (Kubernetes documents and schemas), `kvplane_code.py` (kvplane's own parsers and settings model)
 and `report.py`.
@@ -39,6 +40,7 @@ from .mesh_checks import (
     unknown_fields,
 )
 from .ops_checks import check_operations
+from .pool_checks import check_inference_pool
 from .promql import PromQLError, metric_names
 from .report import Report
 
@@ -51,6 +53,7 @@ __all__ = [
     "check_compose",
     "check_dockerfile",
     "check_helm",
+    "check_inference_pool",
     "check_mesh",
     "check_operations",
     "client_requests",

@@ -17,6 +17,7 @@ from .kvplane_code import (
     host_port,
     load_settings,
     module_file,
+    parse_front,
     parse_serve,
     parse_sim_engine,
     settings_has_section,
@@ -24,6 +25,7 @@ from .kvplane_code import (
 )
 from .manifests import check_kubernetes_docs, container_ports, docs_of, matches, pod_templates
 from .ops_checks import check_operations
+from .pool_checks import check_inference_pool
 from .report import CHART, Report
 
 
@@ -165,7 +167,7 @@ def _check_container(
                 any(value.startswith(m) for m in mounts),
                 f"{name}: {var} ({value}) is in a mounted volume",
             )
-    if c["name"] in ("metadata", "routing", "eviction", "gateway"):
+    if c["name"] in ("metadata", "routing", "eviction", "gateway", "epp", "sidecar"):
         check_kvplane_container(name, c, env, r.docs, report)
     if c["name"] == "engine":
         check_sim_container(name, c, report)
@@ -174,9 +176,16 @@ def _check_container(
 
 
 def _check_services(r: Rendering, label: str, report: Report) -> None:
-    """Every Service selects pods, and its target ports exist."""
+    """Every Service selects pods, its ports are distinct, and its target ports exist."""
     for svc in r.services_by_name.values():
         name = f"{label} Service {svc['metadata']['name']}"
+        ports = [(p["port"], p.get("protocol", "TCP")) for p in svc["spec"]["ports"]]
+        names = [p.get("name") for p in svc["spec"]["ports"]]
+        report.check(
+            len(set(ports)) == len(ports) and len(set(names)) == len(names),
+            f"{name}: ports and port names are distinct",
+            str(ports),
+        )
         selected = r.pods_for(svc["spec"]["selector"])
         if report.check(bool(selected), f"{name}: selects pods"):
             for port in svc["spec"]["ports"]:
@@ -244,30 +253,45 @@ def _check_service_monitors(r: Rendering, label: str, report: Report) -> None:
                 report.check(ep["port"] in names, f"{name}: endpoint port {ep['port']} is a Service port")
 
 
+def engine_http_ports(values: dict[str, Any]) -> set[int]:
+    """The ports on which engine pods serve HTTP: the engines' own, and with the InferencePool path
+    the decode engines' beside their sidecars and the sidecars'."""
+    ports = {int(values["engines"]["httpPort"])}
+    pool = values.get("inferencePool", {})
+    if pool.get("enabled"):
+        ports |= {int(pool["sidecar"]["enginePort"]), int(pool["sidecar"]["port"])}
+    return ports
+
+
 def _check_engine_isolation(r: Rendering, label: str, values: dict[str, Any], report: Report) -> None:
-    """The engines' NetworkPolicy lets only engines reach any port but HTTP."""
+    """No NetworkPolicy lets anyone but engines reach an engine pod beyond its HTTP ports (the NIXL
+    side channel and transfers)."""
     engines_np = [
         d
         for d in r.docs
         if d["kind"] == "NetworkPolicy" and d["spec"]["podSelector"]["matchLabels"] == r.engine_labels
     ]
     if values["networkPolicy"]["enabled"]:
+        http_ports = engine_http_ports(values)
+        engine_pods = r.pods_for(r.engine_labels)
         ok = len(engines_np) == 1
-        if ok:
-            for rule in engines_np[0]["spec"]["ingress"]:
+        for np in (d for d in r.docs if d["kind"] == "NetworkPolicy"):
+            selector = np["spec"]["podSelector"]["matchLabels"]
+            if selector != r.engine_labels and not any(p in engine_pods for p in r.pods_for(selector)):
+                continue
+            for rule in np["spec"].get("ingress", []):
                 peers = rule.get("from", [])
-                all_ports = "ports" not in rule
-                if all_ports:
+                if "ports" not in rule:
                     ok = (
                         ok
+                        and bool(peers)
                         and all(
                             p.get("podSelector", {}).get("matchLabels") == r.engine_labels and len(p) == 1
                             for p in peers
                         )
-                        and bool(peers)
                     )
                 else:
-                    ok = ok and {p["port"] for p in rule["ports"]} == {values["engines"]["httpPort"]}
+                    ok = ok and {p["port"] for p in rule["ports"]} <= http_ports
         report.check(ok, f"{label}: only engines reach engines beyond the HTTP port (NIXL side channel)")
 
 
@@ -284,6 +308,7 @@ def check_kvplane_container(
         "KVPLANE_GATEWAY__API_KEYS": "[]",
         "KVPLANE_GATEWAY__ROUTING_TOKEN": "a-token",
         "KVPLANE_GATEWAY__CACHE_SALT_KEY": "a-key",
+        "KVPLANE_SIDECAR__ROUTE_KEY": "a-route-key",
     }
     for var in secret_env:
         report.check(var in placeholders, f"{name}: secret variable {var} is a known setting")
@@ -294,7 +319,12 @@ def check_kvplane_container(
         report.note(f"{name}: settings have no gateway section yet; gateway settings not checked")
         text, plain_env = without_section(config_text, plain_env, "gateway")
     try:
-        flags = parse_serve(args)[1] if args[:1] == ["serve"] else {}
+        if args[:1] == ["serve"]:
+            flags = parse_serve(args)[1]
+        elif args[:1] in (["epp"], ["sidecar"]):
+            flags = parse_front(args)
+        else:
+            flags = {}
         settings = load_settings(plain_env, text, flags)
         ok, detail = True, ""
     except (SystemExit, Exception) as exc:
@@ -327,8 +357,13 @@ def check_sim_container(name: str, c: dict[str, Any], report: Report) -> None:
     report.check(ok, f"{name}: `kvplane sim-engine` flags parse", detail)
     if sim is not None:
         report.check(
-            sim.http_host == "10.0.0.1" and sim.side_channel_host == "10.0.0.1",
+            sim.advertised_http_host == "10.0.0.1" and sim.advertised_side_channel_host == "10.0.0.1",
             f"{name}: advertises its pod IP",
+        )
+        report.check(
+            sim.http_host in ("10.0.0.1", "0.0.0.0", "::")
+            and sim.side_channel_host in ("10.0.0.1", "0.0.0.0", "::"),
+            f"{name}: binds its pod IP or every interface",
         )
         ports = container_ports({"spec": {"containers": [c]}})
         report.check(
@@ -451,6 +486,16 @@ def merged_values(overrides: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
+# The InferencePool path on, with sim-engines, the smallest values that render it.
+POOL_ON: dict[str, Any] = {
+    "engines": {"sim": {"enabled": True}},
+    "inferencePool": {
+        "enabled": True,
+        "ingressFrom": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gateways"}}}],
+    },
+}
+
+
 def check_helm(out: Path, report: Report) -> None:
     import helm_python as helm
 
@@ -476,6 +521,7 @@ def check_helm(out: Path, report: Report) -> None:
         check_chart_semantics(f"[{label}]", docs, merged_values(overrides), report)
         check_etcd_backup(f"[{label}]", docs, merged_values(overrides), report)
         check_operations(f"[{label}]", docs, merged_values(overrides), report)
+        check_inference_pool(f"[{label}]", docs, merged_values(overrides), report)
 
     # Values the chart must refuse.
     refusals: list[tuple[str, dict[str, Any]]] = [
@@ -506,6 +552,23 @@ def check_helm(out: Path, report: Report) -> None:
         (
             "gRPC TLS without the gateway's Secret",
             {"grpc": {"tls": {"enabled": True, "serverSecret": "s"}}},
+        ),
+        # The InferencePool path.
+        (
+            "a decode sidecar on its engine's port",
+            {
+                **POOL_ON,
+                "inferencePool": {**POOL_ON["inferencePool"], "sidecar": {"port": 8200, "enginePort": 8200}},
+            },
+        ),
+        (
+            "an InferencePool open to anyone while NetworkPolicies are on",
+            {**POOL_ON, "inferencePool": {"enabled": True}},
+        ),
+        ("an InferencePool without decode engines", {"inferencePool": POOL_ON["inferencePool"]}),
+        (
+            "an unknown failure mode",
+            {**POOL_ON, "inferencePool": {**POOL_ON["inferencePool"], "failureMode": "Open"}},
         ),
     ]
     for label, bad_values in refusals:

@@ -123,6 +123,18 @@ def parse_serve(argv: list[str]) -> tuple[argparse.Namespace, dict[str, Any]]:
     return args, cli._overrides(args)
 
 
+def parse_front(argv: list[str]) -> dict[str, Any]:
+    """`kvplane epp ...` or `kvplane sidecar ...` through its own parser: the settings its flags set."""
+    from kvplane.services.epp import cli as epp_cli
+    from kvplane.services.sidecar import cli as sidecar_cli
+
+    cli = {"epp": epp_cli, "sidecar": sidecar_cli}[argv[0]]
+    parser = cli.build_parser()
+    parser.exit_on_error = False
+    overrides: dict[str, Any] = cli.overrides(parser.parse_args(argv[1:]))
+    return overrides
+
+
 def check_health_probe(
     name: str, command: list[str], c: dict[str, Any], ports: Mapping[str | int, int], report: Report
 ) -> None:
