@@ -14,8 +14,9 @@
 `ops_checks.py` (the dashboard, alert rules, autoscalers, the gateway's drain and the engines'
 Services, budgets, monitors and OTEL settings; `promql.py` reads the metric names their queries
 use), `pool_checks.py` (the InferencePool path: the pool, its picker and the decode sidecars),
-`mesh_checks.py` (its Istio manifests, and every call the code makes decided against them:
-`client_calls.py` reads the calls, `istio_authz.py` decides them), over `manifests.py`
+`mesh_checks.py` (its Istio manifests, and every call the code makes decided against them and
+against the NetworkPolicies: `client_calls.py` reads the calls, `istio_authz.py` and
+`network_policy.py` decide them), over `manifests.py`
 (Kubernetes documents and schemas), `kvplane_code.py` (kvplane's own parsers and settings model)
 and `report.py`.
 

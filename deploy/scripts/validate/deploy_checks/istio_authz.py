@@ -32,6 +32,8 @@ class Request:
     path: str
     method: str = "POST"
     headers: Mapping[str, str] = field(default_factory=dict)
+    # The caller pod's labels: Istio decides on the principal; the NetworkPolicies on these.
+    source_labels: Mapping[str, str] = field(default_factory=dict)
 
 
 def _string_match(pattern: str, value: str) -> bool:
