@@ -6,10 +6,11 @@ decisions its own gateway makes: the turn is admitted, routed and reported by th
 and sent to the decode engine's sidecar (`kvplane sidecar`), which runs the P and D legs. The
 request phase is `exchange.py`'s, the response phase `response_phase.py`'s.
 
-Envoy's side (the tests' configuration is the worked example, `tests/support/envoy.py`): an
-`ext_proc` filter with FULL_DUPLEX_STREAMED request and response bodies, trailers sent,
-`envoy.lb` among the metadata namespaces it receives, and an ORIGINAL_DST cluster routed by
-`x-gateway-destination-endpoint`.
+Envoy's side (the dev stack's and the tests' configuration is the worked example,
+`devstack/envoy.py`): an `ext_proc` filter with FULL_DUPLEX_STREAMED request and response
+bodies, trailers sent, `envoy.lb` among the metadata namespaces it may write, and a cluster of the
+decode sidecars balanced by `override_host` on `envoy.lb`'s `x-gateway-destination-endpoint`,
+with one retry on another sidecar when a decode engine cannot be reached.
 
     epp:
       listen: 0.0.0.0:9002

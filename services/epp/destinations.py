@@ -15,6 +15,12 @@ DESTINATION = "x-gateway-destination-endpoint"
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
+# A sidecar's answer that Envoy may send to another decode pod: its decode engine could not be
+# reached and nothing was sent (`failover.after_decode_failure`). Envoy's retry policy names it
+# (`retriable_headers`), and counts the attempts in ATTEMPT_HEADER
+# (`include_request_attempt_count`).
+RETRY_ELSEWHERE = "x-kvplane-retry-elsewhere"
+ATTEMPT_HEADER = "x-envoy-attempt-count"
 
 
 def sidecar_address(decode_url: str, sidecar_port: int, sidecars: Mapping[str, str]) -> str:

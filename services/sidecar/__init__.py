@@ -11,7 +11,9 @@ as a recompute, and D's handle is removed from what the client receives.
 The legs, their deadlines, what a failed P leg means (`failover.prefill_retry`) and the body's
 checks are the gateway's own code. The sidecar reports nothing to routing: the picker, which
 sees D's last event pass back through Envoy, reports the turn; the sidecar tells it what the P leg
-did in the `x-kvplane-prefill` response header, which the picker removes.
+did in the `x-kvplane-prefill` response header, which the picker removes. A decode engine that
+cannot be reached on the turn's first attempt is answered 503 with `x-kvplane-retry-elsewhere`,
+for Envoy to retry on another decode pod (`app._decode_failed`).
 
     sidecar:
       listen: 0.0.0.0:8000

@@ -14,6 +14,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvplane.services.common.runtime.telemetry import Telemetry
+from kvplane.services.epp.destinations import ATTEMPT_HEADER, RETRY_ELSEWHERE
 from kvplane.services.gateway import failover, sse
 from kvplane.services.gateway.admission import parse_json, read_limits
 from kvplane.services.gateway.app import split_host_port
@@ -145,7 +146,7 @@ class Sidecar:
                 return _failed(exc.status, exc.message, exc.body, None)
             if body.get("stream") is True:
                 return await self._stream(request, decode, chat, keep_handle=signed is not None)
-            return await self._whole(decode, chat, keep_handle=signed is not None)
+            return await self._whole(request, decode, chat, keep_handle=signed is not None)
 
     async def _prefill(
         self, request: web.Request, signed: SignedRoute | None, body: dict[str, Any], chat: bool
@@ -159,12 +160,14 @@ class Sidecar:
             return DecodeRequest(self.legs.alone(body, signed), None)
         return await self.legs.prefill(signed, body, chat)
 
-    async def _whole(self, decode: DecodeRequest, chat: bool, *, keep_handle: bool) -> web.StreamResponse:
+    async def _whole(
+        self, request: web.Request, decode: DecodeRequest, chat: bool, *, keep_handle: bool
+    ) -> web.StreamResponse:
         assert self.legs is not None
         try:
             answer = await self.legs.decode_whole(decode.body, chat)
         except LegFailed as exc:
-            return _failed(failover.client_status(exc), str(exc), exc.body, decode.report)
+            return _decode_failed(request, exc, decode.report)
         if not keep_handle:
             answer.pop("kv_transfer_params", None)
         return web.json_response(answer, headers=_report_headers(decode.report))
@@ -178,7 +181,7 @@ class Sidecar:
             upstream = await self.legs.decode_stream(decode.body, chat)
         except LegFailed as exc:
             self.metrics.legs.labels("decode", exc.outcome).observe(time.perf_counter() - start)
-            return _failed(failover.client_status(exc), str(exc), exc.body, decode.report)
+            return _decode_failed(request, exc, decode.report)
         response = web.StreamResponse(
             headers={
                 "Content-Type": "text/event-stream",
@@ -229,6 +232,25 @@ def _without_handle(events: list[sse.SseEvent]) -> bytes:
 
 def _report_headers(report: PrefillReport | None) -> dict[str, str]:
     return {PREFILL_REPORT_HEADER: report.encode()} if report is not None else {}
+
+
+def _decode_failed(request: web.Request, exc: LegFailed, report: PrefillReport | None) -> web.Response:
+    """D's leg failed before anything was sent. An unreachable D on the turn's first attempt is
+    answered 503 with `x-kvplane-retry-elsewhere`, which Envoy's retry policy sends to another
+    decode pod, as the gateway routes such a turn around its D (`failover.after_decode_failure`;
+    Envoy counts the attempts in `x-envoy-attempt-count`). Any other failure ends the turn."""
+    if failover.after_decode_failure(exc, attempt=_attempt(request)) is failover.DecodeNext.REROUTE:
+        message = f"{exc}; another decode engine may serve the turn"
+        response = _failed(failover.NO_ENGINE_STATUS, message, b"", report)
+        response.headers[RETRY_ELSEWHERE] = exc.outcome
+        return response
+    return _failed(failover.client_status(exc), str(exc), exc.body, report)
+
+
+def _attempt(request: web.Request) -> int:
+    """The turn's attempt as Envoy counts it, from 1; 1 when Envoy does not say."""
+    counted = request.headers.get(ATTEMPT_HEADER, "")
+    return max(1, int(counted)) if counted.isdigit() else 1
 
 
 def _failed(status: int, message: str, body: bytes, report: PrefillReport | None) -> web.Response:

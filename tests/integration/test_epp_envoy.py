@@ -23,12 +23,13 @@ from pydantic import SecretStr
 from kvplane.services.common.runtime.ports import free_port
 from kvplane.services.common.runtime.telemetry import Telemetry
 from kvplane.services.dev.local_etcd import LocalEtcd
+from kvplane.services.devstack.envoy import Envoy, envoy_binary, start_envoy
 from kvplane.services.epp.app import Picker
 from kvplane.services.epp.settings import EppSection
+from kvplane.services.gateway.settings import GatewaySection
 from kvplane.services.sidecar.app import Sidecar
 from kvplane.services.sidecar.settings import SidecarSection
 from kvplane.services.sidecar.signed_route import PREFILLER_HEADER, ROUTE_HEADER
-from tests.support.envoy import Envoy, envoy_binary, start_envoy
 from tests.support.gateway_stack import KEYS, MODEL, GatewayStack, TurnResult, gateway_stack, metric_sum
 from tests.support.polling import eventually
 
@@ -51,6 +52,9 @@ class EnvoyStack:
     envoy: Envoy
     # Every span the picker and the sidecar end.
     spans: InMemorySpanExporter
+    # The gateway settings the picker and the sidecar run with, and the sidecar's own.
+    limits: GatewaySection
+    side: SidecarSection
 
     async def post(
         self, base: str, body: dict[str, Any], headers: dict[str, str], path: str = "/v1/completions"
@@ -87,7 +91,7 @@ async def es(etcd: LocalEtcd, tmp_path_factory: pytest.TempPathFactory) -> Async
         await picker.start()
         envoy = await start_envoy(ENVOY, picker.port, [sidecar.address], log_dir)
         try:
-            yield EnvoyStack(stack, sidecar, picker, envoy, spans)
+            yield EnvoyStack(stack, sidecar, picker, envoy, spans, limits, side)
         finally:
             envoy.stop()
             await picker.stop(0.1)
@@ -306,3 +310,65 @@ async def test_the_picker_down_fails_open_or_closed_as_configured(es: EnvoyStack
 
 async def _not(check: Awaitable[bool]) -> bool:
     return not await check
+
+
+# Last in the module: the second decode engine it starts stays registered, dead, until its lease ends.
+async def test_a_turn_whose_decode_engine_died_is_served_by_another(
+    es: EnvoyStack, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """As the gateway routes a turn around a D it cannot reach, Envoy sends it to another decode
+    pod: the sidecar whose engine died answers 503 `x-kvplane-retry-elsewhere`, and a sidecar
+    that is gone does not answer at all."""
+    assert ENVOY is not None
+    stack = es.stack
+    d2 = await stack.start_decode("gw-d2")
+    view = stack.routing.ctx.view
+    assert await view.wait_for(lambda: "gw-d2" in view.nodes and "gw-d2" in view.loads, 30)
+    side2_settings = es.side.model_copy(update={"listen": f"127.0.0.1:{free_port()}", "decode_url": d2.url})
+    side2 = Sidecar(side2_settings, es.limits)
+    await side2.start()
+    sidecars = {stack.decode.url: es.sidecar.address, d2.url: side2.address}
+    epp = EppSection(listen=f"127.0.0.1:{free_port()}", sidecars=sidecars)
+    picker = Picker(epp, es.limits, es.side, Telemetry.disabled())
+    await picker.start()
+    envoy = await start_envoy(ENVOY, picker.port, list(sidecars.values()), tmp_path_factory.mktemp("envoy2"))
+    try:
+        # Conversations whose history D2 holds: their next turns are routed to D2.
+        on_d2: list[tuple[str, list[int]]] = []
+        for seed in range(40):
+            conv, prompt = conversation(), new_ids(200, 100 + seed)
+            first = await es.post(envoy.url(), completion(prompt), stack.headers("acme", conv))
+            assert first.status == 200, first.raw
+            await stack.wait_handle("acme", conv)
+            record = view.handle("acme", conv)
+            assert record is not None
+            if record.handle.holder_node_id == "gw-d2":
+                on_d2.append((conv, [*prompt, *first.output_ids(), *new_ids(20, seed)]))
+            if len(on_d2) == 2:
+                break
+        assert len(on_d2) == 2, "no two of 40 conversations were placed on D2"
+
+        # D2's engine dies (its registration outlives it), its sidecar lives.
+        d2.process.kill()
+        conv, prompt = on_d2[0]
+        answered = await es.post(envoy.url(), completion(prompt), stack.headers("acme", conv))
+        assert answered.status == 200, answered.raw
+        assert answered.body["usage"]["completion_tokens"] == 80
+        unreachable = side2.telemetry.registry.get_sample_value(
+            "kvplane_gateway_leg_seconds_count", {"leg": "decode", "outcome": "unreachable"}
+        )
+        assert unreachable == 1, "the turn did not go to D2's sidecar first"
+        assert await envoy.counter(stack.session, "cluster.decode_pool.upstream_rq_retry_success") == 1
+
+        # The whole pod is gone: D2's sidecar too.
+        await side2.stop()
+        conv, prompt = on_d2[1]
+        answered = await es.post(envoy.url(), completion(prompt, stream=True), stack.headers("acme", conv))
+        assert answered.status == 200, answered.raw
+        assert answered.raw.rstrip().endswith("data: [DONE]")
+        assert await envoy.counter(stack.session, "cluster.decode_pool.upstream_rq_retry_success") == 2
+        assert await verify_failures(stack) == 0
+    finally:
+        envoy.stop()
+        await picker.stop(0.1)
+        await side2.stop()

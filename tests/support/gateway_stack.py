@@ -216,6 +216,9 @@ class GatewayStack:
     gateway: Gateway
     # Every span the gateway ends (sampled at 1.0).
     spans: InMemorySpanExporter
+    # What every engine of the stack shares, and every engine process (each stopped at exit).
+    engine_common: SimEngineSettings = ENGINE
+    engines: list[EngineProcess] = field(default_factory=list)
 
     # -- the services --------------------------------------------------------------
 
@@ -246,6 +249,23 @@ class GatewayStack:
         record = view.handle(tenant, conversation)
         assert record is not None
         return record.handle.handle_id
+
+    async def start_decode(self, node_id: str) -> EngineProcess:
+        """One more decode sim-engine, registered as `node_id` (a node of STACK_TOKENS)."""
+        port = free_port()
+        settings = replace(
+            self.engine_common,
+            role="decode",
+            http_port=port,
+            node_id=node_id,
+            timing=D_TIMING,
+            auth_token=STACK_TOKENS[node_id],
+        )
+        url = f"http://127.0.0.1:{port}"
+        engine = _spawn(node_id, self.log_dir, url, ["-m", "kvplane.connector.simengine", *settings.argv()])
+        self.engines.append(engine)
+        await _wait_healthy(engine)
+        return engine
 
     # -- talking to the gateway -------------------------------------------------------
 
@@ -283,7 +303,8 @@ def _write_policy(log_dir: Path) -> str:
 
 
 # The control plane's tokens in the stack: the engines' node tokens and the gateway's.
-STACK_TOKENS = {name: f"{name}-{uuid.uuid4().hex}" for name in ("gw-p", "gw-d", "gateway")}
+# gw-d2 is a decode engine a test may start (`GatewayStack.start_decode`).
+STACK_TOKENS = {name: f"{name}-{uuid.uuid4().hex}" for name in ("gw-p", "gw-d", "gw-d2", "gateway")}
 
 
 @asynccontextmanager
@@ -318,6 +339,7 @@ async def gateway_stack(
             "tokens": [
                 {"token": STACK_TOKENS["gw-p"], "kind": "node", "name": "gw-p"},
                 {"token": STACK_TOKENS["gw-d"], "kind": "node", "name": "gw-d"},
+                {"token": STACK_TOKENS["gw-d2"], "kind": "node", "name": "gw-d2"},
                 {"token": STACK_TOKENS["gateway"], "kind": "operator", "name": "gateway"},
             ],
         },
@@ -420,6 +442,8 @@ async def gateway_stack(
             engines[1],
             gateway,
             spans,
+            common,
+            engines,
         )
         cleanups.append(lambda: stack.routing.stop())
         await stack.wait_nodes()
