@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 PROTO_SRC := protos
 PROTO_OUT := protos/python
 
-.PHONY: help setup dev protos protos-check lint test test-slow run serve live-bench bench compare wheel-check constraints clean
+.PHONY: help setup dev protos protos-check settings-doc lint test test-slow run serve live-bench bench compare wheel-check constraints clean
 
 help:
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
@@ -40,6 +40,10 @@ protos: ## Regenerate the Python API from protos/
 
 protos-check: protos ## Fail if the generated code is not current
 	git diff --exit-code -- $(PROTO_OUT) || (echo "generated code is stale: run make protos" && exit 1)
+
+# tests/unit/test_settings_reference.py fails while docs/settings.md differs from what this writes.
+settings-doc: setup ## Regenerate docs/settings.md from the settings models
+	$(BIN)/python -m kvplane.services.settings_reference > docs/settings.md
 
 # mypy checks the packages as installed: the strict editable install's tree (setup) holds them
 # where the wheel does, each module under its one name.
