@@ -297,15 +297,24 @@ async def test_the_picker_down_fails_open_or_closed_as_configured(es: EnvoyStack
     assert opened.raw.rstrip().endswith("data: [DONE]") and "kv_transfer_params" not in opened.raw
     assert closed.status == 503
 
-    # The picker back: turns are routed again (once Envoy's worker has its health too).
-    async def routed() -> str:
+    # The picker back: turns are routed again (once Envoy's worker has its health too), and a
+    # conversation's next turn pulls its history again.
+    conv, prompt = conversation(), new_ids(400, 6)
+
+    async def routed() -> TurnResult | None:
         again = await es.post(
-            es.envoy.url(), completion(new_ids(32, 6)), es.stack.headers("acme", conversation())
+            es.envoy.url(), completion(prompt, return_token_ids=True), es.stack.headers("acme", conv)
         )
         assert again.status == 200, again.raw
-        return again.decision
+        # Failed open (Envoy has not seen the picker back yet): served with no decision.
+        return again if again.decision else None
 
-    assert await eventually(routed, timeout_s=15) == "recompute_no_handle"
+    first = await eventually(routed, timeout_s=15, what="a turn routed by the picker again")
+    assert first is not None and first.decision == "recompute_no_handle"
+    await es.stack.wait_handle("acme", conv)
+    prompt = [*prompt, *first.output_ids(), *new_ids(40, 7)]
+    again = await routed()
+    assert again is not None and again.decision == "pull"
 
 
 async def _not(check: Awaitable[bool]) -> bool:
