@@ -81,8 +81,8 @@ serve: setup ## kvplane serve all with CONFIG's settings (etcd at 127.0.0.1:2379
 live-bench: setup ## kvplane bench --start-stack: a live benchmark through the gateway of a dev stack
 	$(BIN)/kvplane bench --start-stack
 
-bench: setup ## Benchmarks; regenerates the README's Performance section
-	$(BIN)/python -m kvplane.bench.all
+bench: setup ## Benchmarks; regenerates the Performance section of docs/benchmarks.md
+	$(BIN)/python -m kvplane.bench.all --readme docs/benchmarks.md
 
 # `make compare COMPARE_ARGS="--workload A --concurrency 1,8 --repeats 1"` (all options: --help).
 COMPARE_ARGS ?=
