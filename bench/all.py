@@ -1,4 +1,4 @@
-"""`make bench`: the simulator benchmarks end to end, and the README's Performance section.
+"""`make bench`: the simulator benchmarks end to end, and docs/benchmarks.md's Performance section.
 
     python -m kvplane.bench.all [--out bench/results] [--quick] [--scale-turns N] [--micro]
 
@@ -17,8 +17,8 @@ every named policy over the same turns:
 Runs go to a pool of one process per core. Results depend only on the seed
 and the configuration. Writes `results.json`, `tables.md` (each kept when only wall
 times changed) and PNG plots under
-`--out`, and rewrites README.md between `<!-- perf:begin -->` and
-`<!-- perf:end -->` only when more than wall time changed.
+`--out`, and rewrites the `--readme` file (`make bench` passes docs/benchmarks.md) between
+`<!-- perf:begin -->` and `<!-- perf:end -->` only when more than wall time changed.
 """
 
 from __future__ import annotations

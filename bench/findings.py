@@ -1,4 +1,4 @@
-"""The README's reading of each benchmark table, written from the table's own numbers.
+"""docs/benchmarks.md's reading of each benchmark table, written from the table's own numbers.
 
 One paragraph per table: who has the lowest TTFT at each percentile, where
 kvplane stands against the best baseline (and where it loses), and the

@@ -12,7 +12,7 @@ which an engine stores and evicts as many blocks as it computes:
   per-node view (`EngineCaches.apply`), and a Route's prefix scoring (`EngineCaches.cached_tokens`:
   predicting the prompt's block hashes and looking them up in every fresh prefill node's view).
 
-The README turns these into a paper estimate at 1,000 engines.
+docs/benchmarks.md turns these into a paper estimate at 1,000 engines.
 
     python -m kvplane.bench.prefix_cache_events_bench [--events 20000] [--blocks-per-event 16]
         [--replicas 3] [--window-ms 100] [--events-per-s 80] [--json PATH]

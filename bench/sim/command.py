@@ -11,7 +11,7 @@ many at a time as there are cores, over the same turns; results depend only
 on the arguments. A progress bar is drawn on a terminal; the comparison
 table is printed; `--json` writes each policy's figures.
 
-`make bench` runs the same `run_policy` for every table of the README.
+`make bench` runs the same `run_policy` for every table of docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ streams its load and keep-alives alone (block size 0). A broken stream is opened
 backoff, and starts again with a snapshot and the load. No message carries more than
 `MESSAGE_IDS` block ids: a larger snapshot or delta is split. See
 `kvplane.services.routing.prefix_cache_stream` and `kvplane.services.routing.state.streamed_loads`
-for why this path, and the README for what it costs at 1,000 engines.
+for why this path, and docs/benchmarks.md for what it costs at 1,000 engines.
 """
 
 from __future__ import annotations

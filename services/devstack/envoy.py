@@ -1,7 +1,7 @@
 """A real Envoy in front of kvplane's endpoint picker, as a Gateway API inference gateway runs it.
 
 The dev stack's picker path (`start_stack(picker=True)`), the Envoy tests and the comparison run
-this configuration; it is the worked example of `kvplane epp` (README):
+this configuration; it is the worked example of `kvplane epp` (docs/using.md):
 
 - an `ext_proc` filter with FULL_DUPLEX_STREAMED request and response bodies (trailers sent, as
   Envoy requires with that mode), allowed to write the `envoy.lb` metadata namespace;

@@ -13,7 +13,7 @@ far too short and too frequent for a consensus store, and routing needs it only 
 staleness bound. Replicas are stateless peers, so each receives every node's stream; with R
 replicas and N engines that is N x R long-lived streams, each carrying 8 bytes per block change
 (packed fixed64) plus a small header per message. Measured figures and the estimate at 1,000
-engines are in the README (bench/prefix_cache_events_bench.py).
+engines are in docs/benchmarks.md (bench/prefix_cache_events_bench.py).
 
 Authorisation: node principals only, and each only for its own node id (as for every node call);
 the first message names the node, and every later message must name the same node.

@@ -1,6 +1,6 @@
 """The simulator orders the fronts as a live comparison on the same chats does.
 
-The recorded comparison (`bench/results/compare.json`, the README's "Live comparison": 5-turn
+The recorded comparison (`bench/results/compare.json`, docs/benchmarks.md's "Live comparison": 5-turn
 chats at 1, 8 and 32 conversations in flight, 2 repeats, both workloads, both kvplane gateways) is
 run through the simulator, every front paying its own measured hop (`ranking.FRONT_HOPS_S`), and
 the two orders of the fronts on TTFT p50 and on reuse are compared with

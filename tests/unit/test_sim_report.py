@@ -1,4 +1,4 @@
-"""Report helpers: the README's perf section is replaced between its markers only."""
+"""Report helpers: docs/benchmarks.md's perf section is replaced between its markers only."""
 
 from __future__ import annotations
 
