@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import OrderedDict
 from collections.abc import Mapping
 
 from kvplane.services.common.model.nodes import Node
 from kvplane.services.common.model.suspects import NodeSuspect
 from kvplane.services.common.store import CheckOut, HandleRecord, Store
-from kvplane.services.common.store.cluster_view import ClusterView
+from kvplane.services.common.store.cluster_view import ClusterView, HandleChange
 from kvplane.services.routing.metrics import RoutingMetrics
 from kvplane.services.routing.policy import NodeState
 from kvplane.services.routing.state.streamed_loads import StreamedLoads
@@ -40,6 +41,11 @@ class StoreCheckOut:
             return await self.store.check_out(tenant, conversation, route_id=route_id, expected=expected)
 
 
+# Conversations whose last handle ended, kept (newest last) so that a Route awaiting a handle that
+# was published and is already gone (released, expired, taken) stops waiting at once.
+ENDED_KEPT = 65_536
+
+
 class ViewCluster:
     """The cluster as the replica's watch-fed view shows it, with the loads nodes stream to this
     replica in place of the stored ones while they are fresh (`state.streamed_loads`)."""
@@ -50,6 +56,24 @@ class ViewCluster:
         self.view = view
         self.metrics = metrics
         self.streamed = streamed
+        # (tenant, conversation) -> the id of its handle that ended last.
+        self._ended: OrderedDict[tuple[str, str], str] = OrderedDict()
+        view.on_handle_change(self._on_handle_change)
+
+    def _on_handle_change(self, change: HandleChange) -> None:
+        previous = change.previous
+        if previous is None:
+            return
+        if change.current is not None and change.current.handle.handle_id == previous.handle_id:
+            return  # the same handle, rewritten
+        self._ended[change.key] = previous.handle_id
+        self._ended.move_to_end(change.key)
+        if len(self._ended) > ENDED_KEPT:
+            self._ended.popitem(last=False)
+
+    def ended(self, tenant: str, conversation: str, handle_id: str) -> bool:
+        """Whether the view saw `handle_id` come and go (as the conversation's last ended handle)."""
+        return self._ended.get((tenant, conversation)) == handle_id
 
     @property
     def healthy(self) -> bool:
@@ -85,23 +109,30 @@ class ViewCluster:
         """As `wait_published`, timed by outcome (a Route's wait for the engine's publish)."""
         start = time.perf_counter()
         landed = await self.wait_published(tenant, conversation, handle_id, wait_s)
-        outcome = "published" if landed else "timeout"
+        if landed:
+            outcome = "published"
+        else:
+            outcome = "ended" if self.ended(tenant, conversation, handle_id) else "timeout"
         self.metrics.publish_waits.labels(outcome).observe(time.perf_counter() - start)
         return landed
 
     async def wait_published(self, tenant: str, conversation: str, handle_id: str, wait_s: float) -> bool:
-        """Whether the view holds `handle_id` for the conversation, waiting up to `wait_s` for it."""
+        """Whether the view holds `handle_id` for the conversation, waiting up to `wait_s` for it;
+        no wait for a handle the view already saw come and go."""
 
         def published() -> bool:
             current = self.view.handle(tenant, conversation)
             return current is not None and current.handle.handle_id == handle_id
 
+        def settled() -> bool:
+            return published() or self.ended(tenant, conversation, handle_id)
+
         if published():
             return True
-        if wait_s <= 0:
+        if wait_s <= 0 or self.ended(tenant, conversation, handle_id):
             return False
         self.metrics.publish_waiting.inc()
         try:
-            return await self.view.wait_for(published, wait_s)
+            return await self.view.wait_for(settled, wait_s) and published()
         finally:
             self.metrics.publish_waiting.dec()

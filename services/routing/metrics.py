@@ -65,7 +65,8 @@ class RoutingMetrics:
             publish_waits=Histogram(
                 "kvplane_route_publish_wait_seconds",
                 "Time a Route waited for the engine's publish of the handle its caller awaited, by "
-                "outcome (published, timeout); a Route whose prefill node holds the history does not wait",
+                "outcome (published; ended: it was published and is gone already; timeout); a Route whose "
+                "prefill node holds the history does not wait",
                 ["outcome"],
                 registry=registry,
                 buckets=_ROUTE_BUCKETS,

@@ -220,6 +220,33 @@ async def test_the_routers_live_ports_read_the_view_and_check_a_handle_out_once(
     assert abs(SystemClock().unix_ms() - time.time() * 1000) < 60_000
 
 
+async def test_a_route_awaiting_a_handle_that_came_and_went_does_not_wait_for_it(
+    cluster: RoutingCluster,
+) -> None:
+    process = cluster.replicas[0]
+    registry = CollectorRegistry()
+    ports = ViewCluster(process.ctx.view, RoutingMetrics.create(registry))
+
+    def waits(outcome: str) -> float | None:
+        return registry.get_sample_value("kvplane_route_publish_wait_seconds_count", {"outcome": outcome})
+
+    c = conv()
+    handle = await cluster.publish(handle_for(cluster.nodes["d0"], "acme", c, tokens(HISTORY_TOKENS)))
+    await cluster.wait_handle("acme", c, handle.handle_id)
+    record = ports.handle("acme", c)
+    assert record is not None
+    # Another turn takes it: the view sees it go.
+    await StoreCheckOut(process.store).check_out("acme", c, "route-1", record, 5.0)
+    assert await process.ctx.view.wait_for(lambda: ports.handle("acme", c) is None, 15)
+    # Awaited for far longer than the test may take: it answers at once, as ended.
+    async with asyncio.timeout(30):
+        assert not await ports.await_handle("acme", c, handle.handle_id, 600.0)
+    assert waits("ended") == 1
+    # A handle the view never saw still gets its wait.
+    assert not await ports.await_handle("acme", c, "not-yet-published", 0.05)
+    assert waits("timeout") == 1
+
+
 async def test_concurrent_routes_through_two_replicas_pull_exactly_once(cluster: RoutingCluster) -> None:
     await cluster.add_replica()
     await cluster.wait_nodes()
