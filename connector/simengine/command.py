@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import sys
 from collections.abc import Sequence
 
 from kvplane.connector.simengine.app import serve
 from kvplane.connector.simengine.settings import parse_settings
+from kvplane.services.client.credentials import PlaintextCredentials
 from kvplane.services.common.runtime.telemetry import configure_logging
 
 
@@ -25,5 +27,9 @@ def main(argv: Sequence[str]) -> int:
         with contextlib.suppress(asyncio.CancelledError):
             await task
 
-    asyncio.run(run())
+    try:
+        asyncio.run(run())
+    except PlaintextCredentials as exc:
+        print(f"kvplane sim-engine: {exc}", file=sys.stderr)
+        return 2
     return 0

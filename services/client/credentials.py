@@ -11,6 +11,13 @@ environment (`from_env`, prefix `KVPLANE_CLIENT_` unless given):
     TLS_SERVER_NAME                 the name to check the server's certificate against
     MESH_SECRET, MESH_SECRET_FILE   the mesh proxy's secret, only where no proxy adds it
                                     (development and tests)
+    ALLOW_PLAINTEXT                 "true": a token or mesh secret may go without TLS to a
+                                    target off this machine (a mesh that encrypts for the
+                                    process, or development); read by every client
+
+A token or mesh secret is never sent in clear off this machine unless allowed: a channel to a
+target that is not loopback, without TLS, is refused (`PlaintextCredentials`) rather than
+sending it silently.
 
 A token or mesh-secret file is read again when it changes (`CallMetadata`), so a
 rotated token is sent from the next call on; when a certificate file changes, calls from then on
@@ -21,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +37,7 @@ from typing import Any
 import grpc
 
 from kvplane.services.common.model.headers import MESH_SECRET_HEADER
+from kvplane.services.common.runtime.loopback import loopback_target
 from kvplane.services.common.runtime.reloading_channel import ReloadingChannel
 from kvplane.services.common.runtime.secret_files import (
     FileStamp,
@@ -39,6 +48,18 @@ from kvplane.services.common.runtime.secret_files import (
 from kvplane.services.common.runtime.tls import ClientTlsFiles
 
 log = logging.getLogger(__name__)
+
+ALLOW_PLAINTEXT_ENV = "KVPLANE_CLIENT_ALLOW_PLAINTEXT"
+
+
+def plaintext_allowed(env: Mapping[str, str] | None = None, name: str = ALLOW_PLAINTEXT_ENV) -> bool:
+    """Whether the environment allows credentials in clear off this machine."""
+    value = (os.environ if env is None else env).get(name, "")
+    return value.strip().lower() in ("1", "true", "yes")
+
+
+class PlaintextCredentials(ValueError):
+    """A token or mesh secret would go without TLS to a target off this machine."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +74,9 @@ class ClientCredentials:
     tls_server_name: str = ""
     mesh_secret: str = field(default="", repr=False)
     mesh_secret_file: str = ""
+    # A token or mesh secret may go without TLS to a target off this machine; by default, what
+    # KVPLANE_CLIENT_ALLOW_PLAINTEXT says.
+    allow_plaintext: bool = field(default_factory=plaintext_allowed)
 
     def __post_init__(self) -> None:
         if self.token and self.token_file:
@@ -103,27 +127,41 @@ class ClientCredentials:
         interceptors: Sequence[Any] | None = None,
     ) -> grpc.aio.Channel:
         """A grpc.aio channel to `target`: TLS when a CA is configured (made again when its
-        files change), else plaintext."""
+        files change), else plaintext, which is refused (PlaintextCredentials) for a target off
+        this machine when a secret would travel on it, unless allowed."""
         opts = list(options)
         if not self.tls:
+            self.check_plaintext(target)
             return grpc.aio.insecure_channel(target, options=opts, interceptors=interceptors)
         if self.tls_server_name:
             opts.append(("grpc.ssl_target_name_override", self.tls_server_name))
         files = ClientTlsFiles(self.tls_ca_file, self.tls_cert_file, self.tls_key_file)
         return ReloadingChannel(target, files, options=opts, interceptors=interceptors)
 
+    def check_plaintext(self, target: str) -> None:
+        """Raises PlaintextCredentials when a token or mesh secret would go in clear off this
+        machine without leave."""
+        secret = self.token or self.token_file or self.mesh_secret or self.mesh_secret_file
+        if secret and not self.tls and not self.allow_plaintext and not loopback_target(target):
+            raise PlaintextCredentials(
+                f"the bearer token or mesh secret would go in clear to {target}: set a TLS CA "
+                f"(TLS_CA_FILE), or {ALLOW_PLAINTEXT_ENV}=true where the network encrypts for you "
+                "(a service mesh) or for development"
+            )
+
     @classmethod
     def from_env(cls, env: Mapping[str, str], prefix: str = "KVPLANE_CLIENT_") -> ClientCredentials:
-        values = {
+        values: dict[str, Any] = {
             f.name: env[prefix + f.name.upper()]
             for f in dataclasses.fields(cls)
-            if prefix + f.name.upper() in env
+            if prefix + f.name.upper() in env and f.name != "allow_plaintext"
         }
-        return cls(**values)
+        return cls(**values, allow_plaintext=plaintext_allowed(env, prefix + "ALLOW_PLAINTEXT"))
 
     def merged(self, **overrides: str) -> ClientCredentials:
         """These credentials with the non-empty `overrides` applied."""
-        return dataclasses.replace(self, **{k: v for k, v in overrides.items() if v})
+        changed: dict[str, Any] = {k: v for k, v in overrides.items() if v}
+        return dataclasses.replace(self, **changed)
 
 
 class CallMetadata:

@@ -7,7 +7,6 @@ the one typed settings object a process loads.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 from typing import Literal
@@ -25,6 +24,7 @@ from kvplane.services.common.runtime.auth import (
     TenantsSeeEngines,
     TokenAuthenticator,
 )
+from kvplane.services.common.runtime.loopback import loopback_target
 from kvplane.services.common.runtime.secret_files import SecretFileError, read_secret_file
 from kvplane.services.common.runtime.tls import ServerTlsFiles
 from kvplane.services.common.store import StoreSettings
@@ -37,18 +37,6 @@ class Section(BaseModel):
     """A settings section: a misspelt key is an error, not silently ignored."""
 
     model_config = ConfigDict(extra="forbid")
-
-
-def _loopback_endpoint(endpoint: str) -> bool:
-    """Whether an etcd endpoint (host:port, [v6]:port, with or without a scheme) is on loopback."""
-    host = endpoint.strip().split("://", 1)[-1].rstrip("/")
-    host = host[1:].partition("]")[0] if host.startswith("[") else host.rpartition(":")[0]
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class EtcdSection(Section):
@@ -82,7 +70,7 @@ class EtcdSection(Section):
                     f"etcd endpoint {https[0]} asks for TLS but etcd.tls_ca_file is not set: "
                     "give the CA of etcd's certificate (nothing is sent in clear instead)"
                 )
-            remote = [e for e in self.endpoints if not _loopback_endpoint(e)]
+            remote = [e for e in self.endpoints if not loopback_target(e)]
             has_password = bool(self.password.get_secret_value() or self.password_file)
             if has_password and remote and not self.allow_plaintext_password:
                 raise ValueError(

@@ -6,9 +6,11 @@ import argparse
 import asyncio
 import logging
 import signal
+import sys
 from collections.abc import Sequence
 from typing import Any
 
+from kvplane.services.client.credentials import PlaintextCredentials
 from kvplane.services.common.runtime.server import MetricsServer
 from kvplane.services.common.runtime.telemetry import Telemetry, configure_logging
 from kvplane.services.epp.app import Picker
@@ -75,5 +77,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = KvplaneSettings.load(args.config, overrides(args))
     configure_logging(settings.telemetry.log_level, settings.telemetry.json_logs)
     log.info("starting", extra={"settings": settings.masked_json()})
-    asyncio.run(serve(settings))
+    try:
+        asyncio.run(serve(settings))
+    except PlaintextCredentials as exc:
+        print(f"kvplane epp: {exc}", file=sys.stderr)
+        return 2
     return 0

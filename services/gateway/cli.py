@@ -13,6 +13,7 @@ from typing import Any
 import uvloop
 
 from kvplane.services.client import RoutingClient
+from kvplane.services.client.credentials import PlaintextCredentials
 from kvplane.services.common.runtime.server import BindFailed
 from kvplane.services.common.runtime.telemetry import Telemetry, configure_logging
 from kvplane.services.gateway.app import Gateway
@@ -183,4 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BindFailed as exc:
         print(f"kvplane gateway: {exc}", file=sys.stderr)
         return 1
+    except PlaintextCredentials as exc:
+        print(f"kvplane gateway: {exc}", file=sys.stderr)
+        return 2
     return 0

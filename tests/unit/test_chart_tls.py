@@ -131,6 +131,24 @@ def test_without_tls_probes_stay_grpc_and_no_certificate_is_mounted(checks: Modu
             assert c["readinessProbe"]["grpc"] == {"port": 50051}
 
 
+def test_without_tls_the_clients_may_send_their_tokens_in_clear_and_only_then(checks: ModuleType) -> None:
+    import helm_python
+
+    values = {"engines": {"sim": {"enabled": True}, "vllm": {"enabled": True}}}
+    clients = {"gateway", *(f"{kind}-{role}" for kind in ("sim", "vllm") for role in ("prefill", "decode"))}
+    told = set()
+    for d in checks.render_chart(values, "kvp", "kvplane"):
+        if is_kvplane_workload(d) and _env(_pod(d)[1]).get("KVPLANE_CLIENT_ALLOW_PLAINTEXT") == "true":
+            told.add(d["metadata"]["name"].removeprefix("kvp-kvplane-"))
+    assert told == clients
+    # With TLS, nothing is allowed in clear.
+    for d in _render(checks, "mtls-values.yaml").values():
+        assert "KVPLANE_CLIENT_ALLOW_PLAINTEXT" not in _env(_pod(d)[1])
+    # Without TLS and without leave, the clients would refuse: the chart says so instead.
+    with pytest.raises(helm_python.HelmError, match="allowPlaintextCredentials"):
+        checks.render_chart({**values, "grpc": {"allowPlaintextCredentials": False}}, "kvp", "kvplane")
+
+
 def test_tokens_are_files_each_pod_mounting_only_its_own_key(checks: ModuleType) -> None:
     values = {"engines": {"sim": {"enabled": True}, "vllm": {"enabled": True}}}
     docs = checks.render_chart(values, "kvp", "kvplane")

@@ -233,6 +233,12 @@ is used without a restart.
 - name: {{ $.prefix }}SERVER_NAME
   value: {{ . | quote }}
 {{- end }}
+{{- else if .root.Values.grpc.allowPlaintextCredentials }}
+# Plaintext gRPC between pods: the client may send its token over it (grpc.allowPlaintextCredentials).
+- name: KVPLANE_CLIENT_ALLOW_PLAINTEXT
+  value: "true"
+{{- else }}
+{{- fail "grpc.tls.enabled is false and grpc.allowPlaintextCredentials is false: the clients would refuse to send their tokens in clear; turn TLS on, or allow plaintext (in the mesh, or for development)" }}
 {{- end }}
 {{- end -}}
 

@@ -90,10 +90,11 @@ def unknown_settings(values: Any, model: Any = None, path: str = "") -> list[str
 
 
 def env_settings(env: Mapping[str, str]) -> dict[str, Any]:
-    """KVPLANE_<SECTION>__<FIELD> variables as nested keys (values unparsed)."""
+    """KVPLANE_<SECTION>__<FIELD> variables as nested keys (values unparsed). KVPLANE_CLIENT_*
+    are not settings: every client reads them (`kvplane.services.client.credentials`)."""
     out: dict[str, Any] = {}
     for name, value in env.items():
-        if not name.startswith("KVPLANE_") or name == "KVPLANE_CONFIG":
+        if not name.startswith("KVPLANE_") or name == "KVPLANE_CONFIG" or name.startswith("KVPLANE_CLIENT_"):
             continue
         parts = name[len("KVPLANE_") :].lower().split("__")
         node = out
