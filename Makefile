@@ -82,7 +82,7 @@ live-bench: setup ## kvplane bench --start-stack: a live benchmark through the g
 	$(BIN)/kvplane bench --start-stack
 
 bench: setup ## Benchmarks; regenerates the Performance section of docs/benchmarks.md
-	$(BIN)/python -m kvplane.bench.all --readme docs/benchmarks.md
+	$(BIN)/python -m kvplane.bench.all
 
 # `make compare COMPARE_ARGS="--workload A --concurrency 1,8 --repeats 1"` (all options: --help).
 COMPARE_ARGS ?=

@@ -17,7 +17,7 @@ every named policy over the same turns:
 Runs go to a pool of one process per core. Results depend only on the seed
 and the configuration. Writes `results.json`, `tables.md` (each kept when only wall
 times changed) and PNG plots under
-`--out`, and rewrites the `--readme` file (`make bench` passes docs/benchmarks.md) between
+`--out`, and rewrites the `--readme` file (default docs/benchmarks.md) between
 `<!-- perf:begin -->` and `<!-- perf:end -->` only when more than wall time changed.
 """
 
@@ -347,7 +347,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     parser.add_argument("--quick", action="store_true", help="a small version, for a smoke test")
     parser.add_argument("--scale-turns", type=int, default=1_000_000)
-    parser.add_argument("--readme", type=Path, default=REPO / "README.md")
+    parser.add_argument("--readme", type=Path, default=REPO / "docs" / "benchmarks.md")
     parser.add_argument("--no-readme", action="store_true")
     parser.add_argument("--micro", action="store_true", help="also run the control-plane microbenchmarks")
     args = parser.parse_args(argv)

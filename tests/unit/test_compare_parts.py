@@ -232,3 +232,41 @@ async def test_route_timings_add_up_over_every_gateway_of_a_front() -> None:
         one, two = await gateway_legs(session, [url]), await gateway_legs(session, [url, url])
         assert one and two == {key: 2 * value for key, value in one.items()}
         assert await gateway_legs(session, []) == {}
+
+
+def test_each_front_is_charged_its_own_processes_the_picker_path_included() -> None:
+    from types import SimpleNamespace
+
+    from kvplane.bench.compare import _stack_pids
+
+    names = [
+        "kvplane serve metadata,eviction",
+        "kvplane serve routing (events)",
+        "gateway",
+        "prefill sim-engine",
+        "decode sim-engine",
+        "decode sim-engine",
+        "sidecar d0",
+        "sidecar d1",
+        "endpoint picker",
+        "envoy",
+    ]
+    processes = [
+        SimpleNamespace(name=name, proc=SimpleNamespace(pid=100 + i)) for i, name in enumerate(names)
+    ]
+    stack = SimpleNamespace(processes=processes, etcd=SimpleNamespace(proc=SimpleNamespace(pid=99)))
+    pids = _stack_pids(stack)  # type: ignore[arg-type]
+    services = "serve metadata,eviction"
+    assert pids.kvplane == {"gateway": 102, "serve routing": 101, services: 100, "etcd": 99}
+    # Envoy, the picker and the sidecars, with the routing replica the picker asks, metadata and
+    # eviction, and etcd; never the gateway.
+    assert pids.epp == {
+        "envoy": 109,
+        "endpoint picker": 108,
+        "sidecar d0": 106,
+        "sidecar d1": 107,
+        "serve routing": 101,
+        services: 100,
+        "etcd": 99,
+    }
+    assert pids.engines == {"engine p0": 103, "engine d0": 104, "engine d1": 105}
