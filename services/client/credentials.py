@@ -37,7 +37,7 @@ from typing import Any
 import grpc
 
 from kvplane.services.common.model.headers import MESH_SECRET_HEADER
-from kvplane.services.common.runtime.loopback import loopback_target
+from kvplane.services.common.model.loopback import loopback_target
 from kvplane.services.common.runtime.reloading_channel import ReloadingChannel
 from kvplane.services.common.runtime.secret_files import (
     FileStamp,

@@ -14,6 +14,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, model_validator
 
+from kvplane.services.common.model.loopback import loopback_target
 from kvplane.services.common.runtime.auth import (
     Authenticator,
     CertificateAuthenticator,
@@ -24,7 +25,6 @@ from kvplane.services.common.runtime.auth import (
     TenantsSeeEngines,
     TokenAuthenticator,
 )
-from kvplane.services.common.runtime.loopback import loopback_target
 from kvplane.services.common.runtime.secret_files import SecretFileError, read_secret_file
 from kvplane.services.common.runtime.tls import ServerTlsFiles
 from kvplane.services.common.store import StoreSettings

@@ -426,3 +426,23 @@ def test_the_inference_pool_schema_refuses_what_the_crd_refuses(
         f"FAIL InferencePool inference.networking.k8s.io/v1 bad-{i}" for i in range(len(bad_pools))
     ]
     assert lines[-1] == f"2 valid, {len(bad_pools)} invalid"
+
+
+def test_the_http_route_retries_on_another_decode_pod_only_when_asked(
+    checks: ModuleType, chart: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    (rule,) = _one(chart, "HTTPRoute", POOL)["spec"]["rules"]
+    assert "retry" not in rule  # the standard channel's CRDs would refuse the field
+    values = copy.deepcopy(VALUES)
+    values["inferencePool"]["httpRoute"]["retry"] = {"codes": [503], "attempts": 1}
+    route = _one(checks.render_chart(values, "kvp", "kvplane"), "HTTPRoute", POOL)
+    (rule,) = route["spec"]["rules"]
+    assert rule["retry"] == {"codes": [503], "attempts": 1}
+    if shutil.which("node") is None or not (VALIDATE / "node_modules" / "ajv").exists():
+        pytest.skip("CRD schemas not installed: run deploy/scripts/validate_deploy.sh once (npm ci)")
+    path = tmp_path / "route.json"
+    path.write_text(json.dumps([route]))
+    result = subprocess.run(
+        ["node", str(VALIDATE / "crd_schemas.mjs"), str(path)], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout

@@ -46,6 +46,7 @@ DOMAIN = frozenset(
         f"{MODEL}.keys",  # where each fact lives in etcd: the key layout, as pure functions
         f"{MODEL}.block_hashes",  # vLLM's prefix-cache block hashes, predicted from token ids
         f"{MODEL}.kv_events",  # vLLM's KV-cache event batches on the wire
+        f"{MODEL}.loopback",  # which addresses stay on this machine (may carry a secret in clear)
         MODEL,
         "kvplane.connector.digests",  # the token-block digests a handle carries
     }
@@ -69,6 +70,7 @@ PURE_MODULES = frozenset(
         "kvplane.services.routing.transfer_params",  # "Pure: vLLM's wire keys ... no I/O"
         "kvplane.services.common.runtime.bounded_map",  # a size-bounded dict, kept by routing's pure state
         "kvplane.services.common.model.block_hashes",  # "Pure: no I/O."
+        "kvplane.services.common.model.loopback",  # "Pure: no I/O, no name resolution"
         "kvplane.services.ops.views",  # "Pure: no I/O; the time ... is an argument"
         "kvplane.bench.sim.cache_events",  # "Pure: no I/O; time is an argument."
         "kvplane.bench.sim.block_chain",  # block values as runs: pure data

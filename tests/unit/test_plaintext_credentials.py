@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvplane.services.client.credentials import ClientCredentials, PlaintextCredentials
-from kvplane.services.common.runtime.loopback import loopback_target
+from kvplane.services.common.model.loopback import loopback_target
 
 
 @pytest.mark.parametrize(
