@@ -516,32 +516,13 @@ async def _run_gateway(
 ) -> None:
     """Starts `kvplane gateway` with the stack's keys, limits and engines, `config` merged into its
     settings file, and `routing_args` on its command line; returns when it serves."""
-    log_name = name.replace(" ", "-")
-    gateway_config = stack.run_dir / f"{log_name}.yaml"
     section = {**_gateway_section(stack), **config.get("gateway", {})}
-    gateway_config.write_text(json.dumps({**config, "gateway": section}))  # JSON is YAML
-    gateway = ManagedProcess(
-        name,
-        _kvplane(
-            "gateway",
-            "--config",
-            str(gateway_config),
-            "--listen",
-            f"{_HOST}:{gw_port}",
-            *routing_args,
-            "--model",
-            DEMO_MODEL,
-            "--fallback-prefill",
-            stack.prefill_url,
-            "--fallback-decode",
-            stack.decode_url,
-        ),
-        stack.run_dir / f"{log_name}.log",
+    args = ["--listen", f"{_HOST}:{gw_port}", *routing_args, "--model", DEMO_MODEL]
+    args += ["--fallback-prefill", stack.prefill_url, "--fallback-decode", stack.decode_url]
+    ready = http_health_probe(f"http://{_HOST}:{gw_port}/health")
+    await _run_service(
+        stack, name, "gateway", {**config, "gateway": section}, ready, progress, timeout_s, args
     )
-    stack.processes.append(gateway)
-    progress(f"starting the {name}")
-    gateway.start()
-    await wait_ready(gateway, http_health_probe(f"http://{_HOST}:{gw_port}/health"), timeout_s)
 
 
 def _gateway_section(stack: Stack) -> dict[str, Any]:
@@ -620,14 +601,15 @@ async def _run_service(
     ready: Callable[[], Awaitable[bool]],
     progress: Callable[[str], None],
     timeout_s: float,
+    args: list[str] | None = None,
 ) -> None:
-    """Starts `kvplane <command> --config <settings>`, named `name`; returns when `ready` holds."""
+    """Starts `kvplane <command> --config <settings> <args>`, named `name` (its settings file and
+    log named after it in the run directory); returns when `ready` holds."""
     log_name = name.replace(" ", "-")
     config = stack.run_dir / f"{log_name}.yaml"
     config.write_text(json.dumps(settings))  # JSON is YAML
-    process = ManagedProcess(
-        name, _kvplane(command, "--config", str(config)), stack.run_dir / f"{log_name}.log"
-    )
+    argv = _kvplane(command, "--config", str(config), *(args or []))
+    process = ManagedProcess(name, argv, stack.run_dir / f"{log_name}.log")
     stack.processes.append(process)
     progress(f"starting the {name}")
     process.start()
