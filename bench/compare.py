@@ -169,7 +169,11 @@ async def _start_served(
     proc.start()
     await wait_serving(session, proc, health)
     assert proc.proc is not None
-    return HttpFront(name, [url], {proc.name: proc.proc.pid}, api_key=DEMO_API_KEY)
+    # vLLM's multi-turn proxy carries D's handle into the next turn; vllm-router does not.
+    retention = name == EXAMPLE_PROXY
+    return HttpFront(
+        name, [url], {proc.name: proc.proc.pid}, api_key=DEMO_API_KEY, decode_retention=retention
+    )
 
 
 @dataclass(frozen=True)

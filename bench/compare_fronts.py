@@ -93,6 +93,14 @@ class Front(Protocol):
 
     name: str
 
+    @property
+    def decode_retention(self) -> bool:
+        """Whether the front's users run D with vLLM's bidirectional_kv_xfer on: D then keeps every
+        finished turn's KV (pinned until read, released or expired), which only a front that
+        carries D's handle into the next turn has a use for. The engines are switched to it
+        before each of the front's blocks."""
+        ...
+
     def processes(self) -> dict[str, int]:
         """The front's own processes (name -> pid), whose CPU is charged to it."""
         ...
@@ -159,6 +167,8 @@ class HttpFront:
     urls: Sequence[str]
     pids: dict[str, int]
     api_key: str = ""
+    # vllm-router carries no handle from D: its users run D without bidirectional_kv_xfer.
+    decode_retention: bool = True
 
     def processes(self) -> dict[str, int]:
         return dict(self.pids)
@@ -184,6 +194,10 @@ class ZeroHopFront:
     prefills: Sequence[str]
     decodes: Sequence[str]
     reuse: bool
+
+    @property
+    def decode_retention(self) -> bool:
+        return self.reuse
 
     def processes(self) -> dict[str, int]:
         return {}

@@ -207,6 +207,16 @@ async def release_decode_handles(
     return released
 
 
+async def set_decode_retention(session: aiohttp.ClientSession, decodes: Sequence[str], enabled: bool) -> None:
+    """Turns D's retention of finished turns (vLLM's bidirectional_kv_xfer) on or off on every
+    decode engine, for the turns that follow."""
+    for url in decodes:
+        async with session.post(f"{url}/sim/bidirectional", json={"enabled": enabled}) as resp:
+            resp.raise_for_status()
+            if (await resp.json()).get("bidirectional") is not enabled:
+                raise RuntimeError(f"{url} did not switch bidirectional_kv_xfer to {enabled}")
+
+
 def _retained(state: Mapping[str, object]) -> list[dict[str, object]]:
     retained = state.get("retained")
     return [r for r in retained if isinstance(r, dict)] if isinstance(retained, list) else []

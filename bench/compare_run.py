@@ -158,6 +158,7 @@ async def prepare(session: aiohttp.ClientSession, engines: Engines, front: Front
     """The same starting state for every block; returns the decode handles it released."""
     await metrics.wait_idle(session, engines.all)
     released = await metrics.release_decode_handles(session, engines.decodes)
+    await metrics.set_decode_retention(session, engines.decodes, front.decode_retention)
     await metrics.settle(front.processes())
     return released
 

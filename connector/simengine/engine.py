@@ -126,6 +126,10 @@ class SimEngine:
         self, settings: SimEngineSettings, observer: EngineObserver | None = None, incarnation: str = ""
     ) -> None:
         self.settings = settings
+        # Whether D retains a finished turn's KV (vLLM's bidirectional_kv_xfer): from the settings,
+        # and switchable at run time (`POST /sim/bidirectional`) so that one set of engines can
+        # serve, in turn, fronts whose users run vLLM with it on and with it off.
+        self.bidirectional = settings.bidirectional
         self.engine_id = settings.resolved_engine_id()
         # Pass the node agent's incarnation so the registered node and the lease stamps agree.
         self.incarnation = incarnation or uuid.uuid4().hex
@@ -333,7 +337,7 @@ class SimEngine:
         if kvp.get("do_remote_prefill"):
             leg = "decode"
             # Routing may find the turn's KV not worth keeping for the next one (kvplane_retain).
-            keep = self.settings.bidirectional and kvp.get(KEY_RETAIN) is not False
+            keep = self.bidirectional and kvp.get(KEY_RETAIN) is not False
             retain = "decode_handle" if keep else None
         elif kvp.get("do_remote_decode"):
             leg, retain = "prefill", "prefill_lease"

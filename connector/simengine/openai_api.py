@@ -6,7 +6,10 @@ response, and at the top level of the streaming chunk that carries
 is written as soon as its token exists.
 
 Besides the OpenAI routes, ``GET /sim/state`` and ``POST /sim/release_early``
-expose the engine's load and retained handles for tests and tooling;
+expose the engine's load and retained handles for tests and tooling, and
+``POST /sim/bidirectional`` ``{"enabled": bool}`` turns D's retention of finished
+turns on or off for the turns that start after it (as restarting vLLM with or
+without ``bidirectional_kv_xfer`` would; handles already retained stay);
 ``kv_cache_routes.py`` adds vLLM's ``POST /reset_prefix_cache`` and the KV event
 fault hooks.
 """
@@ -450,6 +453,7 @@ async def sim_state(request: web.Request) -> web.Response:
             "incarnation": engine.incarnation,
             "role": s.role,
             "model": s.model,
+            "bidirectional": engine.bidirectional,
             "side_channel_host": s.advertised_side_channel_host,
             "side_channel_port": engine.side_channel_port,
             "block_size": s.block_size,
@@ -473,6 +477,19 @@ async def sim_release_early(request: web.Request) -> web.Response:
     return web.json_response({"released": engine.release_early(rid)})
 
 
+async def sim_bidirectional(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    try:
+        body = await request.json()
+    except ValueError:
+        return _error("the body is not valid JSON", 400)
+    enabled = body.get("enabled") if isinstance(body, dict) else None
+    if not isinstance(enabled, bool):
+        return _error("enabled must be a boolean", 400, "enabled")
+    engine.bidirectional = enabled
+    return web.json_response({"bidirectional": engine.bidirectional})
+
+
 def build_app(engine: SimEngine) -> web.Application:
     app = web.Application(client_max_size=64 << 20)
     app[ENGINE_KEY] = engine
@@ -485,5 +502,6 @@ def build_app(engine: SimEngine) -> web.Application:
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/sim/state", sim_state)
     app.router.add_post("/sim/release_early", sim_release_early)
+    app.router.add_post("/sim/bidirectional", sim_bidirectional)
     app.add_routes(kv_cache_routes(engine))
     return app

@@ -60,6 +60,7 @@ def test_the_app_serves_vllms_routes_and_the_sims_own() -> None:
         ("GET", "/metrics"),
         ("GET", "/sim/state"),
         ("POST", "/sim/release_early"),
+        ("POST", "/sim/bidirectional"),
     } <= routes
 
 
@@ -136,6 +137,7 @@ async def test_tokenize_and_detokenize_round_trip_a_prompt(prefill: tuple[str, S
         ("/tokenize", {"model": "other", "prompt": "x"}, 404, "model"),
         ("/detokenize", {"tokens": []}, 400, "tokens"),
         ("/sim/release_early", {"request_id": 7}, 400, "request_id"),
+        ("/sim/bidirectional", {"enabled": "no"}, 400, "enabled"),
     ],
 )
 async def test_a_refused_request_is_answered_in_vllms_error_shape(

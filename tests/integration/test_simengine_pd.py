@@ -127,6 +127,28 @@ def test_d_told_not_to_keep_the_turns_kv_frees_it_and_returns_no_handle(cluster:
     assert set(d.retained_ids()) == before
 
 
+def test_d_with_bidirectional_turned_off_at_run_time_keeps_nothing_until_turned_on(
+    cluster: dict[str, Engine],
+) -> None:
+    """As vLLM run without bidirectional_kv_xfer: what a front that never carries D's handle runs on."""
+    p, d = cluster["P1"], cluster["D1"]
+    before = set(d.retained_ids())
+    assert d.post("/sim/bidirectional", {"enabled": False}) == {"bidirectional": False}
+    try:
+        assert d.state()["bidirectional"] is False
+        prompt = tokens(9, 120)
+        dr = d_leg(d, prompt, p_leg(p, prompt)["kv_transfer_params"], max_tokens=20)
+        assert len(dr["choices"][0]["token_ids"]) == 20
+        assert dr.get("kv_transfer_params") is None
+        assert set(d.retained_ids()) == before
+    finally:
+        assert d.post("/sim/bidirectional", {"enabled": True}) == {"bidirectional": True}
+    prompt = tokens(10, 120)
+    dr = d_leg(d, prompt, p_leg(p, prompt)["kv_transfer_params"], max_tokens=20)
+    assert dr["kv_transfer_params"]["do_remote_decode"] is True
+    assert set(d.retained_ids()) == before | {dr["kv_transfer_params"]["remote_request_id"]}
+
+
 def test_second_read_of_a_handle_is_detected_and_recomputed(cluster: dict[str, Engine]) -> None:
     p1, p2, d = cluster["P1"], cluster["P2"], cluster["D1"]
     prompt = tokens(2, 200)
