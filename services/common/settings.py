@@ -58,6 +58,11 @@ class EtcdSection(Section):
     password_file: str = ""
     # Development only: send the etcd password without TLS to a member that is not on loopback.
     allow_plaintext_password: bool = False
+    # Development only: reach etcd members that are not on loopback without TLS (tls_ca_file) or
+    # without credentials (a client certificate, or an etcd user). etcd holds every tenant's
+    # handles and where every engine is: whoever reaches it unauthenticated can read the one and
+    # rewrite the other, so off loopback it is refused unless this says otherwise.
+    allow_insecure: bool = False
 
     @model_validator(mode="after")
     def _no_silent_plaintext(self) -> EtcdSection:
@@ -76,6 +81,21 @@ class EtcdSection(Section):
                 raise ValueError(
                     f"the etcd password would go in clear to {remote[0]}: set etcd.tls_ca_file "
                     "(TLS), or etcd.allow_plaintext_password for development"
+                )
+        remote = [e for e in self.endpoints if not loopback_target(e)]
+        if remote and not self.allow_insecure:
+            missing = [
+                *([] if self.tls_ca_file else ["TLS (etcd.tls_ca_file)"]),
+                *(
+                    []
+                    if self.tls_cert_file or self.user
+                    else ["credentials (etcd.tls_cert_file or etcd.user)"]
+                ),
+            ]
+            if missing:
+                raise ValueError(
+                    f"etcd member {remote[0]} is not on loopback and would be reached without "
+                    f"{' or '.join(missing)}: set them, or etcd.allow_insecure for development"
                 )
         return self
 

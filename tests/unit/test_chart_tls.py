@@ -222,3 +222,27 @@ def test_a_certificate_variable_pointing_outside_every_mount_is_caught(checks: M
         "[test] StatefulSet kvp-kvplane-routing: KVPLANE_GRPC__TLS__CERT_FILE (/etc/kvplane-tls/tls.crt) "
         "is in a mounted volume" in report.failures
     )
+
+
+def test_a_plaintext_etcd_needs_allow_insecure(checks: ModuleType) -> None:
+    import helm_python
+
+    def told(docs: dict[str, dict[str, Any]]) -> dict[str, bool]:
+        """Each process that reaches etcd: whether it is told a plaintext, unauthenticated one will do."""
+        envs = {name: _env(_pod(d)[1]) for name, d in docs.items()}
+        return {
+            name: env.get("KVPLANE_ETCD__ALLOW_INSECURE") == "true"
+            for name, env in envs.items()
+            if "KVPLANE_ETCD__ENDPOINTS" in env
+        }
+
+    plain = {
+        d["metadata"]["name"]: d for d in checks.render_chart({}, "kvp", "kvplane") if is_kvplane_workload(d)
+    }
+    assert told(plain) and all(told(plain).values())
+    # With etcd's TLS and client certificates, nobody is told so.
+    secure = told(_render(checks, "etcd-tls-values.yaml"))
+    assert secure and not any(secure.values())
+    # Without TLS and without leave, every process would refuse at start: the chart says so instead.
+    with pytest.raises(helm_python.HelmError, match="allowInsecure"):
+        checks.render_chart({"etcd": {"allowInsecure": False}}, "kvp", "kvplane")

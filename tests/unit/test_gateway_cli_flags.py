@@ -40,12 +40,12 @@ def test_file_flags_and_defaults_are_described() -> None:
 
 def test_routing_in_process_flags_reach_the_settings() -> None:
     args = build_parser().parse_args(
-        ["--routing-in-process", "--grpc-listen", "127.0.0.1:50061", "--etcd", "e1:2379, e2:2379"]
+        ["--routing-in-process", "--grpc-listen", "127.0.0.1:50061", "--etcd", "127.0.0.2:1,localhost:2"]
     )
     settings = KvplaneSettings.load(None, overrides(args))
     assert settings.gateway.routing_in_process is True
     assert settings.grpc.listen == "127.0.0.1:50061"
-    assert settings.etcd.endpoints == ["e1:2379", "e2:2379"]
+    assert settings.etcd.endpoints == ["127.0.0.2:1", "localhost:2"]
     # Without the flag the gateway asks routing replicas, as before.
     assert (
         KvplaneSettings.load(None, overrides(build_parser().parse_args([]))).gateway.routing_in_process

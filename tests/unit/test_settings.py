@@ -55,6 +55,7 @@ def test_flags_override_environment_which_overrides_the_file(tmp_path, monkeypat
     config = tmp_path / "kvplane.yaml"
     config.write_text("grpc: {listen: '127.0.0.1:1'}\netcd: {endpoints: ['file:1'], prefix: /from-file/}\n")
     monkeypatch.setenv("KVPLANE_ETCD__ENDPOINTS", '["env:2"]')
+    monkeypatch.setenv("KVPLANE_ETCD__ALLOW_INSECURE", "true")
     settings = KvplaneSettings.load(str(config), {"grpc": {"listen": "127.0.0.1:3"}})
     assert settings.grpc.listen == "127.0.0.1:3"
     assert settings.etcd.endpoints == ["env:2"]
@@ -99,7 +100,13 @@ def test_serve_settings_have_no_default_authentication_mode() -> None:
 def test_an_https_etcd_endpoint_without_trust_roots_is_refused_not_downgraded(endpoint: str) -> None:
     with pytest.raises(SettingsError, match=r"asks for TLS but etcd\.tls_ca_file is not set"):
         KvplaneSettings.load(overrides={"etcd": {"endpoints": [endpoint]}})
-    settings = KvplaneSettings.load(overrides={"etcd": {"endpoints": [endpoint], "tls_ca_file": "/ca.pem"}})
+    tls = {
+        "endpoints": [endpoint],
+        "tls_ca_file": "/ca.pem",
+        "tls_cert_file": "/c.pem",
+        "tls_key_file": "/k.pem",
+    }
+    settings = KvplaneSettings.load(overrides={"etcd": tls})
     assert settings.etcd.endpoints == [endpoint]
 
 
@@ -107,7 +114,33 @@ def test_an_etcd_password_is_never_sent_in_clear_off_loopback() -> None:
     remote = {"endpoints": ["etcd-0.etcd:2379"], "user": "kvplane", "password": "s3cret-pass"}
     with pytest.raises(SettingsError, match=r"password would go in clear to etcd-0\.etcd:2379"):
         KvplaneSettings.load(overrides={"etcd": remote})
-    # Over TLS, on loopback, or with the development switch, it is allowed.
+    # Over TLS, on loopback, or with the development switches, it is allowed.
     KvplaneSettings.load(overrides={"etcd": {**remote, "tls_ca_file": "/ca.pem"}})
     KvplaneSettings.load(overrides={"etcd": {**remote, "endpoints": ["127.0.0.1:2379", "[::1]:2379"]}})
-    KvplaneSettings.load(overrides={"etcd": {**remote, "allow_plaintext_password": True}})
+    KvplaneSettings.load(
+        overrides={"etcd": {**remote, "allow_plaintext_password": True, "allow_insecure": True}}
+    )
+
+
+@pytest.mark.parametrize(
+    ("etcd", "missing"),
+    [
+        ({}, r"without TLS \(etcd\.tls_ca_file\) or credentials \(etcd\.tls_cert_file or etcd\.user\)"),
+        ({"tls_ca_file": "/ca.pem"}, r"without credentials \(etcd\.tls_cert_file or etcd\.user\):"),
+        ({"user": "kvplane", "password": "s3cret-pass", "allow_plaintext_password": True}, r"without TLS"),
+    ],
+)
+def test_an_etcd_off_loopback_without_tls_or_credentials_is_refused_unless_allowed(
+    etcd: dict[str, object], missing: str
+) -> None:
+    remote = {"endpoints": ["127.0.0.1:2379", "etcd-0.etcd:2379"], **etcd}
+    with pytest.raises(SettingsError, match=rf"etcd member etcd-0\.etcd:2379 is not on loopback .*{missing}"):
+        KvplaneSettings.load(overrides={"etcd": remote})
+    KvplaneSettings.load(overrides={"etcd": {**remote, "allow_insecure": True}})
+    # On loopback nothing is asked for; off it, TLS with a client certificate or an etcd user is enough.
+    KvplaneSettings.load(overrides={"etcd": {**etcd, "endpoints": ["127.0.0.1:2379", "localhost:2379"]}})
+    secure = {"tls_ca_file": "/ca.pem", "tls_cert_file": "/c.pem", "tls_key_file": "/k.pem"}
+    KvplaneSettings.load(overrides={"etcd": {**remote, **secure}})
+    KvplaneSettings.load(
+        overrides={"etcd": {**remote, "tls_ca_file": "/ca.pem", "user": "u", "password": "p"}}
+    )

@@ -91,6 +91,12 @@ sidecar.istio.io/inject: {{ ternary "true" "false" .Values.mesh.enabled | quote 
   value: /etc/kvplane-etcd-tls/tls.crt
 - name: KVPLANE_ETCD__TLS_KEY_FILE
   value: /etc/kvplane-etcd-tls/tls.key
+{{- else }}
+{{- if not .Values.etcd.allowInsecure }}
+{{- fail "etcd.tls.enabled is false and etcd.allowInsecure is false: kvplane refuses a plaintext, unauthenticated etcd off loopback; turn TLS on (etcd.tls), or allow it (development)" }}
+{{- end }}
+- name: KVPLANE_ETCD__ALLOW_INSECURE
+  value: "true"
 {{- end }}
 {{- end -}}
 
