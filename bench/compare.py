@@ -12,6 +12,11 @@ request (`--fronts`), also kvplane through a routing replica that sets the engin
 aside, and two pairs of gateways a conversation's turns alternate between, with and without the
 events. See `compare_fronts` for each front, `compare_workload` for the chats.
 
+Before each of a front's blocks, D's retention of finished turns (vLLM's bidirectional_kv_xfer)
+is switched on only for the fronts that carry D's handle into the next turn (kvplane, the example
+multi-turn proxy, the zero-hop client with reuse): vllm-router's users run D without it, and
+with it on, turns nobody reads pin D's memory until the TTL.
+
 The fronts take turns in blocks (one front's chats of one repeat at one concurrency), their
 order rotated each repeat; every front gets the same conversation shapes and arrivals, with its
 own token ids. A warm-up block per front (two-turn chats) runs first and is reported apart.
@@ -28,7 +33,8 @@ Each workload has a stack of its own (its engines started with its flags).
 
 Printed per workload, and written as JSON with every block and turn: per front and
 concurrency, TTFT of later turns against the zero-hop client with reuse, turns/s, failures,
-kvplane's fallbacks, where P found the later turns' prompt tokens, CPU per turn of each process
+kvplane's fallbacks, the engines' own mean TTFT (P's and D's, so that what a front adds shows
+beside them), where P found the later turns' prompt tokens, CPU per turn of each process
 of the front (and of this client and the engines), the front's CPU per turn together and above
 its processes' idle rate, etcd requests and writes per turn, and etcd's writes per engine-second
 while nothing runs.

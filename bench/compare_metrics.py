@@ -22,6 +22,7 @@ holding memory until their TTL, and the next block would pay for it).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -247,6 +248,31 @@ class Reading:
     sources: Counters
     etcd: Counters
     gateway: Counters
+    engines: Counters = dataclasses.field(default_factory=dict)
+
+
+ENGINE_TTFT = "vllm:time_to_first_token_seconds"
+TTFT_S, TTFT_N = "ttft_s:", "ttft_n:"
+
+
+def engine_ttft_counts(text: str, engine: str) -> Counters:
+    """An engine's own time to first token (from the request's arrival at the engine, queue and KV
+    pull included), summed and counted over its requests: `ttft_s:<engine>`, `ttft_n:<engine>`."""
+    out: Counters = {TTFT_S + engine: 0.0, TTFT_N + engine: 0.0}
+    for name, _labels, value in samples(text):
+        if name == ENGINE_TTFT + "_sum":
+            out[TTFT_S + engine] += value
+        elif name == ENGINE_TTFT + "_count":
+            out[TTFT_N + engine] += value
+    return out
+
+
+async def engine_ttft(session: aiohttp.ClientSession, engines: Mapping[str, str]) -> Counters:
+    """Every engine's own TTFT counters, by engine name (`p0`, `d1`, ...) -> its URL."""
+    out: Counters = {}
+    for name, url in engines.items():
+        out |= engine_ttft_counts(await _text(session, f"{url}/metrics"), name)
+    return out
 
 
 async def read_all(
@@ -256,12 +282,14 @@ async def read_all(
     etcd_url: str,
     gateway_urls: Sequence[str],
     services_metrics_urls: Sequence[str] = (),
+    engines: Mapping[str, str] | None = None,
 ) -> Reading:
     """Every counter now; the services' etcd requests by operation join etcd's own (`op:*`)."""
-    sources, etcd_now, ops, legs = await asyncio.gather(
+    sources, etcd_now, ops, legs, ttft = await asyncio.gather(
         prefill_sources(session, prefills),
         etcd(session, etcd_url),
         services_etcd(session, services_metrics_urls),
         gateway_legs(session, gateway_urls),
+        engine_ttft(session, engines or {}),
     )
-    return Reading(time.monotonic(), cpu(pids), sources, {**etcd_now, **ops}, legs)
+    return Reading(time.monotonic(), cpu(pids), sources, {**etcd_now, **ops}, legs, ttft)

@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvplane.bench.compare_fronts import KVPLANE_FRONTS, REFERENCE
-from kvplane.bench.compare_metrics import COMPUTED_ON
+from kvplane.bench.compare_metrics import COMPUTED_ON, TTFT_N, TTFT_S
 from kvplane.bench.compare_run import BlockResult, IdleWindow, TurnRecord
 from kvplane.bench.live import CACHED, COMPUTED, PULLED
 
@@ -107,6 +107,11 @@ class Row:
     # window's rate): the cost of a turn apart from the cost of being up.
     front_cpu_ms_per_turn: float = math.nan
     front_cpu_ms_per_turn_above_idle: float = math.nan
+    # The engines' own TTFT, the mean over every request of the front's blocks (first turns
+    # included): P's (its queue and prefill) and D's (its queue, the KV pull and its first step).
+    # What the client's TTFT has beyond the two is the front's (and the network's).
+    prefill_engine_ttft_ms: float = math.nan
+    decode_engine_ttft_ms: float = math.nan
 
     @property
     def prefill_spread(self) -> float:
@@ -238,7 +243,21 @@ def build_row(
         computed_by_prefill=[sources[k] for k in sorted(filter(_is_engine_key, sources), key=_engine_index)],
         front_cpu_ms_per_turn=front_cpu_s / n_ok * 1e3,
         front_cpu_ms_per_turn_above_idle=(front_cpu_s - idle_cpu_s) / n_ok * 1e3,
+        prefill_engine_ttft_ms=_engine_ttft_ms(blocks, "p"),
+        decode_engine_ttft_ms=_engine_ttft_ms(blocks, "d"),
     )
+
+
+def _engine_ttft_ms(blocks: Sequence[BlockResult], role: str) -> float:
+    """The mean TTFT of the engines whose names start with `role` over the blocks (nan: none)."""
+    total = count = 0.0
+    for b in blocks:
+        for key, value in b.engines.items():
+            if key.startswith(TTFT_S + role):
+                total += value
+            elif key.startswith(TTFT_N + role):
+                count += value
+    return total / count * 1e3 if count else math.nan
 
 
 def _is_engine_key(key: str) -> bool:
@@ -304,6 +323,20 @@ def latency_table(table: Sequence[Row]) -> str:
     return "\n".join(lines)
 
 
+def engine_ttft_table(table: Sequence[Row]) -> str:
+    """Where a later turn's TTFT goes: the client's p50 beside the engines' own mean TTFTs."""
+    lines = [
+        "| front | conc | TTFT p50 ms (t2+) | P's own TTFT, mean ms | D's own TTFT, mean ms |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in table:
+        lines.append(
+            f"| {r.front} | {r.concurrency} | {_f(r.ttft_p50_ms)} | {_f(r.prefill_engine_ttft_ms)} "
+            f"| {_f(r.decode_engine_ttft_ms)} |"
+        )
+    return "\n".join(lines)
+
+
 def cost_table(table: Sequence[Row]) -> str:
     lines = [
         "| front | conc | t2+ tokens reused: pulled from D | from P's prefix cache | split adds up "
@@ -365,7 +398,7 @@ def decisions_line(table: Sequence[Row]) -> str:
 
 
 def render(title: str, table: Sequence[Row], idle: IdleWindow | None) -> str:
-    out = [f"## {title}", "", latency_table(table), "", cost_table(table), ""]
+    out = [f"## {title}", "", latency_table(table), "", engine_ttft_table(table), "", cost_table(table), ""]
     if idle is not None:
         out.append(idle_line(idle))
     out += etcd_lines(table)

@@ -59,6 +59,8 @@ class BlockResult:
     sources: dict[str, float] = field(default_factory=dict)
     etcd: dict[str, float] = field(default_factory=dict)
     gateway: dict[str, float] = field(default_factory=dict)
+    # The engines' own TTFT, summed and counted over the block (`ttft_s:p0`, `ttft_n:p0`, ...).
+    engines: dict[str, float] = field(default_factory=dict)
 
     @property
     def ok_turns(self) -> int:
@@ -86,6 +88,14 @@ class Engines:
     @property
     def all(self) -> list[str]:
         return [*self.prefills, *self.decodes]
+
+    @property
+    def named(self) -> dict[str, str]:
+        """The engines by name: p0, p1, ... then d0, d1, ..."""
+        return {
+            **{f"p{i}": url for i, url in enumerate(self.prefills)},
+            **{f"d{i}": url for i, url in enumerate(self.decodes)},
+        }
 
 
 async def _conversation(
@@ -182,6 +192,7 @@ async def run_block(
         engines.etcd_url,
         engines.gateway_urls.get(plan.front, ()),
         engines.services_metrics_urls,
+        engines.named,
     )
     before = await metrics.read_all(*args)
     result.turns, result.wall_s = await drive(session, front, plan, turn_timeout_s)
@@ -193,6 +204,7 @@ async def run_block(
     result.sources = metrics.delta(after.sources, before.sources)
     result.etcd = metrics.delta(after.etcd, before.etcd)
     result.gateway = metrics.delta(after.gateway, before.gateway)
+    result.engines = metrics.delta(after.engines, before.engines)
     return result
 
 

@@ -270,3 +270,26 @@ def test_each_front_is_charged_its_own_processes_the_picker_path_included() -> N
         "etcd": 99,
     }
     assert pids.engines == {"engine p0": 103, "engine d0": 104, "engine d1": 105}
+
+
+def test_engine_ttft_is_read_per_engine_and_averaged_per_role_over_the_blocks() -> None:
+    from kvplane.bench.compare_metrics import engine_ttft_counts
+
+    page = (
+        'vllm:time_to_first_token_seconds_bucket{engine="0",le="0.1"} 1\n'
+        'vllm:time_to_first_token_seconds_sum{engine="0",model_name="m"} 0.6\n'
+        'vllm:time_to_first_token_seconds_count{engine="0",model_name="m"} 3\n'
+    )
+    assert engine_ttft_counts(page, "p1") == {"ttft_s:p1": 0.6, "ttft_n:p1": 3.0}
+    block = _block(KVPLANE, requests=0, seconds=10, turns=4)
+    # Two prefill engines (0.2 s and 0.4 s a request), one decode engine (0.05 s).
+    block.engines = {
+        "ttft_s:p0": 0.4,
+        "ttft_n:p0": 2,
+        "ttft_s:p1": 0.8,
+        "ttft_n:p1": 2,
+        "ttft_s:d0": 0.2,
+        "ttft_n:d0": 4,
+    }
+    (row,) = report_rows([block], {KVPLANE: ["gateway"]}, None)
+    assert abs(row.prefill_engine_ttft_ms - 300.0) < 1e-9 and abs(row.decode_engine_ttft_ms - 50.0) < 1e-9
