@@ -9,10 +9,11 @@ The request phase, in order (GIE's endpoint-picker protocol, as llm-d's picker r
    The headers are not answered yet: the destination depends on the body.
 2. Body chunks are gathered up to `gateway.max_body_bytes` (413 past it).
 3. At the body's end: parsed and admitted as the gateway admits it (`turn_request.admit_turn`:
-   400 in OpenAI's format for anything malformed, every client `kv_transfer_params` removed), the
-   tenant's share of prompt tokens held (429), the prompt tokenized and routed by the gateway's
-   own steps (`TurnRunner`). The destination is D's sidecar, allowed by Envoy's subset hint (else
-   routed again without that D, then 503); no engine at all is 503.
+   400 in OpenAI's format for anything malformed, every client `kv_transfer_params` removed, the
+   top-level fields the engines do not accept dropped), the tenant's share of prompt tokens held
+   (429), the prompt tokenized and routed by the gateway's own steps (`TurnRunner`). The
+   destination is D's sidecar, allowed by Envoy's subset hint (else routed again without that D,
+   then 503); no engine at all is 503.
 4. The headers are answered: destination in `x-gateway-destination-endpoint` and in
    `dynamic_metadata["envoy.lb"]`, P in `x-prefiller-host-port`, the signed route
    (`sidecar/signed_route.py`) in `x-kvplane-route`, each set over any copy the client sent;
@@ -47,7 +48,7 @@ from kvplane.services.gateway.openai_errors import RequestRejected
 from kvplane.services.gateway.progress import TurnProgress, TurnRequest
 from kvplane.services.gateway.prompts import RoutedPrompt
 from kvplane.services.gateway.turn_errors import TurnFailed
-from kvplane.services.gateway.turn_request import admit_turn
+from kvplane.services.gateway.turn_request import admit_turn, record_dropped
 from kvplane.services.sidecar.signed_route import PREFILLER_HEADER, ROUTE_HEADER, host_port, sign
 
 log = logging.getLogger(__name__)
@@ -178,6 +179,7 @@ class Exchange:
             salts=s.salts,
             arrival=self._arrival,
         )
+        record_dropped(admitted.dropped, s.turns.metrics)
         turn = admitted.turn
         self._held.enter_context(s.shares.hold(turn.identity.tenant, admitted.share_tokens))
         self._span = s.tracer.start_span(

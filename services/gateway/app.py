@@ -34,7 +34,7 @@ from kvplane.services.gateway.settings import GatewaySection
 from kvplane.services.gateway.tenant_share import TenantShares
 from kvplane.services.gateway.turn import TurnRunner
 from kvplane.services.gateway.turn_errors import TurnFailed
-from kvplane.services.gateway.turn_request import admit_turn, configured_api_keys
+from kvplane.services.gateway.turn_request import admit_turn, configured_api_keys, record_dropped
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +125,7 @@ async def _completion(request: web.Request, chat: bool) -> web.StreamResponse:
         )
     except RequestRejected as exc:
         return rejection(exc)
+    record_dropped(admitted.dropped, request.app[METRICS_KEY])
     turn, tokens = admitted.turn, admitted.share_tokens
     try:
         with request.app[SHARES_KEY].hold(turn.identity.tenant, tokens):

@@ -24,6 +24,9 @@ class GatewayMetrics:
     reports_held: Counter
     # Prompt tokens of P legs that answered, by where P got their KV, as P reported it.
     prompt_tokens: Counter
+    # Top-level body fields dropped before forwarding (the engines do not accept them); without
+    # their names, which are the client's (logged at debug level).
+    dropped_fields: Counter
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> GatewayMetrics:
@@ -71,6 +74,12 @@ class GatewayMetrics:
                 "reported: pulled (read from the holder over NIXL), prefill_cache (its own prefix cache), "
                 "computed, or unattributed (cached, by an engine that does not report its pulls)",
                 ["source"],
+                registry=registry,
+            ),
+            dropped_fields=Counter(
+                "kvplane_gateway_dropped_fields_total",
+                "Top-level fields of completion bodies dropped before forwarding: neither the engines "
+                "accept them nor gateway.pass_through_fields names them",
                 registry=registry,
             ),
         )

@@ -149,6 +149,11 @@ class GatewaySection(Section):
     vocab_size: int = Field(0, ge=0)
     # The engines' context length in tokens, to refuse up front what D would reject; 0: unknown.
     max_model_len: int = Field(0, ge=0)
+    # Top-level body fields forwarded to the engines besides those vLLM 0.32 and 0.33 accept on
+    # the endpoint (`engine_fields.py`), for engines with extensions that read more. Every other
+    # field is dropped before a turn's legs, counted in kvplane_gateway_dropped_fields_total (the
+    # names at debug level). `kv_transfer_params` is removed whatever this says. Empty: none.
+    pass_through_fields: list[str] = Field(default_factory=list)
     # vLLM's prefix-cache isolation (`cache_salt`): "tenant" (each tenant its own cache), "group"
     # (tenants in one `tenant_groups` group share theirs) or "off" (one cache for all: timing then
     # tells one tenant what another recently sent).

@@ -3,19 +3,23 @@ the body as the engines may see it.
 
 The same for every front that serves turns (the gateway, the endpoint picker), in this order:
 the conversation id is taken (and `conversation_id` removed from the body), the body is checked
-(`request_body.check_completion`), the tenant's `cache_salt` overwrites any the client sent,
-`kv_transfer_params` is removed (only the router may name blocks: an engine trusts whatever it
-is given), and the model is settled. Every refusal is a RequestRejected (400, naming the field).
+(`request_body.check_completion`), the top-level fields the engines do not accept are dropped
+(`engine_fields.py`; the front counts them, `record_dropped`), the tenant's `cache_salt` overwrites
+any the client sent, `kv_transfer_params` is removed (only the router may name blocks: an engine
+trusts whatever it is given), and the model is settled. Every refusal is a RequestRejected (400,
+naming the field).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvplane.services.gateway import cache_salt
 from kvplane.services.gateway.cache_salt import CacheSalts
+from kvplane.services.gateway.engine_fields import drop_unknown_fields
 from kvplane.services.gateway.identity import (
     ApiKeys,
     BadConversation,
@@ -23,11 +27,14 @@ from kvplane.services.gateway.identity import (
     ReloadingApiKeys,
     take_conversation,
 )
+from kvplane.services.gateway.metrics import GatewayMetrics
 from kvplane.services.gateway.openai_errors import RequestRejected
 from kvplane.services.gateway.progress import TurnRequest
 from kvplane.services.gateway.prompts import estimate_tokens
 from kvplane.services.gateway.request_body import BodyLimits, check_completion, single_prompt
 from kvplane.services.gateway.settings import GatewaySection
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +42,8 @@ class AdmittedTurn:
     turn: TurnRequest
     # The prompt's tokens as the tenant's in-flight share counts them (`tenant_share.py`).
     share_tokens: int
+    # The top-level fields dropped from the body: the engines do not accept them.
+    dropped: tuple[str, ...] = ()
 
 
 def configured_api_keys(settings: GatewaySection) -> ApiKeys:
@@ -66,6 +75,7 @@ def admit_turn(
         check_completion(body, chat, body_limits(settings))
     except BadConversation as exc:
         raise RequestRejected(400, str(exc), "conversation_id") from None
+    dropped = drop_unknown_fields(body, chat, settings.pass_through_fields)
     identity = Identity(tenant, conversation, source)
     salt = salts.salt(identity.tenant)
     if salt is not None:
@@ -88,4 +98,25 @@ def admit_turn(
     prompt = single_prompt(body.get("prompt"))
     # check_completion has made a list prompt a list of token ids.
     tokens = len(prompt) if not chat and isinstance(prompt, list) else estimate_tokens(body, chat)
-    return AdmittedTurn(turn, tokens)
+    return AdmittedTurn(turn, tokens, tuple(dropped))
+
+
+# The most dropped names one debug line shows, and the most characters of each: they are the client's.
+_SHOWN_NAMES = 16
+_SHOWN_CHARS = 64
+
+
+def record_dropped(dropped: Sequence[str], metrics: GatewayMetrics) -> None:
+    """Counts the fields admission dropped, and names them at debug level: a client chooses the
+    names, so as a metric label they would be without bound."""
+    if not dropped:
+        return
+    metrics.dropped_fields.inc(len(dropped))
+    if log.isEnabledFor(logging.DEBUG):
+        shown = ", ".join(repr(name[:_SHOWN_CHARS]) for name in dropped[:_SHOWN_NAMES])
+        more = len(dropped) - _SHOWN_NAMES
+        log.debug(
+            "dropped body fields the engines do not accept: %s%s",
+            shown,
+            f" and {more} more" if more > 0 else "",
+        )

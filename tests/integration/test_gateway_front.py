@@ -278,6 +278,31 @@ async def test_streaming_strips_the_handle_and_passes_every_event(front: Front) 
     assert front.decode.seen[-1][1]["stream"] is True
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "foreign"),
+    [
+        ("/v1/chat/completions", CHAT, {"prompt": "not a chat field", "suffix": "nor this"}),
+        ("/v1/completions", {"model": "m", "prompt": [5, 6, 7], "max_tokens": 2}, {"tools": []}),
+    ],
+    ids=["chat", "completions"],
+)
+async def test_fields_the_engines_do_not_accept_reach_neither_leg(
+    front: Front, path: str, body: dict[str, Any], foreign: dict[str, Any]
+) -> None:
+    # vLLM ignores a field it does not know, but would be sent it on both legs of every turn.
+    front.gateway.settings.pass_through_fields = ["engine_extension"]
+    dropped = await front.metric("kvplane_gateway_dropped_fields_total")
+    sent = {**body, "x": [[]] * 1000, **foreign, "top_k": 5, "seed": 7, "engine_extension": {"a": 1}}
+    resp = await front.post(path, sent)
+    assert resp.status == 200
+    for engine in (front.prefill, front.decode):
+        (_, leg, _) = engine.seen[-1]
+        assert "x" not in leg and not set(foreign) & set(leg), engine.role
+        # vLLM's own fields, and the one the operator lets through, reach both.
+        assert (leg["top_k"], leg["seed"], leg["engine_extension"]) == (5, 7, {"a": 1}), engine.role
+    assert await front.metric("kvplane_gateway_dropped_fields_total") == dropped + 1 + len(foreign)
+
+
 async def test_decode_engine_is_asked_for_token_ids_only_while_a_turn_needs_them(front: Front) -> None:
     # The prompt's ids are known (a token-id prompt); the output's are needed only while D's handle
     # may come without digests of what it retains, and the client's own wish always counts.

@@ -168,6 +168,26 @@ async def test_a_routed_request_goes_to_ds_sidecar_with_the_signed_route(state: 
     assert set_headers["content-length"] == str(len(forwarded))
 
 
+async def test_fields_the_engines_do_not_accept_never_reach_the_sidecar(state: PickerState) -> None:
+    extended = dataclasses.replace(
+        state, gateway=state.gateway.model_copy(update={"pass_through_fields": ["engine_extension"]})
+    )
+    routed_to(extended, ROUTE)
+    exchange = Exchange(extended)
+    await exchange.handle(headers(**AUTH))
+    client = {"model": "m", "prompt": [5, 6, 7], "seed": 3, "x": [[], []], "engine_extension": 1}
+    answer = await exchange.handle(body(json.dumps(client).encode()))
+    forwarded = b"".join(m.request_body.response.body_mutation.streamed_response.body for m in answer[1:])
+    sent = json.loads(forwarded)
+    assert "x" not in sent and sent["seed"] == 3 and sent["engine_extension"] == 1
+    [counted] = [
+        sample.value
+        for sample in state.turns.metrics.dropped_fields.collect()[0].samples
+        if sample.name == "kvplane_gateway_dropped_fields_total"
+    ]
+    assert counted == 1
+
+
 async def test_a_route_outside_the_subset_hint_is_routed_again_then_refused(state: PickerState) -> None:
     asked = routed_to(state, ROUTE, ROUTE, ROUTE)
     exchange = Exchange(state)

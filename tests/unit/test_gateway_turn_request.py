@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
+from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
 
 from kvplane.services.gateway.cache_salt import CacheSalts
 from kvplane.services.gateway.identity import ReloadingApiKeys
+from kvplane.services.gateway.metrics import GatewayMetrics
 from kvplane.services.gateway.openai_errors import RequestRejected
 from kvplane.services.gateway.settings import GatewayKey, GatewaySection
-from kvplane.services.gateway.turn_request import admit_turn, configured_api_keys
+from kvplane.services.gateway.turn_request import admit_turn, configured_api_keys, record_dropped
 
 SALTS = CacheSalts.create("tenant", "k" * 32, {})
 
@@ -40,6 +44,28 @@ def test_the_router_alone_names_blocks_and_the_tenant_salts_its_own_cache() -> N
     assert "kv_transfer_params" not in body and "conversation_id" not in body
     assert body["cache_salt"] == SALTS.salt("acme")
     assert admitted.share_tokens == 3
+
+
+def test_fields_the_engines_do_not_accept_are_dropped_unless_passed_through() -> None:
+    body = {"model": "m", "prompt": "hi", "conversation_id": "c-1", "x": [[], []], "top_k": 4, "ext": 1}
+    admitted = admit(body, pass_through_fields=["ext"])
+    # The conversation id is admission's own, not a dropped field.
+    assert admitted.dropped == ("x",) and admitted.turn.identity.conversation == "c-1"
+    assert set(admitted.turn.body) == {"model", "prompt", "top_k", "ext", "cache_salt"}
+
+
+def test_dropped_fields_are_counted_without_their_names_which_are_logged_at_debug(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    registry = CollectorRegistry()
+    metrics = GatewayMetrics.create(registry)
+    record_dropped((), metrics)
+    with caplog.at_level(logging.DEBUG, logger="kvplane.services.gateway.turn_request"):
+        record_dropped(["x", "y\n" + "z" * 100, *(f"f{i}" for i in range(20))], metrics)
+    assert registry.get_sample_value("kvplane_gateway_dropped_fields_total") == 22
+    [line] = [r.getMessage() for r in caplog.records]
+    # Each name cut short and escaped; past 16 names, only their number.
+    assert "'x'" in line and "'y\\n" + "z" * 62 + "'" in line and line.endswith(" and 6 more")
 
 
 def test_the_conversation_header_wins_over_the_body() -> None:
