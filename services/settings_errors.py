@@ -2,7 +2,8 @@
 
 A typo in a settings file or a KVPLANE_* variable must not cost a newcomer a 17-line traceback:
 each problem is named by its dotted path (and the variable that sets it), an unknown name with the
-closest known one.
+closest known one. A section's own check is named by the section alone: its values (which may be
+secrets) are never repeated.
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ def describe(exc: ValidationError, model: type[BaseModel]) -> str:
             close = difflib.get_close_matches(str(path[-1]), known, n=1, cutoff=0.6)
             hint = f" (did you mean {'.'.join([*map(str, path[:-1]), close[0]])}?)" if close else ""
             problems.append(f"unknown setting {name}{hint}")
+        elif err["type"] == "value_error" and isinstance(err.get("input"), dict):
+            # A section's own check: its input is the whole section, secrets and all (an etcd
+            # password, a mesh secret), and the message already names what is wrong.
+            problems.append(f"{name}: {err['msg'].removeprefix('Value error, ')}")
         else:
             value = repr(err.get("input"))
             shown = value if len(value) <= 40 else value[:37] + "..."

@@ -144,3 +144,14 @@ def test_an_etcd_off_loopback_without_tls_or_credentials_is_refused_unless_allow
     KvplaneSettings.load(
         overrides={"etcd": {**remote, "tls_ca_file": "/ca.pem", "user": "u", "password": "p"}}
     )
+
+
+def test_a_sections_own_refusal_repeats_none_of_its_values() -> None:
+    remote = {"password": "s3cret-pass-0123456789", "endpoints": ["etcd-0.etcd:2379"], "user": "kvplane"}
+    short_token = {"mode": "token", "tokens": [{"token": "shh-short", "name": "a"}]}
+    for overrides, section in (({"etcd": remote}, "etcd"), ({"auth": short_token}, "auth.tokens.0")):
+        with pytest.raises(SettingsError) as err:
+            KvplaneSettings.load(overrides=overrides)
+        message = str(err.value)
+        assert message.startswith(f"{section}: ") and "Value error" not in message
+        assert "s3cret" not in message and "shh-short" not in message and "{" not in message
