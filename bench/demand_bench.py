@@ -65,6 +65,7 @@ MESH_SECRET = "demand-bench-secret"
 READY_TIMEOUT_S = 120.0
 SERVICES_ENV = {
     "KVPLANE_AUTH__MODE": "mesh",
+    "KVPLANE_AUTH__MESH_EXPERIMENTAL": "true",
     "KVPLANE_AUTH__MESH__SECRETS": json.dumps([MESH_SECRET]),
     # This process routes as a tenant calling Route itself.
     "KVPLANE_AUTH__TENANTS_SEE_ENGINES": "true",

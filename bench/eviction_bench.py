@@ -173,7 +173,7 @@ async def run_once(etcd: LocalEtcd, handles: int, node_count: int, keep_mb: int,
             "grpc": {"listen": f"127.0.0.1:{free_port()}", "grace_s": 0.2},
             "etcd": {"endpoints": [etcd.endpoint], "prefix": prefix},
             "telemetry": {"metrics_port": 0},
-            "auth": {"mode": "mesh", "mesh": {"secrets": [MESH_SECRET]}},
+            "auth": {"mode": "mesh", "mesh_experimental": True, "mesh": {"secrets": [MESH_SECRET]}},
             "eviction": {
                 "lease_ttl_s": 10,
                 "evaluate_interval_s": 0.5,

@@ -203,6 +203,7 @@ def start_metadata(etcd: LocalEtcd, out: Path, mesh_secret: str) -> tuple[subpro
     env = {
         **os.environ,
         "KVPLANE_AUTH__MODE": "mesh",
+        "KVPLANE_AUTH__MESH_EXPERIMENTAL": "true",
         "KVPLANE_AUTH__MESH__SECRETS": json.dumps([mesh_secret]),
     }
     process = subprocess.Popen(

@@ -127,7 +127,12 @@ async def run(ops: int, concurrencies: list[int]) -> list[Result]:
                 "etcd": {"endpoints": [etcd.endpoint], "prefix": f"/bench/{uuid.uuid4().hex}/"},
                 "telemetry": {"metrics_port": 0},
                 # The tenant checks handles out itself, as a gateway-less client does.
-                "auth": {"mode": "mesh", "mesh": {"secrets": [MESH_SECRET]}, "tenants_see_engines": True},
+                "auth": {
+                    "mode": "mesh",
+                    "mesh_experimental": True,
+                    "mesh": {"secrets": [MESH_SECRET]},
+                    "tenants_see_engines": True,
+                },
             }
         )
         process = ServiceProcess(settings, [install], Telemetry.disabled())

@@ -125,7 +125,12 @@ async def _serve_routing(port: int, etcd: str, prefix: str, tracing: bool) -> No
             "etcd": {"endpoints": [etcd], "prefix": prefix},
             "telemetry": {"metrics_port": 0, "sample_ratio": 1.0 if tracing else 0.0},
             # The benchmark routes as a tenant calling Route itself.
-            "auth": {"mode": "mesh", "mesh": {"secrets": [MESH_SECRET]}, "tenants_see_engines": True},
+            "auth": {
+                "mode": "mesh",
+                "mesh_experimental": True,
+                "mesh": {"secrets": [MESH_SECRET]},
+                "tenants_see_engines": True,
+            },
         }
     )
     telemetry = (

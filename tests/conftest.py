@@ -77,17 +77,20 @@ async def metadata_channel(metadata_process: ServiceProcess) -> AsyncIterator[gr
 
 
 # Services under test run in mesh mode with a proxy secret; the calls below carry it, as a mesh
-# proxy would. tests/integration/test_trust_boundary.py covers every mode.
+# proxy would. tests/integration/test_trust_boundary.py covers every mode. Mesh mode is experimental
+# (THREAT_MODEL.md): the tests acknowledge it.
 MESH_SECRET = "test-mesh-secret"
 # Tenants call Route and CheckOutHandle themselves in these tests, as a gateway-less client does.
 TEST_AUTH: dict[str, object] = {
     "mode": "mesh",
+    "mesh_experimental": True,
     "mesh": {"secrets": [MESH_SECRET]},
     "tenants_see_engines": True,
 }
 # The same, for `kvplane serve` subprocesses.
 AUTH_ENV = {
     "KVPLANE_AUTH__MODE": "mesh",
+    "KVPLANE_AUTH__MESH_EXPERIMENTAL": "true",
     "KVPLANE_AUTH__MESH__SECRETS": f'["{MESH_SECRET}"]',
     "KVPLANE_AUTH__TENANTS_SEE_ENGINES": "true",
 }

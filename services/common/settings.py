@@ -187,9 +187,15 @@ class MeshSection(Section):
 class AuthSection(Section):
     # Required by `kvplane serve`; there is no default, so nothing runs open by accident.
     # "token": bearer tokens below; "mtls": the client certificate names the principal
-    # (kvplane://{kind}/{name}; needs grpc.tls with a client CA); "mesh": identity headers,
-    # believed only from an authenticated mesh proxy (see `mesh`).
+    # (kvplane://{kind}/{name}; needs grpc.tls with a client CA); "mesh" (experimental, see
+    # `mesh_experimental`): identity headers, believed only from an authenticated mesh proxy (see
+    # `mesh`).
     mode: Literal["token", "mtls", "mesh"] | None = None
+    # Acknowledges that "mesh" mode is experimental: without it, settings in mesh mode are refused.
+    # Its identity headers bind no identity the proxy verified: whoever holds the mesh secret (or a
+    # kvplane://mesh/ certificate) names any principal in them, tenant, node or operator. Token and
+    # mtls modes bind each credential to one principal. Acknowledged, a server warns at start.
+    mesh_experimental: bool = False
     tokens: list[TokenEntry] = Field(default_factory=list)
     # More token entries, from a file holding a JSON or YAML list shaped like `tokens` (a
     # Kubernetes Secret volume). It and every entry's token_file are read again when they change,
@@ -201,6 +207,16 @@ class AuthSection(Section):
     tenants_see_engines: bool = False
     # Whether the tokens file was read whole once (then deleting or emptying it revokes its tokens).
     _tokens_file_loaded: bool = PrivateAttr(default=False)
+
+    @model_validator(mode="after")
+    def _mesh_only_acknowledged(self) -> AuthSection:
+        if self.mode == "mesh" and not self.mesh_experimental:
+            raise ValueError(
+                "auth.mode mesh is experimental, refused unless auth.mesh_experimental is true: its "
+                "identity headers bind no identity the proxy verified, so anyone holding the mesh "
+                "secret chooses any principal (use token or mtls; see THREAT_MODEL.md)"
+            )
+        return self
 
     def authenticator(self) -> Authenticator:
         inner = self._authenticator()
@@ -214,6 +230,11 @@ class AuthSection(Section):
         if self.mode == "mtls":
             return CertificateAuthenticator()
         if self.mode == "mesh":
+            log.warning(
+                "auth.mode mesh is experimental (auth.mesh_experimental): the identity headers bind "
+                "no identity the proxy verified; anyone holding the mesh secret or a kvplane://mesh/ "
+                "certificate chooses any principal"
+            )
             if not (self.mesh.secrets or self.mesh.secret_files or self.mesh.proxy_identities):
                 # Certificates naming kvplane://mesh/... still work; say what trusts the headers.
                 log.info("mesh mode: identity headers trusted only from kvplane://mesh/ client certificates")

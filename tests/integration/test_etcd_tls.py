@@ -133,7 +133,7 @@ async def test_a_service_reaches_etcd_over_tls_from_its_settings(tls_etcd: TlsEt
     settings = plane_settings(
         LocalEtcdAt(tls_etcd.endpoint),  # type: ignore[arg-type]
         prefix,
-        {"mode": "mesh", "mesh": {"secrets": [MESH_SECRET]}},
+        {"mode": "mesh", "mesh_experimental": True, "mesh": {"secrets": [MESH_SECRET]}},
         etcd={
             "tls_ca_file": tls_etcd.ca.ca_file,
             "tls_cert_file": tls_etcd.client.cert_file,

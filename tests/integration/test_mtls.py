@@ -177,7 +177,8 @@ async def test_rotated_server_certificates_are_served_without_a_restart(
 async def test_mesh_headers_are_believed_from_a_proxy_certificate_only(
     etcd: LocalEtcd, prefix: str, ca: TestCa, server_cert: Issued
 ) -> None:
-    process = await start_plane(plane_settings(etcd, prefix, {"mode": "mesh"}, grpc=_tls(ca, server_cert)))
+    mesh = {"mode": "mesh", "mesh_experimental": True}
+    process = await start_plane(plane_settings(etcd, prefix, mesh, grpc=_tls(ca, server_cert)))
     try:
         headers = (("x-kvplane-role", "node"), ("x-kvplane-node", "d0"))
         node = convert.node_to_pb(make_node("d0"))

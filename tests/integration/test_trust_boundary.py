@@ -48,7 +48,7 @@ from tests.support.trust import (
 )
 
 METHODS = all_methods()
-MESH_AUTH = {"mode": "mesh", "mesh": {"secrets": [MESH_SECRET]}}
+MESH_AUTH = {"mode": "mesh", "mesh_experimental": True, "mesh": {"secrets": [MESH_SECRET]}}
 
 
 @pytest.fixture

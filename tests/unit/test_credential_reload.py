@@ -108,7 +108,7 @@ def test_a_rotated_mesh_secret_file_is_read_again(tmp_path: Path) -> None:
     secret = tmp_path / "mesh-secret"
     _write(secret, "mesh-one")
     clock = Clock()
-    section = AuthSection(mode="mesh", mesh={"secret_files": [str(secret)]})
+    section = AuthSection(mode="mesh", mesh_experimental=True, mesh={"secret_files": [str(secret)]})
     auth = ReloadingAuthenticator(section._mesh_authenticator, check_interval_s=1.0, clock=clock)
     headers = {"x-kvplane-role": "operator"}
     assert auth.authenticate(CallCredentials({**headers, "x-kvplane-mesh-secret": "mesh-one"})).name

@@ -276,9 +276,10 @@ def test_chart_runs_token_auth_by_default_with_its_own_secret(checks: ModuleType
     assert env[("kvp-kvplane-sim-prefill", "KVPLANE_SIM_AUTH_TOKEN_FILE")] == "/etc/kvplane-auth/token"
     assert mounted["kvp-kvplane-routing"] == ["tokens.json"]
     assert env[("kvp-kvplane-routing", "KVPLANE_AUTH__TOKENS_FILE")] == "/etc/kvplane-auth/tokens.json"
-    # The open header mode is gone.
-    with pytest.raises(helm_python.HelmError):
-        checks.render_chart({"auth": {"mode": "header"}}, "kvp", "kvplane")
+    # The open header mode is gone, and the experimental mesh mode is not offered.
+    for mode in ("header", "mesh"):
+        with pytest.raises(helm_python.HelmError):
+            checks.render_chart({"auth": {"mode": mode}}, "kvp", "kvplane")
 
 
 def test_istio_schema_rejects_an_unknown_action(tmp_path: Path) -> None:

@@ -67,3 +67,14 @@ def test_serve_runs_on_uvloop_unless_told_asyncio(
     monkeypatch.setenv("KVPLANE_GRPC__EVENT_LOOP", "asyncio")
     assert cli.main(["serve", "all"]) == 0
     assert loops == [("uvloop", "_serve"), ("asyncio", "_serve")]
+
+
+def test_serve_refuses_mesh_mode_unless_it_is_acknowledged_as_experimental(
+    loops: list[tuple[str, str]], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("KVPLANE_AUTH__MESH_EXPERIMENTAL")
+    assert cli.main(["serve", "metadata"]) == 2
+    said = capsys.readouterr().err
+    assert said.startswith("kvplane serve: ") and said.count("\n") == 1
+    assert "auth.mesh_experimental" in said and "bind no identity the proxy verified" in said
+    assert loops == []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 
@@ -155,3 +156,22 @@ def test_a_sections_own_refusal_repeats_none_of_its_values() -> None:
         message = str(err.value)
         assert message.startswith(f"{section}: ") and "Value error" not in message
         assert "s3cret" not in message and "shh-short" not in message and "{" not in message
+
+
+def test_mesh_mode_is_refused_unless_acknowledged_as_experimental_and_then_warned_of(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    mesh = {"mode": "mesh", "mesh": {"secrets": ["s3cret-mesh-0123456789"]}}
+    with pytest.raises(SettingsError) as err:
+        KvplaneSettings.load(overrides={"auth": mesh})
+    message = str(err.value)
+    assert "\n" not in message and "s3cret" not in message
+    assert "auth.mesh_experimental" in message
+    assert "bind no identity the proxy verified" in message and "chooses any principal" in message
+    settings = KvplaneSettings.load(overrides={"auth": {**mesh, "mesh_experimental": True}})
+    with caplog.at_level(logging.WARNING, logger="kvplane.services.common.settings"):
+        settings.auth.authenticator()
+    [warning] = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert "experimental" in warning.getMessage() and "any principal" in warning.getMessage()
+    # The other modes need no acknowledgement.
+    assert KvplaneSettings.load(overrides={"auth": {"mode": "token"}}).auth.mesh_experimental is False

@@ -13,7 +13,9 @@ UNAUTHENTICATED. The modes (settings `auth.mode`; there is no default):
   believed only from an authenticated proxy: a peer whose client certificate
   names a mesh proxy (`kvplane://mesh/{name}`), or a call carrying the
   proxy's shared secret (`x-kvplane-mesh-secret`). From anyone else they are
-  ignored, and the call is unauthenticated.
+  ignored, and the call is unauthenticated. Experimental (settings refuse it
+  unless `auth.mesh_experimental`): the headers are not bound to the identity
+  the proxy verified, so any holder of the secret names any principal.
 
 Principals are bound to what they may touch: a tenant acts only on its own
 tenant, a node only as its own node id, and operator methods need an
