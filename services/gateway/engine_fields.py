@@ -104,11 +104,22 @@ CHAT_FIELDS = _BOTH | {
 }
 
 
+# Fields of vLLM's that only the deployment may set, removed from every client's body whatever
+# `gateway.pass_through_fields` says: `ec_transfer_params` names another request's encoder cache
+# (as `kv_transfer_params`, removed by admission, names KV blocks), `request_id` would make the
+# client choose the engine's own request id, and `priority` would let one tenant's turns jump
+# every other's in an engine run with priority scheduling.
+ENGINE_OWNED = frozenset({"ec_transfer_params", "request_id", "priority"})
+
+
 def drop_unknown_fields(body: dict[str, Any], chat: bool, pass_through: Collection[str] = ()) -> list[str]:
     """Removes from `body` each top-level field the engines do not accept on its endpoint, unless
-    `pass_through` names it; returns the names removed, in the body's order."""
+    `pass_through` names it, and every field in ENGINE_OWNED; returns the names removed, in the
+    body's order."""
     known = CHAT_FIELDS if chat else COMPLETION_FIELDS
-    unknown = [name for name in body if name not in known and name not in pass_through]
+    unknown = [
+        name for name in body if name in ENGINE_OWNED or (name not in known and name not in pass_through)
+    ]
     for name in unknown:
         del body[name]
     return unknown

@@ -10,7 +10,8 @@ leg. The checks, in order:
    with a string `type`; a text part's `text` a string) or null.
    Completions: `prompt`, a string or a non-empty list of token ids,
    or a batch of exactly one of those (the P/D legs carry one handle each,
-   so batches are refused).
+   so batches are refused); never `prompt_embeds` (routing and the pull's
+   prefix check go by token ids).
 3. Token ids: integers (not booleans) in [0, vocab_size) when the vocabulary
    is configured, else in [0, 2^32) (routing's wire type); at most
    `max_prompt_tokens` of them.
@@ -85,6 +86,11 @@ def check_completion(body: Mapping[str, Any], chat: bool, limits: BodyLimits) ->
     if chat:
         _check_messages(body.get("messages"))
     else:
+        if body.get("prompt_embeds") is not None:
+            # Routing places a turn, and P verifies the KV it pulls, by the prompt's token ids.
+            raise RequestRejected(
+                400, "prompt_embeds is not served: send the prompt as text or token ids", "prompt_embeds"
+            )
         _check_prompt(body.get("prompt"), limits)
     for name in _INT_FIELDS:
         _int(body, name, 1, MAX_TOKENS_LIMIT)

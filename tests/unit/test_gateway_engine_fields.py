@@ -44,3 +44,12 @@ def test_the_fields_kvplane_sets_or_reads_on_the_legs_are_the_engines_own() -> N
     assert both | chat | {"chat_template_kwargs", "continue_final_message"} <= CHAT_FIELDS
     # Admission takes the conversation id before the filter runs: it is no engine's field.
     assert "conversation_id" not in COMPLETION_FIELDS | CHAT_FIELDS
+
+
+@pytest.mark.parametrize(("chat", "base"), [(True, CHAT), (False, COMPLETION)], ids=["chat", "completions"])
+def test_fields_only_the_deployment_may_set_never_reach_the_engines(chat: bool, base: dict[str, Any]) -> None:
+    owned = {"ec_transfer_params": {"remote_block_ids": [1]}, "request_id": "another", "priority": -100}
+    body = {**base, **owned, "seed": 7}
+    # Whatever the operator passes through.
+    assert drop_unknown_fields(body, chat, list(owned)) == list(owned)
+    assert body == {**base, "seed": 7}

@@ -84,3 +84,8 @@ def test_a_token_prompt_and_its_completion_must_fit_the_context() -> None:
 def test_control_characters_and_batches_of_one() -> None:
     assert has_control("a\x00") and has_control("a\x7f") and has_control("a\x85") and not has_control("é")
     assert single_prompt(["x"]) == "x" and single_prompt([[1, 2]]) == [1, 2] and single_prompt([1]) == [1]
+
+
+def test_prompt_embeds_are_refused() -> None:
+    # Routing places the turn, and P checks the KV it pulls, by the prompt's token ids.
+    assert _field({"prompt": "hi", "prompt_embeds": "AAAA"}, chat=False) == "prompt_embeds"
