@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvplane.services.common.model.errors import StoreUnavailable
+from kvplane.services.common.runtime.heap import freeze_startup_heap
 from kvplane.services.common.runtime.server import GrpcServer, MetricsServer
 from kvplane.services.common.runtime.telemetry import Telemetry
 from kvplane.services.common.store import Store
@@ -171,6 +172,7 @@ class ServiceProcess:
 
     async def run_until_signalled(self) -> None:
         await self.start()
+        freeze_startup_heap()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvplane.services.client.credentials import PlaintextCredentials
+from kvplane.services.common.runtime.heap import freeze_startup_heap
 from kvplane.services.common.runtime.server import MetricsServer
 from kvplane.services.common.runtime.telemetry import Telemetry, configure_logging
 from kvplane.services.epp.app import Picker
@@ -60,6 +61,7 @@ async def serve(settings: KvplaneSettings) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    freeze_startup_heap()
     # A single line that scripts and tests wait for.
     print(f"kvplane epp ready: {picker.address}", flush=True)
     try:

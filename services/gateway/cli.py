@@ -14,6 +14,7 @@ import uvloop
 
 from kvplane.services.client import RoutingClient
 from kvplane.services.client.credentials import PlaintextCredentials
+from kvplane.services.common.runtime.heap import freeze_startup_heap
 from kvplane.services.common.runtime.server import BindFailed
 from kvplane.services.common.runtime.telemetry import Telemetry, configure_logging
 from kvplane.services.gateway.app import Gateway
@@ -146,6 +147,7 @@ async def serve(settings: KvplaneSettings) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    freeze_startup_heap()
     # A single line that scripts and tests wait for.
     loop_name = type(loop).__module__.split(".")[0]
     print(f"kvplane gateway ready: {gateway.url} (event loop: {loop_name})", flush=True)

@@ -9,6 +9,7 @@ import signal
 from collections.abc import Sequence
 from typing import Any
 
+from kvplane.services.common.runtime.heap import freeze_startup_heap
 from kvplane.services.common.runtime.telemetry import Telemetry, configure_logging
 from kvplane.services.settings import KvplaneSettings
 from kvplane.services.sidecar.app import Sidecar
@@ -50,6 +51,7 @@ async def serve(settings: KvplaneSettings) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    freeze_startup_heap()
     print(f"kvplane sidecar ready: {sidecar.address}", flush=True)
     try:
         await stop.wait()
