@@ -64,17 +64,17 @@ UNLIMITED_BYTES = 1 << 62
 # what is timed on the front's path, nor below 0. tests/unit/test_sim_front_hops.py holds these
 # to that record.
 #
-# At commit 72f18b8, at one conversation in flight: kvplane's gateway 5.0 ms (its own timing of
-# the Route call over gRPC; its TTFT excess averages 0.8 ms: +16.5 ms on A, -14.9 ms on B),
-# the gateway routing in its own process 6.4 ms (its Route call 2.1 ms; the excess +15.6 and
-# -2.9 ms), vllm-router 0 (+18.6 and -29.3 ms), the example proxy 17.1 ms (+19.2 and +15.0 ms).
-# One block at one in flight is four later turns, and repeats differ by 10-30 ms: these say which
-# front adds tens of ms and which does not. The record before (538fe24) gave 33.2, 25.9 and 39.5
-# ms for kvplane, vllm-router and the proxy, when kvplane's Route call itself took 14-39 ms.
-MEASURED_ROUTE_S = 0.004993
-COLOCATED_ROUTE_S = 0.006368
+# At commit 9d4a433, at one conversation in flight: kvplane's gateway 4.9 ms (its own timing of
+# the Route call over gRPC; its TTFT excess averages -13.3 ms: -16.2 ms on A, -10.3 ms on B), the
+# gateway routing in its own process 3.2 ms (its Route call; the excess -8.4 and -10.3 ms),
+# vllm-router 0 (-6.6 and -19.7 ms), the example proxy 0 (+2.1 and -15.2 ms). One block at one in
+# flight is four later turns, and repeats differ by 10-30 ms: these say which front adds tens of
+# ms and which does not. The records before gave 5.0, 6.4, 0 and 17.1 ms (72f18b8) and 33.2, 25.9
+# (vllm-router) and 39.5 ms (538fe24), when kvplane's Route call itself took 14-39 ms.
+MEASURED_ROUTE_S = 0.004901
+COLOCATED_ROUTE_S = 0.003188
 VLLM_ROUTER_HOP_S = 0.0
-EXAMPLE_PROXY_HOP_S = 0.017096
+EXAMPLE_PROXY_HOP_S = 0.0
 # From an engine's cache change to routing's view of it: the node agent's coalescing interval
 # (100 ms, `connector.node_agent.prefix_cache`) at worst, plus its stream's hop.
 EVENT_LAG_S = 0.105
