@@ -93,6 +93,8 @@ COMMAND_PURPOSES: dict[str, str] = {
     "drain": "mark a node draining: no new turns go to it (operator)",
     "status": "the eviction leader, its command backlog, and the nodes by role (operator)",
     "end-conversation": "end a conversation: its retained KV is released now (operator)",
+    "etcd-setup": "prepare an etcd for kvplane: a user per process, its prefix alone, auth on (root)",
+    "dev-certs": "write a CA, etcd's certificate and one client certificate per etcd user (development)",
 }
 
 _EPILOG = """\
@@ -162,6 +164,8 @@ EXTRA_COMMANDS: dict[str, str] = {
     "drain": "kvplane.services.ops.cli:drain_main",
     "status": "kvplane.services.ops.cli:status_main",
     "end-conversation": "kvplane.services.ops.cli:end_conversation_main",
+    "etcd-setup": "kvplane.services.etcd_access.cli:etcd_setup_main",
+    "dev-certs": "kvplane.services.etcd_access.cli:dev_certs_main",
 }
 
 

@@ -72,6 +72,8 @@ PURE_MODULES = frozenset(
         "kvplane.services.common.model.block_hashes",  # "Pure: no I/O."
         "kvplane.services.common.model.loopback",  # "Pure: no I/O, no name resolution"
         "kvplane.services.ops.views",  # "Pure: no I/O; the time ... is an argument"
+        "kvplane.services.etcd_access.auth_plan",  # "Pure: no I/O."
+        "kvplane.services.etcd_access.principals",  # "Pure: names and a key range."
         "kvplane.bench.sim.cache_events",  # "Pure: no I/O; time is an argument."
         "kvplane.bench.sim.block_chain",  # block values as runs: pure data
         "kvplane.services.common.model.kv_events",  # "Pure: no I/O."
