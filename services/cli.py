@@ -95,6 +95,7 @@ COMMAND_PURPOSES: dict[str, str] = {
     "end-conversation": "end a conversation: its retained KV is released now (operator)",
     "etcd-setup": "prepare an etcd for kvplane: a user per process, its prefix alone, auth on (root)",
     "dev-certs": "write a CA, etcd's certificate and one client certificate per etcd user (development)",
+    "dev-tokens": "write fresh control-plane tokens, API keys and a cache-salt key (development, compose)",
 }
 
 _EPILOG = """\
@@ -166,6 +167,7 @@ EXTRA_COMMANDS: dict[str, str] = {
     "end-conversation": "kvplane.services.ops.cli:end_conversation_main",
     "etcd-setup": "kvplane.services.etcd_access.cli:etcd_setup_main",
     "dev-certs": "kvplane.services.etcd_access.cli:dev_certs_main",
+    "dev-tokens": "kvplane.services.dev.tokens_cli:main",
 }
 
 

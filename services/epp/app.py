@@ -87,7 +87,7 @@ class Picker:
             gateway=g,
             turns=turns,
             keys=configured_api_keys(g),
-            salts=CacheSalts.create(g.cache_salt, g.cache_salt_key.get_secret_value(), g.tenant_groups),
+            salts=CacheSalts.create(g.cache_salt, g.salt_key(), g.tenant_groups),
             shares=TenantShares(g.max_inflight_tokens_per_tenant),
             route_key=self.sidecar.route_key.get_secret_value().encode(),
             route_ttl_s=self.sidecar.route_ttl_s,

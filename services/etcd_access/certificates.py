@@ -6,18 +6,16 @@ reads it). Keys are ECDSA P-256, signed with SHA-256, by the `cryptography` pack
 
 Each holder gets a folder of its own, laid out as a Kubernetes TLS Secret is (`ca.crt`,
 `tls.crt`, `tls.key`), so that a container mounts only its own: `ca/` (the CA's certificate and
-key, for issuing more), `etcd-server/`, and one folder per user. Keys are written 0600, never
-over an existing file unless asked (`overwrite`).
+key, for issuing more), `etcd-server/`, and one folder per user (`bundle_files`); keys are
+written 0600 (`is_key`, by `kvplane.services.dev.credential_files`).
 """
 
 from __future__ import annotations
 
 import datetime
 import ipaddress
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -32,10 +30,6 @@ CERT = "tls.crt"
 KEY = "tls.key"
 # Certificates back-date their start by this much: a clock a little behind still accepts them.
 _SKEW = datetime.timedelta(minutes=5)
-
-
-class CertificateFilesExist(Exception):
-    """Files that would be written exist already (and `overwrite` was not asked for)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,44 +173,3 @@ def bundle_files(ca: Authority, server: Issued, clients: Mapping[str, Issued]) -
 def is_key(relative: str) -> bool:
     """Whether the file holds a private key (written 0600)."""
     return relative.endswith((f"/{KEY}", f"/{CA_KEY}"))
-
-
-def existing(out: Path, relatives: Sequence[str]) -> list[str]:
-    """Which of the files are there already."""
-    return [r for r in relatives if (out / r).exists()]
-
-
-def write_files(
-    out: Path,
-    files: Mapping[str, bytes],
-    *,
-    overwrite: bool = False,
-    owner: tuple[int, int] | None = None,
-) -> None:
-    """Writes every file under `out`: keys 0600, certificates 0644, folders 0700. Each file
-    appears whole (written aside, then renamed). Refuses, before writing anything, when one
-    exists and `overwrite` is false. `owner` (uid, gid): whom the folders and files belong to
-    (a root init container writing for another user)."""
-    there = existing(out, list(files))
-    if there and not overwrite:
-        raise CertificateFilesExist(
-            f"{len(there)} of the files exist already, e.g. {out / there[0]}: "
-            "remove them, or pass --force to write new ones over them"
-        )
-    folders = sorted({(out / relative).parent for relative in files} | {out})
-    for folder in folders:
-        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if owner is not None:
-            os.chown(folder, *owner)
-    for relative, content in files.items():
-        path = out / relative
-        temporary = path.with_name(f".{path.name}.new")
-        # Created 0600, so a key is never readable by others, even for a moment.
-        with os.fdopen(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
-            f.write(content)
-            os.fchmod(f.fileno(), 0o600 if is_key(relative) else 0o644)
-            if owner is not None:
-                os.fchown(f.fileno(), *owner)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temporary, path)

@@ -180,31 +180,21 @@ def _certs_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _owner(value: str) -> tuple[int, int] | None:
-    if not value:
-        return None
-    uid, _, gid = value.partition(":")
-    try:
-        return int(uid), int(gid or uid)
-    except ValueError:
-        raise ValueError(f"--owner {value!r}: expected UID:GID (numbers)") from None
-
-
 def dev_certs_main(argv: Sequence[str]) -> int:
     args = _certs_parser().parse_args(list(argv))
-    from kvplane.services.etcd_access.certificates import (
-        Authority,
-        CertificateFilesExist,
-        bundle_files,
+    from kvplane.services.dev.credential_files import (
+        CredentialFilesExist,
         existing,
+        parse_owner,
         write_files,
     )
+    from kvplane.services.etcd_access.certificates import Authority, bundle_files, is_key
 
     out = Path(args.out)
     try:
         if args.days < 1:
             raise ValueError("--days must be at least 1")
-        owner = _owner(args.owner)
+        owner = parse_owner(args.owner)
         now = datetime.datetime.now(datetime.UTC)
         ca = Authority.create(args.ca_name, now, args.days)
         server = ca.issue_server(args.san or DEFAULT_SANS, now, args.days)
@@ -214,8 +204,8 @@ def dev_certs_main(argv: Sequence[str]) -> int:
         if args.if_missing and not args.force and len(there) == len(files):
             print(f"kept the certificates in {out}: every file exists")
             return 0
-        write_files(out, files, overwrite=args.force, owner=owner)
-    except (CertificateFilesExist, ValueError, OSError) as exc:
+        write_files(out, files, is_key, overwrite=args.force, owner=owner)
+    except (CredentialFilesExist, ValueError, OSError) as exc:
         print(f"kvplane dev-certs: {exc}", file=sys.stderr)
         return 1
     print(f"wrote a CA, etcd's certificate and client certificates for {', '.join(users)} to {out}")

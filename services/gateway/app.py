@@ -191,9 +191,7 @@ def build_app(
     )
     app[KEYS_KEY] = api_keys
     app[SHARES_KEY] = TenantShares(settings.max_inflight_tokens_per_tenant)
-    app[SALTS_KEY] = CacheSalts.create(
-        settings.cache_salt, settings.cache_salt_key.get_secret_value(), settings.tenant_groups
-    )
+    app[SALTS_KEY] = CacheSalts.create(settings.cache_salt, settings.salt_key(), settings.tenant_groups)
     app[RUNNER_KEY] = runner
     app[TELEMETRY_KEY] = telemetry
     app[SETTINGS_KEY] = settings

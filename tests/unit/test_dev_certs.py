@@ -14,6 +14,7 @@ import pytest
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from kvplane.services.dev.credential_files import CredentialFilesExist, write_files
 from kvplane.services.etcd_access.certificates import (
     CA_CERT,
     CA_FOLDER,
@@ -22,9 +23,8 @@ from kvplane.services.etcd_access.certificates import (
     KEY,
     SERVER_FOLDER,
     Authority,
-    CertificateFilesExist,
     bundle_files,
-    write_files,
+    is_key,
 )
 from kvplane.services.etcd_access.cli import DEFAULT_SANS, dev_certs_main
 from kvplane.services.etcd_access.principals import ROOT_USER, process_users
@@ -151,8 +151,8 @@ def test_nothing_is_written_when_one_file_is_in_the_way(tmp_path: Path) -> None:
     )
     (tmp_path / ROOT_USER).mkdir()
     (tmp_path / ROOT_USER / CERT).write_bytes(b"mine")
-    with pytest.raises(CertificateFilesExist):
-        write_files(tmp_path, files)
+    with pytest.raises(CredentialFilesExist):
+        write_files(tmp_path, files, is_key)
     assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == [
         ROOT_USER,
         f"{ROOT_USER}/{CERT}",

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from kvplane.services.settings import KvplaneSettings
+from kvplane.services.settings_errors import SettingsError
 
 
 def test_api_keys_from_the_environment_are_secrets(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -27,3 +29,19 @@ def test_defaults_refuse_anonymous_requests_and_have_no_fallback() -> None:
     gateway = KvplaneSettings.load(None, {}).gateway
     assert gateway.default_tenant == "" and not gateway.api_keys
     assert gateway.fallback_prefill_url == gateway.fallback_decode_url == []
+
+
+def test_the_cache_salt_key_may_come_from_a_file(tmp_path: Path) -> None:
+    key_file = tmp_path / "cache-salt-key"
+    key_file.write_text("salt-key-from-a-file\n")
+    key_file.chmod(0o600)
+    gateway = KvplaneSettings.load(None, {"gateway": {"cache_salt_key_file": str(key_file)}}).gateway
+    assert gateway.salt_key() == "salt-key-from-a-file"
+    inline = KvplaneSettings.load(None, {"gateway": {"cache_salt_key": "inline"}}).gateway
+    assert inline.salt_key() == "inline"
+
+
+def test_the_cache_salt_key_inline_and_from_a_file_is_refused(tmp_path: Path) -> None:
+    both = {"cache_salt_key": "inline", "cache_salt_key_file": str(tmp_path / "key")}
+    with pytest.raises(SettingsError, match="not both"):
+        KvplaneSettings.load(None, {"gateway": both})
