@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The container stage: build kvplane's images, start the compose stack with simulated engines,
 # send multi-turn conversations through the gateway, check in the engines' own metrics that KV
-# was pulled between containers over NIXL, and take the stack down.
+# was pulled between containers over NIXL, check that etcd's auth is on and that the operator's
+# token is where deploy/README.md says, and take the stack down.
 #
 #   deploy/scripts/compose_stage.sh            (root, on Debian; CI runs it on a clean clone)
 #
@@ -231,11 +232,18 @@ phase "up (profile sim)"
 "${COMPOSE[@]}" up -d >"$WORK/up.log" 2>&1 || { tail -40 "$WORK/up.log"; die "up failed"; }
 
 phase "every container healthy"
+# The one-shot services (credentials, etcd's setup) are done once they exited 0.
+one_shot() { [[ $(podman inspect -f '{{.HostConfig.RestartPolicy.Name}}' "$1") =~ ^(no|)$ ]]; }
 deadline=$(($(date +%s) + 300))
 while :; do
   waiting=()
   for c in $(containers); do
     state=$(podman inspect -f '{{.State.Status}}' "$c")
+    if [[ $state == exited ]] && one_shot "$c"; then
+      code=$(podman inspect -f '{{.State.ExitCode}}' "$c")
+      ((code == 0)) || { podman logs --tail 40 "$c"; die "$c exited with $code"; }
+      continue
+    fi
     if [[ $state != running ]]; then
       waiting+=("$c:$state")
       continue
@@ -263,8 +271,11 @@ pulled_tokens() {
   metrics_of "$1" | awk '/^vllm:prompt_tokens_by_source_total\{.*source="external_kv_transfer"/ {s += $NF} END {print s + 0}'
 }
 before=$(pulled_tokens sim-prefill)
+# tenant-a's API key, made by the tokens service at first start (nothing is committed).
+api_key=$(podman exec "${PROJECT}_gateway_1" cat /run/kvplane/gateways/api-keys.yaml \
+  | python3 -c 'import json, sys; print(next(k["token"] for k in json.load(sys.stdin) if k["tenant"] == "tenant-a"))')
 python3 "$ROOT/deploy/scripts/compose_turns.py" --gateway "http://127.0.0.1:$KVPLANE_GATEWAY_PORT" \
-  --api-key dev-key-tenant-a --model kvplane-demo \
+  --api-key "$api_key" --model kvplane-demo \
   --conversations "${KVPLANE_STAGE_CONVERSATIONS:-3}" --turns "${KVPLANE_STAGE_TURNS:-4}"
 
 phase "pulls in the engines' metrics"
@@ -294,5 +305,29 @@ done
 echo "routing: ${streams:-0} node streams open, ${cache_messages:-0} prefix-cache messages"
 ((${streams:-0} == 2)) || die "routing should hold one stream from each of the 2 engines"
 ((${cache_messages%.*} > 0)) || die "routing heard no prefix-cache events from the prefill engine"
+
+phase "etcd refuses a certificate that names no user"
+# etcd's own certificate is signed by the CA but names no etcd user: with auth on, a read fails.
+refused=$(podman exec "${PROJECT}_etcd_1" etcdctl --endpoints=https://127.0.0.1:2379 \
+  --cacert=/run/etcd/tls/ca.crt --cert=/run/etcd/tls/tls.crt --key=/run/etcd/tls/tls.key \
+  get /kvplane/v1/ --prefix --keys-only 2>&1) && die "etcd answered a certificate naming no user: $refused"
+grep -qi 'permission denied\|user name not found\|authentication' <<<"$refused" \
+  || die "etcd refused for another reason: $refused"
+echo "refused: $(tail -1 <<<"$refused")"
+
+phase "the operator's token, as deploy/README.md reads it"
+operator_token=$("${COMPOSE[@]}" run --rm --no-deps -T --entrypoint cat tokens /secrets/operator/token 2>/dev/null | tail -1)
+((${#operator_token} >= 40)) || die "no operator token from the tokens volume: '${operator_token}'"
+podman exec -e KVPLANE_CLIENT_TOKEN="$operator_token" "${PROJECT}_metadata_1" kvplane nodes \
+  || die "kvplane nodes refused the operator's token"
+
+phase "the one-shot services again keep what they made"
+# What every later `up` does: the credentials are kept, and etcd's setup finds nothing to change.
+again() { "${COMPOSE[@]}" run --rm --no-deps "$1" 2>&1 | tail -1; }
+for expect in "etcd-certs:kept the certificates" "tokens:kept the tokens" "etcd-setup:nothing to change"; do
+  said=$(again "${expect%%:*}")
+  grep -q "${expect#*:}" <<<"$said" || die "${expect%%:*} run again: $said"
+  echo "${expect%%:*}: $said"
+done
 
 phase "down"

@@ -67,7 +67,8 @@ for module in @kubernetes-models/istio @kubernetes-models/prometheus-operator @k
 done
 
 # The semantic checks: the deploy_checks package beside this script.
-CHECKS=(env PYTHONPATH="$VALIDATE" "$PY" -m deploy_checks)
+# A PYTHONPATH already set (a worktree beside an editable install) stays after it.
+CHECKS=(env PYTHONPATH="$VALIDATE${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m deploy_checks)
 
 OUT=$(mktemp -d)
 trap 'rm -rf "$OUT"' EXIT

@@ -159,6 +159,12 @@ def _certs_parser() -> argparse.ArgumentParser:
         help="a host name or IP address etcd's certificate names; repeat for each "
         f"(default: {', '.join(DEFAULT_SANS)})",
     )
+    p.add_argument(
+        "--user",
+        action="append",
+        help="write a client certificate for this etcd user only; repeat "
+        f"(default: {ROOT_USER} and every process user)",
+    )
     p.add_argument("--days", type=int, default=365, help="validity of every certificate, days (default 365)")
     p.add_argument(
         "--ca-name", default=DEFAULT_CA_NAME, help=f"the CA's Common Name (default {DEFAULT_CA_NAME!r})"
@@ -198,7 +204,7 @@ def dev_certs_main(argv: Sequence[str]) -> int:
         now = datetime.datetime.now(datetime.UTC)
         ca = Authority.create(args.ca_name, now, args.days)
         server = ca.issue_server(args.san or DEFAULT_SANS, now, args.days)
-        users = [ROOT_USER, *process_users()]
+        users = args.user or [ROOT_USER, *process_users()]
         files = bundle_files(ca, server, {user: ca.issue_client(user, now, args.days) for user in users})
         there = existing(out, list(files))
         if args.if_missing and not args.force and len(there) == len(files):

@@ -174,13 +174,18 @@ def test_sim_engines_send_release_commands_to_the_eviction_service(resolved_comp
 
 
 def test_compose_gateways_salt_ps_cache_with_one_key(resolved_compose: dict[str, Any]) -> None:
-    # A key of each gateway's own would split every tenant's prefix cache in P between them.
+    # A key of each gateway's own would split every tenant's prefix cache in P between them: both
+    # read the one key file, from the one volume the tokens service writes it to.
     keys = {
-        name: svc["environment"].get("KVPLANE_GATEWAY__CACHE_SALT_KEY")
+        name: (
+            svc["environment"].get("KVPLANE_GATEWAY__CACHE_SALT_KEY_FILE"),
+            {m["source"] for m in svc["volumes"] if m["target"] == "/run/kvplane/gateways"},
+        )
         for name, svc in resolved_compose["services"].items()
         if svc.get("command") == ["gateway"]
     }
-    assert len(keys) == 2 and len(set(keys.values())) == 1 and all(keys.values()), keys
+    assert len(keys) == 2 and all(file and volume == {"gateway-keys"} for file, volume in keys.values()), keys
+    assert len({file for file, _ in keys.values()}) == 1, keys
 
 
 def test_unknown_service_flag_in_compose_is_caught(

@@ -157,3 +157,12 @@ def test_nothing_is_written_when_one_file_is_in_the_way(tmp_path: Path) -> None:
         ROOT_USER,
         f"{ROOT_USER}/{CERT}",
     ]
+
+
+def test_user_limits_the_client_certificates_to_those_named(tmp_path: Path) -> None:
+    out = tmp_path / "certs"
+    assert dev_certs_main(["--out", str(out), "--user", ROOT_USER, "--user", "kvplane-metadata"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [CA_FOLDER, SERVER_FOLDER, ROOT_USER, "kvplane-metadata"]
+    )
+    assert _cn(_cert(out / "kvplane-metadata" / CERT)) == "kvplane-metadata"

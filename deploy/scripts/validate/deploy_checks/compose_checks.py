@@ -8,6 +8,7 @@ from typing import Any
 
 import yaml
 
+from .compose_credentials import check_credentials
 from .kvplane_code import (
     connector_setting_names,
     host_port,
@@ -81,6 +82,13 @@ def check_compose(resolved_path: Path, report: Report) -> None:
             _check_vllm(stack, name, svc, command, env, report)
     _check_prometheus(stack, report)
     _check_collector(stack, report)
+    check_credentials(stack.services, config_text, report)
+
+
+def one_shot(svc: dict[str, Any]) -> bool:
+    """A service that runs once and exits (a credentials writer, etcd's setup): no health check;
+    what needs it waits for it to complete."""
+    return str(svc.get("restart", "")) == "no"
 
 
 def _check_wiring(stack: Stack, name: str, svc: dict[str, Any], report: Report) -> None:
@@ -93,7 +101,7 @@ def _check_wiring(stack: Stack, name: str, svc: dict[str, Any], report: Report) 
             f"compose {name}: port {port.get('target')} published on 127.0.0.1 only",
             f"host_ip={port.get('host_ip')!r}",
         )
-    if name not in ("otel-collector", "jaeger"):  # images without a shell: see compose.yaml
+    if name not in ("otel-collector", "jaeger") and not one_shot(svc):  # no shell; or no server
         test = svc.get("healthcheck", {}).get("test")
         report.check(bool(test), f"compose {name}: has a health check")
         # Podman's Docker API splits a CMD's arguments at spaces: inline code breaks there.
@@ -107,7 +115,20 @@ def _check_wiring(stack: Stack, name: str, svc: dict[str, Any], report: Report) 
         if dep not in services and spec.get("required") is False:
             continue
         report.check(dep in services, f"compose {name}: depends on defined service {dep}")
-        if dep in services and services[dep].get("healthcheck", {}).get("test"):
+        if dep in services and one_shot(svc):
+            # podman starts a stopped dependency's dependencies with it, and podman 4.3 fails to
+            # when one of them is running: a one-shot service waits for one-shot services only.
+            report.check(
+                one_shot(services[dep]),
+                f"compose {name}: a one-shot service waits for one-shot services only ({dep})",
+            )
+        if dep in services and one_shot(services[dep]):
+            report.check(
+                spec.get("condition") == "service_completed_successfully",
+                f"compose {name}: waits for {dep} to complete",
+                f"condition={spec.get('condition')}",
+            )
+        elif dep in services and services[dep].get("healthcheck", {}).get("test"):
             report.check(
                 spec.get("condition") == "service_healthy",
                 f"compose {name}: waits for {dep} to be healthy",
