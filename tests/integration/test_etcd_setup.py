@@ -7,27 +7,20 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import shutil
-import subprocess
-import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pytest
-import yaml
 from aetcd import rpc
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from kvplane.services.common.model.errors import StoreUnavailable
-from kvplane.services.common.runtime.ports import free_port
 from kvplane.services.common.store import Store, StoreSettings
 from kvplane.services.common.store.etcd import open_channel
 from kvplane.services.common.store.etcd_credentials import EtcdCredentials
-from kvplane.services.dev.local_etcd import LocalEtcd
 from kvplane.services.etcd_access.auth_plan import Permission
 from kvplane.services.etcd_access.auth_setup import EtcdAuth
 from kvplane.services.etcd_access.certificates import (
@@ -36,10 +29,9 @@ from kvplane.services.etcd_access.certificates import (
     CA_KEY,
     CERT,
     KEY,
-    SERVER_FOLDER,
     Authority,
 )
-from kvplane.services.etcd_access.cli import dev_certs_main, etcd_setup_main
+from kvplane.services.etcd_access.cli import etcd_setup_main
 from kvplane.services.etcd_access.principals import (
     PROCESS_USERS,
     ROLE,
@@ -48,77 +40,13 @@ from kvplane.services.etcd_access.principals import (
     process_users,
 )
 from tests.conftest import make_node
-
-PREFIX = "/kvplane/v1/"
-
-
-@dataclass
-class SecuredEtcd:
-    endpoint: str
-    certs: Path
-    config: Path
-
-    def credentials(self, user: str) -> EtcdCredentials:
-        return EtcdCredentials(
-            ca_file=str(self.certs / CA_FOLDER / CA_CERT),
-            cert_file=str(self.certs / user / CERT),
-            key_file=str(self.certs / user / KEY),
-        )
-
-
-def _config(path: Path, endpoint: str, certs: Path, user: str) -> Path:
-    etcd = {
-        "endpoints": [endpoint],
-        "prefix": PREFIX,
-        "tls_ca_file": str(certs / CA_FOLDER / CA_CERT),
-        "tls_cert_file": str(certs / user / CERT),
-        "tls_key_file": str(certs / user / KEY),
-    }
-    path.write_text(yaml.safe_dump({"etcd": etcd}))
-    return path
+from tests.support.secured_etcd import PREFIX, SecuredEtcd, secured_etcd
 
 
 @pytest.fixture(scope="module")
-def secured_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecuredEtcd]:
-    binary = shutil.which("etcd") or LocalEtcd().binary
-    tmp = tmp_path_factory.mktemp("etcd-setup")
-    certs = tmp / "certs"
-    assert dev_certs_main(["--out", str(certs)]) == 0
-    port, peer = free_port(), free_port()
-    data = Path(
-        tempfile.mkdtemp(prefix="kvplane-etcd-setup-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None)
-    )
-    server = certs / SERVER_FOLDER
-    log = (tmp / "etcd.log").open("wb")
-    proc = subprocess.Popen(
-        [
-            binary,
-            "--name=setup",
-            f"--data-dir={data}",
-            f"--listen-client-urls=https://127.0.0.1:{port}",
-            f"--advertise-client-urls=https://127.0.0.1:{port}",
-            f"--listen-peer-urls=http://127.0.0.1:{peer}",
-            f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
-            f"--initial-cluster=setup=http://127.0.0.1:{peer}",
-            f"--cert-file={server / CERT}",
-            f"--key-file={server / KEY}",
-            f"--trusted-ca-file={server / CA_CERT}",
-            "--client-cert-auth",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    endpoint = f"127.0.0.1:{port}"
-    try:
-        # The first run waits for etcd to answer (--wait-s), as a deploy's setup Job does.
-        root_config = _config(tmp / "root.yaml", endpoint, certs, ROOT_USER)
-        assert etcd_setup_main(["--config", str(root_config), "--wait-s", "60"]) == 0
-        yield SecuredEtcd(endpoint, certs, root_config)
-    finally:
-        proc.terminate()
-        proc.wait(10)
-        log.close()
-        shutil.rmtree(data, ignore_errors=True)
+def etcd_prepared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecuredEtcd]:
+    with secured_etcd(tmp_path_factory.mktemp("etcd-setup")) as etcd:
+        yield etcd
 
 
 def _store(etcd: SecuredEtcd, credentials: EtcdCredentials) -> Store:
@@ -131,9 +59,9 @@ def _store(etcd: SecuredEtcd, credentials: EtcdCredentials) -> Store:
 
 @pytest.mark.parametrize("kind", sorted(PROCESS_USERS))
 async def test_each_process_certificate_reads_and_writes_under_the_prefix(
-    secured_etcd: SecuredEtcd, kind: str
+    etcd_prepared: SecuredEtcd, kind: str
 ) -> None:
-    store = _store(secured_etcd, secured_etcd.credentials(PROCESS_USERS[kind]))
+    store = _store(etcd_prepared, etcd_prepared.credentials(PROCESS_USERS[kind]))
     await store.connect()
     try:
         node = make_node(f"d-{kind}")
@@ -145,10 +73,10 @@ async def test_each_process_certificate_reads_and_writes_under_the_prefix(
 
 
 async def test_a_process_certificate_cannot_read_or_write_outside_the_prefix(
-    secured_etcd: SecuredEtcd,
+    etcd_prepared: SecuredEtcd,
 ) -> None:
-    root = open_channel(secured_etcd.endpoint, secured_etcd.credentials(ROOT_USER))
-    channel = open_channel(secured_etcd.endpoint, secured_etcd.credentials(PROCESS_USERS["metadata"]))
+    root = open_channel(etcd_prepared.endpoint, etcd_prepared.credentials(ROOT_USER))
+    channel = open_channel(etcd_prepared.endpoint, etcd_prepared.credentials(PROCESS_USERS["metadata"]))
     try:
         await rpc.KVStub(root).Put(rpc.PutRequest(key=b"/other-app/secret", value=b"x"), timeout=5)
         kv = rpc.KVStub(channel)
@@ -171,10 +99,10 @@ async def test_a_process_certificate_cannot_read_or_write_outside_the_prefix(
 
 
 async def test_a_certificate_whose_cn_is_no_user_is_refused(
-    secured_etcd: SecuredEtcd, tmp_path: Path
+    etcd_prepared: SecuredEtcd, tmp_path: Path
 ) -> None:
     # Signed by the same CA (so TLS accepts it), but its Common Name is no etcd user.
-    ca = secured_etcd.certs / CA_FOLDER
+    ca = etcd_prepared.certs / CA_FOLDER
     key = serialization.load_pem_private_key((ca / CA_KEY).read_bytes(), None)
     assert isinstance(key, ec.EllipticCurvePrivateKey)
     authority = Authority(x509.load_pem_x509_certificate((ca / CA_CERT).read_bytes()), key)
@@ -184,7 +112,7 @@ async def test_a_certificate_whose_cn_is_no_user_is_refused(
     credentials = EtcdCredentials(
         ca_file=str(ca / CA_CERT), cert_file=str(tmp_path / CERT), key_file=str(tmp_path / KEY)
     )
-    store = _store(secured_etcd, credentials)
+    store = _store(etcd_prepared, credentials)
     await store.connect()
     try:
         with pytest.raises(StoreUnavailable, match="PERMISSION_DENIED"):
@@ -193,8 +121,8 @@ async def test_a_certificate_whose_cn_is_no_user_is_refused(
         await store.close()
 
 
-async def test_etcd_holds_the_role_the_users_and_auth_on(secured_etcd: SecuredEtcd) -> None:
-    channel = open_channel(secured_etcd.endpoint, secured_etcd.credentials(ROOT_USER))
+async def test_etcd_holds_the_role_the_users_and_auth_on(etcd_prepared: SecuredEtcd) -> None:
+    channel = open_channel(etcd_prepared.endpoint, etcd_prepared.credentials(ROOT_USER))
     try:
         state = await EtcdAuth(channel, 5.0).state(process_users())
     finally:
@@ -208,9 +136,9 @@ async def test_etcd_holds_the_role_the_users_and_auth_on(secured_etcd: SecuredEt
     assert state.auth_enabled
 
 
-def test_setup_again_changes_nothing(secured_etcd: SecuredEtcd, capsys: pytest.CaptureFixture[str]) -> None:
+def test_setup_again_changes_nothing(etcd_prepared: SecuredEtcd, capsys: pytest.CaptureFixture[str]) -> None:
     capsys.readouterr()
-    assert etcd_setup_main(["--config", str(secured_etcd.config)]) == 0
+    assert etcd_setup_main(["--config", str(etcd_prepared.root_config)]) == 0
     assert "nothing to change" in capsys.readouterr().out
 
 
@@ -225,12 +153,12 @@ async def _as_root(etcd: SecuredEtcd, calls: list[tuple[str, object]]) -> None:
 
 
 def test_setup_takes_back_what_reaches_beyond_the_prefix(
-    secured_etcd: SecuredEtcd, capsys: pytest.CaptureFixture[str]
+    etcd_prepared: SecuredEtcd, capsys: pytest.CaptureFixture[str]
 ) -> None:
     wider = rpc.Permission(permType=rpc.Permission.READ, key=b"/", range_end=b"\0")
     asyncio.run(
         _as_root(
-            secured_etcd,
+            etcd_prepared,
             [
                 ("RoleGrantPermission", rpc.AuthRoleGrantPermissionRequest(name=ROLE, perm=wider)),
                 ("UserGrantRole", rpc.AuthUserGrantRoleRequest(user=PROCESS_USERS["routing"], role="root")),
@@ -238,19 +166,17 @@ def test_setup_takes_back_what_reaches_beyond_the_prefix(
         )
     )
     capsys.readouterr()
-    assert etcd_setup_main(["--config", str(secured_etcd.config)]) == 0
+    assert etcd_setup_main(["--config", str(etcd_prepared.root_config)]) == 0
     out = capsys.readouterr().out
     assert f"revoke READ on [b'/', b'\\x00') from role {ROLE}" in out
     assert f"revoke role root from user {PROCESS_USERS['routing']}" in out
-    assert etcd_setup_main(["--config", str(secured_etcd.config)]) == 0
+    assert etcd_setup_main(["--config", str(etcd_prepared.root_config)]) == 0
     assert "nothing to change" in capsys.readouterr().out
 
 
 def test_a_process_certificate_cannot_run_the_setup(
-    secured_etcd: SecuredEtcd, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    etcd_prepared: SecuredEtcd, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    config = _config(
-        tmp_path / "metadata.yaml", secured_etcd.endpoint, secured_etcd.certs, PROCESS_USERS["metadata"]
-    )
+    config = etcd_prepared.config(tmp_path / "metadata.yaml", PROCESS_USERS["metadata"])
     assert etcd_setup_main(["--config", str(config), "--wait-s", "0"]) == 1
     assert "PERMISSION_DENIED" in capsys.readouterr().err

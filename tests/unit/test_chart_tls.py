@@ -236,13 +236,20 @@ def test_a_plaintext_etcd_needs_allow_insecure(checks: ModuleType) -> None:
             if "KVPLANE_ETCD__ENDPOINTS" in env
         }
 
-    plain = {
+    # By default etcd serves TLS and asks for client certificates: nobody is told.
+    secure = {
         d["metadata"]["name"]: d for d in checks.render_chart({}, "kvp", "kvplane") if is_kvplane_workload(d)
     }
+    assert told(secure) and not any(told(secure).values())
+    assert not any(told(_render(checks, "etcd-tls-values.yaml")).values())
+    # A plaintext etcd (development) must be asked for twice: TLS off, and leave to use it.
+    plaintext: dict[str, Any] = {"etcd": {"tls": {"enabled": False}, "setup": {"enabled": False}}}
+    plain = {
+        d["metadata"]["name"]: d
+        for d in checks.render_chart({"etcd": {**plaintext["etcd"], "allowInsecure": True}}, "kvp", "kvplane")
+        if is_kvplane_workload(d)
+    }
     assert told(plain) and all(told(plain).values())
-    # With etcd's TLS and client certificates, nobody is told so.
-    secure = told(_render(checks, "etcd-tls-values.yaml"))
-    assert secure and not any(secure.values())
     # Without TLS and without leave, every process would refuse at start: the chart says so instead.
     with pytest.raises(helm_python.HelmError, match="allowInsecure"):
-        checks.render_chart({"etcd": {"allowInsecure": False}}, "kvp", "kvplane")
+        checks.render_chart(plaintext, "kvp", "kvplane")

@@ -67,12 +67,10 @@ tolerations:
 sidecar.istio.io/inject: {{ ternary "true" "false" .Values.mesh.enabled | quote }}
 {{- end -}}
 
-{{/* Environment every kvplane process gets: settings file, addresses, etcd's credentials. */}}
+{{/* Environment every kvplane process gets: settings file, addresses. */}}
 {{- define "kvplane.env" -}}
 - name: KVPLANE_CONFIG
   value: /etc/kvplane/kvplane.yaml
-- name: KVPLANE_ETCD__ENDPOINTS
-  value: {{ include "kvplane.etcdEndpoints" . | quote }}
 - name: KVPLANE_GRPC__LISTEN
   value: {{ printf "%s:%d" .Values.grpc.host (int .Values.grpc.port) | quote }}
 - name: KVPLANE_TELEMETRY__METRICS_HOST
@@ -81,10 +79,31 @@ sidecar.istio.io/inject: {{ ternary "true" "false" .Values.mesh.enabled | quote 
   value: {{ .Values.metrics.port | quote }}
 - name: KVPLANE_TELEMETRY__OTLP_ENDPOINT
   value: {{ .Values.telemetry.otlpEndpoint | quote }}
-{{- if .Values.etcd.tls.enabled }}
-{{- if not .Values.etcd.tls.clientSecret }}
-{{- fail "etcd.tls.enabled: set etcd.tls.clientSecret (the services' CA for etcd, and client certificate)" }}
-{{- end }}
+{{- end -}}
+
+{{/*
+etcd's clients, each an etcd user named by its certificate's Common Name (etcd's
+--client-cert-auth; `kvplane etcd-setup` makes the users): the services, and root for the setup
+Job and backups. The gateway and the picker never reach etcd.
+*/}}
+{{- define "kvplane.etcdUser" -}}
+{{- ternary "root" (printf "kvplane-%s" .) (eq . "root") -}}
+{{- end -}}
+
+{{/* The Secret of an etcd client's certificate: (dict "root" $ "client" "metadata"), or of the
+members' with "client" "server": the values' own, or the chart's (etcd-certificates.yaml). */}}
+{{- define "kvplane.etcdSecret" -}}
+{{- $tls := .root.Values.etcd.tls -}}
+{{- $own := ternary $tls.serverSecret (index $tls.clientSecrets .client | default "") (eq .client "server") -}}
+{{- $own | default (printf "%s-etcd-%s" (include "kvplane.fullname" .root) .client) -}}
+{{- end -}}
+
+{{/* etcd's address and credentials for one client: (dict "root" $ "client" "metadata"). */}}
+{{- define "kvplane.etcdEnv" -}}
+{{- $e := .root.Values.etcd -}}
+- name: KVPLANE_ETCD__ENDPOINTS
+  value: {{ include "kvplane.etcdEndpoints" .root | quote }}
+{{- if $e.tls.enabled }}
 - name: KVPLANE_ETCD__TLS_CA_FILE
   value: /etc/kvplane-etcd-tls/ca.crt
 - name: KVPLANE_ETCD__TLS_CERT_FILE
@@ -92,11 +111,28 @@ sidecar.istio.io/inject: {{ ternary "true" "false" .Values.mesh.enabled | quote 
 - name: KVPLANE_ETCD__TLS_KEY_FILE
   value: /etc/kvplane-etcd-tls/tls.key
 {{- else }}
-{{- if not .Values.etcd.allowInsecure }}
+{{- if not $e.allowInsecure }}
 {{- fail "etcd.tls.enabled is false and etcd.allowInsecure is false: kvplane refuses a plaintext, unauthenticated etcd off loopback; turn TLS on (etcd.tls), or allow it (development)" }}
 {{- end }}
 - name: KVPLANE_ETCD__ALLOW_INSECURE
   value: "true"
+{{- end }}
+{{- end -}}
+
+{{/* The client's own certificate, and nobody else's: (dict "root" $ "client" "metadata"). */}}
+{{- define "kvplane.etcdVolume" -}}
+{{- if .root.Values.etcd.tls.enabled }}
+- name: etcd-tls
+  secret:
+    secretName: {{ include "kvplane.etcdSecret" . }}
+{{- end }}
+{{- end -}}
+
+{{- define "kvplane.etcdMount" -}}
+{{- if .Values.etcd.tls.enabled }}
+- name: etcd-tls
+  mountPath: /etc/kvplane-etcd-tls
+  readOnly: true
 {{- end }}
 {{- end -}}
 
@@ -144,11 +180,6 @@ revoked by editing the Secret, without a restart. Each pod mounts only its own k
     name: {{ include "kvplane.fullname" . }}-settings
 - name: tmp
   emptyDir: {}
-{{- if .Values.etcd.tls.enabled }}
-- name: etcd-tls
-  secret:
-    secretName: {{ .Values.etcd.tls.clientSecret }}
-{{- end }}
 {{- end -}}
 
 {{- define "kvplane.configMount" -}}
@@ -157,11 +188,6 @@ revoked by editing the Secret, without a restart. Each pod mounts only its own k
   readOnly: true
 - name: tmp
   mountPath: /tmp
-{{- if .Values.etcd.tls.enabled }}
-- name: etcd-tls
-  mountPath: /etc/kvplane-etcd-tls
-  readOnly: true
-{{- end }}
 {{- end -}}
 
 {{/* NetworkPolicy "from" entries for the namespaces that scrape metrics. */}}

@@ -10,7 +10,9 @@
     python -m deploy_checks mesh OUT_DIR              the Istio manifests against the chart
 
 (run from deploy/scripts/validate, or with it on PYTHONPATH). One module per artifact:
-`compose_checks.py`, `dockerfile_checks.py`, `chart_checks.py` (the rendered chart),
+`compose_checks.py` (with `compose_credentials.py`: no committed credential, each container's
+own), `dockerfile_checks.py`, `chart_checks.py` (the rendered chart; `etcd_access_checks.py`: who
+reaches etcd, and as which etcd user),
 `ops_checks.py` (the dashboard, alert rules, autoscalers, the gateway's drain and the engines'
 Services, budgets, monitors and OTEL settings; `promql.py` reads the metric names their queries
 use), `pool_checks.py` (the InferencePool path: the pool, its picker and the decode sidecars),
@@ -31,6 +33,7 @@ settings through the real settings model, so a renamed flag or setting fails her
 from .chart_checks import check_chart_semantics, check_helm, merged_values, render_chart
 from .compose_checks import check_compose
 from .dockerfile_checks import check_dockerfile
+from .etcd_access_checks import check_etcd_access
 from .manifests import docs_of, kubernetes_validate, pod_templates
 from .mesh_checks import (
     ISTIO_FIELDS,
@@ -53,6 +56,7 @@ __all__ = [
     "check_client_calls",
     "check_compose",
     "check_dockerfile",
+    "check_etcd_access",
     "check_helm",
     "check_inference_pool",
     "check_mesh",

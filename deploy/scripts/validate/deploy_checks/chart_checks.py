@@ -23,6 +23,7 @@ from .kvplane_code import (
     settings_has_section,
     without_section,
 )
+from .etcd_access_checks import check_etcd_access
 from .manifests import check_kubernetes_docs, container_ports, docs_of, matches, pod_templates
 from .ops_checks import check_operations
 from .pool_checks import check_inference_pool
@@ -38,8 +39,10 @@ class Rendering:
         self.accounts = {d["metadata"]["name"] for d in docs if d["kind"] == "ServiceAccount"}
         self.engine_labels = values["engines"]["podLabels"]
         self.services_by_name = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
-        # The pods of CronJobs (etcd backups) are peers too, though no Service or PDB covers them.
+        # The pods of CronJobs (etcd backups) and Jobs (etcd's setup) are peers too, though no
+        # Service or PDB covers them.
         self.job_pods = [d["spec"]["jobTemplate"]["spec"]["template"] for d in docs if d["kind"] == "CronJob"]
+        self.job_pods += [d["spec"]["template"] for d in docs if d["kind"] == "Job"]
 
     def hpa_floor(self, deployment: str) -> int:
         """The minReplicas of the HPA that scales `deployment`; 1 if none does."""
@@ -451,14 +454,13 @@ def check_etcd_backup(label: str, docs: list[dict[str, Any]], values: dict[str, 
         report.check(len(endpoints) == 1 and "," not in endpoints[0], f"{name}: snapshots exactly one member")
         flags = {a.split("=", 1)[0] for a in etcdctl}
         wants_tls = bool(tls["enabled"])
+        # root's certificate: with etcd's auth on, only root may take a snapshot.
+        root = tls["clientSecrets"]["root"] or f"{job['metadata']['name'].removesuffix('-backup')}-root"
         report.check(
             endpoints[0].startswith("--endpoints=https://" if wants_tls else "--endpoints=http://")
             and ({"--cacert", "--cert", "--key"} <= flags) == wants_tls
-            and (
-                volumes.get("etcd-client-tls", {}).get("secret", {}).get("secretName") == tls["clientSecret"]
-            )
-            == wants_tls,
-            f"{name}: etcdctl speaks TLS with the client certificate iff etcd.tls is on",
+            and (volumes.get("etcd-client-tls", {}).get("secret", {}).get("secretName") == root) == wants_tls,
+            f"{name}: etcdctl speaks TLS with root's client certificate iff etcd.tls is on",
         )
 
 
@@ -520,6 +522,7 @@ def check_helm(out: Path, report: Report) -> None:
         crds.extend(check_kubernetes_docs(f"[{label}]", docs, report))
         check_chart_semantics(f"[{label}]", docs, merged_values(overrides), report)
         check_etcd_backup(f"[{label}]", docs, merged_values(overrides), report)
+        check_etcd_access(f"[{label}]", docs, merged_values(overrides), report)
         check_operations(f"[{label}]", docs, merged_values(overrides), report)
         check_inference_pool(f"[{label}]", docs, merged_values(overrides), report)
 
@@ -530,8 +533,16 @@ def check_helm(out: Path, report: Report) -> None:
         ("unknown auth mode", {"auth": {"mode": "none"}}),
         ("a misspelt value", {"services": {"routing": {"replica": 2}}}),
         (
-            "etcd backups over TLS without a client certificate",
-            {"etcd": {"tls": {"enabled": True, "serverSecret": "s"}, "backup": {"enabled": True}}},
+            "external etcd over TLS without its client certificates",
+            {"etcd": {"enabled": False, "external": {"endpoints": ["etcd.infra:2379"]}}},
+        ),
+        (
+            "etcd's setup without etcd TLS",
+            {"etcd": {"allowInsecure": True, "tls": {"enabled": False}}},
+        ),
+        (
+            "etcd's setup without client-cert-auth",
+            {"etcd": {"tls": {"clientCertAuth": False}}},
         ),
         ("auth.mode mtls without gRPC TLS", {"auth": {"mode": "mtls"}}),
         (
