@@ -46,6 +46,7 @@ LIMITS_KEY: web.AppKey[ReadLimits] = web.AppKey("read_limits", ReadLimits)
 METRICS_KEY: web.AppKey[GatewayMetrics] = web.AppKey("metrics", GatewayMetrics)
 SALTS_KEY: web.AppKey[CacheSalts] = web.AppKey("cache_salts", CacheSalts)
 SHARES_KEY: web.AppKey[TenantShares] = web.AppKey("tenant_shares", TenantShares)
+BODY_READS_KEY: web.AppKey[TenantShares] = web.AppKey("tenant_body_reads", TenantShares)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -109,8 +110,14 @@ def _engine_error(exc: TurnFailed) -> web.Response:
 async def _completion(request: web.Request, chat: bool) -> web.StreamResponse:
     arrival = time.perf_counter()
     settings = request.app[SETTINGS_KEY]
-    # The admission middleware has authenticated the caller from its headers: only now is the body read.
-    body = await json_body(request, request.app[LIMITS_KEY])
+    # The admission middleware has authenticated the caller from its headers: only now is the body
+    # read, within the tenant's share of the bodies being read at once.
+    limits = request.app[LIMITS_KEY]
+    try:
+        with request.app[BODY_READS_KEY].hold(request[TENANT], _declared(request, limits)):
+            body = await json_body(request, limits)
+    except RequestRejected as exc:
+        return rejection(exc, close=True)
     if isinstance(body, web.Response):
         return body
     try:
@@ -134,6 +141,12 @@ async def _completion(request: web.Request, chat: bool) -> web.StreamResponse:
         return rejection(exc)
     except TurnFailed as exc:
         return _engine_error(exc)
+
+
+def _declared(request: web.Request, limits: ReadLimits) -> int:
+    """The bytes a request's body is counted as while it is read: its Content-Length, else the most
+    a body may be."""
+    return request.content_length if request.content_length is not None else limits.max_body_bytes
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -191,6 +204,8 @@ def build_app(
     )
     app[KEYS_KEY] = api_keys
     app[SHARES_KEY] = TenantShares(settings.max_inflight_tokens_per_tenant)
+    body_bytes = settings.max_body_bytes_per_tenant or 4 * settings.max_body_bytes
+    app[BODY_READS_KEY] = TenantShares(body_bytes, unit="request-body bytes")
     app[SALTS_KEY] = CacheSalts.create(settings.cache_salt, settings.salt_key(), settings.tenant_groups)
     app[RUNNER_KEY] = runner
     app[TELEMETRY_KEY] = telemetry

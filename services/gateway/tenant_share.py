@@ -1,4 +1,5 @@
-"""Each tenant's share of the engines' held KV, bounded by its prompt tokens in flight.
+"""Each tenant's share of the engines' held KV, bounded by its prompt tokens in flight (and, with
+the same counter, of the gateway's body reads, bounded by their bytes).
 
 Between a turn's P leg and its D leg, P holds the prompt's KV for D to read;
 a tenant sending many turns at once (or turns D will reject) could fill a P
@@ -25,9 +26,11 @@ from kvplane.services.gateway.openai_errors import RequestRejected
 class TenantShares:
     """Prompt tokens in flight per tenant; one per gateway, used on its event loop only."""
 
-    def __init__(self, limit_tokens: int) -> None:
+    def __init__(self, limit_tokens: int, unit: str = "prompt tokens") -> None:
         # 0: unbounded.
         self.limit = limit_tokens
+        # What is counted, as the refusal names it.
+        self.unit = unit
         self._in_flight: defaultdict[str, int] = defaultdict(int)
 
     def in_flight(self, tenant: str) -> int:
@@ -39,8 +42,8 @@ class TenantShares:
         if self.limit and self._in_flight[tenant] + tokens > self.limit:
             raise RequestRejected(
                 429,
-                f"this key has {self._in_flight[tenant]} prompt tokens in flight; a turn of {tokens} more "
-                f"would pass its limit of {self.limit}: retry when earlier turns finish",
+                f"this key has {self._in_flight[tenant]} {self.unit} in flight; a request of {tokens} more "
+                f"would pass its limit of {self.limit}: retry when earlier requests finish",
             )
         self._in_flight[tenant] += tokens
         try:

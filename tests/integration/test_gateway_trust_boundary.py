@@ -20,7 +20,7 @@ import aiohttp
 import pytest
 
 from kvplane.services.dev.local_etcd import LocalEtcd
-from kvplane.services.gateway.app import SHARES_KEY
+from kvplane.services.gateway.app import BODY_READS_KEY, SHARES_KEY
 from tests.support.gateway_stack import MODEL, GatewayStack, gateway_stack
 from tests.support.polling import eventually
 
@@ -252,6 +252,47 @@ async def test_a_tenant_past_its_share_of_inflight_tokens_gets_429_and_others_ar
         assert app_shares.in_flight("acme") == 0
     finally:
         app_shares.limit = previous
+
+
+async def test_a_tenant_whose_bodies_are_still_arriving_past_its_share_gets_429_and_others_are_served(
+    stack: GatewayStack,
+) -> None:
+    """One tenant's bodies being read at once are bounded by their bytes: past its share, its next
+    request is refused before its body is read, while another tenant's turn is served."""
+    assert stack.gateway._runner is not None
+    reads = stack.gateway._runner.app[BODY_READS_KEY]
+    previous = reads.limit
+    reads.limit = 1500
+    _reader, writer = await asyncio.open_connection("127.0.0.1", stack.gateway.port)
+    try:
+        # A body that declares 1,000 bytes and sends 10 of them: it holds acme's share while it trickles.
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+            + f"Authorization: {stack.headers('acme')['Authorization']}".encode()
+            + b"\r\nContent-Length: 1000\r\n\r\n"
+            + b'{"prompt":'
+        )
+        await writer.drain()
+
+        async def acme_reading() -> bool:
+            return reads.in_flight("acme") == 1000
+
+        await eventually(acme_reading, timeout_s=10, what="acme's first body to be being read")
+        body = {"model": MODEL, "prompt": ids(200, 7), "max_tokens": 2}
+        refused = await stack.post("/v1/completions", body, stack.headers("acme", f"c-{uuid.uuid4().hex}"))
+        assert refused.status == 429 and refused.body["error"]["type"] == "RateLimitError"
+        assert "request-body bytes" in refused.body["error"]["message"]
+        served = await stack.post("/v1/completions", body, stack.headers("globex", f"c-{uuid.uuid4().hex}"))
+        assert served.status == 200, served.raw
+    finally:
+        writer.close()
+        reads.limit = previous
+
+    async def nothing_reading() -> bool:
+        return reads.in_flight("acme") == 0
+
+    # The trickling client left: its share is back (the read ends with the connection).
+    await eventually(nothing_reading, timeout_s=30, what="acme's share of body reads to be freed")
 
 
 @pytest.mark.parametrize("stream", [False, True])
