@@ -4,10 +4,10 @@ alone, in one run.
     python -m kvplane.bench.hostile_body_bench [--repeats 3] [--turns 8] [--attackers 8]
 
 Starts the dev stack (etcd, `serve all`, one prefill and one decode sim-engine, the gateway,
-which knows the engines' context length) and runs blocks of single-turn requests of about 2,000
+which knows the engines' context length) and runs blocks of one tenant's single-turn requests of about 2,000
 token ids, one at a time, streamed, timing the first token. Blocks alternate between "alone"
-and "under attack": while an attack block runs, `--attackers` clients send, back to back, the
-bodies that cost the gateway most to parse:
+and "under attack": while an attack block runs, `--attackers` clients of another tenant send,
+back to back, the bodies that cost the gateway most to parse:
 
 - `ids-16MiB`: 16 MiB of `{"prompt": [0, 0, ...]}`, about 8.4 million token ids;
 - `ids-at-cap`: as many token ids as the gateway's value cap lets through to the parser;
@@ -17,8 +17,9 @@ Each is refused (413 by its count, or 400 once parsed: too long, or an empty pro
 what the legitimate turns feel is the gateway's work on the bodies, not the engines'.
 
 Printed: TTFT p50 and p99 of each kind of block, their ratio, and what the attackers were
-answered (by status). The gateway's defence is admission.py's value cap: a body's values are
-counted, in C, before it is parsed, against twice the context length plus 65,536.
+answered (by status). The gateway's defences are admission.py's value cap (a body's values are
+counted, in C, before it is parsed, against twice the context length plus 65,536) and each
+tenant's bound on the bytes of its bodies being read at once (429 past it).
 """
 
 from __future__ import annotations
@@ -138,7 +139,7 @@ async def _stop_attackers(proc: asyncio.subprocess.Process, answers: Counter[str
 
 
 async def run(args: argparse.Namespace) -> Blocks:
-    from kvplane.services.devstack.stack import DEMO_API_KEY, start_stack
+    from kvplane.services.devstack.stack import DEMO_API_KEY, OTHER_API_KEY, start_stack
 
     stack = await start_stack(progress=lambda m: print(f"==> {m}", file=sys.stderr, flush=True))
     blocks = Blocks()
@@ -157,7 +158,7 @@ async def run(args: argparse.Namespace) -> Blocks:
                 # Alternate which kind of block comes first in each repeat.
                 for attacked in (repeat % 2 == 1, repeat % 2 == 0):
                     attackers = (
-                        await _start_attackers(url, DEMO_API_KEY, args.attackers) if attacked else None
+                        await _start_attackers(url, OTHER_API_KEY, args.attackers) if attacked else None
                     )
                     try:
                         for _ in range(args.turns):

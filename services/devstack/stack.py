@@ -40,6 +40,9 @@ from kvplane.services.devstack.processes import (
 
 DEMO_API_KEY = "dev-key"
 DEMO_TENANT = "demo"
+# A second tenant, for what needs two (a benchmark where one tenant attacks another's turns).
+OTHER_API_KEY = "dev-key-other"
+OTHER_TENANT = "other"
 
 
 def engine_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -529,7 +532,10 @@ def _gateway_section(stack: Stack) -> dict[str, Any]:
     """The `gateway:` settings every front of the stack shares (the gateways, the picker and the
     sidecars): keys, the engines' limits, the tokenizer, the prefix-cache salt key."""
     return {
-        "api_keys": [{"token": DEMO_API_KEY, "tenant": DEMO_TENANT}],
+        "api_keys": [
+            {"token": DEMO_API_KEY, "tenant": DEMO_TENANT},
+            {"token": OTHER_API_KEY, "tenant": OTHER_TENANT},
+        ],
         # The engines' limits: what they would refuse, the gateway refuses before routing.
         "vocab_size": SimEngineSettings.vocab_size,
         "max_model_len": SimEngineSettings.max_model_len,
