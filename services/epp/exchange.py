@@ -5,9 +5,9 @@ The request phase, in order (GIE's endpoint-picker protocol, as llm-d's picker r
 1. Headers: only POST to the two completion paths is served (404 otherwise). The tenant comes from
    the operator's source (`epp.tenant_source`): an API key checked as the gateway checks it, or the
    trusted header of the gateway's auth filter. A request without one is refused (401) here, and
-   one that declares a body over `gateway.max_body_bytes` (413): Envoy never sends their bodies.
+   one that declares a body over the gateway's body limit (413): Envoy never sends their bodies.
    The headers are not answered yet: the destination depends on the body.
-2. Body chunks are gathered up to `gateway.max_body_bytes` (413 past it).
+2. Body chunks are gathered up to the gateway's body limit (`admission.read_limits`; 413 past it).
 3. At the body's end: parsed and admitted as the gateway admits it (`turn_request.admit_turn`:
    400 in OpenAI's format for anything malformed, every client `kv_transfer_params` removed, the
    top-level fields the engines do not accept dropped), the tenant's share of prompt tokens held
@@ -126,7 +126,7 @@ class Exchange:
             self.tenant = self._tenant()
         except Unauthorized as exc:
             return [envoy_messages.immediate(401, str(exc))]
-        limit = self.state.gateway.max_body_bytes
+        limit = self.state.read_limits.max_body_bytes
         declared = self.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
             return [envoy_messages.immediate(413, f"the body is {declared} bytes; the limit is {limit}")]
@@ -147,7 +147,7 @@ class Exchange:
         if self._body_done:
             return []
         self._size += len(chunk)
-        limit = self.state.gateway.max_body_bytes
+        limit = self.state.read_limits.max_body_bytes
         if self._size > limit:
             self._body_done = True
             return [envoy_messages.immediate(413, f"the body is over the limit of {limit} bytes")]

@@ -55,6 +55,17 @@ def json_values_for_context(max_model_len: int) -> int:
 
 
 DEFAULT_MAX_VALUES = json_values_for_context(0)
+# A body's size without a known context length.
+DEFAULT_MAX_BODY_BYTES = 16 << 20
+
+
+def body_bytes_for_context(max_model_len: int) -> int:
+    """The default body size limit: 32 bytes a token of context (the longest token id with its
+    comma is 11 bytes; a text token is a few characters, up to 6 bytes each once JSON-escaped)
+    plus 1 MiB for the rest of the body; DEFAULT_MAX_BODY_BYTES without a known context length."""
+    return 32 * max_model_len + (1 << 20) if max_model_len else DEFAULT_MAX_BODY_BYTES
+
+
 # Bodies up to this size are parsed without counting first: their parse is cheap whatever they hold.
 _COUNT_FROM_BYTES = 1 << 16
 
@@ -74,7 +85,8 @@ class ReadLimits:
 def read_limits(settings: GatewaySection) -> ReadLimits:
     """The body limits of a front with these gateway settings (the gateway, the picker, the sidecar)."""
     values = settings.max_json_values or json_values_for_context(settings.max_model_len)
-    return ReadLimits(settings.max_body_bytes, settings.body_timeout_s, settings.max_json_depth, values)
+    size = settings.max_body_bytes or body_bytes_for_context(settings.max_model_len)
+    return ReadLimits(size, settings.body_timeout_s, settings.max_json_depth, values)
 
 
 def _refusal(request: web.Request, keys: ApiKeys, limits: ReadLimits) -> web.Response | None:

@@ -200,11 +200,11 @@ def build_app(
     limits = read_limits(settings)
     admit = admission(api_keys, limits, AUTHENTICATED_PATHS)
     app = web.Application(
-        client_max_size=settings.max_body_bytes, middlewares=[count_requests, json_http_errors, admit]
+        client_max_size=limits.max_body_bytes, middlewares=[count_requests, json_http_errors, admit]
     )
     app[KEYS_KEY] = api_keys
     app[SHARES_KEY] = TenantShares(settings.max_inflight_tokens_per_tenant)
-    body_bytes = settings.max_body_bytes_per_tenant or 4 * settings.max_body_bytes
+    body_bytes = settings.max_body_bytes_per_tenant or 4 * limits.max_body_bytes
     app[BODY_READS_KEY] = TenantShares(body_bytes, unit="request-body bytes")
     app[SALTS_KEY] = CacheSalts.create(settings.cache_salt, settings.salt_key(), settings.tenant_groups)
     app[RUNNER_KEY] = runner

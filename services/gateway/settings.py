@@ -145,8 +145,11 @@ class GatewaySection(Section):
     tokenize_url: str = ""
     # Served model names for /v1/models. Empty: asks the fallback decode engine, if any.
     models: list[str] = Field(default_factory=list)
-    # Largest request body accepted, bytes: refused from Content-Length before reading, and while reading.
-    max_body_bytes: int = Field(16 << 20, gt=0)
+    # Largest request body accepted, bytes: refused from Content-Length before reading, and while
+    # reading. 0: sized from max_model_len, 32 bytes a token of context (a prompt at the context
+    # length as token ids or JSON-escaped text) plus 1 MiB for the rest of the body; 16 MiB while
+    # max_model_len is unknown. Set it for bodies that carry more (images as data URLs).
+    max_body_bytes: int = Field(0, ge=0)
     # A request head (request line and headers) must arrive within this, seconds; also the idle
     # keep-alive limit of a client connection.
     header_timeout_s: float = Field(10.0, gt=0)
@@ -184,7 +187,7 @@ class GatewaySection(Section):
     # Most request-body bytes one tenant may have being read and parsed at once, counted by each
     # body's Content-Length (a body without one counts as max_body_bytes): past it a request is
     # refused (429) before its body is read, so one tenant's bodies cannot fill the gateway's
-    # memory or queue up every other tenant's parses behind theirs. 0: four times max_body_bytes.
+    # memory or queue up every other tenant's parses behind theirs. 0: four times the body limit.
     max_body_bytes_per_tenant: int = Field(0, ge=0)
     # HTTPS: the server certificate and its key (PEM files, re-read when they change). Empty: HTTP.
     tls_cert_file: str = ""

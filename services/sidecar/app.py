@@ -78,7 +78,7 @@ class Sidecar:
         self.legs = SidecarLegs(
             self.limits, self.settings.decode_url, self._session, self.telemetry.tracer, self.metrics
         )
-        app = web.Application(client_max_size=self.limits.max_body_bytes)
+        app = web.Application(client_max_size=self._read_limits.max_body_bytes)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/health", _health)

@@ -20,7 +20,7 @@ import aiohttp
 import pytest
 
 from kvplane.services.dev.local_etcd import LocalEtcd
-from kvplane.services.gateway.app import BODY_READS_KEY, SHARES_KEY
+from kvplane.services.gateway.app import BODY_READS_KEY, LIMITS_KEY, SHARES_KEY
 from tests.support.gateway_stack import MODEL, GatewayStack, gateway_stack
 from tests.support.polling import eventually
 
@@ -167,7 +167,8 @@ async def test_no_key_is_a_401_without_the_body_being_read(stack: GatewayStack) 
 
 
 async def test_a_declared_body_over_the_limit_is_a_413_without_being_read(stack: GatewayStack) -> None:
-    limit = stack.gateway.settings.max_body_bytes
+    assert stack.gateway._runner is not None
+    limit = stack.gateway._runner.app[LIMITS_KEY].max_body_bytes
     reader, writer = await asyncio.open_connection("127.0.0.1", stack.gateway.port)
     writer.write(
         b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
@@ -183,7 +184,8 @@ async def test_a_declared_body_over_the_limit_is_a_413_without_being_read(stack:
 
 
 async def test_a_chunked_body_growing_past_the_limit_is_a_413(stack: GatewayStack) -> None:
-    limit = stack.gateway.settings.max_body_bytes
+    assert stack.gateway._runner is not None
+    limit = stack.gateway._runner.app[LIMITS_KEY].max_body_bytes
 
     async def chunks() -> AsyncIterator[bytes]:
         sent = 0

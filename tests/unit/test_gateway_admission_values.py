@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvplane.services.gateway.admission import (
+    DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_VALUES,
     ReadLimits,
     json_values_for_context,
@@ -63,3 +64,18 @@ def test_a_legitimate_prompt_at_the_context_length_passes_the_default_cap() -> N
     ids = b",".join([b"7"] * context)
     chat = b'{"messages": [{"role": "user", "content": "' + text + b'"}], "prompt": [' + ids + b"]}"
     assert parse_json(chat, limits)["messages"][0]["role"] == "user"
+
+
+def test_the_body_limit_follows_the_context_length_unless_set() -> None:
+    assert read_limits(GatewaySection(max_model_len=32_768)).max_body_bytes == 32 * 32_768 + (1 << 20)
+    assert read_limits(GatewaySection(max_model_len=32_768, max_body_bytes=5000)).max_body_bytes == 5000
+    assert read_limits(GatewaySection()).max_body_bytes == DEFAULT_MAX_BODY_BYTES == 16 << 20
+
+
+def test_a_prompt_at_the_context_length_fits_the_default_body_limit() -> None:
+    context = 32_768
+    limits = read_limits(GatewaySection(max_model_len=context))
+    # The widest token ids there are, and a text prompt of escaped characters, 4 a token.
+    ids = b'{"model": "m", "prompt": [' + b",".join([b"4294967295"] * context) + b"]}"
+    text = b'{"messages": [{"role": "user", "content": "' + b"\\u00e9" * (4 * context) + b'"}]}'
+    assert len(ids) < limits.max_body_bytes and len(text) < limits.max_body_bytes
