@@ -19,6 +19,7 @@ from kvplane.services.common.runtime.telemetry import Telemetry
 from kvplane.services.epp.exchange import Exchange
 from kvplane.services.epp.picker_state import PickerState
 from kvplane.services.epp.settings import EppSection
+from kvplane.services.gateway import admission
 from kvplane.services.gateway.app import routing_client
 from kvplane.services.gateway.cache_salt import CacheSalts
 from kvplane.services.gateway.metrics import GatewayMetrics
@@ -89,6 +90,9 @@ class Picker:
             keys=configured_api_keys(g),
             salts=CacheSalts.create(g.cache_salt, g.salt_key(), g.tenant_groups),
             shares=TenantShares(g.max_inflight_tokens_per_tenant),
+            body_reads=TenantShares(
+                admission.read_limits(g).max_tenant_body_bytes, unit="request-body bytes"
+            ),
             route_key=self.sidecar.route_key.get_secret_value().encode(),
             route_ttl_s=self.sidecar.route_ttl_s,
             tracer=self.telemetry.tracer,

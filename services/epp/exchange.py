@@ -74,6 +74,8 @@ class Exchange:
         self._body_done = False
         self._arrival = 0.0
         self._held = contextlib.ExitStack()
+        # The tenant's share of bodies being read, from the headers until the body is parsed.
+        self._body_read = contextlib.ExitStack()
         self._span: trace.Span | None = None
         self.relay: ResponseRelay | None = None
 
@@ -108,6 +110,7 @@ class Exchange:
         if self.relay is not None and not self.relay.reported:
             self.relay.finish("the answer did not reach its end through Envoy")
         self._held.close()
+        self._body_read.close()
         if self._span is not None:
             self._span.end()
 
@@ -126,12 +129,23 @@ class Exchange:
             self.tenant = self._tenant()
         except Unauthorized as exc:
             return [envoy_messages.immediate(401, str(exc))]
-        limit = self.state.read_limits.max_body_bytes
+        limits = self.state.read_limits
         declared = self.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
-            return [envoy_messages.immediate(413, f"the body is {declared} bytes; the limit is {limit}")]
+        if declared.isdigit() and int(declared) > limits.max_body_bytes:
+            return [
+                envoy_messages.immediate(
+                    413, f"the body is {declared} bytes; the limit is {limits.max_body_bytes}"
+                )
+            ]
         if message.request_headers.end_of_stream:
             return [envoy_messages.immediate(400, "the body must be a JSON object")]
+        length = int(declared) if declared.isdigit() else None
+        try:
+            self._body_read.enter_context(
+                self.state.body_reads.hold(self.tenant, limits.declared_bytes(length))
+            )
+        except RequestRejected as exc:
+            return [envoy_messages.immediate(exc.status, exc.message)]
         return []
 
     def _tenant(self) -> str:
@@ -150,6 +164,7 @@ class Exchange:
         limit = self.state.read_limits.max_body_bytes
         if self._size > limit:
             self._body_done = True
+            self._body_read.close()
             return [envoy_messages.immediate(413, f"the body is over the limit of {limit} bytes")]
         self._chunks.append(chunk)
         if not end:
@@ -158,16 +173,17 @@ class Exchange:
         raw = b"".join(self._chunks)
         self._chunks.clear()
         try:
-            return await self._pick(raw)
+            with self._body_read:
+                body = parse_json(raw, self.state.read_limits)
+            return await self._pick(body)
         except RequestRejected as exc:
             return [envoy_messages.immediate(exc.status, exc.message, exc.param)]
         except TurnFailed as exc:
             body = exc.body if exc.body.startswith(b"{") else b""
             return [envoy_messages.immediate(exc.status, exc.message, body=body)]
 
-    async def _pick(self, raw: bytes) -> list[Response]:
+    async def _pick(self, body: Any) -> list[Response]:
         s = self.state
-        body = parse_json(raw, s.read_limits)
         if not isinstance(body, dict):
             raise RequestRejected(400, "the body must be a JSON object")
         admitted = admit_turn(

@@ -27,6 +27,8 @@ class PickerState:
     keys: ApiKeys
     salts: CacheSalts
     shares: TenantShares
+    # Each tenant's request-body bytes being gathered and parsed at once.
+    body_reads: TenantShares
     route_key: bytes
     route_ttl_s: float
     tracer: trace.Tracer

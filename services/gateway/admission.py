@@ -80,13 +80,21 @@ class ReadLimits:
     max_depth: int
     # Most JSON values a body may hold, counted before it is parsed (see the module's docstring).
     max_values: int = DEFAULT_MAX_VALUES
+    # Most bytes of one tenant's bodies being read and parsed at once (0: unbounded).
+    max_tenant_body_bytes: int = 0
+
+    def declared_bytes(self, content_length: int | None) -> int:
+        """What a body counts against its tenant's share while it is read: its declared length,
+        else the most a body may be."""
+        return content_length if content_length is not None else self.max_body_bytes
 
 
 def read_limits(settings: GatewaySection) -> ReadLimits:
     """The body limits of a front with these gateway settings (the gateway, the picker, the sidecar)."""
     values = settings.max_json_values or json_values_for_context(settings.max_model_len)
     size = settings.max_body_bytes or body_bytes_for_context(settings.max_model_len)
-    return ReadLimits(size, settings.body_timeout_s, settings.max_json_depth, values)
+    per_tenant = settings.max_body_bytes_per_tenant or 4 * size
+    return ReadLimits(size, settings.body_timeout_s, settings.max_json_depth, values, per_tenant)
 
 
 def _refusal(request: web.Request, keys: ApiKeys, limits: ReadLimits) -> web.Response | None:

@@ -114,7 +114,7 @@ async def _completion(request: web.Request, chat: bool) -> web.StreamResponse:
     # read, within the tenant's share of the bodies being read at once.
     limits = request.app[LIMITS_KEY]
     try:
-        with request.app[BODY_READS_KEY].hold(request[TENANT], _declared(request, limits)):
+        with request.app[BODY_READS_KEY].hold(request[TENANT], limits.declared_bytes(request.content_length)):
             body = await json_body(request, limits)
     except RequestRejected as exc:
         return rejection(exc, close=True)
@@ -141,12 +141,6 @@ async def _completion(request: web.Request, chat: bool) -> web.StreamResponse:
         return rejection(exc)
     except TurnFailed as exc:
         return _engine_error(exc)
-
-
-def _declared(request: web.Request, limits: ReadLimits) -> int:
-    """The bytes a request's body is counted as while it is read: its Content-Length, else the most
-    a body may be."""
-    return request.content_length if request.content_length is not None else limits.max_body_bytes
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -204,8 +198,7 @@ def build_app(
     )
     app[KEYS_KEY] = api_keys
     app[SHARES_KEY] = TenantShares(settings.max_inflight_tokens_per_tenant)
-    body_bytes = settings.max_body_bytes_per_tenant or 4 * limits.max_body_bytes
-    app[BODY_READS_KEY] = TenantShares(body_bytes, unit="request-body bytes")
+    app[BODY_READS_KEY] = TenantShares(limits.max_tenant_body_bytes, unit="request-body bytes")
     app[SALTS_KEY] = CacheSalts.create(settings.cache_salt, settings.salt_key(), settings.tenant_groups)
     app[RUNNER_KEY] = runner
     app[TELEMETRY_KEY] = telemetry

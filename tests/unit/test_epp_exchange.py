@@ -48,7 +48,12 @@ ROUTE = RouteResult(
 @pytest.fixture
 async def state() -> AsyncIterator[PickerState]:
     gateway = GatewaySection(
-        api_keys=[GatewayKey(token=SecretStr("key-1"), tenant="acme")], max_body_bytes=1000, models=["m"]
+        api_keys=[
+            GatewayKey(token=SecretStr("key-1"), tenant="acme"),
+            GatewayKey(token=SecretStr("key-2"), tenant="globex"),
+        ],
+        max_body_bytes=1000,
+        models=["m"],
     )
     telemetry = Telemetry.disabled()
     routing = RoutingClient(["127.0.0.1:1"])
@@ -63,6 +68,7 @@ async def state() -> AsyncIterator[PickerState]:
             keys=configured_api_keys(gateway),
             salts=CacheSalts.create("tenant", "s" * 32, {}),
             shares=TenantShares(0),
+            body_reads=TenantShares(0),
             route_key=KEY,
             route_ttl_s=30.0,
             tracer=telemetry.tracer,
@@ -276,3 +282,31 @@ async def test_a_tenant_past_its_share_of_tokens_in_flight_is_answered_429(state
     assert not (await third.handle(body(b'{"model": "m", "prompt": [4, 5]}')))[0].HasField(
         "immediate_response"
     )
+
+
+async def test_a_tenant_whose_bodies_are_still_arriving_past_its_share_gets_429_and_others_are_served(
+    state: PickerState,
+) -> None:
+    bounded = dataclasses.replace(state, body_reads=TenantShares(2500, unit="request-body bytes"))
+    routed_to(bounded, ROUTE, ROUTE)
+    # Two bodies declared at 1000 bytes and one without a length (counted as the 1000-byte limit)
+    # would pass acme's 2500: the third is refused on its headers, before Envoy sends its body.
+    first, second = Exchange(bounded), Exchange(bounded)
+    assert await first.handle(headers(**AUTH, **{"content-length": "1000"})) == []
+    assert await second.handle(headers(**AUTH, **{"content-length": "1000"})) == []
+    answer = await Exchange(bounded).handle(headers(**AUTH))
+    assert status_of(answer) == 429
+    assert "request-body bytes" in json.loads(answer[0].immediate_response.body)["error"]["message"]
+    # Another tenant's request is read meanwhile.
+    assert await Exchange(bounded).handle(headers(authorization="Bearer key-2")) == []
+    # A body parsed frees its bytes at once (its turn goes on); a refused one frees them too.
+    raw = b'{"model": "m", "prompt": [1, 2, 3]}'
+    assert not (await first.handle(body(raw)))[0].HasField("immediate_response")
+    assert status_of(await second.handle(body(b"x" * 1001))) == 413
+    assert bounded.body_reads.in_flight("acme") == 0
+    third = Exchange(bounded)
+    assert await third.handle(headers(**AUTH)) == []
+    assert bounded.body_reads.in_flight("acme") == 1000
+    # A stream that ends before its body does frees them as well.
+    third.close()
+    assert bounded.body_reads.in_flight("acme") == 0
