@@ -3,6 +3,7 @@ secrets 0600, nothing over an existing file unless asked."""
 
 from __future__ import annotations
 
+import argparse
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -63,3 +64,33 @@ def parse_owner(value: str) -> tuple[int, int] | None:
         return int(uid), int(gid or uid)
     except ValueError:
         raise ValueError(f"--owner {value!r}: expected UID:GID (numbers)") from None
+
+
+def add_write_options(parser: argparse.ArgumentParser) -> None:
+    """The options every command writing a credential set takes: --force, --if-missing, --owner."""
+    parser.add_argument("--force", action="store_true", help="write over existing files (default: refuse)")
+    parser.add_argument(
+        "--if-missing",
+        action="store_true",
+        help="when every file exists already, keep them and succeed (a container run at each start); "
+        "some but not all: refuse (default: refuse whenever one exists)",
+    )
+    parser.add_argument(
+        "--owner",
+        default="",
+        metavar="UID:GID",
+        help="give folders and files to this user and group (run as root for another user; default: "
+        "the caller)",
+    )
+
+
+def write_set(
+    out: Path, files: Mapping[str, bytes], secret: Callable[[str], bool], args: argparse.Namespace
+) -> bool:
+    """Writes the set as add_write_options' options ask; False when --if-missing kept a whole set
+    that was there already. Raises CredentialFilesExist, ValueError (a bad --owner) or OSError."""
+    owner = parse_owner(args.owner)
+    if args.if_missing and not args.force and len(existing(out, list(files))) == len(files):
+        return False
+    write_files(out, files, secret, overwrite=args.force, owner=owner)
+    return True

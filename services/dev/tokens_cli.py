@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvplane.services.dev.credential_files import CredentialFilesExist, add_write_options, write_set
 from kvplane.services.dev.token_set import (
     API_KEYS_FILE,
     CACHE_SALT_KEY_FILE,
@@ -49,41 +50,20 @@ def _parser() -> argparse.ArgumentParser:
         default=[],
         help="a tenant given a gateway API key; repeat (default: none)",
     )
-    p.add_argument("--force", action="store_true", help="write over existing files (default: refuse)")
-    p.add_argument(
-        "--if-missing",
-        action="store_true",
-        help="when every file exists already, keep them and succeed (a container run at each start); "
-        "some but not all: refuse (default: refuse whenever one exists)",
-    )
-    p.add_argument(
-        "--owner",
-        default="",
-        metavar="UID:GID",
-        help="give folders and files to this user and group (run as root for another user; default: "
-        "the caller)",
-    )
+    add_write_options(p)
     return p
 
 
 def main(argv: Sequence[str]) -> int:
     args = _parser().parse_args(list(argv))
-    from kvplane.services.dev.credential_files import (
-        CredentialFilesExist,
-        existing,
-        parse_owner,
-        write_files,
-    )
     from kvplane.services.dev.token_set import token_set_files
 
     out = Path(args.out)
     try:
-        owner = parse_owner(args.owner)
         files = token_set_files(args.node, args.operator, args.tenant)
-        if args.if_missing and not args.force and len(existing(out, list(files))) == len(files):
+        if not write_set(out, files, lambda _: True, args):
             print(f"kept the tokens in {out}: every file exists")
             return 0
-        write_files(out, files, lambda _: True, overwrite=args.force, owner=owner)
     except (CredentialFilesExist, ValueError, OSError) as exc:
         print(f"kvplane dev-tokens: {exc}", file=sys.stderr)
         return 1

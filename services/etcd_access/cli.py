@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvplane.services.dev.credential_files import CredentialFilesExist, add_write_options, write_set
 from kvplane.services.etcd_access.principals import ROOT_USER, process_users
 
 # etcd's default listen address, and what a development etcd's certificate names by default.
@@ -169,48 +170,26 @@ def _certs_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--ca-name", default=DEFAULT_CA_NAME, help=f"the CA's Common Name (default {DEFAULT_CA_NAME!r})"
     )
-    p.add_argument("--force", action="store_true", help="write over existing files (default: refuse)")
-    p.add_argument(
-        "--if-missing",
-        action="store_true",
-        help="when every file exists already, keep them and succeed (a container run at each start); "
-        "some but not all: refuse (default: refuse whenever one exists)",
-    )
-    p.add_argument(
-        "--owner",
-        default="",
-        metavar="UID:GID",
-        help="give folders and files to this user and group (run as root for another user; default: "
-        "the caller)",
-    )
+    add_write_options(p)
     return p
 
 
 def dev_certs_main(argv: Sequence[str]) -> int:
     args = _certs_parser().parse_args(list(argv))
-    from kvplane.services.dev.credential_files import (
-        CredentialFilesExist,
-        existing,
-        parse_owner,
-        write_files,
-    )
     from kvplane.services.etcd_access.certificates import Authority, bundle_files, is_key
 
     out = Path(args.out)
     try:
         if args.days < 1:
             raise ValueError("--days must be at least 1")
-        owner = parse_owner(args.owner)
         now = datetime.datetime.now(datetime.UTC)
         ca = Authority.create(args.ca_name, now, args.days)
         server = ca.issue_server(args.san or DEFAULT_SANS, now, args.days)
         users = args.user or [ROOT_USER, *process_users()]
         files = bundle_files(ca, server, {user: ca.issue_client(user, now, args.days) for user in users})
-        there = existing(out, list(files))
-        if args.if_missing and not args.force and len(there) == len(files):
+        if not write_set(out, files, is_key, args):
             print(f"kept the certificates in {out}: every file exists")
             return 0
-        write_files(out, files, is_key, overwrite=args.force, owner=owner)
     except (CredentialFilesExist, ValueError, OSError) as exc:
         print(f"kvplane dev-certs: {exc}", file=sys.stderr)
         return 1
