@@ -182,6 +182,9 @@ def _check_prompt(prompt: Any, limits: BodyLimits) -> None:
         raise RequestRejected(
             400, f"prompt has {len(prompt)} token ids; the limit is {limits.max_prompt_tokens}", "prompt"
         )
+    if limits.max_model_len and len(prompt) > limits.max_model_len:
+        # Longer than the whole context: refused by its length before its ids are looked at.
+        check_context(len(prompt), {}, False, limits)
     bound = limits.vocab_size or TOKEN_ID_LIMIT
     # Checked in C (the set of the ids' types, then their least and greatest): a prompt runs to
     # many thousands of ids on every turn. `bool` is its own type here, so True is no token id.

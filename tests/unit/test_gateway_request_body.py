@@ -81,6 +81,14 @@ def test_a_token_prompt_and_its_completion_must_fit_the_context() -> None:
     check_context(8, {"max_completion_tokens": 3}, True, BodyLimits())  # unknown context: the engines judge
 
 
+def test_a_prompt_longer_than_the_context_is_refused_by_its_length_before_its_ids_are_read() -> None:
+    # Its ids are never looked at: the refusal is the context's, not the ids' (a float among them).
+    with pytest.raises(RequestRejected) as refused:
+        check_completion({"prompt": [1] * 11 + [0.5]}, False, BodyLimits(max_model_len=10))
+    assert "maximum context length is 10" in refused.value.message
+    assert refused.value.param == "max_tokens"
+
+
 def test_control_characters_and_batches_of_one() -> None:
     assert has_control("a\x00") and has_control("a\x7f") and has_control("a\x85") and not has_control("é")
     assert single_prompt(["x"]) == "x" and single_prompt([[1, 2]]) == [1, 2] and single_prompt([1]) == [1]
