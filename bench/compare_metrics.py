@@ -49,6 +49,11 @@ SETTLE_WINDOW_S = 0.3
 Counters = dict[str, float]
 
 
+# One read of a process's metrics or state: long enough that a process slowed by a loaded machine
+# is waited for (a stuck one is still found out), since the readings frame every block.
+_READ_TIMEOUT = aiohttp.ClientTimeout(total=120)
+
+
 def samples(text: str) -> Iterable[tuple[str, dict[str, str], float]]:
     """(name, labels, value) of every sample of a Prometheus text page."""
     for family in text_string_to_metric_families(text):
@@ -57,7 +62,7 @@ def samples(text: str) -> Iterable[tuple[str, dict[str, str], float]]:
 
 
 async def _text(session: aiohttp.ClientSession, url: str) -> str:
-    async with session.get(url, timeout=aiohttp.ClientTimeout(total=10)) as resp:
+    async with session.get(url, timeout=_READ_TIMEOUT) as resp:
         resp.raise_for_status()
         return await resp.text()
 
@@ -159,7 +164,7 @@ def delta(after: Mapping[str, float], before: Mapping[str, float]) -> Counters:
 
 
 async def _state(session: aiohttp.ClientSession, url: str) -> dict[str, object]:
-    async with session.get(f"{url}/sim/state", timeout=aiohttp.ClientTimeout(total=10)) as resp:
+    async with session.get(f"{url}/sim/state", timeout=_READ_TIMEOUT) as resp:
         resp.raise_for_status()
         state: dict[str, object] = await resp.json()
         return state
