@@ -49,3 +49,14 @@ def test_unbalanced_brackets_in_strings_do_not_hide_nesting(pad: int) -> None:
     with pytest.raises(RequestRejected) as refused:
         parse_json(body, LIMITS)
     assert "nests deeper than 8 levels" in refused.value.message
+
+
+@pytest.mark.parametrize("pad", [FEW, MANY])
+def test_a_string_ending_in_an_escaped_backslash_closes_where_json_says(pad: int) -> None:
+    # "x\\" is the string x\ then its closing quote: read as an escaped quote instead, the string
+    # would run on over the nesting after it and hide it.
+    body = b'{"s": "x\\\\", "t": "\\\\\\"[", "a": ' + b"[" * 9 + b"1" + b"]" * 9 + b', "x": ['
+    body += b",".join([b"[]"] * pad) + b"]}"
+    with pytest.raises(RequestRejected) as refused:
+        parse_json(body, LIMITS)
+    assert "nests deeper than 8 levels" in refused.value.message
