@@ -1,22 +1,29 @@
 """Multi-turn conversations through a running gateway, for the container stage.
 
-    python3 compose_turns.py --gateway http://127.0.0.1:8080 --api-key KEY --model NAME
+    python3 compose_turns.py --gateway http://127.0.0.1:8080 --api-key KEY --model NAME [--token-ids]
 
 Standard library only: it runs on the host, outside kvplane's environment. Every turn must be
 answered 200, the first one included (it is sent as soon as the stack reports healthy); every
 later turn carries the whole history, and at least one of them must be routed `pull`.
 Exit status 0 when both hold; the decisions are printed either way.
+
+Chat by default. With --token-ids the turns are /v1/completions of token ids, as the slow
+end-to-end tests send them: each later prompt is the previous prompt, the ids the engine
+answered (return_token_ids) and new ids, so it continues exactly the tokens D retained, whatever
+the model's tokenizer would make of the text.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 import urllib.error
 import urllib.request
 import uuid
 from collections import Counter
+from typing import Any
 
 DECISION_HEADER = "x-kvplane-decision"
 
@@ -27,18 +34,24 @@ def user_message(conversation: int, turn: int) -> str:
     return f"Conversation {conversation}, turn {turn}: summarise these words. {words}"
 
 
+def user_ids(conversation: int, turn: int) -> list[int]:
+    # As many tokens as a user message has words, from the range every tokenizer of at least 32k
+    # ids has (above the special tokens); the first turn starts with BOS (1).
+    rnd = random.Random(conversation * 1000 + turn)
+    ids = [rnd.randrange(100, 31000) for _ in range(160)]
+    return [1, *ids] if turn == 0 else ids
+
+
 def send_turn(
     gateway: str,
     api_key: str,
-    model: str,
     conversation_id: str,
-    messages: list[dict[str, str]],
-    max_tokens: int,
-) -> tuple[int, str, str]:
-    body = json.dumps({"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0})
+    path: str,
+    body: dict[str, object],
+) -> tuple[int, str, dict[str, Any] | str]:
     request = urllib.request.Request(
-        f"{gateway}/v1/chat/completions",
-        data=body.encode(),
+        f"{gateway}{path}",
+        data=json.dumps(body).encode(),
         headers={
             "Authorization": f"Bearer {api_key}",
             "Content-Type": "application/json",
@@ -48,9 +61,8 @@ def send_turn(
     )
     try:
         with urllib.request.urlopen(request, timeout=120) as response:
-            payload = json.loads(response.read())
-            reply = str(payload["choices"][0]["message"]["content"])
-            return response.status, response.headers.get(DECISION_HEADER, ""), reply
+            choice = json.loads(response.read())["choices"][0]
+            return response.status, response.headers.get(DECISION_HEADER, ""), choice
     except urllib.error.HTTPError as error:
         return error.code, error.headers.get(DECISION_HEADER, ""), error.read().decode(errors="replace")
 
@@ -66,6 +78,11 @@ def main() -> int:
     # answer D generated after it, so answers must be longer than the engines' recompute
     # threshold (64 tokens) for a pull to move anything.
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument(
+        "--token-ids",
+        action="store_true",
+        help="token-id completions (each of exactly --max-tokens tokens) instead of chat",
+    )
     args = parser.parse_args()
 
     run = uuid.uuid4().hex[:8]  # fresh conversations on every run against the same stack
@@ -74,18 +91,29 @@ def main() -> int:
     for conversation in range(args.conversations):
         conversation_id = f"compose-stage-{run}-{conversation}"
         messages: list[dict[str, str]] = []
+        prompt: list[int] = []
         for turn in range(args.turns):
-            messages.append({"role": "user", "content": user_message(conversation, turn)})
-            status, decision, reply = send_turn(
-                args.gateway, args.api_key, args.model, conversation_id, messages, args.max_tokens
-            )
-            print(f"conversation {conversation} turn {turn}: HTTP {status}, decision {decision or '-'}")
-            if status != 200:
+            body: dict[str, object] = {"model": args.model, "max_tokens": args.max_tokens, "temperature": 0}
+            if args.token_ids:
+                prompt += user_ids(conversation, turn)
+                path = "/v1/completions"
+                body.update(prompt=prompt, return_token_ids=True, ignore_eos=True)
+            else:
+                messages.append({"role": "user", "content": user_message(conversation, turn)})
+                path = "/v1/chat/completions"
+                body.update(messages=messages)
+            status, decision, reply = send_turn(args.gateway, args.api_key, conversation_id, path, body)
+            size = f", {len(prompt)} prompt tokens" if args.token_ids else ""
+            print(f"conversation {conversation} turn {turn}: HTTP {status}, decision {decision or '-'}{size}")
+            if isinstance(reply, str):
                 failures.append(f"{conversation_id} turn {turn}: HTTP {status}: {reply[:300]}")
                 break
             if turn > 0:
                 decisions[decision] += 1
-            messages.append({"role": "assistant", "content": reply})
+            if args.token_ids:
+                prompt += [int(t) for t in reply["token_ids"]]
+            else:
+                messages.append({"role": "assistant", "content": str(reply["message"]["content"])})
     print("later turns by decision:", dict(decisions))
     if failures:
         print("failed turns:", *failures, sep="\n  ", file=sys.stderr)
