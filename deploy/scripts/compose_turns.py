@@ -34,10 +34,10 @@ def user_message(conversation: int, turn: int) -> str:
     return f"Conversation {conversation}, turn {turn}: summarise these words. {words}"
 
 
-def user_ids(conversation: int, turn: int) -> list[int]:
+def user_ids(run: str, conversation: int, turn: int) -> list[int]:
     # As many tokens as a user message has words, from the range every tokenizer of at least 32k
-    # ids has (above the special tokens); the first turn starts with BOS (1).
-    rnd = random.Random(conversation * 1000 + turn)
+    # ids has (above the special tokens), new on every run; the first turn starts with BOS (1).
+    rnd = random.Random(f"{run}-{conversation}-{turn}")
     ids = [rnd.randrange(100, 31000) for _ in range(160)]
     return [1, *ids] if turn == 0 else ids
 
@@ -95,7 +95,7 @@ def main() -> int:
         for turn in range(args.turns):
             body: dict[str, object] = {"model": args.model, "max_tokens": args.max_tokens, "temperature": 0}
             if args.token_ids:
-                prompt += user_ids(conversation, turn)
+                prompt += user_ids(run, conversation, turn)
                 path = "/v1/completions"
                 body.update(prompt=prompt, return_token_ids=True, ignore_eos=True)
             else:
