@@ -38,6 +38,9 @@ Every network call happens on the node agent's thread; these hooks only enqueue.
 KVPLANE_HTTP_URL give defaults):
 
     metadata_target, eviction_target   host:port of the services (eviction: default metadata)
+    routing_targets                    every routing replica, host:port, comma-separated: the node
+                                       agent streams the engine's load, and P's prefix cache from
+                                       its KV events, to each (empty: neither)
     node_id, role, http_url            how the node registers (role: prefill, decode or both)
     require_digests                    P refuses a pull whose handle has no digests (true)
     expiry_margin_s                    taken off D's deadline for the wall-clock expiry (1.0)

@@ -41,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--api-keys-file",
-        help='JSON list of {"token": ..., "tenant": ...}, read again when it changes (default: none)',
+        help='a YAML or JSON list of {"token": ..., "tenant": ...}, read again when it changes '
+        "(default: none)",
     )
     p.add_argument(
         "--routing-in-process",
