@@ -14,6 +14,7 @@ when docs/settings.md is not what this module writes. Secrets' defaults are neve
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
 import json
 import sys
@@ -349,7 +350,30 @@ def render() -> str:
             cells = [f"`{row.path}`", env, _cell(row.type), _cell(row.default), _cell(row.description)]
             out.append("| " + " | ".join(cells) + " |")
         out.append("")
-    return "\n".join(out)
+    return "\n".join(out + _client_environment())
+
+
+def _client_environment() -> list[str]:
+    """The clients' own variables: they read no settings file."""
+    from kvplane.services.client.credentials import ClientCredentials
+
+    comments = _source_comments(ClientCredentials)
+    out = [
+        "## Client environment variables",
+        "",
+        "Operator commands (`kvplane nodes`, `handles`, `drain`, `status`, `end-conversation`),",
+        "`kvplane health` and `kvplane.services.client` read their credentials from the environment;",
+        "operator commands also take their target from `KVPLANE_CLIENT_TARGET`. The vLLM connector's",
+        "node agent reads the same names after `KVPLANE_` instead (`KVPLANE_AUTH_TOKEN_FILE`,",
+        "`KVPLANE_TLS_CA_FILE`, ...: `connector/vllm_nixl.py`), and `KVPLANE_CLIENT_ALLOW_PLAINTEXT`.",
+        "",
+        "| environment variable | meaning |",
+        "|---|---|",
+    ]
+    for f in dataclasses.fields(ClientCredentials):
+        out.append(f"| `KVPLANE_CLIENT_{f.name.upper()}` | {_cell(comments.get(f.name, ''))} |")
+    out.append("")
+    return out
 
 
 def main() -> int:

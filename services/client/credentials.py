@@ -66,13 +66,21 @@ class PlaintextCredentials(ValueError):
 class ClientCredentials:
     """A client's credentials; the default presents nothing (and is refused by every server)."""
 
+    # The bearer token itself (prefer token_file: the environment shows in the process list).
     token: str = field(default="", repr=False)
+    # A file holding the bearer token, read again when it changes.
     token_file: str = ""
+    # The CA of the servers' certificates; set: TLS.
     tls_ca_file: str = ""
+    # This client's certificate and key (mTLS); both or neither, and a CA with them.
     tls_cert_file: str = ""
+    # This client's certificate and key (mTLS); both or neither, and a CA with them.
     tls_key_file: str = ""
+    # The name the servers' certificates are checked against (default: the target's host).
     tls_server_name: str = ""
+    # A mesh proxy's secret, only where no proxy adds it (development and tests).
     mesh_secret: str = field(default="", repr=False)
+    # A file holding the mesh proxy's secret (development and tests).
     mesh_secret_file: str = ""
     # A token or mesh secret may go without TLS to a target off this machine; by default, what
     # KVPLANE_CLIENT_ALLOW_PLAINTEXT says.

@@ -3,11 +3,13 @@ description: from its comment in the source, its group's, or the generator's own
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from pydantic import BaseModel
 
 from kvplane.services import settings_reference
+from kvplane.services.client.credentials import ClientCredentials
 from kvplane.services.common.settings import AuthSection, GrpcSection
 from kvplane.services.gateway.settings import GatewaySection
 from kvplane.services.settings import KvplaneSettings
@@ -93,3 +95,12 @@ def test_the_generators_own_lists_name_fields_the_source_leaves_uncommented() ->
             stale.append(owner)
     assert not stale, f"remove from settings_reference's lists: {sorted(stale)}"
     assert not SHARES_COMMENT_ABOVE & set(DESCRIPTIONS)
+
+
+def test_every_client_variable_is_listed_with_a_meaning() -> None:
+    text = render()
+    for f in dataclasses.fields(ClientCredentials):
+        row = next(
+            line for line in text.splitlines() if line.startswith(f"| `KVPLANE_CLIENT_{f.name.upper()}` |")
+        )
+        assert row.split("|")[2].strip(), f.name
