@@ -11,6 +11,7 @@ from typing import Any
 
 import yaml
 
+from .etcd_access_checks import check_etcd_access
 from .kvplane_code import (
     check_health_probe,
     connector_setting_names,
@@ -23,7 +24,6 @@ from .kvplane_code import (
     settings_has_section,
     without_section,
 )
-from .etcd_access_checks import check_etcd_access
 from .manifests import check_kubernetes_docs, container_ports, docs_of, matches, pod_templates
 from .ops_checks import check_operations
 from .pool_checks import check_inference_pool
@@ -142,7 +142,8 @@ def _check_routing_targets(r: Rendering, label: str, report: Report) -> None:
                 continue
             report.check(
                 targets == replicas,
-                f"{label} {workload['kind']} {workload['metadata']['name']}: routing targets are every routing replica",
+                f"{label} {workload['kind']} {workload['metadata']['name']}: "
+                "routing targets are every routing replica",
                 f"{targets} != {replicas}",
             )
 
