@@ -34,8 +34,8 @@ nothing on the worker side. In the scheduler process it adds:
 
 Every network call happens on the node agent's thread; these hooks only enqueue. The
 `kvplane` section of `kv_connector_extra_config` is read by `ConnectorSettings.from_config`
-(KVPLANE_METADATA_TARGET, KVPLANE_EVICTION_TARGET, KVPLANE_NODE_ID, KVPLANE_NODE_ROLE and
-KVPLANE_HTTP_URL give defaults):
+(KVPLANE_METADATA_TARGET, KVPLANE_EVICTION_TARGET, KVPLANE_ROUTING_TARGETS, KVPLANE_NODE_ID,
+KVPLANE_NODE_ROLE and KVPLANE_HTTP_URL give defaults):
 
     metadata_target, eviction_target   host:port of the services (eviction: default metadata)
     routing_targets                    every routing replica, host:port, comma-separated: the node

@@ -186,8 +186,9 @@ class GatewaySection(Section):
     max_inflight_tokens_per_tenant: int = Field(1 << 20, ge=0)
     # Most request-body bytes one tenant may have being read and parsed at once, counted by each
     # body's Content-Length (a body without one counts as max_body_bytes): past it a request is
-    # refused (429) before its body is read, so one tenant's bodies cannot fill the gateway's (or picker's)
-    # memory or queue up every other tenant's parses behind theirs. 0: four times the body limit.
+    # refused (429) before its body is read, so one tenant's bodies cannot fill the memory of the
+    # gateway or the picker, or queue up every other tenant's parses behind theirs. 0: four times
+    # the body limit.
     max_body_bytes_per_tenant: int = Field(0, ge=0)
     # HTTPS: the server certificate and its key (PEM files, re-read when they change). Empty: HTTP.
     tls_cert_file: str = ""
