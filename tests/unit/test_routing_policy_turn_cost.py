@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from importlib import resources
 from typing import Any
@@ -126,6 +127,42 @@ def test_the_margin_applies_only_where_a_node_holds_part_of_the_prompt(policy: R
         prefill_cached_tokens={"p0": len(PREVIOUS)},
     )
     assert held.prefill.node_id == "p0"
+
+
+def with_extra_work_weight(weight: float) -> RoutingPolicy:
+    default = resources.files("kvplane.services.routing.policy").joinpath("default_policy.yaml")
+    text = re.sub(
+        r"extra_work_weight: [0-9.]+", f"extra_work_weight: {weight}", default.read_text(encoding="utf-8")
+    )
+    return RoutingPolicy(policy_from_yaml(text))
+
+
+def test_a_move_that_recomputes_the_history_must_also_pay_for_the_work_it_adds(policy: RoutingPolicy) -> None:
+    # No handle to pull: a move recomputes the 8k-token history that p1's cache holds, ~150 ms
+    # more compute than the turn costs at home. 12,000 tokens (~340 ms) queued on p1 would save
+    # the turn itself more than that and the margin, but the added work delays whatever queues
+    # behind it on p0: the move does not pay.
+    hint = {"prefill_cached_tokens": {"p1": len(PREVIOUS)}, "handle": None}
+    stays = route(policy, NEXT, queues={"p1_queue": 12_000}, **hint)
+    assert stays.prefill.node_id == "p1" and stays.verdict.cached_tokens == len(PREVIOUS)
+    # Counting only the turn's own time, the same estimates move it.
+    moved = route(with_extra_work_weight(0), NEXT, queues={"p1_queue": 12_000}, **hint)
+    assert moved.prefill.node_id == "p0" and moved.verdict.cached_tokens == 0
+    # A queue well past both moves it anyway.
+    assert route(policy, NEXT, queues={"p1_queue": 30_000}, **hint).prefill.node_id == "p0"
+
+
+def test_a_move_that_pulls_adds_no_compute_and_pays_only_the_margin(policy: RoutingPolicy) -> None:
+    # With D's handle the move pulls the history: the pulled tokens cost what cached ones do, so
+    # the same queue that keeps a recomputing move home moves this one.
+    hint = {"prefill_cached_tokens": {"p1": len(PREVIOUS)}}
+    moved = route(policy, NEXT, queues={"p1_queue": 12_000}, **hint)
+    assert moved.prefill.node_id == "p0" and moved.decision is Decision.PULL
+
+
+def test_a_negative_extra_work_weight_is_rejected() -> None:
+    with pytest.raises(PolicyConfigError):
+        with_extra_work_weight(-1)
 
 
 def test_a_negative_move_margin_is_rejected() -> None:

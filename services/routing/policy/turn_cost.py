@@ -19,6 +19,19 @@ samples a running request part-way, the work routed since is an estimate,
 and the learned cost model follows a noisy engine. A move on less than that
 trades a cache hit that is sure for a saving that may not be there, and it
 leaves a stale copy on the home node while filling the new node's cache.
+
+A move also makes the fleet do more: the new node computes what the home
+node's cache held (all of it when there is no handle to pull; pulled tokens
+cost what cached ones do). The turn's own cost counts that once, but every
+turn that queues behind it on the new node waits for it too, while the home
+node is spared only the cheap prefill. So a move must also save
+`extra_work_weight` times the compute it adds (one follower's wait by
+default). Without this, a wave of turns that all arrive at once (a closed
+loop of chats that advance together) moves conversations whose homes are a
+few turns deeper, recomputes their histories and lengthens the queues it
+meant to shorten; on a bursty fleet, where a home is seconds behind, moves
+still pay many times over.
+
 Nodes that hold nothing of the prompt compete on cost alone.
 
 Equal costs (idle nodes without a cached prefix) fall back to the leg's
@@ -92,10 +105,14 @@ class LeastCostPicker:
     name: ClassVar[str] = "least-cost"
     # What a move off the home node must save beyond its pull, in ms (see the module's docstring).
     move_margin_ms: float = 100.0
+    # What a move must save per ms of compute it adds to the fleet (see the module's docstring).
+    extra_work_weight: float = 1.0
 
     def __post_init__(self) -> None:
         if self.move_margin_ms < 0:
             raise ValueError("move_margin_ms must not be negative")
+        if self.extra_work_weight < 0:
+            raise ValueError("extra_work_weight must not be negative")
 
     def rank(self, scored: Sequence[tuple[NodeState, float]], ctx: LegContext) -> list[NodeState]:
         snapshot = ctx.snapshot
@@ -104,15 +121,28 @@ class LeastCostPicker:
         holder = ctx.holder
         compatible = holder is not None and ctx.fingerprint == holder.fingerprint
         home = home_node(snapshot, [state for state, _ in scored])
+        estimates = {
+            state.node.node_id: estimate_prefill(
+                snapshot, state, holder, compatible, costs, settings, ctx.prefix
+            )
+            for state, _ in scored
+        }
+        home_work = _work_ms(estimates[home]) if home else 0.0
 
         def key(item: tuple[NodeState, float]) -> tuple[float, float, int, str]:
             state, score = item
-            total = estimate_prefill(
-                snapshot, state, holder, compatible, costs, settings, ctx.prefix
-            ).total_ms
             node_id = state.node.node_id
+            estimate = estimates[node_id]
+            total = estimate.total_ms
             if home and node_id != home:
-                total += self.move_margin_ms
+                extra = max(0.0, _work_ms(estimate) - home_work)
+                total += self.move_margin_ms + self.extra_work_weight * extra
             return (total, -score, tie_key(snapshot, node_id), node_id)
 
         return [state for state, _ in sorted(scored, key=key)]
+
+
+def _work_ms(estimate: PrefillEstimate) -> float:
+    """The compute the turn adds to a node's queue there (ms): its prefill, without the queue or the pull."""
+    transfer = estimate.verdict.transfer_ms if estimate.verdict.decision.pulls else 0.0
+    return estimate.total_ms - estimate.queue_ms - transfer
