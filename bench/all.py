@@ -81,8 +81,18 @@ POLICY_LEGEND = (
     " `kvplane-events` (the same, with P's caches known from the engines' KV events, delivered at"
     " once); `kvplane-events-lossy` (events 105 ms late, 1% of them lost for good); `oracle`"
     " (unlimited KV on D and in P's caches, no TTL, every shared whole-block prefix pulled and"
-    " every P cache hit used: a bound, not a contender)."
+    " every P cache hit used: a bound, not a contender). Where D has host memory (the tiered"
+    " tables): `llm-d-p2p` (llm-d's P/D + P2P path: `prefix-affinity`'s routing; every D offloads"
+    " each finished turn's KV to its host memory, an LRU of blocks by hash, and keeps nothing on its"
+    " accelerators; the turn reads its prompt's blocks from the D whose host memory holds at least"
+    " 2,048 more of them than the chosen P's cache), and kvplane's D writes each handle it"
+    " publishes through to its host memory (oldest entries dropped first when it is full) and"
+    " unpins the handle's accelerator blocks once the copy (25 GB/s, assumed) is whole; until"
+    " then a release by the control plane moves the handle to host memory instead of freeing it."
+    " A pull reads either tier at the same cost."
 )
+# Host memory beside each D in the tiered tables, GiB (issue's pinned model at 80 GiB per D).
+TIERED_HOST_GIB = 256
 
 
 def log(msg: str) -> None:
@@ -130,6 +140,13 @@ def table_specs(trace: Path, max_turns: int) -> dict[str, SimSpec]:
             specs[f"mooncake_{model}_{gib}"] = replace(mooncake, engine_model=model, kv_gib_per_decode=gib)
     for gib in FLEETS:
         specs[f"agentic_pinned_{gib}"] = replace(agentic, kv_gib_per_decode=gib)
+    tiered = {
+        "engine_model": "tiered",
+        "kv_gib_per_decode": HEADLINE_KV_GIB,
+        "host_gib_per_decode": TIERED_HOST_GIB,
+    }
+    specs[f"mooncake_tiered_{HEADLINE_KV_GIB}"] = replace(mooncake, **tiered)
+    specs[f"agentic_tiered_{HEADLINE_KV_GIB}"] = replace(agentic, **tiered)
     return specs
 
 
@@ -139,14 +156,14 @@ def _expected_cost(spec: SimSpec, name: str) -> float:
 
 
 def run_tables(specs: dict[str, SimSpec], pool: ProcessPoolExecutor) -> dict[str, dict[str, SimResult]]:
-    jobs = [(key, spec, name) for key, spec in specs.items() for name in BASELINES]
+    jobs = [(key, spec, name) for key, spec in specs.items() for name in spec.policies()]
     jobs.sort(key=lambda j: -_expected_cost(j[1], j[2]))
     futures: dict[tuple[str, str], Future[SimResult]] = {
         (key, name): pool.submit(run_policy, spec, name) for key, spec, name in jobs
     }
     out: dict[str, dict[str, SimResult]] = {key: {} for key in specs}
     for key in specs:
-        for name in BASELINES:
+        for name in specs[key].policies():
             result = futures[(key, name)].result()
             out[key][name] = result
             log(f"  {key} {name}: {result.summary.turns:,} turns in {result.summary.wall_s:.1f} s")
@@ -154,8 +171,9 @@ def run_tables(specs: dict[str, SimSpec], pool: ProcessPoolExecutor) -> dict[str
 
 
 def _fleet_text(spec: SimSpec) -> str:
+    host = f", {spec.host_gib_per_decode:g} GiB of host memory per D" if spec.host_gib_per_decode else ""
     return (
-        f"{spec.prefill} P + {spec.decode} D, {spec.kv_gib_per_decode:g} GiB of KV per D,"
+        f"{spec.prefill} P + {spec.decode} D, {spec.kv_gib_per_decode:g} GiB of KV per D{host},"
         f" {spec.p_cache_gib:g} GiB prefix cache per P"
     )
 
@@ -165,7 +183,9 @@ def _command(spec: SimSpec) -> str:
     return (
         f"`kvplane sim {source} --engine-model {spec.engine_model} --prefill {spec.prefill}"
         f" --decode {spec.decode} --kv-gib-per-decode {spec.kv_gib_per_decode:g}"
-        f" --p-cache-gib {spec.p_cache_gib:g} --seed {spec.seed}`"
+        f" --p-cache-gib {spec.p_cache_gib:g}"
+        + (f" --host-gib-per-decode {spec.host_gib_per_decode:g}" if spec.host_gib_per_decode else "")
+        + f" --seed {spec.seed}`"
     )
 
 
@@ -174,6 +194,8 @@ def tables_markdown(specs: dict[str, SimSpec], results: dict[str, dict[str, SimR
         "mooncake_pinned": "Mooncake trace, pinned KV (vLLM's engine)",
         "mooncake_evicting": "Mooncake trace, what-if: an engine that may drop retained KV under pressure",
         "agentic_pinned": "Synthetic agentic workload, pinned KV",
+        "mooncake_tiered": "Mooncake trace, tiered KV: host memory beside each D",
+        "agentic_tiered": "Synthetic agentic workload, tiered KV: host memory beside each D",
     }
     parts = []
     for key, spec in specs.items():
@@ -376,7 +398,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "gaps_over_480s": stats.share_of_gaps_over(480.0),
     }
 
-    log(f"{len(specs) * len(BASELINES)} runs on {workers} workers")
+    log(f"{sum(len(s.policies()) for s in specs.values())} runs on {workers} workers")
     results = run_tables(specs, pool)
     data["tables"] = {
         key: {

@@ -100,6 +100,20 @@ class Baseline:
     # `event_loss`; None: no events (routing knows P's caches from its own record alone).
     event_lag_s: float | None = None
     event_loss: float = 0.0
+    # `affinity` only: every D offloads each finished turn's KV to its host tier, and P reads a
+    # prompt's blocks from the D whose host tier leads P's own cache by this many tokens (llm-d's
+    # P/D + P2P path). Only where D has a host tier (`ClusterSpec.decode_host_bytes`).
+    p2p_min_lead_tokens: int | None = None
+
+    @property
+    def needs_host_tier(self) -> bool:
+        """Whether the baseline is meaningful only on a fleet whose decode nodes have host memory."""
+        return self.p2p_min_lead_tokens is not None
+
+
+# llm-d's P/D + P2P guide: a request is given a KV source when a peer's CPU tier holds at least
+# this many more tokens of its prompt than the chosen prefill node's cache.
+LLM_D_P2P_MIN_LEAD_TOKENS = 2048
 
 
 BASELINES: dict[str, Baseline] = {
@@ -111,6 +125,8 @@ BASELINES: dict[str, Baseline] = {
             "vllm-proxy-checked", "proxy-checked", engine_ttl_s=480.0, control_path_s=EXAMPLE_PROXY_HOP_S
         ),
         Baseline("prefix-affinity", "affinity", engine_ttl_s=0.0),
+        # llm-d's P/D + P2P path: prefix-affinity routing, D offloads every turn to host memory.
+        Baseline("llm-d-p2p", "affinity", engine_ttl_s=0.0, p2p_min_lead_tokens=LLM_D_P2P_MIN_LEAD_TOKENS),
         Baseline("cache-aware", "cache-aware", engine_ttl_s=0.0, control_path_s=VLLM_ROUTER_HOP_S),
         Baseline("kvplane", "policy", DEFAULT_CONFIG, engine_ttl_s=480.0, control_path_s=MEASURED_ROUTE_S),
         # kvplane with prefill engines' KV events: delivered at once, and with a realistic lag
@@ -157,6 +173,10 @@ def simulator_for(baseline: Baseline, config: SimConfig, options: RunOptions | N
         cluster = replace(
             cluster, decode_kv_capacity_bytes=UNLIMITED_BYTES, prefill_cache_bytes=UNLIMITED_BYTES
         )
+    tiered = cluster.decode_host_bytes > 0
+    if tiered and baseline.p2p_min_lead_tokens is not None:
+        cluster = replace(cluster, decode_offload_all=True)
+    retention_config = baseline.retention
     config = replace(config, cluster=cluster)
     if baseline.report_interval_s is not None:
         config = replace(config, load_report_interval_s=baseline.report_interval_s)
@@ -172,7 +192,7 @@ def simulator_for(baseline: Baseline, config: SimConfig, options: RunOptions | N
         if baseline.router == "proxy-checked":
             return ExampleProxyRouter(fleet, checked=True, seed=seed)
         if baseline.router == "affinity":
-            return PrefixAffinityRouter(fleet, seed)
+            return PrefixAffinityRouter(fleet, seed, baseline.p2p_min_lead_tokens if tiered else None)
         if baseline.router == "cache-aware":
             return CacheAwareRouter(fleet)
         if baseline.router == "oracle":
@@ -190,10 +210,10 @@ def simulator_for(baseline: Baseline, config: SimConfig, options: RunOptions | N
         )
 
     def retention(fleet: Fleet) -> Retention:
-        if baseline.retention is None:
+        if retention_config is None:
             return EngineOnly()
         return PipelineRetention(
-            fleet, baseline.retention, options.retention_interval_s, options.demand_latency_s
+            fleet, retention_config, options.retention_interval_s, options.demand_latency_s
         )
 
     return Simulator(config, router, retention)

@@ -42,12 +42,23 @@ class ClusterSpec:
     prefill_kv_capacity_bytes: int = 80 << 30
     model: str = "Qwen/Qwen3-32B"
     zones: int = 1
+    # Host memory of one decode node for KV (the tiered engine model; 0: no host tier). The
+    # control plane spills retained handles there instead of releasing them (`engine.py`).
+    decode_host_bytes: int = 0
+    # Every finished turn's KV (prompt and output) is offloaded to D's host tier, an LRU of
+    # blocks that any P may read by block hash (llm-d's P/D + P2P path); D's accelerators keep
+    # nothing of it. False: the host tier holds only what the control plane spills there.
+    decode_offload_all: bool = False
 
     def __post_init__(self) -> None:
         if self.prefill_nodes < 1 or self.decode_nodes < 1 or self.decode_kv_capacity_bytes <= 0:
             raise ValueError("need at least one P and one D node with positive KV capacity")
         if self.prefill_cache_bytes < 0 or self.prefill_kv_capacity_bytes < 0:
             raise ValueError("prefill_cache_bytes and prefill_kv_capacity_bytes must be >= 0")
+        if self.decode_host_bytes < 0:
+            raise ValueError("decode_host_bytes must be >= 0")
+        if self.decode_offload_all and self.decode_host_bytes <= 0:
+            raise ValueError("decode_offload_all needs a host tier (decode_host_bytes > 0)")
 
 
 def build_node(role: NodeRole, index: int, spec: ClusterSpec, kv_bytes_per_token: int) -> Node:
@@ -174,11 +185,14 @@ class SimHandle:
         "decode",
         "expiry_s",
         "handle_id",
+        "host_ready_s",
         "info",
+        "on_host",
         "poisoned_from",
         "published_s",
         "reading",
         "tenant",
+        "tier",
         "tokens",
     )
 
@@ -208,6 +222,12 @@ class SimHandle:
         # fenced check-out); D's blocks stay until P has read them, or D's TTL or pressure ends them.
         self.checked_out = False
         self.reading = False  # P's read of its blocks is in flight
+        # Where its KV is: "gpu" (D's accelerators), "spilling" (being copied to D's host memory,
+        # still readable from the accelerators) or "host" (D's host memory only).
+        self.tier = "gpu"
+        # Whether D's host memory holds (or is being written) a copy, and when it is complete.
+        self.on_host = False
+        self.host_ready_s = 0.0
         # The first block of its context whose KV is wrong (built on a wrong-prefix pull), if any.
         self.poisoned_from: int | None = None
         # Built on first use: most handles are never routed to or judged.
@@ -218,19 +238,42 @@ class SimHandle:
 class DecodeState:
     """A decode node: running requests' KV plus retained handles, within a capacity."""
 
-    __slots__ = ("capacity", "handles", "index", "node", "reserved", "retained", "running", "waiting")
+    __slots__ = (
+        "capacity",
+        "handles",
+        "host_cache",
+        "host_capacity",
+        "host_handles",
+        "host_retained",
+        "index",
+        "node",
+        "reserved",
+        "retained",
+        "running",
+        "spilling",
+        "waiting",
+    )
 
-    def __init__(self, node: Node, index: int, capacity: int) -> None:
+    def __init__(self, node: Node, index: int, capacity: int, host_capacity: int = 0) -> None:
         self.node = node
         self.index = index
         self.capacity = capacity
         self.reserved = 0  # bytes of running requests
-        self.retained = 0  # bytes of retained handles
+        self.retained = 0  # bytes of retained handles on the accelerators (spilling ones included)
         self.running = 0
-        # Retained handles by id, in publish order (oldest first).
+        # Retained handles by id, in publish order (oldest first), whatever their tier.
         self.handles: dict[int, SimHandle] = {}
         # Turns waiting for KV to be freed, in arrival order (when D pins retained KV).
         self.waiting: deque[Any] = deque()
+        # The host tier: its capacity, the bytes of handles spilled there (or being copied), and
+        # those handles in spill order (the first is the first dropped when the tier is full).
+        self.host_capacity = host_capacity
+        self.host_retained = 0
+        self.host_handles: dict[int, SimHandle] = {}
+        # Bytes whose copy to the host tier is in flight: freed on the accelerators once done.
+        self.spilling = 0
+        # With `ClusterSpec.decode_offload_all`: the offloaded blocks, an LRU by block hash.
+        self.host_cache: PrefixCache | None = None
 
     @property
     def free(self) -> int:

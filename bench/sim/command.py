@@ -56,6 +56,8 @@ class SimSpec:
     decode: int = 16
     kv_gib_per_decode: float = 80.0
     p_cache_gib: float = 64.0
+    # Host memory for KV beside each D's accelerators (the tiered engine model only).
+    host_gib_per_decode: float = 0.0
     seed: int = 1
     # Seconds of simulated time between retention evaluations (the service's is at most 1 s).
     retention_interval_s: float = 1.0
@@ -72,8 +74,19 @@ class SimSpec:
             decode_nodes=self.decode,
             decode_kv_capacity_bytes=int(self.kv_gib_per_decode * GIB),
             prefill_cache_bytes=int(self.p_cache_gib * GIB),
+            decode_host_bytes=int(self.host_gib_per_decode * GIB),
         )
         return SimConfig(cluster=cluster, pressure=ENGINE_MODELS[self.engine_model])
+
+    def __post_init__(self) -> None:
+        if (self.engine_model == "tiered") != (self.host_gib_per_decode > 0):
+            raise ValueError(
+                "the tiered engine model, and only it, needs host memory per decode node (> 0 GiB)"
+            )
+
+    def policies(self) -> tuple[str, ...]:
+        """Every baseline that this fleet can run (those that need D's host memory only with it)."""
+        return tuple(n for n, b in BASELINES.items() if self.host_gib_per_decode > 0 or not b.needs_host_tier)
 
     def options(self) -> RunOptions:
         return RunOptions(
@@ -333,15 +346,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--policies",
         type=_policies,
-        default=tuple(BASELINES),
-        help=f"comma-separated, from: {', '.join(BASELINES)} (default: all)",
+        help=f"comma-separated, from: {', '.join(BASELINES)} (default: all that the fleet can run;"
+        " llm-d-p2p needs --engine-model tiered)",
     )
     parser.add_argument(
         "--engine-model",
         choices=tuple(ENGINE_MODELS),
         default="pinned",
         help="pinned: D keeps retained KV until read, released or expired, as vLLM does (default);"
-        " evicting: a what-if engine that may drop retained KV under pressure",
+        " evicting: a what-if engine that may drop retained KV under pressure;"
+        " tiered: pinned, with host memory beside each D (--host-gib-per-decode) that retained KV"
+        " spills to instead of being released",
+    )
+    parser.add_argument(
+        "--host-gib-per-decode",
+        type=_non_negative,
+        default=0.0,
+        help="host memory for KV of each decode node, GiB (--engine-model tiered only; default 0)",
     )
     parser.add_argument("--prefill", type=_positive_int, default=8, help="prefill nodes (default 8)")
     parser.add_argument("--decode", type=_positive_int, default=16, help="decode nodes (default 16)")
@@ -382,6 +403,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.kv_gib_per_decode <= 0:
         parser.error("--kv-gib-per-decode must be > 0")
+    if (args.engine_model == "tiered") != (args.host_gib_per_decode > 0):
+        parser.error("--engine-model tiered needs --host-gib-per-decode > 0, and only it takes one")
     spec = SimSpec(
         trace=str(args.trace) if args.trace else "",
         workload=args.workload or "",
@@ -390,6 +413,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         decode=args.decode,
         kv_gib_per_decode=args.kv_gib_per_decode,
         p_cache_gib=args.p_cache_gib,
+        host_gib_per_decode=args.host_gib_per_decode,
         seed=args.seed,
         demand_latency_s=args.demand_latency_s,
         time_scale=args.time_scale,
@@ -402,12 +426,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as e:
         print(f"kvplane sim: error: cannot read the trace: {e}", file=sys.stderr)
         return 2
-    names: tuple[str, ...] = args.policies
+    names: tuple[str, ...] = args.policies or spec.policies()
+    if spec.host_gib_per_decode <= 0 and any(BASELINES[n].needs_host_tier for n in names):
+        parser.error("llm-d-p2p needs --engine-model tiered (decode nodes with host memory)")
     source = spec.trace or f"the {spec.workload} workload"
     print(
         f"{len(turns):,} turns from {source}; {spec.prefill} P + {spec.decode} D,"
         f" {spec.kv_gib_per_decode:g} GiB KV per D, {spec.p_cache_gib:g} GiB prefix cache per P;"
-        f" {spec.engine_model} engine model",
+        f" {spec.engine_model} engine model"
+        + (f", {spec.host_gib_per_decode:g} GiB host memory per D" if spec.host_gib_per_decode else ""),
         flush=True,
     )
     warning = overload_warning(turns, spec)

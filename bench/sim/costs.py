@@ -13,6 +13,13 @@
   takes 460 ms.
 - Decode: the timing model's step time, once per output token.
 - KV: 256 KiB per token (64 layers x 8 KV heads x 128 dims x K,V x bf16).
+- A spill of retained KV from D's accelerators to D's host memory (the tiered
+  engine model): `host_copy_bytes_per_s`, 25 GB/s, about what a pinned
+  device-to-host copy sustains over one PCIe Gen4 x16 link (CUDA's
+  `bandwidthTest` on such hosts); Gen5 hosts double it. An assumption, not a
+  measurement here: no GPU has run this project. A pull from D's host memory
+  costs what a pull from its accelerators does: NIXL reads registered DRAM
+  over the same NIC, which bounds both.
 """
 
 from __future__ import annotations
@@ -55,6 +62,7 @@ class SimCosts:
     link_bytes_per_s: float = 52e9
     transfer_overhead_s: float = 0.010
     handshake_s: float = 0.020
+    host_copy_bytes_per_s: float = 25e9
     # Negative: fitted to QWEN3_32B_PULL_POINT on construction.
     pulled_token_s: float = -1.0
 
@@ -73,6 +81,10 @@ class SimCosts:
             return 0.0
         s = _transfer_s(tokens, self.kv_bytes_per_token, self.link_bytes_per_s, self.transfer_overhead_s)
         return s + (self.handshake_s if first_contact else 0.0)
+
+    def spill_s(self, nbytes: int) -> float:
+        """Seconds to copy `nbytes` of KV from D's accelerators to its host memory."""
+        return nbytes / self.host_copy_bytes_per_s
 
     def pulled_compute_s(self, pulled_tokens: int) -> float:
         return self.pulled_token_s * pulled_tokens

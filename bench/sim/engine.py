@@ -38,6 +38,24 @@ Per turn:
    ReportTurn from the gateway after D's last token: until then its record
    of P's cache is what it believed at routing, whatever P evicted since.
 
+A host tier (`ClusterSpec.decode_host_bytes`, the tiered engine model). Each
+D has host memory for KV beside its accelerators. With kvplane's control
+plane, D writes each handle it publishes through to host memory
+(`SimCosts.spill_s` after the publish, the copy is whole), making room by
+dropping the oldest entries there (a handle still on the accelerators only
+loses its host copy), and unpins its accelerator blocks once the copy is
+whole: the handle stays the conversation's and readable, from host memory.
+Until then it is on the accelerators, and a release by the control plane (a
+demand, pressure, its value, its age) or D's TTL moves it to host memory
+instead of freeing it, its blocks freed when the copy lands (a handle that
+found no room at its publish is copied then). A pull reads from whichever
+tier holds the handle, at the same cost (the NIC bounds both). A superseded
+handle (its conversation moved on) is freed from both. With
+`decode_offload_all` instead (llm-d's P/D + P2P path), D offloads every
+finished turn's KV to the host tier, an LRU of blocks by hash, keeps nothing
+on its accelerators, and a route may name a D whose host tier P reads from
+(`RouteChoice.source`); nothing is freed by the read.
+
 When a pull starts. vLLM's prefill engine does not read a remote prefix when
 a request arrives: its scheduler asks the connector for external tokens
 (`get_num_new_matched_tokens`) only when it takes the request from the
@@ -81,12 +99,16 @@ from kvplane.bench.sim.retention import Retention
 from kvplane.bench.sim.routers import RouteChoice, Router, TurnOutcome
 from kvplane.bench.workloads.turns import Turn
 
-_DONE, _EXPIRE, _TICK, _DEMAND, _READ_DONE, _PREFILL_DONE, _AT_PREFILL, _FOLLOW_UP = range(8)
+_DONE, _EXPIRE, _TICK, _DEMAND, _READ_DONE, _PREFILL_DONE, _AT_PREFILL, _FOLLOW_UP, _SPILL_DONE = range(9)
 
 # Release reasons the fleet itself produces (the control plane's come from ReleaseReason).
 ENGINE_TTL = "engine_ttl"
 ENGINE_PRESSURE = "engine_pressure"
 SUPERSEDED = "superseded"
+# D's host tier dropped a spilled handle to make room for a newer one.
+HOST_FULL = "host_full"
+# Reasons that free a handle on any tier: never a spill.
+_NEVER_SPILLED = ("", SUPERSEDED, ENGINE_TTL, ENGINE_PRESSURE, HOST_FULL)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +139,8 @@ class SimConfig:
 
 
 # The engine models by their user-facing names: `pressure` for each.
-ENGINE_MODELS: dict[str, str] = {"pinned": "wait", "evicting": "evict"}
+# "tiered" is "pinned" with host memory beside each D's accelerators (`ClusterSpec.decode_host_bytes`).
+ENGINE_MODELS: dict[str, str] = {"pinned": "wait", "evicting": "evict", "tiered": "wait"}
 
 
 class _InFlight:
@@ -236,6 +259,8 @@ class Simulator:
                     self._reach_prefill(payload, t)  # type: ignore[arg-type]
                 elif kind == _FOLLOW_UP:
                     self._arrive(replace(cast(Turn, payload), arrival_s=t))
+                elif kind == _SPILL_DONE:
+                    self._spill_done(payload, t)  # type: ignore[arg-type]
                 else:
                     self._tick(t, upcoming is not None)
             elif upcoming is not None:
@@ -339,11 +364,19 @@ class Simulator:
         # The first block whose KV is wrong: a poisoned cache hit, then what the pull imports.
         bad = poisoned_hit if poisoned_hit is not None and poisoned_hit * block < cached else None
         pulled = 0
-        if handle is not None and choice.pulled_tokens > 0:
+        source = choice.source
+        if source is not None and source.host_cache is not None:
+            # A peer D's host tier, read by block hash: only what it still holds, beyond P's hit.
+            held = min(source.host_cache.hit_blocks(flight.prompt) * block, turn.prompt_tokens - 1)
+            pulled = max(0, held - cached)
+            rec.host_pulled_tokens += pulled
+        elif handle is not None and choice.pulled_tokens > 0:
             if handle.alive:
                 # vLLM's P reads only what it lacks: remote_num_tokens minus its local hit.
                 pulled = max(0, min(choice.pulled_tokens, turn.prompt_tokens - 1) - cached)
                 rec.consumed += 1
+                if pulled and handle.tier == "host":
+                    rec.host_pulled_tokens += pulled
                 if pulled:
                     if not choice.prefix_ok:
                         bad_pull: int | None = cached // block  # none of it is this prompt's KV
@@ -378,14 +411,16 @@ class Simulator:
             if handle is not None and handle.alive:
                 self._drop(handle, "", now)  # nothing to read: P tells D to free the blocks
             return True
-        assert handle is not None
-        pair = (p.index, handle.decode.index)
+        holder = handle.decode if handle is not None else source
+        assert holder is not None
+        pair = (p.index, holder.index)
         first = pair not in self._contacted
         self._contacted.add(pair)
         flight.transfer = costs.transfer_s(pulled, first)
         # WAITING_FOR_REMOTE_KVS: P goes on with other turns while the read is in flight.
         p.reading += 1
-        handle.reading = True
+        if handle is not None:
+            handle.reading = True
         self._push(now + flight.transfer, _READ_DONE, flight)
         return False
 
@@ -482,6 +517,9 @@ class Simulator:
         d = flight.decode
         d.reserved -= flight.reserved
         d.running -= 1
+        if d.host_cache is not None:
+            # D offloads the turn's KV (prompt and output) to its host tier as the turn ends.
+            d.host_cache.insert(flight.chain, flight.poisoned_from)
         if self.config.cluster.engine_ttl_s <= 0:
             if d.waiting:
                 self._admit(d, now)
@@ -519,6 +557,8 @@ class Simulator:
         if handle.expiry_s != float("inf"):
             self._push(handle.expiry_s, _EXPIRE, handle)
         self.retention.on_publish(handle)
+        if d.host_capacity > 0 and d.host_cache is None and self.retention.spills:
+            self._write_through(handle, now)
         self.router.on_publish(conversation, handle, now)
 
     def _next_turn(self, conversation: Conversation, now: float) -> None:
@@ -534,7 +574,9 @@ class Simulator:
             handle = self._handles.get(handle_id)
             if handle is not None:
                 self._drop(handle, reason, now)
-        if arrivals_left or self._handles or len(self._heap) > 0:
+        # Handles in a host tier are past the control plane's releases: they do not keep time going.
+        on_accelerators = len(self._handles) > sum(len(d.host_handles) for d in self.fleet.decode)
+        if arrivals_left or on_accelerators or len(self._heap) > 0:
             self._push(now + self.retention.interval_s, _TICK, None)
 
     def _signal_demand(self, d: DecodeState, now: float) -> None:
@@ -560,26 +602,114 @@ class Simulator:
         for handle in d.handles.values():
             if short <= 0:
                 break
-            if not handle.reading:
+            if not handle.reading and handle.tier == "gpu":
                 victims.append(handle)
                 short -= handle.bytes
         for handle in victims:
             self._drop(handle, ENGINE_PRESSURE, now)
 
     def _drop(self, handle: SimHandle, reason: str, now: float) -> None:
-        """The handle's blocks are freed: read (no reason), released or expired."""
+        """The handle's blocks are freed: read (no reason), released or expired; or, where D has a
+        host tier and the control plane released it, spilled there."""
         if not handle.alive or (handle.reading and reason):
             return  # D keeps blocks being read until P is done with them
         if handle.checked_out and reason not in ("", ENGINE_TTL, ENGINE_PRESSURE):
             return  # a checked-out handle is fenced from the control plane's releases
-        handle.alive = False
         d = handle.decode
+        if reason == ENGINE_TTL and handle.on_host:
+            # D's TTL ends accelerator blocks held for a read; the host copy is the host tier's.
+            if handle.tier == "gpu":
+                self._to_host(handle, now)
+            return
+        if reason not in _NEVER_SPILLED and handle.tier == "gpu" and self._spill(handle, now):
+            return
+        handle.alive = False
         del d.handles[handle.handle_id]
-        d.retained -= handle.bytes
+        if handle.tier != "host":
+            d.retained -= handle.bytes  # its accelerator blocks, freed now
+            self.rec.retained_change(now, -handle.bytes)
+        if handle.on_host:
+            self._forget_host_copy(handle)
+        if handle.tier == "spilling":
+            d.spilling -= handle.bytes
         del self._handles[handle.handle_id]
-        self.rec.retained_change(now, -handle.bytes)
         self.retention.on_gone(handle)
         if reason:
             self.rec.releases[reason] += 1
+        if d.waiting:
+            self._admit(d, now)
+
+    def _write_through(self, handle: SimHandle, now: float) -> None:
+        """kvplane on a tiered D: a handle's copy to host memory starts as it is published, and
+        its accelerator blocks are unpinned once the copy is whole (`_to_host`)."""
+        if self._host_room(handle.decode, handle.bytes, now):
+            self._keep_host_copy(handle, now)
+            self._to_host(handle, now)
+
+    def _spill(self, handle: SimHandle, now: float) -> bool:
+        """Moves a released handle to D's host tier; False (the caller frees it) when D has no
+        host tier, or no room there even after dropping its oldest entries not being read."""
+        d = handle.decode
+        if not handle.on_host:
+            if d.host_capacity <= 0 or not self.retention.spills or not self._host_room(d, handle.bytes, now):
+                return False
+            self._keep_host_copy(handle, now)
+        self._to_host(handle, now)
+        return True
+
+    def _host_room(self, d: DecodeState, nbytes: int, now: float) -> bool:
+        """Makes `nbytes` free in D's host memory, oldest entries first; False if it cannot."""
+        short = nbytes - (d.host_capacity - d.host_retained)
+        victims = []
+        for old in d.host_handles.values():
+            if short <= 0:
+                break
+            if not old.reading and not old.checked_out:
+                victims.append(old)
+                short -= old.bytes
+        if short > 0:
+            return False
+        for old in victims:
+            if old.tier == "gpu":
+                self._forget_host_copy(old)  # still on the accelerators: only the copy goes
+            else:
+                self._drop(old, HOST_FULL, now)
+        return True
+
+    def _keep_host_copy(self, handle: SimHandle, now: float) -> None:
+        d = handle.decode
+        handle.on_host = True
+        handle.host_ready_s = now + self.config.costs.spill_s(handle.bytes)
+        d.host_retained += handle.bytes
+        d.host_handles[handle.handle_id] = handle
+
+    def _forget_host_copy(self, handle: SimHandle) -> None:
+        d = handle.decode
+        handle.on_host = False
+        d.host_retained -= handle.bytes
+        del d.host_handles[handle.handle_id]
+
+    def _to_host(self, handle: SimHandle, now: float) -> None:
+        """The handle leaves D's accelerators for its host copy: at once if the copy is whole."""
+        d = handle.decode
+        # The control plane's view of D's accelerators no longer holds it.
+        self.retention.on_gone(handle)
+        self.rec.spilled_handles += 1
+        handle.tier = "spilling"
+        d.spilling += handle.bytes
+        if now >= handle.host_ready_s:
+            self._spill_done(handle, now)
+        else:
+            self._push(handle.host_ready_s, _SPILL_DONE, handle)
+
+    def _spill_done(self, handle: SimHandle, now: float) -> None:
+        """The copy is whole: D frees the handle's accelerator blocks; it lives on in host memory."""
+        if not handle.alive or handle.tier != "spilling":
+            return
+        d = handle.decode
+        handle.tier = "host"
+        d.retained -= handle.bytes
+        d.spilling -= handle.bytes
+        self.rec.retained_change(now, -handle.bytes)
         if d.waiting:
             self._admit(d, now)

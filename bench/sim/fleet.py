@@ -38,6 +38,7 @@ from kvplane.bench.sim.cluster import (
     build_node,
 )
 from kvplane.bench.sim.costs import SimCosts
+from kvplane.bench.sim.prefix_cache import PrefixCache
 from kvplane.services.common.model.nodes import NodeRole
 from kvplane.services.routing.policy import NodeState
 
@@ -93,9 +94,17 @@ class Fleet:
             for i in range(spec.prefill_nodes)
         ]
         self.decode = [
-            DecodeState(build_node(NodeRole.DECODE, i, spec, kvb), i, spec.decode_kv_capacity_bytes)
+            DecodeState(
+                build_node(NodeRole.DECODE, i, spec, kvb),
+                i,
+                spec.decode_kv_capacity_bytes,
+                spec.decode_host_bytes,
+            )
             for i in range(spec.decode_nodes)
         ]
+        if spec.decode_offload_all:
+            for d in self.decode:
+                d.host_cache = PrefixCache(spec.decode_host_bytes // (block_tokens * kvb))
         self.prefill_by_id = {p.node.node_id: p for p in self.prefill}
         self.decode_by_id = {d.node.node_id: d for d in self.decode}
         self._states: tuple[NodeState, ...] = ()

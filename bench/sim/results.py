@@ -27,6 +27,8 @@ class Recorder:
         self.prompt_total = 0
         self.overcommitted_turns = 0
         self.waited_turns = 0  # turns that waited for D's KV (pressure="wait")
+        self.spilled_handles = 0  # retained handles copied to D's host tier instead of released
+        self.host_pulled_tokens = 0  # of pulled_correct: read from D's host tier
         # Retained bytes integrated over time, and sampled for plots.
         self.retained_bytes = 0
         self.retained_byte_s = 0.0
@@ -81,6 +83,9 @@ class SimSummary:
     pulled_tokens: int = 0
     cached_tokens: int = 0
     wrong_prefix_turns: int = 0
+    # The tiered engine model: handles spilled to D's host tier, and pulled tokens read from there.
+    spilled_handles: int = 0
+    host_pulled_tokens: int = 0
     decisions: dict[str, int] = field(default_factory=dict)
     releases: dict[str, int] = field(default_factory=dict)
     simulated_s: float = 0.0
@@ -125,6 +130,8 @@ class SimSummary:
             "overcommitted_turns": self.overcommitted_turns,
             "waited_turns": self.waited_turns,
             "consumed_handles": self.consumed_handles,
+            "spilled_handles": self.spilled_handles,
+            "host_pulled_tokens": self.host_pulled_tokens,
             "decisions": dict(sorted(self.decisions.items())),
             "releases": dict(sorted(self.releases.items())),
             "simulated_s": round(self.simulated_s, 1),
@@ -166,6 +173,8 @@ def summarize(name: str, rec: Recorder, simulated_s: float, wall_s: float) -> Si
         pulled_tokens=rec.pulled_correct,
         cached_tokens=rec.cached_tokens,
         wrong_prefix_turns=rec.wrong_prefix_turns,
+        spilled_handles=rec.spilled_handles,
+        host_pulled_tokens=rec.host_pulled_tokens,
         decisions=dict(rec.decisions),
         releases=dict(rec.releases),
         simulated_s=simulated_s,

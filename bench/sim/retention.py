@@ -47,6 +47,8 @@ class Retention(Protocol):
     interval_s: float
     # Seconds from a node's KV demand to the release that answers it (None: nothing answers).
     demand_latency_s: float | None
+    # Whether a decode node with host memory keeps the released handles there (kvplane's tiers).
+    spills: bool
 
     def on_publish(self, handle: SimHandle) -> None: ...
 
@@ -63,6 +65,7 @@ class Retention(Protocol):
 
 class EngineOnly:
     releases_superseded = False
+    spills = False
     interval_s = 0.0
     demand_latency_s: float | None = None
 
@@ -81,6 +84,7 @@ class EngineOnly:
 
 class PipelineRetention:
     releases_superseded = True
+    spills = True
 
     def __init__(
         self,
@@ -124,7 +128,8 @@ class PipelineRetention:
 
     def answer_demand(self, decode: DecodeState, now: float) -> list[tuple[int, str]]:
         # What the engine reports: the KV its waiting turns need beyond what is free.
-        wanted = sum(flight.reserved for flight in decode.waiting) - decode.free
+        # Bytes on their way to the host tier are as good as free.
+        wanted = sum(flight.reserved for flight in decode.waiting) - decode.free - decode.spilling
         node_id = decode.node.node_id
         handles = self._by_node.get(node_id)
         if wanted <= 0 or not handles:

@@ -56,6 +56,8 @@ class RouteChoice:
     route_id: str = ""
     # False: D keeps nothing of this turn for the next (kvplane's skip_decode_retention).
     keep_decode_kv: bool = True
+    # A decode node whose host tier P reads the prompt's blocks from, by hash (llm-d's P2P path).
+    source: DecodeState | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,7 +185,7 @@ def _finish_estimate(
 
 
 class PrefixAffinityRouter:
-    """Precise prefix-cache-aware routing to P, with current loads; no D->P reuse.
+    """Precise prefix-cache-aware routing to P, with current loads; D->P reuse only by P2P.
 
     What a platform team gets from llm-d-style scheduling: the engines
     publish KV-cache events, so the router knows each P's cached blocks, and
@@ -198,10 +200,19 @@ class PrefixAffinityRouter:
     from the engine's published prefill timing (a fixed cost per request,
     and per computed and per reused token), as configuration: kvplane's cost
     model starts from the same figures and learns from there.
+
+    `p2p_min_lead_tokens` (llm-d's P/D + P2P path, run with
+    `ClusterSpec.decode_offload_all`): every D offloads each finished turn's
+    KV to its host tier, whose blocks the engines publish as KV events too;
+    once P is chosen, the D whose host tier holds the longest prefix of the
+    prompt is named as the turn's KV source when it leads P's own cache by at
+    least that many tokens, and P reads what it lacks from there by block
+    hash (so never a wrong prefix).
     """
 
-    def __init__(self, fleet: Fleet, seed: int = 0) -> None:
+    def __init__(self, fleet: Fleet, seed: int = 0, p2p_min_lead_tokens: int | None = None) -> None:
         self.fleet = fleet
+        self.p2p_min_lead_tokens = p2p_min_lead_tokens
         self._rr = _RoundRobin(fleet, seed)
         self._inflight = InFlightLedger()
         self._routes = 0
@@ -229,6 +240,9 @@ class PrefixAffinityRouter:
                 best = (finish, prefill_ms, cached, p)
         assert best is not None
         _, prefill_ms, cached, chosen = best
+        source, held = self._p2p_source(prompt, turn.prompt_tokens, cached)
+        if source is not None:
+            prefill_ms = costs.prefill_ms(turn.prompt_tokens - held, held)
         self._routes += 1
         self._inflight.add(
             RoutedWork(
@@ -236,13 +250,33 @@ class PrefixAffinityRouter:
                 chosen.node.node_id,
                 now_ms,
                 now_ms,
-                prefill_tokens=turn.prompt_tokens - cached,
+                prefill_tokens=turn.prompt_tokens - max(cached, held),
                 prefill_ms=prefill_ms,
                 queued_requests=1,
             )
         )
         _, d = self._rr.next_pair()
+        if source is not None:
+            return RouteChoice(chosen, d, "p2p_pull", pulled_tokens=held, source=source)
         return RouteChoice(chosen, d, "prefill_cache_hit" if cached > 0 else "recompute_cold")
+
+    def _p2p_source(
+        self, prompt: BlockChain, prompt_tokens: int, cached: int
+    ) -> tuple[DecodeState | None, int]:
+        """The D whose host tier leads P's cache by the most, if by `p2p_min_lead_tokens`; its hit."""
+        if self.p2p_min_lead_tokens is None:
+            return None, 0
+        best: DecodeState | None = None
+        held = 0
+        for d in self.fleet.decode:
+            if d.host_cache is None:
+                continue
+            hit = min(d.host_cache.hit_blocks(prompt) * self.fleet.block_tokens, prompt_tokens - 1)
+            if hit > held:
+                best, held = d, hit
+        if best is None or held - cached < self.p2p_min_lead_tokens:
+            return None, 0
+        return best, held
 
     def observe(self, turn: Turn, choice: RouteChoice, outcome: TurnOutcome) -> None:
         return None

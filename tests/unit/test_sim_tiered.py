@@ -1,0 +1,120 @@
+"""The tiered engine model: D's host memory beside its accelerators, spills instead of releases,
+pulls from either tier, and llm-d's P/D + P2P path as a baseline."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from kvplane.bench.sim import BASELINES, ClusterSpec, SimConfig, SimSummary, simulator_for
+from kvplane.bench.sim.command import SimSpec, main
+from kvplane.bench.sim.costs import SimCosts
+from kvplane.bench.workloads import AgenticWorkload, Turn, agentic_turns
+
+GIB = 1 << 30
+# Decode nodes too small for the workload's retained KV: without a host tier, turns wait for
+# memory and releases throw histories away.
+SMALL_D = ClusterSpec(prefill_nodes=2, decode_nodes=2, decode_kv_capacity_bytes=8 * GIB)
+
+
+def _turns() -> list[Turn]:
+    return list(agentic_turns(AgenticWorkload(seed=9, sessions_per_s=0.2, duration_s=600.0)))
+
+
+def _run(name: str, cluster: ClusterSpec, turns: list[Turn] | None = None) -> SimSummary:
+    return simulator_for(BASELINES[name], SimConfig(cluster=cluster)).run(turns or _turns(), name).summary
+
+
+def test_released_handles_are_spilled_to_host_memory_and_pulled_from_there() -> None:
+    pinned = _run("kvplane", SMALL_D)
+    tiered = _run("kvplane", replace(SMALL_D, decode_host_bytes=64 * GIB))
+    assert pinned.spilled_handles == 0 and pinned.host_pulled_tokens == 0
+    assert tiered.spilled_handles > 0
+    # Later turns read histories that only the host tier still held.
+    assert tiered.host_pulled_tokens > 0
+    assert tiered.pulled_tokens > pinned.pulled_tokens
+    assert tiered.waited_turns < pinned.waited_turns
+    assert tiered.wrong_prefix_turns == 0 and tiered.wrong_prefix_tokens == 0
+
+
+def test_a_full_host_tier_drops_its_oldest_spills_first_and_stays_within_its_size() -> None:
+    small_host = replace(SMALL_D, decode_host_bytes=2 * GIB)
+    summary = _run("kvplane", small_host)
+    assert summary.spilled_handles > 0
+    assert summary.releases.get("host_full", 0) > 0
+
+
+def _two_conversations(b_arrival_s: float, copy_bytes_per_s: float) -> SimSummary:
+    # D holds one turn's KV and half another's. Conversation a's retained 8,100 tokens leave too
+    # little for b's turn: D's demand moves a's handle to host memory, and b starts once a's
+    # accelerator blocks are free.
+    costs = replace(SimCosts(), host_copy_bytes_per_s=copy_bytes_per_s)
+    cluster = ClusterSpec(
+        prefill_nodes=1,
+        decode_nodes=1,
+        decode_kv_capacity_bytes=costs.kv_bytes(13_500),
+        decode_host_bytes=8 * GIB,
+    )
+    turns = [Turn(0.0, "a", 0, 8000, 100), Turn(b_arrival_s, "b", 0, 8000, 100)]
+    return simulator_for(BASELINES["kvplane"], SimConfig(cluster=cluster, costs=costs)).run(turns).summary
+
+
+def test_a_handle_is_written_to_host_memory_as_it_is_published_so_a_release_waits_only_for_the_rest() -> None:
+    # a's handle is published about 2.8 s in; at 1 GB/s its 2.1 GB copy is whole about 2.1 s later.
+    # b's turn, on D about 3.3 s in, waits for the rest of the copy (the demand cannot free a's
+    # blocks before); at 25 GB/s the copy was whole and a's blocks unpinned before b came.
+    slow, fast = _two_conversations(3.0, 1e9), _two_conversations(3.0, 25e9)
+    assert slow.waited_turns == 1 and fast.waited_turns == 0
+    assert slow.spilled_handles >= 1 and fast.spilled_handles >= 1
+    assert slow.ttft_p99_ms - fast.ttft_p99_ms > 1000.0
+    # Arriving once even the slow copy is whole, b does not wait.
+    assert _two_conversations(6.0, 1e9).waited_turns == 0
+
+
+def test_a_handle_leaves_the_accelerators_once_its_host_copy_is_whole() -> None:
+    # Nothing waits for memory: a's handle left D's accelerators about 85 ms after its publish.
+    summary = _two_conversations(6.0, 25e9)
+    assert summary.spilled_handles >= 1
+    costs = SimCosts()
+    copy_s = costs.spill_s(costs.kv_bytes(8100))
+    # a's accelerator blocks were held from its first token to its copy's end, b's likewise.
+    assert summary.retained_gb_s < 2 * costs.kv_bytes(8100) / 1e9 * (copy_s + 5.0)
+
+
+def test_llm_d_p2p_reads_from_a_peer_decode_nodes_host_tier_by_block_hash() -> None:
+    cluster = replace(SMALL_D, decode_host_bytes=64 * GIB)
+    p2p = _run("llm-d-p2p", cluster)
+    affinity = _run("prefix-affinity", cluster)
+    assert p2p.decisions.get("p2p_pull", 0) > 0
+    assert p2p.host_pulled_tokens == p2p.pulled_tokens > 0
+    assert p2p.reused_tokens > affinity.reused_tokens
+    # Read by hash: never a wrong prefix; D keeps nothing on its accelerators.
+    assert p2p.wrong_prefix_turns == 0 and p2p.retained_gb_s == 0
+
+
+def test_llm_d_p2p_without_a_host_tier_is_prefix_affinity() -> None:
+    turns = _turns()[:300]
+    p2p = _run("llm-d-p2p", SMALL_D, turns)
+    affinity = _run("prefix-affinity", SMALL_D, turns)
+    assert p2p.decisions == affinity.decisions and p2p.ttft_p50_ms == affinity.ttft_p50_ms
+
+
+def test_the_tiered_model_and_host_memory_go_together() -> None:
+    with pytest.raises(ValueError, match="tiered"):
+        SimSpec(workload="agentic", engine_model="tiered")
+    with pytest.raises(ValueError, match="tiered"):
+        SimSpec(workload="agentic", engine_model="pinned", host_gib_per_decode=64)
+    assert "llm-d-p2p" not in SimSpec(workload="agentic").policies()
+    assert (
+        "llm-d-p2p" in SimSpec(workload="agentic", engine_model="tiered", host_gib_per_decode=64).policies()
+    )
+
+
+def test_the_command_refuses_p2p_without_a_host_tier(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--workload", "agentic", "--policies", "llm-d-p2p"])
+    assert "needs --engine-model tiered" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--workload", "agentic", "--engine-model", "tiered"])
+    assert "--host-gib-per-decode" in capsys.readouterr().err
