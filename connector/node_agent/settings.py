@@ -55,7 +55,9 @@ class NodeAgentSettings:
     prefix_cache_interval_s: float = 0.1
     # Longest interval between two prefix-cache messages while nothing changes, in seconds
     # (routing's staleness bound, routing.prefix_cache_stale_after_s, must be well above it).
-    prefix_cache_keepalive_s: float = 0.5
+    # Each keep-alive wakes every routing replica: at 0.5 s, four idle engines cost a replica
+    # 2.5 ms of CPU a second more than at 2 s.
+    prefix_cache_keepalive_s: float = 2.0
     # Send only blocks at every k-th depth of their chain (1: every block): k times less memory
     # and traffic at routing, prefixes matched to k blocks.
     prefix_cache_checkpoint_blocks: int = 1

@@ -6,8 +6,8 @@ engine's forwarded block ids (`kvplane.connector.kv_events.block_set`) to every 
 it is configured with (`NodeAgentSettings.routing_targets`) on one client-streaming call each: a
 full snapshot on every (re)connect (a replica that restarts, or a new one, learns a node's whole
 cache within one round trip of its reconnect), then coalesced deltas at most every 100 ms, and a
-keep-alive at least every 0.5 s when nothing changed, so that a view older than the staleness
-bound (`routing.prefix_cache_stale_after_s`, 2 s) is known to be stale and the router falls back
+keep-alive at least every 2 s when nothing changed, so that a view older than the staleness
+bound (`routing.prefix_cache_stale_after_s`, 6 s) is known to be stale and the router falls back
 to its own record. Nothing goes through etcd: a block's life (stored, evicted within seconds) is
 far too short and too frequent for a consensus store, and routing needs it only as a hint with a
 staleness bound. Replicas are stateless peers, so each receives every node's stream; with R

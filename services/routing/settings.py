@@ -32,7 +32,8 @@ class RoutingSection(Section):
     decode_after_prefill: bool = True
     # A prefill node's prefix-cache view from its engine's events (StreamPrefixCache) is used
     # only when a message came within this many seconds; else the router's own record, seconds.
-    prefix_cache_stale_after_s: float = Field(2.0, gt=0)
+    # Three of the node agents' keep-alives (one every 2 s): one lost or late is not staleness.
+    prefix_cache_stale_after_s: float = Field(6.0, gt=0)
     # Whether the prefill engines' KV-cache events (their node agents' StreamPrefixCache) feed
     # this replica's view of their caches. false: the router's own record alone, as without
     # events (their streamed loads still count); to set a misbehaving publisher aside, or to

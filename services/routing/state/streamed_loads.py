@@ -10,7 +10,7 @@ the heartbeat and when its memory changed materially (`connector.node_agent.load
 eviction coordinator and for any replica the node does not stream to.
 
 A streamed load is used while its stream is fresh (a message within `stale_after_s`: the
-agent sends a keep-alive at least every half second), for the same incarnation as the
+agent sends a keep-alive at least every 2 s), for the same incarnation as the
 registration routing sees, and when it is no older than the load etcd holds. Otherwise the
 stored load stands, so a node whose stream broke is judged as before.
 
