@@ -49,6 +49,10 @@ class ClusterSpec:
     # blocks that any P may read by block hash (llm-d's P/D + P2P path); D's accelerators keep
     # nothing of it. False: the host tier holds only what the control plane spills there.
     decode_offload_all: bool = False
+    # How long after its publish a handle in D's host memory stays offered (s): D's TTL holds
+    # accelerator blocks for a read; host memory is cheap enough to keep a conversation for its
+    # longer gaps, and its own size bounds it (the oldest entries go first).
+    decode_host_ttl_s: float = 3600.0
 
     def __post_init__(self) -> None:
         if self.prefill_nodes < 1 or self.decode_nodes < 1 or self.decode_kv_capacity_bytes <= 0:

@@ -44,13 +44,15 @@ plane, D writes each handle it publishes through to host memory
 (`SimCosts.spill_s` after the publish, the copy is whole), making room by
 dropping the oldest entries there (a handle still on the accelerators only
 loses its host copy), and unpins its accelerator blocks once the copy is
-whole: the handle stays the conversation's and readable, from host memory.
-Until then it is on the accelerators, and a release by the control plane (a
-demand, pressure, its value, its age) or D's TTL moves it to host memory
-instead of freeing it, its blocks freed when the copy lands (a handle that
-found no room at its publish is copied then). A pull reads from whichever
-tier holds the handle, at the same cost (the NIC bounds both). A superseded
-handle (its conversation moved on) is freed from both. With
+whole: the handle stays the conversation's and readable, from host memory,
+and is offered until `decode_host_ttl_s` after its publish. While the copy
+is under way the control plane no longer judges the handle: a demand waits
+for the copy (D's demand counts those bytes as freed). A handle that found
+no room at its publish stays on the accelerators, where a release by the
+control plane (a demand, pressure, its value, its age) copies it to host
+memory if room can be made, and frees it otherwise. A pull reads from
+whichever tier holds the handle, at the same cost (the NIC bounds both). A
+superseded handle (its conversation moved on) is freed from both. With
 `decode_offload_all` instead (llm-d's P/D + P2P path), D offloads every
 finished turn's KV to the host tier, an LRU of blocks by hash, keeps nothing
 on its accelerators, and a route may name a D whose host tier P reads from
@@ -616,8 +618,8 @@ class Simulator:
         if handle.checked_out and reason not in ("", ENGINE_TTL, ENGINE_PRESSURE):
             return  # a checked-out handle is fenced from the control plane's releases
         d = handle.decode
-        if reason == ENGINE_TTL and handle.on_host:
-            # D's TTL ends accelerator blocks held for a read; the host copy is the host tier's.
+        if reason == ENGINE_TTL and handle.on_host and (handle.tier != "host" or now < handle.expiry_s):
+            # D's TTL ends accelerator blocks held for a read; the host copy lives on.
             if handle.tier == "gpu":
                 self._to_host(handle, now)
             return
@@ -711,5 +713,11 @@ class Simulator:
         d.retained -= handle.bytes
         d.spilling -= handle.bytes
         self.rec.retained_change(now, -handle.bytes)
+        # Offered for longer than D's TTL would have kept it (its handle, as routing sees it, too).
+        expiry = handle.published_s + self.config.cluster.decode_host_ttl_s
+        if expiry > handle.expiry_s:
+            handle.expiry_s = expiry
+            handle.cache_handle = None
+            self._push(expiry, _EXPIRE, handle)
         if d.waiting:
             self._admit(d, now)

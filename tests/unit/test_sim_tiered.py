@@ -82,6 +82,32 @@ def test_a_handle_leaves_the_accelerators_once_its_host_copy_is_whole() -> None:
     assert summary.retained_gb_s < 2 * costs.kv_bytes(8100) / 1e9 * (copy_s + 5.0)
 
 
+def test_a_conversation_back_after_ds_ttl_pulls_its_history_from_host_memory() -> None:
+    # 600 s between turns: past D's 480 s TTL, within the host tier's hour.
+    turns = [
+        Turn(0.0, "c", 0, 8000, 100),
+        Turn(600.0, "c", 1, 8600, 100, reused_prefix_tokens=8100, previous_context_tokens=8100),
+    ]
+    # P keeps no prefix cache (its KV events say so): only D's history can spare the recompute.
+    no_cache = replace(SMALL_D, prefill_cache_bytes=0)
+    pinned = simulator_for(BASELINES["kvplane-events"], SimConfig(cluster=no_cache)).run(turns).summary
+    tiered_cluster = replace(no_cache, decode_host_bytes=64 * GIB)
+    tiered = simulator_for(BASELINES["kvplane-events"], SimConfig(cluster=tiered_cluster)).run(turns).summary
+    assert pinned.pulled_tokens == 0
+    assert tiered.decisions.get("pull", 0) == 1 and tiered.host_pulled_tokens == tiered.pulled_tokens > 0
+    # Offered only as long as D's TTL, the host copy would be of no use to it.
+    short = SimConfig(cluster=replace(tiered_cluster, decode_host_ttl_s=480.0))
+    assert simulator_for(BASELINES["kvplane-events"], short).run(turns).summary.pulled_tokens == 0
+    # An hour later it is gone from there too.
+    late = [turns[0], replace(turns[1], arrival_s=4000.0)]
+    assert (
+        simulator_for(BASELINES["kvplane-events"], SimConfig(cluster=tiered_cluster))
+        .run(late)
+        .summary.pulled_tokens
+        == 0
+    )
+
+
 def test_llm_d_p2p_reads_from_a_peer_decode_nodes_host_tier_by_block_hash() -> None:
     cluster = replace(SMALL_D, decode_host_bytes=64 * GIB)
     p2p = _run("llm-d-p2p", cluster)
