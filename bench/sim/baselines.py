@@ -176,7 +176,6 @@ def simulator_for(baseline: Baseline, config: SimConfig, options: RunOptions | N
     tiered = cluster.decode_host_bytes > 0
     if tiered and baseline.p2p_min_lead_tokens is not None:
         cluster = replace(cluster, decode_offload_all=True)
-    retention_config = baseline.retention
     config = replace(config, cluster=cluster)
     if baseline.report_interval_s is not None:
         config = replace(config, load_report_interval_s=baseline.report_interval_s)
@@ -210,10 +209,10 @@ def simulator_for(baseline: Baseline, config: SimConfig, options: RunOptions | N
         )
 
     def retention(fleet: Fleet) -> Retention:
-        if retention_config is None:
+        if baseline.retention is None:
             return EngineOnly()
         return PipelineRetention(
-            fleet, retention_config, options.retention_interval_s, options.demand_latency_s
+            fleet, baseline.retention, options.retention_interval_s, options.demand_latency_s
         )
 
     return Simulator(config, router, retention)

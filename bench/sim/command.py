@@ -355,8 +355,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="pinned",
         help="pinned: D keeps retained KV until read, released or expired, as vLLM does (default);"
         " evicting: a what-if engine that may drop retained KV under pressure;"
-        " tiered: pinned, with host memory beside each D (--host-gib-per-decode) that retained KV"
-        " spills to instead of being released",
+        " tiered: pinned, with host memory beside each D (--host-gib-per-decode): kvplane's D writes"
+        " retained KV through to it and frees the accelerator blocks once the copy is whole",
     )
     parser.add_argument(
         "--host-gib-per-decode",
