@@ -140,13 +140,13 @@ def table_specs(trace: Path, max_turns: int) -> dict[str, SimSpec]:
             specs[f"mooncake_{model}_{gib}"] = replace(mooncake, engine_model=model, kv_gib_per_decode=gib)
     for gib in FLEETS:
         specs[f"agentic_pinned_{gib}"] = replace(agentic, kv_gib_per_decode=gib)
-    tiered = {
-        "engine_model": "tiered",
-        "kv_gib_per_decode": HEADLINE_KV_GIB,
-        "host_gib_per_decode": TIERED_HOST_GIB,
-    }
-    specs[f"mooncake_tiered_{HEADLINE_KV_GIB}"] = replace(mooncake, **tiered)
-    specs[f"agentic_tiered_{HEADLINE_KV_GIB}"] = replace(agentic, **tiered)
+    for base, name in ((mooncake, "mooncake"), (agentic, "agentic")):
+        specs[f"{name}_tiered_{HEADLINE_KV_GIB}"] = replace(
+            base,
+            engine_model="tiered",
+            kv_gib_per_decode=HEADLINE_KV_GIB,
+            host_gib_per_decode=TIERED_HOST_GIB,
+        )
     return specs
 
 
