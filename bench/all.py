@@ -86,10 +86,13 @@ POLICY_LEGEND = (
     " each finished turn's KV to its host memory, an LRU of blocks by hash, and keeps nothing on its"
     " accelerators; the turn reads its prompt's blocks from the D whose host memory holds at least"
     " 2,048 more of them than the chosen P's cache), and kvplane's D writes each handle it"
-    " publishes through to its host memory (oldest entries dropped first when it is full) and"
-    " unpins the handle's accelerator blocks once the copy (25 GB/s, assumed) is whole; until"
-    " then a release by the control plane moves the handle to host memory instead of freeing it."
-    " A pull reads either tier at the same cost."
+    " publishes through to its host memory (oldest entries dropped first when it is full),"
+    " unpins the handle's accelerator blocks once the copy (25 GB/s, assumed) is whole, and"
+    " offers it from there for an hour after its publish (D's own TTL is 480 s); a handle that"
+    " found no room there stays on the accelerators, and is copied when the control plane"
+    " releases it if room can be made. A pull reads either tier at the same cost. Neither"
+    " `prefix-affinity` nor `llm-d-p2p` is charged a hop: llm-d's endpoint picker has one, not"
+    " measured here, where kvplane's turns pay theirs."
 )
 # Host memory beside each D in the tiered tables, GiB (issue's pinned model at 80 GiB per D).
 TIERED_HOST_GIB = 256
