@@ -42,12 +42,12 @@ class ClusterSpec:
     prefill_kv_capacity_bytes: int = 80 << 30
     model: str = "Qwen/Qwen3-32B"
     zones: int = 1
-    # Host memory of one decode node for KV (the tiered engine model; 0: no host tier). The
-    # control plane spills retained handles there instead of releasing them (`engine.py`).
+    # Host memory of one decode node for KV (the tiered engine model; 0: no host tier). With
+    # kvplane's control plane, D keeps its retained handles there (`engine.py`).
     decode_host_bytes: int = 0
     # Every finished turn's KV (prompt and output) is offloaded to D's host tier, an LRU of
     # blocks that any P may read by block hash (llm-d's P/D + P2P path); D's accelerators keep
-    # nothing of it. False: the host tier holds only what the control plane spills there.
+    # nothing of it. False: the host tier holds the handles D keeps there (`engine.py`).
     decode_offload_all: bool = False
     # How long after its publish a handle in D's host memory stays offered (s): D's TTL holds
     # accelerator blocks for a read; host memory is cheap enough to keep a conversation for its
@@ -269,8 +269,8 @@ class DecodeState:
         self.handles: dict[int, SimHandle] = {}
         # Turns waiting for KV to be freed, in arrival order (when D pins retained KV).
         self.waiting: deque[Any] = deque()
-        # The host tier: its capacity, the bytes of handles spilled there (or being copied), and
-        # those handles in spill order (the first is the first dropped when the tier is full).
+        # The host tier: its capacity, the bytes of the handle copies it holds (or is being
+        # written), and those handles in the order they came (the first goes first when full).
         self.host_capacity = host_capacity
         self.host_retained = 0
         self.host_handles: dict[int, SimHandle] = {}

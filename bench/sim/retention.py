@@ -47,7 +47,7 @@ class Retention(Protocol):
     interval_s: float
     # Seconds from a node's KV demand to the release that answers it (None: nothing answers).
     demand_latency_s: float | None
-    # Whether a decode node with host memory keeps the released handles there (kvplane's tiers).
+    # Whether a decode node with host memory keeps this control plane's handles there.
     spills: bool
 
     def on_publish(self, handle: SimHandle) -> None: ...

@@ -26,11 +26,11 @@ cost what cached ones do). The turn's own cost counts that once, but every
 turn that queues behind it on the new node waits for it too, while the home
 node is spared only the cheap prefill. So a move must also save
 `extra_work_weight` times the compute it adds (one follower's wait by
-default). Without this, a wave of turns that all arrive at once (a closed
-loop of chats that advance together) moves conversations whose homes are a
-few turns deeper, recomputes their histories and lengthens the queues it
-meant to shorten; on a bursty fleet, where a home is seconds behind, moves
-still pay many times over.
+default). Without this, a wave of turns that arrive together (chats that
+advance in step) moves the conversations whose home's queue is a few turns
+longer, recomputes their histories and lengthens the queues it meant to
+shorten; on a bursty fleet, where a home is seconds behind, a move still
+pays many times over.
 
 Nodes that hold nothing of the prompt compete on cost alone.
 
