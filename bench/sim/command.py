@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing
 import os
 import sys
@@ -288,7 +289,12 @@ def comparison_table(summaries: Sequence[SimSummary]) -> str:
                 f"{s.retained_gb_s:,.0f}",
             )
         )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    return aligned(rows)
+
+
+def aligned(rows: Sequence[Sequence[str]]) -> str:
+    """Rows as a terminal table: the first is the header; the first column left-aligned."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = []
     for k, row in enumerate(rows):
         cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)]
@@ -395,6 +401,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--seed", type=int, default=1, help="seed of the workload and of sampled routes (default 1)"
     )
     parser.add_argument("--json", type=Path, help="write each policy's figures here")
+    parser.add_argument(
+        "--goodput",
+        action="store_true",
+        help="instead of one run per policy, find each policy's capacity at the SLO: the highest"
+        " multiple of the workload's arrival rate at which its TTFT p99 stays within --slo-p99-ms",
+    )
+    parser.add_argument(
+        "--slo-p99-ms", type=_positive, default=2000.0, help="the SLO of --goodput (default 2000)"
+    )
     return parser
 
 
@@ -440,6 +455,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     warning = overload_warning(turns, spec)
     if warning:
         print(warning, file=sys.stderr, flush=True)
+    if args.goodput:
+        return _print_goodput(spec, names, args.slo_p99_ms)
     workers = max(1, min(len(names), os.cpu_count() or 1))
     progress = sys.stderr if sys.stderr.isatty() else None
     results = run_jobs([(spec, n) for n in names], workers, progress)
@@ -453,6 +470,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
         args.json.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
         print(f"wrote {args.json}")
+    return 0
+
+
+def _print_goodput(spec: SimSpec, names: Sequence[str], slo_p99_ms: float) -> int:
+    from kvplane.bench.sim.goodput import find_goodput  # it builds on this module
+
+    rows = [("policy", "capacity (x the workload's rate)", "turns/s", "p99 ms there", "p99 ms one step more")]
+    for name in names:
+        g = find_goodput(spec, name, slo_p99_ms)
+        if g.met == 0:
+            capacity = f"< {g.missed:g}"
+        elif math.isinf(g.missed):
+            capacity = f">= {g.met:g}"
+        else:
+            capacity = f"{g.met:.2f}"
+        rows.append(
+            (
+                name,
+                capacity,
+                f"{g.turns_per_s:,.1f}",
+                "-" if math.isnan(g.met_p99_ms) else f"{g.met_p99_ms:,.0f}",
+                "-" if math.isnan(g.missed_p99_ms) else f"{g.missed_p99_ms:,.0f}",
+            )
+        )
+    print(f"capacity at TTFT p99 <= {slo_p99_ms:g} ms")
+    print(aligned(rows))
     return 0
 
 

@@ -1,0 +1,81 @@
+"""Capacity at an SLO: the highest offered load at which a policy keeps TTFT p99 within a bound.
+
+The offered load is the workload's own arrival rate times a factor: the same turns, their
+arrival times divided by it (`SimSpec.time_scale` is its inverse). The factor is found by
+bisection over its logarithm between `low` and `high`, assuming that more load never lowers p99
+(true of queues; a run that breaks it only makes the answer conservative within one step). The
+answer is the highest factor tried that met the SLO, with the lowest tried that did not: the
+capacity lies between them, within `tolerance` of each other (or at a bound).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from kvplane.bench.sim.command import SimSpec, run_policy, spec_turns
+
+
+@dataclass(frozen=True, slots=True)
+class Goodput:
+    """A policy's capacity at the SLO: load factors relative to the workload's own rate."""
+
+    name: str
+    slo_p99_ms: float
+    # The highest factor tried whose p99 met the SLO (0: not even `low` did), and its p99.
+    met: float
+    met_p99_ms: float
+    # The lowest factor tried whose p99 missed it (inf: not even `high` did), and its p99.
+    missed: float
+    missed_p99_ms: float
+    # Turns per second the workload offers at factor 1.
+    base_turns_per_s: float
+
+    @property
+    def turns_per_s(self) -> float:
+        """The offered rate at `met`: turns per second the policy served within the SLO."""
+        return self.met * self.base_turns_per_s
+
+
+def offered_turns_per_s(spec: SimSpec) -> float:
+    """Turns per second the spec's workload offers as it is (factor 1)."""
+    turns = spec_turns(replace(spec, time_scale=1.0))
+    if len(turns) < 2:
+        return 0.0
+    span = max(t.arrival_s for t in turns) - min(t.arrival_s for t in turns)
+    return len(turns) / span if span > 0 else 0.0
+
+
+def p99_at(spec: SimSpec, name: str, factor: float) -> float:
+    """TTFT p99 (ms) of `name` with the spec's turns offered at `factor` times their rate."""
+    return run_policy(replace(spec, time_scale=1.0 / factor), name).summary.ttft_p99_ms
+
+
+def find_goodput(
+    spec: SimSpec,
+    name: str,
+    slo_p99_ms: float = 2000.0,
+    *,
+    low: float = 0.25,
+    high: float = 8.0,
+    tolerance: float = 0.05,
+) -> Goodput:
+    """`name`'s capacity on `spec` at the SLO (see the module's docstring)."""
+    if not 0 < low < high or slo_p99_ms <= 0 or tolerance <= 0:
+        raise ValueError("need 0 < low < high, a positive SLO and a positive tolerance")
+    base = offered_turns_per_s(spec)
+    at_low = p99_at(spec, name, low)
+    if at_low > slo_p99_ms:
+        return Goodput(name, slo_p99_ms, 0.0, math.nan, low, at_low, base)
+    at_high = p99_at(spec, name, high)
+    if at_high <= slo_p99_ms:
+        return Goodput(name, slo_p99_ms, high, at_high, math.inf, math.nan, base)
+    met, met_p99, missed, missed_p99 = low, at_low, high, at_high
+    while missed / met > 1 + tolerance:
+        mid = math.sqrt(met * missed)
+        p99 = p99_at(spec, name, mid)
+        if p99 <= slo_p99_ms:
+            met, met_p99 = mid, p99
+        else:
+            missed, missed_p99 = mid, p99
+    return Goodput(name, slo_p99_ms, met, met_p99, missed, missed_p99, base)

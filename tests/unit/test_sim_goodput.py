@@ -1,0 +1,60 @@
+"""Capacity at an SLO: the highest load factor at which a policy's TTFT p99 stays within a bound."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from kvplane.bench.sim.command import SimSpec, main
+from kvplane.bench.sim.goodput import find_goodput, offered_turns_per_s, p99_at
+
+# A small fleet and a short agentic run: quick, and loaded enough that compressing it hurts.
+SPEC = SimSpec(workload="agentic", prefill=2, decode=2, max_turns=600, seed=3)
+
+
+def test_the_answer_brackets_the_slo_within_the_tolerance() -> None:
+    # An SLO between the p99s at the bounds, so that the bisection has work to do.
+    low, high = p99_at(SPEC, "no-reuse", 0.25), p99_at(SPEC, "no-reuse", 8.0)
+    assert low < high
+    slo = (low + high) / 2
+    g = find_goodput(SPEC, "no-reuse", slo, tolerance=0.05)
+    assert 0.25 <= g.met < g.missed <= 8.0
+    assert g.missed / g.met <= 1.05
+    assert g.met_p99_ms <= slo < g.missed_p99_ms
+    # The reported p99s are the runs' own.
+    assert p99_at(SPEC, "no-reuse", g.met) == g.met_p99_ms
+    assert g.turns_per_s == pytest.approx(g.met * offered_turns_per_s(SPEC))
+
+
+def test_an_slo_met_at_the_highest_load_or_missed_at_the_lowest_says_so() -> None:
+    easy = find_goodput(SPEC, "no-reuse", 1e12)
+    assert easy.met == 8.0 and math.isinf(easy.missed)
+    hard = find_goodput(SPEC, "no-reuse", 1e-3)
+    assert hard.met == 0.0 and hard.missed == 0.25 and hard.turns_per_s == 0.0
+
+
+def test_reuse_buys_capacity() -> None:
+    slo = p99_at(SPEC, "no-reuse", 1.0)
+    assert find_goodput(SPEC, "kvplane", slo).met >= find_goodput(SPEC, "no-reuse", slo).met
+
+
+def test_bad_bounds_are_refused() -> None:
+    with pytest.raises(ValueError):
+        find_goodput(SPEC, "no-reuse", 2000.0, low=2.0, high=1.0)
+    with pytest.raises(ValueError):
+        find_goodput(SPEC, "no-reuse", 0.0)
+
+
+def test_the_command_prints_each_policys_capacity(capsys: pytest.CaptureFixture[str]) -> None:
+    spec_args = ["--workload", "agentic", "--prefill", "2", "--decode", "2", "--seed", "3"]
+    # The command runs the whole workload; keep it to the policies that run fast.
+    assert main([*spec_args, "--policies", "no-reuse", "--goodput", "--slo-p99-ms", "1e9"]) == 0
+    out = capsys.readouterr().out
+    assert "capacity at TTFT p99 <= 1e+09 ms" in out
+    assert "no-reuse" in out and ">= 8" in out
+
+
+def test_a_spec_at_another_scale_offers_its_own_rate() -> None:
+    assert offered_turns_per_s(replace(SPEC, time_scale=2.0)) == offered_turns_per_s(SPEC)
