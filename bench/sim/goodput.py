@@ -1,11 +1,13 @@
 """Capacity at an SLO: the highest offered load at which a policy keeps TTFT p99 within a bound.
 
 The offered load is the workload's own arrival rate times a factor: the same turns, their
-arrival times divided by it (`SimSpec.time_scale` is its inverse). The factor is found by
-bisection over its logarithm between `low` and `high`, assuming that more load never lowers p99
-(true of queues; a run that breaks it only makes the answer conservative within one step). The
-answer is the highest factor tried that met the SLO, with the lowest tried that did not: the
-capacity lies between them, within `tolerance` of each other (or at a bound).
+arrival times divided by it (`SimSpec.time_scale` is its inverse). Every doubling of the factor
+from `low` to `high` is run first, and the highest that met the SLO is kept: p99 need not fall
+with load everywhere (spreading an agentic workload out can cost a policy its cache hits), so a
+miss at a low factor does not stop the search. Between that factor and the next one up, the
+capacity is found by bisection over the logarithm. The answer is the highest factor tried that
+met the SLO, with the next one tried above it, which did not: within `tolerance` of each other
+(or at a bound).
 """
 
 from __future__ import annotations
@@ -64,13 +66,18 @@ def find_goodput(
     if not 0 < low < high or slo_p99_ms <= 0 or tolerance <= 0:
         raise ValueError("need 0 < low < high, a positive SLO and a positive tolerance")
     base = offered_turns_per_s(spec)
-    at_low = p99_at(spec, name, low)
-    if at_low > slo_p99_ms:
-        return Goodput(name, slo_p99_ms, 0.0, math.nan, low, at_low, base)
-    at_high = p99_at(spec, name, high)
-    if at_high <= slo_p99_ms:
-        return Goodput(name, slo_p99_ms, high, at_high, math.inf, math.nan, base)
-    met, met_p99, missed, missed_p99 = low, at_low, high, at_high
+    grid = [low]
+    while grid[-1] * 2 < high:
+        grid.append(grid[-1] * 2)
+    grid.append(high)
+    runs = [(factor, p99_at(spec, name, factor)) for factor in grid]
+    passed = [i for i, (_, p99) in enumerate(runs) if p99 <= slo_p99_ms]
+    if not passed:
+        return Goodput(name, slo_p99_ms, 0.0, math.nan, low, runs[0][1], base)
+    top = passed[-1]
+    if top == len(runs) - 1:
+        return Goodput(name, slo_p99_ms, high, runs[-1][1], math.inf, math.nan, base)
+    (met, met_p99), (missed, missed_p99) = runs[top], runs[top + 1]
     while missed / met > 1 + tolerance:
         mid = math.sqrt(met * missed)
         p99 = p99_at(spec, name, mid)

@@ -40,6 +40,16 @@ def test_reuse_buys_capacity() -> None:
     assert find_goodput(SPEC, "kvplane", slo).met >= find_goodput(SPEC, "no-reuse", slo).met
 
 
+def test_a_miss_at_a_low_load_does_not_end_the_search(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A p99 that misses at the lowest load and meets from 1x to 3x: the capacity is near 3x.
+    def p99(spec: SimSpec, name: str, factor: float) -> float:
+        return 500.0 if 1.0 <= factor <= 3.0 else 5000.0
+
+    monkeypatch.setattr("kvplane.bench.sim.goodput.p99_at", p99)
+    g = find_goodput(SPEC, "no-reuse", 1000.0)
+    assert 2.0 <= g.met <= 3.0 < g.missed <= 4.0 and g.missed / g.met <= 1.05
+
+
 def test_bad_bounds_are_refused() -> None:
     with pytest.raises(ValueError):
         find_goodput(SPEC, "no-reuse", 2000.0, low=2.0, high=1.0)
