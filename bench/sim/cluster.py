@@ -189,9 +189,7 @@ class SimHandle:
         "decode",
         "expiry_s",
         "handle_id",
-        "host_ready_s",
         "info",
-        "on_host",
         "poisoned_from",
         "published_s",
         "reading",
@@ -229,9 +227,6 @@ class SimHandle:
         # Where its KV is: "gpu" (D's accelerators), "spilling" (being copied to D's host memory,
         # still readable from the accelerators) or "host" (D's host memory only).
         self.tier = "gpu"
-        # Whether D's host memory holds (or is being written) a copy, and when it is complete.
-        self.on_host = False
-        self.host_ready_s = 0.0
         # The first block of its context whose KV is wrong (built on a wrong-prefix pull), if any.
         self.poisoned_from: int | None = None
         # Built on first use: most handles are never routed to or judged.

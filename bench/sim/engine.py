@@ -42,9 +42,8 @@ A host tier (`ClusterSpec.decode_host_bytes`, the tiered engine model). Each
 D has host memory for KV beside its accelerators. With kvplane's control
 plane, D writes each handle it publishes through to host memory
 (`SimCosts.spill_s` after the publish, the copy is whole), making room by
-dropping the oldest entries there (a handle still on the accelerators only
-loses its host copy), and unpins its accelerator blocks once the copy is
-whole: the handle stays the conversation's and readable, from host memory,
+dropping the oldest entries there, and unpins its accelerator blocks once
+the copy is whole: the handle stays the conversation's and readable, from host memory,
 and is offered until `decode_host_ttl_s` after its publish. While the copy
 is under way the control plane no longer judges the handle: a demand waits
 for the copy (D's demand counts those bytes as freed). A handle that found
@@ -559,8 +558,9 @@ class Simulator:
         if handle.expiry_s != float("inf"):
             self._push(handle.expiry_s, _EXPIRE, handle)
         self.retention.on_publish(handle)
-        if d.host_capacity > 0 and d.host_cache is None and self.retention.spills:
-            self._write_through(handle, now)
+        if d.host_cache is None:
+            # kvplane on a tiered D: the handle is written through to host memory as it is published.
+            self._spill(handle, now)
         self.router.on_publish(conversation, handle, now)
 
     def _next_turn(self, conversation: Conversation, now: float) -> None:
@@ -618,11 +618,10 @@ class Simulator:
         if handle.checked_out and reason not in ("", ENGINE_TTL, ENGINE_PRESSURE):
             return  # a checked-out handle is fenced from the control plane's releases
         d = handle.decode
-        if reason == ENGINE_TTL and handle.on_host and (handle.tier != "host" or now < handle.expiry_s):
-            # D's TTL ends accelerator blocks held for a read; the host copy lives on.
-            if handle.tier == "gpu":
-                self._to_host(handle, now)
-            return
+        if reason == ENGINE_TTL and (
+            handle.tier == "spilling" or (handle.tier == "host" and now < handle.expiry_s)
+        ):
+            return  # D's TTL ends accelerator blocks held for a read; a copy in host memory lives on
         if reason not in _NEVER_SPILLED and handle.tier == "gpu" and self._spill(handle, now):
             return
         handle.alive = False
@@ -630,8 +629,9 @@ class Simulator:
         if handle.tier != "host":
             d.retained -= handle.bytes  # its accelerator blocks, freed now
             self.rec.retained_change(now, -handle.bytes)
-        if handle.on_host:
-            self._forget_host_copy(handle)
+        if handle.tier != "gpu":
+            d.host_retained -= handle.bytes
+            del d.host_handles[handle.handle_id]
         if handle.tier == "spilling":
             d.spilling -= handle.bytes
         del self._handles[handle.handle_id]
@@ -641,22 +641,22 @@ class Simulator:
         if d.waiting:
             self._admit(d, now)
 
-    def _write_through(self, handle: SimHandle, now: float) -> None:
-        """kvplane on a tiered D: a handle's copy to host memory starts as it is published, and
-        its accelerator blocks are unpinned once the copy is whole (`_to_host`)."""
-        if self._host_room(handle.decode, handle.bytes, now):
-            self._keep_host_copy(handle, now)
-            self._to_host(handle, now)
-
     def _spill(self, handle: SimHandle, now: float) -> bool:
-        """Moves a released handle to D's host tier; False (the caller frees it) when D has no
-        host tier, or no room there even after dropping its oldest entries not being read."""
+        """Copies a handle to D's host memory (making room there by dropping its oldest entries not
+        being read); its accelerator blocks are freed when the copy lands (`_spill_done`). False
+        (the caller keeps or frees it) where D has no host memory for this control plane, or no
+        room can be made."""
         d = handle.decode
-        if not handle.on_host:
-            if d.host_capacity <= 0 or not self.retention.spills or not self._host_room(d, handle.bytes, now):
-                return False
-            self._keep_host_copy(handle, now)
-        self._to_host(handle, now)
+        if d.host_capacity <= 0 or not self.retention.spills or not self._host_room(d, handle.bytes, now):
+            return False
+        handle.tier = "spilling"
+        d.host_retained += handle.bytes
+        d.host_handles[handle.handle_id] = handle
+        d.spilling += handle.bytes
+        # The control plane's view of D's accelerators no longer holds it.
+        self.retention.on_gone(handle)
+        self.rec.spilled_handles += 1
+        self._push(now + self.config.costs.spill_s(handle.bytes), _SPILL_DONE, handle)
         return True
 
     def _host_room(self, d: DecodeState, nbytes: int, now: float) -> bool:
@@ -672,37 +672,8 @@ class Simulator:
         if short > 0:
             return False
         for old in victims:
-            if old.tier == "gpu":
-                self._forget_host_copy(old)  # still on the accelerators: only the copy goes
-            else:
-                self._drop(old, HOST_FULL, now)
+            self._drop(old, HOST_FULL, now)
         return True
-
-    def _keep_host_copy(self, handle: SimHandle, now: float) -> None:
-        d = handle.decode
-        handle.on_host = True
-        handle.host_ready_s = now + self.config.costs.spill_s(handle.bytes)
-        d.host_retained += handle.bytes
-        d.host_handles[handle.handle_id] = handle
-
-    def _forget_host_copy(self, handle: SimHandle) -> None:
-        d = handle.decode
-        handle.on_host = False
-        d.host_retained -= handle.bytes
-        del d.host_handles[handle.handle_id]
-
-    def _to_host(self, handle: SimHandle, now: float) -> None:
-        """The handle leaves D's accelerators for its host copy: at once if the copy is whole."""
-        d = handle.decode
-        # The control plane's view of D's accelerators no longer holds it.
-        self.retention.on_gone(handle)
-        self.rec.spilled_handles += 1
-        handle.tier = "spilling"
-        d.spilling += handle.bytes
-        if now >= handle.host_ready_s:
-            self._spill_done(handle, now)
-        else:
-            self._push(handle.host_ready_s, _SPILL_DONE, handle)
 
     def _spill_done(self, handle: SimHandle, now: float) -> None:
         """The copy is whole: D frees the handle's accelerator blocks; it lives on in host memory."""
