@@ -16,6 +16,12 @@
   (longest prefix match above 30% of the prompt, else the node it sent the
   least), by in-flight requests only when far out of balance; no D->P reuse,
   D keeps nothing.
+- `decode-radix`: SGLang's decode-side radix cache: D keeps its finished
+  turns' blocks unpinned in its free memory and is chosen by them, and
+  receives from P only what it lacks; P by prefix affinity. No D->P reuse.
+- `conditional-disagg`: Dynamo's conditional disaggregation: the same D
+  cache and choice of D, and D prefills a turn itself when what its cache
+  lacks is short or the prefill queue is long (`decode_cache_router.py`).
 - `kvplane`: kvplane's default routing and retention policies, D's TTL 480 s.
 - `oracle`: unlimited KV on D and in P's caches, no TTL, every shared
   whole-block prefix pulled, every P cache hit used, P picked from the
@@ -38,6 +44,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from kvplane.bench.sim.decode_cache_router import DYNAMO_MAX_LOCAL_PREFILL_TOKENS, DecodeCacheRouter
 from kvplane.bench.sim.engine import SimConfig, Simulator
 from kvplane.bench.sim.fleet import Fleet
 from kvplane.bench.sim.retention import DEFAULT_DEMAND_LATENCY_S, EngineOnly, PipelineRetention, Retention
@@ -83,7 +90,8 @@ EVENT_LAG_S = 0.105
 @dataclass(frozen=True, slots=True)
 class Baseline:
     name: str
-    # "none", "proxy", "proxy-checked", "affinity", "cache-aware", "policy" or "oracle".
+    # "none", "proxy", "proxy-checked", "affinity", "cache-aware", "decode-cache", "policy" or
+    # "oracle".
     router: str
     # None: no control-plane retention; otherwise a RetentionPipeline config.
     retention: Mapping[str, Any] | None = None
@@ -104,6 +112,9 @@ class Baseline:
     # prompt's blocks from the D whose host tier leads P's own cache by this many tokens (llm-d's
     # P/D + P2P path). Only where D has a host tier (`ClusterSpec.decode_host_bytes`).
     p2p_min_lead_tokens: int | None = None
+    # `decode-cache` only: D prefills a turn itself when its cache lacks at most this many of the
+    # prompt's tokens (or the prefill queue is full); None: P prefills every turn.
+    max_local_prefill_tokens: int | None = None
 
     @property
     def needs_host_tier(self) -> bool:
@@ -128,6 +139,15 @@ BASELINES: dict[str, Baseline] = {
         # llm-d's P/D + P2P path: prefix-affinity routing, D offloads every turn to host memory.
         Baseline("llm-d-p2p", "affinity", engine_ttl_s=0.0, p2p_min_lead_tokens=LLM_D_P2P_MIN_LEAD_TOKENS),
         Baseline("cache-aware", "cache-aware", engine_ttl_s=0.0, control_path_s=VLLM_ROUTER_HOP_S),
+        # D keeps a prefix cache of its own (unpinned): SGLang's decode-side radix cache, and
+        # Dynamo's conditional disaggregation on top of it.
+        Baseline("decode-radix", "decode-cache", engine_ttl_s=0.0),
+        Baseline(
+            "conditional-disagg",
+            "decode-cache",
+            engine_ttl_s=0.0,
+            max_local_prefill_tokens=DYNAMO_MAX_LOCAL_PREFILL_TOKENS,
+        ),
         Baseline("kvplane", "policy", DEFAULT_CONFIG, engine_ttl_s=480.0, control_path_s=MEASURED_ROUTE_S),
         # kvplane with prefill engines' KV events: delivered at once, and with a realistic lag
         # (the node agent coalesces deltas every 100 ms; a stream hop) and 1% of them lost.
@@ -176,6 +196,8 @@ def simulator_for(baseline: Baseline, config: SimConfig, options: RunOptions | N
     tiered = cluster.decode_host_bytes > 0
     if tiered and baseline.p2p_min_lead_tokens is not None:
         cluster = replace(cluster, decode_offload_all=True)
+    if baseline.router == "decode-cache":
+        cluster = replace(cluster, decode_prefix_cache=True)
     config = replace(config, cluster=cluster)
     if baseline.report_interval_s is not None:
         config = replace(config, load_report_interval_s=baseline.report_interval_s)
@@ -194,6 +216,8 @@ def simulator_for(baseline: Baseline, config: SimConfig, options: RunOptions | N
             return PrefixAffinityRouter(fleet, seed, baseline.p2p_min_lead_tokens if tiered else None)
         if baseline.router == "cache-aware":
             return CacheAwareRouter(fleet)
+        if baseline.router == "decode-cache":
+            return DecodeCacheRouter(fleet, seed, baseline.max_local_prefill_tokens)
         if baseline.router == "oracle":
             return OracleRouter(fleet, config.digest_block_size, seed)
         policy = RoutingPolicy(

@@ -53,6 +53,11 @@ class ClusterSpec:
     # accelerator blocks for a read; host memory is cheap enough to keep a conversation for its
     # longer gaps, and its own size bounds it (the oldest entries go first).
     decode_host_ttl_s: float = 3600.0
+    # Each D keeps a prefix cache of its finished turns' blocks (prompt and output) in the
+    # accelerator memory its running turns leave free, least recently used out first, as vLLM's
+    # prefix cache or SGLang's decode-side radix cache does; nothing in it is pinned. A turn
+    # whose prompt starts with blocks D holds receives only the rest from P.
+    decode_prefix_cache: bool = False
 
     def __post_init__(self) -> None:
         if self.prefill_nodes < 1 or self.decode_nodes < 1 or self.decode_kv_capacity_bytes <= 0:
@@ -245,11 +250,14 @@ class DecodeState:
         "host_handles",
         "host_retained",
         "index",
+        "local_free_at",
         "node",
+        "prefix_cache",
         "reserved",
         "retained",
         "running",
         "spilling",
+        "stalled_s",
         "waiting",
     )
 
@@ -273,10 +281,22 @@ class DecodeState:
         self.spilling = 0
         # With `ClusterSpec.decode_offload_all`: the offloaded blocks, an LRU by block hash.
         self.host_cache: PrefixCache | None = None
+        # With `ClusterSpec.decode_prefix_cache`: finished turns' blocks in the memory left free.
+        self.prefix_cache: PrefixCache | None = None
+        # When D's compute is next free for a prompt it prefills itself (conditional
+        # disaggregation), in simulated seconds.
+        self.local_free_at = 0.0
+        # Seconds of prefill D has run on its own compute so far: each stalled its running decodes.
+        self.stalled_s = 0.0
 
     @property
     def free(self) -> int:
         return self.capacity - self.reserved - self.retained
+
+    def fit_prefix_cache(self, block_bytes: int) -> None:
+        """D's prefix cache gets what its running turns and retained handles leave free."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.resize(max(0, self.free) // block_bytes)
 
     def load(self, now_ms: int, kv_bytes_per_token: int) -> NodeLoad:
         block = ENGINE_BLOCK_TOKENS * kv_bytes_per_token

@@ -20,6 +20,9 @@
   measurement here: no GPU has run this project. A pull from D's host memory
   costs what a pull from its accelerators does: NIXL reads registered DRAM
   over the same NIC, which bounds both.
+- D's read of the prompt's KV from P (the hand-off) is inside those curves:
+  `handoff_s`, bytes / `link_bytes_per_s` per token (about 5 µs), is what a
+  D that holds a prompt's leading blocks already does not wait for.
 """
 
 from __future__ import annotations
@@ -81,6 +84,11 @@ class SimCosts:
             return 0.0
         s = _transfer_s(tokens, self.kv_bytes_per_token, self.link_bytes_per_s, self.transfer_overhead_s)
         return s + (self.handshake_s if first_contact else 0.0)
+
+    def handoff_s(self, tokens: int) -> float:
+        """The share of a turn's TTFT that D's read of `tokens` prompt tokens from P takes: part of
+        the published curves (`prefill_s`, `pulled_token_s`), saved where D holds them already."""
+        return max(0, tokens) * self.kv_bytes_per_token / self.link_bytes_per_s
 
     def spill_s(self, nbytes: int) -> float:
         """Seconds to copy `nbytes` of KV from D's accelerators to its host memory."""

@@ -100,7 +100,18 @@ from kvplane.bench.sim.retention import Retention
 from kvplane.bench.sim.routers import RouteChoice, Router, TurnOutcome
 from kvplane.bench.workloads.turns import Turn
 
-_DONE, _EXPIRE, _TICK, _DEMAND, _READ_DONE, _PREFILL_DONE, _AT_PREFILL, _FOLLOW_UP, _SPILL_DONE = range(9)
+(
+    _DONE,
+    _EXPIRE,
+    _TICK,
+    _DEMAND,
+    _READ_DONE,
+    _PREFILL_DONE,
+    _AT_PREFILL,
+    _FOLLOW_UP,
+    _SPILL_DONE,
+    _LOCAL_PREFILL_DONE,
+) = range(10)
 
 # Release reasons the fleet itself produces (the control plane's come from ReleaseReason).
 ENGINE_TTL = "engine_ttl"
@@ -108,6 +119,9 @@ ENGINE_PRESSURE = "engine_pressure"
 SUPERSEDED = "superseded"
 # D's host tier dropped a spilled handle to make room for a newer one.
 HOST_FULL = "host_full"
+# Prompt tokens per step of a prefill D runs itself, beside its decodes (vLLM's
+# max_num_batched_tokens for an online server).
+LOCAL_PREFILL_CHUNK_TOKENS = 8192
 # Reasons that free a handle on any tier: never a spill.
 _NEVER_SPILLED = ("", SUPERSEDED, ENGINE_TTL, ENGINE_PRESSURE, HOST_FULL)
 
@@ -164,6 +178,7 @@ class _InFlight:
         "prompt",
         "pulled",
         "reserved",
+        "stalled_s",
         "transfer",
         "turn",
     )
@@ -198,6 +213,8 @@ class _InFlight:
         self.estimate_s = 0.0
         # P's report of the turn, for routing once the turn is over.
         self.outcome: TurnOutcome | None = None
+        # D's `stalled_s` when the turn's decode started, or last caught up with it.
+        self.stalled_s = 0.0
 
 
 RouterFactory = Callable[[Fleet], Router]
@@ -229,6 +246,7 @@ class Simulator:
         # Decode nodes whose KV demand is on its way to the control plane (node index).
         self._demand_due: set[int] = set()
         self._now = 0.0
+        self._block_bytes = config.digest_block_size * config.costs.kv_bytes_per_token
 
     def _push(self, t: float, kind: int, payload: object) -> None:
         self._seq += 1
@@ -262,6 +280,8 @@ class Simulator:
                     self._arrive(replace(cast(Turn, payload), arrival_s=t))
                 elif kind == _SPILL_DONE:
                     self._spill_done(payload, t)  # type: ignore[arg-type]
+                elif kind == _LOCAL_PREFILL_DONE:
+                    self._local_prefill_done(payload, t)  # type: ignore[arg-type]
                 else:
                     self._tick(t, upcoming is not None)
             elif upcoming is not None:
@@ -314,13 +334,44 @@ class Simulator:
         if delay > 0:
             self._push(now + delay, _AT_PREFILL, flight)  # the front's hop: Route, then the P leg
         else:
-            self._enqueue(p, flight, now)
+            self._reach_prefill(flight, now)
 
     # -- the prefill node's scheduler -------------------------------------------------------------
 
     def _reach_prefill(self, flight: _InFlight, now: float) -> None:
-        """The front's hop is over: the P leg reaches P."""
-        self._enqueue(flight.prefill, flight, now)
+        """The front's hop is over: the P leg reaches P (or D, where D prefills the turn itself)."""
+        if flight.choice.local_prefill:
+            self._prefill_on_decode(flight, now)
+        else:
+            self._enqueue(flight.prefill, flight, now)
+
+    def _prefill_on_decode(self, flight: _InFlight, now: float) -> None:
+        """D prefills the turn itself (conditional disaggregation), after the prefills it took
+        before: from its own prefix cache, with no hand-off from P."""
+        d = flight.decode
+        assert d.prefix_cache is not None
+        costs = self.config.costs
+        tokens = flight.turn.prompt_tokens
+        cached = min(d.prefix_cache.hit_blocks(flight.prompt) * self.config.digest_block_size, tokens - 1)
+        d.prefix_cache.insert(flight.prompt)
+        flight.cached = cached
+        flight.computed = tokens - cached
+        compute = costs.prefill_s(flight.computed) + costs.pulled_compute_s(cached)
+        # Its chunks share D's steps with the decodes running there: one decode step each.
+        steps = -(-flight.computed // LOCAL_PREFILL_CHUNK_TOKENS)
+        compute += steps * costs.timing.decode_s(d.running)
+        flight.compute = max(0.0, compute - costs.handoff_s(tokens))
+        self.rec.decisions[flight.decision] += 1
+        self.rec.cached_tokens += cached
+        start = max(now, d.local_free_at)
+        d.local_free_at = start + flight.compute
+        # D's running decodes wait for the prefill's steps: each finishes that much later.
+        d.stalled_s += flight.compute
+        self._push(d.local_free_at, _LOCAL_PREFILL_DONE, flight)
+
+    def _local_prefill_done(self, flight: _InFlight, now: float) -> None:
+        flight.outcome = TurnOutcome(0, 0.0, flight.compute, now - flight.turn.arrival_s, flight.cached)
+        self._to_decode(flight, now)
 
     def _enqueue(self, p: PrefillState, flight: _InFlight, now: float) -> None:
         """The turn joins P's waiting queue; P's load counts it at once (a guess at its compute)."""
@@ -404,6 +455,11 @@ class Simulator:
         flight.pulled = pulled
         flight.computed = turn.prompt_tokens - cached - pulled
         flight.compute = costs.prefill_s(flight.computed) + costs.pulled_compute_s(cached + pulled)
+        decode_cache = flight.decode.prefix_cache
+        if decode_cache is not None:
+            # D reads from P only the blocks its own prefix cache lacks.
+            held = min(decode_cache.hit_blocks(flight.prompt) * block, turn.prompt_tokens - 1)
+            flight.compute = max(0.0, flight.compute - costs.handoff_s(held))
         p.changing(now)
         p.queued_tokens += flight.computed - flight.estimate_tokens
         p.backlog_s += flight.compute - flight.estimate_s
@@ -491,6 +547,7 @@ class Simulator:
         d = flight.decode
         d.reserved += flight.reserved
         d.running += 1
+        d.fit_prefix_cache(self._block_bytes)
         self._first_token(flight, now)
 
     def _first_token(self, flight: _InFlight, now: float) -> None:
@@ -499,6 +556,7 @@ class Simulator:
         rec.ttft_s.append(now - turn.arrival_s)
         rec.prompt_tokens.append(turn.prompt_tokens)
         rec.pulled_tokens.append(flight.pulled)
+        flight.stalled_s = flight.decode.stalled_s
         done = now + self.config.costs.decode_s(turn.output_tokens, flight.decode.running)
         self._push(done, _DONE, flight)
 
@@ -512,12 +570,22 @@ class Simulator:
             self._start(head, now)
 
     def _finish(self, now: float, flight: _InFlight) -> None:
+        stalled = flight.decode.stalled_s - flight.stalled_s
+        if stalled > 0:
+            # D prefilled turns of its own while this one decoded: its last token comes later.
+            flight.stalled_s = flight.decode.stalled_s
+            self._push(now + stalled, _DONE, flight)
+            return
         if flight.outcome is not None:
             self.router.observe(flight.turn, flight.choice, flight.outcome)
         self._next_turn(flight.conversation, now)
         d = flight.decode
         d.reserved -= flight.reserved
         d.running -= 1
+        if d.prefix_cache is not None:
+            # D keeps the turn's blocks (prompt and output) in the memory now free.
+            d.fit_prefix_cache(self._block_bytes)
+            d.prefix_cache.insert(flight.chain, flight.poisoned_from)
         if d.host_cache is not None:
             # D offloads the turn's KV (prompt and output) to its host tier as the turn ends.
             d.host_cache.insert(flight.chain, flight.poisoned_from)

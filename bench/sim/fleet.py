@@ -105,6 +105,9 @@ class Fleet:
         if spec.decode_offload_all:
             for d in self.decode:
                 d.host_cache = PrefixCache(spec.decode_host_bytes // (block_tokens * kvb))
+        if spec.decode_prefix_cache:
+            for d in self.decode:
+                d.prefix_cache = PrefixCache(spec.decode_kv_capacity_bytes // (block_tokens * kvb))
         self.prefill_by_id = {p.node.node_id: p for p in self.prefill}
         self.decode_by_id = {d.node.node_id: d for d in self.decode}
         self._states: tuple[NodeState, ...] = ()

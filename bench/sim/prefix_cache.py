@@ -106,6 +106,11 @@ class PrefixCache:
                 held.move_to_end(base)
         self._evict()
 
+    def resize(self, capacity_blocks: int) -> None:
+        """Holds at most `capacity_blocks` from now on; least recently used blocks go first."""
+        self.capacity_blocks = max(0, capacity_blocks)
+        self._evict()
+
     def _evict(self) -> None:
         held = self._held
         excess = self._used - self.capacity_blocks

@@ -58,6 +58,8 @@ class RouteChoice:
     keep_decode_kv: bool = True
     # A decode node whose host tier P reads the prompt's blocks from, by hash (llm-d's P2P path).
     source: DecodeState | None = None
+    # D prefills the turn itself; `prefill` is sent nothing (conditional disaggregation).
+    local_prefill: bool = False
 
 
 @dataclass(frozen=True, slots=True)

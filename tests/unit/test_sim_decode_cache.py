@@ -1,0 +1,136 @@
+"""Baselines whose decode nodes keep a prefix cache: SGLang's decode-side radix cache
+(`decode-radix`) and Dynamo's conditional disaggregation (`conditional-disagg`)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from kvplane.bench.sim import BASELINES, ClusterSpec, SimConfig, simulator_for
+from kvplane.bench.sim.block_chain import BlockChain, BlockIds
+from kvplane.bench.sim.cluster import DecodeState, build_node
+from kvplane.bench.sim.costs import SimCosts
+from kvplane.bench.sim.decode_cache_router import DecodeCacheRouter
+from kvplane.bench.sim.engine import LOCAL_PREFILL_CHUNK_TOKENS, Simulator
+from kvplane.bench.sim.fleet import Conversation, Fleet
+from kvplane.bench.sim.prefix_cache import PrefixCache
+from kvplane.bench.sim.results import SimSummary
+from kvplane.bench.sim.routers import TurnOutcome
+from kvplane.bench.workloads import Turn
+from kvplane.services.common.model.nodes import NodeRole
+
+GIB = 1 << 30
+ONE_PAIR = ClusterSpec(prefill_nodes=1, decode_nodes=1, decode_kv_capacity_bytes=16 * GIB)
+BLOCK = 16
+
+
+def _conversation(added_tokens: int) -> list[Turn]:
+    """Two turns: 8,000 prompt tokens and 100 output, then the whole history plus `added_tokens`."""
+    return [
+        Turn(0.0, "c", 0, 8000, 100),
+        Turn(60.0, "c", 1, 8100 + added_tokens, 100, reused_prefix_tokens=8100, previous_context_tokens=8100),
+    ]
+
+
+def _simulate(name: str, turns: list[Turn], cluster: ClusterSpec = ONE_PAIR) -> Simulator:
+    sim = simulator_for(BASELINES[name], SimConfig(cluster=cluster))
+    sim.run(turns, name)
+    return sim
+
+
+def _summary(name: str, turns: list[Turn]) -> tuple[Simulator, SimSummary]:
+    sim = simulator_for(BASELINES[name], SimConfig(cluster=ONE_PAIR))
+    return sim, sim.run(turns, name).summary
+
+
+def test_decode_radix_spares_the_hand_off_of_the_blocks_d_holds_and_nothing_else() -> None:
+    affinity = _simulate("prefix-affinity", _conversation(2000))
+    radix = _simulate("decode-radix", _conversation(2000))
+    # The first turn finds nothing on D; the second finds the first turn's 8,100 tokens (whole
+    # blocks: 8,096) and is that much of a hand-off sooner. P's own work is the same: P's cache
+    # served the same tokens on both.
+    assert radix.rec.ttft_s[0] == pytest.approx(affinity.rec.ttft_s[0])
+    saved = affinity.rec.ttft_s[1] - radix.rec.ttft_s[1]
+    assert saved == pytest.approx(SimCosts().handoff_s(8096))
+    assert radix.rec.cached_tokens == affinity.rec.cached_tokens > 0
+    assert radix.rec.pulled_correct == 0
+
+
+def test_without_a_decode_cache_the_radix_routers_refuse_to_run() -> None:
+    fleet = Fleet(ONE_PAIR, SimCosts(), 0)
+    with pytest.raises(ValueError, match="prefix cache"):
+        DecodeCacheRouter(fleet)
+
+
+def test_conditional_disagg_prefills_a_short_addition_on_the_decode_node() -> None:
+    short = _simulate("conditional-disagg", _conversation(500))
+    # The first turn's 8,000 tokens go to P; the second lacks 504 tokens on D, under Dynamo's
+    # 1,000: D prefills it from its own cache, with no hand-off and no P.
+    assert short.rec.decisions["local_prefill"] == 1
+    assert short.fleet.prefill[0].served == 1
+    assert short.rec.cached_tokens >= 8096
+    long = _simulate("conditional-disagg", _conversation(2000))
+    assert long.rec.decisions.get("local_prefill", 0) == 0
+    assert long.fleet.prefill[0].served == 2
+
+
+def test_a_prefill_on_the_decode_node_costs_its_compute_and_one_decode_step_per_chunk() -> None:
+    sim = _simulate("conditional-disagg", [Turn(0.0, "solo", 0, 600, 10)])
+    costs = SimCosts()
+    # D computes all 600 tokens (nothing cached), one step beside its decodes, and reads nothing.
+    expected = costs.prefill_s(600) + costs.timing.decode_s(0) - costs.handoff_s(600)
+    assert sim.rec.ttft_s[0] == pytest.approx(expected)
+    assert LOCAL_PREFILL_CHUNK_TOKENS >= 600
+
+
+def test_a_prefill_on_the_decode_node_delays_every_decode_running_there() -> None:
+    # a decodes 400 tokens; b's short first turn is prefilled on the same D meanwhile.
+    a = Turn(0.0, "a", 0, 4000, 400)
+    b = Turn(1.0, "b", 0, 600, 1)
+    _, alone = _summary("conditional-disagg", [a])
+    both_sim, both = _summary("conditional-disagg", [a, b])
+    assert both.decisions["local_prefill"] == 1
+    # b came to an idle D compute: its TTFT is its prefill, and a's last token came that much later
+    # (a's decode, 400 steps, outlasts b's).
+    b_prefill = both_sim.rec.ttft_s[1]
+    assert both.simulated_s - alone.simulated_s == pytest.approx(b_prefill)
+
+
+def test_the_decode_node_is_the_one_with_the_least_work_for_the_turn() -> None:
+    cluster = replace(ONE_PAIR, decode_nodes=2, decode_prefix_cache=True)
+    fleet = Fleet(cluster, SimCosts(), 0)
+    router = DecodeCacheRouter(fleet)
+    ids = BlockIds()
+    history = BlockChain().extended(500, ids)
+    d1 = fleet.decode[1]
+    assert d1.prefix_cache is not None
+    d1.prefix_cache.insert(history)
+    prompt = history.extended(20, ids)
+    turn = Turn(0.0, "c", 1, 520 * BLOCK, 10)
+    conversation = Conversation()
+    # D1 holds all but 320 of the prompt's tokens: it has the least to receive.
+    first = router.route(turn, conversation, prompt, 0.0)
+    assert first.decode is d1
+    # That turn's 8,330 tokens of unfinished work on D1 outweigh the 8,000 it spares: the same
+    # prompt now goes to the other D, which holds nothing; once the turn is over, to D1 again.
+    assert router.route(turn, conversation, prompt, 0.0).decode is fleet.decode[0]
+    router.observe(turn, first, TurnOutcome(0, 0.0, 0.0, 0.0))
+    assert router.route(turn, conversation, prompt, 0.0).decode is d1
+
+
+def test_the_decode_cache_holds_only_what_running_turns_leave_free() -> None:
+    costs = SimCosts()
+    block_bytes = BLOCK * costs.kv_bytes_per_token
+    d = DecodeState(build_node(NodeRole.DECODE, 0, ONE_PAIR, costs.kv_bytes_per_token), 0, 100 * block_bytes)
+    d.prefix_cache = PrefixCache(100)
+    ids = BlockIds()
+    old, new = BlockChain().extended(60, ids), BlockChain().extended(30, ids)
+    d.prefix_cache.insert(old)
+    d.prefix_cache.insert(new)
+    assert d.prefix_cache.used_blocks == 90
+    d.reserved = 50 * block_bytes
+    d.fit_prefix_cache(block_bytes)
+    # 50 blocks left: the older chain's tail went first; the newer chain is whole.
+    assert d.prefix_cache.used_blocks == 50
+    assert d.prefix_cache.hit_blocks(new) == 30 and d.prefix_cache.hit_blocks(old) == 20
