@@ -31,7 +31,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import Executor, Future, ProcessPoolExecutor
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -42,6 +42,7 @@ from kvplane.bench.sim import BASELINES, ClusterSpec, RunOptions, SimConfig, Sim
 from kvplane.bench.sim.baselines import EXAMPLE_PROXY_HOP_S, MEASURED_ROUTE_S, VLLM_ROUTER_HOP_S
 from kvplane.bench.sim.command import SimSpec, policy_json, run_policy, spec_turns
 from kvplane.bench.sim.front_hops import COMPARE_SOURCE
+from kvplane.bench.sim.goodput import CAPACITY_COLUMNS, Goodput, find_goodput
 from kvplane.bench.sim.retention import DEMAND_LATENCY_SOURCE, MEASURED_DEMAND_LATENCY_S
 from kvplane.bench.workloads import (
     DEFAULT_TRACE,
@@ -104,6 +105,19 @@ POLICY_LEGEND = (
 )
 # Host memory beside each D in the tiered tables, GiB (issue's pinned model at 80 GiB per D).
 TIERED_HOST_GIB = 256
+# Capacity at a TTFT p99 SLO (`kvplane sim --goodput`), for the headline fleet's tables: each
+# table's SLO (ms). The Mooncake trace's p99 is above 2 s for every policy even at a quarter of its
+# rate (its longest prompts alone take that long), so its SLO is 3 s; the agentic workload's is the
+# usual 2 s. Each search is 9-10 runs of the whole table: the other fleets are left to the command.
+GOODPUT_SLO_MS = {
+    f"mooncake_pinned_{HEADLINE_KV_GIB}": 3000.0,
+    f"agentic_pinned_{HEADLINE_KV_GIB}": 2000.0,
+    f"mooncake_tiered_{HEADLINE_KV_GIB}": 3000.0,
+    f"agentic_tiered_{HEADLINE_KV_GIB}": 2000.0,
+}
+# The policies searched: the contenders. Not `no-reuse`, `vllm-proxy` (it serves wrong KV), the
+# lossy-events variant or the oracle (a bound).
+GOODPUT_SKIPS = frozenset({"no-reuse", "vllm-proxy", "kvplane-events-lossy", "oracle"})
 
 
 def log(msg: str) -> None:
@@ -166,12 +180,18 @@ def _expected_cost(spec: SimSpec, name: str) -> float:
     return (10.0 if name == "kvplane" else 1.0) * len(spec_turns(spec))
 
 
-def run_tables(specs: dict[str, SimSpec], pool: ProcessPoolExecutor) -> dict[str, dict[str, SimResult]]:
+def submit_tables(
+    specs: dict[str, SimSpec], pool: ProcessPoolExecutor
+) -> dict[tuple[str, str], Future[SimResult]]:
+    """Every table's runs, one job per policy, longest first."""
     jobs = [(key, spec, name) for key, spec in specs.items() for name in spec.policies()]
     jobs.sort(key=lambda j: -_expected_cost(j[1], j[2]))
-    futures: dict[tuple[str, str], Future[SimResult]] = {
-        (key, name): pool.submit(run_policy, spec, name) for key, spec, name in jobs
-    }
+    return {(key, name): pool.submit(run_policy, spec, name) for key, spec, name in jobs}
+
+
+def collect_tables(
+    specs: dict[str, SimSpec], futures: dict[tuple[str, str], Future[SimResult]]
+) -> dict[str, dict[str, SimResult]]:
     out: dict[str, dict[str, SimResult]] = {key: {} for key in specs}
     for key in specs:
         for name in specs[key].policies():
@@ -179,6 +199,37 @@ def run_tables(specs: dict[str, SimSpec], pool: ProcessPoolExecutor) -> dict[str
             out[key][name] = result
             log(f"  {key} {name}: {result.summary.turns:,} turns in {result.summary.wall_s:.1f} s")
     return out
+
+
+def submit_goodput(specs: dict[str, SimSpec], pool: Executor) -> dict[str, dict[str, Future[Goodput]]]:
+    """Each headline table's capacity searches, one job per policy, queued behind the tables."""
+    return {
+        key: {
+            name: pool.submit(find_goodput, specs[key], name, slo)
+            for name in specs[key].policies()
+            if name not in GOODPUT_SKIPS
+        }
+        for key, slo in GOODPUT_SLO_MS.items()
+        if key in specs
+    }
+
+
+def collect_goodput(searches: dict[str, dict[str, Future[Goodput]]]) -> dict[str, list[Goodput]]:
+    out: dict[str, list[Goodput]] = {}
+    for key, futures in searches.items():
+        out[key] = [f.result() for f in futures.values()]
+        log(f"  {key}: capacity at the SLO, {len(out[key])} policies")
+    return out
+
+
+def capacity_table(goodputs: Sequence[Goodput]) -> str:
+    """One row per policy: its capacity at the SLO, as `kvplane sim --goodput` prints it."""
+    rows = [
+        "| policy | " + " | ".join(CAPACITY_COLUMNS) + " |",
+        "|---|" + "---:|" * len(CAPACITY_COLUMNS),
+    ]
+    rows += [f"| {g.name} | " + " | ".join(g.cells()) + " |" for g in goodputs]
+    return "\n".join(rows)
 
 
 def _fleet_text(spec: SimSpec) -> str:
@@ -200,7 +251,11 @@ def _command(spec: SimSpec) -> str:
     )
 
 
-def tables_markdown(specs: dict[str, SimSpec], results: dict[str, dict[str, SimResult]]) -> str:
+def tables_markdown(
+    specs: dict[str, SimSpec],
+    results: dict[str, dict[str, SimResult]],
+    goodput: dict[str, list[Goodput]] | None = None,
+) -> str:
     titles = {
         "mooncake_pinned": "Mooncake trace, pinned KV (vLLM's engine)",
         "mooncake_evicting": "Mooncake trace, what-if: an engine that may drop retained KV under pressure",
@@ -220,6 +275,16 @@ def tables_markdown(specs: dict[str, SimSpec], results: dict[str, dict[str, SimR
             table_paragraph([policy_json(s) for s in summaries], evicting=spec.engine_model == "evicting"),
             report.mix_table(summaries),
         ]
+        capacity = (goodput or {}).get(key)
+        if capacity:
+            slo = capacity[0].slo_p99_ms
+            parts += [
+                f"Capacity at TTFT p99 <= {slo:,.0f} ms: the highest multiple of the workload's arrival"
+                " rate (its turns' arrival times divided by it) at which the policy's TTFT p99 stays"
+                " within the SLO, found by doubling the load from a quarter to 8x, then bisecting to 5%"
+                f" (`kvplane sim ... --goodput --slo-p99-ms {slo:g}`).",
+                capacity_table(capacity),
+            ]
     return "\n\n".join(parts)
 
 
@@ -410,7 +475,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
 
     log(f"{sum(len(s.policies()) for s in specs.values())} runs on {workers} workers")
-    results = run_tables(specs, pool)
+    table_futures = submit_tables(specs, pool)
+    searches = submit_goodput(specs, pool)
+    results = collect_tables(specs, table_futures)
+    goodput = collect_goodput(searches)
+    data["goodput"] = {key: [g.as_json() for g in rows] for key, rows in goodput.items()}
     data["tables"] = {
         key: {
             # The trace by its file name: the path is this machine's.
@@ -431,7 +500,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     log("reports")
     plot_dir = out / "plots"
     plots(results, plot_dir)
-    tables = tables_markdown(specs, results)
+    tables = tables_markdown(specs, results, goodput)
     write_json_if_changed(out / "results.json", data)
     write_if_changed(out / "tables.md", tables + "\n")
     if not args.no_readme:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import multiprocessing
 import os
 import sys
@@ -474,26 +473,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _print_goodput(spec: SimSpec, names: Sequence[str], slo_p99_ms: float) -> int:
-    from kvplane.bench.sim.goodput import find_goodput  # it builds on this module
+    from kvplane.bench.sim.goodput import CAPACITY_COLUMNS, find_goodput  # it builds on this module
 
-    rows = [("policy", "capacity (x the workload's rate)", "turns/s", "p99 ms there", "p99 ms one step more")]
-    for name in names:
-        g = find_goodput(spec, name, slo_p99_ms)
-        if g.met == 0:
-            capacity = f"< {g.missed:g}"
-        elif math.isinf(g.missed):
-            capacity = f">= {g.met:g}"
-        else:
-            capacity = f"{g.met:.2f}"
-        rows.append(
-            (
-                name,
-                capacity,
-                f"{g.turns_per_s:,.1f}",
-                "-" if math.isnan(g.met_p99_ms) else f"{g.met_p99_ms:,.0f}",
-                "-" if math.isnan(g.missed_p99_ms) else f"{g.missed_p99_ms:,.0f}",
-            )
-        )
+    rows = [("policy", *CAPACITY_COLUMNS)]
+    rows += [(name, *find_goodput(spec, name, slo_p99_ms).cells()) for name in names]
     print(f"capacity at TTFT p99 <= {slo_p99_ms:g} ms")
     print(aligned(rows))
     return 0

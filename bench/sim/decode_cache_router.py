@@ -21,6 +21,13 @@ routing, with loads). A prefill on D runs on D's own compute, one at a time, aft
 took before it, and every decode running on D finishes that much later (D's steps run the
 prefill's tokens before its decodes' next ones), so their KV is held that much longer; their
 slower tokens themselves are not scored (the simulator scores TTFT).
+
+Only these two baselines are given the hand-off D's cache spares. vLLM's D has the same cache (its
+NixlConnector reads from P only what D's prefix cache lacks), and kvplane's decode scorers prefer
+the D that holds the history for that reason (`holder-affinity`, `last-decode-affinity`); but the
+published pull figure the costs are fitted to (`costs.QWEN3_32B_PULL_POINT`) may already hold that
+saving, so crediting it to every policy could count it twice. Left out for the others, the
+comparison with these two errs against kvplane and the other vLLM fronts, not for them.
 """
 
 from __future__ import annotations

@@ -38,6 +38,40 @@ class Goodput:
         """The offered rate at `met`: turns per second the policy served within the SLO."""
         return self.met * self.base_turns_per_s
 
+    def capacity_text(self) -> str:
+        """The capacity as a factor: "< low" when not even the lowest load met the SLO, ">= high"
+        when the highest did."""
+        if self.met == 0:
+            return f"< {self.missed:g}"
+        if math.isinf(self.missed):
+            return f">= {self.met:g}"
+        return f"{self.met:.2f}"
+
+    def cells(self) -> tuple[str, str, str, str]:
+        """Capacity, turns/s there, and the p99s (ms) at it and one step above: a table's cells."""
+        return (
+            self.capacity_text(),
+            f"{self.turns_per_s:,.1f}",
+            "-" if math.isnan(self.met_p99_ms) else f"{self.met_p99_ms:,.0f}",
+            "-" if math.isnan(self.missed_p99_ms) else f"{self.missed_p99_ms:,.0f}",
+        )
+
+    def as_json(self) -> dict[str, object]:
+        """The figures, with the unbounded ones as None (JSON has no infinity)."""
+        return {
+            "name": self.name,
+            "slo_p99_ms": self.slo_p99_ms,
+            "capacity": self.met,
+            "capacity_p99_ms": None if math.isnan(self.met_p99_ms) else self.met_p99_ms,
+            "missed": None if math.isinf(self.missed) else self.missed,
+            "missed_p99_ms": None if math.isnan(self.missed_p99_ms) else self.missed_p99_ms,
+            "turns_per_s": self.turns_per_s,
+        }
+
+
+# What a capacity table's columns say, in `Goodput.cells`'s order after the policy.
+CAPACITY_COLUMNS = ("capacity (x the workload's rate)", "turns/s", "p99 ms there", "p99 ms one step more")
+
 
 def offered_turns_per_s(spec: SimSpec) -> float:
     """Turns per second the spec's workload offers as it is (factor 1)."""

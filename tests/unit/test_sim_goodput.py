@@ -68,3 +68,25 @@ def test_the_command_prints_each_policys_capacity(capsys: pytest.CaptureFixture[
 
 def test_a_spec_at_another_scale_offers_its_own_rate() -> None:
     assert offered_turns_per_s(replace(SPEC, time_scale=2.0)) == offered_turns_per_s(SPEC)
+
+
+def test_make_bench_searches_the_headline_tables_and_prints_a_capacity_table() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvplane.bench.all import GOODPUT_SLO_MS, capacity_table, collect_goodput, submit_goodput
+
+    key = next(iter(GOODPUT_SLO_MS))
+    specs = {key: replace(SPEC, max_turns=80), "other_table": SPEC}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        goodput = collect_goodput(submit_goodput(specs, pool))
+    # Only the headline tables are searched, and neither the oracle nor the unsafe proxy.
+    assert list(goodput) == [key]
+    names = [g.name for g in goodput[key]]
+    assert "kvplane" in names and "prefix-affinity" in names
+    assert not {"oracle", "vllm-proxy", "no-reuse"} & set(names)
+    assert all(g.slo_p99_ms == GOODPUT_SLO_MS[key] for g in goodput[key])
+    table = capacity_table(goodput[key])
+    lines = table.splitlines()
+    assert len(lines) == 2 + len(names)
+    kvplane = goodput[key][names.index("kvplane")]
+    assert f"| kvplane | {' | '.join(kvplane.cells())} |" in lines
