@@ -10,8 +10,11 @@ every named policy over the same turns:
    80 GiB of KV per D) and on a fleet where the baselines run stable (320 GiB per D).
 3. The same two fleets with the evicting what-if engine model.
 4. The synthetic agentic workload, pinned, on both fleets.
-5. Scale: 100 P + 100 D nodes and a million synthetic turns through kvplane.
-6. With `--micro`: the control-plane microbenchmarks (they start their own etcd):
+5. The tiered engine model (host memory beside each D) on the headline fleet, both workloads.
+6. Capacity at a TTFT p99 SLO (`kvplane sim --goodput`) of each contending policy on the
+   headline fleet's tables (`GOODPUT_SLO_MS`).
+7. Scale: 100 P + 100 D nodes and a million synthetic turns through kvplane.
+8. With `--micro`: the control-plane microbenchmarks (they start their own etcd):
    `kvplane.bench.metadata_bench`, `route_bench`, `eviction_bench`, each as a subprocess.
 
 Runs go to a pool of one process per core. Results depend only on the seed
