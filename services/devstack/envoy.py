@@ -231,8 +231,9 @@ def envoy_process(binary: str, picker_port: int, pool: Sequence[str], run_dir: P
     config = run_dir / "envoy.yaml"
     config.write_text(envoy_config(picker_port, pool, ports))
     argv = [binary, "-c", str(config), "--concurrency", "1", "--log-level", "warn"]
-    # Its shared memory is named by base id: one per Envoy on the host.
-    argv += ["--base-id", str(ports["admin"])]
+    # Never hot-restarted: no shared memory in /dev/shm (which a stopped Envoy would leave behind),
+    # and any number of them on one host.
+    argv += ["--disable-hot-restart"]
     return Envoy(ManagedProcess("envoy", argv, run_dir / "envoy.log"), ports)
 
 

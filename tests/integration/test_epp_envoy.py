@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -381,3 +382,16 @@ async def test_a_turn_whose_decode_engine_died_is_served_by_another(
         envoy.stop()
         await picker.stop(0.1)
         await side2.stop()
+
+
+async def test_a_stopped_envoy_leaves_no_shared_memory_behind(tmp_path: Path) -> None:
+    assert ENVOY is not None
+    before = _envoy_shared_memory()
+    # Nothing listens on the picker's port: Envoy is ready without it (it fails open or closed later).
+    envoy = await start_envoy(ENVOY, free_port(), [f"127.0.0.1:{free_port()}"], tmp_path)
+    envoy.stop()
+    assert _envoy_shared_memory() - before == set()
+
+
+def _envoy_shared_memory() -> set[Path]:
+    return set(Path("/dev/shm").glob("envoy_shared_memory*"))
