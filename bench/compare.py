@@ -43,7 +43,6 @@ while nothing runs.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import os
 import platform
@@ -86,7 +85,7 @@ from kvplane.bench.compare_fronts import (
 from kvplane.bench.compare_run import BlockResult, Engines, IdleWindow, idle_window, run_block
 from kvplane.bench.compare_workload import Workload, plan, rotation
 from kvplane.services.devstack.envoy import envoy_binary
-from kvplane.services.devstack.processes import ManagedProcess, stop_signals_cancel
+from kvplane.services.devstack.processes import ManagedProcess, run_until_stopped, stopped
 from kvplane.services.devstack.stack import DEMO_API_KEY, STACK_ENGINE_BLOCKS, Stack, start_stack
 
 
@@ -561,24 +560,14 @@ def parse_args(argv: Sequence[str]) -> tuple[CompareConfig, str]:
     return config, args.json
 
 
-async def run_until_stopped(config: CompareConfig) -> list[WorkloadRun] | None:
-    """`run`, stopped by Ctrl-C, SIGTERM or SIGHUP as the dev stack is: what has started is
-    stopped (the stack's processes live in sessions of their own, so nothing else would stop
-    them) and None is returned."""
-    try:
-        with stop_signals_cancel():
-            return await run(config)
-    except asyncio.CancelledError:
-        return None
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     config, json_path = parse_args(argv)
-    runs = asyncio.run(run_until_stopped(config))
+    # A stop signal stops what has started (the stack's processes live in sessions of their own,
+    # so nothing else would stop them), and nothing is written.
+    runs = run_until_stopped(run(config))
     if runs is None:
-        _stderr("stopped: every process it started is stopped; no results")
-        return 1
+        return stopped()
     print(render(config, runs))
     report.dump(json_path, document(config, runs, ["python", "-m", "kvplane.bench.compare", *argv]))
     print(f"\nJSON: {json_path}")

@@ -52,6 +52,8 @@ from kvplane.services.devstack.processes import (
     ManagedProcess,
     grpc_health_probe,
     http_health_probe,
+    run_until_stopped,
+    stopped,
     wait_ready,
 )
 from kvplane.services.devstack.stack import engine_env
@@ -267,7 +269,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write the figures (ms) here")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="kvplane-demand-") as run_dir:
-        results = asyncio.run(run(args.rounds, args.blocks, args.speedup, Path(run_dir)))
+        results = run_until_stopped(run(args.rounds, args.blocks, args.speedup, Path(run_dir)))
+    if results is None:
+        return stopped()
     full = [r.full_s for r in results]
     free = [r.free_s for r in results]
     wait = [r.wait_s for r in results]

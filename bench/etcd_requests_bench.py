@@ -35,6 +35,7 @@ import aiohttp
 
 from kvplane.bench.live import token_chat
 from kvplane.services.devstack.names import DEMO_MODEL
+from kvplane.services.devstack.processes import run_until_stopped, stopped
 
 MODEL = DEMO_MODEL
 # etcd's gRPC methods that are one request each (LeaseKeepAlive is counted by messages).
@@ -316,7 +317,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--idle-s", type=float, default=20.0, help="idle window, seconds")
     args = parser.parse_args(argv)
-    print(report(asyncio.run(run(args)), args))
+    results = run_until_stopped(run(args))
+    if results is None:
+        return stopped()
+    print(report(results, args))
     return 0
 
 

@@ -30,6 +30,7 @@ from kvplane.services.common.runtime.ports import free_port
 from kvplane.services.common.runtime.telemetry import Telemetry
 from kvplane.services.common.store import Store, StoreSettings
 from kvplane.services.dev.local_etcd import LocalEtcd
+from kvplane.services.devstack.processes import run_until_stopped, stopped
 from kvplane.services.eviction.app import install
 from kvplane.services.eviction.coordinator import EvictionCoordinator
 from kvplane.services.process import ServiceProcess
@@ -275,7 +276,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 results.append(await run_once(etcd, args.handles, args.nodes, args.keep_mb, c))
         return results
 
-    results = asyncio.run(run())
+    results = run_until_stopped(run())
+    if results is None:
+        return stopped()
     print(
         f"eviction leader vs real etcd: {args.handles} handles on {args.nodes} nodes, "
         f"{args.keep_mb} MB budget each"

@@ -47,6 +47,7 @@ from kvplane.bench.route_bench import cpu_seconds
 from kvplane.services.common.model.handles import fresh_prefill_params
 from kvplane.services.common.runtime.ports import free_port
 from kvplane.services.devstack.names import DEMO_MODEL
+from kvplane.services.devstack.processes import run_until_stopped, stopped
 
 MODEL = DEMO_MODEL
 # A front's CPU counter has settled once it moves less than this in SETTLE_S (one clock tick is 10 ms).
@@ -324,7 +325,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=4, help="conversations at once")
     parser.add_argument("--rounds", type=int, default=4, help="alternating batches per front")
     args = parser.parse_args(argv)
-    print(report(asyncio.run(run(args)), args))
+    results = run_until_stopped(run(args))
+    if results is None:
+        return stopped()
+    print(report(results, args))
     return 0
 
 

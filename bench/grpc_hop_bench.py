@@ -37,6 +37,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
 from kvplane.bench.compare_report import percentile
+from kvplane.services.devstack.processes import run_until_stopped, stopped
 
 # A pause between calls, so that each call starts on a loop in its steady state.
 _GAP_S = 0.005
@@ -184,7 +185,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.calls < 1 or args.repeats < 1 or args.busy_ms <= 0:
         parser.error("--calls and --repeats must be at least 1, --busy-ms above 0")
-    samples = asyncio.run(run(args.calls, busy_s, args.repeats))
+    samples = run_until_stopped(run(args.calls, busy_s, args.repeats))
+    if samples is None:
+        return stopped()
     print(report(samples, args.calls, busy_s, args.repeats))
     return 0
 

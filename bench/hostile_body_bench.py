@@ -39,6 +39,7 @@ import aiohttp
 from kvplane.bench.compare_report import percentile
 from kvplane.connector.simengine.settings import SimEngineSettings
 from kvplane.services.devstack.names import DEMO_MODEL
+from kvplane.services.devstack.processes import run_until_stopped, stopped
 from kvplane.services.gateway.admission import json_values_for_context
 
 PROMPT_TOKENS = 2_000
@@ -218,7 +219,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for status, count in sorted(asyncio.run(attack(args.attack, args.api_key, args.attackers)).items()):
             print(status, count)
         return 0
-    blocks = asyncio.run(run(args))
+    blocks = run_until_stopped(run(args))
+    if blocks is None:
+        return stopped()
     print(report(blocks, args))
     return 0
 

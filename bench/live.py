@@ -40,6 +40,7 @@ import aiohttp
 
 from kvplane.services.common.model.handles import fresh_prefill_params
 from kvplane.services.devstack.names import DEMO_MODEL
+from kvplane.services.devstack.processes import run_until_stopped, stopped
 
 # The prefill engines' prompt-token sources (vLLM's `vllm:prompt_tokens_by_source` labels).
 PULLED, CACHED, COMPUTED = "external_kv_transfer", "local_cache_hit", "local_compute"
@@ -504,7 +505,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", help="write per-turn results here")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
-    result, direct = asyncio.run(_run(args))
+    outcome = run_until_stopped(_run(args))
+    if outcome is None:
+        return stopped()
+    result, direct = outcome
     print(report(result))
     if direct is not None:
         print()

@@ -30,6 +30,7 @@ from kvplane.services.common.model.nodes import Fingerprint, Node, NodeRole
 from kvplane.services.common.runtime.ports import free_port
 from kvplane.services.common.runtime.telemetry import Telemetry
 from kvplane.services.dev.local_etcd import LocalEtcd
+from kvplane.services.devstack.processes import run_until_stopped, stopped
 from kvplane.services.metadata.app import install
 from kvplane.services.process import ServiceProcess
 from kvplane.services.settings import KvplaneSettings
@@ -227,7 +228,9 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,64", help="comma-separated caller counts")
     parser.add_argument("--json", help="write results here")
     args = parser.parse_args()
-    results = asyncio.run(run(args.ops, [int(c) for c in args.concurrency.split(",")]))
+    results = run_until_stopped(run(args.ops, [int(c) for c in args.concurrency.split(",")]))
+    if results is None:
+        raise SystemExit(stopped())
     print(table(results))
     if args.json:
         with open(args.json, "w") as f:

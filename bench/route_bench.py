@@ -56,6 +56,7 @@ import grpc
 
 from kvplane.services.common.runtime.ports import free_port
 from kvplane.services.dev.local_etcd import LocalEtcd
+from kvplane.services.devstack.processes import run_until_stopped, stopped
 
 HISTORY_TOKENS = 4096
 NEW_TOKENS = 64
@@ -601,7 +602,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     rounds = {"off": (False,), "on": (True,), "both": (False, True)}[args.tracing]
-    results = asyncio.run(run(args.calls_c1, args.calls_c64, rounds))
+    results = run_until_stopped(run(args.calls_c1, args.calls_c64, rounds))
+    if results is None:
+        return stopped()
     print(report(results))
     return 0
 

@@ -15,11 +15,12 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 import aiohttp
 import grpc
@@ -27,6 +28,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 # What stops a supervisor: Ctrl-C, `kill`, and the terminal closing.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+T = TypeVar("T")
 
 
 @contextlib.contextmanager
@@ -43,6 +46,27 @@ def stop_signals_cancel() -> Iterator[None]:
     finally:
         for sig in STOP_SIGNALS:
             loop.remove_signal_handler(sig)
+
+
+async def until_stopped(main: Awaitable[T]) -> T | None:
+    """`main`'s result; None if Ctrl-C, SIGTERM or SIGHUP came first (`main` is then cancelled,
+    and its `finally` blocks stop whatever it started)."""
+    try:
+        with stop_signals_cancel():
+            return await main
+    except asyncio.CancelledError:
+        return None
+
+
+def run_until_stopped(main: Coroutine[Any, Any, T]) -> T | None:
+    """`asyncio.run(main)`, stopped as a supervisor is (`until_stopped`)."""
+    return asyncio.run(until_stopped(main))
+
+
+def stopped() -> int:
+    """Says on stderr that a command was stopped before its end, and gives its exit status."""
+    print("stopped: every process it started is stopped; no results", file=sys.stderr)
+    return 1
 
 
 class StartupError(RuntimeError):

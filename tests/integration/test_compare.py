@@ -37,6 +37,7 @@ from kvplane.bench.compare_fronts import (
 from kvplane.bench.compare_report import CLIENT, ENGINES, Row, dump
 from kvplane.bench.compare_workload import Workload
 from tests.support.polling import eventually
+from tests.support.processes import processes_naming
 
 ROUTER_INSTALLED = vllm_router_binary() is not None
 # Every front, kvplane through a routing replica that ignores the engines' KV events, and the
@@ -158,21 +159,6 @@ def test_vllm_router_completes_every_turn(runs: dict[str, compare.WorkloadRun]) 
         assert set(row.cpu_ms_per_turn) == {"vllm-router", CLIENT, ENGINES}
 
 
-def _processes_naming(text: str, but: int) -> list[int]:
-    """Live processes (other than `but`) whose command line holds `text`."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == but:
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue  # gone meanwhile
-        if text.encode() in cmdline:
-            found.append(int(entry.name))
-    return found
-
-
 async def test_sigterm_stops_every_process_the_comparison_started(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     args = ["--workload", "A", "--concurrency", "1", "--repeats", "1", "--fronts", ZERO_HOP]
@@ -190,13 +176,13 @@ async def test_sigterm_stops_every_process_the_comparison_started(tmp_path: Path
 
         async def stack_up() -> bool:
             # kvplane's services and the four engines name files in the run directory.
-            return len(_processes_naming(str(run_dir), but=proc.pid)) >= 5
+            return len(processes_naming(str(run_dir), but=proc.pid)) >= 5
 
         await eventually(stack_up, timeout_s=120, what="the comparison's stack to start")
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), timeout=120) == 1
         # The stack's processes run in sessions of their own: only the comparison stops them.
-        assert _processes_naming(str(run_dir), but=proc.pid) == []
+        assert processes_naming(str(run_dir), but=proc.pid) == []
         assert not (tmp_path / "out.json").exists()
     finally:
         if proc.returncode is None:
