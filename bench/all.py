@@ -102,9 +102,14 @@ POLICY_LEGEND = (
     " unpins the handle's accelerator blocks once the copy (25 GB/s, assumed) is whole, and"
     " offers it from there for an hour after its publish (D's own TTL is 480 s); a handle that"
     " found no room there stays on the accelerators, and is copied when the control plane"
-    " releases it if room can be made. A pull reads either tier at the same cost. Neither"
-    " `prefix-affinity` nor `llm-d-p2p` is charged a hop: llm-d's endpoint picker has one, not"
-    " measured here, where kvplane's turns pay theirs."
+    " releases it if room can be made. A pull reads either tier at the same cost. None of"
+    " `prefix-affinity`, `llm-d-p2p`, `decode-radix` and `conditional-disagg` is charged a hop:"
+    " llm-d's endpoint picker, SGLang's router and Dynamo's frontend have one each, not measured"
+    " here, where kvplane's turns pay theirs. `decode-radix` and `conditional-disagg` alone are"
+    " credited the hand-off D's own prefix cache spares: vLLM's D has that cache too, and kvplane's"
+    " decode scorers prefer the D that holds the history for it, but the published pull figure the"
+    " costs are fitted to may already include that saving, so the comparison errs against kvplane"
+    " there."
 )
 # Host memory beside each D in the tiered tables, GiB (issue's pinned model at 80 GiB per D).
 TIERED_HOST_GIB = 256

@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-# The baselines a user would pick instead of kvplane; the oracle is a bound, not a contender.
-BASELINES = ("no-reuse", "vllm-proxy", "vllm-proxy-checked", "prefix-affinity", "llm-d-p2p", "cache-aware")
+from kvplane.bench.sim.baselines import CONTENDERS as BASELINES
+
 QUANTILES = ("p50", "p90", "p99")
 # A share of turns below this is not worth a clause.
 NOTABLE = 0.01

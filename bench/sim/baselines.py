@@ -173,6 +173,11 @@ BASELINES: dict[str, Baseline] = {
 }
 
 
+# The baselines a user would pick instead of kvplane: every configuration but kvplane's own and
+# the oracle (a bound, not a contender).
+CONTENDERS: tuple[str, ...] = tuple(n for n, b in BASELINES.items() if b.router not in ("policy", "oracle"))
+
+
 @dataclass(frozen=True, slots=True)
 class RunOptions:
     """How kvplane's policies are driven: see `PolicyRouter` and `PipelineRetention`."""
