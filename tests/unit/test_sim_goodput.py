@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from kvplane.bench.sim.command import SimSpec, main
-from kvplane.bench.sim.goodput import find_goodput, offered_turns_per_s, p99_at
+from kvplane.bench.sim.goodput import Goodput, find_goodput, offered_turns_per_s, p99_at
 
 # A small fleet and a short agentic run: quick, and loaded enough that compressing it hurts.
 SPEC = SimSpec(workload="agentic", prefill=2, decode=2, max_turns=600, seed=3)
@@ -70,23 +70,31 @@ def test_a_spec_at_another_scale_offers_its_own_rate() -> None:
     assert offered_turns_per_s(replace(SPEC, time_scale=2.0)) == offered_turns_per_s(SPEC)
 
 
-def test_make_bench_searches_the_headline_tables_and_prints_a_capacity_table() -> None:
+def test_make_bench_searches_the_headline_tables_and_prints_a_capacity_table(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
-    from kvplane.bench.all import GOODPUT_SLO_MS, capacity_table, collect_goodput, submit_goodput
+    from kvplane.bench import all as bench_all
 
-    key = next(iter(GOODPUT_SLO_MS))
-    specs = {key: replace(SPEC, max_turns=80), "other_table": SPEC}
+    searched: list[tuple[str, float]] = []
+
+    def search(spec: SimSpec, name: str, slo_p99_ms: float) -> Goodput:
+        # find_goodput itself is tested above: here, what make bench asks of it and prints.
+        searched.append((name, slo_p99_ms))
+        return Goodput(name, slo_p99_ms, 2.0, 1500.0, 2.1, 2100.0, 1.5)
+
+    monkeypatch.setattr(bench_all, "find_goodput", search)
+    key = next(iter(bench_all.GOODPUT_SLO_MS))
+    specs = {key: SPEC, "other_table": SPEC}
     with ThreadPoolExecutor(max_workers=2) as pool:
-        goodput = collect_goodput(submit_goodput(specs, pool))
-    # Only the headline tables are searched, and neither the oracle nor the unsafe proxy.
+        goodput = bench_all.collect_goodput(bench_all.submit_goodput(specs, pool))
+    # Only the headline tables are searched, and neither the oracle, nor the unsafe proxy, nor no-reuse.
     assert list(goodput) == [key]
     names = [g.name for g in goodput[key]]
-    assert "kvplane" in names and "prefix-affinity" in names
+    assert "kvplane" in names and "prefix-affinity" in names and "conditional-disagg" in names
     assert not {"oracle", "vllm-proxy", "no-reuse"} & set(names)
-    assert all(g.slo_p99_ms == GOODPUT_SLO_MS[key] for g in goodput[key])
-    table = capacity_table(goodput[key])
-    lines = table.splitlines()
+    assert sorted(searched) == sorted((n, bench_all.GOODPUT_SLO_MS[key]) for n in names)
+    lines = bench_all.capacity_table(goodput[key]).splitlines()
     assert len(lines) == 2 + len(names)
-    kvplane = goodput[key][names.index("kvplane")]
-    assert f"| kvplane | {' | '.join(kvplane.cells())} |" in lines
+    assert "| kvplane | 2.00 | 3.0 | 1,500 | 2,100 |" in lines
