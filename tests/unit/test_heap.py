@@ -23,7 +23,10 @@ def unfrozen() -> Iterator[None]:
 def test_start_up_objects_are_frozen_and_later_ones_are_not(unfrozen: None) -> None:
     built_at_start = [object() for _ in range(1000)]
     frozen = freeze_startup_heap()
-    assert frozen == gc.get_freeze_count() >= 1000
+    assert frozen >= 1000
+    # Frozen objects that die later leave the count (other threads of this process may free some
+    # at any moment); nothing joins it without another freeze.
+    assert gc.get_freeze_count() <= frozen
     tracked = {id(o) for o in gc.get_objects()}
     assert not any(id(o) in tracked for o in built_at_start)  # frozen objects are in no generation
     later = [[] for _ in range(10)]
