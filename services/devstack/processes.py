@@ -5,7 +5,8 @@ the supervisor only, which then stops the children in its own order, and stoppin
 whatever it started too. `wait_ready` polls a child's readiness probe until a deadline and reports
 a child that exited meanwhile, with its exit status and the end of its log. Since no signal reaches
 the children, `stop_signals_cancel` turns Ctrl-C, SIGTERM and SIGHUP into a cancellation of the
-supervising task, whose `finally` blocks stop them.
+supervising task, whose `finally` blocks stop them; `run_until_stopped` runs a command (a
+benchmark, the comparison) that way.
 """
 
 from __future__ import annotations
