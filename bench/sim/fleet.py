@@ -15,9 +15,15 @@ What a router may read, by what a live router could know:
   that models engines publishing KV-cache events (vLLM's `kv_events_config`),
   as prefix-cache-aware routers subscribe to (`PrefixAffinityRouter`).
   kvplane's `PolicyRouter` does not read it: it knows only what it routed.
+  Likewise `DecodeState.prefix_cache`, a decode node's own prefix cache, for
+  the routers that model decode engines publishing their events
+  (`DecodeCacheRouter`), and `DecodeState.host_cache` for `llm-d-p2p`;
+- the number of turns waiting in the prefill nodes' queues, for
+  `conditional-disagg` only: Dynamo's prefill workers take turns from one
+  shared queue whose length its decode workers read.
 
-Everything else (`DecodeState` internals, the queues and reads of
-`PrefillState`) is the simulator's ground truth. Only `OracleRouter`, a
+Everything else (`DecodeState`'s other internals, the queued turns and reads
+of `PrefillState`) is the simulator's ground truth. Only `OracleRouter`, a
 bound rather than a contender, reads it. The proxies read nothing but their
 own round-robin counters and the handles D published to them (whether D
 still holds a handle is the outcome of the pull, not an input to the route).
