@@ -188,9 +188,7 @@ def _expected_cost(spec: SimSpec, name: str) -> float:
     return (10.0 if name == "kvplane" else 1.0) * len(spec_turns(spec))
 
 
-def submit_tables(
-    specs: dict[str, SimSpec], pool: ProcessPoolExecutor
-) -> dict[tuple[str, str], Future[SimResult]]:
+def submit_tables(specs: dict[str, SimSpec], pool: Executor) -> dict[tuple[str, str], Future[SimResult]]:
     """Every table's runs, one job per policy, longest first."""
     jobs = [(key, spec, name) for key, spec in specs.items() for name in spec.policies()]
     jobs.sort(key=lambda j: -_expected_cost(j[1], j[2]))

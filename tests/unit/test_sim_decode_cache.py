@@ -33,20 +33,15 @@ def _conversation(added_tokens: int) -> list[Turn]:
     ]
 
 
-def _simulate(name: str, turns: list[Turn], cluster: ClusterSpec = ONE_PAIR) -> Simulator:
-    sim = simulator_for(BASELINES[name], SimConfig(cluster=cluster))
-    sim.run(turns, name)
-    return sim
-
-
-def _summary(name: str, turns: list[Turn]) -> tuple[Simulator, SimSummary]:
+def _run(name: str, turns: list[Turn]) -> tuple[Simulator, SimSummary]:
+    """The simulator after the run (its per-turn record), and the run's summary."""
     sim = simulator_for(BASELINES[name], SimConfig(cluster=ONE_PAIR))
     return sim, sim.run(turns, name).summary
 
 
 def test_decode_radix_spares_the_hand_off_of_the_blocks_d_holds_and_nothing_else() -> None:
-    affinity = _simulate("prefix-affinity", _conversation(2000))
-    radix = _simulate("decode-radix", _conversation(2000))
+    affinity = _run("prefix-affinity", _conversation(2000))[0]
+    radix = _run("decode-radix", _conversation(2000))[0]
     # The first turn finds nothing on D; the second finds the first turn's 8,100 tokens (whole
     # blocks: 8,096) and is that much of a hand-off sooner. P's own work is the same: P's cache
     # served the same tokens on both.
@@ -64,19 +59,19 @@ def test_without_a_decode_cache_the_radix_routers_refuse_to_run() -> None:
 
 
 def test_conditional_disagg_prefills_a_short_addition_on_the_decode_node() -> None:
-    short = _simulate("conditional-disagg", _conversation(500))
+    short = _run("conditional-disagg", _conversation(500))[0]
     # The first turn's 8,000 tokens go to P; the second lacks 504 tokens on D, under Dynamo's
     # 1,000: D prefills it from its own cache, with no hand-off and no P.
     assert short.rec.decisions["local_prefill"] == 1
     assert short.fleet.prefill[0].served == 1
     assert short.rec.cached_tokens >= 8096
-    long = _simulate("conditional-disagg", _conversation(2000))
+    long = _run("conditional-disagg", _conversation(2000))[0]
     assert long.rec.decisions.get("local_prefill", 0) == 0
     assert long.fleet.prefill[0].served == 2
 
 
 def test_a_prefill_on_the_decode_node_costs_its_compute_and_one_decode_step_per_chunk() -> None:
-    sim = _simulate("conditional-disagg", [Turn(0.0, "solo", 0, 600, 10)])
+    sim = _run("conditional-disagg", [Turn(0.0, "solo", 0, 600, 10)])[0]
     costs = SimCosts()
     # D computes all 600 tokens (nothing cached), one step beside its decodes, and reads nothing.
     expected = costs.prefill_s(600) + costs.timing.decode_s(0) - costs.handoff_s(600)
@@ -88,8 +83,8 @@ def test_a_prefill_on_the_decode_node_delays_every_decode_running_there() -> Non
     # a decodes 400 tokens; b's short first turn is prefilled on the same D meanwhile.
     a = Turn(0.0, "a", 0, 4000, 400)
     b = Turn(1.0, "b", 0, 600, 1)
-    _, alone = _summary("conditional-disagg", [a])
-    both_sim, both = _summary("conditional-disagg", [a, b])
+    _, alone = _run("conditional-disagg", [a])
+    both_sim, both = _run("conditional-disagg", [a, b])
     assert both.decisions["local_prefill"] == 1
     # b came to an idle D compute: its TTFT is its prefill, and a's last token came that much later
     # (a's decode, 400 steps, outlasts b's).
