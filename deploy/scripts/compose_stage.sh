@@ -260,9 +260,19 @@ down() {
 logs_on_failure() {
   local rc=$?
   if ((rc != 0)); then
+    mkdir -p "$WORK/logs"
     for c in $(containers); do
       printf '\n--- logs of %s\n' "$c"
-      podman logs --tail 40 "$c" 2>&1 || true
+      podman logs "$c" >"$WORK/logs/$c.log" 2>&1 || true
+      tail -40 "$WORK/logs/$c.log"
+    done
+    # Last, where a truncated CI log still shows it: each container's latest warnings and errors
+    # (vLLM's periodic stats and the engines' failed trace exports left out).
+    printf '\n--- warnings and errors, latest last (whole logs in %s/logs)\n' "$WORK"
+    for c in $(containers); do
+      grep -iE 'warn|error|exception|traceback|timed? ?out' "$WORK/logs/$c.log" \
+        | grep -vE 'exporting traces|export traces|DeprecationWarning|warnings.warn' \
+        | tail -6 | cut -c1-400 | sed "s/^/${c#"${PROJECT}"_}: /" || true
     done
   fi
   if [[ ${KVPLANE_STAGE_KEEP:-0} != 1 ]]; then down; fi

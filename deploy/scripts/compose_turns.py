@@ -5,7 +5,11 @@
 Standard library only: it runs on the host, outside kvplane's environment. Every turn must be
 answered 200, the first one included (it is sent as soon as the stack reports healthy); every
 later turn carries the whole history, and at least one of them must be routed `pull`.
-Exit status 0 when both hold; the decisions are printed either way.
+Exit status 0 when both hold; the decisions are printed either way, with each turn's seconds.
+
+The client waits `--timeout-s` for a turn: longer than the gateway's own deadlines (a P leg that
+outlives its timeout is retried once without the handle), so that a turn the gateway recovers is
+seen recovered, as `retry_no_handle`, and counted, rather than cut off while the retry runs.
 
 Chat by default. With --token-ids the turns are /v1/completions of token ids, as the slow
 end-to-end tests send them: each later prompt is the previous prompt, the ids the engine
@@ -19,6 +23,7 @@ import argparse
 import json
 import random
 import sys
+import time
 import urllib.error
 import urllib.request
 import uuid
@@ -48,6 +53,7 @@ def send_turn(
     conversation_id: str,
     path: str,
     body: dict[str, object],
+    timeout_s: float,
 ) -> tuple[int, str, dict[str, Any] | str]:
     request = urllib.request.Request(
         f"{gateway}{path}",
@@ -60,7 +66,7 @@ def send_turn(
         method="POST",
     )
     try:
-        with urllib.request.urlopen(request, timeout=120) as response:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
             choice = json.loads(response.read())["choices"][0]
             return response.status, response.headers.get(DECISION_HEADER, ""), choice
     except urllib.error.HTTPError as error:
@@ -83,6 +89,12 @@ def main() -> int:
         action="store_true",
         help="token-id completions (each of exactly --max-tokens tokens) instead of chat",
     )
+    parser.add_argument(
+        "--timeout-s",
+        type=float,
+        default=600.0,
+        help="how long to wait for one turn (default 600: past the gateway's own retry)",
+    )
     args = parser.parse_args()
 
     run = uuid.uuid4().hex[:8]  # fresh conversations on every run against the same stack
@@ -102,9 +114,16 @@ def main() -> int:
                 messages.append({"role": "user", "content": user_message(conversation, turn)})
                 path = "/v1/chat/completions"
                 body.update(messages=messages)
-            status, decision, reply = send_turn(args.gateway, args.api_key, conversation_id, path, body)
+            start = time.monotonic()
+            status, decision, reply = send_turn(
+                args.gateway, args.api_key, conversation_id, path, body, args.timeout_s
+            )
             size = f", {len(prompt)} prompt tokens" if args.token_ids else ""
-            print(f"conversation {conversation} turn {turn}: HTTP {status}, decision {decision or '-'}{size}")
+            print(
+                f"conversation {conversation} turn {turn}: HTTP {status}, decision {decision or '-'}{size},"
+                f" {time.monotonic() - start:.1f} s",
+                flush=True,
+            )
             if isinstance(reply, str):
                 failures.append(f"{conversation_id} turn {turn}: HTTP {status}: {reply[:300]}")
                 break
