@@ -8,7 +8,13 @@ from kvplane.services.client.routing_client import (
     RoutingUnavailable,
 )
 from kvplane.services.client.tokenize import TokenizeFailed, is_token_ids, tokenize
-from kvplane.services.client.vllm_requests import MissingPrefillParams, decode_body, leg_url, prefill_body
+from kvplane.services.client.vllm_requests import (
+    MissingPrefillParams,
+    decode_body,
+    decode_only_body,
+    leg_url,
+    prefill_body,
+)
 
 __all__ = [
     "ClientCredentials",
@@ -19,6 +25,7 @@ __all__ = [
     "RoutingUnavailable",
     "TokenizeFailed",
     "decode_body",
+    "decode_only_body",
     "is_token_ids",
     "leg_url",
     "prefill_body",

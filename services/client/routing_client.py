@@ -102,6 +102,11 @@ class RouteResult:
     def pulls(self) -> bool:
         return self.decision == "pull"
 
+    @property
+    def on_decode(self) -> bool:
+        """D prefills the turn itself: no P leg; D's request carries `prefill_params`."""
+        return self.decision == "prefill_on_decode"
+
     @classmethod
     def from_pb(cls, pb: routing_pb2.RouteResponse, replica: int = -1) -> RouteResult:
         return cls(
@@ -333,6 +338,7 @@ class RoutingClient:
         awaited_handle_tokens: int = 0,
         max_output_tokens: int | None = None,
         cache_salt: str = "",
+        prefill_on_decode_ok: bool = False,
     ) -> RouteResult:
         """Routes one turn; `failed_node_ids` names nodes whose leg of this very turn just
         failed (a retry), so that routing neither chooses them again nor, for others, soon.
@@ -341,7 +347,8 @@ class RoutingClient:
         publish has not landed yet. `max_output_tokens`: the turn's max_tokens, when known (D
         keeps its KV for the next turn only where the output could be worth a pull).
         `cache_salt`: the salt the turn's engine requests carry, so that routing predicts the
-        prefill engines' block hashes as they compute them."""
+        prefill engines' block hashes as they compute them. `prefill_on_decode_ok`: the caller can
+        run the turn on its decode engine alone (`RouteResult.on_decode`, then `decode_only_body`)."""
         request = routing_pb2.RouteRequest(
             conversation=conversation,
             model=model,
@@ -356,6 +363,7 @@ class RoutingClient:
             awaited_handle_tokens=awaited_handle_tokens,
             max_output_tokens=max_output_tokens,
             cache_salt=cache_salt,
+            prefill_on_decode_ok=prefill_on_decode_ok,
         )
         carried: dict[int, list[Report]] = {}
 

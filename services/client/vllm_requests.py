@@ -6,6 +6,9 @@
    returned, plus kvplane's tenant and conversation keys so that D's
    connector can publish the handle it retains.
 
+A turn routed `prefill_on_decode` has no P leg: D gets the client's request
+with the route's params (`decode_only_body`), which name no remote blocks.
+
 Client-supplied kv_transfer_params are always replaced: an engine trusts
 whatever it is given, so only the router may name blocks.
 """
@@ -52,6 +55,16 @@ def decode_body(
     if route.skip_decode_retention:
         params[KEY_RETAIN] = False
     body = _copied(client_body)
+    body["kv_transfer_params"] = params
+    return body
+
+
+def decode_only_body(client_body: Mapping[str, Any], route: RouteResult) -> dict[str, Any]:
+    """The body for D when D prefills the turn itself (`RouteResult.on_decode`)."""
+    body = _copied(client_body)
+    params = _copied(route.prefill_params)
+    if route.skip_decode_retention:
+        params[KEY_RETAIN] = False
     body["kv_transfer_params"] = params
     return body
 

@@ -48,6 +48,7 @@ DECISION_MEANINGS = {
     "recompute_holder_down": "the engine holding the KV is gone, restarted or draining",
     "recompute_prefix_mismatch": "the prompt does not continue what D retains",
     "recompute_contended": "another turn of the conversation holds the KV, or etcd is unreachable",
+    "prefill_on_decode": "the D holding the conversation's KV prefilled the turn itself, with no P leg",
 }
 
 

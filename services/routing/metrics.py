@@ -32,7 +32,7 @@ class RoutingMetrics:
         return cls(
             routes=Counter(
                 "kvplane_routes_total",
-                "Routed turns by decision (pull, recompute) and reason code",
+                "Routed turns by decision (pull, recompute, decode: prefilled on D) and reason code",
                 ["decision", "reason"],
                 registry=registry,
             ),

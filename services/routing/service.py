@@ -92,6 +92,7 @@ DECISION_TO_PB: dict[Decision, routing_pb2.Decision.ValueType] = {
     Decision.RECOMPUTE_PREFIX_MISMATCH: routing_pb2.DECISION_RECOMPUTE_PREFIX_MISMATCH,
     Decision.RECOMPUTE_COST: routing_pb2.DECISION_RECOMPUTE_COST,
     Decision.RECOMPUTE_CONTENDED: routing_pb2.DECISION_RECOMPUTE_CONTENDED,
+    Decision.PREFILL_ON_DECODE: routing_pb2.DECISION_PREFILL_ON_DECODE,
 }
 
 __all__ = ["SERVICE_NAME", "NoRoute", "RouteOutcome", "RoutingService"]
@@ -183,6 +184,7 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
             awaited=AwaitedHandle(awaited, request.awaited_handle_tokens) if awaited else None,
             max_output_tokens=max_output,
             cache_salt=salt or None,
+            prefill_on_decode_ok=request.prefill_on_decode_ok,
         )
         span = trace.get_current_span()
         if span.is_recording():
@@ -235,6 +237,7 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
         awaited: AwaitedHandle | None = None,
         max_output_tokens: int | None = None,
         cache_salt: str | None = None,
+        prefill_on_decode_ok: bool = False,
     ) -> RouteOutcome:
         """The Router's decision for one turn, counted in the metrics. No protobuf here."""
         turn = TurnRequest(
@@ -247,6 +250,7 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
             awaited,
             max_output_tokens,
             cache_salt,
+            prefill_on_decode_ok,
         )
         try:
             outcome = await self.router.route(turn)
@@ -260,7 +264,10 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
             life_left_s = outcome.handle.life_left_ms(outcome.routed_unix_ms) / 1000
             self.metrics.life_left_at_checkout.observe(max(0.0, life_left_s))
         decision, reused = outcome.decision, outcome.reused_tokens
-        self.metrics.routes.labels("pull" if decision.pulls else "recompute", decision.value).inc()
+        kind = (
+            "pull" if decision.pulls else "decode" if decision is Decision.PREFILL_ON_DECODE else "recompute"
+        )
+        self.metrics.routes.labels(kind, decision.value).inc()
         self.metrics.tokens.labels("reused").inc(reused)
         self.metrics.tokens.labels("recomputed").inc(max(0, prompt.tokens - reused))
         self.metrics.decode_retention.labels("skipped" if outcome.skip_decode_retention else "kept").inc()

@@ -37,6 +37,19 @@ def prefill_params(
     return params
 
 
+def decode_only_params(tenant: str, conversation: str) -> dict[str, Any]:
+    """The kv_transfer_params of a turn D prefills itself (PREFILL_ON_DECODE): no remote blocks
+    either way, so D's vLLM computes what its prefix cache lacks and, with bidirectional
+    transfer on, keeps the turn's blocks as a decode engine does; our keys let its connector
+    publish them as the conversation's next handle."""
+    return {
+        "do_remote_prefill": False,
+        "do_remote_decode": False,
+        KEY_TENANT: tenant,
+        KEY_CONVERSATION: conversation,
+    }
+
+
 def clip_pull(params: dict[str, Any], tokens: int, block_size: int) -> None:
     """Clips a pull to its first `tokens` tokens: P's vLLM then reads only those blocks.
 

@@ -176,6 +176,49 @@ async def test_a_pull_checks_the_handle_out_and_builds_the_prefill_params() -> N
     assert outcome.routed_unix_ms == NOW
 
 
+async def test_a_turn_prefilled_on_its_holder_checks_nothing_out_and_leaves_the_prefill_record_alone() -> (
+    None
+):
+    cluster = FakeCluster(fleet())
+    router, checkout, clock = make_router(cluster)
+    # The conversation's first turn went through P, and D kept its history.
+    first = await router.route(turn(history(HISTORY - 200), "c"))
+    assert first.decision is Decision.RECOMPUTE_NO_HANDLE
+    home = first.plan.prefill.node_id
+    record = held(cluster, history(HISTORY))
+    costs = router.costs
+    clock.now_ms += 1_000
+    prompt = [*history(HISTORY), *history(150, seed=4)]
+    outcome = await router.route(turn(prompt, "c", prefill_on_decode_ok=True))
+    assert outcome.decision is Decision.PREFILL_ON_DECODE, outcome.reason
+    assert outcome.plan.prefill.node_id == outcome.plan.decode.node_id == record.handle.holder_node_id
+    # Nothing is read: no check-out, and D's params name no remote blocks, only whose turn it is.
+    assert checkout.calls == [] and outcome.handle is None
+    assert outcome.prefill_params == {
+        "do_remote_prefill": False,
+        "do_remote_decode": False,
+        "kvplane_tenant": "t",
+        "kvplane_conversation": "c",
+    }
+    assert outcome.reused_tokens == HISTORY
+    # D keeps this turn (its publish supersedes the handle), and nothing is released for it.
+    assert not outcome.skip_decode_retention and outcome.superseded is None
+    # D's compute between its decode steps teaches the cost model nothing about P's.
+    router.report(
+        outcome.route_id,
+        "t",
+        "c",
+        TurnReport(True, prompt_tokens=len(prompt), prefill_ms=900.0, ttft_ms=950.0),
+    )
+    assert router.costs == costs
+    clock.now_ms += 1_000
+    again = await router.route(turn([*prompt, *history(5000, seed=8)], "c"))
+    # The prefill node that served the conversation is still its home, believed to hold what it
+    # was sent: no prefill node was sent the turn D prefilled.
+    assert again.plan.prefill.node_id == home
+    assert HISTORY - 200 - 16 <= again.plan.verdict.cached_tokens <= HISTORY - 200
+
+
 @pytest.mark.parametrize(
     ("failure", "reason"),
     [

@@ -12,6 +12,7 @@ YAML (or an equivalent mapping)::
       filters: [...]
       scorers: [...]
     pull: {threshold_tokens: 64, expiry_margin_ms: 5000, max_transfer_fraction: 0.5}
+    prefill_on_decode: {max_new_tokens: 1000}
     cost_model: {prefill_fixed_ms: 101.6, recompute_ms_per_token: 0.0282}
 
 A plugin entry is its name, or a mapping with `name`, optional `weight`
@@ -22,7 +23,7 @@ file is the policy used when none is configured.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from kvplane.services.routing.policy import picker as _picker  # noqa: F401  (re
 from kvplane.services.routing.policy import scorers as _scorers  # noqa: F401  (registers)
 from kvplane.services.routing.policy import turn_cost as _turn_cost  # noqa: F401  (registers)
 from kvplane.services.routing.policy.cost_model import CostModel
+from kvplane.services.routing.policy.decode_prefill import PrefillOnDecodeSettings
 from kvplane.services.routing.policy.pull_decision import PullSettings
 from kvplane.services.routing.policy.registry import (
     FILTERS,
@@ -72,6 +74,7 @@ class PolicyConfig:
     prefill: LegPolicy
     pull: PullSettings
     cost_model: CostModel
+    prefill_on_decode: PrefillOnDecodeSettings = field(default_factory=PrefillOnDecodeSettings)
 
 
 def _entry(raw: Any, kind: str) -> tuple[str, float, Mapping[str, Any]]:
@@ -129,7 +132,7 @@ def _values(cls: type[Any], raw: Any, section: str, learned: frozenset[str] = fr
 def policy_from_mapping(raw: Mapping[str, Any]) -> PolicyConfig:
     if not isinstance(raw, Mapping):
         raise PolicyConfigError("a policy must be a mapping")
-    unknown = set(raw) - {"decode", "prefill", "pull", "cost_model"}
+    unknown = set(raw) - {"decode", "prefill", "pull", "cost_model", "prefill_on_decode"}
     if unknown:
         raise PolicyConfigError(f"unknown section(s) {', '.join(sorted(unknown))}")
     for leg in ("decode", "prefill"):
@@ -140,6 +143,7 @@ def policy_from_mapping(raw: Mapping[str, Any]) -> PolicyConfig:
         prefill=_leg(raw["prefill"], "prefill"),
         pull=_values(PullSettings, raw.get("pull"), "pull"),
         cost_model=_values(CostModel, raw.get("cost_model"), "cost_model", _LEARNED),
+        prefill_on_decode=_values(PrefillOnDecodeSettings, raw.get("prefill_on_decode"), "prefill_on_decode"),
     )
 
 

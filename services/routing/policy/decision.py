@@ -9,7 +9,8 @@ from kvplane.services.common.model.nodes import Node
 
 
 class Decision(enum.Enum):
-    """Pull the retained KV, or recompute it, and why. Mirrors routing.proto's Decision."""
+    """Pull the retained KV, recompute it, or prefill on its holder D, and why. Mirrors
+    routing.proto's Decision."""
 
     PULL = "pull"
     # The prompt diverges from the handle after a verified prefix: pull that
@@ -24,6 +25,9 @@ class Decision(enum.Enum):
     # Set by the service, never by the policy: the check-out lost a race, or
     # etcd could not be reached to make it.
     RECOMPUTE_CONTENDED = "recompute_contended"
+    # The holder D prefills the turn itself from the handle's blocks, with no P leg
+    # (`decode_prefill.py`); only for callers that can run a turn on D alone.
+    PREFILL_ON_DECODE = "prefill_on_decode"
 
     @property
     def pulls(self) -> bool:

@@ -30,9 +30,11 @@ from kvplane.services.common.model.nodes import Fingerprint, Node
 from kvplane.services.routing.policy.config import LegPolicy, PolicyConfig
 from kvplane.services.routing.policy.cost_model import CostModel
 from kvplane.services.routing.policy.decision import NoEligibleNodes, RoutePlan
+from kvplane.services.routing.policy.decode_prefill import decide_prefill_on_decode
 from kvplane.services.routing.policy.prefix_match import PrefixMatch, match_prefix
 from kvplane.services.routing.policy.pull_decision import decide_pull
 from kvplane.services.routing.policy.snapshot import Leg, LegContext, NodeState, RouteSnapshot
+from kvplane.services.routing.policy.turn_cost import estimate_prefill
 
 
 def live_holder(snapshot: RouteSnapshot) -> Node | None:
@@ -104,7 +106,22 @@ class RoutingPolicy:
         if pair is None:
             raise NoEligibleNodes(f"no prefill/decode pair can serve model {snapshot.model!r}")
         prefill, decode = pair
-        verdict = decide_pull(snapshot, holder, prefill, compatible, costs, self.config.pull, prefix)
+        pull = self.config.pull
+        if snapshot.prefill_on_decode_ok and holder is not None and decode.node.node_id == holder.node_id:
+            through_prefill = estimate_prefill(snapshot, prefill, holder, compatible, costs, pull, prefix)
+            local = decide_prefill_on_decode(
+                snapshot,
+                holder,
+                decode,
+                prefix,
+                through_prefill.total_ms,
+                costs,
+                self.config.prefill_on_decode,
+            )
+            if local is not None:
+                # D is both legs: the prefill endpoint names it too, and nothing is pulled.
+                return RoutePlan(decode.node, decode.node, local)
+        verdict = decide_pull(snapshot, holder, prefill, compatible, costs, pull, prefix)
         return RoutePlan(prefill.node, decode.node, verdict)
 
     def _match(self, snapshot: RouteSnapshot, holder: Node | None) -> PrefixMatch | None:

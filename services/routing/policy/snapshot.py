@@ -98,6 +98,9 @@ class RouteSnapshot:
     # Mixed into tie-breaks beside the conversation: a routing replica's id, so
     # that replicas do not all break the same tie the same way.
     tie_salt: str = ""
+    # The caller can run a turn on its decode engine alone (RouteRequest.prefill_on_decode_ok):
+    # only then may the plan be PREFILL_ON_DECODE.
+    prefill_on_decode_ok: bool = False
 
 
 @dataclass(frozen=True, slots=True)

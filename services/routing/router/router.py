@@ -49,7 +49,7 @@ from kvplane.services.routing.state.prefill_record import PrefillCacheRecord, Se
 from kvplane.services.routing.state.prompt_chains import PromptChains
 from kvplane.services.routing.state.routes import RouteBook, RouteRecord
 from kvplane.services.routing.state.suspects import usable_nodes
-from kvplane.services.routing.transfer_params import prefill_params
+from kvplane.services.routing.transfer_params import decode_only_params, prefill_params
 
 log = logging.getLogger(__name__)
 
@@ -140,10 +140,15 @@ class Router:
             if decision.pulls and checked is None:
                 decision = Decision.RECOMPUTE_CONTENDED
         handle = checked.handle if checked is not None else None
-        clip = plan.verdict.reusable_tokens if decision is Decision.PULL_PREFIX else 0
-        params = prefill_params(turn.tenant, turn.conversation, handle, clip_to_tokens=clip)
-        reused = plan.verdict.reusable_tokens if handle is not None else 0
-        receipt = self._account(route_id, key, snapshot, plan, handle is not None)
+        on_decode = decision is Decision.PREFILL_ON_DECODE
+        if on_decode:
+            # D's own leg: the handle stays D's (its next publish supersedes it), nothing is read.
+            params = decode_only_params(turn.tenant, turn.conversation)
+        else:
+            clip = plan.verdict.reusable_tokens if decision is Decision.PULL_PREFIX else 0
+            params = prefill_params(turn.tenant, turn.conversation, handle, clip_to_tokens=clip)
+        reused = plan.verdict.reusable_tokens if handle is not None or on_decode else 0
+        receipt = self._account(route_id, key, snapshot, plan, handle is not None or on_decode)
         holder_engine = snapshot.handle.vllm.remote_engine_id if snapshot.handle is not None else ""
         first_contact = False
         if handle is not None:
@@ -163,7 +168,10 @@ class Router:
                 _queued_ms(snapshot, plan.prefill.node_id, self.costs),
             ),
         )
-        keeps = self._prefill_record.keeps_until_next_turn(plan.prefill, receipt, turn.prompt.tokens)
+        # No prefill node sees a turn prefilled on D: D keeps what the next turn needs.
+        keeps = receipt is not None and self._prefill_record.keeps_until_next_turn(
+            plan.prefill, receipt, turn.prompt.tokens
+        )
         skip_retention = not decode_retention_pays(
             keeps, turn.max_output_tokens, plan.decode.kv_bytes_per_token, self.costs, self.policy.config.pull
         )
@@ -231,6 +239,7 @@ class Router:
             loads_as_of_unix_ms=now if cluster.healthy else self._loads_as_of(),
             prefill_cached_tokens=prefill_cached,
             tie_salt=self.tie_salt,
+            prefill_on_decode_ok=turn.prefill_on_decode_ok,
         )
         return snapshot, record, all_states, time_budget_s
 
@@ -342,8 +351,9 @@ class Router:
 
     def _account(
         self, route_id: str, key: tuple[str, str], snapshot: RouteSnapshot, plan: RoutePlan, pulled: bool
-    ) -> SentReceipt:
-        """Records the route's work on its nodes, and what P's prefix cache will hold."""
+    ) -> SentReceipt | None:
+        """Records the route's work on its nodes, and what P's prefix cache will hold (None: the
+        turn reaches no prefill node, as when D prefills it itself)."""
         self._inflight.add(
             *routed_work(
                 route_id,
@@ -355,6 +365,8 @@ class Router:
                 decode_after_prefill=self.settings.decode_after_prefill,
             )
         )
+        if plan.decision is Decision.PREFILL_ON_DECODE:
+            return None
         prompt = snapshot.prompt
         return self._prefill_record.sent(
             key, plan.prefill, prompt.tokens, prompt.block_digests, prompt.digest_block_size
@@ -391,6 +403,9 @@ class Router:
         return route
 
     def _learn(self, report: TurnReport, route: RouteRecord) -> None:
+        if route.decision is Decision.PREFILL_ON_DECODE:
+            # D's compute, between its decode steps: not what the cost model fits (P's prefills).
+            return
         observation = TurnObservation(
             prompt_tokens=report.prompt_tokens,
             pulled_tokens=report.pulled_tokens,

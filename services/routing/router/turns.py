@@ -37,6 +37,8 @@ class TurnRequest:
     max_output_tokens: int | None = None
     # The cache_salt the turn's engine requests carry (None: unsalted): predicts P's block hashes.
     cache_salt: str | None = None
+    # The caller can run the turn on its decode engine alone (PREFILL_ON_DECODE).
+    prefill_on_decode_ok: bool = False
 
 
 @dataclass(frozen=True, slots=True)

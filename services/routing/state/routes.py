@@ -64,7 +64,12 @@ class RouteBook:
         return first
 
     def routed(self, route_id: str, record: RouteRecord) -> None:
-        self._last.put((record.tenant, record.conversation), (record.prefill_node_id, record.decode_node_id))
+        key = (record.tenant, record.conversation)
+        prefill_node_id = record.prefill_node_id
+        if record.decision is Decision.PREFILL_ON_DECODE:
+            # No prefill node served the turn: the last one that did still holds the history.
+            prefill_node_id = self.last_prefill(key)
+        self._last.put(key, (prefill_node_id, record.decode_node_id))
         self._routes.put(route_id, record)
 
     def reported(self, route_id: str) -> RouteRecord | None:

@@ -26,37 +26,37 @@ from kvplane.v1 import handle_pb2 as kvplane_dot_v1_dot_handle__pb2
 from kvplane.v1 import node_pb2 as kvplane_dot_v1_dot_node__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvplane/v1/routing.proto\x12\nkvplane.v1\x1a\x17kvplane/v1/handle.proto\x1a\x15kvplane/v1/node.proto\"\x95\x03\n\x0cRouteRequest\x12\x14\n\x0c\x63onversation\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\r\x12\x1c\n\x14prompt_block_digests\x18\x05 \x03(\x06\x12 \n\x18prompt_digest_block_size\x18\x06 \x01(\r\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x0e\n\x06tenant\x18\x08 \x01(\t\x12\x17\n\x0f\x66\x61iled_node_ids\x18\t \x03(\t\x12\x19\n\x11\x61waited_handle_id\x18\n \x01(\t\x12\x1d\n\x15\x61waited_handle_tokens\x18\x0b \x01(\r\x12\x1e\n\x11max_output_tokens\x18\x0c \x01(\rH\x00\x88\x01\x01\x12.\n\x07reports\x18\r \x03(\x0b\x32\x1d.kvplane.v1.ReportTurnRequest\x12\x12\n\ncache_salt\x18\x0e \x01(\tB\x14\n\x12_max_output_tokens\"B\n\x08\x45ndpoint\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08http_url\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\"\xce\x02\n\rRouteResponse\x12\x10\n\x08route_id\x18\x01 \x01(\t\x12&\n\x08\x64\x65\x63ision\x18\x02 \x01(\x0e\x32\x14.kvplane.v1.Decision\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12%\n\x07prefill\x18\x04 \x01(\x0b\x32\x14.kvplane.v1.Endpoint\x12$\n\x06\x64\x65\x63ode\x18\x05 \x01(\x0b\x32\x14.kvplane.v1.Endpoint\x12\'\n\x1fprefill_kv_transfer_params_json\x18\x06 \x01(\t\x12\x1e\n\x16\x65xpected_reused_tokens\x18\x07 \x01(\x04\x12\'\n\x06handle\x18\x08 \x01(\x0b\x32\x17.kvplane.v1.CacheHandle\x12\x1d\n\x15skip_decode_retention\x18\t \x01(\x08\x12\x15\n\rreports_taken\x18\n \x01(\r\"\x96\x03\n\x11ReportTurnRequest\x12\x10\n\x08route_id\x18\x01 \x01(\t\x12\x14\n\x0c\x63onversation\x18\x02 \x01(\t\x12\x0f\n\x07success\x18\x03 \x01(\x08\x12&\n\x1e\x64\x65\x63ode_kv_transfer_params_json\x18\x04 \x01(\t\x12\x0f\n\x07ttft_ms\x18\x05 \x01(\x01\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\x12\x15\n\rpulled_tokens\x18\x07 \x01(\r\x12\x13\n\x0btransfer_ms\x18\x08 \x01(\x01\x12\x12\n\nprefill_ms\x18\t \x01(\x01\x12\x1a\n\x12retained_token_ids\x18\n \x03(\r\x12\r\n\x05\x65rror\x18\x0b \x01(\t\x12\x0e\n\x06tenant\x18\x0c \x01(\t\x12\r\n\x05model\x18\r \x01(\t\x12\x1a\n\rcached_tokens\x18\x0e \x01(\rH\x00\x88\x01\x01\x12\'\n\x1fprefill_kv_transfer_params_json\x18\x0f \x01(\t\x12\x17\n\x0fprefill_node_id\x18\x10 \x01(\tB\x10\n\x0e_cached_tokens\"\'\n\x12ReportTurnResponse\x12\x11\n\thandle_id\x18\x01 \x01(\t\"D\n\x12ReportTurnsRequest\x12.\n\x07reports\x18\x01 \x03(\x0b\x32\x1d.kvplane.v1.ReportTurnRequest\")\n\x13ReportTurnsResponse\x12\x12\n\nhandle_ids\x18\x01 \x03(\t\"Y\n\x16\x45ndConversationRequest\x12\x14\n\x0c\x63onversation\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x19\n\x11\x61waited_handle_id\x18\x03 \x01(\t\"+\n\x17\x45ndConversationResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\xae\x02\n\x18StreamPrefixCacheRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x10\n\x08snapshot\x18\x03 \x01(\x08\x12\x18\n\x10stored_block_ids\x18\x04 \x03(\x06\x12\x19\n\x11removed_block_ids\x18\x05 \x03(\x06\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x11\n\thash_algo\x18\x07 \x01(\t\x12\x11\n\thash_seed\x18\x08 \x01(\t\x12\x19\n\x11\x63heckpoint_blocks\x18\t \x01(\r\x12\x10\n\x08sequence\x18\n \x01(\x04\x12\x1a\n\x12snapshot_continues\x18\x0b \x01(\x08\x12\"\n\x04load\x18\x0c \x01(\x0b\x32\x14.kvplane.v1.NodeLoad\",\n\x19StreamPrefixCacheResponse\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\x04*\xc7\x02\n\x08\x44\x65\x63ision\x12\x18\n\x14\x44\x45\x43ISION_UNSPECIFIED\x10\x00\x12\x11\n\rDECISION_PULL\x10\x01\x12 \n\x1c\x44\x45\x43ISION_RECOMPUTE_NO_HANDLE\x10\x02\x12&\n\"DECISION_RECOMPUTE_BELOW_THRESHOLD\x10\x03\x12\x1f\n\x1b\x44\x45\x43ISION_RECOMPUTE_EXPIRING\x10\x04\x12\"\n\x1e\x44\x45\x43ISION_RECOMPUTE_HOLDER_DOWN\x10\x05\x12&\n\"DECISION_RECOMPUTE_PREFIX_MISMATCH\x10\x06\x12\x1b\n\x17\x44\x45\x43ISION_RECOMPUTE_COST\x10\x07\x12 \n\x1c\x44\x45\x43ISION_RECOMPUTE_CONTENDED\x10\x08\x12\x18\n\x14\x44\x45\x43ISION_PULL_PREFIX\x10\t2\xab\x03\n\x0eRoutingService\x12<\n\x05Route\x12\x18.kvplane.v1.RouteRequest\x1a\x19.kvplane.v1.RouteResponse\x12K\n\nReportTurn\x12\x1d.kvplane.v1.ReportTurnRequest\x1a\x1e.kvplane.v1.ReportTurnResponse\x12N\n\x0bReportTurns\x12\x1e.kvplane.v1.ReportTurnsRequest\x1a\x1f.kvplane.v1.ReportTurnsResponse\x12Z\n\x0f\x45ndConversation\x12\".kvplane.v1.EndConversationRequest\x1a#.kvplane.v1.EndConversationResponse\x12\x62\n\x11StreamPrefixCache\x12$.kvplane.v1.StreamPrefixCacheRequest\x1a%.kvplane.v1.StreamPrefixCacheResponse(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvplane/v1/routing.proto\x12\nkvplane.v1\x1a\x17kvplane/v1/handle.proto\x1a\x15kvplane/v1/node.proto\"\xb3\x03\n\x0cRouteRequest\x12\x14\n\x0c\x63onversation\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\r\x12\x1c\n\x14prompt_block_digests\x18\x05 \x03(\x06\x12 \n\x18prompt_digest_block_size\x18\x06 \x01(\r\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x0e\n\x06tenant\x18\x08 \x01(\t\x12\x17\n\x0f\x66\x61iled_node_ids\x18\t \x03(\t\x12\x19\n\x11\x61waited_handle_id\x18\n \x01(\t\x12\x1d\n\x15\x61waited_handle_tokens\x18\x0b \x01(\r\x12\x1e\n\x11max_output_tokens\x18\x0c \x01(\rH\x00\x88\x01\x01\x12.\n\x07reports\x18\r \x03(\x0b\x32\x1d.kvplane.v1.ReportTurnRequest\x12\x12\n\ncache_salt\x18\x0e \x01(\t\x12\x1c\n\x14prefill_on_decode_ok\x18\x0f \x01(\x08\x42\x14\n\x12_max_output_tokens\"B\n\x08\x45ndpoint\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08http_url\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\"\xce\x02\n\rRouteResponse\x12\x10\n\x08route_id\x18\x01 \x01(\t\x12&\n\x08\x64\x65\x63ision\x18\x02 \x01(\x0e\x32\x14.kvplane.v1.Decision\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12%\n\x07prefill\x18\x04 \x01(\x0b\x32\x14.kvplane.v1.Endpoint\x12$\n\x06\x64\x65\x63ode\x18\x05 \x01(\x0b\x32\x14.kvplane.v1.Endpoint\x12\'\n\x1fprefill_kv_transfer_params_json\x18\x06 \x01(\t\x12\x1e\n\x16\x65xpected_reused_tokens\x18\x07 \x01(\x04\x12\'\n\x06handle\x18\x08 \x01(\x0b\x32\x17.kvplane.v1.CacheHandle\x12\x1d\n\x15skip_decode_retention\x18\t \x01(\x08\x12\x15\n\rreports_taken\x18\n \x01(\r\"\x96\x03\n\x11ReportTurnRequest\x12\x10\n\x08route_id\x18\x01 \x01(\t\x12\x14\n\x0c\x63onversation\x18\x02 \x01(\t\x12\x0f\n\x07success\x18\x03 \x01(\x08\x12&\n\x1e\x64\x65\x63ode_kv_transfer_params_json\x18\x04 \x01(\t\x12\x0f\n\x07ttft_ms\x18\x05 \x01(\x01\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\x12\x15\n\rpulled_tokens\x18\x07 \x01(\r\x12\x13\n\x0btransfer_ms\x18\x08 \x01(\x01\x12\x12\n\nprefill_ms\x18\t \x01(\x01\x12\x1a\n\x12retained_token_ids\x18\n \x03(\r\x12\r\n\x05\x65rror\x18\x0b \x01(\t\x12\x0e\n\x06tenant\x18\x0c \x01(\t\x12\r\n\x05model\x18\r \x01(\t\x12\x1a\n\rcached_tokens\x18\x0e \x01(\rH\x00\x88\x01\x01\x12\'\n\x1fprefill_kv_transfer_params_json\x18\x0f \x01(\t\x12\x17\n\x0fprefill_node_id\x18\x10 \x01(\tB\x10\n\x0e_cached_tokens\"\'\n\x12ReportTurnResponse\x12\x11\n\thandle_id\x18\x01 \x01(\t\"D\n\x12ReportTurnsRequest\x12.\n\x07reports\x18\x01 \x03(\x0b\x32\x1d.kvplane.v1.ReportTurnRequest\")\n\x13ReportTurnsResponse\x12\x12\n\nhandle_ids\x18\x01 \x03(\t\"Y\n\x16\x45ndConversationRequest\x12\x14\n\x0c\x63onversation\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x19\n\x11\x61waited_handle_id\x18\x03 \x01(\t\"+\n\x17\x45ndConversationResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\xae\x02\n\x18StreamPrefixCacheRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x10\n\x08snapshot\x18\x03 \x01(\x08\x12\x18\n\x10stored_block_ids\x18\x04 \x03(\x06\x12\x19\n\x11removed_block_ids\x18\x05 \x03(\x06\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x11\n\thash_algo\x18\x07 \x01(\t\x12\x11\n\thash_seed\x18\x08 \x01(\t\x12\x19\n\x11\x63heckpoint_blocks\x18\t \x01(\r\x12\x10\n\x08sequence\x18\n \x01(\x04\x12\x1a\n\x12snapshot_continues\x18\x0b \x01(\x08\x12\"\n\x04load\x18\x0c \x01(\x0b\x32\x14.kvplane.v1.NodeLoad\",\n\x19StreamPrefixCacheResponse\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\x04*\xe7\x02\n\x08\x44\x65\x63ision\x12\x18\n\x14\x44\x45\x43ISION_UNSPECIFIED\x10\x00\x12\x11\n\rDECISION_PULL\x10\x01\x12 \n\x1c\x44\x45\x43ISION_RECOMPUTE_NO_HANDLE\x10\x02\x12&\n\"DECISION_RECOMPUTE_BELOW_THRESHOLD\x10\x03\x12\x1f\n\x1b\x44\x45\x43ISION_RECOMPUTE_EXPIRING\x10\x04\x12\"\n\x1e\x44\x45\x43ISION_RECOMPUTE_HOLDER_DOWN\x10\x05\x12&\n\"DECISION_RECOMPUTE_PREFIX_MISMATCH\x10\x06\x12\x1b\n\x17\x44\x45\x43ISION_RECOMPUTE_COST\x10\x07\x12 \n\x1c\x44\x45\x43ISION_RECOMPUTE_CONTENDED\x10\x08\x12\x18\n\x14\x44\x45\x43ISION_PULL_PREFIX\x10\t\x12\x1e\n\x1a\x44\x45\x43ISION_PREFILL_ON_DECODE\x10\n2\xab\x03\n\x0eRoutingService\x12<\n\x05Route\x12\x18.kvplane.v1.RouteRequest\x1a\x19.kvplane.v1.RouteResponse\x12K\n\nReportTurn\x12\x1d.kvplane.v1.ReportTurnRequest\x1a\x1e.kvplane.v1.ReportTurnResponse\x12N\n\x0bReportTurns\x12\x1e.kvplane.v1.ReportTurnsRequest\x1a\x1f.kvplane.v1.ReportTurnsResponse\x12Z\n\x0f\x45ndConversation\x12\".kvplane.v1.EndConversationRequest\x1a#.kvplane.v1.EndConversationResponse\x12\x62\n\x11StreamPrefixCache\x12$.kvplane.v1.StreamPrefixCacheRequest\x1a%.kvplane.v1.StreamPrefixCacheResponse(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvplane.v1.routing_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DECISION']._serialized_start=1952
-  _globals['_DECISION']._serialized_end=2279
+  _globals['_DECISION']._serialized_start=1982
+  _globals['_DECISION']._serialized_end=2341
   _globals['_ROUTEREQUEST']._serialized_start=89
-  _globals['_ROUTEREQUEST']._serialized_end=494
-  _globals['_ENDPOINT']._serialized_start=496
-  _globals['_ENDPOINT']._serialized_end=562
-  _globals['_ROUTERESPONSE']._serialized_start=565
-  _globals['_ROUTERESPONSE']._serialized_end=899
-  _globals['_REPORTTURNREQUEST']._serialized_start=902
-  _globals['_REPORTTURNREQUEST']._serialized_end=1308
-  _globals['_REPORTTURNRESPONSE']._serialized_start=1310
-  _globals['_REPORTTURNRESPONSE']._serialized_end=1349
-  _globals['_REPORTTURNSREQUEST']._serialized_start=1351
-  _globals['_REPORTTURNSREQUEST']._serialized_end=1419
-  _globals['_REPORTTURNSRESPONSE']._serialized_start=1421
-  _globals['_REPORTTURNSRESPONSE']._serialized_end=1462
-  _globals['_ENDCONVERSATIONREQUEST']._serialized_start=1464
-  _globals['_ENDCONVERSATIONREQUEST']._serialized_end=1553
-  _globals['_ENDCONVERSATIONRESPONSE']._serialized_start=1555
-  _globals['_ENDCONVERSATIONRESPONSE']._serialized_end=1598
-  _globals['_STREAMPREFIXCACHEREQUEST']._serialized_start=1601
-  _globals['_STREAMPREFIXCACHEREQUEST']._serialized_end=1903
-  _globals['_STREAMPREFIXCACHERESPONSE']._serialized_start=1905
-  _globals['_STREAMPREFIXCACHERESPONSE']._serialized_end=1949
-  _globals['_ROUTINGSERVICE']._serialized_start=2282
-  _globals['_ROUTINGSERVICE']._serialized_end=2709
+  _globals['_ROUTEREQUEST']._serialized_end=524
+  _globals['_ENDPOINT']._serialized_start=526
+  _globals['_ENDPOINT']._serialized_end=592
+  _globals['_ROUTERESPONSE']._serialized_start=595
+  _globals['_ROUTERESPONSE']._serialized_end=929
+  _globals['_REPORTTURNREQUEST']._serialized_start=932
+  _globals['_REPORTTURNREQUEST']._serialized_end=1338
+  _globals['_REPORTTURNRESPONSE']._serialized_start=1340
+  _globals['_REPORTTURNRESPONSE']._serialized_end=1379
+  _globals['_REPORTTURNSREQUEST']._serialized_start=1381
+  _globals['_REPORTTURNSREQUEST']._serialized_end=1449
+  _globals['_REPORTTURNSRESPONSE']._serialized_start=1451
+  _globals['_REPORTTURNSRESPONSE']._serialized_end=1492
+  _globals['_ENDCONVERSATIONREQUEST']._serialized_start=1494
+  _globals['_ENDCONVERSATIONREQUEST']._serialized_end=1583
+  _globals['_ENDCONVERSATIONRESPONSE']._serialized_start=1585
+  _globals['_ENDCONVERSATIONRESPONSE']._serialized_end=1628
+  _globals['_STREAMPREFIXCACHEREQUEST']._serialized_start=1631
+  _globals['_STREAMPREFIXCACHEREQUEST']._serialized_end=1933
+  _globals['_STREAMPREFIXCACHERESPONSE']._serialized_start=1935
+  _globals['_STREAMPREFIXCACHERESPONSE']._serialized_end=1979
+  _globals['_ROUTINGSERVICE']._serialized_start=2344
+  _globals['_ROUTINGSERVICE']._serialized_end=2771
 # @@protoc_insertion_point(module_scope)

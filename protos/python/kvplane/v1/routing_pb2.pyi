@@ -53,6 +53,13 @@ class _DecisionEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Decision.Val
     """The prompt diverges from the handle (an edited message, a retried turn) after a
     verified prefix: P pulls that prefix, clipped to its whole blocks, and computes the rest.
     """
+    DECISION_PREFILL_ON_DECODE: _Decision.ValueType  # 10
+    """The decode engine that holds the conversation's handle prefills the turn itself
+    from its own cache (the handle's blocks), with no P leg and no transfer: the
+    prompt continues the handle and adds few enough tokens. Only when the request
+    says prefill_on_decode_ok. The decode endpoint is the holder; the prefill
+    endpoint names it too.
+    """
 
 class Decision(_Decision, metaclass=_DecisionEnumTypeWrapper):
     """Why a turn pulls or recomputes."""
@@ -83,6 +90,13 @@ DECISION_PULL_PREFIX: Decision.ValueType  # 9
 """The prompt diverges from the handle (an edited message, a retried turn) after a
 verified prefix: P pulls that prefix, clipped to its whole blocks, and computes the rest.
 """
+DECISION_PREFILL_ON_DECODE: Decision.ValueType  # 10
+"""The decode engine that holds the conversation's handle prefills the turn itself
+from its own cache (the handle's blocks), with no P leg and no transfer: the
+prompt continues the handle and adds few enough tokens. Only when the request
+says prefill_on_decode_ok. The decode endpoint is the holder; the prefill
+endpoint names it too.
+"""
 Global___Decision: _TypeAlias = Decision  # noqa: Y015
 
 @_typing.final
@@ -105,6 +119,7 @@ class RouteRequest(_message.Message):
     MAX_OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
     REPORTS_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
+    PREFILL_ON_DECODE_OK_FIELD_NUMBER: _builtins.int
     conversation: _builtins.str
     """Conversation id, 1 to 512 bytes."""
     model: _builtins.str
@@ -137,6 +152,12 @@ class RouteRequest(_message.Message):
     """The cache_salt the caller sets on the engines' requests of this turn (vLLM's
     per-tenant prefix-cache isolation), empty for none. Routing predicts the
     prompt's prefix-cache block hashes with it. Up to 256 bytes.
+    """
+    prefill_on_decode_ok: _builtins.bool
+    """The caller can run a turn on its decode engine alone (no P leg): it then sends
+    D the client's request with RouteResponse.prefill_kv_transfer_params_json as
+    its kv_transfer_params, which name no remote blocks. Only then may the decision
+    be PREFILL_ON_DECODE. Callers that predate it leave it false.
     """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -184,10 +205,11 @@ class RouteRequest(_message.Message):
         max_output_tokens: _builtins.int | None = ...,
         reports: _abc.Iterable[Global___ReportTurnRequest] | None = ...,
         cache_salt: _builtins.str = ...,
+        prefill_on_decode_ok: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_max_output_tokens", b"_max_output_tokens", "max_output_tokens", b"max_output_tokens"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_output_tokens", b"_max_output_tokens", "awaited_handle_id", b"awaited_handle_id", "awaited_handle_tokens", b"awaited_handle_tokens", "cache_salt", b"cache_salt", "conversation", b"conversation", "failed_node_ids", b"failed_node_ids", "max_output_tokens", b"max_output_tokens", "model", b"model", "prompt_block_digests", b"prompt_block_digests", "prompt_digest_block_size", b"prompt_digest_block_size", "prompt_token_ids", b"prompt_token_ids", "prompt_tokens", b"prompt_tokens", "reports", b"reports", "request_id", b"request_id", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_output_tokens", b"_max_output_tokens", "awaited_handle_id", b"awaited_handle_id", "awaited_handle_tokens", b"awaited_handle_tokens", "cache_salt", b"cache_salt", "conversation", b"conversation", "failed_node_ids", b"failed_node_ids", "max_output_tokens", b"max_output_tokens", "model", b"model", "prefill_on_decode_ok", b"prefill_on_decode_ok", "prompt_block_digests", b"prompt_block_digests", "prompt_digest_block_size", b"prompt_digest_block_size", "prompt_token_ids", b"prompt_token_ids", "prompt_tokens", b"prompt_tokens", "reports", b"reports", "request_id", b"request_id", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_output_tokens: _TypeAlias = _typing.Literal["max_output_tokens"]  # noqa: Y015
     _WhichOneofArgType__max_output_tokens: _TypeAlias = _typing.Literal["_max_output_tokens", b"_max_output_tokens"]  # noqa: Y015

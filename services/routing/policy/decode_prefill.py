@@ -1,0 +1,89 @@
+"""Prefill on decode: the holder D computes a short turn itself, with no P leg.
+
+D keeps each conversation's KV after a turn (the handle); its blocks sit in D's own prefix
+cache. A later turn that continues them and adds few tokens can be prefilled on D itself: D's
+cache covers the history, D computes the rest, and the turn skips P's queue, P's compute and the
+P-to-D hand-off of the whole prompt's KV. Dynamo's conditional disaggregation makes the same call
+(there, from the decode worker's prefix cache, up to `--max-local-prefill-length` 1,000 tokens).
+
+The cost: D's running decodes wait while D prefills (vLLM mixes a prefill's chunks into the
+decode batch), so the new tokens are capped (`max_new_tokens`), and the turn goes to D only when
+its estimated time there (D's queue, then the prefill) is at most its time through the chosen P
+(P's queue, pull and prefill, then the hand-off to D and D's step that computes the first token
+over the whole prompt, which the cost model prices as a one-token prefill).
+
+Only for callers that said they can run a turn on D alone (`RouteSnapshot.prefill_on_decode_ok`),
+only on the handle's live holder where the decode leg chose it, and only for a prompt that
+continues the whole handle: anything else is routed through P as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvplane.services.common.model.nodes import Node
+from kvplane.services.routing.policy.cost_model import CostModel
+from kvplane.services.routing.policy.decision import Decision, PullVerdict
+from kvplane.services.routing.policy.prefix_match import PrefixMatch
+from kvplane.services.routing.policy.snapshot import NodeState, RouteSnapshot
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillOnDecodeSettings:
+    # The most prompt tokens D may compute for a turn it prefills itself; 0: never.
+    max_new_tokens: int = 1000
+    # Life the handle must have left: D's prefix cache finds its blocks only while they are held
+    # (afterwards they may be evicted, and D computes them: slower, never wrong).
+    expiry_margin_ms: int = 5_000
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 0 or self.expiry_margin_ms < 0:
+            raise ValueError("max_new_tokens and expiry_margin_ms must not be negative")
+
+
+def decide_prefill_on_decode(
+    snapshot: RouteSnapshot,
+    holder: Node | None,
+    decode: NodeState,
+    prefix: PrefixMatch | None,
+    through_prefill_ms: float,
+    costs: CostModel,
+    settings: PrefillOnDecodeSettings,
+) -> PullVerdict | None:
+    """PREFILL_ON_DECODE when the chosen D holds the handle and prefilling there is no slower
+    than `through_prefill_ms` (the turn's estimate through the chosen P, queue to first
+    compute, without the hand-off or D's first step); None: route through P."""
+    handle = snapshot.handle
+    if (
+        not snapshot.prefill_on_decode_ok
+        or settings.max_new_tokens <= 0
+        or handle is None
+        or holder is None
+        or prefix is None
+        or not prefix.continues
+        or decode.node.node_id != holder.node_id
+    ):
+        return None
+    life_left = handle.life_left_ms(snapshot.now_unix_ms)
+    if life_left < settings.expiry_margin_ms:
+        return None
+    held = prefix.reusable_tokens
+    new = snapshot.prompt.tokens - held
+    if new <= 0 or new > settings.max_new_tokens:
+        return None
+    local_ms = costs.queue_ms(decode) + costs.prefill_ms(new, held)
+    # Through P, D then reads the whole prompt's KV from P, and computes the first token in a step
+    # of its own (one token over the whole prompt).
+    handoff_ms = costs.transfer_ms(snapshot.prompt.tokens, holder.kv_bytes_per_token)
+    first_step_ms = costs.prefill_ms(1, snapshot.prompt.tokens - 1)
+    routed_ms = through_prefill_ms + handoff_ms + first_step_ms
+    if local_ms > routed_ms:
+        return None
+    return PullVerdict(
+        Decision.PREFILL_ON_DECODE,
+        f"{holder.node_id} holds {held} tokens and prefills the {new} new ones itself:"
+        f" {local_ms:.1f} ms against {routed_ms:.1f} ms through P and the hand-off",
+        reusable_tokens=held,
+        recompute_ms=costs.recompute_ms(new),
+        life_left_ms=life_left,
+    )

@@ -1,0 +1,104 @@
+"""Prefill on decode: the holder D computes a short turn itself, only when it may and it pays."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvplane.services.common.model.nodes import NodeRole
+from kvplane.services.routing.policy import (
+    Decision,
+    PolicyConfigError,
+    Prompt,
+    load_policy,
+    policy_from_mapping,
+)
+from kvplane.services.routing.policy.config import PolicyConfig
+from kvplane.services.routing.policy.decode_prefill import PrefillOnDecodeSettings
+from kvplane.services.routing.policy.pipeline import RoutingPolicy
+from tests.unit.routing_policy_fixtures import NOW, history, mk_handle, mk_node, replace, snap, state
+
+H = history(4096)
+P0, D0, D1 = mk_node("p0", NodeRole.PREFILL), mk_node("d0"), mk_node("d1")
+ROOM = {"free_kv_blocks": 10_000, "total_kv_blocks": 10_000}
+
+
+def route(prompt: Prompt, *, ok: bool = True, config: PolicyConfig | None = None, **kw: Any) -> Any:
+    nodes = kw.pop("nodes", None) or [state(P0), state(D0, **ROOM), state(D1, **ROOM)]
+    handle = kw.pop("handle", None) or mk_handle(D0, H)
+    snapshot = snap(nodes, handle=handle, prompt=prompt, prefill_on_decode_ok=ok, **kw)
+    return RoutingPolicy(config or load_policy()).route(snapshot)
+
+
+def added(n: int) -> Prompt:
+    ids = [*H, *history(n, seed=7)]
+    return Prompt(len(ids), ids)
+
+
+def test_the_holder_prefills_a_short_addition_itself() -> None:
+    plan = route(added(200))
+    assert plan.decision is Decision.PREFILL_ON_DECODE
+    # D is both legs: nothing reaches P, and the handle's tokens are D's own cache.
+    assert plan.prefill.node_id == plan.decode.node_id == "d0"
+    assert plan.verdict.reusable_tokens == 4096
+    assert plan.verdict.pulled_tokens == 0
+    assert "prefills the 200 new ones itself" in plan.verdict.reason
+
+
+def test_never_unless_the_caller_can_run_a_turn_on_d_alone() -> None:
+    plan = route(added(200), ok=False)
+    assert plan.decision is Decision.PULL
+    assert plan.prefill.node_id == "p0"
+
+
+def test_an_addition_over_the_cap_goes_through_p() -> None:
+    assert route(added(1200)).decision is Decision.PULL
+    raised = replace(load_policy(), prefill_on_decode=PrefillOnDecodeSettings(max_new_tokens=2000))
+    assert route(added(1200), config=raised).decision is Decision.PREFILL_ON_DECODE
+    off = replace(load_policy(), prefill_on_decode=PrefillOnDecodeSettings(max_new_tokens=0))
+    assert route(added(10), config=off).decision is Decision.PULL
+
+
+def test_a_prompt_that_does_not_continue_the_handle_goes_through_p() -> None:
+    edited = [*H[:2000], *history(2296, seed=9)]
+    plan = route(Prompt(len(edited), edited))
+    assert plan.decision is not Decision.PREFILL_ON_DECODE
+    assert plan.prefill.node_id == "p0"
+
+
+def test_a_holder_with_prefills_queued_goes_through_an_idle_p() -> None:
+    busy = state(D0, queued_requests=12, queued_prefill_tokens=60_000, **ROOM)
+    plan = route(added(200), nodes=[state(P0), busy, state(D1, **ROOM)])
+    assert plan.decision is not Decision.PREFILL_ON_DECODE
+    assert plan.prefill.node_id == "p0"
+
+
+def test_a_handle_about_to_expire_goes_through_p() -> None:
+    plan = route(added(200), handle=mk_handle(D0, H, life_ms=3_000))
+    assert plan.decision is not Decision.PREFILL_ON_DECODE
+
+
+def test_only_where_the_decode_leg_chose_the_holder() -> None:
+    full = state(D0, free_kv_blocks=3, total_kv_blocks=10_000)
+    plan = route(added(200), nodes=[state(P0), full, state(D1, **ROOM)])
+    assert plan.decode.node_id == "d1"
+    assert plan.decision is Decision.PULL
+
+
+def test_the_policy_file_sets_it_and_refuses_nonsense() -> None:
+    assert load_policy().prefill_on_decode == PrefillOnDecodeSettings(
+        max_new_tokens=1000, expiry_margin_ms=5000
+    )
+    base = {"decode": {"filters": ["role"]}, "prefill": {"filters": ["role"]}}
+    config = policy_from_mapping({**base, "prefill_on_decode": {"max_new_tokens": 250}})
+    assert config.prefill_on_decode.max_new_tokens == 250
+    with pytest.raises(PolicyConfigError, match="prefill_on_decode"):
+        policy_from_mapping({**base, "prefill_on_decode": {"max_new_tokens": -1}})
+    with pytest.raises(PolicyConfigError, match="unknown key"):
+        policy_from_mapping({**base, "prefill_on_decode": {"max_tokens": 5}})
+
+
+def test_the_snapshot_time_decides_the_life_left() -> None:
+    # The same handle, seen 117 s later, has 3 s left: under the 5 s margin.
+    assert route(added(200), now_unix_ms=NOW + 117_000).decision is not Decision.PREFILL_ON_DECODE
