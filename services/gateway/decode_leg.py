@@ -19,7 +19,7 @@ from aiohttp import web
 from opentelemetry import trace
 
 from kvplane.services.client import RouteResult, leg_url
-from kvplane.services.client.vllm_requests import decode_body
+from kvplane.services.client.vllm_requests import decode_body, decode_only_body
 from kvplane.services.gateway import failover, sse
 from kvplane.services.gateway.decode_events import DecodeEvents, DigestingEngines
 from kvplane.services.gateway.legs import (
@@ -64,7 +64,10 @@ class DecodeLeg:
     def _request(
         self, turn: TurnRequest, route: RouteResult, prefill_answer: Mapping[str, Any], asked_ids: bool
     ) -> dict[str, Any]:
-        if isinstance(prefill_answer.get("kv_transfer_params"), Mapping):
+        if route.on_decode:
+            # No P leg: D prefills the turn from its own cache (the conversation's handle).
+            body = decode_only_body(turn.body, route)
+        elif isinstance(prefill_answer.get("kv_transfer_params"), Mapping):
             body = decode_body(turn.body, route, prefill_answer)
         else:
             # P is not running the connector: D computes the prompt itself, which still answers the user.

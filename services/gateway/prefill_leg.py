@@ -96,7 +96,7 @@ class PrefillLeg:
         self.routing.fallback.suspects.mark(dead, time.monotonic())
         if action is PrefillRetry.REROUTE:
             try:
-                return await self.routing.ask(turn, prompt, (route.prefill.node_id,))
+                return await self.routing.ask(turn, prompt, (route.prefill.node_id,), on_decode_ok=False)
             except (RoutingUnavailable, grpc.aio.AioRpcError) as exc:
                 log.warning("prefill retry not routed: %s", exc)
                 action = failover.retry_without_routing(fallback_configured=self.routing.fallback.configured)

@@ -39,11 +39,15 @@ class RoutingStep:
         fallback: FallbackEngines,
         reporter: TurnReporter,
         metrics: GatewayMetrics,
+        *,
+        prefill_on_decode: bool = False,
     ) -> None:
         self.routing = routing
         self.fallback = fallback
         self.reporter = reporter
         self.metrics = metrics
+        # Whether routing may send a turn to its D alone (GatewaySection.prefill_on_decode).
+        self.prefill_on_decode = prefill_on_decode
 
     async def route(
         self,
@@ -75,8 +79,16 @@ class RoutingStep:
         self.metrics.legs.labels("route", "ok").observe(time.perf_counter() - start)
         return route
 
-    async def ask(self, turn: TurnRequest, prompt: RoutedPrompt, failed: tuple[str, ...] = ()) -> RouteResult:
-        """One Route call; routing's errors are the caller's to handle."""
+    async def ask(
+        self,
+        turn: TurnRequest,
+        prompt: RoutedPrompt,
+        failed: tuple[str, ...] = (),
+        *,
+        on_decode_ok: bool = True,
+    ) -> RouteResult:
+        """One Route call; routing's errors are the caller's to handle. `on_decode_ok`: False for a
+        route that must have a P leg (a P leg's retry)."""
         awaited_id, awaited_tokens = self.reporter.awaited(turn)
         return await self.routing.route(
             turn.identity.conversation,
@@ -90,6 +102,7 @@ class RoutingStep:
             awaited_handle_tokens=awaited_tokens,
             max_output_tokens=max_output_tokens(turn.body, turn.chat),
             cache_salt=_salt(turn.body),
+            prefill_on_decode_ok=self.prefill_on_decode and on_decode_ok,
         )
 
     def fallback_route(self, turn: TurnRequest, why: str, avoid_urls: tuple[str, ...] = ()) -> RouteResult:

@@ -12,6 +12,9 @@ path). What happens when a step fails is `failover.py`'s rules:
   (`fallback.py`); a retry never returns to the engine that failed it.
 - A D that cannot be reached before anything reached the client is routed
   around, once.
+
+A turn routed `prefill_on_decode` has no P leg: D, which holds the conversation's KV, prefills
+it itself (`decode_only_body`), so a failure there is a D leg's.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Mapping
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -68,7 +73,9 @@ class TurnRunner:
             settings.fallback_decode_url,
             SuspectEngines(settings.fallback_suspect_s),
         )
-        self.routing = RoutingStep(routing, self.fallback, self.reporter, metrics)
+        self.routing = RoutingStep(
+            routing, self.fallback, self.reporter, metrics, prefill_on_decode=settings.prefill_on_decode
+        )
         self.prefill = PrefillLeg(settings, session, self.routing, self.reporter, metrics, tracer)
         self.decode = DecodeLeg(settings, session, self.reporter, metrics, tracer)
 
@@ -145,7 +152,11 @@ class TurnRunner:
         # The turn's span, as users look for it: the decision, where the prompt's KV came from, TTFT.
         turn_span = trace.get_current_span()
         try:
-            prefill_answer, route = await self.prefill.run(turn, prompt, route, progress)
+            if route.on_decode:
+                # Routing chose the D that holds the conversation's KV to prefill the turn itself.
+                prefill_answer: Mapping[str, Any] = {}
+            else:
+                prefill_answer, route = await self.prefill.run(turn, prompt, route, progress)
             if turn.stream:
                 return await self.decode.streaming(request, turn, route, prefill_answer, progress, attempt)
             return await self.decode.whole(turn, route, prefill_answer, progress, attempt)

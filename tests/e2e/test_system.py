@@ -60,7 +60,9 @@ async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack
     # `serve all` reads its settings from the environment it inherits, also when a test restarts it.
     with pytest.MonkeyPatch.context() as env:
         env.setenv("KVPLANE_ROUTING__POLICY_FILE", str(policy))
-        running = await start_stack(run_dir, speedup=1.0, timeout_s=240, colocated_routing=True)
+        running = await start_stack(
+            run_dir, speedup=1.0, timeout_s=240, colocated_routing=True, decode_prefill_gateway=True
+        )
         try:
             yield running
         finally:
@@ -208,6 +210,45 @@ async def test_a_gateway_routing_in_its_own_process_pulls_and_verifies(stack: St
         routed = await engine_counter(session, url, "kvplane_routes_total", decision="pull")
         assert routed >= 4 * 3
         assert await engine_counter(session, url, "kvplane_routing_node_streams") == 2
+
+
+async def test_a_gateway_that_lets_d_prefill_short_turns_skips_p_and_chains_d_handles(stack: Stack) -> None:
+    # Through the decode-prefill gateway, a later turn that adds 150 tokens to what D holds is
+    # prefilled by D itself: P is sent nothing, D's own cache serves the history, D keeps the new
+    # turn as the conversation's handle, and the handle it supersedes is released.
+    url = stack.decode_prefill_gateway_url
+    conv = Conversation("decode-prefill-0", random.Random(900))
+    async with aiohttp.ClientSession() as session:
+
+        async def counters() -> tuple[float, float, float]:
+            p_prompt = await engine_counter(session, stack.prefill_url, "vllm:prompt_tokens_total")
+            d_hit = await engine_counter(
+                session, stack.decode_url, "vllm:prompt_tokens_by_source_total", source="local_cache_hit"
+            )
+            released = await engine_counter(
+                session, stack.decode_url, "kvplane_sim_retained_frees_total", kind="decode_handle"
+            )
+            return p_prompt, d_hit, released
+
+        conv.prompt = conv.next_user(3000)
+        decision, output = await turn(session, stack, conv, conv.prompt, stream=False, gateway_url=url)
+        assert decision.startswith("recompute")
+        conv.prompt = conv.prompt + output + conv.next_user(150)
+        p_before, hit_before, released_before = await counters()
+        for _ in range(3):
+            decision, output = await turn(session, stack, conv, conv.prompt, stream=True, gateway_url=url)
+            conv.decisions.append(decision)
+            conv.prompt = conv.prompt + output + conv.next_user(150)
+        assert conv.decisions == ["prefill_on_decode"] * 3
+        p_after, hit_after, _ = await counters()
+        assert p_after == p_before, "a turn D prefilled itself reached P"
+        assert hit_after - hit_before >= 3 * 3000
+
+        # Each turn's handle superseded the one before: those three are freed, not left to their TTL.
+        async def released_three() -> bool:
+            return (await counters())[2] - released_before >= 3
+
+        await eventually(released_three, timeout_s=30, what="D's superseded handles to be released")
 
 
 async def test_a_conversation_moving_between_the_stacks_gateways_finds_its_history_in_ps_cache(

@@ -5,7 +5,7 @@ a prompt D would refuse refused before Route checks a handle out."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
@@ -109,6 +109,35 @@ async def test_a_turn_is_routed_then_runs_p_then_d_and_is_reported(stack: Stack)
     assert (_posts(stack.prefill), _posts(stack.decode[0]), _posts(stack.decode[1])) == (1, 1, 0)
     [report] = await reported(stack.parts, 1)
     assert report["route"].route_id == "r1" and report["success"] is True
+
+
+async def test_a_turn_prefilled_on_its_holder_skips_p_and_gives_d_the_routes_params(
+    engines: tuple[ScriptedEngine, list[ScriptedEngine]],
+) -> None:
+    s, runner, session = await _stack(engines, prefill_on_decode=True)
+    try:
+        local = {"do_remote_prefill": False, "do_remote_decode": False, "kvplane_tenant": "acme"}
+        on_decode = route(s.decode[0].url, s.decode[0].url, decision="prefill_on_decode", prefill_id="d0")
+        s.parts.routing.routes.append(replace(on_decode, prefill_params=dict(local)))
+        status, headers, answer = await s.run(turn())
+        assert status == 200 and headers[DECISION_HEADER] == "prefill_on_decode"
+        assert answer["choices"][0]["message"]["reasoning_content"] == "first, think"
+        # No P leg: D alone got the client's request, carrying the route's params as they are.
+        assert (_posts(s.prefill), _posts(s.decode[0])) == (0, 1)
+        [(_, body, _)] = [seen for seen in s.decode[0].seen if seen[0].startswith("/v1/")]
+        assert body["kv_transfer_params"] == local and body["messages"] == turn().body["messages"]
+        assert s.parts.routing.asked[0]["prefill_on_decode_ok"] is True
+        [report] = await reported(s.parts, 1)
+        assert report["success"] is True and report["route"].decision == "prefill_on_decode"
+    finally:
+        await runner.cleanup()
+        await session.close()
+
+
+async def test_a_gateway_asks_for_turns_on_d_alone_only_when_set_to(stack: Stack) -> None:
+    stack.parts.routing.routes.append(route(stack.prefill.url, stack.decode[0].url))
+    assert (await stack.run(turn()))[0] == 200
+    assert stack.parts.routing.asked[0]["prefill_on_decode_ok"] is False
 
 
 async def test_a_d_that_cannot_be_reached_is_routed_around_once_and_never_returned_to(stack: Stack) -> None:
