@@ -10,6 +10,10 @@ It follows vLLM's NixlConnector semantics (PROTOCOL.md):
   ``decoder_kv_blocks_ttl`` and returns its handle with ``do_remote_decode``.
 - A P request that names D's handle pulls what its prefix cache lacks, or
   recomputes; either way it notifies D, which frees the blocks.
+- A request with kv_transfer_params but neither flag (a turn D prefills
+  itself, routed ``prefill_on_decode``) computes what its prefix cache lacks
+  and, like the D leg, keeps its blocks at a natural finish: vLLM treats any
+  request with params that is not a P leg as D's.
 
 By job: this module schedules requests (queueing, the prefix cache, KV
 allocation and the demand it reports, one prefill at a time, decode steps);
@@ -18,7 +22,10 @@ allocation and the demand it reports, one prefill at a time, decode steps);
 them (read, deadline, release command, drain).
 
 Compute is simulated with asyncio.sleep of the modelled duration: one prefill
-at a time (FIFO), decode steps concurrent.
+at a time (FIFO), decode steps concurrent. A prefill of a request that is
+neither leg of a P/D turn (D prefilling a turn itself) shares the engine's
+steps with its running decodes, as vLLM's mixed batches do: a decode step that
+ends while it runs waits for its end.
 """
 
 from __future__ import annotations
@@ -154,6 +161,8 @@ class SimEngine:
         self._queued = 0
         self._queued_tokens = 0
         self._running = 0
+        # When the local prefill now running ends (perf_counter); decode steps wait for it.
+        self._local_prefill_ends = 0.0
         self._tasks: list[asyncio.Task[None]] = []
         # vLLM's KV-cache events (--kv-events-config); the publisher binds at start().
         source = settings.kv_events_source()
@@ -324,6 +333,10 @@ class SimEngine:
                 if n + len(out) > len(run.blocks) * bs:
                     run.blocks += await self._allocate(1)
                 await asyncio.sleep(s.timing.decode_s(self._running))
+                # A local prefill in the engine's steps holds this decode back until it ends.
+                stalled = self._local_prefill_ends - time.perf_counter()
+                if stalled > 0:
+                    await asyncio.sleep(stalled)
                 tok = self._next_token(req, len(out), state)
         finally:
             self._settle(run)
@@ -334,13 +347,16 @@ class SimEngine:
         kvp = req.kv_transfer_params or {}
         leg: Leg = "local"
         retain: RetainKind | None = None
+        # Routing may find the turn's KV not worth keeping for the next one (kvplane_retain).
+        keep = self.bidirectional and kvp.get(KEY_RETAIN) is not False
         if kvp.get("do_remote_prefill"):
             leg = "decode"
-            # Routing may find the turn's KV not worth keeping for the next one (kvplane_retain).
-            keep = self.bidirectional and kvp.get(KEY_RETAIN) is not False
             retain = "decode_handle" if keep else None
         elif kvp.get("do_remote_decode"):
             leg, retain = "prefill", "prefill_lease"
+        elif kvp:
+            # Params naming no remote blocks (D prefilling a turn itself): kept as a D leg's are.
+            retain = "decode_handle" if keep else None
         remote = None
         if leg != "local":
             if leg == "prefill":
@@ -394,9 +410,12 @@ class SimEngine:
             self._running += 1
             run.running = True
             computed = n - hit - external
-            await asyncio.sleep(s.timing.prefill_s(computed))
+            duration = s.timing.prefill_s(computed)
+            if leg == "local":
+                self._local_prefill_ends = time.perf_counter() + duration
+            await asyncio.sleep(duration)
             self._write(run, run.blocks, prompt, n, run.hit_blocks)
-            self.metrics.count_prompt(hit, external, computed)
+            self.metrics.count_prompt(hit, external, computed, alone=leg == "local")
             trace.get_current_span().set_attributes(
                 {
                     "kvplane.leg": leg,

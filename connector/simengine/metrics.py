@@ -68,6 +68,12 @@ class SimEngineMetrics:
     def _add_kv_counters(self, names: list[str]) -> None:
         """What only the simulator counts: its KV loads, frees, notifications and checks."""
         r = self.registry
+        self.alone_prompt_tokens = Counter(
+            "kvplane_sim_alone_prompt_tokens",
+            "Prompt tokens of requests that were neither leg of a P/D turn, by where their KV came from",
+            [*names, "source"],
+            registry=r,
+        )
         self.notifs_unmatched = Counter(
             "kvplane_sim_notifications_unmatched",
             "Read notifications for requests not held (any more)",
@@ -127,12 +133,19 @@ class SimEngineMetrics:
             "kvplane_sim_queued_prefill_tokens", "Prompt tokens waiting", names, registry=r
         )
 
-    def count_prompt(self, local_cache_hit: int, external: int, local_compute: int) -> None:
+    def count_prompt(
+        self, local_cache_hit: int, external: int, local_compute: int, *, alone: bool = False
+    ) -> None:
+        """A request's prompt tokens by source; `alone`: the request was neither leg of a P/D turn
+        (an engine serving a turn by itself, as D does one routed prefill_on_decode)."""
         lb = self._labels
         self.prompt_tokens.labels(**lb).inc(local_cache_hit + external + local_compute)
         self.prompt_tokens_by_source.labels(**lb, source="local_cache_hit").inc(local_cache_hit)
         self.prompt_tokens_by_source.labels(**lb, source="external_kv_transfer").inc(external)
         self.prompt_tokens_by_source.labels(**lb, source="local_compute").inc(local_compute)
+        if alone:
+            self.alone_prompt_tokens.labels(**lb, source="local_cache_hit").inc(local_cache_hit)
+            self.alone_prompt_tokens.labels(**lb, source="local_compute").inc(local_compute)
 
     def load_outcome(self, leg: str, outcome: str) -> None:
         self.kv_loads.labels(**self._labels, leg=leg, outcome=outcome).inc()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import threading
 import time
@@ -80,6 +81,21 @@ async def run(
     return fin
 
 
+async def observed_pair(stack: list[SimEngine]) -> tuple[Recorder, SimEngine, SimEngine]:
+    """A started P, and a started D whose observer records what it keeps and frees."""
+    rec = Recorder()
+    p, d = SimEngine(settings()), SimEngine(settings(), observer=rec)
+    stack.extend([p, d])
+    await started(p, d)
+    return rec, p, d
+
+
+async def pd_turn(p: SimEngine, d: SimEngine, prompt: list[int], max_tokens: int) -> FinishInfo:
+    """One P/D turn with nothing to pull: P's leg, then D's, which reads P's blocks."""
+    p_params = (await run(p, prompt, 1, {"do_remote_decode": True})).kv_transfer_params
+    return await run(d, prompt, max_tokens, p_params)
+
+
 async def until(predicate: Any, timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -151,13 +167,9 @@ async def test_without_bidirectional_d_frees_at_finish_and_returns_nothing(stack
 async def test_observer_sees_retain_and_free_and_control_works_from_another_thread(
     stack: list[SimEngine],
 ) -> None:
-    rec = Recorder()
-    p, d = SimEngine(settings()), SimEngine(settings(), observer=rec)
-    stack.extend([p, d])
-    await started(p, d)
+    rec, p, d = await observed_pair(stack)
     prompt = prompt_of(100)
-    p_params = (await run(p, prompt, 1, {"do_remote_decode": True})).kv_transfer_params
-    fin = await run(d, prompt, 20, p_params)
+    fin = await pd_turn(p, d, prompt, 20)
     assert fin.kv_transfer_params is not None and fin.kv_transfer_params["kvplane_handle_id"] == "h-1"
     ((params, all_tokens, nbytes),) = rec.retained
     assert all_tokens == prompt + list(fin.output_token_ids) and params["remote_num_tokens"] == 119
@@ -284,3 +296,67 @@ async def test_without_prefix_caching_p_pulls_everything_d_holds(stack: list[Sim
     # D holds 300 + 12 - 1 = 311 tokens; with a cache P would have had 288 and recomputed 23.
     assert fin2.cached_tokens == 311
     assert sample(p, "vllm:prompt_tokens_by_source_total", source="local_cache_hit") == 0
+
+
+LOCAL = {
+    "do_remote_prefill": False,
+    "do_remote_decode": False,
+    "kvplane_tenant": "t",
+    "kvplane_conversation": "c",
+}
+
+
+async def test_d_prefills_a_turn_itself_from_its_handle_and_keeps_the_new_turn(
+    stack: list[SimEngine],
+) -> None:
+    # A turn routed prefill_on_decode: D gets the whole prompt with params that name no remote
+    # blocks. Its prefix cache holds the handle's blocks, it computes the rest, and, as vLLM's D
+    # does with any such request, it keeps the turn's blocks as the conversation's next handle.
+    rec, p, d = await observed_pair(stack)
+    prompt = prompt_of(300)
+    first = await pd_turn(p, d, prompt, 20)
+    assert d.load().retained_handles == 1
+    nxt = [*prompt, *first.output_token_ids, *prompt_of(40, 5)]
+    second = await run(d, nxt, 10, dict(LOCAL))
+    # Every whole block of the retained tokens (prompt + output - 1 = 319) came from D's cache.
+    assert second.cached_tokens == 304 and second.pulled_tokens == 0
+    assert sample(d, "vllm:prompt_tokens_by_source_total", source="local_compute") == len(nxt) - 304
+    assert second.kv_transfer_params is not None and second.kv_transfer_params["do_remote_decode"] is True
+    assert second.kv_transfer_params["remote_num_tokens"] == len(nxt) + 10 - 1
+    assert len(rec.retained) == 2 and rec.retained[1][1] == nxt + list(second.output_token_ids)
+    # The earlier handle is still D's until the control plane releases it (superseded).
+    assert d.load().retained_handles == 2
+    # A request with no params at all is no turn of a conversation: nothing is kept.
+    assert (await run(d, prompt_of(64, 6), 4)).kv_transfer_params is None
+    assert d.load().retained_handles == 2
+    # kvplane_retain: false frees the turn's blocks at its finish, as on a D leg.
+    assert (await run(d, [*nxt, 7], 4, {**LOCAL, "kvplane_retain": False})).kv_transfer_params is None
+    assert d.load().retained_handles == 2
+
+
+async def test_a_prefill_on_d_holds_back_the_decodes_running_there(stack: list[SimEngine]) -> None:
+    # vLLM runs a prefill's chunks in the decode batch: the running decodes wait for them. A
+    # decode step that ends while the prefill runs emits at most the token it was computing.
+    d = SimEngine(settings(timing=TimingModel(), num_blocks=2048))
+    stack.append(d)
+    await started(d)
+    tokens: list[int] = []
+
+    async def decode() -> None:
+        req = GenerationRequest("long-decode", tuple(prompt_of(32, 1)), 2000, True, None)
+        async for ev in d.generate(req):
+            tokens.append(ev.token_id)
+
+    streaming = asyncio.create_task(decode())
+    try:
+        await until(lambda: len(tokens) >= 3, 30, "the decode to stream")
+        before = len(tokens)
+        await run(d, prompt_of(8000, 2), 1, dict(LOCAL))
+        during = len(tokens) - before
+        # 8,000 tokens take the model's 0.7 s, some 25 decode steps were they not held back.
+        assert during <= 3, f"{during} decode tokens while D prefilled 8,000 tokens"
+        await until(lambda: len(tokens) >= before + during + 3, 30, "the decode to go on")
+    finally:
+        streaming.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await streaming
