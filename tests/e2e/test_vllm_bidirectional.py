@@ -6,9 +6,11 @@ handle's digests. Turns 2 and 3 must pull from D (vLLM's KV-transfer metrics and
 connector's own verdict), and D's greedy output must equal, token for token, a run of the same
 prompt on one engine without disaggregation. A fourth turn re-sends the history re-tokenized at
 the join (the last 3 retained tokens differ): P's connector must clip the pull to the verified
-whole blocks, and the output must still equal the reference for that prompt. Then an eviction
-command releases D's last handle early and the test watches it leave the metadata service long
-before D's TTL.
+whole blocks, and the output must still equal the reference for that prompt. A fifth turn is
+prefilled by D alone, as routing's `prefill_on_decode` sends it: D's prefix cache must serve the
+history from turn 4's handle, P must see nothing, the output must equal the reference, and D's new
+handle must replace turn 4's. Then an eviction command releases D's last handle early and the test
+watches it leave the metadata service long before D's TTL.
 
 Slow (two engine starts, ~2-4 minutes on 2 cores): run with
     .venv-vllm/bin/pytest -q -m "slow and vllm" tests/e2e/test_vllm_bidirectional.py
@@ -40,6 +42,7 @@ from kvplane.bench.vllm_pd import (
 from kvplane.services.common.model import convert
 from kvplane.services.common.runtime.ports import free_port
 from kvplane.services.process import ServiceProcess
+from kvplane.services.routing.transfer_params import decode_only_params
 from kvplane.v1 import eviction_pb2, eviction_pb2_grpc, metadata_pb2, metadata_pb2_grpc
 from tests.conftest import MESH_SECRET
 from tests.support.polling import eventually
@@ -52,6 +55,7 @@ TENANT = "acme"
 CONVERSATION = "e2e-conv-1"
 OUTPUT_TOKENS = 70
 NEW_USER_TOKENS = 60
+LOCAL_CACHE_HIT = "vllm:prompt_tokens_by_source_total[local_cache_hit]"
 
 
 class CommandChannel(eviction_pb2_grpc.EvictionServiceServicer):
@@ -168,6 +172,10 @@ async def test_three_turns_pull_from_decode_and_match_the_reference(
         prompt_4 = [*retained_3[:-3], 31001, 31002, 31003, *new_user[2]]
         out = await asyncio.to_thread(p.completion, prompt_4, OUTPUT_TOKENS, None, f"ref-{uuid.uuid4().hex}")
         reference_4 = list(out["choices"][0]["token_ids"])
+        # Turn 5 continues turn 4's answer: D prefills it itself.
+        prompt_5 = [*prompt_4, *reference_4, *[rnd.randrange(100, 31000) for _ in range(NEW_USER_TOKENS)]]
+        out = await asyncio.to_thread(p.completion, prompt_5, OUTPUT_TOKENS, None, f"ref-{uuid.uuid4().hex}")
+        reference_5 = list(out["choices"][0]["token_ids"])
 
         outcomes = await run_conversation(
             p,
@@ -220,8 +228,25 @@ async def test_three_turns_pull_from_decode_and_match_the_reference(
             stub, TENANT, CONVERSATION, d_out["kv_transfer_params"]["kvplane_handle_id"], 60
         )
 
+        # Turn 5, prefilled on D: routing's params name no remote blocks; D's prefix cache holds
+        # turn 4's handle (its whole blocks), P is sent nothing.
+        p_before, d_before = await asyncio.to_thread(p.metrics), await asyncio.to_thread(d.metrics)
+        d_out_5 = await asyncio.to_thread(
+            d.completion, prompt_5, OUTPUT_TOKENS, decode_only_params(TENANT, CONVERSATION)
+        )
+        p_after, d_after = await asyncio.to_thread(p.metrics), await asyncio.to_thread(d.metrics)
+        assert list(d_out_5["choices"][0]["token_ids"]) == reference_5, "turn 5: output differs"
+        held_blocks = handle_4.num_tokens // d.block_size * d.block_size
+        assert metric_delta(d_before, d_after, LOCAL_CACHE_HIT) >= held_blocks
+        assert metric_delta(p_before, p_after, "vllm:prompt_tokens_total") == 0
+        handle_5 = await wait_published(
+            stub, TENANT, CONVERSATION, d_out_5["kv_transfer_params"]["kvplane_handle_id"], 60
+        )
+        assert handle_5.num_tokens == len(prompt_5) + OUTPUT_TOKENS - 1
+        assert await get_handle(stub, handle_4.handle_id) is None
+
         # Early release: D's last handle is freed on command, long before its TTL.
-        held = handle_4
+        held = handle_5
         released_at = time.monotonic()
         await commands.outbox.put(
             eviction_pb2.CommandsResponse(

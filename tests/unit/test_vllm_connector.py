@@ -43,6 +43,7 @@ from kvplane.connector.node_agent import NodeAgent, NodeAgentSettings
 from kvplane.connector.vllm_features import IncompatibleVllm
 from kvplane.connector.vllm_nixl import NixlConnector, check_installed_vllm
 from kvplane.services.common.model.nodes import Fingerprint, Node, NodeLoad, NodeRole
+from kvplane.services.routing.transfer_params import decode_only_params
 
 pytestmark = pytest.mark.vllm
 
@@ -294,6 +295,29 @@ def test_a_turn_routing_says_not_to_keep_is_freed_at_the_next_step_and_never_pub
     d.step(finished_sending={"d-skip"})
     assert d.free_blocks() == free_before
     assert d.agent.pending() == ([], [])  # freed without a release report
+
+
+def test_a_turn_prefilled_on_d_reads_its_history_from_the_handle_and_is_kept_as_the_next(
+    new_engine: Any,
+) -> None:
+    # A turn routed prefill_on_decode: D gets the whole prompt with routing's params, which name
+    # no remote blocks. vLLM's prefix cache finds the handle's blocks (still held), D computes
+    # the rest, and at the finish keeps the turn and publishes it as the conversation's handle.
+    d = new_engine()
+    decode_turn(d)
+    history = list(d.scheduler.requests["d-1"].all_token_ids)
+    prompt = [*history, *range(7000, 7100)]
+    d.add("d-2", prompt, 10, decode_only_params("acme", "c1"))
+    out = d.step()
+    # Only what the handle's whole blocks do not hold is computed.
+    held = len(d_tokens(d, "d-1")) // BLOCK * BLOCK
+    assert out.num_scheduled_tokens["d-2"] == len(prompt) - held
+    params = d.run_until_finished("d-2")
+    assert params is not None and params["do_remote_decode"] is True
+    handles, _ = d.agent.pending()
+    assert [h.vllm.remote_num_tokens for h in handles] == [200 + 40 - 1, len(prompt) + 10 - 1]
+    assert handles[1].digests == token_digests.digest_tokens(d_tokens(d, "d-2"), BLOCK)
+    assert d.connector.held_request_ids == {"d-1", "d-2"}
 
 
 def test_aborted_request_publishes_nothing_and_frees_blocks(new_engine: Any) -> None:
