@@ -63,6 +63,7 @@ from kvplane.bench.compare_fronts import (
     EXAMPLE_PROXY,
     KVPLANE,
     KVPLANE_COLOCATED,
+    KVPLANE_DECODE_PREFILL,
     KVPLANE_EPP,
     KVPLANE_OWN_RECORD,
     KVPLANE_SPREAD,
@@ -199,6 +200,8 @@ class StackPids:
     # metadata,eviction, etcd
     epp: dict[str, int]
     engines: dict[str, int]  # engine p0, ...
+    # the decode-prefill gateway, kvplane's routing replica, serve metadata,eviction, etcd
+    decode_prefill: dict[str, int]
 
 
 def _stack_pids(stack: Stack) -> StackPids:
@@ -209,6 +212,7 @@ def _stack_pids(stack: Stack) -> StackPids:
     spread_own_record: dict[str, int] = {}
     epp: dict[str, int] = {}
     engines: dict[str, int] = {}
+    decode_prefill: dict[str, int] = {}
     counts = {"prefill": 0, "decode": 0}
     for p in stack.processes:
         if p.proc is None:
@@ -218,7 +222,9 @@ def _stack_pids(stack: Stack) -> StackPids:
         elif p.name == "kvplane serve metadata,eviction":
             name = "serve metadata,eviction"
             kvplane[name] = own_record[name] = colocated[name] = p.proc.pid
-            spread[name] = spread_own_record[name] = epp[name] = p.proc.pid
+            spread[name] = spread_own_record[name] = epp[name] = decode_prefill[name] = p.proc.pid
+        elif p.name == "decode-prefill gateway":
+            decode_prefill["decode-prefill gateway"] = p.proc.pid
         elif p.name == "colocated gateway":
             colocated["colocated gateway"] = p.proc.pid
         elif p.name.startswith("spread gateway "):
@@ -228,7 +234,7 @@ def _stack_pids(stack: Stack) -> StackPids:
         elif p.name == "own-record gateway":
             own_record["own-record gateway"] = p.proc.pid
         elif p.name == "kvplane serve routing (events)":
-            kvplane["serve routing"] = epp["serve routing"] = p.proc.pid
+            kvplane["serve routing"] = epp["serve routing"] = decode_prefill["serve routing"] = p.proc.pid
         elif p.name in ("envoy", "endpoint picker") or p.name.startswith("sidecar "):
             epp[p.name] = p.proc.pid
         elif p.name == "kvplane serve routing (own record)":
@@ -238,9 +244,9 @@ def _stack_pids(stack: Stack) -> StackPids:
             engines[f"{report.ENGINE_PREFIX}{role[0]}{counts[role]}"] = p.proc.pid
             counts[role] += 1
     if stack.etcd.proc is not None:
-        for charged in (kvplane, own_record, colocated, spread, spread_own_record, epp):
+        for charged in (kvplane, own_record, colocated, spread, spread_own_record, epp, decode_prefill):
             charged["etcd"] = stack.etcd.proc.pid
-    return StackPids(kvplane, own_record, colocated, spread, spread_own_record, epp, engines)
+    return StackPids(kvplane, own_record, colocated, spread, spread_own_record, epp, engines, decode_prefill)
 
 
 async def run_workload(key: str, config: CompareConfig, run_dir: Path, progress: Progress) -> WorkloadRun:
@@ -259,6 +265,7 @@ async def run_workload(key: str, config: CompareConfig, run_dir: Path, progress:
         colocated_routing=KVPLANE_COLOCATED in config.fronts,
         spread_gateways=any(front in config.fronts for front in SPREAD_FRONTS),
         picker=KVPLANE_EPP in config.fronts and envoy_binary() is not None,
+        decode_prefill_gateway=KVPLANE_DECODE_PREFILL in config.fronts,
         # Each front is charged what its deployment runs: metadata and eviction (which every
         # kvplane front needs) apart from the routing replicas (which only some do).
         routing_apart=True,
@@ -276,6 +283,7 @@ async def run_workload(key: str, config: CompareConfig, run_dir: Path, progress:
                 KVPLANE_OWN_RECORD: [stack.own_record_gateway_url],
                 KVPLANE_SPREAD: stack.spread_gateway_urls,
                 KVPLANE_SPREAD_OWN_RECORD: stack.spread_own_record_gateway_urls,
+                KVPLANE_DECODE_PREFILL: [stack.decode_prefill_gateway_url],
             }
             # Where each front is sent its turns, when not at the pages of its Route timings:
             # the picker times Route, Envoy takes the turns.
@@ -289,6 +297,7 @@ async def run_workload(key: str, config: CompareConfig, run_dir: Path, progress:
                 KVPLANE_SPREAD: pids_of.spread,
                 KVPLANE_SPREAD_OWN_RECORD: pids_of.spread_own_record,
                 KVPLANE_EPP: pids_of.epp,
+                KVPLANE_DECODE_PREFILL: pids_of.decode_prefill,
             }
             fronts: dict[str, Front] = {}
             skipped: dict[str, str] = {}

@@ -18,6 +18,9 @@
   of conversation i goes to gateway (i + t) mod 2, so every later turn meets a routing record
   that did not route the turn before. The first pair reads the engines' KV events, the second
   sets them aside: what the events bring where one gateway's record cannot know.
+- `kvplane-decode-prefill` (not run by default): kvplane's gateway with `gateway.prefill_on_decode`
+  on, asking `kvplane`'s routing replica: a later turn that adds few tokens to what its D holds
+  is prefilled by that D, with no P leg (decision `prefill_on_decode`).
 - `kvplane-epp` (not run by default): kvplane as a Gateway API inference gateway's endpoint
   picker: Envoy with `kvplane epp` over ext_proc, and a `kvplane sidecar` beside each decode
   engine running the P and D legs; routed by the same routing replica as `kvplane`. Charged
@@ -56,9 +59,18 @@ KVPLANE_OWN_RECORD = "kvplane-own-record"
 KVPLANE_SPREAD, KVPLANE_SPREAD_OWN_RECORD = "kvplane-spread", "kvplane-spread-own-record"
 SPREAD_FRONTS = (KVPLANE_SPREAD, KVPLANE_SPREAD_OWN_RECORD)
 KVPLANE_EPP = "kvplane-epp"
-SELECTABLE_FRONTS = (*ALL_FRONTS, KVPLANE_OWN_RECORD, *SPREAD_FRONTS, KVPLANE_EPP)
+# kvplane's gateway with `gateway.prefill_on_decode` on, on the same routing replica as `kvplane`.
+KVPLANE_DECODE_PREFILL = "kvplane-decode-prefill"
+SELECTABLE_FRONTS = (*ALL_FRONTS, KVPLANE_OWN_RECORD, *SPREAD_FRONTS, KVPLANE_EPP, KVPLANE_DECODE_PREFILL)
 # The fronts that are kvplane (they use etcd; their gateways, or the picker, time Route).
-KVPLANE_FRONTS = (KVPLANE, KVPLANE_COLOCATED, KVPLANE_OWN_RECORD, *SPREAD_FRONTS, KVPLANE_EPP)
+KVPLANE_FRONTS = (
+    KVPLANE,
+    KVPLANE_COLOCATED,
+    KVPLANE_OWN_RECORD,
+    *SPREAD_FRONTS,
+    KVPLANE_EPP,
+    KVPLANE_DECODE_PREFILL,
+)
 # The front every other is paired against.
 REFERENCE = ZERO_HOP_REUSE
 VLLM_ROUTER_VERSION = "0.1.17"

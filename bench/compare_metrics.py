@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvplane.bench.live import COMPUTED, prompt_token_sources
+from kvplane.bench.live import CACHED, COMPUTED, DECODE_CACHED, prompt_token_sources
 from kvplane.bench.route_bench import cpu_seconds
 
 ETCD_SERVICES = ("etcdserverpb.KV", "etcdserverpb.Lease", "etcdserverpb.Watch")
@@ -92,15 +92,36 @@ def cpu(pids: Mapping[str, int]) -> Counters:
 COMPUTED_ON = "computed_on:"
 
 
-async def prefill_sources(session: aiohttp.ClientSession, prefills: Sequence[str]) -> Counters:
+async def prefill_sources(
+    session: aiohttp.ClientSession, prefills: Sequence[str], decodes: Sequence[str] = ()
+) -> Counters:
     """Prompt tokens by source, summed over the prefill engines (vLLM's labels), and the tokens
-    each prefill engine computed (how evenly a front spread the prefill work)."""
+    each prefill engine computed (how evenly a front spread the prefill work). A turn a decode
+    engine served alone (routed prefill_on_decode) counts too: its tokens from D's own cache under
+    DECODE_CACHED, the ones it computed as computed."""
     out: Counters = {}
     for i, url in enumerate(prefills):
         mine = await prompt_token_sources(session, [url])
         for source, tokens in mine.items():
             out[source] = out.get(source, 0.0) + tokens
         out[f"{COMPUTED_ON}{i}"] = mine.get(COMPUTED, 0.0)
+    for url in decodes:
+        alone = await alone_prompt_sources(session, url)
+        out[DECODE_CACHED] = out.get(DECODE_CACHED, 0.0) + alone.get(CACHED, 0.0)
+        out[COMPUTED] = out.get(COMPUTED, 0.0) + alone.get(COMPUTED, 0.0)
+    return out
+
+
+async def alone_prompt_sources(session: aiohttp.ClientSession, url: str) -> Counters:
+    """A sim-engine's prompt tokens of requests that were neither leg of a P/D turn, by source
+    (a vLLM engine does not count them apart: none there)."""
+    async with session.get(f"{url}/metrics") as resp:
+        text = await resp.text()
+    out: Counters = {}
+    for name, labels, value in samples(text):
+        if name == "kvplane_sim_alone_prompt_tokens_total":
+            source = labels.get("source", "")
+            out[source] = out.get(source, 0.0) + value
     return out
 
 
@@ -288,10 +309,11 @@ async def read_all(
     gateway_urls: Sequence[str],
     services_metrics_urls: Sequence[str] = (),
     engines: Mapping[str, str] | None = None,
+    decodes: Sequence[str] = (),
 ) -> Reading:
     """Every counter now; the services' etcd requests by operation join etcd's own (`op:*`)."""
     sources, etcd_now, ops, legs, ttft = await asyncio.gather(
-        prefill_sources(session, prefills),
+        prefill_sources(session, prefills, decodes),
         etcd(session, etcd_url),
         services_etcd(session, services_metrics_urls),
         gateway_legs(session, gateway_urls),

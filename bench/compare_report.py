@@ -41,7 +41,7 @@ from typing import Any
 from kvplane.bench.compare_fronts import KVPLANE_FRONTS, REFERENCE
 from kvplane.bench.compare_metrics import COMPUTED_ON, TTFT_N, TTFT_S
 from kvplane.bench.compare_run import BlockResult, IdleWindow, TurnRecord
-from kvplane.bench.live import CACHED, COMPUTED, PULLED
+from kvplane.bench.live import CACHED, COMPUTED, DECODE_CACHED, PULLED
 
 CLIENT, ENGINES = "client", "engines"
 ENGINE_PREFIX = "engine "
@@ -112,6 +112,8 @@ class Row:
     # What the client's TTFT has beyond the two is the front's (and the network's).
     prefill_engine_ttft_ms: float = math.nan
     decode_engine_ttft_ms: float = math.nan
+    # Prompt tokens of turns a decode engine served alone (prefill_on_decode) found in its own cache.
+    decode_cache_tokens: float = 0.0
 
     @property
     def prefill_spread(self) -> float:
@@ -127,6 +129,10 @@ class Row:
     @property
     def prefix_cache_share(self) -> float:
         return self.prefix_cache_tokens / self.later_prompt_tokens if self.later_prompt_tokens else math.nan
+
+    @property
+    def decode_cache_share(self) -> float:
+        return self.decode_cache_tokens / self.later_prompt_tokens if self.later_prompt_tokens else math.nan
 
 
 def _later_ttft(turns: Sequence[TurnRecord]) -> list[float]:
@@ -198,7 +204,7 @@ def build_row(
     idle_writes = idle.etcd_per_s("writes") * measured if idle else 0.0
     route_s = sum(b.gateway.get("route_s", 0.0) for b in blocks)
     route_n = sum(b.gateway.get("route_n", 0.0) for b in blocks)
-    seen = sources.get(PULLED, 0.0) + sources.get(CACHED, 0.0) + sources.get(COMPUTED, 0.0)
+    seen = sum(sources.get(source, 0.0) for source in (PULLED, CACHED, DECODE_CACHED, COMPUTED))
     decisions: Counter[str] = Counter()
     for b in blocks:
         decisions.update(b.decisions())
@@ -227,6 +233,7 @@ def build_row(
         pulled_tokens=sources.get(PULLED, 0.0),
         prefix_cache_tokens=sources.get(CACHED, 0.0),
         computed_tokens=sources.get(COMPUTED, 0.0),
+        decode_cache_tokens=sources.get(DECODE_CACHED, 0.0),
         split_adds_up=abs(seen - sum(t.prompt_tokens for t in ok)) < 0.5,
         cpu_ms_per_turn=cpu_ms,
         etcd_requests_per_turn=requests / n_ok,
@@ -339,12 +346,13 @@ def engine_ttft_table(table: Sequence[Row]) -> str:
 
 def cost_table(table: Sequence[Row]) -> str:
     lines = [
-        "| front | conc | t2+ tokens reused: pulled from D | from P's prefix cache | split adds up "
+        "| front | conc | t2+ tokens reused: pulled from D | from P's prefix cache | D's own cache "
+        "| split adds up "
         "| CPU ms/turn, front's processes | together (above idle) | client | engines "
         "| etcd req/turn (above idle) [above other fronts] "
         "| etcd writes/turn (above idle) [above other fronts] | Route ms "
         "| busiest P's computed tokens vs the mean |",
-        "|---|---:|---:|---:|:-:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|:-:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in table:
         own = ", ".join(
@@ -352,7 +360,7 @@ def cost_table(table: Sequence[Row]) -> str:
         )
         lines.append(
             f"| {r.front} | {r.concurrency} | {_pct(r.pulled_share)} | {_pct(r.prefix_cache_share)} "
-            f"| {'yes' if r.split_adds_up else 'NO'} | {own or 'none'} "
+            f"| {_pct(r.decode_cache_share)} | {'yes' if r.split_adds_up else 'NO'} | {own or 'none'} "
             f"| {_f(r.front_cpu_ms_per_turn)} ({_f(r.front_cpu_ms_per_turn_above_idle)}) "
             f"| {r.cpu_ms_per_turn.get(CLIENT, math.nan):.2f} "
             f"| {r.cpu_ms_per_turn.get(ENGINES, math.nan):.2f} "
@@ -425,6 +433,7 @@ def row_json(row: Row) -> dict[str, Any]:
     out = asdict(row)
     out["pulled_share"] = row.pulled_share
     out["prefix_cache_share"] = row.prefix_cache_share
+    out["decode_cache_share"] = row.decode_cache_share
     return dict(_clean(out))
 
 

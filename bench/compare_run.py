@@ -193,6 +193,7 @@ async def run_block(
         engines.gateway_urls.get(plan.front, ()),
         engines.services_metrics_urls,
         engines.named,
+        engines.decodes,
     )
     before = await metrics.read_all(*args)
     result.turns, result.wall_s = await drive(session, front, plan, turn_timeout_s)

@@ -44,6 +44,8 @@ from kvplane.services.devstack.processes import run_until_stopped, stopped
 
 # The prefill engines' prompt-token sources (vLLM's `vllm:prompt_tokens_by_source` labels).
 PULLED, CACHED, COMPUTED = "external_kv_transfer", "local_cache_hit", "local_compute"
+# Prompt tokens a decode engine found in its own cache for a turn it served alone (prefill_on_decode).
+DECODE_CACHED = "decode_cache_hit"
 SOURCE_NAMES = {PULLED: "pulled from D", CACHED: "P's prefix cache", COMPUTED: "computed"}
 
 
