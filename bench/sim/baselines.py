@@ -115,6 +115,9 @@ class Baseline:
     # `decode-cache` only: D prefills a turn itself when its cache lacks at most this many of the
     # prompt's tokens (or the prefill queue is full); None: P prefills every turn.
     max_local_prefill_tokens: int | None = None
+    # `policy` only: the front lets routing send a turn to its holder D alone (kvplane's gateway with
+    # `gateway.prefill_on_decode`): routing's `prefill_on_decode` decision, by its policy's rule.
+    prefill_on_decode: bool = False
 
     @property
     def needs_host_tier(self) -> bool:
@@ -167,6 +170,16 @@ BASELINES: dict[str, Baseline] = {
             control_path_s=MEASURED_ROUTE_S,
             event_lag_s=EVENT_LAG_S,
             event_loss=0.01,
+        ),
+        # kvplane-events whose gateway lets the holder D prefill short turns itself.
+        Baseline(
+            "kvplane-decode-prefill",
+            "policy",
+            DEFAULT_CONFIG,
+            engine_ttl_s=480.0,
+            control_path_s=MEASURED_ROUTE_S,
+            event_lag_s=0.0,
+            prefill_on_decode=True,
         ),
         Baseline("oracle", "oracle", engine_ttl_s=float("inf"), unlimited_memory=True),
     )
@@ -235,6 +248,7 @@ def simulator_for(baseline: Baseline, config: SimConfig, options: RunOptions | N
             candidates=options.route_candidates,
             seed=options.seed,
             events=None if baseline.event_lag_s is None else (baseline.event_lag_s, baseline.event_loss),
+            prefill_on_decode=baseline.prefill_on_decode,
         )
 
     def retention(fleet: Fleet) -> Retention:

@@ -327,7 +327,8 @@ class Simulator:
         rec.prompt_total += turn.prompt_tokens
         need = costs.kv_bytes(turn.context_tokens)
         conversation.chain = prompt.extended(turn.context_tokens // block - len(prompt), self._ids)
-        conversation.last_prefill = p.node.node_id
+        if not choice.local_prefill:
+            conversation.last_prefill = p.node.node_id
         conversation.last_prompt = prompt
         flight = _InFlight(turn, conversation, choice, prompt, need)
         delay = self.config.control_path_s
@@ -346,14 +347,22 @@ class Simulator:
             self._enqueue(flight.prefill, flight, now)
 
     def _prefill_on_decode(self, flight: _InFlight, now: float) -> None:
-        """D prefills the turn itself (conditional disaggregation), after the prefills it took
-        before: from its own prefix cache, with no hand-off from P."""
+        """D prefills the turn itself (conditional disaggregation, kvplane's prefill_on_decode),
+        after the prefills it took before: from the conversation's handle it holds (kvplane), else
+        from its own prefix cache, with no hand-off from P."""
         d = flight.decode
-        assert d.prefix_cache is not None
         costs = self.config.costs
         tokens = flight.turn.prompt_tokens
-        cached = min(d.prefix_cache.hit_blocks(flight.prompt) * self.config.digest_block_size, tokens - 1)
-        d.prefix_cache.insert(flight.prompt)
+        block = self.config.digest_block_size
+        held = flight.choice.local_handle
+        if held is not None and held.alive and held.decode is d:
+            # The handle's blocks are D's still: the verified prefix they hold is not computed.
+            cached = min(flight.choice.pulled_tokens // block * block, tokens - 1)
+        elif d.prefix_cache is not None:
+            cached = min(d.prefix_cache.hit_blocks(flight.prompt) * block, tokens - 1)
+            d.prefix_cache.insert(flight.prompt)
+        else:
+            cached = 0
         flight.cached = cached
         flight.computed = tokens - cached
         compute = costs.prefill_s(flight.computed) + costs.pulled_compute_s(cached)

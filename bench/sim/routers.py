@@ -31,7 +31,7 @@ from kvplane.services.common.model.handles import CacheHandle, VllmHandle
 from kvplane.services.common.model.nodes import Node
 from kvplane.services.common.model.suspects import NodeSuspect
 from kvplane.services.common.store.records import CheckOut, HandleRecord
-from kvplane.services.routing.policy import CostModel, NodeState, Prompt, RoutingPolicy
+from kvplane.services.routing.policy import CostModel, Decision, NodeState, Prompt, RoutingPolicy
 from kvplane.services.routing.router import Router as KvplaneRouter
 from kvplane.services.routing.router import TurnReport, TurnRequest
 from kvplane.services.routing.settings import RoutingSection
@@ -58,8 +58,13 @@ class RouteChoice:
     keep_decode_kv: bool = True
     # A decode node whose host tier P reads the prompt's blocks from, by hash (llm-d's P2P path).
     source: DecodeState | None = None
-    # D prefills the turn itself; `prefill` is sent nothing (conditional disaggregation).
+    # D prefills the turn itself; `prefill` is sent nothing (conditional disaggregation, and
+    # kvplane's prefill_on_decode).
     local_prefill: bool = False
+    # With `local_prefill`: the conversation's handle on that D, whose blocks D's prefill reads
+    # (kvplane), `pulled_tokens` of them (routing's verified prefix); None: D's own prefix cache
+    # (the baselines').
+    local_handle: SimHandle | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -601,10 +606,13 @@ class PolicyRouter:
         candidates: int = 0,
         seed: int = 0,
         events: tuple[float, float] | None = None,
+        prefill_on_decode: bool = False,
     ) -> None:
         """`events`: (lag s, loss): prefill engines publish KV events that reach the Router that
-        late, each lost with that probability, as routing's engine views (`cache_events`)."""
+        late, each lost with that probability, as routing's engine views (`cache_events`).
+        `prefill_on_decode`: the front can run a turn on D alone (RouteRequest.prefill_on_decode_ok)."""
         self.fleet = fleet
+        self.prefill_on_decode = prefill_on_decode
         self.digest_block_size = digest_block_size
         self.model = fleet.spec.model
         self.settings = RoutingSection(send_delay_ms=0, decode_after_prefill=False)
@@ -640,12 +648,25 @@ class PolicyRouter:
             Prompt(turn.prompt_tokens, block_digests=prompt, digest_block_size=block),
             # As the gateway passes the request's max_tokens: here the turn's own output.
             max_output_tokens=turn.output_tokens,
+            prefill_on_decode_ok=self.prefill_on_decode,
         )
         outcome = _settled(self.router.route(request))
-        p = self.fleet.prefill_by_id[outcome.plan.prefill.node_id]
         d = self.fleet.decode_by_id[outcome.plan.decode.node_id]
         decision = outcome.decision.value
         keep = not outcome.skip_decode_retention
+        if outcome.decision is Decision.PREFILL_ON_DECODE:
+            # D prefills from the handle it holds; no prefill node is sent anything.
+            return RouteChoice(
+                self.fleet.prefill[0],
+                d,
+                decision,
+                pulled_tokens=outcome.plan.verdict.reusable_tokens,
+                route_id=outcome.route_id,
+                keep_decode_kv=keep,
+                local_prefill=True,
+                local_handle=handle,
+            )
+        p = self.fleet.prefill_by_id[outcome.plan.prefill.node_id]
         if outcome.handle is not None and handle is not None:
             # The pull is offered up to the verified prefix; P reads what its cache lacks.
             pulled = outcome.plan.verdict.reusable_tokens

@@ -59,15 +59,23 @@ def test_without_a_decode_cache_the_radix_routers_refuse_to_run() -> None:
 
 
 def test_conditional_disagg_prefills_a_short_addition_on_the_decode_node() -> None:
-    short = _run("conditional-disagg", _conversation(500))[0]
     # The first turn's 8,000 tokens go to P; the second lacks 504 tokens on D, under Dynamo's
     # 1,000: D prefills it from its own cache, with no hand-off and no P.
-    assert short.rec.decisions["local_prefill"] == 1
+    _prefilled_on_d_below_the_cap_only("conditional-disagg", "local_prefill")
+
+
+def _prefilled_on_d_below_the_cap_only(name: str, decision: str) -> Simulator:
+    """Runs `name` on a second turn that adds 500 tokens (D prefills it: P serves the first turn
+    only, D reads the first turn's whole blocks) and on one that adds 2,000 (through P);
+    returns the first run."""
+    short = _run(name, _conversation(500))[0]
+    assert short.rec.decisions[decision] == 1
     assert short.fleet.prefill[0].served == 1
     assert short.rec.cached_tokens >= 8096
-    long = _run("conditional-disagg", _conversation(2000))[0]
-    assert long.rec.decisions.get("local_prefill", 0) == 0
+    long = _run(name, _conversation(2000))[0]
+    assert long.rec.decisions.get(decision, 0) == 0
     assert long.fleet.prefill[0].served == 2
+    return short
 
 
 def test_a_prefill_on_the_decode_node_costs_its_compute_and_one_decode_step_per_chunk() -> None:
@@ -129,3 +137,16 @@ def test_the_decode_cache_holds_only_what_running_turns_leave_free() -> None:
     # 50 blocks left: the older chain's tail went first; the newer chain is whole.
     assert d.prefix_cache.used_blocks == 50
     assert d.prefix_cache.hit_blocks(new) == 30 and d.prefix_cache.hit_blocks(old) == 20
+
+
+def test_kvplane_lets_the_holder_d_prefill_a_short_turn_from_its_handle() -> None:
+    # kvplane's gateway with prefill_on_decode: the second turn continues the handle D kept and adds
+    # 500 tokens; routing's rule sends it to D alone, which reads the handle's blocks and computes
+    # the rest. P serves the first turn only.
+    # Over routing's 1,000-token cap it goes through P.
+    local = _prefilled_on_d_below_the_cap_only("kvplane-decode-prefill", "prefill_on_decode")
+    # Without the gateway's word, the same routing pulls the handle through P.
+    routed = _run("kvplane-events", _conversation(500))[0]
+    assert routed.rec.decisions.get("prefill_on_decode", 0) == 0
+    assert routed.fleet.prefill[0].served == 2
+    assert local.rec.ttft_s[1] < routed.rec.ttft_s[1]
