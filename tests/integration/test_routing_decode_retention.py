@@ -37,11 +37,18 @@ async def client(cluster: RoutingCluster) -> AsyncIterator[RoutingClient]:
 
 
 async def chat(
-    cluster: RoutingCluster, client: RoutingClient, turns: int, *, max_output: int | None, cached: bool = True
+    cluster: RoutingCluster,
+    client: RoutingClient,
+    turns: int,
+    *,
+    max_output: int | None,
+    cached: bool = True,
+    on_decode_ok: bool = False,
 ) -> list[bool]:
     """`turns` turns of one conversation; what routing answered each in skip_decode_retention."""
+    c = f"c-{uuid.uuid4().hex[:8]}"
     return await chat_in(
-        cluster, client, f"c-{uuid.uuid4().hex[:8]}", turns, max_output=max_output, cached=cached
+        cluster, client, c, turns, max_output=max_output, cached=cached, on_decode_ok=on_decode_ok
     )
 
 
@@ -53,13 +60,16 @@ async def chat_in(
     *,
     max_output: int | None,
     cached: bool = True,
+    on_decode_ok: bool = False,
 ) -> list[bool]:
     history = tokens(HISTORY_TOKENS)
     prompt = history[:1000]
     skipped = []
     previous = 0
     for _ in range(turns):
-        route = await client.route(c, MODEL, prompt_token_ids=prompt, max_output_tokens=max_output)
+        route = await client.route(
+            c, MODEL, prompt_token_ids=prompt, max_output_tokens=max_output, prefill_on_decode_ok=on_decode_ok
+        )
         skipped.append(route.skip_decode_retention)
         retained = history[: len(prompt) + ANSWER]
         # P found the previous prompt in its own cache (whole blocks), when it keeps prompts.
@@ -107,3 +117,11 @@ async def test_a_prefill_node_that_keeps_nothing_gets_every_turns_kv_kept_on_d(
     cluster: RoutingCluster, client: RoutingClient
 ) -> None:
     assert not any(await chat(cluster, client, 4, max_output=ANSWER, cached=False))
+
+
+async def test_a_caller_that_lets_d_prefill_turns_gets_every_turns_kv_kept_on_d(
+    cluster: RoutingCluster, client: RoutingClient
+) -> None:
+    # P keeps the prompts as before, but the next turn may skip P altogether on the D that holds
+    # the history: D keeps it.
+    assert not any(await chat(cluster, client, 4, max_output=ANSWER, on_decode_ok=True))

@@ -102,3 +102,11 @@ def test_the_policy_file_sets_it_and_refuses_nonsense() -> None:
 def test_the_snapshot_time_decides_the_life_left() -> None:
     # The same handle, seen 117 s later, has 3 s left: under the 5 s margin.
     assert route(added(200), now_unix_ms=NOW + 117_000).decision is not Decision.PREFILL_ON_DECODE
+
+
+def test_decodes_running_on_the_holder_are_not_ahead_of_its_prefill() -> None:
+    # A prefill joins the running decodes' batch: only prefills waiting on D delay it.
+    decoding = state(D0, running_requests=8, **ROOM)
+    plan = route(added(200), nodes=[state(P0), decoding, state(D1, **ROOM)])
+    assert plan.decode.node_id == "d0"
+    assert plan.decision is Decision.PREFILL_ON_DECODE

@@ -25,11 +25,12 @@ ONE_PAIR = ClusterSpec(prefill_nodes=1, decode_nodes=1, decode_kv_capacity_bytes
 BLOCK = 16
 
 
-def _conversation(added_tokens: int) -> list[Turn]:
-    """Two turns: 8,000 prompt tokens and 100 output, then the whole history plus `added_tokens`."""
+def _conversation(added_tokens: int, gap_s: float = 60.0) -> list[Turn]:
+    """Two turns `gap_s` apart: 8,000 prompt tokens and 100 output, then the whole history plus
+    `added_tokens`."""
     return [
         Turn(0.0, "c", 0, 8000, 100),
-        Turn(60.0, "c", 1, 8100 + added_tokens, 100, reused_prefix_tokens=8100, previous_context_tokens=8100),
+        Turn(gap_s, "c", 1, 8100 + added_tokens, 100, reused_prefix_tokens=8100, previous_context_tokens=8100),
     ]
 
 
@@ -64,15 +65,15 @@ def test_conditional_disagg_prefills_a_short_addition_on_the_decode_node() -> No
     _prefilled_on_d_below_the_cap_only("conditional-disagg", "local_prefill")
 
 
-def _prefilled_on_d_below_the_cap_only(name: str, decision: str) -> Simulator:
+def _prefilled_on_d_below_the_cap_only(name: str, decision: str, gap_s: float = 60.0) -> Simulator:
     """Runs `name` on a second turn that adds 500 tokens (D prefills it: P serves the first turn
     only, D reads the first turn's whole blocks) and on one that adds 2,000 (through P);
     returns the first run."""
-    short = _run(name, _conversation(500))[0]
+    short = _run(name, _conversation(500, gap_s))[0]
     assert short.rec.decisions[decision] == 1
     assert short.fleet.prefill[0].served == 1
     assert short.rec.cached_tokens >= 8096
-    long = _run(name, _conversation(2000))[0]
+    long = _run(name, _conversation(2000, gap_s))[0]
     assert long.rec.decisions.get(decision, 0) == 0
     assert long.fleet.prefill[0].served == 2
     return short
@@ -143,10 +144,12 @@ def test_kvplane_lets_the_holder_d_prefill_a_short_turn_from_its_handle() -> Non
     # kvplane's gateway with prefill_on_decode: the second turn continues the handle D kept and adds
     # 500 tokens; routing's rule sends it to D alone, which reads the handle's blocks and computes
     # the rest. P serves the first turn only.
-    # Over routing's 1,000-token cap it goes through P.
-    local = _prefilled_on_d_below_the_cap_only("kvplane-decode-prefill", "prefill_on_decode")
-    # Without the gateway's word, the same routing pulls the handle through P.
-    routed = _run("kvplane-events", _conversation(500))[0]
+    # Over routing's 1,000-token cap it goes through P. (Turns five seconds apart: after a minute
+    # idle, kvplane's retention has released the handle.)
+    local = _prefilled_on_d_below_the_cap_only("kvplane-decode-prefill", "prefill_on_decode", gap_s=5.0)
+    # Without the gateway's word, the same routing recomputes the 500 tokens on P, whose cache holds
+    # the prompt.
+    routed = _run("kvplane-events", _conversation(500, 5.0))[0]
     assert routed.rec.decisions.get("prefill_on_decode", 0) == 0
     assert routed.fleet.prefill[0].served == 2
     assert local.rec.ttft_s[1] < routed.rec.ttft_s[1]

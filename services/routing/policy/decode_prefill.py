@@ -8,7 +8,7 @@ P-to-D hand-off of the whole prompt's KV. Dynamo's conditional disaggregation ma
 
 The cost: D's running decodes wait while D prefills (vLLM mixes a prefill's chunks into the
 decode batch), so the new tokens are capped (`max_new_tokens`), and the turn goes to D only when
-its estimated time there (D's queue, then the prefill) is at most its time through the chosen P
+its estimated time there (the prefills waiting on D, then its own) is at most its time through the chosen P
 (P's queue, pull and prefill, then the hand-off to D and D's step that computes the first token
 over the whole prompt, which the cost model prices as a one-token prefill).
 
@@ -41,6 +41,16 @@ class PrefillOnDecodeSettings:
             raise ValueError("max_new_tokens and expiry_margin_ms must not be negative")
 
 
+def decode_queue_ms(decode: NodeState, costs: CostModel) -> float:
+    """The prefill work queued on a decode node ahead of a turn it would prefill: the requests
+    waiting there (reported, plus the local prefills routed to it since) at their prefill cost.
+    Its running decodes are not ahead of it: a prefill joins their batch."""
+    load = decode.load
+    if load is None:
+        return 0.0
+    return load.queued_requests * costs.prefill_fixed_ms + costs.recompute_ms(load.queued_prefill_tokens)
+
+
 def decide_prefill_on_decode(
     snapshot: RouteSnapshot,
     holder: Node | None,
@@ -71,7 +81,7 @@ def decide_prefill_on_decode(
     new = snapshot.prompt.tokens - held
     if new <= 0 or new > settings.max_new_tokens:
         return None
-    local_ms = costs.queue_ms(decode) + costs.prefill_ms(new, held)
+    local_ms = decode_queue_ms(decode, costs) + costs.prefill_ms(new, held)
     # Through P, D then reads the whole prompt's KV from P, and computes the first token in a step
     # of its own (one token over the whole prompt).
     handoff_ms = costs.transfer_ms(snapshot.prompt.tokens, holder.kv_bytes_per_token)

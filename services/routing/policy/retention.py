@@ -19,6 +19,9 @@ So D keeps its KV unless both hold:
 
 A wrong guess costs one turn's recompute of what P evicted; P's report of that turn takes the
 node out of the trusted ones at once, and D keeps its KV again.
+
+Where the caller lets D prefill a turn itself (`prefill_on_decode`), D always keeps its KV: the
+next turn may then skip P altogether, which no cache on P makes up for.
 """
 
 from __future__ import annotations

@@ -168,9 +168,14 @@ class Router:
                 _queued_ms(snapshot, plan.prefill.node_id, self.costs),
             ),
         )
-        # No prefill node sees a turn prefilled on D: D keeps what the next turn needs.
-        keeps = receipt is not None and self._prefill_record.keeps_until_next_turn(
-            plan.prefill, receipt, turn.prompt.tokens
+        # No prefill node sees a turn prefilled on D: D keeps what the next turn needs. Nor does
+        # it where the next turn may be prefilled on D (its caller can, and the policy allows it):
+        # then D's KV spares the next turn P altogether, not only the output's recompute.
+        on_decode_next = turn.prefill_on_decode_ok and self.policy.config.prefill_on_decode.max_new_tokens > 0
+        keeps = (
+            receipt is not None
+            and not on_decode_next
+            and self._prefill_record.keeps_until_next_turn(plan.prefill, receipt, turn.prompt.tokens)
         )
         skip_retention = not decode_retention_pays(
             keeps, turn.max_output_tokens, plan.decode.kv_bytes_per_token, self.costs, self.policy.config.pull
