@@ -30,7 +30,9 @@ def _conversation(added_tokens: int, gap_s: float = 60.0) -> list[Turn]:
     `added_tokens`."""
     return [
         Turn(0.0, "c", 0, 8000, 100),
-        Turn(gap_s, "c", 1, 8100 + added_tokens, 100, reused_prefix_tokens=8100, previous_context_tokens=8100),
+        Turn(
+            gap_s, "c", 1, 8100 + added_tokens, 100, reused_prefix_tokens=8100, previous_context_tokens=8100
+        ),
     ]
 
 
