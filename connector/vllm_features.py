@@ -43,8 +43,9 @@ CONNECTOR_HOOKS: dict[str, tuple[str, ...]] = {
     "shutdown": (),
     "get_required_kvcache_layout": ("vllm_config",),
 }
-# Set per step on the metadata: deadlines by request id, and the clock they are stamped with.
-METADATA_FIELDS = ("reqs_to_send", "scheduler_clock")
+# Set per step on the metadata: deadlines by request id, the clock they are stamped with, and
+# the requests the workers track for sending (a turn D serves alone joins them).
+METADATA_FIELDS = ("reqs_to_send", "scheduler_clock", "reqs_in_batch")
 # Requests whose held blocks the workers have just freed.
 OUTPUT_FIELDS = ("finished_sending",)
 # Only for `nixl_progress_thread: false`: the factory the worker builds its NIXL agent with.

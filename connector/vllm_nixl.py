@@ -102,7 +102,7 @@ from kvplane.connector.vllm_stats import (
     KvplanePromMetrics,
 )
 from kvplane.services.client.credentials import ClientCredentials
-from kvplane.services.common.model.handles import KEY_PULLED_TOKENS, KEY_RETAIN, EngineHandles
+from kvplane.services.common.model.handles import KEY_PULLED_TOKENS, KEY_RETAIN, EngineHandles, routed_to
 from kvplane.services.common.model.nodes import Fingerprint, Node, NodeLoad, NodeRole
 from kvplane.services.common.runtime.telemetry import Telemetry
 
@@ -395,6 +395,10 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
         self._freeing: dict[str, int] = {}
         # Scheduler thread: the demand the agent was last woken for.
         self._demand_notified = 0
+        # D side, scheduler thread: kvplane's turns that D serves alone (prefill_on_decode), given
+        # blocks since the last step's metadata: the workers must track them as D legs.
+        self._bidirectional = bool(extra.get("bidirectional_kv_xfer"))
+        self._served_alone: set[str] = set()
         if role == KVConnectorRole.SCHEDULER:
             self._start_kvplane(vllm_config)
 
@@ -558,10 +562,23 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
         return result
 
     def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
-        """Scheduler process, when a waiting request has been given its blocks: it wants no more."""
+        """Scheduler process, when a waiting request has been given its blocks: it wants no more.
+
+        A turn of kvplane's that D serves alone (routed prefill_on_decode: params naming no remote
+        blocks) is kept at its finish as a D leg is, but vLLM tells its workers only of the P/D
+        legs it batched: without this, no deadline, release or read notification would ever free
+        its blocks. It joins the next step's `reqs_in_batch`, as a D leg does."""
         self._asked.pop(request.request_id, None)
         if num_external_tokens > 0:
             self._pulled[request.request_id] = num_external_tokens
+        params = request.kv_transfer_params or {}
+        if (
+            self._bidirectional
+            and not params.get("do_remote_decode")
+            and not params.get("do_remote_prefill")
+            and routed_to(params) is not None
+        ):
+            self._served_alone.add(request.request_id)
         super().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def has_pending_block_frees(self) -> bool:
@@ -616,6 +633,9 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
         Never blocks, except for the opt-in `idle_step_pause_s` in steps that schedule nothing.
         """
         meta = super().build_connector_meta(scheduler_output)
+        if self._served_alone:
+            meta.reqs_in_batch.update(self._served_alone)
+            self._served_alone = set()
         with self._release_lock:
             pending, self._pending_releases = self._pending_releases, []
             if self._drain_requested:

@@ -312,12 +312,18 @@ def test_a_turn_prefilled_on_d_reads_its_history_from_the_handle_and_is_kept_as_
     # Only what the handle's whole blocks do not hold is computed.
     held = len(d_tokens(d, "d-1")) // BLOCK * BLOCK
     assert out.num_scheduled_tokens["d-2"] == len(prompt) - held
+    # The workers track it for sending, as a D leg: else no deadline or release would free it.
+    assert "d-2" in d.last_meta.reqs_in_batch
     params = d.run_until_finished("d-2")
     assert params is not None and params["do_remote_decode"] is True
     handles, _ = d.agent.pending()
     assert [h.vllm.remote_num_tokens for h in handles] == [200 + 40 - 1, len(prompt) + 10 - 1]
     assert handles[1].digests == token_digests.digest_tokens(d_tokens(d, "d-2"), BLOCK)
     assert d.connector.held_request_ids == {"d-1", "d-2"}
+    # Released early (superseded), it is freed as a D leg's handle is.
+    d.connector._queue_release("d-2")
+    d.step()
+    assert d.last_meta.reqs_to_send["d-2"] < d.last_meta.scheduler_clock
 
 
 def test_aborted_request_publishes_nothing_and_frees_blocks(new_engine: Any) -> None:

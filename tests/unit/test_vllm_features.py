@@ -36,6 +36,7 @@ class Metadata:
     def __init__(self) -> None:
         self.reqs_to_send: dict[str, float] = {}
         self.scheduler_clock = 0.0
+        self.reqs_in_batch: set[str] = set()
 
 
 @dataclasses.dataclass
@@ -65,6 +66,7 @@ def test_each_missing_part_is_named_by_class_and_attribute() -> None:
     assert missing_features(OldConnector, OldMetadata, OldOutput, worker) == [
         "OldConnector.request_finished_all_groups",
         "OldMetadata.scheduler_clock",
+        "OldMetadata.reqs_in_batch",
         "OldOutput.finished_sending",
         "base_worker.nixl_agent_config",
     ]
