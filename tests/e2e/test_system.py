@@ -426,5 +426,6 @@ def test_stack_logs_are_kept_in_the_run_dir(stack: Stack) -> None:
         "decode sim-engine",
         "gateway",
         "colocated gateway",
+        "decode-prefill gateway",
     }
     assert all(Path(p.log_path).exists() for p in stack.processes)
