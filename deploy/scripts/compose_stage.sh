@@ -270,8 +270,8 @@ logs_on_failure() {
     # (vLLM's periodic stats and the engines' failed trace exports left out).
     printf '\n--- warnings and errors, latest last (whole logs in %s/logs)\n' "$WORK"
     for c in $(containers); do
-      grep -iE 'warn|error|exception|traceback|timed? ?out' "$WORK/logs/$c.log" \
-        | grep -vE 'exporting traces|export traces|DeprecationWarning|warnings.warn' \
+      grep -E '"level": "(warning|error|critical)"|WARNING|ERROR|Traceback|Error:|[Tt]imed out' \
+        "$WORK/logs/$c.log" | grep -vE 'exporting traces|export traces|DeprecationWarning|warnings.warn' \
         | tail -6 | cut -c1-400 | sed "s/^/${c#"${PROJECT}"_}: /" || true
     done
   fi
