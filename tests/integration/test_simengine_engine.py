@@ -17,6 +17,7 @@ from kvplane.connector.simengine.block_pool import KvCacheFullError
 from kvplane.connector.simengine.engine import FinishInfo, GenerationRequest, SimEngine
 from kvplane.connector.simengine.settings import SimEngineSettings
 from kvplane.connector.simengine.timing_model import TimingModel
+from kvplane.services.routing.transfer_params import decode_only_params
 from tests.support.simengine import free_port
 
 FAST = TimingModel(speedup=50)
@@ -298,12 +299,8 @@ async def test_without_prefix_caching_p_pulls_everything_d_holds(stack: list[Sim
     assert sample(p, "vllm:prompt_tokens_by_source_total", source="local_cache_hit") == 0
 
 
-LOCAL = {
-    "do_remote_prefill": False,
-    "do_remote_decode": False,
-    "kvplane_tenant": "t",
-    "kvplane_conversation": "c",
-}
+# What routing sends with a turn it routes prefill_on_decode.
+LOCAL = decode_only_params("t", "c")
 
 
 async def test_d_prefills_a_turn_itself_from_its_handle_and_keeps_the_new_turn(
