@@ -8,9 +8,11 @@ P-to-D hand-off of the whole prompt's KV. Dynamo's conditional disaggregation ma
 
 The cost: D's running decodes wait while D prefills (vLLM mixes a prefill's chunks into the
 decode batch), so the new tokens are capped (`max_new_tokens`), and the turn goes to D only when
-its estimated time there (the prefills waiting on D, then its own) is at most its time through the chosen P
-(P's queue, pull and prefill, then the hand-off to D and D's step that computes the first token
-over the whole prompt, which the cost model prices as a one-token prefill).
+its estimated time there (the prefills waiting on D, then its own) is at most its time through
+the chosen P: P's queue, pull and prefill, then the hand-off to D and D's step that computes the
+first token over the whole prompt. The cost model prices that step as a one-token prefill, its
+fixed cost included; where D folds it into a decode step it costs less, and the rule leans
+towards D by the difference.
 
 Only for callers that said they can run a turn on D alone (`RouteSnapshot.prefill_on_decode_ok`),
 only on the handle's live holder where the decode leg chose it, and only for a prompt that
