@@ -411,6 +411,10 @@ class SimEngine:
             run.running = True
             computed = n - hit - external
             duration = s.timing.prefill_s(computed)
+            if leg == "decode" and external and computed <= bs:
+                # What D computes after reading P's blocks (the prompt's last token, or a partial
+                # block): vLLM runs it in a step of D's batch, not as a prefill of its own.
+                duration = s.timing.decode_s(self._running)
             if leg == "local":
                 self._local_prefill_ends = time.perf_counter() + duration
             await asyncio.sleep(duration)

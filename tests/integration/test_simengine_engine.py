@@ -357,3 +357,29 @@ async def test_a_prefill_on_d_holds_back_the_decodes_running_there(stack: list[S
         streaming.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await streaming
+
+
+async def test_what_d_computes_after_its_read_costs_a_decode_step_not_a_prefill(
+    stack: list[SimEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # After reading P's blocks, D computes the prompt's last token in a step of its batch (vLLM),
+    # not as a prefill with its fixed cost. The durations the engine sleeps are what it charges.
+    p, d = SimEngine(settings()), SimEngine(settings())
+    stack.extend([p, d])
+    await started(p, d)
+    prompt = prompt_of(300)
+    p_params = (await run(p, prompt, 1, {"do_remote_decode": True})).kv_transfer_params
+    charged: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def recorded(delay: float, *args: Any) -> Any:
+        charged.append(delay)
+        return await real_sleep(0)
+
+    monkeypatch.setattr("kvplane.connector.simengine.engine.asyncio.sleep", recorded)
+    fin = await run(d, prompt, 1, p_params)
+    monkeypatch.undo()
+    assert fin.pulled_tokens > 0 and len(prompt) - fin.cached_tokens <= 16
+    timing = d.settings.timing
+    assert timing.decode_s(1) in charged
+    assert timing.prefill_s(len(prompt) - fin.cached_tokens) not in charged
