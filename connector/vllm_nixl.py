@@ -48,7 +48,8 @@ KVPLANE_NODE_ROLE and KVPLANE_HTTP_URL give defaults):
     lease_ttl_s, load_interval_s       the node agent's lease and load sampling period (10, 0.5)
     load_heartbeat_s                   longest gap between load reports of an unchanged load (10)
     nixl_progress_thread               false: NIXL agents without their busy progress thread
-    idle_step_pause_s                  pause in steps that schedule nothing (0: off)
+    idle_step_pause_s                  pause in steps that schedule nothing and watch no pull (0.01;
+                                       0: off)
     kv_free_watermark_blocks           free blocks to ask the control plane for on top of what
                                        waiting requests need (0: ask only for waiting requests)
     auth_token_file                    file holding the node's bearer token (KVPLANE_AUTH_TOKEN_FILE;
@@ -188,12 +189,13 @@ class ConnectorSettings:
     # Without it, transfers and notifications progress when the worker polls NIXL, which it does
     # every engine step. Turn it off on small CPU machines.
     nixl_progress_thread: bool = True
-    # Scheduler side: seconds to pause in a step that schedules no tokens. An engine that holds
-    # finished requests' blocks (D until its TTL, P until D reads) keeps stepping back to back
-    # with empty batches, each a round trip to its workers; on a few shared cores that starves
-    # every other engine. A short pause (0.02) turns ~1000 empty steps a second into ~50 at the
-    # cost of up to that much delay for a request arriving during an idle step. 0: off.
-    idle_step_pause_s: float = 0.0
+    # Scheduler side: seconds to pause in a step that schedules no tokens while no KV load is in
+    # flight. vLLM keeps stepping while it holds finished requests' blocks (D for as long as it
+    # retains a handle, which with retention is always; P until D reads), back to back with empty
+    # batches, each a round trip to the workers: an idle D burns more than a core. With the
+    # pause, a request arriving during an idle step waits up to this long; a step that has a
+    # pull to watch never pauses. 0: step back to back, as vLLM does.
+    idle_step_pause_s: float = 0.01
     # Scheduler side: free blocks asked for on top of what waiting requests need. 0: memory is
     # asked for only when a request waits for it, never kept empty ahead of need.
     kv_free_watermark_blocks: int = 0
@@ -270,7 +272,7 @@ class ConnectorSettings:
                 load_interval_s=float(raw.get("load_interval_s", 0.5)),
                 load_heartbeat_s=float(raw.get("load_heartbeat_s", 10.0)),
                 nixl_progress_thread=bool(raw.get("nixl_progress_thread", True)),
-                idle_step_pause_s=float(raw.get("idle_step_pause_s", 0.0)),
+                idle_step_pause_s=float(raw.get("idle_step_pause_s", 0.01)),
                 kv_free_watermark_blocks=int(raw.get("kv_free_watermark_blocks", 0)),
                 auth_token=str(env.get("KVPLANE_AUTH_TOKEN", "")),
                 **{key: str(raw.get(key, "")) for key in _CREDENTIAL_KEYS},
@@ -399,6 +401,8 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
         # blocks since the last step's metadata: the workers must track them as D legs.
         self._bidirectional = bool(extra.get("bidirectional_kv_xfer"))
         self._served_alone: set[str] = set()
+        # Scheduler thread: how an idle step pauses (idle_step_pause_s).
+        self._pause = time.sleep
         if role == KVConnectorRole.SCHEDULER:
             self._start_kvplane(vllm_config)
 
@@ -630,7 +634,8 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
         """Scheduler process, every step. Apply queued early releases: a held request's
         deadline is set in the past, and the workers free its blocks in this step.
 
-        Never blocks, except for the opt-in `idle_step_pause_s` in steps that schedule nothing.
+        Never blocks, except for `idle_step_pause_s` in steps that schedule nothing and have no
+        KV load in flight.
         """
         meta = super().build_connector_meta(scheduler_output)
         if self._served_alone:
@@ -654,9 +659,10 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
         self._snapshot_load(scheduler_output)
         self._update_demand(applied)
         pause = self.kvplane_settings.idle_step_pause_s
-        if pause > 0 and not scheduler_output.total_num_scheduled_tokens:
-            # An idle step (only held blocks or transfers to watch): see idle_step_pause_s.
-            time.sleep(pause)
+        if pause > 0 and not scheduler_output.total_num_scheduled_tokens and not self._pulled:
+            # An idle step: only held blocks to watch (see idle_step_pause_s). A request whose KV
+            # is being loaded (in _pulled from its allocation to its finish) is watched unpaused.
+            self._pause(pause)
         return meta
 
     # ------------------------------------------------------------------ internals

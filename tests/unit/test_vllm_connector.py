@@ -490,17 +490,54 @@ def test_prefix_check_is_idempotent_across_repeated_calls(new_engine: Any) -> No
     assert clipped[prefix_check.CHECKED_KEY] == ["clipped", len(held), 96]
 
 
-def test_idle_steps_pause_only_when_configured_and_nothing_is_scheduled(new_engine: Any) -> None:
-    d = new_engine({"idle_step_pause_s": 1.0})
+def record_pauses(engine: Engine) -> list[float]:
+    pauses: list[float] = []
+    engine.connector._pause = pauses.append
+    return pauses
+
+
+def test_an_idle_step_with_only_held_blocks_pauses_by_default(new_engine: Any) -> None:
+    """D keeps a handle's blocks, so vLLM keeps stepping with nothing to schedule: each such step
+    pauses instead of spinning."""
+    d = new_engine()
+    pauses = record_pauses(d)
+    assert d.connector.kvplane_settings.idle_step_pause_s > 0
     d.add("busy", PROMPT_1, 2, routed())
-    t0 = time.perf_counter()
-    d.step()  # schedules the prompt: no pause
-    assert time.perf_counter() - t0 < 1.0
+    d.step()  # schedules the prompt
+    assert pauses == []
     d.run_until_finished("busy")
-    t0 = time.perf_counter()
-    out = d.step()  # only held blocks left: an idle step
+    pauses.clear()
+    out = d.step()  # only the retained blocks left
     assert out.total_num_scheduled_tokens == 0
-    assert time.perf_counter() - t0 >= 1.0
+    assert d.connector.held_request_ids == {"busy"}
+    assert pauses == [d.connector.kvplane_settings.idle_step_pause_s]
+
+
+def test_idle_step_pause_zero_steps_back_to_back(new_engine: Any) -> None:
+    d = new_engine({"idle_step_pause_s": 0})
+    pauses = record_pauses(d)
+    d.add("busy", PROMPT_1, 2, routed())
+    d.run_until_finished("busy")
+    assert d.step().total_num_scheduled_tokens == 0
+    assert pauses == []
+
+
+def test_a_step_watching_a_pull_in_flight_never_pauses(new_engine: Any) -> None:
+    """P waits for D's KV: its steps schedule nothing but must notice the load's end at once."""
+    d, p = new_engine(), new_engine({"idle_step_pause_s": 5.0})
+    pauses = record_pauses(p)
+    params = decode_turn(d)
+    held = d_tokens(d, "d-1")
+    prompt_2 = [*held, d.scheduler.requests["d-1"].all_token_ids[-1], *range(7000, 7080)]
+    request, _ = pull_on_p(p, "p-2", prompt_2, prefill_params(params))
+    expect_pull(p, request, len(held))
+    assert p.step().total_num_scheduled_tokens == 0  # still loading
+    p.step(finished_recving={"p-2"})
+    assert p.run_until_finished("p-2") is not None
+    assert pauses == []
+    # P now holds the finished turn's blocks for D's read: that idle step may pause.
+    assert p.step().total_num_scheduled_tokens == 0
+    assert pauses == [5.0]
 
 
 def test_drain_releases_every_held_handle_and_publishes_no_more(new_engine: Any) -> None:
