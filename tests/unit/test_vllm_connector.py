@@ -9,7 +9,6 @@ connector unit tests do.
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
