@@ -266,6 +266,10 @@ logs_on_failure() {
       podman logs "$c" >"$WORK/logs/$c.log" 2>&1 || true
       tail -40 "$WORK/logs/$c.log"
     done
+    # What else the host was running: a stage slowed by other work shows it here.
+    printf '\n--- the host: load %s; busiest processes (share of a core over their life)\n' \
+      "$(cut -d' ' -f1-3 /proc/loadavg)"
+    ps -eo pcpu,etime,comm --sort=-pcpu | head -12 || true
     # Last, where a truncated CI log still shows it: each container's latest warnings and errors
     # (vLLM's periodic stats and the engines' failed trace exports left out).
     printf '\n--- warnings and errors, latest last (whole logs in %s/logs)\n' "$WORK"
