@@ -226,13 +226,17 @@ class Exchange:
             _PROPAGATOR.inject(trace_headers)
         headers = {
             destinations.DESTINATION: destination,
-            PREFILLER_HEADER: host_port(route.prefill.http_url),
             ROUTE_HEADER: token,
             "content-length": str(len(forwarded)),
             **trace_headers,
         }
+        removed: tuple[str, ...] = _CLIENT_HEADERS_REMOVED if s.epp.tenant_source == "api_key" else ()
+        if route.on_decode:
+            # D prefills the turn itself (gateway.prefill_on_decode): no P for the sidecar to call.
+            removed = (*removed, PREFILLER_HEADER)
+        else:
+            headers[PREFILLER_HEADER] = host_port(route.prefill.http_url)
         metadata = {destinations.LB_NAMESPACE: {destinations.DESTINATION: destination}}
-        removed = _CLIENT_HEADERS_REMOVED if s.epp.tenant_source == "api_key" else ()
         return [
             envoy_messages.request_headers(headers, removed, metadata),
             *envoy_messages.body_chunks(forwarded, s.epp.body_chunk_bytes, response=False),

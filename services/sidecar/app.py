@@ -152,6 +152,9 @@ class Sidecar:
         self, request: web.Request, signed: SignedRoute | None, body: dict[str, Any], chat: bool
     ) -> DecodeRequest:
         assert self.legs is not None
+        if signed is not None and signed.route.on_decode:
+            # Routing chose this D, which holds the conversation's KV, to prefill the turn itself.
+            return DecodeRequest(self.legs.on_decode(body, signed), None)
         prefiller = request.headers.get(PREFILLER_HEADER, "")
         if signed is None or not prefiller:
             return DecodeRequest(self.legs.alone(body, signed), None)

@@ -4,7 +4,8 @@ The calls are the gateway's (`legs.post_json`, `legs.open_stream`, `vllm_request
 deadlines. A P leg that fails: a request P rejected (4xx) fails with P's answer
 (`failover.prefill_retry` says GIVE_UP); any other failure leaves D to compute the prompt itself
 (decision `retry_no_handle`), which still answers the user: the sidecar has no routing to ask for
-another P, and D, beside it, is always there.
+another P, and D, beside it, is always there. A route `prefill_on_decode` has no P leg: D, which
+holds the conversation's KV, gets the client's request with the route's params (`on_decode`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import aiohttp
 from opentelemetry import trace
 
 from kvplane.services.client import leg_url
-from kvplane.services.client.vllm_requests import decode_body, prefill_body
+from kvplane.services.client.vllm_requests import decode_body, decode_only_body, prefill_body
 from kvplane.services.gateway import failover
 from kvplane.services.gateway.failover import PrefillRetry
 from kvplane.services.gateway.legs import (
@@ -119,6 +120,14 @@ class SidecarLegs:
         """D's request when D serves the turn alone: no `kv_transfer_params` at all."""
         request = {k: v for k, v in body.items() if k != "kv_transfer_params"}
         if signed is not None and signed.return_token_ids:
+            request["return_token_ids"] = True
+        return request
+
+    def on_decode(self, body: Mapping[str, Any], signed: SignedRoute) -> dict[str, Any]:
+        """D's request when the signed route says D prefills the turn (`prefill_on_decode`): the
+        route's params, which name the conversation's handle and no remote blocks."""
+        request = decode_only_body(body, signed.route)
+        if signed.return_token_ids:
             request["return_token_ids"] = True
         return request
 

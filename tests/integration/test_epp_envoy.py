@@ -322,6 +322,53 @@ async def _not(check: Awaitable[bool]) -> bool:
     return not await check
 
 
+async def test_with_prefill_on_decode_the_sidecar_serves_short_turns_on_d_alone(
+    es: EnvoyStack, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A picker whose gateway settings let D prefill short turns (gateway.prefill_on_decode): the
+    route names no P, so the sidecar runs no P leg, even with a P header the client forged; D
+    reads the history from the handle it holds and keeps the turn as the next one."""
+    stack = es.stack
+    limits = es.limits.model_copy(update={"prefill_on_decode": True})
+    epp = EppSection(listen=f"127.0.0.1:{free_port()}", sidecars={stack.decode.url: es.sidecar.address})
+    picker = Picker(epp, limits, es.side, Telemetry.create("kvplane-epp"))
+    await picker.start()
+    envoy = await start_envoy(ENVOY or "", picker.port, [es.sidecar.address], tmp_path_factory.mktemp("on-d"))
+    try:
+        conv, prompt = conversation(), new_ids(400, 21)
+        forged = {PREFILLER_HEADER: stack.proxy.url.removeprefix("http://")}
+        decisions: list[str] = []
+        handle = ""
+        p_calls = 0
+        d_hits = 0.0
+        for turn in range(3):
+            if turn == 1:
+                p_calls = len(stack.proxy.seen)
+                d_hits = await stack.decode.metric(
+                    stack.session, "vllm:prompt_tokens_by_source_total", source="local_cache_hit"
+                )
+            result = await es.post(
+                envoy.url(),
+                completion(prompt, stream=True, return_token_ids=True),
+                stack.headers("acme", conv, **forged),
+            )
+            assert result.status == 200, result.raw
+            assert result.raw.rstrip().endswith("data: [DONE]") and "kv_transfer_params" not in result.raw
+            decisions.append(result.decision)
+            handle = await stack.wait_handle("acme", conv, other_than=handle)
+            prompt = [*prompt, *result.output_ids(), *new_ids(40, 22 + turn)]
+        assert decisions == ["recompute_no_handle", "prefill_on_decode", "prefill_on_decode"]
+        assert len(stack.proxy.seen) == p_calls, "a turn D prefilled itself reached P"
+        d_hits_after = await stack.decode.metric(
+            stack.session, "vllm:prompt_tokens_by_source_total", source="local_cache_hit"
+        )
+        assert d_hits_after - d_hits >= 2 * 400
+        assert await verify_failures(stack) == 0
+    finally:
+        envoy.stop()
+        await picker.stop(0.1)
+
+
 # Last in the module: the second decode engine it starts stays registered, dead, until its lease ends.
 async def test_a_turn_whose_decode_engine_died_is_served_by_another(
     es: EnvoyStack, tmp_path_factory: pytest.TempPathFactory

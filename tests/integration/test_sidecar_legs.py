@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -10,6 +11,7 @@ import pytest
 from aiohttp import web
 
 from kvplane.services.client import Endpoint, RouteResult
+from kvplane.services.common.model.handles import KEY_RETAIN
 from kvplane.services.common.runtime.ports import free_port
 from kvplane.services.common.runtime.telemetry import Telemetry
 from kvplane.services.gateway.metrics import GatewayMetrics
@@ -103,3 +105,21 @@ async def test_a_failing_p_leaves_d_to_compute_the_prompt(
     assert "kv_transfer_params" not in decode.body
     assert decode.report is not None and decode.report.decision == "retry_no_handle"
     assert "HTTP 500" in decode.report.error
+
+
+async def test_a_route_prefill_on_decode_gives_d_the_routes_params_and_runs_no_p_leg(
+    legs: tuple[SidecarLegs, FakePrefill, SignedRoute],
+) -> None:
+    sidecar, fake, signed = legs
+    params = {"kvplane_tenant": "acme", "kvplane_conversation": "c", "kvplane_handle": "h"}
+    route = dataclasses.replace(signed.route, decision="prefill_on_decode", prefill_params=params)
+    client = {"prompt": [1, 2], "max_tokens": 9, "kv_transfer_params": {"remote_host": "evil"}}
+    body = sidecar.on_decode(client, SignedRoute(route, return_token_ids=True))
+    assert body["kv_transfer_params"] == params and body["max_tokens"] == 9
+    assert body["return_token_ids"] is True
+    assert fake.seen == []
+    skip = dataclasses.replace(route, skip_decode_retention=True)
+    assert sidecar.on_decode(client, SignedRoute(skip, return_token_ids=False))["kv_transfer_params"] == {
+        **params,
+        KEY_RETAIN: False,
+    }

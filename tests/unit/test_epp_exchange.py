@@ -174,6 +174,22 @@ async def test_a_routed_request_goes_to_ds_sidecar_with_the_signed_route(state: 
     assert set_headers["content-length"] == str(len(forwarded))
 
 
+async def test_a_route_prefill_on_decode_names_no_prefill_engine(state: PickerState) -> None:
+    on_decode = dataclasses.replace(ROUTE, decision="prefill_on_decode", prefill_params={"kvplane_tenant": "acme"})
+    routed_to(state, on_decode)
+    exchange = Exchange(state)
+    await exchange.handle(headers(**AUTH, **{"x-prefiller-host-port": "10.9.9.9:80"}))
+    answer = await exchange.handle(body(json.dumps({"model": "m", "prompt": [5, 6, 7]}).encode()))
+    mutation = answer[0].request_headers.response.header_mutation
+    set_headers = {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}
+    assert set_headers["x-gateway-destination-endpoint"] == "10.0.0.2:8000"
+    assert "x-prefiller-host-port" not in set_headers
+    assert "x-prefiller-host-port" in mutation.remove_headers  # the client's is not passed on
+    forwarded = b"".join(m.request_body.response.body_mutation.streamed_response.body for m in answer[1:])
+    signed = verify(KEY, set_headers["x-kvplane-route"], body=forwarded, now=0.0)
+    assert signed.route.on_decode and signed.route.prefill_params == {"kvplane_tenant": "acme"}
+
+
 async def test_fields_the_engines_do_not_accept_never_reach_the_sidecar(state: PickerState) -> None:
     extended = dataclasses.replace(
         state, gateway=state.gateway.model_copy(update={"pass_through_fields": ["engine_extension"]})
