@@ -12,5 +12,7 @@ class MetadataSection(Section):
     # A checked-out handle nobody read within this long is released (its turn never reached P),
     # seconds. Longer than a turn's wait in P's queue plus the gateway's prefill timeout.
     claim_deadline_s: float = Field(60.0, gt=0)
-    # How often the claim reaper sweeps, seconds.
-    claim_sweep_interval_s: float = Field(2.0, gt=0)
+    # How often the claim reaper sweeps, seconds: an unused claim is released between
+    # claim_deadline_s and claim_deadline_s plus this after it was made. Each sweep reads every
+    # claim from etcd, on every metadata replica.
+    claim_sweep_interval_s: float = Field(10.0, gt=0)
