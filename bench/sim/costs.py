@@ -100,5 +100,9 @@ class SimCosts:
     def decode_s(self, output_tokens: int, running: int) -> float:
         return output_tokens * self.timing.decode_s(running)
 
+    def decode_step_s(self, running: int) -> float:
+        """One step of D's batch of `running` decodes: where a turn through P gets its first token."""
+        return self.timing.decode_s(running)
+
     def kv_bytes(self, tokens: int) -> int:
         return tokens * self.kv_bytes_per_token

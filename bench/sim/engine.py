@@ -552,7 +552,7 @@ class Simulator:
             self._start(flight, now)
 
     def _start(self, flight: _InFlight, now: float) -> None:
-        """D admits the turn (P is done): its first token comes now."""
+        """D admits the turn (P is done, or D prefilled it): its decode starts now."""
         d = flight.decode
         d.reserved += flight.reserved
         d.running += 1
@@ -562,7 +562,12 @@ class Simulator:
     def _first_token(self, flight: _InFlight, now: float) -> None:
         turn = flight.turn
         rec = self.rec
-        rec.ttft_s.append(now - turn.arrival_s)
+        first = now
+        if not flight.choice.local_prefill:
+            # Through P, D makes the first token in a decode step once it has the KV; a prefill
+            # on D made it in its own last step (`_prefill_on_decode` charges that step).
+            first += self.config.costs.decode_step_s(flight.decode.running)
+        rec.ttft_s.append(first - turn.arrival_s)
         rec.prompt_tokens.append(turn.prompt_tokens)
         rec.pulled_tokens.append(flight.pulled)
         flight.stalled_s = flight.decode.stalled_s

@@ -22,11 +22,13 @@ def test_a_turn_due_before_the_previous_answer_is_sent_when_it_is_done() -> None
     config = dataclasses.replace(CONFIG, closed_loop=True)
     result = simulator_for(BASELINES["no-reuse"], config).run(TURNS)
     assert result.summary.turns == 2
-    # Sent at the first turn's end, to an idle P: its TTFT is its own prefill, nothing more.
-    assert result.ttft_s[1] == pytest.approx(COSTS.prefill_s(3_000))
+    # Sent at the first turn's end, to an idle P: its TTFT is its own prefill and D's first step.
+    assert result.ttft_s[1] == pytest.approx(COSTS.prefill_s(3_000) + COSTS.decode_step_s(1))
 
 
 def test_open_loop_turns_arrive_when_the_workload_says() -> None:
     result = simulator_for(BASELINES["no-reuse"], CONFIG).run(TURNS)
     first_done = COSTS.prefill_s(2_000)
-    assert result.ttft_s[1] == pytest.approx(first_done + COSTS.prefill_s(3_000) - 0.1)
+    # D's first step: the first turn is still decoding beside it.
+    step = COSTS.decode_step_s(2)
+    assert result.ttft_s[1] == pytest.approx(first_done + COSTS.prefill_s(3_000) - 0.1 + step)

@@ -17,7 +17,7 @@ CONFIG = SimConfig(cluster=ClusterSpec(prefill_nodes=1, decode_nodes=1))
 def test_a_turn_reaches_p_one_control_path_after_it_arrives() -> None:
     config = dataclasses.replace(CONFIG, control_path_s=0.05)
     result = simulator_for(BASELINES["no-reuse"], config).run([Turn(1.0, "a", 0, 2_000, 10)])
-    assert result.ttft_s[0] == pytest.approx(0.05 + COSTS.prefill_s(2_000))
+    assert result.ttft_s[0] == pytest.approx(0.05 + COSTS.prefill_s(2_000) + COSTS.decode_step_s(1))
 
 
 def test_turns_behind_the_hop_queue_on_p_in_arrival_order() -> None:
@@ -26,7 +26,10 @@ def test_turns_behind_the_hop_queue_on_p_in_arrival_order() -> None:
     result = simulator_for(BASELINES["no-reuse"], config).run(turns)
     first_done = 1.05 + COSTS.prefill_s(2_000)
     assert list(result.ttft_s) == pytest.approx(
-        [first_done - 1.0, first_done + COSTS.prefill_s(1_000) - 1.01]
+        [
+            first_done + COSTS.decode_step_s(1) - 1.0,
+            first_done + COSTS.prefill_s(1_000) + COSTS.decode_step_s(2) - 1.01,
+        ]
     )
 
 
@@ -34,7 +37,9 @@ def test_kvplane_pays_its_measured_route_time() -> None:
     assert MEASURED_ROUTE_S > 0
     assert BASELINES["kvplane"].control_path_s == MEASURED_ROUTE_S
     result = simulator_for(BASELINES["kvplane"], CONFIG).run([Turn(1.0, "a", 0, 2_000, 10)])
-    assert result.ttft_s[0] == pytest.approx(MEASURED_ROUTE_S + COSTS.prefill_s(2_000))
+    assert result.ttft_s[0] == pytest.approx(
+        MEASURED_ROUTE_S + COSTS.prefill_s(2_000) + COSTS.decode_step_s(1)
+    )
 
 
 def test_a_negative_control_path_is_refused() -> None:

@@ -28,16 +28,18 @@ def _ttfts(pressure: str) -> dict[str, float]:
 
 def test_the_turn_whose_prefill_ends_first_gets_decode_memory_first() -> None:
     ttft = _ttfts("wait")
+    step = COSTS.decode_step_s(1)  # D's first step, alone in its batch
     # The short turn, routed second, reached D first: D had not reserved the long one at routing.
-    assert ttft["short"] == pytest.approx(COSTS.prefill_s(SHORT.prompt_tokens))
+    assert ttft["short"] == pytest.approx(COSTS.prefill_s(SHORT.prompt_tokens) + step)
     # The long turn found D full when its prefill ended, and waited for the short one's decode.
-    short_done = SHORT.arrival_s + ttft["short"] + COSTS.decode_s(SHORT.output_tokens, 1)
-    assert ttft["long"] == pytest.approx(short_done - LONG.arrival_s)
+    short_done = SHORT.arrival_s + ttft["short"] - step + COSTS.decode_s(SHORT.output_tokens, 1)
+    assert ttft["long"] == pytest.approx(short_done + step - LONG.arrival_s)
     assert ttft["long"] > COSTS.prefill_s(LONG.prompt_tokens)
 
 
 def test_an_evicting_decode_node_makes_room_when_the_turn_reaches_it() -> None:
     ttft = _ttfts("evict")
-    # Nothing is retained to evict: both run at once, the later one overcommitted, neither waits.
-    assert ttft["short"] == pytest.approx(COSTS.prefill_s(SHORT.prompt_tokens))
-    assert ttft["long"] == pytest.approx(COSTS.prefill_s(LONG.prompt_tokens))
+    # Nothing is retained to evict: both run at once, the later one overcommitted, neither waits
+    # (the long one's first step is in a batch of two).
+    assert ttft["short"] == pytest.approx(COSTS.prefill_s(SHORT.prompt_tokens) + COSTS.decode_step_s(1))
+    assert ttft["long"] == pytest.approx(COSTS.prefill_s(LONG.prompt_tokens) + COSTS.decode_step_s(2))

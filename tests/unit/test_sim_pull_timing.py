@@ -19,6 +19,8 @@ from kvplane.bench.workloads.turns import Turn
 PROXY = dataclasses.replace(BASELINES["vllm-proxy"], control_path_s=0.0)
 CONFIG = SimConfig(cluster=ClusterSpec(prefill_nodes=1, decode_nodes=1, prefill_cache_bytes=0))
 COSTS = SimCosts()
+# D's first step, where a turn through P gets its first token, in a batch of one.
+STEP = COSTS.decode_step_s(1)
 HISTORY = Turn(0.0, "c", 0, 47_800, 200)
 CONTEXT = 48_000
 
@@ -44,7 +46,7 @@ def test_a_pull_behind_a_queued_prompt_starts_its_read_only_when_the_prefill_nod
     taken = ahead.arrival_s + COSTS.prefill_s(ahead.prompt_tokens)
     # The read did not overlap the prompt ahead of it: P took the turn when that prompt was done.
     assert _ttft_by_prompt(result)[pulling.prompt_tokens] == pytest.approx(
-        taken + _pull_s() - pulling.arrival_s
+        taken + _pull_s() + STEP - pulling.arrival_s
     )
 
 
@@ -55,9 +57,9 @@ def test_the_prefill_node_serves_another_turn_while_a_read_is_in_flight() -> Non
     result = simulator_for(PROXY, CONFIG).run([HISTORY, pulling, short])
     ttft = _ttft_by_prompt(result)
     # The short turn ran while P waited for the read: it waited for nothing.
-    assert ttft[short.prompt_tokens] == pytest.approx(COSTS.prefill_s(short.prompt_tokens))
+    assert ttft[short.prompt_tokens] == pytest.approx(COSTS.prefill_s(short.prompt_tokens) + STEP)
     # The pulling turn computed as soon as its read landed (P was free by then).
-    assert ttft[pulling.prompt_tokens] == pytest.approx(_pull_s())
+    assert ttft[pulling.prompt_tokens] == pytest.approx(_pull_s() + STEP)
 
 
 def test_a_landed_read_is_computed_before_turns_that_arrived_after_it_was_taken() -> None:
@@ -69,9 +71,10 @@ def test_a_landed_read_is_computed_before_turns_that_arrived_after_it_was_taken(
     long_done = long_one.arrival_s + COSTS.prefill_s(long_one.prompt_tokens)
     pulled_done = long_done + COSTS.prefill_s(400) + COSTS.pulled_compute_s(CONTEXT)
     # The read landed while P computed the long prompt; then it went first, before `later`.
-    assert ttft[pulling.prompt_tokens] == pytest.approx(pulled_done - pulling.arrival_s)
+    assert ttft[pulling.prompt_tokens] == pytest.approx(pulled_done + STEP - pulling.arrival_s)
     assert ttft[later.prompt_tokens] == pytest.approx(
-        pulled_done + COSTS.prefill_s(later.prompt_tokens) - later.arrival_s
+        # Its first step is in a batch of two: the pulled turn is still decoding.
+        pulled_done + COSTS.prefill_s(later.prompt_tokens) + COSTS.decode_step_s(2) - later.arrival_s
     )
 
 

@@ -27,11 +27,15 @@ def test_the_report_reaches_routing_when_the_turns_answer_is_done(monkeypatch: p
     sim = simulator_for(BASELINES["kvplane"], CONFIG)
     result = sim.run(turns)
     ttft = dict(zip(result.prompt_tokens, result.ttft_s, strict=True))
-    ends = {t.conversation: t.arrival_s + ttft[t.prompt_tokens] for t in turns}
-    # Each turn's end: its first token plus its decode (the two overlap on D for a while).
+    # When D took each turn: its first token came a step later.
+    starts = {
+        "a": turns[0].arrival_s + ttft[3_000] - COSTS.decode_step_s(1),
+        "b": turns[1].arrival_s + ttft[2_000] - COSTS.decode_step_s(2),
+    }
+    # Each turn's end: its start plus its decode (the two overlap on D for a while).
     assert heard[0][0] == "b" and heard[1][0] == "a"
-    assert dict(heard)["a"] > ends["a"] + COSTS.decode_s(390, 2)
-    assert dict(heard)["b"] == pytest.approx(ends["b"] + COSTS.decode_s(10, 2))
+    assert dict(heard)["a"] > starts["a"] + COSTS.decode_s(390, 2)
+    assert dict(heard)["b"] == pytest.approx(starts["b"] + COSTS.decode_s(10, 2))
 
 
 def test_what_p_caches_reaches_routing_only_through_ps_reports(monkeypatch: pytest.MonkeyPatch) -> None:
