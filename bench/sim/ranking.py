@@ -3,9 +3,9 @@
 The live comparison (`kvplane.bench.compare`) drives multi-turn chats through kvplane's gateways
 (routing over gRPC, and in the gateway's own process), vllm-router and vLLM's example proxy on
 2 P + 2 D sim-engines. The simulator has a counterpart of each front (`LIVE_COUNTERPARTS`:
-`kvplane` with each gateway's hop for both kvplane fronts, `cache-aware`, vllm-router's default
-policy, for vllm-router, and `no-reuse`, round-robin P and D with P's prefix caches on, for the
-example proxy). `simulate` runs the same chats (`compare_workload.shapes`) through them, closed
+`kvplane` with each gateway's hop for every kvplane front, asking for prefill on decode where that
+front's gateway does, `cache-aware`, vllm-router's default policy, for vllm-router, and
+`no-reuse`, round-robin P and D with P's prefix caches on, for the example proxy). `simulate` runs the same chats (`compare_workload.shapes`) through them, closed
 loop as the live client sends them: a conversation's next turn comes when its previous answer
 is done, and at most `concurrency` conversations are in flight, and each pays its front's own
 hop (`FRONT_HOPS_S`).
@@ -44,13 +44,22 @@ LIVE_COUNTERPARTS: dict[str, str] = {
     "kvplane-colocated": "kvplane",
     "vllm-router": "cache-aware",
     "example-proxy": "no-reuse",
+    # kvplane's gateway with gateway.prefill_on_decode: the same policy, and D may prefill.
+    "kvplane-decode-prefill": "kvplane",
 }
+# Live fronts whose gateway lets the holder D prefill short turns itself (the simulated front
+# asks routing with prefill_on_decode_ok, as that gateway does).
+PREFILL_ON_DECODE_FRONTS = frozenset({"kvplane-decode-prefill"})
+# The fronts every comparison runs (`kvplane.bench.compare`'s defaults, less the zero-hop clients).
+DEFAULT_FRONTS = ("kvplane", "kvplane-colocated", "vllm-router", "example-proxy")
 # Live front -> its own hop (s), as measured in the comparison (see baselines.py).
 FRONT_HOPS_S: dict[str, float] = {
     "kvplane": MEASURED_ROUTE_S,
     "kvplane-colocated": COLOCATED_ROUTE_S,
     "vllm-router": VLLM_ROUTER_HOP_S,
     "example-proxy": EXAMPLE_PROXY_HOP_S,
+    # The same gateway, asking the same routing replica over gRPC.
+    "kvplane-decode-prefill": MEASURED_ROUTE_S,
 }
 # The dev stack's engines (`kvplane.services.devstack`): 2 P + 2 D of 16,384 blocks of 16 tokens.
 STACK_NODES = 2
@@ -156,7 +165,7 @@ def simulate(
     *,
     prefix_cache: bool = True,
     speedup: float = 1.0,
-    fronts: Sequence[str] = tuple(LIVE_COUNTERPARTS),
+    fronts: Sequence[str] = DEFAULT_FRONTS,
 ) -> dict[str, FrontSample]:
     """Each live front's counterpart over the block's chats."""
     config = sim_config(prefix_cache, speedup)
@@ -164,7 +173,11 @@ def simulate(
     firsts = Counter(t.prompt_tokens for t in turns if t.turn_index == 0)
     out = {}
     for front in fronts:
-        baseline = replace(BASELINES[LIVE_COUNTERPARTS[front]], control_path_s=FRONT_HOPS_S[front])
+        baseline = replace(
+            BASELINES[LIVE_COUNTERPARTS[front]],
+            control_path_s=FRONT_HOPS_S[front],
+            prefill_on_decode=front in PREFILL_ON_DECODE_FRONTS,
+        )
         result = simulator_for(baseline, config).run(turns, front)
         later = []
         for tokens, ttft in zip(result.prompt_tokens, result.ttft_s, strict=True):
@@ -185,7 +198,7 @@ def simulate_repeats(
     repeats: int,
     *,
     prefix_cache: bool = True,
-    fronts: Sequence[str] = tuple(LIVE_COUNTERPARTS),
+    fronts: Sequence[str] = DEFAULT_FRONTS,
 ) -> dict[str, FrontSample]:
     """`simulate` over each repeat's chats, pooled as the comparison pools its blocks: every later
     turn's TTFT, and the reuse share averaged over the repeats (their prompts are alike)."""

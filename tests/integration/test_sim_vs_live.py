@@ -36,7 +36,6 @@ from kvplane.bench import compare
 from kvplane.bench.compare_fronts import (
     EXAMPLE_PROXY,
     KVPLANE,
-    KVPLANE_COLOCATED,
     VLLM_ROUTER,
     vllm_router_binary,
 )
@@ -45,6 +44,7 @@ from kvplane.bench.sim.front_hops import COMPARE_SOURCE
 from kvplane.bench.sim.ranking import (
     CLEAR_REUSE_GAP,
     CLEAR_TTFT_DOMINANCE,
+    DEFAULT_FRONTS,
     FrontSample,
     RecordedFront,
     disagreements,
@@ -116,10 +116,12 @@ A_ROUTER_HOP = pytest.mark.xfail(
 )
 
 
-def _recorded(key: str, concurrency: int) -> tuple[dict[str, RecordedFront], float]:
+def _recorded(
+    key: str, concurrency: int, record: Path = RECORD, fronts: tuple[str, ...] = DEFAULT_FRONTS
+) -> tuple[dict[str, RecordedFront], float]:
     rows = {
         r["front"]: r
-        for r in json.loads(RECORD.read_text())["workloads"][key]["rows"]
+        for r in json.loads(record.read_text())["workloads"][key]["rows"]
         if r["concurrency"] == concurrency
     }
     live = {
@@ -127,10 +129,11 @@ def _recorded(key: str, concurrency: int) -> tuple[dict[str, RecordedFront], flo
             r["p50_vs_reference"],
             r["p50_vs_reference_min"],
             r["p50_vs_reference_max"],
-            (r["pulled_tokens"] + r["prefix_cache_tokens"]) / r["later_prompt_tokens"],
+            (r["pulled_tokens"] + r["prefix_cache_tokens"] + r.get("decode_cache_tokens", 0.0))
+            / r["later_prompt_tokens"],
         )
         for front, r in rows.items()
-        if front in (KVPLANE, KVPLANE_COLOCATED, VLLM_ROUTER, EXAMPLE_PROXY)
+        if front in fronts
     }
     return live, rows["zero-hop-reuse"]["ttft_p50_ms"]
 
@@ -161,6 +164,45 @@ def test_the_simulator_orders_the_fronts_as_the_recorded_comparison_does(key: st
     assert len(fronts) == 4
     simulated = simulate_repeats(
         workload, concurrency, config["repeats"], prefix_cache=key == "A", fronts=fronts
+    )
+    assert order_disagreements(live, simulated, reference_ms) == [], (live, simulated)
+
+
+# The comparison with kvplane's gateway letting D prefill short turns (`python -m kvplane.bench.compare
+# --workload both --concurrency 1,8,32 --repeats 2 --min-conversations 1 --fronts
+# kvplane,kvplane-decode-prefill,vllm-router,example-proxy,zero-hop-reuse`, at e630852).
+DECODE_PREFILL_RECORD = RECORD.parent / "compare_e630852.json"
+DECODE_PREFILL_FRONTS = ("kvplane", "kvplane-decode-prefill", "vllm-router", "example-proxy")
+
+
+# Workload A at 32 in flight in that record: live, the example proxy is behind plain kvplane (1.18x
+# of the zero-hop client's p50 against 1.05x); the simulator puts the proxy 12 ms ahead (229 ms
+# against 241), 15% of the zero-hop client's p50 the other way. Both go through P; as in
+# B32_HOPS, the proxy's cost per turn grows with load, which a hop read off one in flight does
+# not model. Strict: it fails once it agrees.
+A32_PROXY_HOP = pytest.mark.xfail(
+    reason="a front's hop read off one in flight does not hold at 32 in flight (kvplane vs proxy)",
+    strict=True,
+)
+
+
+@pytest.mark.parametrize(
+    ("key", "concurrency"),
+    [("A", 1), ("A", 8), pytest.param("A", 32, marks=A32_PROXY_HOP), ("B", 1), ("B", 8), ("B", 32)],
+)
+def test_the_simulator_places_prefill_on_decode_as_the_recorded_comparison_does(
+    key: str, concurrency: int
+) -> None:
+    document = json.loads(DECODE_PREFILL_RECORD.read_text())
+    config = document["config"]
+    live, reference_ms = _recorded(key, concurrency, DECODE_PREFILL_RECORD, DECODE_PREFILL_FRONTS)
+    assert set(live) == set(DECODE_PREFILL_FRONTS)
+    simulated = simulate_repeats(
+        Workload(**config["workload"]),
+        concurrency,
+        config["repeats"],
+        prefix_cache=key == "A",
+        fronts=DECODE_PREFILL_FRONTS,
     )
     assert order_disagreements(live, simulated, reference_ms) == [], (live, simulated)
 
