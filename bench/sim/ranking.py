@@ -5,10 +5,10 @@ The live comparison (`kvplane.bench.compare`) drives multi-turn chats through kv
 2 P + 2 D sim-engines. The simulator has a counterpart of each front (`LIVE_COUNTERPARTS`:
 `kvplane` with each gateway's hop for every kvplane front, asking for prefill on decode where that
 front's gateway does, `cache-aware`, vllm-router's default policy, for vllm-router, and
-`no-reuse`, round-robin P and D with P's prefix caches on, for the example proxy). `simulate` runs the same chats (`compare_workload.shapes`) through them, closed
-loop as the live client sends them: a conversation's next turn comes when its previous answer
-is done, and at most `concurrency` conversations are in flight, and each pays its front's own
-hop (`FRONT_HOPS_S`).
+`no-reuse`, round-robin P and D with P's prefix caches on, for the example proxy). `simulate`
+runs the same chats (`compare_workload.shapes`) through them, closed loop as the live client sends
+them: a conversation's next turn comes when its previous answer is done, and at most
+`concurrency` conversations are in flight, and each pays its front's own hop (`FRONT_HOPS_S`).
 `disagreements` compares the two orders of the fronts, on TTFT of later turns and on the share of
 their prompt tokens reused, only where the live gap is clear of the live run's own spread;
 `order_disagreements` compares them with the recorded comparison's p50s (`RecordedFront`), where

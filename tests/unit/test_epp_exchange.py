@@ -175,7 +175,9 @@ async def test_a_routed_request_goes_to_ds_sidecar_with_the_signed_route(state: 
 
 
 async def test_a_route_prefill_on_decode_names_no_prefill_engine(state: PickerState) -> None:
-    on_decode = dataclasses.replace(ROUTE, decision="prefill_on_decode", prefill_params={"kvplane_tenant": "acme"})
+    on_decode = dataclasses.replace(
+        ROUTE, decision="prefill_on_decode", prefill_params={"kvplane_tenant": "acme"}
+    )
     routed_to(state, on_decode)
     exchange = Exchange(state)
     await exchange.handle(headers(**AUTH, **{"x-prefiller-host-port": "10.9.9.9:80"}))
