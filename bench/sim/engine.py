@@ -368,7 +368,7 @@ class Simulator:
         compute = costs.prefill_s(flight.computed) + costs.pulled_compute_s(cached)
         # Its chunks share D's steps with the decodes running there: one decode step each.
         steps = -(-flight.computed // LOCAL_PREFILL_CHUNK_TOKENS)
-        compute += steps * costs.timing.decode_s(d.running)
+        compute += steps * costs.decode_step_s(d.running)
         flight.compute = max(0.0, compute - costs.handoff_s(tokens))
         self.rec.decisions[flight.decision] += 1
         self.rec.cached_tokens += cached

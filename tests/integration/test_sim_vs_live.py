@@ -36,6 +36,7 @@ from kvplane.bench import compare
 from kvplane.bench.compare_fronts import (
     EXAMPLE_PROXY,
     KVPLANE,
+    KVPLANE_DECODE_PREFILL,
     VLLM_ROUTER,
     vllm_router_binary,
 )
@@ -172,7 +173,7 @@ def test_the_simulator_orders_the_fronts_as_the_recorded_comparison_does(key: st
 # --workload both --concurrency 1,8,32 --repeats 2 --min-conversations 1 --fronts
 # kvplane,kvplane-decode-prefill,vllm-router,example-proxy,zero-hop-reuse`, at e630852).
 DECODE_PREFILL_RECORD = RECORD.parent / "compare_e630852.json"
-DECODE_PREFILL_FRONTS = ("kvplane", "kvplane-decode-prefill", "vllm-router", "example-proxy")
+DECODE_PREFILL_FRONTS = (KVPLANE, KVPLANE_DECODE_PREFILL, VLLM_ROUTER, EXAMPLE_PROXY)
 
 
 # Workload A at 32 in flight in that record: live, the example proxy is behind plain kvplane (1.18x
