@@ -173,9 +173,12 @@ class KVEventPublisher:
                     with contextlib.suppress(BlockingIOError):
                         while os.read(self._wake_r, 4096):
                             pass
+                # Queued batches are buffered before a replay is answered: a replay covers
+                # every batch published before it was asked for.
+                closing = self._send_queued()
                 if self._replay is not None and self._replay in ready:
                     self._serve_replays()
-                if self._send_queued():
+                if closing:
                     return
         except Exception:
             log.exception("KV event publisher thread failed")

@@ -27,7 +27,7 @@ from tests.support.certificates import Issued, TestCa
 from tests.support.deploy_validators import ROOT, is_kvplane_workload, load_deploy_checks
 from tests.support.polling import eventually
 from tests.support.simengine import engines, free_port, sim
-from tests.support.trust import all_methods, plane_settings, raw_call, start_plane, target
+from tests.support.trust import all_methods, plane_settings, raw_call, raw_channel, start_plane, target
 
 
 @pytest.fixture
@@ -133,7 +133,7 @@ async def test_a_certificate_from_another_ca_or_none_at_all_is_refused(
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     # A certificate of this CA that names no kvplane principal authenticates nobody.
     nobody = _client(ca.ca_file, ca.issue("nobody", uris=("spiffe://elsewhere/workload",)))
-    async with nobody.channel(target(mtls_plane)) as channel:
+    with raw_channel(target(mtls_plane), nobody) as channel:
         for service, method in all_methods():
             outcome = await raw_call(channel, service, method, [b""])
             assert outcome.code == grpc.StatusCode.UNAUTHENTICATED, (method.name, outcome)

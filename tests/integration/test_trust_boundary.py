@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import grpc
@@ -42,6 +42,7 @@ from tests.support.trust import (
     method_id,
     plane_settings,
     raw_call,
+    raw_channel,
     start_plane,
     target,
     token_auth,
@@ -75,6 +76,13 @@ async def token_channel(token_plane: ServiceProcess) -> AsyncIterator[grpc.aio.C
         yield channel
 
 
+@pytest.fixture
+def token_raw(token_plane: ServiceProcess) -> Iterator[grpc.Channel]:
+    """A synchronous channel to the token-mode plane, for `raw_call`."""
+    with raw_channel(target(token_plane)) as channel:
+        yield channel
+
+
 def test_the_method_list_covers_every_service_of_the_api() -> None:
     names = {s.full_name for s in kvplane_services()}
     assert names == {"kvplane.v1.MetadataService", "kvplane.v1.RoutingService", "kvplane.v1.EvictionService"}
@@ -85,7 +93,7 @@ def test_the_method_list_covers_every_service_of_the_api() -> None:
 
 
 async def _assert_every_method_refuses(
-    channel: grpc.aio.Channel, metadata: tuple[tuple[str, str], ...], what: str
+    channel: grpc.Channel, metadata: tuple[tuple[str, str], ...], what: str
 ) -> None:
     for service, method in METHODS:
         outcome = await raw_call(channel, service, method, [b""], metadata)
@@ -95,18 +103,16 @@ async def _assert_every_method_refuses(
         assert outcome.responses == 0
 
 
-async def test_every_method_refuses_an_anonymous_caller_in_token_mode(
-    token_channel: grpc.aio.Channel,
-) -> None:
-    await _assert_every_method_refuses(token_channel, (), "without credentials")
-    await _assert_every_method_refuses(token_channel, bearer("nobody"), "with an unknown token")
+async def test_every_method_refuses_an_anonymous_caller_in_token_mode(token_raw: grpc.Channel) -> None:
+    await _assert_every_method_refuses(token_raw, (), "without credentials")
+    await _assert_every_method_refuses(token_raw, bearer("nobody"), "with an unknown token")
     # Identity headers mean nothing in token mode.
     headers = (("x-kvplane-role", "operator"), ("x-kvplane-tenant", "acme"))
-    await _assert_every_method_refuses(token_channel, headers, "with bare identity headers")
+    await _assert_every_method_refuses(token_raw, headers, "with bare identity headers")
 
 
 async def test_every_method_refuses_an_anonymous_caller_in_mesh_mode(mesh_plane: ServiceProcess) -> None:
-    async with grpc.aio.insecure_channel(target(mesh_plane)) as channel:
+    with raw_channel(target(mesh_plane)) as channel:
         await _assert_every_method_refuses(channel, (), "without credentials")
         # Headers a mesh proxy would set, sent by a bare client: not believed.
         for headers in (
@@ -470,7 +476,7 @@ def _invalid_utf8(method: MethodDescriptor) -> bytes | None:
 )
 async def test_corrupt_wire_bytes_and_invalid_utf8_are_invalid_argument(
     token_plane: ServiceProcess,
-    token_channel: grpc.aio.Channel,
+    token_raw: grpc.Channel,
     service: ServiceDescriptor,
     method: MethodDescriptor,
 ) -> None:
@@ -482,7 +488,7 @@ async def test_corrupt_wire_bytes_and_invalid_utf8_are_invalid_argument(
     for payload in (b"\xff\xff\xff\xff", b"\x0a\xff", _invalid_utf8(method)):
         if payload is None:
             continue
-        outcome = await raw_call(token_channel, service, method, [payload], who)
+        outcome = await raw_call(token_raw, service, method, [payload], who)
         assert outcome.code == grpc.StatusCode.INVALID_ARGUMENT, (payload, outcome)
         assert "Traceback" not in outcome.details and "Exception" not in outcome.details
 

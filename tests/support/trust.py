@@ -3,16 +3,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import pkgutil
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
 from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
 
 import kvplane.v1
+from kvplane.services.client.credentials import ClientCredentials
 from kvplane.services.common.runtime.ports import free_port
 from kvplane.services.common.runtime.telemetry import Telemetry
 from kvplane.services.dev.local_etcd import LocalEtcd
@@ -64,32 +67,62 @@ class Outcome:
 
 
 async def raw_call(
-    channel: grpc.aio.Channel,
+    channel: grpc.Channel,
     service: ServiceDescriptor,
     method: MethodDescriptor,
     payloads: Sequence[bytes],
     metadata: Sequence[tuple[str, str]] = (),
     timeout_s: float = 5.0,
 ) -> Outcome:
-    """Calls `method` with request messages given as wire bytes; the status and responses count."""
+    """Calls `method` with request messages given as wire bytes; the status and responses count.
+
+    Through gRPC's synchronous client (in a thread): when a server ends a client-streaming call
+    before reading it (a refusal), grpc.aio's client can report its own INTERNAL ("Internal error
+    from Core") in place of the server's status if its write loses the race with the server's
+    reset (grpc/grpc#36066); the synchronous client always reports what the server sent.
+    """
+    return await asyncio.to_thread(_raw_call, channel, service, method, payloads, metadata, timeout_s)
+
+
+def _raw_call(
+    channel: grpc.Channel,
+    service: ServiceDescriptor,
+    method: MethodDescriptor,
+    payloads: Sequence[bytes],
+    metadata: Sequence[tuple[str, str]],
+    timeout_s: float,
+) -> Outcome:
     path = f"/{service.full_name}/{method.name}"
     responses = 0
     try:
-        call: Any
         if method.client_streaming:
-            call = channel.stream_stream(path)(iter(payloads), metadata=metadata, timeout=timeout_s)
-            async for _ in call:
+            for _ in channel.stream_stream(path)(iter(payloads), metadata=metadata, timeout=timeout_s):
                 responses += 1
         elif method.server_streaming:
-            call = channel.unary_stream(path)(payloads[0], metadata=metadata, timeout=timeout_s)
-            async for _ in call:
+            for _ in channel.unary_stream(path)(payloads[0], metadata=metadata, timeout=timeout_s):
                 responses += 1
         else:
-            await channel.unary_unary(path)(payloads[0], metadata=metadata, timeout=timeout_s)
+            channel.unary_unary(path)(payloads[0], metadata=metadata, timeout=timeout_s)
             responses = 1
-    except grpc.aio.AioRpcError as exc:
+    except grpc.RpcError as exc:
+        assert isinstance(exc, grpc.Call)
         return Outcome(exc.code(), exc.details() or "", responses)
     return Outcome(grpc.StatusCode.OK, "", responses)
+
+
+def raw_channel(target_address: str, credentials: ClientCredentials | None = None) -> grpc.Channel:
+    """A synchronous channel for `raw_call`: plaintext, or TLS with `credentials`' files."""
+    if credentials is None or not credentials.tls:
+        return grpc.insecure_channel(target_address)
+    cert_chain = Path(credentials.tls_cert_file).read_bytes() if credentials.tls_cert_file else None
+    key = Path(credentials.tls_key_file).read_bytes() if credentials.tls_key_file else None
+    tls = grpc.ssl_channel_credentials(Path(credentials.tls_ca_file).read_bytes(), key, cert_chain)
+    options = (
+        [("grpc.ssl_target_name_override", credentials.tls_server_name)]
+        if credentials.tls_server_name
+        else []
+    )
+    return grpc.secure_channel(target_address, tls, options=options)
 
 
 def plane_settings(
