@@ -79,36 +79,6 @@ def test_a_report_taken_after_the_work_became_visible_covers_it() -> None:
     assert len(ledger) == 0
 
 
-def test_a_decode_node_knows_when_the_legs_routed_to_it_through_p_arrive() -> None:
-    ledger = InFlightLedger()
-    ledger.add(*work("r1", 4000, visible=NOW + 300))  # reaches d0 at NOW + 800
-    ledger.add(*work("r2", 100, visible=NOW + 100))  # at NOW + 600
-    now = loads(ledger, fleet(), NOW + 50)
-    assert now["d0"].inbound_unix_ms == (NOW + 600, NOW + 800)
-    assert now["p0"].inbound_unix_ms == (), "P's share is queued prefill work, not an inbound leg"
-    # Arrived legs are running there, no longer inbound; a finished turn is gone.
-    assert loads(ledger, fleet(), NOW + 700)["d0"].inbound_unix_ms == (NOW + 800,)
-    ledger.finished("r1")
-    assert loads(ledger, fleet(), NOW + 50)["d0"].inbound_unix_ms == (NOW + 600,)
-
-
-def test_a_turn_prefilled_on_the_decode_node_is_not_an_inbound_leg() -> None:
-    ledger = InFlightLedger()
-    ledger.add(
-        *turn_work(
-            "local",
-            routed_unix_ms=NOW,
-            prefill_node_id="d0",
-            prefill_tokens=500,
-            prefill_visible_unix_ms=NOW + 100,
-            decode_node_id="d0",
-            decode_kv_blocks=40,
-            decode_visible_unix_ms=NOW + 100,
-        )
-    )
-    assert loads(ledger, fleet(), NOW + 50)["d0"].inbound_unix_ms == ()
-
-
 def test_a_finished_turn_leaves_both_nodes() -> None:
     ledger = InFlightLedger()
     ledger.add(*work("r1", 4000))

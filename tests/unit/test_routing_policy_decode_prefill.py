@@ -15,7 +15,7 @@ from kvplane.services.routing.policy import (
     policy_from_mapping,
 )
 from kvplane.services.routing.policy.config import PolicyConfig
-from kvplane.services.routing.policy.decode_prefill import PrefillOnDecodeSettings, inbound_delay_ms
+from kvplane.services.routing.policy.decode_prefill import PrefillOnDecodeSettings
 from kvplane.services.routing.policy.pipeline import RoutingPolicy
 from tests.unit.routing_policy_fixtures import NOW, history, mk_handle, mk_node, replace, snap, state
 
@@ -110,41 +110,3 @@ def test_decodes_running_on_the_holder_are_not_ahead_of_its_prefill() -> None:
     plan = route(added(200), nodes=[state(P0), decoding, state(D1, **ROOM)])
     assert plan.decode.node_id == "d0"
     assert plan.decision is Decision.PREFILL_ON_DECODE
-
-
-def test_through_p_d_gets_the_first_token_in_one_decode_step() -> None:
-    # One prefill queued on the holder: its turn there waits about 127 ms more. Through P, D's
-    # first token costs one decode step (25 ms), not a one-token prefill with its fixed cost
-    # (over 140 ms), so the idle P wins; with a slow decode step the holder does.
-    one_queued = state(D0, queued_requests=1, queued_prefill_tokens=900, **ROOM)
-    nodes = [state(P0), one_queued, state(D1, **ROOM)]
-    plan = route(added(200), nodes=nodes)
-    assert plan.decision is not Decision.PREFILL_ON_DECODE
-    assert plan.prefill.node_id == "p0"
-    slow_step = replace(load_policy(), cost_model=replace(load_policy().cost_model, decode_step_ms=150.0))
-    assert route(added(200), nodes=nodes, config=slow_step).decision is Decision.PREFILL_ON_DECODE
-
-
-def test_legs_bound_for_the_holder_through_p_count_what_its_prefill_delays_them() -> None:
-    # A short addition on an idle holder: prefilled there (145 ms against 211 through P).
-    assert route(added(200)).decision is Decision.PREFILL_ON_DECODE
-    # Two other turns' legs reach it through P while it would prefill: each would wait for
-    # the prefill to end, so the turn goes through P and they do not.
-    inbound = (NOW + 20, NOW + 60)
-    nodes = [state(P0), replace(state(D0, **ROOM), inbound_unix_ms=inbound), state(D1, **ROOM)]
-    plan = route(added(200), nodes=nodes)
-    assert plan.decision is not Decision.PREFILL_ON_DECODE
-    assert plan.prefill.node_id == "p0"
-    # Legs arriving after the prefill would end are not delayed by it.
-    later = (NOW + 2_000, NOW + 3_000)
-    nodes = [state(P0), replace(state(D0, **ROOM), inbound_unix_ms=later), state(D1, **ROOM)]
-    assert route(added(200), nodes=nodes).decision is Decision.PREFILL_ON_DECODE
-
-
-def test_a_leg_arriving_during_the_prefill_waits_for_its_end_and_no_longer_than_it() -> None:
-    decode = replace(state(D0, **ROOM), inbound_unix_ms=(NOW - 50, NOW + 100, NOW + 400))
-    # A prefill of 150 ms ending at NOW + 300: the first leg (already due) waits its whole
-    # 150 ms, the second 200 ms capped at 150, the third not at all.
-    assert inbound_delay_ms(decode, NOW + 300, 150.0) == pytest.approx(300.0)
-    decode = replace(state(D0, **ROOM), inbound_unix_ms=(NOW + 250,))
-    assert inbound_delay_ms(decode, NOW + 300, 150.0) == pytest.approx(50.0)

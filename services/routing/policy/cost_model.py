@@ -106,10 +106,6 @@ class CostModel:
     # A first pull between two engines pays the NIXL handshake (metadata
     # exchange and memory registration lookup).
     handshake_ms: float = 20.0
-    # One decode step on D: after reading P's KV, D computes the first token in a step of its
-    # running batch, not in a prefill of its own (a Qwen3-32B step at moderate batch, about
-    # an inter-token latency).
-    decode_step_ms: float = 25.0
     default_kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN
     # Weight of a new sample (in the prefill fit and the moving averages).
     alpha: float = 0.1
@@ -129,8 +125,8 @@ class CostModel:
     def __post_init__(self) -> None:
         if self.recompute_ms_per_token <= 0 or self.transfer_bytes_per_ms <= 0:
             raise ValueError("rates must be positive")
-        if self.prefill_fixed_ms < 0 or self.reused_ms_per_token < 0 or self.decode_step_ms < 0:
-            raise ValueError("prefill_fixed_ms, reused_ms_per_token and decode_step_ms must not be negative")
+        if self.prefill_fixed_ms < 0 or self.reused_ms_per_token < 0:
+            raise ValueError("prefill_fixed_ms and reused_ms_per_token must not be negative")
         if not 0 < self.alpha <= 1:
             raise ValueError("alpha must be in (0, 1]")
         if self.max_sample_factor < 1:

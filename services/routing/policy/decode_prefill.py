@@ -7,15 +7,12 @@ P-to-D hand-off of the whole prompt's KV. Dynamo's conditional disaggregation ma
 (there, from the decode worker's prefix cache, up to `--max-local-prefill-length` 1,000 tokens).
 
 The cost: D's running decodes wait while D prefills (vLLM mixes a prefill's chunks into the
-decode batch), and so do the first tokens of other turns whose legs reach D meanwhile. So the
-new tokens are capped (`max_new_tokens`), and the turn goes to D only when its estimated time
-there (the prefills waiting on D, then its own), plus what its prefill delays the legs routed to
-D through P that arrive before it ends (`NodeState.inbound_unix_ms`), is at most its time
-through the chosen P: P's queue, pull and prefill, then the hand-off to D and D's step that
-computes the first token over the whole prompt. That step is one of D's decode steps
-(`decode_step_ms`): vLLM schedules the request's last token into D's running batch once its KV
-has arrived. The rule minimises the sum of the turns' first-token times, not only this one's: a
-busy D's turns through P would otherwise pay for every turn it prefills itself.
+decode batch), so the new tokens are capped (`max_new_tokens`), and the turn goes to D only when
+its estimated time there (the prefills waiting on D, then its own) is at most its time through
+the chosen P: P's queue, pull and prefill, then the hand-off to D and D's step that computes the
+first token over the whole prompt. The cost model prices that step as a one-token prefill, its
+fixed cost included; where D folds it into a decode step it costs less, and the rule leans
+towards D by the difference.
 
 Only for callers that said they can run a turn on D alone (`RouteSnapshot.prefill_on_decode_ok`),
 only on the handle's live holder where the decode leg chose it, and only for a prompt that
@@ -56,15 +53,6 @@ def decode_queue_ms(decode: NodeState, costs: CostModel) -> float:
     return load.queued_requests * costs.prefill_fixed_ms + costs.recompute_ms(load.queued_prefill_tokens)
 
 
-def inbound_delay_ms(decode: NodeState, prefill_end_unix_ms: float, prefill_ms: float) -> float:
-    """What a prefill on `decode` ending at `prefill_end_unix_ms` and lasting `prefill_ms` adds
-    to the first tokens of the legs expected there before it ends: each waits for it to end,
-    at most its whole length."""
-    return sum(
-        min(prefill_ms, prefill_end_unix_ms - at) for at in decode.inbound_unix_ms if at < prefill_end_unix_ms
-    )
-
-
 def decide_prefill_on_decode(
     snapshot: RouteSnapshot,
     holder: Node | None,
@@ -95,20 +83,18 @@ def decide_prefill_on_decode(
     new = snapshot.prompt.tokens - held
     if new <= 0 or new > settings.max_new_tokens:
         return None
-    prefill_ms = costs.prefill_ms(new, held)
-    local_ms = decode_queue_ms(decode, costs) + prefill_ms
-    delays_ms = inbound_delay_ms(decode, snapshot.now_unix_ms + local_ms, prefill_ms)
-    # Through P, D then reads the whole prompt's KV from P and computes the first token in a
-    # decode step.
+    local_ms = decode_queue_ms(decode, costs) + costs.prefill_ms(new, held)
+    # Through P, D then reads the whole prompt's KV from P, and computes the first token in a step
+    # of its own (one token over the whole prompt).
     handoff_ms = costs.transfer_ms(snapshot.prompt.tokens, holder.kv_bytes_per_token)
-    routed_ms = through_prefill_ms + handoff_ms + costs.decode_step_ms
-    if local_ms + delays_ms > routed_ms:
+    first_step_ms = costs.prefill_ms(1, snapshot.prompt.tokens - 1)
+    routed_ms = through_prefill_ms + handoff_ms + first_step_ms
+    if local_ms > routed_ms:
         return None
-    delayed = f", delaying legs bound for it by {delays_ms:.1f} ms in all" if delays_ms else ""
     return PullVerdict(
         Decision.PREFILL_ON_DECODE,
         f"{holder.node_id} holds {held} tokens and prefills the {new} new ones itself:"
-        f" {local_ms:.1f} ms{delayed} against {routed_ms:.1f} ms through P and the hand-off",
+        f" {local_ms:.1f} ms against {routed_ms:.1f} ms through P and the hand-off",
         reusable_tokens=held,
         recompute_ms=costs.recompute_ms(new),
         life_left_ms=life_left,

@@ -44,9 +44,6 @@ class NodeState:
     # of a new turn (the report drained to now, plus work routed since); None: judged
     # from `load` alone (`CostModel.queue_ms`).
     queued_prefill_ms: float | None = None
-    # A decode node's legs routed through P that have not reached it yet: when each is
-    # expected (unix ms, soonest first). A prefill run on the node meanwhile delays them.
-    inbound_unix_ms: tuple[int, ...] = ()
 
     @property
     def node_id(self) -> str:

@@ -18,10 +18,6 @@ its fixed cost, its computed tokens, the tokens it reuses), and each request
 in the report for its fixed cost too: a burst of small turns is mostly fixed
 costs, which a count of tokens alone would not show.
 
-A decode node's legs routed through P are expected there once P is done (`routed_work`'s
-`decode_after_prefill`); until then they are inbound (`NodeState.inbound_unix_ms`), which
-the decision to prefill a turn on that node weighs (a prefill there delays them).
-
 Pure bookkeeping: no I/O, no clock reads; time is an argument. The routing
 service and the simulator's `PolicyRouter` both keep one, so the policy sees
 the same kind of current load in both. Each routing replica counts only its
@@ -204,16 +200,13 @@ class InFlightLedger:
                 continue
             queued_tokens = load.queued_prefill_tokens + queue.tokens
             queued_ms: float | None = None
-            inbound: tuple[int, ...] = ()
             if prefill is not None:
                 queued_ms = max(0.0, queue.finish - now_unix_ms)
                 queued_tokens = queue.queued_tokens(now_unix_ms)
-            elif pending:
-                inbound = _inbound(pending.values(), now_unix_ms)
             changed = (
                 queued_tokens != load.queued_prefill_tokens or queue.blocks or queue.queued or queue.running
             )
-            if changed or queued_ms is not None or inbound:
+            if changed or queued_ms is not None:
                 load = replace(
                     load,
                     queued_prefill_tokens=queued_tokens,
@@ -221,7 +214,7 @@ class InFlightLedger:
                     running_requests=load.running_requests + queue.running,
                     free_kv_blocks=max(0, load.free_kv_blocks - queue.blocks),
                 )
-                state = NodeState(state.node, load, queued_ms, inbound)
+                state = NodeState(state.node, load, queued_ms)
             out.append(state)
         return tuple(out)
 
@@ -381,18 +374,6 @@ def _fold(queue: _NodeQueue, item: RoutedWork, prefill: CostModel | None) -> Non
         queue.starts.append(start)
         queue.ends.append(queue.finish)
         queue.token_sums.append(queue.token_sums[-1] + item.prefill_tokens)
-
-
-def _inbound(items: Iterable[RoutedWork], now_unix_ms: int) -> tuple[int, ...]:
-    """When the decode legs among `items` that have not reached their node yet are expected:
-    a decode-only share (its prefill ran elsewhere) visible after `now_unix_ms`."""
-    return tuple(
-        sorted(
-            item.visible_unix_ms
-            for item in items
-            if item.running_requests and not item.prefill_tokens and item.visible_unix_ms > now_unix_ms
-        )
-    )
 
 
 def _left(now: float, start: float, end: float, tokens: int) -> float:
