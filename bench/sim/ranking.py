@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from itertools import combinations, permutations
 
+from kvplane.bench.compare_fronts import ALL_FRONTS
 from kvplane.bench.compare_workload import Workload, shapes
 from kvplane.bench.sim.baselines import (
     BASELINES,
@@ -51,7 +52,7 @@ LIVE_COUNTERPARTS: dict[str, str] = {
 # asks routing with prefill_on_decode_ok, as that gateway does).
 PREFILL_ON_DECODE_FRONTS = frozenset({"kvplane-decode-prefill"})
 # The fronts every comparison runs (`kvplane.bench.compare`'s defaults, less the zero-hop clients).
-DEFAULT_FRONTS = ("kvplane", "kvplane-colocated", "vllm-router", "example-proxy")
+DEFAULT_FRONTS = tuple(front for front in ALL_FRONTS if front in LIVE_COUNTERPARTS)
 # Live front -> its own hop (s), as measured in the comparison (see baselines.py).
 FRONT_HOPS_S: dict[str, float] = {
     "kvplane": MEASURED_ROUTE_S,
