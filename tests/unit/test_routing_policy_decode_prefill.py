@@ -88,13 +88,15 @@ def test_only_where_the_decode_leg_chose_the_holder() -> None:
 
 def test_the_policy_file_sets_it_and_refuses_nonsense() -> None:
     assert load_policy().prefill_on_decode == PrefillOnDecodeSettings(
-        max_new_tokens=1000, expiry_margin_ms=5000
+        max_new_tokens=1000, expiry_margin_ms=5000, min_history_per_new_token=1.0
     )
     base = {"decode": {"filters": ["role"]}, "prefill": {"filters": ["role"]}}
     config = policy_from_mapping({**base, "prefill_on_decode": {"max_new_tokens": 250}})
     assert config.prefill_on_decode.max_new_tokens == 250
     with pytest.raises(PolicyConfigError, match="prefill_on_decode"):
         policy_from_mapping({**base, "prefill_on_decode": {"max_new_tokens": -1}})
+    with pytest.raises(PolicyConfigError, match="prefill_on_decode"):
+        policy_from_mapping({**base, "prefill_on_decode": {"min_history_per_new_token": -0.5}})
     with pytest.raises(PolicyConfigError, match="unknown key"):
         policy_from_mapping({**base, "prefill_on_decode": {"max_tokens": 5}})
 
@@ -110,3 +112,35 @@ def test_decodes_running_on_the_holder_are_not_ahead_of_its_prefill() -> None:
     plan = route(added(200), nodes=[state(P0), decoding, state(D1, **ROOM)])
     assert plan.decode.node_id == "d0"
     assert plan.decision is Decision.PREFILL_ON_DECODE
+
+
+def test_where_p_caches_the_history_but_the_last_answer_the_turn_goes_through_p() -> None:
+    # P's cache holds the previous prompt; D's handle adds the 128-token answer. D would save
+    # the hand-off and 128 tokens, for 898 of its own: not enough.
+    warm = {"p0": 4096 - 128}
+    plan = route(added(898), prefill_cached_tokens=warm)
+    assert plan.decision is not Decision.PREFILL_ON_DECODE
+    assert plan.prefill.node_id == "p0"
+    anywhere = replace(load_policy(), prefill_on_decode=PrefillOnDecodeSettings(min_history_per_new_token=0))
+    assert (
+        route(added(898), prefill_cached_tokens=warm, config=anywhere).decision is Decision.PREFILL_ON_DECODE
+    )
+
+
+def test_where_p_lacks_the_history_the_holder_prefills_it() -> None:
+    # P's cache holds the first 1,000 tokens only: through P the turn would pull or recompute
+    # 3,096 tokens of history, more than the 898 D computes itself.
+    plan = route(added(898), prefill_cached_tokens={"p0": 1000})
+    assert plan.decision is Decision.PREFILL_ON_DECODE
+    assert plan.prefill.node_id == plan.decode.node_id == "d0"
+
+
+def test_the_history_that_p_lacks_is_weighed_against_the_new_tokens() -> None:
+    # 600 history tokens missing on P against 500 new: D at the default ratio, P at a ratio of 2.
+    cached = {"p0": 4096 - 600}
+    assert route(added(500), prefill_cached_tokens=cached).decision is Decision.PREFILL_ON_DECODE
+    strict = replace(load_policy(), prefill_on_decode=PrefillOnDecodeSettings(min_history_per_new_token=2))
+    assert (
+        route(added(500), prefill_cached_tokens=cached, config=strict).decision
+        is not Decision.PREFILL_ON_DECODE
+    )

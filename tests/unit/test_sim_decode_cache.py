@@ -36,9 +36,9 @@ def _conversation(added_tokens: int, gap_s: float = 60.0) -> list[Turn]:
     ]
 
 
-def _run(name: str, turns: list[Turn]) -> tuple[Simulator, SimSummary]:
+def _run(name: str, turns: list[Turn], cluster: ClusterSpec = ONE_PAIR) -> tuple[Simulator, SimSummary]:
     """The simulator after the run (its per-turn record), and the run's summary."""
-    sim = simulator_for(BASELINES[name], SimConfig(cluster=ONE_PAIR))
+    sim = simulator_for(BASELINES[name], SimConfig(cluster=cluster))
     return sim, sim.run(turns, name).summary
 
 
@@ -67,15 +67,17 @@ def test_conditional_disagg_prefills_a_short_addition_on_the_decode_node() -> No
     _prefilled_on_d_below_the_cap_only("conditional-disagg", "local_prefill")
 
 
-def _prefilled_on_d_below_the_cap_only(name: str, decision: str, gap_s: float = 60.0) -> Simulator:
+def _prefilled_on_d_below_the_cap_only(
+    name: str, decision: str, gap_s: float = 60.0, cluster: ClusterSpec = ONE_PAIR
+) -> Simulator:
     """Runs `name` on a second turn that adds 500 tokens (D prefills it: P serves the first turn
     only, D reads the first turn's whole blocks) and on one that adds 2,000 (through P);
     returns the first run."""
-    short = _run(name, _conversation(500, gap_s))[0]
+    short = _run(name, _conversation(500, gap_s), cluster)[0]
     assert short.rec.decisions[decision] == 1
     assert short.fleet.prefill[0].served == 1
     assert short.rec.cached_tokens >= 8096
-    long = _run(name, _conversation(2000, gap_s))[0]
+    long = _run(name, _conversation(2000, gap_s), cluster)[0]
     assert long.rec.decisions.get(decision, 0) == 0
     assert long.fleet.prefill[0].served == 2
     return short
@@ -142,16 +144,27 @@ def test_the_decode_cache_holds_only_what_running_turns_leave_free() -> None:
     assert d.prefix_cache.hit_blocks(new) == 30 and d.prefix_cache.hit_blocks(old) == 20
 
 
-def test_kvplane_lets_the_holder_d_prefill_a_short_turn_from_its_handle() -> None:
-    # kvplane's gateway with prefill_on_decode: the second turn continues the handle D kept and adds
-    # 500 tokens; routing's rule sends it to D alone, which reads the handle's blocks and computes
-    # the rest. P serves the first turn only.
-    # Over routing's 1,000-token cap it goes through P. (Turns five seconds apart: after a minute
-    # idle, kvplane's retention has released the handle.)
-    local = _prefilled_on_d_below_the_cap_only("kvplane-decode-prefill", "prefill_on_decode", gap_s=5.0)
-    # Without the gateway's word, the same routing recomputes the 500 tokens on P, whose cache holds
-    # the prompt.
-    routed = _run("kvplane-events", _conversation(500, 5.0))[0]
+def test_kvplane_lets_the_holder_d_prefill_a_short_turn_that_p_would_pull() -> None:
+    # kvplane's gateway with prefill_on_decode, P's prefix cache off: the second turn continues the
+    # handle D kept and adds 500 tokens; through P it would pull all 8,100 of them. Routing's rule
+    # sends it to D alone, which reads the handle's blocks and computes the rest. P serves the
+    # first turn only. Over routing's 1,000-token cap it goes through P. (Turns five seconds
+    # apart: after a minute idle, kvplane's retention has released the handle.)
+    cold = replace(ONE_PAIR, prefill_cache_bytes=0)
+    local = _prefilled_on_d_below_the_cap_only(
+        "kvplane-decode-prefill", "prefill_on_decode", gap_s=5.0, cluster=cold
+    )
+    # Without the gateway's word, the same routing pulls the history into P.
+    routed = _run("kvplane-events", _conversation(500, 5.0), cold)[0]
     assert routed.rec.decisions.get("prefill_on_decode", 0) == 0
     assert routed.fleet.prefill[0].served == 2
     assert local.rec.ttft_s[1] < routed.rec.ttft_s[1]
+
+
+def test_kvplane_sends_through_p_a_turn_whose_history_p_caches_but_the_answer() -> None:
+    # P's cache holds the first turn's 8,000 prompt tokens; D's handle adds only the 100-token
+    # answer, far fewer than the 500 new tokens D would compute: the turn goes through P.
+    warm = _run("kvplane-decode-prefill", _conversation(500, 5.0))[0]
+    assert warm.rec.decisions.get("prefill_on_decode", 0) == 0
+    assert warm.fleet.prefill[0].served == 2
+    assert warm.rec.cached_tokens >= 8000

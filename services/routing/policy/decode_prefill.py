@@ -14,6 +14,19 @@ first token over the whole prompt. The cost model prices that step as a one-toke
 fixed cost included; where D folds it into a decode step it costs less, and the rule leans
 towards D by the difference.
 
+Only where it saves the fleet enough (`min_history_per_new_token`): through P, the turn would pull
+or recompute the part of D's history that the chosen P's prefix cache lacks, and D must save at
+least that many tokens of history per new token it computes itself (default 1). The cost model
+prices the turn's own first token, not what D's prefill costs the others on D: the legs bound for
+it through P wait behind that prefill, and so do its decodes. Where P's cache holds the history
+but for the last answer, D saves little more than the hand-off; measured live that way (2 P + 2
+D, P's caches holding the histories, 32 conversations in flight, each turn adding 898 tokens to a
+history of which P lacked the 128-token answer), prefilling on D gave TTFT p99 1.38x the zero-hop
+client's against 1.02x through P (`docs/benchmarks.md`). Where P's cache lacks the history (P's
+cache off, or evicted), D saves the pull or the recompute as well; measured that way with P's
+caches off, prefilling on D had the lowest TTFT p50 and p99 of every front at 1, 8 and 32
+conversations in flight.
+
 Only for callers that said they can run a turn on D alone (`RouteSnapshot.prefill_on_decode_ok`),
 only on the handle's live holder where the decode leg chose it, and only for a prompt that
 continues the whole handle: anything else is routed through P as before.
@@ -37,10 +50,16 @@ class PrefillOnDecodeSettings:
     # Life the handle must have left: D's prefix cache finds its blocks only while they are held
     # (afterwards they may be evicted, and D computes them: slower, never wrong).
     expiry_margin_ms: int = 5_000
+    # Tokens of history the chosen P's prefix cache must lack (that the turn through P would
+    # pull or recompute) per new token D computes itself; 0: wherever the cost model finds D
+    # no slower (see the module's docstring).
+    min_history_per_new_token: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 0 or self.expiry_margin_ms < 0:
-            raise ValueError("max_new_tokens and expiry_margin_ms must not be negative")
+        if self.max_new_tokens < 0 or self.expiry_margin_ms < 0 or self.min_history_per_new_token < 0:
+            raise ValueError(
+                "max_new_tokens, expiry_margin_ms and min_history_per_new_token must not be negative"
+            )
 
 
 def decode_queue_ms(decode: NodeState, costs: CostModel) -> float:
@@ -59,12 +78,15 @@ def decide_prefill_on_decode(
     decode: NodeState,
     prefix: PrefixMatch | None,
     through_prefill_ms: float,
+    prefill_cached_tokens: int,
     costs: CostModel,
     settings: PrefillOnDecodeSettings,
 ) -> PullVerdict | None:
     """PREFILL_ON_DECODE when the chosen D holds the handle and prefilling there is no slower
     than `through_prefill_ms` (the turn's estimate through the chosen P, queue to first
-    compute, without the hand-off or D's first step); None: route through P."""
+    compute, without the hand-off or D's first step), and the chosen P's cache, believed to hold
+    `prefill_cached_tokens` of the prompt, lacks enough of the history D holds (see
+    `PrefillOnDecodeSettings.min_history_per_new_token`); None: route through P."""
     handle = snapshot.handle
     if (
         not snapshot.prefill_on_decode_ok
@@ -82,6 +104,8 @@ def decide_prefill_on_decode(
     held = prefix.reusable_tokens
     new = snapshot.prompt.tokens - held
     if new <= 0 or new > settings.max_new_tokens:
+        return None
+    if held - prefill_cached_tokens < settings.min_history_per_new_token * new:
         return None
     local_ms = decode_queue_ms(decode, costs) + costs.prefill_ms(new, held)
     # Through P, D then reads the whole prompt's KV from P, and computes the first token in a step

@@ -115,6 +115,7 @@ class RoutingPolicy:
                 decode,
                 prefix,
                 through_prefill.total_ms,
+                through_prefill.verdict.cached_tokens,
                 costs,
                 self.config.prefill_on_decode,
             )
