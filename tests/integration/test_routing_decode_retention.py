@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
+from importlib import resources
+from pathlib import Path
 
 import pytest
 
@@ -119,9 +121,34 @@ async def test_a_prefill_node_that_keeps_nothing_gets_every_turns_kv_kept_on_d(
     assert not any(await chat(cluster, client, 4, max_output=ANSWER, cached=False))
 
 
-async def test_a_caller_that_lets_d_prefill_turns_gets_every_turns_kv_kept_on_d(
+async def test_a_caller_that_lets_d_prefill_turns_is_answered_as_any_other_once_p_keeps_prompts(
     cluster: RoutingCluster, client: RoutingClient
 ) -> None:
-    # P keeps the prompts as before, but the next turn may skip P altogether on the D that holds
-    # the history: D keeps it.
-    assert not any(await chat(cluster, client, 4, max_output=ANSWER, on_decode_ok=True))
+    # P keeps the prompts: the next turn's P lacks only the 40-token answer, fewer tokens than
+    # the 200 the turn adds, so it goes through P (policy `min_history_per_new_token`), and D's KV
+    # is kept only where a pull of it could pay.
+    assert await chat(cluster, client, 4, max_output=ANSWER, on_decode_ok=True) == [False, False, True, True]
+
+
+async def test_a_caller_that_lets_d_prefill_turns_gets_every_turns_kv_kept_where_p_keeps_nothing(
+    cluster: RoutingCluster, client: RoutingClient
+) -> None:
+    # P lacks the whole history: the next turn may be prefilled on D.
+    assert not any(await chat(cluster, client, 4, max_output=ANSWER, cached=False, on_decode_ok=True))
+
+
+async def test_with_the_cost_model_alone_a_caller_that_lets_d_prefill_gets_every_turns_kv_kept(
+    etcd: LocalEtcd, prefix: str, tmp_path: Path
+) -> None:
+    # With no history weighed against the new tokens, the next turn may skip P whatever P keeps:
+    # D keeps every turn.
+    default = resources.files("kvplane.services.routing.policy").joinpath("default_policy.yaml").read_text()
+    weighed = "  min_history_per_new_token: 1.0\n"
+    assert weighed in default
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(default.replace(weighed, "  min_history_per_new_token: 0\n"))
+    async with prefill_and_decode(etcd, prefix, replicas=0) as cluster:
+        await cluster.add_replica(policy_file=str(policy))
+        await cluster.wait_nodes()
+        async with cluster.client("acme") as client:
+            assert not any(await chat(cluster, client, 4, max_output=ANSWER, on_decode_ok=True))

@@ -20,8 +20,12 @@ So D keeps its KV unless both hold:
 A wrong guess costs one turn's recompute of what P evicted; P's report of that turn takes the
 node out of the trusted ones at once, and D keeps its KV again.
 
-Where the caller lets D prefill a turn itself (`prefill_on_decode`), D always keeps its KV: the
-next turn may then skip P altogether, which no cache on P makes up for.
+Where the caller lets D prefill a turn itself (`prefill_on_decode`), the router has D keep its KV
+whenever the policy would prefill the next turn on D by the cost model alone
+(`min_history_per_new_token` 0): that turn may skip P altogether, which no cache on P makes up
+for. With the default weighing, a P that keeps the prompt lacks only the output, and the next turn
+is prefilled on D only if it adds no more tokens than that; the rule above then applies as for any
+caller.
 """
 
 from __future__ import annotations

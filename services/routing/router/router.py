@@ -168,10 +168,18 @@ class Router:
                 _queued_ms(snapshot, plan.prefill.node_id, self.costs),
             ),
         )
-        # No prefill node sees a turn prefilled on D: D keeps what the next turn needs. Nor does
-        # it where the next turn may be prefilled on D (its caller can, and the policy allows it):
-        # then D's KV spares the next turn P altogether, not only the output's recompute.
-        on_decode_next = turn.prefill_on_decode_ok and self.policy.config.prefill_on_decode.max_new_tokens > 0
+        # No prefill node sees a turn prefilled on D: D keeps what the next turn needs. Where the
+        # next turn may be prefilled on D by the cost model alone (its caller can, and the policy
+        # weighs no history against the new tokens), D's KV could spare the next turn P
+        # altogether: D keeps it. With that weighing (`min_history_per_new_token`), a P that
+        # keeps the prompt lacks only the output, and the next turn goes through P unless it adds
+        # fewer tokens than that: retention then follows the pull's rule, as for any caller.
+        local_rule = self.policy.config.prefill_on_decode
+        on_decode_next = (
+            turn.prefill_on_decode_ok
+            and local_rule.max_new_tokens > 0
+            and local_rule.min_history_per_new_token == 0
+        )
         keeps = (
             receipt is not None
             and not on_decode_next
