@@ -120,14 +120,25 @@ def test_expiry_is_checked_before_the_prefix_so_a_dying_handle_says_expiring() -
     assert v.decision is Decision.RECOMPUTE_EXPIRING
 
 
-def test_a_known_pair_skips_the_handshake_cost() -> None:
+def test_the_handshake_lengthens_a_first_pull_but_does_not_decline_it() -> None:
+    # 1,024 tokens to pull: warm, the transfer pays for the compute it saves; the first pull
+    # between the two engines pays the handshake as well, once. Declined for it, the pair would
+    # stay cold and every later turn would be judged the same way.
     handle = mk_handle(HOLDER, H[:1024])
     prompt = Prompt(1100, [*H[:1024], *NEW, *NEW])
     cold = verdict(handle=handle, prompt=prompt)
     warm = verdict(handle=handle, prompt=prompt, contacted=frozenset({("p0", HOLDER.engine_id)}))
-    assert cold.decision is Decision.RECOMPUTE_COST
-    assert warm.decision is Decision.PULL
-    assert cold.transfer_ms - warm.transfer_ms == pytest.approx(CostModel().handshake_ms)
+    costs = CostModel()
+    saved = costs.recompute_ms(1024) - costs.reused_ms(1024)
+    assert cold.transfer_ms > saved >= warm.transfer_ms
+    assert cold.decision is Decision.PULL and warm.decision is Decision.PULL
+    assert cold.transfer_ms - warm.transfer_ms == pytest.approx(costs.handshake_ms)
+
+
+def test_a_first_pull_that_would_not_pay_warm_is_still_declined() -> None:
+    # 4,096 missing tokens whose reuse costs nearly what computing them does: no pull, cold or warm.
+    dear_reuse = CostModel(recompute_ms_per_token=0.03, reused_ms_per_token=0.029)
+    assert verdict(costs=dear_reuse).decision is Decision.RECOMPUTE_COST
 
 
 def test_match_prefix_finds_divergence_late_in_the_handle() -> None:

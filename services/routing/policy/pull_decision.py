@@ -179,7 +179,13 @@ def _pull_or_cost(
     recompute = costs.recompute_ms(missing)
     saved = recompute - costs.reused_ms(missing)
     transfer = costs.transfer_ms(missing, holder.kv_bytes_per_token, first_contact=first_contact)
-    if not _transfer_pays(transfer, saved, settings):
+    # The NIXL handshake is paid once per pair of engines, for as long as both run: it lengthens
+    # this turn's estimate, but a pull declined for it leaves the pair cold, and every turn after
+    # it judged the same way. In a wave of turns (chats that advance in step) that is every turn
+    # routed before the first pull: each recomputes its history on P, and P's queue grows by all
+    # of them. So the choice weighs a warm transfer against the compute saved.
+    warm = transfer - costs.handshake_ms if first_contact else transfer
+    if not _transfer_pays(warm, saved, settings):
         return PullVerdict(
             declined or Decision.RECOMPUTE_COST,
             f"{missing} missing tokens{held}: transfer {transfer:.1f} ms vs {saved:.1f} ms of compute saved"
