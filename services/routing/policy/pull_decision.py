@@ -29,7 +29,10 @@ RECOMPUTE_PREFIX_MISMATCH: the prefix it shares does not pay for a pull.
 The compute a pull saves is the missing tokens' marginal cost
 (`CostModel.recompute_ms`) less what attending over them still costs once
 pulled (`CostModel.reused_ms`). The prefill's fixed cost is paid either way,
-so it is on neither side.
+so it is on neither side. Check 6 weighs a warm transfer: the first pull between
+two engines also pays NIXL's handshake, once for as long as both run, which
+lengthens the verdict's `transfer_ms` (what the turn is expected to take) but
+does not decline the pull.
 """
 
 from __future__ import annotations
