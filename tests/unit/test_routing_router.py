@@ -3,6 +3,7 @@ watch-fed view, the store's fenced transaction and the system clock."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
@@ -359,3 +360,20 @@ def test_the_package_exports_the_router_its_ports_and_its_values() -> None:
     assert exported["Router"] is Router and exported["NoRoute"] is NoRoute
     assert exported["TurnRequest"] is TurnRequest and exported["TurnReport"] is TurnReport
     assert {"Clock", "ClusterReader", "HandleCheckOut", "AwaitedHandle", "RouteOutcome"} <= exported.keys()
+
+
+async def test_conversations_that_start_on_an_idle_fleet_split_evenly_across_the_prefill_nodes() -> None:
+    # Every first turn finds both prefill nodes idle and holding nothing: equal costs. Each goes
+    # to the node fewer conversations were last routed to, so 12 split 6 and 6 (a hash of the
+    # conversation alone splits these 12 eight and four).
+    cluster = FakeCluster(fleet())
+    router, _, clock = make_router(cluster)
+    served: Counter[str] = Counter()
+    for i in range(12):
+        outcome = await router.route(turn(history(HISTORY, seed=100 + i), f"c-{i}"))
+        served[outcome.plan.prefill.node_id] += 1
+        clock.now_ms += 60_000  # the turn is long done: no queue tells the nodes apart
+    assert sorted(served.values()) == [6, 6]
+    # A conversation that is forgotten no longer counts for its node.
+    router.forget("t", "c-0")
+    assert sum(router._book.homes().values()) == 11

@@ -49,3 +49,23 @@ def test_the_book_is_bounded_oldest_routes_out_first() -> None:
         book.routed(f"r{i}", record(f"c{i}"))
     assert book.reported("r0") is None and book.reported("r2") is not None
     assert book.last_prefill(("t", "c0")) == ""
+
+
+def test_each_prefill_node_counts_the_remembered_conversations_it_served_last() -> None:
+    book = RouteBook(max_routes=10, max_conversations=3)
+    book.routed("r1", record("a", prefill="p0"))
+    book.routed("r2", record("b", prefill="p0"))
+    book.routed("r3", record("c", prefill="p1"))
+    assert dict(book.homes()) == {"p0": 2, "p1": 1}
+    # A conversation that moves counts for its new node only.
+    book.routed("r4", record("a", prefill="p1"))
+    assert dict(book.homes()) == {"p0": 1, "p1": 2}
+    # One forgotten, or pushed out by the bound, no longer counts.
+    book.forget(("t", "c"))
+    assert dict(book.homes()) == {"p0": 1, "p1": 1}
+    book.routed("r5", record("d", prefill="p0"))
+    book.routed("r6", record("e", prefill="p0"))  # "b", the oldest, is forgotten
+    assert dict(book.homes()) == {"p0": 2, "p1": 1}
+    # A turn prefilled on D leaves its conversation counted where its history is.
+    book.routed("r7", RouteRecord("t", "e", "d0", "d0", "", 4096, Decision.PREFILL_ON_DECODE))
+    assert dict(book.homes()) == {"p0": 2, "p1": 1}

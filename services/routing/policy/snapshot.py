@@ -79,6 +79,10 @@ class RouteSnapshot:
     # The prefill node that served the conversation's previous turn, if known;
     # its local prefix cache may still hold the history.
     last_prefill_node_id: str = ""
+    # Per prefill node, how many conversations the router remembers it serving last: equal
+    # costs go to the node with fewer (`least-cost`), so conversations that start on an idle
+    # fleet split evenly across it and their histories stay there.
+    prefill_homes: Mapping[str, int] = field(default_factory=dict)
     # The decode node that served the conversation's previous turn, if known.
     last_decode_node_id: str = ""
     # (prefill node id, holder engine id) pairs that have completed a NIXL

@@ -247,6 +247,7 @@ class Router:
             now_unix_ms=now,
             handle=record.handle if record is not None else None,
             last_prefill_node_id=self._book.last_prefill(key),
+            prefill_homes=self._book.homes(),
             last_decode_node_id=self._book.last_decode(key),
             contacted=self._book.contacted,
             loads_as_of_unix_ms=now if cluster.healthy else self._loads_as_of(),

@@ -10,6 +10,8 @@ Pure bookkeeping: no I/O, no clock reads. Bounded, least recently written out: b
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvplane.services.common.runtime.bounded_map import BoundedMap
@@ -42,7 +44,11 @@ class RouteBook:
     def __init__(self, *, max_routes: int, max_conversations: int) -> None:
         self._routes: BoundedMap[str, RouteRecord] = BoundedMap(max_routes)
         # (prefill node id, decode node id) of each conversation's last routed turn.
-        self._last: BoundedMap[tuple[str, str], tuple[str, str]] = BoundedMap(max_conversations)
+        self._last: BoundedMap[tuple[str, str], tuple[str, str]] = BoundedMap(
+            max_conversations, on_evict=lambda _key, last: self._leave(last[0])
+        )
+        # How many of those conversations each prefill node served last (`RouteSnapshot.prefill_homes`).
+        self._homes: Counter[str] = Counter()
         # (prefill node id, holder engine id): asked for membership only (`RouteSnapshot.contacted`).
         self.contacted: BoundedMap[tuple[str, str], None] = BoundedMap(max_conversations)
 
@@ -69,12 +75,30 @@ class RouteBook:
         if record.decision is Decision.PREFILL_ON_DECODE:
             # No prefill node served the turn: the last one that did still holds the history.
             prefill_node_id = self.last_prefill(key)
+        previous = self._last.get(key)
+        if previous is not None:
+            self._leave(previous[0])
         self._last.put(key, (prefill_node_id, record.decode_node_id))
+        if prefill_node_id:
+            self._homes[prefill_node_id] += 1
         self._routes.put(route_id, record)
+
+    def homes(self) -> Mapping[str, int]:
+        """Per prefill node, the remembered conversations whose last turn it served."""
+        return self._homes
+
+    def _leave(self, prefill_node_id: str) -> None:
+        if not prefill_node_id:
+            return
+        self._homes[prefill_node_id] -= 1
+        if self._homes[prefill_node_id] <= 0:
+            del self._homes[prefill_node_id]
 
     def reported(self, route_id: str) -> RouteRecord | None:
         """The route's record, once: a second report of it finds none."""
         return self._routes.pop(route_id)
 
     def forget(self, conversation: tuple[str, str]) -> None:
-        self._last.pop(conversation)
+        last = self._last.pop(conversation)
+        if last is not None:
+            self._leave(last[0])
