@@ -40,11 +40,11 @@ to the node that fewer of the other conversations this router remembers were
 last served by (`RouteSnapshot.prefill_homes`), then to a keyed hash of (tie
 salt, conversation, node id): never piled onto the one node that sorts first.
 The count before the hash matters because a conversation stays on the node
-that holds its history: a hash splits 32
-conversations that start on an idle fleet unevenly (one node 18 or more in
-6 of 10 such starts, by chance alone), and every later wave of their turns
-queues longer on that node; vllm-router likewise sends a request with no
-cached prefix to the worker with the smallest cache.
+that holds its history: a hash splits 32 conversations that start on an idle
+fleet unevenly (one node 18 or more in 6 of 10 such starts, by chance alone),
+and every later wave of their turns queues longer on that node; vllm-router
+likewise sends a request with no cached prefix to the worker with the
+smallest cache.
 """
 
 from __future__ import annotations
