@@ -322,7 +322,8 @@ async def test_a_transfer_slower_than_recomputing_recomputes_cost(
 @pytest.mark.parametrize(
     ("case", "decision"),
     [
-        # Too short a verified prefix (about 1k tokens) to pay for a transfer.
+        # Too short a verified prefix (about 300 tokens) to pay for a transfer, even between
+        # engines that have met (a first pull's handshake lengthens it, but declines nothing).
         ("edited_message", "recompute_prefix_mismatch"),
         ("foreign_digests", "recompute_prefix_mismatch"),
         # Most of the history is verified: it is pulled, clipped, and the rest recomputed.
@@ -339,7 +340,7 @@ async def test_prompt_that_does_not_continue_the_handle_pulls_only_a_verified_pr
     await cluster.wait_handle("acme", c, handle.handle_id)
     new_message = tokens(200, seed=5)
     if case == "edited_message":
-        prompt = [*history[:1000], 424242, *history[1001:], *new_message]
+        prompt = [*history[:300], 424242, *history[301:], *new_message]
     elif case == "stripped_reasoning_trace":
         # The previous answer's <think> span (its last 600 tokens but 100) is dropped.
         prompt = [*history[: HISTORY_TOKENS - 700], *history[HISTORY_TOKENS - 100 :], *new_message]
