@@ -213,9 +213,11 @@ async def test_a_gateway_routing_in_its_own_process_pulls_and_verifies(stack: St
 
 
 async def test_a_gateway_that_lets_d_prefill_short_turns_skips_p_and_chains_d_handles(stack: Stack) -> None:
-    # Through the decode-prefill gateway, a later turn that adds 150 tokens to what D holds is
+    # Through the decode-prefill gateway, a later turn that adds 50 tokens to what D holds is
     # prefilled by D itself: P is sent nothing, D's own cache serves the history, D keeps the new
-    # turn as the conversation's handle, and the handle it supersedes is released.
+    # turn as the conversation's handle, and the handle it supersedes is released. P computed the
+    # first prompt only, so it lacks D's 80-token answer, more than the turn adds: the default
+    # policy's `min_history_per_new_token` (1) lets D prefill. Each turn D prefills widens P's gap.
     url = stack.decode_prefill_gateway_url
     conv = Conversation("decode-prefill-0", random.Random(900))
     async with aiohttp.ClientSession() as session:
@@ -233,12 +235,12 @@ async def test_a_gateway_that_lets_d_prefill_short_turns_skips_p_and_chains_d_ha
         conv.prompt = conv.next_user(3000)
         decision, output = await turn(session, stack, conv, conv.prompt, stream=False, gateway_url=url)
         assert decision.startswith("recompute")
-        conv.prompt = conv.prompt + output + conv.next_user(150)
+        conv.prompt = conv.prompt + output + conv.next_user(50)
         p_before, hit_before, released_before = await counters()
         for _ in range(3):
             decision, output = await turn(session, stack, conv, conv.prompt, stream=True, gateway_url=url)
             conv.decisions.append(decision)
-            conv.prompt = conv.prompt + output + conv.next_user(150)
+            conv.prompt = conv.prompt + output + conv.next_user(50)
         assert conv.decisions == ["prefill_on_decode"] * 3
         p_after, hit_after, _ = await counters()
         assert p_after == p_before, "a turn D prefilled itself reached P"

@@ -238,3 +238,32 @@ def test_a_turns_cost_on_a_node_counts_the_prefill_fixed_cost_once() -> None:
     queued = estimate_prefill(snapshot, busy, None, False, costs, PullSettings())
     assert queued.queue_ms == pytest.approx(300.0)
     assert queued.total_ms == pytest.approx(estimate.total_ms + 300.0)
+
+
+def _first_turn_on(policy: RoutingPolicy, conversation: str, **kw: Any) -> str:
+    """Where a first turn (nothing held anywhere, both P idle: equal costs) is prefilled."""
+    snapshot = snap(nodes(), prompt=Prompt(1000), conversation=conversation, **kw)
+    return policy.route(snapshot).prefill.node_id
+
+
+def test_equal_costs_go_to_the_p_fewer_other_conversations_call_home(policy: RoutingPolicy) -> None:
+    names = [f"c-{i}" for i in range(8)]
+    by_hash = {name: _first_turn_on(policy, name) for name in names}
+    assert set(by_hash.values()) == {"p0", "p1"}, "the hash alone must split these names both ways"
+    for name, hashed in by_hash.items():
+        other = "p1" if hashed == "p0" else "p0"
+        # The hash's choice is the home of more conversations: the other P takes the turn.
+        crowded = {hashed: 5, other: 2}
+        assert _first_turn_on(policy, name, prefill_homes=crowded) == other, name
+        # Equal counts leave it to the hash.
+        assert _first_turn_on(policy, name, prefill_homes={"p0": 3, "p1": 3}) == hashed, name
+
+
+def test_equal_costs_keep_a_conversation_on_its_last_p_however_crowded(policy: RoutingPolicy) -> None:
+    # The last P counts the conversation itself among its homes; it is not held against it, and
+    # the last P comes before any count: a conversation does not move between equal Ps.
+    for name in (f"c-{i}" for i in range(8)):
+        for last, other in (("p0", "p1"), ("p1", "p0")):
+            homes = {last: 9, other: 0}
+            picked = _first_turn_on(policy, name, prefill_homes=homes, last_prefill_node_id=last)
+            assert picked == last, (name, last)
