@@ -171,26 +171,14 @@ def test_the_simulator_orders_the_fronts_as_the_recorded_comparison_does(key: st
 
 # The comparison with kvplane's gateway letting D prefill short turns (`python -m kvplane.bench.compare
 # --workload both --concurrency 1,8,32 --repeats 2 --min-conversations 1 --fronts
-# kvplane,kvplane-decode-prefill,vllm-router,example-proxy,zero-hop-reuse`, at 40c8126).
-DECODE_PREFILL_RECORD = RECORD.parent / "compare_40c8126.json"
+# kvplane,kvplane-decode-prefill,vllm-router,example-proxy,zero-hop-reuse`, at 41d77e6).
+DECODE_PREFILL_RECORD = RECORD.parent / "compare_41d77e6.json"
 DECODE_PREFILL_FRONTS = (KVPLANE, KVPLANE_DECODE_PREFILL, VLLM_ROUTER, EXAMPLE_PROXY)
-
-
-# Workload A at 32 in flight in that record: live, the example proxy is behind plain kvplane and
-# kvplane-decode-prefill (1.15x of the zero-hop client's p50 against 1.10x and 1.07x); the
-# simulator puts the proxy 12 ms ahead (229 ms against 241), 6.1% of the zero-hop client's p50 the
-# other way. Nearly every turn goes through P there; as in B32_HOPS, the proxy's cost per turn
-# grows with load, which a hop read off one in flight does not model. Strict: it fails once it
-# agrees.
-A32_PROXY_HOP = pytest.mark.xfail(
-    reason="a front's hop read off one in flight does not hold at 32 in flight (kvplane vs proxy)",
-    strict=True,
-)
 
 
 @pytest.mark.parametrize(
     ("key", "concurrency"),
-    [("A", 1), ("A", 8), pytest.param("A", 32, marks=A32_PROXY_HOP), ("B", 1), ("B", 8), ("B", 32)],
+    [("A", 1), ("A", 8), ("A", 32), ("B", 1), ("B", 8), ("B", 32)],
 )
 def test_the_simulator_places_prefill_on_decode_as_the_recorded_comparison_does(
     key: str, concurrency: int
