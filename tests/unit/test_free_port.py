@@ -3,6 +3,7 @@ process never gets the same port twice."""
 
 from __future__ import annotations
 
+import random
 import socket
 from pathlib import Path
 
@@ -43,3 +44,13 @@ def test_with_no_room_below_the_ephemeral_range_the_kernels_ports_are_used(
         assert port >= 1024
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))
+
+
+def test_the_pick_leaves_the_random_modules_state_alone() -> None:
+    # The ports come from the process's own generator: processes whose `random` a test framework
+    # seeded alike (Hypothesis does, per example) do not pick alike, and the framework's
+    # generator is not moved.
+    random.seed(7)
+    state = random.getstate()
+    free_port()
+    assert random.getstate() == state

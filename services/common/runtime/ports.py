@@ -22,6 +22,9 @@ _EPHEMERAL_LOW = 32768
 _REMEMBERED = 4096
 # Fewer ports than this below the ephemeral range: pick ephemeral ones instead.
 _MIN_SPAN = 2 * _REMEMBERED
+# The process's own generator, seeded from the OS: a test framework that seeds the `random`
+# module (Hypothesis does, per example) would otherwise give every process the same ports.
+_rng = random.Random()
 
 _lock = threading.Lock()
 _handed_out: dict[int, None] = {}
@@ -58,7 +61,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with _lock:
         for _ in range(500):
-            port = random.randrange(floor, low) if below else _kernel_pick(family, host)
+            port = _rng.randrange(floor, low) if below else _kernel_pick(family, host)
             if port in _handed_out or not _bindable(family, host, port):
                 continue
             _handed_out[port] = None
