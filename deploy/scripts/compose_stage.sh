@@ -315,6 +315,20 @@ phase "up (profile $ENGINES)"
 phase "every container healthy"
 # The one-shot services (credentials, etcd's setup) are done once they exited 0.
 one_shot() { [[ $(podman inspect -f '{{.HostConfig.RestartPolicy.Name}}' "$1") =~ ^(no|)$ ]]; }
+# A container's health check run by hand, with what it prints: `podman healthcheck run` says only
+# "unhealthy", and the check's own words name the part that failed.
+health_words() {
+  local lines=() test=() line
+  mapfile -t lines < <(podman inspect -f '{{range .Config.Healthcheck.Test}}{{println .}}{{end}}' "$1")
+  for line in "${lines[@]}"; do
+    if [[ -n $line ]]; then test+=("$line"); fi # podman ends the list with an empty line
+  done
+  printf -- '--- %s: health check %s\n' "$1" "${test[*]:1}"
+  case ${test[0]:-} in
+    CMD) podman exec "$1" "${test[@]:1}" 2>&1 | tail -20 || true ;;
+    CMD-SHELL) podman exec "$1" sh -c "${test[1]}" 2>&1 | tail -20 || true ;;
+  esac
+}
 deadline=$(($(date +%s) + HEALTHY_S))
 while :; do
   waiting=()
@@ -336,7 +350,12 @@ while :; do
     fi
   done
   ((${#waiting[@]} == 0)) && break
-  (($(date +%s) > deadline)) && die "not healthy after $HEALTHY_S s: ${waiting[*]}"
+  if (($(date +%s) > deadline)); then
+    for w in "${waiting[@]}"; do
+      if [[ $w == *:unhealthy ]]; then health_words "${w%:unhealthy}"; fi
+    done
+    die "not healthy after $HEALTHY_S s: ${waiting[*]}"
+  fi
   sleep 3
 done
 podman ps --filter "label=io.podman.compose.project=$PROJECT" --format '{{.Names}}  {{.Status}}'
