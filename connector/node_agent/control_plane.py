@@ -48,12 +48,14 @@ CHANNEL_OPTIONS = (
 
 
 class Backoff:
-    """Exponential backoff with full jitter."""
+    """Exponential backoff with full jitter, drawn from a generator of its own: agents whose
+    `random` module was seeded alike (a test framework's, per example) do not retry in step."""
 
     def __init__(self, initial_s: float, max_s: float) -> None:
         self._initial = initial_s
         self._max = max_s
         self._attempt = 0
+        self._rng = random.Random()
 
     def reset(self) -> None:
         self._attempt = 0
@@ -61,7 +63,7 @@ class Backoff:
     def next_delay(self) -> float:
         ceiling = min(self._max, self._initial * (2**self._attempt))
         self._attempt = min(self._attempt + 1, 32)
-        return random.uniform(0.0, ceiling)
+        return self._rng.uniform(0.0, ceiling)
 
 
 class ControlPlane:
