@@ -22,8 +22,9 @@ _EPHEMERAL_LOW = 32768
 _REMEMBERED = 4096
 # Fewer ports than this below the ephemeral range: pick ephemeral ones instead.
 _MIN_SPAN = 2 * _REMEMBERED
-# The process's own generator, seeded from the OS: a test framework that seeds the `random`
-# module (Hypothesis does, per example) would otherwise give every process the same ports.
+# The process's own generator, seeded from the OS. The `random` module may be seeded by others
+# (Hypothesis reseeds it per example, and warns when a strategy's draw moves it): picks from it
+# would then repeat, in this process and in any other seeded alike.
 _rng = random.Random()
 
 _lock = threading.Lock()
