@@ -50,7 +50,6 @@ def test_the_pick_leaves_the_random_modules_state_alone() -> None:
     # The ports come from the process's own generator: processes whose `random` a test framework
     # seeded alike (Hypothesis does, per example) do not pick alike, and the framework's
     # generator is not moved.
-    random.seed(7)
     state = random.getstate()
     free_port()
     assert random.getstate() == state
