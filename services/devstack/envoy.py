@@ -4,7 +4,9 @@ The dev stack's picker path (`start_stack(picker=True)`), the Envoy tests and th
 this configuration; it is the worked example of `kvplane epp` (docs/using.md):
 
 - an `ext_proc` filter with FULL_DUPLEX_STREAMED request and response bodies (trailers sent, as
-  Envoy requires with that mode), allowed to write the `envoy.lb` metadata namespace;
+  Envoy requires with that mode), allowed to write the `envoy.lb` metadata namespace; where the
+  sidecars report D's answers to the picker (`epp.answers_listen`), no response body nor trailers
+  (the picker needs the answer's headers only, and D's tokens pass through Envoy alone);
 - one cluster, the decode pool (each decode engine's sidecar), balanced by Envoy's
   `override_host` policy: a request goes to the sidecar the picker named in
   `dynamic_metadata["envoy.lb"]["x-gateway-destination-endpoint"]`, and to round robin over the
@@ -86,9 +88,9 @@ _LISTENER = """
                 request_header_mode: SEND
                 response_header_mode: SEND
                 request_body_mode: FULL_DUPLEX_STREAMED
-                response_body_mode: FULL_DUPLEX_STREAMED
+                response_body_mode: {response_body}
                 request_trailer_mode: SEND
-                response_trailer_mode: SEND
+                response_trailer_mode: {response_trailers}
               message_timeout: 60s
               allow_mode_override: true
               metadata_options:
@@ -162,12 +164,18 @@ def envoy_binary() -> str | None:
     return str(beside) if beside.exists() else shutil.which("envoy")
 
 
-def envoy_config(picker_port: int, pool: Sequence[str], ports: dict[str, int]) -> str:
+def envoy_config(
+    picker_port: int, pool: Sequence[str], ports: dict[str, int], *, answers_reported: bool = False
+) -> str:
     """The bootstrap: the listeners on `ports` ("open", "closed", and "admin"), the picker on
-    loopback at `picker_port`, and the sidecars' `host:port` in `pool`."""
+    loopback at `picker_port`, and the sidecars' `host:port` in `pool`. `answers_reported`: the
+    sidecars report D's answers to the picker (`epp.answers_listen`), which then needs no response
+    body: Envoy sends it the response's headers only."""
     listeners = "".join(
         _LISTENER.format(
             name=name,
+            response_body="NONE" if answers_reported else "FULL_DUPLEX_STREAMED",
+            response_trailers="SKIP" if answers_reported else "SEND",
             port=ports[name],
             fail_open=str(name == "open").lower(),
             retry_header=RETRY_ELSEWHERE,
@@ -225,11 +233,13 @@ class Envoy:
         return 0
 
 
-def envoy_process(binary: str, picker_port: int, pool: Sequence[str], run_dir: Path) -> Envoy:
+def envoy_process(
+    binary: str, picker_port: int, pool: Sequence[str], run_dir: Path, *, answers_reported: bool = False
+) -> Envoy:
     """Envoy on free loopback ports, not started; its configuration and log in `run_dir`."""
     ports = {name: free_port() for name in (*LISTENERS, "admin")}
     config = run_dir / "envoy.yaml"
-    config.write_text(envoy_config(picker_port, pool, ports))
+    config.write_text(envoy_config(picker_port, pool, ports, answers_reported=answers_reported))
     argv = [binary, "-c", str(config), "--concurrency", "1", "--log-level", "warn"]
     # Never hot-restarted: no shared memory in /dev/shm (which a stopped Envoy would leave behind),
     # and any number of them on one host.
@@ -237,9 +247,11 @@ def envoy_process(binary: str, picker_port: int, pool: Sequence[str], run_dir: P
     return Envoy(ManagedProcess("envoy", argv, run_dir / "envoy.log"), ports)
 
 
-async def start_envoy(binary: str, picker_port: int, pool: Sequence[str], run_dir: Path) -> Envoy:
+async def start_envoy(
+    binary: str, picker_port: int, pool: Sequence[str], run_dir: Path, *, answers_reported: bool = False
+) -> Envoy:
     """Starts Envoy and waits until it is ready."""
-    envoy = envoy_process(binary, picker_port, pool, run_dir)
+    envoy = envoy_process(binary, picker_port, pool, run_dir, answers_reported=answers_reported)
     envoy.process.start()
     try:
         await wait_ready(envoy.process, http_health_probe(f"{envoy.admin_url}/ready"), 60)

@@ -605,7 +605,8 @@ async def _start_picker_path(
             "fallback_prefill_url": [stack.prefill_url],
             "fallback_decode_url": [stack.decode_url],
         },
-        "epp": {"listen": target, "sidecars": stack.sidecars},
+        # The sidecars report D's answers to the picker, which reads no response body.
+        "epp": {"listen": target, "sidecars": stack.sidecars, "answers_listen": f"{_HOST}:{free_port()}"},
         "sidecar": {"route_key": route_key},
         "telemetry": {"metrics_host": _HOST, "metrics_port": metrics_port},
     }
@@ -614,7 +615,9 @@ async def _start_picker_path(
         stack, "endpoint picker", "epp", settings, grpc_health_probe(target), progress, timeout_s
     )
     stack.picker_metrics_url = f"http://{_HOST}:{metrics_port}"
-    envoy = envoy_process(binary, picker_port, list(stack.sidecars.values()), stack.run_dir)
+    envoy = envoy_process(
+        binary, picker_port, list(stack.sidecars.values()), stack.run_dir, answers_reported=True
+    )
     stack.processes.append(envoy.process)
     progress("starting envoy")
     envoy.process.start()

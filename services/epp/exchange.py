@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import secrets
 import time
 from typing import Any
 
@@ -106,9 +107,13 @@ class Exchange:
         return []
 
     def close(self) -> None:
-        """The stream has ended: a turn whose answer did not end is reported failed; its share freed."""
-        if self.relay is not None and not self.relay.reported:
-            self.relay.finish("the answer did not reach its end through Envoy")
+        """The stream has ended: a turn whose answer did not end is reported failed (one whose
+        sidecar is answering waits for its report: `answers.py`); its share freed."""
+        relay = self.relay
+        if relay is not None and not relay.reported and not relay.awaits_report:
+            relay.finish("the answer did not reach its end through Envoy")
+        if relay is not None and relay.answer_id and self.state.answers is not None and relay.reported:
+            self.state.answers.forget(relay.answer_id)
         self._held.close()
         self._body_read.close()
         if self._span is not None:
@@ -212,8 +217,16 @@ class Exchange:
             asked_ids = s.turns.decode.digesting.ask_for_token_ids(
                 route.decode, client_asked=turn.client_token_ids, prompt_known=progress.prompt_ids is not None
             )
+            # The sidecar reports D's answer when the picker has an endpoint for it.
+            answer_id = secrets.token_hex(12) if s.answers is not None else ""
             self.relay = ResponseRelay(
-                s.turns, turn, route, progress, asked_ids=asked_ids, chunk_bytes=s.epp.body_chunk_bytes
+                s.turns,
+                turn,
+                route,
+                progress,
+                asked_ids=asked_ids,
+                chunk_bytes=s.epp.body_chunk_bytes,
+                answer_id=answer_id,
             )
             token = sign(
                 s.route_key,
@@ -221,7 +234,13 @@ class Exchange:
                 body=forwarded,
                 return_token_ids=asked_ids,
                 expires_at=time.time() + s.route_ttl_s,
+                answer_to=s.answers_url if answer_id else "",
+                answer_id=answer_id,
+                keep_ids=turn.client_token_ids,
+                collect_ids=self.relay.events.collects_ids,
             )
+            if s.answers is not None:
+                s.answers.expect(answer_id, self.relay)
             trace_headers: dict[str, str] = {}
             _PROPAGATOR.inject(trace_headers)
         headers = {

@@ -7,6 +7,7 @@ from functools import cached_property
 
 from opentelemetry import trace
 
+from kvplane.services.epp.answers import PendingAnswers
 from kvplane.services.epp.settings import EppSection
 from kvplane.services.gateway import admission
 from kvplane.services.gateway.admission import ReadLimits
@@ -32,6 +33,10 @@ class PickerState:
     route_key: bytes
     route_ttl_s: float
     tracer: trace.Tracer
+    # Turns awaiting their sidecar's report of D's answer, and where the sidecars send it; None
+    # and "" when the picker reads D's answer from Envoy's response phase.
+    answers: PendingAnswers | None = None
+    answers_url: str = ""
 
     @cached_property
     def read_limits(self) -> ReadLimits:

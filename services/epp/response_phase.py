@@ -1,12 +1,19 @@
-"""The response phase of a picked turn: D's answer passes back through the picker on its way to
-the client.
+"""The response phase of a picked turn: D's answer on its way back to the client.
 
-As in the gateway's D leg (`decode_leg.py`), each event of D's stream goes on at once, parsed only
-when it can hold what the turn needs (`decode_events.DecodeEvents`): the first token (TTFT) and D's
-handle, which is announced before the client sees its event (the conversation's next turn may come
-at once) and taken out of what the client receives. The sidecar's account of the P leg
-(`x-kvplane-prefill`) is read and removed. When D's answer has ended, the turn is reported
-(ReportTurn, off the client's path) as the gateway reports it.
+Two ways, as the route says:
+
+- The sidecar reports D's answer (`epp.answers_listen` set: the route names the picker's answer
+  endpoint and an answer id). The picker needs the response's headers only (the sidecar's account
+  of the P leg, `x-kvplane-prefill`, read and removed): Envoy's filter is configured to send no
+  response body (`response_body_mode: NONE`; Envoy cannot be asked per request to leave
+  FULL_DUPLEX_STREAMED), and a body it sends anyway passes untouched. The turn is announced and
+  reported when the sidecar's report comes (`answers.py`), before the client sees its answer end.
+- The picker reads D's answer itself: as in the gateway's D leg (`decode_leg.py`), each event
+  goes on at once, parsed only when it can hold what the turn needs (`decode_events.DecodeEvents`):
+  the first token (TTFT) and D's handle, which is announced before the client sees its event (the
+  conversation's next turn may come at once) and taken out of what the client receives. When D's
+  answer has ended, the turn is reported (ReportTurn, off the client's path) as the gateway
+  reports it.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from kvplane.services.gateway.decode_leg import CONVERSATION_HEADER, DECISION_HE
 from kvplane.services.gateway.progress import TurnProgress, TurnRequest, absorb
 from kvplane.services.gateway.sse import SseParser
 from kvplane.services.gateway.turn import TurnRunner
+from kvplane.services.sidecar.answer_report import AnswerReport
 from kvplane.services.sidecar.prefill_report import PrefillReport
 from kvplane.services.sidecar.signed_route import PREFILL_REPORT_HEADER
 
@@ -43,8 +51,16 @@ class ResponseRelay:
         *,
         asked_ids: bool,
         chunk_bytes: int,
+        answer_id: str = "",
     ) -> None:
+        """`answer_id`: the sidecar reports D's answer under this id (`answers.py`); "" when the
+        picker reads it from the response's body."""
         self.turns = turns
+        self.answer_id = answer_id
+        # When the picker answered the request: the sidecar's TTFT counts from its own receipt.
+        self.routed = time.perf_counter()
+        self.headers_seen = False
+        self._prefill_applied = False
         self.turn = turn
         self.route = route
         self.progress = progress
@@ -63,22 +79,20 @@ class ResponseRelay:
         self.reported = False
 
     def headers(self, headers: Mapping[str, str]) -> Response:
+        self.headers_seen = True
         status = headers.get(":status", "")
         self._ok = status == "200"
         report = headers.get(PREFILL_REPORT_HEADER)
         if report:
             try:
-                prefill = PrefillReport.decode(report)
+                self._apply_prefill(PrefillReport.decode(report))
             except ValueError as exc:
                 log.warning("the sidecar's prefill report is unreadable: %s", exc)
-            else:
-                prefill.apply(self.progress)
-                sources = self.progress.sources
-                for source, tokens in (sources.counts() if sources else {}).items():
-                    self.turns.metrics.prompt_tokens.labels(source).inc(tokens)
-        if not self._ok:
+        if not self._ok and not self.reported:
             self.progress.error = self.progress.error or f"the decode sidecar answered HTTP {status}"
-        remove = [PREFILL_REPORT_HEADER, "content-length"] if self._ok else [PREFILL_REPORT_HEADER]
+        # The body is the sidecar's, unchanged, when it reports the answer: its length holds.
+        rewritten = self._ok and not self.answer_id
+        remove = [PREFILL_REPORT_HEADER, "content-length"] if rewritten else [PREFILL_REPORT_HEADER]
         return envoy_messages.response_headers(
             {
                 DECISION_HEADER: self.progress.decision,
@@ -88,7 +102,44 @@ class ResponseRelay:
             remove,
         )
 
+    def _apply_prefill(self, prefill: PrefillReport) -> None:
+        """The sidecar's P leg, once (in the answer's headers and in its report)."""
+        if self._prefill_applied:
+            return
+        self._prefill_applied = True
+        prefill.apply(self.progress)
+        sources = self.progress.sources
+        for source, tokens in (sources.counts() if sources else {}).items():
+            self.turns.metrics.prompt_tokens.labels(source).inc(tokens)
+
+    @property
+    def awaits_report(self) -> bool:
+        """The sidecar is answering (200) and will report the answer, which has not come yet."""
+        return bool(self.answer_id) and self._ok and not self.reported
+
+    def take_report(self, report: AnswerReport) -> None:
+        """The sidecar's report of D's answer: the handle announced, the turn reported."""
+        if self.reported:
+            return
+        if report.prefill is not None:
+            self._apply_prefill(report.prefill)
+        p = self.progress
+        p.decode_params = report.decode_params
+        if report.output_ids:
+            p.output_ids = list(report.output_ids)
+        if p.prompt_ids is None and report.prompt_ids:
+            p.prompt_ids = list(report.prompt_ids)
+        if report.ttft_s is not None:
+            p.ttft_s = (self.routed - self.turn.arrival) + report.ttft_s
+        self._ok = True
+        self.finished = report.finished
+        self._announce()
+        self.finish(report.error)
+
     def body(self, chunk: bytes, end: bool) -> list[Response]:
+        if self.answer_id and self._ok:
+            # Envoy kept sending the body (its mode override is off): the sidecar's, as it is.
+            return [envoy_messages.body_chunk(chunk, end, response=True)]
         if not self._ok:
             if end:
                 self.finish()

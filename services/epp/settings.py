@@ -30,3 +30,11 @@ class EppSection(Section):
     body_chunk_bytes: int = Field(62_000, ge=1024)
     # Routes tried before a subset hint that names none of routing's choices is answered 503.
     subset_attempts: int = Field(3, ge=1)
+    # HTTP listen address, host:port, of the answer endpoint: the sidecars report D's answers there
+    # (`answers.py`), so Envoy's ext_proc filter need send the picker no response body
+    # (`response_body_mode: NONE`, `response_trailer_mode: SKIP`). Empty: the picker reads D's
+    # answers from Envoy's response phase (FULL_DUPLEX_STREAMED: every chunk through the picker).
+    answers_listen: str = ""
+    # The answer endpoint's base URL as the sidecars reach it (e.g. http://$(POD_IP):9003); empty:
+    # http://<answers_listen> (whose host must then be an address the sidecars reach).
+    answers_url: str = ""

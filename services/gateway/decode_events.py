@@ -69,6 +69,11 @@ class DecodeEvents:
         # Every event carries token ids that must be taken out, or kept for the report.
         self._every_event = asked_ids and (not keep_ids or collect_ids)
 
+    @property
+    def collects_ids(self) -> bool:
+        """The output's ids are kept for the report."""
+        return self._collect
+
     def forward(self, event: SseEvent) -> tuple[bytes, bool]:
         """The bytes to send the client for `event`, and whether it carries a choice (a token);
         an event not parsed says no, which matters only until the first token is seen."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Coroutine
 from typing import Any
 
 import aiohttp
@@ -23,6 +24,7 @@ from kvplane.services.gateway.metrics import GatewayMetrics
 from kvplane.services.gateway.openai_errors import RequestRejected, error_response, rejection
 from kvplane.services.gateway.settings import GatewaySection
 from kvplane.services.gateway.turn_errors import CLIENT_GONE, TurnFailed
+from kvplane.services.sidecar.answer_report import AnswerAccount, post_report
 from kvplane.services.sidecar.prefill_report import PrefillReport
 from kvplane.services.sidecar.settings import SidecarSection
 from kvplane.services.sidecar.signed_route import (
@@ -59,6 +61,8 @@ class Sidecar:
         self._site: web.TCPSite | None = None
         self._session: aiohttp.ClientSession | None = None
         self.legs: SidecarLegs | None = None
+        # Answer reports sent after their turn's task ended (the client left).
+        self._tasks: set[asyncio.Task[None]] = set()
 
     @property
     def port(self) -> int:
@@ -92,6 +96,8 @@ class Sidecar:
         log.info("sidecar serving", extra={"address": self.address, "decode": self.settings.decode_url})
 
     async def stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = self._site = None
@@ -121,6 +127,7 @@ class Sidecar:
             return None
 
     async def _turn(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        arrival = time.perf_counter()
         limits = self._read_limits
         try:
             async with asyncio.timeout(limits.body_timeout_s):
@@ -144,9 +151,14 @@ class Sidecar:
                 decode = await self._prefill(request, signed, body, chat)
             except TurnFailed as exc:
                 return _failed(exc.status, exc.message, exc.body, None)
+            # The picker reads D's answer itself (from Envoy's response phase) unless the route
+            # asks this sidecar to report it; a request without a route keeps no handle at all.
+            reports = signed is not None and bool(signed.answer_to)
+            account = AnswerAccount(signed, decode.report, arrival) if signed and reports else None
+            keep_handle = signed is not None and account is None
             if body.get("stream") is True:
-                return await self._stream(request, decode, chat, keep_handle=signed is not None)
-            return await self._whole(request, decode, chat, keep_handle=signed is not None)
+                return await self._stream(request, decode, chat, keep_handle=keep_handle, account=account)
+            return await self._whole(request, decode, chat, keep_handle=keep_handle, account=account)
 
     async def _prefill(
         self, request: web.Request, signed: SignedRoute | None, body: dict[str, Any], chat: bool
@@ -164,19 +176,44 @@ class Sidecar:
         return await self.legs.prefill(signed, body, chat)
 
     async def _whole(
-        self, request: web.Request, decode: DecodeRequest, chat: bool, *, keep_handle: bool
+        self,
+        request: web.Request,
+        decode: DecodeRequest,
+        chat: bool,
+        *,
+        keep_handle: bool,
+        account: AnswerAccount | None,
     ) -> web.StreamResponse:
         assert self.legs is not None
         try:
             answer = await self.legs.decode_whole(decode.body, chat)
         except LegFailed as exc:
             return _decode_failed(request, exc, decode.report)
+        headers = _report_headers(decode.report)
+        if account is not None:
+            raw = account.whole(answer)
+            await self._report(account)
+            return web.Response(body=raw, content_type="application/json", headers=headers)
         if not keep_handle:
             answer.pop("kv_transfer_params", None)
-        return web.json_response(answer, headers=_report_headers(decode.report))
+        return web.json_response(answer, headers=headers)
+
+    async def _report(self, account: AnswerAccount, error: str = "") -> None:
+        assert self._session is not None
+        account.reported = True
+        report = account.report(error)
+        await post_report(
+            self._session, account.signed.answer_to, self._key, report, self.limits.report_timeout_s
+        )
 
     async def _stream(
-        self, request: web.Request, decode: DecodeRequest, chat: bool, *, keep_handle: bool
+        self,
+        request: web.Request,
+        decode: DecodeRequest,
+        chat: bool,
+        *,
+        keep_handle: bool,
+        account: AnswerAccount | None,
     ) -> web.StreamResponse:
         assert self.legs is not None
         start = time.perf_counter()
@@ -195,21 +232,29 @@ class Sidecar:
         finished, outcome = False, "ok"
         try:
             await response.prepare(request)
-            parser = sse.SseParser()
-            async for chunk in upstream.content.iter_any():
-                # The picker reads D's handle from the stream; without one, nobody may see it.
-                out = chunk if keep_handle else _without_handle(parser.feed(chunk))
-                if out:
-                    await response.write(out)
-            if not keep_handle and (rest := _without_handle(parser.close())):
-                await response.write(rest)
+            if account is not None:
+                await self._relay_reported(response, upstream, account)
+            else:
+                parser = sse.SseParser()
+                async for chunk in upstream.content.iter_any():
+                    # The picker reads D's handle from the stream; without one, nobody may see it.
+                    out = chunk if keep_handle else _without_handle(parser.feed(chunk))
+                    if out:
+                        await response.write(out)
+                if not keep_handle and (rest := _without_handle(parser.close())):
+                    await response.write(rest)
             await response.write_eof()
             finished = True
         except (aiohttp.ClientError, TimeoutError, ConnectionResetError) as exc:
             outcome = "stream_failed"
             log.warning("decode stream failed: %r", exc)
+            if account is not None and not account.reported:
+                await self._report(account, f"decode stream failed: {exc!r}")
         except asyncio.CancelledError:
             outcome = CLIENT_GONE
+            if account is not None and not account.reported:
+                # Off the cancelled task: the picker still learns that the turn ended unfinished.
+                self._background(self._report(account, "the client disconnected"))
             raise
         finally:
             self.metrics.legs.labels("decode", outcome).observe(time.perf_counter() - start)
@@ -219,6 +264,26 @@ class Sidecar:
             else:
                 upstream.close()
         return response
+
+    async def _relay_reported(
+        self, response: web.StreamResponse, upstream: aiohttp.ClientResponse, account: AnswerAccount
+    ) -> None:
+        """D's stream to the client, its end held until the picker has the report."""
+        async for chunk in upstream.content.iter_any():
+            if out := account.feed(chunk):
+                await response.write(out)
+            if account.finished:
+                break
+        if out := account.close():
+            await response.write(out)
+        await self._report(account, "" if account.finished else "the decode stream ended before [DONE]")
+        if account.held:
+            await response.write(bytes(account.held))
+
+    def _background(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
 
 def _without_handle(events: list[sse.SseEvent]) -> bytes:

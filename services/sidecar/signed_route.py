@@ -56,6 +56,14 @@ class SignedRoute:
     route: RouteResult
     # Ask D for token ids (the picker's report needs them: `decode_events.DigestingEngines`).
     return_token_ids: bool
+    # Where the sidecar reports D's answer (`answer_report.py`), and under which id; "" when the
+    # picker reads D's answer from Envoy's response phase itself.
+    answer_to: str = ""
+    answer_id: str = ""
+    # The client asked for token ids (they stay in what it sees); the report needs the output's
+    # ids (D's handle may lack digests).
+    keep_ids: bool = False
+    collect_ids: bool = True
 
 
 def _b64(raw: bytes) -> str:
@@ -70,7 +78,18 @@ def _endpoint(e: Endpoint) -> list[str]:
     return [e.node_id, e.http_url, e.incarnation]
 
 
-def sign(key: bytes, route: RouteResult, *, body: bytes, return_token_ids: bool, expires_at: float) -> str:
+def sign(
+    key: bytes,
+    route: RouteResult,
+    *,
+    body: bytes,
+    return_token_ids: bool,
+    expires_at: float,
+    answer_to: str = "",
+    answer_id: str = "",
+    keep_ids: bool = False,
+    collect_ids: bool = True,
+) -> str:
     """The header value for `route`, valid for `body` until `expires_at` (Unix time, s)."""
     if not key:
         raise ValueError("an empty key signs nothing a client could not sign too")
@@ -83,6 +102,9 @@ def sign(key: bytes, route: RouteResult, *, body: bytes, return_token_ids: bool,
             "params": route.prefill_params,
             "skip": route.skip_decode_retention,
             "ids": return_token_ids,
+            "answer": [answer_to, answer_id],
+            "keep": keep_ids,
+            "collect": collect_ids,
             "exp": expires_at,
             "body": hashlib.sha256(body).hexdigest(),
         }
@@ -120,4 +142,12 @@ def verify(key: bytes, value: str, *, body: bytes, now: float) -> SignedRoute:
         response=routing_pb2.RouteResponse(),
         skip_decode_retention=fields["skip"],
     )
-    return SignedRoute(route, bool(fields["ids"]))
+    answer_to, answer_id = fields.get("answer") or ("", "")
+    return SignedRoute(
+        route,
+        bool(fields["ids"]),
+        answer_to=str(answer_to),
+        answer_id=str(answer_id),
+        keep_ids=bool(fields.get("keep", False)),
+        collect_ids=bool(fields.get("collect", True)),
+    )

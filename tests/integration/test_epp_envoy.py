@@ -87,10 +87,14 @@ async def es(etcd: LocalEtcd, tmp_path_factory: pytest.TempPathFactory) -> Async
         spans = InMemorySpanExporter()
         sidecar = Sidecar(side, limits, Telemetry.create("kvplane-sidecar", exporter=spans))
         await sidecar.start()
-        epp = EppSection(listen=f"127.0.0.1:{free_port()}", sidecars={stack.decode.url: sidecar.address})
+        epp = EppSection(
+            listen=f"127.0.0.1:{free_port()}",
+            sidecars={stack.decode.url: sidecar.address},
+            answers_listen="127.0.0.1:0",
+        )
         picker = Picker(epp, limits, side, Telemetry.create("kvplane-epp", exporter=spans))
         await picker.start()
-        envoy = await start_envoy(ENVOY, picker.port, [sidecar.address], log_dir)
+        envoy = await start_envoy(ENVOY, picker.port, [sidecar.address], log_dir, answers_reported=True)
         try:
             yield EnvoyStack(stack, sidecar, picker, envoy, spans, limits, side)
         finally:
@@ -116,6 +120,11 @@ async def pulled(stack: GatewayStack) -> float:
     return await stack.prefill.metric(
         stack.session, "kvplane_sim_kv_loads_total", leg="prefill", outcome="pulled"
     )
+
+
+def messages(picker: Picker, kind: str) -> float:
+    """The ext_proc messages of `kind` Envoy has sent `picker`."""
+    return picker.telemetry.registry.get_sample_value("kvplane_epp_messages_total", {"kind": kind}) or 0.0
 
 
 async def verify_failures(stack: GatewayStack) -> float:
@@ -184,10 +193,15 @@ async def test_the_clients_trace_continues_through_the_picker_and_the_sidecar(es
 
 
 async def test_a_streamed_conversation_arrives_whole_and_pulls(es: EnvoyStack) -> None:
+    bodies, headers = messages(es.picker, "response_body"), messages(es.picker, "response_headers")
     through_envoy = await run_conversation(es, es.envoy.url(), seed=23, stream=True)
     assert [d for d, _ in through_envoy] == ["recompute_no_handle", "pull", "pull"]
     assert all(tokens > 0 for _, tokens in through_envoy[1:])
     assert await verify_failures(es.stack) == 0
+    # The sidecar reported each answer (the picker has an answer endpoint): Envoy sent the picker
+    # the answers' headers and none of their bodies.
+    assert messages(es.picker, "response_headers") - headers == 3
+    assert messages(es.picker, "response_body") == bodies
     # The sidecar's legs, on its /metrics, as the gateway's.
     async with es.stack.session.get(f"http://{es.sidecar.address}/metrics") as resp:
         text = await resp.text()
@@ -358,6 +372,8 @@ async def test_with_prefill_on_decode_the_sidecar_serves_short_turns_on_d_alone(
             handle = await stack.wait_handle("acme", conv, other_than=handle)
             prompt = [*prompt, *result.output_ids(), *new_ids(40, 22 + turn)]
         assert decisions == ["recompute_no_handle", "prefill_on_decode", "prefill_on_decode"]
+        # Without an answer endpoint the picker reads D's answers itself, every chunk.
+        assert messages(picker, "response_body") >= 3 * 80
         assert len(stack.proxy.seen) == p_calls, "a turn D prefilled itself reached P"
         d_hits_after = await stack.decode.metric(
             stack.session, "vllm:prompt_tokens_by_source_total", source="local_cache_hit"
