@@ -85,7 +85,9 @@ class SidecarLegs:
         """Runs the P leg and returns D's request; raises TurnFailed when P rejected the request."""
         route = signed.route
         request = prefill_body(body, route)
-        request["return_token_ids"] = True
+        # Nothing reads token ids from P's answer (D's carry the client's): as the gateway's P leg,
+        # not asking spares P and the sidecar a prompt's worth of ids in JSON each turn.
+        request.pop("return_token_ids", None)
         start = time.perf_counter()
         with self.tracer.start_as_current_span("sidecar.prefill", kind=trace.SpanKind.CLIENT) as span:
             span.set_attribute("kvplane.node", route.prefill.node_id)

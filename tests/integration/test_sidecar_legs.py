@@ -75,10 +75,12 @@ async def test_p_runs_with_the_routes_params_and_d_gets_ps(
 ) -> None:
     sidecar, fake, signed = legs
     decode = await sidecar.prefill(
-        signed, {"prompt": [1, 2, 3], "max_tokens": 50, "stream": True}, chat=False
+        signed, {"prompt": [1, 2, 3], "max_tokens": 50, "stream": True, "return_token_ids": True}, chat=False
     )
     assert fake.seen[0]["kv_transfer_params"] == signed.route.prefill_params
     assert fake.seen[0]["max_tokens"] == 1 and fake.seen[0]["stream"] is False
+    # P is not asked for the prompt's ids (nothing reads them from its answer); D is, as routed.
+    assert "return_token_ids" not in fake.seen[0]
     assert decode.body["kv_transfer_params"]["remote_block_ids"] == [4]
     assert decode.body["kv_transfer_params"]["kvplane_tenant"] == "acme"
     assert decode.body["return_token_ids"] is True and decode.body["max_tokens"] == 50
