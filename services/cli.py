@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import importlib
 import logging
 import sys
@@ -198,15 +197,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     names = available_services() if args.service == ["all"] else args.service
     log.info("starting", extra={"services": names, "settings": settings.masked_json()})
+    from kvplane.services.common.runtime import event_loop
     from kvplane.services.common.runtime.server import BindFailed
 
     try:
-        if settings.grpc.event_loop == "uvloop":
-            import uvloop
-
-            uvloop.run(_serve(settings, names))
-        else:
-            asyncio.run(_serve(settings, names))
+        event_loop.run(_serve(settings, names), settings.grpc.event_loop)
     except BindFailed as exc:
         print(f"kvplane serve: {exc}", file=sys.stderr)
         return 1

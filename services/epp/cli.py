@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvplane.services.client.credentials import PlaintextCredentials
+from kvplane.services.common.runtime import event_loop
 from kvplane.services.common.runtime.heap import freeze_startup_heap
 from kvplane.services.common.runtime.server import MetricsServer
 from kvplane.services.common.runtime.telemetry import Telemetry, configure_logging
@@ -80,7 +81,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(settings.telemetry.log_level, settings.telemetry.json_logs)
     log.info("starting", extra={"settings": settings.masked_json()})
     try:
-        asyncio.run(serve(settings))
+        # The gateway's loop (`gateway.event_loop`): the picker runs the gateway's turn code.
+        event_loop.run(serve(settings), settings.gateway.event_loop)
     except PlaintextCredentials as exc:
         print(f"kvplane epp: {exc}", file=sys.stderr)
         return 2

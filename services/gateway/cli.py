@@ -10,10 +10,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-import uvloop
-
 from kvplane.services.client import RoutingClient
 from kvplane.services.client.credentials import PlaintextCredentials
+from kvplane.services.common.runtime import event_loop
 from kvplane.services.common.runtime.heap import freeze_startup_heap
 from kvplane.services.common.runtime.server import BindFailed
 from kvplane.services.common.runtime.telemetry import Telemetry, configure_logging
@@ -180,10 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(settings.telemetry.log_level, settings.telemetry.json_logs)
     log.info("starting", extra={"settings": settings.masked_json()})
     try:
-        if settings.gateway.event_loop == "uvloop":
-            uvloop.run(serve(settings))
-        else:
-            asyncio.run(serve(settings))
+        event_loop.run(serve(settings), settings.gateway.event_loop)
     except BindFailed as exc:
         print(f"kvplane gateway: {exc}", file=sys.stderr)
         return 1

@@ -9,6 +9,7 @@ import signal
 from collections.abc import Sequence
 from typing import Any
 
+from kvplane.services.common.runtime import event_loop
 from kvplane.services.common.runtime.heap import freeze_startup_heap
 from kvplane.services.common.runtime.telemetry import Telemetry, configure_logging
 from kvplane.services.settings import KvplaneSettings
@@ -68,5 +69,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not settings.sidecar.route_key.get_secret_value():
         log.warning("sidecar.route_key is not set: no route verifies, every turn is served by D alone")
     log.info("starting", extra={"settings": settings.masked_json()})
-    asyncio.run(serve(settings))
+    # The gateway's loop (`gateway.event_loop`): the sidecar relays D's stream as the gateway does.
+    event_loop.run(serve(settings), settings.gateway.event_loop)
     return 0
