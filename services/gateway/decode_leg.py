@@ -216,7 +216,7 @@ class DecodeLeg:
             raise
         except (aiohttp.ClientError, TimeoutError) as exc:
             outcome, progress.error = "stream_failed", f"decode stream failed: {exc!r}"
-            await _end_with_error(response, progress.error)
+            await end_with_error(response, progress.error)
         finally:
             # Closing an unfinished upstream aborts D's request, which frees its blocks.
             if finished:
@@ -244,7 +244,7 @@ async def _to_client(write: Awaitable[Any]) -> None:
         raise ClientGone(str(exc)) from exc
 
 
-async def _end_with_error(response: web.StreamResponse, message: str) -> None:
+async def end_with_error(response: web.StreamResponse, message: str) -> None:
     """Ends a stream that broke midway with an error event, as vLLM does, if the client is still there."""
     error = {"error": {"message": message, "type": "BadGatewayError", "code": 502}}
     try:

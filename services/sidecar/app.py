@@ -19,6 +19,7 @@ from kvplane.services.epp.destinations import ATTEMPT_HEADER, RETRY_ELSEWHERE
 from kvplane.services.gateway import failover, sse
 from kvplane.services.gateway.admission import parse_json, read_limits
 from kvplane.services.gateway.app import split_host_port
+from kvplane.services.gateway.decode_leg import end_with_error
 from kvplane.services.gateway.legs import LegFailed
 from kvplane.services.gateway.metrics import GatewayMetrics
 from kvplane.services.gateway.openai_errors import RequestRejected, error_response, rejection
@@ -250,6 +251,8 @@ class Sidecar:
             log.warning("decode stream failed: %r", exc)
             if account is not None and not account.reported:
                 await self._report(account, f"decode stream failed: {exc!r}")
+            # As the gateway ends a stream that broke midway: an error event the client can read.
+            await end_with_error(response, f"decode stream failed: {exc!r}")
         except asyncio.CancelledError:
             outcome = CLIENT_GONE
             if account is not None and not account.reported:
