@@ -47,6 +47,7 @@ from prometheus_client import (
 )
 
 from kvplane.services.common.runtime.sampling import QuietBackground
+from kvplane.services.common.runtime.trace_ids import OwnRandomIdGenerator
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +123,7 @@ class Telemetry:
         provider = TracerProvider(
             resource=service_resource(service),
             sampler=sampler(sample_ratio, trace_background, os.environ, exports=exports),
+            id_generator=OwnRandomIdGenerator(),
         )
         if export is not None:
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
@@ -136,7 +138,9 @@ class Telemetry:
     @classmethod
     def disabled(cls, service: str = "kvplane") -> Telemetry:
         """No sampling, private registry: for tools and tests that don't look."""
-        provider = TracerProvider(sampler=ParentBased(TraceIdRatioBased(0.0)))
+        provider = TracerProvider(
+            sampler=ParentBased(TraceIdRatioBased(0.0)), id_generator=OwnRandomIdGenerator()
+        )
         return cls(provider, CollectorRegistry(), service, exports=False)
 
     @contextmanager
