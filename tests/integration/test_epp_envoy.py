@@ -372,8 +372,9 @@ async def test_with_prefill_on_decode_the_sidecar_serves_short_turns_on_d_alone(
             handle = await stack.wait_handle("acme", conv, other_than=handle)
             prompt = [*prompt, *result.output_ids(), *new_ids(40, 22 + turn)]
         assert decisions == ["recompute_no_handle", "prefill_on_decode", "prefill_on_decode"]
-        # Without an answer endpoint the picker reads D's answers itself, every chunk.
-        assert messages(picker, "response_body") >= 3 * 80
+        # Without an answer endpoint the picker reads D's answers itself: their bodies reach it
+        # (in as many messages as Envoy's reads of the stream make, one at least for each).
+        assert messages(picker, "response_body") >= 3
         assert len(stack.proxy.seen) == p_calls, "a turn D prefilled itself reached P"
         d_hits_after = await stack.decode.metric(
             stack.session, "vllm:prompt_tokens_by_source_total", source="local_cache_hit"
