@@ -7,6 +7,7 @@ import random
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from kvplane.services.common.runtime.telemetry import Telemetry
+from kvplane.services.common.runtime.trace_ids import OwnRandomIdGenerator
 
 
 def test_spans_leave_the_random_module_alone_and_ids_do_not_follow_its_seed() -> None:
@@ -22,3 +23,11 @@ def test_spans_leave_the_random_module_alone_and_ids_do_not_follow_its_seed() ->
         ids.append((context.trace_id, context.span_id))
     assert len(set(ids)) == len(ids)
     exported.shutdown()
+
+
+def test_ids_are_never_the_invalid_zero_and_do_not_repeat() -> None:
+    ids = OwnRandomIdGenerator()
+    spans = {ids.generate_span_id() for _ in range(1000)}
+    traces = {ids.generate_trace_id() for _ in range(1000)}
+    assert len(spans) == len(traces) == 1000 and 0 not in spans | traces
+    assert ids.is_trace_id_random()
