@@ -1,8 +1,8 @@
 """The picker's answer endpoint: the sidecars' reports of D's answers (`sidecar/answer_report.py`).
 
 With `epp.answers_listen` set, every route the picker signs names this endpoint and an answer id,
-and the turn waits here, by that id, for the sidecar's report; the picker asks Envoy for no
-response body. A report is taken once, under the route key's HMAC; one for an unknown or
+and the turn waits here, by that id, for the sidecar's report; Envoy's filter need then send the
+picker no response body. A report is taken once, under the route key's HMAC; one for an unknown or
 finished turn is answered 404, an unsigned one 401. A turn whose report has not come when its
 decode deadline (and the report's own) has passed is reported failed, as a turn whose answer did
 not reach its end through Envoy was.

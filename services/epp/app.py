@@ -146,6 +146,8 @@ class Picker:
     async def _serve_answers(self, pending: PendingAnswers) -> str:
         """Starts the answer endpoint; returns its URL as the sidecars reach it."""
         host, port = split_host_port(self.epp.answers_listen)
+        if not self.epp.answers_url and host in ("", "0.0.0.0", "::"):
+            raise ValueError("epp.answers_url is required when epp.answers_listen binds every address")
         key = self.sidecar.route_key.get_secret_value().encode()
         self._answers_runner = web.AppRunner(answers_app(pending, key), access_log=None)
         await self._answers_runner.setup()
@@ -156,8 +158,6 @@ class Picker:
         self.answers_port = int(bound)
         if self.epp.answers_url:
             return self.epp.answers_url
-        if host in ("", "0.0.0.0", "::"):
-            raise ValueError("epp.answers_url is required when epp.answers_listen binds every address")
         return f"http://{f'[{host}]' if ':' in host else host}:{self.answers_port}"
 
     @property

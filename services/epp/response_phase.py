@@ -59,7 +59,6 @@ class ResponseRelay:
         self.answer_id = answer_id
         # When the picker answered the request: the sidecar's TTFT counts from its own receipt.
         self.routed = time.perf_counter()
-        self.headers_seen = False
         self._prefill_applied = False
         self.turn = turn
         self.route = route
@@ -79,7 +78,6 @@ class ResponseRelay:
         self.reported = False
 
     def headers(self, headers: Mapping[str, str]) -> Response:
-        self.headers_seen = True
         status = headers.get(":status", "")
         self._ok = status == "200"
         report = headers.get(PREFILL_REPORT_HEADER)
@@ -138,7 +136,7 @@ class ResponseRelay:
 
     def body(self, chunk: bytes, end: bool) -> list[Response]:
         if self.answer_id and self._ok:
-            # Envoy kept sending the body (its mode override is off): the sidecar's, as it is.
+            # Envoy's filter sends response bodies (its body mode is not NONE): the sidecar's, as it is.
             return [envoy_messages.body_chunk(chunk, end, response=True)]
         if not self._ok:
             if end:

@@ -6,8 +6,9 @@ would: it takes D's handle out of what the client sees (and the token ids the cl
 for), notes when the first token came, and keeps the output's ids when the report needs them
 (`decode_events.DecodeEvents`, the gateway's own pass over D's events). From the event that names
 D's handle, or the stream's end, on, it holds what it forwards: the report goes first, so that the
-picker announces D's handle before the client can send its next turn. The picker asks Envoy for no
-response body, so D's tokens pass through Envoy alone, not twice through the picker's gRPC stream.
+picker announces D's handle before the client can send its next turn. Envoy's filter then sends the
+picker no response body, so D's tokens pass through Envoy alone, not twice through the picker's
+gRPC stream.
 
 The report is JSON, with its HMAC-SHA256 under the route key in `x-kvplane-answer-mac`: the key
 the picker and the sidecars already share, so no client can report a turn.
