@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -60,6 +61,9 @@ _PROBE_TIMEOUT_S = 1.0
 # Failovers closer together than this are skipped: during a whole-cluster
 # outage every call fails, and one probe round per interval is enough.
 _FAILOVER_INTERVAL_S = 0.5
+# A member that left a call unanswered this recently comes last when the client must move without
+# a probe to go by (`_open_next`): a frozen member refuses nothing, so only its silence tells.
+_UNANSWERED_MEMORY_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +125,8 @@ class EtcdClient:
         self._generation = 0
         self._switch = asyncio.Lock()
         self._last_failover = -_FAILOVER_INTERVAL_S
+        # When each member last left a call unanswered (monotonic s).
+        self._unanswered: dict[Member, float] = {}
         self._retired: set[asyncio.Task[None]] = set()
         # Since when calls have gone unanswered (monotonic s; None: the last call was answered),
         # and why: what a process's health reports (`ServiceProcess`).
@@ -188,10 +194,14 @@ class EtcdClient:
         raise StoreUnavailable(f"no etcd endpoint resolves: {list(self.settings.endpoints)}")
 
     async def _open_next(self, after: Member) -> Connection | None:
-        start = self.members.index(after)
-        for i in range(1, len(self.members)):
+        """The next member after `after` whose name resolves, unprobed; members that left a call
+        unanswered in the last `_UNANSWERED_MEMORY_S` come after the others."""
+        start, now = self.members.index(after), time.monotonic()
+        order = [self.members[(start + i) % len(self.members)] for i in range(1, len(self.members))]
+        order.sort(key=lambda m: now - self._unanswered.get(m, -math.inf) < _UNANSWERED_MEMORY_S)
+        for member in order:
             try:
-                return await self._open(self.members[(start + i) % len(self.members)])
+                return await self._open(member)
             except OSError:
                 continue
         return None
@@ -237,6 +247,7 @@ class EtcdClient:
         """Reports that a call on `conn` went unanswered; moves to another member."""
         if len(self.members) == 1 or code not in _FAILOVER_CODES:
             return
+        self._unanswered[conn.member] = time.monotonic()
         async with self._switch:
             now = time.monotonic()
             if self._conn is not conn or now - self._last_failover < _FAILOVER_INTERVAL_S:
