@@ -214,7 +214,8 @@ def simulator_for(baseline: Baseline, config: SimConfig, options: RunOptions | N
     tiered = cluster.decode_host_bytes > 0
     if tiered and baseline.p2p_min_lead_tokens is not None:
         cluster = replace(cluster, decode_offload_all=True)
-    if baseline.router == "decode-cache":
+    if baseline.router == "decode-cache" or baseline.prefill_on_decode:
+        # D's own prefix cache: vLLM's D keeps one; kvplane's D prefills from it (its KV events).
         cluster = replace(cluster, decode_prefix_cache=True)
     config = replace(config, cluster=cluster)
     if baseline.report_interval_s is not None:

@@ -244,6 +244,7 @@ class DecodeState:
 
     __slots__ = (
         "capacity",
+        "feed",
         "handles",
         "host_cache",
         "host_capacity",
@@ -283,6 +284,8 @@ class DecodeState:
         self.host_cache: PrefixCache | None = None
         # With `ClusterSpec.decode_prefix_cache`: finished turns' blocks in the memory left free.
         self.prefix_cache: PrefixCache | None = None
+        # Where the prefix cache's changes go as D's KV events, when a router reads them.
+        self.feed: CacheEventFeed | None = None
         # When D's compute is next free for a prompt it prefills itself (conditional
         # disaggregation), in simulated seconds.
         self.local_free_at = 0.0

@@ -361,6 +361,7 @@ class Simulator:
         elif d.prefix_cache is not None:
             cached = min(d.prefix_cache.hit_blocks(flight.prompt) * block, tokens - 1)
             d.prefix_cache.insert(flight.prompt)
+            _publish_events(d, now)
         else:
             cached = 0
         flight.cached = cached
@@ -557,6 +558,7 @@ class Simulator:
         d.reserved += flight.reserved
         d.running += 1
         d.fit_prefix_cache(self._block_bytes)
+        _publish_events(d, now)
         self._first_token(flight, now)
 
     def _first_token(self, flight: _InFlight, now: float) -> None:
@@ -600,6 +602,7 @@ class Simulator:
             # D keeps the turn's blocks (prompt and output) in the memory now free.
             d.fit_prefix_cache(self._block_bytes)
             d.prefix_cache.insert(flight.chain, flight.poisoned_from)
+            _publish_events(d, now)
         if d.host_cache is not None:
             # D offloads the turn's KV (prompt and output) to its host tier as the turn ends.
             d.host_cache.insert(flight.chain, flight.poisoned_from)
@@ -774,3 +777,11 @@ class Simulator:
             self._push(expiry, _EXPIRE, handle)
         if d.waiting:
             self._admit(d, now)
+
+
+def _publish_events(d: DecodeState, now: float) -> None:
+    """D's KV events: what its prefix cache stored and evicted, to the router that reads them."""
+    cache = d.prefix_cache
+    if d.feed is not None and cache is not None and cache.journal:
+        d.feed.publish(now, cache.journal)
+        cache.journal.clear()

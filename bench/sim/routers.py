@@ -407,8 +407,9 @@ class OracleRouter:
 
 
 class _FeedViews:
-    """Routing's engine views in the simulator: each prefill cache's journal, delivered by a
-    `CacheEventFeed` (late, lossy); the prompt's block values stand for its block hashes."""
+    """Routing's engine views in the simulator: each prefill cache's journal, and each decode
+    node's where it keeps a prefix cache, delivered by a `CacheEventFeed` (late, lossy); the
+    prompt's block values stand for its block hashes."""
 
     def __init__(self, fleet: Fleet, lag_s: float, loss: float, seed: int) -> None:
         self.block_tokens = fleet.block_tokens
@@ -417,6 +418,11 @@ class _FeedViews:
             p.cache.journal = []
             p.feed = CacheEventFeed(lag_s, loss, random.Random(f"{seed}/{i}"))
             self._feeds[p.node.node_id] = p.feed
+        for i, d in enumerate(fleet.decode):
+            if d.prefix_cache is not None:
+                d.prefix_cache.journal = []
+                d.feed = CacheEventFeed(lag_s, loss, random.Random(f"{seed}/d{i}"))
+                self._feeds[d.node.node_id] = d.feed
 
     def __len__(self) -> int:
         return len(self._feeds)

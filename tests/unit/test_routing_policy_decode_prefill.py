@@ -144,3 +144,75 @@ def test_the_history_that_p_lacks_is_weighed_against_the_new_tokens() -> None:
         route(added(500), prefill_cached_tokens=cached, config=strict).decision
         is not Decision.PREFILL_ON_DECODE
     )
+
+
+# D's own prefix cache, as its engine's KV events show it (RouteSnapshot.decode_cached_tokens).
+
+
+def no_handle(prompt: Prompt, *, config: PolicyConfig | None = None, **kw: Any) -> Any:
+    nodes = kw.pop("nodes", None) or [state(P0), state(D0, **ROOM), state(D1, **ROOM)]
+    snapshot = snap(nodes, prompt=prompt, prefill_on_decode_ok=kw.pop("ok", True), **kw)
+    return RoutingPolicy(config or load_policy()).route(snapshot)
+
+
+def test_a_decode_cache_that_holds_the_history_prefills_a_turn_without_a_handle() -> None:
+    # The handle is gone (released under memory pressure), its blocks still in d1's cache.
+    plan = no_handle(added(200), decode_cached_tokens={"d1": 4096})
+    assert plan.decision is Decision.PREFILL_ON_DECODE
+    assert plan.prefill.node_id == plan.decode.node_id == "d1"
+    assert plan.verdict.reusable_tokens == 4096
+    assert plan.verdict.pulled_tokens == 0
+    assert "d1's prefix cache holds 4096 tokens" in plan.verdict.reason
+    # Without what the events show, the same turn goes through P and recomputes.
+    plain = no_handle(added(200))
+    assert plain.decision is Decision.RECOMPUTE_NO_HANDLE
+    assert plain.prefill.node_id == "p0"
+
+
+def test_the_decode_node_whose_cache_holds_the_most_is_chosen() -> None:
+    plan = no_handle(added(200), decode_cached_tokens={"d0": 1024, "d1": 4096})
+    assert plan.decode.node_id == "d1"
+    assert plan.verdict.reusable_tokens == 4096
+
+
+def test_a_decode_cache_is_not_used_unless_allowed_and_it_pays() -> None:
+    cached = {"d1": 4096}
+    assert (
+        no_handle(added(200), decode_cached_tokens=cached, ok=False).decision
+        is not Decision.PREFILL_ON_DECODE
+    )
+    off = replace(load_policy(), prefill_on_decode=PrefillOnDecodeSettings(from_decode_cache=False))
+    assert (
+        no_handle(added(200), decode_cached_tokens=cached, config=off).decision
+        is not Decision.PREFILL_ON_DECODE
+    )
+    # Over the cap on new tokens, or where P's cache holds the history too: through P.
+    assert no_handle(added(1200), decode_cached_tokens=cached).decision is not Decision.PREFILL_ON_DECODE
+    warm = {"p0": 4096}
+    plan = no_handle(added(200), decode_cached_tokens=cached, prefill_cached_tokens=warm)
+    assert plan.decision is not Decision.PREFILL_ON_DECODE
+    assert plan.prefill.node_id == "p0"
+    # A decode node with prefills queued is slower than P.
+    busy = state(D1, queued_requests=12, queued_prefill_tokens=60_000, **ROOM)
+    plan = no_handle(added(200), decode_cached_tokens=cached, nodes=[state(P0), state(D0, **ROOM), busy])
+    assert plan.decision is not Decision.PREFILL_ON_DECODE
+
+
+def test_a_decode_node_the_filters_leave_out_is_not_chosen_for_its_cache() -> None:
+    draining = mk_node("d1", draining=True)
+    plan = no_handle(
+        added(200),
+        decode_cached_tokens={"d1": 4096},
+        nodes=[state(P0), state(D0, **ROOM), state(draining, **ROOM)],
+    )
+    assert plan.decode.node_id == "d0"
+    assert plan.decision is not Decision.PREFILL_ON_DECODE
+
+
+def test_a_handle_on_another_node_does_not_keep_the_turn_from_a_cache_that_holds_it() -> None:
+    # The holder d0 has no room for the turn, so the decode leg chose d1, whose cache holds the
+    # history (an earlier turn ran there): d1 prefills it rather than P pulling from d0.
+    full = state(D0, free_kv_blocks=3, total_kv_blocks=10_000)
+    plan = route(added(200), nodes=[state(P0), full, state(D1, **ROOM)], decode_cached_tokens={"d1": 4096})
+    assert plan.decision is Decision.PREFILL_ON_DECODE
+    assert plan.decode.node_id == "d1"

@@ -377,3 +377,51 @@ async def test_conversations_that_start_on_an_idle_fleet_split_evenly_across_the
     # A conversation that is forgotten no longer counts for its node.
     router.forget("t", "c-0")
     assert sum(router._book.homes().values()) == 11
+
+
+@dataclass
+class FakeViews:
+    """Engine views that show a fixed prefix per node, and record which nodes they were asked of."""
+
+    held: dict[str, int]
+    asked: list[list[str]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.held)
+
+    def prefix_tokens(
+        self, nodes: object, prompt: Prompt, cache_salt: str | None, now_s: float, conversation: object = None
+    ) -> Mapping[str, int]:
+        ids = [node_id for node_id, _ in nodes]  # type: ignore[attr-defined]
+        self.asked.append(ids)
+        return {i: min(self.held[i], prompt.tokens - 1) for i in ids if i in self.held}
+
+    def forget_conversation(self, conversation: object) -> None:
+        return None
+
+
+async def test_a_decode_node_whose_events_show_the_history_prefills_only_for_a_caller_that_can() -> None:
+    cluster = FakeCluster(fleet())
+    views = FakeViews({"d1": HISTORY})
+    ids = iter(f"route-{i}" for i in range(10))
+    router = Router(
+        RoutingPolicy(load_policy()),
+        RoutingSection(),
+        cluster,
+        FakeCheckOut(),
+        FakeClock(),
+        new_route_id=lambda: next(ids),
+        engine_caches=views,
+    )
+    prompt = [*history(HISTORY), *history(150, seed=4)]
+    # No handle: the conversation's last one was released, its blocks still in d1's cache.
+    through_p = await router.route(turn(prompt, "c"))
+    assert through_p.decision is not Decision.PREFILL_ON_DECODE
+    # Only prefill nodes' views are asked for a caller that cannot run a turn on D alone.
+    assert views.asked == [["p0", "p1"]]
+    on_d = await router.route(turn(prompt, "c2", prefill_on_decode_ok=True))
+    assert on_d.decision is Decision.PREFILL_ON_DECODE, on_d.reason
+    assert on_d.plan.prefill.node_id == on_d.plan.decode.node_id == "d1"
+    assert views.asked[1:] == [["p0", "p1"], ["d0", "d1"]]
+    assert on_d.reused_tokens == HISTORY and on_d.handle is None
+    assert on_d.prefill_params["do_remote_prefill"] is False

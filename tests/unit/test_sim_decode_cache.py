@@ -168,3 +168,21 @@ def test_kvplane_sends_through_p_a_turn_whose_history_p_caches_but_the_answer() 
     assert warm.rec.decisions.get("prefill_on_decode", 0) == 0
     assert warm.fleet.prefill[0].served == 2
     assert warm.rec.cached_tokens >= 8000
+
+
+def test_kvplane_prefills_on_the_decode_node_whose_events_show_the_history_after_the_handle_went() -> None:
+    # A minute apart: kvplane's retention has released the handle by the second turn, but its
+    # blocks are still in D's prefix cache (nothing reused the memory), and D's KV events tell
+    # routing so. P's cache is off: through P the turn would recompute all 8,600 tokens.
+    cold = replace(ONE_PAIR, prefill_cache_bytes=0)
+    local, summary = _run("kvplane-decode-prefill", _conversation(500, 60.0), cold)
+    assert sum(local.rec.releases.values()) >= 1  # the handle went before the second turn
+    assert local.rec.decisions.get("prefill_on_decode", 0) == 1
+    assert local.fleet.prefill[0].served == 1
+    assert local.rec.cached_tokens >= 8096
+    assert summary.wrong_prefix_turns == 0
+    # The same turns where D's cache is not read: P recomputes the history.
+    routed = _run("kvplane-events", _conversation(500, 60.0), cold)[0]
+    assert routed.fleet.prefill[0].served == 2
+    assert routed.rec.cached_tokens == 0
+    assert local.rec.ttft_s[1] < routed.rec.ttft_s[1]

@@ -27,9 +27,14 @@ cache off, or evicted), D saves the pull or the recompute as well; measured that
 caches off, prefilling on D had the lowest TTFT p50 and p99 of every front at 1, 8 and 32
 conversations in flight.
 
-Only for callers that said they can run a turn on D alone (`RouteSnapshot.prefill_on_decode_ok`),
-only on the handle's live holder where the decode leg chose it, and only for a prompt that
-continues the whole handle: anything else is routed through P as before.
+Only for callers that said they can run a turn on D alone (`RouteSnapshot.prefill_on_decode_ok`).
+D's history is then either the handle, on its live holder where the decode leg chose it and for a
+prompt that continues the whole handle, or what D's own prefix cache holds as its engine's
+KV-cache events show it (`RouteSnapshot.decode_cached_tokens`, `from_decode_cache`). A handle
+released under memory pressure leaves its blocks in D's prefix cache until D reuses the memory,
+as vLLM frees them; and a conversation that moved to another D (or never had a handle) may still
+share a prefix there. A prefill on D reads nothing remote, so a view that is wrong costs time (D
+computes what its cache lacks), never correctness. Anything else is routed through P as before.
 """
 
 from __future__ import annotations
@@ -54,6 +59,9 @@ class PrefillOnDecodeSettings:
     # pull or recompute) per new token D computes itself; 0: wherever the cost model finds D
     # no slower (see the module's docstring).
     min_history_per_new_token: float = 1.0
+    # D's own prefix cache, as its engine's KV-cache events show it, also counts as history D
+    # holds (the handle's holder or not); False: only a handle D holds does.
+    from_decode_cache: bool = True
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 0 or self.expiry_margin_ms < 0 or self.min_history_per_new_token < 0:
@@ -90,7 +98,6 @@ def decide_prefill_on_decode(
     handle = snapshot.handle
     if (
         not snapshot.prefill_on_decode_ok
-        or settings.max_new_tokens <= 0
         or handle is None
         or holder is None
         or prefix is None
@@ -102,24 +109,88 @@ def decide_prefill_on_decode(
     if life_left < settings.expiry_margin_ms:
         return None
     held = prefix.reusable_tokens
+    verdict = _local_verdict(
+        snapshot, decode, held, through_prefill_ms, prefill_cached_tokens, costs, settings
+    )
+    if verdict is None:
+        return None
+    local_ms, routed_ms = verdict
+    return PullVerdict(
+        Decision.PREFILL_ON_DECODE,
+        f"{holder.node_id} holds {held} tokens and prefills the"
+        f" {snapshot.prompt.tokens - held} new ones itself:"
+        f" {local_ms:.1f} ms against {routed_ms:.1f} ms through P and the hand-off",
+        reusable_tokens=held,
+        recompute_ms=costs.recompute_ms(snapshot.prompt.tokens - held),
+        life_left_ms=life_left,
+    )
+
+
+def decide_from_decode_cache(
+    snapshot: RouteSnapshot,
+    decodes: list[NodeState],
+    through_prefill_ms: float,
+    prefill_cached_tokens: int,
+    costs: CostModel,
+    settings: PrefillOnDecodeSettings,
+) -> tuple[NodeState, PullVerdict] | None:
+    """The decode node, among `decodes` (eligible for the turn, best first), whose own prefix
+    cache holds the most of the prompt as its KV-cache events show it, and PREFILL_ON_DECODE
+    there when prefilling on it passes the rules `decide_prefill_on_decode` applies to a handle;
+    None: route as before."""
+    if not snapshot.prefill_on_decode_ok or not settings.from_decode_cache:
+        return None
+    cached = snapshot.decode_cached_tokens
+    if not cached:
+        return None
+    best: NodeState | None = None
+    best_held = 0
+    for state in decodes:
+        held = min(cached.get(state.node.node_id, 0), snapshot.prompt.tokens - 1)
+        if held > best_held:
+            best, best_held = state, held
+    if best is None:
+        return None
+    verdict = _local_verdict(
+        snapshot, best, best_held, through_prefill_ms, prefill_cached_tokens, costs, settings
+    )
+    if verdict is None:
+        return None
+    local_ms, routed_ms = verdict
+    new = snapshot.prompt.tokens - best_held
+    return best, PullVerdict(
+        Decision.PREFILL_ON_DECODE,
+        f"{best.node.node_id}'s prefix cache holds {best_held} tokens (its KV events) and it"
+        f" prefills the {new} new ones itself: {local_ms:.1f} ms against {routed_ms:.1f} ms"
+        " through P and the hand-off",
+        reusable_tokens=best_held,
+        recompute_ms=costs.recompute_ms(new),
+    )
+
+
+def _local_verdict(
+    snapshot: RouteSnapshot,
+    decode: NodeState,
+    held: int,
+    through_prefill_ms: float,
+    prefill_cached_tokens: int,
+    costs: CostModel,
+    settings: PrefillOnDecodeSettings,
+) -> tuple[float, float] | None:
+    """(ms on D, ms through P) when D, holding `held` tokens of the prompt, should prefill the
+    rest itself; None when the new tokens are too many, D's history spares P too little, or D
+    would be slower."""
     new = snapshot.prompt.tokens - held
-    if new <= 0 or new > settings.max_new_tokens:
+    if settings.max_new_tokens <= 0 or new <= 0 or new > settings.max_new_tokens:
         return None
     if held - prefill_cached_tokens < settings.min_history_per_new_token * new:
         return None
     local_ms = decode_queue_ms(decode, costs) + costs.prefill_ms(new, held)
     # Through P, D then reads the whole prompt's KV from P, and computes the first token in a step
     # of its own (one token over the whole prompt).
-    handoff_ms = costs.transfer_ms(snapshot.prompt.tokens, holder.kv_bytes_per_token)
+    handoff_ms = costs.transfer_ms(snapshot.prompt.tokens, decode.node.kv_bytes_per_token)
     first_step_ms = costs.prefill_ms(1, snapshot.prompt.tokens - 1)
     routed_ms = through_prefill_ms + handoff_ms + first_step_ms
     if local_ms > routed_ms:
         return None
-    return PullVerdict(
-        Decision.PREFILL_ON_DECODE,
-        f"{holder.node_id} holds {held} tokens and prefills the {new} new ones itself:"
-        f" {local_ms:.1f} ms against {routed_ms:.1f} ms through P and the hand-off",
-        reusable_tokens=held,
-        recompute_ms=costs.recompute_ms(new),
-        life_left_ms=life_left,
-    )
+    return local_ms, routed_ms

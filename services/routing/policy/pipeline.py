@@ -30,7 +30,7 @@ from kvplane.services.common.model.nodes import Fingerprint, Node
 from kvplane.services.routing.policy.config import LegPolicy, PolicyConfig
 from kvplane.services.routing.policy.cost_model import CostModel
 from kvplane.services.routing.policy.decision import NoEligibleNodes, RoutePlan
-from kvplane.services.routing.policy.decode_prefill import decide_prefill_on_decode
+from kvplane.services.routing.policy.decode_prefill import decide_from_decode_cache, decide_prefill_on_decode
 from kvplane.services.routing.policy.prefix_match import PrefixMatch, match_prefix
 from kvplane.services.routing.policy.pull_decision import decide_pull
 from kvplane.services.routing.policy.snapshot import Leg, LegContext, NodeState, RouteSnapshot
@@ -107,23 +107,61 @@ class RoutingPolicy:
             raise NoEligibleNodes(f"no prefill/decode pair can serve model {snapshot.model!r}")
         prefill, decode = pair
         pull = self.config.pull
-        if snapshot.prefill_on_decode_ok and holder is not None and decode.node.node_id == holder.node_id:
-            through_prefill = estimate_prefill(snapshot, prefill, holder, compatible, costs, pull, prefix)
+        if snapshot.prefill_on_decode_ok:
+            local = self._on_decode(snapshot, holder, compatible, prefill, decode, costs, prefix)
+            if local is not None:
+                return local
+        verdict = decide_pull(snapshot, holder, prefill, compatible, costs, pull, prefix)
+        return RoutePlan(prefill.node, decode.node, verdict)
+
+    def _on_decode(
+        self,
+        snapshot: RouteSnapshot,
+        holder: Node | None,
+        compatible: bool,
+        prefill: NodeState,
+        decode: NodeState,
+        costs: CostModel,
+        prefix: PrefixMatch | None,
+    ) -> RoutePlan | None:
+        """The plan where a decode node prefills the turn itself (D is both legs: the prefill
+        endpoint names it too, and nothing is pulled): from the handle the chosen D holds, else
+        from the D whose own prefix cache holds the most of the prompt; None: through P."""
+        settings = self.config.prefill_on_decode
+        if settings.max_new_tokens <= 0:
+            return None
+        by_handle = holder is not None and decode.node.node_id == holder.node_id
+        if not by_handle and not (settings.from_decode_cache and snapshot.decode_cached_tokens):
+            return None
+        through = estimate_prefill(snapshot, prefill, holder, compatible, costs, self.config.pull, prefix)
+        if by_handle:
             local = decide_prefill_on_decode(
                 snapshot,
                 holder,
                 decode,
                 prefix,
-                through_prefill.total_ms,
-                through_prefill.verdict.cached_tokens,
+                through.total_ms,
+                through.verdict.cached_tokens,
                 costs,
-                self.config.prefill_on_decode,
+                settings,
             )
             if local is not None:
-                # D is both legs: the prefill endpoint names it too, and nothing is pulled.
                 return RoutePlan(decode.node, decode.node, local)
-        verdict = decide_pull(snapshot, holder, prefill, compatible, costs, pull, prefix)
-        return RoutePlan(prefill.node, decode.node, verdict)
+        if not snapshot.decode_cached_tokens:
+            return None
+        ctx = LegContext(snapshot, Leg.DECODE, holder, None, costs, self.config.pull, prefix)
+        cached = decide_from_decode_cache(
+            snapshot,
+            self.rank(self.config.decode, ctx),
+            through.total_ms,
+            through.verdict.cached_tokens,
+            costs,
+            settings,
+        )
+        if cached is None:
+            return None
+        state, verdict = cached
+        return RoutePlan(state.node, state.node, verdict)
 
     def _match(self, snapshot: RouteSnapshot, holder: Node | None) -> PrefixMatch | None:
         """The prompt against the handle, when a pull is possible at all: hashing a

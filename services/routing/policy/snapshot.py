@@ -99,6 +99,11 @@ class RouteSnapshot:
     # where, checked against the prompt's digests
     # (`kvplane.services.routing.state.prefill_record`); a wrong hint costs time only.
     prefill_cached_tokens: Mapping[str, int] = field(default_factory=dict)
+    # Prompt tokens each decode node's own prefix cache holds, by node id, as its engine's
+    # KV-cache events show it (fresh views only; absent: unknown or none). Filled only for a
+    # caller that can run a turn on D alone: D may then prefill the turn from that cache
+    # (`decode_prefill.decide_from_decode_cache`).
+    decode_cached_tokens: Mapping[str, int] = field(default_factory=dict)
     # Mixed into tie-breaks beside the conversation: a routing replica's id, so
     # that replicas do not all break the same tie the same way.
     tie_salt: str = ""

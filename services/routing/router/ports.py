@@ -78,8 +78,9 @@ class ClusterReader(Protocol):
 
 
 class PrefixCacheViews(Protocol):
-    """What prefill engines' own KV events say their prefix caches hold (the service: views fed by
-    the node agents' streams, `state.engine_caches`; the simulator: its caches' event feeds)."""
+    """What engines' own KV events say their prefix caches hold: prefill nodes', and decode
+    nodes' where they stream them (the service: views fed by the node agents' streams,
+    `state.engine_caches`; the simulator: its caches' event feeds)."""
 
     def __len__(self) -> int:
         """Views held (0: none; the router then keeps to its record)."""

@@ -252,6 +252,7 @@ class Router:
             contacted=self._book.contacted,
             loads_as_of_unix_ms=now if cluster.healthy else self._loads_as_of(),
             prefill_cached_tokens=prefill_cached,
+            decode_cached_tokens=self._decode_views(states, turn) if turn.prefill_on_decode_ok else {},
             tie_salt=self.tie_salt,
             prefill_on_decode_ok=turn.prefill_on_decode_ok,
         )
@@ -278,6 +279,19 @@ class Router:
             else:
                 merged.pop(node_id, None)
         return merged, frozenset(seen)
+
+    def _decode_views(self, states: tuple[NodeState, ...], turn: TurnRequest) -> Mapping[str, int]:
+        """The prefix of the prompt each decode node's own cache holds where its engine's events
+        are fresh (none held: left out): where D may prefill the turn from its own cache."""
+        caches = self.engine_caches
+        if caches is None or not len(caches):
+            return {}
+        nodes = [(s.node.node_id, s.node.incarnation) for s in states if s.node.role.can_decode()]
+        if not nodes:
+            return {}
+        key = (turn.tenant, turn.conversation)
+        seen = caches.prefix_tokens(nodes, turn.prompt, turn.cache_salt, self.clock.monotonic_s(), key)
+        return {node_id: tokens for node_id, tokens in seen.items() if tokens > 0}
 
     def _plan(self, snapshot: RouteSnapshot, all_states: tuple[NodeState, ...]) -> RoutePlan:
         """The policy's plan over the usable nodes, else over every known node."""
