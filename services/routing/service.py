@@ -48,7 +48,7 @@ from kvplane.services.common.store.cluster_view import ClusterView
 from kvplane.services.routing import prefix_cache_stream
 from kvplane.services.routing.adapters import StoreCheckOut, SystemClock, ViewCluster
 from kvplane.services.routing.endpoints import AddressError, http_base_url
-from kvplane.services.routing.metrics import RoutingMetrics
+from kvplane.services.routing.metrics import EngineCacheBlocks, RoutingMetrics
 from kvplane.services.routing.policy import Decision, Prompt, RoutingPolicy, load_policy
 from kvplane.services.routing.reports import TurnReports
 from kvplane.services.routing.router import (
@@ -124,12 +124,13 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
         stale_s, max_nodes = settings.prefix_cache_stale_after_s, settings.prefix_cache_max_nodes
         self.streamed_loads = StreamedLoads(stale_s, max_nodes)
         self._cluster = ViewCluster(view, self.metrics, self.streamed_loads)
-        # What the node agents' streams say each prefill engine's cache holds (StreamPrefixCache).
+        # What the node agents' streams say each engine's cache holds (StreamPrefixCache).
         self.engine_caches = EngineCaches(
             stale_after_s=settings.prefix_cache_stale_after_s,
             max_nodes=settings.prefix_cache_max_nodes,
             max_blocks=settings.prefix_cache_max_blocks,
         )
+        telemetry.registry.register(EngineCacheBlocks(self.engine_caches.block_counts))
         self.router = Router(
             policy or RoutingPolicy(load_policy(settings.policy_file or None)),
             settings,

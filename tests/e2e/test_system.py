@@ -253,6 +253,48 @@ async def test_a_gateway_that_lets_d_prefill_short_turns_skips_p_and_chains_d_ha
         await eventually(released_three, timeout_s=30, what="D's superseded handles to be released")
 
 
+async def test_a_forked_conversation_is_prefilled_by_the_decode_node_whose_events_show_its_history(
+    stack: Stack,
+) -> None:
+    # A conversation forked from another (an agent's sub-task, a regenerated branch) has no handle
+    # of its own, but D's prefix cache holds the history it shares, as D's KV events tell routing.
+    # Through the decode-prefill gateway D prefills the fork itself: P is sent nothing. P computed
+    # the first prompt only, so it lacks D's 80-token answer, more than the fork adds.
+    url = stack.decode_prefill_gateway_url
+    routing = stack.metrics_url.removesuffix("/metrics")
+    blocks = "kvplane_routing_engine_cache_blocks"
+    async with aiohttp.ClientSession() as session:
+        parent = Conversation("fork-parent", random.Random(3131))
+        parent.prompt = parent.next_user(3000)
+        held_before = await engine_counter(session, routing, blocks, node="d0")
+        decision, output = await turn(session, stack, parent, parent.prompt, stream=False, gateway_url=url)
+        assert decision.startswith("recompute")
+
+        async def d_blocks_seen() -> bool:
+            # D's view in routing has grown by the parent's whole blocks, its answer's included
+            # (they enter D's cache as the turn ends; the answer's last token has no KV yet).
+            whole = (len(parent.prompt) + len(output) - 1) // 16
+            return await engine_counter(session, routing, blocks, node="d0") >= held_before + whole
+
+        await eventually(d_blocks_seen, timeout_s=30, what="routing to hear D's KV events of the turn")
+        p_before = await engine_counter(session, stack.prefill_url, "vllm:prompt_tokens_total")
+        hit_before = await engine_counter(
+            session, stack.decode_url, "vllm:prompt_tokens_by_source_total", source="local_cache_hit"
+        )
+        fork = Conversation("fork-child", random.Random(3132))
+        fork.prompt = parent.prompt + output + fork.next_user(50)
+        decision, _ = await turn(session, stack, fork, fork.prompt, stream=True, gateway_url=url)
+        assert decision == "prefill_on_decode"
+        assert await engine_counter(session, stack.prefill_url, "vllm:prompt_tokens_total") == p_before
+        hits = (
+            await engine_counter(
+                session, stack.decode_url, "vllm:prompt_tokens_by_source_total", source="local_cache_hit"
+            )
+            - hit_before
+        )
+        assert hits >= 3000
+
+
 async def test_a_conversation_moving_between_the_stacks_gateways_finds_its_history_in_ps_cache(
     stack: Stack,
 ) -> None:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from prometheus_client import CollectorRegistry, generate_latest
+
 from kvplane.services.common.model.block_hashes import BlockHasher
+from kvplane.services.routing.metrics import EngineCacheBlocks
 from kvplane.services.routing.state.engine_caches import CacheUpdate, EngineCaches, HashConfig
 
 CONFIG = HashConfig(16, "sha256", "vllm-none-hash")
@@ -115,3 +118,16 @@ def test_memory_is_bounded_by_nodes_and_blocks_per_node() -> None:
     for node in ("a", "b", "c"):
         caches.apply(snapshot([1], node=node), now_s=0.0)
     assert len(caches) == 2 and caches.blocks("a") == 0
+
+
+def test_the_blocks_each_view_holds_are_a_gauge_read_at_scrape_time() -> None:
+    caches = EngineCaches()
+    registry = CollectorRegistry()
+    registry.register(EngineCacheBlocks(caches.block_counts))
+    assert "kvplane_routing_engine_cache_blocks{" not in generate_latest(registry).decode()
+    caches.apply(snapshot(HASHER.ids(PROMPT)), now_s=0.0)
+    caches.apply(snapshot(HASHER.ids(PROMPT[:32]), node="d0"), now_s=0.0)
+    caches.apply(delta([], HASHER.ids(PROMPT)[:2]), now_s=0.1)
+    text = generate_latest(registry).decode()
+    assert 'kvplane_routing_engine_cache_blocks{node="p0"} 8.0' in text
+    assert 'kvplane_routing_engine_cache_blocks{node="d0"} 2.0' in text

@@ -88,7 +88,7 @@ def test_only_where_the_decode_leg_chose_the_holder() -> None:
 
 def test_the_policy_file_sets_it_and_refuses_nonsense() -> None:
     assert load_policy().prefill_on_decode == PrefillOnDecodeSettings(
-        max_new_tokens=1000, expiry_margin_ms=5000, min_history_per_new_token=1.0
+        max_new_tokens=1000, expiry_margin_ms=5000, min_history_per_new_token=1.0, from_decode_cache=True
     )
     base = {"decode": {"filters": ["role"]}, "prefill": {"filters": ["role"]}}
     config = policy_from_mapping({**base, "prefill_on_decode": {"max_new_tokens": 250}})
@@ -99,6 +99,11 @@ def test_the_policy_file_sets_it_and_refuses_nonsense() -> None:
         policy_from_mapping({**base, "prefill_on_decode": {"min_history_per_new_token": -0.5}})
     with pytest.raises(PolicyConfigError, match="unknown key"):
         policy_from_mapping({**base, "prefill_on_decode": {"max_tokens": 5}})
+    with pytest.raises(PolicyConfigError, match="from_decode_cache"):
+        policy_from_mapping({**base, "prefill_on_decode": {"from_decode_cache": "yes"}})
+    assert not policy_from_mapping(
+        {**base, "prefill_on_decode": {"from_decode_cache": False}}
+    ).prefill_on_decode.from_decode_cache
 
 
 def test_the_snapshot_time_decides_the_life_left() -> None:

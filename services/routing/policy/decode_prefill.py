@@ -68,6 +68,8 @@ class PrefillOnDecodeSettings:
             raise ValueError(
                 "max_new_tokens, expiry_margin_ms and min_history_per_new_token must not be negative"
             )
+        if not isinstance(self.from_decode_cache, bool):
+            raise ValueError("from_decode_cache must be true or false")
 
 
 def decode_queue_ms(decode: NodeState, costs: CostModel) -> float:

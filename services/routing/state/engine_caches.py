@@ -148,6 +148,10 @@ class EngineCaches:
         view = self._views.get(node_id)
         return len(view.blocks) if view is not None else 0
 
+    def block_counts(self) -> dict[str, int]:
+        """Block ids each node's view holds, by node id (nodes without a view are absent)."""
+        return {node_id: len(view.blocks) for node_id, view in self._views.items()}
+
     def cached_tokens(
         self,
         nodes: Iterable[tuple[str, str]],
