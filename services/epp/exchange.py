@@ -238,6 +238,7 @@ class Exchange:
                 answer_id=answer_id,
                 keep_ids=turn.client_token_ids,
                 collect_ids=self.relay.events.collects_ids,
+                prompt_known=progress.prompt_ids is not None,
             )
             if s.answers is not None:
                 s.answers.expect(answer_id, self.relay)

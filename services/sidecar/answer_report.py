@@ -160,7 +160,9 @@ class AnswerAccount:
             p.ttft_s,
             p.decode_params,
             list(p.output_ids),
-            p.prompt_ids,
+            # The picker knows the prompt's ids when it routed on them: 5,000 of them each turn
+            # would cost both sides more than the rest of the report.
+            None if self.signed.prompt_known else p.prompt_ids,
             self.prefill,
             error,
         )

@@ -64,6 +64,8 @@ class SignedRoute:
     # ids (D's handle may lack digests).
     keep_ids: bool = False
     collect_ids: bool = True
+    # The picker holds the prompt's token ids already: the report leaves D's out.
+    prompt_known: bool = False
 
 
 def _b64(raw: bytes) -> str:
@@ -89,6 +91,7 @@ def sign(
     answer_id: str = "",
     keep_ids: bool = False,
     collect_ids: bool = True,
+    prompt_known: bool = False,
 ) -> str:
     """The header value for `route`, valid for `body` until `expires_at` (Unix time, s)."""
     if not key:
@@ -105,6 +108,7 @@ def sign(
             "answer": [answer_to, answer_id],
             "keep": keep_ids,
             "collect": collect_ids,
+            "known": prompt_known,
             "exp": expires_at,
             "body": hashlib.sha256(body).hexdigest(),
         }
@@ -150,4 +154,5 @@ def verify(key: bytes, value: str, *, body: bytes, now: float) -> SignedRoute:
         answer_id=str(answer_id),
         keep_ids=bool(fields.get("keep", False)),
         collect_ids=bool(fields.get("collect", True)),
+        prompt_known=bool(fields.get("known", False)),
     )

@@ -209,9 +209,17 @@ async def test_the_endpoint_refuses_what_is_not_a_report_it_awaits(
         assert resp.status == status
 
 
-def account(keep_ids: bool = False, collect_ids: bool = False, ids: bool = False) -> AnswerAccount:
+def account(
+    keep_ids: bool = False, collect_ids: bool = False, ids: bool = False, prompt_known: bool = False
+) -> AnswerAccount:
     signed = SignedRoute(
-        ROUTE, ids, answer_to=URL, answer_id="a-1", keep_ids=keep_ids, collect_ids=collect_ids
+        ROUTE,
+        ids,
+        answer_to=URL,
+        answer_id="a-1",
+        keep_ids=keep_ids,
+        collect_ids=collect_ids,
+        prompt_known=prompt_known,
     )
     return AnswerAccount(signed, prefill(), arrival=0.0)
 
@@ -252,6 +260,21 @@ def test_output_ids_are_collected_only_when_the_route_asks_and_the_client_keeps_
     kept = account(keep_ids=True, collect_ids=False, ids=True)
     shown = kept.feed(stream)
     assert kept.report().output_ids == [] and b'"token_ids":[7]' in shown.replace(b" ", b"")
+
+
+def test_the_prompts_ids_are_reported_only_to_a_picker_that_lacks_them() -> None:
+    answer = {
+        "choices": [{"text": "ab", "token_ids": [7, 8], "prompt_token_ids": [1, 2, 3]}],
+        "kv_transfer_params": {"kvplane_handle_id": "h"},
+    }
+    lacking = account(keep_ids=True, ids=True)
+    lacking.whole(json.loads(json.dumps(answer)))
+    assert lacking.report().prompt_ids == [1, 2, 3]
+    knowing = account(keep_ids=True, ids=True, prompt_known=True)
+    shown = json.loads(knowing.whole(json.loads(json.dumps(answer))))
+    # The client still gets them; the picker, which routed on them, is not sent them again.
+    assert shown["choices"][0]["prompt_token_ids"] == [1, 2, 3]
+    assert knowing.report().prompt_ids is None
 
 
 def test_a_whole_answer_loses_its_handle_and_is_reported() -> None:

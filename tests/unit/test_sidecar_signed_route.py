@@ -33,19 +33,21 @@ def test_where_to_report_the_answer_comes_through_signed() -> None:
         answer_id="a-7",
         keep_ids=True,
         collect_ids=False,
+        prompt_known=True,
     )
     signed = verify(KEY, token, body=b"{}", now=99.0)
-    assert (signed.answer_to, signed.answer_id, signed.keep_ids, signed.collect_ids) == (
+    assert (signed.answer_to, signed.answer_id, signed.keep_ids, signed.collect_ids, signed.prompt_known) == (
         "http://10.0.0.3:9003",
         "a-7",
         True,
         False,
+        True,
     )
     # A route that names no endpoint: the picker reads D's answer itself.
     plain = verify(
         KEY, sign(KEY, ROUTE, body=b"{}", return_token_ids=False, expires_at=100.0), body=b"{}", now=1
     )
-    assert plain.answer_to == "" and plain.collect_ids
+    assert plain.answer_to == "" and plain.collect_ids and not plain.prompt_known
 
 
 def test_the_pickers_route_comes_through_whole() -> None:
