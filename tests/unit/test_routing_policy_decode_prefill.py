@@ -221,3 +221,19 @@ def test_a_handle_on_another_node_does_not_keep_the_turn_from_a_cache_that_holds
     plan = route(added(200), nodes=[state(P0), full, state(D1, **ROOM)], decode_cached_tokens={"d1": 4096})
     assert plan.decision is Decision.PREFILL_ON_DECODE
     assert plan.decode.node_id == "d1"
+
+
+def test_a_decode_node_without_room_for_the_turn_is_not_chosen_for_its_cache() -> None:
+    # d1's cache holds the most, but it has no free KV for the new tokens and the answer: d0,
+    # which holds less and has room, prefills the turn.
+    full = state(D1, free_kv_blocks=3, total_kv_blocks=10_000)
+    plan = no_handle(
+        added(200), decode_cached_tokens={"d0": 4000, "d1": 4096}, nodes=[state(P0), state(D0, **ROOM), full]
+    )
+    assert plan.decision is Decision.PREFILL_ON_DECODE
+    assert plan.decode.node_id == "d0" and plan.verdict.reusable_tokens == 4000
+    # With no other, the turn goes through P.
+    plan = no_handle(
+        added(200), decode_cached_tokens={"d1": 4096}, nodes=[state(P0), state(D0, **ROOM), full]
+    )
+    assert plan.decision is not Decision.PREFILL_ON_DECODE
