@@ -266,7 +266,16 @@ async def test_a_forked_conversation_is_prefilled_by_the_decode_node_whose_event
     async with aiohttp.ClientSession() as session:
         parent = Conversation("fork-parent", random.Random(3131))
         parent.prompt = parent.next_user(3000)
-        held_before = await engine_counter(session, routing, blocks, node="d0")
+        seen: list[float] = []
+
+        async def d_view_settled() -> bool:
+            # Earlier tests' last blocks may still be on their way to routing: start from a view
+            # that has not changed for a second (several of the agent's 100 ms flushes).
+            seen.append(await engine_counter(session, routing, blocks, node="d0"))
+            return len(seen) >= 3 and seen[-1] == seen[-3]
+
+        await eventually(d_view_settled, timeout_s=30, interval_s=0.5, what="routing's view of D to settle")
+        held_before = seen[-1]
         decision, output = await turn(session, stack, parent, parent.prompt, stream=False, gateway_url=url)
         assert decision.startswith("recompute")
 
