@@ -425,3 +425,24 @@ async def test_a_decode_node_whose_events_show_the_history_prefills_only_for_a_c
     assert views.asked[1:] == [["p0", "p1"], ["d0", "d1"]]
     assert on_d.reused_tokens == HISTORY and on_d.handle is None
     assert on_d.prefill_params["do_remote_prefill"] is False
+
+
+async def test_with_prefill_from_decode_caches_off_no_route_hashes_for_them() -> None:
+    cluster = FakeCluster(fleet())
+    views = FakeViews({"d1": HISTORY})
+    config = load_policy()
+    off = replace(config, prefill_on_decode=replace(config.prefill_on_decode, from_decode_cache=False))
+    ids = iter(f"route-{i}" for i in range(10))
+    router = Router(
+        RoutingPolicy(off),
+        RoutingSection(),
+        cluster,
+        FakeCheckOut(),
+        FakeClock(),
+        new_route_id=lambda: next(ids),
+        engine_caches=views,
+    )
+    prompt = [*history(HISTORY), *history(150, seed=4)]
+    outcome = await router.route(turn(prompt, "c", prefill_on_decode_ok=True))
+    assert outcome.decision is not Decision.PREFILL_ON_DECODE
+    assert views.asked == [["p0", "p1"]]

@@ -48,6 +48,11 @@ from kvplane.services.routing.policy.prefix_match import PrefixMatch
 from kvplane.services.routing.policy.snapshot import NodeState, RouteSnapshot
 
 
+# Tokens of output a decode node must have room for beyond the prompt's new tokens, as the
+# decode leg's `holder-affinity` scorer asks of the holder.
+_OUTPUT_RESERVE_TOKENS = 1024
+
+
 @dataclass(frozen=True, slots=True)
 class PrefillOnDecodeSettings:
     # The most prompt tokens D may compute for a turn it prefills itself; 0: never.
@@ -149,7 +154,8 @@ def decide_from_decode_cache(
     best_held = 0
     for state in decodes:
         held = min(cached.get(state.node.node_id, 0), snapshot.prompt.tokens - 1)
-        if held > best_held and _has_room(state, snapshot.prompt.tokens - held):
+        # A D without room for the turn would make it wait for memory.
+        if held > best_held and state.fits(snapshot.prompt.tokens - held + _OUTPUT_RESERVE_TOKENS):
             best, best_held = state, held
     if best is None:
         return None
@@ -168,20 +174,6 @@ def decide_from_decode_cache(
         reusable_tokens=best_held,
         recompute_ms=costs.recompute_ms(new),
     )
-
-
-# Tokens of output a decode node must have room for beyond the prompt's new tokens, as the
-# decode leg's `holder-affinity` scorer asks of the holder.
-_OUTPUT_RESERVE_TOKENS = 1024
-
-
-def _has_room(state: NodeState, new_tokens: int) -> bool:
-    """Whether the node's last load report leaves free KV for the new tokens and the output (an
-    unknown load: yes). A turn sent to a full D would wait for its memory."""
-    load = state.load
-    if load is None or load.total_kv_blocks <= 0:
-        return True
-    return load.free_kv_blocks * max(1, state.node.block_size) >= new_tokens + _OUTPUT_RESERVE_TOKENS
 
 
 def _local_verdict(

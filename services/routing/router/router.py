@@ -252,7 +252,7 @@ class Router:
             contacted=self._book.contacted,
             loads_as_of_unix_ms=now if cluster.healthy else self._loads_as_of(),
             prefill_cached_tokens=prefill_cached,
-            decode_cached_tokens=self._decode_views(states, turn) if turn.prefill_on_decode_ok else {},
+            decode_cached_tokens=self._decode_views(states, turn),
             tie_salt=self.tie_salt,
             prefill_on_decode_ok=turn.prefill_on_decode_ok,
         )
@@ -283,6 +283,9 @@ class Router:
     def _decode_views(self, states: tuple[NodeState, ...], turn: TurnRequest) -> Mapping[str, int]:
         """The prefix of the prompt each decode node's own cache holds where its engine's events
         are fresh (none held: left out): where D may prefill the turn from its own cache."""
+        rule = self.policy.config.prefill_on_decode
+        if not (turn.prefill_on_decode_ok and rule.from_decode_cache and rule.max_new_tokens > 0):
+            return {}  # no plan could use them: Route does not hash for them
         caches = self.engine_caches
         if caches is None or not len(caches):
             return {}

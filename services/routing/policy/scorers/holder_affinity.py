@@ -37,5 +37,4 @@ class HolderAffinityScorer:
         if load.free_kv_fraction < self.min_free_fraction:
             return 0.0
         needed = max(0, ctx.snapshot.prompt.tokens - handle.num_tokens) + self.reserve_tokens
-        free_tokens = load.free_kv_blocks * max(1, state.node.block_size)
-        return 1.0 if free_tokens >= needed else 0.0
+        return 1.0 if state.fits(needed) else 0.0

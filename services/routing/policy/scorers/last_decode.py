@@ -36,9 +36,6 @@ class LastDecodeScorer:
         last = ctx.snapshot.last_decode_node_id
         if not last or state.node.node_id != last:
             return 0.0
-        load = state.load
-        if load is None or load.total_kv_blocks <= 0:
-            return 1.0  # unknown headroom: the last D is still the best guess
-        # The whole prompt, at worst: D's cache may have lost the history.
-        needed = ctx.snapshot.prompt.tokens + self.reserve_tokens
-        return 1.0 if load.free_kv_blocks * max(1, state.node.block_size) >= needed else 0.0
+        # The whole prompt, at worst: D's cache may have lost the history. Unknown headroom: the
+        # last D is still the best guess.
+        return 1.0 if state.fits(ctx.snapshot.prompt.tokens + self.reserve_tokens) else 0.0
