@@ -47,7 +47,6 @@ from kvplane.services.routing.policy.decision import Decision, PullVerdict
 from kvplane.services.routing.policy.prefix_match import PrefixMatch
 from kvplane.services.routing.policy.snapshot import NodeState, RouteSnapshot
 
-
 # Tokens of output a decode node must have room for beyond the prompt's new tokens, as the
 # decode leg's `holder-affinity` scorer asks of the holder.
 _OUTPUT_RESERVE_TOKENS = 1024
