@@ -66,6 +66,7 @@ esac
 PREFILL=$ENGINES-prefill
 DECODE=$ENGINES-decode
 mkdir -p "$WORK"
+rm -f "$WORK/health-words.txt"
 
 START=$(date +%s)
 LAST=$START
@@ -84,7 +85,13 @@ summary() {
   printf '  %s\n' "${TIMINGS[@]}"
   printf '  %-34s %4d s\n' total $(($(date +%s) - START))
 }
-die() { printf 'compose_stage: %s\n' "$*" >&2; exit 1; }
+# The reason is said again after the containers' logs, where a truncated CI log still shows it.
+FAILED_BECAUSE=""
+die() {
+  FAILED_BECAUSE=$*
+  printf 'compose_stage: %s\n' "$*" >&2
+  exit 1
+}
 
 # ---------------------------------------------------------------- tools
 phase "tools"
@@ -278,6 +285,11 @@ logs_on_failure() {
         "$WORK/logs/$c.log" | grep -vE 'exporting traces|export traces|DeprecationWarning|warnings.warn' \
         | tail -6 | cut -c1-400 | sed "s/^/${c#"${PROJECT}"_}: /" || true
     done
+    if [[ -s $WORK/health-words.txt ]]; then
+      printf '\n--- the failing health checks, run by hand\n'
+      cat "$WORK/health-words.txt"
+    fi
+    printf '\ncompose_stage failed: %s\n' "${FAILED_BECAUSE:-exit $rc}"
   fi
   if [[ ${KVPLANE_STAGE_KEEP:-0} != 1 ]]; then down; fi
   summary
@@ -353,7 +365,7 @@ while :; do
   if (($(date +%s) > deadline)); then
     for w in "${waiting[@]}"; do
       if [[ $w == *:unhealthy ]]; then health_words "${w%:unhealthy}"; fi
-    done
+    done | tee "$WORK/health-words.txt"
     die "not healthy after $HEALTHY_S s: ${waiting[*]}"
   fi
   sleep 3
