@@ -3,8 +3,9 @@ streams to routing (`prefix_cache.py`, which send it when it changed), and repor
 (ReportLoad) at once after every registration, every `load_heartbeat_s`, and when it changed:
 
 - while every routing replica the node streams to has a live stream, only a change of its
-  memory counts (`memory_changed`): routing has the request counts from the stream, and etcd's
-  other reader, the eviction coordinator, needs the memory figures alone;
+  memory counts (`memory_changed`, by shares of the node's KV capacity): routing has the request
+  counts from the stream, and etcd's other reader, the eviction coordinator, needs the memory
+  figures alone;
 - otherwise (no routing targets, or a stream down) any material change (`load_changed`).
 
 So a busy engine writes etcd at the pace of its memory, not of its requests (which was every
@@ -45,17 +46,28 @@ def load_changed(last: NodeLoad, now: NodeLoad) -> bool:
     return abs(now.free_kv_blocks - last.free_kv_blocks) >= max(1, now.total_kv_blocks // 100)
 
 
-def memory_changed(last: NodeLoad, now: NodeLoad) -> bool:
+def memory_changed(last: NodeLoad, now: NodeLoad, capacity_bytes: int = 0) -> bool:
     """Whether `now`'s memory differs from the load last reported enough to report it before the
     heartbeat: the block total changed, free KV blocks moved by 5% of the total (at least one
-    block), or retained bytes moved by a tenth (or to or from none)."""
+    block), retained bytes went to or from none, or moved by 5% of the node's KV capacity
+    (`capacity_bytes`; unknown, 0: by a tenth of themselves).
+
+    The eviction coordinator's budgets and watermarks are shares of the capacity, and it counts
+    the published handles' bytes itself (the report matters where it holds more than they do):
+    a move of retained bytes smaller than 5% of the capacity cannot move a node across them by
+    more than that, the error free blocks are allowed. Measured against themselves, retained
+    bytes moved by a tenth on nearly every publish and release of a node that retains a few
+    conversations, and each was an etcd write on the turn's path."""
     if now.total_kv_blocks != last.total_kv_blocks:
         return True
     if abs(now.free_kv_blocks - last.free_kv_blocks) >= max(1, now.total_kv_blocks // 20):
         return True
     if (now.retained_bytes == 0) != (last.retained_bytes == 0):
         return True
-    return abs(now.retained_bytes - last.retained_bytes) * 10 > max(now.retained_bytes, last.retained_bytes)
+    moved = abs(now.retained_bytes - last.retained_bytes)
+    if capacity_bytes > 0:
+        return moved * 20 >= capacity_bytes
+    return moved * 10 > max(now.retained_bytes, last.retained_bytes)
 
 
 class LoadReporter:
@@ -100,8 +112,12 @@ class LoadReporter:
                 self.latest = load
                 now = time.monotonic()
                 heartbeat = now - last_sent >= plane.settings.load_heartbeat_s
-                changed = memory_changed if self._streamed() else load_changed
-                due = last is None or heartbeat or changed(last, load)
+                if last is None or heartbeat:
+                    due = True
+                elif self._streamed():
+                    due = memory_changed(last, load, plane.node_template.kv_capacity_bytes)
+                else:
+                    due = load_changed(last, load)
                 if due and await self._report(load):
                     last, last_sent = load, now
             await plane.sleep_or_stop(plane.settings.load_interval_s)

@@ -243,20 +243,41 @@ async def test_a_node_without_kv_events_streams_its_load_and_etcd_hears_only_its
     await cluster.report_load("p0", queued_prefill_tokens=3000, total_kv_blocks=100, free_kv_blocks=50)
     load = NodeLoad("p-ld", "", queued_prefill_tokens=100_000, total_kv_blocks=100, free_kv_blocks=50)
     current = [load]
+    samples = [0]
+
+    def load_fn() -> NodeLoad:
+        samples[0] += 1
+        return current[0]
+
     # A heartbeat longer than the test: etcd hears the load at registration and on memory changes.
     settings = fast_settings(
         target_of(metadata_process), routing_targets=(cluster.target(0),), load_heartbeat_s=600
     )
     agent = NodeAgent(
-        settings, make_node("p-ld", role=NodeRole.PREFILL, incarnation=""), lambda: current[0], lambda _: None
+        settings, make_node("p-ld", role=NodeRole.PREFILL, incarnation=""), load_fn, lambda _: None
     )
     agent.start()
     agents.append(agent)
 
-    def stored_queue(v: Any) -> int | None:
+    def stored(v: Any) -> NodeLoad | None:
         record = v.nodes.get("p-ld")
-        stored = v.load(record.node) if record is not None else None
-        return stored.queued_prefill_tokens if stored is not None else None
+        return v.load(record.node) if record is not None else None
+
+    def stored_queue(v: Any) -> int | None:
+        load = stored(v)
+        return load.queued_prefill_tokens if load is not None else None
+
+    def stored_retained(v: Any) -> int | None:
+        load = stored(v)
+        return load.retained_bytes if load is not None else None
+
+    async def reports_counted(n: int) -> None:
+        async def counted() -> bool:
+            return agent.stats().load_reports >= n
+
+        # A report counts once its call returns, which may be after the view saw it.
+        await eventually(counted, what=f"{n} load reports counted")
+        assert agent.stats().load_reports == n
 
     await cluster.wait_views(lambda v: stored_queue(v) == 100_000, "the agent's node and its first load")
     async with cluster.client("acme") as client:
@@ -273,13 +294,27 @@ async def test_a_node_without_kv_events_streams_its_load_and_etcd_hears_only_its
     # Its memory moves by a tenth of its blocks: that reaches etcd as well.
     current[0] = dataclasses.replace(load, queued_prefill_tokens=0, free_kv_blocks=40)
     await cluster.wait_views(lambda v: stored_queue(v) == 0, "the memory change in etcd")
+    await reports_counted(2)
+    # It starts retaining KV (the node's capacity is 1 GiB): that reaches etcd.
+    current[0] = dataclasses.replace(current[0], retained_bytes=100 << 20)
+    await cluster.wait_views(lambda v: stored_retained(v) == 100 << 20, "retained bytes in etcd")
+    await reports_counted(3)
+    # They grow by 30% of themselves, under 5% of the capacity: the eviction coordinator's
+    # budgets are shares of the capacity, and etcd does not hear it.
+    current[0] = dataclasses.replace(current[0], retained_bytes=130 << 20)
+    seen = samples[0]
 
-    async def second_report_counted() -> bool:
-        return agent.stats().load_reports >= 2
+    async def sampled_twice() -> bool:
+        # The reporter decides on a sample before it takes the next.
+        return samples[0] >= seen + 2
 
-    # The report counts once its call returns, which may be after the view saw it.
-    await eventually(second_report_counted, what="the second report counted")
-    assert agent.stats().load_reports == 2
+    await eventually(sampled_twice, what="the agent to sample the small change")
+    # The report it would have made was made, and counted, before that next sample.
+    assert agent.stats().load_reports == 3
+    # Then by more than 5% of the capacity: that reaches etcd, as the fourth report.
+    current[0] = dataclasses.replace(current[0], retained_bytes=190 << 20)
+    await cluster.wait_views(lambda v: stored_retained(v) == 190 << 20, "the larger move in etcd")
+    await reports_counted(4)
     # Routing counts the open stream and its messages: load alone, no cache events.
     registry = cluster.replicas[0].ctx.telemetry.registry
 

@@ -71,3 +71,29 @@ def test_while_routing_gets_the_load_on_its_streams_etcd_hears_only_memory_chang
 def test_retained_bytes_appearing_count_as_a_memory_change() -> None:
     empty = dataclasses.replace(BASE, retained_bytes=0)
     assert memory_changed(empty, dataclasses.replace(empty, retained_bytes=1))
+    assert memory_changed(empty, dataclasses.replace(empty, retained_bytes=1), capacity_bytes=1 << 40)
+    assert memory_changed(BASE, dataclasses.replace(BASE, retained_bytes=0), capacity_bytes=1 << 40)
+
+
+# A node of 32 GiB of KV: 5% of it is 1.6 GiB.
+CAPACITY = 32 << 30
+FIVE_PERCENT = -(-CAPACITY // 20)
+
+
+@pytest.mark.parametrize(
+    ("retained", "reported"),
+    [
+        # A conversation's handle published or released: a large share of what the node
+        # retains, a small one of what it holds.
+        ((1 << 30) + (1 << 29), False),
+        ((1 << 30) - (1 << 29), False),
+        # Enough to move the node across an eviction watermark by more than free blocks may.
+        ((1 << 30) + FIVE_PERCENT, True),
+        ((1 << 30) + FIVE_PERCENT - 1, False),
+    ],
+)
+def test_retained_bytes_count_by_the_share_of_the_capacity_they_moved_when_it_is_known(
+    retained: int, reported: bool
+) -> None:
+    now = dataclasses.replace(BASE, retained_bytes=retained)
+    assert memory_changed(BASE, now, capacity_bytes=CAPACITY) is reported
