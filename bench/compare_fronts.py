@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import shutil
 import sys
 import time
@@ -98,6 +99,8 @@ class TurnOutcome:
     output: list[int]
     # kvplane's routing decision (x-kvplane-decision); empty for the other fronts.
     decision: str = ""
+    # The answer's time per output token after the first (nan: fewer than two tokens).
+    tpot_ms: float = math.nan
 
 
 class Front(Protocol):
@@ -129,6 +132,7 @@ class StreamResult:
     ttft_ms: float
     output: list[int]
     kv_transfer_params: dict[str, Any] | None
+    tpot_ms: float = math.nan
 
 
 async def stream_completion(
@@ -141,10 +145,13 @@ async def stream_completion(
     """POSTs a streamed completion and reads it to its end.
 
     TTFT is taken from `started` (the turn's start, which for a zero-hop client is before its
-    P leg) to the first chunk with a token. D's `kv_transfer_params` come from the chunk that
-    carries them (the one with `finish_reason`).
+    P leg) to the first chunk with a token; TPOT from that chunk to the last chunk with a token,
+    over the tokens after the first (what a decode engine's other work, a prefill it runs among
+    its decodes for one, costs the answers it is streaming). D's `kv_transfer_params` come from
+    the chunk that carries them (the one with `finish_reason`).
     """
     ttft = 0.0
+    first_at = last_at = 0.0
     output: list[int] = []
     params: dict[str, Any] | None = None
     async with session.post(url, json=body, headers=dict(headers)) as resp:
@@ -160,12 +167,16 @@ async def stream_completion(
                 raise FrontError(f"{url}: error event: {json.dumps(chunk['error'])[:300]}")
             for choice in chunk.get("choices") or ():
                 ids = choice.get("token_ids") or []
-                if ids and not ttft:
-                    ttft = (time.perf_counter() - started) * 1e3
+                if ids:
+                    last_at = time.perf_counter()
+                    if not ttft:
+                        first_at = last_at
+                        ttft = (first_at - started) * 1e3
                 output += ids
             if chunk.get("kv_transfer_params"):
                 params = chunk["kv_transfer_params"]
-        return StreamResult(resp.status, decision, ttft, output, params)
+        tpot = (last_at - first_at) * 1e3 / (len(output) - 1) if len(output) > 1 else math.nan
+        return StreamResult(resp.status, decision, ttft, output, params, tpot)
 
 
 @dataclass
@@ -195,7 +206,7 @@ class HttpFront:
         conversation.turns_sent += 1
         started = time.perf_counter()
         result = await stream_completion(session, f"{url}/v1/completions", body, headers, started)
-        return TurnOutcome(result.ttft_ms, result.output, result.decision)
+        return TurnOutcome(result.ttft_ms, result.output, result.decision, result.tpot_ms)
 
 
 @dataclass
@@ -237,7 +248,7 @@ class ZeroHopFront:
         params = result.kv_transfer_params
         if self.reuse and params and params.get("do_remote_decode"):
             conversation.handle = params
-        return TurnOutcome(result.ttft_ms, result.output)
+        return TurnOutcome(result.ttft_ms, result.output, tpot_ms=result.tpot_ms)
 
 
 # -- served fronts: processes of their own --------------------------------------------

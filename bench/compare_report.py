@@ -114,6 +114,10 @@ class Row:
     decode_engine_ttft_ms: float = math.nan
     # Prompt tokens of turns a decode engine served alone (prefill_on_decode) found in its own cache.
     decode_cache_tokens: float = 0.0
+    # Time per output token after the first, over every completed turn's answer (first turns
+    # included): what the decode engines' other work costs the answers being streamed.
+    tpot_p50_ms: float = math.nan
+    tpot_p99_ms: float = math.nan
 
     @property
     def prefill_spread(self) -> float:
@@ -210,6 +214,7 @@ def build_row(
         decisions.update(b.decisions())
     p50 = _vs_reference(blocks, reference, 0.5)
     p99 = _vs_reference(blocks, reference, 0.99)
+    tpot = [t.tpot_ms for t in ok if not math.isnan(t.tpot_ms)]
     return Row(
         front=front,
         concurrency=blocks[0].concurrency if blocks else 0,
@@ -252,6 +257,8 @@ def build_row(
         front_cpu_ms_per_turn_above_idle=(front_cpu_s - idle_cpu_s) / n_ok * 1e3,
         prefill_engine_ttft_ms=_engine_ttft_ms(blocks, "p"),
         decode_engine_ttft_ms=_engine_ttft_ms(blocks, "d"),
+        tpot_p50_ms=percentile(tpot, 0.5) if tpot else math.nan,
+        tpot_p99_ms=percentile(tpot, 0.99) if tpot else math.nan,
     )
 
 
@@ -331,15 +338,18 @@ def latency_table(table: Sequence[Row]) -> str:
 
 
 def engine_ttft_table(table: Sequence[Row]) -> str:
-    """Where a later turn's TTFT goes: the client's p50 beside the engines' own mean TTFTs."""
+    """Where a later turn's TTFT goes: the client's p50 beside the engines' own mean TTFTs; and
+    the answers' time per output token after the first (TPOT), which work a front puts on D
+    (a prefill there) takes from the answers D is streaming."""
     lines = [
-        "| front | conc | TTFT p50 ms (t2+) | P's own TTFT, mean ms | D's own TTFT, mean ms |",
-        "|---|---:|---:|---:|---:|",
+        "| front | conc | TTFT p50 ms (t2+) | P's own TTFT, mean ms | D's own TTFT, mean ms "
+        "| TPOT p50 ms | TPOT p99 ms |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in table:
         lines.append(
             f"| {r.front} | {r.concurrency} | {_f(r.ttft_p50_ms)} | {_f(r.prefill_engine_ttft_ms)} "
-            f"| {_f(r.decode_engine_ttft_ms)} |"
+            f"| {_f(r.decode_engine_ttft_ms)} | {_f(r.tpot_p50_ms, 2)} | {_f(r.tpot_p99_ms, 2)} |"
         )
     return "\n".join(lines)
 

@@ -9,6 +9,7 @@ settled (kvplane reports each turn after its stream ends), and reads the counter
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -40,6 +41,8 @@ class TurnRecord:
     # Seconds from the block's start.
     sent_s: float = 0.0
     done_s: float = 0.0
+    # The answer's time per output token after the first (nan: not measured).
+    tpot_ms: float = math.nan
 
 
 @dataclass
@@ -129,7 +132,15 @@ async def _conversation(
         done = time.perf_counter() - started
         out.append(
             TurnRecord(
-                *base, turn, len(prompt), True, outcome.ttft_ms, outcome.decision, sent_s=sent, done_s=done
+                *base,
+                turn,
+                len(prompt),
+                True,
+                outcome.ttft_ms,
+                outcome.decision,
+                sent_s=sent,
+                done_s=done,
+                tpot_ms=outcome.tpot_ms,
             )
         )
         if turn + 1 < turns:

@@ -82,6 +82,8 @@ def test_every_front_completes_every_turn(runs: dict[str, compare.WorkloadRun], 
     for row in run.rows:
         assert (row.turns_planned, row.turns_ok, row.failed, row.fallback) == (4, 4, 0, 0), row
         assert row.later_turns == 2 and row.ttft_p50_ms > 0
+        # Every answer has tokens after its first: each front's answers are timed.
+        assert row.tpot_p50_ms > 0 and row.tpot_p99_ms >= row.tpot_p50_ms, row
     for block in run.warmup + run.blocks:
         assert all(t.ok for t in block.turns), block.turns
 

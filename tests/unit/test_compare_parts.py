@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import math
+
 import aiohttp
 from aiohttp import web
 from aiohttp.test_utils import TestServer
@@ -293,3 +296,51 @@ def test_engine_ttft_is_read_per_engine_and_averaged_per_role_over_the_blocks() 
     }
     (row,) = report_rows([block], {KVPLANE: ["gateway"]}, None)
     assert abs(row.prefill_engine_ttft_ms - 300.0) < 1e-9 and abs(row.decode_engine_ttft_ms - 50.0) < 1e-9
+
+
+async def test_a_turn_s_time_per_output_token_spans_its_tokens_after_the_first() -> None:
+    gap_s = 0.05
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        # Three tokens in two chunks, each chunk at least `gap_s` after the one before.
+        for ids in ([1], [2, 3]):
+            await response.write(b'data: {"choices": [{"token_ids": %s}]}\n\n' % str(ids).encode())
+            await asyncio.sleep(gap_s)
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    async def one_token(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b'data: {"choices": [{"token_ids": [1]}]}\n\ndata: [DONE]\n\n')
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/one/v1/completions", one_token)
+    async with TestServer(app, host="127.0.0.1") as server, aiohttp.ClientSession() as session:
+        url = str(server.make_url("")).rstrip("/")
+        front = HttpFront("gateway", [url], {})
+        outcome = await front.turn(session, Conversation("c0", 0), {})
+        assert outcome.output == [1, 2, 3]
+        # The second chunk came at least gap_s after the first, and carried two tokens.
+        assert outcome.tpot_ms >= gap_s * 1e3 / 2
+        single = await HttpFront("gateway", [f"{url}/one"], {}).turn(session, Conversation("c1", 1), {})
+        assert single.output == [1] and math.isnan(single.tpot_ms)
+
+
+def test_tpot_percentiles_are_over_every_completed_turn_that_measured_one() -> None:
+    block = BlockResult(KVPLANE, 8, 0, 0)
+    block.turns = [
+        TurnRecord(KVPLANE, 8, 0, 0, turn, 100, True, 1.0, tpot_ms=float(turn + 1)) for turn in range(4)
+    ]
+    # A failed turn and a one-token answer measure none.
+    block.turns += [
+        TurnRecord(KVPLANE, 8, 0, 1, 0, 100, False, tpot_ms=100.0),
+        TurnRecord(KVPLANE, 8, 0, 2, 0, 100, True, 1.0),
+    ]
+    block.measured_s = 1.0
+    (row,) = report_rows([block], {KVPLANE: []}, None)
+    assert (row.tpot_p50_ms, row.tpot_p99_ms) == (percentile([1, 2, 3, 4], 0.5), 4.0)
