@@ -22,6 +22,8 @@ from tests.unit.routing_policy_fixtures import NOW, history, mk_handle, mk_node,
 H = history(4096)
 P0, D0, D1 = mk_node("p0", NodeRole.PREFILL), mk_node("d0"), mk_node("d1")
 ROOM = {"free_kv_blocks": 10_000, "total_kv_blocks": 10_000}
+# A decode node streaming other answers: a prefill there holds them up.
+STREAMING = {**ROOM, "running_requests": 4}
 
 
 def route(prompt: Prompt, *, ok: bool = True, config: PolicyConfig | None = None, **kw: Any) -> Any:
@@ -88,7 +90,11 @@ def test_only_where_the_decode_leg_chose_the_holder() -> None:
 
 def test_the_policy_file_sets_it_and_refuses_nonsense() -> None:
     assert load_policy().prefill_on_decode == PrefillOnDecodeSettings(
-        max_new_tokens=1000, expiry_margin_ms=5000, min_history_per_new_token=1.0, from_decode_cache=True
+        max_new_tokens=1000,
+        expiry_margin_ms=5000,
+        min_history_per_new_token=1.0,
+        from_decode_cache=True,
+        idle_decode_skips_history_rule=True,
     )
     base = {"decode": {"filters": ["role"]}, "prefill": {"filters": ["role"]}}
     config = policy_from_mapping({**base, "prefill_on_decode": {"max_new_tokens": 250}})
@@ -101,6 +107,8 @@ def test_the_policy_file_sets_it_and_refuses_nonsense() -> None:
         policy_from_mapping({**base, "prefill_on_decode": {"max_tokens": 5}})
     with pytest.raises(PolicyConfigError, match="from_decode_cache"):
         policy_from_mapping({**base, "prefill_on_decode": {"from_decode_cache": "yes"}})
+    with pytest.raises(PolicyConfigError, match="idle_decode_skips_history_rule"):
+        policy_from_mapping({**base, "prefill_on_decode": {"idle_decode_skips_history_rule": 1}})
     assert not policy_from_mapping(
         {**base, "prefill_on_decode": {"from_decode_cache": False}}
     ).prefill_on_decode.from_decode_cache
@@ -119,16 +127,47 @@ def test_decodes_running_on_the_holder_are_not_ahead_of_its_prefill() -> None:
     assert plan.decision is Decision.PREFILL_ON_DECODE
 
 
+def streaming() -> list[Any]:
+    return [state(P0), state(D0, **STREAMING), state(D1, **STREAMING)]
+
+
 def test_where_p_caches_the_history_but_the_last_answer_the_turn_goes_through_p() -> None:
     # P's cache holds the previous prompt; D's handle adds the 128-token answer. D would save
-    # the hand-off and 128 tokens, for 898 of its own: not enough.
+    # the hand-off and 128 tokens, for 898 of its own: not enough, while D streams others.
     warm = {"p0": 4096 - 128}
-    plan = route(added(898), prefill_cached_tokens=warm)
+    plan = route(added(898), prefill_cached_tokens=warm, nodes=streaming())
     assert plan.decision is not Decision.PREFILL_ON_DECODE
     assert plan.prefill.node_id == "p0"
     anywhere = replace(load_policy(), prefill_on_decode=PrefillOnDecodeSettings(min_history_per_new_token=0))
     assert (
-        route(added(898), prefill_cached_tokens=warm, config=anywhere).decision is Decision.PREFILL_ON_DECODE
+        route(added(898), prefill_cached_tokens=warm, config=anywhere, nodes=streaming()).decision
+        is Decision.PREFILL_ON_DECODE
+    )
+
+
+def test_an_idle_holder_prefills_even_what_p_caches() -> None:
+    # The same turn on a D that runs and queues nothing: its prefill holds up no one.
+    warm = {"p0": 4096 - 128}
+    plan = route(added(898), prefill_cached_tokens=warm)
+    assert plan.decision is Decision.PREFILL_ON_DECODE
+    assert plan.prefill.node_id == plan.decode.node_id == "d0"
+    # One request queued on D, or running there, and the rule holds again.
+    for load in ({"queued_requests": 1}, {"running_requests": 1}):
+        nodes = [state(P0), state(D0, **ROOM, **load), state(D1, **ROOM)]
+        assert route(added(898), prefill_cached_tokens=warm, nodes=nodes).decision is not (
+            Decision.PREFILL_ON_DECODE
+        )
+    # A D whose load is unknown is not taken for idle.
+    unknown = [state(P0), state(D0), state(D1)]
+    assert route(added(898), prefill_cached_tokens=warm, nodes=unknown).decision is not (
+        Decision.PREFILL_ON_DECODE
+    )
+    # Off: the rule holds on an idle D as well.
+    strict = replace(
+        load_policy(), prefill_on_decode=PrefillOnDecodeSettings(idle_decode_skips_history_rule=False)
+    )
+    assert route(added(898), prefill_cached_tokens=warm, config=strict).decision is not (
+        Decision.PREFILL_ON_DECODE
     )
 
 
@@ -143,10 +182,11 @@ def test_where_p_lacks_the_history_the_holder_prefills_it() -> None:
 def test_the_history_that_p_lacks_is_weighed_against_the_new_tokens() -> None:
     # 600 history tokens missing on P against 500 new: D at the default ratio, P at a ratio of 2.
     cached = {"p0": 4096 - 600}
-    assert route(added(500), prefill_cached_tokens=cached).decision is Decision.PREFILL_ON_DECODE
+    nodes = streaming()
+    assert route(added(500), prefill_cached_tokens=cached, nodes=nodes).decision is Decision.PREFILL_ON_DECODE
     strict = replace(load_policy(), prefill_on_decode=PrefillOnDecodeSettings(min_history_per_new_token=2))
     assert (
-        route(added(500), prefill_cached_tokens=cached, config=strict).decision
+        route(added(500), prefill_cached_tokens=cached, config=strict, nodes=streaming()).decision
         is not Decision.PREFILL_ON_DECODE
     )
 
@@ -191,12 +231,15 @@ def test_a_decode_cache_is_not_used_unless_allowed_and_it_pays() -> None:
         no_handle(added(200), decode_cached_tokens=cached, config=off).decision
         is not Decision.PREFILL_ON_DECODE
     )
-    # Over the cap on new tokens, or where P's cache holds the history too: through P.
+    # Over the cap on new tokens, or where P's cache holds the history too and D streams other
+    # answers: through P. On an idle D, P's cache does not keep the turn from D's.
     assert no_handle(added(1200), decode_cached_tokens=cached).decision is not Decision.PREFILL_ON_DECODE
     warm = {"p0": 4096}
-    plan = no_handle(added(200), decode_cached_tokens=cached, prefill_cached_tokens=warm)
+    plan = no_handle(added(200), decode_cached_tokens=cached, prefill_cached_tokens=warm, nodes=streaming())
     assert plan.decision is not Decision.PREFILL_ON_DECODE
     assert plan.prefill.node_id == "p0"
+    idle = no_handle(added(200), decode_cached_tokens=cached, prefill_cached_tokens=warm)
+    assert idle.decision is Decision.PREFILL_ON_DECODE and idle.decode.node_id == "d1"
     # A decode node with prefills queued is slower than P.
     busy = state(D1, queued_requests=12, queued_prefill_tokens=60_000, **ROOM)
     plan = no_handle(added(200), decode_cached_tokens=cached, nodes=[state(P0), state(D0, **ROOM), busy])

@@ -163,11 +163,24 @@ def test_kvplane_lets_the_holder_d_prefill_a_short_turn_that_p_would_pull() -> N
 
 def test_kvplane_sends_through_p_a_turn_whose_history_p_caches_but_the_answer() -> None:
     # P's cache holds the first turn's 8,000 prompt tokens; D's handle adds only the 100-token
-    # answer, far fewer than the 500 new tokens D would compute: the turn goes through P.
-    warm = _run("kvplane-decode-prefill", _conversation(500, 5.0))[0]
-    assert warm.rec.decisions.get("prefill_on_decode", 0) == 0
-    assert warm.fleet.prefill[0].served == 2
-    assert warm.rec.cached_tokens >= 8000
+    # answer, far fewer than the 500 new tokens D would compute, and D is streaming another
+    # conversation's long answer, which a prefill there would hold up: the turn goes through P.
+    other = Turn(0.5, "x", 0, 1000, 5000)
+    busy = _run("kvplane-decode-prefill", [*_conversation(500, 5.0)[:1], other, _conversation(500, 5.0)[1]])[
+        0
+    ]
+    assert busy.rec.decisions.get("prefill_on_decode", 0) == 0
+    assert busy.fleet.prefill[0].served == 3
+    assert busy.rec.cached_tokens >= 8000
+
+
+def test_kvplane_prefills_on_an_idle_decode_node_even_what_p_caches() -> None:
+    # The same turn with nothing else on D: D's prefill holds up no one, and it spares P's leg
+    # and the hand-off.
+    idle = _run("kvplane-decode-prefill", _conversation(500, 5.0))[0]
+    assert idle.rec.decisions.get("prefill_on_decode", 0) == 1
+    assert idle.fleet.prefill[0].served == 1
+    assert idle.rec.cached_tokens >= 8096
 
 
 def test_kvplane_prefills_on_the_decode_node_whose_events_show_the_history_after_the_handle_went() -> None:

@@ -27,6 +27,11 @@ cache off, or evicted), D saves the pull or the recompute as well; measured that
 caches off, prefilling on D had the lowest TTFT p50 and p99 of every front at 1, 8 and 32
 conversations in flight.
 
+A D that runs and queues nothing holds nobody up: there the rule is waived
+(`idle_decode_skips_history_rule`), and the turn goes to D wherever the cost model finds it no
+slower, since it saves P's leg and the hand-off at no one's expense. D's load is the latest it
+reported plus the turns routed to it since (`NodeState`); a D whose load is unknown is not idle.
+
 Only for callers that said they can run a turn on D alone (`RouteSnapshot.prefill_on_decode_ok`).
 D's history is then either the handle, on its live holder where the decode leg chose it and for a
 prompt that continues the whole handle, or what D's own prefix cache holds as its engine's
@@ -66,14 +71,24 @@ class PrefillOnDecodeSettings:
     # D's own prefix cache, as its engine's KV-cache events show it, also counts as history D
     # holds (the handle's holder or not); False: only a handle D holds does.
     from_decode_cache: bool = True
+    # On a D with nothing running or queued, `min_history_per_new_token` does not apply: its
+    # prefill holds up no other request there (see the module's docstring).
+    idle_decode_skips_history_rule: bool = True
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 0 or self.expiry_margin_ms < 0 or self.min_history_per_new_token < 0:
             raise ValueError(
                 "max_new_tokens, expiry_margin_ms and min_history_per_new_token must not be negative"
             )
-        if not isinstance(self.from_decode_cache, bool):
-            raise ValueError("from_decode_cache must be true or false")
+        for name in ("from_decode_cache", "idle_decode_skips_history_rule"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false")
+
+
+def decode_idle(decode: NodeState) -> bool:
+    """Whether the decode node runs and queues no request, as far as its load is known."""
+    load = decode.load
+    return load is not None and load.running_requests == 0 and load.queued_requests == 0
 
 
 def decode_queue_ms(decode: NodeState, costs: CostModel) -> float:
@@ -185,12 +200,14 @@ def _local_verdict(
     settings: PrefillOnDecodeSettings,
 ) -> tuple[float, float] | None:
     """(ms on D, ms through P) when D, holding `held` tokens of the prompt, should prefill the
-    rest itself; None when the new tokens are too many, D's history spares P too little, or D
-    would be slower."""
+    rest itself; None when the new tokens are too many, D's history spares P too little (on a
+    D that is not idle, or always without `idle_decode_skips_history_rule`), or D would be
+    slower."""
     new = snapshot.prompt.tokens - held
     if settings.max_new_tokens <= 0 or new <= 0 or new > settings.max_new_tokens:
         return None
-    if held - prefill_cached_tokens < settings.min_history_per_new_token * new:
+    spares_too_little = held - prefill_cached_tokens < settings.min_history_per_new_token * new
+    if spares_too_little and not (settings.idle_decode_skips_history_rule and decode_idle(decode)):
         return None
     local_ms = decode_queue_ms(decode, costs) + costs.prefill_ms(new, held)
     # Through P, D then reads the whole prompt's KV from P, and computes the first token in a step
