@@ -150,6 +150,11 @@ class NodeAgent:
         if self._demand is not None:
             self._demand.notify()
 
+    def notify_load(self) -> None:
+        """The engine's load just changed (a request finished): sample `load_fn()` now rather
+        than at the next `load_interval_s`. Never blocks; any thread."""
+        self._load.notify()
+
     def pending(self) -> tuple[list[CacheHandle], list[str]]:
         """Queued, not yet sent: handles to publish and request ids to report released. Any thread."""
         items = self._outbox.items()
@@ -207,6 +212,7 @@ class NodeAgent:
             self._outbox.attach(None, None)
             if self._demand is not None:
                 self._demand.attach(None)
+            self._load.attach(None)
             self._plane.registered = False
             loop.close()
 
@@ -215,6 +221,7 @@ class NodeAgent:
         self._outbox.attach(self._loop, asyncio.Event())
         if self._demand is not None:
             self._demand.attach(self._loop)
+        self._load.attach(self._loop)
         self._stopping = asyncio.Event()
         self._started.set()
         s = self._settings

@@ -140,9 +140,18 @@ class ControlPlane:
     def is_stopping(self) -> bool:
         return self.stopping is not None and self.stopping.is_set()
 
-    async def sleep_or_stop(self, delay_s: float) -> None:
+    async def sleep_or_stop(self, delay_s: float, wake: asyncio.Event | None = None) -> None:
+        """Returns after `delay_s`, or sooner when the agent stops or `wake` is set."""
         stopping = self.stopping
         assert stopping is not None
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(delay_s):
-                await stopping.wait()
+        if wake is None:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(delay_s):
+                    await stopping.wait()
+            return
+        waits = [asyncio.ensure_future(stopping.wait()), asyncio.ensure_future(wake.wait())]
+        try:
+            await asyncio.wait(waits, timeout=delay_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()

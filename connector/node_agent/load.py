@@ -12,10 +12,17 @@ So a busy engine writes etcd at the pace of its memory, not of its requests (whi
 half second), and an idle one once a heartbeat. The node's liveness is its lease; the heartbeat
 only shows that the agent's load path still runs (the `live` routing filter allows three
 heartbeats). Runs on the agent's thread.
+
+The engine may also say that its load just changed (`notify`, from any thread: the sim-engine
+does when a request finishes): the agent then samples it at once instead of at the next
+interval. A conversation's next turn is often sent the moment its answer ends; routing then sees
+the decode node without that answer, not as busy as the last sample left it.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -87,6 +94,21 @@ class LoadReporter:
         # The latest sample, stamped, for the streams (None until the first).
         self.latest: NodeLoad | None = None
         self.reports = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+
+    def attach(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        """The agent's loop started (or, with None, stopped)."""
+        self._loop = loop
+        self._wake = asyncio.Event() if loop is not None else None
+
+    def notify(self) -> None:
+        """The engine's load changed: sample it now. Never blocks; any thread."""
+        loop, wake = self._loop, self._wake
+        if loop is None or wake is None:
+            return
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to wake
+            loop.call_soon_threadsafe(wake.set)
 
     async def run(self) -> None:
         plane = self._plane
@@ -95,6 +117,8 @@ class LoadReporter:
         registration = -1
         while not plane.is_stopping():
             await plane.session_ready.wait()
+            if self._wake is not None:
+                self._wake.clear()
             if registration != plane.registrations:
                 # A new registration starts with no load stored: report at once.
                 registration, last = plane.registrations, None
@@ -120,7 +144,7 @@ class LoadReporter:
                     due = load_changed(last, load)
                 if due and await self._report(load):
                     last, last_sent = load, now
-            await plane.sleep_or_stop(plane.settings.load_interval_s)
+            await plane.sleep_or_stop(plane.settings.load_interval_s, self._wake)
 
     async def _report(self, load: NodeLoad) -> bool:
         """One ReportLoad of the stamped sample; False when it failed."""

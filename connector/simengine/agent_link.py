@@ -162,6 +162,7 @@ def start_node_agent(engine: SimEngine, http_url: str, observer: ConnectorObserv
         kv_events=s.kv_events_source(),
     )
     engine.demand_listener = agent.notify_demand
+    engine.load_listener = agent.notify_load
     agent.start()
     # Lease stamps and the registered node must name the same incarnation.
     engine.adopt_incarnation(agent.incarnation)

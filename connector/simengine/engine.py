@@ -158,6 +158,8 @@ class SimEngine:
         self._kv_wanted = 0
         # Called (event-loop thread, must not block) when requests start or stop waiting for KV.
         self.demand_listener: Callable[[], None] | None = None
+        # Called when a request finishes: the load it reports changed (its node agent samples it).
+        self.load_listener: Callable[[], None] | None = None
         self._queued = 0
         self._queued_tokens = 0
         self._running = 0
@@ -326,6 +328,7 @@ class SimEngine:
                     run.done = True
                     run.running = False
                     self._running -= 1
+                    self._load_changed()
                     yield TokenEvent(tok, finish)
                     return
                 yield TokenEvent(tok)
@@ -446,6 +449,7 @@ class SimEngine:
             self._queued_tokens -= run.queued_tokens
         if run.running:
             self._running -= 1
+            self._load_changed()
         if run.blocks:
             self.pool.release(run.blocks)
             self.retention.blocks_freed.set()
@@ -492,6 +496,13 @@ class SimEngine:
             if waiting:
                 self._kv_wanted -= count
                 self._demand_changed()
+
+    def _load_changed(self) -> None:
+        if self.load_listener is not None:
+            try:
+                self.load_listener()
+            except Exception:
+                log.exception("load listener failed")
 
     def _demand_changed(self) -> None:
         if self.demand_listener is not None:

@@ -389,3 +389,28 @@ async def test_a_quiet_agent_still_reports_its_load_every_heartbeat(
 def test_a_heartbeat_shorter_than_the_sampling_period_is_refused() -> None:
     with pytest.raises(ValueError, match="load_heartbeat_s"):
         NodeAgentSettings(metadata_target="x:1", load_interval_s=1.0, load_heartbeat_s=0.5)
+
+
+async def test_an_engine_that_says_its_load_changed_has_it_sampled_and_reported_at_once(
+    metadata_process: ServiceProcess, metadata_channel: grpc.aio.Channel, agents: list[NodeAgent]
+) -> None:
+    # Sampled once an hour: only the engine's word makes the agent look again within the test.
+    load = ChangingLoad("d-told")
+    settings = fast_settings(target_of(metadata_process), load_interval_s=3600.0, load_heartbeat_s=3600.0)
+    agent = start_with_load(agents, settings, make_node("d-told", incarnation=""), load)
+
+    async def first_reported() -> bool:
+        return agent.stats().load_reports >= 1
+
+    await eventually(first_reported, what="the load reported at registration")
+    samples = load.samples
+    # A request finished: the engine's load changed, and it says so.
+    load.set(running_requests=0, free_kv_blocks=100)
+    agent.notify_load()
+
+    async def reported() -> bool:
+        loads = [s.load for s in await list_nodes(metadata_channel) if s.node.node_id == "d-told"]
+        return bool(loads) and loads[0].free_kv_blocks == 100
+
+    await eventually(reported, what="the changed load in etcd, long before the next interval")
+    assert load.samples == samples + 1

@@ -383,3 +383,22 @@ async def test_what_d_computes_after_its_read_costs_a_decode_step_not_a_prefill(
     timing = d.settings.timing
     assert timing.decode_s(1) in charged
     assert timing.prefill_s(len(prompt) - fin.cached_tokens) not in charged
+
+
+async def test_a_request_that_ends_says_the_load_changed_when_it_is_no_longer_counted(
+    stack: list[SimEngine],
+) -> None:
+    e = SimEngine(settings())
+    stack.append(e)
+    await started(e)
+    seen: list[int] = []
+    # What the node agent would sample when told: the running count at that moment.
+    e.load_listener = lambda: seen.append(e.load().running_requests)
+    await run(e, prompt_of(100), 4)
+    assert seen == [0]
+    # An aborted request says so too.
+    req = GenerationRequest(f"cmpl-{uuid.uuid4().hex}", tuple(prompt_of(100, 2)), 50, True, None)
+    stream = e.generate(req)
+    await anext(stream)
+    await stream.aclose()
+    assert seen == [0, 0]
