@@ -14,9 +14,10 @@ only shows that the agent's load path still runs (the `live` routing filter allo
 heartbeats). Runs on the agent's thread.
 
 The engine may also say that its load just changed (`notify`, from any thread: the sim-engine
-does when a request finishes): the agent then samples it at once instead of at the next
-interval. A conversation's next turn is often sent the moment its answer ends; routing then sees
-the decode node without that answer, not as busy as the last sample left it.
+does when a request finishes): the agent then samples it at once, for the streams to routing,
+instead of at the next interval (etcd still hears only the interval's samples). A conversation's
+next turn is often sent the moment its answer ends; routing then sees the decode node without
+that answer, not as busy as the last sample left it.
 """
 
 from __future__ import annotations
@@ -112,8 +113,10 @@ class LoadReporter:
 
     async def run(self) -> None:
         plane = self._plane
+        interval = plane.settings.load_interval_s
         last: NodeLoad | None = None  # the load last reported, for this registration
         last_sent = 0.0  # time.monotonic() of that report
+        next_check = 0.0  # time.monotonic() of the next sample that may go to etcd
         registration = -1
         while not plane.is_stopping():
             await plane.session_ready.wait()
@@ -121,7 +124,7 @@ class LoadReporter:
                 self._wake.clear()
             if registration != plane.registrations:
                 # A new registration starts with no load stored: report at once.
-                registration, last = plane.registrations, None
+                registration, last, next_check = plane.registrations, None, 0.0
             try:
                 sampled = self._load_fn()
                 load = dataclasses.replace(
@@ -132,19 +135,25 @@ class LoadReporter:
                 )
             except Exception:
                 log.exception("load_fn failed; skipping this report")
+                next_check = max(next_check, time.monotonic() + interval)
             else:
+                # Every sample is the streams' to send; etcd hears the interval's samples only,
+                # so an engine that says its load changed at every request's end writes etcd no
+                # more often than before.
                 self.latest = load
                 now = time.monotonic()
-                heartbeat = now - last_sent >= plane.settings.load_heartbeat_s
-                if last is None or heartbeat:
-                    due = True
-                elif self._streamed():
-                    due = memory_changed(last, load, plane.node_template.kv_capacity_bytes)
-                else:
-                    due = load_changed(last, load)
-                if due and await self._report(load):
-                    last, last_sent = load, now
-            await plane.sleep_or_stop(plane.settings.load_interval_s, self._wake)
+                if now >= next_check:
+                    next_check = now + interval
+                    heartbeat = now - last_sent >= plane.settings.load_heartbeat_s
+                    if last is None or heartbeat:
+                        due = True
+                    elif self._streamed():
+                        due = memory_changed(last, load, plane.node_template.kv_capacity_bytes)
+                    else:
+                        due = load_changed(last, load)
+                    if due and await self._report(load):
+                        last, last_sent = load, now
+            await plane.sleep_or_stop(max(0.0, next_check - time.monotonic()), self._wake)
 
     async def _report(self, load: NodeLoad) -> bool:
         """One ReportLoad of the stamped sample; False when it failed."""

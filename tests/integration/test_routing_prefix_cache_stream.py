@@ -325,3 +325,46 @@ async def test_a_node_without_kv_events_streams_its_load_and_etcd_hears_only_its
     await eventually(one_stream_open, what="routing to count the agent's one stream")
     assert (registry.get_sample_value(STREAM_MESSAGES, {"kind": "load"}) or 0) >= 1
     assert (registry.get_sample_value(STREAM_MESSAGES, {"kind": "cache"}) or 0) == 0
+
+
+async def test_a_load_the_engine_says_changed_reaches_routing_on_the_stream_before_the_next_interval(
+    cluster: RoutingCluster,
+    metadata_process: ServiceProcess,
+    agents: list[NodeAgent],
+) -> None:
+    await cluster.report_load("p0", queued_prefill_tokens=3000, total_kv_blocks=100, free_kv_blocks=50)
+    # A queue routing would take most of an hour to drain by its own reckoning.
+    queued = 100_000_000
+    load = NodeLoad("p-told", "", queued_prefill_tokens=queued, total_kv_blocks=100, free_kv_blocks=50)
+    current = [load]
+    # Sampled once an hour: only the engine's word makes the agent sample again within the test.
+    settings = fast_settings(
+        target_of(metadata_process),
+        routing_targets=(cluster.target(0),),
+        load_interval_s=3600,
+        load_heartbeat_s=3600,
+    )
+    node = make_node("p-told", role=NodeRole.PREFILL, incarnation="")
+    agent = NodeAgent(settings, node, lambda: current[0], lambda _: None)
+    agent.start()
+    agents.append(agent)
+
+    def stored_queue(v: Any) -> int | None:
+        record = v.nodes.get("p-told")
+        stored = v.load(record.node) if record is not None else None
+        return stored.queued_prefill_tokens if stored is not None else None
+
+    await cluster.wait_views(lambda v: stored_queue(v) == queued, "the agent's node and its first load")
+    async with cluster.client("acme") as client:
+        assert await prefill_of(client, PROMPT) != "p-told"
+        # Its queue drained, and the engine says so.
+        current[0] = dataclasses.replace(load, queued_prefill_tokens=0)
+        agent.notify_load()
+
+        async def to_agent_node() -> bool:
+            return await prefill_of(client, PROMPT) == "p-told"
+
+        await eventually(to_agent_node, what="routing to follow the load the engine said changed")
+    # etcd still holds the registration's load: only the interval's samples go there.
+    assert [stored_queue(r.ctx.view) for r in cluster.replicas] == [queued] * len(cluster.replicas)
+    assert agent.stats().load_reports == 1
