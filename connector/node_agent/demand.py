@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 
 from kvplane.connector.node_agent.control_plane import ControlPlane
+from kvplane.connector.node_agent.wake import ThreadWake
 from kvplane.v1 import eviction_pb2
 
 log = logging.getLogger(__name__)
@@ -29,25 +30,19 @@ class DemandReporter:
         # Called on the agent's thread: thread-safe, quick, never blocking.
         self._demand_fn = demand_fn
         self.reports = 0
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._wake: asyncio.Event | None = None
+        self._wake = ThreadWake()
 
     def attach(self, loop: asyncio.AbstractEventLoop | None) -> None:
         """The agent's loop started (or, with None, stopped)."""
-        self._loop = loop
-        self._wake = asyncio.Event() if loop is not None else None
+        self._wake.attach(loop)
 
     def notify(self) -> None:
         """The engine's demand changed: send it now. Never blocks; any thread."""
-        loop, wake = self._loop, self._wake
-        if loop is None or wake is None:
-            return
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to wake
-            loop.call_soon_threadsafe(wake.set)
+        self._wake.set()
 
     async def send(self, out: asyncio.Queue[eviction_pb2.CommandsRequest | None]) -> None:
         """Puts the engine's demand on the stream: on change, on connect, and while it lasts."""
-        wake = self._wake
+        wake = self._wake.event
         assert wake is not None
         last = 0
         while True:

@@ -23,7 +23,6 @@ that answer, not as busy as the last sample left it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import time
@@ -32,6 +31,7 @@ from collections.abc import Callable
 import grpc
 
 from kvplane.connector.node_agent.control_plane import ControlPlane
+from kvplane.connector.node_agent.wake import ThreadWake
 from kvplane.services.common.model import convert
 from kvplane.services.common.model.nodes import NodeLoad
 from kvplane.v1 import metadata_pb2
@@ -95,21 +95,15 @@ class LoadReporter:
         # The latest sample, stamped, for the streams (None until the first).
         self.latest: NodeLoad | None = None
         self.reports = 0
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._wake: asyncio.Event | None = None
+        self._wake = ThreadWake()
 
     def attach(self, loop: asyncio.AbstractEventLoop | None) -> None:
         """The agent's loop started (or, with None, stopped)."""
-        self._loop = loop
-        self._wake = asyncio.Event() if loop is not None else None
+        self._wake.attach(loop)
 
     def notify(self) -> None:
         """The engine's load changed: sample it now. Never blocks; any thread."""
-        loop, wake = self._loop, self._wake
-        if loop is None or wake is None:
-            return
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to wake
-            loop.call_soon_threadsafe(wake.set)
+        self._wake.set()
 
     async def run(self) -> None:
         plane = self._plane
@@ -120,8 +114,8 @@ class LoadReporter:
         registration = -1
         while not plane.is_stopping():
             await plane.session_ready.wait()
-            if self._wake is not None:
-                self._wake.clear()
+            if self._wake.event is not None:
+                self._wake.event.clear()
             if registration != plane.registrations:
                 # A new registration starts with no load stored: report at once.
                 registration, last, next_check = plane.registrations, None, 0.0
@@ -153,7 +147,7 @@ class LoadReporter:
                         due = load_changed(last, load)
                     if due and await self._report(load):
                         last, last_sent = load, now
-            await plane.sleep_or_stop(max(0.0, next_check - time.monotonic()), self._wake)
+            await plane.sleep_or_stop(max(0.0, next_check - time.monotonic()), self._wake.event)
 
     async def _report(self, load: NodeLoad) -> bool:
         """One ReportLoad of the stamped sample; False when it failed."""
