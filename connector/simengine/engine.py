@@ -498,18 +498,10 @@ class SimEngine:
                 self._demand_changed()
 
     def _load_changed(self) -> None:
-        if self.load_listener is not None:
-            try:
-                self.load_listener()
-            except Exception:
-                log.exception("load listener failed")
+        _tell(self.load_listener, "load")
 
     def _demand_changed(self) -> None:
-        if self.demand_listener is not None:
-            try:
-                self.demand_listener()
-            except Exception:
-                log.exception("demand listener failed")
+        _tell(self.demand_listener, "demand")
 
     def _finish(
         self,
@@ -535,3 +527,12 @@ class SimEngine:
             req.request_id, retain, blocks, num_kv, all_tokens, run.external, req.kv_transfer_params or {}
         )
         return FinishInfo(reason, tuple(out), run.hit + run.external, params, run.external)
+
+
+def _tell(listener: Callable[[], None] | None, what: str) -> None:
+    """Calls an engine listener; a listener that fails is logged, never the engine's failure."""
+    if listener is not None:
+        try:
+            listener()
+        except Exception:
+            log.exception("%s listener failed", what)

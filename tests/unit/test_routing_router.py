@@ -16,6 +16,7 @@ from kvplane.services.common.model.nodes import Node, NodeRole
 from kvplane.services.common.model.suspects import NodeSuspect
 from kvplane.services.common.store.records import CheckOut, HandleRecord, HandleReplaced
 from kvplane.services.routing.policy import Decision, NodeState, Prompt, RoutingPolicy, load_policy
+from kvplane.services.routing.policy.config import PolicyConfig
 from kvplane.services.routing.router.ports import Clock, ClusterReader, HandleCheckOut
 from kvplane.services.routing.router.router import NoRoute, Router
 from kvplane.services.routing.router.turns import AwaitedHandle, TurnReport, TurnRequest
@@ -400,19 +401,23 @@ class FakeViews:
         return None
 
 
-async def test_a_decode_node_whose_events_show_the_history_prefills_only_for_a_caller_that_can() -> None:
-    cluster = FakeCluster(fleet())
-    views = FakeViews({"d1": HISTORY})
+def viewing_router(views: FakeViews, config: PolicyConfig | None = None) -> Router:
+    """A router over `fleet()` whose engine views are `views`."""
     ids = iter(f"route-{i}" for i in range(10))
-    router = Router(
-        RoutingPolicy(load_policy()),
+    return Router(
+        RoutingPolicy(config or load_policy()),
         RoutingSection(),
-        cluster,
+        FakeCluster(fleet()),
         FakeCheckOut(),
         FakeClock(),
         new_route_id=lambda: next(ids),
         engine_caches=views,
     )
+
+
+async def test_a_decode_node_whose_events_show_the_history_prefills_only_for_a_caller_that_can() -> None:
+    views = FakeViews({"d1": HISTORY})
+    router = viewing_router(views)
     prompt = [*history(HISTORY), *history(150, seed=4)]
     # No handle: the conversation's last one was released, its blocks still in d1's cache.
     through_p = await router.route(turn(prompt, "c"))
@@ -428,20 +433,10 @@ async def test_a_decode_node_whose_events_show_the_history_prefills_only_for_a_c
 
 
 async def test_with_prefill_from_decode_caches_off_no_route_hashes_for_them() -> None:
-    cluster = FakeCluster(fleet())
     views = FakeViews({"d1": HISTORY})
     config = load_policy()
     off = replace(config, prefill_on_decode=replace(config.prefill_on_decode, from_decode_cache=False))
-    ids = iter(f"route-{i}" for i in range(10))
-    router = Router(
-        RoutingPolicy(off),
-        RoutingSection(),
-        cluster,
-        FakeCheckOut(),
-        FakeClock(),
-        new_route_id=lambda: next(ids),
-        engine_caches=views,
-    )
+    router = viewing_router(views, off)
     prompt = [*history(HISTORY), *history(150, seed=4)]
     outcome = await router.route(turn(prompt, "c", prefill_on_decode_ok=True))
     assert outcome.decision is not Decision.PREFILL_ON_DECODE
