@@ -254,6 +254,21 @@ FILES=(-f compose.yaml)
 COMPOSE=("$WORK/venv/bin/podman-compose" --project-name "$PROJECT" --in-pod false "${FILES[@]}"
   -f "$WORK/compose.stage.yaml")
 containers() { podman ps -a --filter "label=io.podman.compose.project=$PROJECT" --format '{{.Names}}'; }
+# podman's DNS keeps a record of a container whose network teardown failed, and a later network
+# on the same subnet resolves names to its dead address (see prune_podman_dns.py): drop such
+# records before the stack starts and after it stops, and have aardvark-dns reread them.
+AARDVARK_DIR=${KVPLANE_AARDVARK_DIR:-/run/containers/networks/aardvark-dns}
+prune_dns() {
+  local networks containers dropped pid
+  mapfile -t networks < <(podman network ls --format '{{.Name}}')
+  mapfile -t containers < <(podman ps -a --no-trunc --format '{{.ID}}')
+  dropped=$(python3 "$ROOT/deploy/scripts/prune_podman_dns.py" "$AARDVARK_DIR" \
+    --networks "${networks[@]}" --containers "${containers[@]}") || return 0
+  [[ -n $dropped ]] || return 0
+  echo "$dropped"
+  pid=$(cat "$AARDVARK_DIR/aardvark.pid" 2>/dev/null || true)
+  if [[ -n $pid ]]; then kill -HUP "$pid" 2>/dev/null || true; fi
+}
 down() {
   "${COMPOSE[@]}" down -v -t 5 >/dev/null 2>&1 || true
   # podman-compose removes only the services of the active profiles.
@@ -263,6 +278,7 @@ down() {
     # shellcheck disable=SC2086
     podman rm -f -t 5 $left >/dev/null 2>&1 || true
   fi
+  prune_dns
 }
 logs_on_failure() {
   local rc=$?
@@ -340,6 +356,21 @@ health_words() {
     CMD) podman exec "$1" "${test[@]:1}" 2>&1 | tail -20 || true ;;
     CMD-SHELL) podman exec "$1" sh -c "${test[1]}" 2>&1 | tail -20 || true ;;
   esac
+  # Where the check's host names lead from inside the container (compare with the addresses below).
+  local host
+  for host in $(printf '%s\n' "${test[@]:1}" | sed -n 's#^https\{0,1\}://\([^:/]*\).*#\1#p' | sort -u); do
+    [[ $host == 127.* || $host == localhost ]] && continue
+    printf '%s resolves to: %s\n' "$host" \
+      "$(podman exec "$1" getent ahostsv4 "$host" 2>&1 | awk '{print $1}' | sort -u | tr '\n' ' ')"
+  done
+}
+# Each container's addresses, and podman's DNS records, for the names resolved above.
+addresses() {
+  printf -- '--- the containers'"'"' addresses\n'
+  # shellcheck disable=SC2046
+  podman inspect -f '{{.Name}} {{range .NetworkSettings.Networks}}{{.IPAddress}} {{end}}' $(containers) || true
+  printf -- '--- podman DNS records (%s)\n' "$AARDVARK_DIR"
+  tail -n +1 "$AARDVARK_DIR"/* 2>/dev/null | grep -v '^$' || true
 }
 deadline=$(($(date +%s) + HEALTHY_S))
 while :; do
@@ -366,6 +397,7 @@ while :; do
     for w in "${waiting[@]}"; do
       if [[ $w == *:unhealthy ]]; then health_words "${w%:unhealthy}"; fi
     done | tee "$WORK/health-words.txt"
+    addresses | tee -a "$WORK/health-words.txt"
     die "not healthy after $HEALTHY_S s: ${waiting[*]}"
   fi
   sleep 3
