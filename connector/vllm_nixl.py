@@ -742,7 +742,11 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
     def _snapshot_load(self, scheduler_output: SchedulerOutput) -> None:
         """Scheduler thread, every step: the load the agent reads (one atomic write)."""
         manager = getattr(self, "_kv_cache_manager", None)
-        self._load = _load_snapshot(manager, scheduler_output, self._held.values())
+        before, self._load = self._load, _load_snapshot(manager, scheduler_output, self._held.values())
+        if self._load.running_requests < before.running_requests and self.kvplane_agent is not None:
+            # A request ended: routing hears the lighter load now, not at the next sample (a
+            # conversation's next turn comes the moment its answer ends, and an idle D may take it).
+            self.kvplane_agent.notify_load()
 
     @property
     def held_request_ids(self) -> frozenset[str]:

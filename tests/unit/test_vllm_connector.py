@@ -512,6 +512,22 @@ def test_an_idle_step_with_only_held_blocks_pauses_by_default(new_engine: Any) -
     assert pauses == [d.connector.kvplane_settings.idle_step_pause_s]
 
 
+def test_a_request_ending_tells_the_agent_that_the_load_fell(new_engine: Any) -> None:
+    """The step after an answer's end shows D idle, and the agent hears of it then, not at its
+    next sample: the conversation's next turn comes at once, and routing may give it to this D."""
+    d = new_engine()
+    told: list[int] = []
+    d.agent.notify_load = lambda: told.append(d.connector._current_load().running_requests)
+    d.add("busy", PROMPT_1, 2, routed())
+    d.step()  # schedules the prompt
+    d.run_until_finished("busy")
+    assert told == []  # the load rose, then held
+    assert d.step().total_num_scheduled_tokens == 0
+    assert told == [0]
+    d.step()
+    assert told == [0]  # still idle: nothing new to tell
+
+
 def test_idle_step_pause_zero_steps_back_to_back(new_engine: Any) -> None:
     d = new_engine({"idle_step_pause_s": 0})
     pauses = record_pauses(d)
