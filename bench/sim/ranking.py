@@ -28,6 +28,7 @@ from kvplane.bench.compare_workload import Workload, shapes
 from kvplane.bench.sim.baselines import (
     BASELINES,
     COLOCATED_ROUTE_S,
+    EVENT_LAG_S,
     EXAMPLE_PROXY_HOP_S,
     MEASURED_ROUTE_S,
     VLLM_ROUTER_HOP_S,
@@ -51,6 +52,11 @@ LIVE_COUNTERPARTS: dict[str, str] = {
 # Live fronts whose gateway lets the holder D prefill short turns itself (the simulated front
 # asks routing with prefill_on_decode_ok, as that gateway does).
 PREFILL_ON_DECODE_FRONTS = frozenset({"kvplane-decode-prefill"})
+# The comparison's stack runs its prefill engines with KV events on (`start_stack`'s default):
+# routing knows what P's caches hold from their events, which reach it this late, not from its
+# own record of the prompts it sent. Without events, routing would take a P whose prefix cache is
+# off (workload B) for one that holds the previous prompt, and recompute a turn that live it pulls.
+LIVE_EVENT_LAG_S = EVENT_LAG_S
 # The fronts every comparison runs (`kvplane.bench.compare`'s defaults, less the zero-hop clients).
 DEFAULT_FRONTS = tuple(front for front in ALL_FRONTS if front in LIVE_COUNTERPARTS)
 # Live front -> its own hop (s), as measured in the comparison (see baselines.py).
@@ -179,6 +185,8 @@ def simulate(
             control_path_s=FRONT_HOPS_S[front],
             prefill_on_decode=front in PREFILL_ON_DECODE_FRONTS,
         )
+        if baseline.router == "policy":
+            baseline = replace(baseline, event_lag_s=LIVE_EVENT_LAG_S, event_loss=0.0)
         result = simulator_for(baseline, config).run(turns, front)
         later = []
         for tokens, ttft in zip(result.prompt_tokens, result.ttft_s, strict=True):

@@ -185,17 +185,14 @@ DECODE_PREFILL_FRONTS = (KVPLANE, KVPLANE_DECODE_PREFILL, VLLM_ROUTER, EXAMPLE_P
 # - A at 32 in flight: live, plain kvplane is ahead of the example proxy (1.06x against 1.10x, the
 #   repeats 1.05-1.07x against 1.07-1.19x; at 41d77e6 the proxy was ahead, 1.06x against 1.08x);
 #   the simulator puts the proxy 6.7% of the zero-hop client's p50 ahead.
-# - B at 1 in flight: live, plain kvplane pulls every later turn (76.9% reused, as
-#   kvplane-decode-prefill's 76.6% from D's cache); the simulator's plain kvplane recomputes the
-#   second turn (its first pull priced above the recompute), and reuses 67.4%.
+# (B at 1 in flight agrees since the simulated routing knows P's caches from their KV events, as
+# the live stack's does: without them it took P, whose prefix cache is off in B, to hold the
+# previous prompt, and recomputed the second turn that live it pulls.)
 SIM_PRICES_THROUGH_P_LOW = pytest.mark.xfail(
     reason="the simulator prices a turn through P below what it takes live at 1 in flight", strict=True
 )
 A32_LEVEL = pytest.mark.xfail(
     reason="kvplane and the example proxy are within 4% live; the simulator puts the proxy ahead", strict=True
-)
-B1_FIRST_PULL = pytest.mark.xfail(
-    reason="the simulator's plain kvplane recomputes the second turn that live it pulls", strict=True
 )
 
 
@@ -205,7 +202,7 @@ B1_FIRST_PULL = pytest.mark.xfail(
         pytest.param("A", 1, marks=SIM_PRICES_THROUGH_P_LOW),
         ("A", 8),
         pytest.param("A", 32, marks=A32_LEVEL),
-        pytest.param("B", 1, marks=B1_FIRST_PULL),
+        ("B", 1),
         ("B", 8),
         ("B", 32),
     ],
