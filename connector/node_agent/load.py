@@ -57,24 +57,26 @@ def load_changed(last: NodeLoad, now: NodeLoad) -> bool:
 def memory_changed(last: NodeLoad, now: NodeLoad, capacity_bytes: int = 0) -> bool:
     """Whether `now`'s memory differs from the load last reported enough to report it before the
     heartbeat: the block total changed, free KV blocks moved by 5% of the total (at least one
-    block), retained bytes went to or from none, or moved by 5% of the node's KV capacity
-    (`capacity_bytes`; unknown, 0: by a tenth of themselves).
+    block), or retained bytes moved by 5% of the node's KV capacity (`capacity_bytes`; unknown,
+    0: by a tenth of themselves, or to or from none).
 
     The eviction coordinator's budgets and watermarks are shares of the capacity, and it counts
     the published handles' bytes itself (the report matters where it holds more than they do):
     a move of retained bytes smaller than 5% of the capacity cannot move a node across them by
-    more than that, the error free blocks are allowed. Measured against themselves, retained
-    bytes moved by a tenth on nearly every publish and release of a node that retains a few
-    conversations, and each was an etcd write on the turn's path."""
+    more than that, the error free blocks are allowed, whether or not it starts or ends at none.
+    Measured against themselves, retained bytes moved by a tenth on nearly every publish and
+    release of a node that retains a few conversations; and going to and from none, they moved
+    twice a turn on each engine of a conversation at a time (P's lease, D's handle). Each was an
+    etcd write on the turn's path."""
     if now.total_kv_blocks != last.total_kv_blocks:
         return True
     if abs(now.free_kv_blocks - last.free_kv_blocks) >= max(1, now.total_kv_blocks // 20):
         return True
-    if (now.retained_bytes == 0) != (last.retained_bytes == 0):
-        return True
     moved = abs(now.retained_bytes - last.retained_bytes)
     if capacity_bytes > 0:
         return moved * 20 >= capacity_bytes
+    if (now.retained_bytes == 0) != (last.retained_bytes == 0):
+        return True
     return moved * 10 > max(now.retained_bytes, last.retained_bytes)
 
 
