@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvplane.services.common.model.errors import StoreUnavailable
-from kvplane.services.common.model.handles import ReleaseReason
+from kvplane.services.common.model.handles import KvTier, ReleaseReason
 from kvplane.services.common.runtime.telemetry import Telemetry
 from kvplane.services.common.store import Store, now_ms
 from kvplane.services.common.store.cluster_view import ClusterView, HandleChange, NodeChange
@@ -276,6 +276,7 @@ class EvictionCoordinator:
                 h.num_tokens,
                 h.published_unix_ms,
                 h.wall_expiry_unix_ms,
+                on_device=h.tier is KvTier.DEVICE,
             )
             if (h.holder_node_id, h.holder_incarnation) in draining:
                 drains.append(

@@ -158,6 +158,9 @@ class MetadataService(metadata_pb2_grpc.MetadataServiceServicer):
         results = []
         for handle in handles:
             outcome = await self.store.publish_handle(handle, self._publish_hint(handle))
+            if outcome.relocation_refused:
+                results.append(metadata_pb2.PublishResult(relocation_refused=True))
+                continue
             results.append(
                 metadata_pb2.PublishResult(
                     handle_id=outcome.handle.handle_id,
@@ -374,6 +377,9 @@ def _valid_handle(pb: handle_pb2.CacheHandle, field: str) -> CacheHandle:
     validation.tenant(pb.tenant, f"{field}.tenant")
     validation.conversation(pb.conversation, f"{field}.conversation")
     validation.ident(pb.handle_id, f"{field}.handle_id", required=False)
+    validation.ident(pb.relocates_handle_id, f"{field}.relocates_handle_id", required=False)
+    if pb.tier not in handle_pb2.KvTier.values():
+        raise InvalidArgument(f"{field}.tier", f"unknown tier {pb.tier}")
     validation.ident(pb.holder_node_id, f"{field}.holder_node_id")
     validation.ident(pb.holder_incarnation, f"{field}.holder_incarnation")
     v = pb.vllm

@@ -160,6 +160,8 @@ def _bad_handle_cases():  # type: ignore[no-untyped-def]
         ("handles[0].wall_expiry_unix_ms", lambda h: setattr(h, "wall_expiry_unix_ms", 0)),
         ("handles[0].digests.values", lambda h: h.digests.values.append(1)),
         ("handles[0].vllm.extra_json", lambda h: setattr(h.vllm, "extra_json", "[1]")),
+        ("handles[0].tier", lambda h: setattr(h, "tier", 7)),
+        ("handles[0].relocates_handle_id", lambda h: setattr(h, "relocates_handle_id", "r" * 10_000)),
     ]:
         pb = handle_pb2.CacheHandle()
         pb.CopyFrom(good)
@@ -330,3 +332,31 @@ async def test_keep_alives_load_reports_and_publishes_read_nothing_the_view_hold
     )
     assert resp.results[0].superseded_handle_id == handle_id
     assert [op for op in calls if op != "lease_grant"] == ["publish"]
+
+
+async def test_a_relocation_is_stored_over_grpc_while_its_handle_is_retained_and_refused_after(
+    metadata_channel: grpc.aio.Channel,
+) -> None:
+    stub = metadata_pb2_grpc.MetadataServiceStub(metadata_channel)
+    node = await _register(stub)
+    handle_id = await _publish(stub, make_handle(node, request_id="turn-1"))
+    moved = convert.handle_to_pb(make_handle(node, request_id="turn-1"))
+    moved.tier = handle_pb2.KV_TIER_HOST
+    moved.relocates_handle_id = handle_id
+
+    stored = await stub.PublishHandles(
+        metadata_pb2.PublishHandlesRequest(handles=[moved]), metadata=NODE_HEADERS
+    )
+    again = await stub.PublishHandles(
+        metadata_pb2.PublishHandlesRequest(handles=[moved]), metadata=NODE_HEADERS
+    )
+
+    (result,) = stored.results
+    assert not result.relocation_refused and result.handle_id not in ("", handle_id)
+    got = await stub.GetHandle(
+        metadata_pb2.GetHandleRequest(conversation="conv-1"), metadata=tenant_headers("acme")
+    )
+    assert got.handle.handle_id == result.handle_id and got.handle.tier == handle_pb2.KV_TIER_HOST
+    # The handle it named is gone (it was moved): the same relocation again stores nothing.
+    (refused,) = again.results
+    assert refused.relocation_refused and refused.handle_id == ""

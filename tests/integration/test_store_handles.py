@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 from typing import Any
@@ -11,7 +12,7 @@ import grpc
 import pytest
 
 from kvplane.services.common.model.errors import HandleNotRetained, NodeNotRegistered, NotFound
-from kvplane.services.common.model.handles import HandleState, ReleaseReason
+from kvplane.services.common.model.handles import CacheHandle, HandleState, KvTier, ReleaseReason
 from kvplane.services.common.store import Store
 from kvplane.services.common.store.etcd import Ambiguous
 from kvplane.services.common.store.records import HandleReplaced
@@ -239,3 +240,68 @@ async def test_publish_takes_a_new_lease_when_its_resent_transaction_finds_the_l
     record = await store.get_handle_record("acme", "conv-1")
     assert record is not None and record.handle == published
     assert revoked and record.lease != revoked[0]
+
+
+def _moved_to_host(handle: CacheHandle, block_ids: list[int]) -> CacheHandle:
+    """`handle`'s KV as its holder moves it to host memory: same request, new blocks."""
+    vllm = dataclasses.replace(handle.vllm, remote_block_ids=(tuple(block_ids),))
+    return dataclasses.replace(
+        handle, handle_id="", vllm=vllm, tier=KvTier.HOST, relocates_handle_id=handle.handle_id
+    )
+
+
+async def test_a_relocation_replaces_the_retained_handle_without_releasing_it(store: Store) -> None:
+    node = make_node()
+    await store.register_node(node, 30)
+    handle = (await store.publish_handle(make_handle(node, request_id="turn-1"))).handle
+
+    outcome = await store.publish_handle(_moved_to_host(handle, [900, 901]))
+
+    assert not outcome.relocation_refused and outcome.superseded is None
+    view = await store.get_handle("acme", "conv-1")
+    assert view is not None and view.state is HandleState.RETAINED
+    assert view.handle.tier is KvTier.HOST and view.handle.relocates_handle_id == ""
+    assert view.handle.vllm.remote_block_ids == ((900, 901),)
+    assert view.handle.handle_id not in ("", handle.handle_id)
+    # Nothing is sent to the holder: the blocks moved, none were freed.
+    assert await store.pending_releases(node.node_id) == []
+    # The request's index entry is the moved handle's: the holder's release report removes it.
+    assert await store.release_freed(node.node_id, node.incarnation, ["turn-1"]) == 1
+    assert await store.get_handle("acme", "conv-1") is None
+
+
+@pytest.mark.parametrize("first", ["checked_out", "released", "superseded"])
+async def test_a_relocation_of_a_handle_no_longer_retained_is_refused_and_stores_nothing(
+    store: Store, first: str
+) -> None:
+    node = make_node()
+    await store.register_node(node, 30)
+    handle = (await store.publish_handle(make_handle(node, request_id="turn-1"))).handle
+    newer = None
+    if first == "checked_out":
+        await store.check_out("acme", "conv-1", route_id="r1")
+    elif first == "released":
+        await store.release("acme", "conv-1", ReleaseReason.NODE_BUDGET)
+    else:
+        newer = (await store.publish_handle(make_handle(node, request_id="turn-2"))).handle
+    before = await store.get_handle("acme", "conv-1")
+
+    outcome = await store.publish_handle(_moved_to_host(handle, [900, 901]))
+
+    assert outcome.relocation_refused
+    assert await store.get_handle("acme", "conv-1") == before
+    if newer is not None:
+        assert before is not None and before.handle == newer
+
+
+async def test_a_relocation_must_keep_the_holder_and_the_request(store: Store) -> None:
+    node = make_node()
+    await store.register_node(node, 30)
+    handle = (await store.publish_handle(make_handle(node, request_id="turn-1"))).handle
+    other_request = dataclasses.replace(
+        _moved_to_host(handle, [900]), vllm=make_handle(node, request_id="turn-9").vllm
+    )
+
+    assert (await store.publish_handle(other_request)).relocation_refused
+    view = await store.get_handle("acme", "conv-1")
+    assert view is not None and view.handle == handle

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
 
 from kvplane.services.common.model.handles import ReleaseReason
 from kvplane.services.eviction.policy.base import PolicyConfigError
+from kvplane.services.eviction.policy.demand import OnDemand
 from kvplane.services.eviction.policy.kv_pressure import KvPressure
 from kvplane.services.eviction.policy.low_value import LowValue
 from kvplane.services.eviction.policy.max_age import MaxAge
@@ -394,3 +396,27 @@ def test_kv_pressure(case: PressureCase) -> None:
 def test_kv_pressure_rejects_a_target_below_the_trigger() -> None:
     with pytest.raises(PolicyConfigError):
         KvPressure(0.2, 0.1)
+
+
+# -- host tier -----------------------------------------------------------------------------
+
+
+def test_handles_in_host_memory_free_nothing_on_the_device_so_device_policies_pass_them_over() -> None:
+    """A node short of KV cache gets its device handles back; its host-tier ones stay retained."""
+    on_host = [dataclasses.replace(handle(f"host-{i}", age_s=900, mb=400), on_device=False) for i in range(3)]
+    on_device = [handle("dev-old", age_s=300), handle("dev-new", age_s=10)]
+    nodes = {"d0": NodeInfo("d0", 1000 * MB, 0, 0.01, 150 * MB)}
+    snap = Snapshot(NOW, tuple(on_host + on_device), nodes)
+
+    by_policy = {
+        "node_budget": NodeBudget(high_bytes=150 * MB, low_bytes=100 * MB).evaluate(snap, VALUES),
+        "kv_pressure": KvPressure(0.05, 0.15).evaluate(snap, VALUES),
+        "demand": OnDemand().evaluate(snap, VALUES),
+    }
+
+    for name, releases in by_policy.items():
+        assert released(releases), name
+        assert all(r.startswith("dev-") for r in released(releases)), name
+    # A release chosen for another reason does not count as memory handed back to the device.
+    assert snap.without({h.key: None for h in on_host}).nodes["d0"].demand_bytes == 150 * MB
+    assert snap.without({on_device[0].key: None}).nodes["d0"].demand_bytes == 50 * MB

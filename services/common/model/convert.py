@@ -10,6 +10,7 @@ from kvplane.services.common.model.handles import (
     CacheHandle,
     Claim,
     HandleState,
+    KvTier,
     PendingRelease,
     ReleaseReason,
     VllmHandle,
@@ -38,6 +39,10 @@ _REASON_TO_PB = {
     ReleaseReason.CLAIM_UNUSED: handle_pb2.RELEASE_REASON_CLAIM_UNUSED,
 }
 _REASON_FROM_PB = {v: k for k, v in _REASON_TO_PB.items()}
+
+_TIER_TO_PB = {KvTier.DEVICE: handle_pb2.KV_TIER_DEVICE, KvTier.HOST: handle_pb2.KV_TIER_HOST}
+# UNSPECIFIED (a handle from before tiers) reads as DEVICE.
+_TIER_FROM_PB = {v: k for k, v in _TIER_TO_PB.items()}
 
 _STATE_TO_PB = {
     HandleState.RETAINED: handle_pb2.HANDLE_STATE_RETAINED,
@@ -229,6 +234,8 @@ def handle_to_pb(h: CacheHandle) -> handle_pb2.CacheHandle:
         retained_bytes=h.retained_bytes,
         published_unix_ms=h.published_unix_ms,
         model=h.model,
+        tier=_TIER_TO_PB[h.tier],
+        relocates_handle_id=h.relocates_handle_id,
     )
     if h.digests is not None:
         pb.digests.CopyFrom(digests_to_pb(h.digests))
@@ -248,6 +255,8 @@ def handle_from_pb(pb: handle_pb2.CacheHandle) -> CacheHandle:
         digests=digests_from_pb(pb.digests) if pb.HasField("digests") else None,
         published_unix_ms=pb.published_unix_ms,
         model=pb.model,
+        tier=_TIER_FROM_PB.get(pb.tier, KvTier.DEVICE),
+        relocates_handle_id=pb.relocates_handle_id,
     )
 
 

@@ -63,6 +63,13 @@ class HandleFormatError(ValueError):
     """kv_transfer_params that are not a usable handle."""
 
 
+class KvTier(enum.Enum):
+    """The memory a holder keeps a handle's blocks in."""
+
+    DEVICE = "device"  # the engine's KV cache
+    HOST = "host"  # the engine's host memory, registered for remote reads
+
+
 class HandleState(enum.Enum):
     RETAINED = "retained"
     CHECKED_OUT = "checked_out"
@@ -207,6 +214,10 @@ class CacheHandle:
     digests: TokenDigests | None = None
     published_unix_ms: int = 0
     model: str = ""
+    tier: KvTier = KvTier.DEVICE
+    # Publish only: the id of the conversation's handle this one is (the same KV, moved by its
+    # holder); see handle.proto.
+    relocates_handle_id: str = ""
 
     @property
     def num_tokens(self) -> int:

@@ -60,6 +60,11 @@ class HandleStore:
         unless `hint` (a watch-fed view's) says what they hold; a transaction
         that finds them changed reads them back in its failure branch, so a
         stale hint costs one more transaction, not a read besides.
+
+        A relocation (`relocates_handle_id`: the holder moved the blocks of
+        that handle, keeping their request id) replaces that handle only while
+        it is the conversation's retained one, and releases nothing; else it is
+        refused and stores nothing (`relocation_refused`).
         """
         if not handle.handle_id:
             handle = handle.with_id(uuid.uuid4().hex)
@@ -69,7 +74,8 @@ class HandleStore:
         index = self.keys.by_node(
             handle.holder_node_id, handle.holder_incarnation, handle.vllm.remote_request_id
         )
-        value = convert.handle_to_pb(handle).SerializeToString()
+        # What a relocation replaces is the publish's precondition, not part of the stored handle.
+        value = convert.handle_to_pb(replace(handle, relocates_handle_id="")).SerializeToString()
         freed = self.keys.freed(
             handle.holder_node_id, handle.holder_incarnation, handle.vllm.remote_request_id
         )
@@ -92,11 +98,19 @@ class HandleStore:
             old = seen.handle
             if old is not None and old.handle.handle_id == handle.handle_id:
                 return PublishOutcome(old.handle, old.mod_revision, None)  # a re-sent publish
+            if handle.relocates_handle_id and not _relocatable(old, handle):
+                if seen.hinted:
+                    seen = None  # the view may lag the publish of the handle it moves: ask etcd
+                    continue
+                return PublishOutcome(handle, 0, None, relocation_refused=True)
             lease = await self.leases.for_expiry(handle.wall_expiry_unix_ms)
             compare = [fencing.same_revision(node_key, seen.node_revision), fencing.absent(freed)]
             ops = [fencing.put(key, value, lease), fencing.put(index, key, lease)]
             superseded: PendingRelease | None = None
-            if old is not None:
+            if old is not None and handle.relocates_handle_id:
+                # The same blocks under the same index key: replaced, not released.
+                compare.append(fencing.same_revision(key, old.mod_revision))
+            elif old is not None:
                 compare.append(fencing.same_revision(key, old.mod_revision))
                 superseded = PendingRelease(uuid.uuid4().hex, old.handle, ReleaseReason.SUPERSEDED, now_ms())
                 ops += self._supersede_ops(superseded, old.lease, index)
@@ -167,6 +181,19 @@ class HandleStore:
                     return out, start if more else b""
             if not resp.more:
                 return out, b""
+
+
+def _relocatable(old: HandleRecord | None, moved: CacheHandle) -> bool:
+    """Whether `moved` may replace the retained handle `old` as its relocation: `old` is the
+    handle it names, on the same holder incarnation and request (the blocks moved, not new ones)."""
+    if old is None or old.handle.handle_id != moved.relocates_handle_id:
+        return False
+    was = old.handle
+    return (
+        was.holder_node_id == moved.holder_node_id
+        and was.holder_incarnation == moved.holder_incarnation
+        and was.vllm.remote_request_id == moved.vllm.remote_request_id
+    )
 
 
 @dataclass(frozen=True, slots=True)

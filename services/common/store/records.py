@@ -54,6 +54,8 @@ class PublishOutcome:
     superseded: PendingRelease | None
     # The holder had already freed these blocks (a late report): nothing was stored.
     freed: bool = False
+    # A relocation whose handle is no longer the conversation's retained one: nothing was stored.
+    relocation_refused: bool = False
 
 
 @dataclass(frozen=True, slots=True)

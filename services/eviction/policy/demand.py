@@ -43,7 +43,8 @@ class OnDemand:
         node = snapshot.nodes.get(node_id)
         if node is None or node.demand_bytes <= 0:
             return []
-        handles = [h for h in snapshot.handles if h.node_id == node_id]
+        # Host-tier handles hold none of the engine's KV cache: releasing them frees none.
+        handles = [h for h in snapshot.handles if h.node_id == node_id and h.on_device]
         detail = f"node {node_id} needs {node.demand_bytes} B of KV for waiting requests"
         out: list[Release] = []
         freed = 0

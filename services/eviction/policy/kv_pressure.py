@@ -31,7 +31,8 @@ class KvPressure:
     def evaluate(self, snapshot: Snapshot, values: ValueModel) -> list[Release]:
         by_node: dict[str, list[HandleInfo]] = defaultdict(list)
         for h in snapshot.handles:
-            by_node[h.node_id].append(h)
+            if h.on_device:  # a host-tier handle frees none of the engine's KV cache
+                by_node[h.node_id].append(h)
         out: list[Release] = []
         for node_id in sorted(by_node):
             node = snapshot.nodes.get(node_id)

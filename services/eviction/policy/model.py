@@ -25,6 +25,8 @@ class HandleInfo:
     num_tokens: int
     published_unix_ms: int
     wall_expiry_unix_ms: int
+    # In the engine's KV cache (False: in its host memory, which device shortages do not touch).
+    on_device: bool = True
 
     @property
     def key(self) -> tuple[str, str]:
@@ -81,7 +83,8 @@ class Snapshot:
         freed: dict[str, int] = {}
         for h in self.handles:
             if h.key in released:
-                freed[h.node_id] = freed.get(h.node_id, 0) + h.retained_bytes
+                if h.on_device:
+                    freed[h.node_id] = freed.get(h.node_id, 0) + h.retained_bytes
             else:
                 kept.append(h)
         nodes = dict(self.nodes)

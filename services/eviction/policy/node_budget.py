@@ -67,7 +67,8 @@ class NodeBudget:
     def evaluate(self, snapshot: Snapshot, values: ValueModel) -> list[Release]:
         by_node: dict[str, list[HandleInfo]] = defaultdict(list)
         for h in snapshot.handles:
-            by_node[h.node_id].append(h)
+            if h.on_device:  # the budget is of the engine's KV cache, not its host memory
+                by_node[h.node_id].append(h)
         out: list[Release] = []
         for node_id in sorted(by_node):
             handles = by_node[node_id]

@@ -24,17 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvplane/v1/handle.proto\x12\nkvplane.v1\"!\n\x0c\x42lockIdGroup\x12\x11\n\tblock_ids\x18\x01 \x03(\x04\"W\n\x0cTokenDigests\x12\x12\n\nblock_size\x18\x01 \x01(\r\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x0f\n\x07version\x18\x03 \x01(\r\x12\x0e\n\x06values\x18\x04 \x03(\x06\"\xd2\x03\n\nVllmHandle\x12\x18\n\x10remote_engine_id\x18\x01 \x01(\t\x12\x19\n\x11remote_request_id\x18\x02 \x01(\t\x12\x32\n\x10remote_block_ids\x18\x03 \x03(\x0b\x32\x18.kvplane.v1.BlockIdGroup\x12\x19\n\x11remote_num_tokens\x18\x04 \x01(\x04\x12\x13\n\x0bremote_host\x18\x05 \x01(\t\x12\x13\n\x0bremote_port\x18\x06 \x01(\r\x12\x0f\n\x07tp_size\x18\x07 \x01(\r\x12\x15\n\x08\x64\x63p_size\x18\x08 \x01(\rH\x00\x88\x01\x01\x12\x14\n\x07pp_size\x18\t \x01(\rH\x01\x88\x01\x01\x12&\n\x19remote_blocks_expiry_time\x18\n \x01(\x01H\x02\x88\x01\x01\x12+\n\x1eremote_registration_generation\x18\x0b \x01(\x03H\x03\x88\x01\x01\x12\x15\n\rtransfer_mode\x18\x0c \x01(\t\x12\x12\n\nextra_json\x18\r \x01(\tB\x0b\n\t_dcp_sizeB\n\n\x08_pp_sizeB\x1c\n\x1a_remote_blocks_expiry_timeB!\n\x1f_remote_registration_generation\"\xaa\x02\n\x0b\x43\x61\x63heHandle\x12\x11\n\thandle_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x14\n\x0c\x63onversation\x18\x03 \x01(\t\x12\x16\n\x0eholder_node_id\x18\x04 \x01(\t\x12\x1a\n\x12holder_incarnation\x18\x05 \x01(\t\x12$\n\x04vllm\x18\x06 \x01(\x0b\x32\x16.kvplane.v1.VllmHandle\x12\x1b\n\x13wall_expiry_unix_ms\x18\x07 \x01(\x03\x12\x16\n\x0eretained_bytes\x18\x08 \x01(\x04\x12)\n\x07\x64igests\x18\t \x01(\x0b\x32\x18.kvplane.v1.TokenDigests\x12\x19\n\x11published_unix_ms\x18\n \x01(\x03\x12\r\n\x05model\x18\x0b \x01(\t\"m\n\x05\x43laim\x12\x10\n\x08\x63laim_id\x18\x01 \x01(\t\x12\'\n\x06handle\x18\x02 \x01(\x0b\x32\x17.kvplane.v1.CacheHandle\x12\x10\n\x08route_id\x18\x03 \x01(\t\x12\x17\n\x0f\x63laimed_unix_ms\x18\x04 \x01(\x03\"\x91\x01\n\x0ePendingRelease\x12\x12\n\ncommand_id\x18\x01 \x01(\t\x12\'\n\x06handle\x18\x02 \x01(\x0b\x32\x17.kvplane.v1.CacheHandle\x12)\n\x06reason\x18\x03 \x01(\x0e\x32\x19.kvplane.v1.ReleaseReason\x12\x17\n\x0f\x64\x65\x63ided_unix_ms\x18\x04 \x01(\x03*\x7f\n\x0bHandleState\x12\x1c\n\x18HANDLE_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15HANDLE_STATE_RETAINED\x10\x01\x12\x1c\n\x18HANDLE_STATE_CHECKED_OUT\x10\x02\x12\x19\n\x15HANDLE_STATE_RELEASED\x10\x03*\x8e\x03\n\rReleaseReason\x12\x1e\n\x1aRELEASE_REASON_UNSPECIFIED\x10\x00\x12\x1c\n\x18RELEASE_REASON_REQUESTED\x10\x01\x12\x1d\n\x19RELEASE_REASON_SUPERSEDED\x10\x02\x12\x1a\n\x16RELEASE_REASON_MAX_AGE\x10\x03\x12\x1e\n\x1aRELEASE_REASON_NODE_BUDGET\x10\x04\x12 \n\x1cRELEASE_REASON_TENANT_BUDGET\x10\x05\x12\x1c\n\x18RELEASE_REASON_LOW_VALUE\x10\x06\x12%\n!RELEASE_REASON_CONVERSATION_ENDED\x10\x07\x12\x1e\n\x1aRELEASE_REASON_HOLDER_DOWN\x10\x08\x12\x18\n\x14RELEASE_REASON_DRAIN\x10\t\x12\"\n\x1eRELEASE_REASON_FREED_BY_ENGINE\x10\n\x12\x1f\n\x1bRELEASE_REASON_CLAIM_UNUSED\x10\x0b\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvplane/v1/handle.proto\x12\nkvplane.v1\"!\n\x0c\x42lockIdGroup\x12\x11\n\tblock_ids\x18\x01 \x03(\x04\"W\n\x0cTokenDigests\x12\x12\n\nblock_size\x18\x01 \x01(\r\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x0f\n\x07version\x18\x03 \x01(\r\x12\x0e\n\x06values\x18\x04 \x03(\x06\"\xd2\x03\n\nVllmHandle\x12\x18\n\x10remote_engine_id\x18\x01 \x01(\t\x12\x19\n\x11remote_request_id\x18\x02 \x01(\t\x12\x32\n\x10remote_block_ids\x18\x03 \x03(\x0b\x32\x18.kvplane.v1.BlockIdGroup\x12\x19\n\x11remote_num_tokens\x18\x04 \x01(\x04\x12\x13\n\x0bremote_host\x18\x05 \x01(\t\x12\x13\n\x0bremote_port\x18\x06 \x01(\r\x12\x0f\n\x07tp_size\x18\x07 \x01(\r\x12\x15\n\x08\x64\x63p_size\x18\x08 \x01(\rH\x00\x88\x01\x01\x12\x14\n\x07pp_size\x18\t \x01(\rH\x01\x88\x01\x01\x12&\n\x19remote_blocks_expiry_time\x18\n \x01(\x01H\x02\x88\x01\x01\x12+\n\x1eremote_registration_generation\x18\x0b \x01(\x03H\x03\x88\x01\x01\x12\x15\n\rtransfer_mode\x18\x0c \x01(\t\x12\x12\n\nextra_json\x18\r \x01(\tB\x0b\n\t_dcp_sizeB\n\n\x08_pp_sizeB\x1c\n\x1a_remote_blocks_expiry_timeB!\n\x1f_remote_registration_generation\"\xe9\x02\n\x0b\x43\x61\x63heHandle\x12\x11\n\thandle_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x14\n\x0c\x63onversation\x18\x03 \x01(\t\x12\x16\n\x0eholder_node_id\x18\x04 \x01(\t\x12\x1a\n\x12holder_incarnation\x18\x05 \x01(\t\x12$\n\x04vllm\x18\x06 \x01(\x0b\x32\x16.kvplane.v1.VllmHandle\x12\x1b\n\x13wall_expiry_unix_ms\x18\x07 \x01(\x03\x12\x16\n\x0eretained_bytes\x18\x08 \x01(\x04\x12)\n\x07\x64igests\x18\t \x01(\x0b\x32\x18.kvplane.v1.TokenDigests\x12\x19\n\x11published_unix_ms\x18\n \x01(\x03\x12\r\n\x05model\x18\x0b \x01(\t\x12 \n\x04tier\x18\x0c \x01(\x0e\x32\x12.kvplane.v1.KvTier\x12\x1b\n\x13relocates_handle_id\x18\r \x01(\t\"m\n\x05\x43laim\x12\x10\n\x08\x63laim_id\x18\x01 \x01(\t\x12\'\n\x06handle\x18\x02 \x01(\x0b\x32\x17.kvplane.v1.CacheHandle\x12\x10\n\x08route_id\x18\x03 \x01(\t\x12\x17\n\x0f\x63laimed_unix_ms\x18\x04 \x01(\x03\"\x91\x01\n\x0ePendingRelease\x12\x12\n\ncommand_id\x18\x01 \x01(\t\x12\'\n\x06handle\x18\x02 \x01(\x0b\x32\x17.kvplane.v1.CacheHandle\x12)\n\x06reason\x18\x03 \x01(\x0e\x32\x19.kvplane.v1.ReleaseReason\x12\x17\n\x0f\x64\x65\x63ided_unix_ms\x18\x04 \x01(\x03*G\n\x06KvTier\x12\x17\n\x13KV_TIER_UNSPECIFIED\x10\x00\x12\x12\n\x0eKV_TIER_DEVICE\x10\x01\x12\x10\n\x0cKV_TIER_HOST\x10\x02*\x7f\n\x0bHandleState\x12\x1c\n\x18HANDLE_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15HANDLE_STATE_RETAINED\x10\x01\x12\x1c\n\x18HANDLE_STATE_CHECKED_OUT\x10\x02\x12\x19\n\x15HANDLE_STATE_RELEASED\x10\x03*\x8e\x03\n\rReleaseReason\x12\x1e\n\x1aRELEASE_REASON_UNSPECIFIED\x10\x00\x12\x1c\n\x18RELEASE_REASON_REQUESTED\x10\x01\x12\x1d\n\x19RELEASE_REASON_SUPERSEDED\x10\x02\x12\x1a\n\x16RELEASE_REASON_MAX_AGE\x10\x03\x12\x1e\n\x1aRELEASE_REASON_NODE_BUDGET\x10\x04\x12 \n\x1cRELEASE_REASON_TENANT_BUDGET\x10\x05\x12\x1c\n\x18RELEASE_REASON_LOW_VALUE\x10\x06\x12%\n!RELEASE_REASON_CONVERSATION_ENDED\x10\x07\x12\x1e\n\x1aRELEASE_REASON_HOLDER_DOWN\x10\x08\x12\x18\n\x14RELEASE_REASON_DRAIN\x10\t\x12\"\n\x1eRELEASE_REASON_FREED_BY_ENGINE\x10\n\x12\x1f\n\x1bRELEASE_REASON_CLAIM_UNUSED\x10\x0b\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvplane.v1.handle_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_HANDLESTATE']._serialized_start=1192
-  _globals['_HANDLESTATE']._serialized_end=1319
-  _globals['_RELEASEREASON']._serialized_start=1322
-  _globals['_RELEASEREASON']._serialized_end=1720
+  _globals['_KVTIER']._serialized_start=1255
+  _globals['_KVTIER']._serialized_end=1326
+  _globals['_HANDLESTATE']._serialized_start=1328
+  _globals['_HANDLESTATE']._serialized_end=1455
+  _globals['_RELEASEREASON']._serialized_start=1458
+  _globals['_RELEASEREASON']._serialized_end=1856
   _globals['_BLOCKIDGROUP']._serialized_start=39
   _globals['_BLOCKIDGROUP']._serialized_end=72
   _globals['_TOKENDIGESTS']._serialized_start=74
@@ -42,9 +44,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_VLLMHANDLE']._serialized_start=164
   _globals['_VLLMHANDLE']._serialized_end=630
   _globals['_CACHEHANDLE']._serialized_start=633
-  _globals['_CACHEHANDLE']._serialized_end=931
-  _globals['_CLAIM']._serialized_start=933
-  _globals['_CLAIM']._serialized_end=1042
-  _globals['_PENDINGRELEASE']._serialized_start=1045
-  _globals['_PENDINGRELEASE']._serialized_end=1190
+  _globals['_CACHEHANDLE']._serialized_end=994
+  _globals['_CLAIM']._serialized_start=996
+  _globals['_CLAIM']._serialized_end=1105
+  _globals['_PENDINGRELEASE']._serialized_start=1108
+  _globals['_PENDINGRELEASE']._serialized_end=1253
 # @@protoc_insertion_point(module_scope)

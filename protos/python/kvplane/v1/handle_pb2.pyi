@@ -19,6 +19,30 @@ else:
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class _KvTier:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _KvTierEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_KvTier.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    KV_TIER_UNSPECIFIED: _KvTier.ValueType  # 0
+    """Not set: DEVICE."""
+    KV_TIER_DEVICE: _KvTier.ValueType  # 1
+    """The engine's KV cache (GPU memory on a GPU engine)."""
+    KV_TIER_HOST: _KvTier.ValueType  # 2
+    """The engine's host memory, registered for remote reads."""
+
+class KvTier(_KvTier, metaclass=_KvTierEnumTypeWrapper):
+    """The memory a holder keeps a handle's blocks in."""
+
+KV_TIER_UNSPECIFIED: KvTier.ValueType  # 0
+"""Not set: DEVICE."""
+KV_TIER_DEVICE: KvTier.ValueType  # 1
+"""The engine's KV cache (GPU memory on a GPU engine)."""
+KV_TIER_HOST: KvTier.ValueType  # 2
+"""The engine's host memory, registered for remote reads."""
+Global___KvTier: _TypeAlias = KvTier  # noqa: Y015
+
 class _HandleState:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -285,6 +309,8 @@ class CacheHandle(_message.Message):
     DIGESTS_FIELD_NUMBER: _builtins.int
     PUBLISHED_UNIX_MS_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
+    TIER_FIELD_NUMBER: _builtins.int
+    RELOCATES_HANDLE_ID_FIELD_NUMBER: _builtins.int
     handle_id: _builtins.str
     """Unique id of this handle, chosen at publish. Check-outs and releases
     name it, so a newer handle for the same conversation is never touched
@@ -308,6 +334,19 @@ class CacheHandle(_message.Message):
     """When the handle was published, milliseconds since the Unix epoch."""
     model: _builtins.str
     """Served model name."""
+    tier: Global___KvTier.ValueType
+    """Where the holder keeps the blocks. UNSPECIFIED reads as DEVICE (handles
+    published before tiers existed).
+    """
+    relocates_handle_id: _builtins.str
+    """Publish only: this handle is the same KV as the conversation's handle
+    with this id, moved by its holder (to another tier, under new block ids;
+    same remote_request_id and holder incarnation). It is stored only while
+    that handle is still the conversation's retained one, and replaces it
+    without a release: nothing is freed, the holder already moved the blocks.
+    Otherwise the publish is refused (PublishResult.relocation_refused), and
+    the release, check-out or newer handle that got there first frees them.
+    """
     @_builtins.property
     def vllm(self) -> Global___VllmHandle:
         """The engine's handle."""
@@ -330,10 +369,12 @@ class CacheHandle(_message.Message):
         digests: Global___TokenDigests | None = ...,
         published_unix_ms: _builtins.int = ...,
         model: _builtins.str = ...,
+        tier: Global___KvTier.ValueType = ...,
+        relocates_handle_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["digests", b"digests", "vllm", b"vllm"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["conversation", b"conversation", "digests", b"digests", "handle_id", b"handle_id", "holder_incarnation", b"holder_incarnation", "holder_node_id", b"holder_node_id", "model", b"model", "published_unix_ms", b"published_unix_ms", "retained_bytes", b"retained_bytes", "tenant", b"tenant", "vllm", b"vllm", "wall_expiry_unix_ms", b"wall_expiry_unix_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["conversation", b"conversation", "digests", b"digests", "handle_id", b"handle_id", "holder_incarnation", b"holder_incarnation", "holder_node_id", b"holder_node_id", "model", b"model", "published_unix_ms", b"published_unix_ms", "relocates_handle_id", b"relocates_handle_id", "retained_bytes", b"retained_bytes", "tenant", b"tenant", "tier", b"tier", "vllm", b"vllm", "wall_expiry_unix_ms", b"wall_expiry_unix_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

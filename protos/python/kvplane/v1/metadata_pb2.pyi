@@ -384,19 +384,26 @@ class PublishResult(_message.Message):
 
     HANDLE_ID_FIELD_NUMBER: _builtins.int
     SUPERSEDED_HANDLE_ID_FIELD_NUMBER: _builtins.int
+    RELOCATION_REFUSED_FIELD_NUMBER: _builtins.int
     handle_id: _builtins.str
     """Id of the stored handle."""
     superseded_handle_id: _builtins.str
     """Id of the handle it replaced, which is now being released; empty if none."""
+    relocation_refused: _builtins.bool
+    """A relocation (CacheHandle.relocates_handle_id) found the handle it moves
+    no longer retained (checked out, released or superseded): nothing was
+    stored, and handle_id is empty.
+    """
     def __init__(
         self,
         *,
         handle_id: _builtins.str = ...,
         superseded_handle_id: _builtins.str = ...,
+        relocation_refused: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["handle_id", b"handle_id", "superseded_handle_id", b"superseded_handle_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["handle_id", b"handle_id", "relocation_refused", b"relocation_refused", "superseded_handle_id", b"superseded_handle_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
