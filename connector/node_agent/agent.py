@@ -180,6 +180,7 @@ class NodeAgent:
             rpc_errors=plane.rpc_errors,
             reconciled_freed=self._registration.reconciled_freed,
             publishes_given_up=self._sender.publishes_given_up,
+            relocations_refused=self._sender.relocations_refused,
             **self._kv_event_stats(),
         )
 

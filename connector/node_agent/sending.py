@@ -35,6 +35,9 @@ class Sender:
         self.published = 0
         self.released_reported = 0
         self.publishes_given_up = 0
+        # Relocations the metadata service refused: the handle they moved was no longer retained
+        # (checked out, released or superseded), and what got there first frees the blocks.
+        self.relocations_refused = 0
 
     async def run(self) -> None:
         plane, wake = self._plane, self._outbox.wake
@@ -133,12 +136,22 @@ class Sender:
         # A batch joins the trace of its first traced handle: batches hold one handle per finished
         # turn at a time unless the control plane was unreachable for a while.
         traced = next((item.trace_context for item in batch if item.trace_context), ())
-        await plane.meta.PublishHandles(
+        response = await plane.meta.PublishHandles(
             metadata_pb2.PublishHandlesRequest(handles=handles),
             timeout=plane.settings.rpc_timeout_s,
             metadata=(*plane.call_metadata, *traced),
         )
         self.published += len(batch)
+        for item, result in zip(batch, response.results, strict=False):
+            if result.relocation_refused:
+                self.relocations_refused += 1
+                assert item.handle is not None
+                log.info(
+                    "node %s: relocation of handle %s (request %s) refused: it is no longer retained",
+                    plane.node_id,
+                    item.handle.relocates_handle_id,
+                    item.handle.vllm.remote_request_id,
+                )
 
     async def _release_batch(self, batch: list[Item]) -> None:
         plane = self._plane

@@ -109,6 +109,8 @@ class AgentStats:
     reconciled_freed: int = 0
     # Publishes given up (failing past publish_give_up_s, or expired), their blocks freed.
     publishes_given_up: int = 0
+    # Relocations (a handle moved to another tier) refused: the handle was no longer retained.
+    relocations_refused: int = 0
     # The engine's KV-cache events (all 0 without a source): batches and events read, events of
     # an unknown type, gaps filled by replay, resets of the block set (AllBlocksCleared, a gap
     # that could not be filled, an engine restart, an overflow), engine restarts seen, blocks

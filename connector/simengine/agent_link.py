@@ -9,7 +9,9 @@ does inside vLLM, with the same helpers:
   digest, and is built by ``kvplane.services.common.model.handles.EngineHandles``,
   as the vLLM connector's are; when the request carries kvplane's tenant and
   conversation keys it is published through the node agent, and reported
-  released when freed.
+  released when freed. A handle moved to the host tier is published again as a
+  relocation of the one before (``CacheHandle.relocates_handle_id``): new blocks,
+  tier HOST, the same request.
 
 ``start_node_agent`` registers the engine as a node (same incarnation as the
 engine's lease stamps), reports its load when it changes (and every
@@ -21,6 +23,7 @@ waiting for KV memory, as the vLLM connector does from its scheduler hooks.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -36,7 +39,7 @@ from kvplane.connector.simengine.engine_hooks import EngineLoad
 from kvplane.connector.simengine.metrics import SimEngineMetrics
 from kvplane.connector.simengine.settings import SimEngineSettings
 from kvplane.connector.simengine.side_channel import format_host
-from kvplane.services.common.model.handles import EngineHandles
+from kvplane.services.common.model.handles import CacheHandle, EngineHandles, KvTier
 from kvplane.services.common.model.nodes import Fingerprint, Node, NodeLoad, NodeRole
 
 log = logging.getLogger(__name__)
@@ -60,8 +63,8 @@ class ConnectorObserver:
         )
         self._metrics = metrics
         self.agent = agent
-        # request id -> handle id of published handles still held
-        self._held: dict[str, str] = {}
+        # request id -> the published handle of blocks still held
+        self._held: dict[str, CacheHandle] = {}
 
     def check_pull(self, kv_transfer_params: dict[str, Any], prompt_token_ids: Sequence[int]) -> None:
         check = prefix_check.check_pull(
@@ -92,7 +95,7 @@ class ConnectorObserver:
         handle = finished.handle
         if handle is None:
             return  # not routed by kvplane: nothing to publish
-        self._held[handle.vllm.remote_request_id] = finished.handle_id
+        self._held[handle.vllm.remote_request_id] = handle
         if self.agent is not None:
             # Called inside the request's span: the publish joins the turn's trace.
             trace_context: dict[str, str] = {}
@@ -102,6 +105,22 @@ class ConnectorObserver:
     def on_blocks_freed(self, request_id: str) -> None:
         if self._held.pop(request_id, None) is not None and self.agent is not None:
             self.agent.report_released(request_id)
+
+    def on_handle_moved(self, request_id: str, kv_transfer_params: dict[str, Any]) -> None:
+        was = self._held.get(request_id)
+        if was is None:
+            return  # never published: nobody is told where it went
+        block_ids = tuple(tuple(int(b) for b in group) for group in kv_transfer_params["remote_block_ids"])
+        moved = dataclasses.replace(
+            was,
+            handle_id=uuid.uuid4().hex,
+            vllm=dataclasses.replace(was.vllm, remote_block_ids=block_ids),
+            tier=KvTier.HOST,
+            relocates_handle_id=was.handle_id,
+        )
+        self._held[request_id] = dataclasses.replace(moved, relocates_handle_id="")
+        if self.agent is not None:
+            self.agent.publish(moved, {})
 
 
 def node_for(engine: SimEngine, http_url: str) -> Node:

@@ -5,6 +5,11 @@ block ``b`` lives at ``base + b * bytes_per_block``. Bookkeeping follows
 vLLM's shape: blocks are reference counted; a freed whole block keeps its
 content and its hash (a prefix-cache entry) until it is evicted for reuse;
 a freed partial or unhashed block is poisoned at once.
+
+The host tier, when there is one, is the array's tail: ids ``num_blocks`` to
+``addressable_blocks - 1``, never given to requests nor cached, only taken and
+given back whole by retention (``host_take``, ``host_give``). Registered with the
+rest, a reader reads a host block by its id exactly as a cache block.
 """
 
 from __future__ import annotations
@@ -34,15 +39,21 @@ class LeaseResult:
 class BlockPool:
     """Blocks, reference counts, prefix cache and lease trailers. Event-loop thread only."""
 
-    def __init__(self, num_blocks: int, bytes_per_block: int, block_size: int, root: int) -> None:
+    def __init__(
+        self, num_blocks: int, bytes_per_block: int, block_size: int, root: int, host_blocks: int = 0
+    ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
+        if host_blocks < 0:
+            raise ValueError("host_blocks must be non-negative")
         self.num_blocks = num_blocks
+        self.host_blocks = host_blocks
+        self.addressable_blocks = num_blocks + host_blocks
         self.block_size = block_size
         self.bytes_per_block = bytes_per_block
         self.root = root
         self.content = ContentModel(bytes_per_block)
-        self.array: Words = np.empty((num_blocks, self.content.words), dtype=np.uint64)
+        self.array: Words = np.empty((self.addressable_blocks, self.content.words), dtype=np.uint64)
         self.content.poison(self.array)  # never-written blocks read as poison, not as zeros
         self._refs = [0] * num_blocks
         self._hash: list[int | None] = [None] * num_blocks
@@ -52,6 +63,9 @@ class BlockPool:
         # Free blocks that still back a prefix-cache entry, least recently freed first.
         self._free_cached: OrderedDict[int, None] = OrderedDict()
         self._lease: list[int] = [0] * num_blocks
+        self._host_free: OrderedDict[int, None] = OrderedDict(
+            (b, None) for b in range(num_blocks, self.addressable_blocks)
+        )
         # Told the id of every block whose prefix-cache entry is dropped (evicted or rewritten).
         self.on_uncached: Callable[[int], None] | None = None
 
@@ -71,6 +85,32 @@ class BlockPool:
 
     def refcount(self, block_id: int) -> int:
         return self._refs[block_id]
+
+    # -- host tier ----------------------------------------------------------
+
+    @property
+    def host_free_blocks(self) -> int:
+        return len(self._host_free)
+
+    def host_take(self, n: int) -> list[int] | None:
+        """`n` free host blocks, or None (and none taken) when fewer are free."""
+        if n > len(self._host_free):
+            return None
+        return [self._host_free.popitem(last=False)[0] for _ in range(n)]
+
+    def host_copy(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Copy cache blocks `src` into host blocks `dst`, content and lease trailer alike."""
+        if len(src) != len(dst) or any(not self.num_blocks <= b < self.addressable_blocks for b in dst):
+            raise ValueError("host_copy needs as many host blocks as cache blocks")
+        self.array[np.asarray(dst, dtype=np.int64)] = self.array[np.asarray(src, dtype=np.int64)]
+
+    def host_give(self, block_ids: Sequence[int]) -> None:
+        """Host blocks back, poisoned: a late read of them fails its check, never passes."""
+        for b in block_ids:
+            if not self.num_blocks <= b < self.addressable_blocks or b in self._host_free:
+                raise RuntimeError(f"block {b} is not a taken host block")
+            self.content.poison(self.array[b])
+            self._host_free[b] = None
 
     # -- prefix cache -----------------------------------------------------
 

@@ -141,7 +141,11 @@ class SimEngine:
         # Pass the node agent's incarnation so the registered node and the lease stamps agree.
         self.incarnation = incarnation or uuid.uuid4().hex
         self.pool = BlockPool(
-            settings.num_blocks, settings.bytes_per_block, settings.block_size, root_hash(settings.model)
+            settings.num_blocks,
+            settings.bytes_per_block,
+            settings.block_size,
+            root_hash(settings.model),
+            host_blocks=settings.host_kv_blocks,
         )
         self.oracle = TokenOracle(settings.seed, settings.eos_probability)
         self._think_open, self._think_close = think_open(), think_close()
@@ -203,6 +207,7 @@ class SimEngine:
         ]
 
     async def stop(self) -> None:
+        await self.retention.stop_spills()
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
@@ -229,7 +234,8 @@ class SimEngine:
             model=s.model,
             block_size=s.block_size,
             bytes_per_block=s.bytes_per_block,
-            num_blocks=s.num_blocks,
+            # Every block a reader may be given: the KV cache's and the host tier's.
+            num_blocks=self.pool.addressable_blocks,
             registration_generation=0,
             agent_metadata=t.metadata(),
             serialized_descs=t.serialized_descs(),
@@ -251,6 +257,9 @@ class SimEngine:
             total_kv_blocks=self.pool.num_blocks,
             retained_bytes=self.retention.retained_bytes,
             retained_handles=self.retention.count,
+            host_total_blocks=self.pool.host_blocks,
+            host_free_blocks=self.pool.host_free_blocks,
+            host_retained_bytes=self.retention.host_bytes,
         )
 
     def adopt_incarnation(self, incarnation: str) -> None:
@@ -261,11 +270,12 @@ class SimEngine:
         """Blocks wanted beyond those free and those already being freed. Any thread.
 
         What waiting requests need, plus the free-block watermark
-        (``kv_free_watermark_blocks``), less the free blocks and the blocks of
-        release commands taken and not yet carried out: the control plane has
-        already answered those.
+        (``kv_free_watermark_blocks``), less the free blocks, the blocks of
+        release commands taken and not yet carried out (the control plane has
+        already answered those) and the blocks of handles being moved to the
+        host tier (the engine answers those itself).
         """
-        freeing = self.retention.freeing_blocks()
+        freeing = self.retention.freeing_blocks() + self.retention.spilling_blocks
         wanted = self._kv_wanted + self.settings.kv_free_watermark_blocks
         return max(0, wanted - self.pool.free_blocks - freeing)
 
@@ -484,9 +494,14 @@ class SimEngine:
                     left = deadline - time.perf_counter()
                     if left <= 0:
                         raise
-                    if not waiting:
+                    first = not waiting
+                    if first:
                         waiting = True
                         self._kv_wanted += count
+                    # The host tier first: only what it cannot make room for is asked of the
+                    # control plane (kv_demand_blocks counts the blocks on their way).
+                    self.retention.spill(self._kv_wanted - self.pool.free_blocks)
+                    if first:
                         self._demand_changed()
                     freed.clear()
                     with contextlib.suppress(TimeoutError):

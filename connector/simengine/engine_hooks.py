@@ -9,6 +9,7 @@ through ``EngineControl``:
 | ``get_num_new_matched_tokens`` (P)           | ``EngineObserver.check_pull``      |
 | ``request_finished`` with a retained handle  | ``EngineObserver.on_handle_retained`` |
 | ``update_connector_output.finished_sending`` | ``EngineObserver.on_blocks_freed`` |
+| (host tier: a handle moved to host memory)   | ``EngineObserver.on_handle_moved`` |
 | ``build_connector_meta`` early release       | ``EngineControl.release_early``    |
 | drain                                        | ``EngineControl.drain``            |
 | load snapshot                                | ``EngineControl.load``             |
@@ -39,10 +40,14 @@ class EngineLoad:
     running_requests: int
     free_kv_blocks: int
     total_kv_blocks: int
-    # Bytes held for remote readers (D handles and P leases).
+    # Bytes of the KV cache held for remote readers (D handles and P leases).
     retained_bytes: int
-    # How many D handles and P leases are held.
+    # How many D handles and P leases are held (in either tier).
     retained_handles: int
+    # The host tier: its blocks, those free, and the bytes of the handles moved there.
+    host_total_blocks: int = 0
+    host_free_blocks: int = 0
+    host_retained_bytes: int = 0
 
 
 class EngineObserver(Protocol):
@@ -75,6 +80,10 @@ class EngineObserver(Protocol):
 
     def on_blocks_freed(self, request_id: str) -> None:
         """A retained handle's blocks were freed: read by P, expired, or released early."""
+
+    def on_handle_moved(self, request_id: str, kv_transfer_params: dict[str, Any]) -> None:
+        """D moved a retained handle's blocks to its host tier: ``kv_transfer_params`` names the
+        same request and tokens on the new blocks. Their cache blocks are already free."""
 
 
 class EngineControl(Protocol):
@@ -110,4 +119,7 @@ class NullObserver:
         return None
 
     def on_blocks_freed(self, request_id: str) -> None:
+        return None
+
+    def on_handle_moved(self, request_id: str, kv_transfer_params: dict[str, Any]) -> None:
         return None

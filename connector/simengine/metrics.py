@@ -108,6 +108,16 @@ class SimEngineMetrics:
             [*names, "outcome"],
             registry=r,
         )
+        self.spills = Counter(
+            "kvplane_sim_host_spills",
+            "Handles moved to the host tier (moved), or not: read or freed during the copy"
+            " (freed_first), larger than the whole tier (no_room)",
+            [*names, "outcome"],
+            registry=r,
+        )
+        self.host_reads = Counter(
+            "kvplane_sim_host_reads", "Handles read by their puller from the host tier", names, registry=r
+        )
         self.shared = Counter(
             "kvplane_sim_shared_leased_blocks",
             "Blocks a new lease shared with an older live one: copied, or restamped (older one voided)",
@@ -131,6 +141,15 @@ class SimEngineMetrics:
         )
         self.queued_prefill_tokens = Gauge(
             "kvplane_sim_queued_prefill_tokens", "Prompt tokens waiting", names, registry=r
+        )
+        self.host_total_blocks = Gauge(
+            "kvplane_sim_host_total_blocks", "Blocks of the host tier", names, registry=r
+        )
+        self.host_free_blocks = Gauge(
+            "kvplane_sim_host_free_blocks", "Free blocks of the host tier", names, registry=r
+        )
+        self.host_retained_bytes = Gauge(
+            "kvplane_sim_host_retained_bytes", "Bytes of handles held in the host tier", names, registry=r
         )
 
     def count_prompt(
@@ -168,6 +187,12 @@ class SimEngineMetrics:
         if restamped:
             self.shared.labels(**self._labels, action="restamped").inc(restamped)
 
+    def spill(self, outcome: str) -> None:
+        self.spills.labels(**self._labels, outcome=outcome).inc()
+
+    def host_read(self) -> None:
+        self.host_reads.labels(**self._labels).inc()
+
     def pull_check(self, outcome: str) -> None:
         self.pull_checks.labels(**self._labels, outcome=outcome).inc()
 
@@ -198,4 +223,7 @@ class SimEngineMetrics:
         self.retained_bytes.labels(**lb).set(load.retained_bytes)
         self.retained_handles.labels(**lb).set(load.retained_handles)
         self.queued_prefill_tokens.labels(**lb).set(load.queued_prefill_tokens)
+        self.host_total_blocks.labels(**lb).set(load.host_total_blocks)
+        self.host_free_blocks.labels(**lb).set(load.host_free_blocks)
+        self.host_retained_bytes.labels(**lb).set(load.host_retained_bytes)
         return bytes(generate_latest(self.registry))

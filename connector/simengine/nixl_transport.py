@@ -1,7 +1,7 @@
 """Real NIXL (UCX backend, DRAM) under the simulated KV cache.
 
-The whole block pool is registered once, with one transfer descriptor per
-block, as vLLM's connector does. Readers pull scattered blocks with one
+The whole block pool (its host tier included) is registered once, with one
+transfer descriptor per block, as vLLM's connector does. Readers pull scattered blocks with one
 prepared READ and ride the read-completion notification on the same
 transfer, so the holder sees it only after the data has moved.
 
@@ -67,12 +67,13 @@ class NixlTransport:
         )
         base = pool.base_address
         size = pool.bytes_per_block
-        self._reg = self._agent.register_memory([(base, pool.num_blocks * size, 0, "")], "DRAM")
+        count = pool.addressable_blocks
+        self._reg = self._agent.register_memory([(base, count * size, 0, "")], "DRAM")
         descs = np.stack(
             [
-                base + np.arange(pool.num_blocks, dtype=np.uint64) * np.uint64(size),
-                np.full(pool.num_blocks, size, dtype=np.uint64),
-                np.zeros(pool.num_blocks, dtype=np.uint64),
+                base + np.arange(count, dtype=np.uint64) * np.uint64(size),
+                np.full(count, size, dtype=np.uint64),
+                np.zeros(count, dtype=np.uint64),
             ],
             axis=1,
         ).astype(np.uint64)

@@ -9,7 +9,15 @@ As vLLM's NixlConnector does (PROTOCOL.md):
 Either is freed by its reader's NIXL notification (``read``), its deadline (``ttl``), a release
 command (``early``) or a drain (``drain``). Held blocks carry a lease stamp of (engine id,
 incarnation, request id), so a reader can tell blocks leased to its handle from any others. The
-observer hears of every D handle kept and freed.
+observer hears of every D handle kept, moved and freed.
+
+With a host tier (``host_kv_blocks``), a request short of cache blocks does not wait for the
+control plane first: ``spill`` moves D handles, oldest first, to host blocks (after the modelled
+copy time), frees their cache blocks, and tells the observer the handle's new blocks, which the
+connector publishes as a relocation of the handle. Same request id, same stamp: a reader of the
+new blocks checks them as it would the old ones; a reader that took the old handle before the
+relocation reads cache blocks no longer stamped for it, and recomputes. A host tier that is full
+frees its oldest handles (``host_full``) to make room.
 
 Event-loop thread only, except ``release_early``, ``drain``, ``freeing_blocks`` and
 ``handle_ids``, which the node agent calls from its own thread.
@@ -39,6 +47,7 @@ from kvplane.services.common.model.handles import KEY_PULLED_TOKENS
 log = logging.getLogger(__name__)
 
 RetainKind = Literal["decode_handle", "prefill_lease"]
+Tier = Literal["device", "host"]
 _RECENTLY_FREED_MAX = 4096
 
 
@@ -62,6 +71,7 @@ class _Retained:
     stamp: int
     expiry: float  # perf_counter
     nbytes: int
+    tier: Tier = "device"
 
 
 class Retention:
@@ -78,7 +88,12 @@ class Retention:
         # Set whenever blocks return to the pool: requests waiting for KV memory try again.
         self.blocks_freed = asyncio.Event()
         self._retained: dict[str, _Retained] = {}
-        self._retained_bytes = 0
+        self._retained_bytes = 0  # in the KV cache
+        self._host_bytes = 0
+        # Handles being copied to the host tier, and their cache blocks (event-loop thread; the
+        # agent's thread reads the count, one int).
+        self._spilling: dict[str, asyncio.Task[None]] = {}
+        self._spilling_blocks = 0
         self._draining = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._recently_freed: OrderedDict[str, str] = OrderedDict()
@@ -93,7 +108,17 @@ class Retention:
 
     @property
     def retained_bytes(self) -> int:
+        """Bytes of the KV cache held (the host tier's are `host_bytes`)."""
         return self._retained_bytes
+
+    @property
+    def host_bytes(self) -> int:
+        return self._host_bytes
+
+    @property
+    def spilling_blocks(self) -> int:
+        """Cache blocks of handles being moved to the host tier: free once the copies end. Any thread."""
+        return self._spilling_blocks
 
     @property
     def count(self) -> int:
@@ -158,7 +183,7 @@ class Retention:
 
     def release_early(self, request_id: str) -> bool:
         held = self._retained.get(request_id)
-        if held is not None:
+        if held is not None and held.tier == "device":
             # Counted as on its way before the command is acknowledged: a demand report sent
             # after the ack must not ask for these blocks again.
             with self._freeing_lock:
@@ -189,6 +214,7 @@ class Retention:
                 "num_blocks": len(r.block_ids),
                 "bytes": r.nbytes,
                 "expires_in_s": r.expiry - now,
+                "tier": r.tier,
             }
             for r in self._retained.values()
         ]
@@ -214,13 +240,104 @@ class Retention:
         for request_id in list(self._retained):
             self._free(request_id, "drain")
 
+    # -- the host tier --------------------------------------------------------
+
+    def spill(self, blocks: int) -> int:
+        """Start moving D handles to the host tier, oldest first, until `blocks` cache blocks
+        are on their way back (those already moving count); returns how many are. Event-loop
+        thread, inside the engine's loop."""
+        if self.pool.host_blocks == 0 or self._draining:
+            return 0
+        planned = self._spilling_blocks
+        for r in list(self._retained.values()):
+            if planned >= blocks:
+                break
+            if r.kind != "decode_handle" or r.tier != "device" or r.request_id in self._spilling:
+                continue
+            if len(r.block_ids) > self.pool.host_blocks:
+                continue
+            self._spilling_blocks += len(r.block_ids)
+            planned += len(r.block_ids)
+            self._spilling[r.request_id] = asyncio.get_running_loop().create_task(self._spill(r))
+        return planned
+
+    async def _spill(self, r: _Retained) -> None:
+        count = len(r.block_ids)
+        try:
+            host = self._host_room(count)
+            if host is None:
+                self.metrics.spill("no_room")
+                return
+            try:
+                # The device-to-host copy, modelled; the handle stays readable where it is meanwhile.
+                await asyncio.sleep(r.nbytes / self.settings.host_copy_bytes_per_s)
+            except asyncio.CancelledError:
+                # Read, released or expired while it was being copied (`_free`): nothing to move.
+                self.pool.host_give(host)
+                self.metrics.spill("freed_first")
+                return
+            self.pool.host_copy(r.block_ids, host)
+            device, r.block_ids, r.tier = r.block_ids, host, "host"
+            self._retained_bytes -= r.nbytes
+            self._host_bytes += r.nbytes
+            self.pool.unlease(device, r.stamp)
+            self.pool.release(device)
+            self.blocks_freed.set()
+            self.metrics.spill("moved")
+            params = holder_params(
+                as_decode_handle=True,
+                engine_id=self.holder.engine_id,
+                incarnation=self.holder.incarnation,
+                request_id=r.request_id,
+                block_ids=host,
+                host=self.settings.advertised_side_channel_host,
+                port=self.holder.side_channel_port,
+                num_tokens=r.num_tokens,
+                expiry_time=r.expiry,
+            )
+            try:
+                self.observer.on_handle_moved(r.request_id, params)
+            except Exception:
+                log.exception("observer failed in on_handle_moved")
+        finally:
+            self._spilling.pop(r.request_id, None)
+            self._spilling_blocks -= count
+
+    async def stop_spills(self) -> None:
+        """Stop the copies to the host tier in progress (the engine is stopping)."""
+        copies = list(self._spilling.values())
+        for task in copies:
+            task.cancel()
+        await asyncio.gather(*copies, return_exceptions=True)
+
+    def _host_room(self, count: int) -> list[int] | None:
+        """`count` host blocks, freeing the host tier's oldest handles as needed; None: it
+        cannot hold that many even empty."""
+        while True:
+            taken = self.pool.host_take(count)
+            if taken is not None:
+                return taken
+            oldest = next((r for r in self._retained.values() if r.tier == "host"), None)
+            if oldest is None:
+                return None
+            self._free(oldest.request_id, "host_full")
+
     # -- freeing ------------------------------------------------------------
 
     def _free(self, request_id: str, reason: str) -> None:
         r = self._retained.pop(request_id)
-        self._retained_bytes -= r.nbytes
-        self.pool.unlease(r.block_ids, r.stamp)
-        self.pool.release(r.block_ids)
+        copying = self._spilling.get(request_id)
+        if copying is not None:
+            copying.cancel()  # its copy to the host tier ends with nothing moved
+        if r.tier == "host":
+            self._host_bytes -= r.nbytes
+            self.pool.host_give(r.block_ids)
+            if reason == "read":
+                self.metrics.host_read()
+        else:
+            self._retained_bytes -= r.nbytes
+            self.pool.unlease(r.block_ids, r.stamp)
+            self.pool.release(r.block_ids)
         self._recently_freed[request_id] = reason
         while len(self._recently_freed) > _RECENTLY_FREED_MAX:
             self._recently_freed.popitem(last=False)

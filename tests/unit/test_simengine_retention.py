@@ -38,6 +38,7 @@ class Observer:
 
     retained: list[dict[str, Any]] = field(default_factory=list)
     freed: list[tuple[str, int]] = field(default_factory=list)
+    moved: list[dict[str, Any]] = field(default_factory=list)
     fail: bool = False
 
     def check_pull(self, kv_transfer_params: dict[str, Any], prompt_token_ids: Sequence[int]) -> None:
@@ -59,10 +60,13 @@ class Observer:
             raise RuntimeError("observer down")
         self.freed.append((request_id, threading.get_ident()))
 
+    def on_handle_moved(self, request_id: str, kv_transfer_params: dict[str, Any]) -> None:
+        self.moved.append(dict(kv_transfer_params))
+
 
 def make(**settings: Any) -> tuple[Retention, BlockPool, SimEngineMetrics, Observer]:
     s = SimEngineSettings(block_size=BS, num_blocks=NUM_BLOCKS, bytes_per_block=BLOCK_BYTES, **settings)
-    pool = BlockPool(NUM_BLOCKS, BLOCK_BYTES, BS, root_hash(s.model))
+    pool = BlockPool(NUM_BLOCKS, BLOCK_BYTES, BS, root_hash(s.model), host_blocks=s.host_kv_blocks)
     metrics = SimEngineMetrics(s.model)
     retention = Retention(s, pool, metrics, Holder())
     observer = Observer()
@@ -270,3 +274,79 @@ async def test_what_no_reader_read_is_freed_at_its_deadline() -> None:
     expired = {"model_name": "kvplane-sim", "engine": "0"}
     assert metrics.registry.get_sample_value("vllm:nixl_num_kv_expired_reqs_total", expired) == 1
     assert retention.count == 1, "the lease's deadline is an hour away"
+
+
+# --- the host tier -----------------------------------------------------------------------------------
+
+
+def spills(metrics: SimEngineMetrics, outcome: str) -> float:
+    labels = {"model_name": "kvplane-sim", "engine": "0", "outcome": outcome}
+    return metrics.registry.get_sample_value("kvplane_sim_host_spills_total", labels) or 0.0
+
+
+async def test_a_spill_moves_the_oldest_handles_to_host_blocks_stamp_and_all() -> None:
+    retention, pool, metrics, observer = make(host_kv_blocks=8)
+    old = keep(retention, pool, "old", "decode_handle", blocks=3)["remote_block_ids"][0]
+    keep(retention, pool, "new", "decode_handle", blocks=3)
+    keep(retention, pool, "lease", "prefill_lease", blocks=3)
+    content = pool.array[old].copy()
+    free = pool.free_blocks
+
+    assert retention.spill(2) == 3  # the oldest handle is enough; leases never move
+    assert retention.spilling_blocks == 3
+    await until(lambda: spills(metrics, "moved") == 1, "the copy to end")
+
+    [moved] = observer.moved
+    host = moved["remote_block_ids"][0]
+    assert moved["remote_request_id"] == "old" and all(NUM_BLOCKS <= b < NUM_BLOCKS + 8 for b in host)
+    assert (pool.array[host] == content).all(), "the stamp travels with the content"
+    assert pool.free_blocks == free + 3 and pool.host_free_blocks == 5 and retention.spilling_blocks == 0
+    assert retention.retained_bytes == 6 * BLOCK_BYTES and retention.host_bytes == 3 * BLOCK_BYTES
+    assert {d["request_id"]: d["tier"] for d in retention.describe()} == {
+        "old": "host",
+        "new": "device",
+        "lease": "device",
+    }
+    assert retention.handle_ids() == ["old", "new"], "a moved handle is still a published one"
+
+
+async def test_a_full_host_tier_frees_its_oldest_handles_and_one_too_large_never_moves() -> None:
+    retention, pool, metrics, observer = make(host_kv_blocks=4)
+    for name in ("a", "b"):
+        keep(retention, pool, name, "decode_handle", blocks=2)
+    retention.spill(4)
+    await until(lambda: spills(metrics, "moved") == 2, "both copies")
+    keep(retention, pool, "c", "decode_handle", blocks=3)
+    keep(retention, pool, "huge", "decode_handle", blocks=5)
+
+    retention.spill(100)
+    await until(lambda: spills(metrics, "moved") == 3, "the third copy")
+
+    assert frees(metrics, "decode_handle", "host_full") == 2
+    assert [name for name, _ in observer.freed] == ["a", "b"]
+    assert {d["request_id"]: d["tier"] for d in retention.describe()} == {"c": "host", "huge": "device"}
+
+
+async def test_a_handle_read_while_it_is_copied_stays_freed_and_gives_its_host_blocks_back() -> None:
+    retention, pool, metrics, observer = make(host_kv_blocks=4, host_copy_bytes_per_s=BLOCK_BYTES / 1800)
+    keep(retention, pool, "r1", "decode_handle", blocks=2)  # an hour's copy
+    retention.spill(2)
+    await asyncio.sleep(0)  # the copy has begun and holds two host blocks
+    assert pool.host_free_blocks == 2
+
+    retention._on_notification(_read("r1"))  # its reader got there first
+    await until(lambda: spills(metrics, "freed_first") == 1, "the copy to stop")
+
+    assert observer.moved == [] and pool.host_free_blocks == 4 and retention.count == 0
+
+
+async def test_a_release_of_a_moved_handle_frees_host_blocks_not_cache_blocks_on_their_way() -> None:
+    retention, pool, metrics, _ = make(host_kv_blocks=4)
+    keep(retention, pool, "r1", "decode_handle", blocks=2)
+    retention.spill(2)
+    await until(lambda: spills(metrics, "moved") == 1, "the copy")
+
+    assert retention.release_early("r1") is True
+    assert retention.freeing_blocks() == 0, "no cache block comes back from it"
+    assert pool.host_free_blocks == 4 and retention.host_bytes == 0
+    assert frees(metrics, "decode_handle", "early") == 1

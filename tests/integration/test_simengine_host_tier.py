@@ -1,0 +1,122 @@
+"""D's host tier: a request short of KV blocks moves a retained handle to host memory instead of
+waiting for a release; the control plane learns the handle's new blocks by its relocation, and
+the next turn pulls them from host memory over real NIXL, verified block by block.
+
+D has 40 cache blocks of 16 tokens and 64 host blocks; a turn of 200 + 100 tokens keeps 19 of
+them, so the next conversation's 400-token prompt (25 blocks) does not fit beside it. P runs
+without a prefix cache, so a later turn's pull moves every token D holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvplane.services.common.model.handles import KvTier
+from kvplane.services.common.store import Store
+from kvplane.services.process import ServiceProcess
+from tests.conftest import MESH_SECRET
+from tests.support.polling import eventually
+from tests.support.simengine import Engine, d_leg, engines, free_port, loads, p_leg, reference, sim, tokens
+
+CACHE_BLOCKS = 40
+HOST_BLOCKS = 64
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, metadata_process: ServiceProcess) -> Iterator[dict[str, Engine]]:
+    plane = f"127.0.0.1:{metadata_process.grpc_port}"
+    specs = {
+        "P": sim(
+            role="prefill", engine_id="p-host", side_channel_port=free_port(), enable_prefix_caching=False
+        ),
+        "REF": sim(role="prefill", engine_id="ref-host", side_channel_port=free_port()),
+        "D": sim(
+            role="decode",
+            engine_id="d-host",
+            node_id="d-host",
+            side_channel_port=free_port(),
+            num_blocks=CACHE_BLOCKS,
+            host_kv_blocks=HOST_BLOCKS,
+            # Without the host tier, the second conversation fails after this long (503).
+            kv_wait_timeout_s=10,
+            control_plane=plane,
+            eviction=plane,  # no eviction service here: the agent's command stream keeps retrying
+            mesh_secret=MESH_SECRET,
+            load_interval_s=0.1,
+        ),
+    }
+    with engines(tmp_path, specs) as started:
+        yield started
+
+
+def _routed(params: dict[str, Any], conversation: str) -> dict[str, Any]:
+    return {**params, "kvplane_tenant": "acme", "kvplane_conversation": conversation}
+
+
+async def _turn(
+    p: Engine, d: Engine, prompt: list[int], conversation: str, handle: dict[str, Any] | None = None
+):  # type: ignore[no-untyped-def]
+    """One P/D turn, routed as kvplane's gateway routes it (the blocking HTTP off the loop, which
+    serves the metadata service the engines publish to)."""
+    pr = await asyncio.to_thread(p_leg, p, prompt, handle)
+    return pr, await asyncio.to_thread(d_leg, d, prompt, _routed(pr["kv_transfer_params"], conversation), 100)
+
+
+async def _in_tier(store: Store, conversation: str, tier: KvTier) -> bool:
+    view = await store.get_handle("acme", conversation)
+    return view is not None and view.handle.tier is tier
+
+
+async def test_a_short_d_moves_a_handle_to_host_memory_and_the_next_turn_pulls_it_from_there(
+    cluster: dict[str, Engine], store: Store
+) -> None:
+    p, ref, d = cluster["P"], cluster["REF"], cluster["D"]
+    prompt_a = tokens(1, 200)
+    _, first = await _turn(p, d, prompt_a, "c-a")
+    out_a = first["choices"][0]["token_ids"]
+    device_params = first["kv_transfer_params"]
+    rid = device_params["remote_request_id"]
+    await eventually(lambda: _in_tier(store, "c-a", KvTier.DEVICE), timeout_s=60, what="the first publish")
+
+    # A second conversation's prompt needs more blocks than D has free beside the first handle.
+    _, second = await _turn(p, d, tokens(2, 400), "c-b")
+    assert len(second["choices"][0]["token_ids"]) == 100
+
+    await eventually(lambda: _in_tier(store, "c-a", KvTier.HOST), timeout_s=60, what="the relocation")
+    view = await store.get_handle("acme", "c-a")
+    assert view is not None
+    moved = view.handle
+    assert moved.vllm.remote_request_id == rid
+    assert all(CACHE_BLOCKS <= b < CACHE_BLOCKS + HOST_BLOCKS for b in moved.vllm.remote_block_ids[0])
+    assert d.metric("kvplane_sim_host_spills_total", outcome="moved") == 1
+    assert {"request_id": rid, "tier": "host"}.items() <= next(
+        h for h in d.state()["retained"] if h["request_id"] == rid
+    ).items()
+
+    # The next turn of the first conversation: routing checks the handle out and P pulls it.
+    checked = await store.check_out("acme", "c-a", route_id="r-a2")
+    prompt_a2 = prompt_a + out_a + tokens(3, 40)
+    pulled = loads(p, "pulled")
+    pr = await asyncio.to_thread(p_leg, p, prompt_a2, checked.handle.prefill_kv_transfer_params())
+    assert loads(p, "pulled") == pulled + 1
+    assert pr["usage"]["prompt_tokens_details"]["cached_tokens"] == moved.num_tokens
+    assert pr["choices"][0]["token_ids"] == await asyncio.to_thread(reference, ref, prompt_a2, 1)
+    await eventually(lambda: _freed(d, rid), timeout_s=60, what="D to free the host blocks after the read")
+    assert d.metric("kvplane_sim_host_reads_total") == 1
+
+    # The handle as it was before the move names cache blocks no longer stamped for it: a reader
+    # that still has it recomputes, and never uses them.
+    failed = p.metric("kvplane_sim_kv_verify_failures_total", reason="not_leased")
+    stale = await asyncio.to_thread(p_leg, p, prompt_a2, device_params)
+    assert p.metric("kvplane_sim_kv_verify_failures_total", reason="not_leased") == failed + 1
+    assert stale["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert stale["choices"][0]["token_ids"] == pr["choices"][0]["token_ids"]
+
+
+async def _freed(d: Engine, request_id: str) -> bool:
+    return request_id not in await asyncio.to_thread(d.retained_ids)
