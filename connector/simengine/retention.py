@@ -94,6 +94,8 @@ class Retention:
         # agent's thread reads the count, one int).
         self._spilling: dict[str, asyncio.Task[None]] = {}
         self._spilling_blocks = 0
+        # Whether short requests move handles to the host tier (the engine's /sim/host_tier).
+        self.host_tier_enabled = True
         self._draining = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._recently_freed: OrderedDict[str, str] = OrderedDict()
@@ -246,7 +248,7 @@ class Retention:
         """Start moving D handles to the host tier, oldest first, until `blocks` cache blocks
         are on their way back (those already moving count); returns how many are. Event-loop
         thread, inside the engine's loop."""
-        if self.pool.host_blocks == 0 or self._draining:
+        if self.pool.host_blocks == 0 or self._draining or not self.host_tier_enabled:
             return 0
         planned = self._spilling_blocks
         for r in list(self._retained.values()):

@@ -200,11 +200,15 @@ async def start_stack(
     picker: bool = False,
     prefill_num_blocks: int = STACK_ENGINE_BLOCKS,
     decode_prefill_gateway: bool = False,
+    decode_num_blocks: int = STACK_ENGINE_BLOCKS,
+    decode_host_blocks: int = 0,
 ) -> Stack:
     """Starts etcd, `serve all`, P and D sim-engines and the gateway; returns when all are ready.
 
     `prefill_prefix_caching` False starts the prefill engines with vLLM's prefix cache off;
-    `prefill_num_blocks` sizes their KV (a small one evicts histories between turns).
+    `prefill_num_blocks` sizes their KV (a small one evicts histories between turns);
+    `decode_num_blocks` the decode engines' (a small one cannot hold every retained history), and
+    `decode_host_blocks` their host tier (0: none), where a short D moves retained handles.
     `kv_events` False: routing knows P's caches from its own record only, not from their events.
     `prefill_nodes` and `decode_nodes` engines of each role (p0, p1, ...; d0, d1, ...).
     `own_record_routing`: the same engines routed with and without their KV events, for
@@ -300,6 +304,8 @@ async def start_stack(
             kv_events,
             prefill_num_blocks,
             decode_kv_events=kv_events and decode_prefill_gateway,
+            decode_num_blocks=decode_num_blocks,
+            decode_host_blocks=decode_host_blocks,
         )
         await _start_engines(stack, credentials, nodes, engine, progress, timeout_s)
         target = stack.gateway_routing_target
@@ -351,6 +357,9 @@ class EngineRecipe:
     prefill_num_blocks: int = STACK_ENGINE_BLOCKS
     # Decode engines publish theirs too: only a gateway that lets D prefill a turn itself needs them.
     decode_kv_events: bool = False
+    decode_num_blocks: int = STACK_ENGINE_BLOCKS
+    # Blocks of each decode engine's host tier (0: none).
+    decode_host_blocks: int = 0
 
 
 async def _start_services(
@@ -448,7 +457,8 @@ async def _start_engines(
             timing=TimingModel(speedup=recipe.speedup),
             decoder_kv_blocks_ttl=recipe.decoder_ttl_s,
             model=DEMO_MODEL,
-            num_blocks=recipe.prefill_num_blocks if role == "prefill" else STACK_ENGINE_BLOCKS,
+            num_blocks=recipe.prefill_num_blocks if role == "prefill" else recipe.decode_num_blocks,
+            host_kv_blocks=0 if role == "prefill" else recipe.decode_host_blocks,
             enable_prefix_caching=recipe.prefill_prefix_caching or role != "prefill",
             # Every engine streams its load to routing; prefill engines their KV events too, and
             # decode engines theirs where a gateway lets D prefill turns from its own cache.

@@ -10,27 +10,39 @@ without a prefix cache, so a later turn's pull moves every token D holds.
 from __future__ import annotations
 
 import asyncio
+import urllib.error
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kvplane.connector.simengine.settings import SimEngineSettings
 from kvplane.services.common.model.handles import KvTier
 from kvplane.services.common.store import Store
 from kvplane.services.process import ServiceProcess
-from tests.conftest import MESH_SECRET
 from tests.support.polling import eventually
-from tests.support.simengine import Engine, d_leg, engines, free_port, loads, p_leg, reference, sim, tokens
+from tests.support.simengine import (
+    Engine,
+    d_leg,
+    engines,
+    free_port,
+    loads,
+    p_leg,
+    reference,
+    sim,
+    start_engine,
+    stop_engine,
+    tokens,
+    wait_healthy,
+)
 
 CACHE_BLOCKS = 40
 HOST_BLOCKS = 64
 
 
-@pytest.fixture
-def cluster(tmp_path: Path, metadata_process: ServiceProcess) -> Iterator[dict[str, Engine]]:
-    plane = f"127.0.0.1:{metadata_process.grpc_port}"
-    specs = {
+def _specs(plane: str) -> dict[str, SimEngineSettings]:
+    return {
         "P": sim(
             role="prefill", engine_id="p-host", side_channel_port=free_port(), enable_prefix_caching=False
         ),
@@ -46,11 +58,14 @@ def cluster(tmp_path: Path, metadata_process: ServiceProcess) -> Iterator[dict[s
             kv_wait_timeout_s=10,
             control_plane=plane,
             eviction=plane,  # no eviction service here: the agent's command stream keeps retrying
-            mesh_secret=MESH_SECRET,
             load_interval_s=0.1,
         ),
     }
-    with engines(tmp_path, specs) as started:
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, metadata_process: ServiceProcess) -> Iterator[dict[str, Engine]]:
+    with engines(tmp_path, _specs(f"127.0.0.1:{metadata_process.grpc_port}")) as started:
         yield started
 
 
@@ -120,3 +135,37 @@ async def test_a_short_d_moves_a_handle_to_host_memory_and_the_next_turn_pulls_i
 
 async def _freed(d: Engine, request_id: str) -> bool:
     return request_id not in await asyncio.to_thread(d.retained_ids)
+
+
+def test_the_host_tier_is_switched_on_and_off_at_run_time(cluster: dict[str, Engine]) -> None:
+    d = cluster["D"]
+    assert d.state()["host_tier"] is True
+    assert d.post("/sim/host_tier", {"enabled": False}) == {"host_tier": False}
+    assert d.state()["host_tier"] is False
+    assert d.post("/sim/host_tier", {"enabled": True}) == {"host_tier": True}
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        d.post("/sim/host_tier", {"enabled": "yes"})
+    assert refused.value.code == 400
+
+
+async def test_a_restarted_d_leaves_no_handle_pointing_at_its_lost_host_tier(
+    cluster: dict[str, Engine], store: Store, metadata_process: ServiceProcess, tmp_path: Path
+) -> None:
+    p, d = cluster["P"], cluster["D"]
+    await _turn(p, d, tokens(11, 200), "c-lost")
+    await _turn(p, d, tokens(12, 400), "c-other")
+    await eventually(lambda: _in_tier(store, "c-lost", KvTier.HOST), timeout_s=60, what="the relocation")
+
+    # D's process ends and starts again: its host memory, and every block in it, is gone.
+    await asyncio.to_thread(stop_engine, d)
+    again = start_engine("D-again", tmp_path, _specs(f"127.0.0.1:{metadata_process.grpc_port}")["D"])
+    try:
+        await asyncio.to_thread(wait_healthy, again)
+        await eventually(lambda: _gone(store, "c-lost"), timeout_s=60, what="the lost handle's removal")
+        assert await store.get_handle("acme", "c-other") is None
+    finally:
+        await asyncio.to_thread(stop_engine, again)
+
+
+async def _gone(store: Store, conversation: str) -> bool:
+    return await store.get_handle("acme", conversation) is None

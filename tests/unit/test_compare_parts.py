@@ -11,13 +11,16 @@ from aiohttp.test_utils import TestServer
 
 from kvplane.bench.compare_fronts import KVPLANE, Conversation, HttpFront
 from kvplane.bench.compare_metrics import (
+    HOST_MOVED,
+    HOST_READ,
+    decode_counts,
     etcd_counts,
     gateway_leg_counts,
     gateway_legs,
     services_etcd,
     services_etcd_ops,
 )
-from kvplane.bench.compare_report import percentile
+from kvplane.bench.compare_report import host_tier_line, percentile
 from kvplane.bench.compare_report import rows as report_rows
 from kvplane.bench.compare_run import BlockResult, IdleWindow, TurnRecord
 from kvplane.bench.compare_workload import Workload, draw, plan, rotation
@@ -344,3 +347,32 @@ def test_tpot_percentiles_are_over_every_completed_turn_that_measured_one() -> N
     block.measured_s = 1.0
     (row,) = report_rows([block], {KVPLANE: []}, None)
     assert (row.tpot_p50_ms, row.tpot_p99_ms) == (percentile([1, 2, 3, 4], 0.5), 4.0)
+
+
+async def test_a_decode_engine_s_host_tier_moves_and_reads_are_read_and_reported_per_front() -> None:
+    page = (
+        'kvplane_sim_host_spills_total{engine="0",model_name="m",outcome="moved"} 3.0\n'
+        'kvplane_sim_host_spills_total{engine="0",model_name="m",outcome="freed_first"} 1.0\n'
+        'kvplane_sim_host_reads_total{engine="0",model_name="m"} 2.0\n'
+        'kvplane_sim_retained_frees_total{engine="0",kind="decode_handle",model_name="m",reason="read"} 4.0\n'
+        'kvplane_sim_retained_frees_total{engine="0",kind="prefill_lease",model_name="m",reason="read"} 9.0\n'
+        'kvplane_sim_alone_prompt_tokens_total{engine="0",model_name="m",source="local_compute"} 5.0\n'
+    )
+
+    async def metrics(_request: web.Request) -> web.Response:
+        return web.Response(text=page)
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    async with TestServer(app) as server, aiohttp.ClientSession() as session:
+        alone, host = await decode_counts(session, str(server.make_url("")).rstrip("/"))
+    assert alone == {"local_compute": 5.0}
+    assert host == {HOST_MOVED: 3.0, HOST_READ: 2.0, "host_freed_first": 1.0, "freed:read": 4.0}
+
+    block = _block(KVPLANE, requests=0, seconds=10, turns=4)
+    block.sources = dict(host)
+    (row,) = report_rows([block], {KVPLANE: []}, None)
+    assert (row.host_moved, row.host_read, row.decode_frees) == (3.0, 2.0, {"read": 4.0})
+    assert host_tier_line([row]) == "decode host tier: kvplane c=32: 3 moved, 2 read from there"
+    (none,) = report_rows([_block(KVPLANE, requests=0, seconds=10, turns=4)], {KVPLANE: []}, None)
+    assert host_tier_line([none]) == ""

@@ -350,3 +350,12 @@ async def test_a_release_of_a_moved_handle_frees_host_blocks_not_cache_blocks_on
     assert retention.freeing_blocks() == 0, "no cache block comes back from it"
     assert pool.host_free_blocks == 4 and retention.host_bytes == 0
     assert frees(metrics, "decode_handle", "early") == 1
+
+
+def test_a_host_tier_switched_off_moves_nothing() -> None:
+    retention, pool, _, _ = make(host_kv_blocks=8)
+    keep(retention, pool, "r1", "decode_handle", blocks=2)
+    retention.host_tier_enabled = False
+
+    assert retention.spill(2) == 0
+    assert retention.spilling_blocks == 0 and retention.describe()[0]["tier"] == "device"
