@@ -13,11 +13,12 @@ import pytest
 
 from kvplane.connector.node_agent.agent import NodeAgent
 from kvplane.connector.node_agent.settings import NodeAgentSettings
+from kvplane.services.common.model.handles import KvTier
 from kvplane.services.common.model.nodes import Node, NodeLoad
 from kvplane.services.common.runtime.ports import free_port
 from kvplane.services.process import ServiceProcess
-from kvplane.v1 import eviction_pb2, eviction_pb2_grpc, metadata_pb2, metadata_pb2_grpc
-from tests.conftest import MESH_CREDENTIALS, OPERATOR_HEADERS, make_node
+from kvplane.v1 import eviction_pb2, eviction_pb2_grpc, handle_pb2, metadata_pb2, metadata_pb2_grpc
+from tests.conftest import MESH_CREDENTIALS, OPERATOR_HEADERS, make_node, tenant_headers
 from tests.support.factories import make_handle
 from tests.support.polling import eventually
 
@@ -418,3 +419,36 @@ async def test_an_engine_that_says_its_load_changed_has_it_sampled_at_once_but_n
     assert agent.stats().load_reports == 1
     stored = [s.load for s in await list_nodes(metadata_channel) if s.node.node_id == "d-told"]
     assert stored and stored[0].free_kv_blocks == 500
+
+
+async def test_a_relocation_of_a_handle_checked_out_meanwhile_is_refused_and_counted(
+    metadata_process: ServiceProcess,
+    metadata_channel: grpc.aio.Channel,
+    start_agent: Callable[..., tuple[NodeAgent, Recorder]],
+) -> None:
+    node = make_node("d-move", incarnation="")
+    agent, _ = start_agent(fast_settings(target_of(metadata_process)), node)
+    handle = dataclasses.replace(
+        make_handle(node, conversation="conv-move", request_id="cmpl-move-1"), handle_id="h-move-1"
+    )
+    agent.publish(handle)
+    await eventually(lambda: get_handle(metadata_channel, "conv-move"), what="handle published")
+    await metadata_pb2_grpc.MetadataServiceStub(metadata_channel).CheckOutHandle(
+        metadata_pb2.CheckOutHandleRequest(conversation="conv-move"), metadata=tenant_headers("acme")
+    )
+
+    moved = dataclasses.replace(
+        handle, handle_id="h-move-2", tier=KvTier.HOST, relocates_handle_id="h-move-1"
+    )
+    agent.publish(moved)
+
+    await eventually(lambda: _true(agent.stats().relocations_refused == 1), what="the refusal")
+    assert agent.stats().published == 2 and agent.stats().dropped == 0
+    # The check-out stands; nothing was stored over it.
+    view = await get_handle(metadata_channel, "conv-move")
+    assert view is not None and view.handle.handle_id == "h-move-1"
+    assert view.state == handle_pb2.HANDLE_STATE_CHECKED_OUT
+
+
+async def _true(value: bool) -> bool:
+    return value

@@ -73,8 +73,9 @@ def test_retained_bytes_appearing_count_as_a_memory_change_only_when_the_capacit
     assert memory_changed(empty, dataclasses.replace(empty, retained_bytes=1))
     assert memory_changed(BASE, dataclasses.replace(BASE, retained_bytes=0))
     # One conversation's lease or handle, kept and read once a turn: a small share of the node.
-    assert not memory_changed(empty, dataclasses.replace(empty, retained_bytes=1 << 20), capacity_bytes=1 << 40)
-    assert not memory_changed(dataclasses.replace(empty, retained_bytes=1 << 20), empty, capacity_bytes=1 << 40)
+    one = dataclasses.replace(empty, retained_bytes=1 << 20)
+    assert not memory_changed(empty, one, capacity_bytes=1 << 40)
+    assert not memory_changed(one, empty, capacity_bytes=1 << 40)
     assert memory_changed(empty, dataclasses.replace(empty, retained_bytes=1 << 36), capacity_bytes=1 << 40)
 
 
