@@ -29,9 +29,9 @@ Workloads:
   C  P's prefix caches on but small (1,024 blocks each, about three histories): from 8 in
      flight on, P evicts histories between turns, and only its KV events say which;
   D  P's prefix cache off, D's KV cache small (1,536 blocks each) with a host tier (16,384):
-     at 8 in flight with pauses between turns, D runs short while it retains the turns; `kvplane-host-tier` moves
-     handles to host memory, `kvplane` waits for the control plane's releases
-     (`--workload all` runs C and D after A and B).
+     at 8 in flight with pauses between turns, D runs short while it retains the turns;
+     `kvplane-host-tier` moves handles to host memory, `kvplane` waits for the control plane's
+     releases (`--workload all` runs C and D after A and B).
 Each workload has a stack of its own (its engines started with its flags).
 
 Printed per workload, and written as JSON with every block and turn: per front and
