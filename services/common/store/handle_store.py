@@ -107,15 +107,16 @@ class HandleStore:
             compare = [fencing.same_revision(node_key, seen.node_revision), fencing.absent(freed)]
             ops = [fencing.put(key, value, lease), fencing.put(index, key, lease)]
             superseded: PendingRelease | None = None
-            if old is not None and handle.relocates_handle_id:
-                # The same blocks under the same index key: replaced, not released.
-                compare.append(fencing.same_revision(key, old.mod_revision))
-            elif old is not None:
-                compare.append(fencing.same_revision(key, old.mod_revision))
-                superseded = PendingRelease(uuid.uuid4().hex, old.handle, ReleaseReason.SUPERSEDED, now_ms())
-                ops += self._supersede_ops(superseded, old.lease, index)
-            else:
+            if old is None:
                 compare.append(fencing.absent(key))
+            else:
+                compare.append(fencing.same_revision(key, old.mod_revision))
+                if not handle.relocates_handle_id:
+                    # (A relocation is the same blocks under the same index key: replaced, not released.)
+                    superseded = PendingRelease(
+                        uuid.uuid4().hex, old.handle, ReleaseReason.SUPERSEDED, now_ms()
+                    )
+                    ops += self._supersede_ops(superseded, old.lease, index)
             try:
                 resp, resent = await self._publish_txn(compare, ops, reads, handle.conversation)
             except LeaseNotFound:
