@@ -185,7 +185,8 @@ class Retention:
 
     def release_early(self, request_id: str) -> bool:
         held = self._retained.get(request_id)
-        if held is not None and held.tier == "device":
+        # Blocks being copied to the host tier already count as on their way (`spilling_blocks`).
+        if held is not None and held.tier == "device" and request_id not in self._spilling:
             # Counted as on its way before the command is acknowledged: a demand report sent
             # after the ack must not ask for these blocks again.
             with self._freeing_lock:

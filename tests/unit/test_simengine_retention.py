@@ -359,3 +359,19 @@ def test_a_host_tier_switched_off_moves_nothing() -> None:
 
     assert retention.spill(2) == 0
     assert retention.spilling_blocks == 0 and retention.describe()[0]["tier"] == "device"
+
+
+async def test_a_release_of_a_handle_being_copied_counts_its_blocks_once() -> None:
+    retention, pool, _, _ = make(host_kv_blocks=4, host_copy_bytes_per_s=BLOCK_BYTES / 1800)
+    keep(retention, pool, "r1", "decode_handle", blocks=2)  # an hour's copy
+    retention.spill(2)
+    await asyncio.sleep(0)
+    elsewhere = asyncio.new_event_loop()  # the agent's command waits there, never carried out
+    try:
+        retention.bind(elsewhere)
+        assert retention.release_early("r1") is True
+        # Its two blocks are on their way once, by the copy, not again by the command.
+        assert retention.freeing_blocks() + retention.spilling_blocks == 2
+    finally:
+        elsewhere.close()
+        await retention.stop_spills()
