@@ -331,8 +331,7 @@ async def test_a_handle_read_while_it_is_copied_stays_freed_and_gives_its_host_b
     retention, pool, metrics, observer = make(host_kv_blocks=4, host_copy_bytes_per_s=BLOCK_BYTES / 1800)
     keep(retention, pool, "r1", "decode_handle", blocks=2)  # an hour's copy
     retention.spill(2)
-    await asyncio.sleep(0)  # the copy has begun and holds two host blocks
-    assert pool.host_free_blocks == 2
+    await until(lambda: pool.host_free_blocks == 2, "the copy to begin, holding two host blocks")
 
     retention._on_notification(_read("r1"))  # its reader got there first
     await until(lambda: spills(metrics, "freed_first") == 1, "the copy to stop")
@@ -365,7 +364,7 @@ async def test_a_release_of_a_handle_being_copied_counts_its_blocks_once() -> No
     retention, pool, _, _ = make(host_kv_blocks=4, host_copy_bytes_per_s=BLOCK_BYTES / 1800)
     keep(retention, pool, "r1", "decode_handle", blocks=2)  # an hour's copy
     retention.spill(2)
-    await asyncio.sleep(0)
+    await until(lambda: pool.host_free_blocks == 2, "the copy to begin, holding two host blocks")
     elsewhere = asyncio.new_event_loop()  # the agent's command waits there, never carried out
     try:
         retention.bind(elsewhere)
