@@ -254,20 +254,21 @@ async def release_decode_handles(
 async def set_decode_retention(session: aiohttp.ClientSession, decodes: Sequence[str], enabled: bool) -> None:
     """Turns D's retention of finished turns (vLLM's bidirectional_kv_xfer) on or off on every
     decode engine, for the turns that follow."""
-    for url in decodes:
-        async with session.post(f"{url}/sim/bidirectional", json={"enabled": enabled}) as resp:
-            resp.raise_for_status()
-            if (await resp.json()).get("bidirectional") is not enabled:
-                raise RuntimeError(f"{url} did not switch bidirectional_kv_xfer to {enabled}")
+    await _switch(session, decodes, "bidirectional", enabled)
 
 
 async def set_decode_host_tier(session: aiohttp.ClientSession, decodes: Sequence[str], enabled: bool) -> None:
     """Turns the decode engines' moving of retained handles to their host tier on or off."""
-    for url in decodes:
-        async with session.post(f"{url}/sim/host_tier", json={"enabled": enabled}) as resp:
+    await _switch(session, decodes, "host_tier", enabled)
+
+
+async def _switch(session: aiohttp.ClientSession, engines: Sequence[str], name: str, enabled: bool) -> None:
+    """POSTs `/sim/<name>` `{"enabled": ...}` to every engine; each must answer the new state."""
+    for url in engines:
+        async with session.post(f"{url}/sim/{name}", json={"enabled": enabled}) as resp:
             resp.raise_for_status()
-            if (await resp.json()).get("host_tier") is not enabled:
-                raise RuntimeError(f"{url} did not switch its host tier to {enabled}")
+            if (await resp.json()).get(name) is not enabled:
+                raise RuntimeError(f"{url} did not switch {name} to {enabled}")
 
 
 def _retained(state: Mapping[str, object]) -> list[dict[str, object]]:

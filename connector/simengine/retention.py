@@ -160,17 +160,7 @@ class Retention:
         r = _Retained(request_id, kind, blocks, num_tokens, stamp, expiry, len(blocks) * s.bytes_per_block)
         self._retained[request_id] = r
         self._retained_bytes += r.nbytes
-        params = holder_params(
-            as_decode_handle=kind == "decode_handle",
-            engine_id=h.engine_id,
-            incarnation=h.incarnation,
-            request_id=request_id,
-            block_ids=blocks,
-            host=s.advertised_side_channel_host,
-            port=h.side_channel_port,
-            num_tokens=num_tokens,
-            expiry_time=expiry,
-        )
+        params = self._params(r)
         if kind == "prefill_lease":
             # What was pulled, as the engine saw it: the gateway counts it apart from cache hits.
             params[KEY_PULLED_TOKENS] = pulled_tokens
@@ -180,6 +170,21 @@ class Retention:
             except Exception:
                 log.exception("observer failed in on_handle_retained")
         return params
+
+    def _params(self, r: _Retained) -> dict[str, Any]:
+        """What a reader of `r`'s blocks needs, where they are now."""
+        h = self.holder
+        return holder_params(
+            as_decode_handle=r.kind == "decode_handle",
+            engine_id=h.engine_id,
+            incarnation=h.incarnation,
+            request_id=r.request_id,
+            block_ids=r.block_ids,
+            host=self.settings.advertised_side_channel_host,
+            port=h.side_channel_port,
+            num_tokens=r.num_tokens,
+            expiry_time=r.expiry,
+        )
 
     # -- the control-plane seam (EngineControl) ---------------------------
 
@@ -287,19 +292,8 @@ class Retention:
             self.pool.release(device)
             self.blocks_freed.set()
             self.metrics.spill("moved")
-            params = holder_params(
-                as_decode_handle=True,
-                engine_id=self.holder.engine_id,
-                incarnation=self.holder.incarnation,
-                request_id=r.request_id,
-                block_ids=host,
-                host=self.settings.advertised_side_channel_host,
-                port=self.holder.side_channel_port,
-                num_tokens=r.num_tokens,
-                expiry_time=r.expiry,
-            )
             try:
-                self.observer.on_handle_moved(r.request_id, params)
+                self.observer.on_handle_moved(r.request_id, self._params(r))
             except Exception:
                 log.exception("observer failed in on_handle_moved")
         finally:
