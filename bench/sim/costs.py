@@ -23,6 +23,11 @@
 - D's read of the prompt's KV from P (the hand-off) is inside those curves:
   `handoff_s`, bytes / `link_bytes_per_s` per token (about 5 µs), is what a
   D that holds a prompt's leading blocks already does not wait for.
+  `handoff_fixed_s` is 0 there; an engine whose prefill time is compute alone
+  (the sim-engine) pays its hand-off on top, as measured.
+- A turn D prefills itself runs in chunks in D's batch, each chunk a step
+  with D's running decodes (`local_chunk_decode_step`); the sim-engine runs
+  it as one compute of the prefill's time, and its first token comes from it.
 """
 
 from __future__ import annotations
@@ -66,6 +71,13 @@ class SimCosts:
     transfer_overhead_s: float = 0.010
     handshake_s: float = 0.020
     host_copy_bytes_per_s: float = 25e9
+    # The fixed time a turn through P spends on D before D's first step, beyond the prefill
+    # curve: D's NIXL read of the prompt's blocks from P, their check, the request's way into
+    # D's loop. 0 where the curves are end-to-end TTFT (they hold it).
+    handoff_fixed_s: float = 0.0
+    # Whether each chunk of a prefill on D also takes one of D's decode steps (vLLM's mixed
+    # batches); the sim-engine's local prefill is its compute alone.
+    local_chunk_decode_step: bool = True
     # Negative: fitted to QWEN3_32B_PULL_POINT on construction.
     pulled_token_s: float = -1.0
 

@@ -367,9 +367,10 @@ class Simulator:
         flight.cached = cached
         flight.computed = tokens - cached
         compute = costs.prefill_s(flight.computed) + costs.pulled_compute_s(cached)
-        # Its chunks share D's steps with the decodes running there: one decode step each.
-        steps = -(-flight.computed // LOCAL_PREFILL_CHUNK_TOKENS)
-        compute += steps * costs.decode_step_s(d.running)
+        if costs.local_chunk_decode_step:
+            # Its chunks share D's steps with the decodes running there: one decode step each.
+            steps = -(-flight.computed // LOCAL_PREFILL_CHUNK_TOKENS)
+            compute += steps * costs.decode_step_s(d.running)
         flight.compute = max(0.0, compute - costs.handoff_s(tokens))
         self.rec.decisions[flight.decision] += 1
         self.rec.cached_tokens += cached
@@ -564,16 +565,19 @@ class Simulator:
     def _first_token(self, flight: _InFlight, now: float) -> None:
         turn = flight.turn
         rec = self.rec
-        first = now
+        costs = self.config.costs
+        first = start = now
         if not flight.choice.local_prefill:
-            # Through P, D makes the first token in a decode step once it has the KV; a prefill
-            # on D made it in its own last step (`_prefill_on_decode` charges that step).
-            first += self.config.costs.decode_step_s(flight.decode.running)
+            # Through P, D reads the prompt's KV (what the prefill curve leaves out of the
+            # hand-off), then makes the first token in a decode step; a prefill on D made it with
+            # its last chunk (`_prefill_on_decode` charges that).
+            start += costs.handoff_fixed_s
+            first = start + costs.decode_step_s(flight.decode.running)
         rec.ttft_s.append(first - turn.arrival_s)
         rec.prompt_tokens.append(turn.prompt_tokens)
         rec.pulled_tokens.append(flight.pulled)
         flight.stalled_s = flight.decode.stalled_s
-        done = now + self.config.costs.decode_s(turn.output_tokens, flight.decode.running)
+        done = start + costs.decode_s(turn.output_tokens, flight.decode.running)
         self._push(done, _DONE, flight)
 
     def _admit(self, d: DecodeState, now: float) -> None:

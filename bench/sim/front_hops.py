@@ -11,6 +11,9 @@ sim-engine's timing model), averaged over the workloads. A hop is never less tha
 on the front's path (kvplane's gateways: their mean Route call at one in flight, workload A), nor
 below 0.
 
+D's hand-off on the comparison's sim-engines is read off the same kind of record: a turn through
+P reaches D's first step that long after it reaches D (`handoff_ms`).
+
 The per-turn noise of one live block at one in flight is about 10 ms, so these figures say which
 front adds tens of ms and which does not, not a ms more or less.
 """
@@ -24,6 +27,8 @@ from kvplane.connector.simengine.timing_model import TimingModel
 
 # The record the hops are read from, relative to the repository's root.
 COMPARE_SOURCE = "bench/results/compare.json"
+# The record D's hand-off is read from: the first with each engine's own TTFT in it.
+HANDOFF_SOURCE = "bench/results/compare_acc6c4e.json"
 ZERO_HOP_CLIENTS = ("zero-hop", "zero-hop-reuse")
 
 
@@ -66,3 +71,23 @@ def front_hop_ms(document: Mapping[str, Any], front: str) -> float:
     excess = sum(ttft_excess_ms(document, front, w) for w in workloads) / len(workloads)
     timed = route_ms(document, front=front) if front in TIMED_ROUTE_FRONTS else 0.0
     return max(timed, excess, 0.0)
+
+
+def handoff_ms(
+    document: Mapping[str, Any], local_prefill_fronts: Sequence[str], timing: TimingModel | None = None
+) -> float:
+    """What a turn through P spends on D before its first step, on the sim-engines (ms): D's own
+    TTFT (from the D leg's arrival: its NIXL read of P's blocks, their check, the way into D's
+    loop, then one decode step) at one conversation in flight, less the modelled step, averaged
+    over every front and workload whose turns all go through P (not `local_prefill_fronts`)."""
+    timing = timing or TimingModel()
+    step_ms = timing.decode_s(1) / timing.speedup * 1000.0
+    own = [
+        row["decode_engine_ttft_ms"]
+        for workload in sorted(document["workloads"])
+        for front, row in _rows(document, workload, 1).items()
+        if front not in local_prefill_fronts and row.get("decode_engine_ttft_ms") is not None
+    ]
+    if not own:
+        raise ValueError("the record has no decode engine's own TTFT at one in flight")
+    return max(0.0, float(sum(own)) / len(own) - step_ms)

@@ -92,12 +92,21 @@ class FrontSample:
     reuse_share: float
 
 
+# A turn through P on the comparison's sim-engines spends this long on D before D's first step:
+# D's own TTFT at one conversation in flight less the modelled step, over every front whose turns
+# all go through P (`front_hops.handoff_ms` on `front_hops.HANDOFF_SOURCE`). Machine time (NIXL,
+# the blocks' check, HTTP), not modelled time: `speedup` leaves it as it is.
+SIM_ENGINE_HANDOFF_S = 0.023500
+
+
 def sim_engine_costs(speedup: float = 1.0) -> SimCosts:
     """What work costs on the comparison's sim-engines, which differ from the published figures
     the simulator's defaults are fitted to: a prefill takes the timing model's time for the
-    tokens it computes only (held and pulled tokens cost no compute), and a pull reads the
-    `sim-model`'s KV (16,384 bytes per 16-token block) over loopback NIXL, 3.7-4.8 GB/s as
-    measured on this kind of machine (shared/reference/README.md); its fixed cost is a guess."""
+    tokens it computes only (held and pulled tokens cost no compute), and a turn D prefills
+    itself that time alone, its first token with it; a turn through P pays D's hand-off on top
+    (`SIM_ENGINE_HANDOFF_S`, measured); a pull reads the `sim-model`'s KV (16,384 bytes per
+    16-token block) over loopback NIXL, 3.7-4.8 GB/s as measured on this kind of machine
+    (shared/reference/README.md); its fixed cost is a guess."""
     timing = SimCosts().timing.with_speedup(speedup)
     return SimCosts(
         timing=timing,
@@ -105,6 +114,8 @@ def sim_engine_costs(speedup: float = 1.0) -> SimCosts:
         link_bytes_per_s=4e9,
         transfer_overhead_s=0.002,
         pulled_token_s=0.0,
+        handoff_fixed_s=SIM_ENGINE_HANDOFF_S,
+        local_chunk_decode_step=False,
     )
 
 
