@@ -152,6 +152,9 @@ class BlockSet:
             cursor._restart()
 
     def _stored(self, event: BlockStored) -> None:
+        if event.parent_id is None and not event.token_ids:
+            self._stored_by_name(event)
+            return
         medium = _medium(event.medium)
         blocks = self._media.setdefault(medium, {})
         parent = event.parent_id
@@ -183,8 +186,37 @@ class BlockSet:
             self.stats.overflows += 1
             self.reset()
 
+    def _stored_by_name(self, event: BlockStored) -> None:
+        """An event that names its blocks only: no parent and no tokens (vLLM's OffloadingConnector
+        without `self_describing_kv_events` sends such placeholders for what it copies to its
+        CPU tier, one block each, in no particular order). Neither a chain start nor a chain: a
+        block's depth is its copy's on another medium (one hash, one place in its chain), else
+        unknown."""
+        medium = _medium(event.medium)
+        blocks = self._media.setdefault(medium, {})
+        forwarded = medium in self.forwarded_media
+        k = self.checkpoint_blocks
+        for block_id in event.block_ids:
+            held = blocks.get(block_id)
+            if held is not None and held != UNKNOWN_DEPTH:
+                continue
+            depth = self._depth_elsewhere(block_id)
+            if held is None:
+                self._count += 1
+            if depth == UNKNOWN_DEPTH:
+                self.stats.orphaned += 1
+            blocks[block_id] = depth
+            self.stats.stored += 1
+            if forwarded and depth != UNKNOWN_DEPTH and depth % k == 0:
+                for cursor in self._cursors:
+                    cursor._add(block_id)
+        if self._count > self.max_blocks:
+            self.stats.overflows += 1
+            self.reset()
+
     def _depth_elsewhere(self, parent: int) -> int:
-        """The parent's depth in another medium (an offloaded chain continues a GPU one)."""
+        """The block's depth on any medium that knows it (an offloaded chain continues a GPU
+        one; an offloaded copy sits where its GPU original does)."""
         for blocks in self._media.values():
             depth = blocks.get(parent)
             if depth is not None and depth != UNKNOWN_DEPTH:

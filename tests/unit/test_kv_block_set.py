@@ -46,6 +46,27 @@ def test_a_cpu_chain_continues_from_its_gpu_parent() -> None:
     assert blocks.depth(2, "CPU") == 2
 
 
+def named(ids: list[int], medium: str) -> BlockStored:
+    """A store that names its blocks only (vLLM's offloading placeholders): no parent, no tokens."""
+    return BlockStored(tuple(ids), None, (), 0, medium)
+
+
+def test_a_copy_named_without_its_chain_takes_its_original_depth_not_a_chain_start() -> None:
+    blocks = BlockSet(forwarded_media=("GPU", "CPU"))
+    cursor = blocks.cursor()
+    blocks.snapshot_for(cursor)
+    blocks.apply([stored([1, 2, 3], None)])
+    # The copies come one per event and in any order; unknown blocks are no first blocks.
+    blocks.apply([named([3], "CPU"), named([1], "CPU"), named([2], "CPU"), named([9], "CPU")])
+    assert [blocks.depth(b, "CPU") for b in (1, 2, 3)] == [1, 2, 3]
+    assert blocks.depth(9, "CPU") == UNKNOWN_DEPTH
+    assert blocks.stats.orphaned == 1
+    assert cursor.take() == ([1, 2, 3], [])
+    # A copy already known keeps its depth when it is named again.
+    blocks.apply([named([2], "CPU")])
+    assert blocks.depth(2, "CPU") == 2 and blocks.count("CPU") == 4
+
+
 def test_all_blocks_cleared_empties_the_set_and_asks_every_cursor_for_a_snapshot() -> None:
     blocks = BlockSet()
     cursor = blocks.cursor()

@@ -23,11 +23,17 @@ from vllm import SamplingParams
 from vllm.config import (
     CacheConfig,
     DeviceConfig,
+    KVEventsConfig,
     KVTransferConfig,
     ModelConfig,
     SchedulerConfig,
     VllmConfig,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
+    MultiConnector,
+    MultiKVConnectorWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -72,12 +78,57 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 class Engine:
-    """A real vLLM scheduler with kvplane's connector; the test plays model runner and workers."""
+    """A real vLLM scheduler with kvplane's connector; the test plays model runner and workers.
+
+    `offload_cpu_bytes` > 0 runs kvplane's connector as the first of vLLM's MultiConnector, with
+    vLLM's OffloadingConnector (a CPU tier of that many bytes; its events self-describing or
+    placeholders, `self_describing_events`) second, and KV-cache events on:
+    the test then plays the offloading worker too, finishing every store and load it is given in
+    the step that gives it, and keeps the event batches the scheduler publishes (`batches`)."""
 
     _tokens = itertools.count(20000)
 
-    def __init__(self, model_dir: Path, extra: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        extra: dict[str, Any] | None = None,
+        *,
+        offload_cpu_bytes: int = 0,
+        self_describing_events: bool = False,
+    ) -> None:
         kvplane_section = {"require_digests": True, **(extra or {})}
+        kvplane_connector = {
+            "kv_connector": "NixlConnector",
+            "kv_connector_module_path": "kvplane.connector.vllm_nixl",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "bidirectional_kv_xfer": True,
+                "decoder_kv_blocks_ttl": 60,
+                "kv_recompute_threshold": 64,
+                "kvplane": kvplane_section,
+            },
+        }
+        self.offloading = offload_cpu_bytes > 0
+        if self.offloading:
+            transfer = KVTransferConfig(
+                kv_connector="MultiConnector",
+                kv_role="kv_both",
+                kv_connector_extra_config={
+                    "connectors": [
+                        kvplane_connector,
+                        {
+                            "kv_connector": "OffloadingConnector",
+                            "kv_role": "kv_both",
+                            "kv_connector_extra_config": {
+                                "cpu_bytes_to_use": offload_cpu_bytes,
+                                "self_describing_kv_events": self_describing_events,
+                            },
+                        },
+                    ]
+                },
+            )
+        else:
+            transfer = KVTransferConfig(**kvplane_connector)  # type: ignore[arg-type]
         config = VllmConfig(
             model_config=ModelConfig(
                 model=str(model_dir), skip_tokenizer_init=True, max_model_len=4096, seed=0
@@ -90,17 +141,8 @@ class Engine:
                 is_encoder_decoder=False,
             ),
             cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
-            kv_transfer_config=KVTransferConfig(
-                kv_connector="NixlConnector",
-                kv_connector_module_path="kvplane.connector.vllm_nixl",
-                kv_role="kv_both",
-                kv_connector_extra_config={
-                    "bidirectional_kv_xfer": True,
-                    "decoder_kv_blocks_ttl": 60,
-                    "kv_recompute_threshold": 64,
-                    "kvplane": kvplane_section,
-                },
-            ),
+            kv_transfer_config=transfer,
+            kv_events_config=KVEventsConfig(enable_kv_cache_events=self.offloading, publisher="null"),
             device_config=DeviceConfig("cpu"),
         )
         config.cache_config.num_gpu_blocks = NUM_BLOCKS
@@ -124,7 +166,14 @@ class Engine:
             log_stats=True,
         )
         connector = self.scheduler.connector
+        if self.offloading:
+            assert isinstance(connector, MultiConnector)
+            connector = connector._connectors[0]
         assert isinstance(connector, NixlConnector)
+        self.batches: list[Any] = []
+        if self.offloading:
+            publisher = self.scheduler.kv_event_publisher
+            publisher.publish = self.batches.append  # type: ignore[method-assign]
         self.connector: NixlConnector = connector
         # An agent that is never started: what the connector enqueues stays visible. A connector
         # configured with a control plane (metadata_target) keeps the agent it started.
@@ -157,13 +206,24 @@ class Engine:
         """One scheduler step: schedule, then report one sampled token per scheduled request."""
         out = self.scheduler.schedule()
         self.last_meta = out.kv_connector_metadata
+        worker_meta = None
+        if self.offloading:
+            # The offloading worker: every transfer it is given ends in this step.
+            kvplane_meta, offload_meta = self.last_meta.metadata
+            self.last_meta = kvplane_meta
+            done = OffloadingWorkerMetadata()
+            for job_id in (*offload_meta.store_jobs, *offload_meta.load_jobs):
+                done.mark_completed(job_id)
+            worker_meta = MultiKVConnectorWorkerMetadata((None, done))
         req_ids = list(out.num_scheduled_tokens)
         runner_output = ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=[[next(self._tokens)] for _ in req_ids],
             kv_connector_output=KVConnectorOutput(
-                finished_sending=set(finished_sending), finished_recving=set(finished_recving)
+                finished_sending=set(finished_sending),
+                finished_recving=set(finished_recving),
+                kv_connector_worker_meta=worker_meta,
             ),
         )
         for outputs in self.scheduler.update_from_output(out, runner_output).values():
@@ -197,8 +257,18 @@ def engines(model_dir: Path) -> Iterator[list[Engine]]:
 
 @pytest.fixture
 def new_engine(model_dir: Path, engines: list[Engine]) -> Any:
-    def make(extra: dict[str, Any] | None = None) -> Engine:
-        engine = Engine(model_dir, extra)
+    def make(
+        extra: dict[str, Any] | None = None,
+        *,
+        offload_cpu_bytes: int = 0,
+        self_describing_events: bool = False,
+    ) -> Engine:
+        engine = Engine(
+            model_dir,
+            extra,
+            offload_cpu_bytes=offload_cpu_bytes,
+            self_describing_events=self_describing_events,
+        )
         engines.append(engine)
         return engine
 
