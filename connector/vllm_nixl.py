@@ -30,7 +30,11 @@ nothing on the worker side. In the scheduler process it adds:
   already on their way). `has_pending_block_frees` answers True while such releases are in
   flight, so vLLM waits a step for their blocks instead of preempting a running request;
 - `get_num_new_matched_tokens` (P): the pull is verified against the prompt and clipped
-  (`kvplane.connector.prefix_check`) before vLLM sees it.
+  (`kvplane.connector.prefix_check`) before vLLM sees it;
+- a host tier (D, `host_tier_p2p`): run first in vLLM's MultiConnector beside its
+  OffloadingConnector, a D short of blocks moves its oldest handles whose first blocks the CPU
+  tier holds to that tier before it asks for memory, and frees their GPU blocks once the move is
+  stored (`kvplane.connector.vllm_host_tier`).
 
 Every network call happens on the node agent's thread; these hooks only enqueue. The
 `kvplane` section of `kv_connector_extra_config` is read by `ConnectorSettings.from_config`
@@ -52,6 +56,9 @@ KVPLANE_NODE_ROLE and KVPLANE_HTTP_URL give defaults):
                                        0: off)
     kv_free_watermark_blocks           free blocks to ask the control plane for on top of what
                                        waiting requests need (0: ask only for waiting requests)
+    host_tier_p2p                      D: host:port of the OffloadingConnector's P2P tier, where
+                                       P reads handles moved to the CPU tier (empty: no host tier;
+                                       needs the engine's KV events read on its host)
     auth_token_file                    file holding the node's bearer token (KVPLANE_AUTH_TOKEN_FILE;
                                        KVPLANE_AUTH_TOKEN gives the token itself, never a config key)
     tls_ca_file                        CA of the control plane's certificates: TLS (KVPLANE_TLS_CA_FILE)
@@ -82,7 +89,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -96,6 +103,7 @@ from kvplane.connector.kv_events.vllm_config import source_from_vllm_config
 from kvplane.connector.node_agent import NodeAgent, NodeAgentSettings
 from kvplane.connector.request_spans import current_trace_context, request_span
 from kvplane.connector.vllm_features import IncompatibleVllm
+from kvplane.connector.vllm_host_tier import HostTier, parse_endpoint
 from kvplane.connector.vllm_stats import (
     EVENTS_KEY,
     ConnectorStatsReader,
@@ -104,6 +112,7 @@ from kvplane.connector.vllm_stats import (
 )
 from kvplane.services.client.credentials import ClientCredentials
 from kvplane.services.common.model.handles import KEY_PULLED_TOKENS, KEY_RETAIN, EngineHandles, routed_to
+from kvplane.services.common.model.kv_events import MEDIUM_CPU
 from kvplane.services.common.model.nodes import Fingerprint, Node, NodeLoad, NodeRole
 from kvplane.services.common.runtime.telemetry import Telemetry
 
@@ -199,6 +208,12 @@ class ConnectorSettings:
     # Scheduler side: free blocks asked for on top of what waiting requests need. 0: memory is
     # asked for only when a request waits for it, never kept empty ahead of need.
     kv_free_watermark_blocks: int = 0
+    # D side, with vLLM's OffloadingConnector beside this one (MultiConnector) and the engine's
+    # KV events read: host:port where peers reach the OffloadingConnector's P2P tier. Set, a D
+    # short of blocks moves its oldest handles whose first blocks the CPU tier holds to the host
+    # tier before asking the control plane for memory (`kvplane.connector.vllm_host_tier`).
+    # Empty: no host tier.
+    host_tier_p2p: str = ""
     # Credentials for the control plane (kvplane.services.client.credentials); see the module docstring.
     auth_token_file: str = ""
     tls_ca_file: str = ""
@@ -274,11 +289,20 @@ class ConnectorSettings:
                 nixl_progress_thread=bool(raw.get("nixl_progress_thread", True)),
                 idle_step_pause_s=float(raw.get("idle_step_pause_s", 0.01)),
                 kv_free_watermark_blocks=int(raw.get("kv_free_watermark_blocks", 0)),
+                host_tier_p2p=_host_tier_endpoint(raw.get("host_tier_p2p", "")),
                 auth_token=str(env.get("KVPLANE_AUTH_TOKEN", "")),
                 **{key: str(raw.get(key, "")) for key in _CREDENTIAL_KEYS},
             )
         except (TypeError, ValueError) as exc:
             raise ConnectorConfigError(f"bad kvplane settings: {exc}") from None
+
+
+def _host_tier_endpoint(value: Any) -> str:
+    """The host_tier_p2p setting, checked: empty, or host:port."""
+    text = str(value or "").strip()
+    if text:
+        parse_endpoint(text)
+    return text
 
 
 class ConnectorMetrics:
@@ -317,6 +341,20 @@ class ConnectorMetrics:
         self.kv_demand = Gauge(
             "kvplane_connector_kv_demand_blocks",
             "KV blocks waiting requests need beyond the free blocks, at the last scheduler step",
+            registry=self.registry,
+        )
+        self.host_moves = Counter(
+            "kvplane_connector_host_moves_total",
+            "Retained handles moved to the CPU offloading tier, by outcome (sent; stored: their "
+            "GPU blocks freed; refused: the handle had been checked out, released or superseded)",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.host_handles_ended = Counter(
+            "kvplane_connector_host_handles_ended_total",
+            "Moved handles ended, by reason (evicted: the CPU tier dropped their first block; "
+            "released: a release command; expired)",
+            ["reason"],
             registry=self.registry,
         )
 
@@ -403,7 +441,18 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
         self._served_alone: set[str] = set()
         # Scheduler thread: how an idle step pauses (idle_step_pause_s).
         self._pause = time.sleep
+        # D side: handles moved to the CPU offloading tier (host_tier_p2p); GPU blocks of the
+        # moves awaiting the control plane (written on the scheduler thread, read on the agent's).
+        self._host_tier: HostTier | None = None
+        self._moving_blocks = 0
         if role == KVConnectorRole.SCHEDULER:
+            if settings.host_tier_p2p:
+                self._host_tier = HostTier(
+                    parse_endpoint(settings.host_tier_p2p),
+                    self._block_size,
+                    self._bytes_per_block,
+                    self._cpu_prefix,
+                )
             self._start_kvplane(vllm_config)
 
     # ------------------------------------------------------------------ set-up
@@ -437,6 +486,12 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
             retained_fn=self._retained_request_ids,
             kv_events=kv_events,
         )
+        if self._host_tier is not None and not self.kvplane_agent.reads_kv_events:
+            log.warning(
+                "kvplane: host_tier_p2p is set but the engine's KV events are not read "
+                "(--kv-events-config): no handle is moved to the CPU tier"
+            )
+            self._host_tier = None
         self.kvplane_agent.start()
         log.info(
             "kvplane: node agent started for %s (incarnation %s)",
@@ -466,6 +521,11 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
         with self._release_lock:
             self._drain_requested = True
 
+    def _cpu_prefix(self, block_ids: Sequence[int]) -> int:
+        """How many of a chain's leading blocks the CPU offloading tier holds (its KV events)."""
+        agent = self.kvplane_agent
+        return 0 if agent is None else agent.held_prefix(block_ids, MEDIUM_CPU)
+
     def _retained_request_ids(self) -> list[str]:
         """Agent thread, at every (re)registration: the published requests whose blocks this
         engine holds for a pull. P's blocks waiting for D's read were never published, so they
@@ -483,7 +543,7 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
         the agent acknowledges it, so a report sent after an ack never asks for its blocks again.
         """
         with self._release_lock:
-            coming = sum(self._freeing.values())
+            coming = sum(self._freeing.values()) + self._moving_blocks
             coming += sum(self._held_blocks(req_id) for req_id in self._pending_releases)
             return max(0, self._shortfall - coming)
 
@@ -626,6 +686,11 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
             held = self._held.pop(req_id, None)
             if held is None:
                 continue
+            tier = self._host_tier
+            if tier is not None:
+                if tier.is_moved(req_id):
+                    continue  # freed after its move was stored: the handle lives on the CPU tier
+                tier.forget(req_id)
             self.kvplane_metrics.released.inc()
             if self.kvplane_agent is not None:
                 self.kvplane_agent.report_released(req_id)
@@ -647,7 +712,11 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
                 self._drain_requested = False
                 self._draining = True
                 pending.extend(self._held)
+                if self._host_tier is not None:
+                    pending.extend(self._host_tier.moved_request_ids())
         applied: dict[str, int] = {}
+        if self._host_tier is not None:
+            pending = self._settle_host_tier(meta, pending, applied)
         for req_id in pending:
             if req_id in self._held or req_id in self._prefill_held:
                 meta.reqs_to_send[req_id] = meta.scheduler_clock - 1.0
@@ -666,6 +735,52 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
         return meta
 
     # ------------------------------------------------------------------ internals
+
+    def _settle_host_tier(self, meta: Any, pending: list[str], applied: dict[str, int]) -> list[str]:
+        """Scheduler thread, every step: the moves the control plane stored free their GPU
+        blocks in this step (into `applied`, as blocks on their way); release commands naming
+        moved handles, and moved handles the CPU tier dropped or that expired, end them.
+        Returns the release commands left for held requests."""
+        tier = self._host_tier
+        assert tier is not None
+        stored, refused = tier.settled()
+        with self._release_lock:
+            self._moving_blocks = tier.moving_blocks()
+        for req_id in stored:
+            self.kvplane_metrics.host_moves.labels("stored").inc()
+            if req_id in self._held:
+                meta.reqs_to_send[req_id] = meta.scheduler_clock - 1.0
+                applied[req_id] = self._held_blocks(req_id)
+        for _ in refused:
+            self.kvplane_metrics.host_moves.labels("refused").inc()
+        left = []
+        for req_id in pending:
+            if tier.release(req_id):
+                self._end_moved(req_id, "released")
+            else:
+                left.append(req_id)
+        for req_id in tier.ended(int(time.time() * 1000)):
+            self._end_moved(req_id, "ended")
+        return left
+
+    def _end_moved(self, req_id: str, reason: str) -> None:
+        self.kvplane_metrics.host_handles_ended.labels(reason).inc()
+        if self.kvplane_agent is not None:
+            self.kvplane_agent.report_released(req_id)
+
+    def _spill(self) -> None:
+        """Scheduler thread, when requests wait for blocks: move the oldest handles the CPU tier
+        holds, for what the demand lacks; the moves' blocks count as on their way."""
+        tier, agent = self._host_tier, self.kvplane_agent
+        if tier is None or agent is None:
+            return
+        wanted = self._current_demand()
+        if wanted > 0:
+            for req_id, moved in tier.spill(wanted):
+                self.kvplane_metrics.host_moves.labels("sent").inc()
+                agent.publish(moved, None, on_outcome=tier.outcome(req_id))
+        with self._release_lock:
+            self._moving_blocks = tier.moving_blocks()
 
     def _after_finish(
         self, request: Request, delay_free: bool, params: dict[str, Any] | None
@@ -714,6 +829,9 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
             attributes = {"kvplane.handle_id": handle_id, "kvplane.retained_bytes": retained_bytes}
             with request_span(self._tracer, "kvplane.publish", _trace_headers(request), **attributes):
                 self.kvplane_agent.publish(handle, current_trace_context())
+        if self._host_tier is not None:
+            retained = request.all_token_ids[: int(params.get("remote_num_tokens") or 0)]
+            self._host_tier.track(request.request_id, handle, retained, request.block_hashes)
         # Held only once its publish is queued: a reconcile on the agent's thread that sees the
         # request also sees its publish (queued, or sent and referenced), never frees it unsent.
         self._held[request.request_id] = _Held(handle_id, retained_bytes)
@@ -731,6 +849,7 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
         with self._release_lock:
             self._freeing.update(applied)
             self._shortfall = shortfall
+        self._spill()
         self.kvplane_metrics.kv_demand.set(shortfall)
         demand = self._current_demand()
         if demand != self._demand_notified:

@@ -18,12 +18,13 @@ cursor after a reset, asks for a full snapshot instead.
 Memory is bounded: at most `max_blocks` blocks over all media. More than that means removals
 were missed (an engine holds no more blocks than its KV cache has), so the set resets.
 
-Pure: no I/O, no clock. Not thread-safe: the node agent's loop owns it.
+Pure: no I/O, no clock. Not thread-safe: the node agent's loop owns it (`held_prefix` alone may
+be read from another thread).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from kvplane.services.common.model.kv_events import (
@@ -245,6 +246,17 @@ class BlockSet:
     def depth(self, block_id: int, medium: str = MEDIUM_GPU) -> int | None:
         """The block's depth on `medium` (UNKNOWN_DEPTH: its chain is not known), None if absent."""
         return self._media.get(_medium(medium), {}).get(block_id)
+
+    def held_prefix(self, block_ids: Sequence[int], medium: str = MEDIUM_GPU) -> int:
+        """How many of a chain's leading blocks `medium` holds, each at its own depth (the first
+        block at 1). One dict read per block: safe to call from another thread, which may see
+        the set as of a moment before."""
+        blocks = self._media.get(_medium(medium), {})
+        n = 0
+        for n, block_id in enumerate(block_ids, start=1):
+            if blocks.get(block_id) != n:
+                return n - 1
+        return n
 
     def count(self, medium: str = MEDIUM_GPU) -> int:
         return len(self._media.get(_medium(medium), {}))

@@ -16,7 +16,7 @@ import dataclasses
 import logging
 import threading
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from kvplane.connector.kv_events.block_set import BlockSet
 from kvplane.connector.kv_events.source import KVEventsSource
@@ -132,14 +132,23 @@ class NodeAgent:
             log.warning("node agent thread did not stop within %.1f s", timeout_s)
         self._thread = None
 
-    def publish(self, handle: CacheHandle, trace_context: Mapping[str, str] | None = None) -> None:
+    def publish(
+        self,
+        handle: CacheHandle,
+        trace_context: Mapping[str, str] | None = None,
+        on_outcome: Callable[[bool], None] | None = None,
+    ) -> None:
         """Queue a retained handle for PublishHandles. Never blocks; any thread.
 
         The agent stamps the holder node id and incarnation itself. `trace_context` (the
         `traceparent` of the turn that retained the handle) makes the publish part of that trace.
+        `on_outcome(stored)` is called on the agent's thread once the control plane has answered
+        (False: a relocation it refused) or the publish was dropped unsent (False); a publish
+        given up as stale frees its request instead (`on_release`). It must be quick and
+        thread-safe.
         """
         context = tuple((k, v) for k, v in (trace_context or {}).items() if k in _TRACE_KEYS)
-        self._outbox.put(Item("publish", handle=handle, trace_context=context))
+        self._outbox.put(Item("publish", handle=handle, trace_context=context, on_outcome=on_outcome))
 
     def report_released(self, remote_request_id: str) -> None:
         """Queue a "blocks freed" report for ReportReleased. Never blocks; any thread."""
@@ -183,6 +192,17 @@ class NodeAgent:
             relocations_refused=self._sender.relocations_refused,
             **self._kv_event_stats(),
         )
+
+    @property
+    def reads_kv_events(self) -> bool:
+        """Whether the engine's KV-cache events are read (`held_prefix` knows anything)."""
+        return self._blocks is not None
+
+    def held_prefix(self, block_ids: Sequence[int], medium: str) -> int:
+        """How many of a chain's leading blocks the engine holds on `medium`, as its KV events
+        tell (0 when they are not read). Any thread: the set may be a moment old."""
+        blocks = self._blocks
+        return 0 if blocks is None else blocks.held_prefix(block_ids, medium)
 
     def _kv_event_stats(self) -> dict[str, int]:
         sub, blocks = self._subscriber, self._blocks

@@ -11,6 +11,7 @@ import asyncio
 import collections
 import contextlib
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -31,6 +32,9 @@ class Item:
     trace_context: tuple[tuple[str, str], ...] = ()
     # time.monotonic() of the first failed send; 0: none failed yet.
     failing_since: float = 0.0
+    # A publish only: told, on the agent's thread, whether the control plane stored the handle
+    # (False: a relocation it refused, or a publish dropped unsent).
+    on_outcome: Callable[[bool], None] | None = None
 
 
 class Outbox:

@@ -82,6 +82,8 @@ class Sender:
             else:
                 # INVALID_ARGUMENT and the like: resending cannot help.
                 self._outbox.drop(len(batch))
+                for item in batch:
+                    _tell(item, stored=False)
                 log.warning(
                     "dropping %d %s item(s): %s %s", len(batch), batch[0].kind, err.code(), err.details()
                 )
@@ -143,6 +145,7 @@ class Sender:
         )
         self.published += len(batch)
         for item, result in zip(batch, response.results, strict=False):
+            _tell(item, stored=not result.relocation_refused)
             if result.relocation_refused:
                 self.relocations_refused += 1
                 assert item.handle is not None
@@ -165,3 +168,13 @@ class Sender:
             metadata=plane.call_metadata,
         )
         self.released_reported += len(batch)
+
+
+def _tell(item: Item, *, stored: bool) -> None:
+    """The engine's callback for a publish's outcome, if it asked for one."""
+    if item.on_outcome is None:
+        return
+    try:
+        item.on_outcome(stored)
+    except Exception:
+        log.exception("the outcome callback of a publish failed")

@@ -12,6 +12,7 @@ from kvplane.connector import digests as token_digests
 from kvplane.services.common.model.handles import (
     KEY_CONVERSATION,
     KEY_DIGESTS,
+    KEY_REMOTE_KV_SOURCE,
     KEY_TENANT,
     CacheHandle,
     fresh_prefill_params,
@@ -19,15 +20,28 @@ from kvplane.services.common.model.handles import (
 
 
 def prefill_params(
-    tenant: str, conversation: str, handle: CacheHandle | None, *, clip_to_tokens: int = 0
+    tenant: str,
+    conversation: str,
+    handle: CacheHandle | None,
+    *,
+    clip_to_tokens: int = 0,
+    route_id: str = "",
 ) -> dict[str, Any]:
     """The P leg's kv_transfer_params: every vLLM key of the handle untouched (but for
     a prefix pull, clipped to the verified prefix), plus our keys so that the engines'
-    connectors can check and publish."""
+    connectors can check and publish.
+
+    A handle a vLLM decode engine moved to its CPU offloading tier names no block of D's KV
+    cache but where D's offloading P2P tier serves the copies (`remote_kv_source`): P's
+    OffloadingConnector looks the prompt's own block hashes up there, under `route_id` as the
+    transfer's id (vLLM's `kv_request_id`)."""
     if handle is None:
         params = fresh_prefill_params()
     else:
         params = handle.prefill_kv_transfer_params()
+        source = params.get(KEY_REMOTE_KV_SOURCE)
+        if isinstance(source, dict):
+            params[KEY_REMOTE_KV_SOURCE] = {**source, "kv_request_id": route_id or handle.handle_id}
         if handle.digests is not None:
             params[KEY_DIGESTS] = token_digests.encode(handle.digests)
             if clip_to_tokens > 0:

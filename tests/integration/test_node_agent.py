@@ -431,7 +431,8 @@ async def test_a_relocation_of_a_handle_checked_out_meanwhile_is_refused_and_cou
     handle = dataclasses.replace(
         make_handle(node, conversation="conv-move", request_id="cmpl-move-1"), handle_id="h-move-1"
     )
-    agent.publish(handle)
+    outcomes: list[tuple[str, bool]] = []
+    agent.publish(handle, on_outcome=lambda stored: outcomes.append(("handle", stored)))
     await eventually(lambda: get_handle(metadata_channel, "conv-move"), what="handle published")
     await metadata_pb2_grpc.MetadataServiceStub(metadata_channel).CheckOutHandle(
         metadata_pb2.CheckOutHandleRequest(conversation="conv-move"), metadata=tenant_headers("acme")
@@ -440,14 +441,55 @@ async def test_a_relocation_of_a_handle_checked_out_meanwhile_is_refused_and_cou
     moved = dataclasses.replace(
         handle, handle_id="h-move-2", tier=KvTier.HOST, relocates_handle_id="h-move-1"
     )
-    agent.publish(moved)
+    agent.publish(moved, on_outcome=lambda stored: outcomes.append(("moved", stored)))
 
     await eventually(lambda: _true(agent.stats().relocations_refused == 1), what="the refusal")
     assert agent.stats().published == 2 and agent.stats().dropped == 0
+    # The engine is told (it keeps the blocks for the check-out to read).
+    await eventually(lambda: _true(len(outcomes) == 2), what="both outcomes")
+    assert outcomes == [("handle", True), ("moved", False)]
     # The check-out stands; nothing was stored over it.
     view = await get_handle(metadata_channel, "conv-move")
     assert view is not None and view.handle.handle_id == "h-move-1"
     assert view.state == handle_pb2.HANDLE_STATE_CHECKED_OUT
+
+
+async def test_a_stored_relocation_is_told_to_the_engine(
+    metadata_process: ServiceProcess,
+    metadata_channel: grpc.aio.Channel,
+    start_agent: Callable[..., tuple[NodeAgent, Recorder]],
+) -> None:
+    node = make_node("d-moved", incarnation="")
+    agent, _ = start_agent(fast_settings(target_of(metadata_process)), node)
+    handle = dataclasses.replace(
+        make_handle(node, conversation="conv-moved", request_id="cmpl-moved-1"), handle_id="h-moved-1"
+    )
+    agent.publish(handle)
+    await eventually(lambda: get_handle(metadata_channel, "conv-moved"), what="handle published")
+    outcomes: list[bool] = []
+    moved = dataclasses.replace(
+        handle, handle_id="h-moved-2", tier=KvTier.HOST, relocates_handle_id="h-moved-1"
+    )
+    agent.publish(moved, on_outcome=outcomes.append)
+    await eventually(lambda: _true(outcomes == [True]), what="the move stored")
+    view = await get_handle(metadata_channel, "conv-moved")
+    assert view is not None and view.handle.handle_id == "h-moved-2"
+    assert view.handle.tier == handle_pb2.KV_TIER_HOST
+
+
+async def test_a_publish_the_control_plane_rejects_is_dropped_and_told_as_not_stored(
+    metadata_process: ServiceProcess,
+    start_agent: Callable[..., tuple[NodeAgent, Recorder]],
+) -> None:
+    node = make_node("d-bad", incarnation="")
+    agent, _ = start_agent(fast_settings(target_of(metadata_process)), node)
+    outcomes: list[bool] = []
+    bad = dataclasses.replace(
+        make_handle(node, conversation="conv-bad", request_id="cmpl-bad"), conversation=""
+    )
+    agent.publish(bad, on_outcome=outcomes.append)
+    await eventually(lambda: _true(outcomes == [False]), what="the rejection told")
+    assert agent.stats().published == 0
 
 
 async def _true(value: bool) -> bool:

@@ -67,6 +67,16 @@ def test_a_copy_named_without_its_chain_takes_its_original_depth_not_a_chain_sta
     assert blocks.depth(2, "CPU") == 2 and blocks.count("CPU") == 4
 
 
+def test_held_prefix_counts_leading_blocks_each_at_its_own_depth() -> None:
+    blocks = BlockSet()
+    blocks.apply([stored([1, 2, 3, 4], None), named([1, 2, 4], "CPU"), stored([7, 8], parent=99)])
+    assert blocks.held_prefix([1, 2, 3, 4]) == 4
+    assert blocks.held_prefix([1, 2, 3, 4], "CPU") == 2  # the third is missing
+    assert blocks.held_prefix([2, 3], "GPU") == 0  # held, but not as a chain's first block
+    assert blocks.held_prefix([7, 8]) == 0  # no known depth
+    assert blocks.held_prefix([], "CPU") == 0
+
+
 def test_all_blocks_cleared_empties_the_set_and_asks_every_cursor_for_a_snapshot() -> None:
     blocks = BlockSet()
     cursor = blocks.cursor()

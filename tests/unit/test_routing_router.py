@@ -11,7 +11,7 @@ import pytest
 
 import kvplane.services.routing.router as router_package
 from kvplane.services.common.model.errors import HandleNotRetained, NotFound, StoreUnavailable
-from kvplane.services.common.model.handles import CacheHandle
+from kvplane.services.common.model.handles import KEY_REMOTE_KV_SOURCE, CacheHandle, KvTier
 from kvplane.services.common.model.nodes import Node, NodeRole
 from kvplane.services.common.model.suspects import NodeSuspect
 from kvplane.services.common.store.records import CheckOut, HandleRecord, HandleReplaced
@@ -176,6 +176,22 @@ async def test_a_pull_checks_the_handle_out_and_builds_the_prefill_params() -> N
     assert checkout.calls == [(outcome.route_id, RoutingSection().checkout_timeout_s)]
     assert outcome.prefill_params["remote_engine_id"] == "e-d0"
     assert outcome.routed_unix_ms == NOW
+
+
+async def test_a_pull_from_a_handle_in_vllm_cpu_tier_names_the_p2p_source_under_the_route_id() -> None:
+    cluster = FakeCluster(fleet())
+    record = held(cluster, history(HISTORY))
+    source = {"remote_host": "10.0.0.5", "remote_port": 5700}
+    vllm = replace(record.handle.vllm, remote_block_ids=(), extra={KEY_REMOTE_KV_SOURCE: source})
+    cluster.handles[("t", "c")] = replace(record, handle=replace(record.handle, vllm=vllm, tier=KvTier.HOST))
+    router, _, _ = make_router(cluster)
+    outcome = await router.route(turn([*history(HISTORY), 1]))
+    assert outcome.decision is Decision.PULL, outcome.reason
+    params = outcome.prefill_params
+    # No block of D's KV cache to read over NIXL; P's OffloadingConnector reads the copies by hash.
+    assert params["remote_block_ids"] == [] and params["remote_num_tokens"] == HISTORY
+    assert params[KEY_REMOTE_KV_SOURCE] == {**source, "kv_request_id": outcome.route_id}
+    assert params["do_remote_decode"] is True and params["do_remote_prefill"] is False
 
 
 async def test_a_turn_prefilled_on_its_holder_checks_nothing_out_and_leaves_the_prefill_record_alone() -> (

