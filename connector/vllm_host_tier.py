@@ -39,12 +39,12 @@ from kvplane.services.common.model.handles import KEY_REMOTE_KV_SOURCE, CacheHan
 
 @dataclass(frozen=True, slots=True)
 class _Tracked:
-    """A published handle and what a move needs: vLLM's hashes and kvplane's digest chain of its
-    whole blocks, in order, and the blocks it holds on the GPU."""
+    """A published handle and what a move needs: vLLM's block ids of its whole blocks, in order,
+    the tokens they hold (hashed into digests only for a move), the blocks it holds on the GPU."""
 
     handle: CacheHandle
     block_ids: tuple[int, ...]
-    chain: tuple[int, ...]
+    token_ids: Sequence[int]
     gpu_blocks: int
 
 
@@ -78,11 +78,11 @@ class HostTier:
     def track(
         self, request_id: str, handle: CacheHandle, token_ids: Sequence[int], block_hashes: Sequence[bytes]
     ) -> None:
-        """At publish: the handle, the tokens its blocks hold, vLLM's hashes of the request's blocks."""
+        """At publish: the handle, the tokens its blocks hold, vLLM's hashes of the request's blocks.
+        The tokens are kept as given, not copied (vLLM keeps a held request's as they are)."""
         whole = min(len(token_ids) // self.block_size, len(block_hashes))
-        chain = token_digests.chain(token_ids[: whole * self.block_size], self.block_size)
         ids = tuple(external_id(h) for h in block_hashes[:whole])
-        self._tracked[request_id] = _Tracked(handle, ids, tuple(chain), handle.vllm.num_blocks)
+        self._tracked[request_id] = _Tracked(handle, ids, token_ids, handle.vllm.num_blocks)
 
     def forget(self, request_id: str) -> None:
         """Its blocks were freed (read, expired, released) before any move: nothing to move."""
@@ -174,14 +174,11 @@ class HostTier:
 
     def _moved_handle(self, tracked: _Tracked) -> CacheHandle | None:
         """The HOST-tier handle for the prefix of `tracked` the CPU tier holds, or None."""
-        blocks = min(self.held_prefix(tracked.block_ids), len(tracked.chain))
+        blocks = self.held_prefix(tracked.block_ids)
         if blocks <= 0:
             return None
         was = tracked.handle
-        points = token_digests.checkpoints(blocks)
-        digests = token_digests.TokenDigests(
-            self.block_size, blocks, tuple(tracked.chain[p - 1] for p in points)
-        )
+        digests = token_digests.digest_tokens(tracked.token_ids[: blocks * self.block_size], self.block_size)
         extra = dict(was.vllm.extra)
         extra[KEY_REMOTE_KV_SOURCE] = {"remote_host": self.p2p_host, "remote_port": self.p2p_port}
         return dataclasses.replace(

@@ -772,7 +772,7 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
         """Scheduler thread, when requests wait for blocks: move the oldest handles the CPU tier
         holds, for what the demand lacks; the moves' blocks count as on their way."""
         tier, agent = self._host_tier, self.kvplane_agent
-        if tier is None or agent is None:
+        if tier is None or agent is None or self._draining:
             return
         wanted = self._current_demand()
         if wanted > 0:

@@ -354,3 +354,18 @@ def test_the_readme_host_tier_configuration_is_one_this_connector_and_vllm_accep
     assert p2p["type"] == "p2p"
     assert settings.host_tier_p2p == f"{p2p['host']}:{p2p['port']}"
     KVTransferConfig(**multi)  # vLLM's own check of the configuration
+
+
+def test_a_drain_ends_moved_handles_with_the_held_ones(new_engine: Any) -> None:
+    d, _cpu = host_engine(new_engine)
+    short_of_blocks(d)
+    told(d, "held-a", stored=True)
+    d.step()
+    d.step(finished_sending={"held-a"})
+    d.connector._queue_drain()
+    d.step()
+    # The moved handle ends at once; held-b's blocks are released as any held handle's.
+    assert d.agent.pending()[1] == ["held-a"]
+    assert d.last_meta.reqs_to_send["held-b"] < d.last_meta.scheduler_clock
+    d.step(finished_sending={"held-b"})
+    assert d.agent.pending()[1] == ["held-a", "held-b"]
