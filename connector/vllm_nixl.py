@@ -352,8 +352,8 @@ class ConnectorMetrics:
         )
         self.host_handles_ended = Counter(
             "kvplane_connector_host_handles_ended_total",
-            "Moved handles ended, by reason (evicted: the CPU tier dropped their first block; "
-            "released: a release command; expired)",
+            "Moved handles ended, by reason (released: a release command; ended: the CPU tier "
+            "dropped their first block, or they expired)",
             ["reason"],
             registry=self.registry,
         )

@@ -211,6 +211,30 @@ def test_the_simulator_places_prefill_on_decode_as_the_recorded_comparison_does(
     assert order_disagreements(live, simulated, reference_ms) == [], (live, simulated)
 
 
+# The latest full comparison (`python -m kvplane.bench.compare --workload both --concurrency 1,8,32
+# --repeats 2 --min-conversations 1 --fronts kvplane,vllm-router,example-proxy,zero-hop-reuse
+# --idle-s 10`, at 0d756e5).
+LATEST_RECORD = RECORD.parent / "compare_0d756e5.json"
+LATEST_FRONTS = (KVPLANE, VLLM_ROUTER, EXAMPLE_PROXY)
+
+
+@pytest.mark.parametrize("key", ["A", "B"])
+@pytest.mark.parametrize("concurrency", [1, 8, 32])
+def test_the_simulator_orders_the_fronts_as_the_latest_comparison_does(key: str, concurrency: int) -> None:
+    document = json.loads(LATEST_RECORD.read_text())
+    config = document["config"]
+    live, reference_ms = _recorded(key, concurrency, LATEST_RECORD, LATEST_FRONTS)
+    assert set(live) == set(LATEST_FRONTS)
+    simulated = simulate_repeats(
+        Workload(**config["workload"]),
+        concurrency,
+        config["repeats"],
+        prefix_cache=key == "A",
+        fronts=LATEST_FRONTS,
+    )
+    assert order_disagreements(live, simulated, reference_ms) == [], (live, simulated)
+
+
 @pytest.mark.parametrize("key", [pytest.param("A", marks=A_ROUTER_HOP), "B"])
 def test_the_simulator_orders_the_fronts_as_the_live_run_does(
     live: dict[str, dict[str, FrontSample]], key: str

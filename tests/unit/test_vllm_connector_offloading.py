@@ -7,9 +7,13 @@ What holds: D's turn is published and its blocks stay held for the next turn; th
 connector stores the same blocks to its CPU tier, and vLLM's KV-cache events name them by the
 block hashes of the handle's own blocks (what a host-tier location must be looked up by); P's
 pull through the MultiConnector is checked against the handle's digests as before; a release
-frees the held blocks. The test plays the model runner, the NIXL workers and the offloading
-worker (each transfer ends in the step that starts it); the offloading worker itself runs only on
-CUDA, ROCm or XPU.
+frees the held blocks. With `host_tier_p2p`, a D short of blocks moves its oldest handles to the
+CPU tier (`kvplane.connector.vllm_host_tier`), frees their GPU blocks only once the move is
+stored, and ends a moved handle once; P's pull of one reads nothing over NIXL.
+
+The test plays the model runner, the NIXL workers, the offloading worker (each transfer ends in
+the step that starts it; the real one runs only on CUDA, ROCm or XPU), the node agent's KV-event
+subscriber (`CpuTier`) and the control plane's answers to the moves (`told`).
 """
 
 from __future__ import annotations
