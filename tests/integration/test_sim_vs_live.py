@@ -197,16 +197,21 @@ A32_LEVEL = pytest.mark.xfail(
 def test_the_simulator_places_prefill_on_decode_as_the_recorded_comparison_does(
     key: str, concurrency: int
 ) -> None:
-    document = json.loads(DECODE_PREFILL_RECORD.read_text())
+    _assert_orders_as(DECODE_PREFILL_RECORD, DECODE_PREFILL_FRONTS, key, concurrency)
+
+
+def _assert_orders_as(record: Path, fronts: tuple[str, ...], key: str, concurrency: int) -> None:
+    """The simulator orders `fronts` as `record` does at `concurrency` on workload `key`."""
+    document = json.loads(record.read_text())
     config = document["config"]
-    live, reference_ms = _recorded(key, concurrency, DECODE_PREFILL_RECORD, DECODE_PREFILL_FRONTS)
-    assert set(live) == set(DECODE_PREFILL_FRONTS)
+    live, reference_ms = _recorded(key, concurrency, record, fronts)
+    assert set(live) == set(fronts)
     simulated = simulate_repeats(
         Workload(**config["workload"]),
         concurrency,
         config["repeats"],
         prefix_cache=key == "A",
-        fronts=DECODE_PREFILL_FRONTS,
+        fronts=fronts,
     )
     assert order_disagreements(live, simulated, reference_ms) == [], (live, simulated)
 
@@ -221,18 +226,7 @@ LATEST_FRONTS = (KVPLANE, VLLM_ROUTER, EXAMPLE_PROXY)
 @pytest.mark.parametrize("key", ["A", "B"])
 @pytest.mark.parametrize("concurrency", [1, 8, 32])
 def test_the_simulator_orders_the_fronts_as_the_latest_comparison_does(key: str, concurrency: int) -> None:
-    document = json.loads(LATEST_RECORD.read_text())
-    config = document["config"]
-    live, reference_ms = _recorded(key, concurrency, LATEST_RECORD, LATEST_FRONTS)
-    assert set(live) == set(LATEST_FRONTS)
-    simulated = simulate_repeats(
-        Workload(**config["workload"]),
-        concurrency,
-        config["repeats"],
-        prefix_cache=key == "A",
-        fronts=LATEST_FRONTS,
-    )
-    assert order_disagreements(live, simulated, reference_ms) == [], (live, simulated)
+    _assert_orders_as(LATEST_RECORD, LATEST_FRONTS, key, concurrency)
 
 
 @pytest.mark.parametrize("key", [pytest.param("A", marks=A_ROUTER_HOP), "B"])

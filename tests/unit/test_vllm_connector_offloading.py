@@ -221,6 +221,14 @@ def short_of_blocks(d: Engine) -> int:
     return 25 - free
 
 
+def moved_and_freed(d: Engine) -> None:
+    """D short of blocks; held-a's move is stored, and its GPU blocks are freed."""
+    short_of_blocks(d)
+    told(d, "held-a", stored=True)
+    d.step()
+    d.step(finished_sending={"held-a"})
+
+
 def test_a_d_short_of_blocks_moves_its_oldest_handle_and_frees_it_only_once_stored(new_engine: Any) -> None:
     d, _cpu = host_engine(new_engine)
     wanted = short_of_blocks(d)
@@ -279,10 +287,7 @@ def test_the_cpu_tier_dropping_a_moved_handle_first_block_ends_it(new_engine: An
 
 def test_a_release_command_ends_a_moved_handle(new_engine: Any) -> None:
     d, _cpu = host_engine(new_engine)
-    short_of_blocks(d)
-    told(d, "held-a", stored=True)
-    d.step()
-    d.step(finished_sending={"held-a"})
+    moved_and_freed(d)
     d.connector._queue_release("held-a")  # an unused claim, a newer handle, a drain
     d.step()
     assert d.agent.pending()[1] == ["held-a"]
@@ -362,10 +367,7 @@ def test_the_readme_host_tier_configuration_is_one_this_connector_and_vllm_accep
 
 def test_a_drain_ends_moved_handles_with_the_held_ones(new_engine: Any) -> None:
     d, _cpu = host_engine(new_engine)
-    short_of_blocks(d)
-    told(d, "held-a", stored=True)
-    d.step()
-    d.step(finished_sending={"held-a"})
+    moved_and_freed(d)
     d.connector._queue_drain()
     d.step()
     # The moved handle ends at once; held-b's blocks are released as any held handle's.
