@@ -173,7 +173,7 @@ DECODE_PREFILL_FRONTS = (KVPLANE, KVPLANE_DECODE_PREFILL, VLLM_ROUTER, EXAMPLE_P
 # Where this record and the simulator disagree (strict: it fails once it agrees): A at 32 in
 # flight. Live, plain kvplane is ahead of the example proxy (1.06x against 1.10x, the repeats
 # 1.05-1.07x against 1.07-1.19x; at 41d77e6 the proxy was ahead, 1.06x against 1.08x); the
-# simulator puts the proxy 6.1% of the zero-hop client's p50 ahead.
+# simulator puts the proxy 11 ms ahead: 6.1% of the zero-hop client's p50 the other way in all.
 # (A at 1 in flight agrees since the simulator charges a turn through P D's hand-off as measured
 # on the sim-engines, and a turn D prefills itself only its compute, as the sim-engine runs it:
 # before, it priced a turn through P at about 161 ms where live it takes about 200, and found D's
