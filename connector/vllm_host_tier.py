@@ -63,7 +63,7 @@ class HostTier:
         self.p2p_host, self.p2p_port = p2p_endpoint
         self.block_size = block_size
         self.bytes_per_block = bytes_per_block
-        self.held_prefix = held_prefix
+        self._held_prefix = held_prefix
         self._tracked: dict[str, _Tracked] = {}
         # Moves sent, awaiting the control plane: request id -> the GPU blocks they will free,
         # the HOST-tier handle sent.
@@ -95,7 +95,7 @@ class HostTier:
         none, when the CPU tier holds too little."""
         out: list[tuple[str, CacheHandle]] = []
         freed = 0
-        for request_id, tracked in list(self._tracked.items()):
+        for request_id, tracked in self._tracked.items():
             if freed >= blocks_wanted:
                 break
             if request_id in self._moving:
@@ -146,7 +146,7 @@ class HostTier:
         gone = [
             request_id
             for request_id, (handle, first) in self._moved.items()
-            if handle.wall_expiry_unix_ms <= now_unix_ms or self.held_prefix((first,)) == 0
+            if handle.wall_expiry_unix_ms <= now_unix_ms or self._held_prefix((first,)) == 0
         ]
         for request_id in gone:
             del self._moved[request_id]
@@ -174,7 +174,7 @@ class HostTier:
 
     def _moved_handle(self, tracked: _Tracked) -> CacheHandle | None:
         """The HOST-tier handle for the prefix of `tracked` the CPU tier holds, or None."""
-        blocks = self.held_prefix(tracked.block_ids)
+        blocks = self._held_prefix(tracked.block_ids)
         if blocks <= 0:
             return None
         was = tracked.handle

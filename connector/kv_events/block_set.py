@@ -165,7 +165,6 @@ class BlockSet:
             held = blocks.get(parent)
             depth = self._depth_elsewhere(parent) if held is None else held
         forwarded = medium in self.forwarded_media
-        k = self.checkpoint_blocks
         known = parent is None or depth != UNKNOWN_DEPTH
         for block_id in event.block_ids:
             depth = depth + 1 if known else UNKNOWN_DEPTH
@@ -174,18 +173,8 @@ class BlockSet:
                 # Held with its depth already: a block's hash fixes its chain, which goes on from it.
                 depth, known = held, True
                 continue
-            if held is None:
-                self._count += 1
-            if not known:
-                self.stats.orphaned += 1
-            blocks[block_id] = depth
-            self.stats.stored += 1
-            if forwarded and known and depth % k == 0:
-                for cursor in self._cursors:
-                    cursor._add(block_id)
-        if self._count > self.max_blocks:
-            self.stats.overflows += 1
-            self.reset()
+            self._place(blocks, block_id, depth, held is None, forwarded)
+        self._bound()
 
     def _stored_by_name(self, event: BlockStored) -> None:
         """An event that names its blocks only: no parent and no tokens (vLLM's OffloadingConnector
@@ -196,21 +185,27 @@ class BlockSet:
         medium = _medium(event.medium)
         blocks = self._media.setdefault(medium, {})
         forwarded = medium in self.forwarded_media
-        k = self.checkpoint_blocks
         for block_id in event.block_ids:
             held = blocks.get(block_id)
-            if held is not None and held != UNKNOWN_DEPTH:
-                continue
-            depth = self._depth_elsewhere(block_id)
-            if held is None:
-                self._count += 1
-            if depth == UNKNOWN_DEPTH:
-                self.stats.orphaned += 1
-            blocks[block_id] = depth
-            self.stats.stored += 1
-            if forwarded and depth != UNKNOWN_DEPTH and depth % k == 0:
-                for cursor in self._cursors:
-                    cursor._add(block_id)
+            if held is None or held == UNKNOWN_DEPTH:
+                self._place(blocks, block_id, self._depth_elsewhere(block_id), held is None, forwarded)
+        self._bound()
+
+    def _place(self, blocks: dict[int, int], block_id: int, depth: int, new: bool, forwarded: bool) -> None:
+        """Holds `block_id` at `depth` (UNKNOWN_DEPTH: not proven from a first block), counted,
+        and given to every cursor when routing is sent it."""
+        if new:
+            self._count += 1
+        if depth == UNKNOWN_DEPTH:
+            self.stats.orphaned += 1
+        elif forwarded and depth % self.checkpoint_blocks == 0:
+            for cursor in self._cursors:
+                cursor._add(block_id)
+        blocks[block_id] = depth
+        self.stats.stored += 1
+
+    def _bound(self) -> None:
+        """More blocks than `max_blocks` means removals were missed: start over."""
         if self._count > self.max_blocks:
             self.stats.overflows += 1
             self.reset()

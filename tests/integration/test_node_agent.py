@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import threading
 import time
@@ -20,7 +19,7 @@ from kvplane.services.process import ServiceProcess
 from kvplane.v1 import eviction_pb2, eviction_pb2_grpc, handle_pb2, metadata_pb2, metadata_pb2_grpc
 from tests.conftest import MESH_CREDENTIALS, OPERATOR_HEADERS, make_node, tenant_headers
 from tests.support.factories import make_handle
-from tests.support.polling import eventually
+from tests.support.polling import eventually, until
 
 
 class Recorder:
@@ -162,7 +161,7 @@ async def test_restart_registers_a_new_incarnation(
     start_agent: Callable[..., tuple[NodeAgent, Recorder]],
 ) -> None:
     agent, _ = start_agent(fast_settings(target_of(metadata_process)), make_node("d-restart", incarnation=""))
-    await eventually(lambda: asyncio.sleep(0, agent.stats().registered), what="first registration")
+    await until(lambda: agent.stats().registered, "first registration")
     first = agent.incarnation
     agent.stop()
     agent.start()
@@ -181,7 +180,7 @@ async def test_agent_registers_again_when_its_lease_is_gone(
     start_agent: Callable[..., tuple[NodeAgent, Recorder]],
 ) -> None:
     agent, _ = start_agent(fast_settings(target_of(metadata_process)), make_node("d-lease", incarnation=""))
-    await eventually(lambda: asyncio.sleep(0, agent.stats().registered), what="first registration")
+    await until(lambda: agent.stats().registered, "first registration")
     # An operator removes the node: its lease is revoked, and KeepAlive answers NOT_FOUND.
     await metadata_pb2_grpc.MetadataServiceStub(metadata_channel).DeregisterNode(
         metadata_pb2.DeregisterNodeRequest(node_id="d-lease", incarnation=agent.incarnation),
@@ -276,7 +275,7 @@ async def test_release_commands_are_applied_once_and_every_command_is_acked(
         make_node("d-cmd", incarnation=""),
     )
     # Each stream replays cmd-1 twice and cmd-2 once; wait for two streams' worth of acks.
-    await eventually(lambda: asyncio.sleep(0, len(servicer.acks) >= 6), what="acks from two streams")
+    await until(lambda: len(servicer.acks) >= 6, "acks from two streams")
     assert recorder.released == ["r-1"]
     assert recorder.drains == 1
     assert all(ack.ok for ack in servicer.acks)
@@ -295,9 +294,7 @@ async def test_missing_eviction_service_does_not_stop_publishing(
     # The metadata process serves no EvictionService: the stream fails with UNIMPLEMENTED.
     node = make_node("d-noevict", incarnation="")
     agent, _ = start_agent(fast_settings(target_of(metadata_process)), node)
-    await eventually(
-        lambda: asyncio.sleep(0, agent.stats().command_streams_opened >= 2), what="stream retries"
-    )
+    await until(lambda: agent.stats().command_streams_opened >= 2, "stream retries")
     agent.publish(make_handle(node, conversation="conv-noevict", request_id="r-ne"))
     await eventually(lambda: get_handle(metadata_channel, "conv-noevict"), what="handle published")
 
@@ -443,10 +440,10 @@ async def test_a_relocation_of_a_handle_checked_out_meanwhile_is_refused_and_cou
     )
     agent.publish(moved, on_outcome=lambda stored: outcomes.append(("moved", stored)))
 
-    await eventually(lambda: _true(agent.stats().relocations_refused == 1), what="the refusal")
+    await until(lambda: agent.stats().relocations_refused == 1, "the refusal")
     assert agent.stats().published == 2 and agent.stats().dropped == 0
     # The engine is told (it keeps the blocks for the check-out to read).
-    await eventually(lambda: _true(len(outcomes) == 2), what="both outcomes")
+    await until(lambda: len(outcomes) == 2, "both outcomes")
     assert outcomes == [("handle", True), ("moved", False)]
     # The check-out stands; nothing was stored over it.
     view = await get_handle(metadata_channel, "conv-move")
@@ -471,7 +468,7 @@ async def test_a_stored_relocation_is_told_to_the_engine(
         handle, handle_id="h-moved-2", tier=KvTier.HOST, relocates_handle_id="h-moved-1"
     )
     agent.publish(moved, on_outcome=outcomes.append)
-    await eventually(lambda: _true(outcomes == [True]), what="the move stored")
+    await until(lambda: outcomes == [True], "the move stored")
     view = await get_handle(metadata_channel, "conv-moved")
     assert view is not None and view.handle.handle_id == "h-moved-2"
     assert view.handle.tier == handle_pb2.KV_TIER_HOST
@@ -488,9 +485,5 @@ async def test_a_publish_the_control_plane_rejects_is_dropped_and_told_as_not_st
         make_handle(node, conversation="conv-bad", request_id="cmpl-bad"), conversation=""
     )
     agent.publish(bad, on_outcome=outcomes.append)
-    await eventually(lambda: _true(outcomes == [False]), what="the rejection told")
+    await until(lambda: outcomes == [False], "the rejection told")
     assert agent.stats().published == 0
-
-
-async def _true(value: bool) -> bool:
-    return value

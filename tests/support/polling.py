@@ -32,3 +32,12 @@ async def eventually(
     raise AssertionError(
         f"timed out after {timeout_s}s waiting for {what}; last={last!r} error={last_error!r}"
     )
+
+
+async def until(predicate: Callable[[], bool], what: str, *, timeout_s: float = 10.0) -> None:
+    """`eventually` for a plain condition: polls `predicate()` until it holds, or fails."""
+
+    async def probe() -> bool:
+        return predicate()
+
+    await eventually(probe, timeout_s=timeout_s, interval_s=0.01, what=what)

