@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -95,6 +96,7 @@ def test_the_policy_file_sets_it_and_refuses_nonsense() -> None:
         min_history_per_new_token=1.0,
         from_decode_cache=True,
         idle_decode_skips_history_rule=True,
+        running_delay_weight=1.0,
     )
     base = {"decode": {"filters": ["role"]}, "prefill": {"filters": ["role"]}}
     config = policy_from_mapping({**base, "prefill_on_decode": {"max_new_tokens": 250}})
@@ -103,6 +105,10 @@ def test_the_policy_file_sets_it_and_refuses_nonsense() -> None:
         policy_from_mapping({**base, "prefill_on_decode": {"max_new_tokens": -1}})
     with pytest.raises(PolicyConfigError, match="prefill_on_decode"):
         policy_from_mapping({**base, "prefill_on_decode": {"min_history_per_new_token": -0.5}})
+    with pytest.raises(PolicyConfigError, match="prefill_on_decode"):
+        policy_from_mapping({**base, "prefill_on_decode": {"running_delay_weight": -1}})
+    weighed = policy_from_mapping({**base, "prefill_on_decode": {"running_delay_weight": 0.25}})
+    assert weighed.prefill_on_decode.running_delay_weight == 0.25
     with pytest.raises(PolicyConfigError, match="unknown key"):
         policy_from_mapping({**base, "prefill_on_decode": {"max_tokens": 5}})
     with pytest.raises(PolicyConfigError, match="from_decode_cache"):
@@ -119,12 +125,41 @@ def test_the_snapshot_time_decides_the_life_left() -> None:
     assert route(added(200), now_unix_ms=NOW + 117_000).decision is not Decision.PREFILL_ON_DECODE
 
 
+# The history rule and the time rules alone, the delay to the answers streaming from D not weighed.
+UNWEIGHED = replace(load_policy(), prefill_on_decode=PrefillOnDecodeSettings(running_delay_weight=0))
+
+
 def test_decodes_running_on_the_holder_are_not_ahead_of_its_prefill() -> None:
     # A prefill joins the running decodes' batch: only prefills waiting on D delay it.
     decoding = state(D0, running_requests=8, **ROOM)
-    plan = route(added(200), nodes=[state(P0), decoding, state(D1, **ROOM)])
+    plan = route(added(200), nodes=[state(P0), decoding, state(D1, **ROOM)], config=UNWEIGHED)
     assert plan.decode.node_id == "d0"
     assert plan.decision is Decision.PREFILL_ON_DECODE
+
+
+def on_holder(running: int, config: PolicyConfig | None = None) -> Any:
+    nodes = [state(P0), state(D0, running_requests=running, **ROOM), state(D1, **ROOM)]
+    return route(added(200), nodes=nodes, config=config)
+
+
+def test_the_turn_goes_through_p_when_it_would_hold_up_the_answers_streaming_from_d() -> None:
+    # Through P the turn would pull D's 4,096 tokens: on D it saves about 180 ms, and its
+    # prefill there takes about 145 ms, which each answer running on D waits out.
+    alone = on_holder(1)
+    assert alone.decision is Decision.PREFILL_ON_DECODE
+    local_ms, routed_ms = (float(x) for x in re.findall(r"([0-9.]+) ms", alone.verdict.reason))
+    assert local_ms < routed_ms - local_ms
+    assert 2 * local_ms > routed_ms - local_ms
+    # Two answers streaming there would wait longer, together, than the turn saves.
+    assert on_holder(2).decision is Decision.PULL
+    assert on_holder(8).decision is Decision.PULL
+    # Weighed at half, two are worth it and three are not.
+    half = replace(load_policy(), prefill_on_decode=PrefillOnDecodeSettings(running_delay_weight=0.5))
+    assert on_holder(2, half).decision is Decision.PREFILL_ON_DECODE
+    assert on_holder(3, half).decision is Decision.PULL
+    # A decode node whose load is unknown is charged nothing for it (the history rule holds there).
+    unknown = route(added(200), nodes=[state(P0), state(D0), state(D1)])
+    assert unknown.decision is Decision.PREFILL_ON_DECODE
 
 
 def streaming() -> list[Any]:
@@ -138,7 +173,10 @@ def test_where_p_caches_the_history_but_the_last_answer_the_turn_goes_through_p(
     plan = route(added(898), prefill_cached_tokens=warm, nodes=streaming())
     assert plan.decision is not Decision.PREFILL_ON_DECODE
     assert plan.prefill.node_id == "p0"
-    anywhere = replace(load_policy(), prefill_on_decode=PrefillOnDecodeSettings(min_history_per_new_token=0))
+    anywhere = replace(
+        load_policy(),
+        prefill_on_decode=PrefillOnDecodeSettings(min_history_per_new_token=0, running_delay_weight=0),
+    )
     assert (
         route(added(898), prefill_cached_tokens=warm, config=anywhere, nodes=streaming()).decision
         is Decision.PREFILL_ON_DECODE
@@ -183,8 +221,14 @@ def test_the_history_that_p_lacks_is_weighed_against_the_new_tokens() -> None:
     # 600 history tokens missing on P against 500 new: D at the default ratio, P at a ratio of 2.
     cached = {"p0": 4096 - 600}
     nodes = streaming()
-    assert route(added(500), prefill_cached_tokens=cached, nodes=nodes).decision is Decision.PREFILL_ON_DECODE
-    strict = replace(load_policy(), prefill_on_decode=PrefillOnDecodeSettings(min_history_per_new_token=2))
+    assert (
+        route(added(500), prefill_cached_tokens=cached, nodes=nodes, config=UNWEIGHED).decision
+        is Decision.PREFILL_ON_DECODE
+    )
+    strict = replace(
+        load_policy(),
+        prefill_on_decode=PrefillOnDecodeSettings(min_history_per_new_token=2, running_delay_weight=0),
+    )
     assert (
         route(added(500), prefill_cached_tokens=cached, config=strict, nodes=streaming()).decision
         is not Decision.PREFILL_ON_DECODE

@@ -14,6 +14,15 @@ first token over the whole prompt. The cost model prices that step as a one-toke
 fixed cost included; where D folds it into a decode step it costs less, and the rule leans
 towards D by the difference.
 
+And only where the time it saves is worth what it costs the others (`running_delay_weight`):
+every request running on D waits out the step that carries the prefill, so the turn's saving
+(its time through P less its time on D) must be at least the prefill's time on D for each of
+them. On a D that streams nothing that costs nothing; on a D that streams four answers, a
+900-token prefill that saves the turn the 25 ms of a hand-off would hold up the four answers by
+well over 100 ms each, and the turn goes through P. Without this rule, prefilling on D measured
+live (2 P + 2 D, P's caches off, 32 conversations in flight) gave the lowest TTFT of every front
+and a TPOT p50 a quarter above the router's (`docs/benchmarks.md`).
+
 Only where it saves the fleet enough (`min_history_per_new_token`): through P, the turn would pull
 or recompute the part of D's history that the chosen P's prefix cache lacks, and D must save at
 least that many tokens of history per new token it computes itself (default 1). The cost model
@@ -74,11 +83,22 @@ class PrefillOnDecodeSettings:
     # On a D with nothing running or queued, `min_history_per_new_token` does not apply: its
     # prefill holds up no other request there (see the module's docstring).
     idle_decode_skips_history_rule: bool = True
+    # What a millisecond that each request running on D waits for the turn's prefill weighs
+    # against a millisecond the turn itself saves: the turn goes to D only when the time it saves
+    # is at least this times the delay it adds to the answers streaming from D. 0: their delay
+    # is not weighed (see the module's docstring).
+    running_delay_weight: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 0 or self.expiry_margin_ms < 0 or self.min_history_per_new_token < 0:
+        if (
+            self.max_new_tokens < 0
+            or self.expiry_margin_ms < 0
+            or self.min_history_per_new_token < 0
+            or self.running_delay_weight < 0
+        ):
             raise ValueError(
-                "max_new_tokens, expiry_margin_ms and min_history_per_new_token must not be negative"
+                "max_new_tokens, expiry_margin_ms, min_history_per_new_token and running_delay_weight"
+                " must not be negative"
             )
         for name in ("from_decode_cache", "idle_decode_skips_history_rule"):
             if not isinstance(getattr(self, name), bool):
@@ -209,7 +229,8 @@ def _local_verdict(
     spares_too_little = held - prefill_cached_tokens < settings.min_history_per_new_token * new
     if spares_too_little and not (settings.idle_decode_skips_history_rule and decode_idle(decode)):
         return None
-    local_ms = decode_queue_ms(decode, costs) + costs.prefill_ms(new, held)
+    prefill_ms = costs.prefill_ms(new, held)
+    local_ms = decode_queue_ms(decode, costs) + prefill_ms
     # Through P, D then reads the whole prompt's KV from P, and computes the first token in a step
     # of its own (one token over the whole prompt).
     handoff_ms = costs.transfer_ms(snapshot.prompt.tokens, decode.node.kv_bytes_per_token)
@@ -217,4 +238,14 @@ def _local_verdict(
     routed_ms = through_prefill_ms + handoff_ms + first_step_ms
     if local_ms > routed_ms:
         return None
+    if routed_ms - local_ms < settings.running_delay_weight * running_delay_ms(decode, prefill_ms):
+        return None
     return local_ms, routed_ms
+
+
+def running_delay_ms(decode: NodeState, prefill_ms: float) -> float:
+    """What a prefill of `prefill_ms` on a decode node adds, summed, to the answers running there:
+    the step that carries it lasts that much longer, for each of them. A node whose load is
+    unknown counts as running nothing (the history rule still holds there: it is not idle)."""
+    load = decode.load
+    return (load.running_requests if load is not None else 0) * prefill_ms
