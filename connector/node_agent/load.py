@@ -15,7 +15,8 @@ heartbeats). Runs on the agent's thread.
 
 The engine may also say that its load just changed (`notify`, from any thread: the sim-engine
 does when a request finishes): the agent then samples it at once, for the streams to routing,
-instead of at the next interval (etcd still hears only the interval's samples). A conversation's
+instead of at the next interval, and the streams send it at once (etcd still hears only the
+interval's samples). A conversation's
 next turn is often sent the moment its answer ends; routing then sees the decode node without
 that answer, not as busy as the last sample left it.
 """
@@ -23,6 +24,7 @@ that answer, not as busy as the last sample left it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -98,10 +100,25 @@ class LoadReporter:
         self.latest: NodeLoad | None = None
         self.reports = 0
         self._wake = ThreadWake()
+        # Set, on the agent's loop, when a sample differs from the one before (`load_changed`):
+        # the streams to routing send it at once rather than at their next interval.
+        self._listeners: list[asyncio.Event] = []
 
     def attach(self, loop: asyncio.AbstractEventLoop | None) -> None:
         """The agent's loop started (or, with None, stopped)."""
         self._wake.attach(loop)
+
+    def listen(self) -> asyncio.Event:
+        """An event set whenever the latest sample changed (for one stream to routing, which
+        clears it); on the agent's loop only."""
+        event = asyncio.Event()
+        self._listeners.append(event)
+        return event
+
+    def unlisten(self, event: asyncio.Event) -> None:
+        """The stream that listened with `event` ended."""
+        with contextlib.suppress(ValueError):
+            self._listeners.remove(event)
 
     def notify(self) -> None:
         """The engine's load changed: sample it now. Never blocks; any thread."""
@@ -136,7 +153,10 @@ class LoadReporter:
                 # Every sample is the streams' to send; etcd hears the interval's samples only,
                 # so an engine that says its load changed at every request's end writes etcd no
                 # more often than before.
-                self.latest = load
+                previous, self.latest = self.latest, load
+                if previous is None or load_changed(previous, load):
+                    for event in self._listeners:
+                        event.set()
                 now = time.monotonic()
                 if now >= next_check:
                     next_check = now + interval

@@ -8,7 +8,9 @@ one (the block set reset, or the pending delta outgrew its bound); then the coal
 `prefix_cache_interval_s` when something changed, and an empty keep-alive every
 `prefix_cache_keepalive_s` when nothing did, so that routing can tell a quiet node from a lost
 stream (its staleness bound). The node's load (`load.py`'s latest sample) rides on the first
-message and on any message after it changed (`load_changed`); a node without KV-cache events
+message and on any message after it changed (`load_changed`), and a changed sample is sent at once,
+not at the next interval (the engine's word that a request ended reaches routing in
+milliseconds); a node without KV-cache events
 streams its load and keep-alives alone (block size 0). A broken stream is opened again with
 backoff, and starts again with a snapshot and the load. No message carries more than
 `MESSAGE_IDS` block ids: a larger snapshot or delta is split. See
@@ -19,6 +21,7 @@ for why this path, and docs/benchmarks.md for what it costs at 1,000 engines.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Sequence
 
@@ -91,6 +94,16 @@ class PrefixCacheStream:
     async def _updates(
         self, cursor: Cursor | None, backoff: Backoff
     ) -> AsyncIterator[routing_pb2.StreamPrefixCacheRequest]:
+        load_changed_event = self._loads.listen()
+        try:
+            async for message in self._messages(cursor, backoff, load_changed_event):
+                yield message
+        finally:
+            self._loads.unlisten(load_changed_event)
+
+    async def _messages(
+        self, cursor: Cursor | None, backoff: Backoff, load_changed_event: asyncio.Event
+    ) -> AsyncIterator[routing_pb2.StreamPrefixCacheRequest]:
         s = self._plane.settings
         loop = asyncio.get_running_loop()
         last_sent = float("-inf")
@@ -129,7 +142,12 @@ class PrefixCacheStream:
                         yield self._message(sequence, False, stored, removed, load=load if i == 0 else None)
                         sequence += 1
                     last_sent = now
-            await asyncio.sleep(s.prefix_cache_interval_s)
+            # A load the engine says changed goes at once: a conversation's next turn is often
+            # routed a few milliseconds after its answer ends, and should find D without it.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(s.prefix_cache_interval_s):
+                    await load_changed_event.wait()
+            load_changed_event.clear()
 
     def _load_to_send(self) -> NodeLoad | None:
         """The latest load sample when this stream has not carried it yet and it changed since the

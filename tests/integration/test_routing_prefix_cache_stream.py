@@ -337,12 +337,15 @@ async def test_a_load_the_engine_says_changed_reaches_routing_on_the_stream_befo
     queued = 100_000_000
     load = NodeLoad("p-told", "", queued_prefill_tokens=queued, total_kv_blocks=100, free_kv_blocks=50)
     current = [load]
-    # Sampled once an hour: only the engine's word makes the agent sample again within the test.
+    # Sampled once an hour, and the stream's own interval a minute: only the engine's word makes
+    # the agent sample again, and send it, within the test.
     settings = fast_settings(
         target_of(metadata_process),
         routing_targets=(cluster.target(0),),
         load_interval_s=3600,
         load_heartbeat_s=3600,
+        prefix_cache_interval_s=60,
+        prefix_cache_keepalive_s=60,
     )
     node = make_node("p-told", role=NodeRole.PREFILL, incarnation="")
     agent = NodeAgent(settings, node, lambda: current[0], lambda _: None)
