@@ -72,6 +72,7 @@ from kvplane.bench.compare_fronts import (
     KVPLANE_OWN_RECORD,
     KVPLANE_SPREAD,
     KVPLANE_SPREAD_OWN_RECORD,
+    PREFILL_ON_DECODE_FRONTS,
     REFERENCE,
     SELECTABLE_FRONTS,
     SPREAD_FRONTS,
@@ -470,6 +471,7 @@ def document(config: CompareConfig, runs: Sequence[WorkloadRun], argv: Sequence[
             **{k: v for k, v in dataclasses.asdict(config).items() if k not in ("workload", "run_dir")},
             "workload": dataclasses.asdict(config.workload),
             "reference": REFERENCE,
+            "prefill_on_decode_fronts": sorted(PREFILL_ON_DECODE_FRONTS & set(config.fronts)),
             "engines": {
                 "prefill": PREFILL_NODES,
                 "decode": DECODE_NODES,

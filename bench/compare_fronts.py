@@ -84,6 +84,12 @@ KVPLANE_FRONTS = (
     KVPLANE_DECODE_PREFILL,
     KVPLANE_HOST_TIER,
 )
+# The fronts whose gateway (or picker) lets routing send a turn to its D alone
+# (`gateway.prefill_on_decode`, on by default): every kvplane front. A record says which of its
+# fronts did (`compare.document`), since records made before the default changed differ.
+PREFILL_ON_DECODE_FRONTS = frozenset(KVPLANE_FRONTS)
+# What a record that does not say means: only this front's gateway set it, the others' were off.
+PREFILL_ON_DECODE_FRONTS_BEFORE = frozenset({KVPLANE_DECODE_PREFILL})
 # The front every other is paired against.
 REFERENCE = ZERO_HOP_REUSE
 VLLM_ROUTER_VERSION = "0.1.17"

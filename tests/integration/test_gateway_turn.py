@@ -134,10 +134,20 @@ async def test_a_turn_prefilled_on_its_holder_skips_p_and_gives_d_the_routes_par
         await session.close()
 
 
-async def test_a_gateway_asks_for_turns_on_d_alone_only_when_set_to(stack: Stack) -> None:
-    stack.parts.routing.routes.append(route(stack.prefill.url, stack.decode[0].url))
-    assert (await stack.run(turn()))[0] == 200
-    assert stack.parts.routing.asked[0]["prefill_on_decode_ok"] is False
+async def test_a_gateway_asks_for_turns_on_d_alone_unless_set_not_to(
+    engines: tuple[ScriptedEngine, list[ScriptedEngine]],
+) -> None:
+    # By default routing may send a turn to its D alone (its policy weighs when); set off, never.
+    for setting, asked in ((None, True), (False, False)):
+        settings = {} if setting is None else {"prefill_on_decode": setting}
+        s, runner, session = await _stack(engines, **settings)
+        try:
+            s.parts.routing.routes.append(route(s.prefill.url, s.decode[0].url))
+            assert (await s.run(turn()))[0] == 200
+            assert s.parts.routing.asked[0]["prefill_on_decode_ok"] is asked
+        finally:
+            await runner.cleanup()
+            await session.close()
 
 
 async def test_a_d_that_cannot_be_reached_is_routed_around_once_and_never_returned_to(stack: Stack) -> None:

@@ -51,6 +51,7 @@ from kvplane.bench.sim.ranking import (
     disagreements,
     dominance,
     order_disagreements,
+    recorded_prefill_on_decode,
     simulate,
     simulate_repeats,
 )
@@ -88,7 +89,7 @@ async def live(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, 
             later = [
                 t.ttft_ms for b in run.blocks if b.front == row.front for t in b.turns if t.ok and t.turn
             ]
-            reused = row.pulled_tokens + row.prefix_cache_tokens
+            reused = row.pulled_tokens + row.prefix_cache_tokens + row.decode_cache_tokens
             samples[row.front] = FrontSample(later, reused / row.later_prompt_tokens)
         out[run.key] = samples
     return out
@@ -158,7 +159,12 @@ def test_the_simulator_orders_the_fronts_as_the_recorded_comparison_does(key: st
     fronts = tuple(sorted(live))
     assert len(fronts) == 4
     simulated = simulate_repeats(
-        workload, concurrency, config["repeats"], prefix_cache=key == "A", fronts=fronts
+        workload,
+        concurrency,
+        config["repeats"],
+        prefix_cache=key == "A",
+        fronts=fronts,
+        prefill_on_decode=recorded_prefill_on_decode(config),
     )
     assert order_disagreements(live, simulated, reference_ms) == [], (live, simulated)
 
@@ -213,6 +219,7 @@ def _assert_orders_as(record: Path, fronts: tuple[str, ...], key: str, concurren
         config["repeats"],
         prefix_cache=key == "A",
         fronts=fronts,
+        prefill_on_decode=recorded_prefill_on_decode(config),
     )
     assert order_disagreements(live, simulated, reference_ms) == [], (live, simulated)
 

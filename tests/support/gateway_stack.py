@@ -380,6 +380,9 @@ async def gateway_stack(
             ENGINE,
             control_plane=f"127.0.0.1:{metadata.grpc_port}",
             load_interval_s=0.2,
+            # Loads streamed to routing, as the dev stack's engines stream them: routing then sees
+            # a request's end at once (a D prefills a turn only if it holds up no one's answer).
+            routing=routing_settings.grpc.listen,
             max_model_len=ENGINE.max_model_len if max_model_len is None else max_model_len,
         )
         p = replace(common, role="prefill", http_port=p_port, node_id="gw-p", auth_token=STACK_TOKENS["gw-p"])
@@ -423,6 +426,9 @@ async def gateway_stack(
                 decode_timeout_s=30.0,
                 decode_idle_timeout_s=5.0,
                 models=[MODEL],
+                # Every turn through P: these stacks test the P leg and its pulls (a test of D
+                # alone sets it on, as the endpoint picker's does).
+                prefill_on_decode=False,
                 **({"max_model_len": max_model_len} if max_model_len is not None else {}),
             ),
             Telemetry.create("kvplane-gateway", exporter=spans),

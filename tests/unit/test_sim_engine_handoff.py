@@ -13,7 +13,7 @@ import pytest
 from kvplane.bench.compare_fronts import KVPLANE_DECODE_PREFILL
 from kvplane.bench.sim import BASELINES, ClusterSpec, SimConfig, SimCosts, simulator_for
 from kvplane.bench.sim.front_hops import HANDOFF_SOURCE, handoff_ms
-from kvplane.bench.sim.ranking import PREFILL_ON_DECODE_FRONTS, SIM_ENGINE_HANDOFF_S, sim_engine_costs
+from kvplane.bench.sim.ranking import SIM_ENGINE_HANDOFF_S, recorded_prefill_on_decode, sim_engine_costs
 from kvplane.bench.workloads.turns import Turn
 from kvplane.connector.simengine.timing_model import TimingModel
 
@@ -27,7 +27,7 @@ def _row(front: str, decode_ms: float | None, concurrency: int = 1) -> dict[str,
 
 def test_the_constant_is_the_recorded_comparisons() -> None:
     document = json.loads(RECORD.read_text())
-    measured = handoff_ms(document, tuple(PREFILL_ON_DECODE_FRONTS))
+    measured = handoff_ms(document, tuple(recorded_prefill_on_decode(document["config"])))
     assert measured == pytest.approx(1000.0 * SIM_ENGINE_HANDOFF_S, abs=0.01)
     assert sim_engine_costs().handoff_fixed_s == SIM_ENGINE_HANDOFF_S
     # Machine time: a faster modelled engine does not make NIXL or HTTP faster.

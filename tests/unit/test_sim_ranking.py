@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from kvplane.bench import compare
+from kvplane.bench.compare_fronts import PREFILL_ON_DECODE_FRONTS
 from kvplane.bench.compare_workload import Workload, shapes
 from kvplane.bench.sim.costs import SimCosts
 from kvplane.bench.sim.ranking import (
@@ -15,6 +17,7 @@ from kvplane.bench.sim.ranking import (
     disagreements,
     dominance,
     order_disagreements,
+    recorded_prefill_on_decode,
     simulate,
 )
 
@@ -129,3 +132,20 @@ def test_every_front_pays_its_own_hop(monkeypatch: pytest.MonkeyPatch) -> None:
     for front, sample in with_hops.items():
         hop_ms = 1000.0 * hops[front]
         assert sample.later_ttft_ms[0] == pytest.approx(without[front].later_ttft_ms[0] + hop_ms)
+
+
+def test_a_record_says_which_fronts_let_d_prefill_and_an_older_one_means_the_decode_prefill_front() -> None:
+    assert recorded_prefill_on_decode(
+        {"prefill_on_decode_fronts": ["kvplane", "kvplane-decode-prefill"]}
+    ) == {
+        "kvplane",
+        "kvplane-decode-prefill",
+    }
+    assert recorded_prefill_on_decode({"prefill_on_decode_fronts": []}) == frozenset()
+    # Recorded before every kvplane gateway let D prefill by default.
+    assert recorded_prefill_on_decode({}) == {"kvplane-decode-prefill"}
+    # Every kvplane front does now, and a comparison's record says so.
+    assert {"kvplane", "kvplane-colocated", "kvplane-decode-prefill"} <= PREFILL_ON_DECODE_FRONTS
+    config = compare.CompareConfig(fronts=("kvplane", "vllm-router", "zero-hop-reuse"))
+    written = compare.document(config, [], ["compare"])["config"]
+    assert recorded_prefill_on_decode(written) == {"kvplane"}
