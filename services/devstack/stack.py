@@ -88,6 +88,9 @@ class Stack:
     # With `decode_prefill_gateway`: a gateway on the same routing replica as the gateway that lets
     # routing send a turn to its holder D alone (`gateway.prefill_on_decode`; "" without).
     decode_prefill_gateway_url: str = ""
+    # Every front's `gateway.prefill_on_decode` but the decode-prefill gateway's (None: the
+    # gateway's default).
+    gateway_prefill_on_decode: bool | None = None
     # With `colocated_routing`: a gateway that routes in its own process, and that process's
     # routing replica, which the engines stream to ("" without).
     colocated_gateway_url: str = ""
@@ -200,6 +203,7 @@ async def start_stack(
     picker: bool = False,
     prefill_num_blocks: int = STACK_ENGINE_BLOCKS,
     decode_prefill_gateway: bool = False,
+    gateway_prefill_on_decode: bool | None = None,
     decode_num_blocks: int = STACK_ENGINE_BLOCKS,
     decode_host_blocks: int = 0,
 ) -> Stack:
@@ -232,6 +236,8 @@ async def start_stack(
     here lets routing send a turn to the D that holds the conversation's KV alone, or, with
     `kv_events`, to the D whose own prefix cache holds the history as its KV events show it; the
     decode engines publish their events whenever `kv_events` is on).
+    `gateway_prefill_on_decode`: `gateway.prefill_on_decode` of every front but the decode-prefill
+    gateway (None: the gateway's default, on).
     `routing_apart`: each process is what one deployment runs, so that a comparison charges every
     front the processes it needs and no other: `serve metadata,eviction` in place of `serve all`,
     and the gateway's routing in a `serve routing` replica of its own (with `own_record_routing`,
@@ -263,6 +269,7 @@ async def start_stack(
         operator_metadata=credentials.operator_metadata(),
         owns_run_dir=owns_run_dir,
         grpc_serves_routing=not routing_apart,
+        gateway_prefill_on_decode=gateway_prefill_on_decode,
     )
     try:
         services = await _start_services(
@@ -595,6 +602,11 @@ def _gateway_section(stack: Stack) -> dict[str, Any]:
         # routing sees their token ids: their digests and their prefix-cache block hashes.
         "tokenize_url": stack.prefill_url,
         "cache_salt_key": stack.cache_salt_key,
+        **(
+            {"prefill_on_decode": stack.gateway_prefill_on_decode}
+            if stack.gateway_prefill_on_decode is not None
+            else {}
+        ),
     }
 
 

@@ -60,8 +60,15 @@ async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack
     # `serve all` reads its settings from the environment it inherits, also when a test restarts it.
     with pytest.MonkeyPatch.context() as env:
         env.setenv("KVPLANE_ROUTING__POLICY_FILE", str(policy))
+        # Its gateways send every turn through P (the decode-prefill gateway's turns may go to D
+        # alone): these tests are about the P leg.
         running = await start_stack(
-            run_dir, speedup=1.0, timeout_s=240, colocated_routing=True, decode_prefill_gateway=True
+            run_dir,
+            speedup=1.0,
+            timeout_s=240,
+            colocated_routing=True,
+            decode_prefill_gateway=True,
+            gateway_prefill_on_decode=False,
         )
         try:
             yield running
