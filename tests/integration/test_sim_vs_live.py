@@ -224,17 +224,21 @@ def _assert_orders_as(record: Path, fronts: tuple[str, ...], key: str, concurren
     assert order_disagreements(live, simulated, reference_ms) == [], (live, simulated)
 
 
-# The latest full comparison (`python -m kvplane.bench.compare --workload both --concurrency 1,8,32
+# The latest full comparisons (`python -m kvplane.bench.compare --workload both --concurrency 1,8,32
 # --repeats 2 --min-conversations 1 --fronts kvplane,vllm-router,example-proxy,zero-hop-reuse
-# --idle-s 10`, at 0d756e5).
-LATEST_RECORD = RECORD.parent / "compare_0d756e5.json"
+# --idle-s 10`): at 0d756e5, kvplane's gateway sending every turn through P, and at 3b33f2e, as it
+# runs by default since, letting routing send a turn to its D alone.
+LATEST_RECORDS = ("compare_0d756e5.json", "compare_3b33f2e.json")
 LATEST_FRONTS = (KVPLANE, VLLM_ROUTER, EXAMPLE_PROXY)
 
 
+@pytest.mark.parametrize("record", LATEST_RECORDS)
 @pytest.mark.parametrize("key", ["A", "B"])
 @pytest.mark.parametrize("concurrency", [1, 8, 32])
-def test_the_simulator_orders_the_fronts_as_the_latest_comparison_does(key: str, concurrency: int) -> None:
-    _assert_orders_as(LATEST_RECORD, LATEST_FRONTS, key, concurrency)
+def test_the_simulator_orders_the_fronts_as_the_latest_comparison_does(
+    record: str, key: str, concurrency: int
+) -> None:
+    _assert_orders_as(RECORD.parent / record, LATEST_FRONTS, key, concurrency)
 
 
 @pytest.mark.parametrize("key", [pytest.param("A", marks=A_ROUTER_HOP), "B"])
