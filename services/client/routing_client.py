@@ -414,12 +414,14 @@ class RoutingClient:
         tenant: str = "",
         timeout_s: float | None = None,
         prefill_kv_transfer_params: dict[str, Any] | None = None,
+        ended_unix_ms: int | None = None,
     ) -> str:
         """Reports a finished turn; returns the id of the handle published for the next turn.
 
         `prefill_kv_transfer_params`: on a failed turn, what the route's P returned; P's blocks
         held for D are then released at once. `cached_tokens`: P's own prefix-cache hits, None
         when P did not report them (routing then learns nothing of P's cache from the turn).
+        `ended_unix_ms`: when the answer ended (D's request finished), by this host's clock.
         """
         request = report_request(
             route,
@@ -437,6 +439,7 @@ class RoutingClient:
             model=model,
             tenant=tenant,
             prefill_kv_transfer_params=prefill_kv_transfer_params,
+            ended_unix_ms=ended_unix_ms,
         )
         return await self.send_report(request, route.replica if route is not None else -1, timeout_s)
 
@@ -523,6 +526,7 @@ def report_request(
     model: str = "",
     tenant: str = "",
     prefill_kv_transfer_params: dict[str, Any] | None = None,
+    ended_unix_ms: int | None = None,
 ) -> Report:
     """A finished turn's report, as ReportTurn (or `RoutingClient.hold_report`) takes it;
     the arguments are `RoutingClient.report_turn`'s."""
@@ -548,6 +552,7 @@ def report_request(
             json.dumps(prefill_params, separators=(",", ":")) if prefill_params else ""
         ),
         prefill_node_id=route.prefill.node_id if route is not None and prefill_params else "",
+        ended_unix_ms=ended_unix_ms,
     )
 
 

@@ -87,15 +87,17 @@ class TurnReporter:
     def report_later(
         self, turn: TurnRequest, route: RouteResult, progress: TurnProgress, *, success: bool
     ) -> None:
+        # The answer's end, for routing to know which of D's load reports still count it.
+        ended_unix_ms = int(time.time() * 1000)
         if not success:
             # A failed turn's announcement may name blocks D never kept.
             self._announced.pop((turn.identity.tenant, turn.identity.conversation))
         elif self._holdable(turn, route, progress):
-            fields = self._fields(turn, progress, success)
+            fields = self._fields(turn, progress, success, ended_unix_ms)
             self.routing.hold_report(route, report_request(route, turn.identity.conversation, **fields))
             self.metrics.reports_held.inc()
             return
-        task = asyncio.create_task(self._report(turn, route, progress, success))
+        task = asyncio.create_task(self._report(turn, route, progress, success, ended_unix_ms))
         self._reports.add(task)
         task.add_done_callback(self._reports.discard)
 
@@ -112,10 +114,13 @@ class TurnReporter:
         )
 
     @staticmethod
-    def _fields(turn: TurnRequest, progress: TurnProgress, success: bool) -> dict[str, Any]:
+    def _fields(
+        turn: TurnRequest, progress: TurnProgress, success: bool, ended_unix_ms: int
+    ) -> dict[str, Any]:
         """What the turn's report says (`RoutingClient.report_turn`'s and `report_request`'s
         keyword arguments)."""
         return {
+            "ended_unix_ms": ended_unix_ms,
             "success": success,
             "decode_kv_transfer_params": progress.decode_params if success else None,
             "ttft_ms": (progress.ttft_s or 0.0) * 1000,
@@ -131,7 +136,7 @@ class TurnReporter:
         }
 
     async def _report(
-        self, turn: TurnRequest, route: RouteResult, progress: TurnProgress, success: bool
+        self, turn: TurnRequest, route: RouteResult, progress: TurnProgress, success: bool, ended_unix_ms: int
     ) -> str:
         """Reports the turn; returns the id of the handle routing published for the next turn."""
         start = time.perf_counter()
@@ -142,7 +147,7 @@ class TurnReporter:
                 route if route.route_id else None,
                 turn.identity.conversation,
                 timeout_s=self.settings.report_timeout_s,
-                **self._fields(turn, progress, success),
+                **self._fields(turn, progress, success, ended_unix_ms),
             )
         except (RoutingUnavailable, grpc.aio.AioRpcError) as exc:
             # The engine's connector publishes the handle itself; a lost report only costs a sample.

@@ -424,6 +424,7 @@ def _turn_report(request: routing_pb2.ReportTurnRequest) -> TurnReport:
         prefill_kv_transfer_params_json=request.prefill_kv_transfer_params_json,
         prefill_node_id=request.prefill_node_id,
         retained_token_ids=request.retained_token_ids,
+        ended_unix_ms=request.ended_unix_ms if request.HasField("ended_unix_ms") else None,
     )
 
 

@@ -4,6 +4,7 @@ a prompt D would refuse refused before Route checks a handle out."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -103,12 +104,16 @@ def _posts(engine: ScriptedEngine) -> int:
 
 async def test_a_turn_is_routed_then_runs_p_then_d_and_is_reported(stack: Stack) -> None:
     stack.parts.routing.routes.append(route(stack.prefill.url, stack.decode[0].url))
+    sent_ms = int(time.time() * 1000)
     status, headers, answer = await stack.run(turn())
+    answered_ms = int(time.time() * 1000)
     assert status == 200 and headers[DECISION_HEADER] == "pull" and headers[ROUTE_HEADER] == "r1"
     assert answer["choices"][0]["message"]["reasoning_content"] == "first, think"
     assert (_posts(stack.prefill), _posts(stack.decode[0]), _posts(stack.decode[1])) == (1, 1, 0)
     [report] = await reported(stack.parts, 1)
     assert report["route"].route_id == "r1" and report["success"] is True
+    # When the answer ended, for routing to tell which of D's load reports still count it.
+    assert sent_ms <= report["ended_unix_ms"] <= answered_ms
 
 
 async def test_a_turn_prefilled_on_its_holder_skips_p_and_gives_d_the_routes_params(

@@ -118,6 +118,7 @@ def _said(report: routing_pb2.ReportTurnRequest) -> dict[str, Any]:
         "error": report.error,
         "model": report.model,
         "tenant": report.tenant,
+        "ended_unix_ms": report.ended_unix_ms if report.HasField("ended_unix_ms") else None,
     }
 
 

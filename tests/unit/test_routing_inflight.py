@@ -379,3 +379,57 @@ def test_the_kept_fold_answers_as_a_fresh_ledger_would(seed: int) -> None:
         for items in unfinished.values():
             fresh.add(*items)
         assert kept.current(states, now, costs=costs) == fresh.current(states, now, costs=costs), step
+
+
+def _covered_run(ledger: InFlightLedger, route_id: str) -> None:
+    """Routes `route_id` and lets D's report taken at NOW + 700 show its request running."""
+    ledger.add(*work(route_id, 4000))
+    d = loads(ledger, fleet(reported_ms=NOW + 700), NOW + 750)["d0"].load
+    assert d is not None and d.running_requests == 2  # the report's 2 now include it
+
+
+def test_a_request_that_ended_after_d_reported_it_running_is_taken_out_until_a_later_report() -> None:
+    ledger = InFlightLedger()
+    _covered_run(ledger, "r1")
+    ledger.finished("r1", decode_node_id="d0", ended_unix_ms=NOW + 900)
+    # D's report of NOW + 700 still counts the answer that ended at NOW + 900.
+    d = loads(ledger, fleet(reported_ms=NOW + 700), NOW + 950)["d0"].load
+    assert d is not None and d.running_requests == 1
+    # A report taken after the end does not count it: nothing more is taken out, and the
+    # departure is forgotten.
+    d = loads(ledger, fleet(reported_ms=NOW + 1000), NOW + 1050)["d0"].load
+    assert d is not None and d.running_requests == 2
+    d = loads(ledger, fleet(reported_ms=NOW + 700), NOW + 1100)["d0"].load
+    assert d is not None and d.running_requests == 2
+
+
+def test_a_request_no_report_had_shown_running_is_not_taken_out_twice() -> None:
+    ledger = InFlightLedger()
+    ledger.add(*work("r1", 4000))
+    # Finished before any report showed it: leaving the ledger is all it takes.
+    ledger.finished("r1", decode_node_id="d0", ended_unix_ms=NOW + 900)
+    d = loads(ledger, fleet(reported_ms=NOW + 50), NOW + 950)["d0"].load
+    assert d is not None and d.running_requests == 2
+
+
+def test_a_finish_without_its_time_takes_nothing_out_and_the_count_never_goes_below_zero() -> None:
+    ledger = InFlightLedger()
+    _covered_run(ledger, "r1")
+    ledger.finished("r1")
+    d = loads(ledger, fleet(reported_ms=NOW + 700), NOW + 950)["d0"].load
+    assert d is not None and d.running_requests == 2
+    for route_id in ("r2", "r3", "r4"):
+        _covered_run(ledger, route_id)
+    # Three answers ended after a report that counted two running (a report can be wrong).
+    for route_id in ("r2", "r3", "r4"):
+        ledger.finished(route_id, decode_node_id="d0", ended_unix_ms=NOW + 900)
+    d = loads(ledger, fleet(reported_ms=NOW + 700), NOW + 950)["d0"].load
+    assert d is not None and d.running_requests == 0
+
+
+def test_a_departure_older_than_the_age_limit_is_forgotten() -> None:
+    ledger = InFlightLedger(max_age_ms=5_000)
+    _covered_run(ledger, "r1")
+    ledger.finished("r1", decode_node_id="d0", ended_unix_ms=NOW + 900)
+    d = loads(ledger, fleet(reported_ms=NOW + 700), NOW + 6_000)["d0"].load
+    assert d is not None and d.running_requests == 2

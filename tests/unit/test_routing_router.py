@@ -457,3 +457,27 @@ async def test_with_prefill_from_decode_caches_off_no_route_hashes_for_them() ->
     outcome = await router.route(turn(prompt, "c", prefill_on_decode_ok=True))
     assert outcome.decision is not Decision.PREFILL_ON_DECODE
     assert views.asked == [["p0", "p1"]]
+
+
+@pytest.mark.parametrize("says_when", [True, False])
+async def test_a_reported_end_takes_the_answer_out_of_ds_older_load_report(says_when: bool) -> None:
+    # The conversation's first turn ran on d0 (its handle's holder); d0's last load report, taken
+    # after the turn reached it, counts that answer and one other as running when its report
+    # arrives.
+    cluster = FakeCluster(fleet())
+    router, _, clock = make_router(cluster)
+    first = await router.route(turn(history(HISTORY - 200), "c"))
+    holder = first.plan.decode.node_id
+    handle = replace(mk_handle(first.plan.decode, history(HISTORY)), conversation="c")
+    cluster.handles[("t", "c")] = HandleRecord(handle, mod_revision=7, lease=1)
+    clock.now_ms += 1_000
+    cluster.loads[holder] = {"running_requests": 2, "reported_unix_ms": clock.now_ms - 10}
+    ended = clock.now_ms - 5 if says_when else None
+    router.report(
+        first.route_id, "t", "c", TurnReport(True, prompt_tokens=HISTORY - 200, ended_unix_ms=ended)
+    )
+    # Its next turn saves more on D than its prefill there holds up the one other answer, not
+    # two: D prefills it itself only when the answer that ended is known to have.
+    prompt = [*history(HISTORY), *history(150, seed=4)]
+    outcome = await router.route(turn(prompt, "c", prefill_on_decode_ok=True))
+    assert (outcome.decision is Decision.PREFILL_ON_DECODE) is says_when, outcome.reason

@@ -429,8 +429,16 @@ class Router:
         route = self._book.reported(route_id) if route_id else None
         if route is None:
             return None
-        # The turn is over: its work has left P's queue and D's batch.
-        self._inflight.finished(route_id)
+        # The turn is over: its work has left P's queue and D's batch (where a report D took
+        # before its answer ended still counts it as running, until a later one). A report held
+        # back to ride on a later call arrives late: only the caller's time of the end says which
+        # of D's reports came before it (not after now: a caller's clock ahead of this one's).
+        ended = report.ended_unix_ms
+        self._inflight.finished(
+            route_id,
+            decode_node_id=route.decode_node_id if ended is not None else "",
+            ended_unix_ms=min(ended, self.clock.unix_ms()) if ended is not None else None,
+        )
         if (route.tenant, route.conversation) == (tenant, conversation):
             self._learn(report, route)
         return route

@@ -82,3 +82,5 @@ class TurnReport:
     prefill_node_id: str = ""
     # The tokens D retained, for a handle published from the report (no kvplane connector).
     retained_token_ids: Sequence[int] = ()
+    # When the answer ended (D's request finished), Unix ms by the caller's clock (None: not said).
+    ended_unix_ms: int | None = None

@@ -10,6 +10,12 @@ after the work became visible on the node covers it, once the turn is
 reported finished, or after `max_age_ms` (a node that stopped reporting is
 judged by the `live` filter, not by guesses piled up here).
 
+The other way round, a turn reported finished has left its decode node, but a
+report taken before it ended still counts its request as running there: until a
+later report, the ledger takes it out (`finished` with the decode node and the
+time). A conversation's next turn is often routed milliseconds after its answer
+ended, and should find its D without that answer.
+
 A report is also old by the time it is read: given the cost model, the
 ledger drains the reported queue and the work routed since as a FIFO prefill
 node would have, so the queue a turn sees is the one it would join now. Each
@@ -132,6 +138,9 @@ class InFlightLedger:
         self._by_node: dict[str, dict[str, RoutedWork]] = {}
         # Per node: its fold, dropped whenever work leaves the node.
         self._queues: dict[str, _NodeQueue] = {}
+        # Per decode node: requests that ended there, each as (from when a report counts it, when
+        # it ended), in the order their turns were reported.
+        self._departed: dict[str, list[tuple[int, int]]] = {}
 
     def __len__(self) -> int:
         return len(self._routes)
@@ -152,10 +161,20 @@ class InFlightLedger:
             oldest = next(iter(self._routes))
             self.finished(oldest)
 
-    def finished(self, route_id: str) -> None:
-        """The turn is over: its work has left every node's queue."""
-        for item in self._routes.pop(route_id, ()):
+    def finished(self, route_id: str, *, decode_node_id: str = "", ended_unix_ms: int | None = None) -> None:
+        """The turn is over: its work has left every node's queue. With `decode_node_id` and
+        `ended_unix_ms`: its request ended then on that decode node, where a report taken before
+        then counts it as running unless the ledger still held it (no report had shown it)."""
+        work = self._routes.pop(route_id, ())
+        for item in work:
             self._drop(item.node_id, route_id)
+        if decode_node_id and ended_unix_ms is not None:
+            # A report taken after the request reached the node and before it ended counts it.
+            # Work no longer held was covered by a report already (or aged out): any counts it.
+            visible = next(
+                (i.visible_unix_ms for i in work if i.node_id == decode_node_id and i.running_requests), 0
+            )
+            self._departed.setdefault(decode_node_id, []).append((visible, ended_unix_ms))
 
     def current(
         self,
@@ -187,6 +206,11 @@ class InFlightLedger:
             load = state.load
             # Only a prefill node's queue is drained and priced.
             prefill = costs if state.node.role.can_prefill() else None
+            if load is not None and node_id in self._departed:
+                gone = self._gone(node_id, load.reported_unix_ms, oldest)
+                if gone:
+                    load = replace(load, running_requests=max(0, load.running_requests - gone))
+                    state = NodeState(state.node, load, state.queued_prefill_ms)
             idle = prefill is None or not (
                 load is None or load.queued_prefill_tokens or load.queued_requests or load.running_requests
             )
@@ -217,6 +241,16 @@ class InFlightLedger:
                 state = NodeState(state.node, load, queued_ms)
             out.append(state)
         return tuple(out)
+
+    def _gone(self, node_id: str, reported_unix_ms: int, oldest: int) -> int:
+        """How many requests the node's report counts as running that ended after it was taken;
+        forgets those a later report covers, and those older than the age limit."""
+        kept = [(v, e) for v, e in self._departed[node_id] if e > reported_unix_ms and e >= oldest]
+        if kept:
+            self._departed[node_id] = kept
+        else:
+            del self._departed[node_id]
+        return sum(1 for visible, _ in kept if visible < reported_unix_ms)
 
     def _queue(
         self,

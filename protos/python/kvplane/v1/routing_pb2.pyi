@@ -341,6 +341,7 @@ class ReportTurnRequest(_message.Message):
     CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     PREFILL_KV_TRANSFER_PARAMS_JSON_FIELD_NUMBER: _builtins.int
     PREFILL_NODE_ID_FIELD_NUMBER: _builtins.int
+    ENDED_UNIX_MS_FIELD_NUMBER: _builtins.int
     route_id: _builtins.str
     """From RouteResponse."""
     conversation: _builtins.str
@@ -379,6 +380,12 @@ class ReportTurnRequest(_message.Message):
     """
     prefill_node_id: _builtins.str
     """Node id of the prefill engine that returned them (the route's prefill node)."""
+    ended_unix_ms: _builtins.int
+    """When the turn's answer ended (its D request finished), Unix milliseconds by
+    the caller's clock; unset if unknown. A load report the decode engine took
+    before then still counts the request as running there: routing leaves it
+    out until a later report.
+    """
     @_builtins.property
     def retained_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Tokens D retains (prompt + output - 1), for the handle's digests; may be
@@ -404,14 +411,20 @@ class ReportTurnRequest(_message.Message):
         cached_tokens: _builtins.int | None = ...,
         prefill_kv_transfer_params_json: _builtins.str = ...,
         prefill_node_id: _builtins.str = ...,
+        ended_unix_ms: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_cached_tokens", b"_cached_tokens", "cached_tokens", b"cached_tokens"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_cached_tokens", b"_cached_tokens", "_ended_unix_ms", b"_ended_unix_ms", "cached_tokens", b"cached_tokens", "ended_unix_ms", b"ended_unix_ms"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cached_tokens", b"_cached_tokens", "cached_tokens", b"cached_tokens", "conversation", b"conversation", "decode_kv_transfer_params_json", b"decode_kv_transfer_params_json", "error", b"error", "model", b"model", "prefill_kv_transfer_params_json", b"prefill_kv_transfer_params_json", "prefill_ms", b"prefill_ms", "prefill_node_id", b"prefill_node_id", "prompt_tokens", b"prompt_tokens", "pulled_tokens", b"pulled_tokens", "retained_token_ids", b"retained_token_ids", "route_id", b"route_id", "success", b"success", "tenant", b"tenant", "transfer_ms", b"transfer_ms", "ttft_ms", b"ttft_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cached_tokens", b"_cached_tokens", "_ended_unix_ms", b"_ended_unix_ms", "cached_tokens", b"cached_tokens", "conversation", b"conversation", "decode_kv_transfer_params_json", b"decode_kv_transfer_params_json", "ended_unix_ms", b"ended_unix_ms", "error", b"error", "model", b"model", "prefill_kv_transfer_params_json", b"prefill_kv_transfer_params_json", "prefill_ms", b"prefill_ms", "prefill_node_id", b"prefill_node_id", "prompt_tokens", b"prompt_tokens", "pulled_tokens", b"pulled_tokens", "retained_token_ids", b"retained_token_ids", "route_id", b"route_id", "success", b"success", "tenant", b"tenant", "transfer_ms", b"transfer_ms", "ttft_ms", b"ttft_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__cached_tokens: _TypeAlias = _typing.Literal["cached_tokens"]  # noqa: Y015
     _WhichOneofArgType__cached_tokens: _TypeAlias = _typing.Literal["_cached_tokens", b"_cached_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__ended_unix_ms: _TypeAlias = _typing.Literal["ended_unix_ms"]  # noqa: Y015
+    _WhichOneofArgType__ended_unix_ms: _TypeAlias = _typing.Literal["_ended_unix_ms", b"_ended_unix_ms"]  # noqa: Y015
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__cached_tokens) -> _WhichOneofReturnType__cached_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__ended_unix_ms) -> _WhichOneofReturnType__ended_unix_ms | None: ...
 
 Global___ReportTurnRequest: _TypeAlias = ReportTurnRequest  # noqa: Y015
 
