@@ -433,3 +433,13 @@ def test_a_departure_older_than_the_age_limit_is_forgotten() -> None:
     ledger.finished("r1", decode_node_id="d0", ended_unix_ms=NOW + 900)
     d = loads(ledger, fleet(reported_ms=NOW + 700), NOW + 6_000)["d0"].load
     assert d is not None and d.running_requests == 2
+
+
+def test_departures_from_a_node_no_route_asks_about_are_swept_once_aged() -> None:
+    ledger = InFlightLedger(max_age_ms=5_000)
+    ledger.finished("gone-1", decode_node_id="d-gone", ended_unix_ms=NOW)
+    # A thousand more finishes on other nodes, well after the age limit.
+    for i in range(1100):
+        ledger.finished(f"r{i}", decode_node_id="d0", ended_unix_ms=NOW + 60_000 + i)
+    assert "d-gone" not in ledger._departed
+    assert len(ledger._departed["d0"]) > 0

@@ -141,6 +141,7 @@ class InFlightLedger:
         # Per decode node: requests that ended there, each as (from when a report counts it, when
         # it ended), in the order their turns were reported.
         self._departed: dict[str, list[tuple[int, int]]] = {}
+        self._finishes = 0
 
     def __len__(self) -> int:
         return len(self._routes)
@@ -175,6 +176,10 @@ class InFlightLedger:
                 (i.visible_unix_ms for i in work if i.node_id == decode_node_id and i.running_requests), 0
             )
             self._departed.setdefault(decode_node_id, []).append((visible, ended_unix_ms))
+            self._finishes += 1
+            if self._finishes % _SWEEP_EVERY == 0:
+                # Nodes no route asks about any more (gone from the fleet) keep nothing for long.
+                self._sweep(ended_unix_ms - self.max_age_ms)
 
     def current(
         self,
@@ -241,6 +246,15 @@ class InFlightLedger:
                 state = NodeState(state.node, load, queued_ms)
             out.append(state)
         return tuple(out)
+
+    def _sweep(self, oldest: int) -> None:
+        """Forgets every node's departures older than the age limit."""
+        for node_id in list(self._departed):
+            kept = [(v, e) for v, e in self._departed[node_id] if e >= oldest]
+            if kept:
+                self._departed[node_id] = kept
+            else:
+                del self._departed[node_id]
 
     def _gone(self, node_id: str, reported_unix_ms: int, oldest: int) -> int:
         """How many requests the node's report counts as running that ended after it was taken;
@@ -374,6 +388,9 @@ class InFlightLedger:
         if not pending:
             del self._by_node[node_id]
 
+
+# Reported finishes between two sweeps of the departures of every node.
+_SWEEP_EVERY = 1024
 
 # Numbers folded items in order, so that equal routing times never compare the items themselves.
 _FOLDED = count()
