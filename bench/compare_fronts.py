@@ -1,7 +1,8 @@
 """The fronts the comparison drives, each on the same engines.
 
-- `kvplane`: kvplane's gateway (Route, P leg, streamed D leg, ReportTurn), asking routing over
-  gRPC (a `serve routing` replica of its own).
+- `kvplane`: kvplane's gateway as it runs by default (Route, P leg or, where routing sends the
+  turn to its D alone, none, streamed D leg, ReportTurn), asking routing over gRPC (a `serve
+  routing` replica of its own).
 - `kvplane-colocated`: kvplane's gateway with routing in its own process
   (`gateway.routing_in_process`): the same turn without the Route hop.
 - `vllm-router`: vllm-router (PyPI) in `--vllm-pd-disaggregation` mode with its defaults
@@ -19,8 +20,9 @@
   that did not route the turn before. The first pair reads the engines' KV events, the second
   sets them aside: what the events bring where one gateway's record cannot know.
 - `kvplane-decode-prefill` (not run by default): kvplane's gateway with `gateway.prefill_on_decode`
-  on, asking `kvplane`'s routing replica: a later turn that adds few tokens to what its D holds
-  is prefilled by that D, with no P leg (decision `prefill_on_decode`).
+  set on, asking `kvplane`'s routing replica: a later turn that adds few tokens to what its D holds
+  is prefilled by that D, with no P leg (decision `prefill_on_decode`). Since that setting is on by
+  default, the same as `kvplane`; records made before differ (`PREFILL_ON_DECODE_FRONTS_BEFORE`).
 - `kvplane-epp` (not run by default): kvplane as a Gateway API inference gateway's endpoint
   picker: Envoy with `kvplane epp` over ext_proc, and a `kvplane sidecar` beside each decode
   engine running the P and D legs; routed by the same routing replica as `kvplane`. Charged
