@@ -191,10 +191,13 @@ fi
 # With one prefill engine, P's own prefix cache holds every earlier prompt, so a pull only moves
 # D's last answer; the default cost model rightly recomputes so short a tail. This override (the
 # sim run's only one) gives routing a policy whose recompute is costly enough per token that the
-# tail is worth pulling, so that the pull path between containers is what gets exercised.
-sed 's/^\( *recompute_ms_per_token:\).*/\1 5.0/' "$ROOT/services/routing/policy/default_policy.yaml" \
-  > "$WORK/pull-policy.yaml"
+# tail is worth pulling, so that the pull path between containers is what gets exercised. For the
+# same reason it never sends a turn to D alone (prefill_on_decode.max_new_tokens 0): one
+# conversation at a time leaves D idle, where by default D would prefill the turn itself.
+sed -e 's/^\( *recompute_ms_per_token:\).*/\1 5.0/' -e 's/^\( *max_new_tokens:\).*/\1 0/' \
+  "$ROOT/services/routing/policy/default_policy.yaml" > "$WORK/pull-policy.yaml"
 grep -q 'recompute_ms_per_token: 5.0' "$WORK/pull-policy.yaml" || die "default_policy.yaml has no recompute_ms_per_token"
+grep -q 'max_new_tokens: 0' "$WORK/pull-policy.yaml" || die "default_policy.yaml has no prefill_on_decode.max_new_tokens"
 # Given to metadata too, which runs routing under compose.serve-all.yaml.
 {
   echo "services:"

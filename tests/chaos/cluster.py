@@ -237,6 +237,9 @@ async def _start_processes(cluster: ChaosCluster) -> None:
                     # Both gateways salt a tenant's prompts alike, so P's prefix cache serves either.
                     "cache_salt_key": "chaos-cache-salt-key-0123456789abcdef",
                     "routing_token_file": cluster.credentials.token_file(GATEWAY),
+                    # Every turn through P: the faults' targets are about the pull path, and an
+                    # idle D would otherwise prefill some turns itself.
+                    "prefill_on_decode": False,
                 }
             }
         )
