@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
-from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2_grpc
 
 from kvplane.services.common.model import convert
 from kvplane.services.dev.local_etcd import LocalEtcd
