@@ -87,8 +87,9 @@ class TurnReporter:
     def report_later(
         self, turn: TurnRequest, route: RouteResult, progress: TurnProgress, *, success: bool
     ) -> None:
-        # The answer's end, for routing to know which of D's load reports still count it.
-        ended_unix_ms = int(time.time() * 1000)
+        # A finished answer's end, for routing to know which of D's load reports still count it
+        # (a failed turn's D may never have had the request: it says nothing).
+        ended_unix_ms = int(time.time() * 1000) if success else None
         if not success:
             # A failed turn's announcement may name blocks D never kept.
             self._announced.pop((turn.identity.tenant, turn.identity.conversation))
@@ -115,7 +116,7 @@ class TurnReporter:
 
     @staticmethod
     def _fields(
-        turn: TurnRequest, progress: TurnProgress, success: bool, ended_unix_ms: int
+        turn: TurnRequest, progress: TurnProgress, success: bool, ended_unix_ms: int | None
     ) -> dict[str, Any]:
         """What the turn's report says (`RoutingClient.report_turn`'s and `report_request`'s
         keyword arguments)."""
@@ -136,7 +137,12 @@ class TurnReporter:
         }
 
     async def _report(
-        self, turn: TurnRequest, route: RouteResult, progress: TurnProgress, success: bool, ended_unix_ms: int
+        self,
+        turn: TurnRequest,
+        route: RouteResult,
+        progress: TurnProgress,
+        success: bool,
+        ended_unix_ms: int | None,
     ) -> str:
         """Reports the turn; returns the id of the handle routing published for the next turn."""
         start = time.perf_counter()

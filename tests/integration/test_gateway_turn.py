@@ -171,6 +171,8 @@ async def test_a_d_that_cannot_be_reached_is_routed_around_once_and_never_return
     reports = {r["route"].route_id: r for r in await reported(stack.parts, 2)}
     assert reports["r1"]["success"] is False and reports["r1"]["prefill_kv_transfer_params"] == P_PARAMS
     assert reports["r2"]["success"] is True
+    # The unreachable D never ran the request: its report says no end for routing to take out.
+    assert reports["r1"]["ended_unix_ms"] is None and reports["r2"]["ended_unix_ms"] is not None
 
 
 async def test_a_turn_whose_second_d_cannot_be_reached_either_fails_with_a_bad_gateway(stack: Stack) -> None:

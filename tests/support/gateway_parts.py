@@ -3,7 +3,6 @@ client, a turn request, and the settings, metrics and reporter the steps share."
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from kvplane.services.gateway.reports import TurnReporter
 from kvplane.services.gateway.settings import GatewaySection
 from kvplane.services.gateway.suspects import SuspectEngines
 from kvplane.v1 import routing_pb2
+from tests.support.polling import until
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
 P_ROUTE_PARAMS = {"do_remote_decode": True, "kvplane_tenant": "acme", "kvplane_conversation": "c1"}
@@ -156,9 +156,5 @@ def fallback_engines(p: Parts) -> FallbackEngines:
 
 async def reported(p: Parts, count: int, timeout_s: float = 10.0) -> list[dict[str, Any]]:
     """Waits for `count` ReportTurn calls (reports run as tasks, off the client's path)."""
-    deadline = time.monotonic() + timeout_s
-    while len(p.routing.reports) < count:
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {count} report(s); got {p.routing.reports}")
-        await asyncio.sleep(0.01)
+    await until(lambda: len(p.routing.reports) >= count, f"{count} report(s)", timeout_s=timeout_s)
     return p.routing.reports
