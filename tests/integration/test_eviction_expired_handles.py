@@ -1,6 +1,6 @@
 """Handles past their expiry are not the coordinator's to release.
 
-A handle's key lives until its shared lease's expiry bucket ends, up to 15 s after the
+A handle's key lives until its shared lease's expiry bucket ends, up to 60 s after the
 handle's own wall-clock expiry; in between, the engine frees the blocks itself, and a
 release would only send the engine a command for blocks it no longer holds.
 """

@@ -99,7 +99,7 @@ async def test_a_pulled_turn_costs_three_requests_and_a_superseding_turn_three(
         await store.ack_release(node.node_id, outcome.superseded.command_id)
     assert without_grants(calls) == Counter(publish=8, release_freed=8, ack_release=8)
 
-    # One lease for every handle of the expiry bucket; the tombstones' lease, one per 15 s bucket.
+    # One lease for every handle of the expiry bucket; the tombstones' lease, one per bucket.
     elapsed = time.monotonic() - started
     assert calls["lease_grant"] <= 1 + int(elapsed // MAX_BUCKET_S) + 1
     # And the store holds what the lifecycle says: the last handles, no claims, no commands.

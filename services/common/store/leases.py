@@ -80,9 +80,10 @@ class Leases:
         """A shared lease that ends at or after `expiry_unix_ms`, within `granularity_s`.
 
         The lease never ends before the expiry, so it covers its keys for their whole life;
-        it may outlive it by up to one bucket. By default the bucket is a thirty-second of the
-        life left (1 to 15 s): a handle kept 480 s outlives its expiry by at most 15 s, and
-        nothing reads a handle past its expiry (routing hands out only handles with life left).
+        it may outlive it by up to one bucket. By default the bucket is an eighth of the life
+        left (1 to 60 s): a handle kept 480 s outlives its expiry by at most 60 s, and nothing
+        reads a handle past its expiry (routing hands out only handles with life left). At one
+        turn every few seconds, that is one grant a minute per expiry, not one every few turns.
         """
         if granularity_s is None:
             granularity_s = bucket_s(expiry_unix_ms - int(time.time() * 1000))
@@ -109,12 +110,12 @@ class Leases:
 
 
 # The largest expiry bucket, seconds (`Leases.for_expiry`).
-MAX_BUCKET_S = 15
+MAX_BUCKET_S = 60
 
 
 def bucket_s(life_ms: int) -> int:
-    """The expiry bucket for a key with `life_ms` left: a thirty-second of it, 1 to 15 s."""
-    return max(1, min(MAX_BUCKET_S, life_ms // 32_000))
+    """The expiry bucket for a key with `life_ms` left: an eighth of it, 1 to 60 s."""
+    return max(1, min(MAX_BUCKET_S, life_ms // 8_000))
 
 
 def _grant(conn: Connection) -> Callable[..., Any]:
