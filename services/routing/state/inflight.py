@@ -146,6 +146,11 @@ class InFlightLedger:
     def __len__(self) -> int:
         return len(self._routes)
 
+    def departures(self, node_id: str) -> int:
+        """Requests remembered as ended on `node_id`: kept until a report covers them, or they
+        age out (swept every `_SWEEP_EVERY` finishes, so a node gone from the fleet keeps none)."""
+        return len(self._departed.get(node_id, ()))
+
     def add(self, *work: RoutedWork) -> None:
         """Records a route's work (one item per node it was sent to)."""
         if not work:
