@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -35,6 +34,7 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 
 from kvplane.bench.route_bench import cpu_seconds
+from kvplane.services.common.runtime.ports import free_port
 from kvplane.services.devstack.processes import run_until_stopped, stopped
 
 _SERVICE = "kvplane.bench.Cpu"
@@ -77,12 +77,6 @@ def _start_server(port: int) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-m", "kvplane.bench.grpc_cpu_bench", "--serve", str(port)])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def _block(channel: grpc.aio.Channel, mode: str, messages: int, gap_s: float) -> None:
     if mode == UNARY:
         echo: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(f"/{_SERVICE}/Echo")
@@ -103,7 +97,7 @@ async def _block(channel: grpc.aio.Channel, mode: str, messages: int, gap_s: flo
 async def run(messages: int, gap_s: float, repeats: int) -> dict[tuple[str, str], list[float]]:
     """CPU ms per message, by (mode, side), one sample per block."""
     samples: dict[tuple[str, str], list[float]] = defaultdict(list)
-    port = _free_port()
+    port = free_port()
     server = _start_server(port)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import socket
 import subprocess
 import sys
 import time
@@ -37,6 +36,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
 from kvplane.bench.compare_report import percentile
+from kvplane.services.common.runtime.ports import free_port
 from kvplane.services.devstack.processes import run_until_stopped, stopped
 
 # A pause between calls, so that each call starts on a loop in its steady state.
@@ -74,14 +74,8 @@ async def serve(port: int, busy_s: float) -> None:
         await server.wait_for_termination()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _start_server(busy_s: float) -> tuple[subprocess.Popen[bytes], int]:
-    port = _free_port()
+    port = free_port()
     args = [sys.executable, "-m", "kvplane.bench.grpc_hop_bench", "--serve", str(port), "--busy-ms"]
     proc = subprocess.Popen([*args, str(busy_s * 1e3)])
     return proc, port
