@@ -429,7 +429,7 @@ api_key=$(podman exec "${PROJECT}_gateway_1" cat /run/kvplane/gateways/api-keys.
 turns_format=()
 [[ $ENGINES == vllm ]] && turns_format=(--token-ids)
 python3 "$ROOT/deploy/scripts/compose_turns.py" --gateway "http://127.0.0.1:$KVPLANE_GATEWAY_PORT" \
-  --api-key "$api_key" --model kvplane-demo "${turns_format[@]}" \
+  --api-key="$api_key" --model kvplane-demo "${turns_format[@]}" \
   --conversations "${KVPLANE_STAGE_CONVERSATIONS:-3}" --turns "${KVPLANE_STAGE_TURNS:-4}"
 
 phase "pulls in the engines' metrics"

@@ -29,7 +29,9 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 def new_token() -> str:
-    return secrets.token_urlsafe(32)
+    """256 random bits as 64 hex digits. Not base64: a token that starts with `-` reads as an
+    option to any command line it is passed on (one in 64 base64url tokens does)."""
+    return secrets.token_hex(32)
 
 
 def _check_names(nodes: Sequence[str], operators: Sequence[str], tenants: Sequence[str]) -> None:

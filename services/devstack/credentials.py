@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from kvplane.services.dev.token_set import new_token
 
 # Operator principals of the stack: the gateway, and the stack's own probes.
 GATEWAY = "gateway"
@@ -31,7 +32,7 @@ class DevCredentials:
             self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as out:
-                out.write(secrets.token_urlsafe(32))
+                out.write(new_token())
         return str(path)
 
     def token(self, name: str) -> str:

@@ -5,6 +5,7 @@ file 0600; nothing written over unless asked."""
 from __future__ import annotations
 
 import json
+import re
 import stat
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from kvplane.services.dev.token_set import (
     GATEWAYS,
     TOKEN_FILE,
     TOKENS_FILE,
+    new_token,
     token_set_files,
 )
 from kvplane.services.dev.tokens_cli import main
@@ -98,3 +100,10 @@ def test_names_that_would_collide_or_escape_are_refused(
 ) -> None:
     with pytest.raises(ValueError, match=message):
         token_set_files(nodes, operators, tenants)
+
+
+def test_tokens_are_hex_so_none_reads_as_a_command_line_option() -> None:
+    # base64url tokens start with "-" one time in 64: `--api-key -x...` is then a missing value.
+    tokens = {new_token() for _ in range(500)}
+    assert len(tokens) == 500
+    assert all(re.fullmatch(r"[0-9a-f]{64}", token) for token in tokens)
