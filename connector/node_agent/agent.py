@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from kvplane.connector.kv_events.block_set import BlockSet
 from kvplane.connector.kv_events.source import KVEventsSource
 from kvplane.connector.kv_events.subscriber import KVEventsSubscriber
-from kvplane.connector.node_agent.commands import CommandStream
+from kvplane.connector.node_agent.commands import AckedFrees, CommandStream
 from kvplane.connector.node_agent.control_plane import CHANNEL_OPTIONS, ControlPlane
 from kvplane.connector.node_agent.demand import DemandReporter
 from kvplane.connector.node_agent.load import LoadReporter
@@ -70,7 +70,8 @@ class NodeAgent:
         self._load = LoadReporter(self._plane, load_fn, streamed=self._all_streams_live)
         self._sender = Sender(self._plane, self._outbox, on_release)
         self._demand = DemandReporter(self._plane, demand_fn) if demand_fn is not None else None
-        self._commands = CommandStream(self._plane, on_release, on_drain, self._demand)
+        self._acked_frees = AckedFrees(settings.seen_commands_max)
+        self._commands = CommandStream(self._plane, on_release, on_drain, self._demand, self._acked_frees)
         self._blocks: BlockSet | None = None
         self._subscriber: KVEventsSubscriber | None = None
         if kv_events is not None:
@@ -151,7 +152,11 @@ class NodeAgent:
         self._outbox.put(Item("publish", handle=handle, trace_context=context, on_outcome=on_outcome))
 
     def report_released(self, remote_request_id: str) -> None:
-        """Queue a "blocks freed" report for ReportReleased. Never blocks; any thread."""
+        """Queue a "blocks freed" report for ReportReleased. Never blocks; any thread.
+
+        Blocks freed by a release command whose ack records the free are not reported again."""
+        if self._acked_frees.take(remote_request_id):
+            return
         self._outbox.put(Item("release", remote_request_id=remote_request_id))
 
     def notify_demand(self) -> None:

@@ -2,6 +2,10 @@
 `on_release(remote_request_id)` (DrainCommand: `on_drain()`), at most once per command id, and
 acknowledges every command; the engine's demand (`demand.py`) shares the stream.
 
+A release whose command says the coordinator records the freed blocks itself on the ack
+(`ack_records_freed`) is noted in `AckedFrees` before `on_release` runs: the engine's report of
+those blocks (`NodeAgent.report_released`) is then dropped, as the ack writes what it would.
+
 Runs on the agent's thread; so do `on_release` and `on_drain`, which must be thread-safe, quick
 and must not block.
 """
@@ -11,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import threading
 from collections.abc import AsyncIterator, Callable
 
 import grpc
@@ -22,6 +27,32 @@ from kvplane.v1 import eviction_pb2
 log = logging.getLogger(__name__)
 
 
+class AckedFrees:
+    """Request ids whose freeing the coordinator records on the command's ack, until the engine
+    reports them freed (at most `max_ids`, oldest forgotten first: an engine that never reports
+    one, because it had freed the blocks already, leaves nothing behind for long). Any thread."""
+
+    def __init__(self, max_ids: int) -> None:
+        self._max_ids = max_ids
+        self._lock = threading.Lock()
+        self._ids: collections.OrderedDict[str, None] = collections.OrderedDict()
+
+    def add(self, request_id: str) -> None:
+        with self._lock:
+            self._ids[request_id] = None
+            while len(self._ids) > self._max_ids:
+                self._ids.popitem(last=False)
+
+    def discard(self, request_id: str) -> None:
+        with self._lock:
+            self._ids.pop(request_id, None)
+
+    def take(self, request_id: str) -> bool:
+        """True (once) if the ack records this id's freeing: the engine's report is not needed."""
+        with self._lock:
+            return self._ids.pop(request_id, False) is None
+
+
 class CommandStream:
     """Keeps the command stream open and applies what comes down it."""
 
@@ -31,9 +62,11 @@ class CommandStream:
         on_release: Callable[[str], None],
         on_drain: Callable[[], None] | None,
         demand: DemandReporter | None,
+        acked_frees: AckedFrees | None = None,
     ) -> None:
         self._plane = plane
         self._on_release = on_release
+        self._acked_frees = acked_frees
         self._on_drain = on_drain
         self._demand = demand
         self._seen: collections.OrderedDict[str, bool] = collections.OrderedDict()
@@ -105,9 +138,15 @@ class CommandStream:
             self.duplicates += 1
             return True, ""
         kind = command.WhichOneof("command")
+        release = command.release
+        # The ids the ack records as freed, when it does (None: the engine's report must).
+        acked_frees = self._acked_frees if kind == "release" and release.ack_records_freed else None
         try:
             if kind == "release":
-                self._on_release(command.release.remote_request_id)
+                if acked_frees is not None:
+                    # Before on_release: an engine may report the free from inside it.
+                    acked_frees.add(release.remote_request_id)
+                self._on_release(release.remote_request_id)
             elif kind == "drain":
                 if self._on_drain is None:
                     return False, "this engine cannot drain"
@@ -116,6 +155,9 @@ class CommandStream:
                 return False, f"unknown command {kind!r}"
         except Exception as exc:
             log.exception("applying command %s failed", command.command_id)
+            if acked_frees is not None:
+                # Not applied: the ack records nothing, so the engine's own report must go out.
+                acked_frees.discard(release.remote_request_id)
             return False, f"{type(exc).__name__}: {exc}"
         self._seen[command.command_id] = True
         while len(self._seen) > self._plane.settings.seen_commands_max:

@@ -7,6 +7,8 @@ node's prefix from the revision of that read, so commands written while the
 node was away, or while another replica led, are all delivered. An entry is
 deleted only when the node acknowledges it, so a command is never lost; and
 nodes apply each command id at most once, so a replay is never applied twice.
+The deletion of an applied release also records its blocks as freed (the
+tombstone the node's own report would have written): one etcd request for both.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ _DRAIN = "drain"
 class _Sent:
     kind: str
     decided_unix_ms: int
+    # A release: the holder's incarnation and request id, recorded as freed when the node acks.
+    freed: tuple[str, str] | None = None
 
 
 class SessionClosed(Exception):
@@ -82,9 +86,11 @@ class NodeSession:
                 handle_id=h.handle_id,
                 remote_request_id=h.vllm.remote_request_id,
                 reason=convert.reason_to_pb(pending.reason),
+                ack_records_freed=True,
             ),
         )
-        self._unacked[pending.command_id] = _Sent(_RELEASE, pending.decided_unix_ms)
+        freed = (h.holder_incarnation, h.vllm.remote_request_id)
+        self._unacked[pending.command_id] = _Sent(_RELEASE, pending.decided_unix_ms, freed)
         self._queue.put_nowait(command)
         return True
 
@@ -130,7 +136,9 @@ class NodeSession:
             )
         if sent.kind == _RELEASE:
             try:
-                await self.store.ack_release(self.node_id, ack.command_id)
+                # Applied: the node left these blocks out of its freed report, so the ack records
+                # them. Not applied: the engine had freed them already and reported that itself.
+                await self.store.ack_release(self.node_id, ack.command_id, sent.freed if ack.ok else None)
             except StoreUnavailable as exc:
                 # The entry stays and is replayed on the next connect; the
                 # node acknowledges it again without applying it twice.

@@ -76,8 +76,11 @@ async def test_end_conversation_release_reaches_the_node_within_a_second(
         assert applied.conversation == conversation
         assert applied.remote_request_id == pending.handle.vllm.remote_request_id
         assert applied.reason == handle_pb2.RELEASE_REASON_CONVERSATION_ENDED
-        # The ack deletes the outbox entry.
+        # The ack deletes the outbox entry and, in the same request, records the blocks freed:
+        # the command said so, and the node sends no report of them.
         await eventually(lambda: _empty(store.pending_releases(node.node_id)), what="the outbox to empty")
+        tombstone = store.keys.freed(node.node_id, node.incarnation, applied.remote_request_id)
+        assert await store.etcd.exists(tombstone)
     finally:
         await agent.stop()
 

@@ -286,6 +286,66 @@ async def test_release_commands_are_applied_once_and_every_command_is_acked(
     assert stats.command_streams_opened >= 2
 
 
+def _release(command_id: str, request_id: str, *, ack_records_freed: bool) -> eviction_pb2.CommandsResponse:
+    return eviction_pb2.CommandsResponse(
+        command_id=command_id,
+        release=eviction_pb2.ReleaseCommand(
+            tenant="acme", remote_request_id=request_id, ack_records_freed=ack_records_freed
+        ),
+    )
+
+
+async def test_blocks_a_release_commands_ack_records_are_not_reported_freed_again(
+    metadata_process: ServiceProcess, agents: list[NodeAgent]
+) -> None:
+    servicer = ScriptedCoordinator(
+        [
+            _release("cmd-acked", "r-acked", ack_records_freed=True),
+            _release("cmd-plain", "r-plain", ack_records_freed=False),
+            _release("cmd-failing", "r-failing", ack_records_freed=True),
+        ]
+    )
+    server = grpc.aio.server()
+    eviction_pb2_grpc.add_EvictionServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    holder: list[NodeAgent] = []
+
+    def on_release(request_id: str) -> None:
+        # As the sim-engine does: the blocks are freed, and reported, inside the call.
+        if request_id == "r-failing":
+            raise RuntimeError("the engine could not free them now")
+        holder[0].report_released(request_id)
+
+    node = make_node("d-acked", incarnation="")
+    agent = NodeAgent(
+        fast_settings(target_of(metadata_process), eviction_target=f"127.0.0.1:{port}"),
+        node,
+        lambda: NodeLoad(node.node_id, "", running_requests=0, free_kv_blocks=7, total_kv_blocks=9),
+        on_release,
+    )
+    holder.append(agent)
+    try:
+        agent.start()
+        agents.append(agent)
+        await until(lambda: len(servicer.acks) >= 3, "the three commands acked")
+        assert [(a.command_id, a.ok) for a in servicer.acks[:3]] == [
+            ("cmd-acked", True),
+            ("cmd-plain", True),
+            ("cmd-failing", False),
+        ]
+        # The engine frees the blocks it could not free then, later, on its own: reported.
+        agent.report_released("r-failing")
+        # Reports go out in order: once the last is sent, any report queued before it was too.
+        await until(
+            lambda: agent.stats().released_reported >= 2 and agent.pending() == ([], []),
+            "the reports sent",
+        )
+        assert agent.stats().released_reported == 2, "r-plain and r-failing, not r-acked"
+    finally:
+        await server.stop(0)
+
+
 async def test_missing_eviction_service_does_not_stop_publishing(
     metadata_process: ServiceProcess,
     metadata_channel: grpc.aio.Channel,

@@ -94,3 +94,38 @@ async def test_a_check_out_stores_and_returns_the_handle_exactly_as_it_was_read(
     claim = convert.claim_from_pb(handle_pb2.Claim.FromString(stored.kvs[0].value))
     assert (claim.claim_id, claim.route_id, claim.handle) == (checked.claim_id, "route-1", record.handle)
     assert claim.claimed_unix_ms > 0
+
+
+async def test_the_ack_of_an_applied_release_records_its_blocks_freed_in_the_same_request(
+    store: Store,
+) -> None:
+    node = make_node("d-acked")
+    await store.register_node(node, 30)
+    first = (await store.publish_handle(make_handle(node, conversation="c-acked", request_id="req-1"))).handle
+    superseded = (
+        await store.publish_handle(make_handle(node, conversation="c-acked", request_id="req-2"))
+    ).superseded
+    assert superseded is not None and superseded.handle == first
+
+    await store.ack_release(node.node_id, superseded.command_id, (node.incarnation, "req-1"))
+    assert await store.pending_releases(node.node_id) == []
+    # No report from D followed: a late publish of the released blocks is refused all the same.
+    outcome = await store.publish_handle(first)
+    assert outcome.freed
+    view = await store.get_handle("acme", "c-acked")
+    assert view is not None and view.handle.vllm.remote_request_id == "req-2"
+
+
+async def test_the_ack_of_a_release_the_node_could_not_apply_records_nothing(store: Store) -> None:
+    node = make_node("d-unapplied")
+    await store.register_node(node, 30)
+    await store.publish_handle(make_handle(node, conversation="c-un", request_id="req-1"))
+    superseded = (
+        await store.publish_handle(make_handle(node, conversation="c-un", request_id="req-2"))
+    ).superseded
+    assert superseded is not None
+
+    await store.ack_release(node.node_id, superseded.command_id)
+    assert await store.pending_releases(node.node_id) == []
+    tombstone = store.keys.freed(node.node_id, node.incarnation, "req-1")
+    assert not await store.etcd.exists(tombstone)

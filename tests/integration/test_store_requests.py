@@ -89,15 +89,17 @@ async def test_a_pulled_turn_costs_three_requests_and_a_superseding_turn_three(
 
     calls.clear()
     for conversation in conversations:
-        # Turn 3 recomputes: its handle supersedes turn 2's, whose release D applies and acks.
+        # Turn 3 recomputes: its handle supersedes turn 2's, whose release D applies and acks;
+        # the ack records the freed blocks, so D sends no report of them.
         outcome = await store.publish_handle(
             handle(conversation, 3), PublishHint(node_record, records[conversation])
         )
         assert outcome.superseded is not None
         assert outcome.superseded.reason is ReleaseReason.SUPERSEDED
-        await store.release_freed(node.node_id, node.incarnation, [f"{conversation}-2"])
-        await store.ack_release(node.node_id, outcome.superseded.command_id)
-    assert without_grants(calls) == Counter(publish=8, release_freed=8, ack_release=8)
+        await store.ack_release(
+            node.node_id, outcome.superseded.command_id, (node.incarnation, f"{conversation}-2")
+        )
+    assert without_grants(calls) == Counter(publish=8, ack_release=8)
 
     # One lease for every handle of the expiry bucket; the tombstones' lease, one per bucket.
     elapsed = time.monotonic() - started

@@ -244,8 +244,8 @@ class Store:
         """Release commands queued for a node, with their mod_revisions, oldest first."""
         return await self.releases.pending_releases(node_id)
 
-    async def ack_release(self, node_id: str, command_id: str) -> None:
-        await self.releases.ack_release(node_id, command_id)
+    async def ack_release(self, node_id: str, command_id: str, freed: tuple[str, str] | None = None) -> None:
+        await self.releases.ack_release(node_id, command_id, freed)
 
     # -- leader election -------------------------------------------------------
 

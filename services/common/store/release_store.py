@@ -4,8 +4,8 @@ of handles whose holder is gone or freed the blocks itself."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, TypeVar
 
 from aetcd import rpc
 
@@ -26,6 +26,8 @@ FREED_TOMBSTONE_MS = 600_000
 # Request ids per freed-report transaction: a put and a delete each (etcd takes at most 128
 # operations per transaction, --max-txn-ops).
 _FREED_BATCH = 64
+
+T = TypeVar("T")
 
 
 class ReleaseStore:
@@ -101,26 +103,21 @@ class ReleaseStore:
         through its index, and the claims deleted after."""
         indexes = [self.keys.by_node(node_id, incarnation, r) for r in ids]
         claims = [fencing.delete(self.keys.claimed(node_id, incarnation, r)) for r in ids]
-        for attempt in range(2):
-            lease = await self.leases.for_expiry(now_ms() + FREED_TOMBSTONE_MS)
+
+        async def write(lease: int) -> Any:
             tombstones = [fencing.put(self.keys.freed(node_id, incarnation, r), b"", lease) for r in ids]
-            try:
-                resp = await self.etcd.write(
-                    "release_freed",
-                    [fencing.absent(index) for index in indexes],
-                    [*tombstones, *claims],
-                    [*tombstones, *(fencing.get(index) for index in indexes)],
-                )
-                break
-            except LeaseNotFound:
-                # The shared lease was revoked behind our back: a new one, once.
-                self.leases.forget(lease)
-                if attempt:
-                    raise
+            return await self.etcd.write(
+                "release_freed",
+                [fencing.absent(index) for index in indexes],
+                [*tombstones, *claims],
+                [*tombstones, *(fencing.get(index) for index in indexes)],
+            )
+
+        resp = await self._under_tombstone_lease(write)
         if resp.succeeded:
             return 0
         removed = 0
-        for reply in resp.responses[len(tombstones) :]:
+        for reply in resp.responses[len(ids) :]:
             for kv in reply.response_range.kvs:
                 if await self.drop_indexed(kv):
                     removed += 1
@@ -203,8 +200,30 @@ class ReleaseStore:
             for kv in resp.kvs
         ]
 
-    async def ack_release(self, node_id: str, command_id: str) -> None:
-        await self.etcd.write("ack_release", [], [fencing.delete(self.keys.release(node_id, command_id))])
+    async def ack_release(self, node_id: str, command_id: str, freed: tuple[str, str] | None = None) -> None:
+        """Deletes an acknowledged release command. With `freed` (the holder's incarnation and
+        request id), the same transaction records the blocks as freed, as `release_freed` would
+        when the engine reported them: one request for both, and the node leaves the blocks out
+        of its report (`ReleaseCommand.ack_records_freed`). The released handle had no index left
+        and no claim (the release removed the one; a handle checked out is never released)."""
+        command = fencing.delete(self.keys.release(node_id, command_id))
+        if freed is None:
+            await self.etcd.write("ack_release", [], [command])
+            return
+        tombstone = self.keys.freed(node_id, *freed)
+        await self._under_tombstone_lease(
+            lambda lease: self.etcd.write("ack_release", [], [fencing.put(tombstone, b"", lease), command])
+        )
+
+    async def _under_tombstone_lease(self, write: Callable[[int], Awaitable[T]]) -> T:
+        """`write(lease)` with the shared lease of tombstones written now; once more with a new
+        lease if that one was revoked behind our back."""
+        lease = await self.leases.for_expiry(now_ms() + FREED_TOMBSTONE_MS)
+        try:
+            return await write(lease)
+        except LeaseNotFound:
+            self.leases.forget(lease)
+        return await write(await self.leases.for_expiry(now_ms() + FREED_TOMBSTONE_MS))
 
     def count(self, reason: str) -> None:
         self.telemetry.store.handle_transitions.labels("released", reason).inc()

@@ -154,6 +154,7 @@ class ReleaseCommand(_message.Message):
     HANDLE_ID_FIELD_NUMBER: _builtins.int
     REMOTE_REQUEST_ID_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    ACK_RECORDS_FREED_FIELD_NUMBER: _builtins.int
     tenant: _builtins.str
     """The handle's tenant."""
     conversation: _builtins.str
@@ -164,6 +165,12 @@ class ReleaseCommand(_message.Message):
     """vLLM request id on the node whose blocks to free."""
     reason: _handle_pb2.ReleaseReason.ValueType
     """Why."""
+    ack_records_freed: _builtins.bool
+    """True when the coordinator records the blocks as freed (the tombstone that refuses any later
+    publish naming them) in the same etcd transaction that deletes the command, on an ok ack:
+    the node then leaves these blocks out of its ReportReleased. False (a coordinator that
+    predates this field): the node reports them as it reports every free.
+    """
     def __init__(
         self,
         *,
@@ -172,10 +179,11 @@ class ReleaseCommand(_message.Message):
         handle_id: _builtins.str = ...,
         remote_request_id: _builtins.str = ...,
         reason: _handle_pb2.ReleaseReason.ValueType = ...,
+        ack_records_freed: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["conversation", b"conversation", "handle_id", b"handle_id", "reason", b"reason", "remote_request_id", b"remote_request_id", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack_records_freed", b"ack_records_freed", "conversation", b"conversation", "handle_id", b"handle_id", "reason", b"reason", "remote_request_id", b"remote_request_id", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
