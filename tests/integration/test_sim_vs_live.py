@@ -228,7 +228,12 @@ def _assert_orders_as(record: Path, fronts: tuple[str, ...], key: str, concurren
 # --repeats 2 --min-conversations 1 --fronts kvplane,vllm-router,example-proxy,zero-hop-reuse
 # --idle-s 10`): at 0d756e5, kvplane's gateway sending every turn through P, and at 3b33f2e and
 # f71bf6e, as it runs by default since, letting routing send a turn to its D alone.
-LATEST_RECORDS = ("compare_0d756e5.json", "compare_3b33f2e.json", "compare_f71bf6e.json")
+LATEST_RECORDS = (
+    "compare_0d756e5.json",
+    "compare_3b33f2e.json",
+    "compare_f71bf6e.json",
+    "compare_8e313bd.json",
+)
 LATEST_FRONTS = (KVPLANE, VLLM_ROUTER, EXAMPLE_PROXY)
 
 
