@@ -356,6 +356,10 @@ async def test_with_prefill_on_decode_the_sidecar_serves_short_turns_on_d_alone(
         p_calls = 0
         d_hits = 0.0
         for turn in range(3):
+            if turn:
+                # D prefills a turn only when that holds up no answer: routing must have seen the
+                # last one end.
+                await stack.wait_decode_idle()
             if turn == 1:
                 p_calls = len(stack.proxy.seen)
                 d_hits = await stack.decode.metric(

@@ -13,7 +13,7 @@ import json
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -32,8 +32,10 @@ from kvplane.services.dev.local_etcd import LocalEtcd
 from kvplane.services.devstack.processes import ManagedProcess, http_health_probe, wait_ready
 from kvplane.services.gateway.app import Gateway
 from kvplane.services.gateway.settings import GatewayKey, GatewaySection
-from kvplane.services.process import ServiceProcess
+from kvplane.services.process import Component, Installer, ProcessContext, ServiceProcess
+from kvplane.services.routing.service import RoutingService
 from kvplane.services.settings import KvplaneSettings
+from tests.support.polling import until
 
 MODEL = "kvplane-sim"
 KEYS = {"acme": "key-acme-0123456789", "globex": "key-globex-0123456789"}
@@ -201,6 +203,18 @@ class TurnResult:
         return str(choice.get("text") or choice["message"]["content"])
 
 
+def _routing_installer(kept: list[RoutingService]) -> Installer:
+    """Installs routing as `kvplane serve routing` does, keeping its servicer in `kept`."""
+    from kvplane.services.routing.app import install_servicer
+
+    def install(ctx: ProcessContext) -> Sequence[Component]:
+        servicer, components = install_servicer(ctx)
+        kept[:] = [servicer]
+        return components
+
+    return install
+
+
 @dataclass
 class GatewayStack:
     etcd: LocalEtcd
@@ -219,6 +233,8 @@ class GatewayStack:
     # What every engine of the stack shares, and every engine process (each stopped at exit).
     engine_common: SimEngineSettings = ENGINE
     engines: list[EngineProcess] = field(default_factory=list)
+    # The routing servicer of `routing` (replaced when routing restarts).
+    routing_services: list[RoutingService] = field(default_factory=list)
 
     # -- the services --------------------------------------------------------------
 
@@ -226,11 +242,26 @@ class GatewayStack:
         await self.routing.stop()
 
     async def start_routing(self) -> None:
-        from kvplane.services.routing.app import install
-
+        install = _routing_installer(self.routing_services)
         self.routing = ServiceProcess(self.routing_settings, [install], Telemetry.disabled())
         await self.routing.start()
         await self.wait_nodes()
+
+    async def wait_decode_idle(self, node_id: str = "gw-d") -> None:
+        """Waits until routing sees the decode node run and queue nothing, in the load it routes
+        by (the node's stream, or etcd's). A turn sent at once after the last one's answer may
+        otherwise find its load from before that answer ended, on a machine slow to deliver it."""
+        view = self.routing.ctx.view
+        [service] = self.routing_services
+
+        def idle() -> bool:
+            record = view.nodes.get(node_id)
+            if record is None:
+                return False
+            load = service.streamed_loads.load(record.node, view.load(record.node), time.monotonic())
+            return load is not None and load.running_requests == 0 and load.queued_requests == 0
+
+        await until(idle, f"routing to see {node_id} idle", timeout_s=15.0)
 
     async def wait_nodes(self) -> None:
         view = self.routing.ctx.view
@@ -328,7 +359,6 @@ async def gateway_stack(
 
     from kvplane.services.eviction.app import install as install_eviction
     from kvplane.services.metadata.app import install as install_metadata
-    from kvplane.services.routing.app import install as install_routing
 
     base = {
         "etcd": {"endpoints": [etcd.endpoint], "prefix": prefix, "request_timeout_s": 1.0},
@@ -370,7 +400,10 @@ async def gateway_stack(
         )
         await metadata.start()
         cleanups.append(metadata.stop)
-        routing = ServiceProcess(routing_settings, [install_routing], telemetry("kvplane-routing"))
+        routing_services: list[RoutingService] = []
+        routing = ServiceProcess(
+            routing_settings, [_routing_installer(routing_services)], telemetry("kvplane-routing")
+        )
         await routing.start()
         p_port, d_port = free_port(), free_port("::1")
         proxy = FaultProxy(f"http://127.0.0.1:{p_port}")
@@ -450,6 +483,7 @@ async def gateway_stack(
             spans,
             common,
             engines,
+            routing_services,
         )
         cleanups.append(lambda: stack.routing.stop())
         await stack.wait_nodes()
