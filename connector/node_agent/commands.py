@@ -50,7 +50,10 @@ class AckedFrees:
     def take(self, request_id: str) -> bool:
         """True (once) if the ack records this id's freeing: the engine's report is not needed."""
         with self._lock:
-            return self._ids.pop(request_id, False) is None
+            if request_id not in self._ids:
+                return False
+            del self._ids[request_id]
+            return True
 
 
 class CommandStream:
