@@ -5,9 +5,11 @@ copies the blocks it computes to host memory as they fill, and publishes each co
 event on medium "CPU", which the node agent reads into its block set (`BlockSet` places a copy in
 its chain, `self_describing_kv_events` or not). When requests wait for blocks, kvplane's connector
 spills before it asks the control plane for memory, as the sim-engine does
-(`simengine.retention`): its oldest retained handles whose first blocks the CPU tier holds are
-republished as HOST-tier handles (`CacheHandle.relocates_handle_id`) for that prefix, naming where
-the engine's offloading P2P tier serves them (`host_tier_p2p`, host:port). A later turn's P reads
+(`simengine.retention`): retained handles whose first blocks the CPU tier holds, in the order
+the control plane's leader last sent (least expected reuse per byte first; those it leaves out
+after, oldest first), are republished as HOST-tier handles (`CacheHandle.relocates_handle_id`)
+for that prefix, naming where the engine's offloading P2P tier serves them (`host_tier_p2p`,
+host:port). A later turn's P reads
 the copies through vLLM's symmetric P2P (`remote_kv_source` in its kv_transfer_params), by block
 hash, so it can read nothing but the prompt's own prefix.
 
@@ -72,6 +74,13 @@ class HostTier:
         self._moved: dict[str, tuple[CacheHandle, int]] = {}
         self._lock = threading.Lock()
         self._outcomes: list[tuple[str, bool]] = []
+        # The leader's order of moves (request ids, least valuable first); replaced whole by the
+        # agent's thread. Its host half is not used: vLLM's LRU, not kvplane, drops CPU blocks.
+        self._order: tuple[str, ...] = ()
+
+    def set_order(self, device: Sequence[str], host: Sequence[str]) -> None:
+        """The control plane's spill order (`SpillOrder`). Any thread."""
+        self._order = tuple(device)
 
     # -- the scheduler thread ------------------------------------------------------------------
 
@@ -90,14 +99,17 @@ class HostTier:
         self._moving.pop(request_id, None)
 
     def spill(self, blocks_wanted: int) -> list[tuple[str, CacheHandle]]:
-        """Moves for at least `blocks_wanted` GPU blocks, oldest handles first, each only for the
+        """Moves for at least `blocks_wanted` GPU blocks, in the spill order, each only for the
         prefix the CPU tier holds: (request id, the HOST-tier handle to publish). Fewer, or
         none, when the CPU tier holds too little."""
         out: list[tuple[str, CacheHandle]] = []
         freed = 0
-        for request_id, tracked in self._tracked.items():
+        named = [i for i in self._order if i in self._tracked]
+        taken = set(named)
+        for request_id in named + [i for i in self._tracked if i not in taken]:
             if freed >= blocks_wanted:
                 break
+            tracked = self._tracked[request_id]
             if request_id in self._moving:
                 continue
             moved = self._moved_handle(tracked)

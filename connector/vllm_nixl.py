@@ -485,6 +485,8 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
             demand_fn=self._current_demand,
             retained_fn=self._retained_request_ids,
             kv_events=kv_events,
+            # Only an engine with a host tier asks for the order of its moves there.
+            on_spill_order=self._host_tier.set_order if self._host_tier is not None else None,
         )
         if self._host_tier is not None and not self.kvplane_agent.reads_kv_events:
             log.warning(

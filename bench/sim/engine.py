@@ -42,7 +42,7 @@ A host tier (`ClusterSpec.decode_host_bytes`, the tiered engine model). Each
 D has host memory for KV beside its accelerators. With kvplane's control
 plane, D writes each handle it publishes through to host memory
 (`SimCosts.spill_s` after the publish, the copy is whole), making room by
-dropping the oldest entries there, and unpins its accelerator blocks once
+dropping entries there in the control plane's value order, and unpins its accelerator blocks once
 the copy is whole: the handle stays the conversation's and readable, from host memory,
 and is offered until `decode_host_ttl_s` after its publish. While the copy
 is under way the control plane no longer judges the handle: a demand waits
@@ -731,10 +731,10 @@ class Simulator:
             self._admit(d, now)
 
     def _spill(self, handle: SimHandle, now: float) -> bool:
-        """Copies a handle to D's host memory (making room there by dropping its oldest entries not
-        being read); its accelerator blocks are freed when the copy lands (`_spill_done`). False
-        (the caller keeps or frees it) where D has no host memory for this control plane, or no
-        room can be made."""
+        """Copies a handle to D's host memory (making room there by dropping entries not being
+        read, in the control plane's order); its accelerator blocks are freed when the copy lands
+        (`_spill_done`). False (the caller keeps or frees it) where D has no host memory for this
+        control plane, or no room can be made."""
         d = handle.decode
         if d.host_capacity <= 0 or not self.retention.spills or not self._host_room(d, handle.bytes, now):
             return False
@@ -749,10 +749,14 @@ class Simulator:
         return True
 
     def _host_room(self, d: DecodeState, nbytes: int, now: float) -> bool:
-        """Makes `nbytes` free in D's host memory, oldest entries first; False if it cannot."""
+        """Makes `nbytes` free in D's host memory, in the control plane's order (kvplane: least
+        expected reuse per byte first, as its leader's spill order tells a live D); False if it
+        cannot."""
         short = nbytes - (d.host_capacity - d.host_retained)
+        if short <= 0:
+            return True
         victims = []
-        for old in d.host_handles.values():
+        for old in self.retention.host_drop_order(d.host_handles.values(), now):
             if short <= 0:
                 break
             if not old.reading and not old.checked_out:

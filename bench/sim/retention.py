@@ -15,7 +15,7 @@ plane: handles live until D's TTL frees them, or D needs the memory.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
 from kvplane.bench.sim.cluster import DecodeState, SimHandle
@@ -62,6 +62,10 @@ class Retention(Protocol):
         """(handle id, reason) of each handle to release for the turns waiting on `decode`."""
         ...
 
+    def host_drop_order(self, handles: Iterable[SimHandle], now: float) -> list[SimHandle]:
+        """`handles`, in a decode node's host memory, in the order a full host tier drops them."""
+        ...
+
 
 class EngineOnly:
     releases_superseded = False
@@ -77,6 +81,9 @@ class EngineOnly:
 
     def evaluate(self, now: float) -> list[tuple[int, str]]:
         return []
+
+    def host_drop_order(self, handles: Iterable[SimHandle], now: float) -> list[SimHandle]:
+        return list(handles)  # oldest first: no one values them
 
     def answer_demand(self, decode: DecodeState, now: float) -> list[tuple[int, str]]:
         return []
@@ -139,6 +146,27 @@ class PipelineRetention:
         )
         snapshot = Snapshot(self.fleet.unix_ms(now), tuple(handles.values()), {node_id: node})
         return [(int(r.handle_id), r.policy) for r in self.pipeline.for_demand(snapshot, node_id)]
+
+    def host_drop_order(self, handles: Iterable[SimHandle], now: float) -> list[SimHandle]:
+        """Least expected reuse per byte first, as the leader's `SpillOrder` tells a live node."""
+        fleet = self.fleet
+        by_id = {str(h.handle_id): h for h in handles}
+        infos = [
+            HandleInfo(
+                h.tenant,
+                h.conversation,
+                handle_id,
+                h.decode.node.node_id,
+                h.bytes,
+                h.tokens,
+                fleet.unix_ms(h.published_s),
+                fleet.unix_ms(h.expiry_s),
+                on_device=False,
+            )
+            for handle_id, h in by_id.items()
+        ]
+        snapshot = Snapshot(fleet.unix_ms(now), tuple(infos))
+        return [by_id[i.handle_id] for i in self.pipeline.values.least_reuse_per_byte_first(infos, snapshot)]
 
     def evaluate(self, now: float) -> list[tuple[int, str]]:
         now_ms = self.fleet.unix_ms(now)

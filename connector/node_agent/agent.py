@@ -43,8 +43,8 @@ _TRACE_KEYS = frozenset({"traceparent", "tracestate"})
 class NodeAgent:
     """Registers one engine, reports its handles and load, applies release commands.
 
-    Callbacks (`load_fn`, `on_release`, `on_drain`, `demand_fn`, `retained_fn`) run on the agent's
-    thread: they must be thread-safe, quick and must not block.
+    Callbacks (`load_fn`, `on_release`, `on_drain`, `demand_fn`, `retained_fn`, `on_spill_order`)
+    run on the agent's thread: they must be thread-safe, quick and must not block.
     """
 
     def __init__(
@@ -57,6 +57,7 @@ class NodeAgent:
         demand_fn: Callable[[], int] | None = None,
         retained_fn: Callable[[], Iterable[str]] | None = None,
         kv_events: KVEventsSource | None = None,
+        on_spill_order: Callable[[Sequence[str], Sequence[str]], None] | None = None,
     ) -> None:
         self._settings = settings
         self._node_template = node
@@ -71,7 +72,9 @@ class NodeAgent:
         self._sender = Sender(self._plane, self._outbox, on_release)
         self._demand = DemandReporter(self._plane, demand_fn) if demand_fn is not None else None
         self._acked_frees = AckedFrees(settings.seen_commands_max)
-        self._commands = CommandStream(self._plane, on_release, on_drain, self._demand, self._acked_frees)
+        self._commands = CommandStream(
+            self._plane, on_release, on_drain, self._demand, self._acked_frees, on_spill_order
+        )
         self._blocks: BlockSet | None = None
         self._subscriber: KVEventsSubscriber | None = None
         if kv_events is not None:
@@ -195,6 +198,7 @@ class NodeAgent:
             reconciled_freed=self._registration.reconciled_freed,
             publishes_given_up=self._sender.publishes_given_up,
             relocations_refused=self._sender.relocations_refused,
+            spill_orders=commands.spill_orders,
             **self._kv_event_stats(),
         )
 

@@ -1,13 +1,15 @@
 """The EvictionService.Commands stream: says hello, applies each ReleaseCommand by calling
 `on_release(remote_request_id)` (DrainCommand: `on_drain()`), at most once per command id, and
-acknowledges every command; the engine's demand (`demand.py`) shares the stream.
+acknowledges every command; the engine's demand (`demand.py`) shares the stream. An engine with a
+host tier (`on_spill_order`) asks for the leader's order of its moves there in its hello, and is
+handed each SpillOrder as it comes (`on_spill_order(device_ids, host_ids)`; not acknowledged).
 
 A release whose command says the coordinator records the freed blocks itself on the ack
 (`ack_records_freed`) is noted in `AckedFrees` before `on_release` runs: the engine's report of
 those blocks (`NodeAgent.report_released`) is then dropped, as the ack writes what it would.
 
-Runs on the agent's thread; so do `on_release` and `on_drain`, which must be thread-safe, quick
-and must not block.
+Runs on the agent's thread; so do `on_release`, `on_drain` and `on_spill_order`, which must be
+thread-safe, quick and must not block.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import asyncio
 import collections
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
 
@@ -66,8 +68,10 @@ class CommandStream:
         on_drain: Callable[[], None] | None,
         demand: DemandReporter | None,
         acked_frees: AckedFrees | None = None,
+        on_spill_order: Callable[[Sequence[str], Sequence[str]], None] | None = None,
     ) -> None:
         self._plane = plane
+        self._on_spill_order = on_spill_order
         self._on_release = on_release
         self._acked_frees = acked_frees
         self._on_drain = on_drain
@@ -76,6 +80,7 @@ class CommandStream:
         self.applied = 0
         self.duplicates = 0
         self.opened = 0
+        self.spill_orders = 0
 
     async def run(self) -> None:
         """Reconnects after every end of the stream, with backoff, until the agent stops."""
@@ -102,7 +107,11 @@ class CommandStream:
         acks: asyncio.Queue[eviction_pb2.CommandsRequest | None] = asyncio.Queue()
         await acks.put(
             eviction_pb2.CommandsRequest(
-                hello=eviction_pb2.NodeHello(node_id=plane.node_id, incarnation=plane.incarnation)
+                hello=eviction_pb2.NodeHello(
+                    node_id=plane.node_id,
+                    incarnation=plane.incarnation,
+                    wants_spill_order=self._on_spill_order is not None,
+                )
             )
         )
 
@@ -121,6 +130,9 @@ class CommandStream:
         try:
             async for command in call:
                 received = True
+                if command.WhichOneof("command") == "spill_order":
+                    self._take_spill_order(command.spill_order)
+                    continue  # a hint: not acknowledged
                 ok, error = self._apply(command)
                 await acks.put(
                     eviction_pb2.CommandsRequest(
@@ -133,6 +145,16 @@ class CommandStream:
             await acks.put(None)
             call.cancel()
         return received
+
+    def _take_spill_order(self, order: eviction_pb2.SpillOrder) -> None:
+        if self._on_spill_order is None:
+            return  # never asked for (a hello without wants_spill_order)
+        try:
+            self._on_spill_order(tuple(order.device_request_ids), tuple(order.host_request_ids))
+        except Exception:
+            log.exception("applying a spill order failed")
+            return
+        self.spill_orders += 1
 
     def _apply(self, command: eviction_pb2.CommandsResponse) -> tuple[bool, str]:
         """Apply one command at most once; return the ack's (ok, error)."""

@@ -111,6 +111,8 @@ class AgentStats:
     publishes_given_up: int = 0
     # Relocations (a handle moved to another tier) refused: the handle was no longer retained.
     relocations_refused: int = 0
+    # Spill orders handed to the engine (an engine with a host tier).
+    spill_orders: int = 0
     # The engine's KV-cache events (all 0 without a source): batches and events read, events of
     # an unknown type, gaps filled by replay, resets of the block set (AllBlocksCleared, a gap
     # that could not be filled, an engine restart, an overflow), engine restarts seen, blocks

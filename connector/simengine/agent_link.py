@@ -179,6 +179,8 @@ def start_node_agent(engine: SimEngine, http_url: str, observer: ConnectorObserv
         demand_fn=engine.kv_demand_blocks,
         retained_fn=engine.retained_handle_ids,
         kv_events=s.kv_events_source(),
+        # Only an engine with a host tier asks for the order of its moves there.
+        on_spill_order=engine.set_spill_order if engine.pool.host_blocks > 0 else None,
     )
     engine.demand_listener = agent.notify_demand
     engine.load_listener = agent.notify_load

@@ -36,7 +36,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -284,6 +284,10 @@ class SimEngine:
 
     def drain(self) -> None:
         self.retention.drain()
+
+    def set_spill_order(self, device: Sequence[str], host: Sequence[str]) -> None:
+        """The control plane's order of moves to the host tier and of drops there; any thread."""
+        self.retention.set_spill_order(device, host)
 
     def retained_handle_ids(self) -> list[str]:
         """Request ids of the decode handles held; from any thread."""

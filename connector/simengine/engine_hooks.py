@@ -12,6 +12,7 @@ through ``EngineControl``:
 | (host tier: a handle moved to host memory)   | ``EngineObserver.on_handle_moved`` |
 | ``build_connector_meta`` early release       | ``EngineControl.release_early``    |
 | drain                                        | ``EngineControl.drain``            |
+| (host tier: the leader's spill order)        | ``EngineControl.set_spill_order``  |
 | load snapshot                                | ``EngineControl.load``             |
 
 Who calls what: observer methods run on the engine's event-loop thread, in
@@ -98,6 +99,10 @@ class EngineControl(Protocol):
 
     def drain(self) -> None:
         """Free every retained handle and keep no new ones."""
+
+    def set_spill_order(self, device: Sequence[str], host: Sequence[str]) -> None:
+        """The control plane's order of moves to the host tier (request ids of handles in the
+        KV cache) and of drops there (of handles in host memory), least valuable first."""
 
     def load(self) -> EngineLoad:
         """The current load."""

@@ -457,6 +457,7 @@ async def sim_state(request: web.Request) -> web.Response:
             "model": s.model,
             "bidirectional": engine.bidirectional,
             "host_tier": engine.retention.host_tier_enabled,
+            "spill_order": engine.retention.spill_order(),
             "side_channel_host": s.advertised_side_channel_host,
             "side_channel_port": engine.side_channel_port,
             "block_size": s.block_size,

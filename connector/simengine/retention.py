@@ -12,12 +12,14 @@ incarnation, request id), so a reader can tell blocks leased to its handle from 
 observer hears of every D handle kept, moved and freed.
 
 With a host tier (``host_kv_blocks``), a request short of cache blocks does not wait for the
-control plane first: ``spill`` moves D handles, oldest first, to host blocks (after the modelled
-copy time), frees their cache blocks, and tells the observer the handle's new blocks, which the
-connector publishes as a relocation of the handle. Same request id, same stamp: a reader of the
-new blocks checks them as it would the old ones; a reader that took the old handle before the
-relocation reads cache blocks no longer stamped for it, and recomputes. A host tier that is full
-frees its oldest handles (``host_full``) to make room.
+control plane first: ``spill`` moves D handles to host blocks (after the modelled copy time),
+frees their cache blocks, and tells the observer the handle's new blocks, which the connector
+publishes as a relocation of the handle. Same request id, same stamp: a reader of the new blocks
+checks them as it would the old ones; a reader that took the old handle before the relocation
+reads cache blocks no longer stamped for it, and recomputes. A host tier that is full frees
+handles there (``host_full``) to make room. Both go in the control plane's value order, least
+expected reuse per byte first, as its leader last sent it (``set_spill_order``); the handles the
+order leaves out follow, oldest first.
 
 Event-loop thread only, except ``release_early``, ``drain``, ``freeing_blocks`` and
 ``handle_ids``, which the node agent calls from its own thread.
@@ -103,6 +105,9 @@ class Retention:
         # the node agent's thread too, hence the lock.
         self._freeing: dict[str, int] = {}
         self._freeing_lock = threading.Lock()
+        # The leader's order of moves to the host tier and of drops there (request ids, least
+        # valuable first); replaced whole, so any thread may set it.
+        self._spill_order: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         """The engine's event loop, where commands from other threads are carried out."""
@@ -199,6 +204,24 @@ class Retention:
         self._on_loop(self._release_if_held, request_id)
         return held is not None
 
+    def set_spill_order(self, device: Sequence[str], host: Sequence[str]) -> None:
+        """The control plane's order of moves to the host tier (device request ids) and of drops
+        there (host request ids), least valuable first. Any thread."""
+        self._spill_order = (tuple(device), tuple(host))
+
+    def spill_order(self) -> dict[str, list[str]]:
+        """The last order the control plane sent (request ids by tier), for the engine's state."""
+        device, host = self._spill_order
+        return {"device": list(device), "host": list(host)}
+
+    def _in_spill_order(self, tier: Tier) -> list[_Retained]:
+        """The handles of `tier`: those the spill order names, in its order, then the rest
+        oldest first."""
+        named = self._spill_order[0 if tier == "device" else 1]
+        first = [r for i in named if (r := self._retained.get(i)) is not None and r.tier == tier]
+        taken = {r.request_id for r in first}
+        return first + [r for r in self._retained.values() if r.tier == tier and r.request_id not in taken]
+
     def drain(self) -> None:
         self._draining = True
         self._on_loop(self._release_all)
@@ -251,13 +274,13 @@ class Retention:
     # -- the host tier --------------------------------------------------------
 
     def spill(self, blocks: int) -> int:
-        """Start moving D handles to the host tier, oldest first, until `blocks` cache blocks
-        are on their way back (those already moving count); returns how many are. Event-loop
-        thread, inside the engine's loop."""
+        """Start moving D handles to the host tier, in the spill order, until `blocks` cache
+        blocks are on their way back (those already moving count); returns how many are.
+        Event-loop thread, inside the engine's loop."""
         if self.pool.host_blocks == 0 or self._draining or not self.host_tier_enabled:
             return 0
         planned = self._spilling_blocks
-        for r in list(self._retained.values()):
+        for r in self._in_spill_order("device"):
             if planned >= blocks:
                 break
             if r.kind != "decode_handle" or r.tier != "device" or r.request_id in self._spilling:
@@ -308,16 +331,16 @@ class Retention:
         await asyncio.gather(*copies, return_exceptions=True)
 
     def _host_room(self, count: int) -> list[int] | None:
-        """`count` host blocks, freeing the host tier's oldest handles as needed; None: it
-        cannot hold that many even empty."""
+        """`count` host blocks, freeing the host tier's handles in the spill order as needed;
+        None: it cannot hold that many even empty."""
         while True:
             taken = self.pool.host_take(count)
             if taken is not None:
                 return taken
-            oldest = next((r for r in self._retained.values() if r.tier == "host"), None)
-            if oldest is None:
+            first = next(iter(self._in_spill_order("host")), None)
+            if first is None:
                 return None
-            self._free(oldest.request_id, "host_full")
+            self._free(first.request_id, "host_full")
 
     # -- freeing ------------------------------------------------------------
 

@@ -55,6 +55,7 @@ from kvplane.services.eviction.policy import (
 from kvplane.services.eviction.releaser import Releaser
 from kvplane.services.eviction.sessions import NodeSession, SessionRegistry
 from kvplane.services.eviction.settings import EvictionSection
+from kvplane.services.eviction.spill_order import spill_orders
 
 log = logging.getLogger(__name__)
 
@@ -301,10 +302,29 @@ class EvictionCoordinator:
         self.last_evaluation_s = time.perf_counter() - started
         self.metrics.evaluation_seconds.observe(self.last_evaluation_s)
         self._report_retained(snapshot)
+        self._offer_spill_orders(snapshot)
         if not releases:
             return 0
         outcome = await self.releaser.apply(releases, term)
         return outcome.released
+
+    def _offer_spill_orders(self, snapshot: Snapshot) -> None:
+        """Sends each node with a host tier its order of moves, where it changed (`spill_order.py`)."""
+        nodes = self.sessions.spill_order_nodes()
+        if not nodes:
+            return
+        request_ids = {
+            record.handle.handle_id: record.handle.vllm.remote_request_id
+            for record in self.view.handles.values()
+            if record.handle.holder_node_id in nodes
+        }
+        orders = spill_orders(
+            snapshot, self.pipeline.values, request_ids, self.settings.spill_order_max_handles, nodes
+        )
+        for node_id, order in orders.items():
+            session = self.sessions.get(node_id)
+            if session is not None:
+                session.offer_spill_order(order)  # counted by kind as it is sent
 
     def _report_retained(self, snapshot: Snapshot) -> None:
         retained = dict.fromkeys(snapshot.nodes, 0)
@@ -453,11 +473,13 @@ class EvictionCoordinator:
 
     # -- sessions ----------------------------------------------------------------------------
 
-    def open_session(self, node_id: str, incarnation: str) -> NodeSession:
-        session = self.sessions.open(node_id, incarnation)
+    def open_session(self, node_id: str, incarnation: str, wants_spill_order: bool = False) -> NodeSession:
+        session = self.sessions.open(node_id, incarnation, wants_spill_order)
         record = self.view.nodes.get(node_id)
         if record is not None and record.node.draining and record.node.incarnation == incarnation:
             session.offer_drain()
+        if wants_spill_order:
+            self._wake.set()  # its first order comes with the next round
         return session
 
     async def pending_commands(self) -> int:

@@ -24,6 +24,7 @@ from kvplane.services.common.model.errors import StoreUnavailable
 from kvplane.services.common.model.handles import PendingRelease
 from kvplane.services.common.store import Compacted, Store, now_ms
 from kvplane.services.eviction.metrics import EvictionMetrics
+from kvplane.services.eviction.spill_order import NodeSpillOrder
 from kvplane.v1 import eviction_pb2, handle_pb2
 
 log = logging.getLogger(__name__)
@@ -47,9 +48,19 @@ class SessionClosed(Exception):
 class NodeSession:
     """One node's command stream: what was offered, what awaits an ack."""
 
-    def __init__(self, node_id: str, incarnation: str, store: Store, metrics: EvictionMetrics) -> None:
+    def __init__(
+        self,
+        node_id: str,
+        incarnation: str,
+        store: Store,
+        metrics: EvictionMetrics,
+        wants_spill_order: bool = False,
+    ) -> None:
         self.node_id = node_id
         self.incarnation = incarnation
+        # The node has a host tier and asked for the order of its moves there (`spill_order.py`).
+        self.wants_spill_order = wants_spill_order
+        self._spill_sent: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
         self.store = store
         self.metrics = metrics
         self.opened = time.monotonic()
@@ -104,6 +115,23 @@ class NodeSession:
         self._unacked[command_id] = _Sent(_DRAIN, now_ms())
         self._queue.put_nowait(
             eviction_pb2.CommandsResponse(command_id=command_id, drain=eviction_pb2.DrainCommand())
+        )
+        return True
+
+    def offer_spill_order(self, order: NodeSpillOrder) -> bool:
+        """Queues the node's spill order if it asked for one and would not already follow it."""
+        if self.closed or not self.wants_spill_order:
+            return False
+        sent_device, sent_host = self._spill_sent
+        if order.device.followed_after(sent_device) and order.host.followed_after(sent_host):
+            return False
+        self._spill_sent = (order.device.order, order.host.order)
+        self._queue.put_nowait(
+            eviction_pb2.CommandsResponse(
+                spill_order=eviction_pb2.SpillOrder(
+                    device_request_ids=order.device.order, host_request_ids=order.host.order
+                )
+            )
         )
         return True
 
@@ -198,12 +226,12 @@ class SessionRegistry:
     def get(self, node_id: str) -> NodeSession | None:
         return self._sessions.get(node_id)
 
-    def open(self, node_id: str, incarnation: str) -> NodeSession:
+    def open(self, node_id: str, incarnation: str, wants_spill_order: bool = False) -> NodeSession:
         """A new session; a node's older stream is closed (it reconnected)."""
         old = self._sessions.pop(node_id, None)
         if old is not None:
             old.close("replaced by a newer stream from the same node")
-        session = NodeSession(node_id, incarnation, self.store, self.metrics)
+        session = NodeSession(node_id, incarnation, self.store, self.metrics, wants_spill_order)
         self._sessions[node_id] = session
         self.metrics.connected_nodes.set(len(self._sessions))
         session.follow_outbox()
@@ -214,6 +242,10 @@ class SessionRegistry:
         if self._sessions.get(session.node_id) is session:
             del self._sessions[session.node_id]
         self.metrics.connected_nodes.set(len(self._sessions))
+
+    def spill_order_nodes(self) -> set[str]:
+        """Nodes whose open session asked for spill orders."""
+        return {node_id for node_id, s in self._sessions.items() if s.wants_spill_order and not s.closed}
 
     def close_all(self, reason: str) -> None:
         for session in list(self._sessions.values()):

@@ -20,6 +20,9 @@ class EvictionSection(BaseModel):
     evaluate_interval_s: float = Field(1.0, gt=0)
     # How often the leader sweeps for handles of unregistered nodes, seconds.
     orphan_sweep_interval_s: float = Field(10.0, gt=0)
+    # Handles per tier in the order of moves to a node's host tier that the leader sends it
+    # (least valuable first); the node takes the handles it leaves out oldest first.
+    spill_order_max_handles: int = Field(64, ge=1, le=4096)
     # Release transactions in flight at once.
     release_concurrency: int = Field(16, ge=1, le=1024)
     # Conversations silent this long count as ended for the gap statistics, seconds.

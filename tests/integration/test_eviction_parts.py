@@ -22,6 +22,7 @@ from kvplane.services.eviction.metrics import EvictionMetrics
 from kvplane.services.eviction.policy.model import Release
 from kvplane.services.eviction.releaser import Releaser
 from kvplane.services.eviction.sessions import NodeSession, SessionClosed, SessionRegistry
+from kvplane.services.eviction.spill_order import NodeSpillOrder, TierOrder
 from kvplane.services.metadata.claim_reaper import ClaimReaper
 from kvplane.v1 import eviction_pb2
 from tests.conftest import make_node
@@ -300,6 +301,30 @@ async def test_a_session_offers_only_its_own_incarnations_commands_once(store: S
     assert own.offer_release(pending) and not own.offer_release(pending)
     assert own.offer_drain() and not own.offer_drain(), "one drain per incarnation"
     assert own.unacked == 2
+
+
+async def test_a_spill_order_goes_only_to_a_node_that_asked_and_only_when_it_changes(store: Store) -> None:
+    metrics = EvictionMetrics.create(CollectorRegistry())
+    order = NodeSpillOrder(TierOrder(("young", "old"), ("old", "young")), TierOrder(("h1",), ("h1",)))
+    plain = NodeSession("d-ev", "inc", store, metrics)
+    assert not plain.offer_spill_order(order), "a node without a host tier never asked"
+
+    session = NodeSession("d-ev", "inc", store, metrics, wants_spill_order=True)
+    assert session.offer_spill_order(order)
+    command = await session.next_command()
+    assert command.command_id == "" and command.WhichOneof("command") == "spill_order"
+    assert list(command.spill_order.device_request_ids) == ["young", "old"]
+    assert list(command.spill_order.host_request_ids) == ["h1"]
+    assert session.unacked == 0, "a hint awaits no ack"
+
+    assert not session.offer_spill_order(order), "unchanged"
+    joined = NodeSpillOrder(TierOrder(("young", "old", "new"), ("old", "young", "new")), order.host)
+    assert not session.offer_spill_order(joined), "a newer handle at the end: the node does that anyway"
+    swapped = NodeSpillOrder(TierOrder(("old", "young"), ("old", "young")), order.host)
+    assert session.offer_spill_order(swapped)
+    assert list((await session.next_command()).spill_order.device_request_ids) == ["old", "young"]
+    session.close("test over")
+    assert not session.offer_spill_order(order)
 
 
 async def test_a_newer_stream_from_the_same_node_closes_the_older_session(store: Store) -> None:

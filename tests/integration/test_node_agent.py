@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 
 import grpc
 import pytest
@@ -232,7 +232,8 @@ class ScriptedCoordinator(eviction_pb2_grpc.EvictionServiceServicer):
         self.hellos.append(first.hello)
         for command in self.commands:
             yield command
-        wanted = len(self.acks) + len(self.commands)
+        # Every command is acked but a spill order, a hint.
+        wanted = len(self.acks) + sum(c.WhichOneof("command") != "spill_order" for c in self.commands)
         async for message in request_iterator:
             self.acks.append(message.ack)
             if len(self.acks) >= wanted:
@@ -342,6 +343,49 @@ async def test_blocks_a_release_commands_ack_records_are_not_reported_freed_agai
             "the reports sent",
         )
         assert agent.stats().released_reported == 2, "r-plain and r-failing, not r-acked"
+    finally:
+        await server.stop(0)
+
+
+async def test_an_engine_with_a_host_tier_asks_for_spill_orders_and_is_handed_each_unacked(
+    metadata_process: ServiceProcess, agents: list[NodeAgent]
+) -> None:
+    order = eviction_pb2.SpillOrder(device_request_ids=["r-young", "r-old"], host_request_ids=["r-h"])
+    servicer = ScriptedCoordinator(
+        [eviction_pb2.CommandsResponse(spill_order=order), _release("cmd-r", "r-1", ack_records_freed=True)]
+    )
+    server = grpc.aio.server()
+    eviction_pb2_grpc.add_EvictionServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    orders: list[tuple[tuple[str, ...], tuple[str, ...]]] = []
+    lock = threading.Lock()
+
+    def on_spill_order(device: Sequence[str], host: Sequence[str]) -> None:
+        with lock:
+            orders.append((tuple(device), tuple(host)))
+
+    try:
+        for node_id, callback in (("d-host", on_spill_order), ("d-plain", None)):
+            node = make_node(node_id, incarnation="")
+            agent = NodeAgent(
+                fast_settings(target_of(metadata_process), eviction_target=f"127.0.0.1:{port}"),
+                node,
+                lambda: NodeLoad("", "", running_requests=0, free_kv_blocks=7, total_kv_blocks=9),
+                lambda _request_id: None,
+                on_spill_order=callback,
+            )
+            agent.start()
+            agents.append(agent)
+        await until(lambda: {h.node_id for h in servicer.hellos} == {"d-host", "d-plain"}, "both hellos")
+        await until(lambda: agents[0].stats().spill_orders >= 1, "the order handed to the engine")
+        await until(lambda: len(servicer.acks) >= 2, "the releases acked")
+        wants = {h.node_id: h.wants_spill_order for h in servicer.hellos}
+        assert wants == {"d-host": True, "d-plain": False}
+        with lock:
+            assert orders[0] == (("r-young", "r-old"), ("r-h",))
+        assert {a.command_id for a in servicer.acks} == {"cmd-r"}, "the order itself is never acked"
+        assert agents[1].stats().spill_orders == 0, "a node that did not ask takes none"
     finally:
         await server.stop(0)
 

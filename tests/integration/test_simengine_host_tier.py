@@ -10,6 +10,7 @@ without a prefix cache, so a later turn's pull moves every token D holds.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import urllib.error
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +21,9 @@ import pytest
 from kvplane.connector.simengine.settings import SimEngineSettings
 from kvplane.services.common.model.handles import KvTier
 from kvplane.services.common.store import Store
+from kvplane.services.dev.local_etcd import LocalEtcd
 from kvplane.services.process import ServiceProcess
+from tests.support.eviction_nodes import coordinator_of, start_replica
 from tests.support.polling import eventually
 from tests.support.simengine import (
     Engine,
@@ -69,21 +72,29 @@ def cluster(tmp_path: Path, metadata_process: ServiceProcess) -> Iterator[dict[s
         yield started
 
 
-def _routed(params: dict[str, Any], conversation: str) -> dict[str, Any]:
-    return {**params, "kvplane_tenant": "acme", "kvplane_conversation": conversation}
+def _routed(params: dict[str, Any], conversation: str, tenant: str) -> dict[str, Any]:
+    return {**params, "kvplane_tenant": tenant, "kvplane_conversation": conversation}
 
 
 async def _turn(
-    p: Engine, d: Engine, prompt: list[int], conversation: str, handle: dict[str, Any] | None = None
+    p: Engine,
+    d: Engine,
+    prompt: list[int],
+    conversation: str,
+    handle: dict[str, Any] | None = None,
+    *,
+    tenant: str = "acme",
+    max_tokens: int = 100,
 ):  # type: ignore[no-untyped-def]
     """One P/D turn, routed as kvplane's gateway routes it (the blocking HTTP off the loop, which
     serves the metadata service the engines publish to)."""
     pr = await asyncio.to_thread(p_leg, p, prompt, handle)
-    return pr, await asyncio.to_thread(d_leg, d, prompt, _routed(pr["kv_transfer_params"], conversation), 100)
+    routed = _routed(pr["kv_transfer_params"], conversation, tenant)
+    return pr, await asyncio.to_thread(d_leg, d, prompt, routed, max_tokens)
 
 
-async def _in_tier(store: Store, conversation: str, tier: KvTier) -> bool:
-    view = await store.get_handle("acme", conversation)
+async def _in_tier(store: Store, conversation: str, tier: KvTier, tenant: str = "acme") -> bool:
+    view = await store.get_handle(tenant, conversation)
     return view is not None and view.handle.tier is tier
 
 
@@ -169,3 +180,59 @@ async def test_a_restarted_d_leaves_no_handle_pointing_at_its_lost_host_tier(
 
 async def _gone(store: Store, conversation: str) -> bool:
     return await store.get_handle("acme", conversation) is None
+
+
+async def test_a_short_d_moves_the_handle_the_leader_values_least_not_its_oldest(
+    tmp_path: Path, etcd: LocalEtcd, prefix: str, metadata_process: ServiceProcess, store: Store
+) -> None:
+    """Two handles on D: an agent's, older, whose tenant comes back within a minute, and a
+    report's, younger, whose tenant comes back after hours (past D's TTL). D short of blocks moves
+    the report's, as the eviction leader's order says; by age it would move the agent's."""
+    leader = await start_replica(etcd, prefix, policy={"policies": []})
+    try:
+        await eventually(lambda: _leads(leader), what="the eviction replica to lead")
+        gaps = coordinator_of(leader).pipeline.values.gaps
+        for i in range(300):
+            gaps.observe_gap("agents", 2.0 + i % 60)
+            gaps.observe_gap("reports", 7200.0 + i)
+        plane = f"127.0.0.1:{metadata_process.grpc_port}"
+        specs = _specs(plane)
+        specs["D"] = dataclasses.replace(specs["D"], eviction=f"127.0.0.1:{leader.grpc_port}")
+        with engines(tmp_path, {"P": specs["P"], "D": specs["D"]}) as started:
+            p, d = started["P"], started["D"]
+            # 100 + 50 tokens: 10 of D's 40 blocks each.
+            await _turn(p, d, tokens(21, 100), "c-agent", tenant="agents", max_tokens=50)
+            await _turn(p, d, tokens(22, 100), "c-report", tenant="reports", max_tokens=50)
+            for tenant, conversation in (("agents", "c-agent"), ("reports", "c-report")):
+                await eventually(
+                    lambda t=tenant, c=conversation: _in_tier(store, c, KvTier.DEVICE, t),
+                    timeout_s=60,
+                    what=f"{conversation}'s publish",
+                )
+            report = await store.get_handle("reports", "c-report")
+            assert report is not None
+            report_rid = report.handle.vllm.remote_request_id
+            await eventually(
+                lambda: _first_in_order(d, report_rid), timeout_s=60, what="the leader's order at D"
+            )
+
+            # 300 + 50 tokens need 22 blocks; 20 are free: one handle must move.
+            await _turn(p, d, tokens(23, 300), "c-new", tenant="agents", max_tokens=50)
+            await eventually(
+                lambda: _in_tier(store, "c-report", KvTier.HOST, "reports"),
+                timeout_s=60,
+                what="the report's relocation",
+            )
+            assert d.metric("kvplane_sim_host_spills_total", outcome="moved") == 1
+            assert await _in_tier(store, "c-agent", KvTier.DEVICE, "agents"), "the agent's stays"
+    finally:
+        await leader.stop()
+
+
+async def _leads(process: ServiceProcess) -> bool:
+    return coordinator_of(process).is_leader
+
+
+async def _first_in_order(d: Engine, request_id: str) -> bool:
+    order = (await asyncio.to_thread(d.state))["spill_order"]["device"]
+    return bool(order) and order[0] == request_id

@@ -8,8 +8,12 @@ from dataclasses import replace
 import pytest
 
 from kvplane.bench.sim import BASELINES, ClusterSpec, SimConfig, SimSummary, simulator_for
+from kvplane.bench.sim.block_chain import BlockChain, BlockIds
+from kvplane.bench.sim.cluster import SimHandle
 from kvplane.bench.sim.command import SimSpec, main
 from kvplane.bench.sim.costs import SimCosts
+from kvplane.bench.sim.fleet import Fleet
+from kvplane.bench.sim.retention import EngineOnly, PipelineRetention
 from kvplane.bench.workloads import AgenticWorkload, Turn, agentic_turns
 
 GIB = 1 << 30
@@ -38,7 +42,7 @@ def test_released_handles_are_spilled_to_host_memory_and_pulled_from_there() -> 
     assert tiered.wrong_prefix_turns == 0 and tiered.wrong_prefix_tokens == 0
 
 
-def test_a_full_host_tier_drops_its_oldest_spills_first_and_stays_within_its_size() -> None:
+def test_a_full_host_tier_drops_spills_and_stays_within_its_size() -> None:
     small_host = replace(SMALL_D, decode_host_bytes=2 * GIB)
     summary = _run("kvplane", small_host)
     assert summary.spilled_handles > 0
@@ -144,3 +148,21 @@ def test_the_command_refuses_p2p_without_a_host_tier(capsys: pytest.CaptureFixtu
     with pytest.raises(SystemExit):
         main(["--workload", "agentic", "--engine-model", "tiered"])
     assert "--host-gib-per-decode" in capsys.readouterr().err
+
+
+def test_a_full_host_tier_drops_what_the_leader_values_least_as_a_live_d_does() -> None:
+    """The simulated control plane orders host drops as the leader's spill order orders a live
+    D's: least expected reuse per byte first (here the younger handle, whose tenant comes back
+    past D's TTL), not oldest first; the engine alone (no control plane) drops oldest first."""
+    config = SimConfig(cluster=replace(SMALL_D, decode_host_bytes=8 * GIB))
+    fleet = Fleet(config.cluster, config.costs, config.epoch_unix_ms, config.load_report_interval_s)
+    d = fleet.decode[0]
+    chain = BlockChain().extended(4, BlockIds())
+    agent = SimHandle(1, "agents", "c-a", d, 64, 64 * 1024, chain, 100.0, 580.0)
+    report = SimHandle(2, "reports", "c-r", d, 64, 64 * 1024, chain, 110.0, 590.0)
+    plane = PipelineRetention(fleet, None)
+    for i in range(300):
+        plane.pipeline.values.gaps.observe_gap("agents", 2.0 + i % 60)
+        plane.pipeline.values.gaps.observe_gap("reports", 7200.0 + i)
+    assert plane.host_drop_order([agent, report], 115.0) == [report, agent]
+    assert EngineOnly().host_drop_order([agent, report], 115.0) == [agent, report]

@@ -320,6 +320,25 @@ async def test_a_full_host_tier_frees_its_oldest_handles_and_one_too_large_never
     assert {d["request_id"]: d["tier"] for d in retention.describe()} == {"c": "host", "huge": "device"}
 
 
+async def test_spills_and_host_drops_follow_the_control_planes_order_before_age() -> None:
+    retention, pool, metrics, observer = make(host_kv_blocks=4)
+    for name in ("a", "b", "c"):
+        keep(retention, pool, name, "decode_handle", blocks=2)
+    # The leader values the youngest least; handles it leaves out follow, oldest first.
+    retention.set_spill_order(["c", "gone"], [])
+    assert retention.spill(4) == 4
+    await until(lambda: spills(metrics, "moved") == 2, "two copies")
+    assert [m["remote_request_id"] for m in observer.moved] == ["c", "a"]
+
+    # Host memory is full; of the two there, the order drops "a" first.
+    retention.set_spill_order(["b"], ["a", "c"])
+    retention.spill(1)
+    await until(lambda: spills(metrics, "moved") == 3, "the third copy")
+    assert [name for name, _ in observer.freed] == ["a"]
+    assert frees(metrics, "decode_handle", "host_full") == 1
+    assert {d["request_id"]: d["tier"] for d in retention.describe()} == {"b": "host", "c": "host"}
+
+
 async def test_a_handle_read_while_it_is_copied_stays_freed_and_gives_its_host_blocks_back() -> None:
     retention, pool, metrics, observer = make(host_kv_blocks=4, host_copy_bytes_per_s=BLOCK_BYTES / 1800)
     keep(retention, pool, "r1", "decode_handle", blocks=2)  # an hour's copy

@@ -80,6 +80,17 @@ def test_moves_the_oldest_handles_for_the_prefix_the_cpu_tier_holds() -> None:
     assert [r for r, _ in tier.spill(blocks_wanted=200)] == ["r-b"]
 
 
+def test_moves_follow_the_control_planes_order_then_age() -> None:
+    cpu = Cpu()
+    tier = tier_with(cpu)
+    for request_id in ("r-a", "r-b", "r-c"):
+        _, _, block_hashes = published(tier, request_id, 20 * BLOCK, request_id)
+        cpu.hold(block_hashes, 20)
+    tier.set_order(["r-c", "r-gone"], ["r-host"])  # the leader values the youngest least
+    assert [r for r, _ in tier.spill(blocks_wanted=1)] == ["r-c"]
+    assert [r for r, _ in tier.spill(blocks_wanted=30)] == ["r-a", "r-b"], "then oldest first"
+
+
 def test_a_handle_whose_first_block_the_cpu_tier_lacks_never_moves() -> None:
     cpu = Cpu()
     tier = tier_with(cpu)

@@ -3,8 +3,10 @@
 isort:skip_file
 """
 
+from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf.internal import containers as _containers
 from kvplane.v1 import handle_pb2 as _handle_pb2
 import builtins as _builtins
 import sys
@@ -25,19 +27,23 @@ class NodeHello(_message.Message):
 
     NODE_ID_FIELD_NUMBER: _builtins.int
     INCARNATION_FIELD_NUMBER: _builtins.int
+    WANTS_SPILL_ORDER_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """Node id."""
     incarnation: _builtins.str
     """Current incarnation; commands for other incarnations are never sent."""
+    wants_spill_order: _builtins.bool
+    """True when the engine has a host tier and wants the leader's SpillOrder for it."""
     def __init__(
         self,
         *,
         node_id: _builtins.str = ...,
         incarnation: _builtins.str = ...,
+        wants_spill_order: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation", b"incarnation", "node_id", b"node_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation", b"incarnation", "node_id", b"node_id", "wants_spill_order", b"wants_spill_order"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -207,6 +213,41 @@ class DrainCommand(_message.Message):
 Global___DrainCommand: _TypeAlias = DrainCommand  # noqa: Y015
 
 @_typing.final
+class SpillOrder(_message.Message):
+    """Which of its retained handles a node with a host tier moves there first when its KV cache runs
+    short, and drops from there first when host memory runs short: the leader's value order (least
+    expected reuse per byte first, the order in which a demand releases). A hint, neither stored
+    nor acknowledged: each replaces the one before, handles it does not name follow those it does
+    (oldest first), and a named handle the node no longer holds is passed over.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DEVICE_REQUEST_IDS_FIELD_NUMBER: _builtins.int
+    HOST_REQUEST_IDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def device_request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """vLLM request ids of handles in the engine's KV cache, the first to move first."""
+
+    @_builtins.property
+    def host_request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """vLLM request ids of handles in the engine's host memory, the first to drop first."""
+
+    def __init__(
+        self,
+        *,
+        device_request_ids: _abc.Iterable[_builtins.str] | None = ...,
+        host_request_ids: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device_request_ids", b"device_request_ids", "host_request_ids", b"host_request_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SpillOrder: _TypeAlias = SpillOrder  # noqa: Y015
+
+@_typing.final
 class CommandsResponse(_message.Message):
     """Coordinator -> node."""
 
@@ -215,8 +256,9 @@ class CommandsResponse(_message.Message):
     COMMAND_ID_FIELD_NUMBER: _builtins.int
     RELEASE_FIELD_NUMBER: _builtins.int
     DRAIN_FIELD_NUMBER: _builtins.int
+    SPILL_ORDER_FIELD_NUMBER: _builtins.int
     command_id: _builtins.str
-    """Unique id; the node acknowledges it."""
+    """Unique id; the node acknowledges it. Empty for a spill_order, which is not acknowledged."""
     @_builtins.property
     def release(self) -> Global___ReleaseCommand:
         """Release one handle."""
@@ -225,18 +267,23 @@ class CommandsResponse(_message.Message):
     def drain(self) -> Global___DrainCommand:
         """Drain the node."""
 
+    @_builtins.property
+    def spill_order(self) -> Global___SpillOrder:
+        """The order of moves to the host tier; sent only to a node whose hello asked for it."""
+
     def __init__(
         self,
         *,
         command_id: _builtins.str = ...,
         release: Global___ReleaseCommand | None = ...,
         drain: Global___DrainCommand | None = ...,
+        spill_order: Global___SpillOrder | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["command", b"command", "drain", b"drain", "release", b"release"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["command", b"command", "drain", b"drain", "release", b"release", "spill_order", b"spill_order"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["command", b"command", "command_id", b"command_id", "drain", b"drain", "release", b"release"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["command", b"command", "command_id", b"command_id", "drain", b"drain", "release", b"release", "spill_order", b"spill_order"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_command: _TypeAlias = _typing.Literal["release", "drain"]  # noqa: Y015
+    _WhichOneofReturnType_command: _TypeAlias = _typing.Literal["release", "drain", "spill_order"]  # noqa: Y015
     _WhichOneofArgType_command: _TypeAlias = _typing.Literal["command", b"command"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_command) -> _WhichOneofReturnType_command | None: ...
 
