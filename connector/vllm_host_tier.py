@@ -18,9 +18,10 @@ still check the device handle out and read them. A refused move (the handle was 
 released or superseded first) leaves them to whatever got there first.
 
 The CPU copy is vLLM's, kept by its LRU, not kvplane's: a read frees nothing, and kvplane never
-frees it. A moved handle ends when the CPU tier drops its first block (`BlockRemoved` on "CPU"),
-when a release command names it (an unused claim, a newer handle, a drain) or at its expiry;
-each end is reported released, once.
+frees it. A moved handle is offered until `host_tier_ttl_s` after its turn (longer than D's TTL
+would keep the GPU blocks: host memory is cheap). It ends when the CPU tier drops its first
+block (`BlockRemoved` on "CPU"), when a release command names it (an unused claim, a newer
+handle, a drain) or at its expiry; each end is reported released, once.
 
 The connector's scheduler thread owns this object; the agent's thread only queues move outcomes
 (`outcome`, under a lock); the block set is read one key at a time (`NodeAgent.held_prefix`).
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -48,6 +50,8 @@ class _Tracked:
     block_ids: tuple[int, ...]
     token_ids: Sequence[int]
     gpu_blocks: int
+    # When it was published (its turn's end), ms since the Unix epoch.
+    tracked_unix_ms: int
 
 
 class HostTier:
@@ -59,10 +63,15 @@ class HostTier:
         block_size: int,
         bytes_per_block: int,
         held_prefix: Callable[[Sequence[int]], int],
+        ttl_s: float = 3600.0,
+        clock_unix_ms: Callable[[], int] = lambda: int(time.time() * 1000),
     ) -> None:
         """`held_prefix(block_ids)`: how many of the leading blocks the CPU tier holds, each in
-        its place in the chain (the node agent's block set)."""
+        its place in the chain (the node agent's block set). A moved handle is offered until
+        `ttl_s` after its publish, or as long as the device handle was, if longer."""
         self.p2p_host, self.p2p_port = p2p_endpoint
+        self.ttl_ms = int(ttl_s * 1000)
+        self._clock_unix_ms = clock_unix_ms
         self.block_size = block_size
         self.bytes_per_block = bytes_per_block
         self._held_prefix = held_prefix
@@ -91,7 +100,9 @@ class HostTier:
         The tokens are kept as given, not copied (vLLM keeps a held request's as they are)."""
         whole = min(len(token_ids) // self.block_size, len(block_hashes))
         ids = tuple(external_id(h) for h in block_hashes[:whole])
-        self._tracked[request_id] = _Tracked(handle, ids, token_ids, handle.vllm.num_blocks)
+        self._tracked[request_id] = _Tracked(
+            handle, ids, token_ids, handle.vllm.num_blocks, self._clock_unix_ms()
+        )
 
     def forget(self, request_id: str) -> None:
         """Its blocks were freed (read, expired, released) before any move: nothing to move."""
@@ -193,13 +204,21 @@ class HostTier:
         digests = token_digests.digest_tokens(tracked.token_ids[: blocks * self.block_size], self.block_size)
         extra = dict(was.vllm.extra)
         extra[KEY_REMOTE_KV_SOURCE] = {"remote_host": self.p2p_host, "remote_port": self.p2p_port}
+        # Host memory keeps it longer than the GPU would: both clocks move by as much.
+        longer_ms = max(0, tracked.tracked_unix_ms + self.ttl_ms - was.wall_expiry_unix_ms)
+        expiry = was.vllm.remote_blocks_expiry_time
         return dataclasses.replace(
             was,
             handle_id=uuid.uuid4().hex,
             # No block of the engine's KV cache: P reads the copies by hash, through vLLM's P2P.
             vllm=dataclasses.replace(
-                was.vllm, remote_block_ids=(), remote_num_tokens=blocks * self.block_size, extra=extra
+                was.vllm,
+                remote_block_ids=(),
+                remote_num_tokens=blocks * self.block_size,
+                extra=extra,
+                remote_blocks_expiry_time=None if expiry is None else expiry + longer_ms / 1000,
             ),
+            wall_expiry_unix_ms=was.wall_expiry_unix_ms + longer_ms,
             retained_bytes=blocks * self.bytes_per_block,
             digests=digests,
             tier=KvTier.HOST,

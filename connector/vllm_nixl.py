@@ -59,6 +59,9 @@ KVPLANE_NODE_ROLE and KVPLANE_HTTP_URL give defaults):
     host_tier_p2p                      D: host:port of the OffloadingConnector's P2P tier, where
                                        P reads handles moved to the CPU tier (empty: no host tier;
                                        needs the engine's KV events read on its host)
+    host_tier_ttl_s                    D: how long after its turn a moved handle stays offered,
+                                       unless the CPU tier drops it first (3600; never less than
+                                       the device handle's own life)
     auth_token_file                    file holding the node's bearer token (KVPLANE_AUTH_TOKEN_FILE;
                                        KVPLANE_AUTH_TOKEN gives the token itself, never a config key)
     tls_ca_file                        CA of the control plane's certificates: TLS (KVPLANE_TLS_CA_FILE)
@@ -210,10 +213,12 @@ class ConnectorSettings:
     kv_free_watermark_blocks: int = 0
     # D side, with vLLM's OffloadingConnector beside this one (MultiConnector) and the engine's
     # KV events read: host:port where peers reach the OffloadingConnector's P2P tier. Set, a D
-    # short of blocks moves its oldest handles whose first blocks the CPU tier holds to the host
-    # tier before asking the control plane for memory (`kvplane.connector.vllm_host_tier`).
+    # short of blocks moves handles whose first blocks the CPU tier holds to the host tier, in the
+    # control plane's spill order, before asking it for memory (`kvplane.connector.vllm_host_tier`).
     # Empty: no host tier.
     host_tier_p2p: str = ""
+    # Seconds after its turn a moved handle stays offered (the CPU tier's LRU may end it sooner).
+    host_tier_ttl_s: float = 3600.0
     # Credentials for the control plane (kvplane.services.client.credentials); see the module docstring.
     auth_token_file: str = ""
     tls_ca_file: str = ""
@@ -290,11 +295,19 @@ class ConnectorSettings:
                 idle_step_pause_s=float(raw.get("idle_step_pause_s", 0.01)),
                 kv_free_watermark_blocks=int(raw.get("kv_free_watermark_blocks", 0)),
                 host_tier_p2p=_host_tier_endpoint(raw.get("host_tier_p2p", "")),
+                host_tier_ttl_s=_non_negative(raw.get("host_tier_ttl_s", 3600.0), "host_tier_ttl_s"),
                 auth_token=str(env.get("KVPLANE_AUTH_TOKEN", "")),
                 **{key: str(raw.get(key, "")) for key in _CREDENTIAL_KEYS},
             )
         except (TypeError, ValueError) as exc:
             raise ConnectorConfigError(f"bad kvplane settings: {exc}") from None
+
+
+def _non_negative(value: Any, name: str) -> float:
+    number = float(value)
+    if not number >= 0 or number == float("inf"):
+        raise ValueError(f"{name} must be a finite number >= 0, not {value!r}")
+    return number
 
 
 def _host_tier_endpoint(value: Any) -> str:
@@ -452,6 +465,7 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
                     self._block_size,
                     self._bytes_per_block,
                     self._cpu_prefix,
+                    ttl_s=settings.host_tier_ttl_s,
                 )
             self._start_kvplane(vllm_config)
 

@@ -111,12 +111,19 @@ class ConnectorObserver:
         if was is None:
             return  # never published: nobody is told where it went
         block_ids = tuple(tuple(int(b) for b in group) for group in kv_transfer_params["remote_block_ids"])
+        # The host tier offers it longer than D's TTL: the wall-clock expiry moves as the engine's.
+        expiry = kv_transfer_params.get("remote_blocks_expiry_time")
+        was_expiry = was.vllm.remote_blocks_expiry_time
+        longer_ms = 0
+        if isinstance(expiry, float) and was_expiry is not None:
+            longer_ms = max(0, int(1000 * (expiry - was_expiry)))
         moved = dataclasses.replace(
             was,
             handle_id=uuid.uuid4().hex,
-            vllm=dataclasses.replace(was.vllm, remote_block_ids=block_ids),
+            vllm=dataclasses.replace(was.vllm, remote_block_ids=block_ids, remote_blocks_expiry_time=expiry),
             tier=KvTier.HOST,
             relocates_handle_id=was.handle_id,
+            wall_expiry_unix_ms=was.wall_expiry_unix_ms + longer_ms,
         )
         self._held[request_id] = dataclasses.replace(moved, relocates_handle_id="")
         if self.agent is not None:

@@ -16,7 +16,8 @@ control plane first: ``spill`` moves D handles to host blocks (after the modelle
 frees their cache blocks, and tells the observer the handle's new blocks, which the connector
 publishes as a relocation of the handle. Same request id, same stamp: a reader of the new blocks
 checks them as it would the old ones; a reader that took the old handle before the relocation
-reads cache blocks no longer stamped for it, and recomputes. A host tier that is full frees
+reads cache blocks no longer stamped for it, and recomputes. A moved handle is offered until
+``host_kv_ttl_s`` after its turn ended (D's TTL, if longer). A host tier that is full frees
 handles there (``host_full``) to make room. Both go in the control plane's value order, least
 expected reuse per byte first, as its leader last sent it (``set_spill_order``); the handles the
 order leaves out follow, oldest first.
@@ -309,6 +310,9 @@ class Retention:
                 return
             self.pool.host_copy(r.block_ids, host)
             device, r.block_ids, r.tier = r.block_ids, host, "host"
+            # Offered longer in host memory than D's TTL holds cache blocks (`host_kv_ttl_s`).
+            s = self.settings
+            r.expiry = max(r.expiry, r.expiry - s.decoder_kv_blocks_ttl + s.host_kv_ttl_s)
             self._retained_bytes -= r.nbytes
             self._host_bytes += r.nbytes
             self.pool.unlease(device, r.stamp)

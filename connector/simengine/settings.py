@@ -48,6 +48,11 @@ class SimEngineSettings:
     # How fast a handle's blocks are copied to the host tier (the modelled device-to-host copy):
     # 25 GB/s, about what PCIe 4.0 x16 (32 GB/s) carries after protocol overhead.
     host_copy_bytes_per_s: float = 25e9
+    # How long after its turn ended a handle moved to the host tier stays offered, seconds (never
+    # less than D's TTL would have kept it): host memory is cheap enough to keep a conversation
+    # through its longer gaps, and the tier's own size bounds it (the simulator's
+    # `decode_host_ttl_s`).
+    host_kv_ttl_s: float = 3600.0
     # How long D keeps a finished turn's blocks (vLLM's decoder_kv_blocks_ttl).
     decoder_kv_blocks_ttl: float = 480.0
     # How long P keeps blocks for D's read before freeing them anyway.
@@ -117,8 +122,10 @@ class SimEngineSettings:
         for name in ("block_size", "num_blocks", "vocab_size", "max_model_len", "default_max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
-        if self.host_kv_blocks < 0 or self.host_copy_bytes_per_s <= 0:
-            raise ValueError("host_kv_blocks must be non-negative and host_copy_bytes_per_s positive")
+        if self.host_kv_blocks < 0 or self.host_copy_bytes_per_s <= 0 or self.host_kv_ttl_s < 0:
+            raise ValueError(
+                "host_kv_blocks and host_kv_ttl_s must be non-negative and host_copy_bytes_per_s positive"
+            )
         if self.kv_recompute_threshold < 0 or self.expiry_guard_s < 0 or self.reasoning_tokens < 0:
             raise ValueError(
                 "kv_recompute_threshold, expiry_guard_s and reasoning_tokens must be non-negative"
@@ -261,6 +268,7 @@ FLAG_HELP: dict[str, str] = {
     "num_blocks": "KV-cache blocks of the engine",
     "host_kv_blocks": "host-tier blocks: D moves retained handles there when requests need blocks (0: none)",
     "host_copy_bytes_per_s": "modelled copy rate of a handle's blocks to the host tier, bytes per second",
+    "host_kv_ttl_s": "seconds after its turn a handle moved to the host tier is offered (at least D's TTL)",
     "bytes_per_block": "bytes of KV per block (what a pull moves over NIXL)",
     "decoder_kv_blocks_ttl": "seconds D keeps a finished turn's blocks (vLLM's decoder_kv_blocks_ttl)",
     "prefill_lease_s": "seconds P keeps blocks for D's read before freeing them anyway",
@@ -346,6 +354,7 @@ def build_arg_parser(
     p.add_argument("--num-blocks", type=int, default=d.num_blocks)
     p.add_argument("--host-kv-blocks", type=int, default=d.host_kv_blocks)
     p.add_argument("--host-copy-bytes-per-s", type=float, default=d.host_copy_bytes_per_s)
+    p.add_argument("--host-kv-ttl-s", type=float, default=d.host_kv_ttl_s)
     p.add_argument("--bytes-per-block", type=int, default=d.bytes_per_block)
     p.add_argument("--decoder-kv-blocks-ttl", type=float, default=d.decoder_kv_blocks_ttl)
     p.add_argument("--prefill-lease-s", type=float, default=d.prefill_lease_s)

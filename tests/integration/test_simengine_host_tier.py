@@ -108,6 +108,7 @@ async def test_a_short_d_moves_a_handle_to_host_memory_and_the_next_turn_pulls_i
     device_params = first["kv_transfer_params"]
     rid = device_params["remote_request_id"]
     await eventually(lambda: _in_tier(store, "c-a", KvTier.DEVICE), timeout_s=60, what="the first publish")
+    before = await store.get_handle("acme", "c-a")
 
     # A second conversation's prompt needs more blocks than D has free beside the first handle.
     _, second = await _turn(p, d, tokens(2, 400), "c-b")
@@ -115,9 +116,12 @@ async def test_a_short_d_moves_a_handle_to_host_memory_and_the_next_turn_pulls_i
 
     await eventually(lambda: _in_tier(store, "c-a", KvTier.HOST), timeout_s=60, what="the relocation")
     view = await store.get_handle("acme", "c-a")
-    assert view is not None
+    assert view is not None and before is not None
     moved = view.handle
     assert moved.vllm.remote_request_id == rid
+    # Offered for the host tier's TTL from the turn's end (an hour), not D's (8 minutes).
+    longer_s = (moved.wall_expiry_unix_ms - before.handle.wall_expiry_unix_ms) / 1000
+    assert longer_s == pytest.approx(3600 - 480, abs=1)
     assert all(CACHE_BLOCKS <= b < CACHE_BLOCKS + HOST_BLOCKS for b in moved.vllm.remote_block_ids[0])
     assert d.metric("kvplane_sim_host_spills_total", outcome="moved") == 1
     assert {"request_id": rid, "tier": "host"}.items() <= next(

@@ -319,6 +319,14 @@ def test_a_bad_host_tier_endpoint_is_refused(value: str) -> None:
     )
 
 
+@pytest.mark.parametrize("value", [-1, "nan", "inf", "an hour"])
+def test_a_bad_host_tier_ttl_is_refused(value: object) -> None:
+    with pytest.raises(ConnectorConfigError, match=r"host_tier_ttl_s|could not convert"):
+        ConnectorSettings.from_config({"host_tier_ttl_s": value}, env={})
+    assert ConnectorSettings.from_config({}, env={}).host_tier_ttl_s == 3600.0
+    assert ConnectorSettings.from_config({"host_tier_ttl_s": 600}, env={}).host_tier_ttl_s == 600.0
+
+
 def test_p_given_a_moved_handle_reads_nothing_over_nixl(new_engine: Any) -> None:
     """The pull of a moved handle is the OffloadingConnector's (P2P, by hash; its P2P tier runs
     only with a GPU worker): kvplane's connector and vLLM's NIXL pull leave it alone."""

@@ -42,8 +42,8 @@ class Cpu:
         return n
 
 
-def tier_with(cpu: Cpu) -> HostTier:
-    return HostTier(("10.0.0.5", 5700), BLOCK, BYTES_PER_BLOCK, cpu.held_prefix)
+def tier_with(cpu: Cpu, ttl_s: float = 3600.0) -> HostTier:
+    return HostTier(("10.0.0.5", 5700), BLOCK, BYTES_PER_BLOCK, cpu.held_prefix, ttl_s, lambda: NOW)
 
 
 def published(
@@ -89,6 +89,24 @@ def test_moves_follow_the_control_planes_order_then_age() -> None:
     tier.set_order(["r-c", "r-gone"], ["r-host"])  # the leader values the youngest least
     assert [r for r, _ in tier.spill(blocks_wanted=1)] == ["r-c"]
     assert [r for r, _ in tier.spill(blocks_wanted=30)] == ["r-a", "r-b"], "then oldest first"
+
+
+def test_a_moved_handle_is_offered_for_the_host_ttl_from_its_publish_on_both_clocks() -> None:
+    cpu = Cpu()
+    tier = tier_with(cpu, ttl_s=900)
+    first, _, block_hashes = published(tier, "r-a", 20 * BLOCK, "a")
+    cpu.hold(block_hashes, 20)
+    [(_, moved)] = tier.spill(blocks_wanted=1)
+    assert moved.wall_expiry_unix_ms == NOW + 900_000
+    longer_s = (moved.wall_expiry_unix_ms - first.wall_expiry_unix_ms) / 1000
+    was, now = first.vllm.remote_blocks_expiry_time, moved.vllm.remote_blocks_expiry_time
+    assert was is not None and now is not None
+    assert now - was == pytest.approx(longer_s)
+
+    short = tier_with(cpu, ttl_s=0)
+    first, _, _ = published(short, "r-a", 20 * BLOCK, "a")
+    [(_, moved)] = short.spill(blocks_wanted=1)
+    assert moved.wall_expiry_unix_ms == first.wall_expiry_unix_ms, "never shorter than the device handle's"
 
 
 def test_a_handle_whose_first_block_the_cpu_tier_lacks_never_moves() -> None:
@@ -138,7 +156,9 @@ def test_a_moved_handle_ends_once_when_its_first_block_leaves_the_cpu_tier_or_it
     assert tier.ended(NOW) == ["r-a"]
     assert tier.ended(NOW) == []
     assert tier.release("r-b") and not tier.release("r-b")
-    assert tier.ended(handles["r-c"].wall_expiry_unix_ms) == ["r-c"]
+    # Moved, it is offered for the host tier's TTL from its publish, not the device handle's life.
+    assert tier.ended(handles["r-c"].wall_expiry_unix_ms) == []
+    assert tier.ended(NOW + 3_600_000) == ["r-c"]
     assert len(tier) == 0
 
 
