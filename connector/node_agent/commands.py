@@ -2,7 +2,8 @@
 `on_release(remote_request_id)` (DrainCommand: `on_drain()`), at most once per command id, and
 acknowledges every command; the engine's demand (`demand.py`) shares the stream. An engine with a
 host tier (`on_spill_order`) asks for the leader's order of its moves there in its hello, and is
-handed each SpillOrder as it comes (`on_spill_order(device_ids, host_ids)`; not acknowledged).
+handed each SpillOrder as it comes (`on_spill_order(device_ids, host_ids)`; not acknowledged),
+and an empty one whenever a stream opens: the leader at its other end knows of no order before.
 
 A release whose command says the coordinator records the freed blocks itself on the ack
 (`ack_records_freed`) is noted in `AckedFrees` before `on_release` runs: the engine's report of
@@ -121,6 +122,10 @@ class CommandStream:
 
         call = plane.evict.Commands(outgoing(), metadata=plane.call_metadata)
         self.opened += 1
+        if self._on_spill_order is not None:
+            # A new stream's leader knows of no order sent before (it may be another replica):
+            # the engine drops the last one and moves oldest first until this leader sends one.
+            self._take_spill_order(eviction_pb2.SpillOrder())
         received = False
         demand = (
             asyncio.create_task(self._demand.send(acks), name="kvplane-agent-demand")
