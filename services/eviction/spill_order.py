@@ -9,9 +9,9 @@ which a demand releases them), and its host handles in the same order, the first
 host memory is full.
 
 A node orders the handles an order does not name after those it does, oldest first; so an order
-is sent only when it differs from what the node would do with the last one sent (`TierOrder.followed_after`).
-Where value follows age (one tenant, turns that come back soon or not at all), a new handle
-only ever joins the end, and nothing is sent after the first order.
+is sent only when it differs from what the node would do with the last one sent
+(`TierOrder.followed_after`; none, on a new stream). Where value follows age (one tenant, turns
+that come back soon or not at all), a new handle only ever joins the end, and nothing is sent.
 """
 
 from __future__ import annotations
