@@ -9,19 +9,25 @@ which a demand releases them), and its host handles in the same order, the first
 host memory is full.
 
 A node orders the handles an order does not name after those it does, oldest first; so an order
-is sent only when it differs from what the node would do with the last one sent
-(`TierOrder.followed_after`; none, on a new stream). Where value follows age (one tenant, turns
-that come back soon or not at all), a new handle only ever joins the end, and nothing is sent.
+is sent only when the node would do materially worse with the last one sent (none, on a new
+stream): when, at some rank, the handle it would take is worth more than `WORTH_SENDING` above
+the one the leader would (`TierOrder.followed_after`). Where value follows age (one tenant,
+turns that come back soon or not at all), nothing is sent: age order is within that of the
+value order, whose differences there are a part-filled last block's.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvplane.services.eviction.policy.model import HandleInfo, Snapshot
 from kvplane.services.eviction.policy.value import ValueModel
+
+# How much more a handle the node would move (or drop) at some rank may be worth than the leader's
+# choice at that rank before an order is worth sending: expected reuse per byte, relative.
+WORTH_SENDING = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,17 +38,24 @@ class TierOrder:
     # vLLM request ids of every handle of the tier, oldest first: how the node orders what an
     # order leaves out.
     held: tuple[str, ...] = ()
+    # Each held handle's expected reuse per byte (a missing one counts as worth nothing).
+    worth: Mapping[str, float] = field(default_factory=dict)
 
     def followed_after(self, sent: Sequence[str]) -> bool:
-        """True when a node that was last sent `sent` already acts as `order` says.
+        """True when a node that was last sent `sent` already acts about as `order` says.
 
         The node takes the ids of `sent` it still holds first, in that order, then the rest
-        oldest first; the first `len(order)` of those must be `order`.
+        oldest first. At each of the first `len(order)` ranks, what it would take must be worth
+        at most `WORTH_SENDING` more than the leader's choice there.
         """
         held = set(self.held)
         named = set(sent)
         effective = [i for i in sent if i in held] + [i for i in self.held if i not in named]
-        return effective[: len(self.order)] == list(self.order)
+        worth = self.worth
+        return all(
+            worth.get(took, 0.0) <= worth.get(best, 0.0) * (1 + WORTH_SENDING)
+            for took, best in zip(effective, self.order, strict=False)
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +94,7 @@ def spill_orders(
                     request_ids[h.handle_id]
                     for h in sorted(tiers[on_device], key=lambda h: (h.published_unix_ms, h.handle_id))
                 ),
+                {request_ids[h.handle_id]: values.reuse_per_byte(h, snapshot) for h in tiers[on_device]},
             )
             for on_device in (True, False)
         )

@@ -305,7 +305,9 @@ async def test_a_session_offers_only_its_own_incarnations_commands_once(store: S
 
 async def test_a_spill_order_goes_only_to_a_node_that_asked_and_only_when_it_changes(store: Store) -> None:
     metrics = EvictionMetrics.create(CollectorRegistry())
-    order = NodeSpillOrder(TierOrder(("young", "old"), ("old", "young")), TierOrder(("h1",), ("h1",)))
+    worth = {"old": 1.0, "young": 0.2, "new": 1.0, "h1": 1.0}
+    host = TierOrder(("h1",), ("h1",), worth)
+    order = NodeSpillOrder(TierOrder(("young", "old"), ("old", "young"), worth), host)
     plain = NodeSession("d-ev", "inc", store, metrics)
     assert not plain.offer_spill_order(order), "a node without a host tier never asked"
 
@@ -318,9 +320,10 @@ async def test_a_spill_order_goes_only_to_a_node_that_asked_and_only_when_it_cha
     assert session.unacked == 0, "a hint awaits no ack"
 
     assert not session.offer_spill_order(order), "unchanged"
-    joined = NodeSpillOrder(TierOrder(("young", "old", "new"), ("old", "young", "new")), order.host)
+    joined = NodeSpillOrder(TierOrder(("young", "old", "new"), ("old", "young", "new"), worth), host)
     assert not session.offer_spill_order(joined), "a newer handle at the end: the node does that anyway"
-    swapped = NodeSpillOrder(TierOrder(("old", "young"), ("old", "young")), order.host)
+    swapped_worth = {**worth, "old": 0.1}
+    swapped = NodeSpillOrder(TierOrder(("old", "young"), ("old", "young"), swapped_worth), host)
     assert session.offer_spill_order(swapped)
     assert list((await session.next_command()).spill_order.device_request_ids) == ["old", "young"]
     session.close("test over")

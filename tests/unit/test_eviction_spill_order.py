@@ -56,6 +56,7 @@ def test_each_tier_is_ordered_least_expected_reuse_first_not_oldest_first() -> N
     assert d0.device.held == ("req-a-old", "req-r-new", "req-a-new"), "oldest first"
     assert d0.host.order == ("req-r-host", "req-a-host")
     assert d0.host.held == ("req-a-host", "req-r-host")
+    assert d0.device.worth["req-r-new"] < d0.device.worth["req-a-new"] / 2
 
 
 def test_an_order_is_capped_and_leaves_out_handles_without_a_request_id() -> None:
@@ -64,26 +65,37 @@ def test_an_order_is_capped_and_leaves_out_handles_without_a_request_id() -> Non
     d0 = spill_orders(Snapshot(NOW, handles), values(), request_ids, 3, {"d0", "d2"})
     assert len(d0["d0"].device.order) == 3
     assert "req-h9" not in d0["d0"].device.held
-    assert d0["d2"].device == TierOrder() and d0["d2"].host == TierOrder(), "a node with nothing held"
+    assert d0["d2"].device.held == () and d0["d2"].host.held == (), "a node with nothing held"
+
+
+def tier(order: tuple[str, ...], held: tuple[str, ...], **worth: float) -> TierOrder:
+    """A tier whose handles are worth 1.0 each unless `worth` says otherwise."""
+    return TierOrder(order, held, {i: worth.get(i, 1.0) for i in held})
 
 
 def test_a_node_that_would_move_its_handles_in_this_order_anyway_is_sent_nothing() -> None:
     held = ("a", "b", "c")  # oldest first
-    assert TierOrder(("a", "b"), held).followed_after(()), "age order: the node's own"
-    assert TierOrder((), ()).followed_after(())
-    assert not TierOrder(("b", "a"), held).followed_after(())
+    assert tier(("a", "b"), held, a=0.5, b=0.8).followed_after(()), "age order: the node's own"
+    assert TierOrder().followed_after(())
+    assert not tier(("b", "a"), held, b=0.5, a=0.8).followed_after(())
+
+
+def test_differences_within_a_part_filled_block_are_not_worth_an_order() -> None:
+    # The leader puts b first by a hair (a last block's padding): the node's age order will do.
+    assert tier(("b", "a"), ("a", "b"), b=0.990, a=1.0).followed_after(())
+    assert not tier(("b", "a"), ("a", "b"), b=0.90, a=1.0).followed_after(())
 
 
 def test_a_sent_order_holds_while_new_handles_join_its_end() -> None:
-    assert TierOrder(("b", "a", "c", "d"), ("a", "b", "c", "d")).followed_after(("b", "a"))
+    assert tier(("b", "a", "c", "d"), ("a", "b", "c", "d"), b=0.2, a=0.4).followed_after(("b", "a"))
     # A handle of the last order that is gone is passed over by the node as by the leader.
-    assert TierOrder(("a", "c"), ("a", "c")).followed_after(("b", "a"))
+    assert tier(("a", "c"), ("a", "c"), a=0.4).followed_after(("b", "a"))
 
 
 def test_an_order_is_sent_again_when_the_node_would_act_otherwise() -> None:
-    # The leader now values a above b.
-    assert not TierOrder(("a", "b"), ("a", "b")).followed_after(("b", "a"))
+    # The leader now values a well below b.
+    assert not tier(("a", "b"), ("a", "b"), a=0.2).followed_after(("b", "a"))
     # b is held, named first last time, and now among the most valuable (out of the capped order).
-    assert not TierOrder(("a",), ("a", "b", "c")).followed_after(("b", "a"))
-    # A new handle valued below the ones named before it.
-    assert not TierOrder(("d", "b", "a"), ("a", "b", "d")).followed_after(("b", "a"))
+    assert not tier(("a",), ("a", "b", "c"), a=0.2, c=0.5).followed_after(("b", "a"))
+    # A new handle valued well below the ones named before it.
+    assert not tier(("d", "b", "a"), ("a", "b", "d"), d=0.1, b=0.3, a=0.5).followed_after(("b", "a"))
