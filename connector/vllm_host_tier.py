@@ -9,9 +9,8 @@ spills before it asks the control plane for memory, as the sim-engine does
 the control plane's leader last sent (least expected reuse per byte first; those it leaves out
 after, oldest first), are republished as HOST-tier handles (`CacheHandle.relocates_handle_id`)
 for that prefix, naming where the engine's offloading P2P tier serves them (`host_tier_p2p`,
-host:port). A later turn's P reads
-the copies through vLLM's symmetric P2P (`remote_kv_source` in its kv_transfer_params), by block
-hash, so it can read nothing but the prompt's own prefix.
+host:port). A later turn's P reads the copies through vLLM's symmetric P2P (`remote_kv_source` in
+its kv_transfer_params), by block hash, so it can read nothing but the prompt's own prefix.
 
 The GPU blocks are freed only once the control plane has stored the move: until then a turn may
 still check the device handle out and read them. A refused move (the handle was checked out,

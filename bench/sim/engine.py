@@ -42,9 +42,10 @@ A host tier (`ClusterSpec.decode_host_bytes`, the tiered engine model). Each
 D has host memory for KV beside its accelerators. With kvplane's control
 plane, D writes each handle it publishes through to host memory
 (`SimCosts.spill_s` after the publish, the copy is whole), making room by
-dropping entries there in the control plane's value order, and unpins its accelerator blocks once
-the copy is whole: the handle stays the conversation's and readable, from host memory,
-and is offered until `decode_host_ttl_s` after its publish. While the copy
+dropping entries there in the control plane's value order, and unpins its
+accelerator blocks once the copy is whole: the handle stays the conversation's
+and readable, from host memory, and is offered until `decode_host_ttl_s` after
+its publish. While the copy
 is under way the control plane no longer judges the handle: a demand waits
 for the copy (D's demand counts those bytes as freed). A handle that found
 no room at its publish stays on the accelerators, where a release by the

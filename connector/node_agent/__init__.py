@@ -55,9 +55,9 @@ What the agent does, all on its own thread:
 
 Callbacks (`load_fn`, `on_release`, `on_drain`, `demand_fn`, `on_spill_order`) run on the agent's
 thread: they must be thread-safe, quick and must not block. `publish` and `report_released` may
-be called from any thread. When the control plane is unreachable the engine keeps serving: nothing the engine
-calls ever waits for the network, and when the queue is full the oldest item is dropped and
-counted.
+be called from any thread. When the control plane is unreachable the engine keeps serving:
+nothing the engine calls ever waits for the network, and when the queue is full the oldest item
+is dropped and counted.
 
 The package holds one module per job: `agent.py` (the engine-facing API and the agent's thread),
 `outbox.py` (the bounded queue the engine fills), `registration.py` (registration, keep-alive and

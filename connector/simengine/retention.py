@@ -22,8 +22,8 @@ handles there (``host_full``) to make room. Both go in the control plane's value
 expected reuse per byte first, as its leader last sent it (``set_spill_order``); the handles the
 order leaves out follow, oldest first.
 
-Event-loop thread only, except ``release_early``, ``drain``, ``freeing_blocks`` and
-``handle_ids``, which the node agent calls from its own thread.
+Event-loop thread only, except ``release_early``, ``drain``, ``freeing_blocks``, ``handle_ids``
+and ``set_spill_order``, which the node agent calls from its own thread.
 """
 
 from __future__ import annotations
