@@ -303,27 +303,23 @@ async def test_a_spill_moves_the_oldest_handles_to_host_blocks_stamp_and_all() -
     assert retention.handle_ids() == ["old", "new"], "a moved handle is still a published one"
 
 
-async def test_a_moved_handle_is_offered_for_the_host_tiers_ttl_not_ds() -> None:
+@pytest.mark.parametrize(
+    ("host_kv_ttl_s", "longer_s"),
+    [(900.0, 840.0), (10.0, 0.0)],  # 900 s from the turn's end, not D's 60; a shorter one: D's 60
+)
+async def test_a_moved_handle_is_offered_for_the_host_tiers_ttl_and_never_less_than_ds(
+    host_kv_ttl_s: float, longer_s: float
+) -> None:
     retention, pool, metrics, observer = make(
-        host_kv_blocks=8, decoder_kv_blocks_ttl=60.0, host_kv_ttl_s=900.0
+        host_kv_blocks=8, decoder_kv_blocks_ttl=60.0, host_kv_ttl_s=host_kv_ttl_s
     )
     kept = keep(retention, pool, "h", "decode_handle", blocks=2)
     retention.spill(2)
     await until(lambda: spills(metrics, "moved") == 1, "the copy")
     [moved] = observer.moved
     longer = moved["remote_blocks_expiry_time"] - kept["remote_blocks_expiry_time"]
-    assert longer == pytest.approx(840.0), "900 s from the turn's end, not 60"
-    assert retention.describe()[0]["expires_in_s"] > 800
-
-
-async def test_a_host_ttl_shorter_than_ds_never_shortens_a_handles_life() -> None:
-    retention, pool, metrics, observer = make(
-        host_kv_blocks=8, decoder_kv_blocks_ttl=60.0, host_kv_ttl_s=10.0
-    )
-    kept = keep(retention, pool, "h", "decode_handle", blocks=2)
-    retention.spill(2)
-    await until(lambda: spills(metrics, "moved") == 1, "the copy")
-    assert observer.moved[0]["remote_blocks_expiry_time"] == kept["remote_blocks_expiry_time"]
+    assert longer == pytest.approx(longer_s)
+    assert retention.describe()[0]["expires_in_s"] > longer_s
 
 
 async def test_a_full_host_tier_frees_its_oldest_handles_and_one_too_large_never_moves() -> None:
