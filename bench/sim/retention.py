@@ -110,23 +110,27 @@ class PipelineRetention:
         # The same, by holder node: a demand looks at one node's handles.
         self._by_node: dict[str, dict[int, HandleInfo]] = {}
 
-    def on_publish(self, handle: SimHandle) -> None:
+    def _info(self, handle: SimHandle, on_device: bool = True) -> HandleInfo:
+        """The handle as the coordinator sees it now (its expiry as it stands)."""
         fleet = self.fleet
-        published = fleet.unix_ms(handle.published_s)
-        info = HandleInfo(
+        return HandleInfo(
             handle.tenant,
             handle.conversation,
             str(handle.handle_id),
             handle.decode.node.node_id,
             handle.bytes,
             handle.tokens,
-            published,
+            fleet.unix_ms(handle.published_s),
             fleet.unix_ms(handle.expiry_s),
+            on_device=on_device,
         )
+
+    def on_publish(self, handle: SimHandle) -> None:
+        info = self._info(handle)
         handle.info = info
         self._infos[handle.handle_id] = info
         self._by_node.setdefault(info.node_id, {})[handle.handle_id] = info
-        self.tracker.on_publish(handle.tenant, handle.conversation, published)
+        self.tracker.on_publish(handle.tenant, handle.conversation, info.published_unix_ms)
 
     def on_gone(self, handle: SimHandle) -> None:
         info = self._infos.pop(handle.handle_id, None)
@@ -149,23 +153,9 @@ class PipelineRetention:
 
     def host_drop_order(self, handles: Iterable[SimHandle], now: float) -> list[SimHandle]:
         """Least expected reuse per byte first, as the leader's `SpillOrder` tells a live node."""
-        fleet = self.fleet
         by_id = {str(h.handle_id): h for h in handles}
-        infos = [
-            HandleInfo(
-                h.tenant,
-                h.conversation,
-                handle_id,
-                h.decode.node.node_id,
-                h.bytes,
-                h.tokens,
-                fleet.unix_ms(h.published_s),
-                fleet.unix_ms(h.expiry_s),
-                on_device=False,
-            )
-            for handle_id, h in by_id.items()
-        ]
-        snapshot = Snapshot(fleet.unix_ms(now), tuple(infos))
+        infos = [self._info(h, on_device=False) for h in by_id.values()]
+        snapshot = Snapshot(self.fleet.unix_ms(now), tuple(infos))
         return [by_id[i.handle_id] for i in self.pipeline.values.least_reuse_per_byte_first(infos, snapshot)]
 
     def evaluate(self, now: float) -> list[tuple[int, str]]:
