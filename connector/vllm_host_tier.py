@@ -22,8 +22,14 @@ would keep the GPU blocks: host memory is cheap). It ends when the CPU tier drop
 block (`BlockRemoved` on "CPU"), when a release command names it (an unused claim, a newer
 handle, a drain) or at its expiry; each end is reported released, once.
 
+The control plane also moves a handle when its policies want the handle's GPU blocks back (a
+MoveCommand in place of a release): the agent's thread checks that the CPU tier holds the
+handle's first block (`refuses_move`), and the scheduler thread makes the move (`move`) as it
+makes its own.
+
 The connector's scheduler thread owns this object; the agent's thread only queues move outcomes
-(`outcome`, under a lock); the block set is read one key at a time (`NodeAgent.held_prefix`).
+(`outcome`, under a lock) and checks a move (`refuses_move`); the block set is read one key at a
+time (`NodeAgent.held_prefix`).
 """
 
 from __future__ import annotations
@@ -119,16 +125,22 @@ class HostTier:
         for request_id in named + [i for i in self._tracked if i not in taken]:
             if freed >= blocks_wanted:
                 break
-            tracked = self._tracked[request_id]
-            if request_id in self._moving:
-                continue
-            moved = self._moved_handle(tracked)
-            if moved is None:
-                continue
-            self._moving[request_id] = (tracked.gpu_blocks, moved)
-            freed += tracked.gpu_blocks
-            out.append((request_id, moved))
+            moved = self.move(request_id)
+            if moved is not None:
+                freed += self._tracked[request_id].gpu_blocks
+                out.append((request_id, moved))
         return out
+
+    def move(self, request_id: str) -> CacheHandle | None:
+        """The move of one tracked handle not already moving, for the prefix the CPU tier
+        holds: the HOST-tier handle to publish, or None (nothing to move)."""
+        tracked = self._tracked.get(request_id)
+        if tracked is None or request_id in self._moving:
+            return None
+        moved = self._moved_handle(tracked)
+        if moved is not None:
+            self._moving[request_id] = (tracked.gpu_blocks, moved)
+        return moved
 
     def moving_blocks(self) -> int:
         """GPU blocks of the moves in flight: free once they are stored."""
@@ -182,6 +194,16 @@ class HostTier:
         return len(self._moved)
 
     # -- the agent's thread --------------------------------------------------------------------
+
+    def refuses_move(self, request_id: str) -> str:
+        """Why a MoveCommand for `request_id` cannot be carried out ("" when it can, or when
+        the handle is not on the GPU any more). Reads the tracked handles one key at a time."""
+        tracked = self._tracked.get(request_id)
+        if tracked is None:
+            return ""
+        if self._held_prefix(tracked.block_ids[:1]) == 0:
+            return f"the CPU tier holds no block of {request_id}"
+        return ""
 
     def outcome(self, request_id: str) -> Callable[[bool], None]:
         """The callback for a move's publish: queues its outcome for `settled`."""

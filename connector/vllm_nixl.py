@@ -32,9 +32,10 @@ nothing on the worker side. In the scheduler process it adds:
 - `get_num_new_matched_tokens` (P): the pull is verified against the prompt and clipped
   (`kvplane.connector.prefix_check`) before vLLM sees it;
 - a host tier (D, `host_tier_p2p`): run first in vLLM's MultiConnector beside its
-  OffloadingConnector, a D short of blocks moves its oldest handles whose first blocks the CPU
-  tier holds to that tier before it asks for memory, and frees their GPU blocks once the move is
-  stored (`kvplane.connector.vllm_host_tier`).
+  OffloadingConnector, a D short of blocks moves handles whose first blocks the CPU tier holds
+  to that tier (in the leader's spill order) before it asks for memory, moves those the leader
+  names in a MoveCommand, and frees their GPU blocks once the move is stored
+  (`kvplane.connector.vllm_host_tier`).
 
 Every network call happens on the node agent's thread; these hooks only enqueue. The
 `kvplane` section of `kv_connector_extra_config` is read by `ConnectorSettings.from_config`
@@ -432,6 +433,8 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
         # Filled on the agent thread, drained on the scheduler thread.
         self._release_lock = threading.Lock()
         self._pending_releases: list[str] = []
+        # Under _release_lock: MoveCommands taken (request ids), made at the next step.
+        self._pending_moves: list[str] = []
         self._drain_requested = False
         self._draining = False
         self._load = NodeLoad(node_id="", incarnation="")
@@ -499,8 +502,9 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
             demand_fn=self._current_demand,
             retained_fn=self._retained_request_ids,
             kv_events=kv_events,
-            # Only an engine with a host tier asks for the order of its moves there.
+            # Only an engine with a host tier asks for the order of its moves there, and takes moves.
             on_spill_order=self._host_tier.set_order if self._host_tier is not None else None,
+            on_move=self._queue_move if self._host_tier is not None else None,
         )
         if self._host_tier is not None and not self.kvplane_agent.reads_kv_events:
             log.warning(
@@ -531,6 +535,18 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
         """Agent thread: a release command arrived. Applied at the next build_connector_meta."""
         with self._release_lock:
             self._pending_releases.append(remote_request_id)
+
+    def _queue_move(self, remote_request_id: str) -> str:
+        """Agent thread: a MoveCommand arrived. "" when it is made at the next step (or the
+        handle is gone); else why it cannot be."""
+        tier = self._host_tier
+        if tier is None or self._draining:
+            return "no host tier, or the engine is draining"
+        refused = tier.refuses_move(remote_request_id)
+        if not refused:
+            with self._release_lock:
+                self._pending_moves.append(remote_request_id)
+        return refused
 
     def _queue_drain(self) -> None:
         """Agent thread: release every held handle and publish no more."""
@@ -724,6 +740,7 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
             self._served_alone = set()
         with self._release_lock:
             pending, self._pending_releases = self._pending_releases, []
+            moves, self._pending_moves = self._pending_moves, []
             if self._drain_requested:
                 self._drain_requested = False
                 self._draining = True
@@ -733,6 +750,7 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
         applied: dict[str, int] = {}
         if self._host_tier is not None:
             pending = self._settle_host_tier(meta, pending, applied)
+            self._move(moves)
         for req_id in pending:
             if req_id in self._held or req_id in self._prefill_held:
                 meta.reqs_to_send[req_id] = meta.scheduler_clock - 1.0
@@ -783,6 +801,20 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
         self.kvplane_metrics.host_handles_ended.labels(reason).inc()
         if self.kvplane_agent is not None:
             self.kvplane_agent.report_released(req_id)
+
+    def _move(self, request_ids: list[str]) -> None:
+        """Scheduler thread: the moves the control plane asked for (MoveCommand), made as this
+        engine makes its own when short (`_spill`)."""
+        tier, agent = self._host_tier, self.kvplane_agent
+        if tier is None or agent is None or self._draining or not request_ids:
+            return
+        for req_id in request_ids:
+            moved = tier.move(req_id)
+            if moved is not None:
+                self.kvplane_metrics.host_moves.labels("sent").inc()
+                agent.publish(moved, None, on_outcome=tier.outcome(req_id))
+        with self._release_lock:
+            self._moving_blocks = tier.moving_blocks()
 
     def _spill(self) -> None:
         """Scheduler thread, when requests wait for blocks: move the oldest handles the CPU tier

@@ -4,7 +4,8 @@ Engine-agnostic: the vLLM connector uses it, and so does the engine simulator. T
 small and stable:
 
     agent = NodeAgent(settings, node, load_fn, on_release, on_drain=None, demand_fn=None,
-                      retained_fn=None, kv_events=None, on_spill_order=None)
+                      retained_fn=None, kv_events=None, on_spill_order=None,
+                      on_move=None)
     agent.start()                        # own thread, own asyncio loop; returns at once
     agent.incarnation                    # new uuid at every start()
     agent.publish(handle)                # never blocks: enqueue a retained handle
@@ -39,7 +40,10 @@ What the agent does, all on its own thread:
   calling `on_release(remote_request_id)` (DrainCommand: `on_drain()`), at most once per
   command id, and acknowledges every command; an engine with a host tier (`on_spill_order`)
   asks in its hello for the leader's order of its moves there, and is handed each SpillOrder
-  (device and host request ids, least valuable first; not acknowledged);
+  (device and host request ids, least valuable first; not acknowledged); one that moves handles
+  there on the leader's word (`on_move`) is sent a MoveCommand in place of a release whose reason
+  a move answers, calls `on_move(remote_request_id)` and acknowledges it not ok when the engine
+  cannot move the handle (`on_move` returns why);
 - sends the engine's KV demand (`demand_fn()`: blocks its waiting requests need beyond its free
   blocks and the blocks it is already freeing) on the same stream: at once when the engine calls
   `notify_demand()`, after every (re)connect, and again every `demand_refresh_s` while it lasts.
@@ -53,7 +57,7 @@ What the agent does, all on its own thread:
   really holds;
 - retries everything with exponential backoff and full jitter.
 
-Callbacks (`load_fn`, `on_release`, `on_drain`, `demand_fn`, `on_spill_order`) run on the agent's
+Callbacks (`load_fn`, `on_release`, `on_drain`, `demand_fn`, `on_spill_order`, `on_move`) run on the agent's
 thread: they must be thread-safe, quick and must not block. `publish` and `report_released` may
 be called from any thread. When the control plane is unreachable the engine keeps serving:
 nothing the engine calls ever waits for the network, and when the queue is full the oldest item

@@ -43,8 +43,8 @@ _TRACE_KEYS = frozenset({"traceparent", "tracestate"})
 class NodeAgent:
     """Registers one engine, reports its handles and load, applies release commands.
 
-    Callbacks (`load_fn`, `on_release`, `on_drain`, `demand_fn`, `retained_fn`, `on_spill_order`)
-    run on the agent's thread: they must be thread-safe, quick and must not block.
+    Callbacks (`load_fn`, `on_release`, `on_drain`, `demand_fn`, `retained_fn`, `on_spill_order`,
+    `on_move`) run on the agent's thread: they must be thread-safe, quick and must not block.
     """
 
     def __init__(
@@ -58,6 +58,7 @@ class NodeAgent:
         retained_fn: Callable[[], Iterable[str]] | None = None,
         kv_events: KVEventsSource | None = None,
         on_spill_order: Callable[[Sequence[str], Sequence[str]], None] | None = None,
+        on_move: Callable[[str], str] | None = None,
     ) -> None:
         self._settings = settings
         self._node_template = node
@@ -73,7 +74,7 @@ class NodeAgent:
         self._demand = DemandReporter(self._plane, demand_fn) if demand_fn is not None else None
         self._acked_frees = AckedFrees(settings.seen_commands_max)
         self._commands = CommandStream(
-            self._plane, on_release, on_drain, self._demand, self._acked_frees, on_spill_order
+            self._plane, on_release, on_drain, self._demand, self._acked_frees, on_spill_order, on_move
         )
         self._blocks: BlockSet | None = None
         self._subscriber: KVEventsSubscriber | None = None

@@ -4,12 +4,16 @@ acknowledges every command; the engine's demand (`demand.py`) shares the stream.
 host tier (`on_spill_order`) asks for the leader's order of its moves there in its hello, and is
 handed each SpillOrder as it comes (`on_spill_order(device_ids, host_ids)`; not acknowledged),
 and an empty one whenever a stream opens: the leader at its other end knows of no order before.
+An engine that moves handles there on the leader's word (`on_move`) says so in its hello, and each
+MoveCommand calls `on_move(remote_request_id)`: "" when the move started (or the handle is gone
+already), else why the engine cannot move it, which the ack carries (not ok), so the leader
+releases the handle instead.
 
 A release whose command says the coordinator records the freed blocks itself on the ack
 (`ack_records_freed`) is noted in `AckedFrees` before `on_release` runs: the engine's report of
 those blocks (`NodeAgent.report_released`) is then dropped, as the ack writes what it would.
 
-Runs on the agent's thread; so do `on_release`, `on_drain` and `on_spill_order`, which must be
+Runs on the agent's thread; so do `on_release`, `on_drain`, `on_spill_order` and `on_move`, which must be
 thread-safe, quick and must not block.
 """
 
@@ -70,9 +74,11 @@ class CommandStream:
         demand: DemandReporter | None,
         acked_frees: AckedFrees | None = None,
         on_spill_order: Callable[[Sequence[str], Sequence[str]], None] | None = None,
+        on_move: Callable[[str], str] | None = None,
     ) -> None:
         self._plane = plane
         self._on_spill_order = on_spill_order
+        self._on_move = on_move
         self._on_release = on_release
         self._acked_frees = acked_frees
         self._on_drain = on_drain
@@ -112,6 +118,7 @@ class CommandStream:
                     node_id=plane.node_id,
                     incarnation=plane.incarnation,
                     wants_spill_order=self._on_spill_order is not None,
+                    accepts_moves=self._on_move is not None,
                 )
             )
         )
@@ -177,6 +184,12 @@ class CommandStream:
                     # Before on_release: an engine may report the free from inside it.
                     acked_frees.add(release.remote_request_id)
                 self._on_release(release.remote_request_id)
+            elif kind == "move":
+                if self._on_move is None:
+                    return False, "this engine has no host tier"
+                refused = self._on_move(command.move.remote_request_id)
+                if refused:
+                    return False, refused
             elif kind == "drain":
                 if self._on_drain is None:
                     return False, "this engine cannot drain"

@@ -186,8 +186,9 @@ def start_node_agent(engine: SimEngine, http_url: str, observer: ConnectorObserv
         demand_fn=engine.kv_demand_blocks,
         retained_fn=engine.retained_handle_ids,
         kv_events=s.kv_events_source(),
-        # Only an engine with a host tier asks for the order of its moves there.
+        # Only an engine with a host tier asks for the order of its moves there, and takes moves.
         on_spill_order=engine.set_spill_order if engine.pool.host_blocks > 0 else None,
+        on_move=engine.move_to_host if engine.pool.host_blocks > 0 else None,
     )
     engine.demand_listener = agent.notify_demand
     engine.load_listener = agent.notify_load

@@ -282,6 +282,10 @@ class SimEngine:
     def release_early(self, request_id: str) -> bool:
         return self.retention.release_early(request_id)
 
+    def move_to_host(self, request_id: str) -> str:
+        """The control plane's MoveCommand (`Retention.move_to_host`); any thread."""
+        return self.retention.move_to_host(request_id)
+
     def drain(self) -> None:
         self.retention.drain()
 

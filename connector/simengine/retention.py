@@ -22,8 +22,11 @@ handles there (``host_full``) to make room. Both go in the control plane's value
 expected reuse per byte first, as its leader last sent it (``set_spill_order``); the handles the
 order leaves out follow, oldest first.
 
-Event-loop thread only, except ``release_early``, ``drain``, ``freeing_blocks``, ``handle_ids``
-and ``set_spill_order``, which the node agent calls from its own thread.
+The control plane also moves a handle there when its policies want the handle's cache blocks
+back (``move_to_host``, a MoveCommand): the same copy, in place of a release.
+
+Event-loop thread only, except ``release_early``, ``move_to_host``, ``drain``, ``freeing_blocks``,
+``handle_ids`` and ``set_spill_order``, which the node agent calls from its own thread.
 """
 
 from __future__ import annotations
@@ -278,20 +281,53 @@ class Retention:
         """Start moving D handles to the host tier, in the spill order, until `blocks` cache
         blocks are on their way back (those already moving count); returns how many are.
         Event-loop thread, inside the engine's loop."""
-        if self.pool.host_blocks == 0 or self._draining or not self.host_tier_enabled:
+        if not self._can_spill():
             return 0
         planned = self._spilling_blocks
         for r in self._in_spill_order("device"):
             if planned >= blocks:
                 break
-            if r.kind != "decode_handle" or r.tier != "device" or r.request_id in self._spilling:
-                continue
-            if len(r.block_ids) > self.pool.host_blocks:
-                continue
-            self._spilling_blocks += len(r.block_ids)
-            planned += len(r.block_ids)
-            self._spilling[r.request_id] = asyncio.get_running_loop().create_task(self._spill(r))
+            if self._start_spill(r):
+                planned += len(r.block_ids)
         return planned
+
+    def move_to_host(self, request_id: str) -> str:
+        """The control plane's MoveCommand: start moving this handle to the host tier. "" when
+        the move started or the handle is not in the KV cache any more (read, freed, moved);
+        else why it cannot move. Any thread: the move starts on the engine's loop."""
+        held = self._retained.get(request_id)
+        if not self._can_spill():
+            return "the host tier is off or the engine is draining"
+        if held is None or held.tier != "device" or request_id in self._spilling:
+            return ""
+        if held.kind != "decode_handle" or len(held.block_ids) > self.pool.host_blocks:
+            return f"{request_id} cannot move to a host tier of {self.pool.host_blocks} blocks"
+        with self._freeing_lock:
+            # On their way from now on, for demand reports sent before the copy starts.
+            self._freeing[request_id] = len(held.block_ids)
+        self._on_loop(self._move_if_held, request_id)
+        return ""
+
+    def _move_if_held(self, request_id: str) -> None:
+        held = self._retained.get(request_id)
+        if held is not None and self._can_spill():
+            self._start_spill(held)
+        with self._freeing_lock:
+            self._freeing.pop(request_id, None)
+
+    def _can_spill(self) -> bool:
+        return self.pool.host_blocks > 0 and not self._draining and self.host_tier_enabled
+
+    def _start_spill(self, r: _Retained) -> bool:
+        """Starts copying `r` to the host tier, if it is a D handle in the KV cache not already
+        on its way there that the tier can hold; True if it did. Event-loop thread."""
+        if r.kind != "decode_handle" or r.tier != "device" or r.request_id in self._spilling:
+            return False
+        if len(r.block_ids) > self.pool.host_blocks:
+            return False
+        self._spilling_blocks += len(r.block_ids)
+        self._spilling[r.request_id] = asyncio.get_running_loop().create_task(self._spill(r))
+        return True
 
     async def _spill(self, r: _Retained) -> None:
         count = len(r.block_ids)

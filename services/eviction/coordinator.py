@@ -44,6 +44,7 @@ from kvplane.services.common.store.cluster_view import ClusterView, HandleChange
 from kvplane.services.eviction.config import retention_pipeline
 from kvplane.services.eviction.election import LeaderElection, Term
 from kvplane.services.eviction.metrics import EvictionMetrics
+from kvplane.services.eviction.mover import Mover
 from kvplane.services.eviction.policy import (
     HandleInfo,
     NodeInfo,
@@ -106,6 +107,8 @@ class EvictionCoordinator:
         self.pipeline = pipeline or retention_pipeline(settings)
         self.tracker = TurnTracker(self.pipeline.values.gaps, horizon_s=settings.gap_horizon_s)
         self.releaser = Releaser(store, view, self.metrics, telemetry, settings.release_concurrency)
+        self.mover = Mover(view, self.sessions, self.releaser, self.metrics, lambda: self._wake.set())
+        self.sessions.on_move_done = self.mover.settled
         self.term: Term | None = None
         self.evaluations = 0
         # CPU time of the last round's judging, seconds.
@@ -297,12 +300,14 @@ class EvictionCoordinator:
         now = now_ms()
         self.tracker.expire(now)
         snapshot, releases = self.snapshot(now)
-        releases += self.pipeline.evaluate(snapshot)
+        # Host-tier handles are judged by their tier (its TTL, its room), not by the policies.
+        releases += self.pipeline.evaluate(snapshot.on_device())
         self.evaluations += 1
         self.last_evaluation_s = time.perf_counter() - started
         self.metrics.evaluation_seconds.observe(self.last_evaluation_s)
         self._report_retained(snapshot)
         self._offer_spill_orders(snapshot)
+        releases = self.mover.split(releases)
         if not releases:
             return 0
         outcome = await self.releaser.apply(releases, term)
@@ -390,9 +395,9 @@ class EvictionCoordinator:
         async with self._deciding:
             while term.active:
                 snapshot, _ = self.snapshot(now_ms(), only_node=node_id)
-                releases = self.pipeline.for_demand(snapshot, node_id)
+                releases = self.mover.split(self.pipeline.for_demand(snapshot, node_id))
                 if not releases:
-                    break
+                    break  # covered, by moves if not by releases
                 outcome = await self.releaser.apply(releases, term)
                 released += outcome.released
                 if outcome.released == 0:
@@ -473,8 +478,11 @@ class EvictionCoordinator:
 
     # -- sessions ----------------------------------------------------------------------------
 
-    def open_session(self, node_id: str, incarnation: str, wants_spill_order: bool = False) -> NodeSession:
-        session = self.sessions.open(node_id, incarnation, wants_spill_order)
+    def open_session(
+        self, node_id: str, incarnation: str, wants_spill_order: bool = False, accepts_moves: bool = False
+    ) -> NodeSession:
+        session = self.sessions.open(node_id, incarnation, wants_spill_order, accepts_moves)
+        self.mover.note_session(node_id, incarnation, accepts_moves)
         record = self.view.nodes.get(node_id)
         if record is not None and record.node.draining and record.node.incarnation == incarnation:
             session.offer_drain()

@@ -14,6 +14,7 @@ class EvictionMetrics:
     leader: Gauge
     connected_nodes: Gauge
     releases: Counter
+    moves: Counter
     release_conflicts: Counter
     commands_sent: Counter
     commands_acked: Counter
@@ -40,6 +41,13 @@ class EvictionMetrics:
             releases=Counter(
                 "kvplane_eviction_releases_total",
                 "Handles the coordinator released, by reason and deciding policy",
+                ["reason", "policy"],
+                registry=registry,
+            ),
+            moves=Counter(
+                "kvplane_eviction_moves_total",
+                "Moves to a node's host tier the coordinator sent in place of a release, by reason"
+                " and deciding policy (those the node refused: commands_acked, kind move, error)",
                 ["reason", "policy"],
                 registry=registry,
             ),

@@ -69,9 +69,9 @@ class Releaser:
         # Handles released whose deletion the view has not shown yet: not
         # decided upon again meanwhile.
         self.recent: dict[tuple[str, str], str] = {}
-        # (when, bytes) of recent releases per node: a node's load report
+        # (when, bytes, command id) of recent releases and moves per node: a node's load report
         # lags them, and must not be read as if they had not happened.
-        self._freed: dict[str, deque[tuple[int, int]]] = defaultdict(deque)
+        self._freed: dict[str, deque[tuple[int, int, str]]] = defaultdict(deque)
         # Per node, command id -> release sent: a demand report the node sent
         # before it acknowledged a release cannot count that release.
         self._sent: dict[str, dict[str, _Sent]] = defaultdict(dict)
@@ -86,7 +86,7 @@ class Releaser:
         horizon = now_ms() - _FREED_MEMORY_MS
         while entries and entries[0][0] < horizon:
             entries.popleft()
-        return sum(b for t, b in entries if t > since_unix_ms)
+        return sum(b for t, b, _ in entries if t > since_unix_ms)
 
     def bytes_unseen_by(self, node_id: str, report_received_s: float) -> int:
         """Bytes released on `node_id` that a demand report received at `report_received_s`
@@ -113,6 +113,27 @@ class Releaser:
         self._acked_early[command_id] = now
         while len(self._acked_early) > 1024:
             self._acked_early.popitem(last=False)
+
+    def note_sent(self, release: Release, command_id: str, decided_unix_ms: int) -> None:
+        """`release` went to its node as `command_id` (a release or a move): its handle is not
+        judged again while the view still shows it, and its device bytes count as freed against
+        the node's lagging load and demand reports."""
+        self.recent[release.key] = release.handle_id
+        self._freed[release.node_id].append((decided_unix_ms, release.retained_bytes, command_id))
+        acked_s = self._acked_early.pop(command_id, None)
+        self._sent[release.node_id][command_id] = _Sent(release.retained_bytes, time.monotonic(), acked_s)
+
+    def take_back(self, release: Release, command_id: str) -> None:
+        """`command_id` freed nothing after all (a move the node refused or never received): its
+        handle may be judged again, and its bytes no longer count as freed."""
+        if self.recent.get(release.key) == release.handle_id:
+            del self.recent[release.key]
+        self._sent.get(release.node_id, {}).pop(command_id, None)
+        entries = self._freed.get(release.node_id)
+        if entries:
+            kept = [e for e in entries if e[2] != command_id]
+            entries.clear()
+            entries.extend(kept)
 
     def prune(self) -> None:
         for key, handle_id in list(self.recent.items()):
@@ -161,11 +182,7 @@ class Releaser:
                     return "failed"
                 span.set_attribute("kvplane.release.outcome", "released")
                 span.set_attribute("kvplane.command_id", pending.command_id)
-            self.recent[release.key] = release.handle_id
-            self._freed[release.node_id].append((pending.decided_unix_ms, release.retained_bytes))
-            acked_s = self._acked_early.pop(pending.command_id, None)
-            sent = _Sent(release.retained_bytes, time.monotonic(), acked_s)
-            self._sent[release.node_id][pending.command_id] = sent
+            self.note_sent(release, pending.command_id, pending.decided_unix_ms)
             self.metrics.releases.labels(release.reason.value, release.policy).inc()
             _log_release(release, pending)
             return "released"

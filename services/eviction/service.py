@@ -55,7 +55,9 @@ class EvictionService(eviction_pb2_grpc.EvictionServiceServicer):
         if self.coordinator.term is not term or not term.active:
             # The term ended while the hello was on its way: open nothing.
             raise NotLeader("leadership moved to another replica; reconnect")
-        session = self.coordinator.open_session(hello.node_id, hello.incarnation, hello.wants_spill_order)
+        session = self.coordinator.open_session(
+            hello.node_id, hello.incarnation, hello.wants_spill_order, hello.accepts_moves
+        )
         log.info("node connected", extra={"node": hello.node_id, "incarnation": hello.incarnation})
         reader = asyncio.create_task(self._read_acks(request_iterator, session), name=f"acks-{hello.node_id}")
         try:

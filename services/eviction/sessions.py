@@ -9,6 +9,10 @@ deleted only when the node acknowledges it, so a command is never lost; and
 nodes apply each command id at most once, so a replay is never applied twice.
 The deletion of an applied release also records its blocks as freed (the
 tombstone the node's own report would have written): one etcd request for both.
+
+Two kinds of message bypass the outbox: a spill order (a hint, not acknowledged) and a move
+(`mover.py`: acknowledged, but neither stored nor replayed, as it changes no record). Each
+answer to a move, and the stream's end before one, goes back to the leader's mover.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvplane.services.common.model import convert
@@ -24,6 +29,7 @@ from kvplane.services.common.model.errors import StoreUnavailable
 from kvplane.services.common.model.handles import PendingRelease
 from kvplane.services.common.store import Compacted, Store, now_ms
 from kvplane.services.eviction.metrics import EvictionMetrics
+from kvplane.services.eviction.policy import Release
 from kvplane.services.eviction.spill_order import NodeSpillOrder
 from kvplane.v1 import eviction_pb2, handle_pb2
 
@@ -31,6 +37,7 @@ log = logging.getLogger(__name__)
 
 _RELEASE = "release"
 _DRAIN = "drain"
+_MOVE = "move"
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,12 +62,18 @@ class NodeSession:
         store: Store,
         metrics: EvictionMetrics,
         wants_spill_order: bool = False,
+        accepts_moves: bool = False,
+        on_move_done: Callable[[str, bool | None], None] | None = None,
     ) -> None:
         self.node_id = node_id
         self.incarnation = incarnation
         # The node has a host tier and asked for the order of its moves there (`spill_order.py`).
         self.wants_spill_order = wants_spill_order
         self._spill_sent: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
+        # The node's engine moves handles to its host tier on a MoveCommand (`mover.py`); each
+        # answer, or the stream's end before one, goes to `on_move_done` (command id, moved).
+        self.accepts_moves = accepts_moves and on_move_done is not None
+        self._on_move_done = on_move_done
         self.store = store
         self.metrics = metrics
         self.opened = time.monotonic()
@@ -103,6 +116,26 @@ class NodeSession:
         freed = (h.holder_incarnation, h.vllm.remote_request_id)
         self._unacked[pending.command_id] = _Sent(_RELEASE, pending.decided_unix_ms, freed)
         self._queue.put_nowait(command)
+        return True
+
+    def offer_move(self, command_id: str, release: Release, remote_request_id: str) -> bool:
+        """Queues a move of the handle `release` names to the node's host tier (`mover.py`)."""
+        if self.closed or not self.accepts_moves:
+            return False
+        self._offered.add(command_id)
+        self._unacked[command_id] = _Sent(_MOVE, now_ms())
+        self._queue.put_nowait(
+            eviction_pb2.CommandsResponse(
+                command_id=command_id,
+                move=eviction_pb2.MoveCommand(
+                    tenant=release.tenant,
+                    conversation=release.conversation,
+                    handle_id=release.handle_id,
+                    remote_request_id=remote_request_id,
+                    reason=convert.reason_to_pb(release.reason),
+                ),
+            )
+        )
         return True
 
     def offer_drain(self) -> bool:
@@ -149,7 +182,11 @@ class NodeSession:
             return  # a duplicate ack, or one for a command of an earlier stream
         outcome = "ok" if ack.ok else "error"
         self.metrics.commands_acked.labels(sent.kind, outcome).inc()
-        if not ack.ok:
+        if sent.kind == _MOVE:
+            if self._on_move_done is not None:
+                # Refused: the handle stays where it is, and the leader releases it instead.
+                self._on_move_done(ack.command_id, ack.ok)
+        elif not ack.ok:
             # The node could not apply it (e.g. the engine had already freed
             # the blocks). Re-sending would fail the same way, and the handle
             # is already unroutable, so the command is done either way.
@@ -180,6 +217,12 @@ class NodeSession:
         if not self.closed:
             self.close_reason = reason
             self._queue.put_nowait(None)
+            if self._on_move_done is not None:
+                # Unanswered moves: the handles stay where they were, to be decided afresh.
+                for command_id, sent in list(self._unacked.items()):
+                    if sent.kind == _MOVE:
+                        del self._unacked[command_id]
+                        self._on_move_done(command_id, None)
         if self._follower is not None:
             self._follower.cancel()
 
@@ -215,9 +258,16 @@ def _pending(value: bytes) -> PendingRelease:
 class SessionRegistry:
     """The leader's open sessions, at most one per node."""
 
-    def __init__(self, store: Store, metrics: EvictionMetrics) -> None:
+    def __init__(
+        self,
+        store: Store,
+        metrics: EvictionMetrics,
+        on_move_done: Callable[[str, bool | None], None] | None = None,
+    ) -> None:
         self.store = store
         self.metrics = metrics
+        # Where each session sends its nodes' answers to moves (the leader's `Mover.settled`).
+        self.on_move_done = on_move_done
         self._sessions: dict[str, NodeSession] = {}
 
     def __len__(self) -> int:
@@ -226,12 +276,22 @@ class SessionRegistry:
     def get(self, node_id: str) -> NodeSession | None:
         return self._sessions.get(node_id)
 
-    def open(self, node_id: str, incarnation: str, wants_spill_order: bool = False) -> NodeSession:
+    def open(
+        self, node_id: str, incarnation: str, wants_spill_order: bool = False, accepts_moves: bool = False
+    ) -> NodeSession:
         """A new session; a node's older stream is closed (it reconnected)."""
         old = self._sessions.pop(node_id, None)
         if old is not None:
             old.close("replaced by a newer stream from the same node")
-        session = NodeSession(node_id, incarnation, self.store, self.metrics, wants_spill_order)
+        session = NodeSession(
+            node_id,
+            incarnation,
+            self.store,
+            self.metrics,
+            wants_spill_order,
+            accepts_moves,
+            self.on_move_done,
+        )
         self._sessions[node_id] = session
         self.metrics.connected_nodes.set(len(self._sessions))
         session.follow_outbox()

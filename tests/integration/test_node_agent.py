@@ -391,6 +391,62 @@ async def test_an_engine_with_a_host_tier_asks_for_spill_orders_and_is_handed_ea
         await server.stop(0)
 
 
+async def test_an_engine_that_takes_moves_says_so_and_acks_each_as_the_engine_answers(
+    metadata_process: ServiceProcess, agents: list[NodeAgent]
+) -> None:
+    def move(command_id: str, request_id: str) -> eviction_pb2.CommandsResponse:
+        return eviction_pb2.CommandsResponse(
+            command_id=command_id, move=eviction_pb2.MoveCommand(tenant="acme", remote_request_id=request_id)
+        )
+
+    servicer = ScriptedCoordinator([move("m-1", "r-ok"), move("m-2", "r-big"), move("m-3", "r-failing")])
+    server = grpc.aio.server()
+    eviction_pb2_grpc.add_EvictionServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    asked: list[str] = []
+    lock = threading.Lock()
+
+    def on_move(request_id: str) -> str:
+        with lock:
+            asked.append(request_id)
+        if request_id == "r-failing":
+            raise RuntimeError("engine stopped")
+        return "too large for the host tier" if request_id == "r-big" else ""
+
+    try:
+        for node_id, callback in (("d-moves", on_move), ("d-plain", None)):
+            agent = NodeAgent(
+                fast_settings(target_of(metadata_process), eviction_target=f"127.0.0.1:{port}"),
+                make_node(node_id, incarnation=""),
+                lambda: NodeLoad("", "", running_requests=0, free_kv_blocks=7, total_kv_blocks=9),
+                lambda _request_id: None,
+                on_move=callback,
+            )
+            agent.start()
+            agents.append(agent)
+        await until(lambda: len(servicer.acks) >= 6, "every move acked by both nodes")
+        assert {h.node_id: h.accepts_moves for h in servicer.hellos} == {"d-moves": True, "d-plain": False}
+        with lock:
+            assert sorted(set(asked)) == ["r-big", "r-failing", "r-ok"]
+        by_id: dict[str, list[tuple[bool, str]]] = {}
+        for ack in servicer.acks:
+            by_id.setdefault(ack.command_id, []).append((ack.ok, ack.error))
+        # Each node's answer (a stream replayed by the script repeats them): the engine's, and
+        # that of the node without a host tier.
+        assert set(by_id["m-1"]) == {(False, "this engine has no host tier"), (True, "")}
+        assert set(by_id["m-2"]) == {
+            (False, "this engine has no host tier"),
+            (False, "too large for the host tier"),
+        }
+        assert set(by_id["m-3"]) == {
+            (False, "RuntimeError: engine stopped"),
+            (False, "this engine has no host tier"),
+        }
+    finally:
+        await server.stop(0)
+
+
 async def test_missing_eviction_service_does_not_stop_publishing(
     metadata_process: ServiceProcess,
     metadata_channel: grpc.aio.Channel,

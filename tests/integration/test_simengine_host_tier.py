@@ -240,3 +240,48 @@ async def _leads(process: ServiceProcess) -> bool:
 async def _first_in_order(d: Engine, request_id: str) -> bool:
     order = (await asyncio.to_thread(d.state))["spill_order"]["device"]
     return bool(order) and order[0] == request_id
+
+
+async def test_the_leader_moves_an_aged_handle_to_host_memory_and_releases_it_when_d_cannot(
+    tmp_path: Path, etcd: LocalEtcd, prefix: str, metadata_process: ServiceProcess, store: Store
+) -> None:
+    """The leader's age limit (1 s here) wants a handle's cache blocks back. D has a host tier,
+    so the leader sends a move, not a release: the handle lives on there. With D's host tier
+    switched off, D refuses the move and the leader releases the next handle instead."""
+    leader = await start_replica(etcd, prefix, policy={"policies": [{"name": "max_age", "max_age_s": 1}]})
+    try:
+        await eventually(lambda: _leads(leader), what="the eviction replica to lead")
+        specs = _specs(f"127.0.0.1:{metadata_process.grpc_port}")
+        specs["D"] = dataclasses.replace(specs["D"], eviction=f"127.0.0.1:{leader.grpc_port}")
+        with engines(tmp_path, {"P": specs["P"], "D": specs["D"]}) as started:
+            p, d = started["P"], started["D"]
+            coordinator = coordinator_of(leader)
+            await eventually(lambda: _accepts_moves(leader, "d-host"), timeout_s=60, what="D's stream")
+            await _turn(p, d, tokens(31, 100), "c-aged", max_tokens=50)
+            await eventually(
+                lambda: _in_tier(store, "c-aged", KvTier.HOST), timeout_s=60, what="the aged handle's move"
+            )
+            assert d.metric("kvplane_sim_host_spills_total", outcome="moved") == 1
+            assert coordinator.metrics.moves.labels("max_age", "max_age")._value.get() == 1
+            assert coordinator.metrics.releases.labels("max_age", "max_age")._value.get() == 0
+
+            d.post("/sim/host_tier", {"enabled": False})
+            released = coordinator.metrics.releases.labels("max_age", "max_age")
+            await _turn(p, d, tokens(32, 100), "c-refused", max_tokens=50)
+            await eventually(lambda: _true(released._value.get() == 1), timeout_s=60, what="the release")
+            assert await _gone(store, "c-refused")
+            assert coordinator.metrics.moves.labels("max_age", "max_age")._value.get() == 2
+            assert coordinator.metrics.commands_acked.labels("move", "error")._value.get() == 1
+            assert d.metric("kvplane_sim_host_spills_total", outcome="moved") == 1
+            assert await _in_tier(store, "c-aged", KvTier.HOST), "the age limit is not the host tier's"
+    finally:
+        await leader.stop()
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+async def _accepts_moves(leader: ServiceProcess, node_id: str) -> bool:
+    session = coordinator_of(leader).sessions.get(node_id)
+    return session is not None and session.accepts_moves

@@ -45,7 +45,11 @@ class CommandNode:
     # Acknowledge commands (False: apply but never ack, like a node that dies
     # before its ack leaves).
     ack: bool = True
+    # Says in its hello that it takes MoveCommands; refuses each (ack not ok) when refuse_moves.
+    accepts_moves: bool = False
+    refuse_moves: bool = False
     applied: dict[str, AppliedRelease] = field(default_factory=dict)
+    moves: dict[str, eviction_pb2.MoveCommand] = field(default_factory=dict)
     received: list[str] = field(default_factory=list)
     drains: list[str] = field(default_factory=list)
     errors: list[grpc.StatusCode] = field(default_factory=list)
@@ -126,7 +130,9 @@ class CommandNode:
             self._out = out
             out.put_nowait(
                 eviction_pb2.CommandsRequest(
-                    hello=eviction_pb2.NodeHello(node_id=self.node_id, incarnation=self.incarnation)
+                    hello=eviction_pb2.NodeHello(
+                        node_id=self.node_id, incarnation=self.incarnation, accepts_moves=self.accepts_moves
+                    )
                 )
             )
 
@@ -145,9 +151,11 @@ class CommandNode:
                 async for command in call:
                     self._apply(command)
                     if self.ack:
+                        ok = not (self.refuse_moves and command.WhichOneof("command") == "move")
+                        error = "" if ok else "no room in the host tier"
                         out.put_nowait(
                             eviction_pb2.CommandsRequest(
-                                ack=eviction_pb2.CommandAck(command_id=command.command_id, ok=True)
+                                ack=eviction_pb2.CommandAck(command_id=command.command_id, ok=ok, error=error)
                             )
                         )
             finally:
@@ -160,6 +168,9 @@ class CommandNode:
             return  # at most once per command id
         if command.WhichOneof("command") == "drain":
             self.drains.append(command.command_id)
+            return
+        if command.WhichOneof("command") == "move":
+            self.moves[command.command_id] = command.move
             return
         r = command.release
         self.applied[command.command_id] = AppliedRelease(

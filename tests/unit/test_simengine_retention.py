@@ -405,3 +405,36 @@ async def test_a_release_of_a_handle_being_copied_counts_its_blocks_once() -> No
     finally:
         elsewhere.close()
         await retention.stop_spills()
+
+
+async def test_a_move_command_moves_the_named_handle_and_counts_its_blocks_until_the_copy_starts() -> None:
+    retention, pool, metrics, observer = make(host_kv_blocks=4)
+    keep(retention, pool, "old", "decode_handle", blocks=2)
+    keep(retention, pool, "named", "decode_handle", blocks=2)
+    elsewhere = asyncio.new_event_loop()  # the engine's loop, not running: the move waits there
+    try:
+        retention.bind(elsewhere)
+        assert retention.move_to_host("named") == ""
+        assert retention.freeing_blocks() == 2, "on their way from the command on"
+    finally:
+        elsewhere.close()
+    retention.bind(asyncio.get_running_loop())
+    assert retention.move_to_host("named") == ""  # on the engine's loop: started at once
+    assert retention.freeing_blocks() == 0 and retention.spilling_blocks == 2
+    await until(lambda: spills(metrics, "moved") == 1, "the copy")
+    assert [m["remote_request_id"] for m in observer.moved] == ["named"], "the one named, not the oldest"
+    # Moved, read or freed already: nothing left to do, and nothing refused.
+    assert retention.move_to_host("named") == "" and retention.move_to_host("never-held") == ""
+    assert spills(metrics, "moved") == 1
+
+
+def test_a_move_the_engine_cannot_make_is_refused_with_the_reason() -> None:
+    retention, pool, _, _ = make(host_kv_blocks=2)
+    keep(retention, pool, "huge", "decode_handle", blocks=3)
+    keep(retention, pool, "lease", "prefill_lease", blocks=1)
+    assert "cannot move" in retention.move_to_host("huge")
+    assert "cannot move" in retention.move_to_host("lease")
+    retention.host_tier_enabled = False
+    keep(retention, pool, "small", "decode_handle", blocks=1)
+    assert "off" in retention.move_to_host("small")
+    assert retention.freeing_blocks() == 0 and retention.spilling_blocks == 0

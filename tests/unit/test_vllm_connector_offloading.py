@@ -303,6 +303,39 @@ def test_a_refused_move_leaves_the_device_handle_held_and_asks_for_memory(new_en
     assert wanted > 0
 
 
+def test_a_move_command_moves_the_named_handle_without_a_shortage(new_engine: Any) -> None:
+    d = host_engine(new_engine)
+    fill_with_handles(d)
+    _settle(d)
+    assert d.connector._queue_move("held-b") == ""  # the agent's thread: made at the next step
+    assert moves(d) == []
+    d.step()
+    (moved,) = moves(d)
+    assert moved.vllm.remote_request_id == "held-b" and moved.tier == KvTier.HOST
+    told(d, "held-b", stored=True)
+    d.step()
+    assert d.last_meta.reqs_to_send["held-b"] < d.last_meta.scheduler_clock
+    d.step(finished_sending={"held-b"})
+    assert d.connector.held_request_ids == {"held-a"}
+    assert d.agent.pending()[1] == [], "moved, not released"
+
+
+def test_a_move_command_the_cpu_tier_cannot_serve_is_refused(new_engine: Any) -> None:
+    d = host_engine(new_engine)
+    fill_with_handles(d)
+    _settle(d)
+    first_block = BlockHasher(BLOCK, "sha256").ids(d.scheduler.requests["held-a"].all_token_ids[:BLOCK])[0]
+    d.feed(encode_batch(0.0, [BlockRemoved((first_block,), MEDIUM_CPU)]))  # the CPU tier dropped it
+    d.step()
+    assert "no block" in d.connector._queue_move("held-a")
+    d.step()
+    assert moves(d) == [] and d.connector.held_request_ids == {"held-a", "held-b"}
+    # Without the engine's KV events, nothing is known to be in the CPU tier: every move refused.
+    bare = host_engine(new_engine, agent_reads_events=False)
+    fill_with_handles(bare)
+    assert bare.connector._queue_move("held-a") != ""
+
+
 def test_without_copies_in_the_cpu_tier_nothing_moves(new_engine: Any) -> None:
     d = host_engine(new_engine, agent_reads_events=False)  # copies, but no one reads the events
     wanted = short_of_blocks(d)

@@ -118,6 +118,21 @@ def test_a_handle_whose_first_block_the_cpu_tier_lacks_never_moves() -> None:
     assert tier.moving_blocks() == 0
 
 
+def test_a_move_command_moves_the_handle_it_names_once_and_refuses_one_without_cpu_copies() -> None:
+    cpu = Cpu()
+    tier = tier_with(cpu)
+    for request_id in ("r-a", "r-b", "r-bare"):
+        _, _, block_hashes = published(tier, request_id, 20 * BLOCK, request_id)
+        if request_id != "r-bare":
+            cpu.hold(block_hashes, 20)
+    assert tier.refuses_move("r-b") == ""
+    moved = tier.move("r-b")
+    assert moved is not None and moved.vllm.remote_request_id == "r-b", "the named, not the oldest"
+    assert tier.move("r-b") is None, "a move in flight is not made again"
+    assert "no block" in tier.refuses_move("r-bare") and tier.move("r-bare") is None
+    assert tier.refuses_move("r-never-held") == "" and tier.move("r-never-held") is None
+
+
 def test_gpu_blocks_go_only_when_the_move_is_stored_and_a_refused_handle_is_not_tried_again() -> None:
     cpu = Cpu()
     tier = tier_with(cpu)

@@ -73,6 +73,12 @@ class Snapshot:
     def __post_init__(self) -> None:
         object.__setattr__(self, "nodes", _frozen_nodes(self.nodes))
 
+    def on_device(self) -> Snapshot:
+        """The snapshot of the handles in engines' KV caches only: those the policies judge. A
+        handle in a host tier leaves it when its time there ends, when the tier is full (in the
+        leader's spill order) or when its conversation moves on."""
+        return Snapshot(self.now_unix_ms, tuple(h for h in self.handles if h.on_device), self.nodes)
+
     def without(self, released: Mapping[tuple[str, str], object]) -> Snapshot:
         """The snapshot less the handles already chosen for release.
 

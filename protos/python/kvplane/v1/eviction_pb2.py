@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvplane.v1 import handle_pb2 as kvplane_dot_v1_dot_handle__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvplane/v1/eviction.proto\x12\nkvplane.v1\x1a\x17kvplane/v1/handle.proto\"L\n\tNodeHello\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x19\n\x11wants_spill_order\x18\x03 \x01(\x08\";\n\nCommandAck\x12\x12\n\ncommand_id\x18\x01 \x01(\t\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"4\n\x08KvDemand\x12\x0e\n\x06\x62locks\x18\x01 \x01(\x04\x12\x18\n\x10measured_unix_ms\x18\x02 \x01(\x03\"\x93\x01\n\x0f\x43ommandsRequest\x12&\n\x05hello\x18\x01 \x01(\x0b\x32\x15.kvplane.v1.NodeHelloH\x00\x12%\n\x03\x61\x63k\x18\x02 \x01(\x0b\x32\x16.kvplane.v1.CommandAckH\x00\x12&\n\x06\x64\x65mand\x18\x03 \x01(\x0b\x32\x14.kvplane.v1.KvDemandH\x00\x42\t\n\x07message\"\xaa\x01\n\x0eReleaseCommand\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x14\n\x0c\x63onversation\x18\x02 \x01(\t\x12\x11\n\thandle_id\x18\x03 \x01(\t\x12\x19\n\x11remote_request_id\x18\x04 \x01(\t\x12)\n\x06reason\x18\x05 \x01(\x0e\x32\x19.kvplane.v1.ReleaseReason\x12\x19\n\x11\x61\x63k_records_freed\x18\x06 \x01(\x08\"\x0e\n\x0c\x44rainCommand\"B\n\nSpillOrder\x12\x1a\n\x12\x64\x65vice_request_ids\x18\x01 \x03(\t\x12\x18\n\x10host_request_ids\x18\x02 \x03(\t\"\xba\x01\n\x10\x43ommandsResponse\x12\x12\n\ncommand_id\x18\x01 \x01(\t\x12-\n\x07release\x18\x02 \x01(\x0b\x32\x1a.kvplane.v1.ReleaseCommandH\x00\x12)\n\x05\x64rain\x18\x03 \x01(\x0b\x32\x18.kvplane.v1.DrainCommandH\x00\x12-\n\x0bspill_order\x18\x04 \x01(\x0b\x32\x16.kvplane.v1.SpillOrderH\x00\x42\t\n\x07\x63ommand\"\x12\n\x10GetStatusRequest\"i\n\x11GetStatusResponse\x12\x0e\n\x06leader\x18\x01 \x01(\x08\x12\x11\n\tleader_id\x18\x02 \x01(\t\x12\x17\n\x0f\x63onnected_nodes\x18\x03 \x01(\r\x12\x18\n\x10pending_commands\x18\x04 \x01(\r2\xa6\x01\n\x0f\x45victionService\x12I\n\x08\x43ommands\x12\x1b.kvplane.v1.CommandsRequest\x1a\x1c.kvplane.v1.CommandsResponse(\x01\x30\x01\x12H\n\tGetStatus\x12\x1c.kvplane.v1.GetStatusRequest\x1a\x1d.kvplane.v1.GetStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvplane/v1/eviction.proto\x12\nkvplane.v1\x1a\x17kvplane/v1/handle.proto\"c\n\tNodeHello\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x19\n\x11wants_spill_order\x18\x03 \x01(\x08\x12\x15\n\raccepts_moves\x18\x04 \x01(\x08\";\n\nCommandAck\x12\x12\n\ncommand_id\x18\x01 \x01(\t\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"4\n\x08KvDemand\x12\x0e\n\x06\x62locks\x18\x01 \x01(\x04\x12\x18\n\x10measured_unix_ms\x18\x02 \x01(\x03\"\x93\x01\n\x0f\x43ommandsRequest\x12&\n\x05hello\x18\x01 \x01(\x0b\x32\x15.kvplane.v1.NodeHelloH\x00\x12%\n\x03\x61\x63k\x18\x02 \x01(\x0b\x32\x16.kvplane.v1.CommandAckH\x00\x12&\n\x06\x64\x65mand\x18\x03 \x01(\x0b\x32\x14.kvplane.v1.KvDemandH\x00\x42\t\n\x07message\"\xaa\x01\n\x0eReleaseCommand\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x14\n\x0c\x63onversation\x18\x02 \x01(\t\x12\x11\n\thandle_id\x18\x03 \x01(\t\x12\x19\n\x11remote_request_id\x18\x04 \x01(\t\x12)\n\x06reason\x18\x05 \x01(\x0e\x32\x19.kvplane.v1.ReleaseReason\x12\x19\n\x11\x61\x63k_records_freed\x18\x06 \x01(\x08\"\x8c\x01\n\x0bMoveCommand\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x14\n\x0c\x63onversation\x18\x02 \x01(\t\x12\x11\n\thandle_id\x18\x03 \x01(\t\x12\x19\n\x11remote_request_id\x18\x04 \x01(\t\x12)\n\x06reason\x18\x05 \x01(\x0e\x32\x19.kvplane.v1.ReleaseReason\"\x0e\n\x0c\x44rainCommand\"B\n\nSpillOrder\x12\x1a\n\x12\x64\x65vice_request_ids\x18\x01 \x03(\t\x12\x18\n\x10host_request_ids\x18\x02 \x03(\t\"\xe3\x01\n\x10\x43ommandsResponse\x12\x12\n\ncommand_id\x18\x01 \x01(\t\x12-\n\x07release\x18\x02 \x01(\x0b\x32\x1a.kvplane.v1.ReleaseCommandH\x00\x12)\n\x05\x64rain\x18\x03 \x01(\x0b\x32\x18.kvplane.v1.DrainCommandH\x00\x12-\n\x0bspill_order\x18\x04 \x01(\x0b\x32\x16.kvplane.v1.SpillOrderH\x00\x12\'\n\x04move\x18\x05 \x01(\x0b\x32\x17.kvplane.v1.MoveCommandH\x00\x42\t\n\x07\x63ommand\"\x12\n\x10GetStatusRequest\"i\n\x11GetStatusResponse\x12\x0e\n\x06leader\x18\x01 \x01(\x08\x12\x11\n\tleader_id\x18\x02 \x01(\t\x12\x17\n\x0f\x63onnected_nodes\x18\x03 \x01(\r\x12\x18\n\x10pending_commands\x18\x04 \x01(\r2\xa6\x01\n\x0f\x45victionService\x12I\n\x08\x43ommands\x12\x1b.kvplane.v1.CommandsRequest\x1a\x1c.kvplane.v1.CommandsResponse(\x01\x30\x01\x12H\n\tGetStatus\x12\x1c.kvplane.v1.GetStatusRequest\x1a\x1d.kvplane.v1.GetStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,25 +33,27 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvplane.v1.eviction_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_NODEHELLO']._serialized_start=66
-  _globals['_NODEHELLO']._serialized_end=142
-  _globals['_COMMANDACK']._serialized_start=144
-  _globals['_COMMANDACK']._serialized_end=203
-  _globals['_KVDEMAND']._serialized_start=205
-  _globals['_KVDEMAND']._serialized_end=257
-  _globals['_COMMANDSREQUEST']._serialized_start=260
-  _globals['_COMMANDSREQUEST']._serialized_end=407
-  _globals['_RELEASECOMMAND']._serialized_start=410
-  _globals['_RELEASECOMMAND']._serialized_end=580
-  _globals['_DRAINCOMMAND']._serialized_start=582
-  _globals['_DRAINCOMMAND']._serialized_end=596
-  _globals['_SPILLORDER']._serialized_start=598
-  _globals['_SPILLORDER']._serialized_end=664
-  _globals['_COMMANDSRESPONSE']._serialized_start=667
-  _globals['_COMMANDSRESPONSE']._serialized_end=853
-  _globals['_GETSTATUSREQUEST']._serialized_start=855
-  _globals['_GETSTATUSREQUEST']._serialized_end=873
-  _globals['_GETSTATUSRESPONSE']._serialized_start=875
-  _globals['_GETSTATUSRESPONSE']._serialized_end=980
-  _globals['_EVICTIONSERVICE']._serialized_start=983
-  _globals['_EVICTIONSERVICE']._serialized_end=1149
+  _globals['_NODEHELLO']._serialized_end=165
+  _globals['_COMMANDACK']._serialized_start=167
+  _globals['_COMMANDACK']._serialized_end=226
+  _globals['_KVDEMAND']._serialized_start=228
+  _globals['_KVDEMAND']._serialized_end=280
+  _globals['_COMMANDSREQUEST']._serialized_start=283
+  _globals['_COMMANDSREQUEST']._serialized_end=430
+  _globals['_RELEASECOMMAND']._serialized_start=433
+  _globals['_RELEASECOMMAND']._serialized_end=603
+  _globals['_MOVECOMMAND']._serialized_start=606
+  _globals['_MOVECOMMAND']._serialized_end=746
+  _globals['_DRAINCOMMAND']._serialized_start=748
+  _globals['_DRAINCOMMAND']._serialized_end=762
+  _globals['_SPILLORDER']._serialized_start=764
+  _globals['_SPILLORDER']._serialized_end=830
+  _globals['_COMMANDSRESPONSE']._serialized_start=833
+  _globals['_COMMANDSRESPONSE']._serialized_end=1060
+  _globals['_GETSTATUSREQUEST']._serialized_start=1062
+  _globals['_GETSTATUSREQUEST']._serialized_end=1080
+  _globals['_GETSTATUSRESPONSE']._serialized_start=1082
+  _globals['_GETSTATUSRESPONSE']._serialized_end=1187
+  _globals['_EVICTIONSERVICE']._serialized_start=1190
+  _globals['_EVICTIONSERVICE']._serialized_end=1356
 # @@protoc_insertion_point(module_scope)

@@ -28,22 +28,26 @@ class NodeHello(_message.Message):
     NODE_ID_FIELD_NUMBER: _builtins.int
     INCARNATION_FIELD_NUMBER: _builtins.int
     WANTS_SPILL_ORDER_FIELD_NUMBER: _builtins.int
+    ACCEPTS_MOVES_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """Node id."""
     incarnation: _builtins.str
     """Current incarnation; commands for other incarnations are never sent."""
     wants_spill_order: _builtins.bool
     """True when the engine has a host tier and wants the leader's SpillOrder for it."""
+    accepts_moves: _builtins.bool
+    """True when the engine moves a handle to its host tier on a MoveCommand."""
     def __init__(
         self,
         *,
         node_id: _builtins.str = ...,
         incarnation: _builtins.str = ...,
         wants_spill_order: _builtins.bool = ...,
+        accepts_moves: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation", b"incarnation", "node_id", b"node_id", "wants_spill_order", b"wants_spill_order"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_moves", b"accepts_moves", "incarnation", b"incarnation", "node_id", b"node_id", "wants_spill_order", b"wants_spill_order"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -196,6 +200,50 @@ class ReleaseCommand(_message.Message):
 Global___ReleaseCommand: _TypeAlias = ReleaseCommand  # noqa: Y015
 
 @_typing.final
+class MoveCommand(_message.Message):
+    """Move one retained request's blocks from the engine's KV cache to its host tier now, instead of
+    freeing them: what the leader sends, in place of a ReleaseCommand, when its policies free a
+    handle's device blocks on a node whose hello accepts moves. Neither stored in etcd nor
+    replayed: the handle stays retained, and the engine publishes its relocation once the copy
+    lands. An ok ack: the move started (or the handle is gone already). Not ok: the engine cannot
+    move it (no host tier, not enough of it, draining), and the leader releases it instead.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENANT_FIELD_NUMBER: _builtins.int
+    CONVERSATION_FIELD_NUMBER: _builtins.int
+    HANDLE_ID_FIELD_NUMBER: _builtins.int
+    REMOTE_REQUEST_ID_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    tenant: _builtins.str
+    """The handle's tenant."""
+    conversation: _builtins.str
+    """The handle's conversation."""
+    handle_id: _builtins.str
+    """The handle's id."""
+    remote_request_id: _builtins.str
+    """vLLM request id on the node whose blocks to move."""
+    reason: _handle_pb2.ReleaseReason.ValueType
+    """Why its device blocks are wanted back."""
+    def __init__(
+        self,
+        *,
+        tenant: _builtins.str = ...,
+        conversation: _builtins.str = ...,
+        handle_id: _builtins.str = ...,
+        remote_request_id: _builtins.str = ...,
+        reason: _handle_pb2.ReleaseReason.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["conversation", b"conversation", "handle_id", b"handle_id", "reason", b"reason", "remote_request_id", b"remote_request_id", "tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MoveCommand: _TypeAlias = MoveCommand  # noqa: Y015
+
+@_typing.final
 class DrainCommand(_message.Message):
     """Stop accepting retained handles and release all of them."""
 
@@ -257,6 +305,7 @@ class CommandsResponse(_message.Message):
     RELEASE_FIELD_NUMBER: _builtins.int
     DRAIN_FIELD_NUMBER: _builtins.int
     SPILL_ORDER_FIELD_NUMBER: _builtins.int
+    MOVE_FIELD_NUMBER: _builtins.int
     command_id: _builtins.str
     """Unique id; the node acknowledges it. Empty for a spill_order, which is not acknowledged."""
     @_builtins.property
@@ -271,6 +320,10 @@ class CommandsResponse(_message.Message):
     def spill_order(self) -> Global___SpillOrder:
         """The order of moves to the host tier; sent only to a node whose hello asked for it."""
 
+    @_builtins.property
+    def move(self) -> Global___MoveCommand:
+        """Move one handle to the host tier; sent only to a node whose hello accepts moves."""
+
     def __init__(
         self,
         *,
@@ -278,12 +331,13 @@ class CommandsResponse(_message.Message):
         release: Global___ReleaseCommand | None = ...,
         drain: Global___DrainCommand | None = ...,
         spill_order: Global___SpillOrder | None = ...,
+        move: Global___MoveCommand | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["command", b"command", "drain", b"drain", "release", b"release", "spill_order", b"spill_order"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["command", b"command", "drain", b"drain", "move", b"move", "release", b"release", "spill_order", b"spill_order"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["command", b"command", "command_id", b"command_id", "drain", b"drain", "release", b"release", "spill_order", b"spill_order"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["command", b"command", "command_id", b"command_id", "drain", b"drain", "move", b"move", "release", b"release", "spill_order", b"spill_order"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_command: _TypeAlias = _typing.Literal["release", "drain", "spill_order"]  # noqa: Y015
+    _WhichOneofReturnType_command: _TypeAlias = _typing.Literal["release", "drain", "spill_order", "move"]  # noqa: Y015
     _WhichOneofArgType_command: _TypeAlias = _typing.Literal["command", b"command"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_command) -> _WhichOneofReturnType_command | None: ...
 

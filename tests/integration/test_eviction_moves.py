@@ -1,0 +1,231 @@
+"""Moves in place of releases, for nodes with a host tier, by a real leader against real etcd.
+
+A node whose hello accepts moves is sent a MoveCommand where the leader's policies want a
+handle's KV-cache blocks back: the handle stays retained (the node relocates it when its copy
+lands). A refused move becomes a release. Handles already in a host tier are not the policies'
+to judge: their tier's TTL and room end them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from kvplane.services.common.model.handles import CacheHandle, KvTier
+from kvplane.services.common.model.nodes import Node
+from kvplane.services.common.store import Store
+from kvplane.services.dev.local_etcd import LocalEtcd
+from kvplane.services.eviction.mover import Mover
+from kvplane.services.process import ServiceProcess
+from kvplane.v1 import handle_pb2
+from tests.conftest import make_node
+from tests.integration.test_eviction_budgets import MB, aged_handle, lowest_value, retained_by
+from tests.support.eviction_nodes import CommandNode, coordinator_of, start_replica, target_of
+from tests.support.polling import eventually
+
+_BUDGET = {"policies": [{"name": "node_budget", "high_bytes": 150 * MB, "low_bytes": 100 * MB}]}
+
+
+async def _twenty_handles(store: Store, node: Node) -> tuple[list[CacheHandle], set[str]]:
+    """20 handles of 10 MB, idle 100 s to 2,000 s, and the 10 that bring the node under budget.
+    Each is older than those before it, so however the leader's rounds fall between the
+    publishes, the 10 oldest are the ones that go."""
+    published = []
+    for i in range(20):
+        outcome = await store.publish_handle(aged_handle(node, "acme", f"c{i:02d}", 100 + 100 * i, 10))
+        published.append(outcome.handle)
+    return published, lowest_value(published, 10, node.kv_capacity_bytes)
+
+
+async def test_a_node_with_a_host_tier_is_sent_moves_and_keeps_every_handle(
+    etcd: LocalEtcd, prefix: str, store: Store
+) -> None:
+    node = make_node("d0")
+    await store.register_node(node, 30)
+    replica = await start_replica(etcd, prefix, policy=_BUDGET)
+    agent = CommandNode(node.node_id, node.incarnation, [target_of(replica)], accepts_moves=True)
+    agent.start()
+    try:
+        await _session_open(replica, "d0")
+        published, expected = await _twenty_handles(store, node)
+        await eventually(lambda: _true(len(agent.moves) >= 10), timeout_s=30, what="ten moves")
+        moved = {m.conversation for m in agent.moves.values()}
+        assert moved == expected, f"moved {sorted(moved)}, expected the lowest-value {sorted(expected)}"
+        by_conversation = {h.conversation: h for h in published}
+        for m in agent.moves.values():
+            assert m.handle_id == by_conversation[m.conversation].handle_id
+            assert m.remote_request_id == by_conversation[m.conversation].vllm.remote_request_id
+            assert m.reason == handle_pb2.RELEASE_REASON_NODE_BUDGET
+        # Nothing was released: every handle is still retained, and no command waits in etcd.
+        assert not agent.applied
+        assert len(await retained_by(store, node_id="d0")) == 20
+        assert not await store.pending_releases("d0")
+        coordinator = coordinator_of(replica)
+        assert coordinator.metrics.moves.labels("node_budget", "node_budget")._value.get() == 10
+
+        # Until the node relocates them, the moved count as freed: no more go, however often
+        # the leader judges; nor is any handle moved twice.
+        rounds = coordinator.evaluations
+        await eventually(lambda: _true(coordinator.evaluations >= rounds + 3), what="more rounds")
+        assert len(agent.moves) == 10 and not agent.applied
+
+        # The node relocates one to its host tier: a host-tier handle is not judged again.
+        first = next(iter(agent.moves.values()))
+        old = by_conversation[first.conversation]
+        relocated = await store.publish_handle(
+            dataclasses.replace(old, handle_id="", tier=KvTier.HOST, relocates_handle_id=old.handle_id)
+        )
+        assert relocated.handle.tier is KvTier.HOST
+        rounds = coordinator.evaluations
+        await eventually(lambda: _true(coordinator.evaluations >= rounds + 3), what="rounds after it")
+        assert len(agent.moves) == 10 and not agent.applied
+        current = await store.get_handle("acme", first.conversation)
+        assert current is not None and current.handle.tier is KvTier.HOST
+    finally:
+        await agent.stop()
+        await replica.stop()
+
+
+async def test_a_move_the_node_never_answered_is_decided_afresh_when_it_reconnects(
+    etcd: LocalEtcd, prefix: str, store: Store
+) -> None:
+    node = make_node("d0")
+    await store.register_node(node, 30)
+    replica = await start_replica(etcd, prefix, policy=_BUDGET)
+    # Takes each move but dies before its ack leaves.
+    agent = CommandNode(node.node_id, node.incarnation, [target_of(replica)], accepts_moves=True, ack=False)
+    agent.start()
+    try:
+        await _session_open(replica, "d0")
+        _, expected = await _twenty_handles(store, node)
+        await eventually(lambda: _true(len(agent.moves) >= 10), timeout_s=30, what="ten moves")
+        mover: Mover = coordinator_of(replica).mover
+        assert mover.moving == 10
+        first = dict(agent.moves)
+
+        await agent.disconnect()
+        await eventually(lambda: _true(mover.moving == 0), what="the unanswered moves forgotten")
+        agent.ack = True
+        agent.start()
+        await eventually(lambda: _true(len(agent.moves) >= 20), timeout_s=30, what="the moves sent again")
+        again = {m.conversation for i, m in agent.moves.items() if i not in first}
+        assert again == expected and not agent.applied
+        assert len(await retained_by(store, node_id="d0")) == 20
+    finally:
+        await agent.stop()
+        await replica.stop()
+
+
+async def test_a_draining_node_that_takes_moves_has_every_handle_released(
+    etcd: LocalEtcd, prefix: str, store: Store
+) -> None:
+    node = make_node("d0")
+    await store.register_node(node, 30)
+    replica = await start_replica(etcd, prefix, policy=_BUDGET)
+    agent = CommandNode(node.node_id, node.incarnation, [target_of(replica)], accepts_moves=True)
+    agent.start()
+    try:
+        await _session_open(replica, "d0")
+        for i in range(3):
+            await store.publish_handle(aged_handle(node, "acme", f"c{i}", 100, 10))
+        await store.set_draining(node.node_id)
+        await eventually(lambda: _true(len(agent.applied) == 3), what="every handle released")
+        assert {a.reason for a in agent.applied.values()} == {handle_pb2.RELEASE_REASON_DRAIN}
+        assert not agent.moves, "a drain ends handles; it never moves them"
+    finally:
+        await agent.stop()
+        await replica.stop()
+
+
+async def test_a_refused_move_becomes_a_release(etcd: LocalEtcd, prefix: str, store: Store) -> None:
+    node = make_node("d0")
+    await store.register_node(node, 30)
+    replica = await start_replica(etcd, prefix, policy=_BUDGET)
+    agent = CommandNode(
+        node.node_id, node.incarnation, [target_of(replica)], accepts_moves=True, refuse_moves=True
+    )
+    agent.start()
+    try:
+        await _session_open(replica, "d0")
+        _, expected = await _twenty_handles(store, node)
+        await eventually(lambda: _true(len(agent.applied) >= 10), timeout_s=30, what="ten releases")
+        released = agent.released_conversations()
+        assert {c for _, c in released} == expected
+        assert {m.conversation for m in agent.moves.values()} == expected, "each was offered as a move first"
+        assert len(agent.moves) == 10, "a refused move is never offered again"
+        assert set(agent.released_handles.values()) == {1}
+        left = await retained_by(store, node_id="d0")
+        assert sum(h.retained_bytes for h in left) <= 100 * MB
+    finally:
+        await agent.stop()
+        await replica.stop()
+
+
+async def test_a_node_without_moves_is_released_to_as_before(
+    etcd: LocalEtcd, prefix: str, store: Store
+) -> None:
+    node = make_node("d0")
+    await store.register_node(node, 30)
+    _, expected = await _twenty_handles(store, node)
+    replica = await start_replica(etcd, prefix, policy=_BUDGET)
+    agent = CommandNode(node.node_id, node.incarnation, [target_of(replica)])
+    agent.start()
+    try:
+        await eventually(lambda: _true(len(agent.applied) >= 10), timeout_s=30, what="ten releases")
+        assert {c for _, c in agent.released_conversations()} == expected
+        assert not agent.moves
+    finally:
+        await agent.stop()
+        await replica.stop()
+
+
+async def test_the_age_limit_judges_kv_cache_handles_not_host_tier_ones(
+    etcd: LocalEtcd, prefix: str, store: Store
+) -> None:
+    """Both handles are 1,000 s old, past D's TTL less its margin; the one in host memory is
+    offered for an hour and stays."""
+    node = make_node("d0")
+    await store.register_node(node, 30)
+    device = aged_handle(node, "acme", "on-device", 1000, 10)
+    await store.publish_handle(device)
+    on_host = await store.publish_handle(aged_handle(node, "acme", "on-host", 1000, 10))
+    await store.publish_handle(
+        dataclasses.replace(
+            on_host.handle,
+            handle_id="",
+            tier=KvTier.HOST,
+            relocates_handle_id=on_host.handle.handle_id,
+            wall_expiry_unix_ms=int(time.time() * 1000) + 3_600_000,
+        )
+    )
+    replica = await start_replica(etcd, prefix, policy={"policies": [{"name": "max_age"}]})
+    agent = CommandNode(node.node_id, node.incarnation, [target_of(replica)])
+    agent.start()
+    try:
+        await eventually(
+            lambda: _true(len(agent.applied) >= 1), timeout_s=30, what="the device handle's release"
+        )
+        coordinator = coordinator_of(replica)
+        rounds = coordinator.evaluations
+        await eventually(lambda: _true(coordinator.evaluations >= rounds + 3), what="more rounds")
+        assert agent.released_conversations() == {("acme", "on-device")}
+        kept = await store.get_handle("acme", "on-host")
+        assert kept is not None and kept.handle.tier is KvTier.HOST
+    finally:
+        await agent.stop()
+        await replica.stop()
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+async def _session_open(replica: ServiceProcess, node_id: str) -> None:
+    """Until the leader holds the node's stream: a release decided before it goes out as one."""
+    coordinator = coordinator_of(replica)
+
+    async def open_() -> bool:
+        session = coordinator.sessions.get(node_id)
+        return coordinator.is_leader and session is not None and session.accepts_moves
+
+    await eventually(open_, timeout_s=30, what=f"{node_id}'s command stream at the leader")
