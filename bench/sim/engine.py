@@ -40,19 +40,21 @@ Per turn:
 
 A host tier (`ClusterSpec.decode_host_bytes`, the tiered engine model). Each
 D has host memory for KV beside its accelerators. With kvplane's control
-plane, D writes each handle it publishes through to host memory
-(`SimCosts.spill_s` after the publish, the copy is whole), making room by
-dropping entries there in the control plane's value order, and unpins its
-accelerator blocks once the copy is whole: the handle stays the conversation's
-and readable, from host memory, and is offered until `decode_host_ttl_s` after
-its publish. While the copy
-is under way the control plane no longer judges the handle: a demand waits
-for the copy (D's demand counts those bytes as freed). A handle that found
-no room at its publish stays on the accelerators, where a release by the
-control plane (a demand, pressure, its value, its age) copies it to host
-memory if room can be made, and frees it otherwise. A pull reads from
-whichever tier holds the handle, at the same cost (the NIC bounds both). A
-superseded handle (its conversation moved on) is freed from both. With
+plane, a handle stays on D's accelerators until the control plane wants its
+blocks back (a demand, its value, its age): then, as a live D does on the
+leader's MoveCommand or when it runs short itself, D copies it to host memory
+(`SimCosts.spill_s`), making room there by dropping entries in the control
+plane's value order, and frees its accelerator blocks once the copy is
+whole: the handle stays the conversation's and readable, from host memory,
+and is offered until `decode_host_ttl_s` after its publish. While the copy
+is under way the control plane no longer judges the handle (nor after: a
+host-tier handle leaves by its TTL, a full tier or its conversation moving
+on), and a demand waits for the copy (D's demand counts those bytes as
+freed). A handle for which no room can be made is freed. A live D short of
+blocks starts its copies at once; here they start when the demand is
+answered (`demand_latency_s` later). A pull reads from whichever tier holds
+the handle, at the same cost (the NIC bounds both). A superseded handle (its
+conversation moved on) is freed from both. With
 `decode_offload_all` instead (llm-d's P/D + P2P path), D offloads every
 finished turn's KV to the host tier, an LRU of blocks by hash, keeps nothing
 on its accelerators, and a route may name a D whose host tier P reads from
@@ -648,9 +650,6 @@ class Simulator:
         if handle.expiry_s != float("inf"):
             self._push(handle.expiry_s, _EXPIRE, handle)
         self.retention.on_publish(handle)
-        if d.host_cache is None:
-            # kvplane on a tiered D: the handle is written through to host memory as it is published.
-            self._spill(handle, now)
         self.router.on_publish(conversation, handle, now)
 
     def _next_turn(self, conversation: Conversation, now: float) -> None:
