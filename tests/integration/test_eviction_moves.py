@@ -8,8 +8,10 @@ to judge: their tier's TTL and room end them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
+from collections.abc import AsyncIterator
 
 from kvplane.services.common.model.handles import CacheHandle, KvTier
 from kvplane.services.common.model.nodes import Node
@@ -23,13 +25,14 @@ from tests.integration.test_eviction_budgets import MB, aged_handle, lowest_valu
 from tests.support.eviction_nodes import CommandNode, coordinator_of, start_replica, target_of
 from tests.support.polling import eventually
 
+# Long enough that a test slowed by a busy machine does not lose its node, and its handles with it.
+_NODE_LEASE_S = 600
 _BUDGET = {"policies": [{"name": "node_budget", "high_bytes": 150 * MB, "low_bytes": 100 * MB}]}
 
 
 async def _twenty_handles(store: Store, node: Node) -> tuple[list[CacheHandle], set[str]]:
-    """20 handles of 10 MB, idle 100 s to 2,000 s, and the 10 that bring the node under budget.
-    Each is older than those before it, so however the leader's rounds fall between the
-    publishes, the 10 oldest are the ones that go."""
+    """20 handles of 10 MB, idle 100 s to 2,000 s, and the 10 that bring the node under budget
+    when the leader judges all of them at once."""
     published = []
     for i in range(20):
         outcome = await store.publish_handle(aged_handle(node, "acme", f"c{i:02d}", 100 + 100 * i, 10))
@@ -40,14 +43,8 @@ async def _twenty_handles(store: Store, node: Node) -> tuple[list[CacheHandle], 
 async def test_a_node_with_a_host_tier_is_sent_moves_and_keeps_every_handle(
     etcd: LocalEtcd, prefix: str, store: Store
 ) -> None:
-    node = make_node("d0")
-    await store.register_node(node, 30)
-    replica = await start_replica(etcd, prefix, policy=_BUDGET)
-    agent = CommandNode(node.node_id, node.incarnation, [target_of(replica)], accepts_moves=True)
-    agent.start()
-    try:
-        await _session_open(replica, "d0")
-        published, expected = await _twenty_handles(store, node)
+    async with _leader_and_node(etcd, prefix, store, accepts_moves=True) as (_, replica, agent, handles):
+        published, expected = handles
         await eventually(lambda: _true(len(agent.moves) >= 10), timeout_s=30, what="ten moves")
         moved = {m.conversation for m in agent.moves.values()}
         assert moved == expected, f"moved {sorted(moved)}, expected the lowest-value {sorted(expected)}"
@@ -81,23 +78,18 @@ async def test_a_node_with_a_host_tier_is_sent_moves_and_keeps_every_handle(
         assert len(agent.moves) == 10 and not agent.applied
         current = await store.get_handle("acme", first.conversation)
         assert current is not None and current.handle.tier is KvTier.HOST
-    finally:
-        await agent.stop()
-        await replica.stop()
 
 
 async def test_a_move_the_node_never_answered_is_decided_afresh_when_it_reconnects(
     etcd: LocalEtcd, prefix: str, store: Store
 ) -> None:
-    node = make_node("d0")
-    await store.register_node(node, 30)
-    replica = await start_replica(etcd, prefix, policy=_BUDGET)
-    # Takes each move but dies before its ack leaves.
-    agent = CommandNode(node.node_id, node.incarnation, [target_of(replica)], accepts_moves=True, ack=False)
-    agent.start()
-    try:
-        await _session_open(replica, "d0")
-        _, expected = await _twenty_handles(store, node)
+    # The node takes each move but dies before its ack leaves.
+    async with _leader_and_node(etcd, prefix, store, accepts_moves=True, ack=False) as (
+        _,
+        replica,
+        agent,
+        (_, expected),
+    ):
         await eventually(lambda: _true(len(agent.moves) >= 10), timeout_s=30, what="ten moves")
         mover: Mover = coordinator_of(replica).mover
         assert mover.moving == 10
@@ -111,43 +103,27 @@ async def test_a_move_the_node_never_answered_is_decided_afresh_when_it_reconnec
         again = {m.conversation for i, m in agent.moves.items() if i not in first}
         assert again == expected and not agent.applied
         assert len(await retained_by(store, node_id="d0")) == 20
-    finally:
-        await agent.stop()
-        await replica.stop()
 
 
 async def test_a_draining_node_that_takes_moves_has_every_handle_released(
     etcd: LocalEtcd, prefix: str, store: Store
 ) -> None:
-    node = make_node("d0")
-    await store.register_node(node, 30)
-    replica = await start_replica(etcd, prefix, policy=_BUDGET)
-    agent = CommandNode(node.node_id, node.incarnation, [target_of(replica)], accepts_moves=True)
-    agent.start()
-    try:
-        await _session_open(replica, "d0")
+    async with _leader_and_node(etcd, prefix, store, accepts_moves=True, twenty=False) as (node, _, agent, _):
         for i in range(3):
             await store.publish_handle(aged_handle(node, "acme", f"c{i}", 100, 10))
         await store.set_draining(node.node_id)
         await eventually(lambda: _true(len(agent.applied) == 3), what="every handle released")
         assert {a.reason for a in agent.applied.values()} == {handle_pb2.RELEASE_REASON_DRAIN}
         assert not agent.moves, "a drain ends handles; it never moves them"
-    finally:
-        await agent.stop()
-        await replica.stop()
 
 
 async def test_a_refused_move_becomes_a_release(etcd: LocalEtcd, prefix: str, store: Store) -> None:
-    node = make_node("d0")
-    await store.register_node(node, 30)
-    replica = await start_replica(etcd, prefix, policy=_BUDGET)
-    agent = CommandNode(
-        node.node_id, node.incarnation, [target_of(replica)], accepts_moves=True, refuse_moves=True
-    )
-    agent.start()
-    try:
-        await _session_open(replica, "d0")
-        _, expected = await _twenty_handles(store, node)
+    async with _leader_and_node(etcd, prefix, store, accepts_moves=True, refuse_moves=True) as (
+        _,
+        _,
+        agent,
+        (_, expected),
+    ):
         await eventually(lambda: _true(len(agent.applied) >= 10), timeout_s=30, what="ten releases")
         released = agent.released_conversations()
         assert {c for _, c in released} == expected
@@ -156,27 +132,15 @@ async def test_a_refused_move_becomes_a_release(etcd: LocalEtcd, prefix: str, st
         assert set(agent.released_handles.values()) == {1}
         left = await retained_by(store, node_id="d0")
         assert sum(h.retained_bytes for h in left) <= 100 * MB
-    finally:
-        await agent.stop()
-        await replica.stop()
 
 
 async def test_a_node_without_moves_is_released_to_as_before(
     etcd: LocalEtcd, prefix: str, store: Store
 ) -> None:
-    node = make_node("d0")
-    await store.register_node(node, 30)
-    _, expected = await _twenty_handles(store, node)
-    replica = await start_replica(etcd, prefix, policy=_BUDGET)
-    agent = CommandNode(node.node_id, node.incarnation, [target_of(replica)])
-    agent.start()
-    try:
+    async with _leader_and_node(etcd, prefix, store) as (_, _, agent, (_, expected)):
         await eventually(lambda: _true(len(agent.applied) >= 10), timeout_s=30, what="ten releases")
         assert {c for _, c in agent.released_conversations()} == expected
         assert not agent.moves
-    finally:
-        await agent.stop()
-        await replica.stop()
 
 
 async def test_the_age_limit_judges_kv_cache_handles_not_host_tier_ones(
@@ -185,7 +149,7 @@ async def test_the_age_limit_judges_kv_cache_handles_not_host_tier_ones(
     """Both handles are 1,000 s old, past D's TTL less its margin; the one in host memory is
     offered for an hour and stays."""
     node = make_node("d0")
-    await store.register_node(node, 30)
+    await store.register_node(node, _NODE_LEASE_S)
     device = aged_handle(node, "acme", "on-device", 1000, 10)
     await store.publish_handle(device)
     on_host = await store.publish_handle(aged_handle(node, "acme", "on-host", 1000, 10))
@@ -211,6 +175,51 @@ async def test_the_age_limit_judges_kv_cache_handles_not_host_tier_ones(
         assert agent.released_conversations() == {("acme", "on-device")}
         kept = await store.get_handle("acme", "on-host")
         assert kept is not None and kept.handle.tier is KvTier.HOST
+    finally:
+        await agent.stop()
+        await replica.stop()
+
+
+@contextlib.asynccontextmanager
+async def _leader_and_node(
+    etcd: LocalEtcd,
+    prefix: str,
+    store: Store,
+    *,
+    accepts_moves: bool = False,
+    refuse_moves: bool = False,
+    ack: bool = True,
+    twenty: bool = True,
+) -> AsyncIterator[tuple[Node, ServiceProcess, CommandNode, tuple[list[CacheHandle], set[str]]]]:
+    """A leader with the budget policy, a scripted node d0 on its stream and, with `twenty`, the
+    node's twenty handles (`_twenty_handles`), all there before the leader judges any: it would
+    release part of them down to the low mark, and more only past the high mark again. So they
+    are published before the leader starts, or, for a node that takes moves, while the leader
+    knows it does but its stream is down (the leader holds its decisions until it is back)."""
+    node = make_node("d0")
+    await store.register_node(node, _NODE_LEASE_S)
+    handles: tuple[list[CacheHandle], set[str]] = ([], set())
+    if twenty and not accepts_moves:
+        handles = await _twenty_handles(store, node)
+    replica = await start_replica(etcd, prefix, policy=_BUDGET)
+    agent = CommandNode(
+        node.node_id,
+        node.incarnation,
+        [target_of(replica)],
+        ack=ack,
+        accepts_moves=accepts_moves,
+        refuse_moves=refuse_moves,
+    )
+    agent.start()
+    try:
+        if accepts_moves:
+            await _session_open(replica, "d0")
+            if twenty:
+                await agent.disconnect()
+                handles = await _twenty_handles(store, node)
+                agent.start()
+                await _session_open(replica, "d0")
+        yield node, replica, agent, handles
     finally:
         await agent.stop()
         await replica.stop()
