@@ -107,7 +107,9 @@ class EvictionCoordinator:
         self.pipeline = pipeline or retention_pipeline(settings)
         self.tracker = TurnTracker(self.pipeline.values.gaps, horizon_s=settings.gap_horizon_s)
         self.releaser = Releaser(store, view, self.metrics, telemetry, settings.release_concurrency)
-        self.mover = Mover(view, self.sessions, self.releaser, self.metrics, lambda: self._wake.set())
+        self.mover = Mover(
+            view, self.sessions, self.releaser, self.metrics, lambda: self._wake.set(), settings.move_grace_s
+        )
         self.sessions.on_move_done = self.mover.settled
         self.term: Term | None = None
         self.evaluations = 0
@@ -182,6 +184,7 @@ class EvictionCoordinator:
         if term.lost.is_set():
             return
         self.term = term
+        self.mover.start_term()
         self.metrics.leader.set(1)
         self._announce(True)
         log.info("eviction leader: acting", extra={"replica": self.replica_id})

@@ -16,7 +16,9 @@ An engine that cannot move the handle (no host tier, too little of one, draining
 command; that handle is then released at the next round, and never offered as a move again. A
 move the node never acknowledged (its stream closed) is forgotten, and decided afresh. While the
 stream of a node that takes moves is down, its handles wait for it, routable where they are: a
-release would reach the engine no sooner, and would throw the history away.
+release would reach the engine no sooner, and would throw the history away. So do the handles of
+any node whose stream has not opened yet in the first `eviction.move_grace_s` of a term: a new
+leader learns which nodes take moves only as they reconnect.
 
 Releases that end a handle for good are never moves: a drain, an explicit release, a newer turn.
 """
@@ -24,6 +26,7 @@ Releases that end a handle for good are never moves: a drain, an explicit releas
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -54,6 +57,7 @@ class Mover:
         releaser: Releaser,
         metrics: EvictionMetrics,
         wake: Callable[[], None],
+        grace_s: float = 0.0,
     ) -> None:
         self.view = view
         self.sessions = sessions
@@ -65,6 +69,9 @@ class Mover:
         self._refused: OrderedDict[str, None] = OrderedDict()
         # node id -> the incarnation whose last stream took moves.
         self._movers: dict[str, str] = {}
+        # Until then (time.monotonic()), a node with no stream yet may still turn out to take moves.
+        self.grace_s = grace_s
+        self._grace_until = 0.0
 
     @property
     def moving(self) -> int:
@@ -74,6 +81,10 @@ class Mover:
     def split(self, releases: Sequence[Release]) -> list[Release]:
         """Sends the moves among `releases`; returns the releases left to carry out."""
         return [release for release in releases if not self._moved_or_held(release)]
+
+    def start_term(self) -> None:
+        """A term starts: nodes whose streams were open to another leader reconnect to this one."""
+        self._grace_until = time.monotonic() + self.grace_s
 
     def note_session(self, node_id: str, incarnation: str, accepts_moves: bool) -> None:
         """A node's stream opened: whether this life of the node takes moves."""
@@ -91,9 +102,10 @@ class Mover:
         if record is None or record.handle.handle_id != release.handle_id:
             return False  # gone or superseded: the release finds that out and drops the decision
         handle = record.handle
-        if self._movers.get(release.node_id) != handle.holder_incarnation:
-            return False
         session = self.sessions.get(release.node_id)
+        if self._movers.get(release.node_id) != handle.holder_incarnation:
+            # Not known to take moves; after a failover, it may just not have reconnected yet.
+            return session is None and time.monotonic() < self._grace_until
         if session is None or session.closed or session.incarnation != handle.holder_incarnation:
             return True
         command_id = f"move-{uuid.uuid4().hex}"

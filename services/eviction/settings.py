@@ -23,6 +23,10 @@ class EvictionSection(BaseModel):
     # Handles per tier in the order of moves to a node's host tier that the leader sends it
     # (least valuable first); the node takes the handles it leaves out oldest first.
     spill_order_max_handles: int = Field(64, ge=1, le=4096)
+    # For this long after a leader's term starts, a release its policies decide for a node whose
+    # command stream has not opened yet waits for it (the node may take moves), seconds: node
+    # agents reconnect within their backoff (5 s at most, by default).
+    move_grace_s: float = Field(10.0, ge=0)
     # Release transactions in flight at once.
     release_concurrency: int = Field(16, ge=1, le=1024)
     # Conversations silent this long count as ended for the gap statistics, seconds.

@@ -238,3 +238,27 @@ async def _session_open(replica: ServiceProcess, node_id: str) -> None:
         return coordinator.is_leader and session is not None and session.accepts_moves
 
     await eventually(open_, timeout_s=30, what=f"{node_id}'s command stream at the leader")
+
+
+async def test_a_new_leader_waits_for_a_node_that_takes_moves_before_it_releases_anything(
+    etcd: LocalEtcd, prefix: str, store: Store
+) -> None:
+    """The handles are there when the leader's term starts and the node is not connected: within
+    the grace it releases nothing, however often it judges; when the node connects and says it
+    takes moves, they move."""
+    node = make_node("d0")
+    await store.register_node(node, _NODE_LEASE_S)
+    _, expected = await _twenty_handles(store, node)
+    replica = await start_replica(etcd, prefix, policy=_BUDGET, move_grace_s=600)
+    agent = CommandNode(node.node_id, node.incarnation, [target_of(replica)], accepts_moves=True)
+    try:
+        coordinator = coordinator_of(replica)
+        await eventually(lambda: _true(coordinator.evaluations >= 5), what="rounds without the node")
+        assert len(await retained_by(store, node_id="d0")) == 20
+        assert not await store.pending_releases("d0")
+        agent.start()
+        await eventually(lambda: _true(len(agent.moves) >= 10), timeout_s=30, what="ten moves")
+        assert {m.conversation for m in agent.moves.values()} == expected and not agent.applied
+    finally:
+        await agent.stop()
+        await replica.stop()

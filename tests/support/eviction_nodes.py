@@ -184,7 +184,14 @@ async def start_replica(
     """An in-process eviction replica (its own store, view, lease and gRPC port)."""
     # A lease long enough that a starved CI box does not cost the leader its
     # term mid-test; failover tests pass a short one.
-    values: dict[str, object] = {"lease_ttl_s": 5, "evaluate_interval_s": 0.2, "orphan_sweep_interval_s": 0.5}
+    # No wait at a term's start for nodes that may take moves (`mover.py`): a test's node
+    # connects when the test says so, and tests of that wait set it.
+    values: dict[str, object] = {
+        "lease_ttl_s": 5,
+        "evaluate_interval_s": 0.2,
+        "orphan_sweep_interval_s": 0.5,
+        "move_grace_s": 0,
+    }
     values.update(eviction)
     process = ServiceProcess(
         settings_for(etcd, prefix, eviction=values), [install], telemetry or Telemetry.disabled()
