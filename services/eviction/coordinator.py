@@ -108,7 +108,13 @@ class EvictionCoordinator:
         self.tracker = TurnTracker(self.pipeline.values.gaps, horizon_s=settings.gap_horizon_s)
         self.releaser = Releaser(store, view, self.metrics, telemetry, settings.release_concurrency)
         self.mover = Mover(
-            view, self.sessions, self.releaser, self.metrics, lambda: self._wake.set(), settings.move_grace_s
+            view,
+            self.sessions,
+            self.releaser,
+            self.metrics,
+            lambda: self._wake.set(),
+            settings.move_grace_s,
+            settings.move_settle_s,
         )
         self.sessions.on_move_done = self.mover.settled
         self.term: Term | None = None

@@ -14,7 +14,8 @@ node's demand (`Releaser.note_sent`), as a release's do.
 
 An engine that cannot move the handle (no host tier, too little of one, draining) refuses the
 command; that handle is then released at the next round, and never offered as a move again. A
-move the node never acknowledged (its stream closed) is forgotten, and decided afresh. While the
+move the node never acknowledged (its stream closed) is forgotten, and decided afresh; one it
+started whose handle is still in the KV cache `eviction.move_settle_s` later is released. While the
 stream of a node that takes moves is down, its handles wait for it, routable where they are: a
 release would reach the engine no sooner, and would throw the history away. So do the handles of
 any node whose stream has not opened yet in the first `eviction.move_grace_s` of a term: a new
@@ -31,7 +32,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from kvplane.services.common.model.handles import ReleaseReason
+from kvplane.services.common.model.handles import KvTier, ReleaseReason
 from kvplane.services.common.store import now_ms
 from kvplane.services.common.store.cluster_view import ClusterView
 from kvplane.services.eviction.metrics import EvictionMetrics
@@ -58,6 +59,7 @@ class Mover:
         metrics: EvictionMetrics,
         wake: Callable[[], None],
         grace_s: float = 0.0,
+        settle_s: float = 30.0,
     ) -> None:
         self.view = view
         self.sessions = sessions
@@ -66,6 +68,10 @@ class Mover:
         self._wake = wake
         # Moves sent and not yet answered: command id -> the release it stands for.
         self._moving: dict[str, Release] = {}
+        # Moves the node started, until their relocation shows: command id -> (release, when
+        # started, time.monotonic()). One still not relocated `settle_s` later is taken back.
+        self._started: dict[str, tuple[Release, float]] = {}
+        self.settle_s = settle_s
         self._refused: OrderedDict[str, None] = OrderedDict()
         # node id -> the incarnation whose last stream took moves.
         self._movers: dict[str, str] = {}
@@ -80,6 +86,7 @@ class Mover:
 
     def split(self, releases: Sequence[Release]) -> list[Release]:
         """Sends the moves among `releases`; returns the releases left to carry out."""
+        self._settle_started()
         return [release for release in releases if not self._moved_or_held(release)]
 
     def start_term(self) -> None:
@@ -134,10 +141,33 @@ class Mover:
         """The node's answer to a move: True, it started; False, it refused (the handle is then
         released at the next round); None, the stream closed first (decided afresh)."""
         release = self._moving.pop(command_id, None)
-        if release is None or moved:
+        if release is None:
             return
+        if moved:
+            self._started[command_id] = (release, time.monotonic())
+            return
+        self._take_back(command_id, release, refused=moved is False)
+
+    def _settle_started(self) -> None:
+        """Forgets started moves whose handle was relocated or is gone; takes back, as refused,
+        those whose handle is still in the KV cache `settle_s` after the node started the move
+        (its copy came to nothing: the CPU tier dropped the blocks meanwhile, say)."""
+        now = time.monotonic()
+        for command_id, (release, started) in list(self._started.items()):
+            record = self.view.handle(release.tenant, release.conversation)
+            if (
+                record is None
+                or record.handle.handle_id != release.handle_id
+                or record.handle.tier is not KvTier.DEVICE
+            ):
+                del self._started[command_id]
+            elif now - started >= self.settle_s:
+                del self._started[command_id]
+                self._take_back(command_id, release, refused=True)
+
+    def _take_back(self, command_id: str, release: Release, refused: bool) -> None:
         self.releaser.take_back(release, command_id)
-        if moved is False:
+        if refused:
             self._refused[release.handle_id] = None
             while len(self._refused) > _REFUSED_MAX:
                 self._refused.popitem(last=False)

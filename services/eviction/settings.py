@@ -27,6 +27,9 @@ class EvictionSection(BaseModel):
     # command stream has not opened yet waits for it (the node may take moves), seconds: node
     # agents reconnect within their backoff (5 s at most, by default).
     move_grace_s: float = Field(10.0, ge=0)
+    # A move a node started whose handle is still in its KV cache this long after is released
+    # instead (the copy came to nothing), seconds.
+    move_settle_s: float = Field(30.0, gt=0)
     # Release transactions in flight at once.
     release_concurrency: int = Field(16, ge=1, le=1024)
     # Conversations silent this long count as ended for the gap statistics, seconds.

@@ -105,6 +105,24 @@ async def test_a_move_the_node_never_answered_is_decided_afresh_when_it_reconnec
         assert len(await retained_by(store, node_id="d0")) == 20
 
 
+async def test_a_started_move_whose_handle_never_leaves_the_kv_cache_becomes_a_release(
+    etcd: LocalEtcd, prefix: str, store: Store
+) -> None:
+    """The node acknowledges each move but never relocates a handle (its copy came to nothing):
+    a second after, the leader releases them instead."""
+    async with _leader_and_node(etcd, prefix, store, accepts_moves=True, move_settle_s=1.0) as (
+        _,
+        replica,
+        agent,
+        (_, expected),
+    ):
+        await eventually(lambda: _true(len(agent.applied) >= 10), timeout_s=30, what="ten releases")
+        assert {c for _, c in agent.released_conversations()} == expected
+        assert {m.conversation for m in agent.moves.values()} == expected
+        assert len(agent.moves) == 10 and set(agent.released_handles.values()) == {1}
+        assert coordinator_of(replica).mover.moving == 0
+
+
 async def test_a_draining_node_that_takes_moves_has_every_handle_released(
     etcd: LocalEtcd, prefix: str, store: Store
 ) -> None:
@@ -190,6 +208,7 @@ async def _leader_and_node(
     refuse_moves: bool = False,
     ack: bool = True,
     twenty: bool = True,
+    move_settle_s: float = 600.0,
 ) -> AsyncIterator[tuple[Node, ServiceProcess, CommandNode, tuple[list[CacheHandle], set[str]]]]:
     """A leader with the budget policy, a scripted node d0 on its stream and, with `twenty`, the
     node's twenty handles (`_twenty_handles`), all there before the leader judges any: it would
@@ -201,7 +220,7 @@ async def _leader_and_node(
     handles: tuple[list[CacheHandle], set[str]] = ([], set())
     if twenty and not accepts_moves:
         handles = await _twenty_handles(store, node)
-    replica = await start_replica(etcd, prefix, policy=_BUDGET)
+    replica = await start_replica(etcd, prefix, policy=_BUDGET, move_settle_s=move_settle_s)
     agent = CommandNode(
         node.node_id,
         node.incarnation,
