@@ -124,8 +124,9 @@ class Releaser:
         self._sent[release.node_id][command_id] = _Sent(release.retained_bytes, time.monotonic(), acked_s)
 
     def take_back(self, release: Release, command_id: str) -> None:
-        """`command_id` freed nothing after all (a move the node refused or never received): its
-        handle may be judged again, and its bytes no longer count as freed."""
+        """`command_id` freed nothing after all (a move the node refused, never received, or
+        started to no effect): its handle may be judged again, and its bytes no longer count as
+        freed."""
         if self.recent.get(release.key) == release.handle_id:
             del self.recent[release.key]
         self._sent.get(release.node_id, {}).pop(command_id, None)
