@@ -49,6 +49,10 @@ class ClusterSpec:
     # blocks that any P may read by block hash (llm-d's P/D + P2P path); D's accelerators keep
     # nothing of it. False: the host tier holds the handles D keeps there (`engine.py`).
     decode_offload_all: bool = False
+    # A what-if: kvplane's D copies each handle to its host tier as it publishes it, and frees
+    # the accelerator blocks once the copy is whole, so that a demand finds them already free.
+    # No engine does this yet: they copy a handle when the control plane wants its blocks back.
+    decode_write_through: bool = False
     # How long after its publish a handle in D's host memory stays offered (s): D's TTL holds
     # accelerator blocks for a read; host memory is cheap enough to keep a conversation for its
     # longer gaps, and its own size bounds it (the oldest entries go first).
@@ -68,6 +72,8 @@ class ClusterSpec:
             raise ValueError("decode_host_bytes must be >= 0")
         if self.decode_offload_all and self.decode_host_bytes <= 0:
             raise ValueError("decode_offload_all needs a host tier (decode_host_bytes > 0)")
+        if self.decode_write_through and self.decode_host_bytes <= 0:
+            raise ValueError("decode_write_through needs a host tier (decode_host_bytes > 0)")
 
 
 def build_node(role: NodeRole, index: int, spec: ClusterSpec, kv_bytes_per_token: int) -> Node:

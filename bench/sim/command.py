@@ -58,6 +58,8 @@ class SimSpec:
     p_cache_gib: float = 64.0
     # Host memory for KV beside each D's accelerators (the tiered engine model only).
     host_gib_per_decode: float = 0.0
+    # The what-if of `ClusterSpec.decode_write_through` (the tiered engine model only).
+    host_write_through: bool = False
     seed: int = 1
     # Seconds of simulated time between retention evaluations (the service's is at most 1 s).
     retention_interval_s: float = 1.0
@@ -75,6 +77,7 @@ class SimSpec:
             decode_kv_capacity_bytes=int(self.kv_gib_per_decode * GIB),
             prefill_cache_bytes=int(self.p_cache_gib * GIB),
             decode_host_bytes=int(self.host_gib_per_decode * GIB),
+            decode_write_through=self.host_write_through,
         )
         return SimConfig(cluster=cluster, pressure=ENGINE_MODELS[self.engine_model])
 
@@ -83,6 +86,8 @@ class SimSpec:
             raise ValueError(
                 "the tiered engine model, and only it, needs host memory per decode node (> 0 GiB)"
             )
+        if self.host_write_through and self.engine_model != "tiered":
+            raise ValueError("write-through to host memory needs the tiered engine model")
 
     def policies(self) -> tuple[str, ...]:
         """Every baseline that this fleet can run (those that need D's host memory only with it)."""
@@ -360,14 +365,22 @@ def build_parser() -> argparse.ArgumentParser:
         default="pinned",
         help="pinned: D keeps retained KV until read, released or expired, as vLLM does (default);"
         " evicting: a what-if engine that may drop retained KV under pressure;"
-        " tiered: pinned, with host memory beside each D (--host-gib-per-decode): kvplane's D writes"
-        " retained KV through to it and frees the accelerator blocks once the copy is whole",
+        " tiered: pinned, with host memory beside each D (--host-gib-per-decode): kvplane's D copies"
+        " a handle there when the control plane wants its blocks back, and frees them once the copy"
+        " is whole",
     )
     parser.add_argument(
         "--host-gib-per-decode",
         type=_non_negative,
         default=0.0,
         help="host memory for KV of each decode node, GiB (--engine-model tiered only; default 0)",
+    )
+    parser.add_argument(
+        "--host-write-through",
+        action="store_true",
+        help="a what-if (--engine-model tiered only): kvplane's D copies each handle to host memory"
+        " as it publishes it and frees the accelerator blocks once the copy is whole; no engine"
+        " does this yet",
     )
     parser.add_argument("--prefill", type=_positive_int, default=8, help="prefill nodes (default 8)")
     parser.add_argument("--decode", type=_positive_int, default=16, help="decode nodes (default 16)")
@@ -419,6 +432,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--kv-gib-per-decode must be > 0")
     if (args.engine_model == "tiered") != (args.host_gib_per_decode > 0):
         parser.error("--engine-model tiered needs --host-gib-per-decode > 0, and only it takes one")
+    if args.host_write_through and args.engine_model != "tiered":
+        parser.error("--host-write-through needs --engine-model tiered")
     spec = SimSpec(
         trace=str(args.trace) if args.trace else "",
         workload=args.workload or "",
@@ -428,6 +443,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         kv_gib_per_decode=args.kv_gib_per_decode,
         p_cache_gib=args.p_cache_gib,
         host_gib_per_decode=args.host_gib_per_decode,
+        host_write_through=args.host_write_through,
         seed=args.seed,
         demand_latency_s=args.demand_latency_s,
         time_scale=args.time_scale,

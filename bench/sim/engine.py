@@ -54,7 +54,9 @@ freed). A handle for which no room can be made is freed. A live D short of
 blocks starts its copies at once; here they start when the demand is
 answered (`demand_latency_s` later). A pull reads from whichever tier holds
 the handle, at the same cost (the NIC bounds both). A superseded handle (its
-conversation moved on) is freed from both. With
+conversation moved on) is freed from both. `ClusterSpec.decode_write_through`
+is a what-if no engine runs yet: D copies each handle as it publishes it, and
+frees its accelerator blocks once the copy is whole. With
 `decode_offload_all` instead (llm-d's P/D + P2P path), D offloads every
 finished turn's KV to the host tier, an LRU of blocks by hash, keeps nothing
 on its accelerators, and a route may name a D whose host tier P reads from
@@ -650,6 +652,8 @@ class Simulator:
         if handle.expiry_s != float("inf"):
             self._push(handle.expiry_s, _EXPIRE, handle)
         self.retention.on_publish(handle)
+        if self.config.cluster.decode_write_through and d.host_cache is None:
+            self._spill(handle, now)  # the what-if: copied to host memory as it is published
         self.router.on_publish(conversation, handle, now)
 
     def _next_turn(self, conversation: Conversation, now: float) -> None:

@@ -51,7 +51,9 @@ def test_a_full_host_tier_drops_spills_and_stays_within_its_size() -> None:
     assert summary.releases.get("host_full", 0) > 0
 
 
-def _two_conversations(b_arrival_s: float, copy_bytes_per_s: float) -> SimSummary:
+def _two_conversations(
+    b_arrival_s: float, copy_bytes_per_s: float, write_through: bool = False
+) -> SimSummary:
     # D holds one turn's KV and half another's. Conversation a's retained 8,100 tokens leave too
     # little for b's turn: D's demand moves a's handle to host memory, and b starts once a's
     # accelerator blocks are free.
@@ -61,6 +63,7 @@ def _two_conversations(b_arrival_s: float, copy_bytes_per_s: float) -> SimSummar
         decode_nodes=1,
         decode_kv_capacity_bytes=costs.kv_bytes(13_500),
         decode_host_bytes=8 * GIB,
+        decode_write_through=write_through,
     )
     turns = [Turn(0.0, "a", 0, 8000, 100), Turn(b_arrival_s, "b", 0, 8000, 100)]
     return simulator_for(BASELINES["kvplane"], SimConfig(cluster=cluster, costs=costs)).run(turns).summary
@@ -80,6 +83,20 @@ def test_a_demand_moves_a_handle_to_host_memory_and_the_turn_waits_for_the_whole
         assert slow.ttft_p99_ms - fast.ttft_p99_ms == pytest.approx(
             (slow_copy_s - fast_copy_s) * 1000, rel=0.05
         )
+
+
+def test_the_write_through_what_if_copies_at_publish_so_a_later_turn_finds_the_blocks_free() -> None:
+    # a's handle is published about 2.8 s in and copied at once (2.1 s at 1 GB/s): b, on D about
+    # 6.3 s in, finds a's accelerator blocks already free; about 3.3 s in, only the rest of the copy.
+    assert _two_conversations(6.0, 1e9, write_through=True).waited_turns == 0
+    early = _two_conversations(3.0, 1e9, write_through=True)
+    on_demand = _two_conversations(3.0, 1e9)
+    # The copy started half a second before b's demand would have started it.
+    assert early.waited_turns == 1 and 400.0 < on_demand.ttft_p99_ms - early.ttft_p99_ms < 600.0
+    with pytest.raises(ValueError, match="write_through"):
+        replace(SMALL_D, decode_write_through=True)  # no host tier
+    with pytest.raises(ValueError, match="tiered"):
+        SimSpec(workload="agentic", host_write_through=True)
 
 
 def test_a_handle_no_turn_needs_stays_on_the_accelerators_until_the_leader_wants_its_blocks() -> None:
