@@ -23,7 +23,7 @@ from kvplane.v1 import handle_pb2
 from tests.conftest import make_node
 from tests.integration.test_eviction_budgets import MB, aged_handle, lowest_value, retained_by
 from tests.support.eviction_nodes import CommandNode, coordinator_of, start_replica, target_of
-from tests.support.polling import eventually
+from tests.support.polling import eventually, until
 
 # Long enough that a test slowed by a busy machine does not lose its node, and its handles with it.
 _NODE_LEASE_S = 600
@@ -45,7 +45,7 @@ async def test_a_node_with_a_host_tier_is_sent_moves_and_keeps_every_handle(
 ) -> None:
     async with _leader_and_node(etcd, prefix, store, accepts_moves=True) as (_, replica, agent, handles):
         published, expected = handles
-        await eventually(lambda: _true(len(agent.moves) >= 10), timeout_s=30, what="ten moves")
+        await until(lambda: len(agent.moves) >= 10, "ten moves", timeout_s=30)
         moved = {m.conversation for m in agent.moves.values()}
         assert moved == expected, f"moved {sorted(moved)}, expected the lowest-value {sorted(expected)}"
         by_conversation = {h.conversation: h for h in published}
@@ -63,7 +63,7 @@ async def test_a_node_with_a_host_tier_is_sent_moves_and_keeps_every_handle(
         # Until the node relocates them, the moved count as freed: no more go, however often
         # the leader judges; nor is any handle moved twice.
         rounds = coordinator.evaluations
-        await eventually(lambda: _true(coordinator.evaluations >= rounds + 3), what="more rounds")
+        await until(lambda: coordinator.evaluations >= rounds + 3, "more rounds")
         assert len(agent.moves) == 10 and not agent.applied
 
         # The node relocates one to its host tier: a host-tier handle is not judged again.
@@ -74,7 +74,7 @@ async def test_a_node_with_a_host_tier_is_sent_moves_and_keeps_every_handle(
         )
         assert relocated.handle.tier is KvTier.HOST
         rounds = coordinator.evaluations
-        await eventually(lambda: _true(coordinator.evaluations >= rounds + 3), what="rounds after it")
+        await until(lambda: coordinator.evaluations >= rounds + 3, "rounds after it")
         assert len(agent.moves) == 10 and not agent.applied
         current = await store.get_handle("acme", first.conversation)
         assert current is not None and current.handle.tier is KvTier.HOST
@@ -90,16 +90,16 @@ async def test_a_move_the_node_never_answered_is_decided_afresh_when_it_reconnec
         agent,
         (_, expected),
     ):
-        await eventually(lambda: _true(len(agent.moves) >= 10), timeout_s=30, what="ten moves")
+        await until(lambda: len(agent.moves) >= 10, "ten moves", timeout_s=30)
         mover: Mover = coordinator_of(replica).mover
         assert mover.moving == 10
         first = dict(agent.moves)
 
         await agent.disconnect()
-        await eventually(lambda: _true(mover.moving == 0), what="the unanswered moves forgotten")
+        await until(lambda: mover.moving == 0, "the unanswered moves forgotten")
         agent.ack = True
         agent.start()
-        await eventually(lambda: _true(len(agent.moves) >= 20), timeout_s=30, what="the moves sent again")
+        await until(lambda: len(agent.moves) >= 20, "the moves sent again", timeout_s=30)
         again = {m.conversation for i, m in agent.moves.items() if i not in first}
         assert again == expected and not agent.applied
         assert len(await retained_by(store, node_id="d0")) == 20
@@ -116,7 +116,7 @@ async def test_a_started_move_whose_handle_never_leaves_the_kv_cache_becomes_a_r
         agent,
         (_, expected),
     ):
-        await eventually(lambda: _true(len(agent.applied) >= 10), timeout_s=30, what="ten releases")
+        await until(lambda: len(agent.applied) >= 10, "ten releases", timeout_s=30)
         assert {c for _, c in agent.released_conversations()} == expected
         assert {m.conversation for m in agent.moves.values()} == expected
         assert len(agent.moves) == 10 and set(agent.released_handles.values()) == {1}
@@ -130,7 +130,7 @@ async def test_a_draining_node_that_takes_moves_has_every_handle_released(
         for i in range(3):
             await store.publish_handle(aged_handle(node, "acme", f"c{i}", 100, 10))
         await store.set_draining(node.node_id)
-        await eventually(lambda: _true(len(agent.applied) == 3), what="every handle released")
+        await until(lambda: len(agent.applied) == 3, "every handle released")
         assert {a.reason for a in agent.applied.values()} == {handle_pb2.RELEASE_REASON_DRAIN}
         assert not agent.moves, "a drain ends handles; it never moves them"
 
@@ -142,7 +142,7 @@ async def test_a_refused_move_becomes_a_release(etcd: LocalEtcd, prefix: str, st
         agent,
         (_, expected),
     ):
-        await eventually(lambda: _true(len(agent.applied) >= 10), timeout_s=30, what="ten releases")
+        await until(lambda: len(agent.applied) >= 10, "ten releases", timeout_s=30)
         released = agent.released_conversations()
         assert {c for _, c in released} == expected
         assert {m.conversation for m in agent.moves.values()} == expected, "each was offered as a move first"
@@ -156,7 +156,7 @@ async def test_a_node_without_moves_is_released_to_as_before(
     etcd: LocalEtcd, prefix: str, store: Store
 ) -> None:
     async with _leader_and_node(etcd, prefix, store) as (_, _, agent, (_, expected)):
-        await eventually(lambda: _true(len(agent.applied) >= 10), timeout_s=30, what="ten releases")
+        await until(lambda: len(agent.applied) >= 10, "ten releases", timeout_s=30)
         assert {c for _, c in agent.released_conversations()} == expected
         assert not agent.moves
 
@@ -184,12 +184,10 @@ async def test_the_age_limit_judges_kv_cache_handles_not_host_tier_ones(
     agent = CommandNode(node.node_id, node.incarnation, [target_of(replica)])
     agent.start()
     try:
-        await eventually(
-            lambda: _true(len(agent.applied) >= 1), timeout_s=30, what="the device handle's release"
-        )
+        await until(lambda: len(agent.applied) >= 1, "the device handle's release", timeout_s=30)
         coordinator = coordinator_of(replica)
         rounds = coordinator.evaluations
-        await eventually(lambda: _true(coordinator.evaluations >= rounds + 3), what="more rounds")
+        await until(lambda: coordinator.evaluations >= rounds + 3, "more rounds")
         assert agent.released_conversations() == {("acme", "on-device")}
         kept = await store.get_handle("acme", "on-host")
         assert kept is not None and kept.handle.tier is KvTier.HOST
@@ -244,10 +242,6 @@ async def _leader_and_node(
         await replica.stop()
 
 
-async def _true(value: bool) -> bool:
-    return value
-
-
 async def _session_open(replica: ServiceProcess, node_id: str) -> None:
     """Until the leader holds the node's stream: a release decided before it goes out as one."""
     coordinator = coordinator_of(replica)
@@ -272,11 +266,11 @@ async def test_a_new_leader_waits_for_a_node_that_takes_moves_before_it_releases
     agent = CommandNode(node.node_id, node.incarnation, [target_of(replica)], accepts_moves=True)
     try:
         coordinator = coordinator_of(replica)
-        await eventually(lambda: _true(coordinator.evaluations >= 5), what="rounds without the node")
+        await until(lambda: coordinator.evaluations >= 5, "rounds without the node")
         assert len(await retained_by(store, node_id="d0")) == 20
         assert not await store.pending_releases("d0")
         agent.start()
-        await eventually(lambda: _true(len(agent.moves) >= 10), timeout_s=30, what="ten moves")
+        await until(lambda: len(agent.moves) >= 10, "ten moves", timeout_s=30)
         assert {m.conversation for m in agent.moves.values()} == expected and not agent.applied
     finally:
         await agent.stop()

@@ -24,7 +24,7 @@ from kvplane.services.common.store import Store
 from kvplane.services.dev.local_etcd import LocalEtcd
 from kvplane.services.process import ServiceProcess
 from tests.support.eviction_nodes import coordinator_of, start_replica
-from tests.support.polling import eventually
+from tests.support.polling import eventually, until
 from tests.support.simengine import (
     Engine,
     d_leg,
@@ -268,7 +268,7 @@ async def test_the_leader_moves_an_aged_handle_to_host_memory_and_releases_it_wh
             d.post("/sim/host_tier", {"enabled": False})
             released = coordinator.metrics.releases.labels("max_age", "max_age")
             await _turn(p, d, tokens(32, 100), "c-refused", max_tokens=50)
-            await eventually(lambda: _true(released._value.get() == 1), timeout_s=60, what="the release")
+            await until(lambda: released._value.get() == 1, "the release", timeout_s=60)
             assert await _gone(store, "c-refused")
             assert coordinator.metrics.moves.labels("max_age", "max_age")._value.get() == 2
             assert coordinator.metrics.commands_acked.labels("move", "error")._value.get() == 1
@@ -276,10 +276,6 @@ async def test_the_leader_moves_an_aged_handle_to_host_memory_and_releases_it_wh
             assert await _in_tier(store, "c-aged", KvTier.HOST), "the age limit is not the host tier's"
     finally:
         await leader.stop()
-
-
-async def _true(value: bool) -> bool:
-    return value
 
 
 async def _accepts_moves(leader: ServiceProcess, node_id: str) -> bool:
