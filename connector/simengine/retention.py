@@ -25,6 +25,15 @@ order leaves out follow, oldest first.
 The control plane also moves a handle there when its policies want the handle's cache blocks
 back (``move_to_host``, a MoveCommand): the same copy, in place of a release.
 
+With ``host_copy_ahead`` (the default), D copies each handle to the host tier as it keeps it, off
+every request's path, as vLLM's OffloadingConnector stores blocks as they fill: the handle stays
+in the KV cache, read from there, and a move only switches it to its copy and frees the cache
+blocks at once, where without the copy a request short of blocks waits for it. A copy ahead takes
+host blocks as a move does, making room by freeing the host tier's handles in the spill order, as
+vLLM's CPU tier evicts older blocks to store new ones, and only then by giving back older copies
+ahead (their handles are still in the KV cache; giving them back first would leave the next moves
+to wait for whole copies). A handle freed from the KV cache gives its copy back.
+
 Event-loop thread only, except ``release_early``, ``move_to_host``, ``drain``, ``freeing_blocks``,
 ``handle_ids`` and ``set_spill_order``, which the node agent calls from its own thread.
 """
@@ -78,6 +87,8 @@ class _Retained:
     expiry: float  # perf_counter
     nbytes: int
     tier: Tier = "device"
+    # Host blocks holding a whole copy of a handle still in the KV cache (`host_copy_ahead`).
+    copy: list[int] | None = None
 
 
 class Retention:
@@ -100,6 +111,10 @@ class Retention:
         # agent's thread reads the count, one int).
         self._spilling: dict[str, asyncio.Task[None]] = {}
         self._spilling_blocks = 0
+        # Copies ahead under way, and the handles whose copy is whole, oldest first (event-loop
+        # thread).
+        self._copying: dict[str, asyncio.Task[None]] = {}
+        self._copied: OrderedDict[str, None] = OrderedDict()
         # Whether short requests move handles to the host tier (the engine's /sim/host_tier).
         self.host_tier_enabled = True
         self._draining = False
@@ -178,6 +193,7 @@ class Retention:
                 self.observer.on_handle_retained(params, all_tokens, r.nbytes, request_params)
             except Exception:
                 log.exception("observer failed in on_handle_retained")
+            self._copy_ahead(r)
         return params
 
     def _params(self, r: _Retained) -> dict[str, Any]:
@@ -250,6 +266,7 @@ class Retention:
                 "bytes": r.nbytes,
                 "expires_in_s": r.expiry - now,
                 "tier": r.tier,
+                "host_copy": r.copy is not None,
             }
             for r in self._retained.values()
         ]
@@ -319,12 +336,18 @@ class Retention:
         return self.pool.host_blocks > 0 and not self._draining and self.host_tier_enabled
 
     def _start_spill(self, r: _Retained) -> bool:
-        """Starts copying `r` to the host tier, if it is a D handle in the KV cache not already
-        on its way there that the tier can hold; True if it did. Event-loop thread."""
+        """Starts moving `r` to the host tier, if it is a D handle in the KV cache not already
+        on its way there that the tier can hold; True if it did (a handle with a whole copy ahead
+        moves at once). Event-loop thread."""
         if r.kind != "decode_handle" or r.tier != "device" or r.request_id in self._spilling:
             return False
         if len(r.block_ids) > self.pool.host_blocks:
             return False
+        if r.copy is not None:
+            self._copied.pop(r.request_id, None)
+            host, r.copy = r.copy, None
+            self._relocate(r, host)
+            return True
         self._spilling_blocks += len(r.block_ids)
         self._spilling[r.request_id] = asyncio.get_running_loop().create_task(self._spill(r))
         return True
@@ -332,6 +355,15 @@ class Retention:
     async def _spill(self, r: _Retained) -> None:
         count = len(r.block_ids)
         try:
+            ahead = self._copying.get(r.request_id)
+            if ahead is not None:
+                # Its copy ahead is under way: the move waits for it rather than copy twice.
+                await asyncio.wait({ahead})
+            if r.copy is not None:
+                self._copied.pop(r.request_id, None)
+                copied, r.copy = r.copy, None
+                self._relocate(r, copied)
+                return
             host = self._host_room(count)
             if host is None:
                 self.metrics.spill("no_room")
@@ -345,50 +377,107 @@ class Retention:
                 self.metrics.spill("freed_first")
                 return
             self.pool.host_copy(r.block_ids, host)
-            device, r.block_ids, r.tier = r.block_ids, host, "host"
-            # Offered longer in host memory than D's TTL holds cache blocks (`host_kv_ttl_s`).
-            s = self.settings
-            r.expiry = max(r.expiry, r.expiry - s.decoder_kv_blocks_ttl + s.host_kv_ttl_s)
-            self._retained_bytes -= r.nbytes
-            self._host_bytes += r.nbytes
-            self.pool.unlease(device, r.stamp)
-            self.pool.release(device)
-            self.blocks_freed.set()
-            self.metrics.spill("moved")
-            try:
-                self.observer.on_handle_moved(r.request_id, self._params(r))
-            except Exception:
-                log.exception("observer failed in on_handle_moved")
+            self._relocate(r, host)
+        except asyncio.CancelledError:
+            # Freed while its copy ahead was under way (`_free` cancels both): nothing to move.
+            self.metrics.spill("freed_first")
         finally:
             self._spilling.pop(r.request_id, None)
             self._spilling_blocks -= count
 
+    def _relocate(self, r: _Retained, host: list[int]) -> None:
+        """`r` lives in `host`, a whole copy of its cache blocks, from now on: the cache blocks are
+        freed and the observer hears of the handle's new blocks. Event-loop thread."""
+        device, r.block_ids, r.tier = r.block_ids, host, "host"
+        # Offered longer in host memory than D's TTL holds cache blocks (`host_kv_ttl_s`).
+        s = self.settings
+        r.expiry = max(r.expiry, r.expiry - s.decoder_kv_blocks_ttl + s.host_kv_ttl_s)
+        self._retained_bytes -= r.nbytes
+        self._host_bytes += r.nbytes
+        self.pool.unlease(device, r.stamp)
+        self.pool.release(device)
+        self.blocks_freed.set()
+        self.metrics.spill("moved")
+        try:
+            self.observer.on_handle_moved(r.request_id, self._params(r))
+        except Exception:
+            log.exception("observer failed in on_handle_moved")
+
+    def _copy_ahead(self, r: _Retained) -> None:
+        """Starts copying a handle just kept to the host tier, where `host_copy_ahead` is on and
+        the tier can hold it. Event-loop thread."""
+        if not self.settings.host_copy_ahead or not self._can_spill():
+            return
+        if len(r.block_ids) > self.pool.host_blocks:
+            return
+        self._copying[r.request_id] = asyncio.get_running_loop().create_task(self._copy(r))
+
+    async def _copy(self, r: _Retained) -> None:
+        count = len(r.block_ids)
+        try:
+            host = self._host_room(count)
+            if host is None:
+                self.metrics.spill("no_room_ahead")
+                return
+            try:
+                await asyncio.sleep(r.nbytes / self.settings.host_copy_bytes_per_s)
+            except asyncio.CancelledError:
+                self.pool.host_give(host)
+                raise
+            if r.tier != "device" or self._retained.get(r.request_id) is not r:
+                self.pool.host_give(host)  # moved or freed meanwhile
+                return
+            self.pool.host_copy(r.block_ids, host)
+            r.copy = host
+            self._copied[r.request_id] = None
+            self.metrics.spill("copied_ahead")
+        finally:
+            self._copying.pop(r.request_id, None)
+
+    def _drop_copy(self, request_id: str) -> None:
+        """Gives back the host blocks of a handle's copy ahead (the handle stays in the KV cache)."""
+        self._copied.pop(request_id, None)
+        r = self._retained.get(request_id)
+        if r is not None and r.copy is not None:
+            self.pool.host_give(r.copy)
+            r.copy = None
+
     async def stop_spills(self) -> None:
         """Stop the copies to the host tier in progress (the engine is stopping)."""
-        copies = list(self._spilling.values())
+        copies = [*self._spilling.values(), *self._copying.values()]
         for task in copies:
             task.cancel()
         await asyncio.gather(*copies, return_exceptions=True)
 
     def _host_room(self, count: int) -> list[int] | None:
-        """`count` host blocks, freeing the host tier's handles in the spill order as needed;
-        None: it cannot hold that many even empty."""
+        """`count` host blocks, freeing the host tier's handles in the spill order as needed,
+        then giving back older copies ahead (their handles are still in the KV cache); None: it
+        cannot hold that many even empty."""
         while True:
             taken = self.pool.host_take(count)
             if taken is not None:
                 return taken
             first = next(iter(self._in_spill_order("host")), None)
-            if first is None:
+            if first is not None:
+                self._free(first.request_id, "host_full")
+                continue
+            oldest = next(iter(self._copied), None)
+            if oldest is None:
                 return None
-            self._free(first.request_id, "host_full")
+            self._drop_copy(oldest)
 
     # -- freeing ------------------------------------------------------------
 
     def _free(self, request_id: str, reason: str) -> None:
         r = self._retained.pop(request_id)
-        copying = self._spilling.get(request_id)
-        if copying is not None:
-            copying.cancel()  # its copy to the host tier ends with nothing moved
+        for tasks in (self._spilling, self._copying):
+            copying = tasks.get(request_id)
+            if copying is not None:
+                copying.cancel()  # its copy to the host tier ends with nothing moved
+        if r.copy is not None:
+            self._copied.pop(request_id, None)
+            self.pool.host_give(r.copy)
+            r.copy = None
         if r.tier == "host":
             self._host_bytes -= r.nbytes
             self.pool.host_give(r.block_ids)

@@ -53,6 +53,10 @@ class SimEngineSettings:
     # through its longer gaps, and the tier's own size bounds it (the simulator's
     # `decode_host_ttl_s`).
     host_kv_ttl_s: float = 3600.0
+    # Whether D copies each handle to the host tier as it keeps it (off every request's path, as
+    # vLLM's OffloadingConnector stores blocks as they fill), so that a move frees its cache
+    # blocks at once; false: the copy starts only when a move is wanted, and the blocks wait for it.
+    host_copy_ahead: bool = True
     # How long D keeps a finished turn's blocks (vLLM's decoder_kv_blocks_ttl).
     decoder_kv_blocks_ttl: float = 480.0
     # How long P keeps blocks for D's read before freeing them anyway.
@@ -269,6 +273,7 @@ FLAG_HELP: dict[str, str] = {
     "host_kv_blocks": "host-tier blocks: D moves retained handles there when requests need blocks (0: none)",
     "host_copy_bytes_per_s": "modelled copy rate of a handle's blocks to the host tier, bytes per second",
     "host_kv_ttl_s": "seconds after its turn a handle moved to the host tier is offered (at least D's TTL)",
+    "host_copy_ahead": "copy each handle to the host tier as it is kept, so a move frees its blocks at once",
     "bytes_per_block": "bytes of KV per block (what a pull moves over NIXL)",
     "decoder_kv_blocks_ttl": "seconds D keeps a finished turn's blocks (vLLM's decoder_kv_blocks_ttl)",
     "prefill_lease_s": "seconds P keeps blocks for D's read before freeing them anyway",
@@ -355,6 +360,7 @@ def build_arg_parser(
     p.add_argument("--host-kv-blocks", type=int, default=d.host_kv_blocks)
     p.add_argument("--host-copy-bytes-per-s", type=float, default=d.host_copy_bytes_per_s)
     p.add_argument("--host-kv-ttl-s", type=float, default=d.host_kv_ttl_s)
+    p.add_argument("--host-copy-ahead", action=argparse.BooleanOptionalAction, default=d.host_copy_ahead)
     p.add_argument("--bytes-per-block", type=int, default=d.bytes_per_block)
     p.add_argument("--decoder-kv-blocks-ttl", type=float, default=d.decoder_kv_blocks_ttl)
     p.add_argument("--prefill-lease-s", type=float, default=d.prefill_lease_s)

@@ -66,6 +66,9 @@ class Observer:
 
 
 def make(**settings: Any) -> tuple[Retention, BlockPool, SimEngineMetrics, Observer]:
+    """A retention whose host tier copies a handle only when a move is wanted, unless
+    `host_copy_ahead=True` is given (the tests of copies ahead, below the others)."""
+    settings.setdefault("host_copy_ahead", False)
     s = SimEngineSettings(block_size=BS, num_blocks=NUM_BLOCKS, bytes_per_block=BLOCK_BYTES, **settings)
     pool = BlockPool(NUM_BLOCKS, BLOCK_BYTES, BS, root_hash(s.model), host_blocks=s.host_kv_blocks)
     metrics = SimEngineMetrics(s.model)
@@ -438,3 +441,115 @@ def test_a_move_the_engine_cannot_make_is_refused_with_the_reason() -> None:
     keep(retention, pool, "small", "decode_handle", blocks=1)
     assert "off" in retention.move_to_host("small")
     assert retention.freeing_blocks() == 0 and retention.spilling_blocks == 0
+
+
+# --- copies ahead ----------------------------------------------------------------------------------
+
+
+async def test_a_handle_is_copied_ahead_as_it_is_kept_and_a_move_then_frees_its_blocks_at_once() -> None:
+    retention, pool, metrics, observer = make(host_kv_blocks=8, host_copy_ahead=True)
+    kept = keep(retention, pool, "h", "decode_handle", blocks=3)
+    keep(retention, pool, "lease", "prefill_lease", blocks=2)
+    device = kept["remote_block_ids"][0]
+    content = pool.array[device].copy()
+    await until(lambda: spills(metrics, "copied_ahead") == 1, "the copy ahead")
+
+    # Still in the KV cache, read from there: only the host tier's free blocks show the copy.
+    assert retention.describe()[0] | {"expires_in_s": 0} == {
+        "request_id": "h",
+        "kind": "decode_handle",
+        "num_tokens": 3 * BS,
+        "num_blocks": 3,
+        "bytes": 3 * BLOCK_BYTES,
+        "expires_in_s": 0,
+        "tier": "device",
+        "host_copy": True,
+    }
+    assert observer.moved == [] and pool.host_free_blocks == 5 and retention.host_bytes == 0
+    free = pool.free_blocks
+
+    assert retention.spill(1) == 3
+    # No copy to wait for: the cache blocks are free and the handle relocated within the call.
+    assert pool.free_blocks == free + 3 and retention.spilling_blocks == 0
+    [moved] = observer.moved
+    host = moved["remote_block_ids"][0]
+    assert all(NUM_BLOCKS <= b < NUM_BLOCKS + 8 for b in host)
+    assert (pool.array[host] == content).all(), "the stamp travels with the content"
+    assert retention.host_bytes == 3 * BLOCK_BYTES and pool.host_free_blocks == 5
+    assert spills(metrics, "moved") == 1 and retention.describe()[0]["tier"] == "host"
+
+
+async def test_a_move_during_the_copy_ahead_waits_for_it_rather_than_copy_twice() -> None:
+    retention, pool, metrics, observer = make(
+        host_kv_blocks=4, host_copy_ahead=True, host_copy_bytes_per_s=BLOCK_BYTES / 0.2
+    )
+    keep(retention, pool, "h", "decode_handle", blocks=2)  # a 0.4 s copy ahead
+    await until(lambda: pool.host_free_blocks == 2, "the copy ahead to begin")
+    assert retention.spill(2) == 2 and retention.spilling_blocks == 2
+    await until(lambda: spills(metrics, "moved") == 1, "the move, once the copy ahead is whole")
+    assert pool.host_free_blocks == 2, "one copy's host blocks, not two"
+    assert retention.spilling_blocks == 0 and [m["remote_request_id"] for m in observer.moved] == ["h"]
+
+
+async def test_a_handle_freed_gives_back_its_copy_ahead_whole_or_under_way() -> None:
+    retention, pool, metrics, _ = make(host_kv_blocks=4, host_copy_ahead=True)
+    keep(retention, pool, "done", "decode_handle", blocks=2)
+    await until(lambda: spills(metrics, "copied_ahead") == 1, "the first copy ahead")
+    retention._on_notification(_read("done"))
+    assert pool.host_free_blocks == 4 and retention.count == 0
+
+    slow, pool2, _, _ = make(host_kv_blocks=4, host_copy_ahead=True, host_copy_bytes_per_s=BLOCK_BYTES / 1800)
+    keep(slow, pool2, "slow", "decode_handle", blocks=2)  # an hour's copy ahead
+    await until(lambda: pool2.host_free_blocks == 2, "the copy ahead to begin")
+    slow.release_early("slow")
+    await until(lambda: pool2.host_free_blocks == 4, "its host blocks back")
+    assert slow.count == 0
+
+
+async def test_copies_ahead_make_room_as_a_move_does_the_host_tiers_handles_first_then_older_copies() -> None:
+    retention, pool, metrics, observer = make(host_kv_blocks=4, host_copy_ahead=True)
+    for name in ("a", "b"):
+        keep(retention, pool, name, "decode_handle", blocks=1)
+    await until(lambda: spills(metrics, "copied_ahead") == 2, "two copies ahead")
+    retention.spill(2)  # a and b live in the host tier now, in their copies' blocks
+    keep(retention, pool, "c", "decode_handle", blocks=2)
+    await until(lambda: spills(metrics, "copied_ahead") == 3, "c's copy ahead, in the free blocks")
+
+    # No free block: the host tier's handles go first, in the leader's order.
+    retention.set_spill_order([], ["b", "a"])
+    keep(retention, pool, "d", "decode_handle", blocks=1)
+    await until(lambda: spills(metrics, "copied_ahead") == 4, "d's copy ahead")
+    assert [name for name, _ in observer.freed] == ["b"] and frees(metrics, "decode_handle", "host_full") == 1
+    assert {d["request_id"]: (d["tier"], d["host_copy"]) for d in retention.describe()} == {
+        "a": ("host", False),
+        "c": ("device", True),
+        "d": ("device", True),
+    }
+
+    # Then, with no handle left in the host tier, older copies ahead are given back, the oldest
+    # first and no more than needed.
+    keep(retention, pool, "e", "decode_handle", blocks=3)
+    await until(lambda: spills(metrics, "copied_ahead") == 5, "e's copy ahead")
+    assert [name for name, _ in observer.freed] == ["b", "a"]
+    assert {d["request_id"]: (d["tier"], d["host_copy"]) for d in retention.describe()} == {
+        "c": ("device", False),
+        "d": ("device", True),
+        "e": ("device", True),
+    }
+
+    # A move that finds no copy ahead makes its room the same way.
+    retention.move_to_host("c")
+    await until(lambda: spills(metrics, "moved") == 3, "c's move")
+    assert {d["request_id"]: (d["tier"], d["host_copy"]) for d in retention.describe()} == {
+        "c": ("host", False),
+        "d": ("device", False),
+        "e": ("device", False),
+    }
+
+
+async def test_no_copy_ahead_with_the_host_tier_switched_off() -> None:
+    retention, pool, metrics, _ = make(host_kv_blocks=8, host_copy_ahead=True)
+    retention.host_tier_enabled = False
+    keep(retention, pool, "h", "decode_handle", blocks=2)
+    assert pool.host_free_blocks == 8 and spills(metrics, "copied_ahead") == 0
+    assert retention.describe()[0]["host_copy"] is False
