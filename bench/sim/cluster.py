@@ -49,9 +49,14 @@ class ClusterSpec:
     # blocks that any P may read by block hash (llm-d's P/D + P2P path); D's accelerators keep
     # nothing of it. False: the host tier holds the handles D keeps there (`engine.py`).
     decode_offload_all: bool = False
+    # kvplane's D copies each handle to its host tier as it publishes it (off every turn's path),
+    # keeps it on its accelerators, and moves it to the copy at once when its blocks are wanted,
+    # as the sim-engine (`host_copy_ahead`) and vLLM's OffloadingConnector (which stores blocks
+    # as they fill) do. False: the copy starts only when the blocks are wanted, and they wait for it.
+    decode_copy_ahead: bool = True
     # A what-if: kvplane's D copies each handle to its host tier as it publishes it, and frees
     # the accelerator blocks once the copy is whole, so that a demand finds them already free.
-    # No engine does this yet: they copy a handle when the control plane wants its blocks back.
+    # No engine does this: they keep the handle on their accelerators until its blocks are wanted.
     decode_write_through: bool = False
     # How long after its publish a handle in D's host memory stays offered (s): D's TTL holds
     # accelerator blocks for a read; host memory is cheap enough to keep a conversation for its
@@ -197,6 +202,7 @@ class SimHandle:
         "chain",
         "checked_out",
         "conversation",
+        "copied_s",
         "decode",
         "expiry_s",
         "handle_id",
@@ -238,6 +244,9 @@ class SimHandle:
         # Where its KV is: "gpu" (D's accelerators), "spilling" (being copied to D's host memory,
         # still readable from the accelerators) or "host" (D's host memory only).
         self.tier = "gpu"
+        # When D's copy ahead of it in host memory is whole (`ClusterSpec.decode_copy_ahead`;
+        # infinite: no copy ahead).
+        self.copied_s = float("inf")
         # The first block of its context whose KV is wrong (built on a wrong-prefix pull), if any.
         self.poisoned_from: int | None = None
         # Built on first use: most handles are never routed to or judged.
@@ -250,10 +259,12 @@ class DecodeState:
 
     __slots__ = (
         "capacity",
+        "copies",
         "feed",
         "handles",
         "host_cache",
         "host_capacity",
+        "host_copies",
         "host_handles",
         "host_retained",
         "index",
@@ -284,6 +295,10 @@ class DecodeState:
         self.host_capacity = host_capacity
         self.host_retained = 0
         self.host_handles: dict[int, SimHandle] = {}
+        # Copies ahead of handles still on the accelerators (`ClusterSpec.decode_copy_ahead`):
+        # their bytes in host memory, and the handles, oldest first (the first given back).
+        self.host_copies = 0
+        self.copies: dict[int, SimHandle] = {}
         # Bytes whose copy to the host tier is in flight: freed on the accelerators once done.
         self.spilling = 0
         # With `ClusterSpec.decode_offload_all`: the offloaded blocks, an LRU by block hash.

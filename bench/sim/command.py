@@ -60,6 +60,9 @@ class SimSpec:
     host_gib_per_decode: float = 0.0
     # The what-if of `ClusterSpec.decode_write_through` (the tiered engine model only).
     host_write_through: bool = False
+    # `ClusterSpec.decode_copy_ahead` (the tiered engine model only; false: the copy starts when
+    # the blocks are wanted).
+    host_copy_ahead: bool = True
     seed: int = 1
     # Seconds of simulated time between retention evaluations (the service's is at most 1 s).
     retention_interval_s: float = 1.0
@@ -78,6 +81,7 @@ class SimSpec:
             prefill_cache_bytes=int(self.p_cache_gib * GIB),
             decode_host_bytes=int(self.host_gib_per_decode * GIB),
             decode_write_through=self.host_write_through,
+            decode_copy_ahead=self.host_copy_ahead,
         )
         return SimConfig(cluster=cluster, pressure=ENGINE_MODELS[self.engine_model])
 
@@ -380,7 +384,16 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="a what-if (--engine-model tiered only): kvplane's D copies each handle to host memory"
         " as it publishes it and frees the accelerator blocks once the copy is whole; no engine"
-        " does this yet",
+        " does this",
+    )
+    parser.add_argument(
+        "--no-host-copy-ahead",
+        dest="host_copy_ahead",
+        action="store_false",
+        help="(--engine-model tiered) kvplane's D copies a handle to host memory only when its"
+        " accelerator blocks are wanted, and they wait for the copy; by default it copies each"
+        " handle as it publishes it and moves it at once, as the sim-engine and vLLM's"
+        " OffloadingConnector do",
     )
     parser.add_argument("--prefill", type=_positive_int, default=8, help="prefill nodes (default 8)")
     parser.add_argument("--decode", type=_positive_int, default=16, help="decode nodes (default 16)")
@@ -444,6 +457,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p_cache_gib=args.p_cache_gib,
         host_gib_per_decode=args.host_gib_per_decode,
         host_write_through=args.host_write_through,
+        host_copy_ahead=args.host_copy_ahead,
         seed=args.seed,
         demand_latency_s=args.demand_latency_s,
         time_scale=args.time_scale,

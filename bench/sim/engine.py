@@ -55,8 +55,23 @@ blocks starts its copies at once; here they start when the demand is
 answered (`demand_latency_s` later). A pull reads from whichever tier holds
 the handle, at the same cost (the NIC bounds both). A superseded handle (its
 conversation moved on) is freed from both. `ClusterSpec.decode_write_through`
-is a what-if no engine runs yet: D copies each handle as it publishes it, and
-frees its accelerator blocks once the copy is whole. With
+is a what-if no engine runs: D copies each handle as it publishes it, and
+frees its accelerator blocks once the copy is whole.
+
+Copies ahead (`ClusterSpec.decode_copy_ahead`, the default, as both live
+engines run). D starts the copy as it publishes a handle, off every turn's
+path, while host memory has room for it beside the handles there, and keeps
+the handle on its accelerators. Moving it then waits only for what is left of
+that copy (nothing, once it is whole). A turn short of blocks on D first
+moves, at once, the handles whose copies are whole, in the control plane's
+order (least expected reuse per byte first), as a live D does by itself
+before it asks the control plane; only the rest waits for a demand's answer.
+A copy ahead takes host memory as a move would: room is made by dropping
+handles there in the control plane's order, as vLLM's CPU tier evicts older
+blocks to store new ones, and only then by giving back older copies ahead
+(their handles are still on the accelerators; giving them back first would
+leave the next moves to wait for whole copies). A handle that ends on the
+accelerators gives its copy back. With
 `decode_offload_all` instead (llm-d's P/D + P2P path), D offloads every
 finished turn's KV to the host tier, an LRU of blocks by hash, keeps nothing
 on its accelerators, and a route may name a D whose host tier P reads from
@@ -551,10 +566,14 @@ class Simulator:
                     self.rec.overcommitted_turns += 1
             self._start(flight, now)
         elif d.waiting or d.free < need:
-            self.rec.waited_turns += 1
-            d.waiting.append(flight)
-            self._admit(d, now)
-            self._signal_demand(d, now)
+            self._move_copied(d, sum(f.reserved for f in d.waiting) + need - d.free - d.spilling, now)
+            if d.waiting or d.free < need:
+                self.rec.waited_turns += 1
+                d.waiting.append(flight)
+                self._admit(d, now)
+                self._signal_demand(d, now)
+            else:
+                self._start(flight, now)
         else:
             self._start(flight, now)
 
@@ -652,8 +671,19 @@ class Simulator:
         if handle.expiry_s != float("inf"):
             self._push(handle.expiry_s, _EXPIRE, handle)
         self.retention.on_publish(handle)
-        if self.config.cluster.decode_write_through and d.host_cache is None:
+        cluster = self.config.cluster
+        if cluster.decode_write_through and d.host_cache is None:
             self._spill(handle, now)  # the what-if: copied to host memory as it is published
+        elif (
+            cluster.decode_copy_ahead
+            and self.retention.spills
+            and d.host_cache is None
+            and 0 < handle.bytes <= d.host_capacity
+            and self._host_room(d, handle.bytes, now)
+        ):
+            d.host_copies += handle.bytes
+            d.copies[handle.handle_id] = handle
+            handle.copied_s = now + self.config.costs.spill_s(handle.bytes)
         self.router.on_publish(conversation, handle, now)
 
     def _next_turn(self, conversation: Conversation, now: float) -> None:
@@ -719,6 +749,7 @@ class Simulator:
             return
         handle.alive = False
         del d.handles[handle.handle_id]
+        self._give_back_copy(handle)
         if handle.tier != "host":
             d.retained -= handle.bytes  # its accelerator blocks, freed now
             self.rec.retained_change(now, -handle.bytes)
@@ -737,10 +768,17 @@ class Simulator:
     def _spill(self, handle: SimHandle, now: float) -> bool:
         """Copies a handle to D's host memory (making room there by dropping entries not being
         read, in the control plane's order); its accelerator blocks are freed when the copy lands
-        (`_spill_done`). False (the caller keeps or frees it) where D has no host memory for this
-        control plane, or no room can be made."""
+        (`_spill_done`): at once for a copy ahead that is whole, when it is for one under way.
+        False (the caller keeps or frees it) where D has no host memory for this control plane,
+        or no room can be made."""
         d = handle.decode
-        if d.host_capacity <= 0 or not self.retention.spills or not self._host_room(d, handle.bytes, now):
+        if d.host_capacity <= 0 or not self.retention.spills:
+            return False
+        if handle.handle_id in d.copies:
+            # Its copy ahead holds its room already: it becomes the handle's.
+            d.host_copies -= handle.bytes
+            del d.copies[handle.handle_id]
+        elif not self._host_room(d, handle.bytes, now):
             return False
         handle.tier = "spilling"
         d.host_retained += handle.bytes
@@ -749,14 +787,42 @@ class Simulator:
         # The control plane's view of D's accelerators no longer holds it.
         self.retention.on_gone(handle)
         self.rec.spilled_handles += 1
-        self._push(now + self.config.costs.spill_s(handle.bytes), _SPILL_DONE, handle)
+        landed = min(handle.copied_s, now + self.config.costs.spill_s(handle.bytes))
+        if landed <= now:
+            self._spill_done(handle, now)
+        else:
+            self._push(landed, _SPILL_DONE, handle)
         return True
 
+    def _move_copied(self, d: DecodeState, wanted: int, now: float) -> None:
+        """D, short of `wanted` bytes for its turns, moves the handles whose copies ahead are
+        whole to host memory at once, in the control plane's order, until that much is free."""
+        if wanted <= 0 or not self.config.cluster.decode_copy_ahead:
+            return
+        copied = [
+            h
+            for h in d.handles.values()
+            if h.tier == "gpu" and h.copied_s <= now and not h.reading and not h.checked_out
+        ]
+        for handle in self.retention.device_spill_order(copied, now):
+            if wanted <= 0:
+                break
+            if self._spill(handle, now):
+                wanted -= handle.bytes
+
+    def _give_back_copy(self, handle: SimHandle) -> None:
+        """The handle's copy ahead, if it has one, frees its host memory (the handle lives on
+        where it is, or not at all)."""
+        d = handle.decode
+        if d.copies.pop(handle.handle_id, None) is not None:
+            d.host_copies -= handle.bytes
+            handle.copied_s = float("inf")
+
     def _host_room(self, d: DecodeState, nbytes: int, now: float) -> bool:
-        """Makes `nbytes` free in D's host memory, in the control plane's order (kvplane: least
-        expected reuse per byte first, as its leader's spill order tells a live D); False if it
-        cannot."""
-        short = nbytes - (d.host_capacity - d.host_retained)
+        """Makes `nbytes` free in D's host memory: handles there dropped in the control plane's
+        order (kvplane: least expected reuse per byte first, as its leader's spill order tells a
+        live D), then older copies ahead given back; False (nothing dropped) if it cannot."""
+        short = nbytes - (d.host_capacity - d.host_retained - d.host_copies)
         if short <= 0:
             return True
         victims = []
@@ -766,8 +832,16 @@ class Simulator:
             if not old.reading and not old.checked_out:
                 victims.append(old)
                 short -= old.bytes
+        copies = []
+        for copied in d.copies.values():
+            if short <= 0:
+                break
+            copies.append(copied)
+            short -= copied.bytes
         if short > 0:
             return False
+        for copied in copies:
+            self._give_back_copy(copied)
         for old in victims:
             self._drop(old, HOST_FULL, now)
         return True

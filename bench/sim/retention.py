@@ -66,6 +66,11 @@ class Retention(Protocol):
         """`handles`, in a decode node's host memory, in the order a full host tier drops them."""
         ...
 
+    def device_spill_order(self, handles: Iterable[SimHandle], now: float) -> list[SimHandle]:
+        """`handles`, on a decode node's accelerators, in the order a short node moves them to
+        its host memory."""
+        ...
+
 
 class EngineOnly:
     releases_superseded = False
@@ -83,6 +88,9 @@ class EngineOnly:
         return []
 
     def host_drop_order(self, handles: Iterable[SimHandle], now: float) -> list[SimHandle]:
+        return list(handles)  # oldest first: no one values them
+
+    def device_spill_order(self, handles: Iterable[SimHandle], now: float) -> list[SimHandle]:
         return list(handles)  # oldest first: no one values them
 
     def answer_demand(self, decode: DecodeState, now: float) -> list[tuple[int, str]]:
@@ -153,8 +161,15 @@ class PipelineRetention:
 
     def host_drop_order(self, handles: Iterable[SimHandle], now: float) -> list[SimHandle]:
         """Least expected reuse per byte first, as the leader's `SpillOrder` tells a live node."""
+        return self._value_order(handles, now, on_device=False)
+
+    def device_spill_order(self, handles: Iterable[SimHandle], now: float) -> list[SimHandle]:
+        """Least expected reuse per byte first, as the leader's `SpillOrder` tells a live node."""
+        return self._value_order(handles, now, on_device=True)
+
+    def _value_order(self, handles: Iterable[SimHandle], now: float, *, on_device: bool) -> list[SimHandle]:
         by_id = {str(h.handle_id): h for h in handles}
-        infos = [self._info(h, on_device=False) for h in by_id.values()]
+        infos = [self._info(h, on_device=on_device) for h in by_id.values()]
         snapshot = Snapshot(self.fleet.unix_ms(now), tuple(infos))
         return [by_id[i.handle_id] for i in self.pipeline.values.least_reuse_per_byte_first(infos, snapshot)]
 

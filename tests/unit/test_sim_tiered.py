@@ -52,7 +52,7 @@ def test_a_full_host_tier_drops_spills_and_stays_within_its_size() -> None:
 
 
 def _two_conversations(
-    b_arrival_s: float, copy_bytes_per_s: float, write_through: bool = False
+    b_arrival_s: float, copy_bytes_per_s: float, write_through: bool = False, copy_ahead: bool = True
 ) -> SimSummary:
     # D holds one turn's KV and half another's. Conversation a's retained 8,100 tokens leave too
     # little for b's turn: D's demand moves a's handle to host memory, and b starts once a's
@@ -64,20 +64,21 @@ def _two_conversations(
         decode_kv_capacity_bytes=costs.kv_bytes(13_500),
         decode_host_bytes=8 * GIB,
         decode_write_through=write_through,
+        decode_copy_ahead=copy_ahead,
     )
     turns = [Turn(0.0, "a", 0, 8000, 100), Turn(b_arrival_s, "b", 0, 8000, 100)]
     return simulator_for(BASELINES["kvplane"], SimConfig(cluster=cluster, costs=costs)).run(turns).summary
 
 
-def test_a_demand_moves_a_handle_to_host_memory_and_the_turn_waits_for_the_whole_copy() -> None:
+def test_without_copies_ahead_a_demand_moves_a_handle_and_the_turn_waits_for_the_whole_copy() -> None:
     # a's handle stays on D's accelerators until b's turn needs them, about 3.3 s in; then it is
-    # copied, 2.1 GB at 1 GB/s or at 25 GB/s, and b starts once the copy is whole. (The handle is
-    # not copied ahead of need, as a live D does not copy it.)
+    # copied, 2.1 GB at 1 GB/s or at 25 GB/s, and b starts once the copy is whole.
     costs = SimCosts()
     slow_copy_s = replace(costs, host_copy_bytes_per_s=1e9).spill_s(costs.kv_bytes(8100))
     fast_copy_s = costs.spill_s(costs.kv_bytes(8100))
     for arrival_s in (3.0, 6.0):
-        slow, fast = _two_conversations(arrival_s, 1e9), _two_conversations(arrival_s, 25e9)
+        slow = _two_conversations(arrival_s, 1e9, copy_ahead=False)
+        fast = _two_conversations(arrival_s, 25e9, copy_ahead=False)
         assert slow.waited_turns == fast.waited_turns == 1
         assert slow.spilled_handles >= 1 and fast.spilled_handles >= 1
         assert slow.ttft_p99_ms - fast.ttft_p99_ms == pytest.approx(
@@ -85,12 +86,25 @@ def test_a_demand_moves_a_handle_to_host_memory_and_the_turn_waits_for_the_whole
         )
 
 
+def test_a_copy_ahead_lets_a_short_d_move_the_handle_at_once_or_wait_only_for_the_rest() -> None:
+    # a's handle is published about 2.8 s in and copied ahead (2.1 s at 1 GB/s), staying on D's
+    # accelerators. b, on D about 6.3 s in, has D move it to its whole copy at once: no wait; about
+    # 3.3 s in, b waits for the rest of the copy only, not for a demand's answer and a whole copy.
+    late = _two_conversations(6.0, 1e9)
+    assert late.waited_turns == 0 and late.spilled_handles >= 1
+    early = _two_conversations(3.0, 1e9)
+    on_demand = _two_conversations(3.0, 1e9, copy_ahead=False)
+    assert early.waited_turns == 1 and 400.0 < on_demand.ttft_p99_ms - early.ttft_p99_ms < 800.0
+    # Without the copy ahead, b at 6.3 s waits for the demand's answer and the whole copy.
+    assert _two_conversations(6.0, 1e9, copy_ahead=False).ttft_p99_ms > late.ttft_p99_ms + 2_000.0
+
+
 def test_the_write_through_what_if_copies_at_publish_so_a_later_turn_finds_the_blocks_free() -> None:
     # a's handle is published about 2.8 s in and copied at once (2.1 s at 1 GB/s): b, on D about
     # 6.3 s in, finds a's accelerator blocks already free; about 3.3 s in, only the rest of the copy.
     assert _two_conversations(6.0, 1e9, write_through=True).waited_turns == 0
     early = _two_conversations(3.0, 1e9, write_through=True)
-    on_demand = _two_conversations(3.0, 1e9)
+    on_demand = _two_conversations(3.0, 1e9, copy_ahead=False)
     # The copy started half a second before b's demand would have started it.
     assert early.waited_turns == 1 and 400.0 < on_demand.ttft_p99_ms - early.ttft_p99_ms < 600.0
     with pytest.raises(ValueError, match="write_through"):
