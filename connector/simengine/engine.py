@@ -506,12 +506,14 @@ class SimEngine:
                     if first:
                         waiting = True
                         self._kv_wanted += count
+                    # Cleared before anything that may free blocks: a move to a whole copy ahead
+                    # frees them within `spill`, and that wake-up must not be lost.
+                    freed.clear()
                     # The host tier first: only what it cannot make room for is asked of the
                     # control plane (kv_demand_blocks counts the blocks on their way).
                     self.retention.spill(self._kv_wanted - self.pool.free_blocks)
                     if first:
                         self._demand_changed()
-                    freed.clear()
                     with contextlib.suppress(TimeoutError):
                         async with asyncio.timeout(left):
                             await freed.wait()

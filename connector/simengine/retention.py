@@ -364,26 +364,33 @@ class Retention:
                 copied, r.copy = r.copy, None
                 self._relocate(r, copied)
                 return
-            host = self._host_room(count)
+            host = await self._copy_to_host(r)
             if host is None:
                 self.metrics.spill("no_room")
                 return
-            try:
-                # The device-to-host copy, modelled; the handle stays readable where it is meanwhile.
-                await asyncio.sleep(r.nbytes / self.settings.host_copy_bytes_per_s)
-            except asyncio.CancelledError:
-                # Read, released or expired while it was being copied (`_free`): nothing to move.
-                self.pool.host_give(host)
-                self.metrics.spill("freed_first")
-                return
-            self.pool.host_copy(r.block_ids, host)
             self._relocate(r, host)
         except asyncio.CancelledError:
-            # Freed while its copy ahead was under way (`_free` cancels both): nothing to move.
+            # Read, released or expired while it (or its copy ahead) was being copied (`_free`):
+            # nothing to move.
             self.metrics.spill("freed_first")
         finally:
             self._spilling.pop(r.request_id, None)
             self._spilling_blocks -= count
+
+    async def _copy_to_host(self, r: _Retained) -> list[int] | None:
+        """Host blocks holding a whole copy of `r`'s cache blocks, after the modelled copy time
+        (the handle stays readable where it is meanwhile); None: no room could be made.
+        Cancelled (`_free`), it gives the host blocks back."""
+        host = self._host_room(len(r.block_ids))
+        if host is None:
+            return None
+        try:
+            await asyncio.sleep(r.nbytes / self.settings.host_copy_bytes_per_s)
+        except asyncio.CancelledError:
+            self.pool.host_give(host)
+            raise
+        self.pool.host_copy(r.block_ids, host)
+        return host
 
     def _relocate(self, r: _Retained, host: list[int]) -> None:
         """`r` lives in `host`, a whole copy of its cache blocks, from now on: the cache blocks are
@@ -413,21 +420,14 @@ class Retention:
         self._copying[r.request_id] = asyncio.get_running_loop().create_task(self._copy(r))
 
     async def _copy(self, r: _Retained) -> None:
-        count = len(r.block_ids)
         try:
-            host = self._host_room(count)
+            host = await self._copy_to_host(r)
             if host is None:
                 self.metrics.spill("no_room_ahead")
                 return
-            try:
-                await asyncio.sleep(r.nbytes / self.settings.host_copy_bytes_per_s)
-            except asyncio.CancelledError:
-                self.pool.host_give(host)
-                raise
             if r.tier != "device" or self._retained.get(r.request_id) is not r:
                 self.pool.host_give(host)  # moved or freed meanwhile
                 return
-            self.pool.host_copy(r.block_ids, host)
             r.copy = host
             self._copied[r.request_id] = None
             self.metrics.spill("copied_ahead")

@@ -402,3 +402,28 @@ async def test_a_request_that_ends_says_the_load_changed_when_it_is_no_longer_co
     await anext(stream)
     await stream.aclose()
     assert seen == [0, 0]
+
+
+async def test_a_request_short_of_blocks_takes_those_a_copied_ahead_handle_frees_at_once(
+    stack: list[SimEngine],
+) -> None:
+    # D moves a handle whose copy ahead is whole within its spill call; the request that was short
+    # must see those blocks, with nothing else freeing any. A lost wake-up would wait for an event
+    # that never comes (here, for the hour of its deadline): a liveness failure, not slowness.
+    p = SimEngine(settings())
+    d = SimEngine(settings(num_blocks=12, host_kv_blocks=16, kv_wait_timeout_s=3600))
+    stack.extend([p, d])
+    await started(p, d)
+    kept = await pd_turn(p, d, prompt_of(100, 1), 20)  # 119 tokens of KV: 8 blocks kept as a handle
+    assert kept.kv_transfer_params is not None
+    rid = kept.kv_transfer_params["remote_request_id"]
+
+    def copied() -> bool:
+        return any(h["request_id"] == rid and h["host_copy"] for h in d.retention.describe())
+
+    await until(copied, 10, "the handle's copy ahead")
+    assert d.load().free_kv_blocks == 4
+    # 7 blocks: D moves the handle to its copy.
+    fin = await asyncio.wait_for(run(d, prompt_of(100, 2), 1), timeout=120)
+    assert fin.finish_reason == "length"
+    assert [h["tier"] for h in d.retention.describe() if h["request_id"] == rid] == ["host"]
