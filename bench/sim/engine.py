@@ -60,8 +60,8 @@ frees its accelerator blocks once the copy is whole.
 
 Copies ahead (`ClusterSpec.decode_copy_ahead`, the default, as both live
 engines run). D starts the copy as it publishes a handle, off every turn's
-path, while host memory has room for it beside the handles there, and keeps
-the handle on its accelerators. Moving it then waits only for what is left of
+path, where host memory can be made to hold it (below), and keeps the handle
+on its accelerators. Moving it then waits only for what is left of
 that copy (nothing, once it is whole). A turn short of blocks on D first
 moves, at once, the handles whose copies are whole, in the control plane's
 order (least expected reuse per byte first), as a live D does by itself

@@ -344,9 +344,7 @@ class Retention:
         if len(r.block_ids) > self.pool.host_blocks:
             return False
         if r.copy is not None:
-            self._copied.pop(r.request_id, None)
-            host, r.copy = r.copy, None
-            self._relocate(r, host)
+            self._relocate_to_copy(r)
             return True
         self._spilling_blocks += len(r.block_ids)
         self._spilling[r.request_id] = asyncio.get_running_loop().create_task(self._spill(r))
@@ -360,9 +358,7 @@ class Retention:
                 # Its copy ahead is under way: the move waits for it rather than copy twice.
                 await asyncio.wait({ahead})
             if r.copy is not None:
-                self._copied.pop(r.request_id, None)
-                copied, r.copy = r.copy, None
-                self._relocate(r, copied)
+                self._relocate_to_copy(r)
                 return
             host = await self._copy_to_host(r)
             if host is None:
@@ -391,6 +387,13 @@ class Retention:
             raise
         self.pool.host_copy(r.block_ids, host)
         return host
+
+    def _relocate_to_copy(self, r: _Retained) -> None:
+        """`r` moves to its whole copy ahead, at once."""
+        assert r.copy is not None
+        self._copied.pop(r.request_id, None)
+        copied, r.copy = r.copy, None
+        self._relocate(r, copied)
 
     def _relocate(self, r: _Retained, host: list[int]) -> None:
         """`r` lives in `host`, a whole copy of its cache blocks, from now on: the cache blocks are
