@@ -370,8 +370,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="pinned: D keeps retained KV until read, released or expired, as vLLM does (default);"
         " evicting: a what-if engine that may drop retained KV under pressure;"
         " tiered: pinned, with host memory beside each D (--host-gib-per-decode): kvplane's D copies"
-        " a handle there when the control plane wants its blocks back, and frees them once the copy"
-        " is whole",
+        " each handle there as it publishes it and moves it to that copy, freeing its accelerator"
+        " blocks, when they are wanted (--no-host-copy-ahead: the copy starts only then)",
     )
     parser.add_argument(
         "--host-gib-per-decode",

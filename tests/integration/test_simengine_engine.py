@@ -18,6 +18,7 @@ from kvplane.connector.simengine.engine import FinishInfo, GenerationRequest, Si
 from kvplane.connector.simengine.settings import SimEngineSettings
 from kvplane.connector.simengine.timing_model import TimingModel
 from kvplane.services.routing.transfer_params import decode_only_params
+from tests.support import polling
 from tests.support.simengine import free_port
 
 FAST = TimingModel(speedup=50)
@@ -98,11 +99,8 @@ async def pd_turn(p: SimEngine, d: SimEngine, prompt: list[int], max_tokens: int
 
 
 async def until(predicate: Any, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
+    """The polling helper's `until`, with this file's argument order."""
+    await polling.until(predicate, what, timeout_s=timeout_s)
 
 
 def sample(engine: SimEngine, name: str, **labels: str) -> float:

@@ -110,7 +110,7 @@ async def test_a_short_d_moves_a_handle_to_host_memory_and_the_next_turn_pulls_i
     await eventually(lambda: _in_tier(store, "c-a", KvTier.DEVICE), timeout_s=60, what="the first publish")
     before = await store.get_handle("acme", "c-a")
     # D copies the handle to host memory as it keeps it (`host_copy_ahead`), and keeps it in its cache.
-    await until(lambda: _copied_ahead(d, rid), what="the copy ahead of the first handle", timeout_s=60)
+    await eventually(lambda: _copied_ahead(d, rid), timeout_s=60, what="the copy ahead of the first handle")
 
     # A second conversation's prompt needs more blocks than D has free beside the first handle.
     _, second = await _turn(p, d, tokens(2, 400), "c-b")
@@ -150,8 +150,9 @@ async def test_a_short_d_moves_a_handle_to_host_memory_and_the_next_turn_pulls_i
     assert stale["choices"][0]["token_ids"] == pr["choices"][0]["token_ids"]
 
 
-def _copied_ahead(d: Engine, request_id: str) -> bool:
-    held = [h for h in d.state()["retained"] if h["request_id"] == request_id]
+async def _copied_ahead(d: Engine, request_id: str) -> bool:
+    state = await asyncio.to_thread(d.state)
+    held = [h for h in state["retained"] if h["request_id"] == request_id]
     return bool(held) and held[0]["tier"] == "device" and held[0]["host_copy"] is True
 
 
