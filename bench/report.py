@@ -38,16 +38,18 @@ def _mix(counts: Mapping[str, int], total: int) -> str:
 
 
 def comparison_table(summaries: Sequence[SimSummary]) -> str:
-    """One row per policy: TTFT over all turns, reuse by source, wrong-KV turns, waits, memory."""
+    """One row per policy: TTFT over all turns, TPOT, reuse by source, wrong-KV turns, waits,
+    memory."""
     rows = [
-        "| policy | TTFT p50 ms | p90 ms | p99 ms | not recomputed | pulled from D | P cache"
-        " | wrong-prefix turns | waited for D's KV | retained GB·s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| policy | TTFT p50 ms | p90 ms | p99 ms | TPOT p50 / p99 ms | not recomputed | pulled from D"
+        " | P cache | wrong-prefix turns | waited for D's KV | retained GB·s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for s in summaries:
         prompt = s.prompt_tokens or 1
         rows.append(
             f"| {s.name} | {s.ttft_p50_ms:,.0f} | {s.ttft_p90_ms:,.0f} | {s.ttft_p99_ms:,.0f}"
+            f" | {s.tpot_p50_ms:.1f} / {s.tpot_p99_ms:.1f}"
             f" | {_pct(s.reused_fraction)} | {_pct(s.pulled_tokens / prompt)}"
             f" | {_pct(s.cached_tokens / prompt)}"
             f" | {s.wrong_prefix_turns:,} | {_pct(s.waited_fraction)} | {s.retained_gb_s:,.0f} |"

@@ -272,12 +272,13 @@ def _pct(x: float) -> str:
 
 
 def comparison_table(summaries: Sequence[SimSummary]) -> str:
-    """The terminal's table: TTFT over all turns, reuse, wrong-KV turns, waits, memory."""
+    """The terminal's table: TTFT over all turns, TPOT, reuse, wrong-KV turns, waits, memory."""
     header = (
         "policy",
         "TTFT p50 ms",
         "p90 ms",
         "p99 ms",
+        "TPOT p50/p99 ms",
         "reused",
         "wrong-prefix turns",
         "waited",
@@ -291,6 +292,7 @@ def comparison_table(summaries: Sequence[SimSummary]) -> str:
                 f"{s.ttft_p50_ms:,.0f}",
                 f"{s.ttft_p90_ms:,.0f}",
                 f"{s.ttft_p99_ms:,.0f}",
+                f"{s.tpot_p50_ms:.1f}/{s.tpot_p99_ms:.1f}",
                 _pct(s.reused_fraction),
                 f"{s.wrong_prefix_turns:,}",
                 _pct(s.waited_fraction),

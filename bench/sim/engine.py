@@ -192,6 +192,7 @@ class _InFlight:
         "decode",
         "estimate_s",
         "estimate_tokens",
+        "first_s",
         "outcome",
         "poisoned_from",
         "prefill",
@@ -235,6 +236,8 @@ class _InFlight:
         self.outcome: TurnOutcome | None = None
         # D's `stalled_s` when the turn's decode started, or last caught up with it.
         self.stalled_s = 0.0
+        # When the turn's first token came, in simulated seconds.
+        self.first_s = 0.0
 
 
 RouterFactory = Callable[[Fleet], Router]
@@ -598,6 +601,7 @@ class Simulator:
             start += costs.handoff_fixed_s
             first = start + costs.decode_step_s(flight.decode.running)
         rec.ttft_s.append(first - turn.arrival_s)
+        flight.first_s = first
         rec.prompt_tokens.append(turn.prompt_tokens)
         rec.pulled_tokens.append(flight.pulled)
         flight.stalled_s = flight.decode.stalled_s
@@ -620,6 +624,8 @@ class Simulator:
             flight.stalled_s = flight.decode.stalled_s
             self._push(now + stalled, _DONE, flight)
             return
+        if flight.turn.output_tokens > 1:
+            self.rec.tpot_s.append((now - flight.first_s) / (flight.turn.output_tokens - 1))
         if flight.outcome is not None:
             self.router.observe(flight.turn, flight.choice, flight.outcome)
         self._next_turn(flight.conversation, now)

@@ -14,6 +14,9 @@ class Recorder:
 
     def __init__(self) -> None:
         self.ttft_s = array("d")
+        # Per finished turn of more than one output token: seconds per output token after the
+        # first (TPOT), prefills D ran on its own compute during the decode included.
+        self.tpot_s = array("d")
         self.prompt_tokens = array("q")
         self.pulled_tokens = array("q")
         self.decisions: Counter[str] = Counter()
@@ -90,6 +93,9 @@ class SimSummary:
     releases: dict[str, int] = field(default_factory=dict)
     simulated_s: float = 0.0
     wall_s: float = 0.0
+    # Time per output token after the first: what a prefill run on D costs the answers it holds up.
+    tpot_p50_ms: float = math.nan
+    tpot_p99_ms: float = math.nan
 
     @property
     def reused_fraction(self) -> float:
@@ -116,6 +122,7 @@ class SimSummary:
                 "p99": round(self.ttft_p99_ms, 1),
                 "mean": round(self.ttft_mean_ms, 1),
             },
+            "tpot_ms": {"p50": round(self.tpot_p50_ms, 2), "p99": round(self.tpot_p99_ms, 2)},
             "reused_token_fraction": round(self.reused_fraction, 4),
             "wrong_prefix_tokens": self.wrong_prefix_tokens,
             "wrong_prefix_turns": self.wrong_prefix_turns,
@@ -153,6 +160,7 @@ class SimResult:
 
 def summarize(name: str, rec: Recorder, simulated_s: float, wall_s: float) -> SimResult:
     ttft = sorted(rec.ttft_s)
+    tpot = sorted(rec.tpot_s)
     n = len(ttft)
     summary = SimSummary(
         name=name,
@@ -179,6 +187,8 @@ def summarize(name: str, rec: Recorder, simulated_s: float, wall_s: float) -> Si
         releases=dict(rec.releases),
         simulated_s=simulated_s,
         wall_s=wall_s,
+        tpot_p50_ms=percentile(tpot, 50) * 1000.0,
+        tpot_p99_ms=percentile(tpot, 99) * 1000.0,
     )
     return SimResult(
         summary, rec.ttft_s, rec.prompt_tokens, rec.pulled_tokens, rec.series_t, rec.series_bytes

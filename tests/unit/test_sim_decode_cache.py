@@ -103,6 +103,15 @@ def test_a_prefill_on_the_decode_node_delays_every_decode_running_there() -> Non
     # (a's decode, 400 steps, outlasts b's).
     b_prefill = both_sim.rec.ttft_s[1]
     assert both.simulated_s - alone.simulated_s == pytest.approx(b_prefill)
+    # And the table's TPOT shows it: a's 399 tokens after its first took b's prefill longer (b's
+    # one token has no TPOT).
+    assert len(alone_tpot := _tpots(a)) == 1 and len(both_sim.rec.tpot_s) == 1
+    assert both_sim.rec.tpot_s[0] - alone_tpot[0] == pytest.approx(b_prefill / 399)
+    assert both.tpot_p50_ms == pytest.approx(both_sim.rec.tpot_s[0] * 1000.0)
+
+
+def _tpots(*turns: Turn) -> list[float]:
+    return list(_run("conditional-disagg", list(turns))[0].rec.tpot_s)
 
 
 def test_the_decode_node_is_the_one_with_the_least_work_for_the_turn() -> None:

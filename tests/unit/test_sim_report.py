@@ -71,6 +71,31 @@ def test_a_table_reading_says_where_kvplane_wins() -> None:
     assert "No policy's turns waited" in text and "No policy pulled KV computed for other tokens" in text
 
 
+def _tpot(p99: float) -> dict[str, float]:
+    return {"p50": 25.0, "p99": p99}
+
+
+def test_a_table_reading_names_the_policies_whose_answers_stream_slower() -> None:
+    rows = [
+        _row("prefix-affinity", 350, 0.05, tpot_ms=_tpot(25.5)),
+        _row("conditional-disagg", 300, 0.1, tpot_ms=_tpot(28.3)),
+        _row("kvplane", 340, 0.2, tpot_ms=_tpot(25.9)),
+        # A bound, not a policy a user runs.
+        _row("oracle", 100, 0.35, tpot_ms=_tpot(20.0)),
+    ]
+    text = table_paragraph(rows)
+    # 2% above the lowest is the bar: kvplane's 25.9 ms is under it, conditional-disagg's is not.
+    assert "TPOT p99 (time per output token after the first): `conditional-disagg` 28.3 ms, against" in text
+    assert "25.5 ms (`prefix-affinity`)" in text and "`kvplane` 25.9" not in text
+    even = [
+        _row("prefix-affinity", 350, 0.05, tpot_ms=_tpot(25.5)),
+        _row("kvplane", 340, 0.2, tpot_ms=_tpot(25.6)),
+    ]
+    assert "TPOT p99 is within 2% of the lowest (25.5 ms) for every policy." in table_paragraph(even)
+    # Rows without TPOT (results from before it was recorded) say nothing of it.
+    assert "TPOT" not in table_paragraph([_row("prefix-affinity", 350, 0.05), _row("kvplane", 340, 0.2)])
+
+
 def test_the_readme_is_not_rewritten_when_only_wall_time_changed(tmp_path: Path) -> None:
     readme = tmp_path / "README.md"
     readme.write_text("a million turns in 250 s of wall time; p50 300 ms\n")
