@@ -12,6 +12,7 @@ from kvplane.bench.sim.block_chain import BlockChain, BlockIds
 from kvplane.bench.sim.cluster import SimHandle
 from kvplane.bench.sim.command import SimSpec, main
 from kvplane.bench.sim.costs import SimCosts
+from kvplane.bench.sim.engine import Simulator
 from kvplane.bench.sim.fleet import Fleet
 from kvplane.bench.sim.retention import EngineOnly, PipelineRetention
 from kvplane.bench.workloads import AgenticWorkload, Turn, agentic_turns
@@ -215,3 +216,51 @@ def test_a_full_host_tier_drops_what_the_leader_values_least_as_a_live_d_does() 
         plane.pipeline.values.gaps.observe_gap("reports", 7200.0 + i)
     assert plane.host_drop_order([agent, report], 115.0) == [report, agent]
     assert EngineOnly().host_drop_order([agent, report], 115.0) == [agent, report]
+
+
+def _placed(sim: Simulator, handle_id: int, tier: str, nbytes: int) -> SimHandle:
+    """A handle on D 0 of `sim`, 4 blocks long: in host memory ("host"), or on the accelerators
+    with a whole copy ahead in host memory ("copy")."""
+    d = sim.fleet.decode[0]
+    handle = SimHandle(
+        handle_id, "t", f"c-{handle_id}", d, 64, nbytes, BlockChain().extended(4, BlockIds()), 0.0, 480.0
+    )
+    sim._handles[handle_id] = d.handles[handle_id] = handle
+    if tier == "host":
+        handle.tier = "host"
+        d.host_handles[handle_id] = handle
+        d.host_retained += nbytes
+    else:
+        handle.copied_s = 0.0
+        d.copies[handle_id] = handle
+        d.host_copies += nbytes
+        d.retained += nbytes
+    return handle
+
+
+def test_host_room_frees_host_tier_handles_before_it_gives_back_copies_ahead() -> None:
+    """Room in D's host memory (for a move, or a new copy ahead) comes first from handles only
+    the host tier holds, then from copies ahead of handles still in the KV cache: giving a copy
+    back first would leave that handle's next move waiting for a whole copy."""
+    nbytes = 1 << 20
+    cluster = replace(SMALL_D, decode_host_bytes=3 * nbytes)
+    sim = simulator_for(BASELINES["kvplane"], SimConfig(cluster=cluster))
+    d = sim.fleet.decode[0]
+    host = _placed(sim, 1, "host", nbytes)
+    reading = _placed(sim, 2, "host", nbytes)
+    reading.reading = True  # P is reading it: not dropped
+    copied = _placed(sim, 3, "copy", nbytes)
+    # Full: one handle's room is made by dropping the host-tier handle not being read.
+    assert sim._host_room(d, nbytes, 10.0)
+    assert not host.alive and 1 not in d.host_handles and sim.rec.releases["host_full"] == 1
+    assert reading.alive and 3 in d.copies and copied.copied_s == 0.0
+    # Full again (a new copy took the room): the only host-tier handle is being read, so the
+    # copy ahead is given back; its handle lives on in the KV cache.
+    d.host_copies += nbytes
+    assert sim._host_room(d, nbytes, 10.0)
+    assert 3 not in d.copies and copied.copied_s == float("inf")
+    assert copied.alive and copied.tier == "gpu" and 3 in d.handles
+    assert reading.alive and sim.rec.releases["host_full"] == 1
+    # More than can be made: nothing is dropped or given back.
+    assert not sim._host_room(d, 4 * nbytes, 10.0)
+    assert reading.alive and d.host_retained == nbytes
