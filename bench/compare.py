@@ -89,7 +89,7 @@ from kvplane.bench.compare_fronts import (
     wait_serving,
 )
 from kvplane.bench.compare_run import BlockResult, Engines, IdleWindow, idle_window, run_block
-from kvplane.bench.compare_workload import Workload, plan, rotation
+from kvplane.bench.compare_workload import PROMPT_FORMATS, Workload, plan, rotation
 from kvplane.services.devstack.envoy import envoy_binary
 from kvplane.services.devstack.processes import ManagedProcess, run_until_stopped, stopped
 from kvplane.services.devstack.stack import DEMO_API_KEY, STACK_ENGINE_BLOCKS, Stack, start_stack
@@ -501,7 +501,7 @@ def render(config: CompareConfig, runs: Sequence[WorkloadRun]) -> str:
     out = [
         f"{w.turns}-turn chats, first prompt ~{w.first_tokens} tokens, +{w.answer_tokens} answer and "
         f"~{w.user_tokens} user tokens a turn (last prompt ~{w.last_prompt_tokens()}), "
-        f"{w.think_s:g} s between turns; "
+        f"{w.think_s:g} s between turns, {w.prompt_format} prompts; "
         f"concurrency {', '.join(map(str, config.concurrency))}; {config.repeats} repeats; "
         f"{PREFILL_NODES}P + {DECODE_NODES}D sim-engines (Qwen3-32B timing, speedup {config.speedup:g}); "
         f"{machine['cpus']} CPUs, load average {' '.join(machine['loadavg'])} at the end",
@@ -569,6 +569,12 @@ def parse_args(argv: Sequence[str]) -> tuple[CompareConfig, str]:
     parser.add_argument("--stagger-s", type=float, default=w.stagger_s, help="first arrivals spread over")
     parser.add_argument("--think-s", type=float, default=w.think_s, help="pause between a chat's turns")
     parser.add_argument("--seed", type=int, default=w.seed)
+    parser.add_argument(
+        "--prompts",
+        choices=PROMPT_FORMATS,
+        default=w.prompt_format,
+        help="token-ids: no front tokenizes; text: each front does what it does with a user's text",
+    )
     parser.add_argument("--warmup-conversations", type=int, default=2, help="per front; 0: no warm-up")
     parser.add_argument(
         "--idle-s",
@@ -592,6 +598,7 @@ def parse_args(argv: Sequence[str]) -> tuple[CompareConfig, str]:
         stagger_s=args.stagger_s,
         think_s=args.think_s,
         seed=args.seed,
+        prompt_format=args.prompts,
     )
     config = CompareConfig(
         workloads={"both": ("A", "B"), "all": tuple(WORKLOADS)}.get(args.workload, (args.workload,)),

@@ -121,6 +121,8 @@ class TurnOutcome:
     decision: str = ""
     # The answer's time per output token after the first (nan: fewer than two tokens).
     tpot_ms: float = math.nan
+    # The answer's text, as the chunks carried it.
+    text: str = ""
 
 
 class Front(Protocol):
@@ -160,6 +162,7 @@ class StreamResult:
     output: list[int]
     kv_transfer_params: dict[str, Any] | None
     tpot_ms: float = math.nan
+    text: str = ""
 
 
 async def stream_completion(
@@ -180,6 +183,7 @@ async def stream_completion(
     ttft = 0.0
     first_at = last_at = 0.0
     output: list[int] = []
+    texts: list[str] = []
     params: dict[str, Any] | None = None
     async with session.post(url, json=body, headers=dict(headers)) as resp:
         if resp.status != 200:
@@ -200,10 +204,11 @@ async def stream_completion(
                         first_at = last_at
                         ttft = (first_at - started) * 1e3
                 output += ids
+                texts.append(choice.get("text") or "")
             if chunk.get("kv_transfer_params"):
                 params = chunk["kv_transfer_params"]
         tpot = (last_at - first_at) * 1e3 / (len(output) - 1) if len(output) > 1 else math.nan
-        return StreamResult(resp.status, decision, ttft, output, params, tpot)
+        return StreamResult(resp.status, decision, ttft, output, params, tpot, "".join(texts))
 
 
 @dataclass
@@ -234,7 +239,7 @@ class HttpFront:
         conversation.turns_sent += 1
         started = time.perf_counter()
         result = await stream_completion(session, f"{url}/v1/completions", body, headers, started)
-        return TurnOutcome(result.ttft_ms, result.output, result.decision, result.tpot_ms)
+        return TurnOutcome(result.ttft_ms, result.output, result.decision, result.tpot_ms, result.text)
 
 
 @dataclass
@@ -280,7 +285,7 @@ class ZeroHopFront:
         params = result.kv_transfer_params
         if self.reuse and params and params.get("do_remote_decode"):
             conversation.handle = params
-        return TurnOutcome(result.ttft_ms, result.output, tpot_ms=result.tpot_ms)
+        return TurnOutcome(result.ttft_ms, result.output, tpot_ms=result.tpot_ms, text=result.text)
 
 
 # -- served fronts: processes of their own --------------------------------------------

@@ -37,7 +37,7 @@ from kvplane.bench.route_bench import cpu_seconds
 ETCD_SERVICES = ("etcdserverpb.KV", "etcdserverpb.Lease", "etcdserverpb.Watch")
 # etcd 3.4 and later; the debugging names are kept beside them in 3.4.
 ETCD_WRITES = ("etcd_mvcc_put_total", "etcd_mvcc_delete_total")
-GATEWAY_LEGS = ("route", "prefill", "decode")
+GATEWAY_LEGS = ("tokenize", "route", "prefill", "decode")
 # kvplane's services time every etcd request they send, labelled by what it was for.
 SERVICES_ETCD = "kvplane_etcd_request_seconds_count"
 # Polling of the waits between blocks.
@@ -189,8 +189,8 @@ def gateway_leg_counts(text: str) -> Counters:
 
 
 async def gateway_legs(session: aiohttp.ClientSession, gateway_urls: Sequence[str]) -> Counters:
-    """kvplane gateways' Route timings, summed; none for no gateway (a block of another front,
-    the idle window)."""
+    """kvplane gateways' leg timings (tokenize, Route, ...), summed; none for no gateway (a block
+    of another front, the idle window)."""
     return await _summed(session, [f"{url}/metrics" for url in gateway_urls], gateway_leg_counts)
 
 

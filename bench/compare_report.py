@@ -123,6 +123,10 @@ class Row:
     host_read: float = 0.0
     # Decode handles the decode engines freed, by reason (read, early, ttl, host_full, ...).
     decode_frees: dict[str, float] = field(default_factory=dict)
+    # kvplane's calls to an engine's /tokenize (text prompts), as its gateway timed them: per turn,
+    # and the mean call (nan: none).
+    tokenize_per_turn: float = 0.0
+    tokenize_ms: float = math.nan
 
     @property
     def prefill_spread(self) -> float:
@@ -213,6 +217,8 @@ def build_row(
     idle_writes = idle.etcd_per_s("writes") * measured if idle else 0.0
     route_s = sum(b.gateway.get("route_s", 0.0) for b in blocks)
     route_n = sum(b.gateway.get("route_n", 0.0) for b in blocks)
+    tokenize_s = sum(b.gateway.get("tokenize_s", 0.0) for b in blocks)
+    tokenize_n = sum(b.gateway.get("tokenize_n", 0.0) for b in blocks)
     seen = sum(sources.get(source, 0.0) for source in (PULLED, CACHED, DECODE_CACHED, COMPUTED))
     decisions: Counter[str] = Counter()
     for b in blocks:
@@ -267,6 +273,8 @@ def build_row(
         host_read=sources.get(HOST_READ, 0.0),
         decode_frees={k.removeprefix(FREED): v for k, v in sources.items() if k.startswith(FREED) and v},
         tpot_p99_ms=percentile(tpot, 0.99) if tpot else math.nan,
+        tokenize_per_turn=tokenize_n / n_ok,
+        tokenize_ms=tokenize_s / tokenize_n * 1e3 if tokenize_n else math.nan,
     )
 
 
@@ -368,7 +376,7 @@ def cost_table(table: Sequence[Row]) -> str:
         "| split adds up "
         "| CPU ms/turn, front's processes | together (above idle) | client | engines "
         "| etcd req/turn (above idle) [above other fronts] "
-        "| etcd writes/turn (above idle) [above other fronts] | Route ms "
+        "| etcd writes/turn (above idle) [above other fronts] | Route ms (tokenize ms) "
         "| busiest P's computed tokens vs the mean |",
         "|---|---:|---:|---:|---:|:-:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -386,9 +394,15 @@ def cost_table(table: Sequence[Row]) -> str:
             f"[{_f(r.etcd_requests_per_turn_above_others)}] "
             f"| {_f(r.etcd_writes_per_turn)} ({_f(r.etcd_writes_per_turn_above_idle)}) "
             f"[{_f(r.etcd_writes_per_turn_above_others)}] "
-            f"| {_f(r.route_ms, 2) if r.front in KVPLANE_FRONTS else '-'} | {_f(r.prefill_spread, 2)} |"
+            f"| {_legs(r) if r.front in KVPLANE_FRONTS else '-'} | {_f(r.prefill_spread, 2)} |"
         )
     return "\n".join(lines)
+
+
+def _legs(row: Row) -> str:
+    """kvplane's Route, and its /tokenize call where it made one."""
+    route = _f(row.route_ms, 2)
+    return f"{route} ({_f(row.tokenize_ms, 2)})" if row.tokenize_per_turn else route
 
 
 def idle_line(idle: IdleWindow) -> str:

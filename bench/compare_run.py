@@ -19,7 +19,7 @@ import aiohttp
 
 from kvplane.bench import compare_metrics as metrics
 from kvplane.bench.compare_fronts import Conversation, Front, FrontError
-from kvplane.bench.compare_workload import BlockPlan, ConversationShape, draw, request_body
+from kvplane.bench.compare_workload import BlockPlan, ConversationShape, extended, prompt_tokens, request_body
 
 NOT_SENT = "not sent: an earlier turn of the conversation failed"
 
@@ -110,7 +110,7 @@ async def _conversation(
     timeout_s: float,
 ) -> list[TurnRecord]:
     rng = plan.tokens(shape.index)
-    prompt = draw(rng, shape.first_tokens)
+    prompt = plan.draw(rng, shape.first_tokens)
     state = Conversation(plan.conversation_id(shape.index), shape.index)
     out: list[TurnRecord] = []
     turns = 1 + len(shape.user_tokens)
@@ -125,7 +125,9 @@ async def _conversation(
         except Exception as exc:  # any failure fails the turn, never the run
             done = time.perf_counter() - started
             out.append(
-                TurnRecord(*base, turn, len(prompt), False, error=repr(exc)[:300], sent_s=sent, done_s=done)
+                TurnRecord(
+                    *base, turn, prompt_tokens(prompt), False, error=repr(exc)[:300], sent_s=sent, done_s=done
+                )
             )
             out += [TurnRecord(*base, t, 0, False, error=NOT_SENT) for t in range(turn + 1, turns)]
             return out
@@ -134,7 +136,7 @@ async def _conversation(
             TurnRecord(
                 *base,
                 turn,
-                len(prompt),
+                prompt_tokens(prompt),
                 True,
                 outcome.ttft_ms,
                 outcome.decision,
@@ -144,7 +146,7 @@ async def _conversation(
             )
         )
         if turn + 1 < turns:
-            prompt = [*prompt, *outcome.output, *draw(rng, shape.user_tokens[turn])]
+            prompt = extended(prompt, outcome.output, outcome.text, plan.draw(rng, shape.user_tokens[turn]))
             if plan.think_s > 0:
                 await asyncio.sleep(plan.think_s)  # the user's pause, the same for every front
     return out

@@ -6,6 +6,7 @@ import asyncio
 import math
 
 import aiohttp
+import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
@@ -23,7 +24,17 @@ from kvplane.bench.compare_metrics import (
 from kvplane.bench.compare_report import host_tier_line, percentile
 from kvplane.bench.compare_report import rows as report_rows
 from kvplane.bench.compare_run import BlockResult, IdleWindow, TurnRecord
-from kvplane.bench.compare_workload import Workload, draw, plan, rotation
+from kvplane.bench.compare_workload import (
+    TEXT,
+    Workload,
+    draw,
+    extended,
+    plan,
+    prompt_tokens,
+    request_body,
+    rotation,
+)
+from kvplane.connector.simengine import toy_tokenizer
 
 FRONTS = ["kvplane", "vllm-router", "example-proxy", "zero-hop-reuse", "zero-hop"]
 
@@ -376,3 +387,26 @@ async def test_a_decode_engine_s_host_tier_moves_and_reads_are_read_and_reported
     assert host_tier_line([row]) == "decode host tier: kvplane c=32: 3 moved, 2 read from there"
     (none,) = report_rows([_block(KVPLANE, requests=0, seconds=10, turns=4)], {KVPLANE: []}, None)
     assert host_tier_line([none]) == ""
+
+
+def test_text_prompts_are_lowercase_words_of_the_planned_length_and_grow_by_the_answer_text() -> None:
+    plans = [plan(Workload(seed=3, prompt_format=TEXT), front, 8, 1) for front in FRONTS]
+    first = plans[0].draw(plans[0].tokens(0), 300)
+    assert isinstance(first, str) and len(first) == 300 and set(first) <= set("abcdefghijklmnopqrstuvwxyz ")
+    # Each front its own text, as with token ids; the same front the same text.
+    assert len({p.draw(p.tokens(0), 64) for p in plans}) == len(FRONTS)
+    assert plans[0].draw(plans[0].tokens(0), 300) == first
+    # The next prompt carries the answer's text (its token ids are only counted), then the user's.
+    following = extended(first, [100, 101], "an answer", " and more")
+    assert following == first + "an answer and more"
+    # Counted as the engines count it: a byte a token, and the BOS.
+    assert prompt_tokens(following) == len(toy_tokenizer.encode(following)) == len(following) + 1
+    assert request_body(following, 16)["prompt"] == following
+    # Token ids stay token ids.
+    assert extended([5, 6], [7], "x", [8]) == [5, 6, 7, 8] and prompt_tokens([5, 6]) == 2
+    assert request_body((5, 6), 16)["prompt"] == [5, 6]
+
+
+def test_a_workload_names_a_known_prompt_format() -> None:
+    with pytest.raises(ValueError, match="prompt_format"):
+        Workload(prompt_format="words")
