@@ -28,6 +28,7 @@ from kvplane.services.gateway.legs import (
     leg_path,
     open_stream,
     post_json,
+    read_to_end,
     trace_headers,
 )
 from kvplane.services.gateway.metrics import GatewayMetrics
@@ -189,7 +190,7 @@ class DecodeLeg:
         start: float,
     ) -> bool:
         """Forwards D's events to the client until D's last; True when D finished its answer."""
-        outcome, finished = "ok", False
+        outcome, finished, ended = "ok", False, False
         announced: dict[str, Any] | None = None
         try:
             await _to_client(response.prepare(request))
@@ -208,6 +209,7 @@ class DecodeLeg:
                     break
             await _to_client(response.write_eof())
             self.digesting.learn(route.decode, progress.decode_params)
+            ended = finished and await read_to_end(upstream)
         except ClientGone:
             outcome, progress.error = CLIENT_GONE, "the client disconnected"
         except asyncio.CancelledError:
@@ -218,8 +220,10 @@ class DecodeLeg:
             outcome, progress.error = "stream_failed", f"decode stream failed: {exc!r}"
             await end_with_error(response, progress.error)
         finally:
-            # Closing an unfinished upstream aborts D's request, which frees its blocks.
-            if finished:
+            # Closing an unfinished upstream aborts D's request, which frees its blocks. A finished
+            # one read to its end goes back to the pool for the next leg to D; released before its
+            # end, aiohttp would close its connection, and the next leg would open another.
+            if ended:
                 upstream.release()
             else:
                 upstream.close()

@@ -6,6 +6,7 @@ nothing answered); what the turn does about it is `failover.py`'s to decide.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +16,8 @@ import orjson
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 _PROPAGATOR = TraceContextTextMapPropagator()
+# How long a finished stream's end is waited for before its connection is closed, seconds.
+BODY_END_WAIT_S = 0.5
 
 
 def leg_path(chat: bool) -> str:
@@ -124,6 +127,20 @@ async def open_stream(
             resp.release()
         raise LegFailed(leg, f"HTTP {resp.status}", status=resp.status, body=raw)
     return resp
+
+
+async def read_to_end(upstream: aiohttp.ClientResponse) -> bool:
+    """Reads what a streamed answer sends after its last event: the end of its chunked body, which
+    may come in a read of its own (uvicorn, under vLLM, ends a response with a write of its own).
+    True when the body ended within `BODY_END_WAIT_S`: the response may then be released, and its
+    connection serves the next leg; released before its end, aiohttp closes the connection."""
+    try:
+        async with asyncio.timeout(BODY_END_WAIT_S):
+            while await upstream.content.readany():
+                pass  # nothing follows `data: [DONE]` but the body's end
+    except (aiohttp.ClientError, TimeoutError):
+        return False
+    return upstream.content.is_eof()
 
 
 def encode_body(body: Mapping[str, Any]) -> bytes:

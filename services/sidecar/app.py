@@ -20,7 +20,7 @@ from kvplane.services.gateway import failover, sse
 from kvplane.services.gateway.admission import parse_json, read_limits
 from kvplane.services.gateway.app import split_host_port
 from kvplane.services.gateway.decode_leg import end_with_error
-from kvplane.services.gateway.legs import LegFailed
+from kvplane.services.gateway.legs import LegFailed, read_to_end
 from kvplane.services.gateway.metrics import GatewayMetrics
 from kvplane.services.gateway.openai_errors import RequestRejected, error_response, rejection
 from kvplane.services.gateway.settings import GatewaySection
@@ -230,7 +230,7 @@ class Sidecar:
                 **_report_headers(decode.report),
             }
         )
-        finished, outcome = False, "ok"
+        finished, ended, outcome = False, False, "ok"
         try:
             await response.prepare(request)
             if account is not None:
@@ -246,6 +246,7 @@ class Sidecar:
                     await response.write(rest)
             await response.write_eof()
             finished = True
+            ended = await read_to_end(upstream)
         except (aiohttp.ClientError, TimeoutError, ConnectionResetError) as exc:
             outcome = "stream_failed"
             log.warning("decode stream failed: %r", exc)
@@ -261,8 +262,9 @@ class Sidecar:
             raise
         finally:
             self.metrics.legs.labels("decode", outcome).observe(time.perf_counter() - start)
-            # Closing an unfinished upstream aborts D's request, which frees its blocks.
-            if finished:
+            # Closing an unfinished upstream aborts D's request, which frees its blocks; a finished
+            # one read to its end keeps its connection for the next leg.
+            if ended:
                 upstream.release()
             else:
                 upstream.close()

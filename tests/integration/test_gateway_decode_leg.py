@@ -19,6 +19,7 @@ from kvplane.services.gateway.progress import TurnProgress
 from kvplane.services.gateway.turn_errors import DecodeUnreachable, TurnFailed
 from tests.integration.test_gateway_front import D_HANDLE, P_PARAMS, ScriptedEngine
 from tests.support.gateway_parts import Parts, parts, reported, route, turn
+from tests.support.polling import until
 
 P_URL = "http://127.0.0.1:9"  # never called by a D leg
 P_ANSWER = {"choices": [{"text": "x"}], "kv_transfer_params": P_PARAMS}
@@ -177,6 +178,25 @@ async def test_ds_events_are_forwarded_one_by_one_and_the_turn_is_reported_after
     assert p.reporter.awaited(turn()) == ("h-next", 42)
     [report] = await reported(p, 1)
     assert report["success"] is True and report["error"] == ""
+
+
+async def test_ds_connection_is_kept_for_the_next_leg_when_its_body_ends_after_its_last_event(
+    front: tuple[str, Parts], decode: ScriptedEngine
+) -> None:
+    """D's `data: [DONE]` and the end of its chunked body may come in two reads: the gateway reads
+    to the end before it hands the connection back, so the next leg to D reuses it instead of
+    opening another (and D never sees it closed under a response it is still ending)."""
+    url, p = front
+    decode.end_pause_s = 0.05
+    for i in range(1, 4):
+        resp, events = await _client_events(url)
+        assert resp.status == 200 and events[-1] == "[DONE]"
+        # The client has its answer before the leg ends: the next turn starts once it has (a
+        # turn's next D leg comes after its P leg, never with the last one's end still unread).
+        await until(lambda i=i: p.leg_count("decode", "ok") == i, f"D leg {i} to end")
+    assert len(decode.client_ports) == 3 and len(set(decode.client_ports)) == 1, decode.client_ports
+    assert not decode.aborted
+    assert p.leg_count("decode", "ok") == 3
 
 
 async def test_a_stream_that_breaks_midway_ends_with_an_error_event_and_a_failed_report(

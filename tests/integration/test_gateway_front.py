@@ -86,6 +86,11 @@ class ScriptedEngine:
     tokenizes: bool = True
     # Non-streaming: how long the answer takes, seconds.
     answer_delay_s: float = 0.0
+    # Streaming: pause between `data: [DONE]` and the end of the body (a server that ends its
+    # response in a write of its own, as uvicorn under vLLM does).
+    end_pause_s: float = 0.0
+    # The client port of every POST, in order: how many connections the posts came on.
+    client_ports: list[int] = field(default_factory=list)
     # What a decode engine's last event (or answer) returns as its handle.
     handle: dict[str, Any] = field(default_factory=lambda: dict(D_HANDLE))
     port: int = 0
@@ -131,6 +136,8 @@ class ScriptedEngine:
     async def _answer(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.seen.append((request.path, body, dict(request.headers)))
+        assert request.transport is not None
+        self.client_ports.append(request.transport.get_extra_info("peername")[1])
         if self.drop_next:
             self.drop_next -= 1
             assert request.transport is not None
@@ -178,6 +185,8 @@ class ScriptedEngine:
                 self.aborted = True
                 raise
         await resp.write(b"data: [DONE]\n\n")
+        if self.end_pause_s:
+            await asyncio.sleep(self.end_pause_s)
         await resp.write_eof()
         return resp
 

@@ -41,9 +41,16 @@ EVENTS = [
 class FakeDecode:
     # Break the stream (close the connection) after this many events; None: end it with [DONE].
     break_after: int | None = None
+    # Pause between `data: [DONE]` and the end of the body (a server that ends it in a write of
+    # its own, as uvicorn under vLLM does).
+    end_pause_s: float = 0.0
+    # The client port of every request: how many connections they came on.
+    client_ports: list[int] = field(default_factory=list)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         await request.read()
+        assert request.transport is not None
+        self.client_ports.append(request.transport.get_extra_info("peername")[1])
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         for i, event in enumerate(EVENTS):
@@ -53,6 +60,8 @@ class FakeDecode:
                 return response
             await response.write(b"data: " + orjson.dumps(event) + b"\n\n")
         await response.write(b"data: [DONE]\n\n")
+        if self.end_pause_s:
+            await asyncio.sleep(self.end_pause_s)
         await response.write_eof()
         return response
 
@@ -221,3 +230,28 @@ async def test_a_client_that_leaves_is_reported_unfinished(bench: Bench) -> None
         bench.decode.handle = original  # type: ignore[method-assign]
     assert not report.finished and report.error == "the client disconnected"
     assert report.ttft_s is not None
+
+
+async def test_ds_connection_serves_the_next_turn_when_its_body_ends_late(bench: Bench) -> None:
+    """D's `data: [DONE]` and the end of its body may come in two reads: the sidecar reads to the
+    end before it hands the connection back, so the next turn reuses it."""
+    bench.decode.end_pause_s = 0.05
+    legs = bench.sidecar.metrics.legs
+
+    def legs_ended() -> float:
+        return sum(s.value for m in legs.collect() for s in m.samples if s.name.endswith("_count"))
+
+    for i in range(1, 4):
+        seen: list[bytes] = []
+        turn = Recorder(seen)
+        bench.pending.expect(f"c-{i}", turn)
+        await stream_turn(bench, f"c-{i}", seen)
+        assert b"".join(seen).endswith(b"data: [DONE]\n\n")
+
+        async def ended(i: int = i) -> bool:
+            return legs_ended() == i
+
+        # The client has the answer before the leg ends; a turn's next D leg comes later.
+        await eventually(ended, timeout_s=30, what=f"the sidecar's D leg {i} to end")
+    ports = bench.decode.client_ports
+    assert len(ports) == 3 and len(set(ports)) == 1, ports
