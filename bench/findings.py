@@ -21,6 +21,8 @@ QUANTILES = ("p50", "p90", "p99")
 NOTABLE = 0.01
 # A TPOT p99 this much above the lowest is worth a clause.
 NOTABLE_TPOT = 0.02
+# Decisions that run a turn's prefill on its decode node.
+ON_DECODE_DECISIONS = ("local_prefill", "prefill_on_decode")
 
 
 def _by_name(results: Sequence[Mapping[str, Any]]) -> dict[str, Mapping[str, Any]]:
@@ -122,8 +124,9 @@ def _wrong(by: Mapping[str, Mapping[str, Any]]) -> str:
 
 
 def _tpot(by: Mapping[str, Mapping[str, Any]]) -> str:
-    """Whose answers streamed slower at p99: a prefill a decode node runs itself holds up every
-    answer streaming there (TTFT does not show that cost)."""
+    """Whose answers streamed slower at p99, and which of them ran prefills on the decode nodes:
+    a decode step slows with every answer it carries and every prefill it runs (TTFT shows
+    neither)."""
     tpots = {n: float(r["tpot_ms"]["p99"]) for n, r in by.items() if "tpot_ms" in r and n != "oracle"}
     if not tpots:
         return ""
@@ -131,11 +134,16 @@ def _tpot(by: Mapping[str, Mapping[str, Any]]) -> str:
     slower = sorted(((n, t) for n, t in tpots.items() if t > low * (1 + NOTABLE_TPOT)), key=lambda nt: -nt[1])
     if not slower:
         return f"TPOT p99 is within {NOTABLE_TPOT:.0%} of the lowest ({low:.1f} ms) for every policy."
-    listed = ", ".join(f"`{n}` {t:.1f} ms" for n, t in slower)
+    parts = []
+    for name, tpot in slower:
+        r = by[name]
+        on_decode = sum(int(r.get("decisions", {}).get(d, 0)) for d in ON_DECODE_DECISIONS)
+        share = f" ({_pct(on_decode / max(1, int(r['turns'])))} of turns prefilled on D)" if on_decode else ""
+        parts.append(f"`{name}` {tpot:.1f} ms{share}")
     return (
-        f"TPOT p99 (time per output token after the first): {listed}, against {low:.1f} ms"
-        f" (`{low_name}`); the prefills those decode nodes run themselves hold up the answers"
-        " streaming there, a cost TTFT does not show."
+        f"TPOT p99 (time per output token after the first): {', '.join(parts)}, against {low:.1f} ms"
+        f" (`{low_name}`). A decode step slows with every answer it carries and every prefill the"
+        " decode node runs itself, a cost TTFT does not show."
     )
 
 
