@@ -248,6 +248,17 @@ def test_the_simulator_orders_the_fronts_as_the_latest_comparison_does(
     _assert_orders_as(RECORD.parent / record, LATEST_FRONTS, key, concurrency)
 
 
+# The same comparison with text prompts (`--prompts text`), at 8 and 32 in flight: kvplane's
+# gateway then asks an engine's /tokenize every turn, a hop the simulator does not model.
+TEXT_RECORD = "compare_text_2441473.json"
+
+
+@pytest.mark.parametrize("key", ["A", "B"])
+@pytest.mark.parametrize("concurrency", [8, 32])
+def test_the_simulator_orders_the_fronts_as_the_text_prompt_run_does(key: str, concurrency: int) -> None:
+    _assert_orders_as(RECORD.parent / TEXT_RECORD, LATEST_FRONTS, key, concurrency)
+
+
 @pytest.mark.parametrize("key", [pytest.param("A", marks=A_ROUTER_HOP), "B"])
 def test_the_simulator_orders_the_fronts_as_the_live_run_does(
     live: dict[str, dict[str, FrontSample]], key: str
