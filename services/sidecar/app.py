@@ -230,7 +230,7 @@ class Sidecar:
                 **_report_headers(decode.report),
             }
         )
-        finished, ended, outcome = False, False, "ok"
+        ended, outcome = False, "ok"
         try:
             await response.prepare(request)
             if account is not None:
@@ -245,7 +245,6 @@ class Sidecar:
                 if not keep_handle and (rest := _without_handle(parser.close())):
                     await response.write(rest)
             await response.write_eof()
-            finished = True
             ended = await read_to_end(upstream)
         except (aiohttp.ClientError, TimeoutError, ConnectionResetError) as exc:
             outcome = "stream_failed"
