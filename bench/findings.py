@@ -4,8 +4,8 @@ One paragraph per table: who has the lowest TTFT at each percentile, where
 kvplane stands against the best baseline (and where it loses), and the
 figures that explain it: turns that waited for decode memory, prompt tokens
 not recomputed (pulled from D or found in P's own cache), turns that
-would have answered from the wrong KV, and the answers slowed by prefills run
-on the decode nodes (TPOT). Every clause is conditioned on the
+would have answered from the wrong KV, and whose answers streamed slower
+(TPOT), with the prefills each ran on D. Every clause is conditioned on the
 numbers, so the text stays true when they move.
 """
 

@@ -93,7 +93,8 @@ class SimSummary:
     releases: dict[str, int] = field(default_factory=dict)
     simulated_s: float = 0.0
     wall_s: float = 0.0
-    # Time per output token after the first: what a prefill run on D costs the answers it holds up.
+    # Time per output token after the first: longer where D carries more answers at once, and
+    # where it runs prefills itself (each holds up every answer running there).
     tpot_p50_ms: float = math.nan
     tpot_p99_ms: float = math.nan
 
