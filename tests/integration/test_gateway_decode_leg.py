@@ -4,6 +4,7 @@ cannot be reached, rejects the request, or breaks off midway does to the turn.""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -14,6 +15,7 @@ from aiohttp import web
 
 from kvplane.services.common.model.handles import KEY_HANDLE_ID
 from kvplane.services.common.runtime.ports import free_port
+from kvplane.services.gateway import legs
 from kvplane.services.gateway.decode_leg import CONVERSATION_HEADER, DECISION_HEADER, ROUTE_HEADER, DecodeLeg
 from kvplane.services.gateway.progress import TurnProgress
 from kvplane.services.gateway.turn_errors import DecodeUnreachable, TurnFailed
@@ -181,18 +183,22 @@ async def test_ds_events_are_forwarded_one_by_one_and_the_turn_is_reported_after
 
 
 async def test_ds_connection_is_kept_for_the_next_leg_when_its_body_ends_after_its_last_event(
-    front: tuple[str, Parts], decode: ScriptedEngine
+    front: tuple[str, Parts], decode: ScriptedEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """D's `data: [DONE]` and the end of its chunked body may come in two reads: the gateway reads
     to the end before it hands the connection back, so the next leg to D reuses it instead of
     opening another (and D never sees it closed under a response it is still ending)."""
     url, p = front
-    decode.end_pause_s = 0.05
+    # D ends each body only after the client has its whole answer; the gateway waits as long as
+    # this test may take to let it (a loaded machine included).
+    monkeypatch.setattr(legs, "BODY_END_WAIT_S", 60.0)
+    decode.end_gate = asyncio.Event()
     for i in range(1, 4):
         resp, events = await _client_events(url)
         assert resp.status == 200 and events[-1] == "[DONE]"
-        # The client has its answer before the leg ends: the next turn starts once it has (a
-        # turn's next D leg comes after its P leg, never with the last one's end still unread).
+        decode.end_gate.set()
+        # The next turn starts once this leg has ended (a turn's next D leg comes after its P leg,
+        # never with the last one's end still unread).
         await until(lambda i=i: p.leg_count("decode", "ok") == i, f"D leg {i} to end")
     assert len(decode.client_ports) == 3 and len(set(decode.client_ports)) == 1, decode.client_ports
     assert not decode.aborted

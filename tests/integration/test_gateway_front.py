@@ -86,9 +86,9 @@ class ScriptedEngine:
     tokenizes: bool = True
     # Non-streaming: how long the answer takes, seconds.
     answer_delay_s: float = 0.0
-    # Streaming: pause between `data: [DONE]` and the end of the body (a server that ends its
-    # response in a write of its own, as uvicorn under vLLM does).
-    end_pause_s: float = 0.0
+    # Streaming: when set, the body ends (after `data: [DONE]`) only once the test opens this gate,
+    # in a write of its own, as uvicorn under vLLM ends a response; each end closes it again.
+    end_gate: asyncio.Event | None = None
     # The client port of every POST, in order: how many connections the posts came on.
     client_ports: list[int] = field(default_factory=list)
     # What a decode engine's last event (or answer) returns as its handle.
@@ -185,8 +185,9 @@ class ScriptedEngine:
                 self.aborted = True
                 raise
         await resp.write(b"data: [DONE]\n\n")
-        if self.end_pause_s:
-            await asyncio.sleep(self.end_pause_s)
+        if self.end_gate is not None:
+            await self.end_gate.wait()
+            self.end_gate.clear()
         await resp.write_eof()
         return resp
 

@@ -21,6 +21,7 @@ from kvplane.services.client import Endpoint, RouteResult
 from kvplane.services.common.runtime.ports import free_port
 from kvplane.services.common.runtime.telemetry import Telemetry
 from kvplane.services.epp.answers import PendingAnswers, answers_app
+from kvplane.services.gateway import legs
 from kvplane.services.gateway.settings import GatewaySection
 from kvplane.services.sidecar.answer_report import AnswerReport
 from kvplane.services.sidecar.app import Sidecar
@@ -41,9 +42,9 @@ EVENTS = [
 class FakeDecode:
     # Break the stream (close the connection) after this many events; None: end it with [DONE].
     break_after: int | None = None
-    # Pause between `data: [DONE]` and the end of the body (a server that ends it in a write of
-    # its own, as uvicorn under vLLM does).
-    end_pause_s: float = 0.0
+    # When set, the body ends (after `data: [DONE]`) only once the test opens this gate, in a
+    # write of its own, as uvicorn under vLLM ends a response; each end closes it again.
+    end_gate: asyncio.Event | None = None
     # The client port of every request: how many connections they came on.
     client_ports: list[int] = field(default_factory=list)
 
@@ -60,8 +61,9 @@ class FakeDecode:
                 return response
             await response.write(b"data: " + orjson.dumps(event) + b"\n\n")
         await response.write(b"data: [DONE]\n\n")
-        if self.end_pause_s:
-            await asyncio.sleep(self.end_pause_s)
+        if self.end_gate is not None:
+            await self.end_gate.wait()
+            self.end_gate.clear()
         await response.write_eof()
         return response
 
@@ -232,14 +234,24 @@ async def test_a_client_that_leaves_is_reported_unfinished(bench: Bench) -> None
     assert report.ttft_s is not None
 
 
-async def test_ds_connection_serves_the_next_turn_when_its_body_ends_late(bench: Bench) -> None:
+async def test_ds_connection_serves_the_next_turn_when_its_body_ends_late(
+    bench: Bench, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """D's `data: [DONE]` and the end of its body may come in two reads: the sidecar reads to the
     end before it hands the connection back, so the next turn reuses it."""
-    bench.decode.end_pause_s = 0.05
-    legs = bench.sidecar.metrics.legs
+    # D ends each body only after the client has its whole answer; the sidecar waits as long as
+    # this test may take to let it (a loaded machine included).
+    monkeypatch.setattr(legs, "BODY_END_WAIT_S", 60.0)
+    gate = bench.decode.end_gate = asyncio.Event()
+    histogram = bench.sidecar.metrics.legs
 
-    def legs_ended() -> float:
-        return sum(s.value for m in legs.collect() for s in m.samples if s.name.endswith("_count"))
+    def decode_legs_ended() -> float:
+        return sum(
+            s.value
+            for m in histogram.collect()
+            for s in m.samples
+            if s.name.endswith("_count") and s.labels.get("leg") == "decode"
+        )
 
     for i in range(1, 4):
         seen: list[bytes] = []
@@ -247,11 +259,12 @@ async def test_ds_connection_serves_the_next_turn_when_its_body_ends_late(bench:
         bench.pending.expect(f"c-{i}", turn)
         await stream_turn(bench, f"c-{i}", seen)
         assert b"".join(seen).endswith(b"data: [DONE]\n\n")
+        gate.set()
 
         async def ended(i: int = i) -> bool:
-            return legs_ended() == i
+            return decode_legs_ended() == i
 
-        # The client has the answer before the leg ends; a turn's next D leg comes later.
+        # The next turn's D leg comes once this one has ended.
         await eventually(ended, timeout_s=30, what=f"the sidecar's D leg {i} to end")
     ports = bench.decode.client_ports
     assert len(ports) == 3 and len(set(ports)) == 1, ports
