@@ -372,8 +372,8 @@ def perf_section(data: dict[str, Any], tables: str, plots_rel: str) -> str:
         POLICY_LEGEND,
         "",
         "Columns: TTFT over all turns, wrong-prefix ones included; TPOT, the time per output token"
-        " after the first (a prefill that a decode node runs itself delays every answer streaming"
-        " there); prompt tokens not recomputed (pulled"
+        " after the first (longer where a decode node carries more answers at once, or runs a"
+        " prefill itself: that delays every answer streaming there); prompt tokens not recomputed (pulled"
         " from D with a matching prefix, or found in P's own cache); wrong-prefix turns (their output"
         " would come from KV computed for other tokens); turns that waited for decode memory; retained"
         " KV integrated over time.",
