@@ -175,7 +175,8 @@ async def services_etcd(session: aiohttp.ClientSession, metrics_urls: Sequence[s
 
 
 def gateway_leg_counts(text: str) -> Counters:
-    """Seconds and count of each leg (all outcomes): `route_s`, `route_n`, `prefill_s`, ..."""
+    """Seconds and count of each leg (all outcomes): `route_s`, `route_n`, `prefill_s`, ...; and
+    `tokenize_local_n`, the tokenize legs done in the gateway's process (no engine asked)."""
     out: Counters = {}
     for name, labels, value in samples(text):
         leg = labels.get("leg", "")
@@ -185,6 +186,8 @@ def gateway_leg_counts(text: str) -> Counters:
             out[f"{leg}_s"] = out.get(f"{leg}_s", 0.0) + value
         elif name == "kvplane_gateway_leg_seconds_count":
             out[f"{leg}_n"] = out.get(f"{leg}_n", 0.0) + value
+            if leg == "tokenize" and labels.get("outcome") == "local":
+                out["tokenize_local_n"] = out.get("tokenize_local_n", 0.0) + value
     return out
 
 

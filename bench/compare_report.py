@@ -123,10 +123,12 @@ class Row:
     host_read: float = 0.0
     # Decode handles the decode engines freed, by reason (read, early, ttl, host_full, ...).
     decode_frees: dict[str, float] = field(default_factory=dict)
-    # kvplane's calls to an engine's /tokenize (text prompts), as its gateway timed them: per turn,
-    # and the mean call (nan: none).
+    # kvplane's tokenizing of text prompts, as its gateway timed it: per turn, the mean call (nan:
+    # none), and the share done in the gateway's own process (`gateway.tokenizers`; the rest asked
+    # an engine's /tokenize).
     tokenize_per_turn: float = 0.0
     tokenize_ms: float = math.nan
+    tokenize_local_share: float = 0.0
 
     @property
     def prefill_spread(self) -> float:
@@ -219,6 +221,7 @@ def build_row(
     route_n = sum(b.gateway.get("route_n", 0.0) for b in blocks)
     tokenize_s = sum(b.gateway.get("tokenize_s", 0.0) for b in blocks)
     tokenize_n = sum(b.gateway.get("tokenize_n", 0.0) for b in blocks)
+    tokenize_local_n = sum(b.gateway.get("tokenize_local_n", 0.0) for b in blocks)
     seen = sum(sources.get(source, 0.0) for source in (PULLED, CACHED, DECODE_CACHED, COMPUTED))
     decisions: Counter[str] = Counter()
     for b in blocks:
@@ -275,6 +278,7 @@ def build_row(
         tpot_p99_ms=percentile(tpot, 0.99) if tpot else math.nan,
         tokenize_per_turn=tokenize_n / n_ok,
         tokenize_ms=tokenize_s / tokenize_n * 1e3 if tokenize_n else math.nan,
+        tokenize_local_share=tokenize_local_n / tokenize_n if tokenize_n else 0.0,
     )
 
 
@@ -400,9 +404,13 @@ def cost_table(table: Sequence[Row]) -> str:
 
 
 def _legs(row: Row) -> str:
-    """kvplane's Route, and its /tokenize call where it made one."""
+    """kvplane's Route, and its tokenizing where it tokenized (marked `local` where the gateway did
+    it all in its own process)."""
     route = _f(row.route_ms, 2)
-    return f"{route} ({_f(row.tokenize_ms, 2)})" if row.tokenize_per_turn else route
+    if not row.tokenize_per_turn:
+        return route
+    where = " local" if row.tokenize_local_share == 1.0 else ""
+    return f"{route} ({_f(row.tokenize_ms, 2)}{where})"
 
 
 def idle_line(idle: IdleWindow) -> str:

@@ -95,9 +95,10 @@ def build_tiny_model(out: Path, max_positions: int = 4096) -> Path:
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         torch_dtype="bfloat16",
-    )
+    )  # type: ignore[call-arg,unused-ignore]
     torch.manual_seed(0)
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(str(out), safe_serialization=True)
+    model = LlamaForCausalLM(config)  # type: ignore[no-untyped-call,unused-ignore]
+    model.to(torch.bfloat16).save_pretrained(str(out), safe_serialization=True)  # type: ignore[arg-type,unused-ignore]
     return out
 
 

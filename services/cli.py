@@ -80,6 +80,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 COMMAND_PURPOSES: dict[str, str] = {
     "serve": "run the control plane: metadata, routing, eviction, or `all` three in one process",
     "sim-engine": "one simulated vLLM engine: OpenAI API, real NIXL transfers, registers with kvplane",
+    "sim-engine-tokenizer": "write the sim-engine's tokenizer as Hugging Face files (gateway.tokenizers)",
     "gateway": "the OpenAI-compatible front: Route, prefill leg, streamed decode leg, ReportTurn",
     "epp": "a Gateway API Inference Extension endpoint picker: Envoy ext_proc, kvplane's routing",
     "sidecar": "beside a decode engine: the P leg the picker's signed route names, then the local D leg",
@@ -152,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
 # Commands implemented elsewhere, which parse their own arguments.
 EXTRA_COMMANDS: dict[str, str] = {
     "sim-engine": "kvplane.connector.simengine.command:main",
+    "sim-engine-tokenizer": "kvplane.connector.simengine.hf_tokenizer:main",
     "gateway": "kvplane.services.gateway.cli:main",
     "epp": "kvplane.services.epp.cli:main",
     "sidecar": "kvplane.services.sidecar.cli:main",

@@ -70,6 +70,9 @@ def tokenize_request(body: Mapping[str, Any], chat: bool) -> dict[str, Any]:
                 request[key] = body[key]
     else:
         request["prompt"] = single_prompt(body)
+    # The ids the engine itself makes of the request: with or without the BOS and the like.
+    if "add_special_tokens" in body:
+        request["add_special_tokens"] = body["add_special_tokens"]
     return request
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import grpc
 
+from kvplane.connector.simengine.hf_tokenizer import write_tokenizer
 from kvplane.connector.simengine.kv_events_config import KVEventsConfig
 from kvplane.connector.simengine.settings import Role, SimEngineSettings
 from kvplane.connector.simengine.timing_model import TimingModel
@@ -112,6 +113,10 @@ class Stack:
     grpc_serves_routing: bool = True
     # The Prometheus pages of the `serve routing` replicas started apart from `serve all`.
     routing_metrics_urls: list[str] = field(default_factory=list)
+    # The sim-engine's tokenizer as Hugging Face files, which every front loads to tokenize text
+    # and chat prompts in its own process (`gateway.tokenizers`); "" where transformers is not
+    # installed: the fronts then ask P's /tokenize.
+    tokenizer_dir: str = ""
 
     @property
     def etcd_client_metrics_urls(self) -> list[str]:
@@ -270,6 +275,7 @@ async def start_stack(
         owns_run_dir=owns_run_dir,
         grpc_serves_routing=not routing_apart,
         gateway_prefill_on_decode=gateway_prefill_on_decode,
+        tokenizer_dir=_write_tokenizer(run_dir, progress),
     )
     try:
         services = await _start_services(
@@ -587,6 +593,15 @@ async def _run_gateway(
     )
 
 
+def _write_tokenizer(run_dir: Path, progress: Callable[[str], None]) -> str:
+    """The sim-engine's tokenizer files in `run_dir`, for the fronts; "" without transformers."""
+    try:
+        return str(write_tokenizer(run_dir / "tokenizer"))
+    except ImportError:
+        progress("transformers is not installed: the fronts ask P's /tokenize (tokenizer extra)")
+        return ""
+
+
 def _gateway_section(stack: Stack) -> dict[str, Any]:
     """The `gateway:` settings every front of the stack shares (the gateways, the picker and the
     sidecars): keys, the engines' limits, the tokenizer, the prefix-cache salt key."""
@@ -598,9 +613,11 @@ def _gateway_section(stack: Stack) -> dict[str, Any]:
         # The engines' limits: what they would refuse, the gateway refuses before routing.
         "vocab_size": SimEngineSettings.vocab_size,
         "max_model_len": SimEngineSettings.max_model_len,
-        # Text and chat prompts are tokenized by an engine (vLLM's /tokenize), so that
-        # routing sees their token ids: their digests and their prefix-cache block hashes.
+        # Text and chat prompts are tokenized, so that routing sees their token ids (their digests
+        # and their prefix-cache block hashes): with the model's tokenizer files in the front's own
+        # process, else by an engine (vLLM's /tokenize).
         "tokenize_url": stack.prefill_url,
+        **({"tokenizers": {DEMO_MODEL: stack.tokenizer_dir}} if stack.tokenizer_dir else {}),
         "cache_salt_key": stack.cache_salt_key,
         **(
             {"prefill_on_decode": stack.gateway_prefill_on_decode}

@@ -16,6 +16,7 @@ from kvplane.services.common.runtime.heap import freeze_startup_heap
 from kvplane.services.common.runtime.server import MetricsServer
 from kvplane.services.common.runtime.telemetry import Telemetry, configure_logging
 from kvplane.services.epp.app import Picker
+from kvplane.services.gateway.local_tokenizer import TokenizerUnavailable
 from kvplane.services.settings import KvplaneSettings
 
 log = logging.getLogger("kvplane.epp")
@@ -83,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         # The gateway's loop (`gateway.event_loop`): the picker runs the gateway's turn code.
         event_loop.run(serve(settings), settings.gateway.event_loop)
-    except PlaintextCredentials as exc:
+    except (PlaintextCredentials, TokenizerUnavailable) as exc:
         print(f"kvplane epp: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -255,9 +255,10 @@ class Gateway:
         self._routing = self._routing or routing_client(s, self.telemetry)
         # One pool for every engine; the default limit of 100 connections would queue turns.
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-        self.turns = TurnRunner(s, self._routing, self._session, self.metrics, self.telemetry.tracer)
-        app = build_app(s, self.turns, self.telemetry, self.metrics)
         try:
+            # Loads the configured tokenizers: one that cannot be read stops the start here.
+            self.turns = TurnRunner(s, self._routing, self._session, self.metrics, self.telemetry.tracer)
+            app = build_app(s, self.turns, self.telemetry, self.metrics)
             # A client that disconnects cancels its handler, and with it the engine requests in flight:
             # an aborted request frees its KV blocks at once.
             # aiohttp closes a connection that has not sent a whole request head within its keep-alive

@@ -18,6 +18,7 @@ from kvplane.services.common.runtime.server import BindFailed
 from kvplane.services.common.runtime.telemetry import Telemetry, configure_logging
 from kvplane.services.gateway.app import Gateway
 from kvplane.services.gateway.colocated_routing import ColocatedRouting
+from kvplane.services.gateway.local_tokenizer import TokenizerUnavailable
 from kvplane.services.process import ServiceProcess
 from kvplane.services.settings import KvplaneSettings
 from kvplane.services.settings_errors import SettingsError
@@ -183,7 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BindFailed as exc:
         print(f"kvplane gateway: {exc}", file=sys.stderr)
         return 1
-    except PlaintextCredentials as exc:
+    except (PlaintextCredentials, TokenizerUnavailable) as exc:
         print(f"kvplane gateway: {exc}", file=sys.stderr)
         return 2
     return 0

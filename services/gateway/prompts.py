@@ -5,12 +5,13 @@ and sending ids (not text) to the engines keeps P's own check exact: the
 engine never re-tokenizes a join between history and new text.
 
 - `/v1/completions` with a token-id prompt: the ids, as sent.
-- A text prompt: the engine's `/tokenize` (vLLM's API) when configured, and
-  the completions body then carries the ids.
-- Chat: `/tokenize` with the messages when configured; the body keeps its
-  messages, since the engine's chat handling (templates, tool calls,
-  reasoning) must see them. Without `/tokenize` the length is an estimate
-  from the UTF-8 size, and P's connector checks the real tokens before a pull.
+- A text prompt: the model's tokenizer in this process when configured
+  (`local_tokenizer.py`), else the engine's `/tokenize` (vLLM's API) when
+  configured; the completions body then carries the ids.
+- Chat: the same two, with the messages; the body keeps its messages, since
+  the engine's chat handling (templates, tool calls, reasoning) must see them.
+  With neither, the length is an estimate from the UTF-8 size, and P's
+  connector checks the real tokens before a pull.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import aiohttp
 
 from kvplane.services.client.tokenize import TokenizeFailed, is_token_ids, tokenize
 from kvplane.services.client.tokenize import single_prompt as _single_prompt
+from kvplane.services.gateway.local_tokenizer import LocalTokenizers
 
 # An engine without /tokenize (404, 405) is not asked again for this long, seconds.
 _MISSING_RETRY_S = 60.0
@@ -76,15 +78,25 @@ async def routed_prompt(
     timeout_s: float,
     endpoints: TokenizeEndpoints | None = None,
     timed: Callable[[str, float], None] | None = None,
+    local: LocalTokenizers | None = None,
 ) -> RoutedPrompt:
     """The prompt for Route; a text completions prompt in `body` becomes its token ids when known.
 
-    `timed(outcome, seconds)` hears how long the engine's /tokenize took ("ok" or "error"), when
-    it was asked."""
+    `timed(outcome, seconds)` hears how long tokenizing took: "local" (the model's tokenizer in
+    this process), or the engine's /tokenize ("ok" or "error") when it was asked."""
     if not chat:
         prompt = _single_prompt(body)
         if is_token_ids(prompt):
             return RoutedPrompt(tuple(prompt), len(prompt))
+    if local:
+        start = time.perf_counter()
+        known = local.token_ids(body, chat)
+        if known:
+            if timed is not None:
+                timed("local", time.perf_counter() - start)
+            if not chat:
+                body["prompt"] = list(known)
+            return RoutedPrompt(known, len(known))
     if tokenize_url and (endpoints is None or endpoints.usable(tokenize_url)):
         start = time.perf_counter()
         try:

@@ -148,6 +148,12 @@ class GatewaySection(Section):
     report_timeout_s: float = Field(2.0, gt=0)
     # An engine base URL offering vLLM's /tokenize, for the token ids of text prompts. Empty: none.
     tokenize_url: str = ""
+    # Served model name -> a local directory of that model's tokenizer files (what vLLM loads:
+    # tokenizer.json, tokenizer_config.json, the chat template): the gateway then tokenizes that
+    # model's text and chat prompts in its own process, as vLLM does, instead of asking
+    # `tokenize_url` on every turn (`local_tokenizer.py`; needs kvplane's tokenizer extra). A
+    # directory that cannot be loaded stops the gateway at start. Empty: every model asks the engine.
+    tokenizers: dict[str, str] = Field(default_factory=dict)
     # Served model names for /v1/models. Empty: asks the fallback decode engine, if any.
     models: list[str] = Field(default_factory=list)
     # Largest request body accepted, bytes: refused from Content-Length before reading, and while

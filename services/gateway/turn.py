@@ -34,6 +34,7 @@ from kvplane.services.client import RouteResult, RoutingClient
 from kvplane.services.gateway import failover
 from kvplane.services.gateway.decode_leg import DecodeLeg
 from kvplane.services.gateway.fallback import FallbackEngines
+from kvplane.services.gateway.local_tokenizer import LocalTokenizers
 from kvplane.services.gateway.metrics import GatewayMetrics
 from kvplane.services.gateway.openai_errors import RequestRejected, error_body
 from kvplane.services.gateway.prefill_leg import PrefillLeg
@@ -67,6 +68,8 @@ class TurnRunner:
         self.metrics = metrics
         self.tracer = tracer
         self.tokenizers = TokenizeEndpoints()
+        # Loaded here, so that a tokenizer the gateway cannot read stops it at start.
+        self.local_tokenizers = LocalTokenizers(settings.tokenizers)
         self.reporter = TurnReporter(settings, routing, metrics)
         self.fallback = FallbackEngines(
             settings.fallback_prefill_url,
@@ -125,6 +128,7 @@ class TurnRunner:
                 s.prefill_timeout_s,
                 self.tokenizers,
                 timed=lambda outcome, seconds: self.metrics.legs.labels("tokenize", outcome).observe(seconds),
+                local=self.local_tokenizers,
             )
         except UnknownModel as exc:
             raise TurnFailed(404, str(exc), exc.body) from None

@@ -193,10 +193,10 @@ async def test_sigterm_stops_every_process_the_comparison_started(tmp_path: Path
 
 
 async def test_text_prompts_reach_routing_as_token_ids_and_every_front_answers_them(tmp_path: Path) -> None:
-    """With text prompts each front does what it does with a user's text: kvplane's gateway asks an
-    engine's /tokenize, so routing still proves and reuses D's history where P's cache keeps none
-    (workload B), and what the engines report adds up to the text the client sent, as the
-    sim-engine's tokenizer counts it."""
+    """With text prompts each front does what it does with a user's text: kvplane's gateway
+    tokenizes it with the model's tokenizer files (the stack writes the sim-engine's), so routing
+    still proves and reuses D's history where P's cache keeps none (workload B), and what the
+    engines report adds up to the text the client sent, as the sim-engine's tokenizer counts it."""
     fronts = (KVPLANE, REFERENCE, EXAMPLE_PROXY, *((VLLM_ROUTER,) if ROUTER_INSTALLED else ()))
     config = dataclasses.replace(
         CONFIG,
@@ -213,11 +213,12 @@ async def test_text_prompts_reach_routing_as_token_ids_and_every_front_answers_t
         assert (row.turns_ok, row.failed, row.fallback) == (4, 0, 0), row
         assert row.split_adds_up and row.prefix_cache_tokens == 0, row
     kvplane = _row(run, KVPLANE)
-    # The gateway asked the engine's /tokenize once a turn, and timed it; with the ids, both later
-    # turns reused D's history (pulled to P, or prefilled on D itself).
+    # The gateway tokenized once a turn in its own process (no engine asked), and timed it; with
+    # the ids, both later turns reused D's history (pulled to P, or prefilled on D itself).
     assert kvplane.tokenize_per_turn == 1.0 and kvplane.tokenize_ms > 0, kvplane
+    assert kvplane.tokenize_local_share == 1.0, kvplane
     reused = kvplane.decisions.get("pull", 0) + kvplane.decisions.get("prefill_on_decode", 0)
     assert reused == kvplane.later_turns == 2, kvplane.decisions
     assert _row(run, REFERENCE).pulled_tokens > 0
     text = compare.render(config, [run])
-    assert "text prompts" in text and f"({kvplane.tokenize_ms:.2f})" in text
+    assert "text prompts" in text and f"({kvplane.tokenize_ms:.2f} local)" in text

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from kvplane.services.gateway.cli import build_parser, main, overrides
@@ -57,3 +59,14 @@ def test_routing_in_process_without_auth_is_refused(capsys: pytest.CaptureFixtur
     # Its process serves the engines' streams: closed by default, as `kvplane serve` is.
     assert main(["--routing-in-process", "--listen", "127.0.0.1:0"]) == 2
     assert "auth.mode is required" in capsys.readouterr().err
+
+
+def test_a_tokenizer_directory_that_cannot_be_loaded_stops_the_gateway_at_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "no-tokenizer"
+    config = tmp_path / "gateway.yaml"
+    config.write_text(f"gateway:\n  tokenizers:\n    demo: {missing}\n")
+    assert main(["--config", str(config), "--listen", "127.0.0.1:0"]) == 2
+    err = capsys.readouterr().err
+    assert "kvplane gateway: gateway.tokenizers['demo']" in err and str(missing) in err
