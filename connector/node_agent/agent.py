@@ -168,6 +168,15 @@ class NodeAgent:
         if self._demand is not None:
             self._demand.notify()
 
+    def set_accepts_moves(self, accepts: bool) -> None:
+        """The engine takes the leader's moves to its host tier from now on, or not (its host tier
+        switched on or off): the command stream says so in a new hello. Never blocks; any thread."""
+        loop = self._loop
+        if loop is None:
+            self._commands.set_accepts_moves(accepts)  # not running: the first hello says it
+        else:
+            loop.call_soon_threadsafe(self._commands.set_accepts_moves, accepts)
+
     def notify_load(self) -> None:
         """The engine's load just changed (a request finished): sample `load_fn()` now rather
         than at the next `load_interval_s`. Never blocks; any thread."""

@@ -24,6 +24,7 @@ import collections
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
 
 import grpc
 
@@ -84,10 +85,31 @@ class CommandStream:
         self._on_drain = on_drain
         self._demand = demand
         self._seen: collections.OrderedDict[str, bool] = collections.OrderedDict()
+        # Whether the engine takes moves now (its host tier can be switched off and on): every
+        # hello says it, and `set_accepts_moves` reopens the stream to say it again.
+        self._accepts_moves = on_move is not None
+        self._call: grpc.aio.StreamStreamCall[Any, Any] | None = None
+        self._reopening = False
         self.applied = 0
         self.duplicates = 0
         self.opened = 0
         self.spill_orders = 0
+
+    @property
+    def accepts_moves(self) -> bool:
+        return self._accepts_moves
+
+    def set_accepts_moves(self, accepts: bool) -> None:
+        """Takes moves from now on, or not (on the agent's loop). The open stream is ended and
+        opened again at once, so that the leader hears it in a new hello: an engine whose host
+        tier is off is sent releases where it would have been sent moves it must refuse."""
+        accepts = accepts and self._on_move is not None
+        if accepts == self._accepts_moves:
+            return
+        self._accepts_moves = accepts
+        if self._call is not None:
+            self._reopening = True
+            self._call.cancel()
 
     async def run(self) -> None:
         """Reconnects after every end of the stream, with backoff, until the agent stops."""
@@ -100,12 +122,18 @@ class CommandStream:
                 if received:
                     backoff.reset()
             except grpc.aio.AioRpcError as err:
-                if err.code() in REFUSED:
+                if self._reopening and err.code() == grpc.StatusCode.CANCELLED:
+                    pass  # ended to reopen, below
+                elif err.code() in REFUSED:
                     plane.note_error("the eviction command stream", err)
                 else:
                     if err.code() not in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAVAILABLE):
                         log.info("eviction command stream: %s %s", err.code(), err.details())
                     plane.rpc_errors += 1
+            if self._reopening:
+                # Ended to say something new in the hello: reopened at once.
+                self._reopening = False
+                continue
             # The stream ended or failed: reconnect after a pause either way.
             await plane.sleep_or_stop(backoff.next_delay())
 
@@ -118,7 +146,7 @@ class CommandStream:
                     node_id=plane.node_id,
                     incarnation=plane.incarnation,
                     wants_spill_order=self._on_spill_order is not None,
-                    accepts_moves=self._on_move is not None,
+                    accepts_moves=self._accepts_moves,
                 )
             )
         )
@@ -128,6 +156,7 @@ class CommandStream:
                 yield msg
 
         call = plane.evict.Commands(outgoing(), metadata=plane.call_metadata)
+        self._call = call
         self.opened += 1
         if self._on_spill_order is not None:
             # A new stream's leader knows of no order sent before (it may be another replica):
@@ -151,7 +180,14 @@ class CommandStream:
                         ack=eviction_pb2.CommandAck(command_id=command.command_id, ok=ok, error=error)
                     )
                 )
+        except asyncio.CancelledError:
+            # The call cancelled to reopen it (`set_accepts_moves`) ends this stream only; the
+            # task itself cancelled (the agent stopping) ends the loop too.
+            task = asyncio.current_task()
+            if not self._reopening or (task is not None and task.cancelling()):
+                raise
         finally:
+            self._call = None
             if demand is not None:
                 demand.cancel()
             await acks.put(None)
@@ -187,6 +223,8 @@ class CommandStream:
             elif kind == "move":
                 if self._on_move is None:
                     return False, "this engine has no host tier"
+                if not self._accepts_moves:
+                    return False, "this engine's host tier is off"
                 refused = self._on_move(command.move.remote_request_id)
                 if refused:
                     return False, refused

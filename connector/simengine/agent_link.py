@@ -192,6 +192,7 @@ def start_node_agent(engine: SimEngine, http_url: str, observer: ConnectorObserv
     )
     engine.demand_listener = agent.notify_demand
     engine.load_listener = agent.notify_load
+    engine.host_tier_listener = agent.set_accepts_moves
     agent.start()
     # Lease stamps and the registered node must name the same incarnation.
     engine.adopt_incarnation(agent.incarnation)

@@ -164,6 +164,9 @@ class SimEngine:
         self.demand_listener: Callable[[], None] | None = None
         # Called when a request finishes: the load it reports changed (its node agent samples it).
         self.load_listener: Callable[[], None] | None = None
+        # Called with the host tier's new state when it is switched (its node agent tells the
+        # eviction leader whether this engine takes moves).
+        self.host_tier_listener: Callable[[bool], None] | None = None
         self._queued = 0
         self._queued_tokens = 0
         self._running = 0
@@ -288,6 +291,12 @@ class SimEngine:
 
     def drain(self) -> None:
         self.retention.drain()
+
+    def set_host_tier(self, enabled: bool) -> None:
+        """Moves handles to the host tier, or not, from now on (event-loop thread)."""
+        self.retention.host_tier_enabled = enabled
+        listener = self.host_tier_listener
+        _tell(None if listener is None else lambda: listener(enabled), "host tier")
 
     def set_spill_order(self, device: Sequence[str], host: Sequence[str]) -> None:
         """The control plane's order of moves to the host tier and of drops there; any thread."""

@@ -507,7 +507,7 @@ async def sim_host_tier(request: web.Request) -> web.Response:
     enabled = await _switch(request)
     if isinstance(enabled, web.Response):
         return enabled
-    engine.retention.host_tier_enabled = enabled
+    engine.set_host_tier(enabled)
     return web.json_response({"host_tier": engine.retention.host_tier_enabled})
 
 

@@ -649,3 +649,70 @@ async def test_a_publish_the_control_plane_rejects_is_dropped_and_told_as_not_st
     agent.publish(bad, on_outcome=outcomes.append)
     await until(lambda: outcomes == [False], "the rejection told")
     assert agent.stats().published == 0
+
+
+class HoldingCoordinator(eviction_pb2_grpc.EvictionServiceServicer):
+    """A coordinator that sends one move on every stream and then holds the stream open: a second
+    hello comes only from the agent reopening it."""
+
+    def __init__(self) -> None:
+        self.hellos: list[eviction_pb2.NodeHello] = []
+        self.acks: list[eviction_pb2.CommandAck] = []
+
+    async def Commands(
+        self, request_iterator: AsyncIterator[eviction_pb2.CommandsRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[eviction_pb2.CommandsResponse]:
+        first = await request_iterator.__anext__()
+        self.hellos.append(first.hello)
+        yield eviction_pb2.CommandsResponse(
+            command_id=f"m-{len(self.hellos)}",
+            move=eviction_pb2.MoveCommand(tenant="acme", remote_request_id="r-1"),
+        )
+        async for message in request_iterator:
+            if message.HasField("ack"):
+                self.acks.append(message.ack)
+
+
+async def test_an_engine_whose_host_tier_is_switched_says_so_in_a_new_hello_and_refuses_moves_while_off(
+    metadata_process: ServiceProcess, agents: list[NodeAgent]
+) -> None:
+    servicer = HoldingCoordinator()
+    server = grpc.aio.server()
+    eviction_pb2_grpc.add_EvictionServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    moved: list[str] = []
+
+    def on_move(request_id: str) -> str:
+        moved.append(request_id)
+        return ""
+
+    try:
+        agent = NodeAgent(
+            fast_settings(target_of(metadata_process), eviction_target=f"127.0.0.1:{port}"),
+            make_node("d-switch", incarnation=""),
+            lambda: NodeLoad("", "", running_requests=0, free_kv_blocks=7, total_kv_blocks=9),
+            lambda _request_id: None,
+            on_move=on_move,
+        )
+        agent.start()
+        agents.append(agent)
+
+        def said() -> list[bool]:
+            return [h.accepts_moves for h in servicer.hellos]
+
+        def answered() -> list[tuple[str, bool, str]]:
+            return [(a.command_id, a.ok, a.error) for a in servicer.acks]
+
+        await until(lambda: answered() == [("m-1", True, "")], "the first stream's move applied")
+        agent.set_accepts_moves(False)
+        await until(lambda: said() == [True, False], "the stream reopened, saying no moves")
+        await until(lambda: len(answered()) == 2, "the second stream's move answered")
+        assert answered()[1] == ("m-2", False, "this engine's host tier is off")
+        agent.set_accepts_moves(False)  # no change: the stream stays as it is
+        agent.set_accepts_moves(True)
+        await until(lambda: said() == [True, False, True], "reopened again, taking moves")
+        await until(lambda: answered()[2:] == [("m-3", True, "")], "the third stream's move applied")
+        assert moved == ["r-1", "r-1"]
+    finally:
+        await server.stop(0)

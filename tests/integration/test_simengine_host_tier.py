@@ -255,7 +255,8 @@ async def test_the_leader_moves_an_aged_handle_to_host_memory_and_releases_it_wh
 ) -> None:
     """The leader's age limit (1 s here) wants a handle's cache blocks back. D has a host tier,
     so the leader sends a move, not a release: the handle lives on there. With D's host tier
-    switched off, D refuses the move and the leader releases the next handle instead."""
+    switched off, D says so in a new hello on its command stream, and the leader releases the next
+    handle at once, with no move for D to refuse."""
     leader = await start_replica(etcd, prefix, policy={"policies": [{"name": "max_age", "max_age_s": 1}]})
     try:
         await eventually(lambda: _leads(leader), what="the eviction replica to lead")
@@ -274,12 +275,17 @@ async def test_the_leader_moves_an_aged_handle_to_host_memory_and_releases_it_wh
             assert coordinator.metrics.releases.labels("max_age", "max_age")._value.get() == 0
 
             d.post("/sim/host_tier", {"enabled": False})
+
+            async def refuses_moves() -> bool:
+                return not await _accepts_moves(leader, "d-host")
+
+            await eventually(refuses_moves, timeout_s=60, what="D's new hello, without moves")
             released = coordinator.metrics.releases.labels("max_age", "max_age")
-            await _turn(p, d, tokens(32, 100), "c-refused", max_tokens=50)
+            await _turn(p, d, tokens(32, 100), "c-released", max_tokens=50)
             await until(lambda: released._value.get() == 1, "the release", timeout_s=60)
-            assert await _gone(store, "c-refused")
-            assert coordinator.metrics.moves.labels("max_age", "max_age")._value.get() == 2
-            assert coordinator.metrics.commands_acked.labels("move", "error")._value.get() == 1
+            assert await _gone(store, "c-released")
+            assert coordinator.metrics.moves.labels("max_age", "max_age")._value.get() == 1
+            assert coordinator.metrics.commands_acked.labels("move", "error")._value.get() == 0
             assert d.metric("kvplane_sim_host_spills_total", outcome="moved") == 1
             assert await _in_tier(store, "c-aged", KvTier.HOST), "the age limit is not the host tier's"
     finally:
