@@ -69,6 +69,7 @@ from kvplane.bench.compare_fronts import (
     KVPLANE_DECODE_PREFILL,
     KVPLANE_EPP,
     KVPLANE_HOST_TIER,
+    KVPLANE_LOCAL_TOKENIZER,
     KVPLANE_OWN_RECORD,
     KVPLANE_SPREAD,
     KVPLANE_SPREAD_OWN_RECORD,
@@ -90,6 +91,7 @@ from kvplane.bench.compare_fronts import (
 )
 from kvplane.bench.compare_run import BlockResult, Engines, IdleWindow, idle_window, run_block
 from kvplane.bench.compare_workload import PROMPT_FORMATS, Workload, plan, rotation
+from kvplane.bench.machine_speed import python_loop_ns
 from kvplane.services.devstack.envoy import envoy_binary
 from kvplane.services.devstack.processes import ManagedProcess, run_until_stopped, stopped
 from kvplane.services.devstack.stack import DEMO_API_KEY, STACK_ENGINE_BLOCKS, Stack, start_stack
@@ -224,6 +226,8 @@ class StackPids:
     engines: dict[str, int]  # engine p0, ...
     # the decode-prefill gateway, kvplane's routing replica, serve metadata,eviction, etcd
     decode_prefill: dict[str, int]
+    # the local-tokenizer gateway, kvplane's routing replica, serve metadata,eviction, etcd
+    local_tokenizer: dict[str, int]
 
 
 def _stack_pids(stack: Stack) -> StackPids:
@@ -235,6 +239,7 @@ def _stack_pids(stack: Stack) -> StackPids:
     epp: dict[str, int] = {}
     engines: dict[str, int] = {}
     decode_prefill: dict[str, int] = {}
+    local_tokenizer: dict[str, int] = {}
     counts = {"prefill": 0, "decode": 0}
     for p in stack.processes:
         if p.proc is None:
@@ -245,8 +250,11 @@ def _stack_pids(stack: Stack) -> StackPids:
             name = "serve metadata,eviction"
             kvplane[name] = own_record[name] = colocated[name] = p.proc.pid
             spread[name] = spread_own_record[name] = epp[name] = decode_prefill[name] = p.proc.pid
+            local_tokenizer[name] = p.proc.pid
         elif p.name == "decode-prefill gateway":
             decode_prefill["decode-prefill gateway"] = p.proc.pid
+        elif p.name == "local-tokenizer gateway":
+            local_tokenizer["local-tokenizer gateway"] = p.proc.pid
         elif p.name == "colocated gateway":
             colocated["colocated gateway"] = p.proc.pid
         elif p.name.startswith("spread gateway "):
@@ -257,6 +265,7 @@ def _stack_pids(stack: Stack) -> StackPids:
             own_record["own-record gateway"] = p.proc.pid
         elif p.name == "kvplane serve routing (events)":
             kvplane["serve routing"] = epp["serve routing"] = decode_prefill["serve routing"] = p.proc.pid
+            local_tokenizer["serve routing"] = p.proc.pid
         elif p.name in ("envoy", "endpoint picker") or p.name.startswith("sidecar "):
             epp[p.name] = p.proc.pid
         elif p.name == "kvplane serve routing (own record)":
@@ -266,9 +275,28 @@ def _stack_pids(stack: Stack) -> StackPids:
             engines[f"{report.ENGINE_PREFIX}{role[0]}{counts[role]}"] = p.proc.pid
             counts[role] += 1
     if stack.etcd.proc is not None:
-        for charged in (kvplane, own_record, colocated, spread, spread_own_record, epp, decode_prefill):
+        for charged in (
+            kvplane,
+            own_record,
+            colocated,
+            spread,
+            spread_own_record,
+            epp,
+            decode_prefill,
+            local_tokenizer,
+        ):
             charged["etcd"] = stack.etcd.proc.pid
-    return StackPids(kvplane, own_record, colocated, spread, spread_own_record, epp, engines, decode_prefill)
+    return StackPids(
+        kvplane,
+        own_record,
+        colocated,
+        spread,
+        spread_own_record,
+        epp,
+        engines,
+        decode_prefill,
+        local_tokenizer,
+    )
 
 
 async def run_workload(key: str, config: CompareConfig, run_dir: Path, progress: Progress) -> WorkloadRun:
@@ -288,6 +316,7 @@ async def run_workload(key: str, config: CompareConfig, run_dir: Path, progress:
         spread_gateways=any(front in config.fronts for front in SPREAD_FRONTS),
         picker=KVPLANE_EPP in config.fronts and envoy_binary() is not None,
         decode_prefill_gateway=KVPLANE_DECODE_PREFILL in config.fronts,
+        local_tokenizer_gateway=KVPLANE_LOCAL_TOKENIZER in config.fronts,
         decode_num_blocks=engines_of.decode_num_blocks,
         decode_host_blocks=engines_of.decode_host_blocks,
         # Each front is charged what its deployment runs: metadata and eviction (which every
@@ -312,6 +341,7 @@ async def run_workload(key: str, config: CompareConfig, run_dir: Path, progress:
                 KVPLANE_SPREAD_OWN_RECORD: stack.spread_own_record_gateway_urls,
                 KVPLANE_DECODE_PREFILL: [stack.decode_prefill_gateway_url],
                 KVPLANE_HOST_TIER: [stack.gateway_url],
+                KVPLANE_LOCAL_TOKENIZER: [stack.local_tokenizer_gateway_url],
             }
             # Where each front is sent its turns, when not at the pages of its Route timings:
             # the picker times Route, Envoy takes the turns.
@@ -327,6 +357,7 @@ async def run_workload(key: str, config: CompareConfig, run_dir: Path, progress:
                 KVPLANE_EPP: pids_of.epp,
                 KVPLANE_DECODE_PREFILL: pids_of.decode_prefill,
                 KVPLANE_HOST_TIER: pids_of.kvplane,
+                KVPLANE_LOCAL_TOKENIZER: pids_of.local_tokenizer,
             }
             fronts: dict[str, Front] = {}
             skipped: dict[str, str] = {}
@@ -460,6 +491,9 @@ def _machine() -> dict[str, Any]:
         "loadavg": load,
         "platform": platform.platform(),
         "python": sys.version.split()[0],
+        # The machine's speed at the end of the run: records made on a slower host differ in
+        # every absolute figure (`machine_speed`).
+        "python_loop_ns": round(python_loop_ns(), 1),
     }
 
 
@@ -504,7 +538,8 @@ def render(config: CompareConfig, runs: Sequence[WorkloadRun]) -> str:
         f"{w.think_s:g} s between turns, {w.prompt_format} prompts; "
         f"concurrency {', '.join(map(str, config.concurrency))}; {config.repeats} repeats; "
         f"{PREFILL_NODES}P + {DECODE_NODES}D sim-engines (Qwen3-32B timing, speedup {config.speedup:g}); "
-        f"{machine['cpus']} CPUs, load average {' '.join(machine['loadavg'])} at the end",
+        f"{machine['cpus']} CPUs, load average {' '.join(machine['loadavg'])} at the end, "
+        f"a Python loop step {machine['python_loop_ns']:.0f} ns",
     ]
     for run in runs:
         out += ["", report.render(f"Workload {run.key}: {run.description}", run.rows, run.idle)]

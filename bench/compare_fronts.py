@@ -23,6 +23,9 @@
   set on, asking `kvplane`'s routing replica: a later turn that adds few tokens to what its D holds
   is prefilled by that D, with no P leg (decision `prefill_on_decode`). Since that setting is on by
   default, the same as `kvplane`; records made before differ (`PREFILL_ON_DECODE_FRONTS_BEFORE`).
+- `kvplane-local-tokenizer` (not run by default): kvplane's gateway with the sim-engine's
+  tokenizer files (`gateway.tokenizers`), asking `kvplane`'s routing replica: it tokenizes a text
+  prompt in its own process where `kvplane` asks P's `/tokenize`; the same with token-id prompts.
 - `kvplane-epp` (not run by default): kvplane as a Gateway API inference gateway's endpoint
   picker: Envoy with `kvplane epp` over ext_proc, and a `kvplane sidecar` beside each decode
   engine running the P and D legs; routed by the same routing replica as `kvplane`. Charged
@@ -68,6 +71,10 @@ KVPLANE_DECODE_PREFILL = "kvplane-decode-prefill"
 # front's): a D short of KV blocks moves retained handles to host memory instead of waiting for
 # the control plane to release them. Only where the workload gives D a host tier.
 KVPLANE_HOST_TIER = "kvplane-host-tier"
+# kvplane's gateway with the model's tokenizer files (`gateway.tokenizers`), on the same routing
+# replica as `kvplane`: it tokenizes a text prompt in its own process, where `kvplane` asks P's
+# /tokenize. Only text prompts (`--prompts text`) tell the two apart.
+KVPLANE_LOCAL_TOKENIZER = "kvplane-local-tokenizer"
 SELECTABLE_FRONTS = (
     *ALL_FRONTS,
     KVPLANE_OWN_RECORD,
@@ -75,6 +82,7 @@ SELECTABLE_FRONTS = (
     KVPLANE_EPP,
     KVPLANE_DECODE_PREFILL,
     KVPLANE_HOST_TIER,
+    KVPLANE_LOCAL_TOKENIZER,
 )
 # The fronts that are kvplane (they use etcd; their gateways, or the picker, time Route).
 KVPLANE_FRONTS = (
@@ -85,6 +93,7 @@ KVPLANE_FRONTS = (
     KVPLANE_EPP,
     KVPLANE_DECODE_PREFILL,
     KVPLANE_HOST_TIER,
+    KVPLANE_LOCAL_TOKENIZER,
 )
 # The fronts whose gateway (or picker) lets routing send a turn to its D alone
 # (`gateway.prefill_on_decode`, on by default): every kvplane front. A record says which of its

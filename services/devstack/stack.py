@@ -89,6 +89,9 @@ class Stack:
     # With `decode_prefill_gateway`: a gateway on the same routing replica as the gateway that lets
     # routing send a turn to its holder D alone (`gateway.prefill_on_decode`; "" without).
     decode_prefill_gateway_url: str = ""
+    # With `local_tokenizer_gateway`: a gateway on the same routing replica as the gateway that
+    # tokenizes text prompts in its own process, where every other front asks P's /tokenize ("" without).
+    local_tokenizer_gateway_url: str = ""
     # Every front's `gateway.prefill_on_decode` but the decode-prefill gateway's (None: the
     # gateway's default).
     gateway_prefill_on_decode: bool | None = None
@@ -113,9 +116,9 @@ class Stack:
     grpc_serves_routing: bool = True
     # The Prometheus pages of the `serve routing` replicas started apart from `serve all`.
     routing_metrics_urls: list[str] = field(default_factory=list)
-    # The sim-engine's tokenizer as Hugging Face files, which every front loads to tokenize text
-    # and chat prompts in its own process (`gateway.tokenizers`); "" where transformers is not
-    # installed: the fronts then ask P's /tokenize.
+    # The sim-engine's tokenizer as Hugging Face files, which the local-tokenizer gateway loads to
+    # tokenize text and chat prompts in its own process (`gateway.tokenizers`); "" where
+    # transformers is not installed.
     tokenizer_dir: str = ""
 
     @property
@@ -208,6 +211,7 @@ async def start_stack(
     picker: bool = False,
     prefill_num_blocks: int = STACK_ENGINE_BLOCKS,
     decode_prefill_gateway: bool = False,
+    local_tokenizer_gateway: bool = False,
     gateway_prefill_on_decode: bool | None = None,
     decode_num_blocks: int = STACK_ENGINE_BLOCKS,
     decode_host_blocks: int = 0,
@@ -243,6 +247,10 @@ async def start_stack(
     decode engines publish their events whenever `kv_events` is on).
     `gateway_prefill_on_decode`: `gateway.prefill_on_decode` of every front but the decode-prefill
     gateway (None: the gateway's default, on).
+    `local_tokenizer_gateway`: one more gateway, "local-tokenizer gateway", asking the gateway's
+    routing replica, that loads the sim-engine's tokenizer files (`gateway.tokenizers`) and
+    tokenizes text and chat prompts in its own process; every other front asks P's /tokenize. It
+    needs transformers (the tokenizer extra).
     `routing_apart`: each process is what one deployment runs, so that a comparison charges every
     front the processes it needs and no other: `serve metadata,eviction` in place of `serve all`,
     and the gateway's routing in a `serve routing` replica of its own (with `own_record_routing`,
@@ -275,7 +283,6 @@ async def start_stack(
         owns_run_dir=owns_run_dir,
         grpc_serves_routing=not routing_apart,
         gateway_prefill_on_decode=gateway_prefill_on_decode,
-        tokenizer_dir=_write_tokenizer(run_dir, progress),
     )
     try:
         services = await _start_services(
@@ -343,6 +350,14 @@ async def start_stack(
                 progress,
                 timeout_s,
                 prefill_on_decode=True,
+            )
+        if local_tokenizer_gateway:
+            stack.tokenizer_dir = _write_tokenizer(run_dir)
+            port = free_port()
+            stack.local_tokenizer_gateway_url = f"http://{host}:{port}"
+            name = "local-tokenizer gateway"
+            await _start_gateway(
+                stack, credentials, port, target, name, progress, timeout_s, local_tokenizer=True
             )
         if picker:
             await _start_picker_path(stack, credentials, progress, timeout_s)
@@ -519,12 +534,16 @@ async def _start_gateway(
     timeout_s: float,
     *,
     prefill_on_decode: bool | None = None,
+    local_tokenizer: bool = False,
 ) -> None:
     """A gateway that asks the routing replica at `routing_target` (`prefill_on_decode`: the
-    gateway's setting; None: its default)."""
+    gateway's setting; None: its default; `local_tokenizer`: it tokenizes with the stack's
+    tokenizer files in its own process, not by asking P's /tokenize)."""
     section: dict[str, object] = {"routing_token_file": credentials.token_file(GATEWAY)}
     if prefill_on_decode is not None:
         section["prefill_on_decode"] = prefill_on_decode
+    if local_tokenizer:
+        section["tokenizers"] = {DEMO_MODEL: stack.tokenizer_dir}
     await _run_gateway(
         stack,
         {"gateway": section},
@@ -593,13 +612,12 @@ async def _run_gateway(
     )
 
 
-def _write_tokenizer(run_dir: Path, progress: Callable[[str], None]) -> str:
-    """The sim-engine's tokenizer files in `run_dir`, for the fronts; "" without transformers."""
+def _write_tokenizer(run_dir: Path) -> str:
+    """The sim-engine's tokenizer files in `run_dir`, for the local-tokenizer gateway."""
     try:
         return str(write_tokenizer(run_dir / "tokenizer"))
-    except ImportError:
-        progress("transformers is not installed: the fronts ask P's /tokenize (tokenizer extra)")
-        return ""
+    except ImportError as exc:
+        raise StartupError(f"the local-tokenizer gateway needs transformers: {exc}") from None
 
 
 def _gateway_section(stack: Stack) -> dict[str, Any]:
@@ -613,11 +631,9 @@ def _gateway_section(stack: Stack) -> dict[str, Any]:
         # The engines' limits: what they would refuse, the gateway refuses before routing.
         "vocab_size": SimEngineSettings.vocab_size,
         "max_model_len": SimEngineSettings.max_model_len,
-        # Text and chat prompts are tokenized, so that routing sees their token ids (their digests
-        # and their prefix-cache block hashes): with the model's tokenizer files in the front's own
-        # process, else by an engine (vLLM's /tokenize).
+        # Text and chat prompts are tokenized by an engine (vLLM's /tokenize), so that routing
+        # sees their token ids: their digests and their prefix-cache block hashes.
         "tokenize_url": stack.prefill_url,
-        **({"tokenizers": {DEMO_MODEL: stack.tokenizer_dir}} if stack.tokenizer_dir else {}),
         "cache_salt_key": stack.cache_salt_key,
         **(
             {"prefill_on_decode": stack.gateway_prefill_on_decode}

@@ -19,7 +19,7 @@ tool calls: vLLM rewrites those before the template sees them), prompts truncate
 prompt's ids replace its text, so the directory must be the engine's own tokenizer.
 
 Loading happens once, at start, and fails there: a gateway configured with a tokenizer it cannot
-read does not start.
+read does not start. `token_ids` may run in any thread (the gateway calls it in one, off its loop).
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ engine never re-tokenizes a join between history and new text.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Callable, Mapping
@@ -90,7 +91,9 @@ async def routed_prompt(
             return RoutedPrompt(tuple(prompt), len(prompt))
     if local:
         start = time.perf_counter()
-        known = local.token_ids(body, chat)
+        # In a thread: the tokenizer (Rust) lets go of the GIL while it encodes, so the gateway's
+        # loop goes on relaying other turns' streams meanwhile (a long prompt takes milliseconds).
+        known = await asyncio.to_thread(local.token_ids, body, chat)
         if known:
             if timed is not None:
                 timed("local", time.perf_counter() - start)

@@ -25,6 +25,7 @@ from kvplane.bench.compare_fronts import (
     EXAMPLE_PROXY,
     KVPLANE,
     KVPLANE_COLOCATED,
+    KVPLANE_LOCAL_TOKENIZER,
     KVPLANE_OWN_RECORD,
     KVPLANE_SPREAD,
     KVPLANE_SPREAD_OWN_RECORD,
@@ -150,6 +151,9 @@ def test_the_json_has_every_row(runs: dict[str, compare.WorkloadRun], tmp_path: 
     text = compare.render(CONFIG, list(runs.values()))
     for front in FRONTS:
         assert f"| {front} | 1 |" in text
+    # The machine's speed goes with the figures, in the record and in the text.
+    speed = loaded["machine"]["python_loop_ns"]
+    assert speed > 0 and f"a Python loop step {speed:.0f} ns" in text
 
 
 def test_vllm_router_completes_every_turn(runs: dict[str, compare.WorkloadRun]) -> None:
@@ -193,11 +197,18 @@ async def test_sigterm_stops_every_process_the_comparison_started(tmp_path: Path
 
 
 async def test_text_prompts_reach_routing_as_token_ids_and_every_front_answers_them(tmp_path: Path) -> None:
-    """With text prompts each front does what it does with a user's text: kvplane's gateway
-    tokenizes it with the model's tokenizer files (the stack writes the sim-engine's), so routing
-    still proves and reuses D's history where P's cache keeps none (workload B), and what the
-    engines report adds up to the text the client sent, as the sim-engine's tokenizer counts it."""
-    fronts = (KVPLANE, REFERENCE, EXAMPLE_PROXY, *((VLLM_ROUTER,) if ROUTER_INSTALLED else ()))
+    """With text prompts each front does what it does with a user's text: kvplane's gateway asks an
+    engine's /tokenize, and the local-tokenizer gateway tokenizes in its own process with the
+    sim-engine's tokenizer files; through both, routing still proves and reuses D's history where
+    P's cache keeps none (workload B), and what the engines report adds up to the text the client
+    sent, as the sim-engine's tokenizer counts it."""
+    fronts = (
+        KVPLANE,
+        KVPLANE_LOCAL_TOKENIZER,
+        REFERENCE,
+        EXAMPLE_PROXY,
+        *((VLLM_ROUTER,) if ROUTER_INSTALLED else ()),
+    )
     config = dataclasses.replace(
         CONFIG,
         workloads=("B",),
@@ -212,13 +223,15 @@ async def test_text_prompts_reach_routing_as_token_ids_and_every_front_answers_t
     for row in run.rows:
         assert (row.turns_ok, row.failed, row.fallback) == (4, 0, 0), row
         assert row.split_adds_up and row.prefix_cache_tokens == 0, row
-    kvplane = _row(run, KVPLANE)
-    # The gateway tokenized once a turn in its own process (no engine asked), and timed it; with
-    # the ids, both later turns reused D's history (pulled to P, or prefilled on D itself).
-    assert kvplane.tokenize_per_turn == 1.0 and kvplane.tokenize_ms > 0, kvplane
-    assert kvplane.tokenize_local_share == 1.0, kvplane
-    reused = kvplane.decisions.get("pull", 0) + kvplane.decisions.get("prefill_on_decode", 0)
-    assert reused == kvplane.later_turns == 2, kvplane.decisions
-    assert _row(run, REFERENCE).pulled_tokens > 0
     text = compare.render(config, [run])
-    assert "text prompts" in text and f"({kvplane.tokenize_ms:.2f} local)" in text
+    for front, local_share, shown in ((KVPLANE, 0.0, ")"), (KVPLANE_LOCAL_TOKENIZER, 1.0, " local)")):
+        kvplane = _row(run, front)
+        # Tokenized once a turn (by the engine, or in the gateway's process) and timed; with the
+        # ids, both later turns reused D's history (pulled to P, or prefilled on D itself).
+        assert kvplane.tokenize_per_turn == 1.0 and kvplane.tokenize_ms > 0, kvplane
+        assert kvplane.tokenize_local_share == local_share, kvplane
+        reused = kvplane.decisions.get("pull", 0) + kvplane.decisions.get("prefill_on_decode", 0)
+        assert reused == kvplane.later_turns == 2, (front, kvplane.decisions)
+        assert f"({kvplane.tokenize_ms:.2f}{shown}" in text
+    assert _row(run, REFERENCE).pulled_tokens > 0
+    assert "text prompts" in text

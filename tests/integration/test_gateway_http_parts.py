@@ -269,6 +269,14 @@ async def test_a_batch_of_one_prompt_is_the_prompt(tokenizer: tuple[str, list[di
     }
 
 
+def test_the_bodys_add_special_tokens_reaches_tokenize() -> None:
+    # The ids replace a completions prompt's text: they must be the ones the engine would make of it.
+    bare = tokenize_request({"model": "m", "prompt": "once", "add_special_tokens": False}, chat=False)
+    assert bare == {"model": "m", "prompt": "once", "add_special_tokens": False}
+    chat = {"model": "m", "messages": [], "add_special_tokens": True}
+    assert tokenize_request(chat, chat=True)["add_special_tokens"] is True
+
+
 async def test_an_unknown_model_and_an_answer_without_token_ids_fail(
     tokenizer: tuple[str, list[dict[str, Any]]],
 ) -> None:
