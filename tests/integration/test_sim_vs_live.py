@@ -249,14 +249,19 @@ def test_the_simulator_orders_the_fronts_as_the_latest_comparison_does(
 
 
 # The same comparison with text prompts (`--prompts text`), at 8 and 32 in flight: kvplane's
-# gateway then asks an engine's /tokenize every turn, a hop the simulator does not model.
-TEXT_RECORD = "compare_text_2441473.json"
+# gateway then asks an engine's /tokenize every turn, a hop the simulator does not model. The
+# second ran beside them a gateway that tokenizes in its own process (not one of the fronts
+# compared here).
+TEXT_RECORDS = ("compare_text_2441473.json", "compare_text_local_d8627b7.json")
 
 
+@pytest.mark.parametrize("record", TEXT_RECORDS)
 @pytest.mark.parametrize("key", ["A", "B"])
 @pytest.mark.parametrize("concurrency", [8, 32])
-def test_the_simulator_orders_the_fronts_as_the_text_prompt_run_does(key: str, concurrency: int) -> None:
-    _assert_orders_as(RECORD.parent / TEXT_RECORD, LATEST_FRONTS, key, concurrency)
+def test_the_simulator_orders_the_fronts_as_the_text_prompt_run_does(
+    record: str, key: str, concurrency: int
+) -> None:
+    _assert_orders_as(RECORD.parent / record, LATEST_FRONTS, key, concurrency)
 
 
 @pytest.mark.parametrize("key", [pytest.param("A", marks=A_ROUTER_HOP), "B"])
