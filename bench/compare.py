@@ -223,11 +223,11 @@ class StackPids:
     # Envoy, the endpoint picker, the sidecars, kvplane's routing replica, serve
     # metadata,eviction, etcd
     epp: dict[str, int]
-    engines: dict[str, int]  # engine p0, ...
     # the decode-prefill gateway, kvplane's routing replica, serve metadata,eviction, etcd
     decode_prefill: dict[str, int]
     # the local-tokenizer gateway, kvplane's routing replica, serve metadata,eviction, etcd
     local_tokenizer: dict[str, int]
+    engines: dict[str, int]  # engine p0, ...
 
 
 def _stack_pids(stack: Stack) -> StackPids:
@@ -274,29 +274,12 @@ def _stack_pids(stack: Stack) -> StackPids:
             role = p.name.split()[0]
             engines[f"{report.ENGINE_PREFIX}{role[0]}{counts[role]}"] = p.proc.pid
             counts[role] += 1
+    # Every kvplane front is charged etcd; in StackPids' order, the engines last.
+    fronts = (kvplane, own_record, colocated, spread, spread_own_record, epp, decode_prefill, local_tokenizer)
     if stack.etcd.proc is not None:
-        for charged in (
-            kvplane,
-            own_record,
-            colocated,
-            spread,
-            spread_own_record,
-            epp,
-            decode_prefill,
-            local_tokenizer,
-        ):
+        for charged in fronts:
             charged["etcd"] = stack.etcd.proc.pid
-    return StackPids(
-        kvplane,
-        own_record,
-        colocated,
-        spread,
-        spread_own_record,
-        epp,
-        engines,
-        decode_prefill,
-        local_tokenizer,
-    )
+    return StackPids(*fronts, engines)
 
 
 async def run_workload(key: str, config: CompareConfig, run_dir: Path, progress: Progress) -> WorkloadRun:

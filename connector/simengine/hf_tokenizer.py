@@ -10,8 +10,8 @@ benchmarks exercise the same path a real model's tokenizer takes:
 - the chat template renders as `toy_tokenizer.render_chat` does, after ``<s>``, which vLLM's chat
   path (render, then tokenize without special tokens) turns into the BOS the sim-engine puts there.
 
-One difference is left: a text holding the literal ``<s>`` or ``</s>`` tokenizes to that special id
-here (as with a real model's tokenizer), and to its bytes in the sim-engine.
+One difference is left: a text holding the literal ``<pad>``, ``<s>`` or ``</s>`` tokenizes to that
+special id here (as with a real model's tokenizer), and to its bytes in the sim-engine.
 
 `kvplane sim-engine-tokenizer DIR` writes the files (`main`).
 """

@@ -116,9 +116,8 @@ class Stack:
     grpc_serves_routing: bool = True
     # The Prometheus pages of the `serve routing` replicas started apart from `serve all`.
     routing_metrics_urls: list[str] = field(default_factory=list)
-    # The sim-engine's tokenizer as Hugging Face files, which the local-tokenizer gateway loads to
-    # tokenize text and chat prompts in its own process (`gateway.tokenizers`); "" where
-    # transformers is not installed.
+    # With `local_tokenizer_gateway`: the sim-engine's tokenizer as Hugging Face files, which that
+    # gateway loads to tokenize text and chat prompts in its own process (`gateway.tokenizers`).
     tokenizer_dir: str = ""
 
     @property
@@ -631,8 +630,8 @@ def _gateway_section(stack: Stack) -> dict[str, Any]:
         # The engines' limits: what they would refuse, the gateway refuses before routing.
         "vocab_size": SimEngineSettings.vocab_size,
         "max_model_len": SimEngineSettings.max_model_len,
-        # Text and chat prompts are tokenized by an engine (vLLM's /tokenize), so that routing
-        # sees their token ids: their digests and their prefix-cache block hashes.
+        # Text and chat prompts are tokenized by an engine (vLLM's /tokenize), so that
+        # routing sees their token ids: their digests and their prefix-cache block hashes.
         "tokenize_url": stack.prefill_url,
         "cache_salt_key": stack.cache_salt_key,
         **(

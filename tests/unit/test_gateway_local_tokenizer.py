@@ -139,3 +139,16 @@ async def test_routing_gets_local_ids_without_asking_the_engine_and_the_engine_f
     # Only the turn with tools asked the engine.
     assert asked == [{"model": MODEL, "messages": CHAT, "add_generation_prompt": True, "tools": []}]
     assert timed == ["local", "local", "ok"]
+
+
+def test_a_tokenizer_that_fails_on_a_prompt_leaves_it_to_the_engine(
+    directory: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    local = LocalTokenizers({MODEL: str(directory)})
+
+    def failing(*_args: Any, **_kwargs: Any) -> list[int]:
+        raise RuntimeError("tokenizer bug")
+
+    monkeypatch.setattr(local._by_model[MODEL], "encode", failing)
+    assert local.token_ids({"model": MODEL, "prompt": "hi"}, chat=False) is None
+    assert local.token_ids({"model": MODEL, "messages": CHAT}, chat=True) is None
