@@ -401,6 +401,7 @@ class EvictionCoordinator:
         """
         demand = self.demands.get(node_id)
         released = 0
+        moves_before = self.mover.sent
         async with self._deciding:
             while term.active:
                 snapshot, _ = self.snapshot(now_ms(), only_node=node_id)
@@ -411,7 +412,8 @@ class EvictionCoordinator:
                 released += outcome.released
                 if outcome.released == 0:
                     break  # nothing could be released: the next report or round retries
-        if released and demand is not None:
+        # Answered by releases committed, or by moves sent (a node with a host tier).
+        if (released or self.mover.sent > moves_before) and demand is not None:
             self.metrics.demand_answer_seconds.observe(time.monotonic() - demand.received_s)
         return released
 

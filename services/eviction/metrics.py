@@ -99,7 +99,8 @@ class EvictionMetrics:
             ),
             demand_answer_seconds=Histogram(
                 "kvplane_eviction_demand_answer_seconds",
-                "From receiving a node's KV demand to its releases being committed in etcd",
+                "From receiving a node's KV demand to its releases being committed in etcd, or its "
+                "moves to the node's host tier sent",
                 registry=registry,
                 buckets=_DELIVERY_BUCKETS,
             ),

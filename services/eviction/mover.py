@@ -68,6 +68,8 @@ class Mover:
         self._wake = wake
         # Moves sent and not yet answered: command id -> the release it stands for.
         self._moving: dict[str, Release] = {}
+        # Moves sent in this leader's life (a demand round tells from it whether it moved any).
+        self.sent = 0
         # Moves the node started, until their relocation shows: command id -> (release, when
         # started, time.monotonic()). One still not relocated `settle_s` later is taken back.
         self._started: dict[str, tuple[Release, float]] = {}
@@ -119,6 +121,7 @@ class Mover:
         if not session.offer_move(command_id, release, handle.vllm.remote_request_id):
             return True
         self._moving[command_id] = release
+        self.sent += 1
         self.releaser.note_sent(release, command_id, now_ms())
         self.metrics.moves.labels(release.reason.value, release.policy).inc()
         log.info(

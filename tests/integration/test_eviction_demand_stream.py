@@ -56,10 +56,20 @@ async def _retain(store: Store, node: Node, count: int) -> list[str]:
     return conversations
 
 
-async def _connected_node(store: Store, replica: ServiceProcess, *, ack: bool) -> tuple[Node, CommandNode]:
+def _answers_timed(replica: ServiceProcess) -> float:
+    """How many demands the leader timed as answered (kvplane_eviction_demand_answer_seconds)."""
+    histogram = coordinator_of(replica).metrics.demand_answer_seconds
+    return sum(s.value for m in histogram.collect() for s in m.samples if s.name.endswith("_count"))
+
+
+async def _connected_node(
+    store: Store, replica: ServiceProcess, *, ack: bool, accepts_moves: bool = False
+) -> tuple[Node, CommandNode]:
     node = make_node("d0")
     await store.register_node(node, 30)
-    agent = CommandNode(node.node_id, node.incarnation, [target_of(replica)], ack=ack)
+    agent = CommandNode(
+        node.node_id, node.incarnation, [target_of(replica)], ack=ack, accepts_moves=accepts_moves
+    )
     agent.start()
     await eventually(_true_after(lambda: agent.connected), what="the node's stream")
     await eventually(
@@ -82,12 +92,33 @@ async def test_a_demand_releases_the_oldest_handles_until_it_is_covered_and_no_m
         agent.send_demand(BLOCKS_PER_MB + BLOCKS_PER_MB // 2)
         await eventually(_true_after(lambda: len(agent.applied) == 2), what="two release commands")
         assert agent.released_conversations() == {("acme", c) for c in conversations[:2]}
+        await eventually(_true_after(lambda: _answers_timed(leader) == 1), what="the answer timed")
         # The node frees them and reports no more demand: nothing else goes.
         agent.send_demand(0)
         agent.send_demand(0)
         await eventually(_true_after(lambda: "d0" not in coordinator.demands), what="the demand withdrawn")
         assert len(agent.applied) == 2
         assert {h.handle.conversation for h in coordinator.view.handles.values()} == set(conversations[2:])
+    finally:
+        await agent.stop()
+
+
+async def test_a_demand_on_a_node_that_takes_moves_is_answered_by_moves_and_timed(
+    store: Store, leader: ServiceProcess
+) -> None:
+    node, agent = await _connected_node(store, leader, ack=True, accepts_moves=True)
+    try:
+        conversations = await _retain(store, node, 5)
+        coordinator = coordinator_of(leader)
+        await eventually(
+            _true_after(lambda: len(coordinator.view.handles) == 5), what="the handles in the leader's view"
+        )
+        agent.send_demand(BLOCKS_PER_MB + BLOCKS_PER_MB // 2)
+        await eventually(_true_after(lambda: len(agent.moves) == 2), what="two move commands")
+        assert {m.conversation for m in agent.moves.values()} == set(conversations[:2])
+        assert agent.applied == {}
+        # The demand was answered, by moves: the leader's answer time counts it as it counts releases.
+        await eventually(_true_after(lambda: _answers_timed(leader) == 1), what="the answer timed")
     finally:
         await agent.stop()
 
