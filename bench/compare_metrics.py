@@ -40,6 +40,10 @@ ETCD_WRITES = ("etcd_mvcc_put_total", "etcd_mvcc_delete_total")
 GATEWAY_LEGS = ("tokenize", "route", "prefill", "decode")
 # kvplane's services time every etcd request they send, labelled by what it was for.
 SERVICES_ETCD = "kvplane_etcd_request_seconds_count"
+# The eviction leader's time from a node's KV demand to its answer (releases committed, moves sent).
+DEMAND_ANSWER = "kvplane_eviction_demand_answer_seconds"
+DEMAND_N, DEMAND_S, DEMAND_LE_1S = "demand:n", "demand:s", "demand:le_1s"
+_DEMAND_KEYS = {"_count": DEMAND_N, "_sum": DEMAND_S, "_bucket": DEMAND_LE_1S}
 # Polling of the waits between blocks.
 POLL_S = 0.1
 # A process has settled once its CPU moves less than this over one SETTLE_WINDOW_S.
@@ -160,12 +164,20 @@ async def etcd(session: aiohttp.ClientSession, client_url: str) -> Counters:
 
 
 def services_etcd_ops(text: str) -> Counters:
-    """The etcd requests kvplane's services sent, by operation (`op:<name>`, every outcome)."""
+    """The etcd requests kvplane's services sent, by operation (`op:<name>`, every outcome); and the
+    eviction leader's answers to the nodes' KV demand: how many (`demand:n`), their seconds
+    (`demand:s`) and how many took at most 1 s (`demand:le_1s`)."""
     out: Counters = {}
     for name, labels, value in samples(text):
         if name == SERVICES_ETCD:
             key = f"op:{labels.get('op', '?')}"
             out[key] = out.get(key, 0.0) + value
+        elif name.startswith(DEMAND_ANSWER):
+            demand = _DEMAND_KEYS.get(name[len(DEMAND_ANSWER) :])
+            if demand == DEMAND_LE_1S and float(labels.get("le", "nan")) != 1.0:
+                continue
+            if demand is not None:
+                out[demand] = out.get(demand, 0.0) + value
     return out
 
 

@@ -39,7 +39,17 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvplane.bench.compare_fronts import KVPLANE_FRONTS, REFERENCE
-from kvplane.bench.compare_metrics import COMPUTED_ON, FREED, HOST_MOVED, HOST_READ, TTFT_N, TTFT_S
+from kvplane.bench.compare_metrics import (
+    COMPUTED_ON,
+    DEMAND_LE_1S,
+    DEMAND_N,
+    DEMAND_S,
+    FREED,
+    HOST_MOVED,
+    HOST_READ,
+    TTFT_N,
+    TTFT_S,
+)
 from kvplane.bench.compare_run import BlockResult, IdleWindow, TurnRecord
 from kvplane.bench.live import CACHED, COMPUTED, DECODE_CACHED, PULLED
 
@@ -129,6 +139,11 @@ class Row:
     tokenize_per_turn: float = 0.0
     tokenize_ms: float = math.nan
     tokenize_local_share: float = 0.0
+    # The eviction leader's answers to the decode nodes' KV demand in the front's blocks: how many,
+    # the mean time to each (nan: none), and how many took longer than 1 s.
+    demand_answers: float = 0.0
+    demand_answer_ms: float = math.nan
+    demand_answers_over_1s: float = 0.0
 
     @property
     def prefill_spread(self) -> float:
@@ -222,6 +237,9 @@ def build_row(
     tokenize_s = sum(b.gateway.get("tokenize_s", 0.0) for b in blocks)
     tokenize_n = sum(b.gateway.get("tokenize_n", 0.0) for b in blocks)
     tokenize_local_n = sum(b.gateway.get("tokenize_local_n", 0.0) for b in blocks)
+    demand_n = sum(b.etcd.get(DEMAND_N, 0.0) for b in blocks)
+    demand_s = sum(b.etcd.get(DEMAND_S, 0.0) for b in blocks)
+    demand_within_1s = sum(b.etcd.get(DEMAND_LE_1S, 0.0) for b in blocks)
     seen = sum(sources.get(source, 0.0) for source in (PULLED, CACHED, DECODE_CACHED, COMPUTED))
     decisions: Counter[str] = Counter()
     for b in blocks:
@@ -279,6 +297,9 @@ def build_row(
         tokenize_per_turn=tokenize_n / n_ok,
         tokenize_ms=tokenize_s / tokenize_n * 1e3 if tokenize_n else math.nan,
         tokenize_local_share=tokenize_local_n / tokenize_n if tokenize_n else 0.0,
+        demand_answers=demand_n,
+        demand_answer_ms=demand_s / demand_n * 1e3 if demand_n else math.nan,
+        demand_answers_over_1s=demand_n - demand_within_1s,
     )
 
 
@@ -454,6 +475,17 @@ def host_tier_line(table: Sequence[Row]) -> str:
     return "decode host tier: " + "; ".join(parts) if parts else ""
 
 
+def demand_line(table: Sequence[Row]) -> str:
+    """The eviction leader's answers to KV demand, per row that had any."""
+    parts = [
+        f"{r.front} c={r.concurrency}: {r.demand_answers:.0f} (mean {_f(r.demand_answer_ms)} ms, "
+        f"{r.demand_answers_over_1s:.0f} over 1 s)"
+        for r in table
+        if r.demand_answers
+    ]
+    return "KV demand answered by the eviction leader: " + "; ".join(parts) if parts else ""
+
+
 def decode_frees_line(table: Sequence[Row]) -> str:
     parts = []
     for r in table:
@@ -470,7 +502,7 @@ def render(title: str, table: Sequence[Row], idle: IdleWindow | None) -> str:
     out += etcd_lines(table)
     if line := decisions_line(table):
         out.append(line)
-    for line in (host_tier_line(table), decode_frees_line(table)):
+    for line in (host_tier_line(table), demand_line(table), decode_frees_line(table)):
         if line:
             out.append(line)
     for r in table:

@@ -21,7 +21,7 @@ from kvplane.bench.compare_metrics import (
     services_etcd,
     services_etcd_ops,
 )
-from kvplane.bench.compare_report import host_tier_line, percentile
+from kvplane.bench.compare_report import demand_line, host_tier_line, percentile
 from kvplane.bench.compare_report import rows as report_rows
 from kvplane.bench.compare_run import BlockResult, IdleWindow, TurnRecord
 from kvplane.bench.compare_workload import (
@@ -171,6 +171,33 @@ def test_etcd_above_other_fronts_subtracts_their_rate_over_kvplanes_time() -> No
     assert kv.etcd_rpcs_per_turn == {"Txn": 4.0} and kv.etcd_ops_per_turn == {"publish": 1.0}
     # A front that never uses etcd is measured against the others like it, never against kvplane.
     assert rows["example-proxy"].etcd_requests_per_turn_above_others == (30 - 10 / 5 * 15) / 100
+
+
+def test_the_leaders_answers_to_kv_demand_are_counted_timed_and_reported_per_row() -> None:
+    page = (
+        "# TYPE kvplane_eviction_demand_answer_seconds histogram\n"
+        'kvplane_eviction_demand_answer_seconds_bucket{le="0.5"} 2.0\n'
+        'kvplane_eviction_demand_answer_seconds_bucket{le="1.0"} 2.0\n'
+        'kvplane_eviction_demand_answer_seconds_bucket{le="2.5"} 3.0\n'
+        'kvplane_eviction_demand_answer_seconds_bucket{le="+Inf"} 3.0\n'
+        "kvplane_eviction_demand_answer_seconds_count 3.0\n"
+        "kvplane_eviction_demand_answer_seconds_sum 2.1\n"
+        "# TYPE kvplane_etcd_request_seconds histogram\n"
+        'kvplane_etcd_request_seconds_count{op="publish"} 4.0\n'
+        'kvplane_etcd_request_seconds_sum{op="publish"} 0.1\n'
+    )
+    counts = services_etcd_ops(page)
+    assert counts == {"op:publish": 4.0, "demand:n": 3.0, "demand:s": 2.1, "demand:le_1s": 2.0}
+    block = _block(KVPLANE, requests=0, seconds=10, turns=4)
+    block.etcd.update(counts)
+    (row,) = report_rows([block], {KVPLANE: []}, None)
+    assert (row.demand_answers, row.demand_answers_over_1s) == (3.0, 1.0)
+    assert math.isclose(row.demand_answer_ms, 700.0)
+    assert row.etcd_ops_per_turn == {"publish": 1.0}  # the demand keys are not etcd operations
+    line = "KV demand answered by the eviction leader: kvplane c=32: 3 (mean 700.0 ms, 1 over 1 s)"
+    assert demand_line([row]) == line
+    (quiet,) = report_rows([_block(KVPLANE, requests=0, seconds=10, turns=4)], {KVPLANE: []}, None)
+    assert demand_line([quiet]) == ""
 
 
 def test_prefill_spread_is_the_busiest_engines_computed_tokens_over_the_mean() -> None:
