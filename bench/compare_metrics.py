@@ -164,26 +164,36 @@ async def etcd(session: aiohttp.ClientSession, client_url: str) -> Counters:
 
 
 def services_etcd_ops(text: str) -> Counters:
-    """The etcd requests kvplane's services sent, by operation (`op:<name>`, every outcome); and the
-    eviction leader's answers to the nodes' KV demand: how many (`demand:n`), their seconds
-    (`demand:s`) and how many took at most 1 s (`demand:le_1s`)."""
+    """The etcd requests kvplane's services sent, by operation (`op:<name>`, every outcome)."""
     out: Counters = {}
     for name, labels, value in samples(text):
         if name == SERVICES_ETCD:
             key = f"op:{labels.get('op', '?')}"
             out[key] = out.get(key, 0.0) + value
-        elif name.startswith(DEMAND_ANSWER):
-            demand = _DEMAND_KEYS.get(name[len(DEMAND_ANSWER) :])
-            if demand == DEMAND_LE_1S and float(labels.get("le", "nan")) != 1.0:
-                continue
-            if demand is not None:
-                out[demand] = out.get(demand, 0.0) + value
     return out
 
 
+def demand_answers(text: str) -> Counters:
+    """The eviction leader's answers to the nodes' KV demand: how many (`demand:n`), their seconds
+    (`demand:s`) and how many took at most 1 s (`demand:le_1s`)."""
+    out: Counters = {}
+    for name, labels, value in samples(text):
+        demand = _DEMAND_KEYS.get(name[len(DEMAND_ANSWER) :]) if name.startswith(DEMAND_ANSWER) else None
+        if demand is None or (demand == DEMAND_LE_1S and float(labels.get("le", "nan")) != 1.0):
+            continue
+        out[demand] = out.get(demand, 0.0) + value
+    return out
+
+
+def services_counts(text: str) -> Counters:
+    """What a kvplane process's page says about the control plane: its etcd requests by operation
+    and, from the eviction leader, its answers to KV demand."""
+    return {**services_etcd_ops(text), **demand_answers(text)}
+
+
 async def services_etcd(session: aiohttp.ClientSession, metrics_urls: Sequence[str]) -> Counters:
-    """The etcd requests every one of kvplane's processes at `metrics_urls` sent, by operation."""
-    return await _summed(session, metrics_urls, services_etcd_ops)
+    """`services_counts` of every one of kvplane's processes at `metrics_urls`, summed."""
+    return await _summed(session, metrics_urls, services_counts)
 
 
 def gateway_leg_counts(text: str) -> Counters:

@@ -401,8 +401,9 @@ class EvictionCoordinator:
         """
         demand = self.demands.get(node_id)
         released = 0
-        moves_before = self.mover.sent
         async with self._deciding:
+            # Read under the lock: a policy round that held it may have sent moves of its own.
+            moves_before = self.mover.sent
             while term.active:
                 snapshot, _ = self.snapshot(now_ms(), only_node=node_id)
                 releases = self.mover.split(self.pipeline.for_demand(snapshot, node_id))

@@ -46,13 +46,15 @@ def _true_after(predicate):  # type: ignore[no-untyped-def]
     return probe
 
 
-async def _retain(store: Store, node: Node, count: int) -> list[str]:
-    """`count` 1 MiB handles on `node`, published oldest first."""
+async def _retain(store: Store, leader: ServiceProcess, node: Node, count: int) -> list[str]:
+    """`count` 1 MiB handles on `node`, published oldest first; returns once the leader sees them."""
     conversations = []
     for i in range(count):
         conversation = f"conv-{i}-{uuid.uuid4().hex[:6]}"
         await store.publish_handle(make_handle(node, "acme", conversation, retained_bytes=MB))
         conversations.append(conversation)
+    view = coordinator_of(leader).view
+    await eventually(_true_after(lambda: len(view.handles) == count), what="the handles in the leader's view")
     return conversations
 
 
@@ -83,11 +85,8 @@ async def test_a_demand_releases_the_oldest_handles_until_it_is_covered_and_no_m
 ) -> None:
     node, agent = await _connected_node(store, leader, ack=True)
     try:
-        conversations = await _retain(store, node, 5)
+        conversations = await _retain(store, leader, node, 5)
         coordinator = coordinator_of(leader)
-        await eventually(
-            _true_after(lambda: len(coordinator.view.handles) == 5), what="the handles in the leader's view"
-        )
         # 1.5 MiB wanted: two 1 MiB handles, the two oldest (equal in all else).
         agent.send_demand(BLOCKS_PER_MB + BLOCKS_PER_MB // 2)
         await eventually(_true_after(lambda: len(agent.applied) == 2), what="two release commands")
@@ -108,11 +107,7 @@ async def test_a_demand_on_a_node_that_takes_moves_is_answered_by_moves_and_time
 ) -> None:
     node, agent = await _connected_node(store, leader, ack=True, accepts_moves=True)
     try:
-        conversations = await _retain(store, node, 5)
-        coordinator = coordinator_of(leader)
-        await eventually(
-            _true_after(lambda: len(coordinator.view.handles) == 5), what="the handles in the leader's view"
-        )
+        conversations = await _retain(store, leader, node, 5)
         agent.send_demand(BLOCKS_PER_MB + BLOCKS_PER_MB // 2)
         await eventually(_true_after(lambda: len(agent.moves) == 2), what="two move commands")
         assert {m.conversation for m in agent.moves.values()} == set(conversations[:2])
@@ -128,11 +123,8 @@ async def test_a_repeated_demand_is_not_answered_twice_while_its_releases_are_un
 ) -> None:
     node, agent = await _connected_node(store, leader, ack=False)
     try:
-        await _retain(store, node, 5)
+        await _retain(store, leader, node, 5)
         coordinator = coordinator_of(leader)
-        await eventually(
-            _true_after(lambda: len(coordinator.view.handles) == 5), what="the handles in the leader's view"
-        )
         agent.send_demand(BLOCKS_PER_MB)
         await eventually(_true_after(lambda: len(agent.applied) == 1), what="one release command")
         # The node has not acknowledged (not applied, as far as the leader knows): the same
@@ -165,9 +157,8 @@ async def test_a_demand_from_another_incarnation_releases_nothing(
 ) -> None:
     node, agent = await _connected_node(store, leader, ack=True)
     try:
-        await _retain(store, node, 2)
+        await _retain(store, leader, node, 2)
         coordinator = coordinator_of(leader)
-        await eventually(_true_after(lambda: len(coordinator.view.handles) == 2), what="the handles")
         coordinator.on_demand(node.node_id, "an-earlier-life", 10 * BLOCKS_PER_MB, 0)
         assert node.node_id not in coordinator.demands
         assert await coordinator.answer_demand(node.node_id, coordinator.term) == 0  # type: ignore[arg-type]

@@ -77,15 +77,15 @@ class ScriptedEngine:
     failures: list[int] = field(default_factory=list)
     # Streaming: break the connection after this many events.
     cut_after: int | None = None
-    # Streaming: pause between events, seconds; and whether the client went away meanwhile.
-    pause_s: float = 0.0
+    # When set, the answer is still being generated until the test opens this gate: a streamed
+    # answer waits after its first event, a whole answer before it is sent. `aborted` says the
+    # client went away meanwhile.
+    generating: asyncio.Event | None = None
     aborted: bool = False
     # Close the connection of the next this-many POSTs without answering, as a dying engine does.
     drop_next: int = 0
     # Whether it offers vLLM's /tokenize (the sim-engine does not).
     tokenizes: bool = True
-    # Non-streaming: how long the answer takes, seconds.
-    answer_delay_s: float = 0.0
     # Streaming: when set, the body ends (after `data: [DONE]`) only once the test opens this gate,
     # in a write of its own, as uvicorn under vLLM ends a response; each end closes it again.
     end_gate: asyncio.Event | None = None
@@ -152,7 +152,8 @@ class ScriptedEngine:
             return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": P_PARAMS})
         if not body.get("stream"):
             try:
-                await asyncio.sleep(self.answer_delay_s)  # a long generation
+                if self.generating is not None:
+                    await self.generating.wait()
             except asyncio.CancelledError:
                 self.aborted = True
                 raise
@@ -176,8 +177,8 @@ class ScriptedEngine:
                 chunk["kv_transfer_params"] = self.handle
             try:
                 await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-                if self.pause_s:
-                    await asyncio.sleep(self.pause_s)  # a slow decode step
+                if self.generating is not None:
+                    await self.generating.wait()
             except ConnectionResetError:
                 self.aborted = True
                 return resp
@@ -392,7 +393,7 @@ async def test_prefill_rejecting_the_request_is_not_retried(front: Front) -> Non
 
 
 async def test_client_leaving_midway_aborts_the_decode_leg(front: Front) -> None:
-    front.decode.pause_s = 0.5
+    front.decode.generating = asyncio.Event()  # never set: the answer is still coming when the client leaves
     async with front.session.post(
         front.gateway.url + "/v1/chat/completions",
         json={**CHAT, "stream": True},
@@ -413,7 +414,7 @@ async def test_client_leaving_midway_aborts_the_decode_leg(front: Front) -> None
 
 
 async def test_client_leaving_a_non_streaming_request_aborts_the_decode_leg(front: Front) -> None:
-    front.decode.answer_delay_s = 30
+    front.decode.generating = asyncio.Event()  # never set: the answer never comes
     with pytest.raises(TimeoutError):
         await front.session.post(
             front.gateway.url + "/v1/chat/completions",
