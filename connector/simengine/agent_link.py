@@ -11,7 +11,8 @@ does inside vLLM, with the same helpers:
   conversation keys it is published through the node agent, and reported
   released when freed. A handle moved to the host tier is published again as a
   relocation of the one before (``CacheHandle.relocates_handle_id``): new blocks,
-  tier HOST, the same request.
+  tier HOST, the same request; the publish's outcome settles the move (the engine
+  frees the cache blocks only once the relocation is stored).
 
 ``start_node_agent`` registers the engine as a node (same incarnation as the
 engine's lease stamps), reports its load when it changes (and every
@@ -27,7 +28,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from opentelemetry import propagate
@@ -106,10 +107,13 @@ class ConnectorObserver:
         if self._held.pop(request_id, None) is not None and self.agent is not None:
             self.agent.report_released(request_id)
 
-    def on_handle_moved(self, request_id: str, kv_transfer_params: dict[str, Any]) -> None:
+    def on_handle_moved(
+        self, request_id: str, kv_transfer_params: dict[str, Any], settle: Callable[[bool], None]
+    ) -> None:
         was = self._held.get(request_id)
-        if was is None:
-            return  # never published: nobody is told where it went
+        if was is None or self.agent is None:
+            settle(True)  # never published: nobody can check it out, nobody is told where it went
+            return
         block_ids = tuple(tuple(int(b) for b in group) for group in kv_transfer_params["remote_block_ids"])
         # The host tier offers it longer than D's TTL: the wall-clock expiry moves as the engine's.
         expiry = kv_transfer_params.get("remote_blocks_expiry_time")
@@ -126,8 +130,8 @@ class ConnectorObserver:
             wall_expiry_unix_ms=was.wall_expiry_unix_ms + longer_ms,
         )
         self._held[request_id] = dataclasses.replace(moved, relocates_handle_id="")
-        if self.agent is not None:
-            self.agent.publish(moved, {})
+        # The engine frees the cache blocks once the control plane stores the relocation.
+        self.agent.publish(moved, {}, on_outcome=settle)
 
 
 def node_for(engine: SimEngine, http_url: str) -> Node:

@@ -24,7 +24,7 @@ own).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -82,9 +82,13 @@ class EngineObserver(Protocol):
     def on_blocks_freed(self, request_id: str) -> None:
         """A retained handle's blocks were freed: read by P, expired, or released early."""
 
-    def on_handle_moved(self, request_id: str, kv_transfer_params: dict[str, Any]) -> None:
-        """D moved a retained handle's blocks to its host tier: ``kv_transfer_params`` names the
-        same request and tokens on the new blocks. Their cache blocks are already free."""
+    def on_handle_moved(
+        self, request_id: str, kv_transfer_params: dict[str, Any], settle: Callable[[bool], None]
+    ) -> None:
+        """D copied a retained handle's blocks to its host tier: ``kv_transfer_params`` names the
+        same request and tokens on the new blocks. ``settle(stored)``, once, from any thread, says
+        whether the handle now lives there (its cache blocks are then freed) or stays where it
+        is (the control plane refused the relocation: someone checked it out or released it)."""
 
 
 class EngineControl(Protocol):
@@ -126,5 +130,7 @@ class NullObserver:
     def on_blocks_freed(self, request_id: str) -> None:
         return None
 
-    def on_handle_moved(self, request_id: str, kv_transfer_params: dict[str, Any]) -> None:
-        return None
+    def on_handle_moved(
+        self, request_id: str, kv_transfer_params: dict[str, Any], settle: Callable[[bool], None]
+    ) -> None:
+        settle(True)  # nobody else hands it out: nothing can refuse the move

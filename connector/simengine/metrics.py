@@ -110,8 +110,9 @@ class SimEngineMetrics:
         )
         self.spills = Counter(
             "kvplane_sim_host_spills",
-            "Handles moved to the host tier (moved), or not: read or freed during the copy"
-            " (freed_first), larger than the whole tier (no_room); copies made ahead of a move"
+            "Handles moved to the host tier, their relocation stored (moved), or not: read or freed"
+            " during the copy (freed_first), larger than the whole tier (no_room), relocation"
+            " refused by the control plane or never published (refused); copies made ahead of a move"
             " (copied_ahead), or not for want of room (no_room_ahead)",
             [*names, "outcome"],
             registry=r,

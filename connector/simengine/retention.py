@@ -12,11 +12,14 @@ incarnation, request id), so a reader can tell blocks leased to its handle from 
 observer hears of every D handle kept, moved and freed.
 
 With a host tier (``host_kv_blocks``), a request short of cache blocks does not wait for the
-control plane first: ``spill`` moves D handles to host blocks (after the modelled copy time),
-frees their cache blocks, and tells the observer the handle's new blocks, which the connector
-publishes as a relocation of the handle. Same request id, same stamp: a reader of the new blocks
-checks them as it would the old ones; a reader that took the old handle before the relocation
-reads cache blocks no longer stamped for it, and recomputes. A moved handle is offered until
+control plane first: ``spill`` moves D handles to host blocks (after the modelled copy time) and
+tells the observer the handle's new blocks, which the connector publishes as a relocation of the
+handle. Same request id, same stamp: a reader of the new blocks checks them as it would the old
+ones. The cache blocks are freed only once the control plane has stored the relocation (the
+observer's ``settle``), as the vLLM connector frees GPU blocks: until then a turn may still check
+the old handle out and read them. A relocation it refuses (the handle was checked out, released
+or superseded first) gives the host blocks back and leaves the cache blocks to whatever got
+there first; that handle never moves again. A moved handle is offered until
 ``host_kv_ttl_s`` after its turn ended (D's TTL, if longer). A host tier that is full frees
 handles there (``host_full``) to make room. Both go in the control plane's value order, least
 expected reuse per byte first, as its leader last sent it (``set_spill_order``); the handles the
@@ -89,6 +92,10 @@ class _Retained:
     tier: Tier = "device"
     # Host blocks holding a whole copy of a handle still in the KV cache (`host_copy_ahead`).
     copy: list[int] | None = None
+    # Host blocks published as its new place, while the control plane has not answered yet.
+    moving_to: list[int] | None = None
+    # Its relocation was refused: whoever checked it out or released it frees it; never moved.
+    stays: bool = False
 
 
 class Retention:
@@ -111,6 +118,9 @@ class Retention:
         # agent's thread reads the count, one int).
         self._spilling: dict[str, asyncio.Task[None]] = {}
         self._spilling_blocks = 0
+        # Cache blocks of handles whose relocation the control plane has not answered yet (the
+        # event-loop thread writes it; the agent's thread reads one int).
+        self._settling_blocks = 0
         # Copies ahead under way, and the handles whose copy is whole, oldest first (event-loop
         # thread).
         self._copying: dict[str, asyncio.Task[None]] = {}
@@ -143,8 +153,9 @@ class Retention:
 
     @property
     def spilling_blocks(self) -> int:
-        """Cache blocks of handles being moved to the host tier: free once the copies end. Any thread."""
-        return self._spilling_blocks
+        """Cache blocks of handles being moved to the host tier: free once the copies end and the
+        control plane stores the relocations. Any thread."""
+        return self._spilling_blocks + self._settling_blocks
 
     @property
     def count(self) -> int:
@@ -196,19 +207,21 @@ class Retention:
             self._copy_ahead(r)
         return params
 
-    def _params(self, r: _Retained) -> dict[str, Any]:
-        """What a reader of `r`'s blocks needs, where they are now."""
+    def _params(
+        self, r: _Retained, block_ids: list[int] | None = None, expiry: float | None = None
+    ) -> dict[str, Any]:
+        """What a reader of `r`'s blocks needs, where they are now (or at `block_ids`, until `expiry`)."""
         h = self.holder
         return holder_params(
             as_decode_handle=r.kind == "decode_handle",
             engine_id=h.engine_id,
             incarnation=h.incarnation,
             request_id=r.request_id,
-            block_ids=r.block_ids,
+            block_ids=r.block_ids if block_ids is None else block_ids,
             host=self.settings.advertised_side_channel_host,
             port=h.side_channel_port,
             num_tokens=r.num_tokens,
-            expiry_time=r.expiry,
+            expiry_time=r.expiry if expiry is None else expiry,
         )
 
     # -- the control-plane seam (EngineControl) ---------------------------
@@ -216,7 +229,7 @@ class Retention:
     def release_early(self, request_id: str) -> bool:
         held = self._retained.get(request_id)
         # Blocks being copied to the host tier already count as on their way (`spilling_blocks`).
-        if held is not None and held.tier == "device" and request_id not in self._spilling:
+        if held is not None and held.tier == "device" and not self._moving(held):
             # Counted as on its way before the command is acknowledged: a demand report sent
             # after the ack must not ask for these blocks again.
             with self._freeing_lock:
@@ -267,6 +280,7 @@ class Retention:
                 "expires_in_s": r.expiry - now,
                 "tier": r.tier,
                 "host_copy": r.copy is not None,
+                "moving_to_host": r.moving_to is not None,
             }
             for r in self._retained.values()
         ]
@@ -300,7 +314,7 @@ class Retention:
         Event-loop thread, inside the engine's loop."""
         if not self._can_spill():
             return 0
-        planned = self._spilling_blocks
+        planned = self.spilling_blocks
         for r in self._in_spill_order("device"):
             if planned >= blocks:
                 break
@@ -315,7 +329,7 @@ class Retention:
         held = self._retained.get(request_id)
         if not self._can_spill():
             return "the host tier is off or the engine is draining"
-        if held is None or held.tier != "device" or request_id in self._spilling:
+        if held is None or held.tier != "device" or self._moving(held) or held.stays:
             return ""
         if held.kind != "decode_handle" or len(held.block_ids) > self.pool.host_blocks:
             return f"{request_id} cannot move to a host tier of {self.pool.host_blocks} blocks"
@@ -335,11 +349,15 @@ class Retention:
     def _can_spill(self) -> bool:
         return self.pool.host_blocks > 0 and not self._draining and self.host_tier_enabled
 
+    def _moving(self, r: _Retained) -> bool:
+        """Whether `r` is on its way to the host tier: being copied, or its relocation unanswered."""
+        return r.request_id in self._spilling or r.moving_to is not None
+
     def _start_spill(self, r: _Retained) -> bool:
         """Starts moving `r` to the host tier, if it is a D handle in the KV cache not already
-        on its way there that the tier can hold; True if it did (a handle with a whole copy ahead
-        moves at once). Event-loop thread."""
-        if r.kind != "decode_handle" or r.tier != "device" or r.request_id in self._spilling:
+        on its way there, nor refused a move, that the tier can hold; True if it did (a handle
+        with a whole copy ahead is relocated at once). Event-loop thread."""
+        if r.kind != "decode_handle" or r.tier != "device" or self._moving(r) or r.stays:
             return False
         if len(r.block_ids) > self.pool.host_blocks:
             return False
@@ -396,22 +414,50 @@ class Retention:
         self._relocate(r, copied)
 
     def _relocate(self, r: _Retained, host: list[int]) -> None:
-        """`r` lives in `host`, a whole copy of its cache blocks, from now on: the cache blocks are
-        freed and the observer hears of the handle's new blocks. Event-loop thread."""
-        device, r.block_ids, r.tier = r.block_ids, host, "host"
-        # Offered longer in host memory than D's TTL holds cache blocks (`host_kv_ttl_s`).
+        """`r` is proposed to live in `host`, a whole copy of its cache blocks: the observer hears
+        of the handle's new blocks, and `_settle` carries out the control plane's answer. Its
+        cache blocks count as on their way meanwhile. Event-loop thread."""
+        r.moving_to = host
+        self._settling_blocks += len(r.block_ids)
+        params = self._params(r, host, self._host_expiry(r))
+
+        def settle(stored: bool) -> None:
+            # Any thread, once: the observer's answer for this relocation.
+            self._on_loop(self._settle, r, host, stored)
+
+        try:
+            self.observer.on_handle_moved(r.request_id, params, settle)
+        except Exception:
+            log.exception("observer failed in on_handle_moved")
+            self._settle(r, host, False)
+
+    def _host_expiry(self, r: _Retained) -> float:
+        """`r`'s expiry once in host memory: offered longer there than D's TTL holds cache blocks
+        (`host_kv_ttl_s`), never shorter."""
         s = self.settings
-        r.expiry = max(r.expiry, r.expiry - s.decoder_kv_blocks_ttl + s.host_kv_ttl_s)
+        return max(r.expiry, r.expiry - s.decoder_kv_blocks_ttl + s.host_kv_ttl_s)
+
+    def _settle(self, r: _Retained, host: list[int], stored: bool) -> None:
+        """The control plane stored `r`'s relocation to `host` (its cache blocks are freed, it
+        lives in `host` from now on) or refused it (`host` is given back; it stays where it is,
+        for whoever got there first, and never moves again). Event-loop thread."""
+        if r.moving_to is not host:
+            return  # freed meanwhile (`_free` gave `host` back), or answered already
+        r.moving_to = None
+        self._settling_blocks -= len(r.block_ids)
+        if not stored:
+            r.stays = True
+            self.pool.host_give(host)
+            self.metrics.spill("refused")
+            return
+        device, r.block_ids, r.tier = r.block_ids, host, "host"
+        r.expiry = self._host_expiry(r)
         self._retained_bytes -= r.nbytes
         self._host_bytes += r.nbytes
         self.pool.unlease(device, r.stamp)
         self.pool.release(device)
         self.blocks_freed.set()
         self.metrics.spill("moved")
-        try:
-            self.observer.on_handle_moved(r.request_id, self._params(r))
-        except Exception:
-            log.exception("observer failed in on_handle_moved")
 
     def _copy_ahead(self, r: _Retained) -> None:
         """Starts copying a handle just kept to the host tier, where `host_copy_ahead` is on and
@@ -481,6 +527,11 @@ class Retention:
             self._copied.pop(request_id, None)
             self.pool.host_give(r.copy)
             r.copy = None
+        if r.moving_to is not None:
+            # Its relocation is unanswered: the answer, when it comes, finds nothing to do.
+            self.pool.host_give(r.moving_to)
+            self._settling_blocks -= len(r.block_ids)
+            r.moving_to = None
         if r.tier == "host":
             self._host_bytes -= r.nbytes
             self.pool.host_give(r.block_ids)

@@ -150,6 +150,47 @@ async def test_a_short_d_moves_a_handle_to_host_memory_and_the_next_turn_pulls_i
     assert stale["choices"][0]["token_ids"] == pr["choices"][0]["token_ids"]
 
 
+async def test_a_turn_that_checked_a_handle_out_before_d_moved_it_still_pulls_it_from_ds_cache(
+    tmp_path: Path, metadata_process: ServiceProcess, store: Store
+) -> None:
+    """Routing checks a handle out just as D, short of blocks, moves it to host memory: the control
+    plane refuses the relocation, so D keeps the cache blocks for the turn that took them, and that
+    turn's P pulls them whole instead of failing their check and recomputing."""
+    specs = _specs(f"127.0.0.1:{metadata_process.grpc_port}")
+    # The other conversation waits for the race's blocks until P reads them: however slow this machine.
+    specs["D"] = dataclasses.replace(specs["D"], kv_wait_timeout_s=300)
+    with engines(tmp_path, {"P": specs["P"], "REF": specs["REF"], "D": specs["D"]}) as started:
+        p, ref, d = started["P"], started["REF"], started["D"]
+        prompt = tokens(41, 200)
+        _, first = await _turn(p, d, prompt, "c-race")
+        rid = first["kv_transfer_params"]["remote_request_id"]
+        await eventually(lambda: _in_tier(store, "c-race", KvTier.DEVICE), timeout_s=60, what="the publish")
+        await eventually(lambda: _copied_ahead(d, rid), timeout_s=60, what="the copy ahead")
+        checked = await store.check_out("acme", "c-race", route_id="r-race")
+
+        # Another conversation needs more blocks than D has free: D moves the checked-out handle.
+        other = asyncio.create_task(_turn(p, d, tokens(42, 400), "c-other"))
+
+        async def refused() -> bool:
+            return await asyncio.to_thread(d.metric, "kvplane_sim_host_spills_total", outcome="refused") == 1
+
+        await eventually(refused, timeout_s=120, what="the control plane's refusal of the relocation")
+        assert d.metric("kvplane_sim_host_spills_total", outcome="moved") == 0
+        assert not other.done(), "the other conversation waits: the cache blocks are the reader's"
+
+        failed = p.metric("kvplane_sim_kv_verify_failures_total", reason="not_leased")
+        prompt2 = prompt + first["choices"][0]["token_ids"] + tokens(43, 40)
+        pr = await asyncio.to_thread(p_leg, p, prompt2, checked.handle.prefill_kv_transfer_params())
+        assert p.metric("kvplane_sim_kv_verify_failures_total", reason="not_leased") == failed
+        assert pr["usage"]["prompt_tokens_details"]["cached_tokens"] == checked.handle.num_tokens
+        assert pr["choices"][0]["token_ids"] == await asyncio.to_thread(reference, ref, prompt2, 1)
+
+        # The read frees the blocks, and the waiting conversation runs in them.
+        _, second = await asyncio.wait_for(other, timeout=300)
+        assert len(second["choices"][0]["token_ids"]) == 100
+        assert d.metric("kvplane_sim_host_spills_total", outcome="moved") == 0
+
+
 async def _copied_ahead(d: Engine, request_id: str) -> bool:
     state = await asyncio.to_thread(d.state)
     held = [h for h in state["retained"] if h["request_id"] == request_id]

@@ -7,7 +7,7 @@ import asyncio
 import json
 import threading
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,12 +35,16 @@ class Holder:
 
 @dataclass
 class Observer:
-    """Records the handles it hears of, on which thread; `fail` makes every call raise."""
+    """Records the handles it hears of, on which thread; `fail` makes every call raise. A move is
+    stored at once, as with no control plane, unless `hold_moves`: then its `settle` waits in
+    `settles` for the test to answer, as the control plane's answer to a relocation would."""
 
     retained: list[dict[str, Any]] = field(default_factory=list)
     freed: list[tuple[str, int]] = field(default_factory=list)
     moved: list[dict[str, Any]] = field(default_factory=list)
     fail: bool = False
+    hold_moves: bool = False
+    settles: list[Callable[[bool], None]] = field(default_factory=list)
 
     def check_pull(self, kv_transfer_params: dict[str, Any], prompt_token_ids: Sequence[int]) -> None:
         return None
@@ -61,8 +65,16 @@ class Observer:
             raise RuntimeError("observer down")
         self.freed.append((request_id, threading.get_ident()))
 
-    def on_handle_moved(self, request_id: str, kv_transfer_params: dict[str, Any]) -> None:
+    def on_handle_moved(
+        self, request_id: str, kv_transfer_params: dict[str, Any], settle: Callable[[bool], None]
+    ) -> None:
+        if self.fail:
+            raise RuntimeError("observer down")
         self.moved.append(dict(kv_transfer_params))
+        if self.hold_moves:
+            self.settles.append(settle)
+        else:
+            settle(True)
 
 
 def make(**settings: Any) -> tuple[Retention, BlockPool, SimEngineMetrics, Observer]:
@@ -443,6 +455,85 @@ def test_a_move_the_engine_cannot_make_is_refused_with_the_reason() -> None:
     assert retention.freeing_blocks() == 0 and retention.spilling_blocks == 0
 
 
+# --- the control plane's answer to a relocation ----------------------------------------------------
+
+
+async def test_a_moved_handles_cache_blocks_stay_leased_until_the_relocation_is_stored() -> None:
+    retention, pool, metrics, observer = make(host_kv_blocks=8, host_copy_ahead=True)
+    observer.hold_moves = True
+    kept = keep(retention, pool, "h", "decode_handle", blocks=3)
+    device = kept["remote_block_ids"][0]
+    content = pool.array[device].copy()
+    await until(lambda: spills(metrics, "copied_ahead") == 1, "the copy ahead")
+    free = pool.free_blocks
+
+    assert retention.spill(1) == 3
+    [moved] = observer.moved
+    # Published, unanswered: a turn may still check the old handle out and read these blocks.
+    assert pool.free_blocks == free and (pool.array[device] == content).all()
+    assert retention.spilling_blocks == 3, "on their way, for demand reports"
+    assert retention.describe()[0]["tier"] == "device" and retention.describe()[0]["moving_to_host"]
+    assert retention.spill(1) == 3, "not moved twice"
+    assert len(observer.moved) == 1 and retention.move_to_host("h") == ""
+    assert spills(metrics, "moved") == 0
+
+    observer.settles.pop()(True)  # stored: nobody can check the old handle out any more
+    assert pool.free_blocks == free + 3 and retention.spilling_blocks == 0
+    assert retention.describe()[0]["tier"] == "host" and spills(metrics, "moved") == 1
+    assert all(NUM_BLOCKS <= b < NUM_BLOCKS + 8 for b in moved["remote_block_ids"][0])
+
+
+async def test_a_refused_relocation_gives_the_host_blocks_back_and_the_reader_reads_the_cache() -> None:
+    retention, pool, metrics, observer = make(host_kv_blocks=4)
+    observer.hold_moves = True
+    device = keep(retention, pool, "h", "decode_handle", blocks=2)["remote_block_ids"][0]
+    content = pool.array[device].copy()
+    free = pool.free_blocks
+    retention.spill(2)
+    await until(lambda: len(observer.settles) == 1, "the copy, and its relocation published")
+    assert pool.host_free_blocks == 2
+
+    # A turn checked the handle out first: the control plane refuses the relocation.
+    await asyncio.to_thread(observer.settles.pop(), False)  # from the agent's thread
+    await until(lambda: spills(metrics, "refused") == 1, "the answer, on the engine's loop")
+    assert pool.host_free_blocks == 4 and retention.spilling_blocks == 0 and retention.host_bytes == 0
+    assert pool.free_blocks == free and (pool.array[device] == content).all(), "still stamped for its reader"
+    # Whoever got there first frees it; it is never offered to the host tier again.
+    assert retention.spill(2) == 0 and retention.move_to_host("h") == "" and len(observer.moved) == 1
+
+    retention._on_notification(_read("h"))
+    assert pool.free_blocks == free + 2 and frees(metrics, "decode_handle", "read") == 1
+    assert spills(metrics, "moved") == 0
+
+
+async def test_a_handle_freed_while_its_relocation_is_unanswered_gives_back_both_blocks() -> None:
+    retention, pool, metrics, observer = make(host_kv_blocks=4)
+    observer.hold_moves = True
+    keep(retention, pool, "h", "decode_handle", blocks=2)
+    free = pool.free_blocks
+    retention.spill(2)
+    await until(lambda: len(observer.settles) == 1, "the relocation published")
+
+    assert retention.release_early("h") is True
+    assert retention.freeing_blocks() == 0, "its blocks were already on their way"
+    assert pool.free_blocks == free + 2 and pool.host_free_blocks == 4 and retention.spilling_blocks == 0
+
+    observer.settles.pop()(True)
+    assert retention.count == 0 and pool.host_free_blocks == 4 and retention.host_bytes == 0
+    assert spills(metrics, "moved") == 0 and frees(metrics, "decode_handle", "early") == 1
+
+
+async def test_an_observer_that_fails_on_a_move_leaves_the_handle_where_it_is() -> None:
+    retention, pool, metrics, observer = make(host_kv_blocks=4)
+    keep(retention, pool, "h", "decode_handle", blocks=2)
+    free = pool.free_blocks
+    observer.fail = True  # nobody is told of the move: nothing may free the cache blocks
+    retention.spill(2)
+    await until(lambda: spills(metrics, "refused") == 1, "the copy, and the move given up")
+    assert pool.host_free_blocks == 4 and pool.free_blocks == free and retention.spilling_blocks == 0
+    assert retention.describe()[0]["tier"] == "device"
+
+
 # --- copies ahead ----------------------------------------------------------------------------------
 
 
@@ -464,6 +555,7 @@ async def test_a_handle_is_copied_ahead_as_it_is_kept_and_a_move_then_frees_its_
         "expires_in_s": 0,
         "tier": "device",
         "host_copy": True,
+        "moving_to_host": False,
     }
     assert observer.moved == [] and pool.host_free_blocks == 5 and retention.host_bytes == 0
     free = pool.free_blocks
