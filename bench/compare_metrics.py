@@ -43,7 +43,9 @@ SERVICES_ETCD = "kvplane_etcd_request_seconds_count"
 # The eviction leader's time from a node's KV demand to its answer (releases committed, moves sent).
 DEMAND_ANSWER = "kvplane_eviction_demand_answer_seconds"
 DEMAND_N, DEMAND_S, DEMAND_LE_1S = "demand:n", "demand:s", "demand:le_1s"
-_DEMAND_KEYS = {"_count": DEMAND_N, "_sum": DEMAND_S, "_bucket": DEMAND_LE_1S}
+# A sim-engine's requests that found too few free KV blocks, and how long they waited for them.
+KV_WAIT = "kvplane_sim_kv_wait_seconds"
+KV_WAIT_N, KV_WAIT_S, KV_WAIT_LE_1S = "kvwait_n:", "kvwait_s:", "kvwait_le_1s:"
 # Polling of the waits between blocks.
 POLL_S = 0.1
 # A process has settled once its CPU moves less than this over one SETTLE_WINDOW_S.
@@ -173,16 +175,23 @@ def services_etcd_ops(text: str) -> Counters:
     return out
 
 
+def seconds_histogram(text: str, metric: str, count: str, total: str, within_1s: str) -> Counters:
+    """A histogram of seconds on a metrics page, every label summed: its count, its sum, and how
+    many observations were at most 1 s (its `le="1.0"` bucket), under the keys given."""
+    keys = {"_count": count, "_sum": total, "_bucket": within_1s}
+    out: Counters = {}
+    for name, labels, value in samples(text):
+        key = keys.get(name[len(metric) :]) if name.startswith(metric) else None
+        if key is None or (key == within_1s and float(labels.get("le", "nan")) != 1.0):
+            continue
+        out[key] = out.get(key, 0.0) + value
+    return out
+
+
 def demand_answers(text: str) -> Counters:
     """The eviction leader's answers to the nodes' KV demand: how many (`demand:n`), their seconds
     (`demand:s`) and how many took at most 1 s (`demand:le_1s`)."""
-    out: Counters = {}
-    for name, labels, value in samples(text):
-        demand = _DEMAND_KEYS.get(name[len(DEMAND_ANSWER) :]) if name.startswith(DEMAND_ANSWER) else None
-        if demand is None or (demand == DEMAND_LE_1S and float(labels.get("le", "nan")) != 1.0):
-            continue
-        out[demand] = out.get(demand, 0.0) + value
-    return out
+    return seconds_histogram(text, DEMAND_ANSWER, DEMAND_N, DEMAND_S, DEMAND_LE_1S)
 
 
 def services_counts(text: str) -> Counters:
@@ -333,23 +342,25 @@ ENGINE_TTFT = "vllm:time_to_first_token_seconds"
 TTFT_S, TTFT_N = "ttft_s:", "ttft_n:"
 
 
-def engine_ttft_counts(text: str, engine: str) -> Counters:
+def engine_counts(text: str, engine: str) -> Counters:
     """An engine's own time to first token (from the request's arrival at the engine, queue and KV
-    pull included), summed and counted over its requests: `ttft_s:<engine>`, `ttft_n:<engine>`."""
+    pull included), summed and counted over its requests: `ttft_s:<engine>`, `ttft_n:<engine>`;
+    and a sim-engine's waits for free KV blocks (`kvwait_n:`, `kvwait_s:`, `kvwait_le_1s:`)."""
     out: Counters = {TTFT_S + engine: 0.0, TTFT_N + engine: 0.0}
     for name, _labels, value in samples(text):
         if name == ENGINE_TTFT + "_sum":
             out[TTFT_S + engine] += value
         elif name == ENGINE_TTFT + "_count":
             out[TTFT_N + engine] += value
-    return out
+    waits = seconds_histogram(text, KV_WAIT, KV_WAIT_N + engine, KV_WAIT_S + engine, KV_WAIT_LE_1S + engine)
+    return out | waits
 
 
-async def engine_ttft(session: aiohttp.ClientSession, engines: Mapping[str, str]) -> Counters:
-    """Every engine's own TTFT counters, by engine name (`p0`, `d1`, ...) -> its URL."""
+async def engine_metrics(session: aiohttp.ClientSession, engines: Mapping[str, str]) -> Counters:
+    """Every engine's `engine_counts`, by engine name (`p0`, `d1`, ...) -> its URL."""
     out: Counters = {}
     for name, url in engines.items():
-        out |= engine_ttft_counts(await _text(session, f"{url}/metrics"), name)
+        out |= engine_counts(await _text(session, f"{url}/metrics"), name)
     return out
 
 
@@ -369,6 +380,6 @@ async def read_all(
         etcd(session, etcd_url),
         services_etcd(session, services_metrics_urls),
         gateway_legs(session, gateway_urls),
-        engine_ttft(session, engines or {}),
+        engine_metrics(session, engines or {}),
     )
     return Reading(time.monotonic(), cpu(pids), sources, {**etcd_now, **ops}, legs, ttft)

@@ -47,6 +47,9 @@ from kvplane.bench.compare_metrics import (
     FREED,
     HOST_MOVED,
     HOST_READ,
+    KV_WAIT_LE_1S,
+    KV_WAIT_N,
+    KV_WAIT_S,
     TTFT_N,
     TTFT_S,
 )
@@ -144,6 +147,11 @@ class Row:
     demand_answers: float = 0.0
     demand_answer_ms: float = math.nan
     demand_answers_over_1s: float = 0.0
+    # Requests on the decode engines that found too few free KV blocks: how many, their mean wait,
+    # and how many waited over 1 s (sim-engines only).
+    decode_kv_waits: float = 0.0
+    decode_kv_wait_ms: float = math.nan
+    decode_kv_waits_over_1s: float = 0.0
 
     @property
     def prefill_spread(self) -> float:
@@ -240,6 +248,7 @@ def build_row(
     demand_n = sum(b.etcd.get(DEMAND_N, 0.0) for b in blocks)
     demand_s = sum(b.etcd.get(DEMAND_S, 0.0) for b in blocks)
     demand_within_1s = sum(b.etcd.get(DEMAND_LE_1S, 0.0) for b in blocks)
+    waits = _engine_sum(blocks, KV_WAIT_N, "d")
     seen = sum(sources.get(source, 0.0) for source in (PULLED, CACHED, DECODE_CACHED, COMPUTED))
     decisions: Counter[str] = Counter()
     for b in blocks:
@@ -300,19 +309,21 @@ def build_row(
         demand_answers=demand_n,
         demand_answer_ms=demand_s / demand_n * 1e3 if demand_n else math.nan,
         demand_answers_over_1s=demand_n - demand_within_1s,
+        decode_kv_waits=waits,
+        decode_kv_wait_ms=_engine_sum(blocks, KV_WAIT_S, "d") / waits * 1e3 if waits else math.nan,
+        decode_kv_waits_over_1s=waits - _engine_sum(blocks, KV_WAIT_LE_1S, "d"),
     )
+
+
+def _engine_sum(blocks: Sequence[BlockResult], key: str, role: str) -> float:
+    """`key`'s counter summed over the engines whose names start with `role`, over the blocks."""
+    return sum(v for b in blocks for k, v in b.engines.items() if k.startswith(key + role))
 
 
 def _engine_ttft_ms(blocks: Sequence[BlockResult], role: str) -> float:
     """The mean TTFT of the engines whose names start with `role` over the blocks (nan: none)."""
-    total = count = 0.0
-    for b in blocks:
-        for key, value in b.engines.items():
-            if key.startswith(TTFT_S + role):
-                total += value
-            elif key.startswith(TTFT_N + role):
-                count += value
-    return total / count * 1e3 if count else math.nan
+    count = _engine_sum(blocks, TTFT_N, role)
+    return _engine_sum(blocks, TTFT_S, role) / count * 1e3 if count else math.nan
 
 
 def _is_engine_key(key: str) -> bool:
@@ -486,6 +497,17 @@ def demand_line(table: Sequence[Row]) -> str:
     return "KV demand answered by the eviction leader: " + "; ".join(parts) if parts else ""
 
 
+def kv_wait_line(table: Sequence[Row]) -> str:
+    """The decode engines' requests that waited for free KV blocks, per row that had any."""
+    parts = [
+        f"{r.front} c={r.concurrency}: {r.decode_kv_waits:.0f} (mean {_f(r.decode_kv_wait_ms)} ms, "
+        f"{r.decode_kv_waits_over_1s:.0f} over 1 s)"
+        for r in table
+        if r.decode_kv_waits
+    ]
+    return "decode requests that waited for KV blocks: " + "; ".join(parts) if parts else ""
+
+
 def decode_frees_line(table: Sequence[Row]) -> str:
     parts = []
     for r in table:
@@ -502,7 +524,7 @@ def render(title: str, table: Sequence[Row], idle: IdleWindow | None) -> str:
     out += etcd_lines(table)
     if line := decisions_line(table):
         out.append(line)
-    for line in (host_tier_line(table), demand_line(table), decode_frees_line(table)):
+    for line in (host_tier_line(table), demand_line(table), kv_wait_line(table), decode_frees_line(table)):
         if line:
             out.append(line)
     for r in table:

@@ -500,7 +500,8 @@ class SimEngine:
     async def _allocate(self, count: int) -> list[int]:
         if count <= 0:
             return []
-        deadline = time.perf_counter() + self.settings.kv_wait_timeout_s
+        start = time.perf_counter()
+        deadline = start + self.settings.kv_wait_timeout_s
         waiting = False
         freed = self.retention.blocks_freed
         try:
@@ -528,6 +529,7 @@ class SimEngine:
                             await freed.wait()
         finally:
             if waiting:
+                self.metrics.kv_waited(time.perf_counter() - start)
                 self._kv_wanted -= count
                 self._demand_changed()
 

@@ -120,6 +120,13 @@ class SimEngineMetrics:
         self.host_reads = Counter(
             "kvplane_sim_host_reads", "Handles read by their puller from the host tier", names, registry=r
         )
+        self.kv_waits = Histogram(
+            "kvplane_sim_kv_wait_seconds",
+            "How long a request that found too few free KV blocks waited for them (given or timed out)",
+            names,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.shared = Counter(
             "kvplane_sim_shared_leased_blocks",
             "Blocks a new lease shared with an older live one: copied, or restamped (older one voided)",
@@ -194,6 +201,9 @@ class SimEngineMetrics:
 
     def host_read(self) -> None:
         self.host_reads.labels(**self._labels).inc()
+
+    def kv_waited(self, seconds: float) -> None:
+        self.kv_waits.labels(**self._labels).observe(seconds)
 
     def pull_check(self, outcome: str) -> None:
         self.pull_checks.labels(**self._labels, outcome=outcome).inc()

@@ -252,7 +252,7 @@ def test_the_simulator_orders_the_fronts_as_the_latest_comparison_does(
 # gateway then asks an engine's /tokenize every turn, a hop the simulator does not model. The
 # second ran beside them a gateway that tokenizes in its own process (not one of the fronts
 # compared here).
-TEXT_RECORDS = ("compare_text_2441473.json", "compare_text_local_d8627b7.json")
+TEXT_RECORDS = ("compare_text_2441473.json", "compare_text_local_d8627b7.json", "compare_text_c06641e.json")
 
 
 @pytest.mark.parametrize("record", TEXT_RECORDS)

@@ -245,9 +245,13 @@ async def test_a_request_that_cannot_get_blocks_fails_and_frees_what_it_held(sta
     await started(e)
     held = await run(e, prompt_of(64, 6), 1, {"do_remote_decode": True})  # a lease keeps 4 blocks
     assert held.kv_transfer_params is not None and e.load().free_kv_blocks == 4
+    assert sample(e, "kvplane_sim_kv_wait_seconds_count") == 0, "a request that found blocks waited for none"
     with pytest.raises(KvCacheFullError):
         await run(e, prompt_of(100, 7), 1)
     assert e.load().free_kv_blocks == 4 and e.load().running_requests == 0
+    # Its wait is counted, for as long as it lasted.
+    assert sample(e, "kvplane_sim_kv_wait_seconds_count") == 1
+    assert sample(e, "kvplane_sim_kv_wait_seconds_sum") >= 0.2
 
 
 async def test_twenty_concurrent_five_turn_conversations_pull_verified_blocks(stack: list[SimEngine]) -> None:

@@ -22,7 +22,7 @@ from kvplane.bench.compare_metrics import (
     services_etcd,
     services_etcd_ops,
 )
-from kvplane.bench.compare_report import demand_line, host_tier_line, percentile
+from kvplane.bench.compare_report import demand_line, host_tier_line, kv_wait_line, percentile
 from kvplane.bench.compare_report import rows as report_rows
 from kvplane.bench.compare_run import BlockResult, IdleWindow, TurnRecord
 from kvplane.bench.compare_workload import (
@@ -319,14 +319,14 @@ def test_each_front_is_charged_its_own_processes_the_picker_path_included() -> N
 
 
 def test_engine_ttft_is_read_per_engine_and_averaged_per_role_over_the_blocks() -> None:
-    from kvplane.bench.compare_metrics import engine_ttft_counts
+    from kvplane.bench.compare_metrics import engine_counts
 
     page = (
         'vllm:time_to_first_token_seconds_bucket{engine="0",le="0.1"} 1\n'
         'vllm:time_to_first_token_seconds_sum{engine="0",model_name="m"} 0.6\n'
         'vllm:time_to_first_token_seconds_count{engine="0",model_name="m"} 3\n'
     )
-    assert engine_ttft_counts(page, "p1") == {"ttft_s:p1": 0.6, "ttft_n:p1": 3.0}
+    assert engine_counts(page, "p1") == {"ttft_s:p1": 0.6, "ttft_n:p1": 3.0}
     block = _block(KVPLANE, requests=0, seconds=10, turns=4)
     # Two prefill engines (0.2 s and 0.4 s a request), one decode engine (0.05 s).
     block.engines = {
@@ -339,6 +339,37 @@ def test_engine_ttft_is_read_per_engine_and_averaged_per_role_over_the_blocks() 
     }
     (row,) = report_rows([block], {KVPLANE: ["gateway"]}, None)
     assert abs(row.prefill_engine_ttft_ms - 300.0) < 1e-9 and abs(row.decode_engine_ttft_ms - 50.0) < 1e-9
+
+
+def test_decode_engines_waits_for_kv_blocks_are_read_and_reported_per_row() -> None:
+    from kvplane.bench.compare_metrics import engine_counts
+
+    page = (
+        "# TYPE kvplane_sim_kv_wait_seconds histogram\n"
+        'kvplane_sim_kv_wait_seconds_bucket{engine="0",le="0.5"} 1.0\n'
+        'kvplane_sim_kv_wait_seconds_bucket{engine="0",le="1.0"} 1.0\n'
+        'kvplane_sim_kv_wait_seconds_bucket{engine="0",le="+Inf"} 2.0\n'
+        'kvplane_sim_kv_wait_seconds_count{engine="0"} 2.0\n'
+        'kvplane_sim_kv_wait_seconds_sum{engine="0"} 2.6\n'
+    )
+    counts = engine_counts(page, "d1")
+    assert counts == {
+        "ttft_s:d1": 0.0,
+        "ttft_n:d1": 0.0,
+        "kvwait_n:d1": 2.0,
+        "kvwait_s:d1": 2.6,
+        "kvwait_le_1s:d1": 1.0,
+    }
+    block = _block(KVPLANE, requests=0, seconds=10, turns=4)
+    # A prefill engine's waits are not the decode engines'.
+    block.engines = {**counts, "kvwait_n:p0": 5.0, "kvwait_s:p0": 9.0, "kvwait_le_1s:p0": 0.0}
+    (row,) = report_rows([block], {KVPLANE: ["gateway"]}, None)
+    assert (row.decode_kv_waits, row.decode_kv_waits_over_1s) == (2.0, 1.0)
+    assert math.isclose(row.decode_kv_wait_ms, 1300.0)
+    line = "decode requests that waited for KV blocks: kvplane c=32: 2 (mean 1,300.0 ms, 1 over 1 s)"
+    assert kv_wait_line([row]) == line
+    (quiet,) = report_rows([_block(KVPLANE, requests=0, seconds=10, turns=4)], {KVPLANE: []}, None)
+    assert kv_wait_line([quiet]) == ""
 
 
 async def test_a_turn_s_time_per_output_token_spans_its_tokens_after_the_first() -> None:
