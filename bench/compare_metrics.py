@@ -373,8 +373,15 @@ async def read_all(
     services_metrics_urls: Sequence[str] = (),
     engines: Mapping[str, str] | None = None,
     decodes: Sequence[str] = (),
+    *,
+    ends_window: bool = False,
 ) -> Reading:
-    """Every counter now; the services' etcd requests by operation join etcd's own (`op:*`)."""
+    """Every counter now; the services' etcd requests by operation join etcd's own (`op:*`).
+
+    Reading the pages costs the processes that serve them CPU (building and compressing their
+    metrics), which a front's processes must not be charged: a reading that opens a window takes
+    the processes' CPU after its pages, one that `ends_window` before them."""
+    at, cpu_then = time.monotonic(), cpu(pids) if ends_window else None
     sources, etcd_now, ops, legs, ttft = await asyncio.gather(
         prefill_sources(session, prefills, decodes),
         etcd(session, etcd_url),
@@ -382,4 +389,6 @@ async def read_all(
         gateway_legs(session, gateway_urls),
         engine_metrics(session, engines or {}),
     )
-    return Reading(time.monotonic(), cpu(pids), sources, {**etcd_now, **ops}, legs, ttft)
+    if cpu_then is None:
+        at, cpu_then = time.monotonic(), cpu(pids)
+    return Reading(at, cpu_then, sources, {**etcd_now, **ops}, legs, ttft)

@@ -213,7 +213,7 @@ async def run_block(
     result.turns, result.wall_s = await drive(session, front, plan, turn_timeout_s)
     await metrics.wait_idle(session, engines.all)
     result.settled = await metrics.settle(front.processes())
-    after = await metrics.read_all(*args)
+    after = await metrics.read_all(*args, ends_window=True)
     result.measured_s = after.at - before.at
     result.cpu_s = metrics.delta(after.cpu, before.cpu)
     result.sources = metrics.delta(after.sources, before.sources)
@@ -246,7 +246,7 @@ async def idle_window(session: aiohttp.ClientSession, engines: Engines, seconds:
     args = (session, engines.pids, engines.prefills, engines.etcd_url, (), engines.services_metrics_urls)
     before = await metrics.read_all(*args)
     await asyncio.sleep(seconds)  # the measurement window itself
-    after = await metrics.read_all(*args)
+    after = await metrics.read_all(*args, ends_window=True)
     return IdleWindow(
         after.at - before.at,
         len(engines.all),

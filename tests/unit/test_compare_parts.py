@@ -405,6 +405,36 @@ async def test_a_turn_s_time_per_output_token_spans_its_tokens_after_the_first()
         assert single.output == [1] and math.isnan(single.tpot_ms)
 
 
+async def test_a_window_is_charged_none_of_the_cpu_its_own_readings_cost(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A reading that opens a window takes the processes' CPU after reading their pages, one that
+    ends it before: serving the pages (building and compressing metrics) falls outside it."""
+    from kvplane.bench import compare_metrics
+
+    order: list[str] = []
+
+    async def page(request: web.Request) -> web.Response:
+        order.append("page")
+        return web.Response(text="")
+
+    def cpu(pids: dict[str, int]) -> dict[str, float]:
+        order.append("cpu")
+        return {name: 0.0 for name in pids}
+
+    monkeypatch.setattr(compare_metrics, "cpu", cpu)
+    app = web.Application()
+    app.router.add_get("/metrics", page)
+    async with TestServer(app, host="127.0.0.1") as server, aiohttp.ClientSession() as session:
+        url = str(server.make_url("")).rstrip("/")
+        args = (session, {"gateway": 1}, [], url, [url], [f"{url}/metrics"])
+        await compare_metrics.read_all(*args)
+        assert order == ["page", "page", "page", "cpu"]
+        order.clear()
+        await compare_metrics.read_all(*args, ends_window=True)
+        assert order == ["cpu", "page", "page", "page"]
+
+
 def test_tpot_percentiles_are_over_every_completed_turn_that_measured_one() -> None:
     block = BlockResult(KVPLANE, 8, 0, 0)
     block.turns = [
