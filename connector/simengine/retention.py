@@ -19,7 +19,11 @@ ones. The cache blocks are freed only once the control plane has stored the relo
 observer's ``settle``), as the vLLM connector frees GPU blocks: until then a turn may still check
 the old handle out and read them. A relocation it refuses (the handle was checked out, released
 or superseded first) gives the host blocks back and leaves the cache blocks to whatever got
-there first; that handle never moves again. A moved handle is offered until
+there first; that handle never moves again. An answer that has not come within
+``relocation_wait_s`` (the control plane unreachable, or slow) no longer holds D's memory: the
+handle moves anyway, and a turn that checked it out meanwhile fails the old blocks' check and
+recomputes; refused later, the moved handle is freed, since nobody can find it there. A moved
+handle is offered until
 ``host_kv_ttl_s`` after its turn ended (D's TTL, if longer). A host tier that is full frees
 handles there (``host_full``) to make room. Both go in the control plane's value order, least
 expected reuse per byte first, as its leader last sent it (``set_spill_order``); the handles the
@@ -96,6 +100,8 @@ class _Retained:
     moving_to: list[int] | None = None
     # Its relocation was refused: whoever checked it out or released it frees it; never moved.
     stays: bool = False
+    # Moved when the control plane's answer did not come in time; that answer is still to come.
+    unanswered: bool = False
 
 
 class Retention:
@@ -430,6 +436,8 @@ class Retention:
         except Exception:
             log.exception("observer failed in on_handle_moved")
             self._settle(r, host, False)
+        if r.moving_to is host:
+            asyncio.get_running_loop().call_later(self.settings.relocation_wait_s, self._unanswered, r, host)
 
     def _host_expiry(self, r: _Retained) -> float:
         """`r`'s expiry once in host memory: offered longer there than D's TTL holds cache blocks
@@ -441,8 +449,16 @@ class Retention:
         """The control plane stored `r`'s relocation to `host` (its cache blocks are freed, it
         lives in `host` from now on) or refused it (`host` is given back; it stays where it is,
         for whoever got there first, and never moves again). Event-loop thread."""
+        if self._retained.get(r.request_id) is not r:
+            return  # freed meanwhile (`_free` gave `host` back)
+        if r.unanswered and r.block_ids is host:
+            # Moved already, the wait having run out: a refused move is in no tier anyone can see.
+            r.unanswered = False
+            if not stored:
+                self._free(r.request_id, "refused")
+            return
         if r.moving_to is not host:
-            return  # freed meanwhile (`_free` gave `host` back), or answered already
+            return  # answered already
         r.moving_to = None
         self._settling_blocks -= len(r.block_ids)
         if not stored:
@@ -450,6 +466,22 @@ class Retention:
             self.pool.host_give(host)
             self.metrics.spill("refused")
             return
+        self._switch(r, host)
+        self.metrics.spill("moved")
+
+    def _unanswered(self, r: _Retained, host: list[int]) -> None:
+        """`relocation_wait_s` after `r`'s relocation was published: if still unanswered, `r`
+        moves to `host` anyway and its cache blocks are freed. Event-loop thread."""
+        if self._retained.get(r.request_id) is not r or r.moving_to is not host:
+            return
+        r.moving_to = None
+        self._settling_blocks -= len(r.block_ids)
+        r.unanswered = True
+        self._switch(r, host)
+        self.metrics.spill("moved_unanswered")
+
+    def _switch(self, r: _Retained, host: list[int]) -> None:
+        """`r` lives in `host` from now on; its cache blocks are freed. Event-loop thread."""
         device, r.block_ids, r.tier = r.block_ids, host, "host"
         r.expiry = self._host_expiry(r)
         self._retained_bytes -= r.nbytes
@@ -457,7 +489,6 @@ class Retention:
         self.pool.unlease(device, r.stamp)
         self.pool.release(device)
         self.blocks_freed.set()
-        self.metrics.spill("moved")
 
     def _copy_ahead(self, r: _Retained) -> None:
         """Starts copying a handle just kept to the host tier, where `host_copy_ahead` is on and

@@ -57,6 +57,11 @@ class SimEngineSettings:
     # vLLM's OffloadingConnector stores blocks as they fill), so that a move frees its cache
     # blocks at once; false: the copy starts only when a move is wanted, and the blocks wait for it.
     host_copy_ahead: bool = True
+    # How long a move waits for the control plane to store its relocation before D frees the
+    # handle's cache blocks anyway, seconds: a turn that checked the handle out meanwhile then
+    # fails their check and recomputes (safe), and an unreachable control plane never holds D's
+    # memory. A relocation refused after that frees the handle (nobody can find it in the tier).
+    relocation_wait_s: float = 2.0
     # How long D keeps a finished turn's blocks (vLLM's decoder_kv_blocks_ttl).
     decoder_kv_blocks_ttl: float = 480.0
     # How long P keeps blocks for D's read before freeing them anyway.
@@ -130,6 +135,8 @@ class SimEngineSettings:
             raise ValueError(
                 "host_kv_blocks and host_kv_ttl_s must be non-negative and host_copy_bytes_per_s positive"
             )
+        if self.relocation_wait_s <= 0:
+            raise ValueError("relocation_wait_s must be positive")
         if self.kv_recompute_threshold < 0 or self.expiry_guard_s < 0 or self.reasoning_tokens < 0:
             raise ValueError(
                 "kv_recompute_threshold, expiry_guard_s and reasoning_tokens must be non-negative"
@@ -273,7 +280,8 @@ FLAG_HELP: dict[str, str] = {
     "host_kv_blocks": "host-tier blocks: D moves retained handles there when requests need blocks (0: none)",
     "host_copy_bytes_per_s": "modelled copy rate of a handle's blocks to the host tier, bytes per second",
     "host_kv_ttl_s": "seconds after its turn a handle moved to the host tier is offered (at least D's TTL)",
-    "host_copy_ahead": "copy each handle to the host tier as it is kept, so a move frees its blocks at once",
+    "host_copy_ahead": "copy each handle to the host tier as it is kept, so a move need not wait for a copy",
+    "relocation_wait_s": "seconds a move waits for its relocation to be stored; then D frees the blocks",
     "bytes_per_block": "bytes of KV per block (what a pull moves over NIXL)",
     "decoder_kv_blocks_ttl": "seconds D keeps a finished turn's blocks (vLLM's decoder_kv_blocks_ttl)",
     "prefill_lease_s": "seconds P keeps blocks for D's read before freeing them anyway",
@@ -361,6 +369,7 @@ def build_arg_parser(
     p.add_argument("--host-copy-bytes-per-s", type=float, default=d.host_copy_bytes_per_s)
     p.add_argument("--host-kv-ttl-s", type=float, default=d.host_kv_ttl_s)
     p.add_argument("--host-copy-ahead", action=argparse.BooleanOptionalAction, default=d.host_copy_ahead)
+    p.add_argument("--relocation-wait-s", type=float, default=d.relocation_wait_s)
     p.add_argument("--bytes-per-block", type=int, default=d.bytes_per_block)
     p.add_argument("--decoder-kv-blocks-ttl", type=float, default=d.decoder_kv_blocks_ttl)
     p.add_argument("--prefill-lease-s", type=float, default=d.prefill_lease_s)

@@ -158,7 +158,8 @@ async def test_a_turn_that_checked_a_handle_out_before_d_moved_it_still_pulls_it
     turn's P pulls them whole instead of failing their check and recomputing."""
     specs = _specs(f"127.0.0.1:{metadata_process.grpc_port}")
     # The other conversation waits for the race's blocks until P reads them: however slow this machine.
-    specs["D"] = dataclasses.replace(specs["D"], kv_wait_timeout_s=300)
+    # ... and the relocation's refusal is waited for, however slow the control plane's answer.
+    specs["D"] = dataclasses.replace(specs["D"], kv_wait_timeout_s=300, relocation_wait_s=300)
     with engines(tmp_path, {"P": specs["P"], "REF": specs["REF"], "D": specs["D"]}) as started:
         p, ref, d = started["P"], started["REF"], started["D"]
         prompt = tokens(41, 200)

@@ -459,7 +459,7 @@ def test_a_move_the_engine_cannot_make_is_refused_with_the_reason() -> None:
 
 
 async def test_a_moved_handles_cache_blocks_stay_leased_until_the_relocation_is_stored() -> None:
-    retention, pool, metrics, observer = make(host_kv_blocks=8, host_copy_ahead=True)
+    retention, pool, metrics, observer = make(host_kv_blocks=8, host_copy_ahead=True, relocation_wait_s=3600)
     observer.hold_moves = True
     kept = keep(retention, pool, "h", "decode_handle", blocks=3)
     device = kept["remote_block_ids"][0]
@@ -484,7 +484,7 @@ async def test_a_moved_handles_cache_blocks_stay_leased_until_the_relocation_is_
 
 
 async def test_a_refused_relocation_gives_the_host_blocks_back_and_the_reader_reads_the_cache() -> None:
-    retention, pool, metrics, observer = make(host_kv_blocks=4)
+    retention, pool, metrics, observer = make(host_kv_blocks=4, relocation_wait_s=3600)
     observer.hold_moves = True
     device = keep(retention, pool, "h", "decode_handle", blocks=2)["remote_block_ids"][0]
     content = pool.array[device].copy()
@@ -507,7 +507,7 @@ async def test_a_refused_relocation_gives_the_host_blocks_back_and_the_reader_re
 
 
 async def test_a_handle_freed_while_its_relocation_is_unanswered_gives_back_both_blocks() -> None:
-    retention, pool, metrics, observer = make(host_kv_blocks=4)
+    retention, pool, metrics, observer = make(host_kv_blocks=4, relocation_wait_s=3600)
     observer.hold_moves = True
     keep(retention, pool, "h", "decode_handle", blocks=2)
     free = pool.free_blocks
@@ -521,6 +521,27 @@ async def test_a_handle_freed_while_its_relocation_is_unanswered_gives_back_both
     observer.settles.pop()(True)
     assert retention.count == 0 and pool.host_free_blocks == 4 and retention.host_bytes == 0
     assert spills(metrics, "moved") == 0 and frees(metrics, "decode_handle", "early") == 1
+
+
+@pytest.mark.parametrize("stored", [True, False])
+async def test_a_relocation_unanswered_in_time_moves_anyway_and_a_late_refusal_frees_it(stored: bool) -> None:
+    retention, pool, metrics, observer = make(host_kv_blocks=4, relocation_wait_s=0.05)
+    observer.hold_moves = True
+    keep(retention, pool, "h", "decode_handle", blocks=2)
+    free = pool.free_blocks
+    retention.spill(2)
+    # The control plane does not answer: D's memory is not held for it.
+    await until(lambda: spills(metrics, "moved_unanswered") == 1, "the wait to run out")
+    assert pool.free_blocks == free + 2 and retention.spilling_blocks == 0
+    assert retention.describe()[0]["tier"] == "host" and pool.host_free_blocks == 2
+
+    observer.settles.pop()(stored)
+    if stored:  # where the turns will find it: it stays
+        assert retention.describe()[0]["tier"] == "host" and pool.host_free_blocks == 2
+    else:  # stored nowhere: nobody could ever read it
+        assert retention.count == 0 and pool.host_free_blocks == 4
+        assert frees(metrics, "decode_handle", "refused") == 1
+    assert pool.free_blocks == free + 2 and spills(metrics, "moved") == 0
 
 
 async def test_an_observer_that_fails_on_a_move_leaves_the_handle_where_it_is() -> None:
