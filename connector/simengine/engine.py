@@ -516,6 +516,14 @@ class SimEngine:
                     if first:
                         waiting = True
                         self._kv_wanted += count
+                        # What holds the memory when the wait starts: running requests, or handles
+                        # kept for later turns.
+                        held_by = (
+                            self._running,
+                            self.pool.free_blocks,
+                            self._retained_blocks(),
+                            self.retention.count,
+                        )
                     # Cleared before anything that may free blocks: a move to a whole copy ahead
                     # frees them within `spill`, and that wake-up must not be lost.
                     freed.clear()
@@ -529,9 +537,21 @@ class SimEngine:
                             await freed.wait()
         finally:
             if waiting:
-                self.metrics.kv_waited(time.perf_counter() - start)
+                waited = time.perf_counter() - start
+                self.metrics.kv_waited(waited)
+                log.info(
+                    "a request waited %.3f s for %d KV blocks; when it began: %d running, %d blocks "
+                    "free, %d held by %d retained handles and leases",
+                    waited,
+                    count,
+                    *held_by,
+                )
                 self._kv_wanted -= count
                 self._demand_changed()
+
+    def _retained_blocks(self) -> int:
+        """Blocks of the KV cache that retained handles and leases hold."""
+        return self.retention.retained_bytes // self.settings.bytes_per_block
 
     def _load_changed(self) -> None:
         _tell(self.load_listener, "load")

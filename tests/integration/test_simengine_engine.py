@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import random
 import threading
 import time
@@ -239,7 +240,10 @@ async def test_output_is_a_function_of_the_prefix_across_block_boundaries(stack:
         assert list((await run(e, prompt + out[:j], 1)).output_token_ids) == [out[j]], f"position {j}"
 
 
-async def test_a_request_that_cannot_get_blocks_fails_and_frees_what_it_held(stack: list[SimEngine]) -> None:
+async def test_a_request_that_cannot_get_blocks_fails_and_frees_what_it_held(
+    stack: list[SimEngine], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="kvplane.connector.simengine.engine")
     e = SimEngine(settings(num_blocks=8, kv_wait_timeout_s=0.2))
     stack.append(e)
     await started(e)
@@ -249,9 +253,11 @@ async def test_a_request_that_cannot_get_blocks_fails_and_frees_what_it_held(sta
     with pytest.raises(KvCacheFullError):
         await run(e, prompt_of(100, 7), 1)
     assert e.load().free_kv_blocks == 4 and e.load().running_requests == 0
-    # Its wait is counted, for as long as it lasted.
+    # Its wait is counted, for as long as it lasted, and logged with what held the memory.
     assert sample(e, "kvplane_sim_kv_wait_seconds_count") == 1
     assert sample(e, "kvplane_sim_kv_wait_seconds_sum") >= 0.2
+    [waited] = [r.getMessage() for r in caplog.records if "KV blocks; when it began" in r.getMessage()]
+    assert "4 blocks free, 4 held by 1 retained handles and leases" in waited
 
 
 async def test_twenty_concurrent_five_turn_conversations_pull_verified_blocks(stack: list[SimEngine]) -> None:
