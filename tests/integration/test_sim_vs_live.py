@@ -248,11 +248,16 @@ def test_the_simulator_orders_the_fronts_as_the_latest_comparison_does(
     _assert_orders_as(RECORD.parent / record, LATEST_FRONTS, key, concurrency)
 
 
-# The same comparison with text prompts (`--prompts text`), at 8 and 32 in flight: kvplane's
-# gateway then asks an engine's /tokenize every turn, a hop the simulator does not model. The
-# second ran beside them a gateway that tokenizes in its own process (not one of the fronts
-# compared here).
-TEXT_RECORDS = ("compare_text_2441473.json", "compare_text_local_d8627b7.json", "compare_text_c06641e.json")
+# The same comparison with text prompts (`--prompts text`), at 8 and 32 in flight (the last also
+# at 1): kvplane's gateway then asks an engine's /tokenize every turn, a hop the simulator does not
+# model. The second and third ran beside them a gateway that tokenizes in its own process (not one
+# of the fronts compared here).
+TEXT_RECORDS = (
+    "compare_text_2441473.json",
+    "compare_text_local_d8627b7.json",
+    "compare_text_c06641e.json",
+    "compare_text_2f43c0f.json",
+)
 
 
 @pytest.mark.parametrize("record", TEXT_RECORDS)
