@@ -34,7 +34,7 @@ import json
 import math
 import statistics
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -486,26 +486,34 @@ def host_tier_line(table: Sequence[Row]) -> str:
     return "decode host tier: " + "; ".join(parts) if parts else ""
 
 
+def _timed_line(title: str, table: Sequence[Row], timed: Callable[[Row], tuple[float, float, float]]) -> str:
+    """`title`: per row that had any, how many, their mean ms and how many took over 1 s (`timed`)."""
+    parts = []
+    for r in table:
+        count, mean_ms, over_1s = timed(r)
+        if count:
+            parts.append(
+                f"{r.front} c={r.concurrency}: {count:.0f} (mean {_f(mean_ms)} ms, {over_1s:.0f} over 1 s)"
+            )
+    return f"{title}: " + "; ".join(parts) if parts else ""
+
+
 def demand_line(table: Sequence[Row]) -> str:
     """The eviction leader's answers to KV demand, per row that had any."""
-    parts = [
-        f"{r.front} c={r.concurrency}: {r.demand_answers:.0f} (mean {_f(r.demand_answer_ms)} ms, "
-        f"{r.demand_answers_over_1s:.0f} over 1 s)"
-        for r in table
-        if r.demand_answers
-    ]
-    return "KV demand answered by the eviction leader: " + "; ".join(parts) if parts else ""
+    return _timed_line(
+        "KV demand answered by the eviction leader",
+        table,
+        lambda r: (r.demand_answers, r.demand_answer_ms, r.demand_answers_over_1s),
+    )
 
 
 def kv_wait_line(table: Sequence[Row]) -> str:
     """The decode engines' requests that waited for free KV blocks, per row that had any."""
-    parts = [
-        f"{r.front} c={r.concurrency}: {r.decode_kv_waits:.0f} (mean {_f(r.decode_kv_wait_ms)} ms, "
-        f"{r.decode_kv_waits_over_1s:.0f} over 1 s)"
-        for r in table
-        if r.decode_kv_waits
-    ]
-    return "decode requests that waited for KV blocks: " + "; ".join(parts) if parts else ""
+    return _timed_line(
+        "decode requests that waited for KV blocks",
+        table,
+        lambda r: (r.decode_kv_waits, r.decode_kv_wait_ms, r.decode_kv_waits_over_1s),
+    )
 
 
 def decode_frees_line(table: Sequence[Row]) -> str:
