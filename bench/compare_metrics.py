@@ -381,7 +381,8 @@ async def read_all(
     Reading the pages costs the processes that serve them CPU (building and compressing their
     metrics), which a front's processes must not be charged: a reading that opens a window takes
     the processes' CPU after its pages, one that `ends_window` before them."""
-    at, cpu_then = time.monotonic(), cpu(pids) if ends_window else None
+    if ends_window:
+        at, cpu_then = time.monotonic(), cpu(pids)
     sources, etcd_now, ops, legs, ttft = await asyncio.gather(
         prefill_sources(session, prefills, decodes),
         etcd(session, etcd_url),
@@ -389,6 +390,6 @@ async def read_all(
         gateway_legs(session, gateway_urls),
         engine_metrics(session, engines or {}),
     )
-    if cpu_then is None:
+    if not ends_window:
         at, cpu_then = time.monotonic(), cpu(pids)
     return Reading(at, cpu_then, sources, {**etcd_now, **ops}, legs, ttft)

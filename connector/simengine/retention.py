@@ -100,8 +100,6 @@ class _Retained:
     moving_to: list[int] | None = None
     # Its relocation was refused: whoever checked it out or released it frees it; never moved.
     stays: bool = False
-    # Moved when the control plane's answer did not come in time; that answer is still to come.
-    unanswered: bool = False
 
 
 class Retention:
@@ -451,9 +449,9 @@ class Retention:
         for whoever got there first, and never moves again). Event-loop thread."""
         if self._retained.get(r.request_id) is not r:
             return  # freed meanwhile (`_free` gave `host` back)
-        if r.unanswered and r.block_ids is host:
-            # Moved already, the wait having run out: a refused move is in no tier anyone can see.
-            r.unanswered = False
+        if r.block_ids is host:
+            # Moved already, the wait having run out (the answer comes once): a refused move is
+            # in no tier anyone can see.
             if not stored:
                 self._free(r.request_id, "refused")
             return
@@ -476,7 +474,6 @@ class Retention:
             return
         r.moving_to = None
         self._settling_blocks -= len(r.block_ids)
-        r.unanswered = True
         self._switch(r, host)
         self.metrics.spill("moved_unanswered")
 
