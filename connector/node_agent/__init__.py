@@ -30,12 +30,14 @@ What the agent does, all on its own thread:
   twice a second. The node's liveness is its lease; the heartbeat only shows that the agent's
   load path still runs (the `live` routing filter allows three heartbeats);
 - sends publishes (PublishHandles) and releases (ReportReleased) from one bounded queue, in
-  order, batching consecutive items of one kind. A publish that keeps failing is retried (the
-  node registers again when the control plane no longer knows it; metadata takes a new lease
-  when one is gone) until `publish_give_up_s` after its first failure, or until the handle's
-  wall-clock expiry: then it is given up with a warning naming the handle, and its blocks are
-  freed through `on_release` (nothing would ever reference them), so that one handle never
-  holds up the queue behind it for good;
+  order, batching consecutive items of one kind; release reports wait up to `release_linger_s`
+  for a publish queued after them, and go in its call (`released_remote_request_ids`, recorded
+  in its etcd transaction: a pulled turn's freed history and its new handle cost one). A
+  publish that keeps failing is retried (the node registers again when the control plane no
+  longer knows it; metadata takes a new lease when one is gone) until `publish_give_up_s`
+  after its first failure, or until the handle's wall-clock expiry: then it is given up with a
+  warning naming the handle, and its blocks are freed through `on_release` (nothing would ever
+  reference them), so that one handle never holds up the queue behind it for good;
 - keeps the EvictionService.Commands stream open: says hello, applies each ReleaseCommand by
   calling `on_release(remote_request_id)` (DrainCommand: `on_drain()`), at most once per
   command id, and acknowledges every command; an engine with a host tier (`on_spill_order`)

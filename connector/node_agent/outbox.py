@@ -3,6 +3,10 @@
 `put` may be called from any thread and never blocks: when the queue is full the oldest item is
 dropped and counted. The agent's thread takes batches from its head (`take_batch`) and puts an
 unsent batch back (`put_back`). The queue's lock guards the items and the drop counter.
+
+Release reports at the head may wait for a publish to ride with (`take_batch`'s `linger_s`): a
+read's freed blocks are then recorded in the transaction that publishes the turn's next handle,
+one request instead of two.
 """
 
 from __future__ import annotations
@@ -10,7 +14,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -35,6 +41,8 @@ class Item:
     # A publish only: told, on the agent's thread, whether the control plane stored the handle
     # (False: a relocation it refused, or a publish dropped unsent).
     on_outcome: Callable[[bool], None] | None = None
+    # time.monotonic() when it was queued.
+    queued_at: float = dataclasses.field(default_factory=time.monotonic)
 
 
 class Outbox:
@@ -67,17 +75,42 @@ class Outbox:
         with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to wake
             loop.call_soon_threadsafe(wake.set)
 
-    def take_batch(self) -> list[Item]:
-        """Leading items of one kind, up to the batch limit, removed from the queue."""
+    def take_batch(self, linger_s: float = 0.0) -> list[Item]:
+        """The head batch, removed from the queue: leading publishes; or leading release reports
+        with the publishes queued right after them (sent together), each kind up to its limit.
+
+        With `linger_s`, release reports with no publish behind them stay queued (an empty batch)
+        until the oldest is `linger_s` old or they fill a batch (`linger_deadline`)."""
         with self._lock:
             if not self._queue:
                 return []
-            kind = self._queue[0].kind
-            limit = min(self._batch_max, MAX_PUBLISH_BATCH if kind == "publish" else MAX_RELEASE_BATCH)
-            batch: list[Item] = []
-            while self._queue and self._queue[0].kind == kind and len(batch) < limit:
-                batch.append(self._queue.popleft())
-            return batch
+            releases = self._leading("release", 0, MAX_RELEASE_BATCH)
+            publishes = self._leading("publish", releases, MAX_PUBLISH_BATCH)
+            if releases and not publishes and self._lingers(releases, linger_s):
+                return []
+            return [self._queue.popleft() for _ in range(releases + publishes)]
+
+    def linger_deadline(self, linger_s: float) -> float | None:
+        """time.monotonic() at which the release reports at the head stop waiting for a publish;
+        None when none wait."""
+        with self._lock:
+            releases = self._leading("release", 0, MAX_RELEASE_BATCH)
+            if not releases or self._leading("publish", releases, MAX_PUBLISH_BATCH):
+                return None
+            return self._queue[0].queued_at + linger_s
+
+    def _leading(self, kind: str, start: int, limit: int) -> int:
+        """How many items of `kind` follow position `start`, up to the batch limits; lock held."""
+        limit = min(self._batch_max, limit)
+        n = 0
+        while start + n < len(self._queue) and n < limit and self._queue[start + n].kind == kind:
+            n += 1
+        return n
+
+    def _lingers(self, releases: int, linger_s: float) -> bool:
+        """Whether `releases` leading reports, with no publish behind, wait still; lock held."""
+        full = releases >= min(self._batch_max, MAX_RELEASE_BATCH)
+        return not full and time.monotonic() < self._queue[0].queued_at + linger_s
 
     def put_back(self, batch: list[Item]) -> None:
         """Return an unsent batch to the head of the queue, keeping the bound."""

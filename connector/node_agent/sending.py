@@ -1,5 +1,7 @@
 """Publishes (PublishHandles) and release reports (ReportReleased), sent from the outbox in order,
-consecutive items of one kind batched.
+consecutive items of one kind batched. Release reports wait up to `release_linger_s` for a publish
+and then go with it (`released_remote_request_ids`): the control plane records them in the
+publish's transaction.
 
 A publish that keeps failing is retried (the node registers again when the control plane no
 longer knows it; metadata takes a new lease when one is gone) until `publish_give_up_s` after its
@@ -10,6 +12,8 @@ that one handle never holds up the queue behind it for good. Runs on the agent's
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -43,38 +47,46 @@ class Sender:
         plane, wake = self._plane, self._outbox.wake
         assert wake is not None
         backoff = Backoff(plane.settings.backoff_initial_s, plane.settings.backoff_max_s)
+        linger_s = plane.settings.release_linger_s
         while not plane.is_stopping():
             wake.clear()
             await plane.session_ready.wait()
             try:
-                sent = await self.send_one_batch()
+                sent = await self.send_one_batch(linger_s)
             except grpc.aio.AioRpcError as err:
                 plane.note_error("publish/release", err)
                 await plane.sleep_or_stop(backoff.next_delay())
                 continue
             backoff.reset()
             if not sent:
-                await wake.wait()
+                deadline = self._outbox.linger_deadline(linger_s)
+                if deadline is None:
+                    await wake.wait()
+                    continue
+                # Release reports wait for a publish to ride with: a new item, or their time up.
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(max(deadline - time.monotonic(), 0.0)):
+                        await wake.wait()
 
-    async def send_one_batch(self) -> bool:
-        """Send the head batch. False when the queue was empty. Puts the batch back on errors."""
+    async def send_one_batch(self, linger_s: float = 0.0) -> bool:
+        """Send the head batch. False when the queue was empty, or held only release reports
+        younger than `linger_s` with no publish behind them. Puts the batch back on errors."""
         async with self._plane.send_lock:
-            return await self._send_head_batch()
+            return await self._send_head_batch(linger_s)
 
-    async def _send_head_batch(self) -> bool:
-        batch = self._outbox.take_batch()
+    async def _send_head_batch(self, linger_s: float) -> bool:
+        batch = self._outbox.take_batch(linger_s)
         if not batch:
             return False
-        if batch[0].kind == "publish":
-            batch = self._give_up_stale(batch)
-            if not batch:
-                return True
+        releases = [item for item in batch if item.kind == "release"]
+        publishes = self._give_up_stale([item for item in batch if item.kind == "publish"])
         try:
-            if batch[0].kind == "publish":
-                await self._publish_batch(batch)
-            else:
-                await self._release_batch(batch)
+            if publishes:
+                await self._publish_batch(publishes, releases)
+            elif releases:
+                await self._release_batch(releases)
         except grpc.aio.AioRpcError as err:
+            batch = [*releases, *publishes]
             if err.code() in RETRYABLE or err.code() in NOT_REGISTERED:
                 now = time.monotonic()
                 failing = [dataclasses.replace(i, failing_since=i.failing_since or now) for i in batch]
@@ -85,7 +97,11 @@ class Sender:
                 for item in batch:
                     _tell(item, stored=False)
                 log.warning(
-                    "dropping %d %s item(s): %s %s", len(batch), batch[0].kind, err.code(), err.details()
+                    "dropping %d publish(es) and %d release report(s): %s %s",
+                    len(publishes),
+                    len(releases),
+                    err.code(),
+                    err.details(),
                 )
             raise
         return True
@@ -126,7 +142,8 @@ class Sender:
                 log.exception("freeing request %s failed", handle.vllm.remote_request_id)
         return keep
 
-    async def _publish_batch(self, batch: list[Item]) -> None:
+    async def _publish_batch(self, batch: list[Item], releases: list[Item]) -> None:
+        """PublishHandles of `batch`, reporting `releases` (queued before it) in the same call."""
         plane = self._plane
         handles = []
         for item in batch:
@@ -139,11 +156,14 @@ class Sender:
         # turn at a time unless the control plane was unreachable for a while.
         traced = next((item.trace_context for item in batch if item.trace_context), ())
         response = await plane.meta.PublishHandles(
-            metadata_pb2.PublishHandlesRequest(handles=handles),
+            metadata_pb2.PublishHandlesRequest(
+                handles=handles, released_remote_request_ids=[item.remote_request_id for item in releases]
+            ),
             timeout=plane.settings.rpc_timeout_s,
             metadata=(*plane.call_metadata, *traced),
         )
         self.published += len(batch)
+        self.released_reported += len(releases)
         for item, result in zip(batch, response.results, strict=False):
             _tell(item, stored=not result.relocation_refused)
             if result.relocation_refused:

@@ -47,6 +47,10 @@ class NodeAgentSettings:
     deregister_on_stop: bool = True
     # Seconds a publish may keep failing before it is given up and its blocks freed.
     publish_give_up_s: float = 30.0
+    # Seconds a report of freed blocks waits for a publish to go with (one etcd transaction for
+    # both: a pulled turn's freed history and the turn's new handle); 0: sent at once. Longer
+    # than a turn's decode on this engine, so that the turn's publish finds the report waiting.
+    release_linger_s: float = 5.0
     # host:port of every routing replica the engine's load, and its prefix cache (its KV-cache
     # events, when the agent is given a source), are streamed to; empty: the load goes to etcd
     # alone and events are read but not forwarded.
@@ -81,6 +85,8 @@ class NodeAgentSettings:
             raise ValueError("load_heartbeat_s must be at least load_interval_s")
         if self.publish_give_up_s <= 0:
             raise ValueError("publish_give_up_s must be positive")
+        if self.release_linger_s < 0:
+            raise ValueError("release_linger_s must not be negative")
         if not 0 < self.prefix_cache_interval_s <= self.prefix_cache_keepalive_s:
             raise ValueError("need 0 < prefix_cache_interval_s <= prefix_cache_keepalive_s")
         if self.prefix_cache_checkpoint_blocks < 1 or self.prefix_cache_max_blocks < 1:

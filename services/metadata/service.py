@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from kvplane.connector.digests import DigestFormatError, checkpoints
 from kvplane.services.common.model import convert, validation
@@ -27,7 +27,7 @@ from kvplane.services.common.runtime.auth import Principal, PrincipalKind
 from kvplane.services.common.runtime.grpc_errors import rpc_method
 from kvplane.services.common.runtime.server import Context, caller
 from kvplane.services.common.runtime.telemetry import Telemetry
-from kvplane.services.common.store import Compacted, NodeRecord, PublishHint, Store, WatchEvent
+from kvplane.services.common.store import Compacted, FreedBlocks, NodeRecord, PublishHint, Store, WatchEvent
 from kvplane.services.common.store.cluster_view import ClusterView
 from kvplane.services.metadata.settings import MetadataSection
 from kvplane.v1 import handle_pb2, metadata_pb2, metadata_pb2_grpc, node_pb2
@@ -155,9 +155,13 @@ class MetadataService(metadata_pb2_grpc.MetadataServiceServicer):
         for i, handle in enumerate(handles):
             # A node publishes only blocks it holds itself.
             principal.as_node(handle.holder_node_id, f"handles[{i}].holder_node_id")
+        freed = _freed_with(handles, request.released_remote_request_ids)
         results = []
         for handle in handles:
-            outcome = await self.store.publish_handle(handle, self._publish_hint(handle))
+            # The freed requests are recorded before or with the first handle (an engine frees a
+            # request's blocks before it retains the next turn's).
+            outcome = await self.store.publish_handle(handle, self._publish_hint(handle), freed)
+            freed = None
             if outcome.relocation_refused:
                 results.append(metadata_pb2.PublishResult(relocation_refused=True))
                 continue
@@ -371,6 +375,23 @@ def _valid_node(pb: node_pb2.Node) -> Node:
         validation.text(key, "node.labels key", max_bytes=63)
         validation.text(value, f"node.labels[{key}]", max_bytes=256, required=False)
     return convert.node_from_pb(pb)
+
+
+def _freed_with(handles: list[CacheHandle], request_ids: Sequence[str]) -> FreedBlocks | None:
+    """The freed requests a publish reports (`released_remote_request_ids`), of the one holder
+    incarnation its handles name; None when there are none."""
+    validation.count(len(request_ids), "released_remote_request_ids", 0, validation.MAX_RELEASE_REPORT)
+    if not request_ids:
+        return None
+    for i, rid in enumerate(request_ids):
+        validation.ident(rid, f"released_remote_request_ids[{i}]")
+    holders = {(h.holder_node_id, h.holder_incarnation) for h in handles}
+    if len(holders) != 1:
+        raise InvalidArgument(
+            "released_remote_request_ids", "needs every handle to name one holder incarnation"
+        )
+    ((node_id, incarnation),) = holders
+    return FreedBlocks(node_id, incarnation, tuple(dict.fromkeys(request_ids)))
 
 
 def _valid_handle(pb: handle_pb2.CacheHandle, field: str) -> CacheHandle:

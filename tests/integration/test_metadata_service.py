@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import urllib.request
 
 import grpc
 import pytest
+from aetcd import rpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -332,6 +334,74 @@ async def test_keep_alives_load_reports_and_publishes_read_nothing_the_view_hold
     )
     assert resp.results[0].superseded_handle_id == handle_id
     assert [op for op in calls if op != "lease_grant"] == ["publish"]
+
+
+async def test_a_pulled_turns_freed_blocks_and_its_new_handle_are_one_etcd_transaction(
+    metadata_process: ServiceProcess, metadata_channel: grpc.aio.Channel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stub = metadata_pb2_grpc.MetadataServiceStub(metadata_channel)
+    node = await _register(stub)
+    view = metadata_process.ctx.view
+    assert await view.wait_for(lambda: view.live_node("d0", node.incarnation) is not None, 10.0)
+    first = make_handle(node, conversation="c-pull", request_id="turn-1")
+    await _publish(stub, first)
+    # P reads turn 1's blocks for turn 2: the handle is checked out, D frees the blocks after.
+    await stub.CheckOutHandle(
+        metadata_pb2.CheckOutHandleRequest(conversation="c-pull"), metadata=tenant_headers("acme")
+    )
+    assert await view.wait_for(lambda: view.handle("acme", "c-pull") is None, 10.0)
+    calls: list[str] = []
+    real = metadata_process.store.etcd.call
+
+    async def counted(op: str, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(op)
+        return await real(op, *args, **kwargs)
+
+    monkeypatch.setattr(metadata_process.store.etcd, "call", counted)
+    second = make_handle(node, conversation="c-pull", request_id="turn-2")
+    await stub.PublishHandles(
+        metadata_pb2.PublishHandlesRequest(
+            handles=[convert.handle_to_pb(second)], released_remote_request_ids=["turn-1"]
+        ),
+        metadata=NODE_HEADERS,
+    )
+    assert [op for op in calls if op != "lease_grant"] == ["publish"]
+    store = metadata_process.store
+    claim = await store.etcd.read(
+        "test", rpc.RangeRequest(key=store.keys.claimed("d0", node.incarnation, "turn-1"))
+    )
+    tombstone = await store.etcd.read(
+        "test", rpc.RangeRequest(key=store.keys.freed("d0", node.incarnation, "turn-1"))
+    )
+    assert (len(claim.kvs), len(tombstone.kvs)) == (0, 1), "the claim consumed, the blocks recorded freed"
+    retained = await store.get_handle("acme", "c-pull")
+    assert retained is not None and retained.handle.vllm.remote_request_id == "turn-2"
+    assert (await store.publish_handle(first)).freed, "turn 1's blocks can never be published again"
+
+
+async def test_freed_blocks_reported_with_handles_of_two_incarnations_are_refused_whole(
+    metadata_process: ServiceProcess, metadata_channel: grpc.aio.Channel
+) -> None:
+    stub = metadata_pb2_grpc.MetadataServiceStub(metadata_channel)
+    node = await _register(stub)
+    ours = make_handle(node, conversation="c-one", request_id="r-1")
+    other = dataclasses.replace(
+        make_handle(node, conversation="c-two", request_id="r-2"), holder_incarnation="old"
+    )
+    for ids, handles, field in (
+        (["r-0"], [ours, other], "released_remote_request_ids"),
+        ([""], [ours], "released_remote_request_ids[0]"),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.PublishHandles(
+                metadata_pb2.PublishHandlesRequest(
+                    handles=[convert.handle_to_pb(h) for h in handles], released_remote_request_ids=ids
+                ),
+                metadata=NODE_HEADERS,
+            )
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert field in (err.value.details() or "")
+    assert await metadata_process.store.get_handle("acme", "c-one") is None, "nothing stored"
 
 
 async def test_a_relocation_is_stored_over_grpc_while_its_handle_is_retained_and_refused_after(

@@ -10,7 +10,7 @@ from aetcd import rpc
 from kvplane.services.common.model import convert
 from kvplane.services.common.model.handles import ReleaseReason
 from kvplane.services.common.store import Store
-from kvplane.services.common.store.records import now_ms
+from kvplane.services.common.store.records import FreedBlocks, now_ms
 from kvplane.v1 import handle_pb2
 from tests.conftest import make_node
 from tests.support.factories import make_handle
@@ -68,6 +68,33 @@ async def test_a_late_publish_of_blocks_the_holder_already_freed_stores_nothing(
     outcome = await store.publish_handle(published)
     assert outcome.freed
     assert await store.get_handle_record("acme", "c-late") is None
+
+
+async def test_freed_blocks_reported_with_a_publish_drop_a_handle_still_retained_under_them(
+    store: Store,
+) -> None:
+    node = make_node("d-ride")
+    await store.register_node(node, 30)
+    # The engine freed a handle's blocks before anyone took them (its TTL); its next publish says so.
+    await store.publish_handle(make_handle(node, conversation="c-old", request_id="req-old"))
+    freed = FreedBlocks(node.node_id, node.incarnation, ("req-old",))
+    outcome = await store.publish_handle(
+        make_handle(node, conversation="c-new", request_id="req-new"), None, freed
+    )
+    assert outcome.handle.vllm.remote_request_id == "req-new" and not outcome.freed
+    assert await store.get_handle("acme", "c-old") is None, "dropped, not handed out"
+    assert (await store.publish_handle(make_handle(node, conversation="c-old", request_id="req-old"))).freed
+
+
+async def test_a_publish_reported_with_its_own_blocks_freed_stores_nothing(store: Store) -> None:
+    node = make_node("d-self")
+    await store.register_node(node, 30)
+    freed = FreedBlocks(node.node_id, node.incarnation, ("req-self",))
+    outcome = await store.publish_handle(
+        make_handle(node, conversation="c-self", request_id="req-self"), None, freed
+    )
+    assert outcome.freed
+    assert await store.get_handle("acme", "c-self") is None
 
 
 async def test_a_release_report_of_many_requests_fits_etcds_transaction_limit(store: Store) -> None:

@@ -1,8 +1,10 @@
-"""The node agent's outbox: bounded, never blocking, batches of one kind in order."""
+"""The node agent's outbox: bounded, never blocking, batches in order; release reports ride with
+the publishes behind them, and wait a while for one."""
 
 from __future__ import annotations
 
 import random
+import time
 
 from kvplane.connector.node_agent.control_plane import Backoff
 from kvplane.connector.node_agent.outbox import MAX_RELEASE_BATCH, Item, Outbox
@@ -24,14 +26,46 @@ def test_a_full_outbox_drops_its_oldest_item_and_counts_it() -> None:
     assert box.counts() == (3, 2)
 
 
-def test_a_batch_is_the_leading_items_of_one_kind_in_order() -> None:
+def test_a_batch_is_leading_releases_with_the_publishes_right_behind_them_in_order() -> None:
     box = Outbox(queue_max=100, batch_max=10)
-    for item in (release(1), release(2), publish(3), release(4)):
+    for item in (release(1), release(2), publish(3), publish(4), release(5), publish(6), publish(7)):
         box.put(item)
-    assert [i.remote_request_id for i in box.take_batch()] == ["r1", "r2"]
-    assert [i.remote_request_id for i in box.take_batch()] == ["p3"]
-    assert [i.remote_request_id for i in box.take_batch()] == ["r4"]
+    assert [i.remote_request_id for i in box.take_batch()] == ["r1", "r2", "p3", "p4"]
+    assert [i.remote_request_id for i in box.take_batch()] == ["r5", "p6", "p7"]
     assert box.take_batch() == []
+
+
+def test_leading_publishes_go_without_the_releases_queued_after_them() -> None:
+    box = Outbox(queue_max=100, batch_max=10)
+    for item in (publish(1), release(2), publish(3)):
+        box.put(item)
+    assert [i.remote_request_id for i in box.take_batch()] == ["p1"]
+    assert [i.remote_request_id for i in box.take_batch()] == ["r2", "p3"]
+
+
+def test_releases_with_no_publish_behind_wait_for_one_until_their_linger_runs_out() -> None:
+    box = Outbox(queue_max=100, batch_max=10)
+    box.put(Item("release", remote_request_id="old", queued_at=time.monotonic() - 100.0))
+    box.put(release(2))
+    # The oldest waited past a long linger: sent now, with what queued behind it.
+    assert [i.remote_request_id for i in box.take_batch(linger_s=50.0)] == ["old", "r2"]
+    box.put(release(3))
+    assert box.take_batch(linger_s=50.0) == []
+    deadline = box.linger_deadline(50.0)
+    assert deadline is not None and deadline > time.monotonic() + 40.0
+    box.put(publish(4))
+    assert box.linger_deadline(50.0) is None
+    assert [i.remote_request_id for i in box.take_batch(linger_s=50.0)] == ["r3", "p4"]
+    box.put(release(5))
+    # No linger: sent at once.
+    assert [i.remote_request_id for i in box.take_batch()] == ["r5"]
+
+
+def test_releases_that_fill_a_batch_wait_no_longer() -> None:
+    box = Outbox(queue_max=100, batch_max=3)
+    for n in range(3):
+        box.put(release(n))
+    assert len(box.take_batch(linger_s=50.0)) == 3
 
 
 def test_a_batch_keeps_to_the_outboxs_and_the_apis_limits() -> None:

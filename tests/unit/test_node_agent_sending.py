@@ -1,5 +1,6 @@
-"""The node agent's sender: publishes and release reports from the outbox, in order, batched by kind;
-what a failure does to the batch; and the publishes it gives up, freeing their blocks."""
+"""The node agent's sender: publishes and release reports from the outbox, in order, batched by kind,
+release reports riding in the call of the publishes behind them; what a failure does to the batch;
+and the publishes it gives up, freeing their blocks."""
 
 from __future__ import annotations
 
@@ -119,8 +120,73 @@ async def test_a_batch_given_up_whole_sends_nothing_and_a_failing_release_hook_s
     assert await sender.send_one_batch() is True and sender.released_reported == 1
 
 
-async def test_the_sender_waits_for_the_session_sends_what_is_queued_and_retries_after_errors() -> None:
+async def test_releases_ride_in_the_call_of_the_publish_queued_behind_them() -> None:
     cp, meta, _ = plane()
+    sender = Sender(cp, outbox(release("r1"), release("r2"), publish("a")), lambda _: None)
+    assert await sender.send_one_batch() is True
+    [request] = meta.PublishHandles.requests
+    assert list(request.released_remote_request_ids) == ["r1", "r2"]
+    assert [h.vllm.remote_request_id for h in request.handles] == ["a"]
+    assert meta.ReportReleased.requests == [], "no call of their own"
+    assert (sender.published, sender.released_reported) == (1, 2)
+
+
+async def test_a_failed_call_puts_the_releases_and_the_publishes_back_in_order() -> None:
+    cp, meta, _ = plane()
+    box = outbox(release("r1"), publish("a"), publish("b"))
+    meta.PublishHandles.replies.append(rpc_error(grpc.StatusCode.UNAVAILABLE))
+    sender = Sender(cp, box, lambda _: None)
+    with pytest.raises(grpc.aio.AioRpcError):
+        await sender.send_one_batch()
+    assert [i.remote_request_id or (i.handle and i.handle.vllm.remote_request_id) for i in box.items()] == [
+        "r1",
+        "a",
+        "b",
+    ]
+    assert (sender.published, sender.released_reported) == (0, 0)
+
+
+async def test_a_release_waits_for_a_publish_to_ride_with() -> None:
+    cp, meta, _ = plane(release_linger_s=3600.0)
+    box = outbox(release("r1"))
+    box.attach(asyncio.get_running_loop(), asyncio.Event())
+    sender = Sender(cp, box, lambda _: None)
+    task = asyncio.create_task(sender.run())
+    try:
+        cp.session_ready.set()
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert meta.ReportReleased.requests == [] and meta.PublishHandles.requests == []
+        box.put(publish("a"))
+        await until(lambda: sender.published == 1, "the publish to take the release with it")
+        [request] = meta.PublishHandles.requests
+        assert list(request.released_remote_request_ids) == ["r1"]
+        assert meta.ReportReleased.requests == []
+    finally:
+        cp.stopping.set()  # type: ignore[union-attr]
+        box.wake.set()  # type: ignore[union-attr]
+        await asyncio.wait_for(task, 10)
+
+
+async def test_a_release_no_publish_came_for_is_sent_alone_when_its_linger_runs_out() -> None:
+    cp, meta, _ = plane(release_linger_s=0.2)
+    box = outbox(release("r1"))
+    box.attach(asyncio.get_running_loop(), asyncio.Event())
+    sender = Sender(cp, box, lambda _: None)
+    task = asyncio.create_task(sender.run())
+    try:
+        cp.session_ready.set()
+        await until(lambda: sender.released_reported == 1, "the release to go alone")
+        [request] = meta.ReportReleased.requests
+        assert list(request.remote_request_ids) == ["r1"] and meta.PublishHandles.requests == []
+    finally:
+        cp.stopping.set()  # type: ignore[union-attr]
+        box.wake.set()  # type: ignore[union-attr]
+        await asyncio.wait_for(task, 10)
+
+
+async def test_the_sender_waits_for_the_session_sends_what_is_queued_and_retries_after_errors() -> None:
+    cp, meta, _ = plane(release_linger_s=0.0)
     box = outbox(release("a"))
     box.attach(asyncio.get_running_loop(), asyncio.Event())
     meta.ReportReleased.replies.append(rpc_error(grpc.StatusCode.UNAVAILABLE))

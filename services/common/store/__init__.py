@@ -33,6 +33,7 @@ from kvplane.services.common.store.node_store import NodeStore
 from kvplane.services.common.store.records import (
     CheckOut,
     ElectionRecord,
+    FreedBlocks,
     HandleRecord,
     HandleView,
     NodeRecord,
@@ -49,6 +50,7 @@ __all__ = [
     "CheckOut",
     "Compacted",
     "ElectionRecord",
+    "FreedBlocks",
     "HandleRecord",
     "HandleView",
     "LeaseNotFound",
@@ -164,12 +166,15 @@ class Store:
         claim = await self.claims.latest(tenant, conversation)
         return HandleView(claim.handle, HandleState.CHECKED_OUT) if claim is not None else None
 
-    async def publish_handle(self, handle: CacheHandle, hint: PublishHint | None = None) -> PublishOutcome:
+    async def publish_handle(
+        self, handle: CacheHandle, hint: PublishHint | None = None, freed: FreedBlocks | None = None
+    ) -> PublishOutcome:
         """Stores `handle` as its conversation's handle, superseding an older one.
 
         `hint`: what a watch-fed view holds of the holder and the conversation, which saves
-        the read (see HandleStore.publish)."""
-        return await self.handles.publish(handle, hint)
+        the read; `freed`: blocks the holder's engine freed, recorded first, in the same
+        transaction where they fit (see HandleStore.publish)."""
+        return await self.handles.publish(handle, hint, freed)
 
     async def list_handles(
         self, *, tenant: str = "", node_id: str = "", page_size: int = 100, page_token: bytes = b""

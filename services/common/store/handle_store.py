@@ -18,6 +18,7 @@ from kvplane.services.common.store import fencing
 from kvplane.services.common.store.etcd import Ambiguous, EtcdClient, LeaseNotFound
 from kvplane.services.common.store.leases import Leases
 from kvplane.services.common.store.records import (
+    FreedBlocks,
     HandleRecord,
     PublishHint,
     PublishOutcome,
@@ -26,6 +27,11 @@ from kvplane.services.common.store.records import (
 )
 from kvplane.services.common.store.release_store import ReleaseStore
 from kvplane.v1 import node_pb2
+
+# Freed requests recorded in a publish's own transaction at most: two operations each, beside the
+# publish's few (etcd takes at most 128 per transaction, --max-txn-ops); more are recorded first,
+# in transactions of their own.
+MAX_FREED_IN_PUBLISH = 32
 
 
 class HandleStore:
@@ -47,8 +53,38 @@ class HandleStore:
         kv = resp.kvs[0]
         return HandleRecord(decode_handle(kv.value), kv.mod_revision, kv.lease)
 
-    async def publish(self, handle: CacheHandle, hint: PublishHint | None = None) -> PublishOutcome:
-        """Stores `handle` as its conversation's handle.
+    async def publish(
+        self, handle: CacheHandle, hint: PublishHint | None = None, freed: FreedBlocks | None = None
+    ) -> PublishOutcome:
+        """Records `freed` (as `ReleaseStore.release_freed` would), then stores `handle` as its
+        conversation's handle (`_publish`).
+
+        The freed requests ride in the publish's own transaction, one request for both, when
+        they fit (`MAX_FREED_IN_PUBLISH`) and do not name the handle's own blocks; a transaction
+        that fails on them, or a publish that ends without one, records them in transactions of
+        their own (idempotent: tombstones written again, claims deleted again). They are always
+        recorded before or with the handle, never after it is stored: a handle can never name
+        blocks its holder reported freed earlier.
+        """
+        riding = freed
+        if freed is not None and (
+            len(freed.request_ids) > MAX_FREED_IN_PUBLISH
+            or handle.vllm.remote_request_id in freed.request_ids
+        ):
+            await self.releases.release_freed(freed.node_id, freed.incarnation, freed.request_ids)
+            riding = None
+        unrecorded = [riding]
+        try:
+            return await self._publish(handle, hint, unrecorded)
+        finally:
+            if (left := unrecorded[0]) is not None:
+                await self.releases.release_freed(left.node_id, left.incarnation, left.request_ids)
+
+    async def _publish(
+        self, handle: CacheHandle, hint: PublishHint | None, unrecorded: list[FreedBlocks | None]
+    ) -> PublishOutcome:
+        """Stores `handle` as its conversation's handle; `unrecorded[0]`, while set, rides in
+        the transaction, and is cleared once a transaction recorded it.
 
         A handle it replaces is released in the same transaction (reason
         SUPERSEDED): its blocks hold an older, shorter prefix. The holder must
@@ -117,13 +153,30 @@ class HandleStore:
                         uuid.uuid4().hex, old.handle, ReleaseReason.SUPERSEDED, now_ms()
                     )
                     ops += self._supersede_ops(superseded, old.lease, index)
+            riding = unrecorded[0]
+            tombstones = 0
+            if riding is not None:
+                tombstones = await self.releases.tombstone_lease()
+                fence, freed_ops = self.releases.freed_fence(
+                    riding.node_id, riding.incarnation, list(riding.request_ids), tombstones
+                )
+                compare, ops = [*compare, *fence], [*ops, *freed_ops]
             try:
                 resp, resent = await self._publish_txn(compare, ops, reads, handle.conversation)
             except LeaseNotFound:
-                # The lease is gone (the re-sent attempt's too): a new one on the next round.
+                # The lease is gone (the re-sent attempt's too): new ones on the next round.
                 self.leases.forget(lease)
+                if tombstones:
+                    self.leases.forget(tombstones)
                 seen = None
                 continue
+            if riding is not None:
+                unrecorded[0] = None
+                if not resp.succeeded:
+                    # Which fence failed is not known: the freed requests go on their own (a
+                    # handle still retained under one of them is dropped there), then the
+                    # publish goes on from what the failure branch read.
+                    await self.releases.release_freed(riding.node_id, riding.incarnation, riding.request_ids)
             if resp.succeeded:
                 self.telemetry.store.handle_transitions.labels("published", "").inc()
                 if superseded is not None:

@@ -69,6 +69,16 @@ class PublishHint:
 
 
 @dataclass(frozen=True, slots=True)
+class FreedBlocks:
+    """Requests whose blocks a node's engine freed, reported with a publish of the same node
+    (`PublishHandlesRequest.released_remote_request_ids`)."""
+
+    node_id: str
+    incarnation: str
+    request_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class CheckOut:
     handle: CacheHandle
     claim_id: str

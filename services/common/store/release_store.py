@@ -94,23 +94,34 @@ class ReleaseStore:
             removed += await self._freed_batch(node_id, incarnation, ids[start : start + _FREED_BATCH])
         return removed
 
+    def freed_fence(
+        self, node_id: str, incarnation: str, ids: list[str], lease: int
+    ) -> tuple[list[Any], list[Any]]:
+        """The compares and ops that record blocks as freed: fenced on no retained handle naming
+        them (their per-node index entries are absent: the index is written and deleted with its
+        handle), the tombstones, from which on no publish can name the blocks (under `lease`,
+        `tombstone_lease`'s), and the deletion of the claims on them."""
+        compare = [fencing.absent(self.keys.by_node(node_id, incarnation, r)) for r in ids]
+        tombstones = [fencing.put(self.keys.freed(node_id, incarnation, r), b"", lease) for r in ids]
+        claims = [fencing.delete(self.keys.claimed(node_id, incarnation, r)) for r in ids]
+        return compare, [*tombstones, *claims]
+
+    async def tombstone_lease(self) -> int:
+        """The shared lease of the tombstones written now."""
+        return await self.leases.for_expiry(now_ms() + FREED_TOMBSTONE_MS)
+
     async def _freed_batch(self, node_id: str, incarnation: str, ids: list[str]) -> int:
-        """One transaction, fenced on no retained handle naming the blocks (their per-node
-        index entries are absent: the index is written and deleted with its handle): the
-        tombstones, from which on no publish can name the blocks, and the deletion of the
-        claims on them. A handle still retained (the engine freed blocks before anyone took
-        them) fails the fence; the tombstones are written anyway, that handle is dropped
-        through its index, and the claims deleted after."""
+        """One transaction (`freed_fence`). A handle still retained (the engine freed blocks
+        before anyone took them) fails the fence; the tombstones are written anyway, that handle
+        is dropped through its index, and the claims deleted after."""
         indexes = [self.keys.by_node(node_id, incarnation, r) for r in ids]
         claims = [fencing.delete(self.keys.claimed(node_id, incarnation, r)) for r in ids]
 
         async def write(lease: int) -> Any:
-            tombstones = [fencing.put(self.keys.freed(node_id, incarnation, r), b"", lease) for r in ids]
+            compare, ops = self.freed_fence(node_id, incarnation, ids, lease)
+            tombstones = ops[: len(ids)]
             return await self.etcd.write(
-                "release_freed",
-                [fencing.absent(index) for index in indexes],
-                [*tombstones, *claims],
-                [*tombstones, *(fencing.get(index) for index in indexes)],
+                "release_freed", compare, ops, [*tombstones, *(fencing.get(index) for index in indexes)]
             )
 
         resp = await self._under_tombstone_lease(write)
@@ -218,12 +229,12 @@ class ReleaseStore:
     async def _under_tombstone_lease(self, write: Callable[[int], Awaitable[T]]) -> T:
         """`write(lease)` with the shared lease of tombstones written now; once more with a new
         lease if that one was revoked behind our back."""
-        lease = await self.leases.for_expiry(now_ms() + FREED_TOMBSTONE_MS)
+        lease = await self.tombstone_lease()
         try:
             return await write(lease)
         except LeaseNotFound:
             self.leases.forget(lease)
-        return await write(await self.leases.for_expiry(now_ms() + FREED_TOMBSTONE_MS))
+        return await write(await self.tombstone_lease())
 
     def count(self, reason: str) -> None:
         self.telemetry.store.handle_transitions.labels("released", reason).inc()

@@ -356,6 +356,7 @@ class PublishHandlesRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     HANDLES_FIELD_NUMBER: _builtins.int
+    RELEASED_REMOTE_REQUEST_IDS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def handles(self) -> _containers.RepeatedCompositeFieldContainer[_handle_pb2.CacheHandle]:
         """Handles to publish, 1 to 256. handle_id may be empty: the server then
@@ -363,14 +364,24 @@ class PublishHandlesRequest(_message.Message):
         registered incarnation of the holder.
         """
 
+    @_builtins.property
+    def released_remote_request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Requests whose retained blocks the caller's engine freed, as ReportReleased
+        reports them (0 to 1024), for the incarnation every handle names. They are
+        recorded before the handles are published: with the first one, in its
+        transaction, where they fit, so that a node reports a read's freed blocks
+        with the turn's next handle at no request of their own.
+        """
+
     def __init__(
         self,
         *,
         handles: _abc.Iterable[_handle_pb2.CacheHandle] | None = ...,
+        released_remote_request_ids: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["handles", b"handles"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["handles", b"handles", "released_remote_request_ids", b"released_remote_request_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
