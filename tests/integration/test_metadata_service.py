@@ -42,6 +42,19 @@ async def _publish(stub: metadata_pb2_grpc.MetadataServiceStub, handle) -> str: 
     return resp.results[0].handle_id
 
 
+def _etcd_calls(process: ServiceProcess, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The operation names of the etcd requests `process` makes from now on, in order."""
+    calls: list[str] = []
+    real = process.store.etcd.call
+
+    async def counted(op: str, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(op)
+        return await real(op, *args, **kwargs)
+
+    monkeypatch.setattr(process.store.etcd, "call", counted)
+    return calls
+
+
 async def test_publish_get_checkout_over_grpc_is_single_use(metadata_channel: grpc.aio.Channel) -> None:
     stub = metadata_pb2_grpc.MetadataServiceStub(metadata_channel)
     node = await _register(stub)
@@ -305,14 +318,7 @@ async def test_keep_alives_load_reports_and_publishes_read_nothing_the_view_hold
     assert await view.wait_for(lambda: view.live_node("d0", node.incarnation) is not None, 10.0)
     handle_id = await _publish(stub, make_handle(node, conversation="c-view", request_id="r1"))
     assert await view.wait_for(lambda: view.handle("acme", "c-view") is not None, 10.0)
-    calls: list[str] = []
-    real = metadata_process.store.etcd.call
-
-    async def counted(op: str, *args, **kwargs):  # type: ignore[no-untyped-def]
-        calls.append(op)
-        return await real(op, *args, **kwargs)
-
-    monkeypatch.setattr(metadata_process.store.etcd, "call", counted)
+    calls = _etcd_calls(metadata_process, monkeypatch)
 
     await stub.KeepAlive(
         metadata_pb2.KeepAliveRequest(
@@ -350,14 +356,7 @@ async def test_a_pulled_turns_freed_blocks_and_its_new_handle_are_one_etcd_trans
         metadata_pb2.CheckOutHandleRequest(conversation="c-pull"), metadata=tenant_headers("acme")
     )
     assert await view.wait_for(lambda: view.handle("acme", "c-pull") is None, 10.0)
-    calls: list[str] = []
-    real = metadata_process.store.etcd.call
-
-    async def counted(op: str, *args, **kwargs):  # type: ignore[no-untyped-def]
-        calls.append(op)
-        return await real(op, *args, **kwargs)
-
-    monkeypatch.setattr(metadata_process.store.etcd, "call", counted)
+    calls = _etcd_calls(metadata_process, monkeypatch)
     second = make_handle(node, conversation="c-pull", request_id="turn-2")
     await stub.PublishHandles(
         metadata_pb2.PublishHandlesRequest(

@@ -5,11 +5,14 @@ and the publishes it gives up, freeing their blocks."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 
 import grpc
 import pytest
 
+from kvplane.connector.node_agent.control_plane import ControlPlane
 from kvplane.connector.node_agent.outbox import Item, Outbox
 from kvplane.connector.node_agent.sending import Sender
 from tests.unit.node_agent_fakes import NODE, handle, plane, rpc_error, until
@@ -146,13 +149,24 @@ async def test_a_failed_call_puts_the_releases_and_the_publishes_back_in_order()
     assert (sender.published, sender.released_reported) == (0, 0)
 
 
+@contextlib.asynccontextmanager
+async def running(sender: Sender, cp: ControlPlane, box: Outbox) -> AsyncIterator[None]:
+    """`sender.run()` as the agent runs it, on `box` woken by puts; stopped on the way out."""
+    box.attach(asyncio.get_running_loop(), asyncio.Event())
+    task = asyncio.create_task(sender.run())
+    try:
+        yield
+    finally:
+        cp.stopping.set()  # type: ignore[union-attr]
+        box.wake.set()  # type: ignore[union-attr]
+        await asyncio.wait_for(task, 10)
+
+
 async def test_a_release_waits_for_a_publish_to_ride_with() -> None:
     cp, meta, _ = plane(release_linger_s=3600.0)
     box = outbox(release("r1"))
-    box.attach(asyncio.get_running_loop(), asyncio.Event())
     sender = Sender(cp, box, lambda _: None)
-    task = asyncio.create_task(sender.run())
-    try:
+    async with running(sender, cp, box):
         cp.session_ready.set()
         for _ in range(20):
             await asyncio.sleep(0)
@@ -162,37 +176,25 @@ async def test_a_release_waits_for_a_publish_to_ride_with() -> None:
         [request] = meta.PublishHandles.requests
         assert list(request.released_remote_request_ids) == ["r1"]
         assert meta.ReportReleased.requests == []
-    finally:
-        cp.stopping.set()  # type: ignore[union-attr]
-        box.wake.set()  # type: ignore[union-attr]
-        await asyncio.wait_for(task, 10)
 
 
 async def test_a_release_no_publish_came_for_is_sent_alone_when_its_linger_runs_out() -> None:
     cp, meta, _ = plane(release_linger_s=0.2)
     box = outbox(release("r1"))
-    box.attach(asyncio.get_running_loop(), asyncio.Event())
     sender = Sender(cp, box, lambda _: None)
-    task = asyncio.create_task(sender.run())
-    try:
+    async with running(sender, cp, box):
         cp.session_ready.set()
         await until(lambda: sender.released_reported == 1, "the release to go alone")
         [request] = meta.ReportReleased.requests
         assert list(request.remote_request_ids) == ["r1"] and meta.PublishHandles.requests == []
-    finally:
-        cp.stopping.set()  # type: ignore[union-attr]
-        box.wake.set()  # type: ignore[union-attr]
-        await asyncio.wait_for(task, 10)
 
 
 async def test_the_sender_waits_for_the_session_sends_what_is_queued_and_retries_after_errors() -> None:
     cp, meta, _ = plane(release_linger_s=0.0)
     box = outbox(release("a"))
-    box.attach(asyncio.get_running_loop(), asyncio.Event())
     meta.ReportReleased.replies.append(rpc_error(grpc.StatusCode.UNAVAILABLE))
     sender = Sender(cp, box, lambda _: None)
-    task = asyncio.create_task(sender.run())
-    try:
+    async with running(sender, cp, box):
         await asyncio.sleep(0)
         assert meta.ReportReleased.requests == [], "nothing is sent before the node is registered"
         cp.session_ready.set()
@@ -200,7 +202,3 @@ async def test_the_sender_waits_for_the_session_sends_what_is_queued_and_retries
         assert cp.rpc_errors == 1
         box.put(release("b"))
         await until(lambda: sender.released_reported == 2, "a new item to wake the sender")
-    finally:
-        cp.stopping.set()  # type: ignore[union-attr]
-        box.wake.set()  # type: ignore[union-attr]
-        await asyncio.wait_for(task, 10)
