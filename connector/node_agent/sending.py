@@ -42,15 +42,18 @@ class Sender:
         # Relocations the metadata service refused: the handle they moved was no longer retained
         # (checked out, released or superseded), and what got there first frees the blocks.
         self.relocations_refused = 0
+        # Whether release reports go with publishes: until a metadata service answers that it
+        # recorded none of them (one older than `released_remote_request_ids`).
+        self.releases_ride = True
 
     async def run(self) -> None:
         plane, wake = self._plane, self._outbox.wake
         assert wake is not None
         backoff = Backoff(plane.settings.backoff_initial_s, plane.settings.backoff_max_s)
-        linger_s = plane.settings.release_linger_s
         while not plane.is_stopping():
             wake.clear()
             await plane.session_ready.wait()
+            linger_s = plane.settings.release_linger_s if self.releases_ride else 0.0
             try:
                 sent = await self.send_one_batch(linger_s)
             except grpc.aio.AioRpcError as err:
@@ -81,11 +84,17 @@ class Sender:
         releases = [item for item in batch if item.kind == "release"]
         publishes = self._give_up_stale([item for item in batch if item.kind == "publish"])
         try:
-            if publishes:
-                await self._publish_batch(publishes, releases)
-            elif releases:
+            if releases and not (publishes and self.releases_ride):
                 await self._release_batch(releases)
+                releases = []
+            if publishes:
+                recorded = await self._publish_batch(publishes, releases)
+                publishes = []
+                if not recorded:
+                    await self._release_batch(releases)
+                releases = []
         except grpc.aio.AioRpcError as err:
+            # What is left unsent goes back, or is dropped.
             batch = [*releases, *publishes]
             if err.code() in RETRYABLE or err.code() in NOT_REGISTERED:
                 now = time.monotonic()
@@ -142,8 +151,9 @@ class Sender:
                 log.exception("freeing request %s failed", handle.vllm.remote_request_id)
         return keep
 
-    async def _publish_batch(self, batch: list[Item], releases: list[Item]) -> None:
-        """PublishHandles of `batch`, reporting `releases` (queued before it) in the same call."""
+    async def _publish_batch(self, batch: list[Item], releases: list[Item]) -> bool:
+        """PublishHandles of `batch`, reporting `releases` (queued before it) in the same call;
+        whether the service recorded them (False: one that predates the field ignored them)."""
         plane = self._plane
         handles = []
         for item in batch:
@@ -163,7 +173,18 @@ class Sender:
             metadata=(*plane.call_metadata, *traced),
         )
         self.published += len(batch)
-        self.released_reported += len(releases)
+        recorded = len(releases) <= response.released_recorded
+        if recorded:
+            self.released_reported += len(releases)
+        else:
+            # A metadata service that predates the field ignored it: reported the old way, now
+            # and from now on.
+            log.info(
+                "node %s: the metadata service does not record freed blocks with publishes;"
+                " reporting them on their own",
+                plane.node_id,
+            )
+            self.releases_ride = False
         for item, result in zip(batch, response.results, strict=False):
             _tell(item, stored=not result.relocation_refused)
             if result.relocation_refused:
@@ -175,6 +196,7 @@ class Sender:
                     item.handle.relocates_handle_id,
                     item.handle.vllm.remote_request_id,
                 )
+        return recorded
 
     async def _release_batch(self, batch: list[Item]) -> None:
         plane = self._plane

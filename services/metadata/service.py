@@ -171,7 +171,9 @@ class MetadataService(metadata_pb2_grpc.MetadataServiceServicer):
                     superseded_handle_id=outcome.superseded.handle.handle_id if outcome.superseded else "",
                 )
             )
-        return metadata_pb2.PublishHandlesResponse(results=results)
+        return metadata_pb2.PublishHandlesResponse(
+            results=results, released_recorded=len(request.released_remote_request_ids)
+        )
 
     @rpc_method
     async def ReportReleased(

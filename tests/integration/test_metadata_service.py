@@ -358,12 +358,13 @@ async def test_a_pulled_turns_freed_blocks_and_its_new_handle_are_one_etcd_trans
     assert await view.wait_for(lambda: view.handle("acme", "c-pull") is None, 10.0)
     calls = _etcd_calls(metadata_process, monkeypatch)
     second = make_handle(node, conversation="c-pull", request_id="turn-2")
-    await stub.PublishHandles(
+    resp = await stub.PublishHandles(
         metadata_pb2.PublishHandlesRequest(
             handles=[convert.handle_to_pb(second)], released_remote_request_ids=["turn-1"]
         ),
         metadata=NODE_HEADERS,
     )
+    assert resp.released_recorded == 1, "the node learns the service recorded them"
     assert [op for op in calls if op != "lease_grant"] == ["publish"]
     store = metadata_process.store
     claim = await store.etcd.read(

@@ -26,7 +26,8 @@ def rpc_error(code: grpc.StatusCode, details: str = "") -> grpc.aio.AioRpcError:
 
 class Scripted:
     """One RPC: records each request (and its metadata), answers with the next of `replies` (an
-    exception is raised), then with `default` once the script runs out."""
+    exception is raised), then with `default` once the script runs out (a callable: its answer to
+    the request)."""
 
     def __init__(self, default: Any) -> None:
         self.replies: list[Any] = []
@@ -39,6 +40,8 @@ class Scripted:
         self.requests.append(request)
         self.metadata.append(tuple(metadata))
         reply = self.replies.pop(0) if self.replies else self.default
+        if callable(reply):
+            reply = reply(request)
         if isinstance(reply, Exception):
             raise reply
         return reply
@@ -49,7 +52,12 @@ class FakeMetadata:
         self.RegisterNode = Scripted(metadata_pb2.RegisterNodeResponse(lease_id=0x51, lease_ttl_s=3))
         self.KeepAlive = Scripted(metadata_pb2.KeepAliveResponse())
         self.ReconcileRetained = Scripted(metadata_pb2.ReconcileRetainedResponse())
-        self.PublishHandles = Scripted(metadata_pb2.PublishHandlesResponse())
+        # A current service: it records the freed requests a publish reports.
+        self.PublishHandles = Scripted(
+            lambda request: metadata_pb2.PublishHandlesResponse(
+                released_recorded=len(request.released_remote_request_ids)
+            )
+        )
         self.ReportReleased = Scripted(metadata_pb2.ReportReleasedResponse())
 
 

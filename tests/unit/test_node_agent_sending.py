@@ -15,6 +15,7 @@ import pytest
 from kvplane.connector.node_agent.control_plane import ControlPlane
 from kvplane.connector.node_agent.outbox import Item, Outbox
 from kvplane.connector.node_agent.sending import Sender
+from kvplane.v1 import metadata_pb2
 from tests.unit.node_agent_fakes import NODE, handle, plane, rpc_error, until
 
 
@@ -132,6 +133,20 @@ async def test_releases_ride_in_the_call_of_the_publish_queued_behind_them() -> 
     assert [h.vllm.remote_request_id for h in request.handles] == ["a"]
     assert meta.ReportReleased.requests == [], "no call of their own"
     assert (sender.published, sender.released_reported) == (1, 2)
+
+
+async def test_releases_a_service_older_than_the_field_ignored_are_reported_alone_from_then_on() -> None:
+    cp, meta, _ = plane()
+    meta.PublishHandles.replies.append(metadata_pb2.PublishHandlesResponse())  # released_recorded 0
+    box = outbox(release("r1"), publish("a"), release("r2"), publish("b"))
+    sender = Sender(cp, box, lambda _: None)
+    assert await sender.send_one_batch() is True
+    assert [list(r.remote_request_ids) for r in meta.ReportReleased.requests] == [["r1"]]
+    assert sender.releases_ride is False and sender.released_reported == 1
+    assert await sender.send_one_batch() is True
+    assert [list(r.remote_request_ids) for r in meta.ReportReleased.requests] == [["r1"], ["r2"]]
+    assert list(meta.PublishHandles.requests[-1].released_remote_request_ids) == []
+    assert (sender.published, sender.released_reported) == (2, 2)
 
 
 async def test_a_failed_call_puts_the_releases_and_the_publishes_back_in_order() -> None:

@@ -427,6 +427,12 @@ class PublishHandlesResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     RESULTS_FIELD_NUMBER: _builtins.int
+    RELEASED_RECORDED_FIELD_NUMBER: _builtins.int
+    released_recorded: _builtins.int
+    """How many of released_remote_request_ids were recorded (all of them, or the
+    call fails). A service older than that field answers 0: a node then
+    reports them with ReportReleased, and stops sending them with publishes.
+    """
     @_builtins.property
     def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___PublishResult]:
         """One result per input handle, in order."""
@@ -435,10 +441,11 @@ class PublishHandlesResponse(_message.Message):
         self,
         *,
         results: _abc.Iterable[Global___PublishResult] | None = ...,
+        released_recorded: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["released_recorded", b"released_recorded", "results", b"results"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
