@@ -388,6 +388,9 @@ class _Held:
 
     handle_id: str
     retained_bytes: int
+    # The handle's wall-clock expiry (0: not known): blocks freed before it, and not by an early
+    # release, were read by P.
+    expiry_unix_ms: int = 0
 
 
 class NixlConnector(NixlPullConnector):  # type: ignore[misc]
@@ -725,7 +728,9 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
                 tier.forget(req_id)
             self.kvplane_metrics.released.inc()
             if self.kvplane_agent is not None:
-                self.kvplane_agent.report_released(req_id)
+                # Freed before its expiry, and not by an early release: P read the blocks.
+                read = not freed and int(time.time() * 1000) < held.expiry_unix_ms
+                self.kvplane_agent.report_released(req_id, after_read=read)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
         """Scheduler process, every step. Apply queued early releases: a held request's
@@ -882,7 +887,7 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
             self._host_tier.track(request.request_id, handle, retained, request.block_hashes)
         # Held only once its publish is queued: a reconcile on the agent's thread that sees the
         # request also sees its publish (queued, or sent and referenced), never frees it unsent.
-        self._held[request.request_id] = _Held(handle_id, retained_bytes)
+        self._held[request.request_id] = _Held(handle_id, retained_bytes, handle.wall_expiry_unix_ms)
         return params
 
     def _update_demand(self, applied: dict[str, int]) -> None:

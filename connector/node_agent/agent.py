@@ -155,13 +155,17 @@ class NodeAgent:
         context = tuple((k, v) for k, v in (trace_context or {}).items() if k in _TRACE_KEYS)
         self._outbox.put(Item("publish", handle=handle, trace_context=context, on_outcome=on_outcome))
 
-    def report_released(self, remote_request_id: str) -> None:
+    def report_released(self, remote_request_id: str, *, after_read: bool = False) -> None:
         """Queue a "blocks freed" report for ReportReleased. Never blocks; any thread.
 
-        Blocks freed by a release command whose ack records the free are not reported again."""
+        `after_read`: P read the blocks (their handle was checked out, so nothing routes to them
+        any more): the report may wait for a publish to go with (`release_linger_s`). Any other
+        free (an expiry, the engine's own) is sent at once, so that no turn is routed to a handle
+        whose blocks are gone. Blocks freed by a release command whose ack records the free are
+        not reported again."""
         if self._acked_frees.take(remote_request_id):
             return
-        self._outbox.put(Item("release", remote_request_id=remote_request_id))
+        self._outbox.put(Item("release", remote_request_id=remote_request_id, lingers=after_read))
 
     def notify_demand(self) -> None:
         """The engine's KV demand changed: send `demand_fn()` now. Never blocks; any thread."""

@@ -41,6 +41,9 @@ class Item:
     # A publish only: told, on the agent's thread, whether the control plane stored the handle
     # (False: a relocation it refused, or a publish dropped unsent).
     on_outcome: Callable[[bool], None] | None = None
+    # A release only: it may wait for a publish to go with (blocks P read: nothing routes to
+    # them any more).
+    lingers: bool = False
     # time.monotonic() when it was queued.
     queued_at: float = dataclasses.field(default_factory=time.monotonic)
 
@@ -79,8 +82,9 @@ class Outbox:
         """The head batch, removed from the queue: leading publishes; or leading release reports
         with the publishes queued right after them (sent together), each kind up to its limit.
 
-        With `linger_s`, release reports with no publish behind them stay queued (an empty batch)
-        until the oldest is `linger_s` old or they fill a batch (`linger_deadline`)."""
+        With `linger_s`, release reports that may wait (`Item.lingers`) with no publish behind
+        them stay queued (an empty batch) until the oldest is `linger_s` old or they fill a batch
+        (`linger_deadline`); one that may not wait takes those ahead of it along at once."""
         with self._lock:
             if not self._queue:
                 return []
@@ -97,6 +101,8 @@ class Outbox:
             releases = self._leading("release", 0, MAX_RELEASE_BATCH)
             if not releases or self._leading("publish", releases, MAX_PUBLISH_BATCH):
                 return None
+            if not all(self._queue[i].lingers for i in range(releases)):
+                return None
             return self._queue[0].queued_at + linger_s
 
     def _leading(self, kind: str, start: int, limit: int) -> int:
@@ -109,8 +115,11 @@ class Outbox:
 
     def _lingers(self, releases: int, linger_s: float) -> bool:
         """Whether `releases` leading reports, with no publish behind, wait still; lock held."""
-        full = releases >= min(self._batch_max, MAX_RELEASE_BATCH)
-        return not full and time.monotonic() < self._queue[0].queued_at + linger_s
+        if releases >= min(self._batch_max, MAX_RELEASE_BATCH):
+            return False
+        if not all(self._queue[i].lingers for i in range(releases)):
+            return False
+        return time.monotonic() < self._queue[0].queued_at + linger_s
 
     def put_back(self, batch: list[Item]) -> None:
         """Return an unsent batch to the head of the queue, keeping the bound."""

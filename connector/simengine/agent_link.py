@@ -103,9 +103,9 @@ class ConnectorObserver:
             propagate.inject(trace_context)
             self.agent.publish(handle, trace_context)
 
-    def on_blocks_freed(self, request_id: str) -> None:
+    def on_blocks_freed(self, request_id: str, read: bool) -> None:
         if self._held.pop(request_id, None) is not None and self.agent is not None:
-            self.agent.report_released(request_id)
+            self.agent.report_released(request_id, after_read=read)
 
     def on_handle_moved(
         self, request_id: str, kv_transfer_params: dict[str, Any], settle: Callable[[bool], None]

@@ -79,8 +79,9 @@ class EngineObserver(Protocol):
         the request came with (kvplane's tenant and conversation keys).
         """
 
-    def on_blocks_freed(self, request_id: str) -> None:
-        """A retained handle's blocks were freed: read by P, expired, or released early."""
+    def on_blocks_freed(self, request_id: str, read: bool) -> None:
+        """A retained handle's blocks were freed: read by P (`read`), expired, or released
+        early."""
 
     def on_handle_moved(
         self, request_id: str, kv_transfer_params: dict[str, Any], settle: Callable[[bool], None]
@@ -127,7 +128,7 @@ class NullObserver:
     ) -> None:
         return None
 
-    def on_blocks_freed(self, request_id: str) -> None:
+    def on_blocks_freed(self, request_id: str, read: bool) -> None:
         return None
 
     def on_handle_moved(

@@ -576,7 +576,7 @@ class Retention:
         self.blocks_freed.set()
         if r.kind == "decode_handle":
             try:
-                self.observer.on_blocks_freed(request_id)
+                self.observer.on_blocks_freed(request_id, reason == "read")
             except Exception:
                 log.exception("observer failed in on_blocks_freed")
 

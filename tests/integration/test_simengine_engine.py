@@ -56,7 +56,7 @@ class Recorder:
         kv_transfer_params["kvplane_handle_id"] = "h-1"
         self.retained.append((dict(kv_transfer_params), list(all_token_ids), retained_bytes))
 
-    def on_blocks_freed(self, request_id: str) -> None:
+    def on_blocks_freed(self, request_id: str, read: bool) -> None:
         self.freed.append(request_id)
 
 

@@ -14,6 +14,11 @@ def release(n: int) -> Item:
     return Item("release", remote_request_id=f"r{n}")
 
 
+def read(n: int) -> Item:
+    """The report of blocks P read: it may wait for a publish."""
+    return Item("release", remote_request_id=f"r{n}", lingers=True)
+
+
 def publish(n: int) -> Item:
     return Item("publish", remote_request_id=f"p{n}")
 
@@ -43,29 +48,38 @@ def test_leading_publishes_go_without_the_releases_queued_after_them() -> None:
     assert [i.remote_request_id for i in box.take_batch()] == ["r2", "p3"]
 
 
-def test_releases_with_no_publish_behind_wait_for_one_until_their_linger_runs_out() -> None:
+def test_reads_with_no_publish_behind_wait_for_one_until_their_linger_runs_out() -> None:
     box = Outbox(queue_max=100, batch_max=10)
-    box.put(Item("release", remote_request_id="old", queued_at=time.monotonic() - 100.0))
-    box.put(release(2))
+    box.put(Item("release", remote_request_id="old", lingers=True, queued_at=time.monotonic() - 100.0))
+    box.put(read(2))
     # The oldest waited past a long linger: sent now, with what queued behind it.
     assert [i.remote_request_id for i in box.take_batch(linger_s=50.0)] == ["old", "r2"]
-    box.put(release(3))
+    box.put(read(3))
     assert box.take_batch(linger_s=50.0) == []
     deadline = box.linger_deadline(50.0)
     assert deadline is not None and deadline > time.monotonic() + 40.0
     box.put(publish(4))
     assert box.linger_deadline(50.0) is None
     assert [i.remote_request_id for i in box.take_batch(linger_s=50.0)] == ["r3", "p4"]
-    box.put(release(5))
+    box.put(read(5))
     # No linger: sent at once.
     assert [i.remote_request_id for i in box.take_batch()] == ["r5"]
 
 
-def test_releases_that_fill_a_batch_wait_no_longer() -> None:
+def test_reads_that_fill_a_batch_wait_no_longer() -> None:
     box = Outbox(queue_max=100, batch_max=3)
     for n in range(3):
-        box.put(release(n))
+        box.put(read(n))
     assert len(box.take_batch(linger_s=50.0)) == 3
+
+
+def test_a_free_that_was_no_read_goes_at_once_and_takes_the_waiting_reads_along() -> None:
+    box = Outbox(queue_max=100, batch_max=10)
+    box.put(read(1))
+    assert box.take_batch(linger_s=50.0) == []
+    box.put(release(2))  # an expiry: a handle routing may still hand out
+    assert box.linger_deadline(50.0) is None
+    assert [i.remote_request_id for i in box.take_batch(linger_s=50.0)] == ["r1", "r2"]
 
 
 def test_a_batch_keeps_to_the_outboxs_and_the_apis_limits() -> None:

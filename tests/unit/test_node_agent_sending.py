@@ -23,8 +23,8 @@ def publish(request_id: str, **kw: object) -> Item:
     return Item("publish", handle=handle(request_id), **kw)  # type: ignore[arg-type]
 
 
-def release(request_id: str) -> Item:
-    return Item("release", remote_request_id=request_id)
+def release(request_id: str, *, read: bool = False) -> Item:
+    return Item("release", remote_request_id=request_id, lingers=read)
 
 
 def outbox(*items: Item) -> Outbox:
@@ -179,7 +179,7 @@ async def running(sender: Sender, cp: ControlPlane, box: Outbox) -> AsyncIterato
 
 async def test_a_release_waits_for_a_publish_to_ride_with() -> None:
     cp, meta, _ = plane(release_linger_s=3600.0)
-    box = outbox(release("r1"))
+    box = outbox(release("r1", read=True))
     sender = Sender(cp, box, lambda _: None)
     async with running(sender, cp, box):
         cp.session_ready.set()
@@ -195,7 +195,7 @@ async def test_a_release_waits_for_a_publish_to_ride_with() -> None:
 
 async def test_a_release_no_publish_came_for_is_sent_alone_when_its_linger_runs_out() -> None:
     cp, meta, _ = plane(release_linger_s=0.2)
-    box = outbox(release("r1"))
+    box = outbox(release("r1", read=True))
     sender = Sender(cp, box, lambda _: None)
     async with running(sender, cp, box):
         cp.session_ready.set()

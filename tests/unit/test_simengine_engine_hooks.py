@@ -24,7 +24,7 @@ def test_the_null_observer_is_an_observer_that_leaves_every_param_as_it_was() ->
     params: dict[str, Any] = {"remote_num_tokens": 64, "remote_block_ids": [[1, 2, 3, 4]]}
     observer.check_pull(params, [1, 2, 3])
     observer.on_handle_retained(params, [1, 2, 3], 4096, {"kvplane_tenant": "t"})
-    observer.on_blocks_freed("r1")
+    observer.on_blocks_freed("r1", True)
     assert params == {"remote_num_tokens": 64, "remote_block_ids": [[1, 2, 3, 4]]}
 
 

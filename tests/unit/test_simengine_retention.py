@@ -41,6 +41,8 @@ class Observer:
 
     retained: list[dict[str, Any]] = field(default_factory=list)
     freed: list[tuple[str, int]] = field(default_factory=list)
+    # Whether each freed handle's blocks were read, by request id.
+    reads: dict[str, bool] = field(default_factory=dict)
     moved: list[dict[str, Any]] = field(default_factory=list)
     fail: bool = False
     hold_moves: bool = False
@@ -60,10 +62,11 @@ class Observer:
             raise RuntimeError("observer down")
         self.retained.append(dict(kv_transfer_params, retained_bytes=retained_bytes))
 
-    def on_blocks_freed(self, request_id: str) -> None:
+    def on_blocks_freed(self, request_id: str, read: bool) -> None:
         if self.fail:
             raise RuntimeError("observer down")
         self.freed.append((request_id, threading.get_ident()))
+        self.reads[request_id] = read
 
     def on_handle_moved(
         self, request_id: str, kv_transfer_params: dict[str, Any], settle: Callable[[bool], None]
@@ -247,6 +250,21 @@ async def test_a_readers_notification_frees_what_it_read(
     assert retention.handle_ids() == ["r1"]
 
 
+async def test_the_observer_is_told_which_frees_were_reads() -> None:
+    retention, pool, _, observer = make()
+    notifications = Notifications()
+    keep(retention, pool, "read-me", "decode_handle")
+    keep(retention, pool, "drop-me", "decode_handle")
+    task = asyncio.create_task(retention.notification_loop(notifications))  # type: ignore[arg-type]
+    try:
+        notifications.queue.append(_read("read-me"))
+        await until(lambda: "read-me" in observer.reads, "the read to free the handle")
+    finally:
+        task.cancel()
+    assert retention.release_early("drop-me") is True
+    assert observer.reads == {"read-me": True, "drop-me": False}
+
+
 async def test_a_second_read_and_a_read_of_something_never_held_are_counted_apart(
     polled: tuple[Retention, BlockPool, SimEngineMetrics, Notifications],
 ) -> None:
@@ -279,6 +297,7 @@ async def test_what_no_reader_read_is_freed_at_its_deadline() -> None:
     finally:
         reaper.cancel()
     assert frees(metrics, "decode_handle", "ttl") == 1 and [r for r, _ in observer.freed] == ["r1"]
+    assert observer.reads == {"r1": False}, "an expiry is no read"
     expired = {"model_name": "kvplane-sim", "engine": "0"}
     assert metrics.registry.get_sample_value("vllm:nixl_num_kv_expired_reqs_total", expired) == 1
     assert retention.count == 1, "the lease's deadline is an hour away"

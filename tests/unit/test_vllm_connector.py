@@ -448,6 +448,8 @@ def test_finished_sending_reports_release_of_published_requests_only(new_engine:
     decode_turn(d)
     d.step(finished_sending={"d-1"})
     assert d.agent.pending()[1] == ["d-1"]
+    # Freed before its expiry and by no early release: P read it; the report may wait for a publish.
+    assert [i.lingers for i in d.agent._outbox.items()] == [False, True], "the publish, then the read"
     assert "d-1" not in d.scheduler.requests
     assert d.connector.held_request_ids == frozenset()
     # A request this engine never published (a P-side send) is not reported.
@@ -476,6 +478,7 @@ def test_early_release_expires_the_deadline_in_the_next_step(new_engine: Any) ->
     d.step(finished_sending={"d-1"})
     assert d.free_blocks() >= free_held + len(params["remote_block_ids"][0])
     assert d.agent.pending()[1] == ["d-1"]
+    assert d.agent._outbox.items()[-1].lingers is False, "released early: no read, reported at once"
 
 
 # ---------------------------------------------------------------------------- P side

@@ -41,7 +41,7 @@ class RecordingAgent:
     def publish(self, handle: Any, trace_context: dict[str, str] | None = None) -> None:
         self.published.append((handle, dict(trace_context or {})))
 
-    def report_released(self, request_id: str) -> None:
+    def report_released(self, request_id: str, *, after_read: bool = False) -> None:
         pass
 
     def stop(self) -> None:
