@@ -90,7 +90,11 @@ class Outbox:
                 return []
             releases = self._leading("release", 0, MAX_RELEASE_BATCH)
             publishes = self._leading("publish", releases, MAX_PUBLISH_BATCH)
-            if releases and not publishes and self._lingers(releases, linger_s):
+            if (
+                not publishes
+                and self._waiting(releases)
+                and time.monotonic() < self._queue[0].queued_at + linger_s
+            ):
                 return []
             return [self._queue.popleft() for _ in range(releases + publishes)]
 
@@ -99,9 +103,7 @@ class Outbox:
         None when none wait."""
         with self._lock:
             releases = self._leading("release", 0, MAX_RELEASE_BATCH)
-            if not releases or self._leading("publish", releases, MAX_PUBLISH_BATCH):
-                return None
-            if not all(self._queue[i].lingers for i in range(releases)):
+            if self._leading("publish", releases, MAX_PUBLISH_BATCH) or not self._waiting(releases):
                 return None
             return self._queue[0].queued_at + linger_s
 
@@ -113,13 +115,11 @@ class Outbox:
             n += 1
         return n
 
-    def _lingers(self, releases: int, linger_s: float) -> bool:
-        """Whether `releases` leading reports, with no publish behind, wait still; lock held."""
-        if releases >= min(self._batch_max, MAX_RELEASE_BATCH):
-            return False
-        if not all(self._queue[i].lingers for i in range(releases)):
-            return False
-        return time.monotonic() < self._queue[0].queued_at + linger_s
+    def _waiting(self, releases: int) -> bool:
+        """Whether the `releases` leading reports may wait for a publish: some, every one of them
+        a read's, not a full batch; lock held."""
+        full = releases >= min(self._batch_max, MAX_RELEASE_BATCH)
+        return 0 < releases and not full and all(self._queue[i].lingers for i in range(releases))
 
     def put_back(self, batch: list[Item]) -> None:
         """Return an unsent batch to the head of the queue, keeping the bound."""

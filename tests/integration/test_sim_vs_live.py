@@ -236,6 +236,7 @@ LATEST_RECORDS = (
     "compare_8e313bd.json",
     "compare_a7afb28.json",
     "compare_7e4dbc2.json",
+    "compare_70f95a7.json",
 )
 LATEST_FRONTS = (KVPLANE, VLLM_ROUTER, EXAMPLE_PROXY)
 
