@@ -119,7 +119,7 @@ class Outbox:
         """Whether the `releases` leading reports may wait for a publish: some, every one of them
         a read's, not a full batch; lock held."""
         full = releases >= min(self._batch_max, MAX_RELEASE_BATCH)
-        return 0 < releases and not full and all(self._queue[i].lingers for i in range(releases))
+        return releases > 0 and not full and all(self._queue[i].lingers for i in range(releases))
 
     def put_back(self, batch: list[Item]) -> None:
         """Return an unsent batch to the head of the queue, keeping the bound."""
