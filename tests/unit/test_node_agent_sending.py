@@ -16,7 +16,7 @@ from kvplane.connector.node_agent.control_plane import ControlPlane
 from kvplane.connector.node_agent.outbox import Item, Outbox
 from kvplane.connector.node_agent.sending import Sender
 from kvplane.v1 import metadata_pb2
-from tests.unit.node_agent_fakes import NODE, handle, plane, rpc_error, until
+from tests.unit.node_agent_fakes import NODE, FakeMetadata, handle, plane, rpc_error, until
 
 
 def publish(request_id: str, **kw: object) -> Item:
@@ -177,10 +177,15 @@ async def running(sender: Sender, cp: ControlPlane, box: Outbox) -> AsyncIterato
         await asyncio.wait_for(task, 10)
 
 
+def linger_sender(linger_s: float, *items: Item) -> tuple[ControlPlane, FakeMetadata, Outbox, Sender]:
+    """A sender whose read reports wait `linger_s` for a publish, over an outbox of `items`."""
+    cp, meta, _ = plane(release_linger_s=linger_s)
+    box = outbox(*items)
+    return cp, meta, box, Sender(cp, box, lambda _: None)
+
+
 async def test_a_release_waits_for_a_publish_to_ride_with() -> None:
-    cp, meta, _ = plane(release_linger_s=3600.0)
-    box = outbox(release("r1", read=True))
-    sender = Sender(cp, box, lambda _: None)
+    cp, meta, box, sender = linger_sender(3600.0, release("r1", read=True))
     async with running(sender, cp, box):
         cp.session_ready.set()
         for _ in range(20):
@@ -194,9 +199,7 @@ async def test_a_release_waits_for_a_publish_to_ride_with() -> None:
 
 
 async def test_a_release_no_publish_came_for_is_sent_alone_when_its_linger_runs_out() -> None:
-    cp, meta, _ = plane(release_linger_s=0.2)
-    box = outbox(release("r1", read=True))
-    sender = Sender(cp, box, lambda _: None)
+    cp, meta, box, sender = linger_sender(0.2, release("r1", read=True))
     async with running(sender, cp, box):
         cp.session_ready.set()
         await until(lambda: sender.released_reported == 1, "the release to go alone")
