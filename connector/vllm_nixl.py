@@ -52,6 +52,9 @@ KVPLANE_NODE_ROLE and KVPLANE_HTTP_URL give defaults):
     metrics_port                       serve the connector's Prometheus metrics here (0: off)
     lease_ttl_s, load_interval_s       the node agent's lease and load sampling period (10, 0.5)
     load_heartbeat_s                   longest gap between load reports of an unchanged load (10)
+    release_linger_s                   D: how long the report that P read a handle's blocks waits
+                                       for the turn's next publish, to go in its etcd transaction
+                                       (5; 0: at once); longer than a turn's decode here
     nixl_progress_thread               false: NIXL agents without their busy progress thread
     idle_step_pause_s                  pause in steps that schedule nothing and watch no pull (0.01;
                                        0: off)
@@ -197,6 +200,9 @@ class ConnectorSettings:
     lease_ttl_s: int = 10
     load_interval_s: float = 0.5
     load_heartbeat_s: float = 10.0
+    # D side: seconds the report that P read a handle's blocks waits for the turn's next publish
+    # (the node agent's `release_linger_s`).
+    release_linger_s: float = 5.0
     # Worker side: whether NIXL runs its progress thread. NIXL's Python agent starts it with a
     # zero polling delay, so it keeps one core busy per engine for the engine's whole life.
     # Without it, transfers and notifications progress when the worker polls NIXL, which it does
@@ -249,6 +255,7 @@ class ConnectorSettings:
             lease_ttl_s=self.lease_ttl_s,
             load_interval_s=self.load_interval_s,
             load_heartbeat_s=max(self.load_heartbeat_s, self.load_interval_s),
+            release_linger_s=self.release_linger_s,
             credentials=self.credentials(),
             routing_targets=self.routing_targets,
         )
@@ -292,6 +299,7 @@ class ConnectorSettings:
                 lease_ttl_s=int(raw.get("lease_ttl_s", 10)),
                 load_interval_s=float(raw.get("load_interval_s", 0.5)),
                 load_heartbeat_s=float(raw.get("load_heartbeat_s", 10.0)),
+                release_linger_s=_non_negative(raw.get("release_linger_s", 5.0), "release_linger_s"),
                 nixl_progress_thread=bool(raw.get("nixl_progress_thread", True)),
                 idle_step_pause_s=float(raw.get("idle_step_pause_s", 0.01)),
                 kv_free_watermark_blocks=int(raw.get("kv_free_watermark_blocks", 0)),

@@ -1,5 +1,5 @@
-"""The vLLM connector's control-plane credentials: files and environment, never the token in
-vLLM's configuration (which vLLM logs)."""
+"""The vLLM connector's control-plane settings: its credentials (files and environment, never the
+token in vLLM's configuration, which vLLM logs) and what reaches its node agent."""
 
 from __future__ import annotations
 
@@ -44,3 +44,16 @@ def test_routing_targets_for_the_prefix_cache_stream_reach_the_node_agent() -> N
     )
     assert from_env.agent_settings().routing_targets == ("r0:50051", "r1:50051")
     assert ConnectorSettings.from_config({"metadata_target": "cp:50051"}, env={}).routing_targets == ()
+
+
+def test_the_wait_of_a_read_report_for_a_publish_reaches_the_node_agent() -> None:
+    assert (
+        ConnectorSettings.from_config({"metadata_target": "cp:50051"}, env={})
+        .agent_settings()
+        .release_linger_s
+        == 5.0
+    )
+    set_ = ConnectorSettings.from_config({"metadata_target": "cp:50051", "release_linger_s": 30}, env={})
+    assert set_.agent_settings().release_linger_s == 30.0
+    with pytest.raises(ConnectorConfigError, match="release_linger_s"):
+        ConnectorSettings.from_config({"metadata_target": "cp:50051", "release_linger_s": -1}, env={})
