@@ -47,9 +47,10 @@ class NodeAgentSettings:
     deregister_on_stop: bool = True
     # Seconds a publish may keep failing before it is given up and its blocks freed.
     publish_give_up_s: float = 30.0
-    # Seconds a report of freed blocks waits for a publish to go with (one etcd transaction for
+    # Seconds a report of blocks P read waits for a publish to go with (one etcd transaction for
     # both: a pulled turn's freed history and the turn's new handle); 0: sent at once. Longer
     # than a turn's decode on this engine, so that the turn's publish finds the report waiting.
+    # Any other free is reported at once (`NodeAgent.report_released`).
     release_linger_s: float = 5.0
     # host:port of every routing replica the engine's load, and its prefix cache (its KV-cache
     # events, when the agent is given a source), are streamed to; empty: the load goes to etcd
