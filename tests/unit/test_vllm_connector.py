@@ -9,7 +9,9 @@ connector unit tests do.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -457,6 +459,17 @@ def test_finished_sending_reports_release_of_published_requests_only(new_engine:
     d.run_until_finished("p-side")
     d.step(finished_sending={"p-side"})
     assert d.agent.pending()[1] == ["d-1"]
+
+
+def test_blocks_freed_past_the_handles_expiry_are_reported_at_once_as_no_read(new_engine: Any) -> None:
+    d = new_engine()
+    decode_turn(d)
+    held = d.connector._held["d-1"]
+    # The deadline came and vLLM freed the blocks: the handle's expiry is behind.
+    d.connector._held["d-1"] = dataclasses.replace(held, expiry_unix_ms=int(time.time() * 1000) - 1)
+    d.step(finished_sending={"d-1"})
+    assert d.agent.pending()[1] == ["d-1"]
+    assert d.agent._outbox.items()[-1].lingers is False, "an expiry: reported without waiting"
 
 
 def test_early_release_expires_the_deadline_in_the_next_step(new_engine: Any) -> None:
