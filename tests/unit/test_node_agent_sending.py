@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from typing import Literal
 
 import grpc
 import pytest
@@ -164,13 +165,27 @@ async def test_a_failed_call_puts_the_releases_and_the_publishes_back_in_order()
     assert (sender.published, sender.released_reported) == (0, 0)
 
 
+class CountedEvent(asyncio.Event):
+    """An event that counts the waits begun on it: a test can tell the sender is parked there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waits = 0
+
+    async def wait(self) -> Literal[True]:
+        self.waits += 1
+        return await super().wait()
+
+
 @contextlib.asynccontextmanager
-async def running(sender: Sender, cp: ControlPlane, box: Outbox) -> AsyncIterator[None]:
-    """`sender.run()` as the agent runs it, on `box` woken by puts; stopped on the way out."""
-    box.attach(asyncio.get_running_loop(), asyncio.Event())
+async def running(sender: Sender, cp: ControlPlane, box: Outbox) -> AsyncIterator[CountedEvent]:
+    """`sender.run()` as the agent runs it, on `box` woken by puts (the wake event, yielded);
+    stopped on the way out."""
+    wake = CountedEvent()
+    box.attach(asyncio.get_running_loop(), wake)
     task = asyncio.create_task(sender.run())
     try:
-        yield
+        yield wake
     finally:
         cp.stopping.set()  # type: ignore[union-attr]
         box.wake.set()  # type: ignore[union-attr]
@@ -186,10 +201,9 @@ def linger_sender(linger_s: float, *items: Item) -> tuple[ControlPlane, FakeMeta
 
 async def test_a_release_waits_for_a_publish_to_ride_with() -> None:
     cp, meta, box, sender = linger_sender(3600.0, release("r1", read=True))
-    async with running(sender, cp, box):
+    async with running(sender, cp, box) as wake:
         cp.session_ready.set()
-        for _ in range(20):
-            await asyncio.sleep(0)
+        await until(lambda: wake.waits == 1, "the sender to wait, with the release held, for what comes")
         assert meta.ReportReleased.requests == [] and meta.PublishHandles.requests == []
         box.put(publish("a"))
         await until(lambda: sender.published == 1, "the publish to take the release with it")
@@ -212,8 +226,9 @@ async def test_the_sender_waits_for_the_session_sends_what_is_queued_and_retries
     box = outbox(release("a"))
     meta.ReportReleased.replies.append(rpc_error(grpc.StatusCode.UNAVAILABLE))
     sender = Sender(cp, box, lambda _: None)
+    cp.session_ready = session = CountedEvent()
     async with running(sender, cp, box):
-        await asyncio.sleep(0)
+        await until(lambda: session.waits == 1, "the sender to wait for the node's registration")
         assert meta.ReportReleased.requests == [], "nothing is sent before the node is registered"
         cp.session_ready.set()
         await until(lambda: sender.released_reported == 1, "the release to be reported after one error")
