@@ -166,6 +166,19 @@ def node_load(load: EngineLoad) -> NodeLoad:
     )
 
 
+def agent_settings(s: SimEngineSettings) -> NodeAgentSettings:
+    """The node agent's settings from the engine's."""
+    return NodeAgentSettings(
+        metadata_target=s.control_plane,
+        eviction_target=s.eviction,
+        load_interval_s=s.load_interval_s,
+        load_heartbeat_s=max(s.load_heartbeat_s, s.load_interval_s),
+        credentials=s.credentials(),
+        routing_targets=tuple(t.strip() for t in s.routing.split(",") if t.strip()),
+        release_linger_s=s.release_linger_s,
+    )
+
+
 def start_node_agent(engine: SimEngine, http_url: str, observer: ConnectorObserver | None) -> NodeAgent:
     """Register a started engine with the control plane at ``settings.control_plane``."""
     s = engine.settings
@@ -175,14 +188,7 @@ def start_node_agent(engine: SimEngine, http_url: str, observer: ConnectorObserv
             log.info("release command for %s: no longer held", request_id)
 
     agent = NodeAgent(
-        NodeAgentSettings(
-            metadata_target=s.control_plane,
-            eviction_target=s.eviction,
-            load_interval_s=s.load_interval_s,
-            load_heartbeat_s=max(s.load_heartbeat_s, s.load_interval_s),
-            credentials=s.credentials(),
-            routing_targets=tuple(t.strip() for t in s.routing.split(",") if t.strip()),
-        ),
+        agent_settings(s),
         node_for(engine, http_url),
         lambda: node_load(engine.load()),
         on_release,

@@ -113,6 +113,9 @@ class SimEngineSettings:
     load_interval_s: float = 0.5
     # Longest gap between two load reports while the load does not change, seconds.
     load_heartbeat_s: float = 10.0
+    # Longest wait of a report that P read a retained handle's blocks for a publish to go with
+    # (the node agent's `release_linger_s`); 0: reported at once, on its own.
+    release_linger_s: float = 5.0
     # Credentials the node agent presents to the control plane (kvplane.services.client.credentials):
     # a bearer token or a file holding it; TLS: the servers' CA, and a client certificate for
     # mTLS; a mesh secret only where no mesh proxy adds it (development).
@@ -135,6 +138,8 @@ class SimEngineSettings:
             raise ValueError(
                 "host_kv_blocks and host_kv_ttl_s must be non-negative and host_copy_bytes_per_s positive"
             )
+        if self.release_linger_s < 0:
+            raise ValueError("release_linger_s must not be negative")
         if self.relocation_wait_s <= 0:
             raise ValueError("relocation_wait_s must be positive")
         if self.kv_recompute_threshold < 0 or self.expiry_guard_s < 0 or self.reasoning_tokens < 0:
@@ -311,6 +316,8 @@ FLAG_HELP: dict[str, str] = {
     "expiry_margin_s": "taken off D's deadline in a published handle's expiry, seconds",
     "load_interval_s": "seconds between samples of the engine's load",
     "load_heartbeat_s": "longest gap between two load reports of an unchanged load, seconds",
+    "release_linger_s": "longest wait of the report that P read a handle for a publish to go with, seconds "
+    "(0: at once)",
     "mesh_secret_file": "file holding the mesh proxy secret (development only)",
 }
 
@@ -416,6 +423,7 @@ def build_arg_parser(
     p.add_argument("--expiry-margin-s", type=float, default=d.expiry_margin_s)
     p.add_argument("--load-interval-s", type=float, default=d.load_interval_s)
     p.add_argument("--load-heartbeat-s", type=float, default=d.load_heartbeat_s)
+    p.add_argument("--release-linger-s", type=float, default=d.release_linger_s)
     _add_credential_flags(p, d)
     p.set_defaults(**_env_defaults(os.environ if env is None else env))
     _describe(p)
