@@ -23,6 +23,7 @@ class RoutingMetrics:
     publish_waiting: Gauge
     reports: Counter
     decode_retention: Counter
+    prefill_moves: Counter
     recompute_seconds_per_token: Gauge
     prefill_fixed_seconds: Gauge
     reused_seconds_per_token: Gauge
@@ -44,6 +45,12 @@ class RoutingMetrics:
                 "Routed turns whose decode engine was told to keep its KV for the next turn (kept) "
                 "or that a pull of it would not pay (skipped)",
                 ["outcome"],
+                registry=registry,
+            ),
+            prefill_moves=Counter(
+                "kvplane_route_prefill_moves_total",
+                "Routed turns sent off the prefill node believed to hold the most of their prompt "
+                "(the Route span's kvplane.moved_from says why)",
                 registry=registry,
             ),
             tokens=Counter(

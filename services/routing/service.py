@@ -200,6 +200,8 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
                     "kvplane.decode_node": outcome.plan.decode.node_id,
                 }
             )
+            if outcome.plan.moved_from:
+                span.set_attribute("kvplane.moved_from", outcome.plan.moved_from)
         response = routing_pb2.RouteResponse(
             route_id=outcome.route_id,
             decision=DECISION_TO_PB[outcome.decision],
@@ -272,6 +274,8 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
         self.metrics.tokens.labels("reused").inc(reused)
         self.metrics.tokens.labels("recomputed").inc(max(0, prompt.tokens - reused))
         self.metrics.decode_retention.labels("skipped" if outcome.skip_decode_retention else "kept").inc()
+        if outcome.plan.moved_from:
+            self.metrics.prefill_moves.inc()
         if outcome.superseded is not None:
             # No later handle will supersede this one, and P holds more than it: free D's blocks.
             self._release_later(tenant, conversation, outcome.superseded)

@@ -136,3 +136,38 @@ async def test_metrics_count_routes_by_decision_and_reason_and_tokens(cluster: R
     assert value("kvplane_handle_life_left_at_checkout_seconds_count") == 1
     assert value("kvplane_turn_reports_total", outcome="success", published="true") == 1
     assert value("kvplane_cost_recompute_seconds_per_token") != 0.032 / 1000
+
+
+async def test_a_turn_sent_off_its_home_prefill_node_says_why_in_its_span_and_is_counted(
+    cluster: RoutingCluster,
+) -> None:
+    await cluster.register(node("p1", NodeRole.PREFILL))
+    server_spans = InMemorySpanExporter()
+    replica = await cluster.add_replica(telemetry=Telemetry.create("routing", exporter=server_spans))
+    await cluster.wait_nodes()
+    history = tokens(1000)
+    async with cluster.client("acme") as client:
+        first = await client.route("mover", MODEL, prompt_token_ids=history)
+        home = first.prefill.node_id
+        other = "p1" if home == "p0" else "p0"
+        # The home's queue (100,000 tokens: seconds of prefill) outweighs its cache of the history.
+        await cluster.report_load(home, queued_prefill_tokens=100_000)
+        await cluster.report_load(other, queued_prefill_tokens=0)
+        await cluster.wait_views(lambda v: {"p0", "p1"} <= set(v.loads), "loads in the view")
+        moved = await client.route("mover", MODEL, prompt_token_ids=[*history, *tokens(50, seed=2)])
+        assert moved.prefill.node_id == other
+        stayed = await client.route("stayer", MODEL, prompt_token_ids=tokens(200, seed=3))
+    deadline = time.monotonic() + 10
+    spans: dict[str, dict[str, object]] = {}
+    while time.monotonic() < deadline and len(spans) < 3:
+        replica.telemetry.tracer_provider.force_flush()
+        spans = {
+            str(s.attributes["kvplane.route_id"]): dict(s.attributes)
+            for s in server_spans.get_finished_spans()
+            if s.attributes and "kvplane.route_id" in s.attributes
+        }
+    assert str(spans[moved.route_id]["kvplane.moved_from"]).startswith(f"moved from {home} (queue ")
+    assert "kvplane.moved_from" not in spans[first.route_id]
+    assert "kvplane.moved_from" not in spans[stayed.route_id]
+    registry = replica.telemetry.registry
+    assert registry.get_sample_value("kvplane_route_prefill_moves_total") == 1

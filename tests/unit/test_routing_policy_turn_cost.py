@@ -160,6 +160,41 @@ def test_a_move_that_pulls_adds_no_compute_and_pays_only_the_margin(policy: Rout
     assert moved.prefill.node_id == "p0" and moved.decision is Decision.PULL
 
 
+def test_a_move_says_which_node_it_left_and_the_estimates_that_decided_it(policy: RoutingPolicy) -> None:
+    hint = {"prefill_cached_tokens": {"p1": len(PREVIOUS)}}
+    moved = route(policy, NEXT, queues={"p1_queue": 12_000}, **hint)
+    assert moved.prefill.node_id == "p0"
+    match = re.fullmatch(
+        r"moved from p1 \(queue (\d+) \+ pull 0 \+ prefill (\d+) = (\d+) ms\)"
+        r" to p0 \(queue 0 \+ pull (\d+) \+ prefill (\d+) = (\d+) ms\)",
+        moved.moved_from,
+    )
+    assert match is not None, moved.moved_from
+    home_queue, _, home_total, pull, _, total = (int(x) for x in match.groups())
+    # p1's 12,000 queued tokens are most of what it would cost there; p0 pays the pull instead.
+    assert home_queue > 300 and pull > 0 and total < home_total
+    # A turn that stays home, or that no node holds any of, moved from nowhere.
+    assert route(policy, NEXT, queues={"p1_queue": 2_000}, **hint).moved_from == ""
+    assert route(policy, NEXT, queues={"p1_queue": 12_000}).moved_from == ""
+
+
+def test_a_turn_whose_home_is_filtered_out_says_so(policy: RoutingPolicy) -> None:
+    plan = policy.route(
+        snap(
+            [
+                state(P0),
+                state(mk_node("p1", NodeRole.PREFILL, kv_bytes_per_token=KVB, draining=True)),
+                state(D0, free_kv_blocks=100_000, total_kv_blocks=100_000),
+            ],
+            handle=mk_handle(D0, [*PREVIOUS, *ANSWER]),
+            prompt=Prompt(len(NEXT), NEXT),
+            prefill_cached_tokens={"p1": len(PREVIOUS)},
+        )
+    )
+    assert plan.prefill.node_id == "p0"
+    assert plan.moved_from == "moved from p1: not eligible for the turn"
+
+
 def test_a_negative_extra_work_weight_is_rejected() -> None:
     with pytest.raises(PolicyConfigError):
         with_extra_work_weight(-1)

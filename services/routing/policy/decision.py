@@ -64,6 +64,9 @@ class RoutePlan:
     prefill: Node
     decode: Node
     verdict: PullVerdict
+    # Why the turn left its home prefill node (the one believed to hold the most of its prompt),
+    # with both nodes' estimates; empty where it stayed, or no node held any of it.
+    moved_from: str = ""
 
     @property
     def decision(self) -> Decision:

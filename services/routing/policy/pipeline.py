@@ -34,7 +34,7 @@ from kvplane.services.routing.policy.decode_prefill import decide_from_decode_ca
 from kvplane.services.routing.policy.prefix_match import PrefixMatch, match_prefix
 from kvplane.services.routing.policy.pull_decision import decide_pull
 from kvplane.services.routing.policy.snapshot import Leg, LegContext, NodeState, RouteSnapshot
-from kvplane.services.routing.policy.turn_cost import estimate_prefill
+from kvplane.services.routing.policy.turn_cost import describe_move, estimate_prefill, home_node
 
 
 def live_holder(snapshot: RouteSnapshot) -> Node | None:
@@ -112,7 +112,42 @@ class RoutingPolicy:
             if local is not None:
                 return local
         verdict = decide_pull(snapshot, holder, prefill, compatible, costs, pull, prefix)
-        return RoutePlan(prefill.node, decode.node, verdict)
+        moved = self._moved_from(snapshot, holder, compatible, prefill, decode, costs, prefix)
+        return RoutePlan(prefill.node, decode.node, verdict, moved_from=moved)
+
+    def _moved_from(
+        self,
+        snapshot: RouteSnapshot,
+        holder: Node | None,
+        compatible: bool,
+        prefill: NodeState,
+        decode: NodeState,
+        costs: CostModel,
+        prefix: PrefixMatch | None,
+    ) -> str:
+        """Why the turn left its home prefill node (`RoutePlan.moved_from`); "" where it did not.
+
+        Moves are few, and each one gives up a cache hit that is sure for a saving estimated from
+        loads: the estimates that decided it are what an operator needs to judge it."""
+        if not snapshot.prefill_cached_tokens:
+            return ""
+        prefills = [s for s in snapshot.nodes if s.node.role.can_prefill()]
+        home = home_node(snapshot, prefills)
+        if not home or home == prefill.node.node_id:
+            return ""
+        state = next(s for s in prefills if s.node.node_id == home)
+        ctx = LegContext(
+            snapshot, Leg.PREFILL, holder, decode.node.fingerprint, costs, self.config.pull, prefix
+        )
+        if not all(f.keep(state, ctx) for f in self.config.prefill.filters):
+            return f"moved from {home}: not eligible for the turn"
+        pull = self.config.pull
+        return describe_move(
+            estimate_prefill(snapshot, state, holder, compatible, costs, pull, prefix),
+            home,
+            estimate_prefill(snapshot, prefill, holder, compatible, costs, pull, prefix),
+            prefill.node.node_id,
+        )
 
     def _on_decode(
         self,

@@ -91,6 +91,18 @@ def estimate_prefill(
     return PrefillEstimate(verdict, queue, compute, queue + transfer + costs.prefill_ms(compute, covered))
 
 
+def describe_move(home: PrefillEstimate, home_id: str, chosen: PrefillEstimate, chosen_id: str) -> str:
+    """Why a turn left its home node, in the estimates that decided it (ms)."""
+    return f"moved from {home_id} ({_terms(home)}) to {chosen_id} ({_terms(chosen)})"
+
+
+def _terms(estimate: PrefillEstimate) -> str:
+    pull = estimate.verdict.transfer_ms if estimate.verdict.decision.pulls else 0.0
+    prefill = estimate.total_ms - estimate.queue_ms - pull
+    queue, total = estimate.queue_ms, estimate.total_ms
+    return f"queue {queue:.0f} + pull {pull:.0f} + prefill {prefill:.0f} = {total:.0f} ms"
+
+
 def home_node(snapshot: RouteSnapshot, candidates: Sequence[NodeState]) -> str:
     """The candidate believed to hold the most of the prompt ("" if none holds any).
 
