@@ -79,8 +79,10 @@ with the reason.
 Without a `metadata_target` the connector runs without an agent: the prefix check still
 applies, and nothing is published.
 
-Key it adds to P's finish-time kv_transfer_params: `kvplane_pulled_tokens` (prompt tokens loaded
-from the holder; the gateway counts them apart from P's prefix-cache hits). Keys it adds to D's
+Keys it adds to P's finish-time kv_transfer_params: `kvplane_pulled_tokens` (prompt tokens loaded
+from the holder; the gateway counts them apart from P's prefix-cache hits) and, for a pull,
+`kvplane_pull_ms` (from the blocks' allocation to the step that reported the load done; routing
+learns its pull costs from it). Keys it adds to D's
 finish-time kv_transfer_params: `kvplane_handle_id`, `kvplane_digests`
 (`kvplane.connector.digests.encode`) and `kvplane_tail_digest`. It reads `kvplane_tenant`,
 `kvplane_conversation` and `kvplane_handle_id` from the request's params (the router's), and
@@ -118,7 +120,13 @@ from kvplane.connector.vllm_stats import (
     KvplanePromMetrics,
 )
 from kvplane.services.client.credentials import ClientCredentials
-from kvplane.services.common.model.handles import KEY_PULLED_TOKENS, KEY_RETAIN, EngineHandles, routed_to
+from kvplane.services.common.model.handles import (
+    KEY_PULL_MS,
+    KEY_PULLED_TOKENS,
+    KEY_RETAIN,
+    EngineHandles,
+    routed_to,
+)
 from kvplane.services.common.model.kv_events import MEDIUM_CPU
 from kvplane.services.common.model.nodes import Fingerprint, Node, NodeLoad, NodeRole
 from kvplane.services.common.runtime.telemetry import Telemetry
@@ -452,8 +460,11 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
         # KV demand. Scheduler thread: blocks each waiting request tried this step needs; a
         # request given blocks leaves it (update_state_after_alloc).
         self._asked: dict[str, int] = {}
-        # P side: prompt tokens vLLM loads from the holder, per request, reported at finish.
+        # P side: prompt tokens vLLM loads from the holder, per request, reported at finish; when
+        # each load began (its blocks' allocation, time.monotonic()), and how long it took (ms).
         self._pulled: dict[str, int] = {}
+        self._pull_started: dict[str, float] = {}
+        self._pull_ms: dict[str, float] = {}
         # Scheduler thread: a running request found no block this step (has_pending_block_frees).
         self._running_short = False
         # Under _release_lock: blocks wanted beyond the free ones at the last schedule, and the
@@ -678,6 +689,7 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
         self._asked.pop(request.request_id, None)
         if num_external_tokens > 0:
             self._pulled[request.request_id] = num_external_tokens
+            self._pull_started[request.request_id] = time.monotonic()
         params = request.kv_transfer_params or {}
         if (
             self._bidirectional
@@ -720,6 +732,11 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
         """Scheduler process, every step. Each published request in finished_sending has just
         had its blocks freed (read by P, expired or released early): report it."""
         super().update_connector_output(connector_output)
+        now = time.monotonic()
+        for req_id in connector_output.finished_recving or ():
+            started = self._pull_started.pop(req_id, None)
+            if started is not None:
+                self._pull_ms[req_id] = (now - started) * 1000
         for req_id in connector_output.finished_sending or ():
             self._prefill_held.discard(req_id)
             with self._release_lock:
@@ -847,11 +864,15 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
         self, request: Request, delay_free: bool, params: dict[str, Any] | None
     ) -> dict[str, Any] | None:
         pulled = self._pulled.pop(request.request_id, 0)
+        self._pull_started.pop(request.request_id, None)
+        took = self._pull_ms.pop(request.request_id, None)
         if params is not None and (request.kv_transfer_params or {}).get("do_remote_decode"):
             # P's own report of its pull, returned with its params: vLLM's usage counts pulled tokens
             # and prefix-cache hits alike as cached, and the gateway counts them apart. Tokens whose
             # load failed and were recomputed (kv_load_failure_policy) still count as pulled here.
             params[KEY_PULLED_TOKENS] = pulled
+            if pulled and took is not None:
+                params[KEY_PULL_MS] = round(took, 3)
         if delay_free and params and params.get("do_remote_prefill"):
             # P side: the blocks wait for D's read. When the turn's D leg fails or is refused, the
             # control plane sends a release command for this request, applied as a handle's is.

@@ -119,6 +119,8 @@ class _Run:
     # Prompt tokens from the prefix cache, and pulled from a remote engine.
     hit: int = 0
     external: int = 0
+    # How long the pull of the external tokens took (ms).
+    pull_ms: float = 0.0
 
 
 class SimEngine:
@@ -423,9 +425,11 @@ class SimEngine:
         if leg != "local" and remote is not None:
             # Like vLLM's WAITING_FOR_REMOTE_KVS: the pull runs outside the compute queue.
             with self.tracer.start_as_current_span("kv.pull", attributes={"kvplane.leg": leg}) as span:
+                pull_start = time.perf_counter()
                 result = await self.remote_loads.load(
                     leg, remote, prompt, run.prompt_chain, run.blocks, run.hit_blocks
                 )
+                run.pull_ms = (time.perf_counter() - pull_start) * 1000
                 span.set_attribute("kvplane.pull.outcome", result.outcome)
                 span.set_attribute("kvplane.tokens.pulled", result.external_tokens)
             external = result.external_tokens
@@ -580,7 +584,14 @@ class SimEngine:
         self._write(run, blocks, all_tokens, num_kv, min(len(prompt) // bs, keep))
         self.metrics.finished(reason, len(out))
         params = self.retention.keep(
-            req.request_id, retain, blocks, num_kv, all_tokens, run.external, req.kv_transfer_params or {}
+            req.request_id,
+            retain,
+            blocks,
+            num_kv,
+            all_tokens,
+            run.external,
+            req.kv_transfer_params or {},
+            pull_ms=run.pull_ms,
         )
         return FinishInfo(reason, tuple(out), run.hit + run.external, params, run.external)
 

@@ -6,8 +6,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvplane.services.common.model.handles import KEY_DIGESTS, KEY_PULLED_TOKENS
+from kvplane.services.common.model.handles import KEY_DIGESTS, KEY_PULL_MS, KEY_PULLED_TOKENS
 from kvplane.services.gateway.identity import Identity
+
+# A pull P says took longer is not a measurement (an hour, in ms).
+_MAX_PULL_MS = 3_600_000.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +47,12 @@ class TurnProgress:
     def pulled_tokens(self) -> int:
         """Prompt tokens P read from the holder over NIXL (0 when P did not say)."""
         return self.sources.pulled if self.sources is not None and self.sources.pulled is not None else 0
+
+    @property
+    def pull_ms(self) -> float:
+        """How long P's pull took, as P measured it (0 when it did not say)."""
+        took = self.sources.pull_ms if self.sources is not None else None
+        return took if took is not None else 0.0
 
     @property
     def cached_tokens(self) -> int | None:
@@ -83,6 +92,8 @@ class PromptSources:
     computed: int
     # P's usage said how many prompt tokens it did not compute (`prompt_tokens_details`).
     cache_reported: bool = True
+    # How long P's pull took, as P measured it (ms); None where it did not say.
+    pull_ms: float | None = None
 
     @property
     def unattributed(self) -> int:
@@ -116,7 +127,17 @@ def prompt_sources(answer: Mapping[str, Any]) -> PromptSources:
     if reported is None or isinstance(reported, bool) or not isinstance(reported, int):
         return PromptSources(prompt, None, 0, prompt - cached, cache_reported=False)
     pulled = max(0, min(reported, cached))
-    return PromptSources(prompt, pulled, cached - pulled, prompt - cached, cache_reported=said)
+    pull_ms = _duration(params.get(KEY_PULL_MS)) if pulled and isinstance(params, Mapping) else None
+    return PromptSources(
+        prompt, pulled, cached - pulled, prompt - cached, cache_reported=said, pull_ms=pull_ms
+    )
+
+
+def _duration(value: Any) -> float | None:
+    """A duration in ms as P reported it, or None when it is not one."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < _MAX_PULL_MS:
+        return None
+    return float(value)
 
 
 def _is_count(value: Any) -> bool:

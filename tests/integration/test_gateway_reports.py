@@ -144,3 +144,12 @@ async def test_each_finished_turn_is_one_debug_line_saying_where_it_went(
         assert (line.ttft_ms, line.error) == (250.0, "decode stream failed")
     finally:
         await routing.close()
+
+
+def test_the_report_carries_how_long_p_said_its_pull_took() -> None:
+    progress = TurnProgress("pull", [1] * 96)
+    progress.sources = PromptSources(prompt=96, pulled=64, prefill_cache=0, computed=32, pull_ms=23.5)
+    assert TurnReporter._fields(_turn(), progress, True, None)["transfer_ms"] == 23.5
+    # P did not say: routing estimates the pull itself.
+    progress.sources = PromptSources(prompt=96, pulled=64, prefill_cache=0, computed=32)
+    assert TurnReporter._fields(_turn(), progress, True, None)["transfer_ms"] == 0.0

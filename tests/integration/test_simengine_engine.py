@@ -18,6 +18,7 @@ from kvplane.connector.simengine.block_pool import KvCacheFullError
 from kvplane.connector.simengine.engine import FinishInfo, GenerationRequest, SimEngine
 from kvplane.connector.simengine.settings import SimEngineSettings
 from kvplane.connector.simengine.timing_model import TimingModel
+from kvplane.services.common.model.handles import KEY_PULL_MS
 from kvplane.services.routing.transfer_params import decode_only_params
 from tests.support import polling
 from tests.support.simengine import free_port
@@ -304,6 +305,8 @@ async def test_without_prefix_caching_p_pulls_everything_d_holds(stack: list[Sim
     fin2 = await run(p, prompt2, 1, dict(fin.kv_transfer_params, do_remote_prefill=False))
     # D holds 300 + 12 - 1 = 311 tokens; with a cache P would have had 288 and recomputed 23.
     assert fin2.cached_tokens == 311
+    # P says how long the pull took, for routing to learn its pull costs from.
+    assert fin2.kv_transfer_params is not None and fin2.kv_transfer_params[KEY_PULL_MS] > 0
     assert sample(p, "vllm:prompt_tokens_by_source_total", source="local_cache_hit") == 0
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvplane.services.common.model.handles import KEY_PULLED_TOKENS
+from kvplane.services.common.model.handles import KEY_PULL_MS, KEY_PULLED_TOKENS
 from kvplane.services.gateway.progress import PromptSources, prompt_sources
 
 
@@ -59,3 +59,28 @@ def test_p_cache_hits_are_reported_to_routing_only_when_p_said_them() -> None:
     assert TurnProgress("pull", sources=prompt_sources(silent)).cached_tokens is None
     unattributed = TurnProgress("pull", sources=prompt_sources(_answer(prompt=1000, cached=960)))
     assert unattributed.cached_tokens is None  # pulled and cached cannot be told apart
+
+
+def _timed(pulled: int, took: Any) -> dict[str, Any]:
+    answer = _answer(prompt=1000, cached=960, pulled=pulled)
+    answer["kv_transfer_params"][KEY_PULL_MS] = took
+    return answer
+
+
+def test_how_long_p_says_its_pull_took_goes_to_routing_as_the_turns_transfer_time() -> None:
+    from kvplane.services.gateway.progress import TurnProgress
+
+    sources = prompt_sources(_timed(pulled=320, took=23.5))
+    assert sources.pull_ms == 23.5
+    assert TurnProgress("pull", sources=sources).pull_ms == 23.5
+    # Said of no pull, or not said at all: nothing to learn from.
+    assert prompt_sources(_timed(pulled=0, took=23.5)).pull_ms is None
+    assert (
+        TurnProgress("pull", sources=prompt_sources(_answer(prompt=1000, cached=960, pulled=320))).pull_ms
+        == 0
+    )
+
+
+def test_a_malformed_pull_time_is_not_learned_from() -> None:
+    for took in ("23", True, -1, float("nan"), float("inf"), 1e12, None):
+        assert prompt_sources(_timed(pulled=320, took=took)).pull_ms is None, took

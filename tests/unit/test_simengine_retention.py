@@ -18,7 +18,7 @@ from kvplane.connector.simengine.block_pool import BlockPool
 from kvplane.connector.simengine.metrics import SimEngineMetrics
 from kvplane.connector.simengine.retention import Retention
 from kvplane.connector.simengine.settings import SimEngineSettings
-from kvplane.services.common.model.handles import KEY_PULLED_TOKENS
+from kvplane.services.common.model.handles import KEY_PULL_MS, KEY_PULLED_TOKENS
 from tests.support.polling import until
 
 BS = 16
@@ -139,6 +139,16 @@ def test_a_prefill_lease_says_what_was_pulled_and_is_no_handle() -> None:
     assert params["do_remote_prefill"] is True and params[KEY_PULLED_TOKENS] == 5
     assert "remote_blocks_expiry_time" not in params
     assert retention.count == 1 and retention.handle_ids() == [] and observer.retained == []
+
+
+def test_a_prefill_lease_says_how_long_its_pull_took_and_a_lease_that_pulled_nothing_does_not() -> None:
+    retention, pool, _, _ = make()
+    ids = pool.allocate(2)
+    tokens = list(range(2 * BS))
+    timed = retention.keep("p1", "prefill_lease", ids, len(tokens), tokens, 5, {}, pull_ms=12.3456)
+    assert timed is not None and timed[KEY_PULL_MS] == 12.346
+    untimed = retention.keep("p2", "prefill_lease", pool.allocate(2), len(tokens), tokens, 0, {}, pull_ms=0.0)
+    assert untimed is not None and KEY_PULL_MS not in untimed and untimed[KEY_PULLED_TOKENS] == 0
 
 
 def test_a_request_that_keeps_nothing_gives_its_blocks_back() -> None:

@@ -57,6 +57,9 @@ KVPLANE_KEYS = frozenset({KEY_TENANT, KEY_CONVERSATION, KEY_HANDLE_ID, KEY_DIGES
 # The prefill engine's own report, in the params it returns: prompt tokens whose KV it read from the
 # holder over NIXL. Its usage's `cached_tokens` also counts its own prefix-cache hits.
 KEY_PULLED_TOKENS = "kvplane_pulled_tokens"
+# Beside it: how long that pull took on P (ms), as P measured it. Routing learns its pull costs
+# from it (the gateway reports it as the turn's transfer_ms).
+KEY_PULL_MS = "kvplane_pull_ms"
 # vLLM's key for a symmetric P2P source (its OffloadingConnector's P2P tier): where a host-tier
 # handle of a vLLM decode engine is read from, by block hash.
 KEY_REMOTE_KV_SOURCE = "remote_kv_source"
