@@ -28,6 +28,7 @@ class RoutingMetrics:
     prefill_fixed_seconds: Gauge
     reused_seconds_per_token: Gauge
     transfer_bytes_per_second: Gauge
+    transfer_overhead_seconds: Gauge
     node_streams: Gauge
     node_stream_messages: Counter
 
@@ -110,6 +111,11 @@ class RoutingMetrics:
             transfer_bytes_per_second=Gauge(
                 "kvplane_cost_transfer_bytes_per_second",
                 "Current estimate of KV pull bandwidth, in bytes per second",
+                registry=registry,
+            ),
+            transfer_overhead_seconds=Gauge(
+                "kvplane_cost_transfer_overhead_seconds",
+                "Current estimate of a warm KV pull's fixed time, in seconds",
                 registry=registry,
             ),
             node_streams=Gauge(

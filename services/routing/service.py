@@ -384,6 +384,7 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
         self.metrics.prefill_fixed_seconds.set(costs.prefill_fixed_ms / 1000)
         self.metrics.reused_seconds_per_token.set(costs.reused_ms_per_token / 1000)
         self.metrics.transfer_bytes_per_second.set(costs.transfer_bytes_per_ms * 1000)
+        self.metrics.transfer_overhead_seconds.set(costs.transfer_overhead_ms / 1000)
 
     # -- EndConversation ------------------------------------------------------------
 

@@ -136,6 +136,8 @@ async def test_metrics_count_routes_by_decision_and_reason_and_tokens(cluster: R
     assert value("kvplane_handle_life_left_at_checkout_seconds_count") == 1
     assert value("kvplane_turn_reports_total", outcome="success", published="true") == 1
     assert value("kvplane_cost_recompute_seconds_per_token") != 0.032 / 1000
+    # No report said how long its pull took: the pull's figures are still the prior's.
+    assert value("kvplane_cost_transfer_overhead_seconds") == 0.010
 
 
 async def test_a_turn_sent_off_its_home_prefill_node_says_why_in_its_span_and_is_counted(

@@ -266,3 +266,34 @@ def test_the_fit_keeps_coefficients_at_their_floor_and_refits_the_rest() -> None
         fit = fit.update((0.0,), 100.0).update((100.0,), 50.0)
     c0, c1 = fit.coefficients
     assert c1 == 0.0 and 50.0 < c0 < 100.0
+
+
+def _warm_pull(tokens: int, ms: float, kv_bytes_per_token: int = KVB) -> TurnObservation:
+    return TurnObservation(
+        prompt_tokens=tokens + 100,
+        pulled_tokens=tokens,
+        transfer_ms=ms,
+        kv_bytes_per_token=kv_bytes_per_token,
+    )
+
+
+def test_pulls_of_several_sizes_teach_the_overhead_and_the_bandwidth_apart() -> None:
+    # A link with a 15 ms overhead and 30 GB/s, where the prior says 10 ms and 52 GB/s.
+    model = CostModel()
+    for i in range(120):
+        tokens = (1_024, 8_192)[i % 2]
+        model = model.observe(_warm_pull(tokens, 15.0 + tokens * KVB / 30e6))
+    assert model.transfer_overhead_ms == pytest.approx(15.0, abs=1.0)
+    assert model.transfer_bytes_per_ms == pytest.approx(30e6, rel=0.1)
+    assert model.transfer_ms(4_096, KVB) == pytest.approx(15.0 + 4_096 * KVB / 30e6, rel=0.05)
+    assert model.transfer_samples == 120
+
+
+def test_small_pulls_teach_their_overhead_and_leave_the_bandwidth_near_its_prior() -> None:
+    # A small model's KV (2 KiB a token): every pull is a few MB, and it is the fixed part that is
+    # wrong (25 ms where the prior says 10); per byte, these pulls say next to nothing.
+    model = CostModel()
+    for _ in range(60):
+        model = model.observe(_warm_pull(3_000, 25.0, kv_bytes_per_token=2_048))
+    assert model.transfer_ms(3_000, 2_048) == pytest.approx(25.0, abs=1.0)
+    assert model.transfer_bytes_per_ms == pytest.approx(CostModel().transfer_bytes_per_ms, rel=0.05)

@@ -50,7 +50,9 @@ from kvplane.services.routing.policy.registry import (
 
 DEFAULT_POLICY_FILE = "default_policy.yaml"
 # What the cost model learns, not what a policy sets.
-_LEARNED = frozenset({"prefill_fit", "prefill_samples", "transfer_samples", "handshake_samples"})
+_LEARNED = frozenset(
+    {"prefill_fit", "prefill_samples", "transfer_fit", "transfer_samples", "handshake_samples"}
+)
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,8 +34,14 @@ Learning (every successful reported turn with a prefill time):
   (`TurnObservation.queued_ms`) and the transfer (reported, else estimated)
   are taken off, and a leg that spent longer on them than computing teaches
   nothing;
-- bandwidth is an exponentially weighted average of per-byte samples, and
-  the handshake one of what first pulls between two engines took beyond a
+- a warm pull's fixed overhead and its cost per byte are one least-squares
+  fit over the pulls' (bytes, ms) as P measured them, weighted as the
+  prefill's is, with the configured figures as its prior: pulls of a few
+  sizes separate the two, and where every pull is about one size (or small
+  beside the scale, as a small model's are) the fit moves the part the
+  samples measure and leaves the other near its prior, so a pull's estimate
+  follows what pulls of its size take; the handshake is an exponentially
+  weighted average of what first pulls between two engines took beyond a
   warm pull;
 - each sample is clamped to `max_sample_factor` of the current estimate, so
   that one odd report (a cold engine, a stalled link) cannot swing
@@ -69,6 +75,11 @@ DEFAULT_KV_BYTES_PER_TOKEN = 64 * 8 * 128 * 2 * 2
 _SCALE_TOKENS = 1_000.0
 # Every computed token costs something: the per-token rate never learns its way to zero.
 _MIN_MS_PER_TOKEN = 1e-6
+# Pulls of this many bytes (4,096 tokens of the default model) hold the per-byte cost as firmly as
+# the prior does.
+_SCALE_BYTES = 4096.0 * DEFAULT_KV_BYTES_PER_TOKEN
+# Every byte costs something (10 TB/s at most): the learned bandwidth stays finite.
+_MIN_MS_PER_BYTE = 1e-10
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +132,9 @@ class CostModel:
     handshake_samples: int = 0
     # The prefill fit so far (None: no sample yet; the three prefill figures above are its prior).
     prefill_fit: AffineFit | None = None
+    # The warm pulls' fit so far: overhead and ms per byte (None: no sample yet; the transfer
+    # figures above are its prior).
+    transfer_fit: AffineFit | None = None
 
     def __post_init__(self) -> None:
         if self.recompute_ms_per_token <= 0 or self.transfer_bytes_per_ms <= 0:
@@ -227,13 +241,15 @@ class CostModel:
                     handshake_ms=_ewma(model.handshake_ms, handshake, self.alpha),
                     handshake_samples=model.handshake_samples + 1,
                 )
-            # The fixed overhead is configured, not learned: with one size of
-            # pull the two cannot be told apart.
-            wire_ms = max(obs.transfer_ms - self.transfer_overhead_ms, obs.transfer_ms * 0.1)
-            sample = self._clamp(moved / wire_ms, self.transfer_bytes_per_ms)
+            fit = self.transfer_fit or self._transfer_prior()
+            counts = (float(moved),)
+            fit = fit.update(counts, self._clamp(obs.transfer_ms, fit.predict(counts)))
+            overhead, per_byte = fit.coefficients
             model = replace(
                 model,
-                transfer_bytes_per_ms=_ewma(model.transfer_bytes_per_ms, sample, self.alpha),
+                transfer_fit=fit,
+                transfer_overhead_ms=overhead,
+                transfer_bytes_per_ms=1.0 / per_byte,
                 transfer_samples=model.transfer_samples + 1,
             )
         return model
@@ -260,6 +276,15 @@ class CostModel:
             prior=(self.prefill_fixed_ms, self.recompute_ms_per_token, self.reused_ms_per_token),
             scale=(_SCALE_TOKENS, _SCALE_TOKENS),
             floor=(0.0, _MIN_MS_PER_TOKEN, 0.0),
+            alpha=self.alpha,
+            min_prior_weight=self.min_prior_weight,
+        )
+
+    def _transfer_prior(self) -> AffineFit:
+        return AffineFit(
+            prior=(self.transfer_overhead_ms, 1.0 / self.transfer_bytes_per_ms),
+            scale=(_SCALE_BYTES,),
+            floor=(0.0, _MIN_MS_PER_BYTE),
             alpha=self.alpha,
             min_prior_weight=self.min_prior_weight,
         )
