@@ -241,13 +241,13 @@ class CostModel:
                     handshake_ms=_ewma(model.handshake_ms, handshake, self.alpha),
                     handshake_samples=model.handshake_samples + 1,
                 )
-            fit = self.transfer_fit or self._transfer_prior()
-            counts = (float(moved),)
-            fit = fit.update(counts, self._clamp(obs.transfer_ms, fit.predict(counts)))
-            overhead, per_byte = fit.coefficients
+            pulls = self.transfer_fit or self._transfer_prior()
+            size = (float(moved),)
+            pulls = pulls.update(size, self._clamp(obs.transfer_ms, pulls.predict(size)))
+            overhead, per_byte = pulls.coefficients
             model = replace(
                 model,
-                transfer_fit=fit,
+                transfer_fit=pulls,
                 transfer_overhead_ms=overhead,
                 transfer_bytes_per_ms=1.0 / per_byte,
                 transfer_samples=model.transfer_samples + 1,
