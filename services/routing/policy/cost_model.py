@@ -37,12 +37,14 @@ Learning (every successful reported turn with a prefill time):
 - a warm pull's fixed overhead and its cost per byte are one least-squares
   fit over the pulls' (bytes, ms) as P measured them, weighted as the
   prefill's is, with the configured figures as its prior: pulls of a few
-  sizes separate the two, and where every pull is about one size (or small
-  beside the scale, as a small model's are) the fit moves the part the
-  samples measure and leaves the other near its prior, so a pull's estimate
-  follows what pulls of its size take; the handshake is an exponentially
-  weighted average of what first pulls between two engines took beyond a
-  warm pull;
+  sizes separate the two (pulls whose time does not grow with their size
+  take the per-byte cost to its floor), and where every pull is about one
+  size the fit moves the part the samples measure and leaves the other near
+  its prior, so a pull's estimate follows what pulls of its size take; an
+  engine that reports no pull time leaves both at the prior (the gateway
+  reports `kvplane_pull_ms` as the turn's `transfer_ms`); the handshake is
+  an exponentially weighted average of what first pulls between two
+  engines took beyond a warm pull;
 - each sample is clamped to `max_sample_factor` of the current estimate, so
   that one odd report (a cold engine, a stalled link) cannot swing
   decisions; a factor of 1 holds the model at its configured estimates;
