@@ -26,6 +26,8 @@ handle once per route.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from kvplane.services.common.model.nodes import Fingerprint, Node
 from kvplane.services.routing.policy.config import LegPolicy, PolicyConfig
 from kvplane.services.routing.policy.cost_model import CostModel
@@ -49,6 +51,18 @@ def live_holder(snapshot: RouteSnapshot) -> Node | None:
                 return None
             return node
     return None
+
+
+class _Chosen(NamedTuple):
+    """A turn's chosen pair and what was known when it was chosen."""
+
+    snapshot: RouteSnapshot
+    holder: Node | None
+    compatible: bool
+    prefill: NodeState
+    decode: NodeState
+    costs: CostModel
+    prefix: PrefixMatch | None
 
 
 class RoutingPolicy:
@@ -106,29 +120,20 @@ class RoutingPolicy:
         if pair is None:
             raise NoEligibleNodes(f"no prefill/decode pair can serve model {snapshot.model!r}")
         prefill, decode = pair
-        pull = self.config.pull
+        chosen = _Chosen(snapshot, holder, compatible, prefill, decode, costs, prefix)
         if snapshot.prefill_on_decode_ok:
-            local = self._on_decode(snapshot, holder, compatible, prefill, decode, costs, prefix)
+            local = self._on_decode(chosen)
             if local is not None:
                 return local
-        verdict = decide_pull(snapshot, holder, prefill, compatible, costs, pull, prefix)
-        moved = self._moved_from(snapshot, holder, compatible, prefill, decode, costs, prefix)
-        return RoutePlan(prefill.node, decode.node, verdict, moved_from=moved)
+        verdict = decide_pull(snapshot, holder, prefill, compatible, costs, self.config.pull, prefix)
+        return RoutePlan(prefill.node, decode.node, verdict, moved_from=self._moved_from(chosen))
 
-    def _moved_from(
-        self,
-        snapshot: RouteSnapshot,
-        holder: Node | None,
-        compatible: bool,
-        prefill: NodeState,
-        decode: NodeState,
-        costs: CostModel,
-        prefix: PrefixMatch | None,
-    ) -> str:
+    def _moved_from(self, chosen: _Chosen) -> str:
         """Why the turn left its home prefill node (`RoutePlan.moved_from`); "" where it did not.
 
         Moves are few, and each one gives up a cache hit that is sure for a saving estimated from
         loads: the estimates that decided it are what an operator needs to judge it."""
+        snapshot, holder, compatible, prefill, decode, costs, prefix = chosen
         if not snapshot.prefill_cached_tokens:
             return ""
         prefills = [s for s in snapshot.nodes if s.node.role.can_prefill()]
@@ -149,19 +154,11 @@ class RoutingPolicy:
             prefill.node.node_id,
         )
 
-    def _on_decode(
-        self,
-        snapshot: RouteSnapshot,
-        holder: Node | None,
-        compatible: bool,
-        prefill: NodeState,
-        decode: NodeState,
-        costs: CostModel,
-        prefix: PrefixMatch | None,
-    ) -> RoutePlan | None:
+    def _on_decode(self, chosen: _Chosen) -> RoutePlan | None:
         """The plan where a decode node prefills the turn itself (D is both legs: the prefill
         endpoint names it too, and nothing is pulled): from the handle the chosen D holds, else
         from the D whose own prefix cache holds the most of the prompt; None: through P."""
+        snapshot, holder, compatible, prefill, decode, costs, prefix = chosen
         settings = self.config.prefill_on_decode
         if settings.max_new_tokens <= 0:
             return None
