@@ -91,24 +91,8 @@ def verdict(
             Decision.RECOMPUTE_COST,
         ),
         (
-            "small and first contact, the turn's own time alone",
-            {
-                "handle": mk_handle(HOLDER, H[:512]),
-                "prompt": Prompt(600, H[:600]),
-                "settings": PullSettings(recompute_work_weight=0.0),
-            },
-            Decision.RECOMPUTE_COST,
-        ),
-        (
-            # The 512 tokens' recompute would hold P's compute 9.7 ms longer for the turns behind
-            # it too: against a warm 12.6 ms transfer, that tips it to a pull.
-            "small, with the turns queued behind it",
+            "small and first contact",
             {"handle": mk_handle(HOLDER, H[:512]), "prompt": Prompt(600, H[:600])},
-            Decision.PULL,
-        ),
-        (
-            "too small even then",
-            {"handle": mk_handle(HOLDER, H[:256]), "prompt": Prompt(300, H[:300])},
             Decision.RECOMPUTE_COST,
         ),
     ],
@@ -204,20 +188,9 @@ def test_a_pull_could_pay_only_past_the_threshold_and_the_break_even_of_its_tran
     # A history: the compute saved dwarfs the transfer.
     assert pull_could_pay(8_000, kvb, costs, settings)
     # The same rule as the verdict's: where one pulls, so does the other.
-    # Break-even counts the turns queued behind a recompute: the saving, times 1 + the weight.
     tokens = next(n for n in range(64, 20_000, 16) if pull_could_pay(n, kvb, costs, settings))
-    weight = 1.0 + settings.recompute_work_weight
-
-    def saved(n: int) -> float:
-        return (costs.recompute_ms(n) - costs.reused_ms(n)) * weight
-
-    assert costs.transfer_ms(tokens, kvb) <= saved(tokens)
-    assert costs.transfer_ms(tokens - 16, kvb) > saved(tokens - 16)
-    # The turn's own time alone needs twice the tokens.
-    alone = PullSettings(recompute_work_weight=0.0)
-    assert not pull_could_pay(tokens, kvb, costs, alone)
-
-
-def test_a_negative_recompute_work_weight_is_rejected() -> None:
-    with pytest.raises(ValueError, match="recompute_work_weight"):
-        PullSettings(recompute_work_weight=-0.5)
+    saved = costs.recompute_ms(tokens) - costs.reused_ms(tokens)
+    assert costs.transfer_ms(tokens, kvb) <= saved
+    assert costs.transfer_ms(tokens - 16, kvb) > costs.recompute_ms(tokens - 16) - costs.reused_ms(
+        tokens - 16
+    )

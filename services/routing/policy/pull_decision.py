@@ -29,15 +29,7 @@ RECOMPUTE_PREFIX_MISMATCH: the prefix it shares does not pay for a pull.
 The compute a pull saves is the missing tokens' marginal cost
 (`CostModel.recompute_ms`) less what attending over them still costs once
 pulled (`CostModel.reused_ms`). The prefill's fixed cost is paid either way,
-so it is on neither side. That saving is the turn's own, and its followers'
-too: a pull's transfer runs beside P's compute (vLLM loads a request's KV
-while other requests compute), while a recompute holds P's compute for the
-saved time, and every turn queued behind it on P waits that long more. Check 6
-weighs those followers as the move rule does (`recompute_work_weight`, one
-follower by default): pull when the transfer is at most the saving times
-(1 + the weight). Measured live (P's prefix cache off, 8 conversations in
-flight), second turns whose short histories the turn's own time alone sent to
-recompute were the slowest of their block. Check 6 weighs a warm transfer: the first pull between
+so it is on neither side. Check 6 weighs a warm transfer: the first pull between
 two engines also pays NIXL's handshake, once for as long as both run, which
 lengthens the verdict's `transfer_ms` (what the turn is expected to take) but
 does not decline the pull.
@@ -69,15 +61,10 @@ class PullSettings:
     require_digests: bool = True
     # Pull the verified prefix of a prompt that diverges from the handle (clipped pulls).
     pull_prefixes: bool = True
-    # What the compute a recompute adds to P weighs for the turns queued behind it there, per ms
-    # of the turn's own (see the module's docstring); 0: the turn's own time alone.
-    recompute_work_weight: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.threshold_tokens < 0 or self.expiry_margin_ms < 0 or self.recompute_work_weight < 0:
-            raise ValueError(
-                "threshold_tokens, expiry_margin_ms and recompute_work_weight must not be negative"
-            )
+        if self.threshold_tokens < 0 or self.expiry_margin_ms < 0:
+            raise ValueError("threshold_tokens and expiry_margin_ms must not be negative")
         if not 0 < self.max_transfer_fraction <= 1:
             raise ValueError("max_transfer_fraction must be in (0, 1]")
 
@@ -239,7 +226,7 @@ def pull_could_pay(
 
 
 def _transfer_pays(transfer_ms: float, saved_ms: float, settings: PullSettings) -> bool:
-    return transfer_ms <= settings.max_transfer_fraction * saved_ms * (1.0 + settings.recompute_work_weight)
+    return transfer_ms <= settings.max_transfer_fraction * saved_ms
 
 
 def cached_tokens(snapshot: RouteSnapshot, prefill: NodeState) -> int:
