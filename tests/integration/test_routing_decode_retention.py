@@ -63,7 +63,9 @@ async def chat_in(
     max_output: int | None,
     cached: bool = True,
     on_decode_ok: bool = False,
+    published: list[str] | None = None,
 ) -> list[bool]:
+    """`turns` turns of conversation `c`; the ids of the handles D published go to `published`."""
     history = tokens(HISTORY_TOKENS)
     prompt = history[:1000]
     skipped = []
@@ -81,7 +83,11 @@ async def chat_in(
             await cluster.report("acme", c, {}, route=route, cached_tokens=hit, pulled_tokens=0)
         else:
             params = decode_params(cluster.nodes["d0"], retained)
-            await cluster.report("acme", c, params, route=route, cached_tokens=hit, pulled_tokens=0)
+            handle_id = await cluster.report(
+                "acme", c, params, route=route, cached_tokens=hit, pulled_tokens=0
+            )
+            if published is not None:
+                published.append(handle_id)
         previous = len(prompt)
         prompt = [*retained, *history[len(retained) : len(retained) + 200]]
     return skipped
@@ -102,10 +108,19 @@ async def test_the_handle_d_kept_before_is_released_once_p_holds_more_than_it(
     c = f"c-{uuid.uuid4().hex[:8]}"
     # Turn 2's handle is the last D keeps; turn 3 is told to keep nothing, and P holds turn 2's
     # whole prompt: nothing will supersede that handle, so routing frees D's blocks.
-    assert await chat_in(cluster, client, c, 3, max_output=ANSWER) == [False, False, True]
+    published: list[str] = []
+    assert await chat_in(cluster, client, c, 3, max_output=ANSWER, published=published) == [
+        False,
+        False,
+        True,
+    ]
+    stale = published[-1]
 
     async def released() -> bool:
-        return await cluster.store.get_handle("acme", c) is None
+        # (Turn 2 pulled turn 1's handle: what P held was a guess until turn 2's report showed
+        # it. That handle stays checked out here, as no D reports P's read.)
+        record = await cluster.store.get_handle("acme", c)
+        return record is None or record.handle.handle_id != stale
 
     await eventually(released, what="the stale handle released")
 

@@ -162,10 +162,23 @@ def test_a_tail_cheaper_to_recompute_is_recomputed_without_counting_the_fixed_co
     # recompute side, the pull would look like a saving.
     costs = CostModel(prefill_fixed_ms=100.0, recompute_ms_per_token=0.03, reused_ms_per_token=0.01)
     cached = len(H) - 96
-    v = verdict(costs=costs, prefill_cached_tokens={"p0": cached})
+    v = verdict(costs=costs, prefill_cached_tokens={"p0": cached}, prefill_cache_known={"p0"})
     assert v.decision is Decision.RECOMPUTE_COST, v.reason
     assert v.recompute_ms == pytest.approx(96 * 0.03)
     assert v.transfer_ms > costs.recompute_ms(96) - costs.reused_ms(96)
+
+
+def test_a_guess_of_what_p_holds_never_declines_a_pull() -> None:
+    # The same belief, guessed from what the router sent P (no event, no report has shown it):
+    # P may hold none of it (prefix caching off, a restart), and would then recompute the whole
+    # history. The pull is offered; P loads only what its cache lacks.
+    cached = len(H) - 96
+    guessed = verdict(prefill_cached_tokens={"p0": cached})
+    assert guessed.decision is Decision.PULL, guessed.reason
+    assert guessed.reusable_tokens == len(H) and guessed.cached_tokens == cached
+    # Known, the same belief leaves a tail that is cheaper to recompute.
+    known = verdict(prefill_cached_tokens={"p0": cached}, prefill_cache_known={"p0"})
+    assert known.decision is Decision.RECOMPUTE_COST
 
 
 def test_a_pull_must_beat_the_compute_it_saves_net_of_attending_over_the_pulled_tokens() -> None:

@@ -57,6 +57,8 @@ def nodes(p0_queue: int = 0, p1_queue: int = 0) -> list[NodeState]:
 
 def route(policy: RoutingPolicy, prompt: list[int], **kw: Any) -> RoutePlan:
     handle = kw.pop("handle", mk_handle(D0, [*PREVIOUS, *ANSWER]))
+    # What P holds is known here (its events, or reports that showed the record right).
+    kw.setdefault("prefill_cache_known", frozenset(kw.get("prefill_cached_tokens", {})))
     return policy.route(
         snap(nodes(**kw.pop("queues", {})), handle=handle, prompt=Prompt(len(prompt), prompt), **kw)
     )

@@ -5,7 +5,15 @@ that the prompt provably shares (all of them for a continuation, the
 verified prefix otherwise), minus what P's own prefix cache is believed to
 hold (`RouteSnapshot.prefill_cached_tokens`, a hint: vLLM uses P's cache
 first and pulls only the rest, so a wrong hint costs time, never
-correctness).
+correctness). Only a belief that is known (`prefill_cache_known`: P's KV
+events, or reports that showed the router's record right) is taken off. A
+guess would decline the pull of a history P may not hold, and P would then
+recompute all of it (its prefix cache off, or a restart), where pulling what
+P does hold costs only the transfer's overhead, as P loads only what it
+lacks. Measured live with P's prefix cache off and 8 conversations in
+flight: the first wave of second turns, routed before any report, recomputed
+their 1.5k-token histories on the guess and were the slowest turns of their
+block.
 
 Checked in this order, so the reason names the first thing that rules a
 pull out:
@@ -87,6 +95,8 @@ def decide_pull(
     """
     handle = snapshot.handle
     cached = cached_tokens(snapshot, prefill)
+    # A guess of what P holds does not decline a pull (see the module's docstring).
+    known = cached if prefill.node.node_id in snapshot.prefill_cache_known else 0
     ruled_out = _no_source(snapshot, holder, compatible, cached)
     if ruled_out is not None:
         return ruled_out
@@ -99,7 +109,7 @@ def decide_pull(
     clippable = settings.pull_prefixes and len(handle.vllm.remote_block_ids) == 1
     reusable = match.reusable_tokens if match.continues or clippable else 0
     # vLLM pulls only what P's prefix cache lacks.
-    missing = max(0, reusable - cached)
+    missing = max(0, reusable - known)
     first_contact = (prefill.node.node_id, handle.vllm.remote_engine_id) not in snapshot.contacted
     transfer = costs.transfer_ms(
         missing or reusable or handle.num_tokens, holder.kv_bytes_per_token, first_contact=first_contact

@@ -106,6 +106,10 @@ class RouteSnapshot:
     # where, checked against the prompt's digests
     # (`kvplane.services.routing.state.prefill_record`); a wrong hint costs time only.
     prefill_cached_tokens: Mapping[str, int] = field(default_factory=dict)
+    # The prefill nodes whose entry above is known rather than guessed: their engines' KV-cache
+    # events show it, or their reports have shown the record right (a prompt it believed held,
+    # found in the cache). A guess never declines a pull (`pull_decision`).
+    prefill_cache_known: Container[str] = field(default_factory=frozenset)
     # Prompt tokens each decode node's own prefix cache holds, by node id, as its engine's
     # KV-cache events show it (fresh views only; absent: unknown or none). Filled only for a
     # caller that can run a turn on D alone: D may then prefill the turn from that cache

@@ -220,6 +220,11 @@ class Router:
             key, prompt.tokens, prompt.block_digests, prompt.digest_block_size
         )
         prefill_cached, seen = self._engine_views(recorded, all_states, turn)
+        known_nodes = frozenset(
+            node_id
+            for node_id in prefill_cached
+            if node_id in seen or self._prefill_record.shows_keeping(node_id)
+        )
         time_budget_s = turn.time_budget_s
         awaited = turn.awaited
         if awaited is not None and (record is None or record.handle.handle_id != awaited.handle_id):
@@ -227,11 +232,7 @@ class Router:
             # Only what P is known to hold spares the wait: its events, or a record its reports
             # have shown right. A guess that P holds the history, wrong, costs the history's
             # recompute; waiting for the announced handle costs its publish, milliseconds.
-            known = {
-                node_id: tokens
-                for node_id, tokens in prefill_cached.items()
-                if node_id in seen or self._prefill_record.shows_keeping(node_id)
-            }
+            known = {node_id: tokens for node_id, tokens in prefill_cached.items() if node_id in known_nodes}
             waited = await self._await_publish(key, awaited, prompt, known, all_states, time_budget_s)
             record = waited or record
             if time_budget_s is not None:
@@ -254,6 +255,7 @@ class Router:
             contacted=self._book.contacted,
             loads_as_of_unix_ms=now if cluster.healthy else self._loads_as_of(),
             prefill_cached_tokens=prefill_cached,
+            prefill_cache_known=known_nodes,
             decode_cached_tokens=self._decode_views(states, turn),
             tie_salt=self.tie_salt,
             prefill_on_decode_ok=turn.prefill_on_decode_ok,
