@@ -192,8 +192,9 @@ async def _true(value: bool) -> bool:
 async def test_p_reporting_no_cache_hits_makes_the_next_turn_pull_what_it_lacks(
     cluster: RoutingCluster, client: RoutingClient
 ) -> None:
-    """P runs without prefix caching: routing believed it held the history, P's reports say it holds
-    nothing, and the next turn pulls D's handle instead of recomputing the whole history."""
+    """P runs without prefix caching: routing's record guesses it holds the history, and no guess
+    declines a pull, so every later turn pulls D's handle instead of recomputing the whole
+    history; P's reports never show the record right, so the guess never becomes knowledge."""
     c = conv()
     d0 = cluster.nodes["d0"]
     history = tokens(HISTORY_TOKENS + 200)
@@ -209,6 +210,6 @@ async def test_p_reporting_no_cache_hits_makes_the_next_turn_pull_what_it_lacks(
             "acme", c, decode_params(d0, retained), route=route, cached_tokens=0, pulled_tokens=pulled
         )
         prompt = [*retained, *history[len(retained) : len(retained) + 20]]
-    # Turn 2 trusted the record (P holds all but the answer: below the pull threshold); P's report
-    # of it corrected the record, so turn 3 pulls.
-    assert decisions == ["recompute_no_handle", "recompute_below_threshold", "pull"]
+    # Turn 2 does not trust the record (P would hold all but the answer: below the pull threshold)
+    # before a report has shown it right; turn 3, after P's report of a miss, does not either.
+    assert decisions == ["recompute_no_handle", "pull", "pull"]
