@@ -152,8 +152,12 @@ async def test_simulator_and_live_stack_agree_on_decisions_and_reuse(stack: Stac
         seen.get("external_kv_transfer", 0.0) / total,
         seen.get("local_cache_hit", 0.0) / total,
     )
+    # The stack's engines publish KV events and routing reads them: the simulated policy does too.
     simulated = profile(
-        simulated_turns(live_run.gateway_turns()), simulated_fleet(), routing_policy=str(policy_file)
+        simulated_turns(live_run.gateway_turns()),
+        simulated_fleet(),
+        policy="kvplane-events",
+        routing_policy=str(policy_file),
     )
     assert live.decision_shares, "no live turns"
     simulated, live = tail_recomputes_as_one(simulated), tail_recomputes_as_one(live)
