@@ -13,7 +13,10 @@ until the node answers, the handle is not judged again and its bytes count as fr
 node's demand (`Releaser.note_sent`), as a release's do.
 
 An engine that cannot move the handle (no host tier, too little of one, draining) refuses the
-command; that handle is then released at the next round, and never offered as a move again. A
+command; that handle is then released at the next round, and never offered as a move again. The
+decision to take its blocks back stands: the release is owed, not judged afresh (a budget's
+policy that freed the node down to its low mark would not, judging again between its marks,
+release the handles whose moves came to nothing). A
 move the node never acknowledged (its stream closed) is forgotten, and decided afresh; one it
 started whose handle is still in the KV cache `eviction.move_settle_s` later is released. While the
 stream of a node that takes moves is down, its handles wait for it, routable where they are: a
@@ -75,6 +78,8 @@ class Mover:
         self._started: dict[str, tuple[Release, float]] = {}
         self.settle_s = settle_s
         self._refused: OrderedDict[str, None] = OrderedDict()
+        # Releases owed for moves refused or taken back, by handle id, carried out at the next round.
+        self._owed: OrderedDict[str, Release] = OrderedDict()
         # node id -> the incarnation whose last stream took moves.
         self._movers: dict[str, str] = {}
         # Until then (time.monotonic()), a node with no stream yet may still turn out to take moves.
@@ -87,9 +92,23 @@ class Mover:
         return len(self._moving)
 
     def split(self, releases: Sequence[Release]) -> list[Release]:
-        """Sends the moves among `releases`; returns the releases left to carry out."""
+        """Sends the moves among `releases`; returns the releases left to carry out, with those
+        owed for moves that came to nothing."""
         self._settle_started()
-        return [release for release in releases if not self._moved_or_held(release)]
+        out = [release for release in releases if not self._moved_or_held(release)]
+        if self._owed:
+            chosen = {release.handle_id for release in out}
+            for handle_id, release in list(self._owed.items()):
+                del self._owed[handle_id]
+                record = self.view.handle(release.tenant, release.conversation)
+                if (
+                    handle_id not in chosen
+                    and record is not None
+                    and record.handle.handle_id == handle_id
+                    and record.handle.tier is KvTier.DEVICE
+                ):
+                    out.append(release)
+        return out
 
     def start_term(self) -> None:
         """A term starts: nodes whose streams were open to another leader reconnect to this one."""
@@ -172,6 +191,9 @@ class Mover:
         self.releaser.take_back(release, command_id)
         if refused:
             self._refused[release.handle_id] = None
+            self._owed[release.handle_id] = release
             while len(self._refused) > _REFUSED_MAX:
                 self._refused.popitem(last=False)
+            while len(self._owed) > _REFUSED_MAX:
+                self._owed.popitem(last=False)
         self._wake()

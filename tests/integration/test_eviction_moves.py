@@ -105,6 +105,31 @@ async def test_a_move_the_node_never_answered_is_decided_afresh_when_it_reconnec
         assert len(await retained_by(store, node_id="d0")) == 20
 
 
+async def test_moves_that_come_to_nothing_at_different_times_all_become_releases(
+    etcd: LocalEtcd, prefix: str, store: Store
+) -> None:
+    """The node starts six moves, and the other four only once the six are released: by then the
+    node is between the budget's marks, where judging afresh would release nothing more. The
+    leader's decision stands: each move that came to nothing is released."""
+    async with _leader_and_node(etcd, prefix, store, accepts_moves=True, ack=False, move_settle_s=1.0) as (
+        _,
+        replica,
+        agent,
+        (_, expected),
+    ):
+        await until(lambda: len(agent.moves) >= 10, "ten moves", timeout_s=30)
+        first, rest = list(agent.moves)[:6], list(agent.moves)[6:]
+        for command_id in first:
+            agent.acknowledge(command_id)
+        await until(lambda: len(agent.applied) >= 6, "six releases", timeout_s=30)
+        for command_id in rest:
+            agent.acknowledge(command_id)
+        await until(lambda: len(agent.applied) >= 10, "ten releases", timeout_s=30)
+        assert {c for _, c in agent.released_conversations()} == expected
+        assert set(agent.released_handles.values()) == {1}
+        assert len(agent.moves) == 10 and coordinator_of(replica).mover.moving == 0
+
+
 async def test_a_started_move_whose_handle_never_leaves_the_kv_cache_becomes_a_release(
     etcd: LocalEtcd, prefix: str, store: Store
 ) -> None:
