@@ -41,6 +41,8 @@ from tests.support.polling import eventually
 from tests.support.processes import processes_naming
 
 ROUTER_INSTALLED = vllm_router_binary() is not None
+# Decisions made on a retained handle whose prefix the prompt was proved to continue.
+_PROVEN = {"pull", "prefill_on_decode", "recompute_below_threshold", "recompute_cost"}
 # Every front, kvplane through a routing replica that ignores the engines' KV events, and the
 # two pairs of gateways a conversation's turns alternate between. The picker path (kvplane-epp)
 # is left out to keep the suite's time: its turns through the stack are
@@ -199,7 +201,7 @@ async def test_sigterm_stops_every_process_the_comparison_started(tmp_path: Path
 async def test_text_prompts_reach_routing_as_token_ids_and_every_front_answers_them(tmp_path: Path) -> None:
     """With text prompts each front does what it does with a user's text: kvplane's gateway asks an
     engine's /tokenize, and the local-tokenizer gateway tokenizes in its own process with the
-    sim-engine's tokenizer files; through both, routing still proves and reuses D's history where
+    sim-engine's tokenizer files; through both, routing still finds and proves D's history where
     P's cache keeps none (workload B), and what the engines report adds up to the text the client
     sent, as the sim-engine's tokenizer counts it."""
     fronts = (
@@ -227,11 +229,13 @@ async def test_text_prompts_reach_routing_as_token_ids_and_every_front_answers_t
     for front, local_share, shown in ((KVPLANE, 0.0, ")"), (KVPLANE_LOCAL_TOKENIZER, 1.0, " local)")):
         kvplane = _row(run, front)
         # Tokenized once a turn (by the engine, or in the gateway's process) and timed; with the
-        # ids, both later turns reused D's history (pulled to P, or prefilled on D itself).
+        # ids, routing found D's history for both later turns and proved the prompt continues it.
+        # Whether it then reused it (pulled to P, or prefilled on D itself) is the cost model's
+        # call on measured times: a busy machine may price a pull above the recompute.
         assert kvplane.tokenize_per_turn == 1.0 and kvplane.tokenize_ms > 0, kvplane
         assert kvplane.tokenize_local_share == local_share, kvplane
-        reused = kvplane.decisions.get("pull", 0) + kvplane.decisions.get("prefill_on_decode", 0)
-        assert reused == kvplane.later_turns == 2, (front, kvplane.decisions)
+        proven = sum(n for decision, n in kvplane.decisions.items() if decision in _PROVEN)
+        assert proven == kvplane.later_turns == 2, (front, kvplane.decisions)
         assert f"({kvplane.tokenize_ms:.2f}{shown}" in text
     assert _row(run, REFERENCE).pulled_tokens > 0
     assert "text prompts" in text
