@@ -78,8 +78,9 @@ class Mover:
         self._started: dict[str, tuple[Release, float]] = {}
         self.settle_s = settle_s
         self._refused: OrderedDict[str, None] = OrderedDict()
-        # Releases owed for moves refused or taken back, by handle id, carried out at the next round.
-        self._owed: OrderedDict[str, Release] = OrderedDict()
+        # Releases owed for moves refused or taken back, by handle id, carried out at the next round
+        # (emptied every round; no bigger than the moves this leader sent).
+        self._owed: dict[str, Release] = {}
         # node id -> the incarnation whose last stream took moves.
         self._movers: dict[str, str] = {}
         # Until then (time.monotonic()), a node with no stream yet may still turn out to take moves.
@@ -97,9 +98,9 @@ class Mover:
         self._settle_started()
         out = [release for release in releases if not self._moved_or_held(release)]
         if self._owed:
+            owed, self._owed = self._owed, {}
             chosen = {release.handle_id for release in out}
-            for handle_id, release in list(self._owed.items()):
-                del self._owed[handle_id]
+            for handle_id, release in owed.items():
                 record = self.view.handle(release.tenant, release.conversation)
                 if (
                     handle_id not in chosen
@@ -194,6 +195,4 @@ class Mover:
             self._owed[release.handle_id] = release
             while len(self._refused) > _REFUSED_MAX:
                 self._refused.popitem(last=False)
-            while len(self._owed) > _REFUSED_MAX:
-                self._owed.popitem(last=False)
         self._wake()
