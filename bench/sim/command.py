@@ -30,13 +30,15 @@ from multiprocessing.sharedctypes import Synchronized
 from pathlib import Path
 from typing import Any, TextIO
 
-from kvplane.bench.sim.baselines import BASELINES, RunOptions, simulator_for
+from kvplane.bench.sim.baselines import BASELINES, Baseline, RunOptions, simulator_for
 from kvplane.bench.sim.cluster import ClusterSpec
 from kvplane.bench.sim.costs import SimCosts
 from kvplane.bench.sim.engine import ENGINE_MODELS, SimConfig
 from kvplane.bench.sim.results import SimResult, SimSummary
 from kvplane.bench.sim.retention import DEFAULT_DEMAND_LATENCY_S
 from kvplane.bench.workloads import AgenticWorkload, TraceError, Turn, agentic_turns, mooncake_turns
+from kvplane.services.routing.policy.config import load_policy
+from kvplane.services.routing.policy.registry import PolicyConfigError
 
 GIB = 1 << 30
 WORKLOADS = ("agentic",)
@@ -72,6 +74,10 @@ class SimSpec:
     max_turns: int = 0
     # Multiplies every arrival time: 2 offers the same turns at half the rate.
     time_scale: float = 1.0
+    # A routing policy file that kvplane's policies run in place of the packaged default (the
+    # file an operator would give the routing service); empty: the default. The baselines'
+    # own rules are theirs, and do not read it.
+    routing_policy: str = ""
 
     def config(self) -> SimConfig:
         cluster = ClusterSpec(
@@ -96,6 +102,13 @@ class SimSpec:
     def policies(self) -> tuple[str, ...]:
         """Every baseline that this fleet can run (those that need D's host memory only with it)."""
         return tuple(n for n, b in BASELINES.items() if self.host_gib_per_decode > 0 or not b.needs_host_tier)
+
+    def baseline(self, name: str) -> Baseline:
+        """The named baseline as this spec runs it: kvplane's with the spec's routing policy."""
+        baseline = BASELINES[name]
+        if self.routing_policy and baseline.router == "policy":
+            baseline = replace(baseline, routing_policy=self.routing_policy)
+        return baseline
 
     def options(self) -> RunOptions:
         return RunOptions(
@@ -207,7 +220,7 @@ def _counted(turns: Iterable[Turn]) -> Iterator[Turn]:
 
 def run_policy(spec: SimSpec, name: str) -> SimResult:
     """One named policy over the spec's turns and fleet."""
-    sim = simulator_for(BASELINES[name], spec.config(), spec.options())
+    sim = simulator_for(spec.baseline(name), spec.config(), spec.options())
     return sim.run(_counted(spec_turns(spec)), name)
 
 
@@ -427,6 +440,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--seed", type=int, default=1, help="seed of the workload and of sampled routes (default 1)"
     )
+    parser.add_argument(
+        "--routing-policy",
+        type=Path,
+        help="a routing policy file (as the routing service takes, policy/config.py) that"
+        " kvplane's policies run instead of the packaged default; the baselines' rules are"
+        " their own",
+    )
     parser.add_argument("--json", type=Path, help="write each policy's figures here")
     parser.add_argument(
         "--goodput",
@@ -449,6 +469,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--engine-model tiered needs --host-gib-per-decode > 0, and only it takes one")
     if args.host_write_through and args.engine_model != "tiered":
         parser.error("--host-write-through needs --engine-model tiered")
+    if args.routing_policy is not None:
+        try:
+            load_policy(args.routing_policy)
+        except (OSError, PolicyConfigError) as e:
+            parser.error(f"--routing-policy {args.routing_policy}: {e}")
     spec = SimSpec(
         trace=str(args.trace) if args.trace else "",
         workload=args.workload or "",
@@ -463,6 +488,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         seed=args.seed,
         demand_latency_s=args.demand_latency_s,
         time_scale=args.time_scale,
+        routing_policy=str(args.routing_policy or ""),
     )
     try:
         turns = spec_turns(spec)
@@ -480,7 +506,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{len(turns):,} turns from {source}; {spec.prefill} P + {spec.decode} D,"
         f" {spec.kv_gib_per_decode:g} GiB KV per D, {spec.p_cache_gib:g} GiB prefix cache per P;"
         f" {spec.engine_model} engine model"
-        + (f", {spec.host_gib_per_decode:g} GiB host memory per D" if spec.host_gib_per_decode else ""),
+        + (f", {spec.host_gib_per_decode:g} GiB host memory per D" if spec.host_gib_per_decode else "")
+        + (f"; kvplane's routing policy: {spec.routing_policy}" if spec.routing_policy else ""),
         flush=True,
     )
     warning = overload_warning(turns, spec)

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+from importlib import resources
 from pathlib import Path
 
 import pytest
+import yaml
 
 from kvplane.bench.sim.command import main
 from kvplane.bench.workloads import TraceError, read_requests
+from kvplane.services.routing import policy as policy_package
+from kvplane.services.routing.policy.config import DEFAULT_POLICY_FILE
 
 
 def _line(**fields: object) -> str:
@@ -119,3 +123,63 @@ def test_the_same_arguments_give_the_same_json(tmp_path: Path) -> None:
     for out in outs:
         assert main(["--trace", trace, "--prefill", "2", "--decode", "2", "--json", str(out)]) == 0
     assert outs[0].read_text() == outs[1].read_text()
+
+
+def _policy_file(tmp_path: Path, **pull: object) -> Path:
+    """The packaged routing policy with its `pull` section changed."""
+    raw = yaml.safe_load(resources.files(policy_package).joinpath(DEFAULT_POLICY_FILE).read_text("utf-8"))
+    raw["pull"] = {**raw["pull"], **pull}
+    path = tmp_path / "policy.yaml"
+    path.write_text(yaml.safe_dump(raw), encoding="utf-8")
+    return path
+
+
+def test_kvplanes_policies_run_the_routing_policy_file_given_and_the_baselines_their_own(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = str(_conversation_trace(tmp_path))
+    common = ["--trace", trace, "--policies", "vllm-proxy,kvplane", "--prefill", "2", "--decode", "2"]
+    common += ["--p-cache-gib", "0", "--seed", "3"]
+    default, custom = tmp_path / "default.json", tmp_path / "custom.json"
+    assert main([*common, "--json", str(default)]) == 0
+    no_pulls = _policy_file(tmp_path, threshold_tokens=1_000_000)
+    assert main([*common, "--routing-policy", str(no_pulls), "--json", str(custom)]) == 0
+    assert f"kvplane's routing policy: {no_pulls}" in capsys.readouterr().out
+    before = json.loads(default.read_text())["policies"]
+    after = json.loads(custom.read_text())
+    assert after["spec"]["routing_policy"] == str(no_pulls)
+    # P caches nothing: the packaged policy pulls the history; the file's threshold rules it out.
+    assert before["kvplane"]["decisions"].get("pull", 0) > 0
+    assert "pull" not in after["policies"]["kvplane"]["decisions"]
+    assert after["policies"]["kvplane"]["decisions"]["recompute_below_threshold"] > 0
+    assert after["policies"]["vllm-proxy"] == before["vllm-proxy"]
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        (None, "must not be negative"),
+        ("pull: {threshold_tokens: 64}", "missing section 'decode'"),
+        ("[not, a, mapping", "not valid YAML"),
+    ],
+)
+def test_a_routing_policy_file_that_does_not_load_is_refused_before_any_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str | None, error: str
+) -> None:
+    path = _policy_file(tmp_path, threshold_tokens=-1)
+    if text is not None:
+        path.write_text(text, encoding="utf-8")
+    with pytest.raises(SystemExit) as exited:
+        main(["--trace", str(_conversation_trace(tmp_path)), "--routing-policy", str(path)])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--routing-policy {path}" in err and error in err
+
+
+def test_a_routing_policy_file_that_is_missing_is_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "absent.yaml"
+    with pytest.raises(SystemExit):
+        main(["--trace", str(_conversation_trace(tmp_path)), "--routing-policy", str(missing)])
+    assert f"--routing-policy {missing}" in capsys.readouterr().err
