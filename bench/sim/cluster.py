@@ -303,7 +303,8 @@ class DecodeState:
         self.spilling = 0
         # With `ClusterSpec.decode_offload_all`: the offloaded blocks, an LRU by block hash.
         self.host_cache: PrefixCache | None = None
-        # With `ClusterSpec.decode_prefix_cache`: finished turns' blocks in the memory left free.
+        # With `ClusterSpec.decode_prefix_cache`: finished turns' blocks in the memory left free,
+        # and the handles' blocks, pinned there until the handle frees them.
         self.prefix_cache: PrefixCache | None = None
         # Where the prefix cache's changes go as D's KV events, when a router reads them.
         self.feed: CacheEventFeed | None = None

@@ -632,10 +632,11 @@ class Simulator:
         d = flight.decode
         d.reserved -= flight.reserved
         d.running -= 1
+        # D's prefix cache holds the turn's blocks (prompt and output); pinned, if D keeps them.
+        keeps = self.config.cluster.engine_ttl_s > 0 and flight.choice.keep_decode_kv
         if d.prefix_cache is not None:
-            # D keeps the turn's blocks (prompt and output) in the memory now free.
             d.fit_prefix_cache(self._block_bytes)
-            d.prefix_cache.insert(flight.chain, flight.poisoned_from)
+            d.prefix_cache.insert(flight.chain, flight.poisoned_from, pin=keeps)
             _publish_events(d, now)
         if d.host_cache is not None:
             # D offloads the turn's KV (prompt and output) to its host tier as the turn ends.
@@ -759,6 +760,7 @@ class Simulator:
         if handle.tier != "host":
             d.retained -= handle.bytes  # its accelerator blocks, freed now
             self.rec.retained_change(now, -handle.bytes)
+            self._unpin(d, handle.chain, now)
         if handle.tier != "gpu":
             d.host_retained -= handle.bytes
             del d.host_handles[handle.handle_id]
@@ -770,6 +772,14 @@ class Simulator:
             self.rec.releases[reason] += 1
         if d.waiting:
             self._admit(d, now)
+
+    def _unpin(self, d: DecodeState, chain: BlockChain, now: float) -> None:
+        """A handle's accelerator blocks are freed (released, read, or moved to host memory): vLLM
+        leaves them in D's prefix cache, the most recently freed evicted last."""
+        if d.prefix_cache is not None:
+            d.fit_prefix_cache(self._block_bytes)
+            d.prefix_cache.unpin(chain)
+            _publish_events(d, now)
 
     def _spill(self, handle: SimHandle, now: float) -> bool:
         """Copies a handle to D's host memory (making room there by dropping entries not being
@@ -861,6 +871,7 @@ class Simulator:
         d.retained -= handle.bytes
         d.spilling -= handle.bytes
         self.rec.retained_change(now, -handle.bytes)
+        self._unpin(d, handle.chain, now)
         # Offered for longer than D's TTL would have kept it (its handle, as routing sees it, too).
         expiry = handle.published_s + self.config.cluster.decode_host_ttl_s
         if expiry > handle.expiry_s:

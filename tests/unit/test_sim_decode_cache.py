@@ -208,3 +208,22 @@ def test_kvplane_prefills_on_the_decode_node_whose_events_show_the_history_after
     assert routed.fleet.prefill[0].served == 2
     assert routed.rec.cached_tokens == 0
     assert local.rec.ttft_s[1] < routed.rec.ttft_s[1]
+
+
+def test_a_handle_pins_its_blocks_out_of_ds_cache_and_leaves_them_there_when_released() -> None:
+    # P's cache off. The conversation's first turn is kept as a handle; six other conversations'
+    # turns follow on the same D and are kept too, until D's memory is short and retention
+    # releases handles by value. Pinned, the first handle's blocks are not the cache's to evict
+    # (no newer turn's blocks can take their place); released, they join D's cache as vLLM frees
+    # them, most recently freed last out. So the conversation's next turn, a minute on, finds its
+    # history in D's cache, as D's KV events show it, and D prefills it.
+    cluster = replace(ONE_PAIR, prefill_cache_bytes=0)
+    turns = [_conversation(500)[0], *(Turn(1.0 + 5 * i, f"x{i}", 0, 8000, 100) for i in range(6))]
+    turns.append(replace(_conversation(500)[1], arrival_s=65.0))
+    sim, summary = _run("kvplane-decode-prefill", turns, cluster)
+    # Every handle is released for low value by the run's end, the conversation's first long
+    # before its second turn (13 s into the run).
+    assert sim.rec.releases == {"low_value": 8}
+    assert sim.rec.decisions == {"recompute_no_handle": 7, "prefill_on_decode": 1}
+    assert sim.rec.cached_tokens >= 8096
+    assert summary.wrong_prefix_turns == 0

@@ -46,6 +46,42 @@ def test_a_full_cache_evicts_the_least_recently_used_prompt_tail_first() -> None
     assert cache.hit_blocks(old) == 0 and cache.hit_blocks(new) == 6
 
 
+def test_pinned_blocks_are_hit_never_evicted_and_take_none_of_the_free_room() -> None:
+    ids = BlockIds()
+    pinned, other, newer = (BlockChain().extended(n, ids) for n in (40, 30, 30))
+    cache = PrefixCache(30)  # room for 30 free blocks
+    cache.journal = []
+    cache.insert(pinned, pin=True)
+    cache.insert(other)
+    cache.insert(newer)
+    # The pinned chain is the oldest, yet only the unpinned `other` made room for `newer`.
+    assert cache.hit_blocks(pinned) == 40 and cache.pinned_blocks == 40
+    assert cache.hit_blocks(other) == 0 and cache.hit_blocks(newer) == 30
+    assert cache.used_blocks == 70
+    # Freed, it is the most recently used: what the free room cannot hold goes from `newer` first.
+    cache.unpin(pinned)
+    assert cache.pinned_blocks == 0 and cache.used_blocks == 30
+    assert cache.hit_blocks(pinned) == 30 and cache.hit_blocks(newer) == 0
+    # The events say so: nothing of the pinned chain was removed until it was freed.
+    first_pinned = next(base for _, base, _ in pinned.runs())
+    removed = [held for base, held in cache.journal if base == first_pinned and held < 40]
+    assert removed == [30]
+
+
+def test_a_run_pinned_twice_stays_pinned_until_both_pins_go() -> None:
+    ids = BlockIds()
+    head = BlockChain().extended(20, ids)
+    longer = head.extended(10, ids)
+    cache = PrefixCache(0)  # no free room: only pins hold blocks
+    cache.insert(head, pin=True)
+    cache.insert(longer, pin=True)
+    assert cache.hit_blocks(longer) == 30
+    cache.unpin(longer)
+    assert cache.hit_blocks(longer) == 20 and cache.pinned_blocks == 20
+    cache.unpin(head)
+    assert cache.hit_blocks(head) == 0 and cache.used_blocks == 0 and cache.pinned_blocks == 0
+
+
 def test_a_turn_computes_only_what_its_prefill_node_does_not_hold() -> None:
     turns = _conversation(4000, 4400)
     cached = simulator_for(BASELINES["no-reuse"], ROOMY).run(turns).summary
