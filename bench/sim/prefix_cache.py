@@ -40,7 +40,8 @@ from kvplane.bench.sim.block_chain import BlockChain
 
 
 class PrefixCache:
-    """Up to `capacity_blocks` blocks of prompt KV, least recently used out first."""
+    """Up to `capacity_blocks` unpinned blocks of prompt KV, least recently used out first, and
+    every pinned one."""
 
     __slots__ = ("_held", "_pinned", "_pins", "_poisoned", "_used", "capacity_blocks", "journal")
 
