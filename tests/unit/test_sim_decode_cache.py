@@ -210,7 +210,7 @@ def test_kvplane_prefills_on_the_decode_node_whose_events_show_the_history_after
     assert local.rec.ttft_s[1] < routed.rec.ttft_s[1]
 
 
-def test_a_handle_pins_its_blocks_out_of_ds_cache_and_leaves_them_there_when_released() -> None:
+def test_a_handle_pins_its_blocks_in_ds_cache_and_leaves_them_there_when_released() -> None:
     # P's cache off. The conversation's first turn is kept as a handle; six other conversations'
     # turns follow on the same D and are kept too, until D's memory is short and retention
     # releases handles by value. Pinned, the first handle's blocks are not the cache's to evict
