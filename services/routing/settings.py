@@ -18,6 +18,9 @@ class RoutingSection(Section):
     expiry_margin_s: float = Field(5.0, ge=0)
     # Conversations whose last prefill node is remembered (best effort, per replica).
     max_tracked_conversations: int = Field(100_000, ge=0)
+    # A conversation counts toward its prefill node's load for this long after its last routed
+    # turn, where a new conversation is placed (the fewest active ones), seconds.
+    active_conversation_s: float = Field(60.0, gt=0)
     # Routes remembered for ReportTurn (per replica).
     max_tracked_routes: int = Field(100_000, ge=0)
     # Longest a Route waits for the engine's publish of the handle its caller says the previous

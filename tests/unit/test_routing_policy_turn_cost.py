@@ -101,8 +101,13 @@ def with_margin(margin_ms: float) -> RoutingPolicy:
     return RoutingPolicy(policy_from_yaml(text))
 
 
+# p1 holds the history and serves one other active conversation, p0 none: a move there evens
+# the fleet, and pays no placement margin.
+EVENING = {"p1": 1}
+
+
 def test_a_conversation_stays_home_unless_moving_saves_more_than_the_margin(policy: RoutingPolicy) -> None:
-    hint = {"prefill_cached_tokens": {"p1": len(PREVIOUS)}}
+    hint = {"prefill_cached_tokens": {"p1": len(PREVIOUS)}, "prefill_homes": EVENING}
     # p1 holds the history and has ~2,700 tokens (~80 ms) more queued than idle p0; pulling the
     # history into p0 would save more than its transfer costs, but not past the margin.
     queued = {"p1_queue": 2_700}
@@ -116,8 +121,8 @@ def test_a_conversation_stays_home_unless_moving_saves_more_than_the_margin(poli
 
 
 def test_the_margin_applies_only_where_a_node_holds_part_of_the_prompt(policy: RoutingPolicy) -> None:
-    # Nothing cached anywhere, though p0 served the conversation last: it is no home, and the
-    # shorter queue wins however small the difference.
+    # Nothing cached anywhere, though p0 served the conversation last: it is no home, and with
+    # no other conversations on either P the shorter queue wins however small the difference.
     plan = route(policy, NEXT, queues={"p0_queue": 300}, last_prefill_node_id="p0")
     assert plan.prefill.node_id == "p1"
     # The same p0 holding the history is home, and keeps the conversation at that queue.
@@ -129,6 +134,29 @@ def test_the_margin_applies_only_where_a_node_holds_part_of_the_prompt(policy: R
         prefill_cached_tokens={"p0": len(PREVIOUS)},
     )
     assert held.prefill.node_id == "p0"
+
+
+def test_a_move_that_leaves_the_fleet_less_even_must_also_pay_the_placement_margin(
+    policy: RoutingPolicy,
+) -> None:
+    # ~8,000 tokens (~226 ms) queued on p1, which holds the history: pulling it to idle p0 saves
+    # about 150 ms, more than the move margin. Where p0 serves fewer other conversations, the
+    # turn moves.
+    hint = {"prefill_cached_tokens": {"p1": len(PREVIOUS)}}
+    queued = {"p1_queue": 8_000}
+    assert route(policy, NEXT, queues=queued, prefill_homes=EVENING, **hint).prefill.node_id == "p0"
+    # Where p0 serves as many, the move would carry this conversation's later turns to the busier
+    # node: the saving does not cover the placement margin too.
+    level = {"p0": 1, "p1": 1}
+    assert route(policy, NEXT, queues=queued, prefill_homes=level, **hint).prefill.node_id == "p1"
+    assert (
+        route(with_placement_margin(0), NEXT, queues=queued, prefill_homes=level, **hint).prefill.node_id
+        == "p0"
+    )
+    # A home seconds behind still loses the conversation.
+    assert (
+        route(policy, NEXT, queues={"p1_queue": 20_000}, prefill_homes=level, **hint).prefill.node_id == "p0"
+    )
 
 
 def with_extra_work_weight(weight: float) -> RoutingPolicy:
@@ -144,7 +172,7 @@ def test_a_move_that_recomputes_the_history_must_also_pay_for_the_work_it_adds(p
     # more compute than the turn costs at home. 12,000 tokens (~340 ms) queued on p1 would save
     # the turn itself more than that and the margin, but the added work delays whatever queues
     # behind it on p0: the move does not pay.
-    hint = {"prefill_cached_tokens": {"p1": len(PREVIOUS)}, "handle": None}
+    hint = {"prefill_cached_tokens": {"p1": len(PREVIOUS)}, "handle": None, "prefill_homes": EVENING}
     stays = route(policy, NEXT, queues={"p1_queue": 12_000}, **hint)
     assert stays.prefill.node_id == "p1" and stays.verdict.cached_tokens == len(PREVIOUS)
     # Counting only the turn's own time, the same estimates move it.
@@ -296,11 +324,69 @@ def test_equal_costs_go_to_the_p_fewer_other_conversations_call_home(policy: Rou
         assert _first_turn_on(policy, name, prefill_homes={"p0": 3, "p1": 3}) == hashed, name
 
 
-def test_equal_costs_keep_a_conversation_on_its_last_p_however_crowded(policy: RoutingPolicy) -> None:
-    # The last P counts the conversation itself among its homes; it is not held against it, and
-    # the last P comes before any count: a conversation does not move between equal Ps.
+def test_a_conversation_no_p_holds_is_placed_anew_even_off_its_last_p(policy: RoutingPolicy) -> None:
+    # Nothing cached anywhere: its last P is no home. It leaves one crowded with other active
+    # conversations; between equally crowded ones, it stays.
     for name in (f"c-{i}" for i in range(8)):
         for last, other in (("p0", "p1"), ("p1", "p0")):
-            homes = {last: 9, other: 0}
-            picked = _first_turn_on(policy, name, prefill_homes=homes, last_prefill_node_id=last)
-            assert picked == last, (name, last)
+            crowded = _first_turn_on(
+                policy, name, prefill_homes={last: 9, other: 0}, last_prefill_node_id=last
+            )
+            assert crowded == other, (name, last)
+            level = _first_turn_on(policy, name, prefill_homes={last: 3, other: 3}, last_prefill_node_id=last)
+            assert level == last, (name, last)
+
+
+def with_placement_margin(margin_ms: float) -> RoutingPolicy:
+    default = resources.files("kvplane.services.routing.policy").joinpath("default_policy.yaml")
+    text = re.sub(
+        r"placement_margin_ms: [0-9.]+",
+        f"placement_margin_ms: {margin_ms}",
+        default.read_text(encoding="utf-8"),
+    )
+    return RoutingPolicy(policy_from_yaml(text))
+
+
+def _placed_on(policy: RoutingPolicy, conversation: str, p0_queue: int, **kw: Any) -> str:
+    """Where a first turn goes with `p0_queue` tokens queued on p0 and p1 idle."""
+    snapshot = snap(nodes(p0_queue=p0_queue), prompt=Prompt(1000), conversation=conversation, **kw)
+    return policy.route(snapshot).prefill.node_id
+
+
+def test_a_new_conversation_goes_to_the_p_with_fewer_active_ones_within_the_margin(
+    policy: RoutingPolicy,
+) -> None:
+    # 2,000 tokens queued on p0 (~56 ms): p1 is cheaper for this turn, but it is home to more
+    # active conversations, whose later turns this one's will queue with.
+    homes = {"p0": 2, "p1": 3}
+    for name in (f"c-{i}" for i in range(8)):
+        assert _placed_on(policy, name, 2_000, prefill_homes=homes) == "p0", name
+        # Ranked by this turn's cost alone, it joins the crowd.
+        assert _placed_on(with_placement_margin(0), name, 2_000, prefill_homes=homes) == "p1", name
+        # A saving past the margin (8,000 tokens, ~226 ms) still wins.
+        assert _placed_on(policy, name, 8_000, prefill_homes=homes) == "p1", name
+
+
+def test_new_conversations_on_equally_loaded_ps_go_to_the_cheaper_not_the_hash(policy: RoutingPolicy) -> None:
+    # A few ms of queue on p0 decide, whatever the hash says: the next arrival alternates.
+    for name in (f"c-{i}" for i in range(8)):
+        assert _placed_on(policy, name, 300, prefill_homes={"p0": 4, "p1": 4}) == "p1", name
+
+
+def test_equal_costs_and_counts_go_to_the_p_sent_a_turn_least_lately(policy: RoutingPolicy) -> None:
+    # An idle fleet: new conversations alternate, whatever the hash says.
+    for name in (f"c-{i}" for i in range(8)):
+        homes = {"p0": 2, "p1": 2}
+        assert (
+            _first_turn_on(policy, name, prefill_homes=homes, prefill_routed_order={"p0": 7, "p1": 6}) == "p1"
+        )
+        assert (
+            _first_turn_on(policy, name, prefill_homes=homes, prefill_routed_order={"p0": 6, "p1": 7}) == "p0"
+        )
+        # A P never sent a turn comes first.
+        assert _first_turn_on(policy, name, prefill_homes=homes, prefill_routed_order={"p0": 1}) == "p1"
+
+
+def test_a_negative_placement_margin_is_rejected() -> None:
+    with pytest.raises(PolicyConfigError):
+        with_placement_margin(-1)

@@ -393,7 +393,21 @@ async def test_conversations_that_start_on_an_idle_fleet_split_evenly_across_the
     assert sorted(served.values()) == [6, 6]
     # A conversation that is forgotten no longer counts for its node.
     router.forget("t", "c-0")
-    assert sum(router._book.homes().values()) == 11
+    assert sum(router._book.homes(clock.monotonic_s(), ("t", "nobody")).values()) == 11
+
+
+async def test_conversations_count_toward_a_prefill_nodes_load_only_while_active() -> None:
+    cluster = FakeCluster(fleet())
+    router, _, clock = make_router(cluster)
+    for i in range(2):
+        await router.route(turn(history(HISTORY, seed=100 + i), f"c-{i}"))
+    assert sum(router._book.homes(clock.monotonic_s(), ("t", "nobody")).values()) == 2
+    # A minute without a turn (routing.active_conversation_s): neither is load any more.
+    clock.monotonic += 60.0
+    clock.now_ms += 60_000
+    outcome = await router.route(turn(history(HISTORY, seed=102), "c-2"))
+    homes = router._book.homes(clock.monotonic_s(), ("t", "nobody"))
+    assert dict(homes) == {outcome.plan.prefill.node_id: 1}
 
 
 @dataclass

@@ -86,10 +86,13 @@ class RouteSnapshot:
     # The prefill node that served the conversation's previous turn, if known;
     # its local prefix cache may still hold the history.
     last_prefill_node_id: str = ""
-    # Per prefill node, how many conversations the router remembers it serving last: equal
-    # costs go to the node with fewer (`least-cost`), so conversations that start on an idle
-    # fleet split evenly across it and their histories stay there.
+    # Per prefill node, how many other active conversations (their last turn routed lately) it
+    # served last, this one not counted: a conversation no node holds any of goes to the node
+    # with fewer (`least-cost`), so conversations that start together alternate across nodes.
     prefill_homes: Mapping[str, int] = field(default_factory=dict)
+    # Per prefill node, the ordinal of the last turn the router sent it (higher: more recent;
+    # absent: none): of otherwise equal nodes the one sent a turn least lately comes first.
+    prefill_routed_order: Mapping[str, int] = field(default_factory=dict)
     # The decode node that served the conversation's previous turn, if known.
     last_decode_node_id: str = ""
     # (prefill node id, holder engine id) pairs that have completed a NIXL

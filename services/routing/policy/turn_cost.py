@@ -32,19 +32,30 @@ longer, recomputes their histories and lengthens the queues it meant to
 shorten; on a bursty fleet, where a home is seconds behind, a move still
 pays many times over.
 
-Nodes that hold nothing of the prompt compete on cost alone.
+A conversation that no node holds any of (its first turn, or one whose history every cache has
+dropped) is placed for all its later turns too: they will queue behind those of the
+conversations already there. So it goes to the node with the fewest active conversations
+(`RouteSnapshot.prefill_homes`: the others whose last turn it served lately) among the nodes
+whose cost for this turn is within `placement_margin_ms` of the cheapest, then to the cheapest
+of those. Conversations that start together, as chats that advance in step do, then alternate
+between the nodes, and so do their later turns, each arriving a turn's time after the one
+placed before it on the other node. Ranked by cost alone, a conversation that arrived while the
+other node was briefly behind joins the one before it, and every later wave of their turns
+queues one prefill on that node; vllm-router likewise sends a request with no cached prefix to
+the worker with the smallest cache. A saving of more than the margin still wins: a node that is
+seconds behind takes no new conversations.
 
-Equal costs (idle nodes without a cached prefix) fall back to the leg's
-scorers, then to the node that served the conversation's previous turn, then
-to the node that fewer of the other conversations this router remembers were
-last served by (`RouteSnapshot.prefill_homes`), then to a keyed hash of (tie
-salt, conversation, node id): never piled onto the one node that sorts first.
-The count before the hash matters because a conversation stays on the node
-that holds its history: a hash splits 32 conversations that start on an idle
-fleet unevenly (one node 18 or more in 6 of 10 such starts, by chance alone),
-and every later wave of their turns queues longer on that node; vllm-router
-likewise sends a request with no cached prefix to the worker with the
-smallest cache.
+A move carries the conversation's later turns with it just as a placement does. So a move to a
+node home to at least as many other active conversations as the one it leaves, which leaves the
+fleet less even than it found it, must also save `placement_margin_ms`: the saving a new
+conversation needs to be placed there. Without this, one wave that queued two turns on a node
+moves a conversation whose every later turn then lengthens the other node's waves.
+
+Equal costs otherwise fall back to the leg's scorers, then to the node that served the
+conversation's previous turn, then to the node fewer of the other active conversations call
+home, then to the node sent a turn least lately (so that new conversations arriving on an idle
+fleet, where every cost is equal, still alternate), then to a keyed hash of (tie salt,
+conversation, node id): never piled onto the one node that sorts first.
 """
 
 from __future__ import annotations
@@ -126,12 +137,17 @@ class LeastCostPicker:
     move_margin_ms: float = 100.0
     # What a move must save per ms of compute it adds to the fleet (see the module's docstring).
     extra_work_weight: float = 1.0
+    # How much dearer than the cheapest node a less loaded one may be for a conversation that no
+    # node holds any of, in ms (see the module's docstring).
+    placement_margin_ms: float = 100.0
 
     def __post_init__(self) -> None:
         if self.move_margin_ms < 0:
             raise ValueError("move_margin_ms must not be negative")
         if self.extra_work_weight < 0:
             raise ValueError("extra_work_weight must not be negative")
+        if self.placement_margin_ms < 0:
+            raise ValueError("placement_margin_ms must not be negative")
 
     def rank(self, scored: Sequence[tuple[NodeState, float]], ctx: LegContext) -> list[NodeState]:
         snapshot = ctx.snapshot
@@ -149,20 +165,34 @@ class LeastCostPicker:
         home_work = _work_ms(estimates[home]) if home else 0.0
 
         homes = snapshot.prefill_homes
+        order = snapshot.prefill_routed_order
         last = snapshot.last_prefill_node_id
+        cheapest = min(estimate.total_ms for estimate in estimates.values()) if estimates else 0.0
 
-        def key(item: tuple[NodeState, float]) -> tuple[float, float, bool, int, int, str]:
+        def key(item: tuple[NodeState, float]) -> tuple[bool, int, float, float, bool, int, int, int, str]:
             state, score = item
             node_id = state.node.node_id
             estimate = estimates[node_id]
             total = estimate.total_ms
-            if home and node_id != home:
+            others = homes.get(node_id, 0)
+            placed = (False, 0)
+            if not home:
+                placed = (total > cheapest + self.placement_margin_ms, others)
+            elif node_id != home:
                 extra = max(0.0, _work_ms(estimate) - home_work)
                 total += self.move_margin_ms + self.extra_work_weight * extra
-            # Among equals: the node of the conversation's last turn, then the one fewer others
-            # were last routed to (this conversation not counted), then the hash.
-            others = homes.get(node_id, 0) - (node_id == last)
-            return (total, -score, node_id != last, others, tie_key(snapshot, node_id), node_id)
+                if others >= homes.get(home, 0):
+                    total += self.placement_margin_ms
+            return (
+                *placed,
+                total,
+                -score,
+                node_id != last,
+                others,
+                order.get(node_id, 0),
+                tie_key(snapshot, node_id),
+                node_id,
+            )
 
         return [state for state, _ in sorted(scored, key=key)]
 

@@ -96,7 +96,9 @@ class Router:
         # Replaced, never mutated: a route reads one consistent model.
         self.costs: CostModel = policy.config.cost_model
         self._book = RouteBook(
-            max_routes=settings.max_tracked_routes, max_conversations=settings.max_tracked_conversations
+            max_routes=settings.max_tracked_routes,
+            max_conversations=settings.max_tracked_conversations,
+            active_s=settings.active_conversation_s,
         )
         self._inflight = InFlightLedger(limit=max(1, settings.max_tracked_routes))
         self._prefill_record = PrefillCacheRecord(
@@ -169,6 +171,7 @@ class Router:
                 receipt,
                 _queued_ms(snapshot, plan.prefill.node_id, self.costs),
             ),
+            self.clock.monotonic_s(),
         )
         # No prefill node sees a turn prefilled on D: D keeps what the next turn needs. Where the
         # next turn may be prefilled on D by the cost model alone (its caller can, and the policy
@@ -250,7 +253,8 @@ class Router:
             now_unix_ms=now,
             handle=record.handle if record is not None else None,
             last_prefill_node_id=self._book.last_prefill(key),
-            prefill_homes=self._book.homes(),
+            prefill_homes=self._book.homes(self.clock.monotonic_s(), key),
+            prefill_routed_order=self._book.routed_order(),
             last_decode_node_id=self._book.last_decode(key),
             contacted=self._book.contacted,
             loads_as_of_unix_ms=now if cluster.healthy else self._loads_as_of(),

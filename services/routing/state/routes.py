@@ -5,12 +5,18 @@ A route's record lets its report teach the cost model (only turns this router
 routed do, once each) and correct the prefill record. A first pull between a
 prefill engine and a holder pays the NIXL handshake; later ones do not.
 
-Pure bookkeeping: no I/O, no clock reads. Bounded, least recently written out: best effort.
+How many active conversations each prefill node served last (`homes`) is what a new
+conversation's placement balances (policy/turn_cost.py): a conversation is active for
+`active_s` after its last routed turn. Conversations long over are not load: counted, they
+would send a run of new ones to whichever node served fewer of them.
+
+Pure bookkeeping: no I/O, no clock reads (the caller says when). Bounded, least recently
+written out: best effort.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -38,29 +44,47 @@ class RouteRecord:
     queued_ms: float = 0.0
 
 
+@dataclass(slots=True)
+class _Last:
+    """A conversation's last routed turn: its nodes, when (seconds), and whether it still counts
+    among its prefill node's active homes."""
+
+    prefill_node_id: str
+    decode_node_id: str
+    routed_s: float
+    active: bool = True
+
+
 class RouteBook:
     """Routes awaiting their reports, last prefill and decode nodes, and engine pairs that have met."""
 
-    def __init__(self, *, max_routes: int, max_conversations: int) -> None:
+    def __init__(self, *, max_routes: int, max_conversations: int, active_s: float = 60.0) -> None:
         self._routes: BoundedMap[str, RouteRecord] = BoundedMap(max_routes)
-        # (prefill node id, decode node id) of each conversation's last routed turn.
-        self._last: BoundedMap[tuple[str, str], tuple[str, str]] = BoundedMap(
-            max_conversations, on_evict=lambda _key, last: self._leave(last[0])
+        self._last: BoundedMap[tuple[str, str], _Last] = BoundedMap(
+            max_conversations, on_evict=lambda _key, last: self._leave(last)
         )
-        # How many of those conversations each prefill node served last (`RouteSnapshot.prefill_homes`).
+        self.active_s = active_s
+        # (when routed, conversation) of every turn routed in the last `active_s`, oldest first;
+        # a conversation routed again since is skipped when its older entry expires.
+        self._recent: deque[tuple[float, tuple[str, str]]] = deque()
+        # How many active conversations each prefill node served last (`RouteSnapshot.prefill_homes`).
         self._homes: Counter[str] = Counter()
+        # Turns routed, and the ordinal of the last one each prefill node served
+        # (`RouteSnapshot.prefill_routed_order`).
+        self._turns = 0
+        self._routed_order: dict[str, int] = {}
         # (prefill node id, holder engine id): asked for membership only (`RouteSnapshot.contacted`).
         self.contacted: BoundedMap[tuple[str, str], None] = BoundedMap(max_conversations)
 
     def last_prefill(self, conversation: tuple[str, str]) -> str:
         """The prefill node of the conversation's previous turn ("" if not remembered)."""
         last = self._last.get(conversation)
-        return last[0] if last else ""
+        return last.prefill_node_id if last else ""
 
     def last_decode(self, conversation: tuple[str, str]) -> str:
         """The decode node of the conversation's previous turn ("" if not remembered)."""
         last = self._last.get(conversation)
-        return last[1] if last else ""
+        return last.decode_node_id if last else ""
 
     def contact(self, prefill_node_id: str, holder_engine_id: str) -> bool:
         """Records that the two engines meet; True if it is their first time."""
@@ -69,7 +93,7 @@ class RouteBook:
         self.contacted.put(pair, None)
         return first
 
-    def routed(self, route_id: str, record: RouteRecord) -> None:
+    def routed(self, route_id: str, record: RouteRecord, now_s: float) -> None:
         key = (record.tenant, record.conversation)
         prefill_node_id = record.prefill_node_id
         if record.decision is Decision.PREFILL_ON_DECODE:
@@ -77,22 +101,49 @@ class RouteBook:
             prefill_node_id = self.last_prefill(key)
         previous = self._last.get(key)
         if previous is not None:
-            self._leave(previous[0])
-        self._last.put(key, (prefill_node_id, record.decode_node_id))
+            self._leave(previous)
+        self._last.put(key, _Last(prefill_node_id, record.decode_node_id, now_s))
         if prefill_node_id:
             self._homes[prefill_node_id] += 1
+        if record.prefill_node_id and record.decision is not Decision.PREFILL_ON_DECODE:
+            self._turns += 1
+            self._routed_order[record.prefill_node_id] = self._turns
+        self._recent.append((now_s, key))
         self._routes.put(route_id, record)
+        self._expire(now_s)
 
-    def homes(self) -> Mapping[str, int]:
-        """Per prefill node, the remembered conversations whose last turn it served."""
-        return self._homes
+    def homes(self, now_s: float, conversation: tuple[str, str]) -> Mapping[str, int]:
+        """Per prefill node, the active conversations whose last turn it served, `conversation`
+        not counted."""
+        self._expire(now_s)
+        last = self._last.get(conversation)
+        if last is None or not last.active or not last.prefill_node_id:
+            return self._homes
+        others = dict(self._homes)
+        others[last.prefill_node_id] -= 1
+        return others
 
-    def _leave(self, prefill_node_id: str) -> None:
-        if not prefill_node_id:
+    def routed_order(self) -> Mapping[str, int]:
+        """Per prefill node, the ordinal of the last turn routed to it (higher: more recent)."""
+        return self._routed_order
+
+    def _expire(self, now_s: float) -> None:
+        recent = self._recent
+        while recent and recent[0][0] <= now_s - self.active_s:
+            routed_s, key = recent.popleft()
+            last = self._last.get(key)
+            if last is not None and last.routed_s == routed_s:
+                self._leave(last)
+
+    def _leave(self, last: _Last) -> None:
+        if not (last.active and last.prefill_node_id):
+            last.active = False
             return
-        self._homes[prefill_node_id] -= 1
-        if self._homes[prefill_node_id] <= 0:
-            del self._homes[prefill_node_id]
+        last.active = False
+        node_id = last.prefill_node_id
+        self._homes[node_id] -= 1
+        if self._homes[node_id] <= 0:
+            del self._homes[node_id]
 
     def reported(self, route_id: str) -> RouteRecord | None:
         """The route's record, once: a second report of it finds none."""
@@ -101,4 +152,4 @@ class RouteBook:
     def forget(self, conversation: tuple[str, str]) -> None:
         last = self._last.pop(conversation)
         if last is not None:
-            self._leave(last[0])
+            self._leave(last)
