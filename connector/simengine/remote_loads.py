@@ -23,6 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+from opentelemetry import trace
+
 from kvplane.connector.simengine.block_content import BlockCheck, block_hashes, lease_stamp
 from kvplane.connector.simengine.block_pool import BlockPool
 from kvplane.connector.simengine.kv_params import RemoteBlocks
@@ -143,9 +145,17 @@ class RemoteLoads:
             self._drop_peer(remote)
             return LoadOutcome("transfer_failed", 0)
         self.metrics.transfer(seconds, count * s.bytes_per_block)
+        verify_start = time.perf_counter()
         hashes = block_hashes(prompt, bs, self.pool.root, usable, prompt_chain)
         stamp = lease_stamp(info.engine_id, info.incarnation, remote.request_id)
         bad, check = self.pool.content.check_many(self.pool.array, dst, hashes[first:], first, stamp)
+        # The load's span (kv.pull) splits its time: the READ, then checking what it read.
+        trace.get_current_span().set_attributes(
+            {
+                "kvplane.pull.read_ms": seconds * 1000,
+                "kvplane.pull.verify_ms": (time.perf_counter() - verify_start) * 1000,
+            }
+        )
         if check is not BlockCheck.OK:
             self.metrics.verify_failure(check.value)
             log.warning(

@@ -127,6 +127,10 @@ async def test_a_pulled_turn_is_one_trace_from_the_gateway_through_routing_etcd_
     assert by_id[engine_spans["decode"].parent_span_id].name == "gateway.decode"
     pull = next(s for s in trace if s.name == "kv.pull" and s.attributes["kvplane.leg"] == "prefill")
     assert pull.parent_span_id == engine_spans["prefill"].span_id
+    # The pull's time, split: the NIXL READ, then checking every block it read.
+    pull_ms = (pull.end_time - pull.start_time) / 1e6
+    read_ms, verify_ms = pull.attributes["kvplane.pull.read_ms"], pull.attributes["kvplane.pull.verify_ms"]
+    assert read_ms > 0 and verify_ms > 0 and read_ms + verify_ms <= pull_ms
 
     # D's handle publish is part of the turn's trace, under D's request.
     publish = next(s for s in trace if s.name == "/kvplane.v1.MetadataService/PublishHandles")

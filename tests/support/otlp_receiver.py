@@ -34,6 +34,9 @@ class ReceivedSpan:
     # (trace id, span id) of each linked span.
     links: tuple[tuple[str, str], ...]
     resource: dict[str, Any]
+    # Nanoseconds since the epoch.
+    start_time: int = 0
+    end_time: int = 0
 
 
 def _value(v: AnyValue) -> Any:
@@ -65,6 +68,8 @@ class _Servicer(trace_service_pb2_grpc.TraceServiceServicer):
                             attributes={kv.key: _value(kv.value) for kv in span.attributes},
                             links=tuple((link.trace_id.hex(), link.span_id.hex()) for link in span.links),
                             resource=resource,
+                            start_time=span.start_time_unix_nano,
+                            end_time=span.end_time_unix_nano,
                         )
                     )
         with self.lock:
