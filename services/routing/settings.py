@@ -28,8 +28,12 @@ class RoutingSection(Section):
     # hold the history already, seconds. Also bounds EndConversation's wait for that publish.
     publish_wait_s: float = Field(0.3, ge=0)
     # From a Route to its request reaching the engine (the caller's hop to it), ms: a load
-    # report taken earlier cannot show the routed work yet.
-    send_delay_ms: int = Field(100, ge=0)
+    # report taken earlier cannot show the routed work yet, and one taken later is trusted to.
+    # Too long, and every report taken in between counts the turn twice (its own count and the
+    # router's); too short, and one taken before the request arrived drops it until the next
+    # report, which the engine streams when the request arrives. Measured from Route's end to
+    # the prefill engine's request: 2.2 ms p50, 14 ms p99 at 32 turns in flight on 2 cores.
+    send_delay_ms: int = Field(30, ge=0)
     # Whether D takes the turn only once P is done with it (vLLM's disaggregated flow), so
     # that only then its load reports show the turn's KV; false: D reserves it when routed.
     decode_after_prefill: bool = True

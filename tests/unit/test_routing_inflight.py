@@ -10,6 +10,7 @@ import pytest
 
 from kvplane.services.common.model.nodes import NodeRole
 from kvplane.services.routing.policy import CostModel, NodeState, Prompt, RoutingPolicy, load_policy
+from kvplane.services.routing.settings import RoutingSection
 from kvplane.services.routing.state.inflight import InFlightLedger, RoutedWork, routed_work, turn_work
 from tests.unit.routing_policy_fixtures import NOW, mk_node, snap, state
 
@@ -443,3 +444,22 @@ def test_departures_from_a_node_no_route_asks_about_are_swept_once_aged() -> Non
         ledger.finished(f"r{i}", decode_node_id="d0", ended_unix_ms=NOW + 60_000 + i)
     assert ledger.departures("d-gone") == 0
     assert ledger.departures("d0") > 0
+
+
+def test_a_report_taken_once_the_request_reached_p_counts_the_turn_once(policy: RoutingPolicy) -> None:
+    # Routing's default hop allowance: P's engine streams a report when a request arrives, a few
+    # milliseconds after its route; from then on the report counts the turn and the ledger must not.
+    delay = RoutingSection().send_delay_ms
+    costs = replace(AFFINE, reused_ms_per_token=0.0)
+    idle = [state(P0, reported_unix_ms=NOW), state(D0, free_kv_blocks=100_000, total_kv_blocks=100_000)]
+    turn = snap(idle, prompt=Prompt(1000))
+    plan = policy.route(turn, costs)
+    ledger = InFlightLedger()
+    ledger.add(
+        *routed_work("r", turn, plan, costs, pulled=False, send_delay_ms=delay, decode_after_prefill=True)
+    )
+    alone = costs.prefill_ms(1000, 0)
+    arrived = NOW + 40  # the request reached P 40 ms after its route, and P reported it
+    report = [state(P0, queued_prefill_tokens=1000, queued_requests=1, reported_unix_ms=arrived)]
+    p = ledger.current(report, arrived, costs=costs)[0]
+    assert p.queued_prefill_ms == pytest.approx(alone)
