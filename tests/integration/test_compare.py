@@ -215,7 +215,9 @@ async def test_text_prompts_reach_routing_as_token_ids_and_every_front_answers_t
         CONFIG,
         workloads=("B",),
         fronts=fronts,
-        workload=dataclasses.replace(CONFIG.workload, prompt_format="text"),
+        # A second between a turn's answer and the next turn: D's publish of its handle lands
+        # first even on a loaded machine (routing waits for it only publish_wait_s).
+        workload=dataclasses.replace(CONFIG.workload, prompt_format="text", think_s=1.0),
         warmup_conversations=0,
         idle_s=0.0,
         run_dir=tmp_path / "run",

@@ -37,12 +37,11 @@ dropped) is placed for all its later turns too: they will queue behind those of 
 conversations already there. So it goes to the node with the fewest active conversations
 (`RouteSnapshot.prefill_homes`: the others whose last turn it served lately) among the nodes
 whose cost for this turn is within `placement_margin_ms` of the cheapest, then to the cheapest
-of those. Conversations that start together, as chats that advance in step do, then alternate
-between the nodes, and so do their later turns, each arriving a turn's time after the one
-placed before it on the other node. Ranked by cost alone, a conversation that arrived while the
-other node was briefly behind joins the one before it, and every later wave of their turns
-queues one prefill on that node; vllm-router likewise sends a request with no cached prefix to
-the worker with the smallest cache. A saving of more than the margin still wins: a node that is
+of those. The nodes then keep even shares of the conversations in flight, as vllm-router's rule
+of sending a request with no cached prefix to the worker with the smallest cache does; ranked
+by this turn's cost alone, a first turn that finds the other node a little behind joins the
+node of the conversation before it, and conversations that advance in step then bring their
+later turns to that node together. A saving of more than the margin still wins: a node that is
 seconds behind takes no new conversations.
 
 A move carries the conversation's later turns with it just as a placement does. So a move to a
