@@ -95,10 +95,16 @@ def test_the_node_holding_the_history_wins_over_an_idle_one_until_its_queue_cost
     assert busy.prefill.node_id == "p0" and busy.decision is Decision.PULL
 
 
-def with_margin(margin_ms: float) -> RoutingPolicy:
+def with_picker_param(name: str, value: float) -> RoutingPolicy:
+    """The default policy with one of least-cost's parameters set to `value`."""
     default = resources.files("kvplane.services.routing.policy").joinpath("default_policy.yaml")
-    text = default.read_text(encoding="utf-8").replace("move_margin_ms: 100", f"move_margin_ms: {margin_ms}")
+    text, replaced = re.subn(rf"{name}: [0-9.]+", f"{name}: {value}", default.read_text(encoding="utf-8"))
+    assert replaced == 1, name
     return RoutingPolicy(policy_from_yaml(text))
+
+
+def with_margin(margin_ms: float) -> RoutingPolicy:
+    return with_picker_param("move_margin_ms", margin_ms)
 
 
 # p1 holds the history and serves one other active conversation, p0 none: a move there evens
@@ -160,11 +166,7 @@ def test_a_move_that_leaves_the_fleet_less_even_must_also_pay_the_placement_marg
 
 
 def with_extra_work_weight(weight: float) -> RoutingPolicy:
-    default = resources.files("kvplane.services.routing.policy").joinpath("default_policy.yaml")
-    text = re.sub(
-        r"extra_work_weight: [0-9.]+", f"extra_work_weight: {weight}", default.read_text(encoding="utf-8")
-    )
-    return RoutingPolicy(policy_from_yaml(text))
+    return with_picker_param("extra_work_weight", weight)
 
 
 def test_a_move_that_recomputes_the_history_must_also_pay_for_the_work_it_adds(policy: RoutingPolicy) -> None:
@@ -338,13 +340,7 @@ def test_a_conversation_no_p_holds_is_placed_anew_even_off_its_last_p(policy: Ro
 
 
 def with_placement_margin(margin_ms: float) -> RoutingPolicy:
-    default = resources.files("kvplane.services.routing.policy").joinpath("default_policy.yaml")
-    text = re.sub(
-        r"placement_margin_ms: [0-9.]+",
-        f"placement_margin_ms: {margin_ms}",
-        default.read_text(encoding="utf-8"),
-    )
-    return RoutingPolicy(policy_from_yaml(text))
+    return with_picker_param("placement_margin_ms", margin_ms)
 
 
 def _placed_on(policy: RoutingPolicy, conversation: str, p0_queue: int, **kw: Any) -> str:

@@ -136,14 +136,13 @@ class RouteBook:
                 self._leave(last)
 
     def _leave(self, last: _Last) -> None:
-        if not (last.active and last.prefill_node_id):
-            last.active = False
-            return
-        last.active = False
+        """The conversation no longer counts among its prefill node's homes (if it did)."""
         node_id = last.prefill_node_id
-        self._homes[node_id] -= 1
-        if self._homes[node_id] <= 0:
-            del self._homes[node_id]
+        if last.active and node_id:
+            self._homes[node_id] -= 1
+            if self._homes[node_id] <= 0:
+                del self._homes[node_id]
+        last.active = False
 
     def reported(self, route_id: str) -> RouteRecord | None:
         """The route's record, once: a second report of it finds none."""
