@@ -31,8 +31,10 @@ async def stack() -> AsyncIterator[Stack]:
         stack.stop()
 
 
-async def _turns(session: aiohttp.ClientSession, base: str, conversation: str) -> list[str]:
-    prompt = list(range(400, 1000))
+async def _turns(session: aiohttp.ClientSession, base: str, conversation: str, first: int) -> list[str]:
+    # Each conversation opens with its own prompt: one whose history a D already caches from
+    # another conversation may rightly be prefilled there (PREFILL_ON_DECODE).
+    prompt = list(range(first, first + 600))
     decisions = []
     for _ in range(3):
         body = {"model": DEMO_MODEL, "prompt": prompt, "max_tokens": 16, "return_token_ids": True}
@@ -52,8 +54,8 @@ async def test_a_conversation_through_the_stacks_picker_is_routed_and_runs_on_th
     assert stack.urls()["Envoy and the endpoint picker (OpenAI API)"] == stack.picker_url
     assert set(stack.sidecars) == set(stack.decode_urls)
     async with aiohttp.ClientSession() as session:
-        through_gateway = await _turns(session, stack.gateway_url, "via-gateway")
-        through_picker = await _turns(session, stack.picker_url, "via-picker")
+        through_gateway = await _turns(session, stack.gateway_url, "via-gateway", 400)
+        through_picker = await _turns(session, stack.picker_url, "via-picker", 1400)
         # Routed by routing, as the gateway's turns are: never the fallback engines, never a retry.
         for decisions in (through_gateway, through_picker):
             assert decisions[0] == "recompute_no_handle", decisions
