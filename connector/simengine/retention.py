@@ -48,6 +48,7 @@ Event-loop thread only, except ``release_early``, ``move_to_host``, ``drain``, `
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import threading
@@ -71,6 +72,13 @@ log = logging.getLogger(__name__)
 RetainKind = Literal["decode_handle", "prefill_lease"]
 Tier = Literal["device", "host"]
 _RECENTLY_FREED_MAX = 4096
+# How often the notification loop polls NIXL, which is what lets a reader's READ of this engine's
+# blocks progress (the agent has no progress thread): briskly while a prefill lease waits for its
+# decode engine's READ, which comes within milliseconds; less so while only handles for later
+# turns are held; and while nothing is held, not until something is (or this long has passed).
+POLL_LEASED_S = 0.001
+POLL_HOLDING_S = 0.005
+POLL_IDLE_S = 0.05
 
 
 class Holder(Protocol):
@@ -116,6 +124,9 @@ class Retention:
         # Set whenever blocks return to the pool: requests waiting for KV memory try again.
         self.blocks_freed = asyncio.Event()
         self._retained: dict[str, _Retained] = {}
+        # The prefill leases among them, and a wake-up for the notification loop when one is kept.
+        self._leases: set[str] = set()
+        self._kept = asyncio.Event()
         self._retained_bytes = 0  # in the KV cache
         self._host_bytes = 0
         # Handles being copied to the host tier, and their cache blocks (event-loop thread; the
@@ -201,6 +212,9 @@ class Retention:
         r = _Retained(request_id, kind, blocks, num_tokens, stamp, expiry, len(blocks) * s.bytes_per_block)
         self._retained[request_id] = r
         self._retained_bytes += r.nbytes
+        if kind == "prefill_lease":
+            self._leases.add(request_id)
+        self._kept.set()
         params = self._params(r)
         if kind == "prefill_lease":
             # What was pulled, as the engine saw it: the gateway counts it apart from cache hits.
@@ -551,6 +565,7 @@ class Retention:
 
     def _free(self, request_id: str, reason: str) -> None:
         r = self._retained.pop(request_id)
+        self._leases.discard(request_id)
         for tasks in (self._spilling, self._copying):
             copying = tasks.get(request_id)
             if copying is not None:
@@ -609,8 +624,25 @@ class Retention:
             except Exception:
                 # A lost poll must not stop every later free: log and keep polling.
                 log.exception("polling NIXL notifications failed")
-            # Polling drives UCX progress (no progress thread); poll briskly only while holding.
-            await asyncio.sleep(0.005 if self._retained else 0.05)
+            await self._next_poll()
+
+    def poll_interval(self) -> float | None:
+        """Seconds until the notification loop polls NIXL again; None while nothing is held (it
+        then polls as soon as something is kept, or after POLL_IDLE_S)."""
+        if self._leases:
+            return POLL_LEASED_S
+        return POLL_HOLDING_S if self._retained else None
+
+    async def _next_poll(self) -> None:
+        interval = self.poll_interval()
+        if interval is not None:
+            await asyncio.sleep(interval)
+            return
+        # Not a plain sleep: a READ of blocks kept meanwhile would wait for the rest of it.
+        self._kept.clear()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(POLL_IDLE_S):
+                await self._kept.wait()
 
     async def reaper_loop(self) -> None:
         """Frees what reached its deadline unread, until cancelled."""
@@ -623,5 +655,6 @@ class Retention:
                 except Exception:
                     log.exception("freeing expired %s failed", r.request_id)
                     self._retained.pop(r.request_id, None)
+                    self._leases.discard(r.request_id)
             nxt = min((r.expiry for r in self._retained.values()), default=now + 0.1)
             await asyncio.sleep(min(max(nxt - time.perf_counter(), 0.001), 0.1))

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from kvplane.connector.simengine import retention as retention_module
 from kvplane.connector.simengine.block_content import root_hash
 from kvplane.connector.simengine.block_pool import BlockPool
 from kvplane.connector.simengine.metrics import SimEngineMetrics
@@ -225,8 +226,10 @@ class Notifications:
 
     queue: list[bytes] = field(default_factory=list)
     fail_next: bool = False
+    polls: int = 0
 
     def poll_notifs(self) -> list[tuple[str, bytes]]:
+        self.polls += 1
         if self.fail_next:
             self.fail_next = False
             raise RuntimeError("UCX hiccup")
@@ -295,6 +298,38 @@ async def test_a_failed_poll_does_not_stop_later_frees(
     await until(lambda: not notifications.fail_next, "the failing poll")
     notifications.queue.append(_read("r1"))
     await until(lambda: retention.count == 0, "the read after the failed poll to free the handle")
+
+
+def test_the_loop_polls_briskly_while_a_lease_awaits_its_read_and_less_while_only_handles_are_held() -> None:
+    retention, pool, _, _ = make()
+    assert retention.poll_interval() is None, "nothing held: poll when something is kept"
+    keep(retention, pool, "r1", "decode_handle")
+    assert retention.poll_interval() == retention_module.POLL_HOLDING_S
+    keep(retention, pool, "p1", "prefill_lease")
+    assert retention.poll_interval() == retention_module.POLL_LEASED_S
+    assert retention_module.POLL_LEASED_S < retention_module.POLL_HOLDING_S
+    assert retention.release_early("p1") is True
+    assert retention.poll_interval() == retention_module.POLL_HOLDING_S
+    assert retention.release_early("r1") is True
+    assert retention.poll_interval() is None
+
+
+async def test_blocks_kept_while_nothing_was_held_are_polled_for_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The idle wait is made endless: only the wake-up of a kept lease can end it. Before, the
+    # loop slept its idle interval out, and a reader's READ waited for P's next poll that long.
+    monkeypatch.setattr(retention_module, "POLL_IDLE_S", 3600.0)
+    retention, pool, metrics, _ = make()
+    notifications = Notifications()
+    task = asyncio.create_task(retention.notification_loop(notifications))  # type: ignore[arg-type]
+    try:
+        await until(lambda: notifications.polls >= 1, "the first poll")
+        keep(retention, pool, "p1", "prefill_lease")
+        notifications.queue.append(_read("p1"))
+        await until(lambda: frees(metrics, "prefill_lease", "read") == 1, "the lease's read to be polled")
+    finally:
+        task.cancel()
 
 
 async def test_what_no_reader_read_is_freed_at_its_deadline() -> None:
