@@ -226,9 +226,9 @@ def _assert_orders_as(record: Path, fronts: tuple[str, ...], key: str, concurren
 
 # The latest full comparisons (`python -m kvplane.bench.compare --workload both --concurrency 1,8,32
 # --repeats 2 --min-conversations 1 --fronts kvplane,vllm-router,example-proxy,zero-hop-reuse
-# --idle-s 10`): at 0d756e5, kvplane's gateway sending every turn through P, and at 3b33f2e,
-# f71bf6e, 8e313bd, a7afb28, 7e4dbc2, 70f95a7, b273c56, dd12bf0 and a8142c6, as it runs by default
-# since, letting routing send a turn to its D alone.
+# --idle-s 10`; `--repeats 3` at 1fd0272): at 0d756e5, kvplane's gateway sending every turn
+# through P, and at 3b33f2e, f71bf6e, 8e313bd, a7afb28, 7e4dbc2, 70f95a7, b273c56, dd12bf0, a8142c6
+# and 1fd0272, as it runs by default since, letting routing send a turn to its D alone.
 LATEST_RECORDS = (
     "compare_0d756e5.json",
     "compare_3b33f2e.json",
@@ -240,6 +240,7 @@ LATEST_RECORDS = (
     "compare_b273c56.json",
     "compare_dd12bf0.json",
     "compare_a8142c6.json",
+    "compare_1fd0272.json",
 )
 LATEST_FRONTS = (KVPLANE, VLLM_ROUTER, EXAMPLE_PROXY)
 
