@@ -198,7 +198,9 @@ async def test_sigterm_stops_every_process_the_comparison_started(tmp_path: Path
             await proc.wait()
 
 
-async def test_text_prompts_reach_routing_as_token_ids_and_every_front_answers_them(tmp_path: Path) -> None:
+async def test_text_prompts_reach_routing_as_token_ids_and_every_front_answers_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """With text prompts each front does what it does with a user's text: kvplane's gateway asks an
     engine's /tokenize, and the local-tokenizer gateway tokenizes in its own process with the
     sim-engine's tokenizer files; through both, routing still finds and proves D's history where
@@ -211,13 +213,14 @@ async def test_text_prompts_reach_routing_as_token_ids_and_every_front_answers_t
         EXAMPLE_PROXY,
         *((VLLM_ROUTER,) if ROUTER_INSTALLED else ()),
     )
+    # A later turn's Route waits for D's publish of the handle the turn before announced (not
+    # only the default 0.3 s), so that a loaded machine's slow publish is waited for, not raced.
+    monkeypatch.setenv("KVPLANE_ROUTING__PUBLISH_WAIT_S", "60")
     config = dataclasses.replace(
         CONFIG,
         workloads=("B",),
         fronts=fronts,
-        # A second between a turn's answer and the next turn: D's publish of its handle lands
-        # first even on a loaded machine (routing waits for it only publish_wait_s).
-        workload=dataclasses.replace(CONFIG.workload, prompt_format="text", think_s=1.0),
+        workload=dataclasses.replace(CONFIG.workload, prompt_format="text"),
         warmup_conversations=0,
         idle_s=0.0,
         run_dir=tmp_path / "run",
