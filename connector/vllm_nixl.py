@@ -943,7 +943,11 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
     def _snapshot_load(self, scheduler_output: SchedulerOutput) -> None:
         """Scheduler thread, every step: the load the agent reads (one atomic write)."""
         manager = getattr(self, "_kv_cache_manager", None)
-        before, self._load = self._load, _load_snapshot(manager, scheduler_output, self._held.values())
+        waiting = sum(self._asked.values())
+        before, self._load = (
+            self._load,
+            _load_snapshot(manager, scheduler_output, self._held.values(), waiting),
+        )
         if self._load.running_requests < before.running_requests and self.kvplane_agent is not None:
             # A request ended: routing hears the lighter load now, not at the next sample (a
             # conversation's next turn comes the moment its answer ends, and an idle D may take it).
@@ -983,9 +987,12 @@ def _engine_node(connector: NixlConnector, vllm_config: VllmConfig) -> Node:
     )
 
 
-def _load_snapshot(manager: Any, scheduler_output: SchedulerOutput, held: Iterable[_Held]) -> NodeLoad:
+def _load_snapshot(
+    manager: Any, scheduler_output: SchedulerOutput, held: Iterable[_Held], waiting_kv_blocks: int = 0
+) -> NodeLoad:
     """The engine's load after a schedule: running requests, free and total KV blocks (from vLLM's
-    KV cache manager, when the scheduler has one), and the bytes its published handles retain."""
+    KV cache manager, when the scheduler has one), the bytes its published handles retain, and
+    the blocks the waiting requests tried this step and given none need."""
     free = total = 0
     if manager is not None:
         pool = manager.block_pool
@@ -997,6 +1004,7 @@ def _load_snapshot(manager: Any, scheduler_output: SchedulerOutput, held: Iterab
         free_kv_blocks=free,
         total_kv_blocks=total,
         retained_bytes=sum(h.retained_bytes for h in held),
+        waiting_kv_blocks=waiting_kv_blocks,
     )
 
 

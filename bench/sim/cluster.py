@@ -334,4 +334,6 @@ class DecodeState:
             total_kv_blocks=self.capacity // block,
             retained_bytes=self.retained,
             reported_unix_ms=now_ms,
+            # As live engines report it: what the turns waiting for memory need.
+            waiting_kv_blocks=sum(f.reserved for f in self.waiting) // block,
         )

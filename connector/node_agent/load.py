@@ -43,10 +43,12 @@ log = logging.getLogger(__name__)
 
 def load_changed(last: NodeLoad, now: NodeLoad) -> bool:
     """Whether `now` differs from the load last reported enough to report it before the
-    heartbeat: any change of a request count, of queued prefill tokens, of retained bytes or
-    of the block total, or free KV blocks moved by 1% of the total (at least one block)."""
+    heartbeat: any change of a request count, of queued prefill tokens, of the blocks waiting
+    requests need, of retained bytes or of the block total, or free KV blocks moved by 1% of the
+    total (at least one block)."""
     if (
         now.queued_requests != last.queued_requests
+        or now.waiting_kv_blocks != last.waiting_kv_blocks
         or now.running_requests != last.running_requests
         or now.queued_prefill_tokens != last.queued_prefill_tokens
         or now.retained_bytes != last.retained_bytes

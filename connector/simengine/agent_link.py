@@ -163,6 +163,7 @@ def node_load(load: EngineLoad) -> NodeLoad:
         free_kv_blocks=load.free_kv_blocks,
         total_kv_blocks=load.total_kv_blocks,
         retained_bytes=load.retained_bytes,
+        waiting_kv_blocks=load.waiting_kv_blocks,
     )
 
 

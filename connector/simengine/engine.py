@@ -265,6 +265,7 @@ class SimEngine:
             host_total_blocks=self.pool.host_blocks,
             host_free_blocks=self.pool.host_free_blocks,
             host_retained_bytes=self.retention.host_bytes,
+            waiting_kv_blocks=self._kv_wanted,
         )
 
     def adopt_incarnation(self, incarnation: str) -> None:

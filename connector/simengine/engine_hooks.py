@@ -49,6 +49,8 @@ class EngineLoad:
     host_total_blocks: int = 0
     host_free_blocks: int = 0
     host_retained_bytes: int = 0
+    # Blocks that requests waiting for KV memory need (each its whole allocation).
+    waiting_kv_blocks: int = 0
 
 
 class EngineObserver(Protocol):

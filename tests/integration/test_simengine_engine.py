@@ -415,6 +415,23 @@ async def test_a_request_that_ends_says_the_load_changed_when_it_is_no_longer_co
     assert seen == [0, 0]
 
 
+async def test_the_load_counts_the_blocks_requests_waiting_for_memory_need(stack: list[SimEngine]) -> None:
+    # Routing takes a D's free blocks less these as what a new request could have: it is
+    # admitted after the requests already waiting there.
+    e = SimEngine(settings(num_blocks=8, kv_wait_timeout_s=3600))
+    stack.append(e)
+    await started(e)
+    held = await run(e, prompt_of(64, 6), 1, {"do_remote_decode": True})  # a lease keeps 4 blocks
+    assert held.kv_transfer_params is not None and e.load().waiting_kv_blocks == 0
+    waiter = asyncio.create_task(run(e, prompt_of(100, 7), 1))  # 7 blocks, 4 free
+    await until(lambda: e.load().waiting_kv_blocks > 0, 30, "the request to wait for blocks")
+    assert e.load().waiting_kv_blocks == 7 and e.load().free_kv_blocks == 4
+    waiter.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await waiter
+    assert e.load().waiting_kv_blocks == 0
+
+
 async def test_a_request_short_of_blocks_takes_those_a_copied_ahead_handle_frees_at_once(
     stack: list[SimEngine],
 ) -> None:

@@ -29,6 +29,7 @@ BASE = NodeLoad(
         ({"reported_unix_ms": 2}, False),  # the same load, later: the heartbeat's to send
         ({"queued_requests": 3}, True),
         ({"queued_prefill_tokens": 4097}, True),
+        ({"waiting_kv_blocks": 1}, True),  # a request began to wait for memory
         ({"running_requests": 7}, True),
         ({"retained_bytes": (1 << 30) - 1}, True),
         ({"total_kv_blocks": 10_001}, True),

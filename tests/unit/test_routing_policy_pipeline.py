@@ -40,6 +40,27 @@ def test_holder_is_chosen_as_decode_when_it_has_room(policy: RoutingPolicy) -> N
     assert policy.route(snap(full, handle=mk_handle(d0, H), prompt=PROMPT)).decode.node_id == "d1"
 
 
+def test_a_decode_node_whose_free_blocks_waiting_requests_need_is_not_taken_for_a_roomy_one(
+    policy: RoutingPolicy,
+) -> None:
+    # d0 shows more free blocks, but requests waiting there for memory need most of them: they
+    # are admitted before the new turn, which would wait behind them while d1 has room now.
+    d0, d1 = mk_node("d0"), mk_node("d1")
+    kv = {"total_kv_blocks": 16_384, "running_requests": 8}
+    p0 = state(mk_node("p0", NodeRole.PREFILL))
+
+    def decode(d0_waiting_blocks: int) -> str:
+        nodes = [
+            p0,
+            state(d0, free_kv_blocks=12_000, waiting_kv_blocks=d0_waiting_blocks, **kv),
+            state(d1, free_kv_blocks=4_000, **kv),
+        ]
+        return policy.route(snap(nodes, prompt=PROMPT)).decode.node_id
+
+    assert decode(0) == "d0"
+    assert decode(11_000) == "d1"
+
+
 def test_without_a_handle_a_conversation_stays_on_its_last_decode_node_until_another_is_clearly_lighter(
     policy: RoutingPolicy,
 ) -> None:

@@ -30,6 +30,21 @@ HANDLE = mk_handle(HOLDER, history(1000))
         ("holder, just enough", HOLDER, {"free_kv_blocks": 71, "total_kv_blocks": 1000}, 1100, 1.0),
         ("holder, too little", HOLDER, {"free_kv_blocks": 70, "total_kv_blocks": 1000}, 1100, 0.0),
         ("holder, nearly full", HOLDER, {"free_kv_blocks": 10, "total_kv_blocks": 100_000}, 1001, 0.0),
+        # Requests already waiting there for memory are admitted first: their need is not free.
+        (
+            "holder, free blocks owed to waiting requests",
+            HOLDER,
+            {"free_kv_blocks": 1000, "waiting_kv_blocks": 930, "total_kv_blocks": 2000},
+            1100,
+            0.0,
+        ),
+        (
+            "holder, room beyond the waiting requests",
+            HOLDER,
+            {"free_kv_blocks": 1000, "waiting_kv_blocks": 929, "total_kv_blocks": 2000},
+            1100,
+            1.0,
+        ),
         ("another node", mk_node("d1"), None, 1100, 0.0),
         ("holder's previous life", mk_node("d0", incarnation="old"), None, 1100, 0.0),
     ],
@@ -54,6 +69,9 @@ def test_holder_affinity_is_zero_without_a_handle() -> None:
         ({"free_kv_blocks": 25, "total_kv_blocks": 100}, 0.25),
         ({"free_kv_blocks": 100, "total_kv_blocks": 100}, 1.0),
         ({"free_kv_blocks": 5, "total_kv_blocks": 0}, 0.5),
+        # What requests waiting there for memory need is not free for the next one.
+        ({"free_kv_blocks": 50, "waiting_kv_blocks": 25, "total_kv_blocks": 100}, 0.25),
+        ({"free_kv_blocks": 10, "waiting_kv_blocks": 40, "total_kv_blocks": 100}, 0.0),
     ],
 )
 def test_free_kv_scores_the_free_share(load: dict[str, int] | None, expected: float) -> None:

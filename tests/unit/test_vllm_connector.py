@@ -714,6 +714,8 @@ def test_a_waiting_request_without_blocks_is_reported_as_demand_until_a_release_
     # What the node agent's thread reads and sends, and the metric the engine exports.
     assert d.connector._current_demand() == wanted
     assert d.connector.kvplane_metrics.value("kvplane_connector_kv_demand_blocks") == wanted
+    # The load routing reads: the free blocks are owed to the waiting request, all 25 it needs.
+    assert d.connector._current_load().waiting_kv_blocks == 25
     # A release command arrives (agent thread): its 122 blocks are on their way, so nothing more
     # is asked for, before the scheduler has even applied it.
     d.connector._queue_release("held-a")
@@ -728,6 +730,7 @@ def test_a_waiting_request_without_blocks_is_reported_as_demand_until_a_release_
     assert d.scheduler.requests["waits"].status == RequestStatus.RUNNING
     assert d.connector._current_demand() == 0
     assert d.connector.kvplane_metrics.value("kvplane_connector_kv_demand_blocks") == 0
+    assert d.connector._current_load().waiting_kv_blocks == 0
 
 
 def test_a_free_block_watermark_is_asked_for_even_with_nobody_waiting(new_engine: Any) -> None:

@@ -135,6 +135,7 @@ def load_to_pb(load: NodeLoad) -> node_pb2.NodeLoad:
         total_kv_blocks=load.total_kv_blocks,
         retained_bytes=load.retained_bytes,
         reported_unix_ms=load.reported_unix_ms,
+        waiting_kv_blocks=load.waiting_kv_blocks,
     )
 
 
@@ -147,6 +148,7 @@ def checked_load_from_pb(pb: node_pb2.NodeLoad) -> NodeLoad:
         "free_kv_blocks",
         "total_kv_blocks",
         "retained_bytes",
+        "waiting_kv_blocks",
     ):
         validation.in_range(getattr(pb, name), f"load.{name}", 0, validation.MAX_COUNT)
     validation.in_range(pb.reported_unix_ms, "load.reported_unix_ms", 0, validation.MAX_COUNT)
@@ -164,6 +166,7 @@ def load_from_pb(pb: node_pb2.NodeLoad) -> NodeLoad:
         total_kv_blocks=pb.total_kv_blocks,
         retained_bytes=pb.retained_bytes,
         reported_unix_ms=pb.reported_unix_ms,
+        waiting_kv_blocks=pb.waiting_kv_blocks,
     )
 
 

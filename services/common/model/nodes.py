@@ -79,6 +79,8 @@ class NodeLoad:
     total_kv_blocks: int = 0
     retained_bytes: int = 0
     reported_unix_ms: int = 0
+    # Blocks that requests waiting for memory need beyond what they hold.
+    waiting_kv_blocks: int = 0
 
     @property
     def free_kv_fraction(self) -> float:
@@ -86,3 +88,16 @@ class NodeLoad:
         if self.total_kv_blocks <= 0:
             return 1.0
         return self.free_kv_blocks / self.total_kv_blocks
+
+    @property
+    def open_kv_blocks(self) -> int:
+        """Free blocks a new request could have: the engine admits it after the requests already
+        waiting for memory, so their need comes first."""
+        return max(0, self.free_kv_blocks - self.waiting_kv_blocks)
+
+    @property
+    def open_kv_fraction(self) -> float:
+        """`open_kv_blocks` as a share of the KV cache, 1.0 when the node did not say."""
+        if self.total_kv_blocks <= 0:
+            return 1.0
+        return self.open_kv_blocks / self.total_kv_blocks

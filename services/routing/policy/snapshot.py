@@ -50,11 +50,12 @@ class NodeState:
         return self.node.node_id
 
     def fits(self, tokens: int) -> bool:
-        """Whether the node's load leaves free KV for `tokens` more tokens (unknown load: yes)."""
+        """Whether the node's load leaves KV for `tokens` more tokens after what the requests
+        waiting there for memory need (unknown load: yes)."""
         load = self.load
         if load is None or load.total_kv_blocks <= 0:
             return True
-        return load.free_kv_blocks * max(1, self.node.block_size) >= tokens
+        return load.open_kv_blocks * max(1, self.node.block_size) >= tokens
 
 
 @dataclass(frozen=True, slots=True)

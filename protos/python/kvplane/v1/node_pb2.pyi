@@ -224,6 +224,7 @@ class NodeLoad(_message.Message):
     TOTAL_KV_BLOCKS_FIELD_NUMBER: _builtins.int
     RETAINED_BYTES_FIELD_NUMBER: _builtins.int
     REPORTED_UNIX_MS_FIELD_NUMBER: _builtins.int
+    WAITING_KV_BLOCKS_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """Node that reports."""
     incarnation: _builtins.str
@@ -242,6 +243,11 @@ class NodeLoad(_message.Message):
     """Bytes held by finished requests whose KV is retained for a next turn."""
     reported_unix_ms: _builtins.int
     """When the report was taken, milliseconds since the Unix epoch."""
+    waiting_kv_blocks: _builtins.int
+    """KV-cache blocks that requests waiting for memory need beyond what they hold:
+    a new request is admitted after them, so only free blocks beyond these are
+    free for it.
+    """
     def __init__(
         self,
         *,
@@ -254,10 +260,11 @@ class NodeLoad(_message.Message):
         total_kv_blocks: _builtins.int = ...,
         retained_bytes: _builtins.int = ...,
         reported_unix_ms: _builtins.int = ...,
+        waiting_kv_blocks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["free_kv_blocks", b"free_kv_blocks", "incarnation", b"incarnation", "node_id", b"node_id", "queued_prefill_tokens", b"queued_prefill_tokens", "queued_requests", b"queued_requests", "reported_unix_ms", b"reported_unix_ms", "retained_bytes", b"retained_bytes", "running_requests", b"running_requests", "total_kv_blocks", b"total_kv_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["free_kv_blocks", b"free_kv_blocks", "incarnation", b"incarnation", "node_id", b"node_id", "queued_prefill_tokens", b"queued_prefill_tokens", "queued_requests", b"queued_requests", "reported_unix_ms", b"reported_unix_ms", "retained_bytes", b"retained_bytes", "running_requests", b"running_requests", "total_kv_blocks", b"total_kv_blocks", "waiting_kv_blocks", b"waiting_kv_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

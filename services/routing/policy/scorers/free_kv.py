@@ -1,4 +1,5 @@
-"""`free-kv`: the free share of a node's KV cache."""
+"""`free-kv`: the share of a node's KV cache free for a new request: its free blocks less what
+the requests already waiting there for memory need (`NodeLoad.open_kv_blocks`)."""
 
 from __future__ import annotations
 
@@ -20,4 +21,4 @@ class FreeKvScorer:
         load = state.load
         if load is None or load.total_kv_blocks <= 0:
             return self.unknown
-        return min(1.0, max(0.0, load.free_kv_fraction))
+        return min(1.0, max(0.0, load.open_kv_fraction))

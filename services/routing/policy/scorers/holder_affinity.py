@@ -34,7 +34,7 @@ class HolderAffinityScorer:
         load = state.load
         if load is None or load.total_kv_blocks <= 0:
             return 1.0  # unknown headroom: the holder is still the best guess
-        if load.free_kv_fraction < self.min_free_fraction:
+        if load.open_kv_fraction < self.min_free_fraction:
             return 0.0
         needed = max(0, ctx.snapshot.prompt.tokens - handle.num_tokens) + self.reserve_tokens
         return 1.0 if state.fits(needed) else 0.0
