@@ -175,6 +175,33 @@ def test_turns_that_all_compute_the_same_tokens_leave_the_per_token_rate_near_it
     assert model.prefill_ms(5_000) == pytest.approx(101.6 + 0.0282 * 5_000, rel=0.3)
 
 
+def test_legs_timed_on_a_busy_machine_never_price_a_computed_token_below_a_quarter_of_its_figure() -> None:
+    """Pulled turns that each compute about one message, whose legs carry a wait the router
+    guessed wrong (as on a loaded machine at 32 conversations in flight): the fit once gave the
+    fixed cost the whole leg and the per-token rate nothing, so a recompute of a 4,600-token
+    history looked as cheap as its 5 ms pull, and routing stopped pulling."""
+    rng = random.Random(1)
+    prior = CostModel()
+    model = prior
+    for i in range(400):
+        prompt = 1_400 + (i % 5) * 1_025 + rng.randint(-100, 100)
+        computed = prompt if i % 5 == 0 else rng.randint(800, 1_000)
+        pulled = prompt - computed
+        wait = rng.expovariate(1 / 60)
+        leg = TurnObservation(
+            prompt_tokens=prompt,
+            pulled_tokens=pulled,
+            transfer_ms=5.0 if pulled else 0.0,
+            prefill_ms=101.6 + 0.0282 * computed + 0.0092 * pulled + wait + (5.0 if pulled else 0.0),
+            queued_ms=wait * rng.uniform(0.3, 1.5),
+            kv_bytes_per_token=KVB,
+        )
+        model = model.observe(leg)
+        assert model.recompute_ms_per_token >= prior.recompute_ms_per_token / prior.max_sample_factor, i
+        # So a pull of a long history keeps paying for a short transfer.
+        assert model.recompute_ms(4_600) - model.reused_ms(4_600) > 10.0, i
+
+
 @pytest.mark.parametrize("share", [0.5, 0.25])
 def test_a_reused_token_never_costs_more_than_its_share_of_a_computed_one(share: float) -> None:
     # Turns whose time grows with the history far faster than with what they compute (a host

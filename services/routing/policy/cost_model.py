@@ -48,6 +48,18 @@ Learning (every successful reported turn with a prefill time):
 - each sample is clamped to `max_sample_factor` of the current estimate, so
   that one odd report (a cold engine, a stalled link) cannot swing
   decisions; a factor of 1 holds the model at its configured estimates;
+- the learned cost of a computed token is held to at least its configured
+  figure divided by `max_sample_factor` (4: a quarter of it). Measured live
+  (2 P + 2 D, P's caches off, 32 conversations in flight), turns that each
+  compute about one message over a longer history, timed on a busy machine,
+  drove the fitted rate to nothing within a few hundred turns: the fixed
+  cost took the whole leg, a 4,600-token recompute was priced as saving
+  0.0 ms against a 5 ms pull, and the last turns of the run recomputed
+  their whole histories at up to 3.6 times the pulled turns' TTFT. The
+  compute a model's token costs on given accelerators does not fall
+  fourfold while it serves; a configured figure that far off is the
+  operator's to correct (`kvplane_routing_recompute_seconds_per_token`
+  shows the fitted rate);
 - the learned cost of a reused token is held to at most `max_reused_share`
   of a computed one's (0.5). A reused token skips its projections and MLP;
   only the new tokens' attention over it remains, which computing it pays
@@ -277,7 +289,7 @@ class CostModel:
         return AffineFit(
             prior=(self.prefill_fixed_ms, self.recompute_ms_per_token, self.reused_ms_per_token),
             scale=(_SCALE_TOKENS, _SCALE_TOKENS),
-            floor=(0.0, _MIN_MS_PER_TOKEN, 0.0),
+            floor=(0.0, max(_MIN_MS_PER_TOKEN, self.recompute_ms_per_token / self.max_sample_factor), 0.0),
             alpha=self.alpha,
             min_prior_weight=self.min_prior_weight,
         )
