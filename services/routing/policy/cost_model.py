@@ -58,7 +58,7 @@ Learning (every successful reported turn with a prefill time):
   their whole histories at up to 3.6 times the pulled turns' TTFT. The
   compute a model's token costs on given accelerators does not fall
   fourfold while it serves; a configured figure that far off is the
-  operator's to correct (`kvplane_routing_recompute_seconds_per_token`
+  operator's to correct (`kvplane_cost_recompute_seconds_per_token`
   shows the fitted rate);
 - the learned cost of a reused token is held to at most `max_reused_share`
   of a computed one's (0.5). A reused token skips its projections and MLP;
