@@ -121,18 +121,35 @@ def test_expiry_is_checked_before_the_prefix_so_a_dying_handle_says_expiring() -
 
 
 def test_the_handshake_lengthens_a_first_pull_but_does_not_decline_it() -> None:
-    # 1,024 tokens to pull: warm, the transfer pays for the compute it saves; the first pull
+    # 1,280 tokens to pull: warm, the transfer pays for the compute it saves; the first pull
     # between the two engines pays the handshake as well, once. Declined for it, the pair would
     # stay cold and every later turn would be judged the same way.
-    handle = mk_handle(HOLDER, H[:1024])
-    prompt = Prompt(1100, [*H[:1024], *NEW, *NEW])
+    handle = mk_handle(HOLDER, H[:1280])
+    prompt = Prompt(1280 + 2 * len(NEW), [*H[:1280], *NEW, *NEW])
     cold = verdict(handle=handle, prompt=prompt)
     warm = verdict(handle=handle, prompt=prompt, contacted=frozenset({("p0", HOLDER.engine_id)}))
     costs = CostModel()
-    saved = costs.recompute_ms(1024) - costs.reused_ms(1024)
-    assert cold.transfer_ms > saved >= warm.transfer_ms
+    saved = costs.recompute_ms(1280) - costs.reused_ms(1280)
+    assert cold.transfer_ms > saved >= warm.transfer_ms + PullSettings().min_saving_ms
     assert cold.decision is Decision.PULL and warm.decision is Decision.PULL
     assert cold.transfer_ms - warm.transfer_ms == pytest.approx(costs.handshake_ms)
+
+
+def test_a_pull_must_save_its_margin_beyond_its_estimated_transfer() -> None:
+    # 1,024 tokens: the warm transfer (about 10 ms) is under the 19.5 ms of compute it saves, but
+    # by less than the 10 ms margin that covers a pull's spread and its costs off the turn's path.
+    handle = mk_handle(HOLDER, H[:1024])
+    prompt = Prompt(1024 + 2 * len(NEW), [*H[:1024], *NEW, *NEW])
+    warm = frozenset({("p0", HOLDER.engine_id)})
+    costs = CostModel()
+    saved = costs.recompute_ms(1024) - costs.reused_ms(1024)
+    transfer = costs.transfer_ms(1024, HOLDER.kv_bytes_per_token)
+    assert 0 < saved - transfer < PullSettings().min_saving_ms
+    assert verdict(handle=handle, prompt=prompt, contacted=warm).decision is Decision.RECOMPUTE_COST
+    no_margin = PullSettings(min_saving_ms=0)
+    assert verdict(handle=handle, prompt=prompt, contacted=warm, settings=no_margin).decision is Decision.PULL
+    with pytest.raises(ValueError, match="min_saving_ms"):
+        PullSettings(min_saving_ms=-1)
 
 
 def test_a_first_pull_that_would_not_pay_warm_is_still_declined() -> None:
@@ -200,10 +217,10 @@ def test_a_pull_could_pay_only_past_the_threshold_and_the_break_even_of_its_tran
     assert not pull_could_pay(128, kvb, costs, settings)
     # A history: the compute saved dwarfs the transfer.
     assert pull_could_pay(8_000, kvb, costs, settings)
-    # The same rule as the verdict's: where one pulls, so does the other.
+    # The same rule as the verdict's: where one pulls, so does the other; the pull saves its
+    # margin beyond the transfer, and 16 tokens fewer would not.
     tokens = next(n for n in range(64, 20_000, 16) if pull_could_pay(n, kvb, costs, settings))
     saved = costs.recompute_ms(tokens) - costs.reused_ms(tokens)
-    assert costs.transfer_ms(tokens, kvb) <= saved
-    assert costs.transfer_ms(tokens - 16, kvb) > costs.recompute_ms(tokens - 16) - costs.reused_ms(
-        tokens - 16
-    )
+    assert costs.transfer_ms(tokens, kvb) + settings.min_saving_ms <= saved
+    fewer = costs.recompute_ms(tokens - 16) - costs.reused_ms(tokens - 16)
+    assert costs.transfer_ms(tokens - 16, kvb) + settings.min_saving_ms > fewer

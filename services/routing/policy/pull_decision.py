@@ -65,6 +65,13 @@ class PullSettings:
     # are modelled (the pulled tokens' own share of P's compute included), so 1 is break-even;
     # less keeps a margin for estimates the reports have not corrected yet.
     max_transfer_fraction: float = 1.0
+    # And only if it saves at least this much (ms) beyond its estimated transfer. The estimate is
+    # the fitted mean of P's measured pulls; one pull's READ waits on the holder's NIXL progress
+    # and the verify, and measured at 32 conversations in flight on the sim-engine, P's pulls took
+    # 6 ms at the median and up to 17. A pull also has D keep its blocks until P reads them and
+    # costs a check-out in etcd. Without the margin, pulls of a turn's last answer (about 140
+    # tokens) that P's cache lacked were judged to save 1-3 ms, and were among the slowest turns.
+    min_saving_ms: float = 10.0
     # Recompute when the handle has no digests (the prefill connector would refuse).
     require_digests: bool = True
     # Pull the verified prefix of a prompt that diverges from the handle (clipped pulls).
@@ -75,6 +82,8 @@ class PullSettings:
             raise ValueError("threshold_tokens and expiry_margin_ms must not be negative")
         if not 0 < self.max_transfer_fraction <= 1:
             raise ValueError("max_transfer_fraction must be in (0, 1]")
+        if self.min_saving_ms < 0:
+            raise ValueError("min_saving_ms must not be negative")
 
 
 def decide_pull(
@@ -236,7 +245,10 @@ def pull_could_pay(
 
 
 def _transfer_pays(transfer_ms: float, saved_ms: float, settings: PullSettings) -> bool:
-    return transfer_ms <= settings.max_transfer_fraction * saved_ms
+    return (
+        transfer_ms <= settings.max_transfer_fraction * saved_ms
+        and saved_ms - transfer_ms >= settings.min_saving_ms
+    )
 
 
 def cached_tokens(snapshot: RouteSnapshot, prefill: NodeState) -> int:
