@@ -241,6 +241,8 @@ LATEST_RECORDS = (
     "compare_dd12bf0.json",
     "compare_a8142c6.json",
     "compare_1fd0272.json",
+    "compare_8af36df.json",
+    "compare_35af2a5.json",
 )
 LATEST_FRONTS = (KVPLANE, VLLM_ROUTER, EXAMPLE_PROXY)
 
