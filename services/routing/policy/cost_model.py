@@ -55,7 +55,7 @@ Learning (every successful reported turn with a prefill time):
   drove the fitted rate to nothing within a few hundred turns: the fixed
   cost took the whole leg, a 4,600-token recompute was priced as saving
   0.0 ms against a 5 ms pull, and the last turns of the run recomputed
-  their whole histories at up to 3.6 times the pulled turns' TTFT. The
+  their whole histories at up to 3.9 times the median turn's TTFT. The
   compute a model's token costs on given accelerators does not fall
   fourfold while it serves; a configured figure that far off is the
   operator's to correct (`kvplane_cost_recompute_seconds_per_token`
