@@ -38,7 +38,8 @@ MAX_TOKENS = 80
 
 # P's prefix cache holds each turn's prompt, so a later turn lacks only D's answer there, which
 # routing's calibrated cost model recomputes rather than pulls. These tests are about pulls: with
-# no fixed cost per transfer (configured, never learned), every tail over vLLM's threshold pays.
+# no fixed cost per transfer (configured, never learned) and no margin a pull must save beyond it
+# (`pull.min_saving_ms`), every tail over vLLM's threshold pays.
 # Samples are clamped to the configured estimates (max_sample_factor 1): on a loaded machine the
 # learned rates would otherwise drift with the load over the module's turns, and with them the
 # decisions these tests are about.
@@ -48,6 +49,7 @@ PULL_POLICY = (
     .read_text(encoding="utf-8")
     .replace("max_transfer_fraction: 0.5", "max_transfer_fraction: 1.0")
     .replace("transfer_overhead_ms: 10.0", "transfer_overhead_ms: 0.01")
+    .replace("min_saving_ms: 10.0", "min_saving_ms: 0.0")
     .replace("handshake_ms: 20.0", "handshake_ms: 0.01\n  max_sample_factor: 1.0")
 )
 
