@@ -594,8 +594,9 @@ class PolicyRouter:
     sent each prefill node, never the prefill nodes' real caches. Its ports are
     the fleet (`_FleetCluster`), an in-memory single-use check-out and simulated
     time; its settings are the service's (`RoutingSection`), with the simulated
-    engines' delivery: a routed turn reaches P at once, and the simulated D
-    reserves the turn's KV as it is routed.
+    engines' delivery: a routed turn reaches P at once; the simulated D takes
+    the turn once P is done, as the service's default `decode_after_prefill`
+    expects of vLLM, so the work routed to a D counts there until then.
 
     `candidates` > 0 shows the policy only the conversation's holder and
     last prefill node plus that many other nodes of each role, drawn at
@@ -621,7 +622,7 @@ class PolicyRouter:
         self.prefill_on_decode = prefill_on_decode
         self.digest_block_size = digest_block_size
         self.model = fleet.spec.model
-        self.settings = RoutingSection(send_delay_ms=0, decode_after_prefill=False)
+        self.settings = RoutingSection(send_delay_ms=0)
         self._cluster = _FleetCluster(fleet, digest_block_size, candidates, seed)
         self._clock = _SimClock(fleet)
         self._routes = 0

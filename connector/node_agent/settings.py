@@ -7,6 +7,10 @@ from dataclasses import dataclass
 
 from kvplane.services.client.credentials import ClientCredentials
 
+# Seconds between repeats of a KV demand that lasts (the simulator's decode nodes repeat theirs
+# as often).
+DEFAULT_DEMAND_REFRESH_S = 0.5
+
 
 class NodeAgentError(Exception):
     """Misuse of the node agent (for example starting it twice)."""
@@ -42,7 +46,7 @@ class NodeAgentSettings:
     # On stop(): seconds spent flushing the queue and deregistering.
     stop_flush_s: float = 1.0
     # Seconds between repeats of a KV demand that lasts (a lost or ignored report is re-sent).
-    demand_refresh_s: float = 0.5
+    demand_refresh_s: float = DEFAULT_DEMAND_REFRESH_S
     # Whether stop() deregisters the node (its handles are then purged at once).
     deregister_on_stop: bool = True
     # Seconds a publish may keep failing before it is given up and its blocks freed.

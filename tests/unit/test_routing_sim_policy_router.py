@@ -116,3 +116,23 @@ def test_with_events_a_prefill_cache_the_router_never_sent_to_is_seen_after_the_
     # And the route follows the events to the node that holds the history.
     choice = r.route(turn("c", 8500, 10.0), Conversation(), prompt, 10.0)
     assert choice.prefill.node.node_id == holder.node.node_id
+
+
+def test_a_turn_still_at_prefill_counts_on_its_decode_node_after_the_next_load_report() -> None:
+    # As the routing service's default `decode_after_prefill` has it: D takes a turn once P is
+    # done with it, so a load report D sends in between does not show it, and the work routed
+    # to D counts there until then. Two 60,000-token turns, half a second apart, with a report
+    # tick between them: both on one D would not fit its 100,000 tokens of KV.
+    costs = SimCosts()
+    spec = ClusterSpec(prefill_nodes=4, decode_nodes=2, decode_kv_capacity_bytes=costs.kv_bytes(100_000))
+    f = Fleet(spec, costs, 1_750_000_000_000, report_interval_s=0.5)
+    r = router(f)
+    ids = BlockIds()
+    picked = []
+    for i, at in enumerate((10.01, 10.61)):
+        prompt = BlockChain().extended(60_000 // BLOCK, ids)
+        choice = r.route(Turn(at, f"c{i}", 0, 60_000, 200), Conversation(), prompt, at)
+        picked.append(choice.decode.node.node_id)
+    # The first turn's prefill outlasts the report tick at 10.5 s.
+    assert costs.prefill_s(60_000) > 0.5
+    assert picked[0] != picked[1], picked

@@ -11,7 +11,8 @@ import pytest
 from kvplane.bench.demand_bench import Round, figures
 from kvplane.bench.sim import BASELINES, ClusterSpec, SimConfig, simulator_for
 from kvplane.bench.sim.baselines import Baseline
-from kvplane.bench.sim.engine import Simulator
+from kvplane.bench.sim.costs import SimCosts
+from kvplane.bench.sim.engine import DEMAND_REFRESH_S, Simulator
 from kvplane.bench.sim.retention import (
     DEFAULT_DEMAND_LATENCY_S,
     DEMAND_LATENCY_SOURCE,
@@ -68,10 +69,48 @@ def test_the_answer_comes_one_control_plane_latency_after_the_turn_starts_waitin
     monkeypatch.setattr(Simulator, "_answer_demand", on_answer)
     simulator_for(BASELINES["kvplane"], CONFIG).run(_turns())
     assert answers
-    assert [i for i, _ in signals] == [i for i, _ in answers]
-    assert all(
-        abs(s + DEFAULT_DEMAND_LATENCY_S - a) < 1e-9 for (_, s), (_, a) in zip(signals, answers, strict=True)
-    )
+    # Every answer is one control-plane latency after its node's signal, or a repeat: the
+    # node's agent repeats a demand that lasts, DEMAND_REFRESH_S after the answer before.
+    due: dict[int, float] = {}
+    events = sorted([(t, 0, i) for i, t in signals] + [(t, 1, i) for i, t in answers])
+    for t, kind, node in events:
+        if kind == 0:
+            due[node] = t + DEFAULT_DEMAND_LATENCY_S
+        else:
+            assert node in due and abs(due[node] - t) < 1e-9
+            due[node] = t + DEMAND_REFRESH_S
+
+
+def test_a_demand_that_lasts_is_repeated_and_releases_what_ended_since(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # D holds a's and b's running turns; c's turn needs more than is left. The first answer
+    # finds nothing to release (a and b still run). b's turn then ends, and its KV stays on D as
+    # b's handle: nothing is freed, so only a repeated demand has it released for c, as the node
+    # agent repeats a demand that lasts. Without the repeat, c waits for a periodic release.
+    costs = SimCosts()
+    cluster = ClusterSpec(prefill_nodes=1, decode_nodes=1, decode_kv_capacity_bytes=costs.kv_bytes(13_500))
+    turns = [Turn(0.0, "a", 0, 4000, 2000), Turn(0.1, "b", 0, 4000, 200), Turn(1.0, "c", 0, 6000, 10)]
+    ended: dict[str, float] = {}
+    started: dict[str, float] = {}
+    finish, start = Simulator._finish, Simulator._start
+
+    def on_finish(self: Simulator, now: float, flight: Any) -> None:
+        finish(self, now, flight)
+        if flight.decode.stalled_s == flight.stalled_s:
+            ended.setdefault(flight.turn.conversation, now)
+
+    def on_start(self: Simulator, flight: Any, now: float) -> None:
+        started[flight.turn.conversation] = now
+        start(self, flight, now)
+
+    monkeypatch.setattr(Simulator, "_finish", on_finish)
+    monkeypatch.setattr(Simulator, "_start", on_start)
+    summary = simulator_for(BASELINES["kvplane"], SimConfig(cluster=cluster, costs=costs)).run(turns).summary
+    assert summary.waited_turns == 1
+    assert started["c"] > ended["b"], "c waited for b's blocks"
+    assert started["c"] - ended["b"] <= DEMAND_REFRESH_S + 1e-9
+    assert summary.releases.get("demand") == 1
 
 
 def test_a_pipeline_without_the_demand_plugin_leaves_waiting_turns_to_the_engine() -> None:

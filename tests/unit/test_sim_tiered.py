@@ -264,3 +264,22 @@ def test_host_room_frees_host_tier_handles_before_it_gives_back_copies_ahead() -
     # More than can be made: nothing is dropped or given back.
     assert not sim._host_room(d, 4 * nbytes, 10.0)
     assert reading.alive and d.host_retained == nbytes
+
+
+def test_a_turn_larger_than_d_runs_once_d_holds_handles_only_in_host_memory() -> None:
+    # b's prompt needs more blocks than D has. D runs it (overcommitted, as on an empty D) once
+    # nothing runs there and a's handle has moved to host memory, which takes none of D's
+    # accelerator blocks; it does not wait for that handle's host-tier TTL to end.
+    costs = SimCosts()
+    cluster = ClusterSpec(
+        prefill_nodes=1,
+        decode_nodes=1,
+        decode_kv_capacity_bytes=costs.kv_bytes(10_000),
+        decode_host_bytes=8 * GIB,
+    )
+    turns = [Turn(0.0, "a", 0, 4000, 10), Turn(5.0, "b", 0, 12_000, 10)]
+    sim = simulator_for(BASELINES["kvplane"], SimConfig(cluster=cluster, costs=costs))
+    summary = sim.run(turns).summary
+    assert summary.spilled_handles >= 1 and summary.overcommitted_turns == 1
+    # b's first token comes within the demand's answer, the copy's landing and its own legs.
+    assert max(sim.rec.ttft_s) < costs.spill_s(costs.kv_bytes(4010)) + 5.0
