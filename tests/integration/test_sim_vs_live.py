@@ -246,10 +246,28 @@ LATEST_RECORDS = (
 )
 LATEST_FRONTS = (KVPLANE, VLLM_ROUTER, EXAMPLE_PROXY)
 
+# Where one of these records and the simulator disagree (strict: it fails once they agree): A at 32
+# in flight at 70f95a7, where the example proxy's TTFT p50 came out at 1.26x the zero-hop client's
+# (kvplane 1.07x); in the twelve other records it was 0.97-1.13x, level with kvplane's 1.04-1.09x
+# or ahead of it. The simulator puts the proxy 8 ms (4%) ahead of kvplane there, as most records
+# have it; with the live gap of that one run the two add up past the tolerance.
+PROXY_OUTLIER = pytest.mark.xfail(
+    reason="the example proxy's A32 p50 at 70f95a7 lies outside its range in every other record", strict=True
+)
+LATEST_CASES = [
+    pytest.param(
+        record,
+        key,
+        concurrency,
+        marks=PROXY_OUTLIER if (record, key, concurrency) == ("compare_70f95a7.json", "A", 32) else (),
+    )
+    for record in LATEST_RECORDS
+    for key in ("A", "B")
+    for concurrency in (1, 8, 32)
+]
 
-@pytest.mark.parametrize("record", LATEST_RECORDS)
-@pytest.mark.parametrize("key", ["A", "B"])
-@pytest.mark.parametrize("concurrency", [1, 8, 32])
+
+@pytest.mark.parametrize(("record", "key", "concurrency"), LATEST_CASES)
 def test_the_simulator_orders_the_fronts_as_the_latest_comparison_does(
     record: str, key: str, concurrency: int
 ) -> None:

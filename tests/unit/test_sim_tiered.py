@@ -24,6 +24,16 @@ GIB = 1 << 30
 SMALL_D = ClusterSpec(prefill_nodes=2, decode_nodes=2, decode_kv_capacity_bytes=8 * GIB)
 
 
+def _one_tiered_d(costs: SimCosts, kv_tokens: int) -> ClusterSpec:
+    """One P and one D with KV for `kv_tokens` tokens and 8 GiB of host memory."""
+    return ClusterSpec(
+        prefill_nodes=1,
+        decode_nodes=1,
+        decode_kv_capacity_bytes=costs.kv_bytes(kv_tokens),
+        decode_host_bytes=8 * GIB,
+    )
+
+
 def _turns() -> list[Turn]:
     return list(agentic_turns(AgenticWorkload(seed=9, sessions_per_s=0.2, duration_s=600.0)))
 
@@ -118,12 +128,7 @@ def test_a_handle_no_turn_needs_stays_on_the_accelerators_until_the_leader_wants
     # One turn; no one waits. The leader's value policy wants the handle's blocks once it is
     # min_age_s old (judged once a second): then it leaves the accelerators when its copy is whole.
     costs = SimCosts()
-    cluster = ClusterSpec(
-        prefill_nodes=1,
-        decode_nodes=1,
-        decode_kv_capacity_bytes=costs.kv_bytes(13_500),
-        decode_host_bytes=8 * GIB,
-    )
+    cluster = _one_tiered_d(costs, 13_500)
     summary = (
         simulator_for(BASELINES["kvplane"], SimConfig(cluster=cluster))
         .run([Turn(0.0, "a", 0, 8000, 100)])
@@ -271,12 +276,7 @@ def test_a_turn_larger_than_d_runs_once_d_holds_handles_only_in_host_memory() ->
     # nothing runs there and a's handle has moved to host memory, which takes none of D's
     # accelerator blocks; it does not wait for that handle's host-tier TTL to end.
     costs = SimCosts()
-    cluster = ClusterSpec(
-        prefill_nodes=1,
-        decode_nodes=1,
-        decode_kv_capacity_bytes=costs.kv_bytes(10_000),
-        decode_host_bytes=8 * GIB,
-    )
+    cluster = _one_tiered_d(costs, 10_000)
     turns = [Turn(0.0, "a", 0, 4000, 10), Turn(5.0, "b", 0, 12_000, 10)]
     sim = simulator_for(BASELINES["kvplane"], SimConfig(cluster=cluster, costs=costs))
     summary = sim.run(turns).summary
