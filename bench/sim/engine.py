@@ -52,10 +52,10 @@ host-tier handle leaves by its TTL, a full tier or its conversation moving
 on), and a demand waits for the copy (D's demand counts those bytes as
 freed). A handle for which no room can be made is freed. A live D short of
 blocks starts its copies at once; here they start when the demand is
-answered (`demand_latency_s` later), and a demand that lasts is repeated every
-`DEMAND_REFRESH_S`, as a live node agent repeats it: turns ending on a full D
-turn their running blocks into retained handles, not free ones, and only a
-repeated demand has those released. A pull reads from whichever tier holds
+answered (`demand_latency_s` later), and a demand that lasts is repeated
+every `DEFAULT_DEMAND_REFRESH_S` (the node agent's default), as a live agent
+repeats it: turns ending on a full D turn their running blocks into retained
+handles, not free ones, and only a repeated demand has those released. A pull reads from whichever tier holds
 the handle, at the same cost (the NIC bounds both). A superseded handle (its
 conversation moved on) is freed from both. `ClusterSpec.decode_write_through`
 is a what-if no engine runs: D copies each handle as it publishes it, and
@@ -136,10 +136,6 @@ from kvplane.connector.node_agent.settings import DEFAULT_DEMAND_REFRESH_S
     _SPILL_DONE,
     _LOCAL_PREFILL_DONE,
 ) = range(10)
-
-# Seconds between repeats of a decode node's demand while turns still wait there for memory: the
-# node agent's default (`NodeAgentSettings.demand_refresh_s`).
-DEMAND_REFRESH_S = DEFAULT_DEMAND_REFRESH_S
 
 # Release reasons the fleet itself produces (the control plane's come from ReleaseReason).
 ENGINE_TTL = "engine_ttl"
@@ -736,7 +732,7 @@ class Simulator:
         if d.waiting:
             # The demand lasts: D's agent repeats it, and the control plane answers it again.
             self._demand_due.add(d.index)
-            self._push(now + DEMAND_REFRESH_S, _DEMAND, d)
+            self._push(now + DEFAULT_DEMAND_REFRESH_S, _DEMAND, d)
 
     # -- handles --------------------------------------------------------------------------------
 

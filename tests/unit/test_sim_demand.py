@@ -12,13 +12,14 @@ from kvplane.bench.demand_bench import Round, figures
 from kvplane.bench.sim import BASELINES, ClusterSpec, SimConfig, simulator_for
 from kvplane.bench.sim.baselines import Baseline
 from kvplane.bench.sim.costs import SimCosts
-from kvplane.bench.sim.engine import DEMAND_REFRESH_S, Simulator
+from kvplane.bench.sim.engine import Simulator
 from kvplane.bench.sim.retention import (
     DEFAULT_DEMAND_LATENCY_S,
     DEMAND_LATENCY_SOURCE,
     MEASURED_DEMAND_LATENCY_S,
 )
 from kvplane.bench.workloads import AgenticWorkload, Turn, agentic_turns
+from kvplane.connector.node_agent.settings import DEFAULT_DEMAND_REFRESH_S
 from kvplane.services.eviction.policy import RetentionPipeline
 
 REPO = Path(__file__).resolve().parents[2]
@@ -70,7 +71,7 @@ def test_the_answer_comes_one_control_plane_latency_after_the_turn_starts_waitin
     simulator_for(BASELINES["kvplane"], CONFIG).run(_turns())
     assert answers
     # Every answer is one control-plane latency after its node's signal, or a repeat: the
-    # node's agent repeats a demand that lasts, DEMAND_REFRESH_S after the answer before.
+    # node's agent repeats a demand that lasts, DEFAULT_DEMAND_REFRESH_S after the answer before.
     due: dict[int, float] = {}
     events = sorted([(t, 0, i) for i, t in signals] + [(t, 1, i) for i, t in answers])
     for t, kind, node in events:
@@ -78,7 +79,7 @@ def test_the_answer_comes_one_control_plane_latency_after_the_turn_starts_waitin
             due[node] = t + DEFAULT_DEMAND_LATENCY_S
         else:
             assert node in due and abs(due[node] - t) < 1e-9
-            due[node] = t + DEMAND_REFRESH_S
+            due[node] = t + DEFAULT_DEMAND_REFRESH_S
 
 
 def test_a_demand_that_lasts_is_repeated_and_releases_what_ended_since(
@@ -109,7 +110,7 @@ def test_a_demand_that_lasts_is_repeated_and_releases_what_ended_since(
     summary = simulator_for(BASELINES["kvplane"], SimConfig(cluster=cluster, costs=costs)).run(turns).summary
     assert summary.waited_turns == 1
     assert started["c"] > ended["b"], "c waited for b's blocks"
-    assert started["c"] - ended["b"] <= DEMAND_REFRESH_S + 1e-9
+    assert started["c"] - ended["b"] <= DEFAULT_DEMAND_REFRESH_S + 1e-9
     assert summary.releases.get("demand") == 1
 
 
