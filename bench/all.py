@@ -303,7 +303,8 @@ def tables_markdown(
                 f"Capacity at TTFT p99 <= {slo:,.0f} ms: the highest multiple of the workload's arrival"
                 " rate (its turns' arrival times divided by it) at which the policy's TTFT p99 stays"
                 " within the SLO, found by doubling the load from a quarter to 8x, then bisecting to 5%"
-                f" (`kvplane sim ... --goodput --slo-p99-ms {slo:g}`).",
+                f" (`kvplane sim ... --goodput --slo-p99-ms {slo:g}`). The last column is the TPOT p99"
+                " at that load: what the policy's first tokens cost the answers already streaming.",
                 capacity_table(capacity),
             ]
     return "\n\n".join(parts)

@@ -1,5 +1,10 @@
 """Capacity at an SLO: the highest offered load at which a policy keeps TTFT p99 within a bound.
 
+Optionally TPOT p99 too (`slo_tpot_p99_ms`): goodput as DistServe defines it holds a request to
+both its first-token and its per-token bound, and a policy that buys first tokens by stalling
+the answers already streaming on a decode node (a prefill there holds up every decode in its
+step) spends TPOT to do so. Either way the TPOT p99 at the capacity found is reported beside it.
+
 The offered load is the workload's own arrival rate times a factor: the same turns, their
 arrival times divided by it (`SimSpec.time_scale` is its inverse). Every doubling of the factor
 from `low` to `high` is run first, and the highest that met the SLO is kept: p99 need not fall
@@ -32,6 +37,11 @@ class Goodput:
     missed_p99_ms: float
     # Turns per second the workload offers at factor 1.
     base_turns_per_s: float
+    # The TPOT p99 bound (ms) a run must meet as well; None: TTFT alone.
+    slo_tpot_p99_ms: float | None = None
+    # TPOT p99 (ms) at `met` and at `missed`.
+    met_tpot_p99_ms: float = math.nan
+    missed_tpot_p99_ms: float = math.nan
 
     @property
     def turns_per_s(self) -> float:
@@ -47,13 +57,15 @@ class Goodput:
             return f">= {self.met:g}"
         return f"{self.met:.2f}"
 
-    def cells(self) -> tuple[str, str, str, str]:
-        """Capacity, turns/s there, and the p99s (ms) at it and one step above: a table's cells."""
+    def cells(self) -> tuple[str, str, str, str, str]:
+        """Capacity, turns/s there, the TTFT p99s (ms) at it and one step above, and the TPOT
+        p99 (ms) at it: a table's cells."""
         return (
             self.capacity_text(),
             f"{self.turns_per_s:,.1f}",
             "-" if math.isnan(self.met_p99_ms) else f"{self.met_p99_ms:,.0f}",
             "-" if math.isnan(self.missed_p99_ms) else f"{self.missed_p99_ms:,.0f}",
+            "-" if math.isnan(self.met_tpot_p99_ms) else f"{self.met_tpot_p99_ms:.1f}",
         )
 
     def as_json(self) -> dict[str, object]:
@@ -66,11 +78,20 @@ class Goodput:
             "missed": None if math.isinf(self.missed) else self.missed,
             "missed_p99_ms": None if math.isnan(self.missed_p99_ms) else self.missed_p99_ms,
             "turns_per_s": self.turns_per_s,
+            "slo_tpot_p99_ms": self.slo_tpot_p99_ms,
+            "capacity_tpot_p99_ms": None if math.isnan(self.met_tpot_p99_ms) else self.met_tpot_p99_ms,
+            "missed_tpot_p99_ms": None if math.isnan(self.missed_tpot_p99_ms) else self.missed_tpot_p99_ms,
         }
 
 
 # What a capacity table's columns say, in `Goodput.cells`'s order after the policy.
-CAPACITY_COLUMNS = ("capacity (x the workload's rate)", "turns/s", "p99 ms there", "p99 ms one step more")
+CAPACITY_COLUMNS = (
+    "capacity (x the workload's rate)",
+    "turns/s",
+    "p99 ms there",
+    "p99 ms one step more",
+    "TPOT p99 ms there",
+)
 
 
 def offered_turns_per_s(spec: SimSpec) -> float:
@@ -82,9 +103,18 @@ def offered_turns_per_s(spec: SimSpec) -> float:
     return len(turns) / span if span > 0 else 0.0
 
 
-def p99_at(spec: SimSpec, name: str, factor: float) -> float:
-    """TTFT p99 (ms) of `name` with the spec's turns offered at `factor` times their rate."""
-    return run_policy(replace(spec, time_scale=1.0 / factor), name).summary.ttft_p99_ms
+@dataclass(frozen=True, slots=True)
+class Tails:
+    """One run's p99s (ms)."""
+
+    ttft_p99_ms: float
+    tpot_p99_ms: float
+
+
+def tails_at(spec: SimSpec, name: str, factor: float) -> Tails:
+    """TTFT and TPOT p99 (ms) of `name` with the spec's turns offered at `factor` times their rate."""
+    summary = run_policy(replace(spec, time_scale=1.0 / factor), name).summary
+    return Tails(summary.ttft_p99_ms, summary.tpot_p99_ms)
 
 
 def find_goodput(
@@ -92,6 +122,7 @@ def find_goodput(
     name: str,
     slo_p99_ms: float = 2000.0,
     *,
+    slo_tpot_p99_ms: float | None = None,
     low: float = 0.25,
     high: float = 8.0,
     tolerance: float = 0.05,
@@ -99,24 +130,48 @@ def find_goodput(
     """`name`'s capacity on `spec` at the SLO (see the module's docstring)."""
     if not 0 < low < high or slo_p99_ms <= 0 or tolerance <= 0:
         raise ValueError("need 0 < low < high, a positive SLO and a positive tolerance")
+    if slo_tpot_p99_ms is not None and slo_tpot_p99_ms <= 0:
+        raise ValueError("a TPOT SLO must be positive")
+
+    def meets(t: Tails) -> bool:
+        # A run without a TPOT (every answer one token long) has no TPOT to miss.
+        tpot_ok = slo_tpot_p99_ms is None or math.isnan(t.tpot_p99_ms) or t.tpot_p99_ms <= slo_tpot_p99_ms
+        return t.ttft_p99_ms <= slo_p99_ms and tpot_ok
+
+    def goodput(met: float, at: Tails | None, missed: float, above: Tails | None) -> Goodput:
+        nan = Tails(math.nan, math.nan)
+        at, above = at or nan, above or nan
+        return Goodput(
+            name,
+            slo_p99_ms,
+            met,
+            at.ttft_p99_ms,
+            missed,
+            above.ttft_p99_ms,
+            base,
+            slo_tpot_p99_ms,
+            at.tpot_p99_ms,
+            above.tpot_p99_ms,
+        )
+
     base = offered_turns_per_s(spec)
     grid = [low]
     while grid[-1] * 2 < high:
         grid.append(grid[-1] * 2)
     grid.append(high)
-    runs = [(factor, p99_at(spec, name, factor)) for factor in grid]
-    passed = [i for i, (_, p99) in enumerate(runs) if p99 <= slo_p99_ms]
+    runs = [(factor, tails_at(spec, name, factor)) for factor in grid]
+    passed = [i for i, (_, tails) in enumerate(runs) if meets(tails)]
     if not passed:
-        return Goodput(name, slo_p99_ms, 0.0, math.nan, low, runs[0][1], base)
+        return goodput(0.0, None, low, runs[0][1])
     top = passed[-1]
     if top == len(runs) - 1:
-        return Goodput(name, slo_p99_ms, high, runs[-1][1], math.inf, math.nan, base)
-    (met, met_p99), (missed, missed_p99) = runs[top], runs[top + 1]
+        return goodput(high, runs[-1][1], math.inf, None)
+    (met, met_tails), (missed, missed_tails) = runs[top], runs[top + 1]
     while missed / met > 1 + tolerance:
         mid = math.sqrt(met * missed)
-        p99 = p99_at(spec, name, mid)
-        if p99 <= slo_p99_ms:
-            met, met_p99 = mid, p99
+        tails = tails_at(spec, name, mid)
+        if meets(tails):
+            met, met_tails = mid, tails
         else:
-            missed, missed_p99 = mid, p99
-    return Goodput(name, slo_p99_ms, met, met_p99, missed, missed_p99, base)
+            missed, missed_tails = mid, tails
+    return goodput(met, met_tails, missed, missed_tails)
