@@ -132,6 +132,7 @@ def find_goodput(
         raise ValueError("need 0 < low < high, a positive SLO and a positive tolerance")
     if slo_tpot_p99_ms is not None and slo_tpot_p99_ms <= 0:
         raise ValueError("a TPOT SLO must be positive")
+    base = offered_turns_per_s(spec)
 
     def meets(t: Tails) -> bool:
         # A run without a TPOT (every answer one token long) has no TPOT to miss.
@@ -154,7 +155,6 @@ def find_goodput(
             above.tpot_p99_ms,
         )
 
-    base = offered_turns_per_s(spec)
     grid = [low]
     while grid[-1] * 2 < high:
         grid.append(grid[-1] * 2)
