@@ -55,8 +55,9 @@ blocks starts its copies at once; here they start when the demand is
 answered (`demand_latency_s` later), and a demand that lasts is repeated
 every `DEFAULT_DEMAND_REFRESH_S` (the node agent's default), as a live agent
 repeats it: turns ending on a full D turn their running blocks into retained
-handles, not free ones, and only a repeated demand has those released. A pull reads from whichever tier holds
-the handle, at the same cost (the NIC bounds both). A superseded handle (its
+handles, not free ones, and only a repeated demand has those released. A
+pull reads from whichever tier holds the handle, at the same cost (the NIC
+bounds both). A superseded handle (its
 conversation moved on) is freed from both. `ClusterSpec.decode_write_through`
 is a what-if no engine runs: D copies each handle as it publishes it, and
 frees its accelerator blocks once the copy is whole.
