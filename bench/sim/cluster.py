@@ -130,6 +130,7 @@ class PrefillState:
         "reading",
         "ready",
         "report_interval_s",
+        "run",
         "served",
         "waiting",
     )
@@ -148,6 +149,8 @@ class PrefillState:
         self.reading = 0  # reads in flight (vLLM's WAITING_FOR_REMOTE_KVS)
         self.busy = False  # computing a prompt
         self.free_at = 0.0  # when the prompt being computed is done
+        # The prompt being computed: its computed tokens, when it started and when it ends.
+        self.run: tuple[int, float, float] = (0, 0.0, 0.0)
         # Turns here, from routing to the end of their prefill, and the tokens they compute.
         self.jobs = 0
         self.queued_tokens = 0
@@ -156,7 +159,7 @@ class PrefillState:
         self.served = 0
         # The load at the latest report tick, kept when the first change after it happens.
         self.report_interval_s = report_interval_s
-        self._tick: tuple[int, int, bool] = (0, 0, False)
+        self._tick: tuple[int, int, bool, tuple[int, float, float]] = (0, 0, False, (0, 0.0, 0.0))
         self._tick_epoch = -1
 
     def changing(self, now: float) -> None:
@@ -169,7 +172,7 @@ class PrefillState:
         if self.report_interval_s > 0:
             epoch = int(now / self.report_interval_s)
             if epoch != self._tick_epoch:
-                self._tick = (self.jobs, self.queued_tokens, self.busy)
+                self._tick = (self.jobs, self.queued_tokens, self.busy, self.run)
                 self._tick_epoch = epoch
 
     def finish_after_s(self, now: float) -> float:
@@ -178,9 +181,17 @@ class PrefillState:
 
     def load(self, report_s: float, report_ms: int) -> NodeLoad:
         """The load at the report tick `report_s` (the latest tick before now)."""
-        jobs, tokens, busy = self.jobs, self.queued_tokens, self.busy
+        jobs, tokens, busy, run = self.jobs, self.queued_tokens, self.busy, self.run
         if self.report_interval_s > 0 and round(report_s / self.report_interval_s) == self._tick_epoch:
-            jobs, tokens, busy = self._tick
+            jobs, tokens, busy, run = self._tick
+        if busy:
+            # As the sim-engine reports it: the prompt computing at the tick counts for what it
+            # has not computed yet then.
+            computing, start, end = run
+            if report_s >= end:
+                tokens -= computing
+            elif report_s > start:
+                tokens -= computing - round(computing * (end - report_s) / (end - start))
         running = 1 if busy else 0
         return NodeLoad(
             self.node.node_id,

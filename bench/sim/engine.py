@@ -534,6 +534,7 @@ class Simulator:
         p.changing(now)
         p.busy = True
         p.free_at = now + flight.compute
+        p.run = (flight.computed, now, p.free_at)
         p.backlog_s -= flight.estimate_s
         p.cache.insert(flight.prompt, flight.poisoned_from)
         if p.feed is not None and p.cache.journal:

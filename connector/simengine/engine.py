@@ -172,6 +172,9 @@ class SimEngine:
         self._queued = 0
         self._queued_tokens = 0
         self._running = 0
+        # The prefill computing now: its computed tokens, and when it started and ends
+        # (perf_counter); (0, 0, 0) when none is.
+        self._computing: tuple[int, float, float] = (0, 0.0, 0.0)
         # When the local prefill now running ends (perf_counter); decode steps wait for it.
         self._local_prefill_ends = 0.0
         self._tasks: list[asyncio.Task[None]] = []
@@ -256,7 +259,7 @@ class SimEngine:
     def load(self) -> EngineLoad:
         return EngineLoad(
             queued_requests=self._queued,
-            queued_prefill_tokens=self._queued_tokens,
+            queued_prefill_tokens=self._queued_tokens + self._computing_left(time.perf_counter()),
             running_requests=self._running,
             free_kv_blocks=self.pool.free_blocks,
             total_kv_blocks=self.pool.num_blocks,
@@ -267,6 +270,16 @@ class SimEngine:
             host_retained_bytes=self.retention.host_bytes,
             waiting_kv_blocks=self._kv_wanted,
         )
+
+    def _computing_left(self, now: float) -> int:
+        """The tokens of the prefill computing now that are not computed yet at `now`: its
+        tokens, computed evenly from its start to its end."""
+        tokens, start, end = self._computing
+        if tokens <= 0 or now >= end:
+            return 0
+        if now <= start:
+            return tokens
+        return round(tokens * (end - now) / (end - start))
 
     def adopt_incarnation(self, incarnation: str) -> None:
         """Take the node agent's incarnation; call before the engine serves traffic."""
@@ -450,9 +463,14 @@ class SimEngine:
                 # What D computes after reading P's blocks (the prompt's last token, or a partial
                 # block): vLLM runs it in a step of D's batch, not as a prefill of its own.
                 duration = s.timing.decode_s(self._running)
+            started = time.perf_counter()
             if leg == "local":
-                self._local_prefill_ends = time.perf_counter() + duration
-            await asyncio.sleep(duration)
+                self._local_prefill_ends = started + duration
+            self._computing = (computed, started, started + duration)
+            try:
+                await asyncio.sleep(duration)
+            finally:
+                self._computing = (0, 0.0, 0.0)
             self._write(run, run.blocks, prompt, n, run.hit_blocks)
             self.metrics.count_prompt(hit, external, computed, alone=leg == "local")
             trace.get_current_span().set_attributes(

@@ -35,7 +35,8 @@ class EngineLoad:
 
     # Requests waiting for the prefill stage.
     queued_requests: int
-    # Prompt tokens those requests will compute, in tokens.
+    # Prompt tokens the engine has yet to compute: those requests' and what the prefill computing
+    # now has left of its own.
     queued_prefill_tokens: int
     # Requests prefilling or decoding now.
     running_requests: int

@@ -59,3 +59,26 @@ def test_what_p_caches_reaches_routing_only_through_ps_reports(monkeypatch: pyte
     assert result.summary.cached_tokens == 0
     # Turn 1 was routed believing P held the first prompt; P's report of it said otherwise.
     assert believed == [0, 2_000, 0]
+
+
+def test_a_busy_ps_report_counts_what_its_prompt_has_left(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As the sim-engine reports it: P's load at a report tick counts the prompt it is computing for
+    the tokens it has not computed yet then, not for all of them, nor for none."""
+    seen: list[Any] = []
+    original = PolicyRouter.route
+
+    def spy(self: PolicyRouter, turn: Turn, conversation: Any, prompt: Any, now: float) -> Any:
+        seen.append((now, self.fleet.node_state(0, now).load))
+        return original(self, turn, conversation, prompt, now)
+
+    monkeypatch.setattr(PolicyRouter, "route", spy)
+    baseline = BASELINES["kvplane"]
+    # 24,000 tokens compute for about 0.8 s; the second turn arrives after the tick at 0.5 s.
+    turns = [Turn(0.0, "a", 0, 24_000, 10), Turn(0.6, "b", 0, 1_000, 10)]
+    simulator_for(baseline, CONFIG).run(turns)
+    now, load = seen[1]
+    assert now == 0.6 and load.running_requests == 1
+    start = baseline.control_path_s or 0.0
+    end = start + COSTS.prefill_s(24_000)
+    assert start < 0.5 < end
+    assert load.queued_prefill_tokens == round(24_000 * (end - 0.5) / (end - start))

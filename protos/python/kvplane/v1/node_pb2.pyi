@@ -232,7 +232,9 @@ class NodeLoad(_message.Message):
     queued_requests: _builtins.int
     """Requests waiting in the engine's queue."""
     queued_prefill_tokens: _builtins.int
-    """Prompt tokens waiting to be prefilled, in tokens."""
+    """Prompt tokens the engine has yet to compute, in tokens: the waiting requests' and the part of
+    the prefill computing now that it has not computed yet.
+    """
     running_requests: _builtins.int
     """Requests currently running."""
     free_kv_blocks: _builtins.int
