@@ -82,7 +82,9 @@ applies, and nothing is published.
 Keys it adds to P's finish-time kv_transfer_params: `kvplane_pulled_tokens` (prompt tokens loaded
 from the holder; the gateway counts them apart from P's prefix-cache hits) and, for a pull,
 `kvplane_pull_ms` (from the blocks' allocation to the step that reported the load done; routing
-learns its pull costs from it). Keys it adds to D's
+learns its pull costs from it), and `kvplane_queued_ms` (from the request's arrival to its blocks'
+allocation: its wait for P's compute, which routing takes off the P leg's time to learn P's
+compute alone). Keys it adds to D's
 finish-time kv_transfer_params: `kvplane_handle_id`, `kvplane_digests`
 (`kvplane.connector.digests.encode`) and `kvplane_tail_digest`. It reads `kvplane_tenant`,
 `kvplane_conversation` and `kvplane_handle_id` from the request's params (the router's), and
@@ -123,6 +125,7 @@ from kvplane.services.client.credentials import ClientCredentials
 from kvplane.services.common.model.handles import (
     KEY_PULL_MS,
     KEY_PULLED_TOKENS,
+    KEY_QUEUED_MS,
     KEY_RETAIN,
     EngineHandles,
     routed_to,
@@ -465,6 +468,9 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
         self._pulled: dict[str, int] = {}
         self._pull_started: dict[str, float] = {}
         self._pull_ms: dict[str, float] = {}
+        # And how long each waited for the scheduler before its blocks were allocated (ms): from
+        # its arrival (vLLM's `Request.arrival_time`, wall clock) to then.
+        self._queued_ms: dict[str, float] = {}
         # Scheduler thread: a running request found no block this step (has_pending_block_frees).
         self._running_short = False
         # Under _release_lock: blocks wanted beyond the free ones at the last schedule, and the
@@ -691,6 +697,12 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
             self._pulled[request.request_id] = num_external_tokens
             self._pull_started[request.request_id] = time.monotonic()
         params = request.kv_transfer_params or {}
+        arrived = getattr(request, "arrival_time", None)
+        if params.get("do_remote_decode") and isinstance(arrived, float | int) and arrived > 0:
+            # A P leg's wait for P's compute: until its blocks were given, the first time (a
+            # preempted request given blocks again has been computing already). A pull then runs
+            # before its compute, and is reported apart.
+            self._queued_ms.setdefault(request.request_id, max(0.0, (time.time() - arrived) * 1000))
         if (
             self._bidirectional
             and not params.get("do_remote_decode")
@@ -866,6 +878,7 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
         pulled = self._pulled.pop(request.request_id, 0)
         self._pull_started.pop(request.request_id, None)
         took = self._pull_ms.pop(request.request_id, None)
+        waited = self._queued_ms.pop(request.request_id, None)
         if params is not None and (request.kv_transfer_params or {}).get("do_remote_decode"):
             # P's own report of its pull, returned with its params: vLLM's usage counts pulled tokens
             # and prefix-cache hits alike as cached, and the gateway counts them apart. Tokens whose
@@ -873,6 +886,8 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
             params[KEY_PULLED_TOKENS] = pulled
             if pulled and took is not None:
                 params[KEY_PULL_MS] = round(took, 3)
+            if waited is not None:
+                params[KEY_QUEUED_MS] = round(waited, 3)
         if delay_free and params and params.get("do_remote_prefill"):
             # P side: the blocks wait for D's read. When the turn's D leg fails or is refused, the
             # control plane sends a release command for this request, applied as a handle's is.

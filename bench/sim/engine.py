@@ -187,6 +187,7 @@ class _InFlight:
     """A turn past routing: its prefill on P, and D's reservation once admitted."""
 
     __slots__ = (
+        "at_prefill_s",
         "cached",
         "chain",
         "choice",
@@ -243,6 +244,8 @@ class _InFlight:
         self.stalled_s = 0.0
         # When the turn's first token came, in simulated seconds.
         self.first_s = 0.0
+        # When the turn reached P (its P leg's start, as the gateway times it).
+        self.at_prefill_s = 0.0
 
 
 RouterFactory = Callable[[Fleet], Router]
@@ -422,6 +425,7 @@ class Simulator:
             held = max(held, min(flight.choice.pulled_tokens, tokens - 1))
         flight.estimate_tokens = tokens - held
         flight.estimate_s = costs.prefill_s(tokens - held) + costs.pulled_compute_s(held)
+        flight.at_prefill_s = now
         p.changing(now)
         p.jobs += 1
         p.queued_tokens += flight.estimate_tokens
@@ -550,10 +554,17 @@ class Simulator:
         p.jobs -= 1
         p.queued_tokens -= flight.computed
         p.served += 1
-        # What P reports: its own prefill, whatever D's admission adds later. Routing hears it only
-        # when the turn is over (`_finish`), as the gateway reports a turn after D's last token.
+        # What the gateway reports: the P leg as it timed it (P's queue, its pull and its prefill),
+        # whatever D's admission adds later. Routing hears it only when the turn is over
+        # (`_finish`), as the gateway reports a turn after D's last token.
+        leg = now - flight.at_prefill_s
         flight.outcome = TurnOutcome(
-            flight.pulled, flight.transfer, flight.compute, now - flight.turn.arrival_s, flight.cached
+            flight.pulled,
+            flight.transfer,
+            leg,
+            now - flight.turn.arrival_s,
+            flight.cached,
+            queued_s=max(0.0, leg - flight.transfer - flight.compute),
         )
         self._to_decode(flight, now)
         self._schedule(p, now)

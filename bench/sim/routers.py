@@ -73,10 +73,13 @@ class TurnOutcome:
 
     pulled_tokens: int
     transfer_s: float
+    # The P leg as the gateway times it: P's wait, its pull and its compute.
     prefill_s: float
     ttft_s: float
     # Prompt tokens P found in its own prefix cache (neither pulled nor computed).
     cached_tokens: int = 0
+    # The wait on P for its compute, its pull left out, as P measures it (kvplane_queued_ms).
+    queued_s: float = 0.0
 
 
 class Router(Protocol):
@@ -688,6 +691,7 @@ class PolicyRouter:
             cached_tokens=outcome.cached_tokens,
             transfer_ms=outcome.transfer_s * 1000.0,
             prefill_ms=outcome.prefill_s * 1000.0,
+            prefill_queued_ms=outcome.queued_s * 1000.0,
             ttft_ms=outcome.ttft_s * 1000.0,
         )
         # As ReportTurn in the service: the work leaves the ledger, the costs are learned.

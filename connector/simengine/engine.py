@@ -121,6 +121,8 @@ class _Run:
     external: int = 0
     # How long the pull of the external tokens took (ms).
     pull_ms: float = 0.0
+    # How long the prompt waited for the engine's compute, the pull left out (ms); -1: not yet.
+    queued_ms: float = -1.0
 
 
 class SimEngine:
@@ -464,6 +466,7 @@ class SimEngine:
                 # block): vLLM runs it in a step of D's batch, not as a prefill of its own.
                 duration = s.timing.decode_s(self._running)
             started = time.perf_counter()
+            run.queued_ms = max(0.0, (started - run.t_arrival) * 1000 - run.pull_ms)
             if leg == "local":
                 self._local_prefill_ends = started + duration
             self._computing = (computed, started, started + duration)
@@ -611,6 +614,7 @@ class SimEngine:
             run.external,
             req.kv_transfer_params or {},
             pull_ms=run.pull_ms,
+            queued_ms=run.queued_ms,
         )
         return FinishInfo(reason, tuple(out), run.hit + run.external, params, run.external)
 

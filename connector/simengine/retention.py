@@ -65,7 +65,7 @@ from kvplane.connector.simengine.kv_params import holder_params
 from kvplane.connector.simengine.metrics import SimEngineMetrics
 from kvplane.connector.simengine.nixl_transport import NixlTransport
 from kvplane.connector.simengine.settings import SimEngineSettings
-from kvplane.services.common.model.handles import KEY_PULL_MS, KEY_PULLED_TOKENS
+from kvplane.services.common.model.handles import KEY_PULL_MS, KEY_PULLED_TOKENS, KEY_QUEUED_MS
 
 log = logging.getLogger(__name__)
 
@@ -190,10 +190,12 @@ class Retention:
         request_params: Mapping[str, Any],
         *,
         pull_ms: float = 0.0,
+        queued_ms: float = -1.0,
     ) -> dict[str, Any] | None:
         """A finished request's blocks (KV for its first `num_tokens` tokens): kept as `kind`,
         returning the params a reader needs, or back to the pool (`kind` None, or a draining
-        engine's D handle), returning None. `pull_ms`: how long P's pull of `pulled_tokens` took."""
+        engine's D handle), returning None. `pull_ms`: how long P's pull of `pulled_tokens` took;
+        `queued_ms`: how long the prompt waited for P's compute besides (negative: unknown)."""
         s, h = self.settings, self.holder
         if kind == "decode_handle" and self._draining:
             kind = None  # a draining engine keeps nothing for later turns
@@ -221,6 +223,8 @@ class Retention:
             params[KEY_PULLED_TOKENS] = pulled_tokens
             if pulled_tokens:
                 params[KEY_PULL_MS] = round(pull_ms, 3)
+            if queued_ms >= 0:
+                params[KEY_QUEUED_MS] = round(queued_ms, 3)
         else:
             try:
                 self.observer.on_handle_retained(params, all_tokens, r.nbytes, request_params)

@@ -408,6 +408,7 @@ class RoutingClient:
         cached_tokens: int | None = None,
         transfer_ms: float = 0.0,
         prefill_ms: float = 0.0,
+        prefill_queued_ms: float | None = None,
         retained_token_ids: Sequence[int] = (),
         error: str = "",
         model: str = "",
@@ -422,6 +423,8 @@ class RoutingClient:
         held for D are then released at once. `cached_tokens`: P's own prefix-cache hits, None
         when P did not report them (routing then learns nothing of P's cache from the turn).
         `ended_unix_ms`: when the answer ended (D's request finished), by this host's clock.
+        `prefill_queued_ms`: how long the prompt waited on P besides its pull, as P measured it
+        (None: P did not say; routing then takes its own estimate off `prefill_ms`).
         """
         request = report_request(
             route,
@@ -434,6 +437,7 @@ class RoutingClient:
             cached_tokens=cached_tokens,
             transfer_ms=transfer_ms,
             prefill_ms=prefill_ms,
+            prefill_queued_ms=prefill_queued_ms,
             retained_token_ids=retained_token_ids,
             error=error,
             model=model,
@@ -521,6 +525,7 @@ def report_request(
     cached_tokens: int | None = None,
     transfer_ms: float = 0.0,
     prefill_ms: float = 0.0,
+    prefill_queued_ms: float | None = None,
     retained_token_ids: Sequence[int] = (),
     error: str = "",
     model: str = "",
@@ -544,6 +549,7 @@ def report_request(
         cached_tokens=cached_tokens,
         transfer_ms=transfer_ms,
         prefill_ms=prefill_ms,
+        prefill_queued_ms=prefill_queued_ms,
         retained_token_ids=retained_token_ids,
         error=error,
         tenant=tenant,

@@ -6,11 +6,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvplane.services.common.model.handles import KEY_DIGESTS, KEY_PULL_MS, KEY_PULLED_TOKENS
+from kvplane.services.common.model.handles import KEY_DIGESTS, KEY_PULL_MS, KEY_PULLED_TOKENS, KEY_QUEUED_MS
 from kvplane.services.gateway.identity import Identity
 
-# A pull P says took longer is not a measurement (an hour, in ms).
-_MAX_PULL_MS = 3_600_000.0
+# A pull or a wait P says took longer is not a measurement (an hour, in ms).
+_MAX_P_MS = 3_600_000.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +55,12 @@ class TurnProgress:
         return took if took is not None else 0.0
 
     @property
+    def queued_ms(self) -> float | None:
+        """How long the prompt waited on P before P computed it, its pull left out, as P measured
+        it (None when it did not say)."""
+        return self.sources.queued_ms if self.sources is not None else None
+
+    @property
     def cached_tokens(self) -> int | None:
         """Prompt tokens P found in its own prefix cache (None when P did not say)."""
         if self.sources is None or not self.sources.cache_reported:
@@ -94,6 +100,9 @@ class PromptSources:
     cache_reported: bool = True
     # How long P's pull took, as P measured it (ms); None where it did not say.
     pull_ms: float | None = None
+    # How long the prompt waited on P for its compute besides, as P measured it (ms); None where
+    # it did not say.
+    queued_ms: float | None = None
 
     @property
     def unattributed(self) -> int:
@@ -124,18 +133,25 @@ def prompt_sources(answer: Mapping[str, Any]) -> PromptSources:
     said = isinstance(details, Mapping) and _is_count(details.get("cached_tokens"))
     params = answer.get("kv_transfer_params")
     reported = params.get(KEY_PULLED_TOKENS) if isinstance(params, Mapping) else None
+    queued_ms = _duration(params.get(KEY_QUEUED_MS)) if isinstance(params, Mapping) else None
     if reported is None or isinstance(reported, bool) or not isinstance(reported, int):
-        return PromptSources(prompt, None, 0, prompt - cached, cache_reported=False)
+        return PromptSources(prompt, None, 0, prompt - cached, cache_reported=False, queued_ms=queued_ms)
     pulled = max(0, min(reported, cached))
     pull_ms = _duration(params.get(KEY_PULL_MS)) if pulled and isinstance(params, Mapping) else None
     return PromptSources(
-        prompt, pulled, cached - pulled, prompt - cached, cache_reported=said, pull_ms=pull_ms
+        prompt,
+        pulled,
+        cached - pulled,
+        prompt - cached,
+        cache_reported=said,
+        pull_ms=pull_ms,
+        queued_ms=queued_ms,
     )
 
 
 def _duration(value: Any) -> float | None:
-    """A duration in ms as P reported it, or None when it is not one."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < _MAX_PULL_MS:
+    """A duration in ms as P reported it, or None when it is not one (negative, or an hour or more)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < _MAX_P_MS:
         return None
     return float(value)
 

@@ -130,6 +130,7 @@ class TurnReporter:
             "cached_tokens": progress.cached_tokens,
             "prefill_ms": progress.prefill_s * 1000,
             "transfer_ms": progress.pull_ms,
+            "prefill_queued_ms": progress.queued_ms,
             "retained_token_ids": progress.retained_ids_for_routing(success),
             "error": progress.error[:1000],
             "model": turn.model,

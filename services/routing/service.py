@@ -423,6 +423,7 @@ def _turn_report(request: routing_pb2.ReportTurnRequest) -> TurnReport:
         cached_tokens=request.cached_tokens if request.HasField("cached_tokens") else None,
         transfer_ms=request.transfer_ms,
         prefill_ms=request.prefill_ms,
+        prefill_queued_ms=request.prefill_queued_ms if request.HasField("prefill_queued_ms") else None,
         ttft_ms=request.ttft_ms,
         model=request.model,
         decode_kv_transfer_params_json=request.decode_kv_transfer_params_json,

@@ -11,6 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from kvplane.services.client import RouteResult, RoutingClient
+from kvplane.services.client.routing_client import report_request
 from kvplane.services.common.runtime.ports import free_port
 from kvplane.services.gateway.identity import Identity
 from kvplane.services.gateway.metrics import GatewayMetrics
@@ -153,3 +154,15 @@ def test_the_report_carries_how_long_p_said_its_pull_took() -> None:
     # P did not say: routing estimates the pull itself.
     progress.sources = PromptSources(prompt=96, pulled=64, prefill_cache=0, computed=32)
     assert TurnReporter._fields(_turn(), progress, True, None)["transfer_ms"] == 0.0
+
+
+def test_the_report_carries_how_long_p_said_the_prompt_waited() -> None:
+    progress = TurnProgress("pull", [1] * 96)
+    progress.sources = PromptSources(prompt=96, pulled=64, prefill_cache=0, computed=32, queued_ms=412.5)
+    request = report_request(None, "c1", **TurnReporter._fields(_turn(), progress, True, None))
+    assert request.HasField("prefill_queued_ms") and request.prefill_queued_ms == 412.5
+    # P did not say: the field is unset, and routing takes its own estimate of the wait off.
+    progress.sources = PromptSources(prompt=96, pulled=64, prefill_cache=0, computed=32)
+    assert not report_request(None, "c1", **TurnReporter._fields(_turn(), progress, True, None)).HasField(
+        "prefill_queued_ms"
+    )

@@ -18,7 +18,7 @@ from kvplane.connector.simengine.block_pool import KvCacheFullError
 from kvplane.connector.simengine.engine import FinishInfo, GenerationRequest, SimEngine
 from kvplane.connector.simengine.settings import SimEngineSettings
 from kvplane.connector.simengine.timing_model import TimingModel
-from kvplane.services.common.model.handles import KEY_PULL_MS
+from kvplane.services.common.model.handles import KEY_PULL_MS, KEY_QUEUED_MS
 from kvplane.services.routing.transfer_params import decode_only_params
 from tests.support import polling
 from tests.support.simengine import free_port
@@ -139,6 +139,26 @@ async def test_load_counts_what_the_computing_prefill_has_left(stack: list[SimEn
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+async def test_p_says_how_long_each_prompt_waited_for_its_compute(stack: list[SimEngine]) -> None:
+    """P returns, beside its blocks, how long the prompt waited behind the ones computing before
+    it: routing takes that off the leg's time to learn P's compute alone."""
+    # 8,000 tokens at a tenth of the model's speed: about 3.3 s of compute, so that the second
+    # prompt comes while the first computes however slowly this machine answers.
+    timing = TimingModel(speedup=0.1)
+    p = SimEngine(settings(timing=timing))
+    stack.append(p)
+    await started(p)
+    first = asyncio.create_task(run(p, prompt_of(8000, 4), 1, {"do_remote_decode": True}))
+    await until(lambda: p.load().running_requests == 1, 30, "the first prompt computing")
+    second = await run(p, prompt_of(100, 5), 1, {"do_remote_decode": True})
+    alone = (await first).kv_transfer_params
+    assert alone is not None and second.kv_transfer_params is not None
+    # The first found P idle; the second waited for what the first had left when it came, which
+    # is all of the first's compute but the part computed before it came.
+    waited = second.kv_transfer_params[KEY_QUEUED_MS]
+    assert 0 <= alone[KEY_QUEUED_MS] < waited < 1000 * timing.prefill_s(8000)
 
 
 async def test_ttft_follows_the_calibrated_model_at_real_speed(stack: list[SimEngine]) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvplane.services.common.model.handles import KEY_PULL_MS, KEY_PULLED_TOKENS
+from kvplane.services.common.model.handles import KEY_PULL_MS, KEY_PULLED_TOKENS, KEY_QUEUED_MS
 from kvplane.services.gateway.progress import PromptSources, prompt_sources
 
 
@@ -84,3 +84,22 @@ def test_how_long_p_says_its_pull_took_goes_to_routing_as_the_turns_transfer_tim
 def test_a_malformed_pull_time_is_not_learned_from() -> None:
     for took in ("23", True, -1, float("nan"), float("inf"), 1e12, None):
         assert prompt_sources(_timed(pulled=320, took=took)).pull_ms is None, took
+
+
+def test_how_long_p_says_the_prompt_waited_goes_to_routing_with_the_turn() -> None:
+    """P's own measure of the prompt's wait for its compute, pull or none; malformed, none."""
+    from kvplane.services.gateway.progress import TurnProgress
+
+    for pulled in (320, 0, None):
+        answer = _answer(prompt=1000, cached=960, pulled=pulled)
+        answer["kv_transfer_params"][KEY_QUEUED_MS] = 412.5
+        assert TurnProgress("pull", sources=prompt_sources(answer)).queued_ms == 412.5, pulled
+    assert (
+        TurnProgress("pull", sources=prompt_sources(_answer(prompt=1000, cached=0, pulled=0))).queued_ms
+        is None
+    )
+    assert TurnProgress("pull").queued_ms is None
+    for took in ("23", True, -1, float("nan"), float("inf"), 1e12, None):
+        answer = _answer(prompt=1000, cached=960, pulled=320)
+        answer["kv_transfer_params"][KEY_QUEUED_MS] = took
+        assert prompt_sources(answer).queued_ms is None, took

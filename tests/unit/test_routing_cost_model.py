@@ -253,6 +253,40 @@ def test_a_leg_that_waited_longer_than_it_computed_teaches_nothing() -> None:
     assert model.observe(computed).prefill_samples == 1
 
 
+def test_a_wait_p_measured_is_taken_off_however_long_and_every_leg_teaches() -> None:
+    """P's own measure of the wait (and of the pull) leaves the compute exactly: a leg that waited
+    longer than it computed teaches, and what it teaches is the compute, not the wait."""
+    rng = random.Random(11)
+    model = CostModel(prefill_fixed_ms=10.0, recompute_ms_per_token=0.1, reused_ms_per_token=0.0)
+    for _ in range(300):
+        computed, pulled = rng.randrange(200, 8_000), rng.choice([0, rng.randrange(1_000, 20_000)])
+        wait, transfer = rng.uniform(0.0, 3_000.0), (0.004 * pulled if pulled else 0.0)
+        leg = TurnObservation(
+            prompt_tokens=computed + pulled,
+            pulled_tokens=pulled,
+            transfer_ms=transfer,
+            prefill_ms=101.6 + 0.0282 * computed + 0.0092 * pulled + wait + transfer,
+            queued_ms=wait,
+            queued_measured=True,
+        )
+        model = model.observe(leg)
+    assert model.prefill_samples == 300
+    assert model.recompute_ms_per_token == pytest.approx(0.0282, rel=0.15)
+    assert model.prefill_ms(4_000) == pytest.approx(101.6 + 0.0282 * 4_000, rel=0.1)
+    # The same legs with the wait an estimate: the ones that waited longest teach nothing.
+    guessed = TurnObservation(prompt_tokens=4_000, prefill_ms=2_000.0, queued_ms=1_500.0)
+    assert CostModel().observe(guessed).prefill_samples == 0
+    measured = TurnObservation(
+        prompt_tokens=4_000, prefill_ms=2_000.0, queued_ms=1_500.0, queued_measured=True
+    )
+    assert CostModel().observe(measured).prefill_samples == 1
+    # A pull whose time P did not say is still an estimate: the rule for estimates holds.
+    unsaid = TurnObservation(
+        prompt_tokens=4_000, pulled_tokens=2_000, prefill_ms=2_000.0, queued_ms=1_500.0, queued_measured=True
+    )
+    assert CostModel().observe(unsaid).prefill_samples == 0
+
+
 def test_the_marginal_costs_leave_the_fixed_cost_out() -> None:
     model = CostModel(prefill_fixed_ms=100.0, recompute_ms_per_token=0.03, reused_ms_per_token=0.01)
     assert model.recompute_ms(100) == pytest.approx(3.0)

@@ -82,3 +82,26 @@ def test_a_busy_ps_report_counts_what_its_prompt_has_left(monkeypatch: pytest.Mo
     end = start + COSTS.prefill_s(24_000)
     assert start < 0.5 < end
     assert load.queued_prefill_tokens == round(24_000 * (end - 0.5) / (end - start))
+
+
+def test_routing_hears_the_p_leg_as_the_gateway_times_it_and_ps_own_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The P leg's time is P's wait, pull and compute, as the gateway times it; beside it, the wait
+    as P measures it (kvplane_queued_ms), for routing to take off."""
+    heard: dict[str, Any] = {}
+    original = PolicyRouter.observe
+
+    def spy(self: PolicyRouter, turn: Turn, choice: Any, outcome: Any) -> None:
+        heard[turn.conversation] = outcome
+        original(self, turn, choice, outcome)
+
+    monkeypatch.setattr(PolicyRouter, "observe", spy)
+    # Two turns at once on one P: the second waits for the first's prefill.
+    turns = [Turn(0.0, "a", 0, 12_000, 10), Turn(0.0, "b", 0, 2_000, 10)]
+    simulator_for(BASELINES["kvplane"], CONFIG).run(turns)
+    first, second = heard["a"], heard["b"]
+    assert first.queued_s == pytest.approx(0.0)
+    assert first.prefill_s == pytest.approx(COSTS.prefill_s(12_000))
+    assert second.queued_s == pytest.approx(COSTS.prefill_s(12_000))
+    assert second.prefill_s == pytest.approx(COSTS.prefill_s(12_000) + COSTS.prefill_s(2_000))

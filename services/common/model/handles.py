@@ -60,6 +60,10 @@ KEY_PULLED_TOKENS = "kvplane_pulled_tokens"
 # Beside it: how long that pull took on P (ms), as P measured it. Routing learns its pull costs
 # from it (the gateway reports it as the turn's transfer_ms).
 KEY_PULL_MS = "kvplane_pull_ms"
+# And how long the prompt waited on P before P started computing it, its pull left out (ms), as P
+# measured it. Routing takes it and the pull off the P leg's time to learn P's compute alone: its
+# own estimate of the wait is off by as much as the queue is long.
+KEY_QUEUED_MS = "kvplane_queued_ms"
 # vLLM's key for a symmetric P2P source (its OffloadingConnector's P2P tier): where a host-tier
 # handle of a vLLM decode engine is read from, by block hash.
 KEY_REMOTE_KV_SOURCE = "remote_kv_source"

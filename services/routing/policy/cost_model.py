@@ -30,10 +30,11 @@ Learning (every successful reported turn with a prefill time):
   cannot tell the fixed cost from the per-token rate) stays near its prior
   instead of drifting on noise to a rate of nothing;
 - P's leg includes its wait behind the turns routed there before and, for a
-  pull, the transfer: the router's expectation of the wait
-  (`TurnObservation.queued_ms`) and the transfer (reported, else estimated)
-  are taken off, and a leg that spent longer on them than computing teaches
-  nothing;
+  pull, the transfer: the wait (`TurnObservation.queued_ms`: as P measured
+  it, else the router's expectation) and the transfer (reported, else
+  estimated) are taken off. Where either is an estimate, a leg that spent
+  longer on them than computing teaches nothing (the estimate's error would
+  be most of the sample); where P measured both, every leg teaches;
 - a warm pull's fixed overhead and its cost per byte are one least-squares
   fit over the pulls' (bytes, ms) as P measured them, weighted as the
   prefill's is, with the configured figures as its prior: pulls of a few
@@ -112,9 +113,11 @@ class TurnObservation:
     first_contact: bool = False
     # Prompt tokens P found in its own prefix cache: neither pulled nor computed.
     cached_tokens: int = 0
-    # The wait the router expected on P ahead of the turn when it routed it (ms): the
-    # work routed there before it. `prefill_ms` is P's whole leg, so it includes that wait.
+    # The turn's wait on P for its compute, its pull left out (ms): as P measured it
+    # (`queued_measured`), else the wait the router expected when it routed it (the work routed
+    # there before it). `prefill_ms` is P's whole leg, so it includes that wait.
     queued_ms: float = 0.0
+    queued_measured: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,7 +228,8 @@ class CostModel:
             pull_ms = obs.transfer_ms or self.transfer_ms(
                 obs.pulled_tokens, obs.kv_bytes_per_token, first_contact=obs.first_contact
             )
-        spent = self._compute_share(spent, obs.queued_ms + pull_ms)
+        measured = obs.queued_measured and (obs.pulled_tokens <= 0 or obs.transfer_ms > 0)
+        spent = self._compute_share(spent, obs.queued_ms + pull_ms, measured)
         if spent > 0 and obs.prompt_tokens > 0:
             fit = self.prefill_fit or self._prior_fit()
             counts = (float(computed), float(reused))
@@ -268,21 +272,23 @@ class CostModel:
             )
         return model
 
-    def _compute_share(self, leg_ms: float, other_ms: float) -> float:
+    def _compute_share(self, leg_ms: float, other_ms: float, measured: bool = False) -> float:
         """P's compute in a leg that also spent `other_ms` waiting behind earlier work and
-        pulling; 0: unknown.
+        pulling (`measured`: as P measured both); 0: unknown.
 
         Learned from the whole leg, the waits of a busy P would read as compute: the
         per-token rate would grow with load, every queue estimate built on it would grow
         again, and recomputing would look dearer than it is; a pull's transfer would read
         as the cost of attending over the pulled tokens, and pulls would be charged their
-        transfer twice. The expected wait and transfer are taken off; a leg that spent
-        longer on them than on the rest teaches nothing, as the estimates' own error would
-        then be most of the sample.
+        transfer twice. The wait and transfer are taken off; where either is an estimate, a
+        leg that spent longer on them than on the rest teaches nothing, as the estimate's own
+        error would then be most of the sample.
         """
         if other_ms <= 0:
             return leg_ms
         compute = leg_ms - other_ms
+        if measured:
+            return max(0.0, compute)
         return compute if compute >= other_ms else 0.0
 
     def _prior_fit(self) -> AffineFit:

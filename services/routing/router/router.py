@@ -453,6 +453,9 @@ class Router:
         if route.decision is Decision.PREFILL_ON_DECODE:
             # D's compute, between its decode steps: not what the cost model fits (P's prefills).
             return
+        # P's own measure of its wait where it gave one: routing's estimate is off by as much as
+        # P's queue is long, and would teach the fit that error as compute.
+        measured = report.prefill_queued_ms
         observation = TurnObservation(
             prompt_tokens=report.prompt_tokens,
             pulled_tokens=report.pulled_tokens,
@@ -463,7 +466,8 @@ class Router:
             kv_bytes_per_token=route.kv_bytes_per_token,
             success=report.success,
             first_contact=route.first_contact,
-            queued_ms=route.queued_ms,
+            queued_ms=route.queued_ms if measured is None else max(0.0, measured),
+            queued_measured=measured is not None,
         )
         self.costs = self.costs.observe(observation)
         prefill: Node | None = self.cluster.node(route.prefill_node_id)

@@ -73,7 +73,10 @@ class TurnReport:
     # Prompt tokens P found in its own prefix cache (None: not reported).
     cached_tokens: int | None = None
     transfer_ms: float = 0.0
+    # The P leg as the caller timed it: P's queue, its pull and its compute.
     prefill_ms: float = 0.0
+    # How long the prompt waited on P besides its pull, as P measured it (None: not said).
+    prefill_queued_ms: float | None = None
     ttft_ms: float = 0.0
     model: str = ""
     # D's finish-time kv_transfer_params and P's, as JSON ("" when absent).

@@ -342,6 +342,7 @@ class ReportTurnRequest(_message.Message):
     PREFILL_KV_TRANSFER_PARAMS_JSON_FIELD_NUMBER: _builtins.int
     PREFILL_NODE_ID_FIELD_NUMBER: _builtins.int
     ENDED_UNIX_MS_FIELD_NUMBER: _builtins.int
+    PREFILL_QUEUED_MS_FIELD_NUMBER: _builtins.int
     route_id: _builtins.str
     """From RouteResponse."""
     conversation: _builtins.str
@@ -359,7 +360,10 @@ class ReportTurnRequest(_message.Message):
     transfer_ms: _builtins.float
     """Time P spent pulling, in milliseconds; 0 if unknown."""
     prefill_ms: _builtins.float
-    """Time P spent computing, in milliseconds; 0 if unknown."""
+    """The P leg's time as the caller timed it, in milliseconds: P's queue, its
+    pull and its compute; 0 if unknown. Routing learns P's compute from it, less
+    the pull (transfer_ms) and the wait (prefill_queued_ms, else its own estimate).
+    """
     error: _builtins.str
     """Error text, when success is false. Up to 1024 bytes."""
     tenant: _builtins.str
@@ -385,6 +389,12 @@ class ReportTurnRequest(_message.Message):
     the caller's clock; unset if unknown. A load report the decode engine took
     before then still counts the request as running there: routing leaves it
     out until a later report.
+    """
+    prefill_queued_ms: _builtins.float
+    """How long the prompt waited on P before P started computing it, its pull left
+    out, in milliseconds, as P measured it (kvplane's connectors return it in P's
+    kv_transfer_params as kvplane_queued_ms); unset if P did not say. Routing
+    takes it off prefill_ms instead of its own estimate of P's queue.
     """
     @_builtins.property
     def retained_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -412,19 +422,24 @@ class ReportTurnRequest(_message.Message):
         prefill_kv_transfer_params_json: _builtins.str = ...,
         prefill_node_id: _builtins.str = ...,
         ended_unix_ms: _builtins.int | None = ...,
+        prefill_queued_ms: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_cached_tokens", b"_cached_tokens", "_ended_unix_ms", b"_ended_unix_ms", "cached_tokens", b"cached_tokens", "ended_unix_ms", b"ended_unix_ms"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_cached_tokens", b"_cached_tokens", "_ended_unix_ms", b"_ended_unix_ms", "_prefill_queued_ms", b"_prefill_queued_ms", "cached_tokens", b"cached_tokens", "ended_unix_ms", b"ended_unix_ms", "prefill_queued_ms", b"prefill_queued_ms"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cached_tokens", b"_cached_tokens", "_ended_unix_ms", b"_ended_unix_ms", "cached_tokens", b"cached_tokens", "conversation", b"conversation", "decode_kv_transfer_params_json", b"decode_kv_transfer_params_json", "ended_unix_ms", b"ended_unix_ms", "error", b"error", "model", b"model", "prefill_kv_transfer_params_json", b"prefill_kv_transfer_params_json", "prefill_ms", b"prefill_ms", "prefill_node_id", b"prefill_node_id", "prompt_tokens", b"prompt_tokens", "pulled_tokens", b"pulled_tokens", "retained_token_ids", b"retained_token_ids", "route_id", b"route_id", "success", b"success", "tenant", b"tenant", "transfer_ms", b"transfer_ms", "ttft_ms", b"ttft_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cached_tokens", b"_cached_tokens", "_ended_unix_ms", b"_ended_unix_ms", "_prefill_queued_ms", b"_prefill_queued_ms", "cached_tokens", b"cached_tokens", "conversation", b"conversation", "decode_kv_transfer_params_json", b"decode_kv_transfer_params_json", "ended_unix_ms", b"ended_unix_ms", "error", b"error", "model", b"model", "prefill_kv_transfer_params_json", b"prefill_kv_transfer_params_json", "prefill_ms", b"prefill_ms", "prefill_node_id", b"prefill_node_id", "prefill_queued_ms", b"prefill_queued_ms", "prompt_tokens", b"prompt_tokens", "pulled_tokens", b"pulled_tokens", "retained_token_ids", b"retained_token_ids", "route_id", b"route_id", "success", b"success", "tenant", b"tenant", "transfer_ms", b"transfer_ms", "ttft_ms", b"ttft_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__cached_tokens: _TypeAlias = _typing.Literal["cached_tokens"]  # noqa: Y015
     _WhichOneofArgType__cached_tokens: _TypeAlias = _typing.Literal["_cached_tokens", b"_cached_tokens"]  # noqa: Y015
     _WhichOneofReturnType__ended_unix_ms: _TypeAlias = _typing.Literal["ended_unix_ms"]  # noqa: Y015
     _WhichOneofArgType__ended_unix_ms: _TypeAlias = _typing.Literal["_ended_unix_ms", b"_ended_unix_ms"]  # noqa: Y015
+    _WhichOneofReturnType__prefill_queued_ms: _TypeAlias = _typing.Literal["prefill_queued_ms"]  # noqa: Y015
+    _WhichOneofArgType__prefill_queued_ms: _TypeAlias = _typing.Literal["_prefill_queued_ms", b"_prefill_queued_ms"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__cached_tokens) -> _WhichOneofReturnType__cached_tokens | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__ended_unix_ms) -> _WhichOneofReturnType__ended_unix_ms | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__prefill_queued_ms) -> _WhichOneofReturnType__prefill_queued_ms | None: ...
 
 Global___ReportTurnRequest: _TypeAlias = ReportTurnRequest  # noqa: Y015
 
