@@ -227,8 +227,9 @@ def _assert_orders_as(record: Path, fronts: tuple[str, ...], key: str, concurren
 # The latest full comparisons (`python -m kvplane.bench.compare --workload both --concurrency 1,8,32
 # --repeats 2 --min-conversations 1 --fronts kvplane,vllm-router,example-proxy,zero-hop-reuse
 # --idle-s 10`; `--repeats 3` at 1fd0272): at 0d756e5, kvplane's gateway sending every turn
-# through P, and at 3b33f2e, f71bf6e, 8e313bd, a7afb28, 7e4dbc2, 70f95a7, b273c56, dd12bf0, a8142c6
-# and 1fd0272, as it runs by default since, letting routing send a turn to its D alone.
+# through P, and at 3b33f2e, f71bf6e, 8e313bd, a7afb28, 7e4dbc2, 70f95a7, b273c56, dd12bf0, a8142c6,
+# 1fd0272, 8af36df, 35af2a5 and 0057c2c, as it runs by default since, letting routing send a turn
+# to its D alone.
 LATEST_RECORDS = (
     "compare_0d756e5.json",
     "compare_3b33f2e.json",
@@ -243,23 +244,30 @@ LATEST_RECORDS = (
     "compare_1fd0272.json",
     "compare_8af36df.json",
     "compare_35af2a5.json",
+    "compare_0057c2c.json",
 )
 LATEST_FRONTS = (KVPLANE, VLLM_ROUTER, EXAMPLE_PROXY)
 
 # Where one of these records and the simulator disagree (strict: it fails once they agree): A at 32
-# in flight at 70f95a7, where the example proxy's TTFT p50 came out at 1.26x the zero-hop client's
-# (kvplane 1.07x); in the twelve other records it was 0.97-1.13x, level with kvplane's 1.04-1.09x
-# or ahead of it. The simulator puts the proxy 8 ms (4%) ahead of kvplane there, as most records
-# have it; with the live gap of that one run the two add up past the tolerance.
-PROXY_OUTLIER = pytest.mark.xfail(
-    reason="the example proxy's A32 p50 at 70f95a7 lies outside its range in every other record", strict=True
+# in flight at 1fd0272, where kvplane's TTFT p50 was 1.06x the zero-hop client's and the router's
+# 1.00x. Since 0057c2c routing in the simulator sees P's queue as P reports it (the prompt
+# computing counted for what it has left, P's own measure of each wait taken off the leg) and
+# places turns on the two P's as well as the router does: it puts kvplane 1 ms ahead of the router
+# there. What kept kvplane behind live is its own path at 32 in flight on the 2-core machine (its
+# Route call and its gateway's relay, about 8 ms a turn against the router's), which grows with
+# load; the simulator charges every front the hop measured at one in flight (`front_hops`), so
+# it is kinder to kvplane at 32 in flight than live runs are. The other A32 records, 0057c2c's
+# included, kept kvplane within the tolerance of the router.
+HOP_RECORD = "compare_1fd0272.json"
+KVPLANE_HOP_UNDER_LOAD = pytest.mark.xfail(
+    reason="kvplane's own path grows at 32 in flight; the simulator charges it the hop at 1", strict=True
 )
 LATEST_CASES = [
     pytest.param(
         record,
         key,
         concurrency,
-        marks=PROXY_OUTLIER if (record, key, concurrency) == ("compare_70f95a7.json", "A", 32) else (),
+        marks=KVPLANE_HOP_UNDER_LOAD if (record, key, concurrency) == (HOP_RECORD, "A", 32) else (),
     )
     for record in LATEST_RECORDS
     for key in ("A", "B")
