@@ -15,7 +15,7 @@ from kvplane.bench.sim.block_chain import BlockChain
 from kvplane.bench.sim.cache_events import CacheEventFeed
 from kvplane.bench.sim.prefix_cache import PrefixCache
 from kvplane.services.common.model.handles import CacheHandle
-from kvplane.services.common.model.nodes import Fingerprint, Node, NodeLoad, NodeRole
+from kvplane.services.common.model.nodes import Fingerprint, Node, NodeLoad, NodeRole, tokens_left
 from kvplane.services.eviction.policy import HandleInfo
 
 # vLLM's default KV block size; node free/total KV is reported in these blocks.
@@ -188,10 +188,7 @@ class PrefillState:
             # As the sim-engine reports it: the prompt computing at the tick counts for what it
             # has not computed yet then.
             computing, start, end = run
-            if report_s >= end:
-                tokens -= computing
-            elif report_s > start:
-                tokens -= computing - round(computing * (end - report_s) / (end - start))
+            tokens -= computing - round(tokens_left(report_s, start, end, computing))
         running = 1 if busy else 0
         return NodeLoad(
             self.node.node_id,

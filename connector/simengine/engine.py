@@ -57,8 +57,12 @@ from kvplane.connector.simengine.side_channel import LocalIdentity, SideChannelS
 from kvplane.connector.simengine.token_oracle import TokenOracle
 from kvplane.connector.simengine.toy_tokenizer import BYTE_OFFSET, EOS_ID, think_close, think_open
 from kvplane.services.common.model.handles import KEY_RETAIN
+from kvplane.services.common.model.nodes import tokens_left
 
 log = logging.getLogger(__name__)
+
+# `SimEngine._computing` while no prefill computes: it has nothing left.
+_NOT_COMPUTING = (0.0, 0.0, 0)
 
 
 @dataclass(frozen=True)
@@ -174,9 +178,9 @@ class SimEngine:
         self._queued = 0
         self._queued_tokens = 0
         self._running = 0
-        # The prefill computing now: its computed tokens, and when it started and ends
-        # (perf_counter); (0, 0, 0) when none is.
-        self._computing: tuple[int, float, float] = (0, 0.0, 0.0)
+        # The prefill computing now: when it started and ends (perf_counter), and its computed
+        # tokens; none left when none is.
+        self._computing: tuple[float, float, int] = _NOT_COMPUTING
         # When the local prefill now running ends (perf_counter); decode steps wait for it.
         self._local_prefill_ends = 0.0
         self._tasks: list[asyncio.Task[None]] = []
@@ -261,7 +265,8 @@ class SimEngine:
     def load(self) -> EngineLoad:
         return EngineLoad(
             queued_requests=self._queued,
-            queued_prefill_tokens=self._queued_tokens + self._computing_left(time.perf_counter()),
+            queued_prefill_tokens=self._queued_tokens
+            + round(tokens_left(time.perf_counter(), *self._computing)),
             running_requests=self._running,
             free_kv_blocks=self.pool.free_blocks,
             total_kv_blocks=self.pool.num_blocks,
@@ -272,16 +277,6 @@ class SimEngine:
             host_retained_bytes=self.retention.host_bytes,
             waiting_kv_blocks=self._kv_wanted,
         )
-
-    def _computing_left(self, now: float) -> int:
-        """The tokens of the prefill computing now that are not computed yet at `now`: its
-        tokens, computed evenly from its start to its end."""
-        tokens, start, end = self._computing
-        if tokens <= 0 or now >= end:
-            return 0
-        if now <= start:
-            return tokens
-        return round(tokens * (end - now) / (end - start))
 
     def adopt_incarnation(self, incarnation: str) -> None:
         """Take the node agent's incarnation; call before the engine serves traffic."""
@@ -469,11 +464,11 @@ class SimEngine:
             run.queued_ms = max(0.0, (started - run.t_arrival) * 1000 - run.pull_ms)
             if leg == "local":
                 self._local_prefill_ends = started + duration
-            self._computing = (computed, started, started + duration)
+            self._computing = (started, started + duration, computed)
             try:
                 await asyncio.sleep(duration)
             finally:
-                self._computing = (0, 0.0, 0.0)
+                self._computing = _NOT_COMPUTING
             self._write(run, run.blocks, prompt, n, run.hit_blocks)
             self.metrics.count_prompt(hit, external, computed, alone=leg == "local")
             trace.get_current_span().set_attributes(

@@ -497,21 +497,11 @@ async def test_a_reported_end_takes_the_answer_out_of_ds_older_load_report(says_
     assert (outcome.decision is Decision.PREFILL_ON_DECODE) is says_when, outcome.reason
 
 
-async def test_ps_own_measure_of_the_wait_is_what_the_cost_model_takes_off(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+async def test_ps_own_measure_of_the_wait_is_what_the_cost_model_takes_off() -> None:
     """A report with P's measured wait teaches the leg less that wait; one without, the leg less
     the queue routing expected when it routed the turn."""
-    from kvplane.services.routing.policy.cost_model import CostModel, TurnObservation
+    from kvplane.services.routing.policy.cost_model import TurnObservation
 
-    seen: list[TurnObservation] = []
-    original = CostModel.observe
-
-    def spy(self: CostModel, obs: TurnObservation) -> CostModel:
-        seen.append(obs)
-        return original(self, obs)
-
-    monkeypatch.setattr(CostModel, "observe", spy)
     cluster = FakeCluster(fleet())
     router, _, _ = make_router(cluster)
     # Turns at once: the later ones are routed behind the earlier ones' prefills.
@@ -519,9 +509,23 @@ async def test_ps_own_measure_of_the_wait_is_what_the_cost_model_takes_off(
     measured = TurnReport(
         success=True, prompt_tokens=HISTORY, cached_tokens=0, prefill_ms=900.0, prefill_queued_ms=12.5
     )
-    record = router.report(outcomes[3].route_id, "t", "c3", measured)
-    assert record is not None and record.queued_ms > 0
-    assert (seen[-1].queued_ms, seen[-1].queued_measured) == (12.5, True)
-    record = router.report(outcomes[2].route_id, "t", "c2", replace(measured, prefill_queued_ms=None))
-    assert record is not None and record.queued_ms > 0
-    assert (seen[-1].queued_ms, seen[-1].queued_measured) == (record.queued_ms, False)
+    for outcome, conversation, report in (
+        (outcomes[3], "c3", measured),
+        (outcomes[2], "c2", replace(measured, prefill_queued_ms=None)),
+    ):
+        before = router.costs
+        record = router.report(outcome.route_id, "t", conversation, report)
+        assert record is not None and record.queued_ms > 0
+        wait = record.queued_ms if report.prefill_queued_ms is None else report.prefill_queued_ms
+        leg = TurnObservation(
+            prompt_tokens=HISTORY,
+            cached_tokens=0,
+            prefill_ms=900.0,
+            kv_bytes_per_token=record.kv_bytes_per_token,
+            first_contact=record.first_contact,
+            queued_ms=wait,
+            queued_measured=report.prefill_queued_ms is not None,
+        )
+        assert router.costs == before.observe(leg)
+        # And not what the other wait would have taught.
+        assert router.costs != before.observe(replace(leg, queued_ms=record.queued_ms + 12.5 - wait))

@@ -66,6 +66,17 @@ class Node:
         return hash((self.node_id, self.incarnation))
 
 
+def tokens_left(now: float, start: float, end: float, tokens: int) -> float:
+    """Of `tokens` computed evenly from `start` to `end`, those not computed yet at `now`: how a
+    prefill that is computing counts in its engine's `NodeLoad.queued_prefill_tokens`, and in a
+    router's estimate of a queue."""
+    if end <= now:
+        return 0.0
+    if start >= now or end <= start:
+        return float(tokens)
+    return tokens * (end - now) / (end - start)
+
+
 @dataclass(frozen=True, slots=True)
 class NodeLoad:
     """A node's load report. Counts are instantaneous; bytes are bytes."""

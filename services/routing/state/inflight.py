@@ -40,7 +40,7 @@ from dataclasses import dataclass, field, replace
 from heapq import heappop, heappush
 from itertools import count
 
-from kvplane.services.common.model.nodes import NodeLoad
+from kvplane.services.common.model.nodes import NodeLoad, tokens_left
 from kvplane.services.routing.policy.cost_model import CostModel
 from kvplane.services.routing.policy.decision import RoutePlan
 from kvplane.services.routing.policy.snapshot import NodeState, RouteSnapshot
@@ -115,7 +115,7 @@ class _NodeQueue:
             return 0
         this = self.token_sums[i + 1] - self.token_sums[i]
         later = self.token_sums[-1] - self.token_sums[i + 1]
-        return round(_left(now, self.starts[i], self.ends[i], this) + later)
+        return round(tokens_left(now, self.starts[i], self.ends[i], this) + later)
 
 
 class InFlightLedger:
@@ -430,15 +430,6 @@ def _fold(queue: _NodeQueue, item: RoutedWork, prefill: CostModel | None) -> Non
         queue.starts.append(start)
         queue.ends.append(queue.finish)
         queue.token_sums.append(queue.token_sums[-1] + item.prefill_tokens)
-
-
-def _left(now: float, start: float, end: float, tokens: int) -> float:
-    """The tokens of a FIFO stretch not yet computed at `now` (computed evenly from start to end)."""
-    if end <= now:
-        return 0.0
-    if start >= now or end <= start:
-        return float(tokens)
-    return tokens * (end - now) / (end - start)
 
 
 def turn_work(
