@@ -4,6 +4,7 @@ freed are never published again."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from aetcd import rpc
 
@@ -134,8 +135,14 @@ async def test_the_ack_of_an_applied_release_records_its_blocks_freed_in_the_sam
     ).superseded
     assert superseded is not None and superseded.handle == first
 
+    retired = await _tombstone(store, node.node_id, node.incarnation, "req-1")
+    assert retired is not None, "the supersession retired the blocks"
+
     await store.ack_release(node.node_id, superseded.command_id, (node.incarnation, "req-1"))
     assert await store.pending_releases(node.node_id) == []
+    # Recorded freed: the tombstone lives on past the released handle's lease.
+    freed = await _tombstone(store, node.node_id, node.incarnation, "req-1")
+    assert freed is not None and freed.lease != retired.lease
     # No report from D followed: a late publish of the released blocks is refused all the same.
     outcome = await store.publish_handle(first)
     assert outcome.freed
@@ -152,7 +159,17 @@ async def test_the_ack_of_a_release_the_node_could_not_apply_records_nothing(sto
     ).superseded
     assert superseded is not None
 
+    retired = await _tombstone(store, node.node_id, node.incarnation, "req-1")
+
     await store.ack_release(node.node_id, superseded.command_id)
     assert await store.pending_releases(node.node_id) == []
-    tombstone = store.keys.freed(node.node_id, node.incarnation, "req-1")
-    assert not await store.etcd.exists(tombstone)
+    # The tombstone is the supersession's, untouched.
+    assert retired is not None
+    assert await _tombstone(store, node.node_id, node.incarnation, "req-1") == retired
+
+
+async def _tombstone(store: Store, node_id: str, incarnation: str, request_id: str) -> Any:
+    """The blocks' tombstone as etcd holds it (its key-value), or None."""
+    key = store.keys.freed(node_id, incarnation, request_id)
+    resp = await store.etcd.read("test_tombstone", rpc.RangeRequest(key=key))
+    return resp.kvs[0] if resp.kvs else None

@@ -119,6 +119,34 @@ async def test_newer_handle_supersedes_and_releases_the_older(store: Store) -> N
     assert await store.get_handle("acme", "conv-1") is None
 
 
+@pytest.mark.parametrize("then", ["checked_out", "released", "superseded"])
+async def test_a_publish_re_sent_after_its_handle_left_retention_stores_nothing(
+    store: Store, then: str
+) -> None:
+    """The node agent re-sends a publish whose answer was lost (a cut connection): by then the
+    handle it stored may have been handed out, released or superseded. Stored again, it would be
+    handed out a second time, or stay indexed on blocks its holder is told to free."""
+    node = make_node()
+    await store.register_node(node, 30)
+    handle = (await store.publish_handle(make_handle(node, request_id="turn-1"))).handle
+    if then == "checked_out":
+        await store.check_out("acme", "conv-1", route_id="r1")
+    elif then == "released":
+        await store.release("acme", "conv-1", ReleaseReason.NODE_BUDGET)
+    else:
+        await store.publish_handle(make_handle(node, request_id="turn-2"))
+    before = await store.get_handle("acme", "conv-1")
+    commands = await store.pending_releases(node.node_id)
+
+    outcome = await store.publish_handle(handle)
+
+    assert outcome.freed and outcome.superseded is None
+    assert await store.get_handle("acme", "conv-1") == before
+    assert await store.pending_releases(node.node_id) == commands, "no newer handle released"
+    index = store.keys.by_node(node.node_id, node.incarnation, "turn-1")
+    assert not await store.etcd.exists(index), "nothing indexed on the blocks"
+
+
 async def test_publish_requires_the_registered_incarnation(store: Store) -> None:
     node = make_node()
     await store.register_node(node, 30)

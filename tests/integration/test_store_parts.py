@@ -167,7 +167,7 @@ async def test_a_publish_replacing_a_retained_handle_queues_its_release(store: S
 
 async def test_a_handle_is_checked_out_once(store: Store) -> None:
     record = await _retained(store)
-    claims = ClaimStore(store.etcd, store.keys, store.telemetry)
+    claims = ClaimStore(store.etcd, store.keys, store.telemetry, store.releases)
     won = await claims.check_out("acme", "c1", record, route_id="r1")
     assert won.handle == record.handle and won.claim_id
     assert handle_pb2.CacheHandle.FromString(won.handle_pb).conversation == "c1"
@@ -181,12 +181,14 @@ async def test_an_expired_handle_is_not_checked_out(store: Store) -> None:
     record = await _retained(store, life_ms=120_000)
     expired = replace(record, handle=replace(record.handle, wall_expiry_unix_ms=now_ms() - 1))
     with pytest.raises(NotFound):
-        await ClaimStore(store.etcd, store.keys, store.telemetry).check_out("acme", "c1", expired)
+        await ClaimStore(store.etcd, store.keys, store.telemetry, store.releases).check_out(
+            "acme", "c1", expired
+        )
 
 
 async def test_a_claim_unused_past_the_deadline_is_released_to_its_holder(store: Store) -> None:
     record = await _retained(store)
-    claims = ClaimStore(store.etcd, store.keys, store.telemetry)
+    claims = ClaimStore(store.etcd, store.keys, store.telemetry, store.releases)
     await claims.check_out("acme", "c1", record)
     assert await claims.release_unused(60_000, now_ms()) == []
     released = await claims.release_unused(60_000, now_ms() + 60_001)
@@ -214,7 +216,7 @@ async def test_a_retained_handle_is_released_once_and_its_command_acknowledged(s
 
 async def test_a_checked_out_handle_is_never_released(store: Store) -> None:
     record = await _retained(store)
-    await ClaimStore(store.etcd, store.keys, store.telemetry).check_out("acme", "c1", record)
+    await ClaimStore(store.etcd, store.keys, store.telemetry, store.releases).check_out("acme", "c1", record)
     with pytest.raises(HandleNotRetained):
         await _releases(store).release("acme", "c1", record, ReleaseReason.NODE_BUDGET)
 

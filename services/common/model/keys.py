@@ -107,8 +107,9 @@ class KeyLayout:
     def by_node(self, node_id: str, incarnation: str, request_id: str) -> bytes:
         return self._key("by-node", escape(node_id), escape(incarnation), escape(request_id))
 
-    # freed/{node}/{incarnation}/{request}: the engine freed these blocks; no publish may
-    # name them again (a report that arrives late must not bring a handle back).
+    # freed/{node}/{incarnation}/{request}: the engine freed these blocks, or their handle left
+    # retention (released, superseded, checked out); no publish may name them again (a report
+    # that arrives late, or one re-sent after an unseen success, must not bring a handle back).
     def freed(self, node_id: str, incarnation: str, request_id: str) -> bytes:
         return self._key("freed", escape(node_id), escape(incarnation), escape(request_id))
 

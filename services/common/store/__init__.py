@@ -77,7 +77,7 @@ class Store:
         self.releases = ReleaseStore(self.etcd, self.keys, self.telemetry, self.leases)
         self.nodes = NodeStore(self.etcd, self.keys, self.leases, self.releases)
         self.handles = HandleStore(self.etcd, self.keys, self.leases, self.releases, self.telemetry)
-        self.claims = ClaimStore(self.etcd, self.keys, self.telemetry)
+        self.claims = ClaimStore(self.etcd, self.keys, self.telemetry, self.releases)
         self.elections = ElectionStore(self.etcd, self.keys)
         self.suspects = SuspectStore(self.etcd, self.keys, self.leases)
 

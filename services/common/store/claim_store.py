@@ -31,6 +31,7 @@ from kvplane.services.common.store.records import (
     decode_handle,
     now_ms,
 )
+from kvplane.services.common.store.release_store import ReleaseStore
 from kvplane.v1 import handle_pb2
 
 
@@ -44,10 +45,13 @@ def _current_handle(resp: rpc.TxnResponse) -> HandleRecord | None:
 
 
 class ClaimStore:
-    def __init__(self, etcd: EtcdClient, keys: KeyLayout, telemetry: Telemetry) -> None:
+    def __init__(
+        self, etcd: EtcdClient, keys: KeyLayout, telemetry: Telemetry, releases: ReleaseStore
+    ) -> None:
         self.etcd = etcd
         self.keys = keys
         self.telemetry = telemetry
+        self.releases = releases
 
     async def check_out(
         self, tenant: str, conversation: str, record: HandleRecord, *, route_id: str = "", claim_id: str = ""
@@ -56,10 +60,11 @@ class ClaimStore:
 
         One transaction: the handle key's mod_revision still equals the one
         read; then delete the handle and its index, write the claim on its
-        blocks and point the conversation's check-out at it, all under the
-        handle's own lease. HandleNotRetained if another caller won, or
-        HandleReplaced (with the handle etcd holds, read in the same transaction) if the
-        conversation's handle is another one now; NotFound for a handle past its wall-clock
+        blocks, point the conversation's check-out at it and retire the blocks
+        (`ReleaseStore.retire_op`), all under the handle's own lease.
+        HandleNotRetained if another caller won, or HandleReplaced (with the
+        handle etcd holds, read in the same transaction) if the conversation's
+        handle is another one now; NotFound for a handle past its wall-clock
         expiry.
         """
         handle = record.handle
@@ -91,6 +96,8 @@ class ClaimStore:
             ),
             fencing.put(claim_key, claim.SerializeToString(), claim_lease),
             fencing.put(self.keys.checkout(tenant, conversation), claim_key, claim_lease),
+            # Handed out once: a re-sent publish of this handle must not bring it back.
+            self.releases.retire_op(handle, claim_lease),
         ]
         try:
             resp = await self.etcd.txn(

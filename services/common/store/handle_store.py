@@ -88,8 +88,9 @@ class HandleStore:
 
         A handle it replaces is released in the same transaction (reason
         SUPERSEDED): its blocks hold an older, shorter prefix. The holder must
-        be registered with the handle's incarnation, and must not have
-        reported the blocks freed.
+        be registered with the handle's incarnation, and the blocks must have no
+        tombstone: neither reported freed nor retired (a handle of theirs left
+        retention already, and this publish is a late or re-sent one).
 
         One transaction, fenced on the holder's node key, the conversation's
         handle key and the blocks' tombstone as last seen. They are read first,
@@ -122,6 +123,10 @@ class HandleStore:
             if seen is None:
                 seen = _Seen.of_reads((await self.etcd.read_txn("publish_read", reads)).responses)
             if seen.freed:
+                # Freed by the holder, or retired as the handle left retention: a late or re-sent
+                # publish, which must not bring the handle back (a relocation is refused).
+                if handle.relocates_handle_id:
+                    return PublishOutcome(handle, 0, None, relocation_refused=True)
                 return PublishOutcome(handle, 0, None, freed=True)
             if seen.node_incarnation != handle.holder_incarnation:
                 if seen.hinted:
@@ -152,7 +157,7 @@ class HandleStore:
                     superseded = PendingRelease(
                         uuid.uuid4().hex, old.handle, ReleaseReason.SUPERSEDED, now_ms()
                     )
-                    ops += self._supersede_ops(superseded, old.lease, index)
+                    ops += self._supersede_ops(superseded, old.lease, index, freed)
             riding = unrecorded[0]
             tombstones = 0
             if riding is not None:
@@ -189,13 +194,16 @@ class HandleStore:
                 return PublishOutcome(seen.handle.handle, seen.handle.mod_revision, superseded)
         raise StoreUnavailable(f"conversation {handle.conversation!r} kept changing while publishing")
 
-    def _supersede_ops(self, superseded: PendingRelease, lease: int, index: bytes) -> list[Any]:
-        """The release of the handle a publish replaces; its index entry goes, unless the new
-        handle reuses its key (`index`)."""
+    def _supersede_ops(
+        self, superseded: PendingRelease, lease: int, index: bytes, tombstone: bytes
+    ) -> list[Any]:
+        """The release of the handle a publish replaces; its index entry goes and its blocks are
+        retired, unless the new handle names the same blocks (its `index` and `tombstone`)."""
         return [
             op
             for op in self.releases.release_ops(superseded, lease)
             if not (op.HasField("request_delete_range") and op.request_delete_range.key == index)
+            and not (op.HasField("request_put") and op.request_put.key == tombstone)
         ]
 
     async def _publish_txn(

@@ -11,7 +11,7 @@ from aetcd import rpc
 
 from kvplane.services.common.model import convert
 from kvplane.services.common.model.errors import HandleNotRetained
-from kvplane.services.common.model.handles import PendingRelease, ReleaseReason
+from kvplane.services.common.model.handles import CacheHandle, PendingRelease, ReleaseReason
 from kvplane.services.common.model.keys import KeyLayout, prefix_range_end
 from kvplane.services.common.runtime.telemetry import Telemetry
 from kvplane.services.common.store import fencing
@@ -38,18 +38,32 @@ class ReleaseStore:
         self.leases = leases
 
     def release_ops(self, pending: PendingRelease, lease: int) -> list[Any]:
-        """Ops that remove a retained handle's index and queue its release command."""
+        """Ops that remove a retained handle's index, retire its blocks (`retire_op`) and queue
+        its release command."""
         h = pending.handle
         return [
             fencing.delete(
                 self.keys.by_node(h.holder_node_id, h.holder_incarnation, h.vllm.remote_request_id)
             ),
+            self.retire_op(h, lease),
             fencing.put(
                 self.keys.release(h.holder_node_id, pending.command_id),
                 convert.pending_to_pb(pending).SerializeToString(),
                 lease,
             ),
         ]
+
+    def retire_op(self, handle: CacheHandle, lease: int) -> Any:
+        """The op that writes the tombstone of a handle's blocks as the handle leaves retention
+        (released, superseded, checked out), under `lease`, the handle's own: no publish may
+        name those blocks again. A publish re-sent after a success its sender never saw (the
+        answer lost on the way) would otherwise bring the handle back after it was handed out or
+        released: handed out twice, or indexed on blocks its holder is told to free."""
+        return fencing.put(
+            self.keys.freed(handle.holder_node_id, handle.holder_incarnation, handle.vllm.remote_request_id),
+            b"",
+            lease,
+        )
 
     async def release(
         self, tenant: str, conversation: str, record: HandleRecord, reason: ReleaseReason
