@@ -32,6 +32,7 @@ _MAX_ENGINES = 4096
 _HANDLE_KEY = b'"kv_transfer_params"'
 _CHOICES_KEY = b'"choices"'
 _USAGE_KEY = b'"prompt_tokens_details"'
+_DONE = b"[DONE]"
 
 
 class DigestingEngines:
@@ -73,6 +74,14 @@ class DecodeEvents:
     def collects_ids(self) -> bool:
         """The output's ids are kept for the report."""
         return self._collect
+
+    def opaque(self, chunk: bytes) -> bool:
+        """Whether every event in `chunk` (whole events) goes to the client as D wrote it, with
+        nothing the turn needs in it: then it is not looked into. Not the stream's end either,
+        which the relay must see."""
+        if self._every_event or _HANDLE_KEY in chunk or _USAGE_KEY in chunk or _DONE in chunk:
+            return False
+        return self.progress.ttft_s is not None or _CHOICES_KEY not in chunk
 
     def forward(self, event: SseEvent) -> tuple[bytes, bool]:
         """The bytes to send the client for `event`, and whether it carries a choice (a token);

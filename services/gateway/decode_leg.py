@@ -1,9 +1,11 @@
 """A turn's D leg: D reads the prompt's KV from P and generates, streamed or whole, to the client.
 
-D's events are forwarded one by one as they arrive. The chunk with `finish_reason` carries D's new
-handle: it is announced before the client sees the chunk (the conversation's next turn may come at
-once) and reported after the client's stream has ended, so reporting never delays the answer. A D
-that cannot be reached is routed around (`failover.after_decode_failure`).
+D's events are forwarded as they arrive, those read together in one write; a read holding nothing
+the turn needs (tokens past the first) goes on as D wrote it, not split into events. The chunk
+with `finish_reason` carries D's new handle: it is announced before the client sees the chunk
+(the conversation's next turn may come at once) and reported after the client's stream has ended,
+so reporting never delays the answer. A D that cannot be reached is routed around
+(`failover.after_decode_failure`).
 """
 
 from __future__ import annotations
@@ -194,18 +196,31 @@ class DecodeLeg:
         announced: dict[str, Any] | None = None
         try:
             await _to_client(response.prepare(request))
-            async for event in sse.events(upstream.content.iter_any()):
-                raw, token = stream.forward(event)
-                if progress.decode_params is not announced:
-                    # D's handle, before the client sees the chunk: its next turn may come at once.
-                    announced = progress.decode_params
-                    self.reporter.announce(turn, announced)
-                # One write per event: aiohttp sends it at once, so tokens reach the client as made.
-                await _to_client(response.write(raw))
+            async for batch in sse.batches(upstream.content.iter_any(), stream.opaque):
+                if isinstance(batch, bytes):
+                    # Tokens past the first, with nothing the turn needs: sent on as D wrote them.
+                    await _to_client(response.write(batch))
+                    continue
+                out: list[bytes] = []
+                token = False
+                for event in batch:
+                    raw, carries = stream.forward(event)
+                    if progress.decode_params is not announced:
+                        # D's handle, before the client sees the chunk: its next turn may come at once.
+                        announced = progress.decode_params
+                        self.reporter.announce(turn, announced)
+                    out.append(raw)
+                    token = token or carries
+                    if event.done:
+                        finished = True
+                        break
+                # One write per read of D's stream: aiohttp sends it at once, so tokens reach the
+                # client as made, and those that came together (a gateway behind on its reads)
+                # go in one write, not one each.
+                await _to_client(response.write(out[0] if len(out) == 1 else b"".join(out)))
                 if progress.ttft_s is None and token:
                     progress.ttft_s = time.perf_counter() - turn.arrival
-                if event.done:
-                    finished = True
+                if finished:
                     break
             await _to_client(response.write_eof())
             self.digesting.learn(route.decode, progress.decode_params)

@@ -2,12 +2,13 @@
 
 An engine writes each event (`data: {...}` then a blank line) as soon as its
 token exists; the reader yields every event the moment its blank line
-arrives, so the gateway can forward it without waiting for the next one.
+arrives, so the gateway can forward it without waiting for the next one, and
+the events that arrived together, together.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +58,11 @@ class SseParser:
         self._data: list[bytes] = []
         self._pending = b""  # the start of a line whose end has not arrived yet
 
+    @property
+    def between_events(self) -> bool:
+        """No event begun and unfinished: what follows starts a new one."""
+        return not self._pending and not self._raw
+
     def feed(self, chunk: bytes) -> list[SseEvent]:
         out: list[SseEvent] = []
         raw, data = self._raw, self._data
@@ -101,15 +107,25 @@ class SseParser:
         return out
 
 
-async def events(chunks: AsyncIterable[bytes]) -> AsyncIterator[SseEvent]:
-    """The events of a stream of chunks, each yielded as soon as its blank line arrives; a
-    trailing partial event is yielded too (`SseParser`)."""
+async def batches(
+    chunks: AsyncIterable[bytes], opaque: Callable[[bytes], bool] | None = None
+) -> AsyncIterator[list[SseEvent] | bytes]:
+    """The events of a stream of chunks, grouped by the chunk that completed them: each group as
+    soon as its chunk arrives (a chunk that completes none yields nothing), then a trailing
+    partial event (`SseParser`). A reader that falls behind gets what arrived meanwhile at once,
+    and can forward it in one write.
+
+    A chunk of whole events (none begun before it, its last one ended) that `opaque` says the
+    reader need not look into is yielded as it is, bytes, not split into events: a relay forwards
+    most of a stream so, with no work per event."""
     parser = SseParser()
     async for chunk in chunks:
-        for event in parser.feed(chunk):
-            yield event
-    for event in parser.close():
-        yield event
+        if opaque is not None and parser.between_events and chunk.endswith(b"\n\n") and opaque(chunk):
+            yield chunk
+        elif done := parser.feed(chunk):
+            yield done
+    if tail := parser.close():
+        yield tail
 
 
 def _text(data: list[bytes]) -> str:

@@ -93,3 +93,22 @@ def test_ids_the_client_asked_for_are_not_collected_once_the_handle_brings_diges
     assert progress.output_ids == []
     assert progress.decode_params == HANDLE
     assert progress.retained_ids_for_routing(True) == []
+
+
+def test_a_chunk_is_left_unread_only_when_nothing_in_it_is_the_turns() -> None:
+    """Tokens past the first, with no handle, usage or end in them, go on as D wrote them; any
+    chunk holding one of those is read, as is every chunk of a turn that needs every event."""
+    progress = TurnProgress("recompute_no_handle", [1, 2, 3])
+    events = DecodeEvents(progress, asked_ids=False, keep_ids=False, collect_ids=False)
+    plain = token(1, ids=False).raw + token(2, ids=False).raw
+    assert not events.opaque(plain), "the first token is timed"
+    progress.ttft_s = 0.5
+    assert events.opaque(plain)
+    assert events.opaque(b": keep-alive\n\n")
+    assert not events.opaque(token(3, ids=False, last=True).raw), "D's handle"
+    assert not events.opaque(plain + b"data: [DONE]\n\n"), "the stream's end"
+    usage = event({"id": "c", "choices": [], "usage": {"prompt_tokens_details": {"cached_tokens": 3}}})
+    assert not events.opaque(usage.raw)
+    every = DecodeEvents(TurnProgress("pull", [1]), asked_ids=True, keep_ids=False, collect_ids=False)
+    every.progress.ttft_s = 0.5
+    assert not every.opaque(plain), "token ids to take out of every event"
