@@ -87,6 +87,25 @@ async def test_freed_blocks_reported_with_a_publish_drop_a_handle_still_retained
     assert (await store.publish_handle(make_handle(node, conversation="c-old", request_id="req-old"))).freed
 
 
+async def test_freed_blocks_reported_with_the_publish_that_supersedes_their_handle(store: Store) -> None:
+    """The engine freed the blocks of its conversation's retained handle (their TTL) and reports it
+    with that conversation's next handle: the superseded handle's blocks are recorded freed once,
+    and the new handle stored."""
+    node = make_node("d-ride-same")
+    await store.register_node(node, 30)
+    await store.publish_handle(make_handle(node, conversation="c-same", request_id="req-old"))
+    freed = FreedBlocks(node.node_id, node.incarnation, ("req-old",))
+
+    outcome = await store.publish_handle(
+        make_handle(node, conversation="c-same", request_id="req-new"), None, freed
+    )
+
+    assert not outcome.freed
+    view = await store.get_handle("acme", "c-same")
+    assert view is not None and view.handle.vllm.remote_request_id == "req-new"
+    assert await _tombstone(store, node.node_id, node.incarnation, "req-old") is not None
+
+
 async def test_a_publish_reported_with_its_own_blocks_freed_stores_nothing(store: Store) -> None:
     node = make_node("d-self")
     await store.register_node(node, 30)

@@ -165,6 +165,10 @@ class HandleStore:
                 fence, freed_ops = self.releases.freed_fence(
                     riding.node_id, riding.incarnation, list(riding.request_ids), tombstones
                 )
+                # The superseded handle's blocks may be among them (their TTL freed them): their
+                # tombstone is the report's (etcd refuses a key put twice in one transaction).
+                written = {op.request_put.key for op in freed_ops if op.HasField("request_put")}
+                ops = [op for op in ops if not (op.HasField("request_put") and op.request_put.key in written)]
                 compare, ops = [*compare, *fence], [*ops, *freed_ops]
             try:
                 resp, resent = await self._publish_txn(compare, ops, reads, handle.conversation)
