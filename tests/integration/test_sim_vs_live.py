@@ -228,8 +228,8 @@ def _assert_orders_as(record: Path, fronts: tuple[str, ...], key: str, concurren
 # --repeats 2 --min-conversations 1 --fronts kvplane,vllm-router,example-proxy,zero-hop-reuse
 # --idle-s 10`; `--repeats 3` at 1fd0272): at 0d756e5, kvplane's gateway sending every turn
 # through P, and at 3b33f2e, f71bf6e, 8e313bd, a7afb28, 7e4dbc2, 70f95a7, b273c56, dd12bf0, a8142c6,
-# 1fd0272, 8af36df, 35af2a5 and 0057c2c, as it runs by default since, letting routing send a turn
-# to its D alone.
+# 1fd0272, 8af36df, 35af2a5, 0057c2c and ecdc66b (workload B's processes at fe0a015), as it runs by
+# default since, letting routing send a turn to its D alone.
 LATEST_RECORDS = (
     "compare_0d756e5.json",
     "compare_3b33f2e.json",
@@ -245,6 +245,7 @@ LATEST_RECORDS = (
     "compare_8af36df.json",
     "compare_35af2a5.json",
     "compare_0057c2c.json",
+    "compare_ecdc66b.json",
 )
 LATEST_FRONTS = (KVPLANE, VLLM_ROUTER, EXAMPLE_PROXY)
 
