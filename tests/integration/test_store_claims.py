@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
 from aetcd import rpc
 
 from kvplane.services.common.model import convert
@@ -71,39 +72,30 @@ async def test_a_late_publish_of_blocks_the_holder_already_freed_stores_nothing(
     assert await store.get_handle_record("acme", "c-late") is None
 
 
+@pytest.mark.parametrize("same_conversation", [False, True])
 async def test_freed_blocks_reported_with_a_publish_drop_a_handle_still_retained_under_them(
-    store: Store,
+    store: Store, same_conversation: bool
 ) -> None:
+    """The engine freed a handle's blocks before anyone took them (its TTL); its next publish says
+    so, for another conversation, or for the same one, whose handle it supersedes (the freed
+    blocks' tombstone is then written once: etcd refuses a key put twice in one transaction)."""
     node = make_node("d-ride")
     await store.register_node(node, 30)
-    # The engine freed a handle's blocks before anyone took them (its TTL); its next publish says so.
     await store.publish_handle(make_handle(node, conversation="c-old", request_id="req-old"))
     freed = FreedBlocks(node.node_id, node.incarnation, ("req-old",))
+    conversation = "c-old" if same_conversation else "c-new"
+
     outcome = await store.publish_handle(
-        make_handle(node, conversation="c-new", request_id="req-new"), None, freed
+        make_handle(node, conversation=conversation, request_id="req-new"), None, freed
     )
+
     assert outcome.handle.vllm.remote_request_id == "req-new" and not outcome.freed
-    assert await store.get_handle("acme", "c-old") is None, "dropped, not handed out"
+    old = await store.get_handle("acme", "c-old")
+    if same_conversation:
+        assert old is not None and old.handle.vllm.remote_request_id == "req-new"
+    else:
+        assert old is None, "dropped, not handed out"
     assert (await store.publish_handle(make_handle(node, conversation="c-old", request_id="req-old"))).freed
-
-
-async def test_freed_blocks_reported_with_the_publish_that_supersedes_their_handle(store: Store) -> None:
-    """The engine freed the blocks of its conversation's retained handle (their TTL) and reports it
-    with that conversation's next handle: the superseded handle's blocks are recorded freed once,
-    and the new handle stored."""
-    node = make_node("d-ride-same")
-    await store.register_node(node, 30)
-    await store.publish_handle(make_handle(node, conversation="c-same", request_id="req-old"))
-    freed = FreedBlocks(node.node_id, node.incarnation, ("req-old",))
-
-    outcome = await store.publish_handle(
-        make_handle(node, conversation="c-same", request_id="req-new"), None, freed
-    )
-
-    assert not outcome.freed
-    view = await store.get_handle("acme", "c-same")
-    assert view is not None and view.handle.vllm.remote_request_id == "req-new"
-    assert await _tombstone(store, node.node_id, node.incarnation, "req-old") is not None
 
 
 async def test_a_publish_reported_with_its_own_blocks_freed_stores_nothing(store: Store) -> None:
