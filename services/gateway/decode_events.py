@@ -76,9 +76,9 @@ class DecodeEvents:
         return self._collect
 
     def opaque(self, chunk: bytes) -> bool:
-        """Whether every event in `chunk` (whole events) goes to the client as D wrote it, with
-        nothing the turn needs in it: then it is not looked into. Not the stream's end either,
-        which the relay must see."""
+        """Whether every event in `chunk` (one event, or whole events read together) goes to the
+        client as D wrote it, with nothing the turn needs in it: then it is not looked into. Not
+        the stream's end either, which the relay must see."""
         if self._every_event or _HANDLE_KEY in chunk or _USAGE_KEY in chunk or _DONE in chunk:
             return False
         return self.progress.ttft_s is not None or _CHOICES_KEY not in chunk
@@ -87,8 +87,7 @@ class DecodeEvents:
         """The bytes to send the client for `event`, and whether it carries a choice (a token);
         an event not parsed says no, which matters only until the first token is seen."""
         raw = event.raw
-        first_token = self.progress.ttft_s is None and _CHOICES_KEY in raw
-        if not (self._every_event or first_token or _HANDLE_KEY in raw or _USAGE_KEY in raw):
+        if self.opaque(raw):
             return raw, False
         payload = event.json()
         if payload is None:

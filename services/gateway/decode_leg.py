@@ -217,7 +217,7 @@ class DecodeLeg:
                 # One write per read of D's stream: aiohttp sends it at once, so tokens reach the
                 # client as made, and those that came together (a gateway behind on its reads)
                 # go in one write, not one each.
-                await _to_client(response.write(out[0] if len(out) == 1 else b"".join(out)))
+                await _to_client(response.write(b"".join(out)))
                 if progress.ttft_s is None and token:
                     progress.ttft_s = time.perf_counter() - turn.arrival
                 if finished:
