@@ -132,6 +132,9 @@ class TurnOutcome:
     tpot_ms: float = math.nan
     # The answer's text, as the chunks carried it.
     text: str = ""
+    # When the turn started and its first token came (perf_counter): TTFT's two ends.
+    started_at: float = math.nan
+    first_token_at: float = math.nan
 
 
 class Front(Protocol):
@@ -172,6 +175,7 @@ class StreamResult:
     kv_transfer_params: dict[str, Any] | None
     tpot_ms: float = math.nan
     text: str = ""
+    first_token_at: float = math.nan  # perf_counter
 
 
 async def stream_completion(
@@ -217,7 +221,9 @@ async def stream_completion(
             if chunk.get("kv_transfer_params"):
                 params = chunk["kv_transfer_params"]
         tpot = (last_at - first_at) * 1e3 / (len(output) - 1) if len(output) > 1 else math.nan
-        return StreamResult(resp.status, decision, ttft, output, params, tpot, "".join(texts))
+        return StreamResult(
+            resp.status, decision, ttft, output, params, tpot, "".join(texts), first_at if ttft else math.nan
+        )
 
 
 @dataclass
@@ -248,7 +254,15 @@ class HttpFront:
         conversation.turns_sent += 1
         started = time.perf_counter()
         result = await stream_completion(session, f"{url}/v1/completions", body, headers, started)
-        return TurnOutcome(result.ttft_ms, result.output, result.decision, result.tpot_ms, result.text)
+        return TurnOutcome(
+            result.ttft_ms,
+            result.output,
+            result.decision,
+            result.tpot_ms,
+            result.text,
+            started,
+            result.first_token_at,
+        )
 
 
 @dataclass
@@ -294,7 +308,14 @@ class ZeroHopFront:
         params = result.kv_transfer_params
         if self.reuse and params and params.get("do_remote_decode"):
             conversation.handle = params
-        return TurnOutcome(result.ttft_ms, result.output, tpot_ms=result.tpot_ms, text=result.text)
+        return TurnOutcome(
+            result.ttft_ms,
+            result.output,
+            tpot_ms=result.tpot_ms,
+            text=result.text,
+            started_at=started,
+            first_token_at=result.first_token_at,
+        )
 
 
 # -- served fronts: processes of their own --------------------------------------------

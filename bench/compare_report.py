@@ -152,6 +152,15 @@ class Row:
     decode_kv_waits: float = 0.0
     decode_kv_wait_ms: float = math.nan
     decode_kv_waits_over_1s: float = 0.0
+    # What the front itself added to the TTFT of later turns (compare_timeline.py): p50 and p99 of
+    # its share, and the mean of each part (before the first leg, between legs, after the last
+    # leg's first token), over the later turns whose legs were found (their count).
+    front_share_p50_ms: float = math.nan
+    front_share_p99_ms: float = math.nan
+    front_before_ms: float = math.nan
+    front_between_ms: float = math.nan
+    front_after_ms: float = math.nan
+    front_share_turns: int = 0
 
     @property
     def prefill_spread(self) -> float:
@@ -256,6 +265,7 @@ def build_row(
     p50 = _vs_reference(blocks, reference, 0.5)
     p99 = _vs_reference(blocks, reference, 0.99)
     tpot = [t.tpot_ms for t in ok if not math.isnan(t.tpot_ms)]
+    shared = [t for t in ok if t.turn > 0 and not math.isnan(t.front_ms)]
     return Row(
         front=front,
         concurrency=blocks[0].concurrency if blocks else 0,
@@ -312,7 +322,17 @@ def build_row(
         decode_kv_waits=waits,
         decode_kv_wait_ms=_engine_sum(blocks, KV_WAIT_S, "d") / waits * 1e3 if waits else math.nan,
         decode_kv_waits_over_1s=waits - _engine_sum(blocks, KV_WAIT_LE_1S, "d"),
+        front_share_p50_ms=percentile([t.front_ms for t in shared], 0.5),
+        front_share_p99_ms=percentile([t.front_ms for t in shared], 0.99),
+        front_before_ms=_mean([t.front_before_ms for t in shared]),
+        front_between_ms=_mean([t.front_between_ms for t in shared]),
+        front_after_ms=_mean([t.front_after_ms for t in shared]),
+        front_share_turns=len(shared),
     )
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else math.nan
 
 
 def _engine_sum(blocks: Sequence[BlockResult], key: str, role: str) -> float:
@@ -390,18 +410,23 @@ def latency_table(table: Sequence[Row]) -> str:
 
 
 def engine_ttft_table(table: Sequence[Row]) -> str:
-    """Where a later turn's TTFT goes: the client's p50 beside the engines' own mean TTFTs; and
-    the answers' time per output token after the first (TPOT), which work a front puts on D
-    (a prefill there) takes from the answers D is streaming."""
+    """Where a later turn's TTFT goes: the client's p50 beside the engines' own mean TTFTs and
+    the front's own share of each turn (its p50 and p99, and the mean of its parts: before the
+    first leg, between the legs, after D's first token); and the answers' time per output token
+    after the first (TPOT), which work a front puts on D (a prefill there) takes from the answers
+    D is streaming."""
     lines = [
         "| front | conc | TTFT p50 ms (t2+) | P's own TTFT, mean ms | D's own TTFT, mean ms "
+        "| front's share p50 / p99 ms | its parts, mean ms: before / between / after "
         "| TPOT p50 ms | TPOT p99 ms |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in table:
         lines.append(
             f"| {r.front} | {r.concurrency} | {_f(r.ttft_p50_ms)} | {_f(r.prefill_engine_ttft_ms)} "
-            f"| {_f(r.decode_engine_ttft_ms)} | {_f(r.tpot_p50_ms, 2)} | {_f(r.tpot_p99_ms, 2)} |"
+            f"| {_f(r.decode_engine_ttft_ms)} | {_f(r.front_share_p50_ms)} / {_f(r.front_share_p99_ms)} "
+            f"| {_f(r.front_before_ms)} / {_f(r.front_between_ms)} / {_f(r.front_after_ms)} "
+            f"| {_f(r.tpot_p50_ms, 2)} | {_f(r.tpot_p99_ms, 2)} |"
         )
     return "\n".join(lines)
 

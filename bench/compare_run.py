@@ -9,6 +9,7 @@ settled (kvplane reports each turn after its stream ends), and reads the counter
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import time
 from collections import Counter
@@ -18,8 +19,11 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from kvplane.bench import compare_metrics as metrics
+from kvplane.bench import compare_timeline as timeline
 from kvplane.bench.compare_fronts import Conversation, Front, FrontError
+from kvplane.bench.compare_timeline import Leg, front_share
 from kvplane.bench.compare_workload import BlockPlan, ConversationShape, extended, prompt_tokens, request_body
+from kvplane.connector.simengine.timeline import prompt_digest
 
 NOT_SENT = "not sent: an earlier turn of the conversation failed"
 
@@ -43,6 +47,19 @@ class TurnRecord:
     done_s: float = 0.0
     # The answer's time per output token after the first (nan: not measured).
     tpot_ms: float = math.nan
+    # The prompt's digest (token-id prompts) and TTFT's two ends (perf_counter), to find the turn's
+    # legs on the engines; what the front added to its TTFT, by where (compare_timeline.py; nan:
+    # not found).
+    digest: str = ""
+    started_at: float = math.nan
+    first_token_at: float = math.nan
+    front_before_ms: float = math.nan
+    front_between_ms: float = math.nan
+    front_after_ms: float = math.nan
+
+    @property
+    def front_ms(self) -> float:
+        return self.front_before_ms + self.front_between_ms + self.front_after_ms
 
 
 @dataclass
@@ -116,6 +133,7 @@ async def _conversation(
     turns = 1 + len(shape.user_tokens)
     base = (plan.front, plan.concurrency, plan.repeat, shape.index)
     for turn in range(turns):
+        digest = prompt_digest(prompt) if isinstance(prompt, list) else ""
         sent = time.perf_counter() - started
         try:
             async with asyncio.timeout(timeout_s):
@@ -143,6 +161,9 @@ async def _conversation(
                 sent_s=sent,
                 done_s=done,
                 tpot_ms=outcome.tpot_ms,
+                digest=digest,
+                started_at=outcome.started_at,
+                first_token_at=outcome.first_token_at,
             )
         )
         if turn + 1 < turns:
@@ -175,6 +196,24 @@ async def drive(
     last = max((t.done_s for t in records), default=0.0)
     records.sort(key=lambda t: (t.conversation, t.turn))
     return records, last
+
+
+def with_front_shares(turns: Sequence[TurnRecord], legs: Mapping[str, Sequence[Leg]]) -> list[TurnRecord]:
+    """The turns, each completed one with the front's share of its TTFT where its legs are found."""
+    out = []
+    for t in turns:
+        share = None
+        if t.ok and t.digest:
+            share = front_share(t.started_at, t.first_token_at, legs.get(t.digest, ()))
+        if share is not None:
+            t = dataclasses.replace(
+                t,
+                front_before_ms=share.before_ms,
+                front_between_ms=share.between_ms,
+                front_after_ms=share.after_ms,
+            )
+        out.append(t)
+    return out
 
 
 async def prepare(session: aiohttp.ClientSession, engines: Engines, front: Front) -> int:
@@ -210,8 +249,10 @@ async def run_block(
         engines.decodes,
     )
     before = await metrics.read_all(*args)
-    result.turns, result.wall_s = await drive(session, front, plan, turn_timeout_s)
+    since = await timeline.cursors(session, engines.named)
+    turns, result.wall_s = await drive(session, front, plan, turn_timeout_s)
     await metrics.wait_idle(session, engines.all)
+    result.turns = with_front_shares(turns, await timeline.legs_since(session, engines.named, since))
     result.settled = await metrics.settle(front.processes())
     after = await metrics.read_all(*args, ends_window=True)
     result.measured_s = after.at - before.at

@@ -54,6 +54,7 @@ from kvplane.connector.simengine.remote_loads import Leg, RemoteLoads
 from kvplane.connector.simengine.retention import RetainKind, Retention
 from kvplane.connector.simengine.settings import SimEngineSettings
 from kvplane.connector.simengine.side_channel import LocalIdentity, SideChannelServer
+from kvplane.connector.simengine.timeline import Timeline
 from kvplane.connector.simengine.token_oracle import TokenOracle
 from kvplane.connector.simengine.toy_tokenizer import BYTE_OFFSET, EOS_ID, think_close, think_open
 from kvplane.services.common.model.handles import KEY_RETAIN
@@ -127,6 +128,7 @@ class _Run:
     pull_ms: float = 0.0
     # How long the prompt waited for the engine's compute, the pull left out (ms); -1: not yet.
     queued_ms: float = -1.0
+    first_token_at: float = 0.0  # perf_counter
 
 
 class SimEngine:
@@ -158,6 +160,7 @@ class SimEngine:
         self.oracle = TokenOracle(settings.seed, settings.eos_probability)
         self._think_open, self._think_close = think_open(), think_close()
         self.metrics = SimEngineMetrics(settings.model)
+        self.timeline = Timeline()
         self.side_channel = SideChannelServer(
             self._identity, settings.side_channel_host, settings.side_channel_port
         )
@@ -360,7 +363,8 @@ class SimEngine:
                 else:
                     state = self.oracle.state_after((tok,), state)
                 if len(out) == 1:
-                    self.metrics.first_token(time.perf_counter() - run.t_arrival)
+                    run.first_token_at = time.perf_counter()
+                    self.metrics.first_token(run.first_token_at - run.t_arrival)
                 stop = tok == EOS_ID and not req.ignore_eos
                 if stop or len(out) >= req.max_tokens or n + len(out) >= s.max_model_len:
                     finish = self._finish(req, retain, run, out, "stop" if stop else "length")
@@ -369,6 +373,7 @@ class SimEngine:
                     run.running = False
                     self._running -= 1
                     self._load_changed()
+                    self.timeline.record(prompt, run.t_arrival, run.first_token_at, time.perf_counter())
                     yield TokenEvent(tok, finish)
                     return
                 yield TokenEvent(tok)

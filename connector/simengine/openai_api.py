@@ -469,6 +469,19 @@ async def sim_state(request: web.Request) -> web.Response:
     )
 
 
+async def sim_timeline(request: web.Request) -> web.Response:
+    """The finished requests after `since` (a seq), timed (timeline.py); `last_seq` to read on from."""
+    engine = request.app[ENGINE_KEY]
+    try:
+        since = int(request.query.get("since", "0"))
+    except ValueError:
+        return _error("since must be an integer", 400, "since")
+    timeline = engine.timeline
+    return web.json_response(
+        {"last_seq": timeline.last_seq, "requests": [dataclasses.asdict(r) for r in timeline.since(since)]}
+    )
+
+
 async def sim_release_early(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
     try:
@@ -522,6 +535,7 @@ def build_app(engine: SimEngine) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/sim/state", sim_state)
+    app.router.add_get("/sim/timeline", sim_timeline)
     app.router.add_post("/sim/release_early", sim_release_early)
     app.router.add_post("/sim/bidirectional", sim_bidirectional)
     app.router.add_post("/sim/host_tier", sim_host_tier)

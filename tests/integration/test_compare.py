@@ -92,6 +92,21 @@ def test_every_front_completes_every_turn(runs: dict[str, compare.WorkloadRun], 
 
 
 @pytest.mark.parametrize("key", ["A", "B", "C"])
+def test_every_later_turn_s_ttft_is_split_into_the_engines_and_the_front_s_share(
+    runs: dict[str, compare.WorkloadRun], key: str
+) -> None:
+    for row in runs[key].rows:
+        # Every later turn's legs were found on the engines' timelines (token-id prompts).
+        assert row.front_share_turns == row.later_turns, row
+    for block in runs[key].blocks:
+        for t in block.turns:
+            # Causal, not timing: the client sends before an engine receives, an engine's answer
+            # comes back before the next leg is sent, D's first token before the client's.
+            assert min(t.front_before_ms, t.front_between_ms, t.front_after_ms) >= 0, t
+            assert t.front_ms <= t.ttft_ms, t
+
+
+@pytest.mark.parametrize("key", ["A", "B", "C"])
 def test_the_reuse_split_adds_up(runs: dict[str, compare.WorkloadRun], key: str) -> None:
     for row in runs[key].rows:
         assert row.split_adds_up, row

@@ -5,6 +5,7 @@ routes, errors in vLLM's JSON shape, and the `/sim/*` routes tools and tests use
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -14,6 +15,7 @@ import pytest
 from kvplane.connector.simengine.app import SimEngineServer
 from kvplane.connector.simengine.engine import SimEngine
 from kvplane.connector.simengine.openai_api import ENGINE_KEY, build_app
+from kvplane.connector.simengine.timeline import prompt_digest
 from kvplane.services.common.model.handles import fresh_prefill_params
 from kvplane.services.common.runtime.ports import free_port
 from tests.support.simengine import MODEL, sim
@@ -59,6 +61,7 @@ def test_the_app_serves_vllms_routes_and_the_sims_own() -> None:
         ("GET", "/v1/models"),
         ("GET", "/metrics"),
         ("GET", "/sim/state"),
+        ("GET", "/sim/timeline"),
         ("POST", "/sim/release_early"),
         ("POST", "/sim/bidirectional"),
     } <= routes
@@ -173,3 +176,36 @@ async def _get_json(url: str) -> Any:
     async with aiohttp.ClientSession() as s, s.get(url) as resp:
         assert resp.status == 200
         return await resp.json()
+
+
+async def test_the_timeline_times_each_finished_request_under_its_prompts_digest(
+    prefill: tuple[str, SimEngineServer],
+) -> None:
+    url, _ = prefill
+    prompts = [list(range(100, 140)), list(range(200, 264))]
+    async with aiohttp.ClientSession() as s:
+        async with s.get(url + "/sim/timeline") as resp:
+            start = (await resp.json())["last_seq"]
+        for prompt in prompts:
+            before = time.perf_counter()
+            status, answer = await _post(
+                url + "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 3}
+            )
+            assert status == 200, answer
+        after = time.perf_counter()
+        async with s.get(url + "/sim/timeline", params={"since": str(start)}) as resp:
+            timeline = await resp.json()
+        async with s.get(url + "/sim/timeline", params={"since": "x"}) as resp:
+            assert resp.status == 400 and (await resp.json())["error"]["param"] == "since"
+    requests = timeline["requests"]
+    assert [r["digest"] for r in requests] == [prompt_digest(p) for p in prompts]
+    assert [r["seq"] for r in requests] == [start + 1, start + 2]
+    assert timeline["last_seq"] == start + 2
+    # One clock with this process: each request's times lie inside the calls that made them.
+    assert (
+        requests[0]["arrived"]
+        <= requests[0]["first_token"]
+        <= requests[0]["finished"]
+        <= requests[1]["arrived"]
+    )
+    assert before <= requests[1]["arrived"] <= requests[1]["first_token"] <= requests[1]["finished"] <= after

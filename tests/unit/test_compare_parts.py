@@ -500,3 +500,73 @@ def test_text_prompts_are_lowercase_words_of_the_planned_length_and_grow_by_the_
 def test_a_workload_names_a_known_prompt_format() -> None:
     with pytest.raises(ValueError, match="prompt_format"):
         Workload(prompt_format="words")
+
+
+def test_a_front_s_share_is_the_turn_s_time_outside_its_legs_on_the_engines() -> None:
+    from kvplane.bench.compare_timeline import Leg, front_share
+
+    legs = [
+        Leg("p0", arrived=9.0, first_token=9.1, finished=9.1),  # the same prompt, an earlier turn's
+        Leg("p1", arrived=10.004, first_token=10.150, finished=10.151),  # P's leg
+        Leg("d0", arrived=10.160, first_token=10.190, finished=10.600),  # D's leg
+    ]
+    share = front_share(10.0, 10.195, legs)
+    assert share is not None and share.legs == 2
+    assert math.isclose(share.before_ms, 4.0, abs_tol=1e-6)
+    assert math.isclose(share.between_ms, 9.0, abs_tol=1e-6)
+    assert math.isclose(share.after_ms, 5.0, abs_tol=1e-6)
+    assert math.isclose(share.total_ms, 18.0, abs_tol=1e-6)
+    # A turn served by one leg (D prefilling it) has nothing between legs.
+    alone = front_share(10.155, 10.195, legs)
+    assert alone is not None and alone.legs == 1 and alone.between_ms == 0
+    # No leg of the prompt in the turn's time, or a leg whose first token the client saw before
+    # the engine made it: nothing is attributed.
+    assert front_share(11.0, 11.2, legs) is None
+    assert front_share(10.155, 10.185, legs) is None
+
+
+def test_turns_get_the_front_s_share_from_their_prompt_s_legs_and_rows_report_it() -> None:
+    from kvplane.bench.compare_run import with_front_shares
+    from kvplane.bench.compare_timeline import Leg
+
+    def turn(i: int, digest: str, ttft_ms: float, ok: bool = True) -> TurnRecord:
+        started = 100.0 + i
+        return TurnRecord(
+            KVPLANE,
+            8,
+            0,
+            0,
+            i,
+            100,
+            ok,
+            ttft_ms,
+            digest=digest,
+            started_at=started,
+            first_token_at=started + ttft_ms / 1e3,
+        )
+
+    legs = {
+        f"d{i}": [
+            Leg("p0", 100.0 + i + 0.002 * i, 100.0 + i + 0.1, 100.0 + i + 0.1),
+            Leg("d1", 100.0 + i + 0.11, 100.0 + i + 0.14, 100.5 + i),
+        ]
+        for i in range(1, 4)
+    }
+    turns = [
+        turn(0, "d0", 150.0),
+        *(turn(i, f"d{i}", 150.0) for i in range(1, 4)),
+        turn(4, "d4", 0.0, ok=False),
+    ]
+    joined = with_front_shares(turns, legs)
+    assert [math.isnan(t.front_ms) for t in joined] == [True, False, False, False, True]
+    assert [round(t.front_before_ms, 6) for t in joined[1:4]] == [2.0, 4.0, 6.0]
+    assert all(math.isclose(t.front_between_ms, 10.0, abs_tol=1e-6) for t in joined[1:4])
+    assert all(math.isclose(t.front_after_ms, 10.0, abs_tol=1e-6) for t in joined[1:4])
+    block = BlockResult(KVPLANE, 8, 0, 0)
+    block.turns = joined
+    (row,) = report_rows([block], {KVPLANE: ["gateway"]}, None)
+    # Later turns only (turn index > 0): the three found.
+    assert row.front_share_turns == 3
+    assert math.isclose(row.front_share_p50_ms, 24.0, abs_tol=1e-6)
+    assert math.isclose(row.front_share_p99_ms, 26.0, abs_tol=1e-6)
+    assert math.isclose(row.front_before_ms, 4.0, abs_tol=1e-6)
