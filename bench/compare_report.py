@@ -157,6 +157,9 @@ class Row:
     # leg's first token), over the later turns whose legs were found (their count).
     front_share_p50_ms: float = math.nan
     front_share_p99_ms: float = math.nan
+    # The rest of those turns' TTFT, the engines' time on their legs: p50 and p99.
+    engines_share_p50_ms: float = math.nan
+    engines_share_p99_ms: float = math.nan
     front_before_ms: float = math.nan
     front_between_ms: float = math.nan
     front_after_ms: float = math.nan
@@ -324,6 +327,8 @@ def build_row(
         decode_kv_waits_over_1s=waits - _engine_sum(blocks, KV_WAIT_LE_1S, "d"),
         front_share_p50_ms=percentile([t.front_ms for t in shared], 0.5),
         front_share_p99_ms=percentile([t.front_ms for t in shared], 0.99),
+        engines_share_p50_ms=percentile([t.ttft_ms - t.front_ms for t in shared], 0.5),
+        engines_share_p99_ms=percentile([t.ttft_ms - t.front_ms for t in shared], 0.99),
         front_before_ms=_mean([t.front_before_ms for t in shared]),
         front_between_ms=_mean([t.front_between_ms for t in shared]),
         front_after_ms=_mean([t.front_after_ms for t in shared]),
@@ -412,20 +417,22 @@ def latency_table(table: Sequence[Row]) -> str:
 def engine_ttft_table(table: Sequence[Row]) -> str:
     """Where a later turn's TTFT goes: the client's p50 beside the engines' own mean TTFTs and
     the front's own share of each turn (its p50 and p99, and the mean of its parts: before the
-    first leg, between the legs, after D's first token); and the answers' time per output token
+    first leg, between the legs, after D's first token) and the engines' share (the rest of the
+    turn's TTFT: the engines' time on its legs); and the answers' time per output token
     after the first (TPOT), which work a front puts on D (a prefill there) takes from the answers
     D is streaming."""
     lines = [
         "| front | conc | TTFT p50 ms (t2+) | P's own TTFT, mean ms | D's own TTFT, mean ms "
         "| front's share p50 / p99 ms | its parts, mean ms: before / between / after "
-        "| TPOT p50 ms | TPOT p99 ms |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| engines' share p50 / p99 ms | TPOT p50 ms | TPOT p99 ms |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in table:
         lines.append(
             f"| {r.front} | {r.concurrency} | {_f(r.ttft_p50_ms)} | {_f(r.prefill_engine_ttft_ms)} "
             f"| {_f(r.decode_engine_ttft_ms)} | {_f(r.front_share_p50_ms)} / {_f(r.front_share_p99_ms)} "
             f"| {_f(r.front_before_ms)} / {_f(r.front_between_ms)} / {_f(r.front_after_ms)} "
+            f"| {_f(r.engines_share_p50_ms)} / {_f(r.engines_share_p99_ms)} "
             f"| {_f(r.tpot_p50_ms, 2)} | {_f(r.tpot_p99_ms, 2)} |"
         )
     return "\n".join(lines)

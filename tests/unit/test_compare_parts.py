@@ -569,4 +569,7 @@ def test_turns_get_the_front_s_share_from_their_prompt_s_legs_and_rows_report_it
     assert row.front_share_turns == 3
     assert math.isclose(row.front_share_p50_ms, 24.0, abs_tol=1e-6)
     assert math.isclose(row.front_share_p99_ms, 26.0, abs_tol=1e-6)
+    # The engines' share is the rest of each turn's TTFT: 150 less 22, 24 and 26.
+    assert math.isclose(row.engines_share_p50_ms, 126.0, abs_tol=1e-6)
+    assert math.isclose(row.engines_share_p99_ms, 128.0, abs_tol=1e-6)
     assert math.isclose(row.front_before_ms, 4.0, abs_tol=1e-6)
