@@ -18,7 +18,6 @@ fails only when no node that could serve the turn is known.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -36,6 +35,7 @@ from kvplane.services.common.model.errors import (
     StoreUnavailable,
 )
 from kvplane.services.common.model.handles import ReleaseReason
+from kvplane.services.common.model.json_text import dumps_compact
 from kvplane.services.common.model.nodes import Node
 from kvplane.services.common.model.suspects import NodeSuspect
 from kvplane.services.common.runtime.auth import Principal, PrincipalKind
@@ -208,7 +208,7 @@ class RoutingService(routing_pb2_grpc.RoutingServiceServicer):
             reason=outcome.reason,
             prefill=self._endpoint(outcome.plan.prefill),
             decode=self._endpoint(outcome.plan.decode),
-            prefill_kv_transfer_params_json=json.dumps(outcome.prefill_params, separators=(",", ":")),
+            prefill_kv_transfer_params_json=dumps_compact(outcome.prefill_params),
             expected_reused_tokens=outcome.reused_tokens,
             skip_decode_retention=outcome.skip_decode_retention,
             reports_taken=len(request.reports),
