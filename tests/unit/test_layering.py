@@ -47,6 +47,7 @@ DOMAIN = frozenset(
         f"{MODEL}.block_hashes",  # vLLM's prefix-cache block hashes, predicted from token ids
         f"{MODEL}.kv_events",  # vLLM's KV-cache event batches on the wire
         f"{MODEL}.loopback",  # which addresses stay on this machine (may carry a secret in clear)
+        f"{MODEL}.json_text",  # compact JSON text of the values kvplane builds (kv_transfer_params)
         MODEL,
         "kvplane.connector.digests",  # the token-block digests a handle carries
     }
