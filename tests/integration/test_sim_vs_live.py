@@ -246,6 +246,7 @@ LATEST_RECORDS = (
     "compare_35af2a5.json",
     "compare_0057c2c.json",
     "compare_ecdc66b.json",
+    "compare_11c11ab.json",
 )
 LATEST_FRONTS = (KVPLANE, VLLM_ROUTER, EXAMPLE_PROXY)
 
