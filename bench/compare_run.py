@@ -56,6 +56,8 @@ class TurnRecord:
     front_before_ms: float = math.nan
     front_between_ms: float = math.nan
     front_after_ms: float = math.nan
+    # Each of its legs' engine and time there (ms; compare_timeline.FrontShare.legs).
+    legs: tuple[tuple[str, float], ...] = ()
 
     @property
     def front_ms(self) -> float:
@@ -211,6 +213,7 @@ def with_front_shares(turns: Sequence[TurnRecord], legs: Mapping[str, Sequence[L
                 front_before_ms=share.before_ms,
                 front_between_ms=share.between_ms,
                 front_after_ms=share.after_ms,
+                legs=share.legs,
             )
         out.append(t)
     return out

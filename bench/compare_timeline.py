@@ -46,7 +46,8 @@ class FrontShare:
     before_ms: float
     between_ms: float
     after_ms: float
-    legs: int
+    # Each leg's engine and its time there (ms): to its end, the last leg to its first token.
+    legs: tuple[tuple[str, float], ...]
 
     @property
     def total_ms(self) -> float:
@@ -88,9 +89,11 @@ def front_share(started: float, first_token: float, legs: Sequence[Leg]) -> Fron
     if not mine or mine[-1].first_token > first_token:
         return None
     between = sum(nxt.arrived - prev.finished for prev, nxt in itertools.pairwise(mine))
+    times = [(leg.engine, (leg.finished - leg.arrived) * 1e3) for leg in mine[:-1]]
+    times.append((mine[-1].engine, (mine[-1].first_token - mine[-1].arrived) * 1e3))
     return FrontShare(
         (mine[0].arrived - started) * 1e3,
         between * 1e3,
         (first_token - mine[-1].first_token) * 1e3,
-        len(mine),
+        tuple(times),
     )

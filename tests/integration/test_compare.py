@@ -104,6 +104,10 @@ def test_every_later_turn_s_ttft_is_split_into_the_engines_and_the_front_s_share
             # comes back before the next leg is sent, D's first token before the client's.
             assert min(t.front_before_ms, t.front_between_ms, t.front_after_ms) >= 0, t
             assert t.front_ms <= t.ttft_ms, t
+            if t.turn > 0:
+                # A P leg then a D leg, or D alone where routing had D prefill the turn.
+                engines = [engine[0] for engine, _ in t.legs]
+                assert engines == (["d"] if t.decision == "prefill_on_decode" else ["p", "d"]), t
 
 
 @pytest.mark.parametrize("key", ["A", "B", "C"])

@@ -511,14 +511,16 @@ def test_a_front_s_share_is_the_turn_s_time_outside_its_legs_on_the_engines() ->
         Leg("d0", arrived=10.160, first_token=10.190, finished=10.600),  # D's leg
     ]
     share = front_share(10.0, 10.195, legs)
-    assert share is not None and share.legs == 2
+    assert share is not None and [engine for engine, _ in share.legs] == ["p1", "d0"]
+    # P's leg to its end, D's to its first token.
+    assert [round(ms, 6) for _, ms in share.legs] == [147.0, 30.0]
     assert math.isclose(share.before_ms, 4.0, abs_tol=1e-6)
     assert math.isclose(share.between_ms, 9.0, abs_tol=1e-6)
     assert math.isclose(share.after_ms, 5.0, abs_tol=1e-6)
     assert math.isclose(share.total_ms, 18.0, abs_tol=1e-6)
     # A turn served by one leg (D prefilling it) has nothing between legs.
     alone = front_share(10.155, 10.195, legs)
-    assert alone is not None and alone.legs == 1 and alone.between_ms == 0
+    assert alone is not None and len(alone.legs) == 1 and alone.between_ms == 0
     # No leg of the prompt in the turn's time, or a leg whose first token the client saw before
     # the engine made it: nothing is attributed.
     assert front_share(11.0, 11.2, legs) is None
@@ -562,6 +564,7 @@ def test_turns_get_the_front_s_share_from_their_prompt_s_legs_and_rows_report_it
     assert [round(t.front_before_ms, 6) for t in joined[1:4]] == [2.0, 4.0, 6.0]
     assert all(math.isclose(t.front_between_ms, 10.0, abs_tol=1e-6) for t in joined[1:4])
     assert all(math.isclose(t.front_after_ms, 10.0, abs_tol=1e-6) for t in joined[1:4])
+    assert [[e for e, _ in t.legs] for t in joined] == [[], ["p0", "d1"], ["p0", "d1"], ["p0", "d1"], []]
     block = BlockResult(KVPLANE, 8, 0, 0)
     block.turns = joined
     (row,) = report_rows([block], {KVPLANE: ["gateway"]}, None)
