@@ -22,6 +22,7 @@ import itertools
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 
@@ -54,17 +55,18 @@ class FrontShare:
         return self.before_ms + self.between_ms + self.after_ms
 
 
-async def _get(session: aiohttp.ClientSession, url: str, since: int) -> dict[str, object]:
+async def _get(session: aiohttp.ClientSession, url: str, since: int) -> dict[str, Any]:
     async with session.get(url + TIMELINE, params={"since": str(since)}, timeout=_READ_TIMEOUT) as resp:
         resp.raise_for_status()
-        answer: dict[str, object] = await resp.json()
+        answer: dict[str, Any] = await resp.json()
         return answer
 
 
 async def cursors(session: aiohttp.ClientSession, engines: Mapping[str, str]) -> dict[str, int]:
     """Each engine's last finished request now (by engine name), to read on from after a block."""
+    # Since a seq no request reaches: only `last_seq` comes back.
     answers = await asyncio.gather(*(_get(session, url, 1 << 62) for url in engines.values()))
-    return {name: int(a["last_seq"]) for name, a in zip(engines, answers, strict=True)}  # type: ignore[call-overload]
+    return {name: int(a["last_seq"]) for name, a in zip(engines, answers, strict=True)}
 
 
 async def legs_since(
@@ -74,7 +76,7 @@ async def legs_since(
     answers = await asyncio.gather(*(_get(session, url, since[name]) for name, url in engines.items()))
     out: dict[str, list[Leg]] = defaultdict(list)
     for name, answer in zip(engines, answers, strict=True):
-        for r in answer["requests"]:  # type: ignore[attr-defined]
+        for r in answer["requests"]:
             out[r["digest"]].append(Leg(name, r["arrived"], r["first_token"], r["finished"]))
     for legs in out.values():
         legs.sort(key=lambda leg: leg.arrived)
