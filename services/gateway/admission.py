@@ -29,6 +29,8 @@ what any legitimate body holds: twice the context length plus 65,536 (`read_limi
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -199,7 +201,36 @@ def parse_json(raw: bytes, limits: ReadLimits) -> Any:
             raise RequestRejected(400, f"the body nests deeper than {limits.max_depth} levels") from None
         raise RequestRejected(400, f"the body is not valid JSON: {exc}") from None
     _check_depth(raw, value, limits.max_depth)
+    _check_integers(raw)
     return value
+
+
+def _check_integers(raw: bytes) -> None:
+    """Refuses an integer beyond 64 bits, which orjson reads as a float: the client's value would
+    reach the engines changed. No field an engine takes holds one. Only a body with a run of 19
+    or more digits (in a string, or a number that may be one) is read again, by the standard
+    library, whose integers are exact."""
+    if not _LONG_DIGITS.search(raw):
+        return
+    # orjson has parsed it: no number here passes a double's range, nor the interpreter's digit limit.
+    stack = [json.loads(raw)]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif type(item) is int and not _MIN_INT <= item <= _MAX_INT:
+            shown = str(item)
+            shown = shown if len(shown) <= 40 else shown[:37] + "..."
+            raise RequestRejected(
+                400, f"the body holds the integer {shown}, beyond 64 bits: no engine takes it"
+            )
+
+
+# Where an integer beyond 64 bits may be; the range orjson reads exactly (int64 and uint64).
+_LONG_DIGITS = re.compile(rb"\d{19,}")
+_MIN_INT, _MAX_INT = -(1 << 63), (1 << 64) - 1
 
 
 def _constant_at(raw: bytes, pos: int) -> str | None:

@@ -122,6 +122,7 @@ async def test_a_compressed_body_is_refused_unread_and_a_mislabelled_one_is_no_5
         (b'{"x": NaN}', "NaN is not a JSON number"),
         (b'{"a": [[[[1]]]]}', "nests deeper than 4 levels"),
         (b'{"x": "\\ud800"}', "lone surrogate"),
+        (b'{"seed": 1180591620717411303424}', "the integer 1180591620717411303424, beyond 64 bits"),
         (b"[1, 2]", "must be a JSON object"),
     ],
 )

@@ -79,3 +79,37 @@ def test_a_prompt_at_the_context_length_fits_the_default_body_limit() -> None:
     ids = b'{"model": "m", "prompt": [' + b",".join([b"4294967295"] * context) + b"]}"
     text = b'{"messages": [{"role": "user", "content": "' + b"\\u00e9" * (4 * context) + b'"}]}'
     assert len(ids) < limits.max_body_bytes and len(text) < limits.max_body_bytes
+
+
+@pytest.mark.parametrize(
+    ("number", "shown"),
+    [
+        (b"18446744073709551616", "18446744073709551616"),  # 2**64
+        (b"-9223372036854775809", "-9223372036854775809"),  # below int64
+        (b"1" + b"0" * 60, "1" + "0" * 36 + "..."),
+    ],
+)
+def test_an_integer_beyond_64_bits_is_refused_not_forwarded_as_a_float(number: bytes, shown: str) -> None:
+    body = b'{"prompt": [1, 2], "seed": ' + number + b"}"
+    with pytest.raises(RequestRejected) as refused:
+        parse_json(body, _limits(100))
+    assert refused.value.status == 400
+    assert f"the integer {shown}, beyond 64 bits" in refused.value.message
+
+
+def test_an_integer_past_a_doubles_range_is_refused_as_before() -> None:
+    # orjson refuses it itself (past a double's range, and past the interpreter's digit limit).
+    with pytest.raises(RequestRejected) as refused:
+        parse_json(b'{"seed": ' + b"9" * 5000 + b"}", _limits(100))
+    assert refused.value.status == 400 and "not valid JSON" in refused.value.message
+
+
+def test_long_digit_runs_that_are_no_such_integer_pass_unchanged() -> None:
+    body = (
+        b'{"prompt": "call 123456789012345678901234567890 now", "seed": 18446744073709551615, '
+        b'"min": -9223372036854775808, "t": 12345678901234567890.5}'
+    )
+    value = parse_json(body, _limits(100))
+    assert value["prompt"] == "call 123456789012345678901234567890 now"
+    assert value["seed"] == (1 << 64) - 1 and value["min"] == -(1 << 63)
+    assert value["t"] == 12345678901234567890.5
