@@ -132,9 +132,8 @@ class TurnOutcome:
     tpot_ms: float = math.nan
     # The answer's text, as the chunks carried it.
     text: str = ""
-    # When the turn started and its first token came (perf_counter): TTFT's two ends.
+    # When the turn started (perf_counter): TTFT is measured from it.
     started_at: float = math.nan
-    first_token_at: float = math.nan
 
 
 class Front(Protocol):
@@ -175,7 +174,6 @@ class StreamResult:
     kv_transfer_params: dict[str, Any] | None
     tpot_ms: float = math.nan
     text: str = ""
-    first_token_at: float = math.nan  # perf_counter
 
 
 async def stream_completion(
@@ -221,9 +219,7 @@ async def stream_completion(
             if chunk.get("kv_transfer_params"):
                 params = chunk["kv_transfer_params"]
         tpot = (last_at - first_at) * 1e3 / (len(output) - 1) if len(output) > 1 else math.nan
-        return StreamResult(
-            resp.status, decision, ttft, output, params, tpot, "".join(texts), first_at if ttft else math.nan
-        )
+        return StreamResult(resp.status, decision, ttft, output, params, tpot, "".join(texts))
 
 
 @dataclass
@@ -261,7 +257,6 @@ class HttpFront:
             result.tpot_ms,
             result.text,
             started,
-            result.first_token_at,
         )
 
 
@@ -314,7 +309,6 @@ class ZeroHopFront:
             tpot_ms=result.tpot_ms,
             text=result.text,
             started_at=started,
-            first_token_at=result.first_token_at,
         )
 
 

@@ -47,12 +47,11 @@ class TurnRecord:
     done_s: float = 0.0
     # The answer's time per output token after the first (nan: not measured).
     tpot_ms: float = math.nan
-    # The prompt's digest (token-id prompts) and TTFT's two ends (perf_counter), to find the turn's
-    # legs on the engines; what the front added to its TTFT, by where (compare_timeline.py; nan:
-    # not found).
+    # The prompt's digest (token-id prompts) and the turn's start (perf_counter; TTFT is measured
+    # from it), to find the turn's legs on the engines; what the front added to its TTFT, by where
+    # (compare_timeline.py; nan: not found).
     digest: str = ""
     started_at: float = math.nan
-    first_token_at: float = math.nan
     front_before_ms: float = math.nan
     front_between_ms: float = math.nan
     front_after_ms: float = math.nan
@@ -165,7 +164,6 @@ async def _conversation(
                 tpot_ms=outcome.tpot_ms,
                 digest=digest,
                 started_at=outcome.started_at,
-                first_token_at=outcome.first_token_at,
             )
         )
         if turn + 1 < turns:
@@ -206,7 +204,8 @@ def with_front_shares(turns: Sequence[TurnRecord], legs: Mapping[str, Sequence[L
     for t in turns:
         share = None
         if t.ok and t.digest:
-            share = front_share(t.started_at, t.first_token_at, legs.get(t.digest, ()))
+            first_token_at = t.started_at + t.ttft_ms / 1e3
+            share = front_share(t.started_at, first_token_at, legs.get(t.digest, ()))
         if share is not None:
             t = dataclasses.replace(
                 t,

@@ -50,10 +50,6 @@ class FrontShare:
     # Each leg's engine and its time there (ms): to its end, the last leg to its first token.
     legs: tuple[tuple[str, float], ...]
 
-    @property
-    def total_ms(self) -> float:
-        return self.before_ms + self.between_ms + self.after_ms
-
 
 async def _get(session: aiohttp.ClientSession, url: str, since: int) -> dict[str, Any]:
     async with session.get(url + TIMELINE, params={"since": str(since)}, timeout=_READ_TIMEOUT) as resp:
