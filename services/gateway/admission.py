@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -210,7 +209,9 @@ def _check_integers(raw: bytes) -> None:
     reach the engines changed. No field an engine takes holds one. Only a body with a run of 19
     or more digits (in a string, or a number that may be one) is read again, by the standard
     library, whose integers are exact."""
-    if not _LONG_DIGITS.search(raw):
+    # Every digit as 0, then one substring search: both in C, some 30 us for 5,500 token ids,
+    # where a regular expression took 0.7 ms.
+    if _LONG_DIGITS not in raw.translate(_DIGITS_AS_ZERO):
         return
     # orjson has parsed it: no number here passes a double's range, nor the interpreter's digit limit.
     stack = [json.loads(raw)]
@@ -228,8 +229,10 @@ def _check_integers(raw: bytes) -> None:
             )
 
 
-# Where an integer beyond 64 bits may be; the range orjson reads exactly (int64 and uint64).
-_LONG_DIGITS = re.compile(rb"\d{19,}")
+# Where an integer beyond 64 bits may be (19 digits in a row); the range orjson reads exactly
+# (int64 and uint64).
+_DIGITS_AS_ZERO = bytes.maketrans(b"123456789", b"000000000")
+_LONG_DIGITS = b"0" * 19
 _MIN_INT, _MAX_INT = -(1 << 63), (1 << 64) - 1
 
 
