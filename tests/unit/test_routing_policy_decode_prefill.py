@@ -16,7 +16,10 @@ from kvplane.services.routing.policy import (
     policy_from_mapping,
 )
 from kvplane.services.routing.policy.config import PolicyConfig
-from kvplane.services.routing.policy.decode_prefill import PrefillOnDecodeSettings
+from kvplane.services.routing.policy.decode_prefill import (
+    PrefillOnDecodeSettings,
+    handle_could_serve_on_decode,
+)
 from kvplane.services.routing.policy.pipeline import RoutingPolicy
 from tests.unit.routing_policy_fixtures import NOW, history, mk_handle, mk_node, replace, snap, state
 
@@ -324,3 +327,21 @@ def test_a_decode_node_without_room_for_the_turn_is_not_chosen_for_its_cache() -
         added(200), decode_cached_tokens={"d1": 4096}, nodes=[state(P0), state(D0, **ROOM), full]
     )
     assert plan.decision is not Decision.PREFILL_ON_DECODE
+
+
+def test_whether_an_unseen_handle_could_serve_a_prefill_on_d_follows_the_rules_on_its_tokens() -> None:
+    rules = PrefillOnDecodeSettings()
+    busy = [state(D0, **STREAMING), state(D1, **STREAMING)]
+    idle = [state(D0, **STREAMING), state(D1, **ROOM)]
+    # D holds 4,096 tokens of a 4,296-token prompt; P holds none of them, or all but 80.
+    assert handle_could_serve_on_decode(4096, 4296, 0, busy, rules)
+    assert not handle_could_serve_on_decode(4096, 4296, 4016, busy, rules)
+    # Sparing P fewer tokens than D would compute is waived where a decode node is idle.
+    assert handle_could_serve_on_decode(4096, 4296, 4016, idle, rules)
+    assert not handle_could_serve_on_decode(
+        4096, 4296, 4016, idle, replace(rules, idle_decode_skips_history_rule=False)
+    )
+    # More new tokens than D may compute, none at all, or prefill on D off: never.
+    assert not handle_could_serve_on_decode(4096, 4096 + rules.max_new_tokens + 1, 0, idle, rules)
+    assert not handle_could_serve_on_decode(4096, 4096, 0, idle, rules)
+    assert not handle_could_serve_on_decode(4096, 4296, 0, idle, replace(rules, max_new_tokens=0))

@@ -17,6 +17,7 @@ from kvplane.services.common.model.suspects import NodeSuspect
 from kvplane.services.common.store.records import CheckOut, HandleRecord, HandleReplaced
 from kvplane.services.routing.policy import Decision, NodeState, Prompt, RoutingPolicy, load_policy
 from kvplane.services.routing.policy.config import PolicyConfig
+from kvplane.services.routing.policy.pull_decision import PullSettings, pull_could_pay
 from kvplane.services.routing.router.ports import Clock, ClusterReader, HandleCheckOut
 from kvplane.services.routing.router.router import NoRoute, Router
 from kvplane.services.routing.router.turns import AwaitedHandle, TurnReport, TurnRequest
@@ -460,6 +461,39 @@ async def test_a_decode_node_whose_events_show_the_history_prefills_only_for_a_c
     assert views.asked[1:] == [["p0", "p1"], ["d0", "d1"]]
     assert on_d.reused_tokens == HISTORY and on_d.handle is None
     assert on_d.prefill_params["do_remote_prefill"] is False
+
+
+async def test_a_turn_its_decode_node_could_prefill_from_the_awaited_handle_waits_though_no_pull_pays() -> (
+    None
+):
+    # p0's events show it holding the history but the last answer, too few tokens for a pull to
+    # pay: through P, the turn would not use the handle. Its holder, idle, could prefill the
+    # turn itself from it, and so the turn waits for its publish, for a caller that can send it
+    # to D alone.
+    answer = PullSettings().threshold_tokens + 16
+    cluster = FakeCluster(fleet())
+    handle = replace(mk_handle(cluster.nodes[2], history(HISTORY)), conversation="c")
+    cluster.lands = HandleRecord(handle, mod_revision=3, lease=1)
+    ids = iter(f"route-{i}" for i in range(10))
+    router = Router(
+        RoutingPolicy(load_policy()),
+        RoutingSection(),
+        cluster,
+        FakeCheckOut(),
+        FakeClock(),
+        new_route_id=lambda: next(ids),
+        engine_caches=FakeViews({"p0": HISTORY - answer}),
+    )
+    assert not pull_could_pay(answer, cluster.nodes[2].kv_bytes_per_token, router.costs, PullSettings())
+    prompt = [*history(HISTORY), *history(150, seed=4)]
+    awaited = AwaitedHandle(handle.handle_id, HISTORY)
+    through_p = await router.route(turn(prompt, "c", awaited=awaited))
+    assert cluster.waits == [] and through_p.plan.prefill.node_id == "p0"
+    on_d = await router.route(turn(prompt, "c", awaited=awaited, prefill_on_decode_ok=True))
+    assert len(cluster.waits) == 1
+    assert on_d.decision is Decision.PREFILL_ON_DECODE, on_d.reason
+    assert on_d.plan.prefill.node_id == on_d.plan.decode.node_id == "d0"
+    assert on_d.reused_tokens == HISTORY
 
 
 async def test_with_prefill_from_decode_caches_off_no_route_hashes_for_them() -> None:

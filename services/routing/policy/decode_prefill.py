@@ -53,6 +53,7 @@ computes what its cache lacks), never correctness. Anything else is routed throu
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvplane.services.common.model.nodes import Node
@@ -109,6 +110,26 @@ def decode_idle(decode: NodeState) -> bool:
     """Whether the decode node runs and queues no request, as far as its load is known."""
     load = decode.load
     return load is not None and load.running_requests == 0 and load.queued_requests == 0
+
+
+def handle_could_serve_on_decode(
+    handle_tokens: int,
+    prompt_tokens: int,
+    prefill_held_tokens: int,
+    decodes: Iterable[NodeState],
+    settings: PrefillOnDecodeSettings,
+) -> bool:
+    """Whether a handle of `handle_tokens` of the prompt, not yet seen, could let its holder D
+    prefill the turn itself, by the rules on the new tokens and on the history D spares P
+    (`_local_verdict`'s, without the cost model): for a caller that must decide before the
+    handle is known whether to wait for its publish. A decode node counts as idle when any is:
+    the holder is not known before the handle is."""
+    new = prompt_tokens - handle_tokens
+    if settings.max_new_tokens <= 0 or new <= 0 or new > settings.max_new_tokens:
+        return False
+    if handle_tokens - prefill_held_tokens >= settings.min_history_per_new_token * new:
+        return True
+    return settings.idle_decode_skips_history_rule and any(decode_idle(d) for d in decodes)
 
 
 def decode_queue_ms(decode: NodeState, costs: CostModel) -> float:

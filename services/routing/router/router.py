@@ -39,6 +39,7 @@ from kvplane.services.routing.policy import (
     TurnObservation,
 )
 from kvplane.services.routing.policy.decision import NoEligibleNodes
+from kvplane.services.routing.policy.decode_prefill import handle_could_serve_on_decode
 from kvplane.services.routing.policy.pull_decision import pull_could_pay
 from kvplane.services.routing.policy.retention import decode_retention_pays
 from kvplane.services.routing.router.ports import Clock, ClusterReader, HandleCheckOut, PrefixCacheViews
@@ -236,7 +237,9 @@ class Router:
             # have shown right. A guess that P holds the history, wrong, costs the history's
             # recompute; waiting for the announced handle costs its publish, milliseconds.
             known = {node_id: tokens for node_id, tokens in prefill_cached.items() if node_id in known_nodes}
-            waited = await self._await_publish(key, awaited, prompt, known, all_states, time_budget_s)
+            waited = await self._await_publish(
+                key, awaited, prompt, known, all_states, time_budget_s, turn.prefill_on_decode_ok
+            )
             record = waited or record
             if time_budget_s is not None:
                 time_budget_s -= self.clock.monotonic_s() - started
@@ -326,6 +329,7 @@ class Router:
         prefill_cached: Mapping[str, int],
         all_states: tuple[NodeState, ...],
         time_budget_s: float | None,
+        prefill_on_decode_ok: bool,
     ) -> HandleRecord | None:
         """The awaited handle once the cluster view holds it, or None; waits only when it pays.
 
@@ -334,17 +338,22 @@ class Router:
         handle. Nothing holds the turn for the previous turn's report; only a turn that needs
         the handle waits for it, bounded by `publish_wait_s` and the caller's deadline. A
         prefill node known to hold the history already (its prefix cache, as its events show it
-        or as its reports have proven the record) needs no pull, so then the turn goes on at once.
+        or as its reports have proven the record) needs no pull, so then the turn goes on at once,
+        unless the handle could let its holder prefill the turn itself (for a caller that can run
+        a turn on D alone), which spares the turn P's leg and the hand-off, not only a pull.
         """
         held = max(prefill_cached.values(), default=0)
         wanted = min(awaited.tokens, prompt.tokens - 1) if awaited.tokens > 0 else prompt.tokens - 1
-        # What P lacks (the last answer, say) may be cheaper to recompute than to pull: then
-        # the handle would not be used, and waiting for it would only delay the turn.
-        holder_bytes = max(
-            (s.node.kv_bytes_per_token for s in all_states if s.node.role.can_decode()),
-            default=0,
+        decodes = [s for s in all_states if s.node.role.can_decode()]
+        holder_bytes = max((s.node.kv_bytes_per_token for s in decodes), default=0)
+        # What P lacks (the last answer, say) may be cheaper to recompute than to pull, and the
+        # turn may add more than D would prefill: then the handle would not be used, and waiting
+        # for it would only delay the turn.
+        pull_pays = pull_could_pay(wanted - held, holder_bytes, self.costs, self.policy.config.pull)
+        on_decode = prefill_on_decode_ok and handle_could_serve_on_decode(
+            wanted, prompt.tokens, held, decodes, self.policy.config.prefill_on_decode
         )
-        if not pull_could_pay(wanted - held, holder_bytes, self.costs, self.policy.config.pull):
+        if not (pull_pays or on_decode):
             return None
         wait_s = self.settings.publish_wait_s
         if time_budget_s is not None:
