@@ -212,6 +212,7 @@ class NodeAgent:
             reconciled_freed=self._registration.reconciled_freed,
             publishes_given_up=self._sender.publishes_given_up,
             relocations_refused=self._sender.relocations_refused,
+            publishes_refused_freed=self._sender.publishes_refused_freed,
             spill_orders=commands.spill_orders,
             **self._kv_event_stats(),
         )

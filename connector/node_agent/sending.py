@@ -42,6 +42,8 @@ class Sender:
         # Relocations the metadata service refused: the handle they moved was no longer retained
         # (checked out, released or superseded), and what got there first frees the blocks.
         self.relocations_refused = 0
+        # Publishes the control plane refused because their blocks were freed or left retention.
+        self.publishes_refused_freed = 0
         # Whether release reports go with publishes: until a metadata service answers that it
         # recorded none of them (one older than `released_remote_request_ids`).
         self.releases_ride = True
@@ -186,7 +188,24 @@ class Sender:
             )
             self.releases_ride = False
         for item, result in zip(batch, response.results, strict=False):
-            _tell(item, stored=not result.relocation_refused)
+            _tell(item, stored=not (result.relocation_refused or result.blocks_freed))
+            if result.blocks_freed:
+                # A late publish, or one re-sent after an unseen success whose handle has since
+                # been read or released: no turn will name these blocks, so they are freed here
+                # rather than at the engine's TTL (where the engine freed them already, nothing).
+                self.publishes_refused_freed += 1
+                assert item.handle is not None
+                request_id = item.handle.vllm.remote_request_id
+                log.info(
+                    "node %s: publish of request %s refused: its blocks were freed or left retention"
+                    " already; freeing them",
+                    plane.node_id,
+                    request_id,
+                )
+                try:
+                    self._on_release(request_id)
+                except Exception:
+                    log.exception("freeing request %s failed", request_id)
             if result.relocation_refused:
                 self.relocations_refused += 1
                 assert item.handle is not None

@@ -122,6 +122,9 @@ class AgentStats:
     publishes_given_up: int = 0
     # Relocations (a handle moved to another tier) refused: the handle was no longer retained.
     relocations_refused: int = 0
+    # Publishes refused because their blocks were freed or left retention already (late or
+    # re-sent), the blocks freed here.
+    publishes_refused_freed: int = 0
     # Spill orders handed to the engine (an engine with a host tier).
     spill_orders: int = 0
     # The engine's KV-cache events (all 0 without a source): batches and events read, events of

@@ -165,6 +165,9 @@ class MetadataService(metadata_pb2_grpc.MetadataServiceServicer):
             if outcome.relocation_refused:
                 results.append(metadata_pb2.PublishResult(relocation_refused=True))
                 continue
+            if outcome.freed:
+                results.append(metadata_pb2.PublishResult(blocks_freed=True))
+                continue
             results.append(
                 metadata_pb2.PublishResult(
                     handle_id=outcome.handle.handle_id,

@@ -14,6 +14,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from kvplane.services.common.model import convert
+from kvplane.services.common.model.handles import HandleState
 from kvplane.services.common.model.nodes import NodeLoad
 from kvplane.services.common.runtime.telemetry import Telemetry
 from kvplane.services.dev.local_etcd import LocalEtcd
@@ -377,6 +378,29 @@ async def test_a_pulled_turns_freed_blocks_and_its_new_handle_are_one_etcd_trans
     retained = await store.get_handle("acme", "c-pull")
     assert retained is not None and retained.handle.vllm.remote_request_id == "turn-2"
     assert (await store.publish_handle(first)).freed, "turn 1's blocks can never be published again"
+
+
+async def test_a_publish_re_sent_after_its_handle_was_handed_out_is_answered_blocks_freed(
+    metadata_process: ServiceProcess, metadata_channel: grpc.aio.Channel
+) -> None:
+    stub = metadata_pb2_grpc.MetadataServiceStub(metadata_channel)
+    node = await _register(stub)
+    view = metadata_process.ctx.view
+    assert await view.wait_for(lambda: view.live_node("d0", node.incarnation) is not None, 10.0)
+    handle = make_handle(node, conversation="c-late", request_id="turn-1")
+    await _publish(stub, handle)
+    await stub.CheckOutHandle(
+        metadata_pb2.CheckOutHandleRequest(conversation="c-late"), metadata=tenant_headers("acme")
+    )
+    # The node never saw the first answer and sends the same publish again: nothing is stored,
+    # and the answer says why, so the node frees the blocks instead of keeping them retained.
+    again = await stub.PublishHandles(
+        metadata_pb2.PublishHandlesRequest(handles=[convert.handle_to_pb(handle)]), metadata=NODE_HEADERS
+    )
+    (result,) = again.results
+    assert result.blocks_freed and result.handle_id == "" and not result.relocation_refused
+    stored = await metadata_process.store.get_handle("acme", "c-late")
+    assert stored is not None and stored.state is HandleState.CHECKED_OUT, "not brought back"
 
 
 async def test_freed_blocks_reported_with_handles_of_two_incarnations_are_refused_whole(

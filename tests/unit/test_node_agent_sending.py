@@ -235,3 +235,26 @@ async def test_the_sender_waits_for_the_session_sends_what_is_queued_and_retries
         assert cp.rpc_errors == 1
         box.put(release("b"))
         await until(lambda: sender.released_reported == 2, "a new item to wake the sender")
+
+
+async def test_a_publish_refused_because_its_blocks_were_freed_frees_them_and_reports_nothing_stored() -> (
+    None
+):
+    cp, meta, _ = plane()
+    outcomes: list[bool] = []
+    meta.PublishHandles.replies.append(
+        metadata_pb2.PublishHandlesResponse(
+            results=[
+                metadata_pb2.PublishResult(handle_id="h-a"),
+                metadata_pb2.PublishResult(blocks_freed=True),
+            ]
+        )
+    )
+    freed: list[str] = []
+    box = outbox(publish("a", on_outcome=outcomes.append), publish("b", on_outcome=outcomes.append))
+    sender = Sender(cp, box, freed.append)
+    assert await sender.send_one_batch() is True
+    # "b" came late (or was re-sent after its handle was read or released): the engine frees it
+    # now, not at its TTL, and whoever asked is told it was not stored.
+    assert freed == ["b"] and outcomes == [True, False]
+    assert sender.publishes_refused_freed == 1 and sender.relocations_refused == 0

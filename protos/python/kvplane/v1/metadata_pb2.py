@@ -26,15 +26,15 @@ from kvplane.v1 import handle_pb2 as kvplane_dot_v1_dot_handle__pb2
 from kvplane.v1 import node_pb2 as kvplane_dot_v1_dot_node__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvplane/v1/metadata.proto\x12\nkvplane.v1\x1a\x17kvplane/v1/handle.proto\x1a\x15kvplane/v1/node.proto\"J\n\x13RegisterNodeRequest\x12\x1e\n\x04node\x18\x01 \x01(\x0b\x32\x10.kvplane.v1.Node\x12\x13\n\x0blease_ttl_s\x18\x02 \x01(\r\"=\n\x14RegisterNodeResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\x03\x12\x13\n\x0blease_ttl_s\x18\x02 \x01(\r\"J\n\x10KeepAliveRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x10\n\x08lease_id\x18\x03 \x01(\x03\"(\n\x11KeepAliveResponse\x12\x13\n\x0blease_ttl_s\x18\x01 \x01(\r\"7\n\x11ReportLoadRequest\x12\"\n\x04load\x18\x01 \x01(\x0b\x32\x14.kvplane.v1.NodeLoad\"\x14\n\x12ReportLoadResponse\"#\n\x10\x44rainNodeRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"\x13\n\x11\x44rainNodeResponse\"=\n\x15\x44\x65registerNodeRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\"\x18\n\x16\x44\x65registerNodeResponse\"\x12\n\x10ListNodesRequest\"P\n\nNodeStatus\x12\x1e\n\x04node\x18\x01 \x01(\x0b\x32\x10.kvplane.v1.Node\x12\"\n\x04load\x18\x02 \x01(\x0b\x32\x14.kvplane.v1.NodeLoad\":\n\x11ListNodesResponse\x12%\n\x05nodes\x18\x01 \x03(\x0b\x32\x16.kvplane.v1.NodeStatus\"f\n\x15PublishHandlesRequest\x12(\n\x07handles\x18\x01 \x03(\x0b\x32\x17.kvplane.v1.CacheHandle\x12#\n\x1breleased_remote_request_ids\x18\x02 \x03(\t\"\\\n\rPublishResult\x12\x11\n\thandle_id\x18\x01 \x01(\t\x12\x1c\n\x14superseded_handle_id\x18\x02 \x01(\t\x12\x1a\n\x12relocation_refused\x18\x03 \x01(\x08\"_\n\x16PublishHandlesResponse\x12*\n\x07results\x18\x01 \x03(\x0b\x32\x19.kvplane.v1.PublishResult\x12\x19\n\x11released_recorded\x18\x02 \x01(\r\"Y\n\x15ReportReleasedRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x1a\n\x12remote_request_ids\x18\x03 \x03(\t\")\n\x16ReportReleasedResponse\x12\x0f\n\x07removed\x18\x01 \x01(\r\"\\\n\x18ReconcileRetainedRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x1a\n\x12remote_request_ids\x18\x03 \x03(\t\"=\n\x19ReconcileRetainedResponse\x12 \n\x18unreferenced_request_ids\x18\x01 \x03(\t\"8\n\x10GetHandleRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x14\n\x0c\x63onversation\x18\x02 \x01(\t\"d\n\x11GetHandleResponse\x12\'\n\x06handle\x18\x01 \x01(\x0b\x32\x17.kvplane.v1.CacheHandle\x12&\n\x05state\x18\x02 \x01(\x0e\x32\x17.kvplane.v1.HandleState\"b\n\x15\x43heckOutHandleRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x14\n\x0c\x63onversation\x18\x02 \x01(\t\x12\x11\n\thandle_id\x18\x03 \x01(\t\x12\x10\n\x08route_id\x18\x04 \x01(\t\"S\n\x16\x43heckOutHandleResponse\x12\'\n\x06handle\x18\x01 \x01(\x0b\x32\x17.kvplane.v1.CacheHandle\x12\x10\n\x08\x63laim_id\x18\x02 \x01(\t\"z\n\x14ReleaseHandleRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x14\n\x0c\x63onversation\x18\x02 \x01(\t\x12\x11\n\thandle_id\x18\x03 \x01(\t\x12)\n\x06reason\x18\x04 \x01(\x0e\x32\x19.kvplane.v1.ReleaseReason\"T\n\x15ReleaseHandleResponse\x12\'\n\x06handle\x18\x01 \x01(\x0b\x32\x17.kvplane.v1.CacheHandle\x12\x12\n\ncommand_id\x18\x02 \x01(\t\"\\\n\x12ListHandlesRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x11\n\tpage_size\x18\x03 \x01(\r\x12\x12\n\npage_token\x18\x04 \x01(\t\"X\n\x13ListHandlesResponse\x12(\n\x07handles\x18\x01 \x03(\x0b\x32\x17.kvplane.v1.CacheHandle\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"4\n\x0cWatchRequest\x12$\n\x05kinds\x18\x01 \x03(\x0e\x32\x15.kvplane.v1.WatchKind\"\xc6\x01\n\rWatchResponse\x12\x10\n\x08revision\x18\x01 \x01(\x03\x12\x0f\n\x07\x64\x65leted\x18\x02 \x01(\x08\x12\x15\n\rsnapshot_done\x18\x03 \x01(\x08\x12 \n\x04node\x18\x04 \x01(\x0b\x32\x10.kvplane.v1.NodeH\x00\x12$\n\x04load\x18\x05 \x01(\x0b\x32\x14.kvplane.v1.NodeLoadH\x00\x12)\n\x06handle\x18\x06 \x01(\x0b\x32\x17.kvplane.v1.CacheHandleH\x00\x42\x08\n\x06object*k\n\tWatchKind\x12\x1a\n\x16WATCH_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10WATCH_KIND_NODES\x10\x01\x12\x14\n\x10WATCH_KIND_LOADS\x10\x02\x12\x16\n\x12WATCH_KIND_HANDLES\x10\x03\x32\x85\t\n\x0fMetadataService\x12Q\n\x0cRegisterNode\x12\x1f.kvplane.v1.RegisterNodeRequest\x1a .kvplane.v1.RegisterNodeResponse\x12H\n\tKeepAlive\x12\x1c.kvplane.v1.KeepAliveRequest\x1a\x1d.kvplane.v1.KeepAliveResponse\x12K\n\nReportLoad\x12\x1d.kvplane.v1.ReportLoadRequest\x1a\x1e.kvplane.v1.ReportLoadResponse\x12H\n\tDrainNode\x12\x1c.kvplane.v1.DrainNodeRequest\x1a\x1d.kvplane.v1.DrainNodeResponse\x12W\n\x0e\x44\x65registerNode\x12!.kvplane.v1.DeregisterNodeRequest\x1a\".kvplane.v1.DeregisterNodeResponse\x12H\n\tListNodes\x12\x1c.kvplane.v1.ListNodesRequest\x1a\x1d.kvplane.v1.ListNodesResponse\x12W\n\x0ePublishHandles\x12!.kvplane.v1.PublishHandlesRequest\x1a\".kvplane.v1.PublishHandlesResponse\x12W\n\x0eReportReleased\x12!.kvplane.v1.ReportReleasedRequest\x1a\".kvplane.v1.ReportReleasedResponse\x12`\n\x11ReconcileRetained\x12$.kvplane.v1.ReconcileRetainedRequest\x1a%.kvplane.v1.ReconcileRetainedResponse\x12H\n\tGetHandle\x12\x1c.kvplane.v1.GetHandleRequest\x1a\x1d.kvplane.v1.GetHandleResponse\x12W\n\x0e\x43heckOutHandle\x12!.kvplane.v1.CheckOutHandleRequest\x1a\".kvplane.v1.CheckOutHandleResponse\x12T\n\rReleaseHandle\x12 .kvplane.v1.ReleaseHandleRequest\x1a!.kvplane.v1.ReleaseHandleResponse\x12N\n\x0bListHandles\x12\x1e.kvplane.v1.ListHandlesRequest\x1a\x1f.kvplane.v1.ListHandlesResponse\x12>\n\x05Watch\x12\x18.kvplane.v1.WatchRequest\x1a\x19.kvplane.v1.WatchResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvplane/v1/metadata.proto\x12\nkvplane.v1\x1a\x17kvplane/v1/handle.proto\x1a\x15kvplane/v1/node.proto\"J\n\x13RegisterNodeRequest\x12\x1e\n\x04node\x18\x01 \x01(\x0b\x32\x10.kvplane.v1.Node\x12\x13\n\x0blease_ttl_s\x18\x02 \x01(\r\"=\n\x14RegisterNodeResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\x03\x12\x13\n\x0blease_ttl_s\x18\x02 \x01(\r\"J\n\x10KeepAliveRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x10\n\x08lease_id\x18\x03 \x01(\x03\"(\n\x11KeepAliveResponse\x12\x13\n\x0blease_ttl_s\x18\x01 \x01(\r\"7\n\x11ReportLoadRequest\x12\"\n\x04load\x18\x01 \x01(\x0b\x32\x14.kvplane.v1.NodeLoad\"\x14\n\x12ReportLoadResponse\"#\n\x10\x44rainNodeRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"\x13\n\x11\x44rainNodeResponse\"=\n\x15\x44\x65registerNodeRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\"\x18\n\x16\x44\x65registerNodeResponse\"\x12\n\x10ListNodesRequest\"P\n\nNodeStatus\x12\x1e\n\x04node\x18\x01 \x01(\x0b\x32\x10.kvplane.v1.Node\x12\"\n\x04load\x18\x02 \x01(\x0b\x32\x14.kvplane.v1.NodeLoad\":\n\x11ListNodesResponse\x12%\n\x05nodes\x18\x01 \x03(\x0b\x32\x16.kvplane.v1.NodeStatus\"f\n\x15PublishHandlesRequest\x12(\n\x07handles\x18\x01 \x03(\x0b\x32\x17.kvplane.v1.CacheHandle\x12#\n\x1breleased_remote_request_ids\x18\x02 \x03(\t\"r\n\rPublishResult\x12\x11\n\thandle_id\x18\x01 \x01(\t\x12\x1c\n\x14superseded_handle_id\x18\x02 \x01(\t\x12\x1a\n\x12relocation_refused\x18\x03 \x01(\x08\x12\x14\n\x0c\x62locks_freed\x18\x04 \x01(\x08\"_\n\x16PublishHandlesResponse\x12*\n\x07results\x18\x01 \x03(\x0b\x32\x19.kvplane.v1.PublishResult\x12\x19\n\x11released_recorded\x18\x02 \x01(\r\"Y\n\x15ReportReleasedRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x1a\n\x12remote_request_ids\x18\x03 \x03(\t\")\n\x16ReportReleasedResponse\x12\x0f\n\x07removed\x18\x01 \x01(\r\"\\\n\x18ReconcileRetainedRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x1a\n\x12remote_request_ids\x18\x03 \x03(\t\"=\n\x19ReconcileRetainedResponse\x12 \n\x18unreferenced_request_ids\x18\x01 \x03(\t\"8\n\x10GetHandleRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x14\n\x0c\x63onversation\x18\x02 \x01(\t\"d\n\x11GetHandleResponse\x12\'\n\x06handle\x18\x01 \x01(\x0b\x32\x17.kvplane.v1.CacheHandle\x12&\n\x05state\x18\x02 \x01(\x0e\x32\x17.kvplane.v1.HandleState\"b\n\x15\x43heckOutHandleRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x14\n\x0c\x63onversation\x18\x02 \x01(\t\x12\x11\n\thandle_id\x18\x03 \x01(\t\x12\x10\n\x08route_id\x18\x04 \x01(\t\"S\n\x16\x43heckOutHandleResponse\x12\'\n\x06handle\x18\x01 \x01(\x0b\x32\x17.kvplane.v1.CacheHandle\x12\x10\n\x08\x63laim_id\x18\x02 \x01(\t\"z\n\x14ReleaseHandleRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x14\n\x0c\x63onversation\x18\x02 \x01(\t\x12\x11\n\thandle_id\x18\x03 \x01(\t\x12)\n\x06reason\x18\x04 \x01(\x0e\x32\x19.kvplane.v1.ReleaseReason\"T\n\x15ReleaseHandleResponse\x12\'\n\x06handle\x18\x01 \x01(\x0b\x32\x17.kvplane.v1.CacheHandle\x12\x12\n\ncommand_id\x18\x02 \x01(\t\"\\\n\x12ListHandlesRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x11\n\tpage_size\x18\x03 \x01(\r\x12\x12\n\npage_token\x18\x04 \x01(\t\"X\n\x13ListHandlesResponse\x12(\n\x07handles\x18\x01 \x03(\x0b\x32\x17.kvplane.v1.CacheHandle\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"4\n\x0cWatchRequest\x12$\n\x05kinds\x18\x01 \x03(\x0e\x32\x15.kvplane.v1.WatchKind\"\xc6\x01\n\rWatchResponse\x12\x10\n\x08revision\x18\x01 \x01(\x03\x12\x0f\n\x07\x64\x65leted\x18\x02 \x01(\x08\x12\x15\n\rsnapshot_done\x18\x03 \x01(\x08\x12 \n\x04node\x18\x04 \x01(\x0b\x32\x10.kvplane.v1.NodeH\x00\x12$\n\x04load\x18\x05 \x01(\x0b\x32\x14.kvplane.v1.NodeLoadH\x00\x12)\n\x06handle\x18\x06 \x01(\x0b\x32\x17.kvplane.v1.CacheHandleH\x00\x42\x08\n\x06object*k\n\tWatchKind\x12\x1a\n\x16WATCH_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10WATCH_KIND_NODES\x10\x01\x12\x14\n\x10WATCH_KIND_LOADS\x10\x02\x12\x16\n\x12WATCH_KIND_HANDLES\x10\x03\x32\x85\t\n\x0fMetadataService\x12Q\n\x0cRegisterNode\x12\x1f.kvplane.v1.RegisterNodeRequest\x1a .kvplane.v1.RegisterNodeResponse\x12H\n\tKeepAlive\x12\x1c.kvplane.v1.KeepAliveRequest\x1a\x1d.kvplane.v1.KeepAliveResponse\x12K\n\nReportLoad\x12\x1d.kvplane.v1.ReportLoadRequest\x1a\x1e.kvplane.v1.ReportLoadResponse\x12H\n\tDrainNode\x12\x1c.kvplane.v1.DrainNodeRequest\x1a\x1d.kvplane.v1.DrainNodeResponse\x12W\n\x0e\x44\x65registerNode\x12!.kvplane.v1.DeregisterNodeRequest\x1a\".kvplane.v1.DeregisterNodeResponse\x12H\n\tListNodes\x12\x1c.kvplane.v1.ListNodesRequest\x1a\x1d.kvplane.v1.ListNodesResponse\x12W\n\x0ePublishHandles\x12!.kvplane.v1.PublishHandlesRequest\x1a\".kvplane.v1.PublishHandlesResponse\x12W\n\x0eReportReleased\x12!.kvplane.v1.ReportReleasedRequest\x1a\".kvplane.v1.ReportReleasedResponse\x12`\n\x11ReconcileRetained\x12$.kvplane.v1.ReconcileRetainedRequest\x1a%.kvplane.v1.ReconcileRetainedResponse\x12H\n\tGetHandle\x12\x1c.kvplane.v1.GetHandleRequest\x1a\x1d.kvplane.v1.GetHandleResponse\x12W\n\x0e\x43heckOutHandle\x12!.kvplane.v1.CheckOutHandleRequest\x1a\".kvplane.v1.CheckOutHandleResponse\x12T\n\rReleaseHandle\x12 .kvplane.v1.ReleaseHandleRequest\x1a!.kvplane.v1.ReleaseHandleResponse\x12N\n\x0bListHandles\x12\x1e.kvplane.v1.ListHandlesRequest\x1a\x1f.kvplane.v1.ListHandlesResponse\x12>\n\x05Watch\x12\x18.kvplane.v1.WatchRequest\x1a\x19.kvplane.v1.WatchResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvplane.v1.metadata_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WATCHKIND']._serialized_start=2314
-  _globals['_WATCHKIND']._serialized_end=2421
+  _globals['_WATCHKIND']._serialized_start=2336
+  _globals['_WATCHKIND']._serialized_end=2443
   _globals['_REGISTERNODEREQUEST']._serialized_start=89
   _globals['_REGISTERNODEREQUEST']._serialized_end=163
   _globals['_REGISTERNODERESPONSE']._serialized_start=165
@@ -64,37 +64,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUBLISHHANDLESREQUEST']._serialized_start=734
   _globals['_PUBLISHHANDLESREQUEST']._serialized_end=836
   _globals['_PUBLISHRESULT']._serialized_start=838
-  _globals['_PUBLISHRESULT']._serialized_end=930
-  _globals['_PUBLISHHANDLESRESPONSE']._serialized_start=932
-  _globals['_PUBLISHHANDLESRESPONSE']._serialized_end=1027
-  _globals['_REPORTRELEASEDREQUEST']._serialized_start=1029
-  _globals['_REPORTRELEASEDREQUEST']._serialized_end=1118
-  _globals['_REPORTRELEASEDRESPONSE']._serialized_start=1120
-  _globals['_REPORTRELEASEDRESPONSE']._serialized_end=1161
-  _globals['_RECONCILERETAINEDREQUEST']._serialized_start=1163
-  _globals['_RECONCILERETAINEDREQUEST']._serialized_end=1255
-  _globals['_RECONCILERETAINEDRESPONSE']._serialized_start=1257
-  _globals['_RECONCILERETAINEDRESPONSE']._serialized_end=1318
-  _globals['_GETHANDLEREQUEST']._serialized_start=1320
-  _globals['_GETHANDLEREQUEST']._serialized_end=1376
-  _globals['_GETHANDLERESPONSE']._serialized_start=1378
-  _globals['_GETHANDLERESPONSE']._serialized_end=1478
-  _globals['_CHECKOUTHANDLEREQUEST']._serialized_start=1480
-  _globals['_CHECKOUTHANDLEREQUEST']._serialized_end=1578
-  _globals['_CHECKOUTHANDLERESPONSE']._serialized_start=1580
-  _globals['_CHECKOUTHANDLERESPONSE']._serialized_end=1663
-  _globals['_RELEASEHANDLEREQUEST']._serialized_start=1665
-  _globals['_RELEASEHANDLEREQUEST']._serialized_end=1787
-  _globals['_RELEASEHANDLERESPONSE']._serialized_start=1789
-  _globals['_RELEASEHANDLERESPONSE']._serialized_end=1873
-  _globals['_LISTHANDLESREQUEST']._serialized_start=1875
-  _globals['_LISTHANDLESREQUEST']._serialized_end=1967
-  _globals['_LISTHANDLESRESPONSE']._serialized_start=1969
-  _globals['_LISTHANDLESRESPONSE']._serialized_end=2057
-  _globals['_WATCHREQUEST']._serialized_start=2059
-  _globals['_WATCHREQUEST']._serialized_end=2111
-  _globals['_WATCHRESPONSE']._serialized_start=2114
-  _globals['_WATCHRESPONSE']._serialized_end=2312
-  _globals['_METADATASERVICE']._serialized_start=2424
-  _globals['_METADATASERVICE']._serialized_end=3581
+  _globals['_PUBLISHRESULT']._serialized_end=952
+  _globals['_PUBLISHHANDLESRESPONSE']._serialized_start=954
+  _globals['_PUBLISHHANDLESRESPONSE']._serialized_end=1049
+  _globals['_REPORTRELEASEDREQUEST']._serialized_start=1051
+  _globals['_REPORTRELEASEDREQUEST']._serialized_end=1140
+  _globals['_REPORTRELEASEDRESPONSE']._serialized_start=1142
+  _globals['_REPORTRELEASEDRESPONSE']._serialized_end=1183
+  _globals['_RECONCILERETAINEDREQUEST']._serialized_start=1185
+  _globals['_RECONCILERETAINEDREQUEST']._serialized_end=1277
+  _globals['_RECONCILERETAINEDRESPONSE']._serialized_start=1279
+  _globals['_RECONCILERETAINEDRESPONSE']._serialized_end=1340
+  _globals['_GETHANDLEREQUEST']._serialized_start=1342
+  _globals['_GETHANDLEREQUEST']._serialized_end=1398
+  _globals['_GETHANDLERESPONSE']._serialized_start=1400
+  _globals['_GETHANDLERESPONSE']._serialized_end=1500
+  _globals['_CHECKOUTHANDLEREQUEST']._serialized_start=1502
+  _globals['_CHECKOUTHANDLEREQUEST']._serialized_end=1600
+  _globals['_CHECKOUTHANDLERESPONSE']._serialized_start=1602
+  _globals['_CHECKOUTHANDLERESPONSE']._serialized_end=1685
+  _globals['_RELEASEHANDLEREQUEST']._serialized_start=1687
+  _globals['_RELEASEHANDLEREQUEST']._serialized_end=1809
+  _globals['_RELEASEHANDLERESPONSE']._serialized_start=1811
+  _globals['_RELEASEHANDLERESPONSE']._serialized_end=1895
+  _globals['_LISTHANDLESREQUEST']._serialized_start=1897
+  _globals['_LISTHANDLESREQUEST']._serialized_end=1989
+  _globals['_LISTHANDLESRESPONSE']._serialized_start=1991
+  _globals['_LISTHANDLESRESPONSE']._serialized_end=2079
+  _globals['_WATCHREQUEST']._serialized_start=2081
+  _globals['_WATCHREQUEST']._serialized_end=2133
+  _globals['_WATCHRESPONSE']._serialized_start=2136
+  _globals['_WATCHRESPONSE']._serialized_end=2334
+  _globals['_METADATASERVICE']._serialized_start=2446
+  _globals['_METADATASERVICE']._serialized_end=3603
 # @@protoc_insertion_point(module_scope)

@@ -396,6 +396,7 @@ class PublishResult(_message.Message):
     HANDLE_ID_FIELD_NUMBER: _builtins.int
     SUPERSEDED_HANDLE_ID_FIELD_NUMBER: _builtins.int
     RELOCATION_REFUSED_FIELD_NUMBER: _builtins.int
+    BLOCKS_FREED_FIELD_NUMBER: _builtins.int
     handle_id: _builtins.str
     """Id of the stored handle."""
     superseded_handle_id: _builtins.str
@@ -405,16 +406,24 @@ class PublishResult(_message.Message):
     no longer retained (checked out, released or superseded): nothing was
     stored, and handle_id is empty.
     """
+    blocks_freed: _builtins.bool
+    """The handle's blocks were reported freed, or a handle of theirs left
+    retention already (this publish came late, or was re-sent after a success
+    its sender never saw and the handle has since been read or released):
+    nothing was stored, and handle_id is empty. The node frees the blocks if it
+    still holds them. Never set together with relocation_refused.
+    """
     def __init__(
         self,
         *,
         handle_id: _builtins.str = ...,
         superseded_handle_id: _builtins.str = ...,
         relocation_refused: _builtins.bool = ...,
+        blocks_freed: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["handle_id", b"handle_id", "relocation_refused", b"relocation_refused", "superseded_handle_id", b"superseded_handle_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks_freed", b"blocks_freed", "handle_id", b"handle_id", "relocation_refused", b"relocation_refused", "superseded_handle_id", b"superseded_handle_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
