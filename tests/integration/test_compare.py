@@ -234,16 +234,15 @@ async def test_text_prompts_reach_routing_as_token_ids_and_every_front_answers_t
     )
     # A later turn's Route waits for D's publish of the handle the turn before announced (not
     # only the default 0.3 s), so that a loaded machine's slow publish is waited for, not raced.
-    # Routing waits only where a pull could pay by the costs it has measured, and at this size on
-    # a loaded machine it may find none could: then a turn sent the instant the last answer ends
-    # can reach routing before the publish does (seen once in a full run). A user's pause of a
-    # second between turns lets the publish land first.
+    # Each turn is sent the instant the last answer ends: routing waits for the publish where a
+    # pull could pay by the costs it has measured, and, where a loaded machine's costs say none
+    # could, because D could prefill the turn from the handle itself.
     monkeypatch.setenv("KVPLANE_ROUTING__PUBLISH_WAIT_S", "60")
     config = dataclasses.replace(
         CONFIG,
         workloads=("B",),
         fronts=fronts,
-        workload=dataclasses.replace(CONFIG.workload, prompt_format="text", think_s=1.0),
+        workload=dataclasses.replace(CONFIG.workload, prompt_format="text"),
         warmup_conversations=0,
         idle_s=0.0,
         run_dir=tmp_path / "run",
