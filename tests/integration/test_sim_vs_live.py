@@ -247,10 +247,11 @@ LATEST_RECORDS = (
     "compare_0057c2c.json",
     "compare_ecdc66b.json",
     "compare_11c11ab.json",
+    "compare_cdedf69.json",
 )
 LATEST_FRONTS = (KVPLANE, VLLM_ROUTER, EXAMPLE_PROXY)
 
-# Where one of these records and the simulator disagree (strict: it fails once they agree): A at 32
+# Where these records and the simulator disagree (strict: each fails once they agree): A at 32
 # in flight at 1fd0272, where kvplane's TTFT p50 was 1.06x the zero-hop client's and the router's
 # 1.00x. Since 0057c2c routing in the simulator sees P's queue as P reports it (the prompt
 # computing counted for what it has left, P's own measure of each wait taken off the leg) and
@@ -258,9 +259,11 @@ LATEST_FRONTS = (KVPLANE, VLLM_ROUTER, EXAMPLE_PROXY)
 # there. What kept kvplane behind live is its own path at 32 in flight on the 2-core machine (its
 # Route call and its gateway's relay, about 8 ms a turn against the router's), which grows with
 # load; the simulator charges every front the hop measured at one in flight (`front_hops`), so
-# it is kinder to kvplane at 32 in flight than live runs are. The other A32 records, 0057c2c's
-# included, kept kvplane within the tolerance of the router.
-HOP_RECORD = "compare_1fd0272.json"
+# it is kinder to kvplane at 32 in flight than live runs are. The same at cdedf69: kvplane's p50
+# 1.07x the zero-hop client's, the router's 1.00x, simulated level (249 ms each); its front's
+# share before P's leg was 13.0 ms a turn against the router's 4.8. The other A32 records,
+# 0057c2c's and 11c11ab's included, kept kvplane within the tolerance of the router.
+HOP_RECORDS = ("compare_1fd0272.json", "compare_cdedf69.json")
 KVPLANE_HOP_UNDER_LOAD = pytest.mark.xfail(
     reason="kvplane's own path grows at 32 in flight; the simulator charges it the hop at 1", strict=True
 )
@@ -269,7 +272,7 @@ LATEST_CASES = [
         record,
         key,
         concurrency,
-        marks=KVPLANE_HOP_UNDER_LOAD if (record, key, concurrency) == (HOP_RECORD, "A", 32) else (),
+        marks=KVPLANE_HOP_UNDER_LOAD if record in HOP_RECORDS and (key, concurrency) == ("A", 32) else (),
     )
     for record in LATEST_RECORDS
     for key in ("A", "B")
