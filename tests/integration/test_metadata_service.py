@@ -14,8 +14,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from kvplane.services.common.model import convert
-from kvplane.services.common.model.handles import HandleState
-from kvplane.services.common.model.nodes import NodeLoad
+from kvplane.services.common.model.handles import CacheHandle, HandleState
+from kvplane.services.common.model.nodes import Node, NodeLoad
 from kvplane.services.common.runtime.telemetry import Telemetry
 from kvplane.services.dev.local_etcd import LocalEtcd
 from kvplane.services.metadata.app import install
@@ -343,19 +343,29 @@ async def test_keep_alives_load_reports_and_publishes_read_nothing_the_view_hold
     assert [op for op in calls if op != "lease_grant"] == ["publish"]
 
 
+async def _published_and_checked_out(
+    stub: metadata_pb2_grpc.MetadataServiceStub, process: ServiceProcess, conversation: str
+) -> tuple[Node, CacheHandle]:
+    """d0, registered and live in the service's view, and the handle of its request "turn-1" for
+    `conversation` (tenant acme), published and then checked out."""
+    node = await _register(stub)
+    view = process.ctx.view
+    assert await view.wait_for(lambda: view.live_node("d0", node.incarnation) is not None, 10.0)
+    handle = make_handle(node, conversation=conversation, request_id="turn-1")
+    await _publish(stub, handle)
+    await stub.CheckOutHandle(
+        metadata_pb2.CheckOutHandleRequest(conversation=conversation), metadata=tenant_headers("acme")
+    )
+    return node, handle
+
+
 async def test_a_pulled_turns_freed_blocks_and_its_new_handle_are_one_etcd_transaction(
     metadata_process: ServiceProcess, metadata_channel: grpc.aio.Channel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     stub = metadata_pb2_grpc.MetadataServiceStub(metadata_channel)
-    node = await _register(stub)
-    view = metadata_process.ctx.view
-    assert await view.wait_for(lambda: view.live_node("d0", node.incarnation) is not None, 10.0)
-    first = make_handle(node, conversation="c-pull", request_id="turn-1")
-    await _publish(stub, first)
     # P reads turn 1's blocks for turn 2: the handle is checked out, D frees the blocks after.
-    await stub.CheckOutHandle(
-        metadata_pb2.CheckOutHandleRequest(conversation="c-pull"), metadata=tenant_headers("acme")
-    )
+    node, first = await _published_and_checked_out(stub, metadata_process, "c-pull")
+    view = metadata_process.ctx.view
     assert await view.wait_for(lambda: view.handle("acme", "c-pull") is None, 10.0)
     calls = _etcd_calls(metadata_process, monkeypatch)
     second = make_handle(node, conversation="c-pull", request_id="turn-2")
@@ -384,14 +394,7 @@ async def test_a_publish_re_sent_after_its_handle_was_handed_out_is_answered_blo
     metadata_process: ServiceProcess, metadata_channel: grpc.aio.Channel
 ) -> None:
     stub = metadata_pb2_grpc.MetadataServiceStub(metadata_channel)
-    node = await _register(stub)
-    view = metadata_process.ctx.view
-    assert await view.wait_for(lambda: view.live_node("d0", node.incarnation) is not None, 10.0)
-    handle = make_handle(node, conversation="c-late", request_id="turn-1")
-    await _publish(stub, handle)
-    await stub.CheckOutHandle(
-        metadata_pb2.CheckOutHandleRequest(conversation="c-late"), metadata=tenant_headers("acme")
-    )
+    _, handle = await _published_and_checked_out(stub, metadata_process, "c-late")
     # The node never saw the first answer and sends the same publish again: nothing is stored,
     # and the answer says why, so the node frees the blocks instead of keeping them retained.
     again = await stub.PublishHandles(
