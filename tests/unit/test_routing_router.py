@@ -463,14 +463,10 @@ async def test_a_decode_node_whose_events_show_the_history_prefills_only_for_a_c
     assert on_d.prefill_params["do_remote_prefill"] is False
 
 
-async def test_a_turn_its_decode_node_could_prefill_from_the_awaited_handle_waits_though_no_pull_pays() -> (
-    None
-):
-    # p0's events show it holding the history but the last answer, too few tokens for a pull to
-    # pay: through P, the turn would not use the handle. Its holder, idle, could prefill the
-    # turn itself from it, and so the turn waits for its publish, for a caller that can send it
-    # to D alone.
-    answer = PullSettings().threshold_tokens + 16
+def awaiting_d0s_handle() -> tuple[FakeCluster, Router, CacheHandle]:
+    """A router whose p0, as its events show, holds conversation c's history but its last answer,
+    a few tokens past the pull threshold; and d0's handle of the whole history, which lands in
+    the view when a turn waits for it."""
     cluster = FakeCluster(fleet())
     handle = replace(mk_handle(cluster.nodes[2], history(HISTORY)), conversation="c")
     cluster.lands = HandleRecord(handle, mod_revision=3, lease=1)
@@ -482,8 +478,20 @@ async def test_a_turn_its_decode_node_could_prefill_from_the_awaited_handle_wait
         FakeCheckOut(),
         FakeClock(),
         new_route_id=lambda: next(ids),
-        engine_caches=FakeViews({"p0": HISTORY - answer}),
+        engine_caches=FakeViews({"p0": HISTORY - PullSettings().threshold_tokens - 16}),
     )
+    return cluster, router, handle
+
+
+async def test_a_turn_its_decode_node_could_prefill_from_the_awaited_handle_waits_though_no_pull_pays() -> (
+    None
+):
+    # p0's events show it holding the history but the last answer, too few tokens for a pull to
+    # pay: through P, the turn would not use the handle. Its holder, idle, could prefill the
+    # turn itself from it, and so the turn waits for its publish, for a caller that can send it
+    # to D alone.
+    cluster, router, handle = awaiting_d0s_handle()
+    answer = PullSettings().threshold_tokens + 16
     assert not pull_could_pay(answer, cluster.nodes[2].kv_bytes_per_token, router.costs, PullSettings())
     prompt = [*history(HISTORY), *history(150, seed=4)]
     awaited = AwaitedHandle(handle.handle_id, HISTORY)
@@ -494,6 +502,21 @@ async def test_a_turn_its_decode_node_could_prefill_from_the_awaited_handle_wait
     assert on_d.decision is Decision.PREFILL_ON_DECODE, on_d.reason
     assert on_d.plan.prefill.node_id == on_d.plan.decode.node_id == "d0"
     assert on_d.reused_tokens == HISTORY
+
+
+async def test_a_decode_node_that_reported_idle_but_was_routed_a_turn_since_does_not_make_the_turn_wait() -> (
+    None
+):
+    # As above, but both decode nodes were sent a turn after their last (idle) report: routing
+    # counts them busy, no D would prefill a turn that spares P so little, and the turn goes on.
+    cluster, router, handle = awaiting_d0s_handle()
+    others = [await router.route(turn(history(2000, seed=20 + i), f"other-{i}")) for i in range(2)]
+    assert {o.plan.decode.node_id for o in others} == {"d0", "d1"}
+    prompt = [*history(HISTORY), *history(150, seed=4)]
+    outcome = await router.route(
+        turn(prompt, "c", awaited=AwaitedHandle(handle.handle_id, HISTORY), prefill_on_decode_ok=True)
+    )
+    assert cluster.waits == [] and outcome.decision is not Decision.PREFILL_ON_DECODE, outcome.reason
 
 
 async def test_with_prefill_from_decode_caches_off_no_route_hashes_for_them() -> None:

@@ -344,7 +344,10 @@ class Router:
         """
         held = max(prefill_cached.values(), default=0)
         wanted = min(awaited.tokens, prompt.tokens - 1) if awaited.tokens > 0 else prompt.tokens - 1
-        decodes = [s for s in all_states if s.node.role.can_decode()]
+        # Each decode node's load as routing counts it: the report and the turns routed since.
+        decodes = self._inflight.current(
+            (s for s in all_states if s.node.role.can_decode()), self.clock.unix_ms(), costs=self.costs
+        )
         holder_bytes = max((s.node.kv_bytes_per_token for s in decodes), default=0)
         # What P lacks (the last answer, say) may be cheaper to recompute than to pull, and the
         # turn may add more than D would prefill: then the handle would not be used, and waiting
