@@ -344,19 +344,22 @@ class Router:
         """
         held = max(prefill_cached.values(), default=0)
         wanted = min(awaited.tokens, prompt.tokens - 1) if awaited.tokens > 0 else prompt.tokens - 1
-        # Each decode node's load as routing counts it: the report and the turns routed since.
-        decodes = self._inflight.current(
-            (s for s in all_states if s.node.role.can_decode()), self.clock.unix_ms(), costs=self.costs
-        )
+        decodes = [s for s in all_states if s.node.role.can_decode()]
         holder_bytes = max((s.node.kv_bytes_per_token for s in decodes), default=0)
         # What P lacks (the last answer, say) may be cheaper to recompute than to pull, and the
         # turn may add more than D would prefill: then the handle would not be used, and waiting
         # for it would only delay the turn.
-        pull_pays = pull_could_pay(wanted - held, holder_bytes, self.costs, self.policy.config.pull)
-        on_decode = prefill_on_decode_ok and handle_could_serve_on_decode(
-            wanted, prompt.tokens, held, decodes, self.policy.config.prefill_on_decode
-        )
-        if not (pull_pays or on_decode):
+        if not pull_could_pay(wanted - held, holder_bytes, self.costs, self.policy.config.pull) and not (
+            prefill_on_decode_ok
+            and handle_could_serve_on_decode(
+                wanted,
+                prompt.tokens,
+                held,
+                # Each decode node's load as routing counts it: the report and the turns routed since.
+                self._inflight.current(decodes, self.clock.unix_ms(), costs=self.costs),
+                self.policy.config.prefill_on_decode,
+            )
+        ):
             return None
         wait_s = self.settings.publish_wait_s
         if time_budget_s is not None:
