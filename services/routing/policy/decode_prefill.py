@@ -53,7 +53,7 @@ computes what its cache lacks), never correctness. Anything else is routed throu
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from kvplane.services.common.model.nodes import Node
@@ -121,15 +121,35 @@ def handle_could_serve_on_decode(
 ) -> bool:
     """Whether a handle of `handle_tokens` of the prompt, not yet seen, could let its holder D
     prefill the turn itself, by the rules on the new tokens and on the history D spares P
-    (`_local_verdict`'s, without the cost model): for a caller that must decide before the
+    (`_token_rules_allow`, without the cost model): for a caller that must decide before the
     handle is known whether to wait for its publish. A decode node counts as idle when any is:
     the holder is not known before the handle is."""
-    new = prompt_tokens - handle_tokens
+    return _token_rules_allow(
+        handle_tokens,
+        prompt_tokens,
+        prefill_held_tokens,
+        lambda: any(decode_idle(d) for d in decodes),
+        settings,
+    )
+
+
+def _token_rules_allow(
+    held: int,
+    prompt_tokens: int,
+    prefill_held_tokens: int,
+    idle: Callable[[], bool],
+    settings: PrefillOnDecodeSettings,
+) -> bool:
+    """Whether D, holding `held` tokens of the prompt, may prefill the rest itself by the rules
+    on tokens alone: at most `max_new_tokens` new ones, and D's history sparing P enough of
+    what it lacks per new token, unless D is idle (`idle()`, asked only then) and
+    `idle_decode_skips_history_rule` waives that."""
+    new = prompt_tokens - held
     if settings.max_new_tokens <= 0 or new <= 0 or new > settings.max_new_tokens:
         return False
-    if handle_tokens - prefill_held_tokens >= settings.min_history_per_new_token * new:
+    if held - prefill_held_tokens >= settings.min_history_per_new_token * new:
         return True
-    return settings.idle_decode_skips_history_rule and any(decode_idle(d) for d in decodes)
+    return settings.idle_decode_skips_history_rule and idle()
 
 
 def decode_queue_ms(decode: NodeState, costs: CostModel) -> float:
@@ -244,12 +264,11 @@ def _local_verdict(
     rest itself; None when the new tokens are too many, D's history spares P too little (on a
     D that is not idle, or always without `idle_decode_skips_history_rule`), or D would be
     slower."""
+    if not _token_rules_allow(
+        held, snapshot.prompt.tokens, prefill_cached_tokens, lambda: decode_idle(decode), settings
+    ):
+        return None
     new = snapshot.prompt.tokens - held
-    if settings.max_new_tokens <= 0 or new <= 0 or new > settings.max_new_tokens:
-        return None
-    spares_too_little = held - prefill_cached_tokens < settings.min_history_per_new_token * new
-    if spares_too_little and not (settings.idle_decode_skips_history_rule and decode_idle(decode)):
-        return None
     prefill_ms = costs.prefill_ms(new, held)
     local_ms = decode_queue_ms(decode, costs) + prefill_ms
     # Through P, D then reads the whole prompt's KV from P, and computes the first token in a step
