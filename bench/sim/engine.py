@@ -167,6 +167,8 @@ class SimConfig:
     # the live comparison's does): a turn that arrives earlier is held until then, and its TTFT
     # counts from then. False: every turn arrives when the workload says (a trace's clients).
     closed_loop: bool = False
+    # Closed loop: the client's pause between an answer and the held turn after it.
+    think_s: float = 0.0
     # Seconds from a turn's arrival to its P leg reaching P: the front's own hop before P starts
     # (kvplane's gateway: its Route call). The route is decided on arrival.
     control_path_s: float = 0.0
@@ -176,6 +178,8 @@ class SimConfig:
             raise ValueError("pressure must be 'evict' or 'wait'")
         if self.control_path_s < 0:
             raise ValueError("control_path_s must be >= 0")
+        if self.think_s < 0:
+            raise ValueError("think_s must be >= 0")
 
 
 # The engine models by their user-facing names: `pressure` for each.
@@ -308,7 +312,7 @@ class Simulator:
                 elif kind == _AT_PREFILL:
                     self._reach_prefill(payload, t)  # type: ignore[arg-type]
                 elif kind == _FOLLOW_UP:
-                    self._arrive(replace(cast(Turn, payload), arrival_s=t))
+                    self._arrive(replace(cast(Turn, payload), arrival_s=t), held=True)
                 elif kind == _SPILL_DONE:
                     self._spill_done(payload, t)  # type: ignore[arg-type]
                 elif kind == _LOCAL_PREFILL_DONE:
@@ -326,7 +330,8 @@ class Simulator:
 
     # -- events -------------------------------------------------------------------------------
 
-    def _arrive(self, turn: Turn) -> None:
+    def _arrive(self, turn: Turn, *, held: bool = False) -> None:
+        """A turn reaches the front; `held`: a closed loop's turn sent now, after the answer before it."""
         now = turn.arrival_s
         rec = self.rec
         costs = self.config.costs
@@ -335,7 +340,7 @@ class Simulator:
         if conversation is None:
             conversation = Conversation()
             self._conversations[turn.conversation] = conversation
-        if self.config.closed_loop:
+        if self.config.closed_loop and not held:
             if conversation.in_flight:
                 conversation.follow_ups.append(turn)  # sent once the answer before it is done
                 return
@@ -712,12 +717,15 @@ class Simulator:
         self.router.on_publish(conversation, handle, now)
 
     def _next_turn(self, conversation: Conversation, now: float) -> None:
-        """Closed loop: the conversation's next turn, held for this answer, is sent now."""
+        """Closed loop: the conversation's next turn, held for this answer, is sent after the
+        client's pause (`SimConfig.think_s`)."""
         if not self.config.closed_loop:
             return
-        conversation.in_flight = False
         if conversation.follow_ups:
-            self._push(now, _FOLLOW_UP, conversation.follow_ups.popleft())
+            # Still in flight through the pause: a turn that comes meanwhile waits its place.
+            self._push(now + self.config.think_s, _FOLLOW_UP, conversation.follow_ups.popleft())
+        else:
+            conversation.in_flight = False
 
     def _tick(self, now: float, arrivals_left: bool) -> None:
         for handle_id, reason in self.retention.evaluate(now):

@@ -130,9 +130,9 @@ def sim_engine_costs(speedup: float = 1.0) -> SimCosts:
     )
 
 
-def sim_config(prefix_cache: bool, speedup: float = 1.0) -> SimConfig:
+def sim_config(prefix_cache: bool, speedup: float = 1.0, think_s: float = 0.0) -> SimConfig:
     """The dev stack's fleet, as its sim-engines run it (Qwen3-32B timing divided by `speedup`),
-    driven closed loop as the comparison's client drives it."""
+    driven closed loop as the comparison's client drives it, pausing `think_s` after each answer."""
     costs = sim_engine_costs(speedup)
     kv = STACK_KV_TOKENS * costs.kv_bytes_per_token
     cluster = ClusterSpec(
@@ -142,7 +142,7 @@ def sim_config(prefix_cache: bool, speedup: float = 1.0) -> SimConfig:
         prefill_cache_bytes=kv if prefix_cache else 0,
         prefill_kv_capacity_bytes=kv,
     )
-    return SimConfig(cluster=cluster, costs=costs, closed_loop=True)
+    return SimConfig(cluster=cluster, costs=costs, closed_loop=True, think_s=think_s)
 
 
 def comparison_turns(
@@ -150,11 +150,12 @@ def comparison_turns(
 ) -> tuple[list[Turn], int]:
     """The block's chats as turns, and the tokens of their first prompts.
 
-    The live client sends a turn when the previous answer is done; the simulator runs closed
-    loop too (`SimConfig.closed_loop`), so these arrivals are only the earliest each turn may
-    come: each turn is taken to last at least its modelled prefill and decode (with
-    `concurrency` requests decoding), which also starts a chat beyond the first `concurrency`
-    when one before it would have ended.
+    The live client sends a chat's next turn the moment the answer before it is done (after the
+    workload's pause): each later turn is given its chat's start as its arrival, so the
+    simulator's closed loop (`SimConfig.closed_loop`) holds it until then, and the schedule the
+    turns settle into on each P is the engines' own. An estimate of the time a turn takes
+    (its whole prompt's prefill and its decode with `concurrency` requests decoding) only places
+    a chat beyond the first `concurrency`, at the estimated end of the one before it in its slot.
     """
     running = min(concurrency, workload.conversations(concurrency))
     slots = [0.0] * running
@@ -162,7 +163,8 @@ def comparison_turns(
     first_tokens = 0
     for shape in shapes(workload, concurrency, repeat):
         free = heapq.heappop(slots)
-        t = max(free, shape.start_s)
+        start = max(free, shape.start_s)
+        t = start
         prompt = shape.first_tokens
         first_tokens += prompt
         previous = 0
@@ -170,7 +172,7 @@ def comparison_turns(
             prompt = previous + user if index else prompt
             turns.append(
                 Turn(
-                    t,
+                    start,
                     f"c{shape.index}",
                     index,
                     prompt,
@@ -183,7 +185,7 @@ def comparison_turns(
             t += workload.think_s
             previous = prompt + workload.answer_tokens
         heapq.heappush(slots, t)
-    turns.sort(key=lambda x: x.arrival_s)
+    turns.sort(key=lambda x: (x.arrival_s, x.conversation, x.turn_index))
     return turns, first_tokens
 
 
@@ -199,7 +201,7 @@ def simulate(
 ) -> dict[str, FrontSample]:
     """Each live front's counterpart over the block's chats; the fronts in `prefill_on_decode`
     let routing send a turn to its D alone, as their gateways do by default."""
-    config = sim_config(prefix_cache, speedup)
+    config = sim_config(prefix_cache, speedup, workload.think_s)
     turns, first_tokens = comparison_turns(workload, concurrency, repeat, config.costs)
     firsts = Counter(t.prompt_tokens for t in turns if t.turn_index == 0)
     out = {}

@@ -32,3 +32,29 @@ def test_open_loop_turns_arrive_when_the_workload_says() -> None:
     # D's first step: the first turn is still decoding beside it.
     step = COSTS.decode_step_s(2)
     assert result.ttft_s[1] == pytest.approx(first_done + COSTS.prefill_s(3_000) - 0.1 + step)
+
+
+def test_a_held_turn_is_sent_after_the_clients_pause() -> None:
+    config = dataclasses.replace(CONFIG, closed_loop=True, think_s=0.5)
+    result = simulator_for(BASELINES["no-reuse"], config).run(TURNS)
+    # Sent 0.5 s after the first answer, to an idle P: its TTFT counts from then, as the client's does.
+    assert result.ttft_s[1] == pytest.approx(COSTS.prefill_s(3_000) + COSTS.decode_step_s(1))
+    without = simulator_for(BASELINES["no-reuse"], dataclasses.replace(config, think_s=0.0)).run(TURNS)
+    assert result.summary.simulated_s >= without.summary.simulated_s + 0.5 - 1e-9
+
+
+def test_a_turn_that_comes_during_the_pause_waits_its_place() -> None:
+    config = dataclasses.replace(CONFIG, closed_loop=True, think_s=5.0)
+    first_done = COSTS.prefill_s(2_000) + COSTS.decode_s(100, 1)
+    # Turn 2 is due in turn 1's pause: it is held behind turn 1, not sent ahead of it.
+    turns = [
+        *TURNS,
+        Turn(first_done + 1.0, "a", 2, 3_500, 10, reused_prefix_tokens=3_010, previous_context_tokens=3_010),
+    ]
+    result = simulator_for(BASELINES["no-reuse"], config).run(turns)
+    assert list(result.prompt_tokens) == [2_000, 3_000, 3_500]
+
+
+def test_a_negative_pause_is_refused() -> None:
+    with pytest.raises(ValueError, match="think_s"):
+        dataclasses.replace(CONFIG, closed_loop=True, think_s=-1.0)
