@@ -110,6 +110,7 @@ tokens from the first wrong block on are wrong-prefix tokens, not reuse).
 from __future__ import annotations
 
 import heapq
+import random
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
@@ -169,6 +170,11 @@ class SimConfig:
     closed_loop: bool = False
     # Closed loop: the client's pause between an answer and the held turn after it.
     think_s: float = 0.0
+    # How much each answer's decode time varies from turn to turn, as a share of it (the standard
+    # deviation of a normal draw, cut at three), and the seed of those draws. 0: every answer
+    # takes exactly the modelled time.
+    decode_spread: float = 0.0
+    decode_spread_seed: int = 0
     # Seconds from a turn's arrival to its P leg reaching P: the front's own hop before P starts
     # (kvplane's gateway: its Route call). The route is decided on arrival.
     control_path_s: float = 0.0
@@ -180,6 +186,8 @@ class SimConfig:
             raise ValueError("control_path_s must be >= 0")
         if self.think_s < 0:
             raise ValueError("think_s must be >= 0")
+        if not 0 <= self.decode_spread < 1 / 3:
+            raise ValueError("decode_spread must be in [0, 1/3)")
 
 
 # The engine models by their user-facing names: `pressure` for each.
@@ -282,6 +290,7 @@ class Simulator:
         self._demand_due: set[int] = set()
         self._now = 0.0
         self._block_bytes = config.digest_block_size * config.costs.kv_bytes_per_token
+        self._decode_rng = random.Random(config.decode_spread_seed)
 
     def _push(self, t: float, kind: int, payload: object) -> None:
         self._seq += 1
@@ -628,7 +637,15 @@ class Simulator:
         rec.pulled_tokens.append(flight.pulled)
         flight.stalled_s = flight.decode.stalled_s
         done = start + costs.decode_s(turn.output_tokens, flight.decode.running)
-        self._push(done, _DONE, flight)
+        # The answer's variation from the modelled time falls on the tokens after the first.
+        self._push(first + (done - first) * self._spread(), _DONE, flight)
+
+    def _spread(self) -> float:
+        """This answer's decode time as a multiple of the modelled one (`SimConfig.decode_spread`)."""
+        sd = self.config.decode_spread
+        if sd == 0:
+            return 1.0
+        return 1.0 + max(-3 * sd, min(3 * sd, self._decode_rng.gauss(0.0, sd)))
 
     def _admit(self, d: DecodeState, now: float) -> None:
         """Admits waiting turns, in order, while their KV fits (or D's accelerators hold nothing:

@@ -130,9 +130,23 @@ def sim_engine_costs(speedup: float = 1.0) -> SimCosts:
     )
 
 
-def sim_config(prefix_cache: bool, speedup: float = 1.0, think_s: float = 0.0) -> SimConfig:
+# How much an answer's decode time on the sim-engines varies from turn to turn beyond what the
+# simulator models (a D's step time with the answers running there), as a share of it
+# (`SimConfig.decode_spread`). Live, the time per output token of a turn varies by 0.55-0.90% of
+# its mean (standard deviation; the router and the zero-hop client at 8 and 32 in flight in
+# `compare_2b1e153`), part of it the batch the simulator models. 0.3% is the value that puts the
+# router's simulated TTFT p99 where the live runs have it with P's cache on (183.7 and 200.3 ms at
+# 8 and 32 in flight, against 182.6-185.6 and 198.2-201.4 live at `cdedf69` and `2b1e153`). It
+# matters: with every answer exactly as long as modelled, the chats on each P never leave the
+# order they settled into, no turn meets another on P, and a round-robin front (the example
+# proxy) sends every later turn of a chat to the P that holds it; live, the order drifts.
+LIVE_DECODE_SPREAD = 0.003
+
+
+def sim_config(prefix_cache: bool, speedup: float = 1.0, think_s: float = 0.0, seed: int = 0) -> SimConfig:
     """The dev stack's fleet, as its sim-engines run it (Qwen3-32B timing divided by `speedup`),
-    driven closed loop as the comparison's client drives it, pausing `think_s` after each answer."""
+    driven closed loop as the comparison's client drives it, pausing `think_s` after each answer;
+    each answer's decode time varies as live (`LIVE_DECODE_SPREAD`, drawn from `seed`)."""
     costs = sim_engine_costs(speedup)
     kv = STACK_KV_TOKENS * costs.kv_bytes_per_token
     cluster = ClusterSpec(
@@ -142,7 +156,14 @@ def sim_config(prefix_cache: bool, speedup: float = 1.0, think_s: float = 0.0) -
         prefill_cache_bytes=kv if prefix_cache else 0,
         prefill_kv_capacity_bytes=kv,
     )
-    return SimConfig(cluster=cluster, costs=costs, closed_loop=True, think_s=think_s)
+    return SimConfig(
+        cluster=cluster,
+        costs=costs,
+        closed_loop=True,
+        think_s=think_s,
+        decode_spread=LIVE_DECODE_SPREAD,
+        decode_spread_seed=seed,
+    )
 
 
 def comparison_turns(
@@ -201,7 +222,7 @@ def simulate(
 ) -> dict[str, FrontSample]:
     """Each live front's counterpart over the block's chats; the fronts in `prefill_on_decode`
     let routing send a turn to its D alone, as their gateways do by default."""
-    config = sim_config(prefix_cache, speedup, workload.think_s)
+    config = sim_config(prefix_cache, speedup, workload.think_s, seed=repeat)
     turns, first_tokens = comparison_turns(workload, concurrency, repeat, config.costs)
     firsts = Counter(t.prompt_tokens for t in turns if t.turn_index == 0)
     out = {}

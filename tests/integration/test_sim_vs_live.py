@@ -178,10 +178,10 @@ DECODE_PREFILL_FRONTS = (KVPLANE, KVPLANE_DECODE_PREFILL, VLLM_ROUTER, EXAMPLE_P
 # A at 32 in flight agrees since a later turn is sent the moment the answer before it ends
 # (`ranking.comparison_turns`): live, plain kvplane is ahead of the example proxy there (1.06x
 # against 1.10x); the simulator, which had the chats keep an estimated schedule of their own and
-# put the proxy 11 ms ahead, puts it 5 ms ahead (185.8 against 180.9 ms), within the tolerance.
-# It is still kinder to the proxy than live: its chats keep their order on each P exactly, so the
-# proxy's round-robin sends every later turn of a chat to the P that holds it (reuse 0.74, live
-# 0.61-0.72 at 8 and 32 in flight), where live the order drifts and some turns miss. (A at 1 in
+# put the proxy 11 ms ahead, puts it 4.5 ms ahead (186.0 against 181.5 ms), within the tolerance.
+# Behind the proxy's live p50 there are its turns that miss their chat's P (reuse 0.66 in this
+# record, against the others' 0.74), which the simulator reproduces only in part (0.72), from how
+# much answers vary. (A at 1 in
 # flight agrees since the simulator charges a turn through P D's hand-off as measured on the
 # sim-engines, and a turn D prefills itself only its compute, as the sim-engine runs it. B at 1
 # in flight agrees since the simulated routing knows P's caches from their KV events, as the live

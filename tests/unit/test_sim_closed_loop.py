@@ -58,3 +58,30 @@ def test_a_turn_that_comes_during_the_pause_waits_its_place() -> None:
 def test_a_negative_pause_is_refused() -> None:
     with pytest.raises(ValueError, match="think_s"):
         dataclasses.replace(CONFIG, closed_loop=True, think_s=-1.0)
+
+
+# One turn at a time on one P and one D: each answer's decode time is its own.
+APART = [Turn(10.0 * i, f"c{i}", 0, 2_000, 100) for i in range(40)]
+
+
+def _tpots(config: SimConfig) -> tuple[float, float]:
+    summary = simulator_for(BASELINES["no-reuse"], config).run(APART).summary
+    return summary.tpot_p50_ms, summary.tpot_p99_ms
+
+
+def test_answers_take_the_modelled_time_unless_a_spread_is_set() -> None:
+    modelled = COSTS.decode_step_s(1) * 1000
+    assert _tpots(CONFIG) == pytest.approx((modelled, modelled))
+    spread = dataclasses.replace(CONFIG, decode_spread=0.02, decode_spread_seed=7)
+    p50, p99 = _tpots(spread)
+    # Varied, within three standard deviations, and the same draws for the same seed.
+    assert p99 > modelled * 1.01
+    assert modelled * 0.94 <= p50 <= p99 <= modelled * 1.06
+    assert _tpots(spread) == (p50, p99)
+    assert _tpots(dataclasses.replace(spread, decode_spread_seed=8)) != (p50, p99)
+
+
+def test_a_spread_outside_its_range_is_refused() -> None:
+    for bad in (-0.01, 0.34):
+        with pytest.raises(ValueError, match="decode_spread"):
+            dataclasses.replace(CONFIG, decode_spread=bad)

@@ -7,6 +7,7 @@ import pytest
 from kvplane.bench import compare
 from kvplane.bench.compare_fronts import PREFILL_ON_DECODE_FRONTS
 from kvplane.bench.compare_workload import Workload, shapes
+from kvplane.bench.sim import ranking
 from kvplane.bench.sim.costs import SimCosts
 from kvplane.bench.sim.ranking import (
     FRONT_HOPS_S,
@@ -154,3 +155,17 @@ def test_a_record_says_which_fronts_let_d_prefill_and_an_older_one_means_the_dec
     config = compare.CompareConfig(fronts=("kvplane", "vllm-router", "zero-hop-reuse"))
     written = compare.document(config, [], ["compare"])["config"]
     assert recorded_prefill_on_decode(written) == {"kvplane"}
+
+
+def test_answers_vary_as_live_so_a_round_robin_front_misses_some_histories(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def misses() -> int:
+        runs = [simulate(Workload(min_conversations=1), 8, repeat) for repeat in range(4)]
+        return sum(run["example-proxy"].reuse_share < run["vllm-router"].reuse_share - 0.01 for run in runs)
+
+    assert misses() >= 1
+    # With every answer exactly as long as modelled, the chats keep their order on each P, and
+    # the example proxy's round-robin sends every later turn to the P that holds its history.
+    monkeypatch.setattr(ranking, "LIVE_DECODE_SPREAD", 0.0)
+    assert misses() == 0
