@@ -135,8 +135,8 @@ def sim_engine_costs(speedup: float = 1.0) -> SimCosts:
 # (`SimConfig.decode_spread`). Live, the time per output token of a turn varies by 0.55-0.90% of
 # its mean (standard deviation; the router and the zero-hop client at 8 and 32 in flight in
 # `compare_2b1e153`), part of it the batch the simulator models. 0.3% is the value that puts the
-# router's simulated TTFT p99 where the live runs have it with P's cache on (183.7 and 200.3 ms at
-# 8 and 32 in flight, against 182.6-185.6 and 198.2-201.4 live at `cdedf69` and `2b1e153`). It
+# router's simulated TTFT p99 where the live runs have it with P's cache on (183 and 197 ms at 8
+# and 32 in flight, against 182.6-185.6 and 198.2-201.4 live at `cdedf69` and `2b1e153`). It
 # matters: with every answer exactly as long as modelled, the chats on each P never leave the
 # order they settled into, no turn meets another on P, and a round-robin front (the example
 # proxy) sends every later turn of a chat to the P that holds it; live, the order drifts.
