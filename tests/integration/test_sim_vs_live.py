@@ -142,9 +142,10 @@ def _recorded(
 
 # Workload B at 32 in flight: live, vllm-router is ahead of the example proxy (1.94x of the
 # zero-hop client's p50 against 1.99x), and the simulator, where both recompute every turn and
-# differ only in their hops, has them within 1.5%. Until a later turn came the moment the answer
-# before it ended (`ranking.comparison_turns`), the simulated chats kept an estimated schedule of
-# their own, met on P at random, and both fronts' p50 there was about 660 ms against 440-470 live.
+# differ only in their hops, puts the router 1.5% ahead (419 against 426 ms). Until a later turn
+# came the moment the answer before it ended (`ranking.comparison_turns`), the simulated chats kept
+# an estimated schedule of their own, met on P at random, and both fronts' p50 there was about
+# 660 ms against 440-470 live.
 @pytest.mark.parametrize(
     ("key", "concurrency"),
     [("A", 1), ("A", 8), ("A", 32), ("B", 1), ("B", 8), ("B", 32)],
@@ -181,11 +182,10 @@ DECODE_PREFILL_FRONTS = (KVPLANE, KVPLANE_DECODE_PREFILL, VLLM_ROUTER, EXAMPLE_P
 # put the proxy 11 ms ahead, puts it 4.5 ms ahead (186.0 against 181.5 ms), within the tolerance.
 # Behind the proxy's live p50 there are its turns that miss their chat's P (reuse 0.66 in this
 # record, against the others' 0.74), which the simulator reproduces only in part (0.72), from how
-# much answers vary. (A at 1 in
-# flight agrees since the simulator charges a turn through P D's hand-off as measured on the
-# sim-engines, and a turn D prefills itself only its compute, as the sim-engine runs it. B at 1
-# in flight agrees since the simulated routing knows P's caches from their KV events, as the live
-# stack's does.)
+# much answers vary. (A at 1 in flight agrees since the simulator charges a turn through P D's
+# hand-off as measured on the sim-engines, and a turn D prefills itself only its compute, as the
+# sim-engine runs it. B at 1 in flight agrees since the simulated routing knows P's caches from
+# their KV events, as the live stack's does.)
 @pytest.mark.parametrize(
     ("key", "concurrency"),
     [("A", 1), ("A", 8), ("A", 32), ("B", 1), ("B", 8), ("B", 32)],
