@@ -145,7 +145,7 @@ def _recorded(
 # differ only in their hops, puts the router 1.5% ahead (419 against 426 ms). Until a later turn
 # came the moment the answer before it ended (`ranking.comparison_turns`), the simulated chats kept
 # an estimated schedule of their own, met on P at random, and both fronts' p50 there was about
-# 660 ms against 440-470 live.
+# 660 ms against 539 and 553 live.
 @pytest.mark.parametrize(
     ("key", "concurrency"),
     [("A", 1), ("A", 8), ("A", 32), ("B", 1), ("B", 8), ("B", 32)],
