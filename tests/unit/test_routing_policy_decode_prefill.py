@@ -21,6 +21,7 @@ from kvplane.services.routing.policy.decode_prefill import (
     handle_could_serve_on_decode,
 )
 from kvplane.services.routing.policy.pipeline import RoutingPolicy
+from kvplane.services.routing.policy.snapshot import NodeState
 from tests.unit.routing_policy_fixtures import NOW, history, mk_handle, mk_node, replace, snap, state
 
 H = history(4096)
@@ -333,15 +334,40 @@ def test_whether_an_unseen_handle_could_serve_a_prefill_on_d_follows_the_rules_o
     rules = PrefillOnDecodeSettings()
     busy = [state(D0, **STREAMING), state(D1, **STREAMING)]
     idle = [state(D0, **STREAMING), state(D1, **ROOM)]
+
+    def could(
+        held: int,
+        prompt: int,
+        prefill_held: int,
+        nodes: list[NodeState],
+        settings: PrefillOnDecodeSettings = rules,
+    ) -> bool:
+        return handle_could_serve_on_decode(held, prompt, prefill_held, lambda: nodes, settings)
+
     # D holds 4,096 tokens of a 4,296-token prompt; P holds none of them, or all but 80.
-    assert handle_could_serve_on_decode(4096, 4296, 0, busy, rules)
-    assert not handle_could_serve_on_decode(4096, 4296, 4016, busy, rules)
+    assert could(4096, 4296, 0, busy)
+    assert not could(4096, 4296, 4016, busy)
     # Sparing P fewer tokens than D would compute is waived where a decode node is idle.
-    assert handle_could_serve_on_decode(4096, 4296, 4016, idle, rules)
-    assert not handle_could_serve_on_decode(
-        4096, 4296, 4016, idle, replace(rules, idle_decode_skips_history_rule=False)
-    )
+    assert could(4096, 4296, 4016, idle)
+    assert not could(4096, 4296, 4016, idle, replace(rules, idle_decode_skips_history_rule=False))
     # More new tokens than D may compute, none at all, or prefill on D off: never.
-    assert not handle_could_serve_on_decode(4096, 4096 + rules.max_new_tokens + 1, 0, idle, rules)
-    assert not handle_could_serve_on_decode(4096, 4096, 0, idle, rules)
-    assert not handle_could_serve_on_decode(4096, 4296, 0, idle, replace(rules, max_new_tokens=0))
+    assert not could(4096, 4096 + rules.max_new_tokens + 1, 0, idle)
+    assert not could(4096, 4096, 0, idle)
+    assert not could(4096, 4296, 0, idle, replace(rules, max_new_tokens=0))
+
+
+def test_the_decode_nodes_loads_are_read_only_where_the_idle_waiver_decides() -> None:
+    rules = PrefillOnDecodeSettings()
+    asked: list[int] = []
+
+    def decodes() -> list[NodeState]:
+        asked.append(1)
+        return [state(D1, **ROOM)]
+
+    # Too many new tokens, or a history that spares P enough: the loads do not matter.
+    assert not handle_could_serve_on_decode(4096, 4096 + rules.max_new_tokens + 1, 4016, decodes, rules)
+    assert handle_could_serve_on_decode(4096, 4296, 0, decodes, rules)
+    assert asked == []
+    # Too little spared: only an idle decode node lets it through.
+    assert handle_could_serve_on_decode(4096, 4296, 4016, decodes, rules)
+    assert asked == [1]

@@ -116,19 +116,20 @@ def handle_could_serve_on_decode(
     handle_tokens: int,
     prompt_tokens: int,
     prefill_held_tokens: int,
-    decodes: Iterable[NodeState],
+    decodes: Callable[[], Iterable[NodeState]],
     settings: PrefillOnDecodeSettings,
 ) -> bool:
     """Whether a handle of `handle_tokens` of the prompt, not yet seen, could let its holder D
     prefill the turn itself, by the rules on the new tokens and on the history D spares P
     (`_token_rules_allow`, without the cost model): for a caller that must decide before the
     handle is known whether to wait for its publish. A decode node counts as idle when any is:
-    the holder is not known before the handle is."""
+    the holder is not known before the handle is. `decodes()` gives the decode nodes with their
+    loads; it is called only where the idle waiver decides."""
     return _token_rules_allow(
         handle_tokens,
         prompt_tokens,
         prefill_held_tokens,
-        lambda: any(decode_idle(d) for d in decodes),
+        lambda: any(decode_idle(d) for d in decodes()),
         settings,
     )
 

@@ -355,8 +355,9 @@ class Router:
                 wanted,
                 prompt.tokens,
                 held,
-                # Each decode node's load as routing counts it: the report and the turns routed since.
-                self._inflight.current(decodes, self.clock.unix_ms(), costs=self.costs),
+                # Each decode node's load as routing counts it: the report and the turns routed
+                # since; counted only where the idle waiver decides.
+                lambda: self._inflight.current(decodes, self.clock.unix_ms(), costs=self.costs),
                 self.policy.config.prefill_on_decode,
             )
         ):
