@@ -217,8 +217,8 @@ def _assert_orders_as(record: Path, fronts: tuple[str, ...], key: str, concurren
 # --repeats 2 --min-conversations 1 --fronts kvplane,vllm-router,example-proxy,zero-hop-reuse
 # --idle-s 10`; `--repeats 3` at 1fd0272): at 0d756e5, kvplane's gateway sending every turn
 # through P, and at 3b33f2e, f71bf6e, 8e313bd, a7afb28, 7e4dbc2, 70f95a7, b273c56, dd12bf0, a8142c6,
-# 1fd0272, 8af36df, 35af2a5, 0057c2c, ecdc66b (workload B's processes at fe0a015), 11c11ab, cdedf69
-# and 2b1e153, as it runs by default since, letting routing send a turn to its D alone.
+# 1fd0272, 8af36df, 35af2a5, 0057c2c, ecdc66b (workload B's processes at fe0a015), 11c11ab, cdedf69,
+# 2b1e153 and add15ab (one repeat), as it runs by default since, letting routing send a turn to its D alone.
 LATEST_RECORDS = (
     "compare_0d756e5.json",
     "compare_3b33f2e.json",
@@ -238,6 +238,7 @@ LATEST_RECORDS = (
     "compare_11c11ab.json",
     "compare_cdedf69.json",
     "compare_2b1e153.json",
+    "compare_add15ab.json",
 )
 LATEST_FRONTS = (KVPLANE, VLLM_ROUTER, EXAMPLE_PROXY)
 
